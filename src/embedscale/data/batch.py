@@ -1,0 +1,153 @@
+"""The sparse input type and the batch every model and module consumes.
+
+``JaggedFeatures`` has the layout of TorchRec's ``KeyedJaggedTensor``: for keys ``k_0..k_{F-1}`` and a
+batch of ``B`` samples, ``lengths`` has ``F * B`` entries ordered key-major (all samples of ``k_0``,
+then all of ``k_1``, ...), and ``values`` holds the row ids in that same order. ``weights`` (optional)
+is one float per value (per-sample weights for weighted pooling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from embedscale.errors import InputError
+
+
+@dataclass
+class JaggedFeatures:
+    """Keyed jagged sparse features (KJT layout): ``keys``, ``values``, ``lengths``, optional ``weights``."""
+
+    keys: list[str]
+    values: torch.Tensor  # int64 [total]
+    lengths: torch.Tensor  # int64 [F * B], key-major
+    weights: torch.Tensor | None = None  # float [total]
+
+    def __post_init__(self) -> None:
+        self.keys = list(self.keys)
+        if self.lengths.dim() != 1 or self.values.dim() != 1:
+            raise InputError("JaggedFeatures: values and lengths must be 1-D")
+        F = len(self.keys)
+        if F == 0:
+            raise InputError("JaggedFeatures: no keys")
+        if self.lengths.numel() % F:
+            raise InputError(
+                f"JaggedFeatures: {self.lengths.numel()} lengths is not a multiple of {F} keys"
+            )
+        if self.weights is not None and self.weights.numel() != self.values.numel():
+            raise InputError(
+                f"JaggedFeatures: {self.weights.numel()} weights for {self.values.numel()} values"
+            )
+
+    # -- shape ---------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.numel() // len(self.keys)
+
+    def offsets(self) -> torch.Tensor:
+        """Exclusive prefix sum of lengths, ``F * B + 1`` entries."""
+        out = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.lengths.device)
+        torch.cumsum(self.lengths, 0, out=out[1:])
+        return out
+
+    def length_per_key(self) -> torch.Tensor:
+        return self.lengths.view(len(self.keys), -1).sum(1)
+
+    def validate(self) -> None:
+        """Check lengths are non-negative and sum to the number of values."""
+        if self.lengths.numel() and int(self.lengths.min()) < 0:
+            raise InputError("JaggedFeatures: negative length")
+        total = int(self.lengths.sum())
+        if total != self.values.numel():
+            raise InputError(f"JaggedFeatures: lengths sum to {total} but there are {self.values.numel()} values")
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, keys: Sequence[str], ids: torch.Tensor) -> "JaggedFeatures":
+        """One-hot features: ``ids`` is ``[B, F]`` (one row id per sample and key)."""
+        if ids.dim() != 2 or ids.shape[1] != len(keys):
+            raise InputError(f"from_dense: ids of shape {tuple(ids.shape)} for {len(keys)} keys")
+        B, F = ids.shape
+        return cls(list(keys), ids.t().reshape(-1).to(torch.int64),
+                   torch.ones(F * B, dtype=torch.int64, device=ids.device))
+
+    @classmethod
+    def from_lists(cls, per_key: dict[str, list[list[int]]]) -> "JaggedFeatures":
+        """From python lists: ``{key: [ids of sample 0, ids of sample 1, ...]}``."""
+        keys = list(per_key)
+        sizes = {len(v) for v in per_key.values()}
+        if len(sizes) != 1:
+            raise InputError(f"from_lists: keys have different batch sizes {sorted(sizes)}")
+        lengths = [len(s) for k in keys for s in per_key[k]]
+        values = [x for k in keys for s in per_key[k] for x in s]
+        return cls(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+
+    # -- access --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{key: (values, lengths)}`` per key."""
+        B = self.batch_size
+        lpk = self.length_per_key().tolist()
+        vals = torch.split(self.values, lpk)
+        lens = torch.split(self.lengths, B)
+        return {k: (v, l) for k, v, l in zip(self.keys, vals, lens)}
+
+    def slice_batch(self, start: int, stop: int) -> "JaggedFeatures":
+        """Samples ``start:stop`` of every key (per-rank slicing for data parallelism)."""
+        B = self.batch_size
+        F = len(self.keys)
+        if not (0 <= start <= stop <= B):
+            raise InputError(f"slice_batch: [{start}, {stop}) outside batch of {B}")
+        offs = self.offsets()
+        lens = self.lengths.view(F, B)[:, start:stop].reshape(-1)
+        starts = offs[:-1].view(F, B)[:, start]
+        ends = offs[:-1].view(F, B)[:, stop] if stop < B else offs[1:].view(F, B)[:, B - 1]
+        idx = torch.cat([torch.arange(int(s), int(e), device=self.values.device) for s, e in zip(starts, ends)])
+        w = self.weights[idx] if self.weights is not None else None
+        return JaggedFeatures(self.keys, self.values[idx], lens, w)
+
+    def to(self, device: torch.device | str) -> "JaggedFeatures":
+        w = self.weights.to(device) if self.weights is not None else None
+        return JaggedFeatures(self.keys, self.values.to(device), self.lengths.to(device), w)
+
+    # -- TorchRec interop ------------------------------------------------------------------------
+    def to_kjt(self):
+        """Convert to ``torchrec.sparse.jagged_tensor.KeyedJaggedTensor`` (needs the torchrec extra)."""
+        try:
+            from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+        except ImportError as e:  # pragma: no cover - depends on the extra
+            raise ImportError("to_kjt needs the optional torchrec extra: `make torchrec`") from e
+        return KeyedJaggedTensor(keys=self.keys, values=self.values, lengths=self.lengths, weights=self.weights)
+
+    @classmethod
+    def from_kjt(cls, kjt) -> "JaggedFeatures":
+        """Convert from a TorchRec ``KeyedJaggedTensor``."""
+        return cls(list(kjt.keys()), kjt.values().to(torch.int64), kjt.lengths().to(torch.int64),
+                   kjt.weights_or_none())
+
+
+@dataclass
+class Batch:
+    """One mini-batch: ``dense [B, num_dense]`` float32, ``sparse`` features, ``labels [B]`` float32."""
+
+    dense: torch.Tensor
+    sparse: JaggedFeatures
+    labels: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def slice_batch(self, start: int, stop: int) -> "Batch":
+        return Batch(self.dense[start:stop], self.sparse.slice_batch(start, stop), self.labels[start:stop])
+
+    def for_rank(self, rank: int, world_size: int) -> "Batch":
+        """This rank's contiguous slice of a global batch (data parallelism); sizes differ by at most one."""
+        B = self.batch_size
+        start = (B * rank) // world_size
+        stop = (B * (rank + 1)) // world_size
+        return self.slice_batch(start, stop)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))

@@ -1,0 +1,221 @@
+"""Columnar shards plus a manifest: the one on-disk format every reader writes and the loader reads.
+
+A dataset is a directory::
+
+    manifest.json          what is in it (see ``Manifest``)
+    shard-00000.arrow      Arrow IPC file, uncompressed, memory-mappable
+    shard-00001.arrow      ...
+
+Each shard has the columns ``label`` (int8, 0/1), ``dense`` (fixed_size_list<float32>[num_dense],
+already transformed, e.g. log(1+x)), and one column per sparse feature: int64 for one-hot features,
+``list<int64>`` for multi-hot ones. Row ids are already in ``[0, num_rows)`` of their table.
+
+Shards are written through a temporary name and renamed; the manifest is written last, so a directory
+without a manifest is an unfinished write and is never read as a dataset.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from embedscale.errors import FormatError
+from embedscale.io import atomic_write_json, read_json
+
+MANIFEST = "manifest.json"
+FORMAT = "embedscale.shards"
+VERSION = 1
+
+
+@dataclass
+class SparseFeatureInfo:
+    name: str
+    num_rows: int
+    multi_hot: bool = False
+
+
+@dataclass
+class Manifest:
+    """What a shard directory holds. ``extra`` carries reader- or generator-specific facts
+    (source file, skipped lines, vocabulary sizes, the teacher's AUC ceiling, ...)."""
+
+    dense_names: list[str]
+    sparse: list[SparseFeatureInfo]
+    shards: list[dict] = field(default_factory=list)  # {"file", "rows", "positives"}
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return sum(s["rows"] for s in self.shards)
+
+    @property
+    def positives(self) -> int:
+        return sum(s["positives"] for s in self.shards)
+
+    @property
+    def sparse_names(self) -> list[str]:
+        return [s.name for s in self.sparse]
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.dense_names)
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "rows": self.rows,
+            "positives": self.positives,
+            "dense_names": self.dense_names,
+            "sparse": [vars(s) for s in self.sparse],
+            "shards": self.shards,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Manifest":
+        path = Path(directory) / MANIFEST
+        d = read_json(path, "shard manifest")
+        if d.get("format") != FORMAT:
+            raise FormatError(f"{path}: not an embedscale shard manifest (format={d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise FormatError(f"{path}: manifest version {d.get('version')} is not {VERSION}")
+        m = cls(d["dense_names"], [SparseFeatureInfo(**s) for s in d["sparse"]], d["shards"], d.get("extra", {}))
+        for s in m.shards:
+            f = Path(directory) / s["file"]
+            if not f.exists():
+                raise FormatError(f"{path}: shard {s['file']} is listed but missing")
+        return m
+
+
+def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo]) -> pa.Schema:
+    cols = [pa.field("label", pa.int8()), pa.field("dense", pa.list_(pa.float32(), num_dense))]
+    for s in sparse:
+        cols.append(pa.field(s.name, pa.list_(pa.int64()) if s.multi_hot else pa.int64()))
+    return pa.schema(cols)
+
+
+class ShardWriter:
+    """Append row blocks; writes a shard every ``shard_rows`` rows and the manifest on ``close()``.
+
+    ``write(labels[N], dense[N, D], sparse)`` where ``sparse[name]`` is an int64 array ``[N]`` for a
+    one-hot feature or a tuple ``(values, lengths)`` for a multi-hot one. Use as a context manager: on
+    an exception nothing is left that looks like a finished dataset.
+    """
+
+    def __init__(self, directory: str | os.PathLike, dense_names: list[str], sparse: list[SparseFeatureInfo],
+                 shard_rows: int = 1_000_000, extra: dict | None = None):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if (self.dir / MANIFEST).exists():
+            (self.dir / MANIFEST).unlink()  # an old dataset here is being replaced
+        self.manifest = Manifest(list(dense_names), list(sparse), [], dict(extra or {}))
+        self.schema = arrow_schema(len(dense_names), self.manifest.sparse)
+        self.shard_rows = int(shard_rows)
+        self._pending: list[pa.RecordBatch] = []
+        self._pending_rows = 0
+
+    def write(self, labels: np.ndarray, dense: np.ndarray, sparse: dict[str, Any]) -> None:
+        n = len(labels)
+        if n == 0:
+            return
+        D = self.manifest.num_dense
+        dense = np.ascontiguousarray(dense, dtype=np.float32).reshape(n, D)
+        arrays = [pa.array(np.asarray(labels, dtype=np.int8)),
+                  pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), D)]
+        for s in self.manifest.sparse:
+            col = sparse[s.name]
+            if s.multi_hot:
+                values, lengths = col
+                offsets = np.zeros(n + 1, dtype=np.int32)
+                np.cumsum(lengths, out=offsets[1:])
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, np.int64))))
+            else:
+                arrays.append(pa.array(np.asarray(col, dtype=np.int64)))
+        rb = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        # split across shard boundaries
+        while rb.num_rows:
+            room = self.shard_rows - self._pending_rows
+            take = rb.slice(0, room)
+            self._pending.append(take)
+            self._pending_rows += take.num_rows
+            rb = rb.slice(take.num_rows)
+            if self._pending_rows >= self.shard_rows:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending_rows:
+            return
+        name = f"shard-{len(self.manifest.shards):05d}.arrow"
+        tmp = self.dir / f".{name}.tmp"
+        table = pa.Table.from_batches(self._pending, schema=self.schema).combine_chunks()
+        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, self.schema) as w:
+            w.write_table(table, max_chunksize=max(1, table.num_rows))
+        os.replace(tmp, self.dir / name)
+        positives = int(np.asarray(table.column("label").to_numpy()).sum())
+        self.manifest.shards.append({"file": name, "rows": table.num_rows, "positives": positives})
+        self._pending, self._pending_rows = [], 0
+
+    def close(self) -> Manifest:
+        self._flush()
+        atomic_write_json(self.dir / MANIFEST, self.manifest.to_json())
+        return self.manifest
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+
+@dataclass
+class Columns:
+    """A block of rows as numpy arrays (views of the memory-mapped shard where possible)."""
+
+    labels: np.ndarray  # int8 [N]
+    dense: np.ndarray  # float32 [N, D]
+    sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values int64, lengths int64 [N])
+
+    @property
+    def rows(self) -> int:
+        return len(self.labels)
+
+
+def _column_to_jagged(col: pa.Array, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if pa.types.is_list(col.type):
+        offsets = col.offsets.to_numpy()
+        values = col.values.to_numpy()[offsets[0]:offsets[-1]]
+        return values.astype(np.int64, copy=False), np.diff(offsets).astype(np.int64)
+    return col.to_numpy().astype(np.int64, copy=False), np.ones(n, dtype=np.int64)
+
+
+def read_shard(path: str | os.PathLike, num_dense: int) -> Columns:
+    """Memory-map one shard and return its columns."""
+    try:
+        source = pa.memory_map(str(path), "r")
+        table = ipc.open_file(source).read_all().combine_chunks()
+    except (pa.ArrowInvalid, OSError) as e:
+        raise FormatError(f"{path}: not a readable Arrow shard ({e})") from None
+    n = table.num_rows
+    labels = table.column("label").chunk(0).to_numpy() if n else np.zeros(0, np.int8)
+    dense = (table.column("dense").chunk(0).flatten().to_numpy().reshape(n, num_dense)
+             if n else np.zeros((0, num_dense), np.float32))
+    sparse = {}
+    for name in table.column_names[2:]:
+        col = table.column(name).chunk(0) if n else None
+        sparse[name] = _column_to_jagged(col, n) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    return Columns(labels, dense, sparse)
+
+
+def iter_shards(directory: str | os.PathLike) -> Iterator[Columns]:
+    """Every shard of a dataset directory in order."""
+    m = Manifest.load(directory)
+    for s in m.shards:
+        yield read_shard(Path(directory) / s["file"], m.num_dense)

@@ -1,0 +1,62 @@
+"""Atomic writes: a file is either the old one or the whole new one, never half-written.
+
+Everything embedscale writes and reads back (manifests, profiles, plans, checkpoints, metrics) goes
+through these helpers: write to a temporary file beside the target, flush, fsync, then rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file beside ``path``; on success rename it onto ``path``, on error remove it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w") as f:
+        f.write(text)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def atomic_save_npy(path: str | os.PathLike, array) -> None:
+    """``np.save`` through a temporary file (never with pickled objects)."""
+    import numpy as np
+
+    with atomic_open(path, "wb") as f:
+        np.save(f, np.asarray(array), allow_pickle=False)
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read JSON with an error that names the file."""
+    from embedscale.errors import FormatError
+
+    path = Path(path)
+    if not path.exists():
+        raise FormatError(f"{what} not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None

@@ -1,0 +1,350 @@
+"""Specs and run configuration: tables, topology, and the run config, with YAML in and out.
+
+Configs are plain dataclasses. ``from_dict`` is strict: an unknown key or a value of the wrong type is
+a ``ConfigError`` that names the key path (``train.lr_dense``), so a typo never silently runs the
+default. The CLI turns every leaf field into a flag (``--train-lr-dense``) that overrides the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from embedscale.errors import ConfigError
+
+# Criteo Kaggle (Display Advertising Challenge) cardinalities of C1..C26.
+CRITEO_KAGGLE_ROWS = [
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+    5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+]
+# Criteo Terabyte cardinalities as capped at 40M by the MLPerf DLRM reference.
+CRITEO_TERABYTE_ROWS = [
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
+    11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+]
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+# Avazu (CTR prediction) CSV: id, click, hour, then 21 categorical columns.
+AVAZU_COLUMNS = [
+    "id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id",
+    "app_domain", "app_category", "device_id", "device_ip", "device_model", "device_type",
+    "device_conn_type", "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21",
+]
+
+POOLINGS = ("sum", "mean", "none")
+
+
+@dataclass
+class TableSpec:
+    """One embedding table.
+
+    Args:
+        name: table name, unique in the model.
+        num_rows: rows (the feature's cardinality after hashing or vocabulary building).
+        dim: embedding dimension.
+        features: the sparse features looked up in this table (default: one feature named as the table).
+        pooling: ``sum``, ``mean``, or ``none`` (unpooled sequence).
+        compression: ``none`` or ``tt`` (tensor-train, EL-Rec).
+        tt_rank: TT rank when ``compression == "tt"``.
+        placement: ``device`` or ``host`` (host-memory parameter server, EL-Rec section V).
+        bytes_per_value: bytes per stored value (4 for fp32).
+    """
+
+    name: str
+    num_rows: int
+    dim: int = 16
+    features: list[str] = field(default_factory=list)
+    pooling: str = "sum"
+    compression: str = "none"
+    tt_rank: int = 32
+    placement: str = "device"
+    bytes_per_value: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.features:
+            self.features = [self.name]
+        if self.num_rows <= 0:
+            raise ConfigError(f"table {self.name!r}: num_rows must be positive, got {self.num_rows}")
+        if self.dim <= 0:
+            raise ConfigError(f"table {self.name!r}: dim must be positive, got {self.dim}")
+        if self.pooling not in POOLINGS:
+            raise ConfigError(f"table {self.name!r}: pooling {self.pooling!r} is not one of {POOLINGS}")
+        if self.compression not in ("none", "tt"):
+            raise ConfigError(f"table {self.name!r}: compression {self.compression!r} is not 'none' or 'tt'")
+        if self.placement not in ("device", "host"):
+            raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
+
+    @property
+    def row_bytes(self) -> int:
+        return self.dim * self.bytes_per_value
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+
+def feature_to_table(tables: list[TableSpec]) -> dict[str, int]:
+    """Map every feature name to the index of the table it reads; a feature in two tables is an error."""
+    out: dict[str, int] = {}
+    for t, spec in enumerate(tables):
+        for f in spec.features:
+            if f in out:
+                raise ConfigError(f"feature {f!r} is read by tables {tables[out[f]].name!r} and {spec.name!r}")
+            out[f] = t
+    names = [s.name for s in tables]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise ConfigError(f"table names repeat: {sorted(dup)}")
+    return out
+
+
+@dataclass
+class Topology:
+    """Hosts x ranks per host and the links between ranks (OPER section 3.2).
+
+    Bandwidths in GB/s, latencies in microseconds. ``memory_per_rank`` in bytes (0 = unlimited).
+    """
+
+    num_hosts: int = 1
+    ranks_per_host: int = 2
+    memory_per_rank: int = 0
+    intra_host_bw: float = 100.0
+    inter_host_bw: float = 23.75
+    intra_host_latency_us: float = 2.0
+    inter_host_latency_us: float = 8.0
+    local_bw: float = 1000.0
+    allreduce_bw: float = 100.0
+
+    @property
+    def world_size(self) -> int:
+        return self.num_hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+
+@dataclass
+class SyntheticConfig:
+    """Synthetic Criteo-shaped data (see ``embedscale.data.synthetic``)."""
+
+    preset: str = "criteo-kaggle"
+    max_rows: int = 100_000  # cap every table's cardinality (scaled-down preset); 0 = no cap
+    num_dense: int = 13
+    alpha: float = 1.1  # power-law exponent of row access, used for every table unless alphas is set
+    alphas: list[float] = field(default_factory=list)
+    pooling_factors: list[int] = field(default_factory=list)  # per table; empty = one-hot everywhere
+    teacher_dim: int = 8
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # synthetic | criteo | avazu | shards
+    path: str = ""  # raw file (criteo/avazu) or shard directory (shards)
+    train_samples: int = 400_000
+    eval_samples: int = 100_000
+    eval_fraction: float = 0.2  # for real files: the last fraction of rows is the eval split
+    seed: int = 0
+    shard_rows: int = 1_000_000
+    # Raw readers (criteo/avazu): "hash" (hash/modulo to table_rows) or "vocab" (min-frequency vocabulary).
+    categorical: str = "hash"
+    table_rows: int = 1_000_000  # hash buckets per table in hash mode
+    min_frequency: int = 1  # vocab mode: values seen fewer times share the out-of-vocabulary row 0
+    skip_malformed: bool = False
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "dlrm"  # dlrm | dcn
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64])
+    top_mlp: list[int] = field(default_factory=lambda: [512, 256])
+    cross_layers: int = 3
+    cross_low_rank: int = 0  # 0 = full-rank DCN-v2 cross
+    pooling: str = "sum"
+    tables: list[TableSpec] = field(default_factory=list)  # empty = one table per sparse feature of the data
+
+
+@dataclass
+class TrainConfig:
+    batch_size: int = 2048
+    epochs: int = 1
+    max_steps: int = 0  # 0 = run the epochs
+    lr_dense: float = 0.05
+    lr_sparse: float = 0.05
+    dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
+    sparse_optimizer: str = "rowwise_adagrad"  # sgd | rowwise_adagrad
+    eval_every: int = 0  # steps; 0 = at the end only
+    log_every: int = 10
+    checkpoint_every: int = 0  # steps; 0 = at the end only
+    seed: int = 0
+    device: str = "cpu"
+    prefetch: int = 2
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    out_dir: str = "runs"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# dict <-> dataclass, strict
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: {value!r} fits none of {args}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if "e" in value.lower() else int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ``ConfigError``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(where + k for k in unknown)}; "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"{path or cls.__name__}: {e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass to plain dict/list/scalars (YAML- and JSON-safe)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a YAML run config (or the defaults) and apply dotted overrides like ``{"train.lr_dense": 0.1}``."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+            raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    try:
+        return from_dict(RunConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    d = data
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"override {key}: {p} is not a section")
+    d[parts[-1]] = value
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def leaf_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, type, default) of every scalar or list-of-scalar leaf: the CLI makes each a flag."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            out.extend(leaf_fields(tp, name + "."))
+        elif typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+            continue  # lists of specs (tables) come from the YAML file
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            out.append((name, tp, default))
+    return out
+
+
+def _type_label(tp: Any) -> str:  # pragma: no cover - cosmetic
+    return _type_name(tp)
