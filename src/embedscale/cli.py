@@ -1,8 +1,266 @@
-"""Command-line interface (placeholder until the trainer lands)."""
+"""The ``embedscale`` command.
+
+Every command that runs a config takes ``--config FILE.yaml`` and one flag per config field
+(``--train-lr-dense 0.1``, ``--data-synthetic-preset criteo-kaggle``), plus ``--set key=value`` for
+anything else; flags override the file, the file overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import typing
+from pathlib import Path
 
 import click
 
+from embedscale.errors import EmbedscaleError
+from embedscale.specs import RunConfig, leaf_fields, load_config
 
-@click.group()
+
+def _flag(dotted: str) -> str:
+    return "--" + dotted.replace(".", "-").replace("_", "-")
+
+
+def _param(dotted: str) -> str:
+    return "cfg__" + dotted.replace(".", "__")
+
+
+def config_options(fn):
+    """Add ``--config``, ``--set`` and one option per config leaf to a click command."""
+    for dotted, tp, default in reversed(leaf_fields(RunConfig)):
+        is_list = typing.get_origin(tp) is list
+        help_default = ",".join(map(str, default)) if is_list else default
+        fn = click.option(_flag(dotted), _param(dotted), default=None,
+                          help=f"{dotted} (default {help_default!r}){'; comma-separated' if is_list else ''}",
+                          show_default=False)(fn)
+    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override any config key, e.g. --set train.epochs=2")(fn)
+    fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                      help="YAML run config.")(fn)
+    return fn
+
+
+def resolve_config(config_path, overrides, kwargs) -> RunConfig:
+    fields = {d: tp for d, tp, _ in leaf_fields(RunConfig)}
+    values = {}
+    for item in overrides:
+        if "=" not in item:
+            raise click.BadParameter(f"--set {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        values[k.strip()] = v
+    for dotted, tp in fields.items():
+        v = kwargs.pop(_param(dotted), None)
+        if v is None:
+            continue
+        if typing.get_origin(tp) is list:
+            v = [x for x in v.split(",") if x.strip() != ""]
+        values[dotted] = v
+    return load_config(config_path, values)
+
+
+def _fail(e: Exception) -> None:
+    click.echo(f"error: {e}", err=True)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="embedscale")
 def main() -> None:
     """embedscale: train and serve recommendation models with large, skewed embedding tables."""
+
+
+@main.command()
+@config_options
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def run(config_path, overrides, no_progress, as_json, **kwargs):
+    """The main job: synthetic data (default), profile, train, evaluate, summary."""
+    from embedscale import workflow
+
+    try:
+        cfg = resolve_config(config_path, overrides, kwargs)
+        s = workflow.run_main(cfg, progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
+
+
+@main.command()
+@config_options
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
+@click.option("--no-progress", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def train(config_path, overrides, run_dir, no_progress, as_json, **kwargs):
+    """Train (and evaluate) a model as the config says; resumes a run directory exactly."""
+    from embedscale import workflow
+
+    try:
+        cfg = resolve_config(config_path, overrides, kwargs)
+        rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+        s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
+              help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
+@click.option("--batch-size", type=int, default=8192)
+@click.option("--json", "as_json", is_flag=True)
+def evaluate(checkpoint, data_dir, batch_size, as_json):
+    """Evaluate a checkpoint: exact logloss and AUC."""
+    import yaml
+
+    import torch
+
+    from embedscale import workflow
+    from embedscale.data.loader import ShardLoader
+    from embedscale.specs import RunConfig, from_dict
+    from embedscale.train.checkpoint import load_checkpoint
+    from embedscale.train.trainer import evaluate as eval_model
+
+    try:
+        ck = load_checkpoint(checkpoint)
+        cfg = from_dict(RunConfig, yaml.safe_load(ck["config_yaml"]))
+        if data_dir:
+            data = workflow._split_existing(Path(data_dir), 0.0)
+            split = data.train
+        else:
+            data = workflow.prepare_data(cfg)
+            split = data.eval or data.train
+        device = torch.device(cfg.train.device)
+        model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device)
+        model.load_state_dict(ck["model"])
+        loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
+        m = eval_model(model, loader, progress=True)
+    except EmbedscaleError as e:
+        _fail(e)
+    m["checkpoint"] = str(checkpoint)
+    m["step"] = ck["step"]
+    if as_json:
+        click.echo(json.dumps(m))
+    else:
+        click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  on {m['samples']:,} samples")
+
+
+@main.group()
+def data():
+    """Make datasets: convert raw Criteo/Avazu logs or generate synthetic data into columnar shards."""
+
+
+def _common_convert_options(fn):
+    fn = click.option("--no-progress", is_flag=True)(fn)
+    fn = click.option("--shard-rows", type=int, default=1_000_000, show_default=True)(fn)
+    fn = click.option("--skip-malformed", is_flag=True,
+                      help="Skip malformed lines (counted and reported) instead of stopping at the first.")(fn)
+    fn = click.option("--min-frequency", type=int, default=1, show_default=True,
+                      help="vocab mode: values seen fewer times map to the shared out-of-vocabulary row.")(fn)
+    fn = click.option("--table-rows", type=int, default=1_000_000, show_default=True,
+                      help="hash mode: rows (buckets) per table.")(fn)
+    fn = click.option("--categorical", type=click.Choice(["hash", "vocab"]), default="hash", show_default=True)(fn)
+    fn = click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)(fn)
+    fn = click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))(fn)
+    return fn
+
+
+def _report_manifest(m, out_dir):
+    skipped = m.extra.get("skipped", {})
+    click.echo(f"{out_dir}: {m.rows:,} rows ({m.positives:,} positive), {len(m.shards)} shard(s), "
+               f"{len(m.sparse)} sparse features" + (f", {skipped.get('count', 0)} malformed lines skipped"
+                                                     if skipped.get("count") else ""))
+
+
+@data.command("criteo")
+@_common_convert_options
+def data_criteo(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
+    """Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards."""
+    from embedscale.data.criteo import convert_criteo
+
+    try:
+        m = convert_criteo(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
+                           min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
+                           progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    _report_manifest(m, out_dir)
+
+
+@data.command("avazu")
+@_common_convert_options
+def data_avazu(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
+    """Convert Avazu CSV (24 columns) into shards."""
+    from embedscale.data.avazu import convert_avazu
+
+    try:
+        m = convert_avazu(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
+                          min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
+                          progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    _report_manifest(m, out_dir)
+
+
+@data.command("synthetic")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
+@click.option("--preset", default="criteo-kaggle", show_default=True,
+              help="criteo-kaggle, criteo-terabyte (or a scaled-down variant)")
+@click.option("--samples", type=int, default=1_000_000, show_default=True)
+@click.option("--first-sample", type=int, default=0, show_default=True,
+              help="Start of the sample stream (e.g. the train size, to make an eval set).")
+@click.option("--max-rows", type=int, default=0, show_default=True, help="Cap every table's rows (0 = none).")
+@click.option("--alpha", type=float, default=1.1, show_default=True, help="Power-law exponent of row access.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--shard-rows", type=int, default=1_000_000, show_default=True)
+@click.option("--no-progress", is_flag=True)
+def data_synthetic(out_dir, preset, samples, first_sample, max_rows, alpha, seed, shard_rows, no_progress):
+    """Generate synthetic Criteo-shaped data with power-law access and a planted teacher."""
+    from embedscale.data.synthetic import generate_dataset
+    from embedscale.specs import SyntheticConfig
+
+    try:
+        cfg = SyntheticConfig(preset=preset, max_rows=max_rows, alpha=alpha)
+        m = generate_dataset(cfg, out_dir, samples, seed=seed, first_sample=first_sample, shard_rows=shard_rows,
+                             progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    _report_manifest(m, out_dir)
+    t = m.extra.get("teacher_auc")
+    if t is not None:
+        click.echo(f"teacher AUC (ceiling): {t:.5f}")
+
+
+@main.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)
+@click.option("--no-progress", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def profile(shards, out_dir, no_progress, as_json):
+    """Count how often every row of every table is read (the planner's input)."""
+    from embedscale.data.profile import AccessProfile
+
+    try:
+        prof = AccessProfile.from_shards(shards, progress=not no_progress)
+        prof.save(out_dir)
+    except EmbedscaleError as e:
+        _fail(e)
+    s = prof.summary()
+    if as_json:
+        click.echo(json.dumps(s, default=float))
+    else:
+        click.echo(f"profile of {shards} written to {out_dir}")
+        click.echo(_format_profile_summary(s))
+
+
+def _format_profile_summary(s) -> str:
+    if isinstance(s, str):
+        return s
+    return json.dumps(s, indent=1, default=float)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

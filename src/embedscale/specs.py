@@ -346,5 +346,3 @@ def leaf_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, Any,
     return out
 
 
-def _type_label(tp: Any) -> str:  # pragma: no cover - cosmetic
-    return _type_name(tp)

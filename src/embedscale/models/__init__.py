@@ -1,0 +1,146 @@
+"""Recommendation models: DLRM (Naumov et al. 2019) and DCN-v2 (Wang et al. 2021), and ``build_model``.
+
+``build_model`` turns a ``ModelConfig`` plus the table specs into a model whose embedding part is any
+embedding module (by default ``embedscale.embedding.local.LocalEmbeddingBags``). It checks, before any
+parameter is allocated, everything a run would otherwise trip over later: the arch name, the MLP widths,
+that every feature the embedding produces belongs to a table, and (DLRM) that all tables share the
+model's embedding dim.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from embedscale.errors import ConfigError
+from embedscale.models.dcn import DCN, CrossNet
+from embedscale.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch, SparseArch, dense_parameters
+from embedscale.specs import ModelConfig, TableSpec, feature_to_table
+
+__all__ = [
+    "ARCHS",
+    "DCN",
+    "DLRM",
+    "CrossNet",
+    "DenseArch",
+    "InteractionArch",
+    "OverArch",
+    "SparseArch",
+    "build_model",
+    "dense_parameters",
+]
+
+ARCHS = ("dlrm", "dcn")
+
+
+def _check_widths(key: str, sizes: Sequence[int]) -> list[int]:
+    out = list(sizes)
+    for i, s in enumerate(out):
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+            raise ConfigError(f"{key}[{i}] must be a positive integer, got {s!r} (in {out})")
+    return out
+
+
+def build_model(
+    cfg: ModelConfig,
+    tables: list[TableSpec],
+    num_dense: int,
+    embedding: nn.Module | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> nn.Module:
+    """Build the ``cfg.arch`` model (``dlrm`` or ``dcn``) over ``tables``.
+
+    Args:
+        cfg: the model config: arch, embedding dim D, bottom/top MLP hidden widths (OPER Table 1 defaults:
+            512-256-64 and 512-256; the D-wide and 1-wide output layers are implied), DCN cross layers and
+            low rank.
+        tables: the embedding tables; every feature of the embedding module must be read by one of them.
+        num_dense: number of dense features (13 for Criteo).
+        embedding: the embedding module (``feature_names`` attribute, ``forward(JaggedFeatures) -> [B, sum
+            of dims]``); default ``LocalEmbeddingBags(tables, device=device)``.
+        device: where to allocate the parameters (from the run config; default torch's default device).
+
+    Returns:
+        nn.Module: a ``DLRM`` or ``DCN``; ``model(dense, sparse)`` gives logits ``[B]``,
+        ``model.dense_parameters()`` the non-embedding parameters, ``model.sparse_arch.embedding`` the
+        embedding module.
+
+    Raises:
+        ConfigError: unknown arch, a non-positive width, a feature no table reads, a table of pooling
+            ``none``, or (DLRM) a table whose dim is not ``cfg.embedding_dim``.
+
+    Example::
+
+        >>> import torch
+        >>> from embedscale.data.batch import JaggedFeatures
+        >>> from embedscale.specs import ModelConfig, TableSpec
+        >>> tables = [TableSpec("t1", num_rows=10, dim=4), TableSpec("t2", num_rows=20, dim=4)]
+        >>> cfg = ModelConfig(arch="dlrm", embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
+        >>> model = build_model(cfg, tables, num_dense=13)
+        >>> features = JaggedFeatures.from_lists({"t1": [[0, 1], [3]], "t2": [[5], [7]]})
+        >>> model(torch.rand(2, 13), features).shape
+        torch.Size([2])
+    """
+    arch = cfg.arch.lower() if isinstance(cfg.arch, str) else cfg.arch
+    if arch not in ARCHS:
+        raise ConfigError(f"model.arch: unknown architecture {cfg.arch!r}; known: {', '.join(ARCHS)}")
+    if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
+        raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
+    if isinstance(cfg.embedding_dim, bool) or not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim <= 0:
+        raise ConfigError(f"model.embedding_dim must be a positive integer, got {cfg.embedding_dim!r}")
+    bottom = _check_widths("model.bottom_mlp", cfg.bottom_mlp)
+    top = _check_widths("model.top_mlp", cfg.top_mlp)
+    if not tables:
+        raise ConfigError("build_model: no embedding tables")
+    table_of = feature_to_table(tables)
+    for spec in tables:
+        if spec.pooling == "none":
+            raise ConfigError(
+                f"table {spec.name!r}: pooling 'none' (unpooled sequence) cannot feed {arch}, which needs one "
+                "pooled vector per feature; use 'sum' or 'mean'"
+            )
+        if arch == "dlrm" and spec.dim != cfg.embedding_dim:
+            raise ConfigError(
+                f"table {spec.name!r}: dim {spec.dim} differs from model.embedding_dim {cfg.embedding_dim}; "
+                "DLRM's dot interaction needs every table and the bottom MLP output to share one dim"
+            )
+    if arch == "dcn":
+        for key in ("cross_layers", "cross_low_rank"):
+            v = getattr(cfg, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"model.{key} must be a non-negative integer, got {v!r}")
+
+    if embedding is None:
+        try:
+            from embedscale.embedding.local import LocalEmbeddingBags
+        except ImportError as e:
+            raise ImportError(
+                "build_model: no embedding module given and embedscale.embedding.local.LocalEmbeddingBags "
+                f"cannot be imported ({e}); pass `embedding=` explicitly"
+            ) from e
+        embedding = LocalEmbeddingBags(tables, device=device)
+
+    names = getattr(embedding, "feature_names", None)
+    if names is None:
+        raise ConfigError(
+            f"build_model: the embedding module {type(embedding).__name__} has no `feature_names` attribute"
+        )
+    names = list(names)
+    unknown = [f for f in names if f not in table_of]
+    if unknown:
+        raise ConfigError(
+            f"build_model: the embedding module produces features {unknown} that no table reads "
+            f"(tables: {[t.name for t in tables]})"
+        )
+    missing = [f for f in table_of if f not in names]
+    if missing:
+        raise ConfigError(f"build_model: features {missing} of the tables are not produced by the embedding module")
+    feature_dims = [tables[table_of[f]].dim for f in names]
+
+    if arch == "dlrm":
+        return DLRM(num_dense, embedding, cfg.embedding_dim, bottom_mlp=bottom, top_mlp=top, device=device)
+    return DCN(num_dense, embedding, cfg.embedding_dim, feature_dims=feature_dims, bottom_mlp=bottom, top_mlp=top,
+               cross_layers=cfg.cross_layers, cross_low_rank=cfg.cross_low_rank, device=device)

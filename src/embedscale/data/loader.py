@@ -1,0 +1,282 @@
+"""Batches of (dense, sparse, labels) from a shard directory, with background prefetch and per-rank slicing.
+
+The loader walks the rows ``[start, stop)`` of a dataset in a deterministic order (shard order, and within
+a shard a permutation seeded by ``(seed, epoch, shard)`` when ``shuffle``), cuts global batches of
+``batch_size`` rows, and hands each rank its contiguous slice of every global batch (data parallelism:
+all ranks see the same global batch sequence). ``skip_batches`` fast-forwards without building tensors,
+which is how a resumed run continues exactly where its checkpoint stopped.
+
+Every batch is checked before it leaves the loader: dense values finite, labels 0 or 1, row ids inside
+their table. A failure names the shard file, the row in it, and the feature.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from embedscale.data.batch import Batch, JaggedFeatures
+from embedscale.data.shards import Manifest, read_shard
+from embedscale.errors import InputError
+
+
+@dataclass
+class _Block:
+    """Rows of one shard, with per-feature offsets for slicing multi-hot columns."""
+
+    file: str
+    first_row: int  # row number of the block's first row inside its shard
+    order: np.ndarray | None  # permutation of the shard's rows (shuffle), else None
+    labels: np.ndarray
+    dense: np.ndarray
+    sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values, offsets [n+1])
+
+
+class ShardLoader:
+    """Iterate ``Batch``es over a shard directory.
+
+    Args:
+        directory: a dataset written by ``ShardWriter`` (``manifest.json`` + shards).
+        batch_size: global batch size (all ranks together).
+        rank, world_size: this rank's slice of every global batch.
+        start, stop: row range of the dataset to read (train/eval splits); ``stop=None`` = end.
+        shuffle, seed: per-shard row permutation seeded by ``(seed, epoch, shard)``.
+        drop_last: drop a final partial global batch (otherwise it is yielded, smaller).
+        prefetch: batches prepared ahead on a background thread (0 = synchronous).
+        device: where tensors go.
+        validate: check dense, labels and row ids of every batch.
+
+    Example::
+
+        loader = ShardLoader("data/train", batch_size=2048)
+        for batch in loader:
+            logits = model(batch.dense, batch.sparse)
+    """
+
+    def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 start: int = 0, stop: int | None = None, shuffle: bool = False, seed: int = 0,
+                 drop_last: bool = False, prefetch: int = 2, device: torch.device | str | None = None,
+                 validate: bool = True):
+        self.directory = Path(directory)
+        self.manifest = Manifest.load(self.directory)
+        total = self.manifest.rows
+        stop = total if stop is None else stop
+        if not (0 <= start <= stop <= total):
+            raise InputError(f"{self.directory}: row range [{start}, {stop}) outside the dataset's {total} rows")
+        if stop == start:
+            raise InputError(f"{self.directory}: empty input (row range [{start}, {stop}) has no rows)")
+        if batch_size <= 0:
+            raise InputError(f"batch_size must be positive, got {batch_size}")
+        if not (0 <= rank < world_size):
+            raise InputError(f"rank {rank} outside world size {world_size}")
+        if batch_size < world_size:
+            raise InputError(f"batch_size {batch_size} is smaller than world size {world_size}")
+        self.batch_size = int(batch_size)
+        self.rank, self.world_size = rank, world_size
+        self.start, self.stop = int(start), int(stop)
+        self.shuffle, self.seed = shuffle, seed
+        self.drop_last = drop_last
+        self.prefetch = prefetch
+        self.device = device
+        self.validate = validate
+        self.epoch = 0
+        self.skip_batches = 0
+        self.feature_names = self.manifest.sparse_names
+        self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.rows, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        """Choose the epoch (shuffle seed) and how many global batches to skip (exact resume)."""
+        self.epoch, self.skip_batches = int(epoch), int(skip_batches)
+
+    # -- reading --------------------------------------------------------------------------------
+    def _blocks(self) -> Iterator[_Block]:
+        """Yield the selected rows shard by shard (as blocks)."""
+        first = 0
+        for i, s in enumerate(self.manifest.shards):
+            n = s["rows"]
+            lo, hi = max(self.start, first), min(self.stop, first + n)
+            if lo < hi:
+                cols = read_shard(self.directory / s["file"], self.manifest.num_dense)
+                a, b = lo - first, hi - first
+                order = None
+                if self.shuffle:
+                    rng = np.random.default_rng([self.seed, self.epoch, i])
+                    order = a + rng.permutation(b - a)
+                sparse = {}
+                for name, (values, lengths) in cols.sparse.items():
+                    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+                    np.cumsum(lengths, out=offsets[1:])
+                    sparse[name] = (values, offsets)
+                yield _Block(s["file"], a, order, cols.labels[a:b] if order is None else cols.labels,
+                             cols.dense[a:b] if order is None else cols.dense,
+                             sparse if order is not None else _slice_sparse(sparse, a, b))
+            first += n
+
+    def _row_batches(self) -> Iterator[list[tuple[_Block, np.ndarray | slice]]]:
+        """Global batches as lists of (block, row selector) pieces."""
+        pieces: list[tuple[_Block, np.ndarray | slice]] = []
+        have = 0
+        for blk in self._blocks():
+            n = len(blk.order) if blk.order is not None else len(blk.labels)
+            pos = 0
+            while pos < n:
+                take = min(self.batch_size - have, n - pos)
+                sel = blk.order[pos:pos + take] if blk.order is not None else slice(pos, pos + take)
+                pieces.append((blk, sel))
+                have += take
+                pos += take
+                if have == self.batch_size:
+                    yield pieces
+                    pieces, have = [], 0
+        if have and not self.drop_last:
+            yield pieces
+
+    def _rank_pieces(self, pieces):
+        """Cut this rank's contiguous share out of a global batch's pieces."""
+        B = sum(_sel_len(sel) for _, sel in pieces)
+        lo, hi = (B * self.rank) // self.world_size, (B * (self.rank + 1)) // self.world_size
+        out, pos = [], 0
+        for blk, sel in pieces:
+            n = _sel_len(sel)
+            a, b = max(lo, pos) - pos, min(hi, pos + n) - pos
+            if a < b:
+                out.append((blk, sel[a:b] if isinstance(sel, np.ndarray) else slice(sel.start + a, sel.start + b)))
+            pos += n
+        return out
+
+    def _build(self, pieces) -> Batch:
+        labels = np.concatenate([blk.labels[sel] for blk, sel in pieces])
+        dense = np.concatenate([blk.dense[sel] for blk, sel in pieces])
+        values, lengths = [], []
+        for name in self.feature_names:
+            for blk, sel in pieces:
+                v, offs = blk.sparse[name]
+                if isinstance(sel, slice):
+                    values.append(v[offs[sel.start]:offs[sel.stop]])
+                    lengths.append(np.diff(offs[sel.start:sel.stop + 1]))
+                else:
+                    ln = offs[sel + 1] - offs[sel]
+                    if (ln == 1).all():
+                        values.append(v[offs[sel]])
+                    else:
+                        values.append(_gather_ragged(v, offs[sel], ln))
+                    lengths.append(ln)
+        if self.validate:
+            self._check(pieces, labels, dense, values)
+        sparse = JaggedFeatures(self.feature_names, torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+                                torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)))
+        batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), sparse,
+                      torch.from_numpy(labels.astype(np.float32)))
+        return batch.to(self.device) if self.device is not None else batch
+
+    def _check(self, pieces, labels, dense, values) -> None:
+        if not np.isfinite(dense).all():
+            r, c = np.argwhere(~np.isfinite(dense))[0]
+            raise InputError(f"{self._where(pieces, int(r))}: dense feature "
+                             f"{self.manifest.dense_names[c]} is {dense[r, c]} (NaN/inf)")
+        bad = (labels != 0) & (labels != 1)
+        if bad.any():
+            r = int(np.flatnonzero(bad)[0])
+            raise InputError(f"{self._where(pieces, r)}: label {labels[r]} is not 0 or 1")
+        P = len(pieces)
+        for f, name in enumerate(self.feature_names):
+            v = np.concatenate(values[f * P:(f + 1) * P])
+            if v.size and (v.min() < 0 or v.max() >= self._num_rows[name]):
+                bad_v = v[(v < 0) | (v >= self._num_rows[name])][0]
+                raise InputError(f"{self.directory}: feature {name}: row id {bad_v} outside its table "
+                                 f"[0, {self._num_rows[name]})")
+
+    def _where(self, pieces, r: int) -> str:
+        for blk, sel in pieces:
+            n = _sel_len(sel)
+            if r < n:
+                row = int(sel[r]) if isinstance(sel, np.ndarray) else blk.first_row + sel.start + r
+                return f"{self.directory / blk.file}: row {row}"
+            r -= n
+        return str(self.directory)
+
+    def __iter__(self) -> Iterator[Batch]:
+        def produce():
+            for i, pieces in enumerate(self._row_batches()):
+                if i < self.skip_batches:
+                    continue
+                yield self._build(self._rank_pieces(pieces))
+
+        if self.prefetch <= 0:
+            yield from produce()
+            return
+        yield from _prefetched(produce(), self.prefetch)
+
+
+def _sel_len(sel) -> int:
+    return len(sel) if isinstance(sel, np.ndarray) else sel.stop - sel.start
+
+
+def _slice_sparse(sparse, a: int, b: int):
+    out = {}
+    for name, (v, offs) in sparse.items():
+        out[name] = (v[offs[a]:offs[b]], offs[a:b + 1] - offs[a])
+    return out
+
+
+def _gather_ragged(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``values[starts[i] : starts[i] + lengths[i]]`` for all i, vectorised."""
+    total = int(lengths.sum())
+    if total == 0:
+        return values[:0]
+    seg_start = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=seg_start[1:])
+    idx = np.arange(total, dtype=np.int64) - np.repeat(seg_start - starts, lengths)
+    return values[idx]
+
+
+_DONE = object()
+
+
+def _prefetched(it: Iterator, depth: int) -> Iterator:
+    """Run ``it`` on a background thread, ``depth`` items ahead; re-raise its exception here."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def worker():
+        try:
+            for item in it:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put(_DONE)
+        except BaseException as e:  # handed to the consumer
+            q.put(e)
+
+    t = threading.Thread(target=worker, daemon=True, name="embedscale-prefetch")
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        t.join(timeout=5)

@@ -1,0 +1,410 @@
+"""DLRM (Naumov et al. 2019, "Deep Learning Recommendation Model for Personalization and Recommendation
+Systems") as four composable arches, and the pieces DCN shares with it.
+
+This module owns the dense side of the model: the bottom MLP (``DenseArch``), the adapter that turns any
+embedding module into ``[B, F, D]`` pooled embeddings (``SparseArch``), the dot interaction
+(``InteractionArch``) and the top MLP (``OverArch``). The embedding itself is pluggable: any ``nn.Module``
+with a ``feature_names`` attribute whose ``forward(JaggedFeatures)`` returns ``[B, sum of feature dims]``
+with the features concatenated in ``feature_names`` order (``embedscale.embedding.local.LocalEmbeddingBags``,
+a sharded executor, a TT table, ...). Its parameters are not dense parameters: ``dense_parameters()`` leaves
+them out so they can get their own (sparse, row-wise) optimizer.
+
+Default sizes follow OPER (USENIX ATC 2024) Table 1: bottom MLP 512-256-64-D with D = 16 for Criteo Kaggle
+and Avazu (64 for Criteo Terabyte), top MLP 512-256-1. Sizes are given as *hidden* layers, as in
+``ModelConfig``: the bottom MLP's last layer (width D) and the top MLP's logit layer (width 1) are implied.
+
+Weight init is the DLRM reference's (``dlrm_s_pytorch.py``): every linear weight ~ N(0, sqrt(2 / (fan_in +
+fan_out))) (Glorot normal), every bias ~ N(0, sqrt(1 / fan_out)). It draws from the default generator only,
+so ``torch.manual_seed`` makes a model bit-for-bit reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.errors import ConfigError, InputError
+
+__all__ = [
+    "DLRM",
+    "DenseArch",
+    "InteractionArch",
+    "OverArch",
+    "SparseArch",
+    "dense_parameters",
+    "init_linear_",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers shared with dcn.py
+
+
+def init_linear_(layer: nn.Linear) -> nn.Linear:
+    """Initialise ``layer`` in place as the DLRM reference does and return it.
+
+    Weight ~ N(0, sqrt(2 / (fan_in + fan_out))), bias ~ N(0, sqrt(1 / fan_out)).
+
+    Args:
+        layer: the linear layer to initialise.
+
+    Returns:
+        nn.Linear: the same layer.
+
+    Example::
+
+        >>> import torch
+        >>> _ = torch.manual_seed(0)
+        >>> layer = init_linear_(torch.nn.Linear(4, 2))
+        >>> tuple(layer.weight.shape)
+        (2, 4)
+    """
+    fan_out, fan_in = layer.weight.shape
+    with torch.no_grad():
+        layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)))
+        if layer.bias is not None:
+            layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out))
+    return layer
+
+
+def _check_sizes(what: str, in_features: int, layer_sizes: Sequence[int]) -> list[int]:
+    if isinstance(in_features, bool) or not isinstance(in_features, int) or in_features <= 0:
+        raise ConfigError(f"{what}: in_features must be a positive integer, got {in_features!r}")
+    sizes = list(layer_sizes)
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+            raise ConfigError(f"{what}: layer_sizes[{i}] must be a positive integer, got {s!r} (in {sizes})")
+    return sizes
+
+
+def _relu_mlp(in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None) -> nn.Sequential:
+    """Linear + ReLU per entry of ``layer_sizes`` (ReLU after the last layer too)."""
+    layers: list[nn.Module] = []
+    width = in_features
+    for size in layer_sizes:
+        layers.append(init_linear_(nn.Linear(width, size, device=device)))
+        layers.append(nn.ReLU())
+        width = size
+    return nn.Sequential(*layers)
+
+
+def dense_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
+    """Every parameter of ``model`` except those of ``model.sparse_arch.embedding``.
+
+    The embedding tables are trained by their own sparse optimizer; everything else (MLPs, cross layers)
+    goes to a dense optimizer, and in data parallelism to the dense AllReduce.
+
+    Args:
+        model: a model with a ``sparse_arch.embedding`` submodule (``DLRM``, ``DCN``).
+
+    Returns:
+        Iterator[nn.Parameter]: the dense parameters, in ``model.parameters()`` order.
+    """
+    embedding_ids = {id(p) for p in model.sparse_arch.embedding.parameters()}
+    for p in model.parameters():
+        if id(p) not in embedding_ids:
+            yield p
+
+
+def _check_dense(dense: torch.Tensor, num_dense: int, sparse: JaggedFeatures) -> None:
+    if dense.dim() != 2 or dense.shape[1] != num_dense:
+        raise InputError(f"dense features: expected shape [B, {num_dense}], got {list(dense.shape)}")
+    if sparse.batch_size != dense.shape[0]:
+        raise InputError(
+            f"batch size mismatch: dense features have {dense.shape[0]} samples, "
+            f"sparse features {sparse.keys} have {sparse.batch_size}"
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# the arches
+
+
+class DenseArch(nn.Module):
+    """The bottom MLP of DLRM: dense features to one vector per sample (Naumov et al. 2019, section 2).
+
+    Every layer is Linear + ReLU, the last one included (as in the DLRM reference), so the output is the
+    non-negative "dense embedding" that takes part in the dot interaction. For DLRM the last layer's width
+    must equal the embedding dimension D.
+
+    Args:
+        in_features: number of dense features (13 for Criteo).
+        layer_sizes: widths of all layers, the last one included (OPER Table 1: ``[512, 256, 64, 16]``).
+        device: where to allocate the parameters (default: torch's default device).
+
+    Example::
+
+        >>> import torch
+        >>> dense_arch = DenseArch(13, [32, 16])
+        >>> dense_arch(torch.rand(4, 13)).shape
+        torch.Size([4, 16])
+    """
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+        super().__init__()
+        sizes = _check_sizes("DenseArch", in_features, layer_sizes)
+        if not sizes:
+            raise ConfigError("DenseArch: layer_sizes is empty; the last layer must produce the embedding dim")
+        self.in_features = in_features
+        self.out_features = sizes[-1]
+        self.model = _relu_mlp(in_features, sizes, device)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            features: dense features ``[B, in_features]``.
+
+        Returns:
+            torch.Tensor: ``[B, layer_sizes[-1]]``.
+        """
+        return self.model(features)
+
+
+class SparseArch(nn.Module):
+    """Pooled embedding lookups of every sparse feature, through any embedding module.
+
+    Wraps an embedding module (``forward(JaggedFeatures) -> [B, sum of feature dims]`` in the order of its
+    ``feature_names``) and reshapes its output to ``[B, F, D]`` for the DLRM dot interaction, or hands the
+    flat ``[B, sum of dims]`` to DCN (``pooled``). The wrapped module is ``self.embedding``.
+
+    Args:
+        embedding: the embedding module; must have a ``feature_names`` attribute.
+        feature_dims: the embedding dim of every feature, in ``embedding.feature_names`` order, or one int
+            when all features share it.
+
+    Example::
+
+        >>> import torch
+        >>> from embedscale.data.batch import JaggedFeatures
+        >>> from embedscale.embedding.local import LocalEmbeddingBags
+        >>> from embedscale.specs import TableSpec
+        >>> tables = [TableSpec("t1", num_rows=10, dim=4), TableSpec("t2", num_rows=20, dim=4)]
+        >>> sparse_arch = SparseArch(LocalEmbeddingBags(tables), feature_dims=4)
+        >>> # sample 0: t1 ids [0, 1], t2 ids [5]; sample 1: t1 ids [3], t2 ids [] (pools to zeros)
+        >>> features = JaggedFeatures.from_lists({"t1": [[0, 1], [3]], "t2": [[5], []]})
+        >>> sparse_arch(features).shape
+        torch.Size([2, 2, 4])
+    """
+
+    def __init__(self, embedding: nn.Module, feature_dims: int | Sequence[int]) -> None:
+        super().__init__()
+        names = getattr(embedding, "feature_names", None)
+        if names is None:
+            raise ConfigError(
+                f"SparseArch: the embedding module {type(embedding).__name__} has no `feature_names` attribute "
+                "(the order of the features in its output)"
+            )
+        names = list(names)
+        if not names:
+            raise ConfigError(f"SparseArch: the embedding module {type(embedding).__name__} has no features")
+        if isinstance(feature_dims, int):
+            dims = [feature_dims] * len(names)
+        else:
+            dims = list(feature_dims)
+            if len(dims) != len(names):
+                raise ConfigError(
+                    f"SparseArch: {len(dims)} feature dims for the {len(names)} features {names} of the embedding"
+                )
+        for name, d in zip(names, dims):
+            if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+                raise ConfigError(f"SparseArch: feature {name!r} has embedding dim {d!r}; must be a positive integer")
+        self.embedding = embedding
+        self.feature_names: list[str] = names
+        self.feature_dims: list[int] = dims
+        self.num_features = len(names)
+        self.out_features = sum(dims)
+        # One D shared by every feature, or None when dims differ (fine for DCN, not for the dot interaction).
+        self.embedding_dim: int | None = dims[0] if len(set(dims)) == 1 else None
+
+    def pooled(self, features: JaggedFeatures) -> torch.Tensor:
+        """
+        Args:
+            features: the sparse features of a batch of ``B`` samples.
+
+        Returns:
+            torch.Tensor: ``[B, sum of feature dims]``, features in ``feature_names`` order.
+        """
+        out = self.embedding(features)
+        expected = [features.batch_size, self.out_features]
+        if out.dim() != 2 or list(out.shape) != expected:
+            raise ConfigError(
+                f"SparseArch: the embedding module {type(self.embedding).__name__} returned shape {list(out.shape)}, "
+                f"expected {expected} for features {self.feature_names} with dims {self.feature_dims}"
+            )
+        return out
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        """
+        Args:
+            features: the sparse features of a batch of ``B`` samples.
+
+        Returns:
+            torch.Tensor: ``[B, F, D]`` pooled embeddings, features in ``feature_names`` order.
+        """
+        if self.embedding_dim is None:
+            raise ConfigError(
+                "SparseArch: features have different embedding dims "
+                f"{dict(zip(self.feature_names, self.feature_dims))}; [B, F, D] needs one shared D"
+            )
+        return self.pooled(features).view(-1, self.num_features, self.embedding_dim)
+
+
+class InteractionArch(nn.Module):
+    """DLRM's dot interaction (Naumov et al. 2019, section 2.1.3 / "interaction op" ``dot``).
+
+    Stacks the dense vector and the F pooled embeddings into F + 1 vectors of size D, takes the dot product
+    of every pair i < j (the strictly upper triangle of the Gram matrix, pairs in row-major order with the
+    dense vector as index 0: (0,1), (0,2), ..., (0,F), (1,2), ...), and concatenates the dense vector in
+    front: the output has ``D + (F + 1) F / 2`` columns.
+
+    Args:
+        num_sparse_features: F.
+        device: where to put the index buffer.
+
+    Example::
+
+        >>> import torch
+        >>> inter = InteractionArch(num_sparse_features=3)
+        >>> out = inter(torch.rand(5, 4), torch.rand(5, 3, 4))  # B=5, F=3, D=4
+        >>> out.shape  # 4 + (4 * 3) / 2
+        torch.Size([5, 10])
+    """
+
+    def __init__(self, num_sparse_features: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if isinstance(num_sparse_features, bool) or not isinstance(num_sparse_features, int) or num_sparse_features <= 0:
+            raise ConfigError(f"InteractionArch: num_sparse_features must be a positive integer, got {num_sparse_features!r}")
+        self.num_sparse_features = num_sparse_features
+        n = num_sparse_features + 1
+        self.register_buffer("triu_indices", torch.triu_indices(n, n, offset=1, device=device), persistent=False)
+
+    def output_dim(self, embedding_dim: int) -> int:
+        """Width of the output for embedding dim ``embedding_dim``: ``D + (F + 1) F / 2``."""
+        F = self.num_sparse_features
+        return embedding_dim + (F + 1) * F // 2
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            dense_features: bottom-MLP output ``[B, D]``.
+            sparse_features: pooled embeddings ``[B, F, D]``.
+
+        Returns:
+            torch.Tensor: ``[B, D + (F + 1) F / 2]``: the dense vector, then the pairwise dot products.
+        """
+        F = self.num_sparse_features
+        if dense_features.dim() != 2 or sparse_features.dim() != 3 or sparse_features.shape[1] != F \
+                or sparse_features.shape[0] != dense_features.shape[0] \
+                or sparse_features.shape[2] != dense_features.shape[1]:
+            raise InputError(
+                f"InteractionArch: expected dense [B, D] and sparse [B, {F}, D], got dense "
+                f"{list(dense_features.shape)} and sparse {list(sparse_features.shape)}"
+            )
+        vectors = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # [B, F+1, D]
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F+1, F+1]
+        pairs = gram[:, self.triu_indices[0], self.triu_indices[1]]
+        return torch.cat([dense_features, pairs], dim=1)
+
+
+class OverArch(nn.Module):
+    """The top MLP: hidden Linear + ReLU layers, then one linear layer to a single logit (no sigmoid).
+
+    Args:
+        in_features: width of the input (the interaction output for DLRM, the cross output for DCN).
+        layer_sizes: widths of the hidden layers (OPER Table 1: ``[512, 256]``); the logit layer is added.
+            May be empty (a logistic regression on the input).
+        device: where to allocate the parameters.
+
+    Example::
+
+        >>> import torch
+        >>> over_arch = OverArch(10, [8, 4])
+        >>> over_arch(torch.rand(3, 10)).shape
+        torch.Size([3, 1])
+    """
+
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+        super().__init__()
+        sizes = _check_sizes("OverArch", in_features, layer_sizes)
+        self.in_features = in_features
+        self.model = _relu_mlp(in_features, sizes, device)
+        self.model.append(init_linear_(nn.Linear(sizes[-1] if sizes else in_features, 1, device=device)))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            features: ``[B, in_features]``.
+
+        Returns:
+            torch.Tensor: logits ``[B, 1]``.
+        """
+        return self.model(features)
+
+
+class DLRM(nn.Module):
+    """DLRM (Naumov et al. 2019): bottom MLP, embedding lookups, dot interaction, top MLP.
+
+    ``logit = OverArch(InteractionArch(DenseArch(dense), SparseArch(sparse)))``. Every sparse feature must
+    have the embedding dim D of the bottom MLP's output, so that all F + 1 vectors can be dotted.
+
+    Args:
+        dense_in_features: number of dense features (13 for Criteo, 1 for Avazu).
+        embedding: the embedding module (``feature_names`` attribute, ``forward(JaggedFeatures) -> [B, F*D]``);
+            reachable afterwards as ``model.sparse_arch.embedding``.
+        embedding_dim: D, shared by every feature and the bottom MLP's last layer.
+        bottom_mlp: hidden widths of the bottom MLP; a last layer of width D is added (OPER Table 1:
+            512-256-64-D).
+        top_mlp: hidden widths of the top MLP; the logit layer is added (OPER Table 1: 512-256-1).
+        device: where to allocate the dense parameters (the embedding module is used as given).
+
+    Example::
+
+        >>> import torch
+        >>> from embedscale.data.batch import JaggedFeatures
+        >>> from embedscale.embedding.local import LocalEmbeddingBags
+        >>> from embedscale.specs import TableSpec
+        >>> tables = [TableSpec("t1", num_rows=10, dim=4), TableSpec("t2", num_rows=20, dim=4)]
+        >>> model = DLRM(13, LocalEmbeddingBags(tables), embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
+        >>> features = JaggedFeatures.from_lists({"t1": [[0, 1], [3]], "t2": [[5], [7]]})
+        >>> model(torch.rand(2, 13), features).shape
+        torch.Size([2])
+    """
+
+    def __init__(
+        self,
+        dense_in_features: int,
+        embedding: nn.Module,
+        embedding_dim: int,
+        bottom_mlp: Sequence[int] = (512, 256, 64),
+        top_mlp: Sequence[int] = (512, 256),
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.sparse_arch = SparseArch(embedding, embedding_dim)
+        self.dense_in_features = dense_in_features
+        self.embedding_dim = embedding_dim
+        self.dense_arch = DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
+        self.inter_arch = InteractionArch(self.sparse_arch.num_features, device=device)
+        self.over_arch = OverArch(self.inter_arch.output_dim(embedding_dim), list(top_mlp), device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
+        """
+        Args:
+            dense: dense features ``[B, dense_in_features]``.
+            sparse: sparse features of the same ``B`` samples.
+
+        Returns:
+            torch.Tensor: logits ``[B]`` (apply a sigmoid, or use ``BCEWithLogitsLoss``).
+        """
+        _check_dense(dense, self.dense_in_features, sparse)
+        dense_out = self.dense_arch(dense)
+        sparse_out = self.sparse_arch(sparse)
+        return self.over_arch(self.inter_arch(dense_out, sparse_out)).squeeze(-1)
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """All parameters but the embedding module's (for a separate dense optimizer)."""
+        return dense_parameters(self)

@@ -1,0 +1,252 @@
+"""The one flow, end to end: data -> profile -> build -> train/evaluate -> report.
+
+The CLI commands are thin wrappers over these functions, so what ``embedscale run`` does can be done
+step by step from Python as well.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from embedscale.data.loader import ShardLoader
+from embedscale.data.shards import MANIFEST, Manifest
+from embedscale.errors import ConfigError
+from embedscale.io import atomic_write_json, atomic_write_text
+from embedscale.specs import RunConfig, TableSpec, dump_config, to_dict
+
+
+@dataclass
+class Split:
+    """A row range ``[start, stop)`` of a shard directory."""
+
+    directory: Path
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class PreparedData:
+    train: Split
+    eval: Split | None
+    manifest: Manifest
+    teacher_auc: float = math.nan
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _file_identity(path: str) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data.path: file not found: {p}")
+    st = p.stat()
+    return {"path": str(p.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
+
+
+def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress: bool = True) -> PreparedData:
+    """Make (or reuse from the cache) the shard directories the run reads, and its train/eval split.
+
+    ``synthetic`` generates train samples ``[0, N)`` and eval samples ``[N, N+M)`` of one seeded stream;
+    raw ``criteo``/``avazu`` files are converted once and the last ``eval_fraction`` of rows is the eval
+    split (time order, as with real click logs); ``shards`` reads an existing directory.
+    """
+    d = cfg.data
+    cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
+    if d.source == "synthetic":
+        from embedscale.data.synthetic import generate_dataset
+
+        key = _fingerprint({"v": 1, "synthetic": to_dict(d.synthetic), "seed": d.seed, "train": d.train_samples,
+                            "eval": d.eval_samples})
+        base = cache_root / f"synthetic-{d.synthetic.preset}-{key}"
+        dirs = {}
+        for name, first, n in (("train", 0, d.train_samples), ("eval", d.train_samples, d.eval_samples)):
+            out = base / name
+            if n <= 0:
+                continue
+            if not (out / MANIFEST).exists():
+                _log(f"generating {n:,} synthetic {d.synthetic.preset} {name} samples into {out}")
+                generate_dataset(d.synthetic, out, n, seed=d.seed, first_sample=first, shard_rows=d.shard_rows,
+                                 progress=progress)
+            dirs[name] = out
+        m = Manifest.load(dirs["train"])
+        ev = Manifest.load(dirs["eval"]) if "eval" in dirs else None
+        return PreparedData(Split(dirs["train"], 0, m.rows), Split(dirs["eval"], 0, ev.rows) if ev else None, m,
+                            float(ev.extra.get("teacher_auc", math.nan)) if ev else math.nan)
+    if d.source in ("criteo", "avazu"):
+        key = _fingerprint({"v": 1, "src": d.source, "file": _file_identity(d.path), "cat": d.categorical,
+                            "rows": d.table_rows, "minf": d.min_frequency, "skip": d.skip_malformed})
+        out = cache_root / f"{d.source}-{key}"
+        if not (out / MANIFEST).exists():
+            _log(f"converting {d.path} ({d.source}) into {out}")
+            if d.source == "criteo":
+                from embedscale.data.criteo import convert_criteo as convert
+            else:
+                from embedscale.data.avazu import convert_avazu as convert
+            convert(d.path, out, categorical=d.categorical, table_rows=d.table_rows, min_frequency=d.min_frequency,
+                    shard_rows=d.shard_rows, skip_malformed=d.skip_malformed, progress=progress)
+        return _split_existing(out, d.eval_fraction)
+    if d.source == "shards":
+        if not d.path:
+            raise ConfigError("data.source is 'shards' but data.path is empty")
+        return _split_existing(Path(d.path), d.eval_fraction)
+    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, shards")
+
+
+def _split_existing(directory: Path, eval_fraction: float) -> PreparedData:
+    if not (0.0 <= eval_fraction < 1.0):
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+    m = Manifest.load(directory)
+    n_eval = int(round(m.rows * eval_fraction))
+    cut = m.rows - n_eval
+    return PreparedData(Split(directory, 0, cut), Split(directory, cut, m.rows) if n_eval else None, m)
+
+
+def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
+    """The model's tables: as configured, or one per sparse feature of the data (sized by the data).
+
+    A configured table that reads a feature the data does not have, or has fewer rows than the data's
+    ids need, is a ``ConfigError`` naming table and feature.
+    """
+    rows = {s.name: s.num_rows for s in manifest.sparse}
+    if not cfg.model.tables:
+        return [TableSpec(name=f"t_{s.name}", num_rows=s.num_rows, dim=cfg.model.embedding_dim, features=[s.name],
+                          pooling=cfg.model.pooling) for s in manifest.sparse]
+    seen = set()
+    for t in cfg.model.tables:
+        for f in t.features:
+            if f not in rows:
+                raise ConfigError(f"model.tables: table {t.name!r} reads feature {f!r}, which the data does not "
+                                  f"have (features: {', '.join(rows)})")
+            if rows[f] > t.num_rows:
+                raise ConfigError(f"model.tables: table {t.name!r} has {t.num_rows} rows but feature {f!r} "
+                                  f"has ids up to {rows[f] - 1}")
+            seen.add(f)
+    missing = [f for f in rows if f not in seen]
+    if missing:
+        raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
+    return list(cfg.model.tables)
+
+
+def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device):
+    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``."""
+    from embedscale.embedding.local import LocalEmbeddingBags
+    from embedscale.models import build_model
+
+    torch.manual_seed(cfg.train.seed)
+    t = cfg.train
+    embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
+                                   seed=t.seed)
+    model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
+    params = list(model.dense_parameters())
+    if t.dense_optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=t.lr_dense)
+    elif t.dense_optimizer == "adagrad":
+        opt = torch.optim.Adagrad(params, lr=t.lr_dense)
+    elif t.dense_optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=t.lr_dense)
+    else:
+        raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
+    return model, opt
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}"
+    n = 1
+    while path.exists():
+        path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}-{n}"
+        n += 1
+    path.mkdir(parents=True)
+    return path
+
+
+def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
+          progress: bool = True) -> dict:
+    """Train and evaluate as ``cfg`` says, writing config, metrics, plot and checkpoints into ``run_dir``."""
+    from embedscale.train.plots import plot_curves
+    from embedscale.train.trainer import Trainer
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = dump_config(cfg)
+    atomic_write_text(run_dir / "config.yaml", config_yaml)
+    data = data or prepare_data(cfg, progress=progress)
+    device = torch.device(cfg.train.device)
+    tables = tables_for(cfg, data.manifest)
+    model, opt = build(cfg, tables, data.manifest.num_dense, device)
+    t = cfg.train
+    train_loader = ShardLoader(data.train.directory, t.batch_size, start=data.train.start, stop=data.train.stop,
+                               prefetch=t.prefetch, device=device, drop_last=False)
+    eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
+                               stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
+    trainer = Trainer(model, opt, train_loader, eval_loader, run_dir, epochs=t.epochs, max_steps=t.max_steps,
+                      eval_every=t.eval_every, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
+                      config_yaml=config_yaml, progress=progress)
+    if resume and trainer.resume():
+        _log(f"resumed from step {trainer.step} in {run_dir / 'checkpoints'}")
+    summary = trainer.fit()
+    summary.update({"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
+                    "eval_rows": data.eval.rows if data.eval else 0, "run_dir": str(run_dir),
+                    "embedding_bytes": sum(tb.memory_bytes for tb in tables), "num_tables": len(tables)})
+    plot_curves(trainer.rows, run_dir / "curves.png", title=f"{cfg.model.arch} on {cfg.data.source}",
+                ceiling_auc=data.teacher_auc)
+    atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def profile(data: PreparedData, out_dir: str | Path, progress: bool = True):
+    """Per-row access counts of the training split (the planner's input), saved under ``out_dir``."""
+    from embedscale.data.profile import AccessProfile
+
+    prof = AccessProfile.from_shards(data.train.directory, progress=progress)
+    prof.save(out_dir)
+    return prof
+
+
+def run_main(cfg: RunConfig, progress: bool = True) -> dict:
+    """The README's main job: data, profile, train, evaluate, summary."""
+    t0 = time.perf_counter()
+    run_dir = new_run_dir(cfg)
+    _log(f"run directory: {run_dir}")
+    data = prepare_data(cfg, progress=progress)
+    prof = profile(data, run_dir / "profile", progress=progress)
+    summary = train(cfg, run_dir, data, resume=False, progress=progress)
+    summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
+    summary["wall_seconds"] = time.perf_counter() - t0
+    atomic_write_json(run_dir / "summary.json", summary)
+    return summary
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"run directory      {s.get('run_dir')}",
+        f"tables             {s.get('num_tables')} ({s.get('embedding_bytes', 0) / 2**20:,.1f} MiB of embeddings)",
+        f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
+        f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
+        f"train logloss      {s.get('train_logloss', math.nan):.5f}",
+        f"eval logloss       {s.get('eval_logloss', math.nan):.5f}",
+        f"eval AUC           {s.get('eval_auc', math.nan):.5f}"
+        + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
+    ]
+    if "wall_seconds" in s:
+        lines.append(f"wall time          {s['wall_seconds']:.1f} s")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,56 @@
+import pytest
+
+from embedscale.errors import ConfigError
+from embedscale.specs import RunConfig, TableSpec, dump_config, feature_to_table, from_dict, leaf_fields, load_config
+
+
+def test_defaults_round_trip_through_yaml(tmp_path):
+    cfg = RunConfig()
+    p = tmp_path / "c.yaml"
+    p.write_text(dump_config(cfg))
+    assert load_config(p) == cfg
+
+
+def test_overrides_beat_file_and_are_typed(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr_dense: 0.5\n  batch_size: 64\n")
+    cfg = load_config(p, {"train.batch_size": "128", "model.bottom_mlp": ["8", "4"]})
+    assert cfg.train.lr_dense == 0.5
+    assert cfg.train.batch_size == 128
+    assert cfg.model.bottom_mlp == [8, 4]
+
+
+def test_unknown_key_is_named(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr_dnese: 0.5\n")
+    with pytest.raises(ConfigError, match=r"train\.lr_dnese"):
+        load_config(p)
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"train\.batch_size"):
+        load_config(None, {"train.batch_size": "many"})
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml:\d+"):
+        load_config(p)
+
+
+def test_tables_from_yaml_and_validation():
+    cfg = from_dict(RunConfig, {"model": {"tables": [{"name": "a", "num_rows": 10, "features": ["f1", "f2"]}]}})
+    assert cfg.model.tables[0].features == ["f1", "f2"]
+    with pytest.raises(ConfigError, match="num_rows"):
+        TableSpec("x", 0)
+    with pytest.raises(ConfigError, match="pooling"):
+        TableSpec("x", 3, pooling="max")
+    with pytest.raises(ConfigError, match="'f'"):
+        feature_to_table([TableSpec("a", 3, features=["f"]), TableSpec("b", 3, features=["f"])])
+
+
+def test_every_leaf_is_a_flag():
+    names = {n for n, _, _ in leaf_fields()}
+    assert {"train.lr_dense", "data.synthetic.preset", "model.bottom_mlp"} <= names
+    assert not any(n.startswith("model.tables") for n in names)
