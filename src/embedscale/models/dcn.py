@@ -64,7 +64,8 @@ class CrossNet(nn.Module):
         self, in_features: int, num_layers: int, low_rank: int = 0, device: torch.device | str | None = None
     ) -> None:
         super().__init__()
-        for name, value, low in (("in_features", in_features, 1), ("num_layers", num_layers, 0), ("low_rank", low_rank, 0)):
+        checks = (("in_features", in_features, 1), ("num_layers", num_layers, 0), ("low_rank", low_rank, 0))
+        for name, value, low in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"CrossNet: {name} must be an integer >= {low}, got {value!r}")
         self.in_features = in_features

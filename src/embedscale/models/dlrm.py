@@ -144,7 +144,9 @@ class DenseArch(nn.Module):
         torch.Size([4, 16])
     """
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         sizes = _check_sizes("DenseArch", in_features, layer_sizes)
         if not sizes:
@@ -276,8 +278,9 @@ class InteractionArch(nn.Module):
 
     def __init__(self, num_sparse_features: int, device: torch.device | str | None = None) -> None:
         super().__init__()
-        if isinstance(num_sparse_features, bool) or not isinstance(num_sparse_features, int) or num_sparse_features <= 0:
-            raise ConfigError(f"InteractionArch: num_sparse_features must be a positive integer, got {num_sparse_features!r}")
+        F = num_sparse_features
+        if isinstance(F, bool) or not isinstance(F, int) or F <= 0:
+            raise ConfigError(f"InteractionArch: num_sparse_features must be a positive integer, got {F!r}")
         self.num_sparse_features = num_sparse_features
         n = num_sparse_features + 1
         self.register_buffer("triu_indices", torch.triu_indices(n, n, offset=1, device=device), persistent=False)
@@ -327,7 +330,9 @@ class OverArch(nn.Module):
         torch.Size([3, 1])
     """
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None
+    ) -> None:
         super().__init__()
         sizes = _check_sizes("OverArch", in_features, layer_sizes)
         self.in_features = in_features

@@ -1,0 +1,53 @@
+"""Collective transport: one ``all_to_all_single`` per exchange (gloo on CPU, NCCL on GPUs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from embedscale.comm.transport import Transport
+
+
+class CollectiveTransport(Transport):
+    """``Transport`` over ``torch.distributed.all_to_all_single`` with uneven splits.
+
+    Args:
+        rank, world_size: this rank and the group's size (default: from the default process group).
+        group: the process group (default: the world).
+    """
+
+    name = "collective"
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None, group=None):
+        super().__init__(dist.get_rank(group) if rank is None else rank,
+                         dist.get_world_size(group) if world_size is None else world_size)
+        self.group = group
+
+    def _exchange_counts(self, counts: list[int], device) -> list[int]:
+        send = torch.tensor(counts, dtype=torch.int64, device=device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        self.counter.meta += 2 * (self.world_size - 1) * 8
+        return recv.tolist()
+
+    def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
+                 kind: str = "data") -> list[torch.Tensor]:
+        W = self.world_size
+        if len(send) != W:
+            raise ValueError(f"exchange needs one tensor per rank ({W}), got {len(send)}")
+        ref = send[self.rank]
+        tail = tuple(ref.shape[1:])
+        device, dtype = ref.device, ref.dtype
+        counts = [int(t.shape[0]) for t in send]
+        if recv_counts is None:
+            recv_counts = self._exchange_counts(counts, device)
+        if W == 1:
+            return [send[0]]
+        flat_in = torch.cat([t.reshape(t.shape[0], *tail) for t in send]) if sum(counts) else \
+            torch.empty((0, *tail), dtype=dtype, device=device)
+        flat_out = torch.empty((sum(recv_counts), *tail), dtype=dtype, device=device)
+        dist.all_to_all_single(flat_out, flat_in.contiguous(), output_split_sizes=recv_counts,
+                               input_split_sizes=counts, group=self.group)
+        recv = list(torch.split(flat_out, recv_counts))
+        self._count(send, recv, kind)
+        return recv

@@ -1,0 +1,195 @@
+"""The all-in-one address map (OPER section 5.1): every row of every table -> (rank, offset).
+
+All tables share one global id space: row ``r`` of table ``t`` has global id ``table_base[t] + r``. Each
+rank holds one flat storage: first the rows it owns (``num_owned[rank]`` of them), then the replica rows
+it holds. For every global id the map says who owns it and at which offset, and whether it is replicated
+(its replica slot). ``fetch(rank, gids)`` decodes, for the rows a rank's mini-batch needs, the rank it
+reads each row from and the offset there: itself when it owns or holds a replica, else the plan's fetch
+rank for replicas (inference, Algorithm 1) or the owner.
+
+The map is built from any plan (OPER, table-wise, row-wise, TorchRec's, hand-written) in O(rows) numpy
+and lives in host memory, as in the paper; the executor never re-decides placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from embedscale.errors import ConfigError
+from embedscale.specs import TableSpec
+
+
+@dataclass
+class AddressMap:
+    """Per-row placement of all tables over ``world_size`` ranks.
+
+    Attributes:
+        world_size: ranks.
+        table_names: table order of the global id space.
+        table_base: int64 ``[T + 1]``: global id of each table's row 0 (and the total).
+        owner: int32 ``[G]`` owner rank of every global id.
+        owner_offset: int64 ``[G]`` offset in the owner's owned storage.
+        replica_slot: int64 ``[G]``: replica slot or -1.
+        replica_gid: int64 ``[S]`` global id of every slot.
+        replica_local: int64 ``[S, W]``: index of slot ``s`` in rank ``w``'s replica region, or -1.
+        replica_fetch: int64 ``[S, W]``: the rank ``w`` reads slot ``s`` from.
+    """
+
+    world_size: int
+    table_names: list[str]
+    table_base: np.ndarray
+    owner: np.ndarray
+    owner_offset: np.ndarray
+    replica_slot: np.ndarray
+    replica_gid: np.ndarray
+    replica_local: np.ndarray
+    replica_fetch: np.ndarray
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def build(cls, tables: list[TableSpec], world_size: int, owner: list[np.ndarray],
+              replicas: list[np.ndarray] | None = None, replica_holders: np.ndarray | None = None,
+              replica_fetch: np.ndarray | None = None) -> "AddressMap":
+        """From per-table owner arrays and optional replicas.
+
+        Args:
+            owner: per table, int ``[num_rows]`` owner rank of every row.
+            replicas: per table, the rows that are replicated (global slot order = table order, then
+                the order given).
+            replica_holders: bool ``[S, W]`` which ranks hold each slot (default: every rank, as for
+                training-time data parallelism, OPER 4.3).
+            replica_fetch: int ``[S, W]`` the rank each rank reads each slot from (default: itself if it
+                holds the slot, else the owner).
+
+        Owned offsets are assigned in global id order per rank, so any two ranks agree on them.
+        """
+        W = int(world_size)
+        if len(owner) != len(tables):
+            raise ConfigError(f"address map: {len(owner)} owner arrays for {len(tables)} tables")
+        sizes = np.array([t.num_rows for t in tables], dtype=np.int64)
+        base = np.zeros(len(tables) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=base[1:])
+        own = np.empty(base[-1], dtype=np.int32)
+        for t, (spec, o) in enumerate(zip(tables, owner)):
+            o = np.asarray(o)
+            if o.shape != (spec.num_rows,):
+                raise ConfigError(f"address map: table {spec.name!r}: owner array of shape {o.shape}, "
+                                  f"expected ({spec.num_rows},)")
+            if o.size and (o.min() < 0 or o.max() >= W):
+                bad = int(np.flatnonzero((o < 0) | (o >= W))[0])
+                raise ConfigError(f"address map: table {spec.name!r} row {bad}: owner rank {int(o[bad])} "
+                                  f"outside world size {W}")
+            own[base[t]:base[t + 1]] = o
+        if replicas is not None and any(len(r) for r in replicas):
+            gids = np.concatenate([base[t] + np.asarray(r, dtype=np.int64) for t, r in enumerate(replicas)])
+            if np.unique(gids).size != gids.size:
+                raise ConfigError("address map: a row is listed as replicated twice")
+            if gids.size and (gids.min() < 0 or (np.concatenate([np.asarray(r) for r in replicas]) < 0).any()):
+                raise ConfigError("address map: negative replicated row id")
+        else:
+            gids = np.zeros(0, dtype=np.int64)
+        S = gids.size
+        slot = np.full(base[-1], -1, dtype=np.int64)
+        slot[gids] = np.arange(S)
+        holders = np.ones((S, W), dtype=bool) if replica_holders is None else np.array(replica_holders, bool)
+        if holders.shape != (S, W):
+            raise ConfigError(f"address map: replica_holders has shape {holders.shape}, expected {(S, W)}")
+        holders[np.arange(S), own[gids]] = True  # a replicated row's owner is one of its holders
+        # the owned region holds the rows a rank owns that are not replicated, in global id order;
+        # a replicated row lives in the replica region of each holder (its owner included)
+        plain = slot < 0
+        key = np.where(plain, own, W)  # replicated rows sort after every rank's owned rows
+        order = np.argsort(key, kind="stable")
+        counts = np.bincount(key, minlength=W + 1).astype(np.int64)
+        starts = np.zeros(W + 1, dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        offset = np.empty(base[-1], dtype=np.int64)
+        offset[order] = np.arange(base[-1], dtype=np.int64) - np.repeat(starts, counts)
+        local = np.where(holders, np.cumsum(holders, axis=0) - 1, -1).astype(np.int64)
+        num_owned = counts[:W]
+        # a replicated row's "owner offset" is its place in the owner's replica region
+        offset[gids] = num_owned[own[gids]] + local[np.arange(S), own[gids]]
+        if replica_fetch is None:
+            fetch = np.where(holders, np.arange(W)[None, :], own[gids][:, None]).astype(np.int64)
+        else:
+            fetch = np.asarray(replica_fetch, dtype=np.int64)
+            if fetch.shape != (S, W):
+                raise ConfigError(f"address map: replica_fetch has shape {fetch.shape}, expected {(S, W)}")
+            if S and (fetch.min() < 0 or fetch.max() >= W):
+                raise ConfigError(f"address map: replica_fetch names a rank outside world size {W}")
+            src_holds = holders[np.arange(S)[:, None], fetch]
+            if not src_holds.all():
+                s_, w_ = np.argwhere(~src_holds)[0]
+                raise ConfigError(f"address map: rank {w_} fetches replica slot {s_} (global row "
+                                  f"{gids[s_]}) from rank {fetch[s_, w_]}, which does not hold it")
+        return cls(W, [t.name for t in tables], base, own, offset, slot, gids, local, fetch)
+
+    # -- queries --------------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return int(self.table_base[-1])
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.replica_gid.size)
+
+    def num_owned(self) -> np.ndarray:
+        """Rows of each rank's owned region (owned and not replicated)."""
+        plain = self.replica_slot < 0
+        return np.bincount(self.owner[plain], minlength=self.world_size).astype(np.int64)
+
+    def num_replicas_held(self) -> np.ndarray:
+        return (self.replica_local >= 0).sum(0).astype(np.int64)
+
+    def storage_rows(self, rank: int) -> int:
+        return int(self.num_owned()[rank] + self.num_replicas_held()[rank])
+
+    def owned_gids(self, rank: int) -> np.ndarray:
+        """Global ids of rank ``rank``'s owned region (owned, not replicated), in storage order."""
+        g = np.flatnonzero((self.owner == rank) & (self.replica_slot < 0))
+        return g[np.argsort(self.owner_offset[g], kind="stable")]
+
+    def replica_gids_on(self, rank: int) -> np.ndarray:
+        """Global ids of the replicas rank ``rank`` holds, in its replica-region order."""
+        held = np.flatnonzero(self.replica_local[:, rank] >= 0)
+        return self.replica_gid[held[np.argsort(self.replica_local[held, rank])]]
+
+    def storage_gids(self, rank: int) -> np.ndarray:
+        """Global id of every row of rank ``rank``'s flat storage (owned, then replicas)."""
+        return np.concatenate([self.owned_gids(rank), self.replica_gids_on(rank)])
+
+    def fetch(self, rank: int, gids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For each global id: (rank it is read from, offset in that rank's storage, replica slot or -1)."""
+        slot = self.replica_slot[gids]
+        src = self.owner[gids].astype(np.int64)
+        off = self.owner_offset[gids].copy()
+        rep = slot >= 0
+        if rep.any():
+            s = slot[rep]
+            f = self.replica_fetch[s, rank]
+            src[rep] = f
+            off[rep] = self.num_owned()[f] + self.replica_local[s, f]
+        return src, off, slot
+
+
+class TorchAddressMap:
+    """The same map as torch tensors on the host, for fast per-batch decoding inside the lookup."""
+
+    def __init__(self, amap: AddressMap, rank: int):
+        self.amap = amap
+        self.rank = rank
+        self.table_base = torch.from_numpy(amap.table_base)
+        # the decoded (src, offset, slot) of every gid, from this rank's point of view
+        src, off, slot = amap.fetch(rank, np.arange(amap.num_rows))
+        self.src = torch.from_numpy(src.astype(np.int32))
+        self.off = torch.from_numpy(off)
+        self.slot = torch.from_numpy(slot)
+        self.num_owned = torch.from_numpy(amap.num_owned())
+        self.replica_local = torch.from_numpy(amap.replica_local[:, rank].copy()) if amap.num_slots else \
+            torch.zeros(0, dtype=torch.int64)
+
+    def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.src[gids].long(), self.off[gids], self.slot[gids]

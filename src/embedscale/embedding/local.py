@@ -1,0 +1,716 @@
+"""All embedding tables of one rank in one flat storage, one fused lookup, fused sparse optimizers.
+
+``LocalEmbeddingBags`` is embedscale's counterpart of FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen``
+(TBE) and of TorchRec's ``EmbeddingBagCollection`` with a fused optimizer, written with plain PyTorch ops
+so the same code runs on every device:
+
+* **One storage.** Every table lives in one 1-D tensor ``weights`` (an ``nn.Parameter`` only when
+  ``optimizer=None``, otherwise a buffer). Tables are grouped by ``dim`` (TorchRec groups tables the same
+  way before handing them to TBE); each *dim group* is a contiguous ``[group_rows, dim]`` slice of the
+  storage with its tables stacked in the order given. A table's *flat row offset* is the index of its
+  row 0 in its group (:meth:`row_offset`), so ``flat row = row_offset(table) + row``: the address space
+  of OPER's all-in-one, address-mapped embedding. With one ``dim`` (the usual case) there is one group
+  and one flat row space for all tables.
+* **One fused lookup** per dim group for all its features: the input ids are shifted by the per-feature
+  row offset and pooled by a single ``torch.nn.functional.embedding_bag`` (one-hot batches: a single
+  ``index_select``) over the group's storage. Several features may share a table (``TableSpec.features``).
+  Bags are ordered sample-major, so the result is directly ``[B, sum of feature dims]``.
+* **Fused sparse optimizers** (FBGEMM's "fused" TBE): when ``optimizer`` is ``"sgd"`` or
+  ``"rowwise_adagrad"`` the lookup is a custom ``torch.autograd.Function`` whose backward sums the
+  gradient per unique looked-up row and updates those rows in place during ``loss.backward()``
+  (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
+  ever built and the weights never get a ``.grad``; do not call ``backward`` twice through the same
+  lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
+* ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
+  data-parallel tables, tests).
+
+Pooling per table (``TableSpec.pooling``): ``sum``; ``mean`` (the sum divided by the bag length, an empty
+bag gives zeros; with per-sample weights it is the weighted sum divided by the length); ``none``
+(unpooled sequences, returned by :meth:`lookup_sequences`, not by :meth:`forward`). Per-sample weights
+(``JaggedFeatures.weights``) multiply each looked-up row before pooling (TorchRec's weighted features).
+
+Initialisation (``init="uniform"``): every row of a table with ``n`` rows is drawn from
+``U(-1/sqrt(n), 1/sqrt(n))`` as in the DLRM reference (``dlrm_s_pytorch.py`` ``create_emb``).
+
+Input validation (``validate=True``, the default) costs one vectorised min/max check per lookup and
+raises :class:`embedscale.errors.InputError` naming the feature, table and offending row id; turn it off
+(``validate=False`` or the attribute) in speed-critical inner loops whose ids are already checked.
+
+Example::
+
+    >>> import torch
+    >>> from embedscale.specs import TableSpec
+    >>> from embedscale.data.batch import JaggedFeatures
+    >>> from embedscale.embedding.local import LocalEmbeddingBags
+    >>> ebc = LocalEmbeddingBags([TableSpec("user", 100, 8), TableSpec("item", 50, 8, features=["a", "b"])],
+    ...                          optimizer="rowwise_adagrad", lr=0.1, seed=0)
+    >>> jf = JaggedFeatures.from_dense(["user", "a", "b"], torch.tensor([[1, 2, 3], [4, 5, 5]]))
+    >>> out = ebc(jf)                      # [2, 24]: user | a | b
+    >>> out.sum().backward()               # rows 1, 4 of user and 2, 3, 5 of item are updated in place
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.optim import (
+    OPTIMIZERS,
+    aggregate_row_gradients,
+    rowwise_adagrad_update_,
+    sgd_update_,
+)
+from embedscale.errors import ConfigError, InputError
+from embedscale.specs import TableSpec, feature_to_table
+
+
+@dataclass(frozen=True)
+class DimGroup:
+    """Tables of one ``dim``: a contiguous ``[num_rows, dim]`` slice of the flat storage.
+
+    ``elem_offset`` is the slice's first element in ``weights``; ``state_offset`` its first row in the
+    per-row optimizer state; ``tables`` indexes ``LocalEmbeddingBags.tables``; ``pooled`` and
+    ``sequence`` index ``feature_names`` and ``sequence_feature_names``.
+    """
+
+    index: int
+    dim: int
+    tables: tuple[int, ...]
+    num_rows: int
+    elem_offset: int
+    state_offset: int
+    pooled: tuple[int, ...]
+    sequence: tuple[int, ...]
+
+
+@dataclass
+class _BagPlan:
+    """One dim group's share of a lookup, sample-major: ``rows`` are flat rows in the group."""
+
+    rows: torch.Tensor  # int64 [n]
+    offsets: torch.Tensor | None  # int64 [num_bags + 1]; None = one value per bag (one-hot)
+    scale: torch.Tensor | None  # [n] per-value factor (per-sample weight, 1/length for mean) or None
+    bag: torch.Tensor | None  # int64 [n] bag of each value; None = arange (one-hot)
+    num_bags: int
+    width: int  # output columns of this group per sample (features x dim)
+
+
+@dataclass
+class _KeyPlan:
+    """Where the module's features sit in one input key order (cached per key tuple)."""
+
+    pooled_pos: list[list[int]]  # per group: input positions of its pooled features
+    pooled_all: list[bool]  # per group: its pooled features are exactly the input keys, in order
+    sequence_pos: list[list[int]]
+    missing_pooled: list[str]
+    missing_sequence: list[str]
+
+
+class _FusedPooledLookup(torch.autograd.Function):
+    """Pooled lookup whose backward applies the module's sparse optimizer in place (fused TBE)."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, groups, plans, batch_size, col_perm):  # noqa: ARG004
+        ctx.module, ctx.groups, ctx.plans, ctx.col_perm = module, groups, plans, col_perm
+        return module._pool(groups, plans, batch_size, col_perm, module._group_weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        module, groups, plans = ctx.module, ctx.groups, ctx.plans
+        if ctx.col_perm is not None:
+            grad_out = grad_out.index_select(1, torch.argsort(ctx.col_perm))
+        start = 0
+        with torch.no_grad():
+            for g, plan in zip(groups, plans):
+                grad_bags = grad_out[:, start:start + plan.width].reshape(plan.num_bags, g.dim)
+                start += plan.width
+                module._fused_update(g, plan.rows, grad_bags, plan.bag, plan.scale)
+        return None, None, None, None, None, None
+
+
+class _FusedRowLookup(torch.autograd.Function):
+    """Unpooled row lookup (sequences) whose backward applies the sparse optimizer in place."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, group, rows):  # noqa: ARG004
+        ctx.module, ctx.group, ctx.rows = module, group, rows
+        return module._group_weight(group).index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        with torch.no_grad():
+            ctx.module._fused_update(ctx.group, ctx.rows, grad_rows, None, None)
+        return None, None, None, None
+
+
+class LocalEmbeddingBags(nn.Module):
+    """Embedding tables in one flat storage with one fused lookup and a fused sparse optimizer.
+
+    Args:
+        tables: the tables; their features, in this order, are the output columns.
+        device: where the storage lives (default: torch's default device).
+        dtype: storage dtype (float32 default). Optimizer state is always float32.
+        optimizer: ``"sgd"`` (FBGEMM ``EXACT_SGD``), ``"rowwise_adagrad"`` (``EXACT_ROWWISE_ADAGRAD``),
+            or ``None`` for a dense ``nn.Parameter`` trained by an outside torch optimizer.
+        lr: learning rate of the fused optimizer (the attribute ``lr`` may be changed between steps).
+        eps: Adagrad epsilon, added to ``sqrt(state)``.
+        init: ``"uniform"`` (``U(-1/sqrt(num_rows), 1/sqrt(num_rows))`` per table, DLRM reference) or a
+            callable ``init(spec, weight_view)`` filling the ``[num_rows, dim]`` view in place.
+        seed: seed of the initialisation (a ``torch.Generator`` on ``device``); ``None`` uses the
+            global RNG.
+        validate: check every lookup's ids (one vectorised min/max per call); see the module docstring.
+
+    Attributes:
+        feature_names: pooled features in output order; ``forward`` returns ``[B, sum(feature_dims)]``.
+        feature_dims: dim of each pooled feature.
+        sequence_feature_names: features of ``pooling="none"`` tables (:meth:`lookup_sequences`).
+        groups: the :class:`DimGroup` layout of the storage.
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        optimizer: str | None = "sgd",
+        lr: float = 0.01,
+        eps: float = 1e-8,
+        init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
+        seed: int | None = None,
+        validate: bool = True,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ConfigError("LocalEmbeddingBags: no tables")
+        if optimizer is not None and optimizer not in OPTIMIZERS:
+            raise ConfigError(f"LocalEmbeddingBags: optimizer {optimizer!r} is not one of {OPTIMIZERS} or None")
+        for spec in tables:
+            if spec.compression != "none":
+                raise ConfigError(
+                    f"table {spec.name!r}: compression {spec.compression!r} is not stored by "
+                    "LocalEmbeddingBags (tensor-train tables live in embedscale.embedding.tt)"
+                )
+        feature_to_table(tables)  # raises on repeated tables or features
+        device = torch.device(device) if device is not None else torch.get_default_device()
+        self.tables = list(tables)
+        self.table_names = [t.name for t in tables]
+        self._table_index = {t.name: i for i, t in enumerate(tables)}
+        self.optimizer = optimizer
+        self.lr = float(lr)
+        self.eps = float(eps)
+        self.dtype = dtype
+        self.validate = validate
+
+        self.feature_names: list[str] = []
+        self.feature_dims: list[int] = []
+        self.sequence_feature_names: list[str] = []
+        self._feature_table: dict[str, int] = {}
+        self._feature_kind: dict[str, tuple[str, int]] = {}
+        for t, spec in enumerate(tables):
+            for f in spec.features:
+                self._feature_table[f] = t
+                if spec.pooling == "none":
+                    self._feature_kind[f] = ("sequence", len(self.sequence_feature_names))
+                    self.sequence_feature_names.append(f)
+                else:
+                    self._feature_kind[f] = ("pooled", len(self.feature_names))
+                    self.feature_names.append(f)
+                    self.feature_dims.append(spec.dim)
+
+        # Layout: dim groups in order of first appearance, tables stacked in the given order.
+        dims = list(dict.fromkeys(t.dim for t in tables))
+        self._row_offset: list[int] = [0] * len(tables)
+        self._table_group: list[int] = [0] * len(tables)
+        groups: list[DimGroup] = []
+        elem = state = 0
+        for gi, d in enumerate(dims):
+            members = tuple(i for i, t in enumerate(tables) if t.dim == d)
+            rows = 0
+            for i in members:
+                self._row_offset[i] = rows
+                self._table_group[i] = gi
+                rows += tables[i].num_rows
+            pooled = tuple(p for p, f in enumerate(self.feature_names) if tables[self._feature_table[f]].dim == d)
+            seq = tuple(p for p, f in enumerate(self.sequence_feature_names)
+                        if tables[self._feature_table[f]].dim == d)
+            groups.append(DimGroup(gi, d, members, rows, elem, state, pooled, seq))
+            elem += rows * d
+            state += rows
+        self.groups = groups
+
+        # Output columns come group by group from the lookup; permute them to feature order if needed.
+        group_cols = []
+        col = [0]
+        for p, d in enumerate(self.feature_dims):
+            col.append(col[-1] + d)
+        for g in groups:
+            for p in g.pooled:
+                group_cols.extend(range(col[p], col[p + 1]))
+        # out[:, j] = grouped[:, perm[j]]
+        perm = [0] * len(group_cols)
+        for pos, c in enumerate(group_cols):
+            perm[c] = pos
+        identity = perm == list(range(len(perm)))
+
+        storage = torch.empty(elem, device=device, dtype=dtype)
+        if optimizer is None:
+            self.weights = nn.Parameter(storage)
+        else:
+            self.register_buffer("weights", storage, persistent=False)
+        if optimizer == "rowwise_adagrad":
+            self.register_buffer("momentum", torch.zeros(state, device=device, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.momentum = None
+        self.register_buffer("_col_perm", None if identity else torch.tensor(perm, device=device),
+                             persistent=False)
+        for g in groups:
+            def tab(features, names):
+                ts = [self._feature_table[names[p]] for p in features]
+                return ([self._row_offset[t] for t in ts], [tables[t].num_rows for t in ts],
+                        [tables[t].pooling == "mean" for t in ts])
+            off, lim, mean = tab(g.pooled, self.feature_names)
+            self.register_buffer(f"_g{g.index}_row_off", torch.tensor(off, dtype=torch.int64, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_g{g.index}_limit", torch.tensor(lim, dtype=torch.int64, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_g{g.index}_mean", torch.tensor(mean, dtype=torch.bool, device=device),
+                                 persistent=False)
+            soff, slim, _ = tab(g.sequence, self.sequence_feature_names)
+            self.register_buffer(f"_g{g.index}_seq_row_off",
+                                 torch.tensor(soff, dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer(f"_g{g.index}_seq_limit",
+                                 torch.tensor(slim, dtype=torch.int64, device=device), persistent=False)
+        self._group_has_mean = [any(tables[self._feature_table[self.feature_names[p]]].pooling == "mean"
+                                    for p in g.pooled) for g in groups]
+        self._key_plans: dict[tuple[str, ...], _KeyPlan] = {}
+        self.register_buffer("_arange", None, persistent=False)
+        self.reset_parameters(init, seed)
+
+    # -- initialisation, layout, views -----------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
+                         seed: int | None = None) -> None:
+        """(Re)initialise every table (see the class docstring) and zero the optimizer state."""
+        if not callable(init) and init != "uniform":
+            raise ConfigError(f"LocalEmbeddingBags: init {init!r} is not 'uniform' or a callable")
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.weights.device)
+            gen.manual_seed(int(seed))
+        for spec in self.tables:
+            w = self.table_weight(spec.name)
+            if callable(init):
+                init(spec, w)
+            else:
+                bound = 1.0 / spec.num_rows ** 0.5
+                w.uniform_(-bound, bound, generator=gen)
+        if self.momentum is not None:
+            self.momentum.zero_()
+
+    def _group_weight(self, g: DimGroup) -> torch.Tensor:
+        return self.weights.narrow(0, g.elem_offset, g.num_rows * g.dim).view(g.num_rows, g.dim)
+
+    def _group_momentum(self, g: DimGroup) -> torch.Tensor:
+        return self.momentum.narrow(0, g.state_offset, g.num_rows)
+
+    def _table(self, table: str) -> int:
+        try:
+            return self._table_index[table]
+        except KeyError:
+            raise InputError(f"table {table!r} is not in this module; tables: {self.table_names}") from None
+
+    def row_offset(self, table: str) -> int:
+        """Flat row of the table's row 0 in its dim group (``flat row = row_offset + row``)."""
+        return self._row_offset[self._table(table)]
+
+    def group_of(self, table: str) -> DimGroup:
+        """The :class:`DimGroup` that stores ``table``."""
+        return self.groups[self._table_group[self._table(table)]]
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """``[num_rows, dim]`` view of table ``name`` in the flat storage (writes go to the module)."""
+        t = self._table(name)
+        spec = self.tables[t]
+        g = self.groups[self._table_group[t]]
+        w = self._group_weight(g).narrow(0, self._row_offset[t], spec.num_rows)
+        return w.detach() if self.optimizer is None else w
+
+    def table_momentum(self, name: str) -> torch.Tensor:
+        """``[num_rows]`` float32 view of the row-wise Adagrad state of table ``name``."""
+        if self.momentum is None:
+            raise ConfigError(f"optimizer {self.optimizer!r} keeps no per-row state")
+        t = self._table(name)
+        g = self.groups[self._table_group[t]]
+        return self._group_momentum(g).narrow(0, self._row_offset[t], self.tables[t].num_rows)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    @property
+    def output_dim(self) -> int:
+        return sum(self.feature_dims)
+
+    @property
+    def num_parameters(self) -> int:
+        """Embedding values stored (sum of ``num_rows * dim``)."""
+        return self.weights.numel()
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of weights plus optimizer state."""
+        n = self.weights.numel() * self.weights.element_size()
+        if self.momentum is not None:
+            n += self.momentum.numel() * self.momentum.element_size()
+        return n
+
+    def extra_repr(self) -> str:
+        return (f"tables={len(self.tables)}, features={len(self.feature_names)}+"
+                f"{len(self.sequence_feature_names)} seq, dims={[g.dim for g in self.groups]}, "
+                f"rows={sum(t.num_rows for t in self.tables)}, optimizer={self.optimizer}, lr={self.lr}")
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum(feature_dims)]``, columns in ``feature_names`` order.
+
+        ``features`` must hold every pooled feature (any key order); keys of sequence features are
+        ignored here; an unknown key is an error.
+        """
+        kp = self._key_plan(features.keys)
+        if kp.missing_pooled:
+            raise InputError(
+                f"got {len(features.keys)} features {features.keys}, expected the {len(self.feature_names)} "
+                f"pooled features {self.feature_names}: missing {kp.missing_pooled}"
+            )
+        B = features.batch_size
+        groups, plans = self._pooled_plans(features, kp)
+        return self._run_pooled(groups, plans, B, self._col_perm)
+
+    def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
+        """``{feature: [B, dim]}`` column views of :meth:`forward`."""
+        out = self.forward(features)
+        return dict(zip(self.feature_names, torch.split(out, self.feature_dims, dim=1)))
+
+    def lookup_sequences(self, features: JaggedFeatures) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Unpooled rows of the ``pooling="none"`` features: ``{feature: (rows [n, dim], lengths [B])}``.
+
+        ``rows`` holds the looked-up rows of all samples, sample after sample (jagged, lengths as
+        given). Gradients flow through the fused optimizer (or dense autograd with ``optimizer=None``).
+        """
+        kp = self._key_plan(features.keys)
+        if kp.missing_sequence:
+            raise InputError(
+                f"got {len(features.keys)} features {features.keys}, expected the sequence features "
+                f"{self.sequence_feature_names}: missing {kp.missing_sequence}"
+            )
+        B = features.batch_size
+        F_in = len(features.keys)
+        lengths2d = features.lengths.view(F_in, B)
+        per_key = torch.split(features.values, lengths2d.sum(1).tolist())
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for g, pos in zip(self.groups, kp.sequence_pos):
+            if not pos:
+                continue
+            values = torch.cat([per_key[p] for p in pos]) if len(pos) > 1 else per_key[pos[0]]
+            lengths = lengths2d[pos]
+            names = [self.sequence_feature_names[p] for p in g.sequence]
+            row_off = getattr(self, f"_g{g.index}_seq_row_off")
+            limit = getattr(self, f"_g{g.index}_seq_limit")
+            rows, _, lpk = self._flat_rows_key_major(values, lengths, row_off, limit, names, B)
+            emb = self._lookup_rows_autograd(g, rows)
+            for name, e, n in zip(names, torch.split(emb, lpk.tolist()), lengths):
+                out[name] = (e, n)
+        return out
+
+    def lookup_rows(self, rows: torch.Tensor, table: str | None = None, *, dim: int | None = None) -> torch.Tensor:
+        """Copy of rows ``[n, dim]`` without autograd: table-local rows of ``table``, or flat rows.
+
+        Flat rows address the dim group of ``dim`` (may be omitted when there is one group). For the
+        sharded embedding: a rank serving rows to others.
+        """
+        g, flat = self._resolve_rows(rows, table, dim)
+        with torch.no_grad():
+            return self._group_weight(g).index_select(0, flat)
+
+    def lookup_bags(self, rows: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None,
+                    *, dim: int | None = None) -> torch.Tensor:
+        """Sum-pooled bags ``[len(offsets) - 1, dim]`` of flat rows, with the fused optimizer in backward.
+
+        ``offsets`` has ``num_bags + 1`` entries (``include_last_offset`` layout of ``embedding_bag``).
+        The building block for a sharded module that pools locally-owned rows of remote samples.
+        """
+        g, flat = self._resolve_rows(rows, None, dim)
+        nb = offsets.numel() - 1
+        scale = None if per_sample_weights is None else per_sample_weights.to(self.dtype)
+        bag = None
+        if self.optimizer is not None:
+            bag = torch.repeat_interleave(torch.arange(nb, device=flat.device), offsets.diff(),
+                                          output_size=flat.numel())
+        plan = _BagPlan(flat, offsets, scale, bag, nb, nb * g.dim)
+        return self._run_pooled([g], [plan], 1, None).view(nb, g.dim)
+
+    # -- fused optimizer entry point for remote gradients -------------------------------------------
+    @torch.no_grad()
+    def apply_row_gradients(self, rows: torch.Tensor, grads: torch.Tensor, table: str | None = None) -> None:
+        """Apply the fused optimizer to gradient rows ``grads [n, dim]`` of ``rows`` (repeats are summed).
+
+        ``rows`` are table-local when ``table`` is given, else flat rows of the dim group of
+        ``grads.shape[1]``. This is the same update the backward of :meth:`forward` applies, for a
+        module that receives row gradients from other ranks.
+        """
+        if self.optimizer is None:
+            raise ConfigError("apply_row_gradients needs a fused optimizer (optimizer is None)")
+        if grads.dim() != 2 or grads.shape[0] != rows.numel():
+            raise InputError(f"apply_row_gradients: grads of shape {tuple(grads.shape)} for {rows.numel()} rows")
+        g, flat = self._resolve_rows(rows, table, grads.shape[1])
+        if g.dim != grads.shape[1]:
+            raise InputError(f"apply_row_gradients: grads have dim {grads.shape[1]}, table {table!r} has {g.dim}")
+        self._fused_update(g, flat, grads, None, None)
+
+    # -- internals --------------------------------------------------------------------------------
+    def _resolve_rows(self, rows: torch.Tensor, table: str | None, dim: int | None) -> tuple[DimGroup, torch.Tensor]:
+        rows = rows.reshape(-1).to(torch.int64)
+        if table is not None:
+            t = self._table(table)
+            g = self.groups[self._table_group[t]]
+            limit, base, what = self.tables[t].num_rows, self._row_offset[t], f"table {table!r}"
+        else:
+            cands = [g for g in self.groups if dim is None or g.dim == dim]
+            if len(cands) != 1:
+                raise InputError(f"flat rows need a dim naming one dim group; dims here: "
+                                 f"{[g.dim for g in self.groups]}, got dim={dim}")
+            g = cands[0]
+            limit, base, what = g.num_rows, 0, f"dim-{g.dim} group (flat rows)"
+        if self.validate and rows.numel():
+            lo, hi = torch.aminmax(rows)
+            lo, hi = int(lo), int(hi)
+            if lo < 0 or hi >= limit:
+                bad = lo if lo < 0 else hi
+                raise InputError(f"{what}: row {bad} is outside [0, {limit})")
+        return g, (rows + base if base else rows)
+
+    def _key_plan(self, keys: list[str]) -> _KeyPlan:
+        key = tuple(keys)
+        kp = self._key_plans.get(key)
+        if kp is not None:
+            return kp
+        pos: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            if k not in self._feature_kind:
+                raise InputError(
+                    f"feature {k!r} is not read by any table here; known features: "
+                    f"{self.feature_names + self.sequence_feature_names}"
+                )
+            if k in pos:
+                raise InputError(f"feature {k!r} appears twice in the input keys")
+            pos[k] = i
+        pooled_pos, pooled_all, seq_pos = [], [], []
+        for g in self.groups:
+            pp = [pos[self.feature_names[p]] for p in g.pooled if self.feature_names[p] in pos]
+            pooled_pos.append(pp)
+            pooled_all.append(pp == list(range(len(keys))))
+            seq_pos.append([pos[self.sequence_feature_names[p]] for p in g.sequence
+                            if self.sequence_feature_names[p] in pos])
+        kp = _KeyPlan(pooled_pos, pooled_all, seq_pos,
+                      [f for f in self.feature_names if f not in pos],
+                      [f for f in self.sequence_feature_names if f not in pos])
+        if len(self._key_plans) < 64:
+            self._key_plans[key] = kp
+        return kp
+
+    def _raise_bad_ids(self, values: torch.Tensor, lengths: torch.Tensor, names: list[str], limits: list[int]) -> None:
+        """Slow path, only after the vectorised check failed: find and name the first bad id."""
+        B = lengths.shape[1]
+        per_feature = torch.split(values, lengths.sum(1).tolist())
+        for name, v, lim, lens in zip(names, per_feature, limits, lengths):
+            bad = ((v < 0) | (v >= lim)).nonzero()
+            if bad.numel():
+                i = int(bad[0])
+                sample = int(torch.searchsorted(torch.cumsum(lens, 0), i, right=True))
+                value = int(v[i])
+                table = self.tables[self._feature_table[name]].name
+                kind = "negative row id" if value < 0 else "row id"
+                raise InputError(
+                    f"feature {name!r} (table {table!r}, {lim} rows): {kind} {value} at sample {sample} "
+                    f"of {B} is outside [0, {lim})"
+                )
+        raise InputError("row id outside its table")  # pragma: no cover - the fast check said so
+
+    def _check_lengths(self, lengths: torch.Tensor, n: int, names: list[str]) -> None:
+        if lengths.numel() == 0:
+            if n:
+                raise InputError(f"features {names}: {n} values but no lengths")
+            return
+        lo, total = int(lengths.min()), int(lengths.sum())
+        if lo < 0:
+            raise InputError(f"features {names}: negative bag length {lo}")
+        if total != n:
+            raise InputError(f"features {names}: lengths sum to {total} but there are {n} values")
+
+    def _flat_rows_key_major(self, values, lengths, row_off, limit, names, B):
+        """Key-major ids -> flat rows (validated); returns ``(rows, feature_of_value, values_per_key)``."""
+        k = lengths.shape[0]
+        n = values.numel()
+        if self.validate:
+            self._check_lengths(lengths, n, names)
+        lpk_t = lengths.sum(1)
+        feat = torch.repeat_interleave(torch.arange(k, device=values.device), lpk_t, output_size=n)
+        if self.validate and n:
+            if bool(((values < 0) | (values >= limit.index_select(0, feat))).any()):
+                self._raise_bad_ids(values, lengths, names, limit.tolist())
+        return values + row_off.index_select(0, feat), feat, lpk_t
+
+    def _pooled_plans(self, features: JaggedFeatures, kp: _KeyPlan) -> tuple[list[DimGroup], list[_BagPlan]]:
+        B = features.batch_size
+        F_in = len(features.keys)
+        lengths2d = features.lengths.view(F_in, B)
+        per_key = per_key_w = None
+        groups, plans = [], []
+        for g, pos, all_keys in zip(self.groups, kp.pooled_pos, kp.pooled_all):
+            if not pos:
+                continue
+            if all_keys:
+                values, lengths, weights = features.values, lengths2d, features.weights
+            else:
+                if per_key is None:
+                    lpk = lengths2d.sum(1).tolist()
+                    per_key = torch.split(features.values, lpk)
+                    per_key_w = torch.split(features.weights, lpk) if features.weights is not None else None
+                values = torch.cat([per_key[p] for p in pos])
+                weights = torch.cat([per_key_w[p] for p in pos]) if per_key_w is not None else None
+                lengths = lengths2d[pos]
+            groups.append(g)
+            plans.append(self._bag_plan(g, values, lengths, weights, B))
+        return groups, plans
+
+    def _bag_plan(self, g: DimGroup, values, lengths, weights, B: int) -> _BagPlan:
+        """Flat rows of a group's features in sample-major bag order (bag ``b * k + f``)."""
+        k = lengths.shape[0]
+        n = values.numel()
+        row_off = getattr(self, f"_g{g.index}_row_off")
+        limit = getattr(self, f"_g{g.index}_limit")
+        if weights is not None:
+            weights = weights.to(self.dtype)
+        one_hot = False
+        if n == k * B and n:
+            lo_len, hi_len = torch.aminmax(lengths)
+            one_hot = int(lo_len) == 1 and int(hi_len) == 1
+        if one_hot:
+            # One-hot: the key-major [k, B] ids transpose to sample-major bags of one value each;
+            # mean pooling equals sum pooling.
+            v2 = values.view(k, B)
+            if self.validate:
+                lo, hi = torch.aminmax(v2, dim=1)
+                if bool(((lo < 0) | (hi >= limit)).any()):
+                    names = [self.feature_names[p] for p in g.pooled]
+                    self._raise_bad_ids(values, lengths, names, limit.tolist())
+            rows = torch.empty(n, dtype=torch.int64, device=values.device)
+            torch.add(v2.t(), row_off, out=rows.view(B, k))  # shift and transpose in one pass
+            scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
+            return _BagPlan(rows, None, scale, None, k * B, k * g.dim)
+        names = [self.feature_names[p] for p in g.pooled]
+        rows_km, _, _ = self._flat_rows_key_major(values, lengths, row_off, limit, names, B)
+        dev = values.device
+        # Jagged transpose key-major -> sample-major: value j of bag (b, f) moves from
+        # off_km[f * B + b] + j to off_sm[b * k + f] + j.
+        off_km = torch.zeros(k * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lengths.reshape(-1), 0, out=off_km[1:])
+        lens_sm = lengths.t().reshape(-1)
+        off_sm = torch.zeros(k * B + 1, dtype=torch.int64, device=dev)
+        torch.cumsum(lens_sm, 0, out=off_sm[1:])
+        shift = off_km[:-1].view(k, B).t().reshape(-1) - off_sm[:-1]
+        bag = torch.repeat_interleave(torch.arange(k * B, device=dev), lens_sm, output_size=n)
+        idx = torch.arange(n, device=dev) + shift.index_select(0, bag)
+        rows = rows_km.index_select(0, idx)
+        scale = weights.index_select(0, idx) if weights is not None else None
+        if self._group_has_mean[g.index]:
+            mean_bag = getattr(self, f"_g{g.index}_mean").repeat(B)
+            inv = torch.where(mean_bag, 1.0 / lens_sm.clamp(min=1).to(self.dtype),
+                              torch.ones((), dtype=self.dtype, device=dev))
+            inv_v = inv.index_select(0, bag)
+            scale = inv_v if scale is None else scale * inv_v
+        return _BagPlan(rows, off_sm, scale, bag, k * B, k * g.dim)
+
+    def _pool(self, groups, plans, batch_size, col_perm, weight_of) -> torch.Tensor:
+        outs = []
+        for g, plan in zip(groups, plans):
+            w = weight_of(g)
+            # embedding_bag is also the fastest one-hot gather on CPU (faster than index_select).
+            offsets = plan.offsets if plan.offsets is not None else self._unit_offsets(plan.rows.numel())
+            out = F.embedding_bag(plan.rows, w, offsets, mode="sum", per_sample_weights=plan.scale,
+                                  include_last_offset=True)
+            outs.append(out.view(batch_size, plan.width))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if col_perm is not None:
+            out = out.index_select(1, col_perm)
+        return out
+
+    def _unit_offsets(self, n: int) -> torch.Tensor:
+        """``arange(n + 1)``: offsets of ``n`` bags of one value each (cached, grown on demand)."""
+        if self._arange is None or self._arange.numel() < n + 1:
+            self._arange = torch.arange(max(n + 1, 1024), dtype=torch.int64, device=self.weights.device)
+        return self._arange[: n + 1]
+
+    def _run_pooled(self, groups, plans, batch_size, col_perm) -> torch.Tensor:
+        if self.optimizer is None:
+            return self._pool(groups, plans, batch_size, col_perm, self._group_weight)
+        if torch.is_grad_enabled():
+            anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
+            return _FusedPooledLookup.apply(anchor, self, groups, plans, batch_size, col_perm)
+        return self._pool(groups, plans, batch_size, col_perm, self._group_weight)
+
+    def _lookup_rows_autograd(self, g: DimGroup, rows: torch.Tensor) -> torch.Tensor:
+        if self.optimizer is None:
+            return F.embedding(rows, self._group_weight(g))
+        if torch.is_grad_enabled():
+            anchor = torch.empty(0, device=self.weights.device, requires_grad=True)
+            return _FusedRowLookup.apply(anchor, self, g, rows)
+        return self._group_weight(g).index_select(0, rows)
+
+    def _fused_update(self, g: DimGroup, rows, grad_src, src_index, scale) -> None:
+        unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows)
+        w = self._group_weight(g)
+        if self.optimizer == "sgd":
+            sgd_update_(w, unique_rows, grads, self.lr)
+        else:
+            rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps)
+
+    # -- checkpoints: per-table tensors ------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """``{prefix}{table}.weight`` ``[num_rows, dim]`` and, for row-wise Adagrad,
+        ``{prefix}{table}.momentum`` ``[num_rows]``: views into the flat storage (clone to detach)."""
+        for spec in self.tables:
+            w = self.table_weight(spec.name)
+            destination[f"{prefix}{spec.name}.weight"] = w if keep_vars else w.detach()
+            if self.momentum is not None:
+                destination[f"{prefix}{spec.name}.momentum"] = self.table_momentum(spec.name).detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        expected = {}
+        for spec in self.tables:
+            expected[f"{prefix}{spec.name}.weight"] = self.table_weight(spec.name)
+            if self.momentum is not None:
+                expected[f"{prefix}{spec.name}.momentum"] = self.table_momentum(spec.name)
+        with torch.no_grad():
+            for key, dst in expected.items():
+                if key not in state_dict:
+                    missing_keys.append(key)
+                    continue
+                src = state_dict[key]
+                if tuple(src.shape) != tuple(dst.shape):
+                    error_msgs.append(f"{key}: shape {tuple(src.shape)} in the checkpoint, "
+                                      f"{tuple(dst.shape)} in the module")
+                    continue
+                dst.copy_(src)
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix) and key not in expected:
+                    unexpected_keys.append(key)

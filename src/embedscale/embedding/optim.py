@@ -1,0 +1,115 @@
+"""Fused sparse optimizers: row-gradient aggregation and in-place row updates on embedding storage.
+
+This module owns the arithmetic of FBGEMM's "fused" table-batched-embedding (TBE) optimizers, written
+with plain PyTorch ops so it runs on any device: the backward pass of an embedding lookup produces one
+gradient row per looked-up value, never a dense ``[num_rows, dim]`` gradient; rows that were looked up
+several times in the batch are summed first (one gradient per unique row, as FBGEMM's backward does
+after its sort by row id), and the optimizer then updates exactly those rows in place.
+
+Supported optimizers (the names follow ``fbgemm_gpu``'s ``OptimType``):
+
+``sgd`` (``EXACT_SGD``)
+    ``w[r] -= lr * g[r]`` where ``g[r]`` is the sum of all gradient rows of row ``r`` in the batch.
+    Applying the summed gradient once equals applying each duplicate separately (the update is linear).
+
+``rowwise_adagrad`` (``EXACT_ROWWISE_ADAGRAD``: FBGEMM's row-wise Adagrad kernel with
+``weight_decay=0``, the sparse optimizer TorchRec's DLRM examples train with)
+    one float32 state value per row, ``m[r]``. For every unique row ``r`` of the batch with summed
+    gradient ``g[r]`` (a ``dim``-vector)::
+
+        m[r] += mean(g[r] ** 2)                 # mean over the dim elements of the row
+        w[r] -= lr * g[r] / (sqrt(m[r]) + eps)
+
+    "Exact" means duplicates are summed *before* the state update (not one update per occurrence).
+
+The functions here are shared by :class:`embedscale.embedding.local.LocalEmbeddingBags` (its autograd
+backward) and by modules that receive row gradients from other ranks (sharded embeddings).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+OPTIMIZERS = ("sgd", "rowwise_adagrad")
+
+_INT32_MAX = 2**31 - 1
+
+
+def aggregate_row_gradients(
+    rows: torch.Tensor,
+    grad_src: torch.Tensor,
+    src_index: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    num_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum gradient rows per unique destination row, without a dense ``[num_rows, dim]`` buffer.
+
+    Value ``i`` contributes ``scale[i] * grad_src[src_index[i]]`` (``src_index`` defaults to ``i``,
+    ``scale`` to 1) to row ``rows[i]``. Pooled lookups pass the per-bag output gradient as ``grad_src``
+    and the bag of each value as ``src_index``, so the per-value gradient (FBGEMM's "expanded" gradient)
+    is never materialised.
+
+    Implementation: sort ``rows`` (as int32 when ``num_rows`` fits, which sorts faster), find the
+    segments of equal rows, and reduce each segment with ``torch.nn.functional.embedding_bag`` in
+    ``sum`` mode (the segment's source rows are the bag, ``scale`` the per-sample weights), which is a
+    vectorised segment sum on every backend.
+
+    Args:
+        rows: int64 ``[n]`` destination row of each value.
+        grad_src: ``[m, dim]`` gradient rows.
+        src_index: int64 ``[n]`` source row in ``grad_src`` of each value, or ``None`` for ``arange(n)``.
+        scale: ``[n]`` per-value factor (per-sample weight, ``1/bag_length`` for mean pooling), or ``None``.
+        num_rows: an upper bound of ``rows`` (enables the int32 sort), or ``None``.
+
+    Returns:
+        ``(unique_rows int64 [u], grads [u, dim])`` with ``unique_rows`` sorted ascending.
+    """
+    n = rows.numel()
+    if n == 0:
+        return rows.new_empty(0), grad_src.new_zeros(0, grad_src.shape[1])
+    keys = rows.to(torch.int32) if num_rows is not None and num_rows <= _INT32_MAX else rows
+    sorted_rows, perm = torch.sort(keys)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    seg = counts.new_zeros(counts.numel() + 1)
+    torch.cumsum(counts, 0, out=seg[1:])
+    src = perm if src_index is None else src_index.index_select(0, perm)
+    w = None if scale is None else scale.index_select(0, perm).to(grad_src.dtype)
+    grads = F.embedding_bag(src, grad_src.contiguous(), seg, mode="sum", per_sample_weights=w,
+                            include_last_offset=True)
+    return unique_rows.to(torch.int64), grads
+
+
+def sgd_update_(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    """``weight[r] -= lr * grads[i]`` for ``r = unique_rows[i]``, in place; ``unique_rows`` must not repeat."""
+    if unique_rows.numel() == 0:
+        return
+    delta = grads.to(weight.dtype).mul_(-lr) if grads.dtype != weight.dtype else grads * (-lr)
+    # scatter_add_ with an expanded index: a plain row scatter (rows are unique, so no write conflicts).
+    weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+
+
+def rowwise_adagrad_update_(
+    weight: torch.Tensor,
+    momentum: torch.Tensor,
+    unique_rows: torch.Tensor,
+    grads: torch.Tensor,
+    lr: float,
+    eps: float,
+) -> None:
+    """FBGEMM ``EXACT_ROWWISE_ADAGRAD`` on unique rows, in place (see the module docstring).
+
+    Args:
+        weight: ``[num_rows, dim]`` storage (updated).
+        momentum: float32 ``[num_rows]`` per-row sum of mean squared gradients (updated).
+        unique_rows: int64 ``[u]`` rows to update, no repeats.
+        grads: ``[u, dim]`` summed gradient of each row.
+    """
+    if unique_rows.numel() == 0:
+        return
+    g = grads.to(torch.float32)
+    m = momentum.index_select(0, unique_rows).add_(g.pow(2).mean(1))
+    momentum.index_copy_(0, unique_rows, m)
+    multiplier = m.sqrt_().add_(eps).reciprocal_().mul_(-lr)
+    delta = (g * multiplier.unsqueeze(1)).to(weight.dtype)
+    weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta)

@@ -1,0 +1,358 @@
+"""``ShardedEmbedding``: execute any placement plan with one flat storage and one fused lookup per rank.
+
+OPER section 5 (all-in-one EMT). Each rank holds the rows it owns and the replicas it holds in one flat
+storage. The host-side address map (``embedding.address_map``) decodes every looked-up row to the rank
+it is read from and the offset there. Two designs, both measured on this same code (OPER section 8):
+
+``retrieve`` (default; OPER 5.1-5.2): a rank fetches the remote rows its own mini-batch needs,
+    deduplicated per source rank, and pools everything locally with one ``embedding_bag`` over
+    ``[local unique rows | fetched rows]``. Backward: gradients are summed per unique row; those of
+    remote rows go back to their owners, which apply the fused sparse optimizer to the sum of all
+    ranks' contributions.
+``send`` (the classic model-parallel path): a rank sends each remote owner the ids of the values it
+    owns, grouped into partial bags; the owner pools them and returns one partial pooled vector per
+    (bag, owner); the requester adds the partials. Backward: the partial bags' gradients go back to the
+    owners, which expand them to rows and apply the optimizer.
+
+Replicated rows (data parallel, OPER 4.3) are read locally where held; their gradients are summed over
+all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3), and every holder
+applies the same update, so replicas stay identical.
+
+Gradient scale: the module applies exactly the gradient it receives. Data-parallel training that wants
+the single-process result uses a loss that is the sum over the local samples divided by the *global*
+batch size, and sums (not averages) dense gradients over ranks; ``train.distributed`` does both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embedscale.comm.transport import Transport
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.address_map import AddressMap, TorchAddressMap
+from embedscale.embedding.grad_sync import sync_replica_grads
+from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
+from embedscale.errors import ConfigError, InputError
+from embedscale.specs import TableSpec, feature_to_table
+
+DESIGNS = ("retrieve", "send")
+_SHIFT = 40  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
+
+
+class ShardedEmbedding(nn.Module):
+    """All tables, placed as ``amap`` says, looked up across ranks through ``transport``.
+
+    Args:
+        tables: table specs (one ``dim`` for all: the pooled outputs form ``[B, F, D]``).
+        amap: the address map built from a plan.
+        transport: how rows, ids and gradients move between ranks.
+        rank: this rank.
+        design: ``retrieve`` or ``send``.
+        optimizer: ``sgd`` | ``rowwise_adagrad`` | ``None`` (inference: no updates).
+        lr, eps: optimizer settings.
+        grad_sync: ``local_aggregated`` | ``dense`` | ``allgather`` for replicated rows.
+        sync_group: process group for the replica AllReduce (default: the world).
+        seed: row initialisation seed (``embedding.init``: the same rows as single-process training).
+        device, dtype: where and how the storage lives.
+
+    Forward takes this rank's mini-batch (``JaggedFeatures`` over ``feature_names``) and returns
+    ``[B_local, F * D]`` in ``feature_names`` order, like ``LocalEmbeddingBags``.
+    """
+
+    def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: Transport, rank: int, *,
+                 design: str = "retrieve", optimizer: str | None = "sgd", lr: float = 0.01, eps: float = 1e-8,
+                 grad_sync: str = "local_aggregated", sync_group=None, seed: int = 0,
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, validate: bool = True):
+        super().__init__()
+        if design not in DESIGNS:
+            raise ConfigError(f"sharded embedding: design {design!r} is not one of {DESIGNS}")
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ConfigError(f"sharded embedding: tables have different dims {sorted(dims)}; use one dim")
+        for t in tables:
+            if t.pooling == "none":
+                raise ConfigError(f"sharded embedding: table {t.name!r} is unpooled; use sum or mean")
+        if amap.table_names != [t.name for t in tables]:
+            raise ConfigError("sharded embedding: the address map's tables differ from the model's tables")
+        self.tables = list(tables)
+        self.dim = dims.pop()
+        self.amap = amap
+        self.transport = transport
+        self.rank = rank
+        self.world_size = amap.world_size
+        self.design = design
+        self.optimizer = optimizer
+        self.lr, self.eps = lr, eps
+        self.grad_sync = grad_sync
+        self.sync_group = sync_group
+        self.validate = validate
+        f2t = feature_to_table(self.tables)
+        self.feature_names = [f for t in self.tables for f in t.features]
+        self._feature_table = torch.tensor([f2t[f] for f in self.feature_names], dtype=torch.int64)
+        self._feature_rows = torch.tensor([self.tables[f2t[f]].num_rows for f in self.feature_names])
+        self._feature_mean = torch.tensor([self.tables[f2t[f]].pooling == "mean" for f in self.feature_names])
+        self.tmap = TorchAddressMap(amap, rank)
+        self.num_owned = int(amap.num_owned()[rank])
+        self.num_slots = amap.num_slots
+        # replica region index -> global slot (for gradients of replicas a peer read from this rank)
+        region = np.full(int(amap.num_replicas_held()[rank]), -1, dtype=np.int64)
+        if self.num_slots:
+            held = np.flatnonzero(amap.replica_local[:, rank] >= 0)
+            region[amap.replica_local[held, rank]] = held
+        self._region_slot = torch.from_numpy(region)
+        gids = amap.storage_gids(rank)
+        weight = torch.empty((gids.size, self.dim), dtype=dtype)
+        table_of = np.searchsorted(amap.table_base, gids, side="right") - 1
+        for t, spec in enumerate(self.tables):
+            sel = np.flatnonzero(table_of == t)
+            if sel.size:
+                weight[torch.from_numpy(sel)] = torch.from_numpy(
+                    uniform_rows(seed, t, gids[sel] - amap.table_base[t], self.dim, spec.num_rows)).to(dtype)
+        self.register_buffer("weight", weight.to(device))
+        if optimizer == "rowwise_adagrad":
+            self.register_buffer("momentum", torch.zeros(gids.size, dtype=torch.float32, device=device))
+        elif optimizer not in ("sgd", None):
+            raise ConfigError(f"sharded embedding: optimizer {optimizer!r} is not sgd, rowwise_adagrad or None")
+        # a zero-size parameter so that autograd calls our backward even though the storage is a buffer
+        self.anchor = nn.Parameter(torch.zeros(0, device=device))
+        self.stats: dict[str, int] = {}
+
+    # -- inputs ---------------------------------------------------------------------------------
+    def _prepare(self, features: JaggedFeatures):
+        if features.keys != self.feature_names:
+            unknown = [k for k in features.keys if k not in self.feature_names]
+            if unknown:
+                raise InputError(f"sharded embedding: unknown feature(s) {unknown}; expected {self.feature_names}")
+            raise InputError(f"sharded embedding: features {features.keys} are not in the order "
+                             f"{self.feature_names}")
+        F_, B = len(self.feature_names), features.batch_size
+        lengths = features.lengths.cpu()
+        values = features.values.cpu()
+        per_value_feature = torch.repeat_interleave(torch.arange(F_).repeat_interleave(B), lengths)
+        if self.validate and values.numel():
+            bad = (values < 0) | (values >= self._feature_rows[per_value_feature])
+            if bool(bad.any()):
+                i = int(torch.nonzero(bad)[0])
+                f = int(per_value_feature[i])
+                raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
+                                 f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
+        gids = self.tmap.table_base[self._feature_table[per_value_feature]] + values
+        bag = torch.repeat_interleave(torch.arange(F_ * B), lengths)
+        scale = features.weights.cpu().to(torch.float32) if features.weights is not None else \
+            torch.ones(values.numel(), dtype=torch.float32)
+        mean = self._feature_mean[per_value_feature]
+        if bool(mean.any()):
+            scale = torch.where(mean, scale / lengths[bag].clamp(min=1).to(scale.dtype), scale)
+        return gids, bag, scale, F_ * B, B
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        gids, bag, scale, nbags, B = self._prepare(features)
+        fn = _Retrieve if self.design == "retrieve" else _SendBased
+        out = fn.apply(self.anchor, self, gids, bag, scale, nbags)
+        F_ = len(self.feature_names)
+        return out.view(F_, B, self.dim).transpose(0, 1).reshape(B, F_ * self.dim)
+
+    # -- updates ----------------------------------------------------------------------------------
+    def _apply_owned(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Fused optimizer on storage rows (repeats allowed: summed first, as FBGEMM's exact optimizers)."""
+        if self.optimizer is None or rows.numel() == 0:
+            return
+        uniq, g = aggregate_row_gradients(rows, grads, num_rows=self.weight.shape[0])
+        if self.optimizer == "sgd":
+            sgd_update_(self.weight, uniq, g, self.lr)
+        else:
+            rowwise_adagrad_update_(self.weight, self.momentum, uniq, g, self.lr, self.eps)
+
+    def _sync_and_apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """Sum replica gradients over all ranks (OPER 5.3) and apply them on every holder."""
+        if self.num_slots == 0 or self.optimizer is None:
+            return
+        st: dict = {}
+        uslots, g = sync_replica_grads(slots, grads, self.num_slots, method=self.grad_sync,
+                                       group=self.sync_group, stats=st)
+        self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
+        local = self.tmap.replica_local[uslots]
+        keep = local >= 0
+        if bool(keep.any()):
+            self._apply_owned(self.num_owned + local[keep], g[keep])
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def shard_state(self) -> dict:
+        """The rows this rank owns (its owned region, and the replicas it owns), with optimizer state:
+        what a sharded checkpoint stores. Every row of the model is in exactly one rank's shard state."""
+        rep = self.amap.replica_gids_on(self.rank)
+        mine = self.amap.owner[rep] == self.rank
+        gids = np.concatenate([self.amap.owned_gids(self.rank), rep[mine]])
+        idx = torch.from_numpy(np.concatenate([np.arange(self.num_owned), self.num_owned + np.flatnonzero(mine)]))
+        st = {"gids": torch.from_numpy(gids), "weight": self.weight[idx.to(self.weight.device)].detach().cpu()}
+        if self.optimizer == "rowwise_adagrad":
+            st["momentum"] = self.momentum[idx.to(self.momentum.device)].cpu()
+        return st
+
+    def load_rows(self, gids: np.ndarray, weight: torch.Tensor, momentum: torch.Tensor | None = None) -> int:
+        """Fill every storage row (owned or replica) whose global id is in ``gids``; returns rows filled."""
+        mine = self.amap.storage_gids(self.rank)
+        order = np.argsort(gids)
+        pos = np.searchsorted(gids, mine, sorter=order)
+        pos = np.clip(pos, 0, max(len(gids) - 1, 0))
+        hit = (gids[order[pos]] == mine) if len(gids) else np.zeros(len(mine), bool)
+        dst = torch.from_numpy(np.flatnonzero(hit))
+        src = torch.from_numpy(order[pos[hit]])
+        self.weight[dst] = weight[src].to(self.weight)
+        if momentum is not None and self.optimizer == "rowwise_adagrad":
+            self.momentum[dst] = momentum[src].to(self.momentum)
+        return int(hit.sum())
+
+
+def _split_by_rank(src: torch.Tensor, W: int) -> list[int]:
+    return torch.bincount(src, minlength=W).tolist()
+
+
+class _Retrieve(torch.autograd.Function):
+    """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally."""
+
+    @staticmethod
+    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags):
+        W, me, tr = mod.world_size, mod.rank, mod.transport
+        src, off, slot = mod.tmap.decode(gids)
+        local = src == me
+        l_off, l_slot = off[local], slot[local]
+        luniq, linv = torch.unique(l_off, sorted=True, return_inverse=True)
+        luniq_slot = torch.full_like(luniq, -1)
+        luniq_slot[linv] = l_slot
+        key = (src[~local] << _SHIFT) | off[~local]
+        runiq, rinv = torch.unique(key, sorted=True, return_inverse=True)
+        runiq_slot = torch.full_like(runiq, -1)
+        runiq_slot[rinv] = slot[~local]
+        u_src, u_off = runiq >> _SHIFT, runiq & ((1 << _SHIFT) - 1)
+        counts = _split_by_rank(u_src, W)
+        requests = tr.exchange(list(torch.split(u_off, counts)), kind="ids")
+        dev = mod.weight.device
+        replies = [mod.weight[r.to(dev)] if p != me else mod.weight[:0] for p, r in enumerate(requests)]
+        fetched = torch.cat(tr.exchange(replies, recv_counts=counts, kind="rows"))
+        combined = torch.cat([mod.weight[luniq.to(dev)], fetched])
+        idx = torch.empty(gids.numel(), dtype=torch.int64)
+        idx[local] = linv
+        idx[~local] = luniq.numel() + rinv
+        offsets = torch.zeros(nbags + 1, dtype=torch.int64)
+        offsets[1:] = torch.cumsum(torch.bincount(bag, minlength=nbags), 0)
+        out = F.embedding_bag(idx.to(dev), combined, offsets.to(dev), mode="sum",
+                              per_sample_weights=scale.to(device=dev, dtype=combined.dtype), include_last_offset=True)
+        ctx.mod = mod
+        ctx.saved = (idx, bag, scale, luniq, luniq_slot, runiq_slot, counts, requests)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        mod: ShardedEmbedding = ctx.mod
+        idx, bag, scale, luniq, luniq_slot, runiq_slot, counts, requests = ctx.saved
+        dev = grad_out.device
+        L = luniq.numel()
+        pos, g = aggregate_row_gradients(idx.to(dev), grad_out, src_index=bag.to(dev), scale=scale.to(dev))
+        g_comb = torch.zeros((L + runiq_slot.numel(), grad_out.shape[1]), dtype=grad_out.dtype, device=dev)
+        g_comb[pos] = g
+        gL, gR = g_comb[:L], g_comb[L:]
+        rep_R = (runiq_slot >= 0).to(dev)
+        send = gR.masked_fill(rep_R.unsqueeze(1), 0.0) if bool(rep_R.any()) else gR
+        recv = mod.transport.exchange(list(torch.split(send, counts)),
+                                      recv_counts=[r.numel() for r in requests], kind="grads")
+        # owner side: own rows touched here plus the rows peers read from here
+        rep_L = (luniq_slot >= 0).to(dev)
+        rows = [luniq.to(dev)[~rep_L]]
+        grads = [gL[~rep_L]]
+        for p, (r, gr) in enumerate(zip(requests, recv)):
+            if p == mod.rank or r.numel() == 0:
+                continue
+            owned = r.to(dev) < mod.num_owned  # replica rows a peer read here are synced, not applied here
+            rows.append(r.to(dev)[owned])
+            grads.append(gr[owned])
+        mod._apply_owned(torch.cat(rows), torch.cat(grads))
+        if mod.num_slots:
+            slots = torch.cat([luniq_slot.to(dev)[rep_L], runiq_slot.to(dev)[rep_R]])
+            mod._sync_and_apply_replicas(slots, torch.cat([gL[rep_L], gR[rep_R]]))
+        return torch.zeros_like(mod.anchor), None, None, None, None, None
+
+
+class _SendBased(torch.autograd.Function):
+    """Send-based lookup: ids to owners, owners pool partial bags, pooled partials back."""
+
+    @staticmethod
+    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags):
+        W, me, tr = mod.world_size, mod.rank, mod.transport
+        dev = mod.weight.device
+        src, off, _slot = mod.tmap.decode(gids)
+        # partial bags: one per (source rank, bag) pair, numbered per source rank
+        key = src * nbags + bag
+        pkeys, pinv = torch.unique(key, sorted=True, return_inverse=True)
+        p_src = pkeys // nbags
+        p_bag = pkeys % nbags
+        p_counts = _split_by_rank(p_src, W)
+        p_first = torch.zeros(W + 1, dtype=torch.int64)
+        p_first[1:] = torch.cumsum(torch.tensor(p_counts), 0)
+        local_pbag = pinv - p_first[src]  # partial-bag number inside its source rank's list
+        order = torch.argsort(src, stable=True)
+        v_counts = _split_by_rank(src, W)
+        ids = torch.stack([off[order], local_pbag[order]], 1)  # (offset on source, partial bag), rank-major
+        s_ord = scale[order]
+        recv_ids = tr.exchange(list(torch.split(ids, v_counts)), kind="ids")
+        recv_scale = tr.exchange(list(torch.split(s_ord, v_counts)), kind="ids")
+        a = sum(v_counts[:me])
+        my_ids, my_scale = ids[a:a + v_counts[me]], s_ord[a:a + v_counts[me]]
+        # pool, for every peer, the partial bags it asked for
+        pooled = []
+        for q in range(W):
+            src_ids = my_ids if q == me else recv_ids[q]
+            src_scale = my_scale if q == me else recv_scale[q]
+            n_pb = p_counts[me] if q == me else (int(src_ids[:, 1].max()) + 1 if src_ids.numel() else 0)
+            out_q = torch.zeros((n_pb, mod.dim), dtype=mod.weight.dtype, device=dev)
+            if src_ids.numel():
+                out_q.index_add_(0, src_ids[:, 1].to(dev),
+                                 mod.weight[src_ids[:, 0].to(dev)] * src_scale.to(dev, mod.weight.dtype)[:, None])
+            pooled.append(out_q)
+        back = tr.exchange([pooled[q] if q != me else pooled[q][:0] for q in range(W)],
+                           recv_counts=[c if q != me else 0 for q, c in enumerate(p_counts)], kind="pooled")
+        back[me] = pooled[me]
+        partials = torch.cat(back)  # ordered like pkeys (rank-major)
+        out = torch.zeros((nbags, mod.dim), dtype=mod.weight.dtype, device=dev)
+        out.index_add_(0, p_bag.to(dev), partials)
+        ctx.mod = mod
+        ctx.saved = (p_bag, p_counts, recv_ids, recv_scale, my_ids, my_scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        mod: ShardedEmbedding = ctx.mod
+        p_bag, p_counts, recv_ids, recv_scale, my_ids, my_scale = ctx.saved
+        dev = grad_out.device
+        me, W = mod.rank, mod.world_size
+        g_partial = grad_out[p_bag.to(dev)]  # gradient of every partial bag, rank-major
+        parts = list(torch.split(g_partial, p_counts))
+        n_recv = [int(recv_ids[q][:, 1].max()) + 1 if (q != me and recv_ids[q].numel()) else 0 for q in range(W)]
+        got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
+                                     recv_counts=n_recv, kind="grads")
+        got[me] = parts[me]
+        rows, grads, rep_slots, rep_grads = [], [], [], []
+        for q in range(W):
+            ids_q = my_ids if q == me else recv_ids[q]
+            sc_q = my_scale if q == me else recv_scale[q]
+            if ids_q.numel() == 0:
+                continue
+            r, g = aggregate_row_gradients(ids_q[:, 0].to(dev), got[q], src_index=ids_q[:, 1].to(dev),
+                                           scale=sc_q.to(dev))
+            owned = r < mod.num_owned
+            rows.append(r[owned])
+            grads.append(g[owned])
+            if not bool(owned.all()):
+                rep_slots.append(mod._region_slot.to(dev)[r[~owned] - mod.num_owned])
+                rep_grads.append(g[~owned])
+        if rows:
+            mod._apply_owned(torch.cat(rows), torch.cat(grads))
+        if mod.num_slots:
+            empty = grad_out.new_zeros((0, mod.dim))
+            mod._sync_and_apply_replicas(torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64),
+                                         torch.cat(rep_grads) if rep_grads else empty)
+        return torch.zeros_like(mod.anchor), None, None, None, None, None
