@@ -92,6 +92,7 @@ def test_vocab_mode_counts_and_min_frequency(tmp_path):
 @pytest.mark.parametrize("how, message", [
     ("click", r"click '2' is not 0 or 1"),
     ("hour", r"hour '1410x100' is not YYMMDDHH"),
+    ("hour7", r"hour '4102100' is not YYMMDDHH"),
     ("date", r"hour '14023012' is not a valid date and hour"),
     ("hour24", r"hour '14102124' is not a valid date and hour"),
     ("fields", r"expected 24 fields, got 25"),
@@ -103,6 +104,8 @@ def test_malformed_lines(tmp_path, how, message):
         r[1] = "2"
     elif how == "hour":
         r[2] = "1410x100"
+    elif how == "hour7":
+        r[2] = "4102100"
     elif how == "date":
         r[2] = "14023012"
     elif how == "hour24":

@@ -8,7 +8,7 @@ anything else; flags override the file, the file overrides the defaults.
 from __future__ import annotations
 
 import json
-import math
+import os
 import sys
 import typing
 from pathlib import Path
@@ -91,19 +91,68 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
 @config_options
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
+@click.option("--nproc", type=int, default=None, help="Local ranks to launch (dist.nproc).")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="With --nproc: restart the ranks this many times after a failure (resumes from the last checkpoint).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def train(config_path, overrides, run_dir, no_progress, as_json, **kwargs):
-    """Train (and evaluate) a model as the config says; resumes a run directory exactly."""
+def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_json, **kwargs):
+    """Train (and evaluate) a model as the config says; resumes a run directory exactly.
+
+    With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
+    (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
+    """
     from embedscale import workflow
 
     try:
+        if nproc is not None:
+            kwargs["cfg__dist__nproc"] = str(nproc)
         cfg = resolve_config(config_path, overrides, kwargs)
-        rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
-        s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" in os.environ and world > 1:
+            from embedscale.train.distributed import train_distributed
+
+            s = train_distributed(cfg, run_dir, progress=not no_progress)
+            if s is None:
+                return
+        elif cfg.dist.nproc > 1:
+            s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
+        else:
+            rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
     except EmbedscaleError as e:
         _fail(e)
     click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
+
+
+def kwargs_argv(argv: list[str]) -> list[str]:
+    """The user's `train` arguments, minus the launcher's own (--nproc, --max-restarts, --run-dir, --json)."""
+    out, skip = [], False
+    args = argv[argv.index("train") + 1:] if "train" in argv else []
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--nproc", "--max-restarts", "--run-dir"):
+            skip = True
+            continue
+        if a.startswith(("--nproc=", "--max-restarts=", "--run-dir=")) or a == "--json":
+            continue
+        out.append(a)
+    return out
+
+
+def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
+    from embedscale import workflow
+    from embedscale.io import read_json
+    from embedscale.train.launch import launch_torchrun
+
+    rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+    args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
+    code = launch_torchrun(cfg.dist.nproc, args, max_restarts=max_restarts)
+    if code != 0:
+        raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
+    return read_json(rd / "summary.json", "run summary")
 
 
 @main.command()

@@ -189,12 +189,29 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    """Several ranks: how the embedding rows are placed and moved (issue 4; OPER sections 4-5)."""
+
+    nproc: int = 1  # local processes `embedscale train/run` launches (torchrun sets its own)
+    plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ...) or the path of a saved plan
+    mode: str = "training"  # the plan's mode: training | inference
+    extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
+    design: str = "retrieve"  # retrieve | send
+    transport: str = "collective"  # collective (pgas: issue 5)
+    grad_sync: str = "local_aggregated"  # local_aggregated | dense | allgather
+    timeout_s: float = 300.0  # a rank that dies or hangs becomes an error on the others after this
+    backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
+    topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)
+
+
+@dataclass
 class RunConfig:
     name: str = "default"
     out_dir: str = "runs"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
 
 
 # --------------------------------------------------------------------------------------------------

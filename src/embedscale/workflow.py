@@ -152,18 +152,37 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
     embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                   seed=t.seed)
+                                   init=hash_init(t.seed, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
-    params = list(model.dense_parameters())
+    return model, make_dense_optimizer(t, model.dense_parameters())
+
+
+def make_dense_optimizer(t, params) -> torch.optim.Optimizer:
+    """The optimizer of the dense (non-embedding) parameters."""
+    params = list(params)
     if t.dense_optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=t.lr_dense)
-    elif t.dense_optimizer == "adagrad":
-        opt = torch.optim.Adagrad(params, lr=t.lr_dense)
-    elif t.dense_optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=t.lr_dense)
-    else:
-        raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
-    return model, opt
+        return torch.optim.SGD(params, lr=t.lr_dense)
+    if t.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=t.lr_dense)
+    if t.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=t.lr_dense)
+    raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
+
+
+def hash_init(seed: int, tables: list[TableSpec]):
+    """``LocalEmbeddingBags`` init callable giving every row its placement-independent initial value
+    (``embedding.init``), so single-process and sharded runs start from the same model."""
+    from embedscale.embedding.init import uniform_rows
+
+    index = {t.name: i for i, t in enumerate(tables)}
+
+    def init(spec: TableSpec, weight: torch.Tensor) -> None:
+        import numpy as np
+
+        rows = uniform_rows(seed, index[spec.name], np.arange(spec.num_rows), spec.dim, spec.num_rows)
+        weight.copy_(torch.from_numpy(rows))
+
+    return init
 
 
 def new_run_dir(cfg: RunConfig) -> Path:

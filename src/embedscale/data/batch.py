@@ -134,6 +134,7 @@ class Batch:
     dense: torch.Tensor
     sparse: JaggedFeatures
     labels: torch.Tensor
+    global_size: int | None = None  # samples in the global batch this (rank's slice of a) batch belongs to
 
     @property
     def batch_size(self) -> int:

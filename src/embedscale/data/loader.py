@@ -214,7 +214,9 @@ class ShardLoader:
             for i, pieces in enumerate(self._row_batches()):
                 if i < self.skip_batches:
                     continue
-                yield self._build(self._rank_pieces(pieces))
+                batch = self._build(self._rank_pieces(pieces))
+                batch.global_size = sum(_sel_len(sel) for _, sel in pieces)
+                yield batch
 
         if self.prefetch <= 0:
             yield from produce()

@@ -156,13 +156,21 @@ def _fixed_width(offsets: np.ndarray, data: np.ndarray, lut: np.ndarray, base: i
     w = int(widths[0])
     if w > 16 or not (widths == w).all():
         return None
-    d = lut[data[offsets[0]:offsets[-1]]].reshape(-1, w)
     bad = np.zeros(len(lens), bool)
-    if d.max() >= base:  # only then find the rows
-        bad[nonempty] = (d >= base).any(1)
-    v = np.zeros(len(d), np.uint64)
-    for k in range(w):  # digit positions, not rows
-        v = v * np.uint64(base) + d[:, k]
+    if base == 16 and w % 2 == 0:  # two hex digits -> one byte per lookup, bytes read as big-endian
+        pairs = _HEX_PAIRS[data[offsets[0]:offsets[-1]].view(np.uint16)].reshape(-1, w // 2)
+        if pairs.max() > 255:
+            bad[nonempty] = (pairs > 255).any(1)
+        padded = np.zeros((len(pairs), 8), np.uint8)
+        padded[:, 8 - w // 2:] = pairs
+        v = padded.view(">u8").ravel().astype(np.uint64)
+    else:
+        d = lut[data[offsets[0]:offsets[-1]]].reshape(-1, w)
+        if d.max() >= base:  # only then find the rows
+            bad[nonempty] = (d >= base).any(1)
+        v = np.zeros(len(d), np.uint64)
+        for k in range(w):  # digit positions, not rows
+            v = v * np.uint64(base) + d[:, k]
     value = np.zeros(len(lens), np.uint64)
     value[nonempty] = v
     return value, bad
@@ -184,7 +192,7 @@ def _digits(arr: pa.Array, lut: np.ndarray, base: int, max_len: int, signed: boo
         neg = (data[np.minimum(start, last)] == ord("-")) & (end > start)
         start = start + neg
     lens = end - start
-    bad = (lens > max_len) | nulls
+    bad = (lens > max_len) | (neg & (lens == 0)) | nulls
     width = int(min(lens.max(initial=0), max_len))
     value = np.zeros(n, dtype=np.uint64)
     invalid = np.zeros(n, dtype=bool)
@@ -203,6 +211,10 @@ _DEC[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
 _HEX = _DEC.copy()
 _HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
 _HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+# every pair of bytes, read as a little-endian uint16 (first character low) -> its byte value, or 0xFFFF
+_hi, _lo = _HEX[np.arange(1 << 16) & 0xFF].astype(np.uint16), _HEX[np.arange(1 << 16) >> 8].astype(np.uint16)
+_HEX_PAIRS = np.where((_hi < 16) & (_lo < 16), _hi * 16 + _lo, 0xFFFF).astype(np.uint16)
+del _hi, _lo
 
 
 def parse_decimal(col, max_digits: int = 18) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

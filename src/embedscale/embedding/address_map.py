@@ -193,3 +193,39 @@ class TorchAddressMap:
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.src[gids].long(), self.off[gids], self.slot[gids]
+
+
+def address_map_from_plan(plan, tables: list[TableSpec]) -> AddressMap:
+    """The executor's map of a ``plan.Plan``: owners, replica rows, their holders and fetch paths.
+
+    Works for any plan (OPER, baselines, TorchRec's converted, hand-written): a partition held by more
+    than one rank is replicated; its rows' holders and fetch ranks are the partition's. Within a rank the
+    executor lays rows out its own way (owned region, then replicas); placement is the plan's.
+    """
+    if plan.table_names != [t.name for t in tables]:
+        raise ConfigError(f"plan tables {plan.table_names} differ from the model's {[t.name for t in tables]}")
+    for pt, spec in zip(plan.tables, tables):
+        if pt.num_rows != spec.num_rows:
+            raise ConfigError(f"plan table {pt.name!r} has {pt.num_rows} rows, the model's has {spec.num_rows}")
+    owners, replicas, holders, fetch = [], [], [], []
+    multi = plan.holders.sum(1) > 1
+    for t, spec in enumerate(tables):
+        sl = plan.table_partitions(t)
+        lens = plan.part_rows[sl]
+        order = plan.order(t)
+        own = np.empty(spec.num_rows, dtype=np.int32)
+        own[order] = np.repeat(plan.owner_of_part[sl], lens)
+        owners.append(own)
+        reps = np.flatnonzero(multi[sl]) + sl.start
+        if reps.size:
+            rl = plan.part_rows[reps]
+            idx = np.concatenate([np.arange(plan.part_start[p], plan.part_stop[p]) for p in reps])
+            replicas.append(order[idx])
+            holders.append(np.repeat(plan.holders[reps], rl, axis=0))
+            fetch.append(np.repeat(plan.fetch[reps], rl, axis=0))
+        else:
+            replicas.append(np.zeros(0, dtype=np.int64))
+    W = plan.world_size
+    H = np.concatenate(holders) if holders else np.zeros((0, W), bool)
+    Fm = np.concatenate(fetch) if fetch else np.zeros((0, W), np.int64)
+    return AddressMap.build(tables, W, owners, replicas, H, Fm)

@@ -169,17 +169,20 @@ def cut_table(prefix: np.ndarray, start: int, row_bytes: int, thr_count: float, 
     return np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64), np.asarray(abound, dtype=bool)
 
 
-def partition_tables(sorted_tables: list[SortedTable], threshold: float, total_count: float | None = None,
-                     total_bytes: float | None = None) -> Partitions:
-    """Partition every table at ``threshold`` (a fraction of the total access and of the total bytes of
-    the rows being partitioned, OPER 4.1; 0.1% in OPER section 6.1)."""
-    if not 0 < threshold <= 1:
-        raise ConfigError(f"partition threshold must be in (0, 1], got {threshold}")
+def partition_tables(sorted_tables: list[SortedTable], threshold: float, memory_threshold: float | None = None,
+                     total_count: float | None = None, total_bytes: float | None = None) -> Partitions:
+    """Partition every table at ``threshold`` of the total access and ``memory_threshold`` (default: the
+    same) of the total bytes of the rows being partitioned (OPER 4.1; both 0.1% in OPER section 6.1)."""
+    if memory_threshold is None:
+        memory_threshold = threshold
+    for name, v in (("threshold", threshold), ("memory_threshold", memory_threshold)):
+        if not 0 < v <= 1:
+            raise ConfigError(f"partition {name} must be in (0, 1], got {v}")
     if total_bytes is None:
         total_bytes = float(sum((t.num_rows - t.skip) * t.row_bytes for t in sorted_tables))
     if total_count is None:
         total_count = float(sum(t.total - t.skip_count for t in sorted_tables))
-    thr_c, thr_b = threshold * total_count, threshold * total_bytes
+    thr_c, thr_b = threshold * total_count, memory_threshold * total_bytes
     tabs, sts, sps, cnts, abs_ = [], [], [], [], []
     for t in sorted_tables:
         if t.skip >= t.num_rows:

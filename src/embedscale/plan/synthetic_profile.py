@@ -120,6 +120,7 @@ class ZipfProfile:
     pooling: float | dict[str, float] = 1.0
     seed: int = 0
     _bij: dict[str, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
+    _last: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.samples <= 0:
@@ -159,10 +160,15 @@ class ZipfProfile:
         return {"kind": "zipf", "alpha": self.alpha, "samples": self.samples, "pooling": self.pooling, "seed": self.seed}
 
     def sorted_counts(self, name: str) -> np.ndarray:
-        """Expected counts, most popular row first (float64)."""
+        """Expected counts, most popular row first (float64, read-only: tables of equal shape share it)."""
         n = self._check(name)
-        w = zipf_weights(n, self._alpha(name))
-        w *= self.samples * self._pooling(name)
+        key = (n, self._alpha(name), self.samples * self._pooling(name))
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        w = zipf_weights(n, key[1])
+        w *= key[2]
+        w.flags.writeable = False
+        self._last = (key, w)
         return w
 
     def sorted_rows(self, name: str) -> np.ndarray:

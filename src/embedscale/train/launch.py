@@ -109,3 +109,21 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
         rank, msg = sorted(errors)[0]
         raise RankFailed(f"rank {rank} failed:\n{msg}")
     return [out[r] for r in range(world_size)]
+
+
+def launch_torchrun(nproc: int, module_args: list[str], *, max_restarts: int = 0, env: dict | None = None) -> int:
+    """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone).
+
+    torchrun supervises the ranks: a rank that dies ends the others and the launcher reports which rank
+    failed and how; with ``max_restarts`` it restarts the group, and the run resumes from its last
+    complete checkpoint. Returns torchrun's exit code.
+    """
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
+    full_env = dict(os.environ)
+    full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    full_env.update(env or {})
+    return subprocess.call(cmd, env=full_env)

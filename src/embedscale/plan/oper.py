@@ -1,0 +1,206 @@
+"""The ``oper`` strategy: OPER's optimality-guided heuristic (section 4, Fig. 3) end to end.
+
+1. Sort every table's rows by access (4.1) and, in training, set aside the rows worth replicating on
+   every rank (4.3, ``f > BW_P2P / (B * BW_AR)``) within the extra-memory budget.
+2. Partition the rest under the access and memory threshold (4.1).
+3. Balanced model parallelism (4.2): access-bound partitions by lookup load, then memory-bound ones by
+   memory; if the degree of balance of memory or lookup misses the target, halve the threshold and
+   repeat (the threshold refinement of 4.2).
+4. Inference: Algorithm 1 fills each rank's free memory with replicas of the hot partitions it fetches,
+   re-pointing fetch paths to the cheapest holder (4.3).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from embedscale.errors import ConfigError
+from embedscale.plan.cost import check_mode, dob, profile_samples, training_replication_threshold
+from embedscale.plan.partition import Partitions, partition_tables, sort_tables
+from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition
+from embedscale.plan.plan import Plan
+from embedscale.plan.replicate import algorithm1, training_hot_rows
+from embedscale.plan.topology import as_link_topology
+
+
+def rank_capacity(topology, total_bytes: float, extra_memory: float) -> np.ndarray:
+    """Bytes per rank: ``(1 + extra_memory) * total / M`` (OPER 6.1), capped by ``memory_per_rank``."""
+    topo = as_link_topology(topology)
+    m = topo.world_size
+    if not (extra_memory >= 0 and np.isfinite(extra_memory)):
+        raise ConfigError(f"extra_memory must be a finite number >= 0, got {extra_memory}")
+    cap = (1.0 + extra_memory) * total_bytes / m
+    if topo.memory_per_rank > 0:
+        if topo.memory_per_rank * m < total_bytes:
+            raise ConfigError(
+                f"tables need {int(total_bytes)} bytes but {m} ranks x memory_per_rank {topo.memory_per_rank} "
+                f"= {topo.memory_per_rank * m} bytes"
+            )
+        cap = min(cap, float(topo.memory_per_rank))
+    return np.full(m, cap)
+
+
+def plan_oper(
+    tables,
+    profile,
+    topology,
+    *,
+    mode: str = "training",
+    extra_memory: float = 0.05,
+    batch_size: int = 2048,
+    threshold: float = 1e-3,
+    balance_target: float = 0.99,
+    min_threshold: float = 1e-5,
+    max_partitions: int = 2_000_000,
+    replicate: bool = True,
+    exhaust_links: bool = True,
+    sorted_tables=None,
+) -> Plan:
+    """Plan with OPER (section 4). See the module docstring for the steps.
+
+    Args:
+        tables: ``TableSpec`` list.
+        profile: anything with ``.table_names`` and ``.counts(name)`` (``samples`` optional).
+        topology: ``specs.Topology`` or ``LinkTopology``.
+        mode: ``training`` (frequency-threshold replication) or ``inference`` (Algorithm 1).
+        extra_memory: replication budget as a fraction of the total table footprint (OPER: 5%).
+        batch_size: samples per rank per iteration (turns counts into per-iteration accesses).
+        threshold: initial partitioning threshold (fraction of total access and bytes; OPER: 0.1%).
+        balance_target: refine the threshold until the DoB of memory and lookup reach this.
+        min_threshold, max_partitions: where refinement stops.
+        replicate: False skips step 1's replication and step 4.
+        exhaust_links: see ``replicate.algorithm1``.
+    """
+    t0 = time.perf_counter()
+    check_mode(mode)
+    if batch_size <= 0:
+        raise ConfigError(f"batch_size must be positive, got {batch_size}")
+    if not 0 < balance_target <= 1:
+        raise ConfigError(f"balance_target must be in (0, 1], got {balance_target}")
+    topo = as_link_topology(topology)
+    m = topo.world_size
+    tables = list(tables)
+    st = sorted_tables if sorted_tables is not None else sort_tables(tables, profile)
+    samples = profile_samples(profile)
+    rb = np.array([t.row_bytes for t in st], dtype=np.float64)
+    nrows = np.array([t.num_rows for t in st], dtype=np.int64)
+    total_bytes = float((rb * nrows).sum())
+    cap = rank_capacity(topo, total_bytes, extra_memory)
+    lb = topo.cost_matrix()
+    local = np.diag(lb).copy()
+    scale = batch_size / samples  # count -> accesses per rank per iteration
+
+    mem_thr = threshold if extra_memory <= 0 else min(threshold, extra_memory / (2 * m))
+    # placement may overshoot an exactly-full rank by one memory-bound partition when there is no slack
+    place_cap = np.maximum(cap, total_bytes / m + mem_thr * total_bytes)
+
+    # 1. training: rows worth replicating everywhere (eqs. 4-5), hottest per byte within the budget
+    f_thr = training_replication_threshold(topo, batch_size)
+    hot = np.zeros(len(st), dtype=np.int64)
+    budget = 0.0
+    if mode == "training" and replicate and m > 1:
+        budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1) - 2 * mem_thr * total_bytes)
+        heads = []
+        for t in st:
+            pre = t.prefix()
+            k = int(min(t.num_rows, np.count_nonzero(np.diff(pre[: min(t.num_rows, 1 << 22) + 1]) > f_thr * samples)))
+            heads.append(np.diff(pre[: k + 1]))
+            del pre
+        hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
+    history = []
+    for attempt in range(8):
+        for t, k in zip(st, hot):
+            t.skip = int(k)
+            t.skip_count = float(t.prefix()[k]) if k else 0.0
+        rep_bytes = float((hot * rb).sum())
+        rep_access = np.array([t.skip_count for t in st]) * scale  # per rank, looked up locally
+        base_lookup = np.full(m, float((rep_access * rb).sum())) * local
+        base_mem = np.full(m, rep_bytes)
+        try:
+            best = _refine(st, topo, place_cap, base_lookup, base_mem, scale, local, threshold, mem_thr,
+                           balance_target, min_threshold, max_partitions, history)
+            break
+        except ConfigError:
+            if hot.sum() == 0:
+                raise
+            hot = hot // 2  # replication left too little room for the rest: halve it and retry
+    parts, owner, thr_used = best
+
+    # assemble: per table, the replicated prefix (held everywhere) then the partitions, in position order
+    pt = [np.flatnonzero(hot > 0).astype(np.int32), parts.table]
+    ps = [np.zeros(int((hot > 0).sum()), dtype=np.int64), parts.start]
+    pe = [hot[hot > 0], parts.stop]
+    po = [(np.flatnonzero(hot > 0) % m).astype(np.int32), owner]
+    pc = [np.array([t.skip_count for t, k in zip(st, hot) if k > 0]), parts.counts]
+    table, start = np.concatenate(pt), np.concatenate(ps)
+    idx = np.lexsort((start, table))
+    table, start = table[idx], start[idx]
+    stop, own = np.concatenate(pe)[idx], np.concatenate(po)[idx]
+    counts = np.concatenate(pc)[idx]
+    is_rep = np.concatenate([np.ones(pt[0].size, dtype=bool), np.zeros(parts.size, dtype=bool)])[idx]
+    holders = np.zeros((table.size, m), dtype=bool)
+    holders[np.arange(table.size), own] = True
+    holders[is_rep] = True
+    fetch = np.where(holders, np.arange(m, dtype=np.int32)[None, :], own[:, None]).astype(np.int32)
+
+    alg1 = None
+    if mode == "inference" and replicate and m > 1:
+        nbytes = (stop - start) * rb[table]
+        mem = (holders * nbytes[:, None]).sum(axis=0)
+        avail = cap - mem
+        alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail, exhaust_links=exhaust_links)
+
+    meta = {
+        "strategy": "oper",
+        "mode": mode,
+        "batch_size": int(batch_size),
+        "extra_memory": float(extra_memory),
+        "capacity_bytes": float(place_cap.max()),
+        "memory_budget_bytes": float(cap.max()),
+        "threshold": thr_used,
+        "memory_threshold": min(thr_used, mem_thr),
+        "threshold_history": history,
+        "balance_target": balance_target,
+        "training_freq_threshold": f_thr if mode == "training" else None,
+        "replicated_rows_everywhere": int(hot.sum()),
+        "replication_budget_bytes": budget,
+        "algorithm1": alg1,
+        "samples": samples,
+        "topology": topo.to_dict(),
+    }
+    plan = Plan(tables, m, [t.order for t in st], table, start, stop, own, holders, fetch, meta, part_counts=counts)
+    plan.meta["plan_seconds"] = time.perf_counter() - t0
+    return plan
+
+
+def _refine(st, topo, cap, base_lookup, base_mem, scale, local, threshold, mem_thr, target, min_threshold,
+            max_partitions, history):
+    """Partition (4.1) + balanced model parallelism (4.2), halving the threshold until the DoB target."""
+    m = topo.world_size
+    rb = np.array([t.row_bytes for t in st], dtype=np.float64)
+    thr, mthr = threshold, mem_thr
+    best = None
+    while True:
+        parts: Partitions = partition_tables(st, thr, memory_threshold=min(thr, mthr))
+        a = parts.counts * scale
+        lookup = lookup_cost_per_partition(a, rb[parts.table], local, m)
+
+        def describe(q, parts=parts):
+            t = st[int(parts.table[q])]
+            return f"table {t.name!r} partition of rows at sorted positions [{parts.start[q]}, {parts.stop[q]})"
+
+        owner, e, mem = balanced_model_parallel(lookup, parts.nbytes, parts.access_bound, cap, base_lookup, base_mem,
+                                                describe)
+        dm, dl = dob(mem), dob(e)
+        history.append({"threshold": thr, "memory_threshold": min(thr, mthr), "partitions": parts.size,
+                        "dob_memory": dm, "dob_lookup": dl})
+        score = min(dm, dl)
+        if best is None or score > best[0]:
+            best = (score, parts, owner, thr)
+        if (dm >= target and dl >= target) or thr / 2 < min_threshold or parts.size * 2 > max_partitions:
+            break
+        thr /= 2
+        mthr /= 2
+    return best[1], best[2], best[3]

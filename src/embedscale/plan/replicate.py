@@ -1,0 +1,173 @@
+"""Data-parallel replication of hot partitions (OPER section 4.3).
+
+* Inference: Algorithm 1. Every rank in turn looks at its most expensive incoming link, takes the
+  hottest partition it fetches over that link that fits in its free memory, stores a replica, and
+  every other rank that can now read that partition over a cheaper link re-points its fetch path to
+  the new holder (lines 13-20). A rank stops when nothing it fetches fits any more.
+* Training: a row is worth replicating on every rank only when its per-sample frequency
+  ``f > BW_P2P / (Batch_Size * BW_AR)`` (eqs. 4-5); among those rows, the hottest per byte are
+  replicated until the extra-memory budget is used.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from embedscale.errors import ConfigError
+
+
+class _Candidates:
+    """Partitions one rank fetches over one link, hottest per byte first: a sorted array plus a heap
+    for partitions re-pointed to this link later (Algorithm 1 line 16)."""
+
+    __slots__ = ("arr", "ptr", "heap")
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr.tolist()
+        self.ptr = 0
+        self.heap: list[tuple[float, int]] = []
+
+    def peek(self, key: np.ndarray) -> int:
+        a = self.arr[self.ptr] if self.ptr < len(self.arr) else -1
+        h = self.heap[0][1] if self.heap else -1
+        if a < 0:
+            return h
+        if h < 0:
+            return a
+        return a if key[a] <= key[h] else h
+
+    def pop(self, q: int) -> None:
+        if self.ptr < len(self.arr) and self.arr[self.ptr] == q:
+            self.ptr += 1
+        else:
+            heapq.heappop(self.heap)
+
+    def push(self, keyval: float, q: int) -> None:
+        heapq.heappush(self.heap, (keyval, q))
+
+
+def algorithm1(
+    holders: np.ndarray,
+    fetch: np.ndarray,
+    part_volume: np.ndarray,
+    part_bytes: np.ndarray,
+    cost: np.ndarray,
+    available: np.ndarray,
+    exhaust_links: bool = True,
+) -> dict:
+    """OPER Algorithm 1 (EMT data parallelism for inference), in place on ``holders`` and ``fetch``.
+
+    Args:
+        holders, fetch: ``[P, M]`` as in ``Plan`` (modified in place).
+        part_volume: ``[P]`` bytes each rank reads from the partition per iteration (``A_p * S_p``).
+        part_bytes: ``[P]`` footprint (``p.mem``).
+        cost: ``[M, M]`` OPER ``L`` (microseconds per byte).
+        available: ``[M]`` free bytes per rank (``Ava_Mem``, modified in place).
+        exhaust_links: when the most expensive link has nothing that fits, try the next link instead
+            of stopping the rank (the paper stops; this only ever replicates more within memory).
+
+    Returns:
+        ``{"replicas": count, "bytes": per-rank bytes added, "rounds": rounds}``.
+    """
+    p, m = holders.shape
+    vol = np.asarray(part_volume, dtype=np.float64)
+    nb = np.asarray(part_bytes, dtype=np.float64)
+    density = vol / np.maximum(nb, 1.0)
+    key = -density  # smaller key = better candidate
+    cl = np.zeros((m, m))
+    for i in range(m):
+        cl[i] = np.bincount(fetch[:, i], weights=vol, minlength=m) * cost[i]
+    by_density = np.argsort(key, kind="stable")
+    cands: list[list[_Candidates | None]] = []
+    for i in range(m):
+        f_i = fetch[by_density, i]
+        row = []
+        for j in range(m):
+            row.append(None if j == i else _Candidates(by_density[(f_i == j) & (vol[by_density] > 0)]))
+        cands.append(row)
+    added = np.zeros(m)
+    stop = np.zeros(m, dtype=bool)
+    count = rounds = 0
+    eps = 1e-12
+    while not stop.all():
+        rounds += 1
+        for gid in range(m):
+            if stop[gid]:
+                continue
+            row = cl[gid].copy()
+            row[gid] = -np.inf
+            links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
+            if not exhaust_links:
+                links = links[:1]
+            found = -1
+            for tid in links:
+                c = cands[gid][tid]
+                while True:
+                    q = c.peek(key)
+                    if q < 0:
+                        break
+                    if fetch[q, gid] != tid or holders[q, gid]:
+                        c.pop(q)  # stale: re-pointed elsewhere or already local
+                        continue
+                    c.pop(q)
+                    if nb[q] < available[gid]:  # line 7 (free memory only shrinks: a miss is final)
+                        found = q
+                        break
+                if found >= 0:
+                    break
+            if found < 0:
+                stop[gid] = True
+                continue
+            q, tid = found, int(fetch[found, gid])
+            holders[q, gid] = True  # lines 9-12
+            fetch[q, gid] = gid
+            cl[gid, tid] -= vol[q] * cost[gid, tid]
+            cl[gid, gid] += vol[q] * cost[gid, gid]
+            available[gid] -= nb[q]
+            added[gid] += nb[q]
+            count += 1
+            for i in range(m):  # lines 13-20: peers re-point to the new holder when it is cheaper
+                if i == gid or holders[q, i]:
+                    continue
+                oid = int(fetch[q, i])
+                if cost[i, gid] < cost[i, oid]:
+                    fetch[q, i] = gid
+                    cl[i, oid] -= vol[q] * cost[i, oid]
+                    cl[i, gid] += vol[q] * cost[i, gid]
+                    cands[i][gid].push(key[q], q)
+    return {"replicas": count, "bytes": added.tolist(), "rounds": rounds}
+
+
+def training_hot_rows(heads: list[np.ndarray], row_bytes: np.ndarray, freq_threshold_count: float,
+                      budget_bytes: float, world_size: int) -> np.ndarray:
+    """How many leading (hottest) rows of each table to replicate on every rank for training (OPER 4.3).
+
+    Args:
+        heads: per table, the leading sorted counts (at least every row above the threshold).
+        row_bytes: per table, bytes per row.
+        freq_threshold_count: a row qualifies when its count exceeds this (``f_thr * samples``).
+        budget_bytes: bytes each rank may spend on replicas.
+
+    Returns:
+        ``[T]`` prefix lengths. Rows are taken hottest per byte first across tables, so each table's
+        choice is a prefix of its sorted order.
+    """
+    t = len(heads)
+    if world_size <= 1 or budget_bytes <= 0:
+        return np.zeros(t, dtype=np.int64)
+    kmax = np.array([int(np.count_nonzero(h > freq_threshold_count)) for h in heads], dtype=np.int64)
+    if kmax.sum() == 0:
+        return kmax
+    cnt = np.concatenate([h[:k] for h, k in zip(heads, kmax)])
+    tab = np.repeat(np.arange(t), kmax)
+    rb = np.asarray(row_bytes, dtype=np.float64)[tab]
+    order = np.lexsort((np.arange(cnt.size), -(cnt / rb)))
+    cum = np.cumsum(rb[order])
+    take = int(np.searchsorted(cum, budget_bytes, side="right"))
+    chosen = tab[order[:take]]
+    k = np.bincount(chosen, minlength=t).astype(np.int64)
+    if np.any(k > kmax):  # pragma: no cover - guarded by construction
+        raise ConfigError("training replication chose more rows than qualify")
+    return k

@@ -1,0 +1,386 @@
+"""Training and evaluation on several ranks: embeddings placed by a Plan, dense part data-parallel.
+
+One process per rank (``embedscale train --nproc N`` on one machine, or ``torchrun ... -m embedscale
+train`` anywhere). Rank 0 prepares what every rank reads (data shards, access profile, plan) before the
+ranks join the process group; the others wait for its "ready" marker, so a long data preparation never
+runs into a collective timeout. Then every rank builds:
+
+- a ``ShardedEmbedding`` from the plan's address map (OPER 5.1), over a transport on its own process
+  group (so embedding traffic never interleaves with the dense AllReduce);
+- the dense arches wrapped in ``DistributedDataParallel`` with a *sum* AllReduce hook, and a loss that
+  is the sum over the rank's samples divided by the global batch size: the dense gradients are then
+  exactly the global-batch mean gradient, and the embedding gradients exactly those of single-process
+  training, whatever the split of the batch over ranks (sizes may differ by one).
+
+Checkpoints are sharded: every rank writes the rows it owns (global ids, weights, optimizer state) and
+rank 0 the dense state; a manifest written last marks the checkpoint complete. Restoring reads every
+shard and keeps the rows the *current* plan puts on this rank, so a checkpoint restores onto the same
+plan exactly, or onto another plan or world size (re-sharding).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from embedscale.errors import ConfigError, EmbedscaleError, FormatError
+from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
+from embedscale.specs import RunConfig, dump_config
+
+READY, FAILED = ".ready", ".failed"
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _allreduce_sum_hook(state, bucket):
+    """DDP comm hook: sum (not average) gradients over ranks; the loss already divides by the global batch."""
+    fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def shared_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
+    """A run directory every rank agrees on without talking: given, or named after torchrun's run id."""
+    if run_dir:
+        return Path(run_dir)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("EMBEDSCALE_RUN_ID")
+    if not run_id:
+        raise ConfigError("several ranks need a shared run directory: pass --run-dir")
+    return Path(cfg.out_dir) / f"{cfg.name}-{run_id}"
+
+
+def _wait_for_rank0(run_dir: Path, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    while True:
+        if (run_dir / FAILED).exists():
+            raise EmbedscaleError(f"rank 0 failed while preparing the run: {(run_dir / FAILED).read_text()}")
+        if (run_dir / READY).exists():
+            return
+        if time.monotonic() - t0 > timeout_s:
+            raise EmbedscaleError(f"rank 0 did not finish preparing {run_dir} within {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
+def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool) -> None:
+    """Data, profile and plan (rank 0 only); writes the ready marker last, or a failure marker."""
+    from embedscale import workflow
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for marker in (READY, FAILED):
+            (run_dir / marker).unlink(missing_ok=True)
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        data = workflow.prepare_data(cfg, progress=progress)
+        tables = workflow.tables_for(cfg, data.manifest)
+        plan_dir = run_dir / "plan"
+        if not (plan_dir / "plan.json").exists():
+            make_run_plan(cfg, data, tables, plan_dir, progress)
+        atomic_write_text(run_dir / READY, "ok\n")
+    except BaseException as e:
+        atomic_write_text(run_dir / FAILED, f"{type(e).__name__}: {e}\n")
+        raise
+
+
+def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
+    """The run's plan: a saved plan (``dist.plan`` is a path) or one made now from the training split's
+    access profile with the named strategy."""
+    from embedscale.plan.plan import Plan
+
+    d = cfg.dist
+    world = d.nproc
+    if Path(d.plan).exists():
+        plan = Plan.load(d.plan)
+        if plan.world_size != world:
+            raise ConfigError(f"plan {d.plan} is for {plan.world_size} ranks, this run has {world}")
+    else:
+        from embedscale import workflow
+        from embedscale.plan.api import make_plan
+        from embedscale.plan.topology import topology_for
+
+        prof = workflow.profile(data, plan_dir.parent / "profile", progress=progress)
+        topo = topology_for(world, d.topology_hosts)
+        plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
+                         batch_size=cfg.train.batch_size)
+    plan.save(plan_dir)
+    return plan
+
+
+class DistributedRun:
+    """Everything one rank holds for a distributed run (built by ``setup``)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True):
+        from embedscale import workflow
+        from embedscale.comm.collective import CollectiveTransport
+        from embedscale.data.loader import ShardLoader
+        from embedscale.embedding.address_map import address_map_from_plan
+        from embedscale.embedding.sharded import ShardedEmbedding
+        from embedscale.models import build_model
+        from embedscale.plan.plan import Plan
+
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
+        self.progress = progress and rank == 0
+        t, d = cfg.train, cfg.dist
+        self.device = torch.device(t.device)
+        self.data = workflow.prepare_data(cfg, progress=False)
+        self.tables = workflow.tables_for(cfg, self.data.manifest)
+        self.plan = Plan.load(run_dir / "plan")
+        if self.plan.world_size != world:
+            raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
+        amap = address_map_from_plan(self.plan, self.tables)
+        self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None)
+        self.transport = self._transport(d.transport, rank, world)
+        torch.manual_seed(t.seed)
+        self.embedding = ShardedEmbedding(self.tables, amap, self.transport, rank, design=d.design,
+                                          optimizer=t.sparse_optimizer, lr=t.lr_sparse, grad_sync=d.grad_sync,
+                                          sync_group=self.emb_group, seed=t.seed, device=self.device)
+        self.model = build_model(cfg.model, self.tables, self.data.manifest.num_dense, embedding=self.embedding,
+                                 device=self.device)
+        ignore = [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_parameters()]
+        ignore += [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_buffers()]
+        DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
+        self.ddp = DDP(self.model, broadcast_buffers=False)
+        self.ddp.register_comm_hook(None, _allreduce_sum_hook)
+        self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
+        self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
+                                        start=self.data.train.start, stop=self.data.train.stop,
+                                        prefetch=t.prefetch, device=self.device)
+        ev = self.data.eval
+        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
+                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
+                                       device=self.device) if ev else None
+        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
+        self.losses: list[float] = []
+        self.bytes_per_step: list[int] = []
+        self.sync_bytes_per_step: list[int] = []
+
+    def _transport(self, name: str, rank: int, world: int):
+        from embedscale.comm.collective import CollectiveTransport
+
+        if name == "collective":
+            return CollectiveTransport(rank, world, group=self.emb_group)
+        raise ConfigError(f"dist.transport {name!r} is not available (collective)")
+
+    # -- one step -------------------------------------------------------------------------------
+    def train_step(self, batch) -> float:
+        self.ddp.train()
+        logits = self.ddp(batch.dense, batch.sparse)
+        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        loss = loss_sum / batch.global_size
+        self.opt.zero_grad(set_to_none=True)
+        self.transport.counter.reset()
+        sync_before = self.embedding.stats.get("grad_sync_bytes", 0)
+        loss.backward()
+        self.opt.step()
+        self.bytes_per_step.append(int(self.transport.counter.sent.sum()))
+        self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0) - sync_before)
+        total = loss_sum.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total) / batch.global_size
+
+    # -- evaluation -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        from embedscale.embedding.grad_sync import _all_gather_var
+        from embedscale.train.metrics import logloss_from_logits, roc_auc
+
+        self.model.eval()
+        zs, ys = [], []
+        for batch in self.eval_loader:
+            zs.append(self.model(batch.dense, batch.sparse).float())
+            ys.append(batch.labels.float())
+        self.model.train()
+        local = torch.stack([torch.cat(zs), torch.cat(ys)], 1).cpu() if zs else torch.zeros(0, 2)
+        both = torch.cat(_all_gather_var(local))
+        z, y = both[:, 0].numpy(), both[:, 1].numpy()
+        return {"logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z), "samples": int(y.size)}
+
+    # -- sharded checkpoints --------------------------------------------------------------------
+    def save(self) -> Path:
+        d = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        shard = {"rank": self.rank, "world_size": self.world, "embedding": self.embedding.shard_state()}
+        if self.rank == 0:
+            dense = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.embedding.")}
+            shard.update({"dense": dense, "optimizer": self.opt.state_dict(), "losses": list(self.losses)})
+        with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
+            torch.save(shard, f)
+        dist.barrier()
+        if self.rank == 0:
+            atomic_write_json(d / "manifest.json", {
+                "format": "embedscale.sharded_checkpoint", "version": 1, "world_size": self.world,
+                "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "samples": self.samples, "tables": [t.name for t in self.tables],
+                "table_rows": [t.num_rows for t in self.tables], "optimizer": self.cfg.train.sparse_optimizer,
+                "shards": [f"rank-{r:05d}.pt" for r in range(self.world)]})
+        dist.barrier()
+        return d
+
+    def restore(self, ckpt_dir: Path) -> None:
+        """Load a sharded checkpoint written by any world size or plan (re-sharding by global row id)."""
+        m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
+        if m.get("format") != "embedscale.sharded_checkpoint":
+            raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
+        if m["table_rows"] != [t.num_rows for t in self.tables]:
+            raise FormatError(f"{ckpt_dir}: tables {m['tables']} / {m['table_rows']} differ from this model's")
+        gids, weights, moms = [], [], []
+        dense = None
+        for name in m["shards"]:
+            sh = torch.load(ckpt_dir / name, map_location="cpu", weights_only=True)
+            e = sh["embedding"]
+            gids.append(e["gids"].numpy())
+            weights.append(e["weight"])
+            if "momentum" in e:
+                moms.append(e["momentum"])
+            if sh["rank"] == 0:
+                dense = sh
+        g = np.concatenate(gids)
+        if np.unique(g).size != self.embedding.amap.num_rows or g.size != self.embedding.amap.num_rows:
+            raise FormatError(f"{ckpt_dir}: shards hold {g.size} rows ({np.unique(g).size} distinct), "
+                              f"the model has {self.embedding.amap.num_rows}")
+        mom = torch.cat(moms) if moms and self.cfg.train.sparse_optimizer == "rowwise_adagrad" else None
+        filled = self.embedding.load_rows(g, torch.cat(weights), mom)
+        assert filled == self.embedding.weight.shape[0]
+        self.model.load_state_dict(dense["dense"], strict=False)
+        self.opt.load_state_dict(dense["optimizer"])
+        self.losses = [float(x) for x in dense["losses"]]
+        self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
+        self.samples = m["samples"]
+
+
+def latest_sharded_checkpoint(run_dir: Path) -> Path | None:
+    d = run_dir / "checkpoints"
+    if not d.is_dir():
+        return None
+    done = sorted(p for p in d.iterdir() if p.is_dir() and (p / "manifest.json").exists())
+    return done[-1] if done else None
+
+
+def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
+                      resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
+    """One rank's part of a distributed run (call it on every rank; torchrun's env says which)."""
+    from embedscale.train.launch import init_from_env
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.dist.nproc != world:
+        cfg.dist.nproc = world
+    rd = shared_run_dir(cfg, run_dir)
+    if rank == 0:
+        if not (rd / READY).exists():
+            prepare_on_rank0(cfg, rd, progress)
+    else:
+        _wait_for_rank0(rd, timeout_s=max(cfg.dist.timeout_s, 3600.0))
+    backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
+    init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    run = DistributedRun(cfg, rd, rank, world, progress)
+    ck = Path(resume_from) if resume_from else latest_sharded_checkpoint(rd)
+    if ck is not None:
+        run.restore(ck)
+        _log(rank, f"resumed from {ck} (step {run.step})")
+    return _fit(run, fault_step)
+
+
+def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
+    from embedscale.train.plots import plot_curves
+    from embedscale.train.trainer import MetricRow
+
+    cfg, t = run.cfg, run.cfg.train
+    total = t.max_steps or t.epochs * len(run.train_loader)
+    bar = tqdm(total=total, initial=run.step, desc=f"train x{run.world}", unit="step", disable=not run.progress,
+               file=sys.stderr, dynamic_ncols=True)
+    rows: list[MetricRow] = []
+    t0 = time.perf_counter()
+    train_s, trained = 0.0, 0
+    window: list[float] = []
+    done = lambda: bool(t.max_steps) and run.step >= t.max_steps  # noqa: E731
+    while run.epoch < t.epochs and not done():
+        run.train_loader.set_epoch(run.epoch, skip_batches=run.batch_in_epoch)
+        for batch in run.train_loader:
+            if fault_step is not None and run.step == fault_step and run.rank == int(
+                    os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
+                os.kill(os.getpid(), 9)  # fault injection for the tests: this rank dies here
+            s0 = time.perf_counter()
+            loss = run.train_step(batch)
+            train_s += time.perf_counter() - s0
+            trained += batch.global_size
+            run.step += 1
+            run.batch_in_epoch += 1
+            run.samples += batch.global_size
+            run.losses.append(loss)
+            window.append(loss)
+            bar.update(1)
+            if t.log_every and run.step % t.log_every == 0:
+                rows.append(MetricRow(run.step, run.epoch, run.samples, float(np.mean(window)),
+                                      samples_per_s=trained / max(train_s, 1e-9), seconds=time.perf_counter() - t0))
+                bar.set_postfix(loss=f"{np.mean(window):.4f}")
+                window = []
+            if t.eval_every and run.step % t.eval_every == 0 and run.eval_loader is not None:
+                m = run.evaluate()
+                rows.append(MetricRow(run.step, run.epoch, run.samples, eval_logloss=m["logloss"], eval_auc=m["auc"],
+                                      seconds=time.perf_counter() - t0))
+            if t.checkpoint_every and run.step % t.checkpoint_every == 0:
+                run.save()
+            if done():
+                break
+        else:
+            run.epoch += 1
+            run.batch_in_epoch = 0
+    bar.close()
+    final = run.evaluate() if run.eval_loader is not None else {}
+    run.save()
+    steps_here = max(len(run.bytes_per_step), 1)
+    bytes_mean = torch.tensor([float(np.mean(run.bytes_per_step)) if run.bytes_per_step else 0.0,
+                               float(np.mean(run.sync_bytes_per_step)) if run.sync_bytes_per_step else 0.0,
+                               train_s])
+    dist.all_reduce(bytes_mean)
+    if run.rank != 0:
+        return None
+    if final:
+        rows.append(MetricRow(run.step, run.epoch, run.samples, eval_logloss=final["logloss"], eval_auc=final["auc"],
+                              seconds=time.perf_counter() - t0))
+    summary = {
+        "world_size": run.world, "steps": run.step, "samples": run.samples,
+        "train_samples_per_s": trained / train_s if train_s else math.nan,
+        "train_logloss": float(np.mean(run.losses[-t.log_every:])) if run.losses else math.nan,
+        "eval_logloss": final.get("logloss", math.nan), "eval_auc": final.get("auc", math.nan),
+        "eval_samples": final.get("samples", 0), "teacher_auc": run.data.teacher_auc,
+        "embedding_bytes_on_wire_per_step": bytes_mean[0].item(),  # summed over ranks
+        "grad_sync_bytes_per_step": bytes_mean[1].item(),
+        "steps_measured": steps_here, "plan": run.plan.meta.get("strategy", cfg.dist.plan),
+        "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
+        "num_tables": len(run.tables), "embedding_bytes": sum(tb.memory_bytes for tb in run.tables),
+    }
+    summary["plan_summary"] = run.plan.summary()
+    _write_metrics(run.run_dir, rows)
+    plot_curves(rows, run.run_dir / "curves.png", title=f"{cfg.model.arch} x{run.world} ranks ({summary['plan']})",
+                ceiling_auc=run.data.teacher_auc)
+    atomic_write_json(run.run_dir / "summary.json", summary)
+    return summary
+
+
+def _write_metrics(run_dir: Path, rows) -> None:
+    import csv
+    import io
+    from dataclasses import asdict
+
+    from embedscale.train.trainer import METRIC_FIELDS
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=METRIC_FIELDS)
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()})
+    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
+
