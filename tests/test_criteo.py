@@ -269,3 +269,10 @@ def test_bad_arguments(tmp_path):
         convert_criteo(path, tmp_path / "o", categorical="vocab", min_frequency=0, progress=False)
     with pytest.raises(InputError, match="no such file"):
         convert_criteo(tmp_path / "missing.tsv", tmp_path / "o", progress=False)
+    (tmp_path / "empty.tsv").write_bytes(b"")
+    with pytest.raises(InputError, match="empty.tsv: no rows$"):
+        convert_criteo(tmp_path / "empty.tsv", tmp_path / "o", progress=False)
+    write(tmp_path / "junk.tsv", ["junk"] * 3)
+    with pytest.raises(InputError, match=r"no rows \(3 malformed lines skipped\)"), pytest.warns(UserWarning):
+        convert_criteo(tmp_path / "junk.tsv", tmp_path / "o", skip_malformed=True, progress=False)
+    assert not (tmp_path / "o" / MANIFEST).exists()

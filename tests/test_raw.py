@@ -25,6 +25,8 @@ def test_parse_hex_variable_and_fixed_width():
         keys, bad = parse_hex(chunked(values))
         assert not bad.any()
         assert keys.dtype == np.uint64 and keys.tolist() == [int(v or b"0", 16) for v in values]
+    odd = pa.array([b"abc"] + fixed, pa.binary()).slice(1)  # a slice whose data starts at an odd byte
+    assert parse_hex(odd)[0].tolist() == [int(v or b"0", 16) for v in fixed]
     for values in (fixed[:9] + [b"0000000g"], mixed[:9] + [b"1" * 17], [b"12345678", b"1234567 "], [b"0x1f"]):
         _, bad = parse_hex(pa.array(values, pa.binary()))
         assert bad.tolist() == [False] * (len(values) - 1) + [True], values

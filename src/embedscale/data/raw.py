@@ -48,7 +48,7 @@ class LineBlock:
     """Whole lines of one file: ``data`` ends with a newline (or the file's end); ``first_line`` is 1-based."""
 
     path: str
-    data: bytes
+    data: bytes | memoryview
     first_line: int
     num_lines: int
 
@@ -85,23 +85,26 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, he
             yield head
             line_no = 2
         while True:
-            chunk = f.read(block_bytes)
+            # read straight behind the carried partial line: no copy of the block on the way to Arrow
+            buf = bytearray(len(carry) + block_bytes)
+            buf[:len(carry)] = carry
+            got = f.readinto(memoryview(buf)[len(carry):])
             if on_progress is not None:
                 now = raw.tell()
                 on_progress(now - pos)
                 pos = now
-            if not chunk:
+            if not got:
                 if carry:
-                    yield LineBlock(str(path), carry, line_no, 1)
+                    yield LineBlock(str(path), memoryview(carry), line_no, 1)
                 return
-            buf = carry + chunk if carry else chunk
-            cut = buf.rfind(b"\n") + 1
+            end = len(carry) + got
+            cut = buf.rfind(b"\n", 0, end) + 1
             if cut == 0:  # one line longer than a block: keep reading
-                carry = buf
+                carry = bytes(buf[:end])
                 continue
-            data, carry = buf[:cut], buf[cut:]
-            n = data.count(b"\n")
-            yield LineBlock(str(path), data, line_no, n)
+            carry = bytes(buf[cut:end])
+            n = buf.count(b"\n", 0, cut)
+            yield LineBlock(str(path), memoryview(buf)[:cut], line_no, n)
             line_no += n
 
 
@@ -430,7 +433,8 @@ class _Skipped:
         self.examples.extend(where[: MAX_EXAMPLES - len(self.examples)])
 
 
-def _lines(data: bytes) -> list[bytes]:
+def _lines(data: bytes | memoryview) -> list[bytes]:
+    data = bytes(data)
     lines = data.split(b"\n")
     if data.endswith(b"\n"):
         lines.pop()
@@ -631,8 +635,13 @@ def convert_log(fmt: LogFormat, paths, out_dir, *, categorical: str = "hash",
     try:
         writer = ShardWriter(staging, fmt.dense_names, sparse, shard_rows=shard_rows, extra=extra)
         desc = f"{fmt.name} {passes}/{passes} shards"
+        rows = 0
         for dec in _iter_decoded(fmt, files, skipped=skipped, desc=desc, **common):
             writer.write(dec.labels, dec.dense, dict(zip(fmt.sparse_names, enc.encode(dec.keys).T)))
+            rows += len(dec.labels)
+        if rows == 0 and max_rows != 0:
+            why = f" ({skipped.count} malformed lines skipped)" if skipped.count else ""
+            raise InputError(f"{', '.join(map(str, files))}: no rows{why}")
         writer.manifest.extra["skipped"] = {"count": skipped.count, "examples": skipped.examples}
         writer.close()
         if categorical == "vocab":

@@ -25,13 +25,15 @@ from embedscale.plan.replicate import algorithm1, training_hot_rows
 from embedscale.plan.topology import as_link_topology
 
 
-def rank_capacity(topology, total_bytes: float, extra_memory: float) -> np.ndarray:
-    """Bytes per rank: ``(1 + extra_memory) * total / M`` (OPER 6.1), capped by ``memory_per_rank``."""
+def rank_capacity(topology, total_bytes: float, extra_memory: float, slack_bytes: float = 0.0) -> np.ndarray:
+    """Bytes per rank: ``(1 + extra_memory) * total / M`` (OPER 6.1: the memory for tables is
+    ``(1 + 5%)`` of their footprint), at least ``total / M + slack_bytes`` (room for the last
+    indivisible partition when there is no extra memory), never above ``memory_per_rank``."""
     topo = as_link_topology(topology)
     m = topo.world_size
     if not (extra_memory >= 0 and np.isfinite(extra_memory)):
         raise ConfigError(f"extra_memory must be a finite number >= 0, got {extra_memory}")
-    cap = (1.0 + extra_memory) * total_bytes / m
+    cap = max((1.0 + extra_memory) * total_bytes / m, total_bytes / m + slack_bytes)
     if topo.memory_per_rank > 0:
         if topo.memory_per_rank * m < total_bytes:
             raise ConfigError(
@@ -87,14 +89,14 @@ def plan_oper(
     rb = np.array([t.row_bytes for t in st], dtype=np.float64)
     nrows = np.array([t.num_rows for t in st], dtype=np.int64)
     total_bytes = float((rb * nrows).sum())
-    cap = rank_capacity(topo, total_bytes, extra_memory)
+    mem_thr = threshold if extra_memory <= 0 else min(threshold, extra_memory / (2 * m))
+    budget_cap = rank_capacity(topo, total_bytes, extra_memory)
+    # placement may overshoot an exactly-full rank by one memory-bound partition when there is no slack
+    cap = place_cap = rank_capacity(topo, total_bytes, extra_memory, max(mem_thr * total_bytes, float(rb.max())))
     lb = topo.cost_matrix()
     local = np.diag(lb).copy()
     scale = batch_size / samples  # count -> accesses per rank per iteration
 
-    mem_thr = threshold if extra_memory <= 0 else min(threshold, extra_memory / (2 * m))
-    # placement may overshoot an exactly-full rank by one memory-bound partition when there is no slack
-    place_cap = np.maximum(cap, total_bytes / m + mem_thr * total_bytes)
 
     # 1. training: rows worth replicating everywhere (eqs. 4-5), hottest per byte within the budget
     f_thr = training_replication_threshold(topo, batch_size)
@@ -158,7 +160,7 @@ def plan_oper(
         "batch_size": int(batch_size),
         "extra_memory": float(extra_memory),
         "capacity_bytes": float(place_cap.max()),
-        "memory_budget_bytes": float(cap.max()),
+        "memory_budget_bytes": float(budget_cap.max()),
         "threshold": thr_used,
         "memory_threshold": min(thr_used, mem_thr),
         "threshold_history": history,

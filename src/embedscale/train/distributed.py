@@ -289,6 +289,9 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
     if ck is not None:
         run.restore(ck)
         _log(rank, f"resumed from {ck} (step {run.step})")
+    if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
     return _fit(run, fault_step)
 
 

@@ -1,0 +1,187 @@
+"""The exact EMT parallelization problem (OPER section 3.3) as a MILP, solved by HiGHS (scipy.optimize.milp).
+
+Units are partitions (single rows for an exact solution on small instances, or OPER's partitions at a
+threshold, as the paper's solver runs in Table 3). Variables, for unit ``p`` and ranks ``i, j``:
+
+* ``x[p,i,j]``: rank ``i`` fetches ``p`` from rank ``j`` (OPER's ``P_p[i][j]``);
+* ``y[p,j]``: rank ``j`` holds ``p``; ``o[p,j]``: rank ``j`` owns ``p``;
+* training only: ``r[p]``: ``p`` is replicated on every rank (OPER 4.3 replicates for training on all
+  ranks; partial holder sets would make the AllReduce term ``2(h-1)/h`` non-linear);
+* ``u[i,j]``: link ``i <- j`` carries bytes (its per-iteration latency is paid);
+* ``z``: the largest per-rank cost.
+
+Constraints: every rank reads every unit from exactly one holder and from itself when it holds it;
+exactly one owner, who holds it; memory per rank (eq. 1) within capacity; each rank's lookup (eq. 2)
+plus communication (eq. 3, doubled and plus AllReduce eq. 5 in training) at most ``z``. Objective:
+minimise ``z``, the same ``max_rank_cost`` the cost model reports for any plan.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from embedscale.errors import ConfigError
+from embedscale.plan.cost import check_mode, profile_samples
+from embedscale.plan.oper import rank_capacity
+from embedscale.plan.partition import Partitions, partition_tables, sort_tables
+from embedscale.plan.plan import Plan
+from embedscale.plan.topology import as_link_topology
+
+
+def solve_units(
+    part_access: np.ndarray,
+    part_bytes: np.ndarray,
+    part_row_bytes: np.ndarray,
+    topology,
+    capacity: np.ndarray,
+    mode: str,
+    time_limit: float = 60.0,
+) -> dict:
+    """Solve the MILP for units with per-rank per-iteration accesses ``part_access`` (``A_p``).
+
+    Returns ``{"status", "optimal", "objective", "bound", "gap", "seconds", "owner", "holders", "fetch"}``
+    (the last three ``None`` when no feasible solution was found).
+    """
+    check_mode(mode)
+    topo = as_link_topology(topology)
+    m = topo.world_size
+    p = int(part_access.size)
+    lb = topo.cost_matrix()
+    lat = topo.latency_us
+    k = 2.0 if mode == "training" else 1.0
+    vol = np.asarray(part_access, dtype=np.float64) * np.asarray(part_row_bytes, dtype=np.float64)
+
+    nx, ny = p * m * m, p * m
+    ox, oy, oo = 0, nx, nx + ny
+    orr = oo + ny
+    nr = p if mode == "training" else 0
+    ou = orr + nr
+    links = [(i, j) for i in range(m) for j in range(m) if i != j and lat[i, j] > 0]
+    nu = len(links)
+    oz = ou + nu
+    nvar = oz + 1
+
+    def X(q, i, j):
+        return ox + (q * m + i) * m + j
+
+    def Y(q, j):
+        return oy + q * m + j
+
+    def O(q, j):
+        return oo + q * m + j
+
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def add(entries, lower, upper):
+        nonlocal r
+        for c, v in entries:
+            rows.append(r)
+            cols.append(c)
+            vals.append(v)
+        lo.append(lower)
+        hi.append(upper)
+        r += 1
+
+    for q in range(p):
+        for i in range(m):
+            add([(X(q, i, j), 1.0) for j in range(m)], 1.0, 1.0)  # one source per reader
+            add([(X(q, i, i), 1.0), (Y(q, i), -1.0)], 0.0, 0.0)  # a holder reads itself
+            for j in range(m):
+                if j != i:
+                    add([(X(q, i, j), 1.0), (Y(q, j), -1.0)], -np.inf, 0.0)  # read only from a holder
+        add([(O(q, j), 1.0) for j in range(m)], 1.0, 1.0)  # one owner
+        for j in range(m):
+            add([(O(q, j), 1.0), (Y(q, j), -1.0)], -np.inf, 0.0)  # the owner holds it
+            if mode == "training":
+                add([(Y(q, j), 1.0), (orr + q, -1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # y <= o + r
+                add([(Y(q, j), 1.0), (orr + q, -1.0)], 0.0, np.inf)  # y >= r
+    for j in range(m):  # eq. 1
+        add([(Y(q, j), float(part_bytes[q])) for q in range(p)], -np.inf, float(capacity[j]))
+    for n_, (i, j) in enumerate(links):  # a link with traffic pays its latency
+        for q in range(p):
+            if vol[q] > 0:
+                add([(X(q, i, j), 1.0), (ou + n_, -1.0)], -np.inf, 0.0)
+    ar = 2.0 * (m - 1) / m / (topo.allreduce_bw * 1e3)
+    for j in range(m):  # eqs. 2-5: cost of rank j <= z
+        e = []
+        for q in range(p):
+            for i in range(m):
+                c = vol[q] * lb[j, j]  # j serves i (eq. 2)
+                if i != j:
+                    e.append((X(q, i, j), c))
+                    e.append((X(q, j, i), k * vol[q] * lb[j, i]))  # j reads from i (eq. 3)
+                else:
+                    e.append((X(q, j, j), c))
+            if mode == "training":
+                e.append((orr + q, ar * float(part_bytes[q])))
+        for n_, (a, b) in enumerate(links):
+            if a == j:
+                e.append((ou + n_, k * float(lat[a, b])))
+        e.append((oz, -1.0))
+        add(e, -np.inf, 0.0)
+    a_mat = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
+    c = np.zeros(nvar)
+    c[oz] = 1.0
+    integrality = np.ones(nvar)
+    integrality[oz] = 0
+    ub = np.ones(nvar)
+    ub[oz] = np.inf
+    t0 = time.perf_counter()
+    res = milp(c, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(nvar), ub),
+               options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-9})
+    secs = time.perf_counter() - t0
+    out = {"status": int(res.status), "message": res.message, "optimal": res.status == 0, "seconds": secs,
+           "objective": None, "bound": getattr(res, "mip_dual_bound", None), "gap": getattr(res, "mip_gap", None),
+           "owner": None, "holders": None, "fetch": None, "variables": nvar, "constraints": r}
+    if res.x is not None:
+        xv = np.round(res.x).astype(np.int64)
+        out["objective"] = float(res.x[oz])
+        x = xv[:nx].reshape(p, m, m)
+        out["fetch"] = np.argmax(x, axis=2).astype(np.int32)
+        out["holders"] = xv[oy : oy + ny].reshape(p, m).astype(bool)
+        out["owner"] = np.argmax(xv[oo : oo + ny].reshape(p, m), axis=1).astype(np.int32)
+    return out
+
+
+def plan_milp(tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
+              batch_size: int = 2048, threshold: float | None = None, time_limit: float = 60.0,
+              max_units: int = 400) -> Plan:
+    """The exact plan: units are single rows (``threshold=None``) or OPER partitions at ``threshold``.
+
+    Raises ``ConfigError`` when the instance has more than ``max_units`` units or no feasible
+    solution is found within ``time_limit`` seconds. ``meta["milp"]`` records status, objective, bound
+    and time; ``meta["milp"]["optimal"]`` is False when the time limit stopped HiGHS first.
+    """
+    t0 = time.perf_counter()
+    topo = as_link_topology(topology)
+    m = topo.world_size
+    st = sort_tables(tables, profile)
+    if threshold is None:
+        tab = np.concatenate([np.full(t.num_rows, t.index, dtype=np.int32) for t in st])
+        start = np.concatenate([np.arange(t.num_rows, dtype=np.int64) for t in st])
+        counts = np.concatenate([np.diff(t.prefix()) for t in st])
+        rb = np.array([t.row_bytes for t in st], dtype=np.float64)
+        parts = Partitions(tab, start, start + 1, counts, rb[tab], np.ones(tab.size, dtype=bool))
+    else:
+        parts = partition_tables(st, threshold)
+    if parts.size > max_units:
+        raise ConfigError(f"milp: {parts.size} units is more than max_units={max_units}; use a coarser threshold")
+    rb = np.array([t.row_bytes for t in st], dtype=np.float64)
+    total = float(sum(t.num_rows * t.row_bytes for t in st))
+    cap = rank_capacity(topo, total, extra_memory, float(parts.nbytes.max()))
+    scale = batch_size / profile_samples(profile)
+    sol = solve_units(parts.counts * scale, parts.nbytes, rb[parts.table], topo, cap, mode, time_limit)
+    if sol["owner"] is None:
+        raise ConfigError(f"milp: no feasible solution within {time_limit} s ({sol['message']})")
+    info = {k: sol[k] for k in ("status", "message", "optimal", "objective", "bound", "gap", "seconds", "variables", "constraints")}
+    meta = {"strategy": "milp", "mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory),
+            "capacity_bytes": float(cap.max()), "threshold": threshold, "milp": info}
+    plan = Plan(tables, m, [t.order for t in st], parts.table, parts.start, parts.stop, sol["owner"],
+                sol["holders"], sol["fetch"], meta, part_counts=parts.counts)
+    plan.meta["plan_seconds"] = time.perf_counter() - t0
+    return plan
