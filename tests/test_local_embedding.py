@@ -237,7 +237,8 @@ def test_no_grad_forward_does_not_update():
     assert not out.requires_grad and torch.equal(ours.weights, w0)
 
 
-def test_dense_mode_matches_fused_sgd():
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_dense_mode_matches_fused_sgd(one_hot):
     """optimizer=None: a regular nn.Parameter with dense grads; plain torch SGD on it equals fused SGD."""
     gen = torch.Generator().manual_seed(5)
     dense = LocalEmbeddingBags(MIXED, optimizer=None, seed=2)
@@ -245,7 +246,7 @@ def test_dense_mode_matches_fused_sgd():
     assert [p is dense.weights for p in dense.parameters()] == [True]
     opt = torch.optim.SGD(dense.parameters(), lr=0.1)
     for _ in range(2):
-        jf = random_features(MIXED, 8, gen, weighted=True, hot_rows=4)
+        jf = random_features(MIXED, 8, gen, weighted=True, hot_rows=4, one_hot=one_hot)
         g = torch.randn(8, sum(dense.feature_dims), generator=gen)
         opt.zero_grad()
         (dense(jf) * g).sum().backward()

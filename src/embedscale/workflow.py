@@ -70,9 +70,9 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     d = cfg.data
     cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
     if d.source == "synthetic":
-        from embedscale.data.synthetic import generate_dataset
+        from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 
-        key = _fingerprint({"v": 1, "synthetic": to_dict(d.synthetic), "seed": d.seed, "train": d.train_samples,
+        key = _fingerprint({"v": GENERATOR_VERSION, "synthetic": to_dict(d.synthetic), "seed": d.seed, "train": d.train_samples,
                             "eval": d.eval_samples})
         base = cache_root / f"synthetic-{d.synthetic.preset}-{key}"
         dirs = {}

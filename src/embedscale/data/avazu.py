@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from embedscale.data.raw import BLOCK_BYTES, Decoded, LogFormat, convert_log, fnv1a64, parse_decimal, parse_label, show
+from embedscale.data.fields import field_lengths, fnv1a64, parse_decimal, parse_label, show
+from embedscale.data.raw import BLOCK_BYTES, Decoded, LogFormat, convert_log
 from embedscale.data.shards import Manifest
 from embedscale.specs import AVAZU_COLUMNS
 
@@ -39,24 +40,19 @@ def split_hour(hour: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     months = (2000 + yy - 1970) * 12 + np.clip(mm - 1, 0, 11)
     first = months.astype("datetime64[M]").astype("datetime64[D]")
     day = first + np.clip(dd - 1, 0, 30).astype("timedelta64[D]")
-    valid = (hour >= 0) & (mm >= 1) & (mm <= 12) & (dd >= 1) & (hh <= 23) & (day.astype("datetime64[M]") == first.astype("datetime64[M]"))
+    same_month = day.astype("datetime64[M]") == first.astype("datetime64[M]")  # 31 April is not a date
+    valid = (hour >= 0) & (mm >= 1) & (mm <= 12) & (dd >= 1) & (hh <= 23) & same_month
     weekday = (day.astype(np.int64) + _EPOCH_WEEKDAY) % 7
     return hh, weekday, valid
 
 
 def _decode(table: pa.Table) -> Decoded:
-    n = table.num_rows
     labels, bad = parse_label(table.column("click"))
     hour, missing, b = parse_decimal(table.column("hour"), max_digits=8)
-    col = table.column("hour")
-    width = np.concatenate([np.diff(np.frombuffer(c.buffers()[1], np.int32, len(c) + 1, c.offset * 4))
-                            for c in col.chunks]) if col.num_chunks else np.zeros(0, np.int64)
     hh, weekday, valid = split_hour(hour)
-    bad |= b | missing | (width != 8) | ~valid
+    bad |= b | missing | (field_lengths(table.column("hour")) != 8) | ~valid
     dense = np.log1p(np.stack([hh, weekday], axis=1).astype(np.float32))
-    keys = np.empty((n, len(SPARSE_NAMES)), np.uint64)
-    for j, name in enumerate(SPARSE_NAMES):
-        (keys[:, j],) = fnv1a64(table.column(name))
+    keys = np.stack([fnv1a64(table.column(name)) for name in SPARSE_NAMES])
     return Decoded(labels, dense, keys, bad)
 
 

@@ -23,7 +23,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from embedscale.data.raw import BLOCK_BYTES, Decoded, LogFormat, convert_log, parse_decimal, parse_hex, parse_label, show
+from embedscale.data.fields import parse_decimal, parse_hex, parse_label, show
+from embedscale.data.raw import BLOCK_BYTES, Decoded, LogFormat, convert_log
 from embedscale.data.shards import Manifest
 from embedscale.specs import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 
@@ -43,16 +44,16 @@ def dense_transform(values: np.ndarray) -> np.ndarray:
 def _decode(table: pa.Table) -> Decoded:
     n = table.num_rows
     labels, bad = parse_label(table.column("label"))
-    dense = np.empty((n, CRITEO_NUM_DENSE), np.float32)
+    dense = np.empty((CRITEO_NUM_DENSE, n), np.float32)  # feature-major while decoding: contiguous writes
     for j, name in enumerate(DENSE_NAMES):
         v, _, b = parse_decimal(table.column(name))  # missing parses as 0
-        dense[:, j] = dense_transform(v)
+        dense[j] = dense_transform(v)
         bad |= b
-    keys = np.empty((n, CRITEO_NUM_SPARSE), np.uint64)
+    keys = np.empty((CRITEO_NUM_SPARSE, n), np.uint64)
     for j, name in enumerate(SPARSE_NAMES):
-        keys[:, j], b = parse_hex(table.column(name))
+        keys[j], b = parse_hex(table.column(name))
         bad |= b
-    return Decoded(labels, dense, keys, bad)
+    return Decoded(labels, dense.T, keys, bad)
 
 
 def _check_line(fields: list[bytes]) -> str | None:

@@ -2,13 +2,15 @@
 
 A raw log is read in blocks of whole lines (``block_bytes`` each, so memory stays bounded whatever
 the file size). Each block is split into columns by Arrow's multi-threaded CSV parser with every column
-typed ``binary``: Arrow only cuts fields, and all values are decoded here, vectorised over the block, by
-rules we own (``parse_decimal``, ``parse_hex``, ``fnv1a64``). Arrow's own number parser is not used
-because it silently accepts values the formats forbid (``0x1f``, `` 5``).
+typed ``binary``: Arrow only cuts fields; the values are decoded, vectorised over the block, by rules we
+own (``embedscale.data.fields``). Reading and Arrow's parse of the next block run in a background
+thread while the current one is decoded, encoded (``CategoricalEncoder``) and written (``ShardWriter``).
 
 Errors are found on the fast path but named on the slow one: when Arrow rejects a block (wrong number of
 fields) or the vectorised decoders flag a row, only that block is re-scanned line by line in Python
 (``LogFormat.check_line``) to report ``<file>:<line>: <what is wrong>`` with 1-based line numbers.
+Arrow's ``invalid_row_handler`` is not enough for this: it sees only wrong field counts, never a bad
+value, and its ``InvalidRow.number`` is ``None`` when the parse is multi-threaded (pyarrow 26).
 
 Categorical values become 64-bit keys (the hex value for Criteo, a stable FNV-1a hash for Avazu) and
 keys become table rows in one of the two ways Meta's DLRM reference offers (``CategoricalEncoder``).
@@ -22,6 +24,7 @@ import os
 import queue
 import shutil
 import sys
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -32,11 +35,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from embedscale.data.categorical import CategoricalEncoder
+from embedscale.data.fields import show
+from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
 from embedscale.io import atomic_save_npy, atomic_write_json
-from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 
-BLOCK_BYTES = 32 << 20
+BLOCK_BYTES = 8 << 20  # measured: 8 MiB blocks beat 16 and 32 (fewer fresh pages per block), same CPU
 MAX_EXAMPLES = 10
 
 # --------------------------------------------------------------------------------------------------
@@ -61,11 +66,13 @@ def _open_raw(path: Path):
 
 
 def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, header: bool = False,
-                     on_progress: Callable[[int], None] | None = None) -> Iterator[LineBlock | bytes]:
+                     on_progress: Callable[[int], None] | None = None, reuse: int = 0) -> Iterator[LineBlock | bytes]:
     """Yield the header line (bytes, when ``header``) and then blocks of whole lines of ``path``.
 
     ``.gz`` files are decompressed on the fly. ``on_progress(n)`` is told every ``n`` bytes of the file
-    (compressed bytes for ``.gz``) consumed.
+    (compressed bytes for ``.gz``) consumed. ``reuse=k > 0`` cycles ``k`` read buffers instead of
+    allocating (and page-faulting) a fresh one per block: a block's ``data`` is then overwritten ``k``
+    blocks later, so hold no block longer than that.
     """
     path = Path(path)
     if not path.is_file():
@@ -84,9 +91,18 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, he
                 raise InputError(f"{path}: empty file, expected a header line")
             yield head
             line_no = 2
+        ring: list[bytearray] = []
         while True:
             # read straight behind the carried partial line: no copy of the block on the way to Arrow
-            buf = bytearray(len(carry) + block_bytes)
+            need = len(carry) + block_bytes
+            if reuse and len(ring) == reuse and len(ring[0]) >= need:
+                buf = ring.pop(0)
+            else:
+                buf = bytearray(need)
+                if ring and len(ring) == reuse:
+                    ring.pop(0)
+            if reuse:
+                ring.append(buf)
             buf[:len(carry)] = carry
             got = f.readinto(memoryview(buf)[len(carry):])
             if on_progress is not None:
@@ -123,274 +139,10 @@ def read_block_table(block: LineBlock, column_names: list[str], delimiter: str,
         convert_options=pacsv.ConvertOptions(column_types={c: pa.binary() for c in include}, include_columns=include,
                                              null_values=[], strings_can_be_null=False,
                                              quoted_strings_can_be_null=False, check_utf8=False),
+        # measured on Criteo: Arrow's default mimalloc pool hands its pages back after every block and
+        # page-faults them in again; glibc's heap keeps them (about half the kernel time per 100 MB)
+        memory_pool=pa.system_memory_pool(),
     )
-
-
-# --------------------------------------------------------------------------------------------------
-# vectorised decoders of binary columns
-
-
-def _buffers(arr: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets int64 [n+1], data uint8) of a binary array, honouring its slice offset."""
-    if arr.type != pa.binary():
-        arr = arr.cast(pa.binary())
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4).astype(np.int64)
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None and bufs[2].size else np.zeros(1, np.uint8)
-    return offsets, data
-
-
-def _per_chunk(col: pa.ChunkedArray | pa.Array, fn: Callable[[pa.Array], tuple]) -> tuple:
-    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
-    parts = [fn(c) for c in chunks if len(c)]
-    if not parts:
-        return fn(pa.array([], pa.binary()))
-    return tuple(np.concatenate(p) for p in zip(*parts))
-
-
-def _fixed_width(offsets: np.ndarray, data: np.ndarray, lut: np.ndarray, base: int):
-    """Fast path when every non-empty field has the same width (Criteo's 8-digit hex): the fields lie
-    back to back in the data buffer, so they reshape into a ``[fields, width]`` matrix with no gather."""
-    lens = np.diff(offsets)
-    nonempty = lens > 0
-    widths = lens[nonempty]
-    if not len(widths):
-        return np.zeros(len(lens), np.uint64), np.zeros(len(lens), bool)
-    w = int(widths[0])
-    if w > 16 or not (widths == w).all():
-        return None
-    bad = np.zeros(len(lens), bool)
-    if base == 16 and w % 2 == 0:  # two hex digits -> one byte per lookup, bytes read as big-endian
-        pairs = _HEX_PAIRS[data[offsets[0]:offsets[-1]].view(np.uint16)].reshape(-1, w // 2)
-        if pairs.max() > 255:
-            bad[nonempty] = (pairs > 255).any(1)
-        padded = np.zeros((len(pairs), 8), np.uint8)
-        padded[:, 8 - w // 2:] = pairs
-        v = padded.view(">u8").ravel().astype(np.uint64)
-    else:
-        d = lut[data[offsets[0]:offsets[-1]]].reshape(-1, w)
-        if d.max() >= base:  # only then find the rows
-            bad[nonempty] = (d >= base).any(1)
-        v = np.zeros(len(d), np.uint64)
-        for k in range(w):  # digit positions, not rows
-            v = v * np.uint64(base) + d[:, k]
-    value = np.zeros(len(lens), np.uint64)
-    value[nonempty] = v
-    return value, bad
-
-
-def _digits(arr: pa.Array, lut: np.ndarray, base: int, max_len: int, signed: bool):
-    """Digits of every field in ``base`` -> (uint64 magnitude, negative, digit count, bad) per field."""
-    offsets, data = _buffers(arr)
-    n = len(offsets) - 1
-    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else np.zeros(n, bool)
-    if not signed:
-        fast = _fixed_width(offsets, data, lut, base)
-        if fast is not None:
-            return fast[0], np.zeros(n, bool), np.diff(offsets), fast[1] | nulls
-    start, end = offsets[:-1], offsets[1:]
-    neg = np.zeros(n, dtype=bool)
-    last = len(data) - 1
-    if signed and n:
-        neg = (data[np.minimum(start, last)] == ord("-")) & (end > start)
-        start = start + neg
-    lens = end - start
-    bad = (lens > max_len) | (neg & (lens == 0)) | nulls
-    width = int(min(lens.max(initial=0), max_len))
-    value = np.zeros(n, dtype=np.uint64)
-    invalid = np.zeros(n, dtype=bool)
-    for k in range(width):  # digit positions, right-aligned; positions before a field's start count 0
-        pos = end - width + k
-        inside = pos >= start
-        d = lut[data[np.maximum(pos, 0)]]
-        d = np.where(inside, d, 0)
-        invalid |= d >= base
-        value = value * np.uint64(base) + d
-    return value, neg, lens, bad | invalid
-
-
-_DEC = np.full(256, 255, np.uint8)  # 255: not a digit
-_DEC[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_HEX = _DEC.copy()
-_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
-# every pair of bytes, read as a little-endian uint16 (first character low) -> its byte value, or 0xFFFF
-_hi, _lo = _HEX[np.arange(1 << 16) & 0xFF].astype(np.uint16), _HEX[np.arange(1 << 16) >> 8].astype(np.uint16)
-_HEX_PAIRS = np.where((_hi < 16) & (_lo < 16), _hi * 16 + _lo, 0xFFFF).astype(np.uint16)
-del _hi, _lo
-
-
-def parse_decimal(col, max_digits: int = 18) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decimal integers ``-?[0-9]{1,max_digits}`` -> (int64 values, missing mask, bad mask).
-
-    An empty field is missing (value 0). Anything else, ``+5``, `` 5``, ``0x1f``, ``1.0``, is bad."""
-    def one(arr):
-        v, neg, lens, bad = _digits(arr, _DEC, 10, max_digits, signed=True)
-        v = v.astype(np.int64)
-        v = np.where(neg, -v, v)
-        return v, (lens == 0) & ~neg, bad
-    return _per_chunk(col, one)
-
-
-def parse_hex(col, max_digits: int = 16) -> tuple[np.ndarray, np.ndarray]:
-    """Hexadecimal values ``[0-9a-fA-F]{0,16}`` -> (uint64 keys, bad mask); empty (missing) is 0, as
-    ``int("0", 16)`` in Meta's DLRM reference, which fills missing fields with ``"0"`` before parsing."""
-    def one(arr):
-        v, _, _, bad = _digits(arr, _HEX, 16, max_digits, signed=False)
-        return v, bad
-    return _per_chunk(col, one)
-
-
-def parse_label(col) -> tuple[np.ndarray, np.ndarray]:
-    """Click labels: exactly ``0`` or ``1`` -> (int8 labels, bad mask)."""
-    def one(arr):
-        offsets, data = _buffers(arr)
-        c = data[np.minimum(offsets[:-1], len(data) - 1)]
-        ok = (np.diff(offsets) == 1) & ((c == ord("0")) | (c == ord("1")))
-        return (c == ord("1")).astype(np.int8), ~ok
-    return _per_chunk(col, one)
-
-
-def show(value: bytes, limit: int = 40) -> str:
-    """A field's bytes for an error message."""
-    text = value.decode("utf-8", "replace")
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-FNV_PRIME = np.uint64(0x100000001B3)
-
-
-def fnv1a64(col) -> tuple[np.ndarray]:
-    """Stable 64-bit FNV-1a hash of each value's bytes; the empty (missing) value is key 0.
-
-    Unlike Python's ``hash()`` it is the same in every process and on every machine."""
-    def one(arr):
-        offsets, data = _buffers(arr)
-        start, lens = offsets[:-1], np.diff(offsets)
-        h = np.full(len(start), FNV_OFFSET, dtype=np.uint64)
-        last = len(data) - 1
-        with np.errstate(over="ignore"):
-            for k in range(int(lens.max(initial=0))):  # character positions, not rows
-                active = k < lens
-                c = data[np.minimum(start + k, last)].astype(np.uint64)
-                h = np.where(active, (h ^ c) * FNV_PRIME, h)
-        h[lens == 0] = 0
-        return (h,)
-    return _per_chunk(col, one)
-
-
-def fnv1a64_py(value: bytes) -> int:
-    """Plain-Python FNV-1a 64 (the reference ``fnv1a64`` is checked against); empty -> 0."""
-    if not value:
-        return 0
-    h = 0xCBF29CE484222325
-    for c in value:
-        h = ((h ^ c) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return h
-
-
-# --------------------------------------------------------------------------------------------------
-# categorical keys -> table rows
-
-
-class ValueCounter:
-    """Exact per-value counts of one categorical column, merged block by block (16 bytes per distinct value)."""
-
-    def __init__(self) -> None:
-        self.keys = np.zeros(0, np.uint64)
-        self.counts = np.zeros(0, np.int64)
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
-        self._pending_size = 0
-
-    def add(self, keys: np.ndarray) -> None:
-        k, c = np.unique(keys, return_counts=True)
-        self._pending.append((k, c.astype(np.int64)))
-        self._pending_size += len(k)
-        if self._pending_size > max(1 << 20, len(self.keys)):
-            self._merge()
-
-    def _merge(self) -> None:
-        if not self._pending:
-            return
-        keys = np.concatenate([self.keys] + [k for k, _ in self._pending])
-        counts = np.concatenate([self.counts] + [c for _, c in self._pending])
-        order = np.argsort(keys, kind="stable")
-        keys, counts = keys[order], counts[order]
-        starts = np.flatnonzero(np.r_[True, keys[1:] != keys[:-1]])
-        self.keys, self.counts = keys[starts], np.add.reduceat(counts, starts) if len(keys) else counts
-        self._pending, self._pending_size = [], 0
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        """(sorted distinct keys, their counts)."""
-        self._merge()
-        return self.keys, self.counts
-
-
-class CategoricalEncoder:
-    """Keys -> table rows for every sparse feature, in one of the two ways of Meta's DLRM reference.
-
-    ``hash``: row = key % table_rows[f] (the reference's ``--max-ind-range``: ``int(x, 16) % max_ind_range``).
-    ``vocab``: the reference's dictionary of every distinct value, with a frequency cut as in the MLPerf /
-    NVIDIA DLRM preprocessing: keys seen at least ``min_frequency`` times get rows 1..V in order of
-    descending count, ties by ascending key (row 1 is the most frequent value: hot rows first, and the
-    same order on every run); row 0 is the shared out-of-vocabulary row of all rarer keys. A missing
-    value is key 0, as in the reference, and gets its own row like any other value when frequent enough.
-    """
-
-    def __init__(self, names: list[str], mode: str, table_rows: int | Sequence[int] = 1_000_000,
-                 min_frequency: int = 1) -> None:
-        if mode not in ("hash", "vocab"):
-            raise ConfigError(f"categorical must be 'hash' or 'vocab', got {mode!r}")
-        rows = [int(table_rows)] * len(names) if np.isscalar(table_rows) else [int(r) for r in table_rows]
-        if len(rows) != len(names):
-            raise ConfigError(f"table_rows has {len(rows)} entries for {len(names)} sparse features {names[0]}..{names[-1]}")
-        bad = [f"{n}={r}" for n, r in zip(names, rows) if r <= 0]
-        if bad:
-            raise ConfigError(f"table_rows must be positive: {', '.join(bad)}")
-        if int(min_frequency) < 1:
-            raise ConfigError(f"min_frequency must be >= 1, got {min_frequency}")
-        self.names, self.mode, self.min_frequency = list(names), mode, int(min_frequency)
-        self.table_rows = rows
-        self.counters = [ValueCounter() for _ in names] if mode == "vocab" else None
-        self.vocab: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (sorted keys, their rows, keys by row)
-
-    @property
-    def needs_counts(self) -> bool:
-        return self.mode == "vocab" and not self.vocab
-
-    def count(self, keys: np.ndarray) -> None:
-        """Pass 1 of vocab mode: ``keys [N, F]``."""
-        for f, counter in enumerate(self.counters):
-            counter.add(keys[:, f])
-
-    def build(self) -> None:
-        """Close pass 1: fix each feature's vocabulary and row count."""
-        for f, counter in enumerate(self.counters):
-            keys, counts = counter.result()
-            keep = counts >= self.min_frequency
-            k, c = keys[keep], counts[keep]
-            by_row = k[np.lexsort((k, -c))]  # descending count, then ascending key
-            rows = np.empty(len(k), np.int64)
-            rows[np.searchsorted(k, by_row)] = np.arange(1, len(k) + 1)
-            self.vocab.append((k, rows, by_row))
-            self.table_rows[f] = len(k) + 1
-        self.counters = None
-
-    def encode(self, keys: np.ndarray) -> np.ndarray:
-        """``keys [N, F]`` uint64 -> rows ``[N, F]`` int64."""
-        out = np.empty(keys.shape, np.int64)
-        for f in range(keys.shape[1]):
-            if self.mode == "hash":
-                out[:, f] = keys[:, f] % np.uint64(self.table_rows[f])
-            else:
-                k, rows, _ = self.vocab[f]
-                if not len(k):
-                    out[:, f] = 0
-                    continue
-                pos = np.minimum(np.searchsorted(k, keys[:, f]), len(k) - 1)
-                out[:, f] = np.where(k[pos] == keys[:, f], rows[pos], 0)
-        return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -403,7 +155,7 @@ class Decoded:
 
     labels: np.ndarray  # int8 [N]
     dense: np.ndarray  # float32 [N, D]
-    keys: np.ndarray  # uint64 [N, F]
+    keys: np.ndarray  # uint64 [F, N], feature-major
     bad: np.ndarray  # bool [N]
 
 
@@ -486,7 +238,7 @@ def _decode_block(fmt: LogFormat, block: LineBlock, table: pa.Table | Exception,
     drop = {i for i, _ in bad}
     if len(drop) == len(lines):
         D, F = len(fmt.dense_names), len(fmt.sparse_names)
-        return Decoded(np.zeros(0, np.int8), np.zeros((0, D), np.float32), np.zeros((0, F), np.uint64),
+        return Decoded(np.zeros(0, np.int8), np.zeros((0, D), np.float32), np.zeros((F, 0), np.uint64),
                        np.zeros(0, bool))
     good = b"\n".join(line for i, line in enumerate(lines) if i not in drop) + b"\n"
     clean = LineBlock(block.path, good, block.first_line, len(lines) - len(drop))
@@ -552,7 +304,9 @@ def _iter_decoded(fmt: LogFormat, paths: list[Path], *, block_bytes: int, skip_m
 
     def parsed(update) -> Iterator:
         for path in paths:
-            for item in iter_line_blocks(path, block_bytes, header=fmt.header is not None, on_progress=update):
+            # 3 buffers: the block being decoded, the one queued, the one being read
+            for item in iter_line_blocks(path, block_bytes, header=fmt.header is not None, on_progress=update,
+                                         reuse=3):
                 if isinstance(item, bytes):
                     yield path, item, None
                     continue
@@ -576,7 +330,7 @@ def _iter_decoded(fmt: LogFormat, paths: list[Path], *, block_bytes: int, skip_m
                 dec = _decode_block(fmt, item, table, skip_malformed, skipped)
                 if max_rows is not None and rows + len(dec.labels) > max_rows:
                     keep = max_rows - rows
-                    dec = Decoded(dec.labels[:keep], dec.dense[:keep], dec.keys[:keep], dec.bad[:keep])
+                    dec = Decoded(dec.labels[:keep], dec.dense[:keep], dec.keys[:, :keep], dec.bad[:keep])
                 rows += len(dec.labels)
                 if len(dec.labels):
                     yield dec
@@ -620,24 +374,25 @@ def convert_log(fmt: LogFormat, paths, out_dir, *, categorical: str = "hash",
             enc.count(dec.keys)
         enc.build()
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    staging = out / f".staging-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
     skipped = _Skipped()
     sparse = [SparseFeatureInfo(n, r) for n, r in zip(fmt.sparse_names, enc.table_rows)]
     extra = {"source": [str(p) for p in files], "format": fmt.name, "categorical": categorical}
     if categorical == "hash":
         extra["table_rows"] = list(enc.table_rows)
     else:
-        extra.update(min_frequency=enc.min_frequency, vocab_files=[f"vocab-{n}.npy" for n in fmt.sparse_names])
+        extra.update(min_frequency=enc.min_frequency, vocab_files=[f"vocab-{n}.npy" for n in fmt.sparse_names],
+                     vocab_order="rows 1..V by descending count, ties by ascending key; row 0: rarer or unseen "
+                                 "keys; vocab-<feature>.npy[i - 1] is the key of row i")
     extra.update(fmt.notes)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))  # same file system: moves are renames
     try:
         writer = ShardWriter(staging, fmt.dense_names, sparse, shard_rows=shard_rows, extra=extra)
         desc = f"{fmt.name} {passes}/{passes} shards"
         rows = 0
         for dec in _iter_decoded(fmt, files, skipped=skipped, desc=desc, **common):
-            writer.write(dec.labels, dec.dense, dict(zip(fmt.sparse_names, enc.encode(dec.keys).T)))
+            writer.write(dec.labels, dec.dense, dict(zip(fmt.sparse_names, enc.encode(dec.keys))))
             rows += len(dec.labels)
         if rows == 0 and max_rows != 0:
             why = f" ({skipped.count} malformed lines skipped)" if skipped.count else ""

@@ -36,7 +36,10 @@ lives on rows a model sees often enough to learn. The three parts are scaled, on
 draw, to set shares of a logit standard deviation ``LOGIT_STD`` and the bias is solved for a
 ``POSITIVE_RATE`` of 25% (as in Criteo); the ceiling AUC (``roc_auc`` of the true probabilities) is
 then about 0.78. The pairwise term is the FM/DLRM dot interaction, so a DLRM with 16-dimensional
-embeddings can represent the teacher. ``label ~ Bernoulli(sigmoid(logit))``.
+embeddings can represent the teacher. ``label ~ Bernoulli(sigmoid(logit))``. Measured here: a plain
+DLRM (dim 16, Adagrad, one epoch over 400k samples of criteo-kaggle capped at 100k rows) reaches an
+eval AUC of about 0.73-0.74 against the 0.78 ceiling; dense and row effects are learnt almost fully,
+the pairwise part slowest.
 
 Determinism. Sample ``i`` comes from block ``i // BLOCK``, drawn by a generator seeded by
 ``(seed, block)``; a dataset of samples ``[first, first + n)`` is the same whatever the chunking or
@@ -57,6 +60,7 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, SyntheticConfig, TableSpec, to_dict
 from embedscale.train.metrics import logloss, roc_auc
 
+GENERATOR_VERSION = 1  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
 BLOCK = 1 << 16  # samples per generator block: the unit of determinism
 PRESETS: dict[str, list[int]] = {"criteo-kaggle": CRITEO_KAGGLE_ROWS, "criteo-terabyte": CRITEO_TERABYTE_ROWS}
 SCALES: dict[str, int] = {"small": 100_000, "tiny": 10_000}
@@ -65,9 +69,9 @@ MAX_TABLE_ROWS = (1 << 31) - 1  # keeps (a * r) and (a^-1 * row) inside int64
 # Teacher calibration (see the module docstring).
 POSITIVE_RATE = 0.25
 LOGIT_STD = 1.2
-SHARE_DENSE, SHARE_ROW, SHARE_PAIR = 0.2, 0.35, 0.45  # variance shares of the logit
+SHARE_DENSE, SHARE_ROW, SHARE_PAIR = 0.25, 0.5, 0.25  # variance shares of the logit
 REFERENCE_SAMPLES = 200_000
-LEARNABLE_COUNT = 20.0  # K: a row seen K times in REFERENCE_SAMPLES carries half its effect
+LEARNABLE_COUNT = 500.0  # K: a row expected K times in REFERENCE_SAMPLES carries half its effect
 CALIBRATION_SAMPLES = 1 << 15
 TEACHER_AUC_MAX_SAMPLES = 20_000_000  # teacher_auc is exact over at most this many (the first) samples
 
@@ -450,8 +454,8 @@ def generate_dataset(cfg: SyntheticConfig, out_dir: str | os.PathLike, num_sampl
 
     ``manifest.extra`` records the generator config and the teacher's ceiling on these samples:
     ``teacher_auc`` (``roc_auc`` of the true probabilities against the drawn labels, exact over the
-    first ``teacher_auc_samples`` samples, at most ``TEACHER_AUC_MAX_SAMPLES``) and ``teacher_logloss``
-    (over all samples).
+    first ``teacher_auc_samples`` samples, at most ``TEACHER_AUC_MAX_SAMPLES``; absent when those hold
+    one class only) and ``teacher_logloss`` (over all samples).
     """
     from tqdm import tqdm
 
@@ -460,6 +464,7 @@ def generate_dataset(cfg: SyntheticConfig, out_dir: str | os.PathLike, num_sampl
     gen = SyntheticGenerator(cfg, seed)
     extra: dict[str, Any] = {
         "generator": "embedscale.synthetic",
+        "generator_version": GENERATOR_VERSION,
         "preset": cfg.preset,
         "seed": int(seed),
         "first_sample": int(first_sample),
@@ -488,7 +493,8 @@ def generate_dataset(cfg: SyntheticConfig, out_dir: str | os.PathLike, num_sampl
             done += m
             bar.update(m)
         auc = roc_auc(auc_labels, auc_probs)
-        writer.manifest.extra["teacher_auc"] = None if math.isnan(auc) else auc  # None: one class only
-        writer.manifest.extra["teacher_auc_samples"] = auc_n
+        if not math.isnan(auc):  # undefined when the labels hold one class only: the key is left out
+            writer.manifest.extra["teacher_auc"] = auc
+            writer.manifest.extra["teacher_auc_samples"] = auc_n
         writer.manifest.extra["teacher_logloss"] = loss_sum / done
     return writer.manifest

@@ -12,13 +12,17 @@ so the same code runs on every device:
   of OPER's all-in-one, address-mapped embedding. With one ``dim`` (the usual case) there is one group
   and one flat row space for all tables.
 * **One fused lookup** per dim group for all its features: the input ids are shifted by the per-feature
-  row offset and pooled by a single ``torch.nn.functional.embedding_bag`` (one-hot batches: a single
-  ``index_select``) over the group's storage. Several features may share a table (``TableSpec.features``).
-  Bags are ordered sample-major, so the result is directly ``[B, sum of feature dims]``.
+  row offset (a precomputed tensor, no Python loop over tables) and pooled by a single
+  ``torch.nn.functional.embedding_bag`` over the group's storage. Several features may share a table
+  (``TableSpec.features``). One-hot batches are transposed to sample-major order on the (cheap) ids, so
+  the pooled result is directly ``[B, sum of feature dims]``; multi-hot batches are pooled in the
+  input's key-major bag order and the ``[F, B, dim]`` result is transposed (cheaper than permuting
+  jagged ids).
 * **Fused sparse optimizers** (FBGEMM's "fused" TBE): when ``optimizer`` is ``"sgd"`` or
   ``"rowwise_adagrad"`` the lookup is a custom ``torch.autograd.Function`` whose backward sums the
-  gradient per unique looked-up row and updates those rows in place during ``loss.backward()``
-  (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
+  gradient per unique looked-up row (sort by row, then a segment sum over the output gradient rows of
+  each value's bag, scaled by per-sample weight and ``1/length`` for mean) and updates those rows in
+  place during ``loss.backward()`` (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
   ever built and the weights never get a ``.grad``; do not call ``backward`` twice through the same
   lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
@@ -34,7 +38,10 @@ Initialisation (``init="uniform"``): every row of a table with ``n`` rows is dra
 
 Input validation (``validate=True``, the default) costs one vectorised min/max check per lookup and
 raises :class:`embedscale.errors.InputError` naming the feature, table and offending row id; turn it off
-(``validate=False`` or the attribute) in speed-critical inner loops whose ids are already checked.
+(``validate=False`` or the attribute) in speed-critical inner loops whose ids are already checked
+(an unchecked id past its table reads a neighbouring table of the same dim group, or fails in
+``embedding_bag``). Host syncs per lookup: one to tell one-hot from multi-hot batches, one for the
+validation (relevant on GPUs, where they stall the stream).
 
 Example::
 
@@ -61,12 +68,15 @@ import torch.nn.functional as F
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.optim import (
     OPTIMIZERS,
+    add_rows_,
     aggregate_row_gradients,
     rowwise_adagrad_update_,
     sgd_update_,
 )
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -90,14 +100,14 @@ class DimGroup:
 
 @dataclass
 class _BagPlan:
-    """One dim group's share of a lookup, sample-major: ``rows`` are flat rows in the group."""
+    """One dim group's share of a lookup: ``rows`` are flat rows in the group, bags ``offsets``."""
 
-    rows: torch.Tensor  # int64 [n]
-    offsets: torch.Tensor | None  # int64 [num_bags + 1]; None = one value per bag (one-hot)
+    rows: torch.Tensor  # int32/int64 [n] flat rows in the group
+    offsets: torch.Tensor | None  # [num_bags + 1] (dtype of rows); None = one value per bag (one-hot)
     scale: torch.Tensor | None  # [n] per-value factor (per-sample weight, 1/length for mean) or None
-    bag: torch.Tensor | None  # int64 [n] bag of each value; None = arange (one-hot)
     num_bags: int
     width: int  # output columns of this group per sample (features x dim)
+    key_major: int = 1  # k > 1: bags are in key-major order f * B + b (output transposed to [B, k, dim])
 
 
 @dataclass
@@ -109,6 +119,20 @@ class _KeyPlan:
     sequence_pos: list[list[int]]
     missing_pooled: list[str]
     missing_sequence: list[str]
+
+
+def _bag_of_values(plan: _BagPlan, batch_size: int) -> torch.Tensor | None:
+    """Row of each value in the sample-major ``[num_bags, dim]`` output gradient (None: value i -> row i)."""
+    if plan.offsets is None:
+        return None
+    lengths = plan.offsets.diff()
+    dev = plan.rows.device
+    if plan.key_major > 1:  # key-major bag f * B + b is output row b * k + f
+        k = plan.key_major
+        ids = (torch.arange(batch_size, device=dev) * k + torch.arange(k, device=dev).unsqueeze(1)).reshape(-1)
+    else:
+        ids = torch.arange(plan.num_bags, device=dev)
+    return torch.repeat_interleave(ids, lengths, output_size=plan.rows.numel())
 
 
 class _FusedPooledLookup(torch.autograd.Function):
@@ -129,7 +153,7 @@ class _FusedPooledLookup(torch.autograd.Function):
             for g, plan in zip(groups, plans):
                 grad_bags = grad_out[:, start:start + plan.width].reshape(plan.num_bags, g.dim)
                 start += plan.width
-                module._fused_update(g, plan.rows, grad_bags, plan.bag, plan.scale)
+                module._fused_update(g, plan.rows, grad_bags, _bag_of_values(plan, grad_out.shape[0]), plan.scale)
         return None, None, None, None, None, None
 
 
@@ -291,6 +315,8 @@ class LocalEmbeddingBags(nn.Module):
                                     for p in g.pooled) for g in groups]
         self._key_plans: dict[tuple[str, ...], _KeyPlan] = {}
         self.register_buffer("_arange", None, persistent=False)
+        self.register_buffer("_arange32", None, persistent=False)
+        self._row_dtype = [torch.int32 if g.num_rows <= _INT32_MAX else torch.int64 for g in groups]
         self.reset_parameters(init, seed)
 
     # -- initialisation, layout, views -----------------------------------------------------------
@@ -423,7 +449,7 @@ class LocalEmbeddingBags(nn.Module):
             names = [self.sequence_feature_names[p] for p in g.sequence]
             row_off = getattr(self, f"_g{g.index}_seq_row_off")
             limit = getattr(self, f"_g{g.index}_seq_limit")
-            rows, _, lpk = self._flat_rows_key_major(values, lengths, row_off, limit, names, B)
+            rows, lpk = self._flat_rows_key_major(values, lengths, row_off, limit, names)
             emb = self._lookup_rows_autograd(g, rows)
             for name, e, n in zip(names, torch.split(emb, lpk.tolist()), lengths):
                 out[name] = (e, n)
@@ -449,11 +475,7 @@ class LocalEmbeddingBags(nn.Module):
         g, flat = self._resolve_rows(rows, None, dim)
         nb = offsets.numel() - 1
         scale = None if per_sample_weights is None else per_sample_weights.to(self.dtype)
-        bag = None
-        if self.optimizer is not None:
-            bag = torch.repeat_interleave(torch.arange(nb, device=flat.device), offsets.diff(),
-                                          output_size=flat.numel())
-        plan = _BagPlan(flat, offsets, scale, bag, nb, nb * g.dim)
+        plan = _BagPlan(flat, offsets.to(flat.dtype), scale, nb, nb * g.dim, 1)
         return self._run_pooled([g], [plan], 1, None).view(nb, g.dim)
 
     # -- fused optimizer entry point for remote gradients -------------------------------------------
@@ -554,18 +576,19 @@ class LocalEmbeddingBags(nn.Module):
         if total != n:
             raise InputError(f"features {names}: lengths sum to {total} but there are {n} values")
 
-    def _flat_rows_key_major(self, values, lengths, row_off, limit, names, B):
-        """Key-major ids -> flat rows (validated); returns ``(rows, feature_of_value, values_per_key)``."""
-        k = lengths.shape[0]
+    def _flat_rows_key_major(self, values, lengths, row_off, limit, names, row_dtype=torch.int64):
+        """Key-major ids -> flat rows (validated); returns ``(rows, values_per_key)``."""
         n = values.numel()
         if self.validate:
             self._check_lengths(lengths, n, names)
-        lpk_t = lengths.sum(1)
-        feat = torch.repeat_interleave(torch.arange(k, device=values.device), lpk_t, output_size=n)
+        lpk = lengths.sum(1)
         if self.validate and n:
-            if bool(((values < 0) | (values >= limit.index_select(0, feat))).any()):
+            limit_v = torch.repeat_interleave(limit, lpk, output_size=n)
+            if bool(((values >= limit_v) | (values < 0)).any()):
                 self._raise_bad_ids(values, lengths, names, limit.tolist())
-        return values + row_off.index_select(0, feat), feat, lpk_t
+        rows = torch.empty(n, dtype=row_dtype, device=values.device)
+        torch.add(values, torch.repeat_interleave(row_off, lpk, output_size=n), out=rows)
+        return rows, lpk
 
     def _pooled_plans(self, features: JaggedFeatures, kp: _KeyPlan) -> tuple[list[DimGroup], list[_BagPlan]]:
         B = features.batch_size
@@ -607,56 +630,63 @@ class LocalEmbeddingBags(nn.Module):
             # mean pooling equals sum pooling.
             v2 = values.view(k, B)
             if self.validate:
-                lo, hi = torch.aminmax(v2, dim=1)
-                if bool(((lo < 0) | (hi >= limit)).any()):
+                # per-feature max and one global min: one vectorised check, one sync
+                bad = (v2.amax(1) >= limit).any() | (v2.min() < 0)
+                if bool(bad):
                     names = [self.feature_names[p] for p in g.pooled]
                     self._raise_bad_ids(values, lengths, names, limit.tolist())
-            rows = torch.empty(n, dtype=torch.int64, device=values.device)
+            # int32 rows when the group fits: half the index bytes and a faster sort in backward
+            rows = torch.empty(n, dtype=self._row_dtype[g.index], device=values.device)
             torch.add(v2.t(), row_off, out=rows.view(B, k))  # shift and transpose in one pass
             scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
-            return _BagPlan(rows, None, scale, None, k * B, k * g.dim)
+            return _BagPlan(rows, None, scale, k * B, k * g.dim, 1)
         names = [self.feature_names[p] for p in g.pooled]
-        rows_km, _, _ = self._flat_rows_key_major(values, lengths, row_off, limit, names, B)
+        rows_dtype = self._row_dtype[g.index]
+        rows, _ = self._flat_rows_key_major(values, lengths, row_off, limit, names, rows_dtype)
+        # Multi-hot: pool in the input's key-major bag order (bag f * B + b; a table's rows stay
+        # together, which is also kinder to caches) and transpose the [k, B, dim] result afterwards:
+        # cheaper than permuting the jagged ids to sample-major.
         dev = values.device
-        # Jagged transpose key-major -> sample-major: value j of bag (b, f) moves from
-        # off_km[f * B + b] + j to off_sm[b * k + f] + j.
-        off_km = torch.zeros(k * B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(lengths.reshape(-1), 0, out=off_km[1:])
-        lens_sm = lengths.t().reshape(-1)
-        off_sm = torch.zeros(k * B + 1, dtype=torch.int64, device=dev)
-        torch.cumsum(lens_sm, 0, out=off_sm[1:])
-        shift = off_km[:-1].view(k, B).t().reshape(-1) - off_sm[:-1]
-        bag = torch.repeat_interleave(torch.arange(k * B, device=dev), lens_sm, output_size=n)
-        idx = torch.arange(n, device=dev) + shift.index_select(0, bag)
-        rows = rows_km.index_select(0, idx)
-        scale = weights.index_select(0, idx) if weights is not None else None
+        lengths_flat = lengths.reshape(-1)
+        offsets = torch.zeros(k * B + 1, dtype=rows_dtype, device=dev)
+        torch.cumsum(lengths_flat, 0, out=offsets[1:])
+        scale = weights
         if self._group_has_mean[g.index]:
-            mean_bag = getattr(self, f"_g{g.index}_mean").repeat(B)
-            inv = torch.where(mean_bag, 1.0 / lens_sm.clamp(min=1).to(self.dtype),
+            mean_bag = getattr(self, f"_g{g.index}_mean").repeat_interleave(B)
+            inv = torch.where(mean_bag, 1.0 / lengths_flat.clamp(min=1).to(self.dtype),
                               torch.ones((), dtype=self.dtype, device=dev))
-            inv_v = inv.index_select(0, bag)
+            inv_v = torch.repeat_interleave(inv, lengths_flat, output_size=n)
             scale = inv_v if scale is None else scale * inv_v
-        return _BagPlan(rows, off_sm, scale, bag, k * B, k * g.dim)
+        return _BagPlan(rows, offsets, scale, k * B, k * g.dim, k)
 
     def _pool(self, groups, plans, batch_size, col_perm, weight_of) -> torch.Tensor:
         outs = []
         for g, plan in zip(groups, plans):
             w = weight_of(g)
             # embedding_bag is also the fastest one-hot gather on CPU (faster than index_select).
-            offsets = plan.offsets if plan.offsets is not None else self._unit_offsets(plan.rows.numel())
+            offsets = plan.offsets
+            if offsets is None:
+                offsets = self._unit_offsets(plan.rows.numel(), plan.rows.dtype)
             out = F.embedding_bag(plan.rows, w, offsets, mode="sum", per_sample_weights=plan.scale,
                                   include_last_offset=True)
-            outs.append(out.view(batch_size, plan.width))
+            if plan.key_major > 1:
+                out = out.view(plan.key_major, batch_size, g.dim).transpose(0, 1)
+            outs.append(out.reshape(batch_size, plan.width))
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if col_perm is not None:
             out = out.index_select(1, col_perm)
         return out
 
-    def _unit_offsets(self, n: int) -> torch.Tensor:
-        """``arange(n + 1)``: offsets of ``n`` bags of one value each (cached, grown on demand)."""
-        if self._arange is None or self._arange.numel() < n + 1:
-            self._arange = torch.arange(max(n + 1, 1024), dtype=torch.int64, device=self.weights.device)
-        return self._arange[: n + 1]
+    def _unit_offsets(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """``arange(n + 1)``: offsets of ``n`` bags of one value each (cached per dtype, grown on demand)."""
+        cached = self._arange if dtype == torch.int64 else self._arange32
+        if cached is None or cached.numel() < n + 1:
+            cached = torch.arange(max(n + 1, 1024), dtype=dtype, device=self.weights.device)
+            if dtype == torch.int64:
+                self._arange = cached
+            else:
+                self._arange32 = cached
+        return cached[: n + 1]
 
     def _run_pooled(self, groups, plans, batch_size, col_perm) -> torch.Tensor:
         if self.optimizer is None:
@@ -675,11 +705,14 @@ class LocalEmbeddingBags(nn.Module):
         return self._group_weight(g).index_select(0, rows)
 
     def _fused_update(self, g: DimGroup, rows, grad_src, src_index, scale) -> None:
-        unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows)
         w = self._group_weight(g)
         if self.optimizer == "sgd":
-            sgd_update_(w, unique_rows, grads, self.lr)
+            # -lr rides along as the segment sum's per-sample weight: the sum is already the update
+            unique_rows, delta = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows,
+                                                         factor=-self.lr)
+            add_rows_(w, unique_rows, delta)
         else:
+            unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows)
             rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps)
 
     # -- checkpoints: per-table tensors ------------------------------------------------------------

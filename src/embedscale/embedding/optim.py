@@ -42,6 +42,7 @@ def aggregate_row_gradients(
     src_index: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     num_rows: int | None = None,
+    factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum gradient rows per unique destination row, without a dense ``[num_rows, dim]`` buffer.
 
@@ -61,6 +62,7 @@ def aggregate_row_gradients(
         src_index: int64 ``[n]`` source row in ``grad_src`` of each value, or ``None`` for ``arange(n)``.
         scale: ``[n]`` per-value factor (per-sample weight, ``1/bag_length`` for mean pooling), or ``None``.
         num_rows: an upper bound of ``rows`` (enables the int32 sort), or ``None``.
+        factor: multiplies every contribution (SGD passes ``-lr`` and gets the update itself).
 
     Returns:
         ``(unique_rows int64 [u], grads [u, dim])`` with ``unique_rows`` sorted ascending.
@@ -74,19 +76,31 @@ def aggregate_row_gradients(
     seg = counts.new_zeros(counts.numel() + 1)
     torch.cumsum(counts, 0, out=seg[1:])
     src = perm if src_index is None else src_index.index_select(0, perm)
-    w = None if scale is None else scale.index_select(0, perm).to(grad_src.dtype)
+    if scale is not None:
+        w = scale.index_select(0, perm).to(grad_src.dtype)
+        if factor != 1.0:
+            w = w.mul_(factor)
+    elif factor != 1.0:
+        w = torch.full((n,), factor, dtype=grad_src.dtype, device=grad_src.device)
+    else:
+        w = None
     grads = F.embedding_bag(src, grad_src.contiguous(), seg, mode="sum", per_sample_weights=w,
                             include_last_offset=True)
     return unique_rows.to(torch.int64), grads
 
 
-def sgd_update_(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-    """``weight[r] -= lr * grads[i]`` for ``r = unique_rows[i]``, in place; ``unique_rows`` must not repeat."""
+def add_rows_(weight: torch.Tensor, unique_rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """``weight[unique_rows[i]] += delta[i]`` in place; ``unique_rows`` must not repeat."""
     if unique_rows.numel() == 0:
         return
-    delta = grads.to(weight.dtype).mul_(-lr) if grads.dtype != weight.dtype else grads * (-lr)
-    # scatter_add_ with an expanded index: a plain row scatter (rows are unique, so no write conflicts).
-    weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+    # scatter_add_ with an expanded index: a plain row scatter (rows are unique, so no write
+    # conflicts); on CPU it beats index_add_, which loops over rows.
+    weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta.to(weight.dtype))
+
+
+def sgd_update_(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    """``weight[r] -= lr * grads[i]`` for ``r = unique_rows[i]``, in place; ``unique_rows`` must not repeat."""
+    add_rows_(weight, unique_rows, grads * (-lr))
 
 
 def rowwise_adagrad_update_(
@@ -111,5 +125,4 @@ def rowwise_adagrad_update_(
     m = momentum.index_select(0, unique_rows).add_(g.pow(2).mean(1))
     momentum.index_copy_(0, unique_rows, m)
     multiplier = m.sqrt_().add_(eps).reciprocal_().mul_(-lr)
-    delta = (g * multiplier.unsqueeze(1)).to(weight.dtype)
-    weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta)
+    add_rows_(weight, unique_rows, g * multiplier.unsqueeze(1))

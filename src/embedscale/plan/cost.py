@@ -9,8 +9,10 @@ from rank ``j`` (``Plan.fetch``):
 * lookup (eq. 2):     ``E_j = sum_k S_k * A_k * (sum_i P_k[i][j]) * L[j][j]``
 * communication (eq. 3): ``C_ij = sum_k S_k * A_k * P_k[i][j] * L[i][j]`` for ``i != j``
   (the paper prints ``L[j][j]`` in eq. 3; Algorithm 1 lines 10 and 17 use ``L[i][j]``, which is what a
-  fetch over link ``i <- j`` costs), plus the link's latency once per iteration when it carries bytes.
-* training: every fetched row sends its gradient back over the same link (the factor 2 of eq. 4),
+  fetch over link ``i <- j`` costs). A rank issues its fetches to all peers at once, so it also waits
+  one latency per round: the largest latency among the links it reads over (``latency_per_rank``).
+* training: every fetched row sends its gradient back over the same link (the factor 2 of eq. 4, and a
+  second latency round),
   and a row held by ``h > 1`` ranks is all-reduced among them every iteration:
   ``2 (h-1)/h * S_k / BW_AR`` per holder (eq. 5; ``h = M`` in the paper).
 
@@ -88,6 +90,7 @@ class Cost:
     comm_bytes_matrix: np.ndarray
     allreduce_per_rank: np.ndarray
     allreduce_bytes_per_rank: np.ndarray
+    latency_per_rank: np.ndarray
     capacity_bytes: np.ndarray | None = None
 
     @property
@@ -96,8 +99,8 @@ class Cost:
 
     @property
     def comm_per_rank(self) -> np.ndarray:
-        """Cost each rank pays for communication: fetches (+ gradient pushes) plus its AllReduce share."""
-        return self.comm_matrix.sum(axis=1) + self.allreduce_per_rank
+        """Cost each rank pays for communication: fetches (+ gradient pushes), latency rounds, AllReduce."""
+        return self.comm_matrix.sum(axis=1) + self.latency_per_rank + self.allreduce_per_rank
 
     @property
     def comm_bytes_per_rank(self) -> np.ndarray:
@@ -157,6 +160,7 @@ class Cost:
             "comm_per_rank": self.comm_per_rank.tolist(),
             "comm_bytes_per_rank": self.comm_bytes_per_rank.tolist(),
             "allreduce_per_rank": self.allreduce_per_rank.tolist(),
+            "latency_per_rank": self.latency_per_rank.tolist(),
             "total_per_rank": self.total_per_rank.tolist(),
             "comm_matrix": self.comm_matrix.tolist(),
             "comm_bytes_matrix": self.comm_bytes_matrix.tolist(),
@@ -218,10 +222,12 @@ def evaluate_arrays(
     lookup = lookup_bytes * np.diag(lb)
     off = ~np.eye(m, dtype=bool)
     fwd = np.where(off, comm_bytes, 0.0)
-    fwd_cost = fwd * lb + np.where(fwd > 0, topo.latency_us, 0.0)  # eq. 3 plus one message per link
+    fwd_cost = fwd * lb  # eq. 3
+    lat = np.where(fwd > 0, topo.latency_us, 0.0).max(axis=1)  # one round of concurrent messages
     mem = (holders * (part_rows * s)[:, None]).sum(axis=0)
     if mode == "training":
         link_bytes, link_cost = 2.0 * fwd, 2.0 * fwd_cost  # eq. 4: gradients return over the same link
+        lat = 2.0 * lat
         h = holders.sum(axis=1).astype(np.float64)
         arb = np.where(h > 1, 2.0 * (h - 1) / np.maximum(h, 1) * part_rows * s, 0.0)  # eq. 5 per holder
         ar_bytes = holders.T.astype(np.float64) @ arb
@@ -234,7 +240,7 @@ def evaluate_arrays(
     if capacity_bytes is not None:
         cap = np.broadcast_to(np.asarray(capacity_bytes, dtype=np.float64), (m,)).copy()
     return Cost(mode, int(batch_size), mem.astype(np.float64), lookup, lookup_bytes, link_cost, link_bytes,
-                ar_cost, ar_bytes, cap)
+                ar_cost, ar_bytes, lat, cap)
 
 
 def evaluate(plan, profile, topology, *, mode: str = "training", batch_size: int = 2048,

@@ -7,7 +7,7 @@ threshold, as the paper's solver runs in Table 3). Variables, for unit ``p`` and
 * ``y[p,j]``: rank ``j`` holds ``p``; ``o[p,j]``: rank ``j`` owns ``p``;
 * training only: ``r[p]``: ``p`` is replicated on every rank (OPER 4.3 replicates for training on all
   ranks; partial holder sets would make the AllReduce term ``2(h-1)/h`` non-linear);
-* ``u[i,j]``: link ``i <- j`` carries bytes (its per-iteration latency is paid);
+* ``u[i,j]``: link ``i <- j`` carries bytes; ``w[i] >= lat[i][j] * u[i,j]``: rank ``i``'s latency round;
 * ``z``: the largest per-rank cost.
 
 Constraints: every rank reads every unit from exactly one holder and from itself when it holds it;
@@ -62,7 +62,8 @@ def solve_units(
     ou = orr + nr
     links = [(i, j) for i in range(m) for j in range(m) if i != j and lat[i, j] > 0]
     nu = len(links)
-    oz = ou + nu
+    ow = ou + nu  # latency round per rank (continuous)
+    oz = ow + m
     nvar = oz + 1
 
     def X(q, i, j):
@@ -102,10 +103,11 @@ def solve_units(
                 add([(Y(q, j), 1.0), (orr + q, -1.0)], 0.0, np.inf)  # y >= r
     for j in range(m):  # eq. 1
         add([(Y(q, j), float(part_bytes[q])) for q in range(p)], -np.inf, float(capacity[j]))
-    for n_, (i, j) in enumerate(links):  # a link with traffic pays its latency
+    for n_, (i, j) in enumerate(links):  # a link with traffic makes its latency the rank's round at least
         for q in range(p):
             if vol[q] > 0:
                 add([(X(q, i, j), 1.0), (ou + n_, -1.0)], -np.inf, 0.0)
+        add([(ow + i, 1.0), (ou + n_, -float(lat[i, j]))], 0.0, np.inf)
     ar = 2.0 * (m - 1) / m / (topo.allreduce_bw * 1e3)
     for j in range(m):  # eqs. 2-5: cost of rank j <= z
         e = []
@@ -119,18 +121,16 @@ def solve_units(
                     e.append((X(q, j, j), c))
             if mode == "training":
                 e.append((orr + q, ar * float(part_bytes[q])))
-        for n_, (a, b) in enumerate(links):
-            if a == j:
-                e.append((ou + n_, k * float(lat[a, b])))
+        e.append((ow + j, k))
         e.append((oz, -1.0))
         add(e, -np.inf, 0.0)
     a_mat = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
     c = np.zeros(nvar)
     c[oz] = 1.0
     integrality = np.ones(nvar)
-    integrality[oz] = 0
+    integrality[ow:] = 0
     ub = np.ones(nvar)
-    ub[oz] = np.inf
+    ub[ow:] = np.inf
     t0 = time.perf_counter()
     res = milp(c, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(nvar), ub),
                options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-9})

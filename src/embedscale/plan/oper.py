@@ -72,7 +72,8 @@ def plan_oper(
         threshold: initial partitioning threshold (fraction of total access and bytes; OPER: 0.1%).
         balance_target: refine the threshold until the DoB of memory and lookup reach this.
         min_threshold, max_partitions: where refinement stops.
-        replicate: False skips step 1's replication and step 4.
+        replicate: False skips step 1's replication and step 4 (so does ``extra_memory=0``; the slack
+            of one partition that packing may need is never used for replicas).
         exhaust_links: see ``replicate.algorithm1``.
     """
     t0 = time.perf_counter()
@@ -84,6 +85,7 @@ def plan_oper(
     topo = as_link_topology(topology)
     m = topo.world_size
     tables = list(tables)
+    replicate = replicate and extra_memory > 0  # 0% extra memory: pure model parallelism (OPER Table 2)
     st = sorted_tables if sorted_tables is not None else sort_tables(tables, profile)
     samples = profile_samples(profile)
     rb = np.array([t.row_bytes for t in st], dtype=np.float64)
@@ -102,17 +104,19 @@ def plan_oper(
     f_thr = training_replication_threshold(topo, batch_size)
     hot = np.zeros(len(st), dtype=np.int64)
     budget = 0.0
+    heads: list[np.ndarray] = []
+    slack = max(mem_thr * total_bytes, float(rb.max()))
     if mode == "training" and replicate and m > 1:
-        budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1) - 2 * mem_thr * total_bytes)
-        heads = []
+        budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1))
         for t in st:
             pre = t.prefix()
-            k = int(min(t.num_rows, np.count_nonzero(np.diff(pre[: min(t.num_rows, 1 << 22) + 1]) > f_thr * samples)))
+            k = int(np.count_nonzero(np.diff(pre[: min(t.num_rows, 1 << 22) + 1]) > f_thr * samples))
             heads.append(np.diff(pre[: k + 1]))
             del pre
         hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
     history = []
-    for attempt in range(8):
+    attempt = 0
+    while True:
         for t, k in zip(st, hot):
             t.skip = int(k)
             t.skip_count = float(t.prefix()[k]) if k else 0.0
@@ -127,7 +131,11 @@ def plan_oper(
         except ConfigError:
             if hot.sum() == 0:
                 raise
-            hot = hot // 2  # replication left too little room for the rest: halve it and retry
+            # replicas left too little room for the rest (memory balance is only as fine as a partition):
+            # give back one partition's worth of budget, then halve, and retry
+            attempt += 1
+            budget = budget - slack if attempt <= 8 else budget / 2
+            hot = training_hot_rows(heads, rb, f_thr * samples, budget, m) if budget > 0 else np.zeros_like(hot)
     parts, owner, thr_used = best
 
     # assemble: per table, the replicated prefix (held everywhere) then the partitions, in position order

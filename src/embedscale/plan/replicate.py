@@ -56,6 +56,7 @@ def algorithm1(
     cost: np.ndarray,
     available: np.ndarray,
     exhaust_links: bool = True,
+    order: str = "max_comm",
 ) -> dict:
     """OPER Algorithm 1 (EMT data parallelism for inference), in place on ``holders`` and ``fetch``.
 
@@ -67,6 +68,13 @@ def algorithm1(
         available: ``[M]`` free bytes per rank (``Ava_Mem``, modified in place).
         exhaust_links: when the most expensive link has nothing that fits, try the next link instead
             of stopping the rank (the paper stops; this only ever replicates more within memory).
+
+        order: ``max_comm`` (default): each step serves the rank with the highest communication cost,
+            the target GPU the text of 4.3 describes ("we first identify the target GPU with the highest
+            communication cost"); ``round_robin``: every rank once per round, as the pseudo-code's loop.
+
+    Line 7 tests ``p.mem <= Ava_Mem`` (the paper prints ``<``): a partition that exactly fills the
+    remaining memory fits.
 
     Returns:
         ``{"replicas": count, "bytes": per-rank bytes added, "rounds": rounds}``.
@@ -91,11 +99,20 @@ def algorithm1(
     stop = np.zeros(m, dtype=bool)
     count = rounds = 0
     eps = 1e-12
+    if order not in ("max_comm", "round_robin"):
+        raise ConfigError(f"algorithm1: order {order!r} is not 'max_comm' or 'round_robin'")
+    off = ~np.eye(m, dtype=bool)
+
+    def next_ranks():
+        if order == "round_robin":
+            return [g for g in range(m) if not stop[g]]
+        load = np.where(off, cl, 0.0).sum(axis=1)
+        load[stop] = -np.inf
+        return [int(np.argmax(load))]
+
     while not stop.all():
         rounds += 1
-        for gid in range(m):
-            if stop[gid]:
-                continue
+        for gid in next_ranks():
             row = cl[gid].copy()
             row[gid] = -np.inf
             links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
@@ -112,7 +129,7 @@ def algorithm1(
                         c.pop(q)  # stale: re-pointed elsewhere or already local
                         continue
                     c.pop(q)
-                    if nb[q] < available[gid]:  # line 7 (free memory only shrinks: a miss is final)
+                    if nb[q] <= available[gid]:  # line 7 (free memory only shrinks: a miss is final)
                         found = q
                         break
                 if found >= 0:

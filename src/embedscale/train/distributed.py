@@ -20,10 +20,12 @@ plan exactly, or onto another plan or world size (re-sharding).
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -139,7 +141,10 @@ class DistributedRun:
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
         amap = address_map_from_plan(self.plan, self.tables)
-        self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None)
+        self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
+                                        timeout=datetime.timedelta(seconds=d.timeout_s))
+        # made now, while every rank answers: after a failure it finds the ranks that stopped (monitored barrier)
+        self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
         self.transport = self._transport(d.transport, rank, world)
         torch.manual_seed(t.seed)
         self.embedding = ShardedEmbedding(self.tables, amap, self.transport, rank, design=d.design,
@@ -150,7 +155,9 @@ class DistributedRun:
         ignore = [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_parameters()]
         ignore += [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_buffers()]
         DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
-        self.ddp = DDP(self.model, broadcast_buffers=False)
+        with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: rank-local storage
+            warnings.simplefilter("ignore", FutureWarning)
+            self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
         self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
@@ -313,9 +320,12 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         for batch in run.train_loader:
             if fault_step is not None and run.step == fault_step and run.rank == int(
                     os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
-                os.kill(os.getpid(), 9)  # fault injection for the tests: this rank dies here
+                _inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
             s0 = time.perf_counter()
-            loss = run.train_step(batch)
+            try:
+                loss = run.train_step(batch)
+            except RuntimeError as e:
+                raise _diagnose(run, e) from e
             train_s += time.perf_counter() - s0
             trained += batch.global_size
             run.step += 1
@@ -371,6 +381,33 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
                 ceiling_auc=run.data.teacher_auc)
     atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
+
+
+def _inject_fault(kind: str) -> None:
+    """Fault injection for the fault tests (``EMBEDSCALE_FAULT_STEP``): this rank dies or hangs here."""
+    if kind == "hang":
+        while True:
+            time.sleep(3600)
+    os.kill(os.getpid(), 9)
+
+
+def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
+    """Turn a failed collective into an error that names the rank(s) that stopped answering.
+
+    gloo's own message names a socket, not a rank; a monitored barrier (gloo) on a group made at setup
+    finds which ranks do not respond (rank 0 names them).
+    """
+    culprits = ""
+    try:
+        dist.monitored_barrier(group=run.monitor_group, wait_all_ranks=True,
+                               timeout=datetime.timedelta(seconds=max(2.0, run.cfg.dist.timeout_s / 2)))
+    except RuntimeError as e2:
+        culprits = f" Diagnosis: {str(e2).splitlines()[0]}"
+    except Exception:  # noqa: BLE001 - the diagnosis is best effort
+        pass
+    return EmbedscaleError(f"rank {run.rank}: a collective with the other ranks failed at step {run.step} "
+                           f"(timeout dist.timeout_s = {run.cfg.dist.timeout_s:g} s): {str(err).splitlines()[0]}."
+                           f"{culprits}")
 
 
 def _write_metrics(run_dir: Path, rows) -> None:

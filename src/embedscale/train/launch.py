@@ -36,8 +36,15 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
     backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("EMBEDSCALE_BACKEND") != "gloo"
                           else "gloo")
-    dist.init_process_group(backend, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # Under torchrun the store may be the agent's, which outlives a restart: keys of the failed attempt
+    # (the dead ranks' addresses) would be read by the new one. A prefix per attempt keeps them apart.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=(rank == 0 and not agent_store), timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"embedscale/attempt-{attempt}", store), rank=rank,
+                            world_size=world, timeout=timeout)
     return rank, world
 
 

@@ -1,0 +1,173 @@
+"""Entry points: ``make_plan``, ``compare`` and the functions behind ``embedscale plan`` / ``topology``.
+
+``make_plan(strategy, tables, profile, topology, ...)`` returns a ``Plan`` for any strategy:
+``oper`` (OPER section 4), the baselines of section 6.4 (``table_wise``, ``row_wise``,
+``memory_greedy``, ``access_greedy``), ``torchrec`` (TorchRec's planner, converted) and ``milp``
+(the exact formulation, small instances). ``compare`` evaluates several on one cost model.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from embedscale.errors import ConfigError, EmbedscaleError
+from embedscale.io import atomic_write_json
+from embedscale.plan.baselines import BASELINES, plan_baseline
+from embedscale.plan.cost import check_mode, evaluate
+from embedscale.plan.oper import plan_oper
+from embedscale.plan.plan import Plan
+from embedscale.plan.report import strategy_entry, write_markdown, write_png
+from embedscale.plan.synthetic_profile import profile_from_spec
+from embedscale.plan.topology import LinkTopology, as_link_topology, load_topology
+
+STRATEGIES = ("oper",) + BASELINES + ("torchrec", "milp")
+
+
+def resolve_profile(profile, tables):
+    """A profile object, a synthetic profile spec (dict with ``kind``), or a path to a saved AccessProfile."""
+    if isinstance(profile, dict):
+        return profile_from_spec(profile, tables)
+    if isinstance(profile, (str, Path)):
+        try:
+            from embedscale.data.profile import AccessProfile  # written by the data issue
+        except ImportError as e:
+            raise ConfigError(f"cannot load profile {profile}: embedscale.data.profile unavailable ({e})") from None
+        return AccessProfile.load(profile)
+    if not hasattr(profile, "counts") or not hasattr(profile, "table_names"):
+        raise ConfigError(f"profile: expected an object with .table_names and .counts(name), got {type(profile).__name__}")
+    return profile
+
+
+def resolve_topology(topology) -> LinkTopology:
+    if isinstance(topology, (str, Path)):
+        return load_topology(topology)
+    return as_link_topology(topology)
+
+
+def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
+              batch_size: int = 2048, **opts) -> Plan:
+    """Plan ``tables`` for ``topology`` with ``strategy`` (one of ``STRATEGIES``).
+
+    Args:
+        strategy: ``oper``, ``table_wise``, ``row_wise``, ``memory_greedy``, ``access_greedy``,
+            ``torchrec`` or ``milp``.
+        tables: ``TableSpec`` list.
+        profile: per-row access counts (see ``resolve_profile``).
+        topology: ``specs.Topology``, ``LinkTopology``, a dict or a YAML/JSON path.
+        mode: ``training`` or ``inference`` (stored in the plan's metadata).
+        extra_memory: replication budget, fraction of the tables' footprint (OPER: 5%).
+        batch_size: samples per rank per iteration.
+        **opts: strategy options (``threshold``, ``balance_target`` ... for ``oper``; ``time_limit``,
+            ``threshold`` for ``milp``; ``granularity`` for ``access_greedy``).
+
+    Example:
+        >>> from embedscale.specs import TableSpec, Topology
+        >>> from embedscale.plan.synthetic_profile import ZipfProfile
+        >>> tabs = [TableSpec("a", 1000), TableSpec("b", 50)]
+        >>> plan = make_plan("oper", tabs, ZipfProfile.from_tables(tabs), Topology(ranks_per_host=2))
+        >>> plan.validate()
+    """
+    check_mode(mode)
+    tables = list(tables)
+    if not tables:
+        raise ConfigError("no tables to plan")
+    profile = resolve_profile(profile, tables)
+    topo = resolve_topology(topology)
+    t0 = time.perf_counter()
+    if strategy == "oper":
+        plan = plan_oper(tables, profile, topo, mode=mode, extra_memory=extra_memory, batch_size=batch_size, **opts)
+    elif strategy in BASELINES:
+        plan = plan_baseline(strategy, tables, profile, topo.world_size, mode=mode, batch_size=batch_size, **opts)
+    elif strategy == "torchrec":
+        from embedscale.plan.torchrec_plan import plan_torchrec
+
+        plan = plan_torchrec(tables, profile, topo, mode=mode, batch_size=batch_size, **opts)
+    elif strategy == "milp":
+        from embedscale.plan.milp import plan_milp
+
+        plan = plan_milp(tables, profile, topo, mode=mode, extra_memory=extra_memory, batch_size=batch_size, **opts)
+    else:
+        raise ConfigError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
+    plan.meta.setdefault("plan_seconds", time.perf_counter() - t0)
+    plan.meta.update({"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory)})
+    plan.meta.setdefault("topology", topo.to_dict())
+    return plan
+
+
+def compare(strategies, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
+            batch_size: int = 2048, options: dict[str, dict] | None = None, keep_plans: bool = False) -> dict[str, Any]:
+    """Plan with every strategy and evaluate all on one cost model (OPER eqs. 1-5).
+
+    A strategy that fails (TorchRec missing, MILP too big) gets ``{"error": message}``; the others
+    still run. Returns ``{"config": ..., "strategies": {name: entry}}`` (+ ``"plans"`` if ``keep_plans``).
+    """
+    tables = list(tables)
+    profile = resolve_profile(profile, tables)
+    topo = resolve_topology(topology)
+    options = options or {}
+    out: dict[str, Any] = {
+        "config": {"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory),
+                   "world_size": topo.world_size, "num_hosts": topo.num_hosts, "ranks_per_host": topo.ranks_per_host,
+                   "tables": len(tables), "rows": int(sum(t.num_rows for t in tables)),
+                   "profile": getattr(profile, "spec", lambda: type(profile).__name__)()},
+        "strategies": {},
+    }
+    plans = {}
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+        try:
+            plan = make_plan(name, tables, profile, topo, mode=mode, extra_memory=extra_memory, batch_size=batch_size,
+                             **options.get(name, {}))
+        except EmbedscaleError as e:
+            out["strategies"][name] = {"error": str(e)}
+            continue
+        cost = evaluate(plan, profile, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts)
+        out["strategies"][name] = strategy_entry(plan, cost)
+        plans[name] = plan
+    if keep_plans:
+        out["plans"] = plans
+    return out
+
+
+def plan_command(tables, profile, topology, strategies=("oper",), out_dir="plans", mode: str = "training",
+                 extra_memory: float = 0.05, json_output: bool = False, batch_size: int = 2048, png: bool = True,
+                 options: dict[str, dict] | None = None) -> dict[str, Any]:
+    """``embedscale plan``: write ``out_dir/<strategy>/`` (the plan files), ``report.json``, ``report.md``
+    and ``report.png``; with ``json_output`` print the report as one JSON line on stdout."""
+    out = Path(out_dir)
+    report = compare(strategies, tables, profile, topology, mode=mode, extra_memory=extra_memory,
+                     batch_size=batch_size, options=options, keep_plans=True)
+    plans = report.pop("plans")
+    for name, plan in plans.items():
+        plan.save(out / name)
+        report["strategies"][name]["plan_dir"] = str(out / name)
+    atomic_write_json(out / "report.json", report)
+    write_markdown(report, out / "report.md")
+    if png and plans:
+        write_png(report, out / "report.png")
+    if json_output:
+        sys.stdout.write(json.dumps(report) + "\n")
+    return report
+
+
+def topology_command(out_path, *, num_hosts: int = 1, ranks_per_host: int = 2, measure: bool = False,
+                     base=None, **measure_opts) -> dict[str, Any]:
+    """``embedscale topology``: write a topology file; ``measure=True`` fills the bandwidths and latencies
+    of the classes it can reach on this machine with ``plan.measure.measure_topology``."""
+    from embedscale.specs import Topology
+
+    spec = base if base is not None else Topology(num_hosts=num_hosts, ranks_per_host=ranks_per_host)
+    if measure:
+        from embedscale.plan.measure import measure_topology
+
+        topo = measure_topology(num_hosts=spec.num_hosts, ranks_per_host=spec.ranks_per_host, base=spec, **measure_opts)
+    else:
+        topo = as_link_topology(spec)
+    d = topo.to_dict()
+    atomic_write_json(out_path, d)
+    return d

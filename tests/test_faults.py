@@ -1,0 +1,72 @@
+"""Faults on 2 local ranks under torchrun (`embedscale train --nproc 2`): a killed or hung rank ends the run
+with an error naming the rank inside the timeout; with --max-restarts the run resumes from its last
+checkpoint and ends exactly where an uninterrupted run does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed_train import hand_plan, make_data  # noqa: E402
+
+TIMEOUT_S = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    make_data(d / "data")
+    hand_plan("replicas", 2).save(d / "plan")
+    return d
+
+
+def run(setup, run_dir, fault=None, restarts=0):
+    args = [sys.executable, "-m", "embedscale", "train", "--nproc", "2", "--run-dir", str(run_dir),
+            "--max-restarts", str(restarts), "--no-progress",
+            "--data-source", "shards", "--data-path", str(setup / "data"), "--model-embedding-dim", "4",
+            "--model-bottom-mlp", "8", "--model-top-mlp", "8", "--train-batch-size", "50", "--train-max-steps", "6",
+            "--train-checkpoint-every", "2", "--dist-plan", str(setup / "plan"), "--dist-timeout-s", str(TIMEOUT_S),
+            "--out-dir", str(setup / "runs")]
+    env = dict(os.environ)
+    if fault:
+        env.update({"EMBEDSCALE_FAULT": fault, "EMBEDSCALE_FAULT_STEP": "3", "EMBEDSCALE_FAULT_RANK": "1"})
+    t0 = time.monotonic()
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+    return p, time.monotonic() - t0
+
+
+def losses(run_dir):
+    ck = sorted((run_dir / "checkpoints").iterdir())[-1]
+    return torch.load(ck / "rank-00000.pt", weights_only=True)["losses"]
+
+
+def test_killed_rank_is_named(setup, tmp_path):
+    p, secs = run(setup, tmp_path / "r", fault="kill")
+    assert p.returncode != 0
+    assert "rank      : 1 (local_rank: 1)" in p.stderr and "exitcode  : -9" in p.stderr
+    assert "Root Cause" in p.stderr
+    assert secs < 90
+
+
+def test_hung_rank_is_named_within_timeout(setup, tmp_path):
+    p, secs = run(setup, tmp_path / "r", fault="hang")
+    assert p.returncode != 0
+    assert f"timeout dist.timeout_s = {TIMEOUT_S} s" in p.stderr
+    assert "Ranks 1 failed to pass monitoredBarrier" in p.stderr
+    assert secs < 90
+
+
+def test_restart_resumes_from_checkpoint_exactly(setup, tmp_path):
+    ok, _ = run(setup, tmp_path / "clean")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    p, _ = run(setup, tmp_path / "faulty", fault="kill", restarts=1)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "resumed from" in p.stderr and "step-00000002" in p.stderr
+    assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")
