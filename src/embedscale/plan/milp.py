@@ -40,11 +40,13 @@ def solve_units(
     capacity: np.ndarray,
     mode: str,
     time_limit: float = 60.0,
+    replicas: bool = True,
 ) -> dict:
     """Solve the MILP for units with per-rank per-iteration accesses ``part_access`` (``A_p``).
 
     Returns ``{"status", "optimal", "objective", "bound", "gap", "seconds", "owner", "holders", "fetch"}``
-    (the last three ``None`` when no feasible solution was found).
+    (the last three ``None`` when no feasible solution was found). ``replicas=False`` forbids copies
+    beyond the owner (pure model parallelism, what ``extra_memory=0`` means for every strategy).
     """
     check_mode(mode)
     topo = as_link_topology(topology)
@@ -98,6 +100,8 @@ def solve_units(
         add([(O(q, j), 1.0) for j in range(m)], 1.0, 1.0)  # one owner
         for j in range(m):
             add([(O(q, j), 1.0), (Y(q, j), -1.0)], -np.inf, 0.0)  # the owner holds it
+            if not replicas:
+                add([(Y(q, j), 1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # and nobody else does
             if mode == "training":
                 add([(Y(q, j), 1.0), (orr + q, -1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # y <= o + r
                 add([(Y(q, j), 1.0), (orr + q, -1.0)], 0.0, np.inf)  # y >= r
@@ -175,7 +179,8 @@ def plan_milp(tables, profile, topology, *, mode: str = "training", extra_memory
     total = float(sum(t.num_rows * t.row_bytes for t in st))
     cap = rank_capacity(topo, total, extra_memory, float(parts.nbytes.max()))
     scale = batch_size / profile_samples(profile)
-    sol = solve_units(parts.counts * scale, parts.nbytes, rb[parts.table], topo, cap, mode, time_limit)
+    sol = solve_units(parts.counts * scale, parts.nbytes, rb[parts.table], topo, cap, mode, time_limit,
+                      replicas=extra_memory > 0)
     if sol["owner"] is None:
         raise ConfigError(f"milp: no feasible solution within {time_limit} s ({sol['message']})")
     info = {k: sol[k] for k in ("status", "message", "optimal", "objective", "bound", "gap", "seconds", "variables", "constraints")}

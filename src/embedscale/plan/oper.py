@@ -17,9 +17,9 @@ import time
 import numpy as np
 
 from embedscale.errors import ConfigError
-from embedscale.plan.cost import check_mode, dob, profile_samples, training_replication_threshold
+from embedscale.plan.cost import check_mode, dob, evaluate_arrays, profile_samples, training_replication_threshold
 from embedscale.plan.partition import Partitions, partition_tables, sort_tables
-from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition
+from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition, polish
 from embedscale.plan.plan import Plan
 from embedscale.plan.replicate import algorithm1, training_hot_rows
 from embedscale.plan.topology import as_link_topology
@@ -58,6 +58,7 @@ def plan_oper(
     max_partitions: int = 2_000_000,
     replicate: bool = True,
     exhaust_links: bool = True,
+    polish_moves: int = 200,
     sorted_tables=None,
 ) -> Plan:
     """Plan with OPER (section 4). See the module docstring for the steps.
@@ -75,6 +76,8 @@ def plan_oper(
         replicate: False skips step 1's replication and step 4 (so does ``extra_memory=0``; the slack
             of one partition that packing may need is never used for replicas).
         exhaust_links: see ``replicate.algorithm1``.
+        polish_moves: at most this many single-partition moves that lower the largest per-rank cost
+            (``place.polish``, our addition; 0 = OPER's steps only).
     """
     t0 = time.perf_counter()
     check_mode(mode)
@@ -162,6 +165,21 @@ def plan_oper(
         avail = cap - mem
         alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail, exhaust_links=exhaust_links)
 
+    moves = 0
+    if polish_moves > 0 and m > 1:
+        nbytes = (stop - start) * rb[table]
+        vol = counts * scale * rb[table]
+        single = holders.sum(axis=1) == 1
+        c0 = evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
+        total = c0.total_per_rank - c0.latency_per_rank
+        mem = c0.memory_per_rank.copy()
+        moves = polish(own, single, vol, nbytes, lb, total, mem, place_cap, 2.0 if mode == "training" else 1.0,
+                       max_moves=polish_moves)
+        if moves:
+            holders[single] = False
+            holders[np.flatnonzero(single), own[single]] = True
+            fetch[single] = own[single][:, None]
+
     meta = {
         "strategy": "oper",
         "mode": mode,
@@ -177,6 +195,7 @@ def plan_oper(
         "replicated_rows_everywhere": int(hot.sum()),
         "replication_budget_bytes": budget,
         "algorithm1": alg1,
+        "polish_moves": moves,
         "samples": samples,
         "topology": topo.to_dict(),
     }

@@ -1,0 +1,155 @@
+"""OPER's steps: partitioning (4.1), balanced model parallelism (4.2), replication (4.3, Algorithm 1)."""
+
+import numpy as np
+import pytest
+
+from embedscale.errors import ConfigError
+from embedscale.plan.cost import evaluate
+from embedscale.plan.oper import plan_oper, rank_capacity
+from embedscale.plan.partition import cut_table, partition_tables, sort_tables
+from embedscale.plan.place import balanced_model_parallel
+from embedscale.plan.replicate import algorithm1, training_hot_rows
+from embedscale.plan.synthetic_profile import ArrayProfile, ZipfProfile
+from embedscale.plan.topology import LinkTopology
+from embedscale.specs import Topology, TableSpec
+
+
+def prefix(counts):
+    return np.concatenate([[0.0], np.cumsum(counts, dtype=np.float64)])
+
+
+def test_cut_table_by_hand():
+    # sorted counts 10, 5, 2, 2, 1, 0, 0, 0; access threshold 6, at most 3 rows (memory threshold)
+    st, sp, ab = cut_table(prefix([10, 5, 2, 2, 1, 0, 0, 0]), 0, row_bytes=4, thr_count=6, thr_bytes=12)
+    # [10] alone (above the threshold), [5] (5+2 > 6), [2,2,1] stops on 3 rows: memory-bound, then [0,0,0]... [0,0]
+    assert st.tolist() == [0, 1, 2, 5] and sp.tolist() == [1, 2, 5, 8]
+    assert ab.tolist() == [True, True, False, False]
+
+
+def test_sort_and_partition_tables():
+    prof = ArrayProfile({"x": np.array([0, 3, 9, 1]), "y": np.array([4, 4])}, samples=1)
+    tabs = [TableSpec("x", 4, dim=1), TableSpec("y", 2, dim=1)]
+    st = sort_tables(tabs, prof)
+    assert st[0].order.tolist() == [2, 1, 3, 0] and st[1].order.tolist() == [0, 1]
+    parts = partition_tables(st, threshold=0.4)  # 0.4 * 21 = 8.4 accesses, 0.4 * 24 = 9.6 bytes = 2 rows
+    assert list(zip(parts.table.tolist(), parts.start.tolist(), parts.stop.tolist())) == [(0, 0, 1), (0, 1, 3), (0, 3, 4), (1, 0, 2)]
+    np.testing.assert_allclose(parts.counts, [9, 4, 0, 8])
+
+
+def test_sort_tables_rejects_bad_counts():
+    with pytest.raises(ConfigError, match="row 1 has negative count -2"):
+        prof = ArrayProfile.__new__(ArrayProfile)
+        prof._tables, prof.samples = {"x": np.array([1, -2, 0])}, 1
+        sort_tables([TableSpec("x", 3)], prof)
+
+
+def test_balanced_model_parallel_lpt_by_hand():
+    lookup = np.array([5, 4, 3, 3, 3], dtype=float)[:, None] * np.ones((1, 2))
+    owner, e, mem = balanced_model_parallel(lookup, np.ones(5), np.ones(5, dtype=bool), np.full(2, np.inf))
+    # 5 -> r0; 4 -> r1; 3 -> r1 (4 < 5); 3 -> r0 (5 < 7); 3 -> r1 (7 < 8)
+    assert owner.tolist() == [0, 1, 1, 0, 1] and e.tolist() == [8, 10]
+    # memory-bound partitions go to the least memory, ties to the least lookup: 0 -> r0 (0 < 0.2),
+    # 1 -> r1 (memory 0 < 4), 2 -> r1 (memory tie, lookup 0.2 < 1)
+    owner, e, mem = balanced_model_parallel(np.array([[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]), np.array([4.0, 4.0, 1.0]),
+                                            np.array([False, False, False]), np.full(2, np.inf), base_lookup=np.array([0.0, 0.2]))
+    assert owner.tolist() == [0, 1, 1] and mem.tolist() == [4, 5]
+    with pytest.raises(ConfigError, match="part-x .* fits on no rank"):
+        balanced_model_parallel(np.ones((1, 2)), np.array([5.0]), np.array([True]), np.array([4.0, 4.0]),
+                                describe=lambda q: "part-x")
+
+
+def test_algorithm1_by_hand_repoints_to_cheaper_holder():
+    # 2 hosts x 2 ranks; partitions 0, 1 owned by rank 2 (other host for ranks 0 and 1)
+    cost = np.array([[0.1, 1, 4, 4], [1, 0.1, 4, 4], [4, 4, 0.1, 1], [4, 4, 1, 0.1]])
+    holders = np.zeros((2, 4), dtype=bool)
+    holders[:, 2] = True
+    fetch = np.full((2, 4), 2, dtype=np.int32)
+    fetch[:, 2] = 2
+    avail = np.array([10.0, 0.0, 0.0, 0.0])
+    info = algorithm1(holders, fetch, np.array([6.0, 3.0]), np.array([10.0, 10.0]), cost, avail)
+    # rank 0 replicates the hotter partition 0; rank 1 then reads it from rank 0 (cost 1 < 4)
+    assert info["replicas"] == 1 and holders[0].tolist() == [True, False, True, False]
+    assert fetch[0].tolist() == [0, 0, 2, 2] and fetch[1].tolist() == [2, 2, 2, 2]
+    assert avail.tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_algorithm1_never_exceeds_memory(seed):
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(2, 7))
+    p = int(rng.integers(5, 60))
+    owner = rng.integers(0, m, size=p)
+    holders = np.zeros((p, m), dtype=bool)
+    holders[np.arange(p), owner] = True
+    fetch = np.where(holders, np.arange(m), owner[:, None]).astype(np.int32)
+    nb = rng.integers(1, 50, size=p).astype(float)
+    base = (holders * nb[:, None]).sum(0)
+    cap = base + rng.integers(0, 80, size=m)
+    avail = cap - base
+    cost = rng.uniform(0.5, 3, size=(m, m))
+    np.fill_diagonal(cost, 0.05)
+    algorithm1(holders, fetch, rng.exponential(5, size=p), nb, cost, avail, order=["max_comm", "round_robin"][seed % 2])
+    mem = (holders * nb[:, None]).sum(0)
+    assert np.all(mem <= cap) and np.all(avail >= 0)
+    np.testing.assert_allclose(mem + avail, cap)
+    assert np.all(np.take_along_axis(holders, fetch.astype(np.int64), axis=1))  # every fetch reads a holder
+    assert np.all(fetch[holders] == np.nonzero(holders)[1])  # holders read themselves
+
+
+@pytest.mark.parametrize("seed, hosts, rph, extra", [(0, 1, 3, 0.1), (1, 2, 2, 0.05), (2, 1, 4, 0.0), (3, 2, 3, 0.2)])
+def test_oper_inference_plans_stay_within_memory(seed, hosts, rph, extra):
+    rng = np.random.default_rng(seed)
+    tabs = [TableSpec(f"t{i}", int(n), dim=int(d)) for i, (n, d) in
+            enumerate(zip(rng.integers(1, 3000, size=5), rng.choice([4, 8, 16], size=5)))]
+    prof = ZipfProfile.from_tables(tabs, alpha=float(rng.uniform(0.6, 1.4)), samples=10_000, seed=seed)
+    topo = Topology(num_hosts=hosts, ranks_per_host=rph)
+    plan = plan_oper(tabs, prof, topo, mode="inference", extra_memory=extra, batch_size=512)
+    plan.validate()  # every row owned once, fetch paths consistent, memory within capacity_bytes
+    total = sum(t.memory_bytes for t in tabs)
+    budget = rank_capacity(topo, total, extra)
+    assert np.all(plan.memory_per_rank() <= np.maximum(budget, plan.meta["capacity_bytes"]))
+    if extra == 0:
+        assert not (plan.holders.sum(1) > 1).any()  # no extra memory: no replicas
+    else:
+        assert np.all(plan.memory_per_rank() <= budget)
+
+
+def test_training_replicates_exactly_the_rows_above_the_frequency_threshold():
+    # 2 ranks, BW_P2P = 10, BW_AR = 5, B = 4: replicate rows with f > 10 / (4 * 5) = 0.5 per sample
+    topo = LinkTopology.from_link_classes(1, 2, {"same_rank": 100, "same_host": 10}, allreduce_bw=5)
+    counts = np.array([0, 60, 51, 50, 49, 30, 10, 0])  # over 100 samples: f = 0.6, 0.51 qualify; 0.5 does not
+    tabs = [TableSpec("t", 8, dim=1)]
+    plan = plan_oper(tabs, ArrayProfile({"t": counts}, samples=100), topo, mode="training", extra_memory=1.0,
+                     batch_size=4)
+    plan.validate()
+    replicated = plan.holders.all(axis=1)[plan.partition_of("t", np.arange(8))]
+    assert np.flatnonzero(replicated).tolist() == [1, 2]
+    assert plan.meta["training_freq_threshold"] == pytest.approx(0.5)
+
+
+def test_training_hot_rows_respects_budget_and_prefixes():
+    heads = [np.array([9.0, 5, 3]), np.array([8.0, 7])]
+    k = training_hot_rows(heads, np.array([1.0, 2.0]), 2.5, budget_bytes=5, world_size=4)
+    # per byte: a0 9, a1 5, b0 4, b1 3.5, a2 3 -> a0 (1), a1 (2), b0 (4) fits, b1 would reach 6
+    assert k.tolist() == [2, 1]
+
+
+def test_threshold_refinement_reaches_the_target():
+    tabs = [TableSpec(f"t{i}", n, dim=8) for i, n in enumerate([5000, 300, 20000, 40])]
+    prof = ZipfProfile.from_tables(tabs, alpha=1.0, samples=100_000)
+    topo = Topology(num_hosts=1, ranks_per_host=4)
+    plan = plan_oper(tabs, prof, topo, mode="inference", threshold=0.05, balance_target=0.99, replicate=False)
+    hist = plan.meta["threshold_history"]
+    assert len(hist) > 1 and hist[0]["dob_lookup"] < 0.99
+    assert hist[-1]["dob_lookup"] >= 0.99 and hist[-1]["dob_memory"] >= 0.99
+    assert [h["threshold"] for h in hist] == [0.05 / 2**k for k in range(len(hist))]
+    c = evaluate(plan, prof, topo, mode="inference", batch_size=2048)
+    assert c.dob_lookup >= 0.99 and c.dob_memory >= 0.99
+
+
+def test_capacity_errors():
+    topo = Topology(num_hosts=1, ranks_per_host=2, memory_per_rank=100)
+    with pytest.raises(ConfigError, match="tables need 256 bytes but 2 ranks x memory_per_rank 100"):
+        rank_capacity(topo, 256, 0.05)
+    with pytest.raises(ConfigError, match="extra_memory must be"):
+        rank_capacity(Topology(), 10, -0.1)
