@@ -3,7 +3,7 @@
 Three ways to sum, over all ranks, the gradients of rows that every rank holds a replica of:
 
 - ``local_aggregated`` (OPER section 5.3, Fig. 5): (1) the union of the unique rows every rank touched
-  (an all_gather of index sets), (2) each rank aggregates its gradients per unique row locally and
+  (one bitwise-OR AllReduce of a packed bitmap of the replicated rows), (2) each rank aggregates its gradients per unique row locally and
   zero-pads them to that union, (3) one dense ring AllReduce of the ``[union, dim]`` block.
 - ``dense``: one AllReduce of the gradient of *every* replicated row (zeros where untouched).
 - ``allgather``: every rank all_gathers everybody's (row, gradient) pairs and reduces them locally.
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from embedscale.embedding.optim import aggregate_row_gradients
 
 METHODS = ("local_aggregated", "dense", "allgather")
 
@@ -40,12 +42,23 @@ def _all_gather_var(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return [o[:s] for o, s in zip(out, sizes_l)]
 
 
-def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum gradients per unique row (in-advance / local aggregation): sorted unique rows and sums."""
-    uniq, inv = torch.unique(rows, sorted=True, return_inverse=True)
-    out = torch.zeros((uniq.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
-    out.index_add_(0, inv, grads)
-    return uniq, out
+def _union_by_bitmap(uniq: torch.Tensor, num_rows: int, group=None) -> torch.Tensor:
+    """Sorted union over all ranks of ``uniq`` (rows in ``[0, num_rows)``): one bitwise-OR AllReduce of a
+    packed bitmap (``num_rows / 8`` bytes), whatever the number of ranks or of rows each touched."""
+    nbytes = (num_rows + 7) // 8
+    bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=uniq.device)
+    bits[uniq] = 1
+    weights = (2 ** torch.arange(8, device=uniq.device)).to(torch.uint8)
+    packed = (bits.view(nbytes, 8) * weights).sum(1, dtype=torch.uint8)
+    dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group)
+    unpacked = (packed.unsqueeze(1) & weights).ne(0).view(-1)[:num_rows]
+    return torch.nonzero(unpacked).view(-1)
+
+
+def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor, num_rows: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum gradients per unique row (local aggregation): sorted unique rows and their summed gradients."""
+    return aggregate_row_gradients(rows, grads, num_rows=num_rows)
 
 
 def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows: int, *,
@@ -68,10 +81,9 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
     itemsize = grads.element_size()
     sent = 0
     if method == "local_aggregated":
-        uniq, local = aggregate_rows(rows, grads)  # step 1 (local part) and step 2
-        parts = _all_gather_var(uniq, group)  # step 1: union of unique indices
-        sent += sum(p.numel() for p in parts) * 8 // max(world, 1) * (world - 1) + 16 * (world - 1)
-        union = torch.unique(torch.cat(parts), sorted=True)
+        uniq, local = aggregate_rows(rows, grads, num_replica_rows)  # step 1 (local part) and step 2
+        union = _union_by_bitmap(uniq, num_replica_rows, group)  # step 1: union of unique indices
+        sent += _ring_allreduce_bytes((num_replica_rows + 7) // 8, 1, world)
         padded = torch.zeros((union.numel(), dim), dtype=grads.dtype, device=grads.device)
         padded[torch.searchsorted(union, uniq)] = local  # zero-padding to the union
         dist.all_reduce(padded, group=group)  # step 3: one dense ring AllReduce
@@ -89,7 +101,7 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         rparts = _all_gather_var(rows, group)
         gparts = _all_gather_var(grads, group)
         sent += (world - 1) * (rows.numel() * 8 + grads.numel() * itemsize) + 16 * (world - 1)
-        out = aggregate_rows(torch.cat(rparts), torch.cat(gparts))
+        out = aggregate_rows(torch.cat(rparts), torch.cat(gparts), num_replica_rows)
     else:
         raise ValueError(f"grad sync method {method!r} is not one of {METHODS}")
     if stats is not None:
