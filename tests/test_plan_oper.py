@@ -66,14 +66,14 @@ def test_algorithm1_by_hand_repoints_to_cheaper_holder():
     fetch = np.full((2, 4), 2, dtype=np.int32)
     fetch[:, 2] = 2
     avail = np.array([10.0, 0.0, 0.0, 0.0])
-    info = algorithm1(holders, fetch, np.array([6.0, 3.0]), np.array([10.0, 10.0]), cost, avail)
+    info = algorithm1(holders, fetch, np.array([6.0, 3.0]), np.array([10.0, 10.0]), cost, avail, choice="max_link")
     # rank 0 replicates the hotter partition 0; rank 1 then reads it from rank 0 (cost 1 < 4)
     assert info["replicas"] == 1 and holders[0].tolist() == [True, False, True, False]
     assert fetch[0].tolist() == [0, 0, 2, 2] and fetch[1].tolist() == [2, 2, 2, 2]
     assert avail.tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(8))
 def test_algorithm1_never_exceeds_memory(seed):
     rng = np.random.default_rng(seed)
     m = int(rng.integers(2, 7))
@@ -88,7 +88,8 @@ def test_algorithm1_never_exceeds_memory(seed):
     avail = cap - base
     cost = rng.uniform(0.5, 3, size=(m, m))
     np.fill_diagonal(cost, 0.05)
-    algorithm1(holders, fetch, rng.exponential(5, size=p), nb, cost, avail, order=["max_comm", "round_robin"][seed % 2])
+    algorithm1(holders, fetch, rng.exponential(5, size=p), nb, cost, avail, order=["max_comm", "round_robin"][seed % 2],
+               choice=["max_link", "best_gain"][(seed // 2) % 2])
     mem = (holders * nb[:, None]).sum(0)
     assert np.all(mem <= cap) and np.all(avail >= 0)
     np.testing.assert_allclose(mem + avail, cap)

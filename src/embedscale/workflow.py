@@ -230,11 +230,18 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     return summary
 
 
-def profile(data: PreparedData, out_dir: str | Path, progress: bool = True):
-    """Per-row access counts of the training split (the planner's input), saved under ``out_dir``."""
+def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True):
+    """Per-row access counts of the training data (the planner's input), saved under ``out_dir``.
+
+    With ``tables`` the counts are per table (features sharing a table add up); otherwise per feature.
+    For raw files split by ``eval_fraction`` the whole converted file is profiled.
+    """
     from embedscale.data.profile import AccessProfile
 
-    prof = AccessProfile.from_shards(data.train.directory, progress=progress)
+    f2t = {f: t.name for t in tables for f in t.features} if tables else None
+    num_rows = {t.name: t.num_rows for t in tables} if tables else None
+    prof = AccessProfile.from_shards(data.train.directory, feature_to_table=f2t, num_rows=num_rows,
+                                     progress=progress)
     prof.save(out_dir)
     return prof
 
@@ -245,7 +252,7 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
     run_dir = new_run_dir(cfg)
     _log(f"run directory: {run_dir}")
     data = prepare_data(cfg, progress=progress)
-    prof = profile(data, run_dir / "profile", progress=progress)
+    prof = profile(data, run_dir / "profile", tables_for(cfg, data.manifest), progress=progress)
     summary = train(cfg, run_dir, data, resume=False, progress=progress)
     summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
     summary["wall_seconds"] = time.perf_counter() - t0

@@ -459,26 +459,56 @@ class _TTCores(nn.Module):
 
 
 @dataclass
-class _ReusePlan:
-    """Distinct rows and prefixes of a batch (section III-A).
+class _Group:
+    """Entries of one reuse level grouped by their core slice, for one batched GEMM per distinct slice.
 
-    Level ``d - 1`` is the distinct rows (sorted); level ``k < d - 1`` the distinct prefixes
-    ``(i_1..i_{k+1})``. ``idx[k]`` is the core-``k`` index of every entry of level ``k``,
-    ``parent[k]`` (``k >= 1``) the position in level ``k - 1`` of each level-``k`` entry's prefix and
-    ``parent_offsets[k]`` the segment starts of equal parents (entries are sorted by parent).
+    Entry ``u`` multiplies its prefix product ``P[parent[u]]`` by core slice ``C[idx[u]]``. Sorting the
+    entries by slice and padding every slice's group to the largest group's size ``L`` turns the level
+    into one ``bmm`` of ``J`` (distinct slices) matrix products ``[L * a, R] x [R, n R']``: every core
+    slice is read once instead of once per entry (on a CPU the per-entry gather of slices, not the
+    arithmetic, is what costs), and in backward the slice gradient ``sum_u P_u^T G_u`` of eq. 6 comes out
+    already summed per distinct slice. ``slot`` is each entry's row in the padded ``[J * L]`` layout,
+    ``src`` the parent of every padded row (``num_parents`` = an all-zero row for padding).
+    """
+
+    slices: torch.Tensor  # distinct core-slice indices [J], ascending
+    slot: torch.Tensor  # [U] padded row of each entry
+    src: torch.Tensor  # [J * L] parent of each padded row (num_parents for padding)
+    L: int
+    num_parents: int
+
+
+@dataclass
+class _Level:
+    """One reuse level ``k >= 1``: ``idx`` core-``k`` slice per entry, ``parent`` position of each entry's
+    prefix in level ``k - 1`` (entries are sorted by parent; ``parent_offsets`` are the segment starts),
+    ``group`` the slice grouping or ``None`` (per-entry gather + ``bmm``)."""
+
+    idx: torch.Tensor
+    parent: torch.Tensor
+    parent_offsets: torch.Tensor
+    group: _Group | None
+
+
+@dataclass
+class _ReusePlan:
+    """Distinct rows and prefixes of a batch (section III-A, Algorithm 1).
+
+    ``first`` holds the distinct core-0 indices (level 0); ``levels[k - 1]`` describes level ``k``: the
+    distinct prefixes ``(i_1..i_{k+1})`` for ``k < d - 1`` (the reuse buffer) and the distinct rows for
+    ``k = d - 1``. ``perm``/``counts``/``inverse`` map the batch's occurrences to the distinct rows.
     """
 
     perm: torch.Tensor  # occurrences sorted by row
     counts: torch.Tensor  # occurrences of each distinct row
     inverse: torch.Tensor  # distinct-row position of every occurrence
-    idx: list[torch.Tensor]
-    parent: list[torch.Tensor | None]
-    parent_offsets: list[torch.Tensor | None]
+    first: torch.Tensor
+    levels: list[_Level]
 
     @property
     def sizes(self) -> list[int]:
         """Entries per level: distinct ``i_1``, distinct prefixes, ..., distinct rows."""
-        return [int(i.numel()) for i in self.idx]
+        return [int(self.first.numel())] + [int(lv.idx.numel()) for lv in self.levels]
 
 
 def _segments(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,20 +528,37 @@ def _segment_sum(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return out.view(-1, *x.shape[1:])
 
 
+def _make_group(idx: torch.Tensor, parent: torch.Tensor, num_parents: int, max_padding: float) -> _Group | None:
+    U = idx.numel()
+    sorted_idx, order = torch.sort(idx, stable=True)
+    slices, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
+    J = slices.numel()
+    L = int(counts.max())
+    if J * L > max_padding * U:
+        return None  # too skewed: padding would cost more than the gather saves
+    owner, offs = _segments(counts)
+    slot_sorted = owner * L + (torch.arange(U, device=idx.device) - offs[owner])
+    slot = torch.empty_like(slot_sorted)
+    slot[order] = slot_sorted
+    src = torch.full((J * L,), num_parents, dtype=torch.int64, device=idx.device)
+    src[slot] = parent
+    return _Group(slices, slot, src, L, num_parents)
+
+
 class _EffTTLookup(torch.autograd.Function):
     """Eff-TT pooled lookup whose backward aggregates in advance and updates the cores (fused)."""
 
     @staticmethod
     def forward(ctx, anchor, module, bags, plan):  # noqa: ARG004
-        out, prods = module._forward_reuse(bags, plan, keep=True)
-        ctx.module, ctx.bags, ctx.plan, ctx.prods = module, bags, plan, prods
+        out, saved = module._forward_reuse(bags, plan, keep=True)
+        ctx.module, ctx.bags, ctx.plan, ctx.saved = module, bags, plan, saved
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         with torch.no_grad():
-            ctx.module._backward_fused(ctx.bags, ctx.plan, ctx.prods, grad_out)
-        ctx.prods = None
+            ctx.module._backward_fused(ctx.bags, ctx.plan, ctx.saved, grad_out)
+        ctx.saved = None
         return None, None, None, None
 
 
@@ -534,14 +581,21 @@ class TTEmbeddingBag(_TTCores):
         device: where the cores live.
         name: the table name, used in error messages.
         validate: check ids (one min/max per call) and offsets.
+        grouped: multiply each level grouped by core slice (:class:`_Group`; default) or with one
+            gathered slice per entry (``False``: the plain batched GEMM of Algorithm 1).
+        max_padding: a level is grouped only while its padded size is at most this many times its
+            entries (skewed levels fall back to the gather).
 
     Attributes:
         last_sizes: entries per reuse level of the last lookup (distinct ``i_1``, prefixes, rows).
         grad_sync: ``None`` or a callable summing a list of dense core gradients across ranks in place.
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tt_rank: int | Sequence[int] = 32, **kwargs) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, tt_rank: int | Sequence[int] = 32, *,
+                 grouped: bool = True, max_padding: float = 4.0, **kwargs) -> None:
         super().__init__(num_embeddings, embedding_dim, tt_rank, **kwargs)
+        self.grouped = grouped
+        self.max_padding = float(max_padding)
         self.last_sizes: list[int] = []
 
     @classmethod
@@ -556,25 +610,24 @@ class TTEmbeddingBag(_TTCores):
 
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self, values: torch.Tensor) -> _ReusePlan:
+        """Algorithm 1 as sorts: distinct rows, then distinct prefixes level by level."""
         sorted_rows, perm = torch.sort(values)
         uniq, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.repeat_interleave(torch.arange(uniq.numel(), device=values.device), counts,
                                                 output_size=values.numel())
-        d = self.num_cores
-        idx: list[torch.Tensor | None] = [None] * d
-        parent: list[torch.Tensor | None] = [None] * d
-        parent_offsets: list[torch.Tensor | None] = [None] * d
+        levels: list[_Level] = []
         cur = uniq
-        for k in range(d - 1, 0, -1):
+        for k in range(self.num_cores - 1, 0, -1):
             m = self.row_shape[k]
-            idx[k] = cur % m
+            idx = cur % m
             prefix = cur // m  # sorted, because cur is
             pu, pc = torch.unique_consecutive(prefix, return_counts=True)
-            parent[k], parent_offsets[k] = _segments(pc)
+            parent, parent_offsets = _segments(pc)
+            group = _make_group(idx, parent, pu.numel(), self.max_padding) if self.grouped else None
+            levels.append(_Level(idx, parent, parent_offsets, group))
             cur = pu
-        idx[0] = cur
-        return _ReusePlan(perm, counts, inverse, idx, parent, parent_offsets)
+        return _ReusePlan(perm, counts, inverse, cur, levels[::-1])
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -593,66 +646,88 @@ class TTEmbeddingBag(_TTCores):
         return out
 
     def _forward_reuse(self, bags: _Bags, plan: _ReusePlan, keep: bool):
-        """Reuse buffer level by level, last core per distinct row, then pool (section III-A)."""
-        d = self.num_cores
+        """Reuse buffer level by level, last core per distinct row, then pool (section III-A).
+
+        Returns the pooled output and, with ``keep``, per level the left operand of its product (the
+        padded or gathered prefix products) and the gathered core slices, which the backward reuses.
+        """
         cores = self.cores
-        P = cores[0].index_select(0, plan.idx[0]).view(-1, self.dim_shape[0], self.ranks[1])
-        prods = [P] if keep else None
-        for k in range(1, d):
-            X = P.index_select(0, plan.parent[k])  # each entry's prefix product, from the reuse buffer
-            C = cores[k].index_select(0, plan.idx[k])  # [U_k, R_k, n_k R_{k+1}]
-            P = torch.bmm(X, C).view(X.shape[0], -1, self.ranks[k + 1])
-            if keep and k < d - 1:
-                prods.append(P)
+        P = cores[0].index_select(0, plan.first).view(-1, self.dim_shape[0], self.ranks[1])
+        saved = []
+        for k, lv in enumerate(plan.levels, start=1):
+            a, R = P.shape[1], P.shape[2]
+            if lv.group is not None:
+                g = lv.group
+                J = g.slices.numel()
+                P_ext = torch.cat([P, P.new_zeros(1, a, R)])  # row num_parents: zeros for padding
+                X = P_ext.index_select(0, g.src).view(J, g.L * a, R)
+                C = cores[k].index_select(0, g.slices)  # each distinct slice once
+                Y = torch.bmm(X, C).view(J * g.L, -1).index_select(0, g.slot)
+            else:
+                X = P.index_select(0, lv.parent)  # each entry's prefix product, from the reuse buffer
+                C = cores[k].index_select(0, lv.idx)  # [U_k, R_k, n_k R_{k+1}]
+                Y = torch.bmm(X, C)
+            if keep:
+                saved.append((X, C))
+            P = Y.view(lv.idx.numel(), -1, self.ranks[k + 1])
         rows = P.view(-1, self.embedding_dim)  # distinct rows
         out = F.embedding_bag(plan.inverse, rows, bags.offsets, mode="sum", per_sample_weights=bags.scale,
                               include_last_offset=True)
-        return out, prods
+        return out, saved
 
     # -- backward ------------------------------------------------------------------------------------
-    def _backward_fused(self, bags: _Bags, plan: _ReusePlan, prods: list[torch.Tensor], grad_out: torch.Tensor) -> None:
+    def _backward_fused(self, bags: _Bags, plan: _ReusePlan, saved, grad_out: torch.Tensor) -> None:
         """In-advance aggregation, core gradients through the reuse buffer, fused update (section III-B)."""
-        d = self.num_cores
-        U = plan.counts.numel()
         # 1. sum the output gradient per distinct row: a segment sum over the occurrences sorted by row
         src = bags.bag_of_value().index_select(0, plan.perm)
         w = bags.scale.index_select(0, plan.perm) if bags.scale is not None else None
         _, row_offs = _segments(plan.counts)
         G = F.embedding_bag(src, grad_out.contiguous(), row_offs, mode="sum", per_sample_weights=w,
-                            include_last_offset=True)  # [U, N]
-        dense = None
-        if self.grad_sync is not None:
-            dense = [torch.zeros_like(c) for c in self.cores]
-        a = self.embedding_dim // self.dim_shape[-1]
-        G = G.view(U, a, self.dim_shape[-1])  # R_d = 1
+                            include_last_offset=True)  # [U, N]: gradient of every distinct row
+        dense = [torch.zeros_like(c) for c in self.cores] if self.grad_sync is not None else None
         cores = self.cores
-        for k in range(d - 1, 0, -1):
-            Uk = plan.idx[k].numel()
-            X = prods[k - 1].index_select(0, plan.parent[k])  # [U_k, a_{k-1}, R_k]
-            C = cores[k].index_select(0, plan.idx[k])  # [U_k, R_k, n_k R_{k+1}]
-            Gk = G.reshape(Uk, X.shape[1], -1)  # [U_k, a_{k-1}, n_k R_{k+1}]
-            dC = torch.bmm(X.transpose(1, 2), Gk)  # eq. 6 for core k, once per distinct entry
-            dX = torch.bmm(Gk, C.transpose(1, 2))  # gradient of the prefix product
-            self._accumulate(k, plan.idx[k], dC, dense)
-            G = _segment_sum(dX, plan.parent_offsets[k])  # aggregate over entries sharing a prefix
-        self._accumulate(0, plan.idx[0], G.reshape(-1, *cores[0].shape[1:]), dense)
+        # 2. level by level, last core first: eq. 6 once per distinct entry; the prefix gradients of
+        # entries that share a prefix are summed before they go on to the earlier cores
+        for k in range(self.num_cores - 1, 0, -1):
+            lv = plan.levels[k - 1]
+            X, C = saved[k - 1]
+            U = lv.idx.numel()
+            num_parents = lv.parent_offsets.numel() - 1
+            if lv.group is not None:
+                g = lv.group
+                J = g.slices.numel()
+                a = X.shape[1] // g.L
+                Gp = G.new_zeros(J * g.L, G.numel() // U)
+                Gp.index_copy_(0, g.slot, G.reshape(U, -1))
+                Gp = Gp.view(J, g.L * a, -1)
+                dC = torch.bmm(X.transpose(1, 2), Gp)  # [J, R_k, n_k R_{k+1}]: summed per distinct slice
+                dX = torch.bmm(Gp, C.transpose(1, 2)).view(J * g.L, a, -1)
+                G = G.new_zeros(num_parents + 1, a, dX.shape[2]).index_add_(0, g.src, dX)[:num_parents]
+                self._accumulate(k, g.slices, dC, dense, distinct=True)
+            else:
+                Gk = G.reshape(U, X.shape[1], -1)  # [U_k, a_{k-1}, n_k R_{k+1}]
+                dC = torch.bmm(X.transpose(1, 2), Gk)  # per distinct entry
+                dX = torch.bmm(Gk, C.transpose(1, 2))
+                G = _segment_sum(dX, lv.parent_offsets)
+                self._accumulate(k, lv.idx, dC, dense, distinct=False)
+        self._accumulate(0, plan.first, G.reshape(-1, *cores[0].shape[1:]), dense, distinct=True)
         if dense is not None:
             self.grad_sync(dense)
             self._apply_dense(dense)
 
-    def _accumulate(self, k: int, slices: torch.Tensor, grads: torch.Tensor, dense) -> None:
+    def _accumulate(self, k: int, slices: torch.Tensor, grads: torch.Tensor, dense, distinct: bool) -> None:
+        """Fused update of core ``k`` (or accumulation into the dense gradient when syncing ranks)."""
         if dense is not None:
             dense[k].index_add_(0, slices, grads)
             return
-        if self.optimizer == "sgd" or k == 0:  # level 0 slices are distinct already
-            if self.optimizer == "sgd":
-                self.cores[k].index_add_(0, slices, grads, alpha=-self.lr)
-            else:
-                self._apply_slices(k, slices, grads)
+        if self.optimizer == "sgd":
+            self.cores[k].index_add_(0, slices, grads, alpha=-self.lr)  # repeats add up: exact SGD
             return
-        shape = grads.shape
-        uniq, summed = aggregate_row_gradients(slices, grads.reshape(shape[0], -1), num_rows=self.row_shape[k])
-        self._apply_slices(k, uniq, summed.view(-1, *shape[1:]))
+        if not distinct:
+            shape = grads.shape
+            slices, summed = aggregate_row_gradients(slices, grads.reshape(shape[0], -1), num_rows=self.row_shape[k])
+            grads = summed.view(-1, *shape[1:])
+        self._apply_slices(k, slices, grads)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -59,6 +59,8 @@ def plan_oper(
     replicate: bool = True,
     exhaust_links: bool = True,
     polish_moves: int = 200,
+    alg1_order: str = "max_comm",
+    alg1_choice: str = "best_gain",
     sorted_tables=None,
 ) -> Plan:
     """Plan with OPER (section 4). See the module docstring for the steps.
@@ -76,6 +78,7 @@ def plan_oper(
         replicate: False skips step 1's replication and step 4 (so does ``extra_memory=0``; the slack
             of one partition that packing may need is never used for replicas).
         exhaust_links: see ``replicate.algorithm1``.
+        alg1_order, alg1_choice: see ``replicate.algorithm1``.
         polish_moves: at most this many single-partition moves that lower the largest per-rank cost
             (``place.polish``, our addition; 0 = OPER's steps only).
     """
@@ -163,7 +166,8 @@ def plan_oper(
         nbytes = (stop - start) * rb[table]
         mem = (holders * nbytes[:, None]).sum(axis=0)
         avail = cap - mem
-        alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail, exhaust_links=exhaust_links)
+        alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail, exhaust_links=exhaust_links,
+                          order=alg1_order, choice=alg1_choice)
 
     moves = 0
     if polish_moves > 0 and m > 1:

@@ -91,6 +91,8 @@ def polish(
     grad_factor: float,
     max_moves: int = 200,
     max_work: float = 4e6,
+    max_partitions: int = 1024,
+    time_budget: float = 1.0,
 ) -> int:
     """Move single-holder partitions to lower the largest per-rank cost (our addition after OPER 4.2-4.3).
 
@@ -101,19 +103,28 @@ def polish(
     ``volume[p]`` bytes per rank, all from its owner) from ``j`` to ``j'`` changes rank ``x``'s cost by
     ``M v (L[j'][j'][x = j'] - L[j][j][x = j])`` (eq. 2) ``+ g v (L[x][j'] - L[x][j])`` off the diagonal
     (eq. 3, ``g = 2`` in training). The move taken lowers (largest, second largest) cost the most.
-    ``owner``, ``total`` and ``memory`` are updated in place; returns the number of moves.
+    A move never raises the largest memory of any rank (memory balance is kept). Fine-grained instances
+    are balanced by 4.2 already: with more than ``max_partitions`` movable partitions, or after
+    ``time_budget`` seconds, nothing more is tried. ``owner``, ``total`` and ``memory`` are updated in
+    place; returns the number of moves.
     """
+    import time
+
+    t_end = time.perf_counter() + time_budget
     p = owner.size
     m = total.size
     cand = np.flatnonzero(movable & (volume > 0))
-    if cand.size == 0 or m < 2 or cand.size * m * m > max_work:
+    if cand.size == 0 or m < 2 or cand.size * m * m > max_work or cand.size > max_partitions:
         return 0
+    capacity = np.minimum(capacity, max(float(memory.max()), 0.0))
     loc = np.diag(cost)
     off = cost.T.copy()  # off[j, x] = L[x][j]
     np.fill_diagonal(off, 0.0)
     v = volume[cand]
     moves = 0
     for _ in range(max_moves):
+        if time.perf_counter() > t_end:
+            break
         j = owner[cand]
         d = grad_factor * v[:, None, None] * (off[None, :, :] - off[j][:, None, :])  # [c, j', x]
         d[:, np.arange(m), np.arange(m)] += (m * v)[:, None] * loc[None, :]
@@ -135,7 +146,8 @@ def polish(
             owner[q] = dst
             moves += 1
             continue
-        # no single move helps: try swapping a partition of the busiest rank with one elsewhere
+        # no single move helps: swap a partition of the busiest rank with one elsewhere (memory is often
+        # full by now); only where the pairs are few (small instances are the lumpy ones)
         r = int(np.argmax(total))
         a = np.flatnonzero(j == r)
         b = np.flatnonzero(j != r)

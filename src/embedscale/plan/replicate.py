@@ -48,6 +48,35 @@ class _Candidates:
         heapq.heappush(self.heap, (keyval, q))
 
 
+class _GainCandidates:
+    """Everything one rank reads remotely, largest cost saved per byte first (``choice="best_gain"``)."""
+
+    __slots__ = ("arr", "src", "keys", "ptr", "heap")
+
+    def __init__(self, arr: np.ndarray, src: np.ndarray, keys: np.ndarray) -> None:
+        self.arr, self.src, self.keys = arr.tolist(), src.tolist(), keys.tolist()
+        self.ptr = 0
+        self.heap: list[tuple[float, int, int]] = []
+
+    def peek(self) -> tuple[int, int]:
+        a = self.ptr < len(self.arr)
+        if self.heap and (not a or self.heap[0][0] < self.keys[self.ptr]):
+            return self.heap[0][1], self.heap[0][2]
+        if a:
+            return self.arr[self.ptr], self.src[self.ptr]
+        return -1, -1
+
+    def pop(self) -> None:
+        a = self.ptr < len(self.arr)
+        if self.heap and (not a or self.heap[0][0] < self.keys[self.ptr]):
+            heapq.heappop(self.heap)
+        else:
+            self.ptr += 1
+
+    def push(self, keyval: float, q: int, src: int) -> None:
+        heapq.heappush(self.heap, (keyval, q, src))
+
+
 def algorithm1(
     holders: np.ndarray,
     fetch: np.ndarray,
@@ -57,6 +86,7 @@ def algorithm1(
     available: np.ndarray,
     exhaust_links: bool = True,
     order: str = "max_comm",
+    choice: str = "max_link",
 ) -> dict:
     """OPER Algorithm 1 (EMT data parallelism for inference), in place on ``holders`` and ``fetch``.
 
@@ -72,6 +102,10 @@ def algorithm1(
         order: ``max_comm`` (default): each step serves the rank with the highest communication cost,
             the target GPU the text of 4.3 describes ("we first identify the target GPU with the highest
             communication cost"); ``round_robin``: every rank once per round, as the pseudo-code's loop.
+
+        choice: ``max_link`` (the pseudo-code, lines 4-6): the hottest partition per byte on the rank's
+            most expensive link; ``best_gain``: over all its links, the partition whose replica saves
+            the rank the most cost per byte (``A_p S_p (L[gid][src] - L[gid][gid]) / p.mem``).
 
     Line 7 tests ``p.mem <= Ava_Mem`` (the paper prints ``<``): a partition that exactly fills the
     remaining memory fits.
@@ -101,6 +135,16 @@ def algorithm1(
     eps = 1e-12
     if order not in ("max_comm", "round_robin"):
         raise ConfigError(f"algorithm1: order {order!r} is not 'max_comm' or 'round_robin'")
+    if choice not in ("max_link", "best_gain"):
+        raise ConfigError(f"algorithm1: choice {choice!r} is not 'max_link' or 'best_gain'")
+    gains: list[_GainCandidates] = []
+    if choice == "best_gain":
+        for i in range(m):
+            src = fetch[:, i]
+            g = vol * (cost[i, src] - cost[i, i]) / np.maximum(nb, 1.0)
+            ok = np.flatnonzero(~holders[:, i] & (vol > 0))
+            idx = ok[np.argsort(-g[ok], kind="stable")]
+            gains.append(_GainCandidates(idx, src[idx], -g[idx]))
     off = ~np.eye(m, dtype=bool)
 
     def next_ranks():
@@ -113,12 +157,26 @@ def algorithm1(
     while not stop.all():
         rounds += 1
         for gid in next_ranks():
-            row = cl[gid].copy()
-            row[gid] = -np.inf
-            links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
-            if not exhaust_links:
-                links = links[:1]
             found = -1
+            if choice == "best_gain":
+                gc = gains[gid]
+                while True:
+                    q, src = gc.peek()
+                    if q < 0:
+                        break
+                    gc.pop()
+                    if fetch[q, gid] != src or holders[q, gid]:
+                        continue  # stale entry
+                    if nb[q] <= available[gid]:
+                        found = q
+                        break
+                links = []
+            else:
+                row = cl[gid].copy()
+                row[gid] = -np.inf
+                links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
+                if not exhaust_links:
+                    links = links[:1]
             for tid in links:
                 c = cands[gid][tid]
                 while True:
@@ -154,6 +212,8 @@ def algorithm1(
                     cl[i, oid] -= vol[q] * cost[i, oid]
                     cl[i, gid] += vol[q] * cost[i, gid]
                     cands[i][gid].push(key[q], q)
+                    if choice == "best_gain":
+                        gains[i].push(-vol[q] * (cost[i, gid] - cost[i, i]) / max(nb[q], 1.0), q, gid)
     return {"replicas": count, "bytes": added.tolist(), "rounds": rounds}
 
 

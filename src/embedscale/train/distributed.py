@@ -109,12 +109,14 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     else:
         from embedscale import workflow
         from embedscale.plan.api import make_plan
-        from embedscale.plan.topology import topology_for
+        from embedscale.specs import Topology
 
-        prof = workflow.profile(data, plan_dir.parent / "profile", progress=progress)
-        topo = topology_for(world, d.topology_hosts)
+        if world % d.topology_hosts:
+            raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
+        prof = workflow.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
-                         batch_size=cfg.train.batch_size)
+                         batch_size=max(1, cfg.train.batch_size // world))
     plan.save(plan_dir)
     return plan
 

@@ -1,0 +1,591 @@
+"""Disaggregated Multi-Tower models (DMT, Luo et al., MLSys 2024): ``dmt-dlrm`` and ``dmt-dcn``.
+
+This module owns the DMT models, their embedding executors, the flat model-parallel baseline, and the
+gradient synchronisation of DMT 3.2 (tower modules inside the tower, the rest over the world).
+
+Executors (all return ``[B, sum_t O_t]``, towers in order, for the local mini-batch):
+
+* :class:`LocalTowerEmbedding`: every tower in one process (single-process training, the reference
+  semantics, flops counting, the partitioner's quality runs).
+* :class:`TowerEmbedding`: one rank's share of the tower transform (DMT 3.1, Figure 7): step a
+  (ids all_to_all), step b (fused lookup of the rows it holds), steps c-e (peer permute, intra-tower
+  all_to_all or reduce-scatter, shuffle), its tower group's tower modules, step f (peer all_to_all).
+  With pass-through towers and ``model_order=True`` it is a drop-in embedding module for the plain
+  DLRM/DCN (DMT Table 3's SPTT-DLRM).
+* :class:`FlatTableWiseEmbedding`: the classic model-parallel baseline: ids all_to_all to table owners,
+  owners pool, one all_to_all of pooled vectors back (DMT section 2.2, Figure 4).
+
+Models:
+
+* :class:`DMTDLRM`: bottom MLP to ``D``; every tower emits ``c F_t + p`` vectors of width ``D`` (DLRM
+  tower module, Listing 1); DLRM's dot interaction over the dense vector and all tower vectors; top MLP.
+* :class:`DMTDCN`: ``x0 = [bottom MLP (width N), tower outputs (F_t D each, Listing 2)]``, CrossNet,
+  deep MLP.
+
+:func:`build_dmt_model` builds either from a ``ModelConfig``, tables and a :class:`DMTConfig`; without a
+``TowerComm`` it builds the single-process model, with one the distributed one (same initial weights).
+Designed for GPUs (devices come from arguments), tested on CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from embedscale.comm.hierarchical import TowerComm, TowerLayout, TowerPlacement, TowerRouter, to_model_order
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.errors import ConfigError, InputError
+from embedscale.models.dcn import CrossNet
+from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
+from embedscale.specs import ModelConfig, TableSpec, feature_to_table
+from embedscale.towers.modules import TOWER_MODULES, TowerModule, build_tower_modules, compression_ratio
+from embedscale.towers.partitioner import TowerAssignment, naive_assignment
+
+DMT_ARCHS = ("dmt-dlrm", "dmt-dcn")
+
+
+@dataclass
+class DMTConfig:
+    """The DMT part of a model config (``model.arch: dmt-dlrm | dmt-dcn``).
+
+    Args:
+        towers: number of towers T; 0 = one per tower group (one per host when ``hosts_per_tower`` = 1).
+        tower_module: ``auto`` (``dlrm`` for dmt-dlrm, ``dcn`` for dmt-dcn), ``dlrm``, ``dcn``, or ``none``
+            (pass-through: the tower transform alone, semantics of the flat model).
+        compression: CR when ``tower_dim`` is 0: ``D = N / CR`` for the DLRM module with ``c = 1, p = 0``
+            (and for the DCN module, whose CR is ``N / D`` too).
+        tower_dim: D, the width of tower output vectors; 0 = ``embedding_dim // compression``.
+        c, p: DLRM tower module (Listing 1).
+        tower_cross_layers, tower_cross_low_rank: DCN tower module's CrossNet (Listing 2).
+        hosts_per_tower: K, hosts of one tower group (DMT 3.1.3).
+        sharding: ``table`` or ``row`` inside a tower (DMT 3.1.3, section 4).
+        permute: ``embeddings``, ``ids`` (steps b and c swapped) or ``auto``.
+        assignment: ``naive`` (strided, DMT 5.2.3) or the path of a saved ``TowerAssignment``.
+    """
+
+    towers: int = 0
+    tower_module: str = "auto"
+    compression: int = 4
+    tower_dim: int = 0
+    c: int = 1
+    p: int = 0
+    tower_cross_layers: int = 1
+    tower_cross_low_rank: int = 0
+    hosts_per_tower: int = 1
+    sharding: str = "table"
+    permute: str = "auto"
+    assignment: str = "naive"
+
+
+def _table_init(tables: list[TableSpec], seed: int):
+    """Placement-independent init for a ``LocalEmbeddingBags`` over ``tables`` (``embedding.init``)."""
+    index = {t.name: i for i, t in enumerate(tables)}
+
+    def init(spec: TableSpec, weight: torch.Tensor) -> None:
+        rows = uniform_rows(seed, index[spec.name], np.arange(spec.num_rows), spec.dim, spec.num_rows)
+        weight.copy_(torch.from_numpy(rows).to(weight))
+
+    return init
+
+
+def tower_groups_of(num_towers: int, num_groups: int) -> list[int]:
+    """Tower group of every tower: contiguous blocks, tower ``t`` to group ``t * P // T`` (T >= P)."""
+    if num_towers < num_groups:
+        raise ConfigError(f"{num_towers} towers for {num_groups} tower groups: use hosts_per_tower = "
+                          f"hosts / towers so that every tower group holds at least one tower")
+    return [t * num_groups // num_towers for t in range(num_towers)]
+
+
+def _tower_feature_index(assignment: TowerAssignment, features: list[str]) -> list[list[int]]:
+    assignment.check_covers(features)
+    pos = {f: i for i, f in enumerate(features)}
+    return [[pos[f] for f in t] for t in assignment.towers]
+
+
+# --------------------------------------------------------------------------------------------------
+# executors
+
+
+class LocalTowerEmbedding(nn.Module):
+    """All towers in one process: fused lookup of every table, then each tower's module.
+
+    Args:
+        tables: the tables (one shared dim N).
+        assignment: features per tower.
+        modules: ``{tower: TowerModule}`` for every tower.
+        optimizer, lr, eps: the fused sparse optimizer (``LocalEmbeddingBags``).
+        seed: placement-independent row initialisation (``embedding.init``).
+        device: where the tables live.
+    """
+
+    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, TowerModule], *,
+                 optimizer: str | None = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8, seed: int = 0,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.embedding = LocalEmbeddingBags(tables, device=device, optimizer=optimizer, lr=lr, eps=eps,
+                                            init=_table_init(tables, seed))
+        self.feature_names = list(self.embedding.feature_names)
+        self.dim = tables[0].dim
+        self.assignment = assignment
+        idx = _tower_feature_index(assignment, self.feature_names)
+        for t, ix in enumerate(idx):
+            self.register_buffer(f"_tower{t}", torch.tensor(ix, dtype=torch.int64, device=device), persistent=False)
+        self.towers = nn.ModuleList([modules[t] for t in range(assignment.num_towers)])
+        self.out_features = sum(m.out_features for m in self.towers)
+
+    def pooled(self, features: JaggedFeatures) -> torch.Tensor:
+        """``[B, F N]`` pooled embeddings in ``feature_names`` order (for the partitioner)."""
+        return self.embedding(features)
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        B = features.batch_size
+        e = self.embedding(features).view(B, len(self.feature_names), self.dim)
+        outs = [tm(e.index_select(1, getattr(self, f"_tower{t}"))) for t, tm in enumerate(self.towers)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+class TowerEmbedding(nn.Module):
+    """One rank's part of the tower-transformed lookup (DMT 3.1, Figure 7) with its tower group's modules.
+
+    Args:
+        tables: all tables of the model (one shared dim N).
+        assignment: features per tower.
+        modules: ``{tower: TowerModule}`` for the towers of this rank's tower group (at least).
+        comm: this rank's :class:`TowerComm`.
+        tower_out_features: ``O_t`` of every tower (all towers: every rank must know the widths of the
+            peer all_to_all).
+        sharding, permute: see :class:`~embedscale.comm.hierarchical.TowerRouter` / ``TowerPlacement``.
+        optimizer, lr, eps, seed, device: the fused lookup of the rows this rank holds.
+        model_order: pass-through towers only: return the features in model order (a drop-in embedding
+            module for DLRM/DCN, bitwise the flat model's).
+    """
+
+    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, TowerModule],
+                 comm: TowerComm, tower_out_features: Sequence[int], *, sharding: str = "table",
+                 permute: str = "auto", optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
+                 seed: int = 0, device: torch.device | str | None = None, model_order: bool = False):
+        super().__init__()
+        if optimizer is None:
+            raise ConfigError("TowerEmbedding needs a fused sparse optimizer (sgd or rowwise_adagrad)")
+        layout: TowerLayout = comm.layout
+        features = [f for t in tables for f in t.features]
+        tower_idx = _tower_feature_index(assignment, features)
+        T, P = assignment.num_towers, layout.num_groups
+        self.tower_group = tower_groups_of(T, P)
+        f2t = feature_to_table(tables)
+        table_group = [-1] * len(tables)
+        for t, ix in enumerate(tower_idx):
+            for f in ix:
+                ti = f2t[features[f]]
+                if table_group[ti] not in (-1, self.tower_group[t]):
+                    raise ConfigError(f"table {tables[ti].name!r} is read by features in towers of different tower "
+                                      f"groups (feature {features[f]!r} in tower {t}); keep a table's features in "
+                                      "one tower group")
+                table_group[ti] = self.tower_group[t]
+        self.placement = TowerPlacement(tables, table_group, layout, sharding)
+        self.router = TowerRouter(self.placement, comm, permute)
+        self.comm = comm
+        self.rank = comm.rank
+        self.dim = self.placement.dim
+        self.feature_names = features
+        shards = self.placement.shard_tables(self.rank)
+        self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
+                                            init=self.placement.shard_init(self.rank, seed)) if shards else None
+        self._device = device
+        g = layout.group_of(self.rank)
+        self.group = g
+        group_pos = {f: i for i, f in enumerate(self.placement.group_features[g])}
+        self.my_towers = [t for t in range(T) if self.tower_group[t] == g]
+        missing = [t for t in self.my_towers if t not in modules]
+        if missing:
+            raise ConfigError(f"rank {self.rank} (tower group {g}): no module for towers {missing}")
+        self.towers = nn.ModuleDict({str(t): modules[t] for t in self.my_towers})
+        for t in self.my_towers:
+            self.register_buffer(f"_tower{t}", torch.tensor([group_pos[f] for f in tower_idx[t]], dtype=torch.int64,
+                                                            device=device), persistent=False)
+        self.tower_out_features = [int(o) for o in tower_out_features]
+        self.group_widths = [sum(self.tower_out_features[t] for t in range(T) if self.tower_group[t] == q)
+                             for q in range(P)]
+        self.out_features = sum(self.tower_out_features)
+        self.model_order = model_order
+        if model_order:
+            if not all(isinstance(m, TowerModule) and m.out_features == m.num_features * m.embedding_dim
+                       and not list(m.parameters()) for m in self.towers.values()):
+                raise ConfigError("model_order=True needs pass-through towers")
+            self._model_perm = [f for t in range(T) for f in tower_idx[t]]
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        routed = self.router.route_ids(features)  # step a
+        dev = features.values.device
+        pooled = self.embedding(routed.features) if routed.features is not None else None  # step b
+        x = self.router.to_tower(pooled, routed, dev)  # steps c, d, e
+        M = x.shape[0]
+        x3 = x.view(M, -1, self.dim)
+        ys = [self.towers[str(t)](x3.index_select(1, getattr(self, f"_tower{t}"))) for t in self.my_towers]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        out = self.router.from_tower(y, routed.sizes, self.group_widths)  # step f
+        if self.model_order:
+            out = to_model_order(out, self._model_perm, self.dim)
+        return out
+
+
+class FlatTableWiseEmbedding(nn.Module):
+    """The classic model-parallel lookup (DMT 2.2, Figure 4): ids all_to_all to table owners, owners pool
+    the global batch, one all_to_all of pooled vectors back. Output ``[B, F N]`` in model order.
+
+    Args:
+        tables: all tables.
+        comm: the rank's :class:`TowerComm` (only its world transport is used).
+        placement: which rank owns which table; default: table-wise over all ranks, balanced by pooled
+            output per sample, then rows (``TowerPlacement`` with one group of the whole world).
+        optimizer, lr, eps, seed, device: as :class:`TowerEmbedding`.
+    """
+
+    def __init__(self, tables: list[TableSpec], comm: TowerComm, placement: TowerPlacement | None = None, *,
+                 optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8, seed: int = 0,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        lay = comm.layout
+        if placement is None:
+            flat = TowerLayout(lay.world_size, lay.ranks_per_host, lay.num_hosts)
+            placement = TowerPlacement(tables, [0] * len(tables), flat, "table")
+        if placement.sharding != "table":
+            raise ConfigError("the flat baseline is table-wise")
+        self.placement = placement
+        self.router = TowerRouter(placement, comm, "embeddings")
+        self.comm = comm
+        self.rank = comm.rank
+        self.dim = placement.dim
+        self.feature_names = placement.feature_names
+        shards = placement.shard_tables(self.rank)
+        self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
+                                            init=placement.shard_init(self.rank, seed)) if shards else None
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        routed = self.router.route_ids(features)
+        pooled = self.embedding(routed.features) if routed.features is not None else None
+        return self.router.flat_return(pooled, routed, features.values.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# models
+
+
+def _embedding_param_ids(model: nn.Module) -> set[int]:
+    emb = getattr(model.sparse_arch, "embedding", None)
+    return {id(p) for p in emb.parameters()} if emb is not None else set()
+
+
+class _DMTBase(nn.Module):
+    def tower_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters of the tower modules: synchronised inside the tower group only (DMT 3.2)."""
+        return self.sparse_arch.towers.parameters()
+
+    def global_parameters(self) -> Iterator[nn.Parameter]:
+        """Dense parameters synchronised over the world (bottom MLP, interaction, top MLP)."""
+        skip = {id(p) for p in self.tower_parameters()} | _embedding_param_ids(self)
+        return (p for p in self.parameters() if id(p) not in skip)
+
+    def dense_parameters(self) -> Iterator[nn.Parameter]:
+        """Every parameter the dense optimizer steps (tower modules included, embeddings excluded)."""
+        skip = _embedding_param_ids(self)
+        return (p for p in self.parameters() if id(p) not in skip)
+
+    @property
+    def compression_ratio(self) -> float:
+        """CR of this rank's towers (all towers in a single process)."""
+        return compression_ratio(list(self.sparse_arch.towers.values()) if isinstance(self.sparse_arch.towers,
+                                                                                     nn.ModuleDict)
+                                 else list(self.sparse_arch.towers))
+
+
+class DMTDLRM(_DMTBase):
+    """DMT-DLRM: bottom MLP to D, towers of DLRM tower modules (vectors of width D), dot interaction over
+    the dense vector and every tower vector, top MLP (DMT 3.2 "hierarchical feature interaction").
+
+    Args:
+        dense_in_features: dense features.
+        towers: a :class:`LocalTowerEmbedding` or :class:`TowerEmbedding` whose modules emit vectors of
+            width ``vector_dim`` (``out_features = num_vectors * vector_dim``).
+        vector_dim: D.
+        bottom_mlp, top_mlp: hidden widths (the D-wide bottom output and the logit layer are added).
+        device: where the dense parameters go.
+    """
+
+    def __init__(self, dense_in_features: int, towers: nn.Module, vector_dim: int,
+                 bottom_mlp: Sequence[int] = (512, 256, 64), top_mlp: Sequence[int] = (512, 256),
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if towers.out_features % vector_dim:
+            raise ConfigError(f"DMT-DLRM: towers emit {towers.out_features} values per sample, not a multiple of "
+                              f"the vector width D = {vector_dim}")
+        self.sparse_arch = towers
+        self.dense_in_features = dense_in_features
+        self.vector_dim = vector_dim
+        self.num_vectors = towers.out_features // vector_dim
+        self.dense_arch = DenseArch(dense_in_features, list(bottom_mlp) + [vector_dim], device=device)
+        self.inter_arch = InteractionArch(self.num_vectors, device=device)
+        self.over_arch = OverArch(self.inter_arch.output_dim(vector_dim), list(top_mlp), device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
+        _check_dense(dense, self.dense_in_features, sparse)
+        d = self.dense_arch(dense)
+        s = self.sparse_arch(sparse).view(-1, self.num_vectors, self.vector_dim)
+        return self.over_arch(self.inter_arch(d, s)).squeeze(-1)
+
+
+class DMTDCN(_DMTBase):
+    """DMT-DCN: ``x0 = [bottom MLP (width N), tower outputs]``, CrossNet, deep MLP, logit (DMT 3.2, 4).
+
+    Args:
+        dense_in_features: dense features.
+        towers: the tower executor (DCN tower modules, Listing 2).
+        embedding_dim: N, the bottom MLP's output width.
+        bottom_mlp, top_mlp: hidden widths.
+        cross_layers, cross_low_rank: the global CrossNet.
+        device: where the dense parameters go.
+    """
+
+    def __init__(self, dense_in_features: int, towers: nn.Module, embedding_dim: int,
+                 bottom_mlp: Sequence[int] = (512, 256, 64), top_mlp: Sequence[int] = (512, 256),
+                 cross_layers: int = 3, cross_low_rank: int = 0, device: torch.device | str | None = None):
+        super().__init__()
+        self.sparse_arch = towers
+        self.dense_in_features = dense_in_features
+        self.dense_arch = DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
+        self.cross_net = CrossNet(embedding_dim + towers.out_features, cross_layers, cross_low_rank, device=device)
+        self.over_arch = OverArch(self.cross_net.in_features, list(top_mlp), device=device)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
+        _check_dense(dense, self.dense_in_features, sparse)
+        x0 = torch.cat([self.dense_arch(dense), self.sparse_arch(sparse)], dim=1)
+        return self.over_arch(self.cross_net(x0)).squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# builders
+
+
+def resolve_assignment(dmt: DMTConfig, features: Sequence[str], num_towers: int,
+                       assignment: TowerAssignment | None = None) -> TowerAssignment:
+    """The towers: ``assignment`` if given, else ``dmt.assignment`` (``naive`` or a saved file)."""
+    if assignment is None:
+        if dmt.assignment in ("", "naive"):
+            assignment = naive_assignment(list(features), num_towers)
+        else:
+            assignment = TowerAssignment.load(dmt.assignment)
+    assignment.check_covers(list(features))
+    if assignment.num_towers != num_towers:
+        raise ConfigError(f"the tower assignment has {assignment.num_towers} towers, the model asks for "
+                          f"{num_towers} (model towers)")
+    return assignment
+
+
+def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, dmt: DMTConfig | None = None, *,
+                    arch: str | None = None, assignment: TowerAssignment | None = None, comm: TowerComm | None = None,
+                    num_hosts: int = 1, optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
+                    seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
+    """Build ``dmt-dlrm`` or ``dmt-dcn`` (single process without ``comm``, one rank's part with it).
+
+    Args:
+        cfg: the model config (embedding dim N, MLPs, DCN cross layers); ``cfg.arch`` may be ``dmt-dlrm``,
+            ``dmt-dcn``, ``dlrm`` or ``dcn`` unless ``arch`` says which.
+        tables: the tables (one shared dim, ``cfg.embedding_dim``).
+        num_dense: dense features.
+        dmt: the DMT settings (default ``DMTConfig()``).
+        assignment: features per tower (default from ``dmt.assignment``).
+        comm: this rank's ``TowerComm``: build the distributed model (tower transform); ``None``: all
+            towers in this process.
+        num_hosts: single process only: hosts the default tower count counts (``towers: 0``).
+        optimizer, lr, eps: the fused sparse optimizer of the tables.
+        seed: the initialisation of tables (placement-independent), tower modules (per tower) and dense
+            arches; the same seed gives the same model in one process and on any number of ranks.
+        device: where everything lives.
+
+    Returns:
+        ``DMTDLRM`` / ``DMTDCN``; with ``tower_module: none`` the plain ``DLRM`` / ``DCN`` over the tower
+        transform (SPTT only). ``model.tower_parameters()`` and ``model.global_parameters()`` split the
+        dense parameters for :func:`sync_dense_gradients`.
+
+    Example::
+
+        >>> from embedscale.specs import ModelConfig, TableSpec
+        >>> tables = [TableSpec(f"C{i}", 50, dim=8) for i in range(6)]
+        >>> cfg = ModelConfig(embedding_dim=8, bottom_mlp=[16], top_mlp=[16])
+        >>> model = build_dmt_model(cfg, tables, 4, DMTConfig(towers=2, compression=2), arch="dmt-dlrm")
+        >>> model.num_vectors, model.compression_ratio
+        (6, 2.0)
+    """
+    dmt = dmt or DMTConfig()
+    arch = (arch or cfg.arch).lower()
+    if arch in ("dlrm", "dcn"):
+        arch = "dmt-" + arch
+    if arch not in DMT_ARCHS:
+        raise ConfigError(f"model.arch: {arch!r} is not a DMT architecture ({', '.join(DMT_ARCHS)})")
+    if not tables:
+        raise ConfigError("build_dmt_model: no tables")
+    N = cfg.embedding_dim
+    for t in tables:
+        if t.dim != N:
+            raise ConfigError(f"table {t.name!r}: dim {t.dim} differs from model.embedding_dim {N}; DMT towers "
+                              "need one shared embedding dim")
+    kind = dmt.tower_module
+    if kind == "auto":
+        kind = "dlrm" if arch == "dmt-dlrm" else "dcn"
+    if kind not in TOWER_MODULES:
+        raise ConfigError(f"dmt.tower_module {dmt.tower_module!r} is not auto or one of {TOWER_MODULES}")
+    if arch == "dmt-dlrm" and kind == "dcn":
+        raise ConfigError("dmt-dlrm needs DLRM tower modules (vectors for the dot interaction); use dlrm or none")
+    D = dmt.tower_dim
+    if kind != "none" and D <= 0:
+        if isinstance(dmt.compression, bool) or dmt.compression <= 0 or N % int(dmt.compression):
+            raise ConfigError(f"dmt.compression {dmt.compression!r} must divide the embedding dim {N} "
+                              "(or set dmt.tower_dim)")
+        D = N // int(dmt.compression)
+    features = [f for t in tables for f in t.features]
+    if comm is not None:
+        layout = comm.layout
+        if layout.hosts_per_tower != dmt.hosts_per_tower:
+            raise ConfigError(f"dmt.hosts_per_tower {dmt.hosts_per_tower} differs from the TowerComm layout's "
+                              f"{layout.hosts_per_tower}")
+        default_towers = layout.num_groups
+    else:
+        if num_hosts % dmt.hosts_per_tower:
+            raise ConfigError(f"{num_hosts} hosts cannot form towers of {dmt.hosts_per_tower} hosts")
+        default_towers = num_hosts // dmt.hosts_per_tower
+    T = dmt.towers or default_towers
+    assignment = resolve_assignment(dmt, features, T, assignment)
+    sizes = assignment.sizes
+    if comm is not None:
+        groups = tower_groups_of(T, comm.layout.num_groups)
+        mine = [t for t in range(T) if groups[t] == comm.layout.group_of(comm.rank)]
+    else:
+        mine = None
+    # every tower's module is made on the host (its width is needed on every rank); a rank keeps its own
+    all_modules = build_tower_modules(kind, sizes, N, out_dim=D, c=dmt.c, p=dmt.p,
+                                      cross_layers=dmt.tower_cross_layers, low_rank=dmt.tower_cross_low_rank,
+                                      seed=seed)
+    outs = [all_modules[t].out_features for t in range(T)]
+    keep = range(T) if mine is None else mine
+    modules = {t: (all_modules[t].to(device) if device is not None else all_modules[t]) for t in keep}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if comm is None:
+            towers = LocalTowerEmbedding(tables, assignment, modules, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
+                                         device=device)
+        else:
+            towers = TowerEmbedding(tables, assignment, modules, comm, outs, sharding=dmt.sharding,
+                                    permute=dmt.permute, optimizer=optimizer, lr=lr, eps=eps, seed=seed, device=device,
+                                    model_order=(kind == "none"))
+        if kind == "none":
+            from embedscale.models import build_model
+
+            if comm is None:  # single process: the plain model over all tables, features in model order
+                towers = towers.embedding
+            flat_cfg = copy.copy(cfg)
+            flat_cfg.arch = arch[4:]
+            return _with_split(build_model(flat_cfg, tables, num_dense, embedding=towers, device=device))
+        if arch == "dmt-dlrm":
+            return DMTDLRM(num_dense, towers, D, cfg.bottom_mlp, cfg.top_mlp, device=device)
+        return DMTDCN(num_dense, towers, N, cfg.bottom_mlp, cfg.top_mlp, cross_layers=cfg.cross_layers,
+                      cross_low_rank=cfg.cross_low_rank, device=device)
+
+
+def _with_split(model: nn.Module) -> nn.Module:
+    """Plain DLRM/DCN: every dense parameter is global, there are no tower parameters."""
+    model.tower_parameters = lambda: iter(())  # type: ignore[attr-defined]
+    model.global_parameters = model.dense_parameters  # type: ignore[attr-defined]
+    return model
+
+
+def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, comm: TowerComm, *,
+                     placement: TowerPlacement | None = None, optimizer: str = "rowwise_adagrad", lr: float = 0.05,
+                     eps: float = 1e-8, seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
+    """The baseline: plain ``cfg.arch`` (dlrm/dcn) over :class:`FlatTableWiseEmbedding` (classic
+    table-wise model parallelism), initialised as :func:`build_dmt_model` with the same seed."""
+    from embedscale.models import build_model
+
+    arch = cfg.arch.lower().removeprefix("dmt-")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        emb = FlatTableWiseEmbedding(tables, comm, placement, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
+                                     device=device)
+        flat_cfg = copy.copy(cfg)
+        flat_cfg.arch = arch
+        return _with_split(build_model(flat_cfg, tables, num_dense, embedding=emb, device=device))
+
+
+# --------------------------------------------------------------------------------------------------
+# training helpers
+
+
+def _flat_grads(params: list[nn.Parameter]) -> torch.Tensor | None:
+    if not params:
+        return None
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def _unflat_grads(params: list[nn.Parameter], flat: torch.Tensor) -> None:
+    start = 0
+    for p in params:
+        n = p.numel()
+        g = flat[start:start + n].view_as(p)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        start += n
+
+
+def sync_dense_gradients(model: nn.Module, comm: TowerComm) -> None:
+    """Sum dense gradients: tower modules over the tower group only, the rest over the world (DMT 3.2).
+
+    Call after ``loss.backward()`` with a loss that is the sum over the local samples divided by the
+    global batch size: the summed gradients are then the global-batch mean gradient.
+    """
+    tower = [p for p in model.tower_parameters() if p.requires_grad]
+    glob = [p for p in model.global_parameters() if p.requires_grad]
+    for params, transport, group, kind in ((glob, comm.world, comm.world_group, "dense_grads"),
+                                           (tower, comm.tower, comm.tower_group, "tower_grads")):
+        flat = _flat_grads(params)
+        if flat is None:
+            continue
+        transport.allreduce_sum_(flat, group, kind)
+        _unflat_grads(params, flat)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, dense: torch.Tensor, sparse: JaggedFeatures,
+               labels: torch.Tensor, global_batch_size: int, comm: TowerComm | None = None) -> tuple[float, torch.Tensor]:
+    """One step: logits, ``BCE sum / global batch``, backward (embedding rows update in place), dense
+    gradient sync (when ``comm``), dense optimizer step. Returns ``(local loss sum / global batch, logits)``."""
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(dense, sparse)
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="sum") / global_batch_size
+    loss.backward()
+    if comm is not None:
+        sync_dense_gradients(model, comm)
+    optimizer.step()
+    return float(loss.detach()), logits.detach()
+
+
+def training_flops_per_sample(model: nn.Module, dense: torch.Tensor, sparse: JaggedFeatures) -> dict:
+    """Forward and forward+backward FLOPs per sample of the dense compute (matrix products: linear layers,
+    tower modules, interactions), counted by ``torch.utils.flop_counter`` on a copy of ``model`` (the
+    embedding lookups are memory-bound and not counted, as in DMT Table 4's profiler figures)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m = copy.deepcopy(model)
+    B = dense.shape[0]
+    with FlopCounterMode(display=False) as fwd:
+        with torch.no_grad():
+            m(dense, sparse)
+    with FlopCounterMode(display=False) as both:
+        m(dense, sparse).sum().backward()
+    return {"forward": fwd.get_total_flops() / B, "train": both.get_total_flops() / B}

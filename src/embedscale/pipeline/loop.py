@@ -1,0 +1,251 @@
+"""Pipelined training: the server prefetches host rows ``depth - 1`` batches ahead while the trainer computes.
+
+EL-Rec (SC 2022) section V, Fig. 9 and Fig. 16. One server thread per pass runs the parameter server's
+schedule over the batches (PyTorch ops release the GIL, so it computes beside the trainer)::
+
+    for s = 0, 1, ...:
+        if s >= depth: pull the gradients of batch s - depth from the gradient queue and apply them
+        read the host rows of batch s; put them on the prefetch queue          (applied(s) = max(0, s-depth+1))
+    then pull and apply the remaining gradients
+
+and the trainer, for each batch, takes it from the prefetch queue, patches its rows from the life-cycle
+cache (:mod:`embedscale.pipeline.cache`), trains on it (the host rows' gradients go up the gradient queue
+during backward) and moves on. So while the trainer computes batch ``t`` the server has batches up to
+``t + depth - 1`` read, and applies batch ``t - 1``'s gradients; both queues hold at most ``depth``
+items. ``depth = 1`` is sequential training (EL-Rec's "prefetch queue of length 1"): the server reads
+batch ``t`` only after it applied batch ``t - 1``, so nothing is ever stale and the cache stays off.
+With ``depth >= 2``, rows read before the updates of the batches in flight reached the server are stale,
+and the cache patches them: the result is bit for bit that of sequential training.
+
+:class:`PipelinedLoader` wraps any batch iterable (a ``ShardLoader``) so that any training loop runs
+pipelined; :func:`pipelined_trainer` is the single-process :class:`~embedscale.train.trainer.Trainer`
+with its training loader wrapped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from embedscale.data.batch import Batch
+from embedscale.errors import ConfigError
+from embedscale.pipeline.embedding import PipelinedEmbedding
+from embedscale.pipeline.queues import END, FINISH, GradientBatch, PipelineError, PrefetchedBatch, get_from
+
+
+class Pipeline:
+    """One pass of pipelined training over ``batches`` (use through :class:`PipelinedLoader`).
+
+    Args:
+        embedding: the model's :class:`PipelinedEmbedding`.
+        batches: the batches of the pass, in training order.
+        depth: prefetch queue length ``k`` (1 = sequential).
+        use_cache: patch stale prefetched rows from the life-cycle cache. Off, pipelined training at
+            ``depth >= 2`` reads stale rows and no longer equals sequential training (tests show it).
+        timeout_s: a queue that stays empty this long is an error, not a hang.
+
+    Attributes:
+        stats: after the pass: batches, rows patched, cache peak rows, seconds the trainer waited for the
+            server (``wait_s``) and the server waited for gradients (``server_wait_s``).
+    """
+
+    def __init__(self, embedding: PipelinedEmbedding, batches: Iterable, depth: int, *, use_cache: bool = True,
+                 timeout_s: float = 300.0) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"pipeline depth must be an integer >= 1, got {depth!r}")
+        if embedding.pipelined:
+            raise PipelineError("this PipelinedEmbedding already runs a pipeline")
+        self.embedding = embedding
+        self.server = embedding.server
+        self.batches = batches
+        self.depth = depth
+        self.use_cache = use_cache
+        self.timeout_s = timeout_s
+        self.prefetch_q: queue.Queue = queue.Queue()
+        self.grad_q: queue.Queue = queue.Queue()
+        self.applied = 0  # server side: gradient batches applied
+        self.consumed = 0  # trainer side: batches handed out
+        self.pushed = 0  # trainer side: gradient batches sent
+        self._finished = False  # server side: the trainer sent FINISH
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
+        self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0}
+
+    # -- server thread -----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        it = iter(self.batches)
+        try:
+            s = 0
+            for batch in it:
+                if s >= self.depth and not self._pull_and_apply(s - self.depth):
+                    break
+                if self._finished:
+                    break
+                feats = batch.sparse
+                pre = self.embedding.prefetch(feats, index=s, applied=self.applied, batch=batch)
+                self.prefetch_q.put(pre)
+                s += 1
+            self.prefetch_q.put(END)
+            while self._pull_and_apply(None):
+                pass
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer
+            self.error = e
+            self.prefetch_q.put(e)
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _pull_and_apply(self, expected: int | None) -> bool:
+        """Pull one gradient batch and apply it; False when the trainer has finished (nothing more comes)."""
+        if self._finished:
+            return False
+        t0 = time.perf_counter()
+        item = self.grad_q.get()  # the trainer always ends with FINISH
+        self.stats["server_wait_s"] += time.perf_counter() - t0
+        if item is FINISH:
+            self._finished = True
+            return False
+        if item.index != self.applied or (expected is not None and item.index != expected):
+            raise PipelineError(f"gradient of batch {item.index} arrived, the server expected batch {self.applied}")
+        if self.server is not None:
+            self.server.apply(item)
+        self.applied += 1
+        return True
+
+    # -- trainer side --------------------------------------------------------------------------------
+    def start(self) -> None:
+        emb = self.embedding
+        emb.cache.reset()
+        emb._pending = None
+        emb._sink = self._push
+        emb._track_updates = self.use_cache and self.depth > 1
+        self.thread.start()
+
+    def _push(self, grads: GradientBatch) -> None:
+        if grads.index != self.pushed:
+            raise PipelineError(f"backward of batch {grads.index} while batch {self.pushed} was expected")
+        self.pushed += 1
+        self.grad_q.put(grads)
+
+    def next(self) -> PrefetchedBatch | None:
+        """The next prefetched batch, patched and attached to the embedding; ``None`` at the end of the pass."""
+        if self.pushed != self.consumed:
+            raise PipelineError(f"batch {self.consumed - 1} was handed out but its backward never ran "
+                                "(the pipeline needs exactly one forward and one backward per batch)")
+        t0 = time.perf_counter()
+        item = get_from(self.prefetch_q, self.thread, "waiting for prefetched rows", self.timeout_s)
+        self.stats["wait_s"] += time.perf_counter() - t0
+        if item is END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        if item.index != self.consumed:
+            raise PipelineError(f"prefetched batch {item.index} arrived, batch {self.consumed} was expected")
+        if self.use_cache:
+            self.stats["patched_rows"] += self.embedding.attach(item)
+        else:
+            self.embedding._pending = item
+        self.consumed += 1
+        return item
+
+    def finish(self) -> None:
+        """Tell the server no more gradients come, wait until it has applied all it got, detach."""
+        emb = self.embedding
+        self.grad_q.put(FINISH)
+        if self.thread.is_alive():
+            self.thread.join(self.timeout_s)
+        self.stats["batches"] = self.pushed
+        self.stats["cache_peak_rows"] = emb.cache.peak_rows
+        self.stats["cache_hits"] = emb.cache.hits
+        emb._sink = None
+        emb._pending = None
+        emb._track_updates = False
+        if self.thread.is_alive():
+            raise PipelineError(f"the parameter server thread did not finish within {self.timeout_s:.0f} s")
+        emb.cache.reset()  # every gradient is applied: the server is current
+        if self.error is not None and not isinstance(self.error, PipelineError):
+            pass  # already raised on the trainer side through the prefetch queue
+
+
+class PipelinedLoader:
+    """Wrap a batch loader so that iterating it runs a :class:`Pipeline` over its batches.
+
+    Each ``iter()`` is one pass (epoch): the server thread starts, reads ``loader``'s batches and their
+    host rows ahead, and applies gradients; the batches come out in order, each already attached to the
+    embedding, so the training step is the usual ``model(batch.dense, batch.sparse)``, loss, ``backward``.
+    When the pass ends (or the loop breaks out), every gradient received is applied before control returns.
+    ``len`` and ``set_epoch`` pass through to ``loader``.
+
+    Args:
+        loader: the batches (a ``ShardLoader`` or any iterable of ``Batch``).
+        embedding: the model's :class:`PipelinedEmbedding`.
+        depth: prefetch queue length (1 = sequential).
+        use_cache: see :class:`Pipeline`.
+
+    Attributes:
+        last_stats: the finished pass's :attr:`Pipeline.stats`.
+    """
+
+    def __init__(self, loader, embedding: PipelinedEmbedding, depth: int = 2, *, use_cache: bool = True,
+                 timeout_s: float = 300.0) -> None:
+        if not isinstance(embedding, PipelinedEmbedding):
+            raise ConfigError(f"PipelinedLoader needs a PipelinedEmbedding, got {type(embedding).__name__}")
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"pipeline depth must be an integer >= 1, got {depth!r}")
+        self.loader = loader
+        self.embedding = embedding
+        self.depth = depth
+        self.use_cache = use_cache
+        self.timeout_s = timeout_s
+        self.last_stats: dict = {}
+        self.pipeline: Pipeline | None = None
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        self.loader.set_epoch(epoch, skip_batches=skip_batches)
+
+    def __iter__(self) -> Iterator[Batch]:
+        pipe = Pipeline(self.embedding, self.loader, self.depth, use_cache=self.use_cache, timeout_s=self.timeout_s)
+        self.pipeline = pipe
+        pipe.start()
+        try:
+            while True:
+                pre = pipe.next()
+                if pre is None:
+                    return
+                yield pre.batch
+        finally:
+            pipe.finish()
+            self.last_stats = dict(pipe.stats)
+
+
+def pipelined_trainer(model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader, eval_loader,
+                      run_dir: str | Path, *, pipeline_depth: int = 2, use_cache: bool = True, **kwargs):
+    """The single-process :class:`~embedscale.train.trainer.Trainer`, pipelined (EL-Rec section V).
+
+    Same arguments as ``Trainer`` plus ``pipeline_depth`` and ``use_cache``; ``model.sparse_arch.embedding``
+    must be a :class:`PipelinedEmbedding`. Returns a ``Trainer`` whose training loader is a
+    :class:`PipelinedLoader`: metrics, evaluation, checkpoints and exact resume are the Trainer's, and a
+    checkpoint holds the host tables (``...embedding.host.<table>.weight``) as sequential training would
+    have them at that step.
+    """
+    from embedscale.train.trainer import Trainer  # train sits above pipeline: imported when used
+
+    emb = getattr(getattr(model, "sparse_arch", None), "embedding", None)
+    if not isinstance(emb, PipelinedEmbedding):
+        raise ConfigError("pipelined_trainer: model.sparse_arch.embedding must be a PipelinedEmbedding, got "
+                          f"{type(emb).__name__}")
+    loader = PipelinedLoader(train_loader, emb, pipeline_depth, use_cache=use_cache)
+    return Trainer(model, dense_optimizer, loader, eval_loader, run_dir, **kwargs)

@@ -1,0 +1,488 @@
+"""The tower partitioner (TP, DMT section 3.3): a learned, balanced, meaningful feature-to-tower assignment.
+
+Pipeline (DMT 3.3, section 5.1 "dot-product based TP on a 2D plane"):
+
+1. **Feature interaction matrix** from a trained model's per-sample pooled embeddings ``R [B, F, N]``:
+   ``I(i, j) = mean_b |cos(R[b, i], R[b, j])|`` (:func:`interaction_matrix`). DMT: averaging embeddings
+   over the batch is meaningless (different rows per sample); the mean per-sample affinity
+   ``mean(R R^T, dim=0)`` of normalised vectors is.
+2. **Distance matrix** ``D = f(I)`` (:func:`distance_matrix`): the *coherent* strategy ``1 - I`` puts
+   similar features together, the *diverse* strategy ``I`` puts dissimilar ones together.
+3. **Coordinates**: features embedded in ``R^n`` (``n = 2`` by default, ``n < N``) by minimising
+   ``sum_{i<j} (||X_i - X_j|| - D(i, j))^2`` with Adam (:func:`embed_coordinates`; a few seeded
+   restarts, the lowest stress kept).
+4. **Constrained K-Means** (Bradley, Bennett and Demiriz 2000) with the size constraint
+   ``max tower size <= K * min tower size`` (:func:`constrained_kmeans`): the assignment step is a
+   minimum-cost assignment of features to tower slots, exact (``scipy.optimize.linear_sum_assignment``).
+
+Baseline: the naive strided assignment of DMT 5.2.3 (:func:`naive_assignment`): feature ``i`` to tower
+``i % T``. :func:`adjusted_rand_index` scores a partition against planted groups.
+
+:func:`learn_towers` runs the pipeline on a model and a data source and returns a
+:class:`TowerAssignment` (saved as JSON, atomically) and a report.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from scipy.special import comb
+
+from embedscale.errors import ConfigError, FormatError, InputError
+from embedscale.io import atomic_write_json, read_json
+
+STRATEGIES = ("coherent", "diverse")
+ASSIGNMENT_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------------
+# the assignment
+
+
+@dataclass
+class TowerAssignment:
+    """Features of every tower, in order. ``towers[t]`` lists tower ``t``'s feature names.
+
+    Example::
+
+        >>> a = TowerAssignment([["C1", "C3"], ["C2"]])
+        >>> a.num_towers, a.tower_of("C3"), a.sizes
+        (2, 0, [2, 1])
+    """
+
+    towers: list[list[str]]
+    strategy: str = "manual"
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.towers = [list(t) for t in self.towers]
+        if not self.towers:
+            raise ConfigError("tower assignment: no towers")
+        seen: dict[str, int] = {}
+        for t, fs in enumerate(self.towers):
+            if not fs:
+                raise ConfigError(f"tower assignment: tower {t} has no features")
+            for f in fs:
+                if f in seen:
+                    raise ConfigError(f"tower assignment: feature {f!r} is in towers {seen[f]} and {t}")
+                seen[f] = t
+        self._tower_of = seen
+
+    @property
+    def num_towers(self) -> int:
+        return len(self.towers)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(t) for t in self.towers]
+
+    @property
+    def features(self) -> list[str]:
+        return [f for t in self.towers for f in t]
+
+    def tower_of(self, feature: str) -> int:
+        try:
+            return self._tower_of[feature]
+        except KeyError:
+            raise ConfigError(f"feature {feature!r} is in no tower; towers hold {sorted(self._tower_of)}") from None
+
+    def labels(self, features: Sequence[str]) -> np.ndarray:
+        """Tower of every feature of ``features`` (int array)."""
+        return np.array([self.tower_of(f) for f in features], dtype=np.int64)
+
+    def check_covers(self, features: Sequence[str]) -> None:
+        """Raise unless the towers hold exactly ``features``."""
+        missing = [f for f in features if f not in self._tower_of]
+        extra = sorted(set(self._tower_of) - set(features))
+        if missing or extra:
+            raise ConfigError(f"tower assignment does not match the model's features: missing {missing}, "
+                              f"unknown {extra}")
+
+    @classmethod
+    def from_labels(cls, features: Sequence[str], labels: Sequence[int], strategy: str = "manual",
+                    meta: dict | None = None) -> "TowerAssignment":
+        labels = np.asarray(labels)
+        T = int(labels.max()) + 1 if labels.size else 0
+        return cls([[f for f, l in zip(features, labels) if l == t] for t in range(T)], strategy, meta or {})
+
+    def to_dict(self) -> dict:
+        return {"version": ASSIGNMENT_VERSION, "strategy": self.strategy, "towers": self.towers, "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "TowerAssignment":
+        d = read_json(path, "tower assignment")
+        if not isinstance(d, dict) or d.get("version") != ASSIGNMENT_VERSION or "towers" not in d:
+            raise FormatError(f"{path}: not a tower assignment of version {ASSIGNMENT_VERSION}")
+        try:
+            return cls(d["towers"], d.get("strategy", "manual"), d.get("meta", {}))
+        except ConfigError as e:
+            raise FormatError(f"{path}: {e}") from None
+
+
+def naive_assignment(features: Sequence[str], num_towers: int) -> TowerAssignment:
+    """DMT 5.2.3's baseline: feature ``i`` to tower ``i % T`` (balanced, strided, meaning-blind)."""
+    _check_towers(len(features), num_towers)
+    return TowerAssignment([list(features[t::num_towers]) for t in range(num_towers)], "naive")
+
+
+def _check_towers(F: int, T: int) -> None:
+    if isinstance(T, bool) or not isinstance(T, int) or T <= 0:
+        raise ConfigError(f"number of towers must be a positive integer, got {T!r}")
+    if T > F:
+        raise ConfigError(f"{T} towers for {F} features: every tower needs at least one feature")
+
+
+# --------------------------------------------------------------------------------------------------
+# steps 1-2: interaction and distance
+
+
+class InteractionAccumulator:
+    """Running ``mean_b |cos(R[b, i], R[b, j])|`` over batches of per-sample embeddings ``[B, F, N]``.
+
+    A zero vector (an empty bag) has no direction: its pairs are left out of that sample's mean.
+    """
+
+    def __init__(self, num_features: int):
+        self.F = num_features
+        self.total = torch.zeros(num_features, num_features, dtype=torch.float64)
+        self.count = torch.zeros(num_features, num_features, dtype=torch.float64)
+        self.samples = 0
+
+    @torch.no_grad()
+    def add(self, embs: torch.Tensor) -> None:
+        if embs.dim() != 3 or embs.shape[1] != self.F:
+            raise InputError(f"interaction matrix: expected embeddings [B, {self.F}, N], got {list(embs.shape)}")
+        e = embs.detach().to(torch.float64)
+        norm = e.norm(dim=2, keepdim=True)
+        valid = (norm.squeeze(2) > 0).to(torch.float64)  # [B, F]
+        u = e / norm.clamp(min=1e-30)
+        cos = torch.bmm(u, u.transpose(1, 2)).abs()  # [B, F, F]
+        self.total += cos.sum(0).cpu()
+        self.count += torch.einsum("bi,bj->ij", valid, valid).cpu()
+        self.samples += e.shape[0]
+
+    def matrix(self) -> np.ndarray:
+        out = (self.total / self.count.clamp(min=1)).numpy()
+        out[self.count.numpy() == 0] = 0.0
+        np.fill_diagonal(out, 1.0)
+        return np.clip(out, 0.0, 1.0)
+
+
+def interaction_matrix(embeddings: torch.Tensor | Iterable[torch.Tensor]) -> np.ndarray:
+    """DMT 3.3's ``I = mean_b |cos|`` (float64 ``[F, F]``, 1 on the diagonal) from ``[B, F, N]``
+    embeddings or an iterable of such batches."""
+    it = [embeddings] if isinstance(embeddings, torch.Tensor) else embeddings
+    acc = None
+    for e in it:
+        if acc is None:
+            acc = InteractionAccumulator(e.shape[1])
+        acc.add(e)
+    if acc is None:
+        raise InputError("interaction matrix: no embeddings")
+    return acc.matrix()
+
+
+def distance_matrix(interaction: np.ndarray, strategy: str = "coherent") -> np.ndarray:
+    """``D = f(I)``: ``1 - I`` (coherent: similar features together) or ``I`` (diverse), DMT 3.3."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"tower partitioner: strategy {strategy!r} is not one of {STRATEGIES}")
+    I = np.asarray(interaction, dtype=np.float64)
+    if I.ndim != 2 or I.shape[0] != I.shape[1]:
+        raise InputError(f"interaction matrix must be square, got shape {I.shape}")
+    D = 1.0 - I if strategy == "coherent" else I.copy()
+    D = 0.5 * (D + D.T)
+    np.fill_diagonal(D, 0.0)
+    return D
+
+
+# --------------------------------------------------------------------------------------------------
+# step 3: coordinates
+
+
+def embed_coordinates(distance: np.ndarray, dim: int = 2, *, steps: int = 1500, lr: float = 0.05,
+                      restarts: int = 4, seed: int = 0) -> tuple[np.ndarray, float]:
+    """Coordinates ``X [F, dim]`` whose pairwise distances match ``distance`` (DMT 3.3), by Adam on
+    ``sum_{i<j} (||X_i - X_j|| - D_ij)^2``; ``restarts`` seeded random starts, the lowest stress kept.
+
+    Returns:
+        ``(X, stress)`` with stress the objective divided by ``sum_{i<j} D_ij^2`` (0 = exact).
+    """
+    D = torch.as_tensor(np.asarray(distance, dtype=np.float64))
+    F = D.shape[0]
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ConfigError(f"tower partitioner: coordinate dim must be a positive integer, got {dim!r}")
+    iu = torch.triu_indices(F, F, offset=1)
+    target = D[iu[0], iu[1]]
+    denom = float((target ** 2).sum()) or 1.0
+    best, best_stress = None, math.inf
+    gen = torch.Generator().manual_seed(seed)
+    scale = float(target.mean()) if target.numel() else 1.0
+    for _ in range(max(1, restarts)):
+        X = (torch.randn(F, dim, generator=gen, dtype=torch.float64) * max(scale, 1e-3)).requires_grad_(True)
+        opt = torch.optim.Adam([X], lr=lr * max(scale, 1e-3))
+        for _ in range(steps):
+            opt.zero_grad()
+            diff = X[iu[0]] - X[iu[1]]
+            d = torch.sqrt((diff ** 2).sum(1) + 1e-12)
+            loss = ((d - target) ** 2).sum()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            diff = X[iu[0]] - X[iu[1]]
+            stress = float((((diff ** 2).sum(1).sqrt() - target) ** 2).sum()) / denom
+        if stress < best_stress:
+            best, best_stress = X.detach().numpy().copy(), stress
+    return best, best_stress
+
+
+# --------------------------------------------------------------------------------------------------
+# step 4: constrained K-Means
+
+
+def size_bounds(num_items: int, k: int, max_ratio: float) -> list[tuple[int, int]]:
+    """Every (min size m, max size M) window with ``k m <= F <= k M`` and ``M <= max_ratio * m``."""
+    _check_towers(num_items, k)
+    if not max_ratio >= 1:
+        raise ConfigError(f"tower partitioner: max/min tower size ratio must be >= 1, got {max_ratio}")
+    out = []
+    for m in range(num_items // k, 0, -1):
+        M = min(num_items - (k - 1) * m, int(math.floor(max_ratio * m + 1e-9)))
+        if k * M >= num_items and M >= m:
+            out.append((m, M))
+    if not out:
+        raise ConfigError(f"no balanced split of {num_items} features into {k} towers has max/min size ratio "
+                          f"<= {max_ratio}; the smallest possible is {math.ceil(num_items / k) / (num_items // k):.3g}")
+    return out
+
+
+def _assign(sqdist: np.ndarray, m: int, M: int) -> np.ndarray:
+    """Exact min-cost assignment of items to ``k`` clusters with sizes in ``[m, M]``: cluster ``c``
+    has ``M`` slots, the first ``m`` of them compulsory (cost lowered by a constant every solution pays
+    the same number of times, since all ``k m`` compulsory slots are filled whenever ``F >= k m``)."""
+    F, k = sqdist.shape
+    big = float(sqdist.max()) * F + 1.0
+    cost = np.repeat(sqdist, M, axis=1)  # column c * M + s
+    slot = np.tile(np.arange(M), k)
+    cost = cost - np.where(slot < m, big, 0.0)[None, :]
+    rows, cols = linear_sum_assignment(cost)
+    labels = np.empty(F, dtype=np.int64)
+    labels[rows] = cols // M
+    return labels
+
+
+def constrained_kmeans(X: np.ndarray, k: int, max_ratio: float = 1.0, *, n_init: int = 10, max_iter: int = 100,
+                       seed: int = 0) -> tuple[np.ndarray, float]:
+    """K-Means with cluster sizes bounded so that ``max size <= max_ratio * min size`` (Bradley et al.
+    2000, as in DMT 3.3). Every feasible (min, max) size window is tried with ``n_init`` k-means++
+    starts; the lowest within-cluster sum of squares wins.
+
+    Returns:
+        ``(labels [F], inertia)``; cluster numbers ordered by the smallest member index.
+    """
+    X = np.asarray(X, dtype=np.float64)
+    F = X.shape[0]
+    windows = size_bounds(F, k, max_ratio)
+    rng = np.random.default_rng(seed)
+    best, best_inertia = None, math.inf
+    for m, M in windows:
+        for _ in range(n_init):
+            # k-means++ initialisation
+            centers = [X[rng.integers(F)]]
+            for _ in range(1, k):
+                d2 = np.min(((X[:, None, :] - np.array(centers)[None]) ** 2).sum(2), axis=1)
+                p = d2 / d2.sum() if d2.sum() > 0 else np.full(F, 1.0 / F)
+                centers.append(X[rng.choice(F, p=p)])
+            C = np.array(centers)
+            labels = None
+            for _ in range(max_iter):
+                sq = ((X[:, None, :] - C[None]) ** 2).sum(2)
+                new = _assign(sq, m, M)
+                if labels is not None and np.array_equal(new, labels):
+                    break
+                labels = new
+                C = np.array([X[labels == c].mean(0) for c in range(k)])
+            inertia = float(((X - C[labels]) ** 2).sum())
+            if inertia < best_inertia - 1e-12:
+                best, best_inertia = labels, inertia
+    # canonical numbering: clusters by their first feature
+    first = {}
+    for i, c in enumerate(best):
+        first.setdefault(int(c), len(first))
+    return np.array([first[int(c)] for c in best], dtype=np.int64), best_inertia
+
+
+# --------------------------------------------------------------------------------------------------
+# scores
+
+
+def adjusted_rand_index(a: Sequence[int], b: Sequence[int]) -> float:
+    """Adjusted Rand index of two labelings (Hubert and Arabie 1985): 1 = identical partitions, about 0
+    for independent ones."""
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if a.shape != b.shape:
+        raise InputError(f"adjusted_rand_index: labelings of {a.size} and {b.size} items")
+    _, ai = np.unique(a, return_inverse=True)
+    _, bi = np.unique(b, return_inverse=True)
+    table = np.zeros((ai.max() + 1, bi.max() + 1), dtype=np.int64)
+    np.add.at(table, (ai, bi), 1)
+    sum_comb = comb(table, 2).sum()
+    sa = comb(table.sum(1), 2).sum()
+    sb = comb(table.sum(0), 2).sum()
+    total = comb(a.size, 2)
+    expected = sa * sb / total if total else 0.0
+    max_index = 0.5 * (sa + sb)
+    if max_index == expected:
+        return 1.0
+    return float((sum_comb - expected) / (max_index - expected))
+
+
+def partition_scores(interaction: np.ndarray, labels: Sequence[int]) -> dict:
+    """Mean interaction inside towers and across towers, and tower sizes."""
+    I = np.asarray(interaction)
+    lab = np.asarray(labels)
+    same = lab[:, None] == lab[None, :]
+    off = ~np.eye(len(lab), dtype=bool)
+    within = float(I[same & off].mean()) if (same & off).any() else float("nan")
+    across = float(I[~same].mean()) if (~same).any() else float("nan")
+    sizes = np.bincount(lab).tolist()
+    return {"within_tower_interaction": within, "cross_tower_interaction": across, "sizes": sizes,
+            "max_min_ratio": max(sizes) / min(sizes)}
+
+
+# --------------------------------------------------------------------------------------------------
+# the pipeline
+
+
+def partition_features(features: Sequence[str], interaction: np.ndarray, num_towers: int, *,
+                       strategy: str = "coherent", max_ratio: float = 1.0, coord_dim: int = 2, seed: int = 0,
+                       steps: int = 1500, restarts: int = 4, n_init: int = 10) -> tuple[TowerAssignment, dict]:
+    """DMT 3.3 steps 2-4 on a given interaction matrix: distance, coordinates, constrained K-Means."""
+    features = list(features)
+    I = np.asarray(interaction, dtype=np.float64)
+    if I.shape != (len(features), len(features)):
+        raise InputError(f"interaction matrix of shape {I.shape} for {len(features)} features")
+    _check_towers(len(features), num_towers)
+    D = distance_matrix(I, strategy)
+    X, stress = embed_coordinates(D, coord_dim, steps=steps, restarts=restarts, seed=seed)
+    labels, inertia = constrained_kmeans(X, num_towers, max_ratio, n_init=n_init, seed=seed)
+    meta = {"strategy": strategy, "max_ratio": max_ratio, "coord_dim": coord_dim, "stress": stress,
+            "inertia": inertia, "seed": seed}
+    assignment = TowerAssignment.from_labels(features, labels, strategy, meta)
+    naive = naive_assignment(features, num_towers)
+    report = {
+        "features": features, "num_towers": num_towers, "strategy": strategy, "max_ratio": max_ratio,
+        "stress": stress, "inertia": inertia, "coordinates": X.tolist(), "towers": assignment.towers,
+        "interaction": I.tolist(), **partition_scores(I, labels),
+        "naive": {"towers": naive.towers, **partition_scores(I, naive.labels(features))},
+    }
+    return assignment, report
+
+
+def model_embeddings(model, batches: Iterable, max_batches: int = 0) -> tuple[list[str], Iterable[torch.Tensor]]:
+    """Per-sample pooled embeddings ``[B, F, N]`` of a model's sparse features, batch by batch.
+
+    ``model`` is a DLRM or DCN (``model.sparse_arch.pooled`` with one shared dim), a DMT model's local
+    tower executor, or an embedding module with ``feature_names`` whose forward returns ``[B, F N]``;
+    ``batches`` yields ``Batch`` or ``JaggedFeatures``.
+    """
+    arch = getattr(model, "sparse_arch", model)
+    names = list(getattr(arch, "feature_names", None) or [])
+    if not names:
+        raise ConfigError(f"learn_towers: {type(model).__name__} exposes no sparse feature names")
+    dims = list(getattr(arch, "feature_dims", []) or [])
+    if dims and len(set(dims)) != 1:
+        raise ConfigError(f"learn_towers: features have different dims {dict(zip(names, dims))}; the cosine "
+                          "interaction needs one shared embedding dim")
+    pooled = getattr(arch, "pooled", None) or arch
+
+    def gen():
+        was = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i, b in enumerate(batches):
+                    if max_batches and i >= max_batches:
+                        break
+                    sparse = getattr(b, "sparse", b)
+                    out = pooled(sparse)
+                    yield out.reshape(out.shape[0], len(names), -1)
+        finally:
+            model.train(was)
+
+    return names, gen()
+
+
+def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coherent", max_ratio: float = 1.0,
+                 *, max_batches: int = 0, coord_dim: int = 2, seed: int = 0, steps: int = 1500,
+                 restarts: int = 4, n_init: int = 10) -> tuple[TowerAssignment, dict]:
+    """Learn a balanced, meaningful feature-to-tower assignment from a trained model (DMT 3.3).
+
+    Args:
+        model: a trained DLRM/DCN (see :func:`model_embeddings`).
+        batches: ``Batch``es (e.g. a ``ShardLoader``) or ``JaggedFeatures``.
+        num_towers: T.
+        strategy: ``coherent`` or ``diverse``.
+        max_ratio: K, the largest allowed max/min tower size ratio (1 = as equal as possible; rounded
+            up to the smallest feasible ratio when ``F % T != 0`` would make 1 impossible, see below).
+        max_batches: stop after this many batches (0 = all).
+        coord_dim: n, the dimension of the coordinates (DMT uses 2).
+        seed, steps, restarts, n_init: optimiser and K-Means settings.
+
+    Returns:
+        ``(TowerAssignment, report)``; the report holds the interaction matrix, coordinates, stress,
+        tower sizes, within/cross-tower interaction, and the same scores for the naive assignment.
+
+    When ``max_ratio`` is below the smallest feasible ratio ``ceil(F/T) / floor(F/T)``, that ratio is
+    used instead and the report says so (``max_ratio_used``).
+    """
+    names, embs = model_embeddings(model, batches, max_batches)
+    _check_towers(len(names), num_towers)
+    I = interaction_matrix(embs)
+    F = len(names)
+    feasible = math.ceil(F / num_towers) / (F // num_towers)
+    used = max(float(max_ratio), feasible)
+    assignment, report = partition_features(names, I, num_towers, strategy=strategy, max_ratio=used,
+                                            coord_dim=coord_dim, seed=seed, steps=steps, restarts=restarts,
+                                            n_init=n_init)
+    report["max_ratio_requested"] = float(max_ratio)
+    report["max_ratio_used"] = used
+    return assignment, report
+
+
+def plot_interaction(report: dict, path: str | Path) -> None:
+    """DMT Figure 9: the interaction matrix with features sorted by tower, tower blocks outlined (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from embedscale.io import atomic_open
+
+    names = report["features"]
+    I = np.asarray(report["interaction"])
+    towers = report["towers"]
+    order = [names.index(f) for t in towers for f in t]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(I[np.ix_(order, order)], vmin=0, vmax=1, cmap="viridis")
+    start = 0
+    for t in towers:
+        ax.add_patch(plt.Rectangle((start - 0.5, start - 0.5), len(t), len(t), fill=False, ec="red", lw=1.5))
+        start += len(t)
+    ax.set_xticks(range(len(order)), [names[i] for i in order], rotation=90, fontsize=6)
+    ax.set_yticks(range(len(order)), [names[i] for i in order], fontsize=6)
+    ax.set_title(f"feature interaction ({report['strategy']}, {len(towers)} towers)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,300 @@
+"""TT tables against independent references written here: the table materialised from the cores by eq. 2
+(numpy's unravel_index for eq. 3, einsum for the products) looked up by ``nn.EmbeddingBag``; one optimizer
+step computed by torch autograd through that materialisation plus the update rule; and the TT-Rec
+reference class."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from embedscale.embedding.tt import (
+    TTEmbeddingBag,
+    TTRecEmbeddingBag,
+    core_shapes,
+    default_init_std,
+    factor_dim,
+    factor_rows,
+    tt_num_parameters,
+)
+from embedscale.errors import ConfigError, InputError
+from embedscale.specs import TableSpec
+
+TOL = 1e-5
+
+
+# -- independent reference -------------------------------------------------------------------------
+def materialise(cores, row_shape, dim_shape, ranks, num_rows):
+    """``[num_rows, dim]`` from eq. 2, differentiable in ``cores`` (cores ``[m_k, R_{k-1}, n_k R_k]``)."""
+    rows = np.arange(num_rows)
+    tt_idx = np.unravel_index(rows, row_shape)  # eq. 3, i_1 most significant
+    d = len(cores)
+    out = None
+    for k in range(d):
+        s = cores[k][torch.from_numpy(tt_idx[k].astype(np.int64))]  # [rows, R_{k-1}, n_k R_k]
+        s = s.view(num_rows, ranks[k], dim_shape[k], ranks[k + 1])
+        if out is None:
+            out = s[:, 0]  # [rows, n_1, R_1]
+        else:
+            out = torch.einsum("bjr,brns->bjns", out, s).reshape(num_rows, -1, ranks[k + 1])
+    return out.reshape(num_rows, -1)
+
+
+def ref_table(m):
+    return materialise([c.detach() for c in m.cores], m.row_shape, m.dim_shape, m.ranks, m.num_embeddings)
+
+
+def ref_bag(m, weight=None):
+    w = ref_table(m) if weight is None else weight
+    bag = nn.EmbeddingBag(m.num_embeddings, m.embedding_dim, mode=m.mode, include_last_offset=m.include_last_offset)
+    with torch.no_grad():
+        bag.weight.copy_(w)
+    return bag
+
+
+def expected_step(m, ids, offsets, psw, grad_out, lr, eps, optimizer, state=None):
+    """Cores after one step: autograd through the materialised table, then the optimizer's rule."""
+    cores = [c.detach().clone().requires_grad_(True) for c in m.cores]
+    w = materialise(cores, m.row_shape, m.dim_shape, m.ranks, m.num_embeddings)
+    out = nn.functional.embedding_bag(ids, w, offsets, mode=m.mode, per_sample_weights=psw,
+                                      include_last_offset=m.include_last_offset)
+    (out * grad_out).sum().backward()
+    new, new_state = [], []
+    for k, c in enumerate(cores):
+        g = c.grad
+        if optimizer == "sgd":
+            new.append(c.detach() - lr * g)
+            continue
+        s = state[k].clone() if state is not None else torch.zeros_like(g if optimizer == "adagrad" else g[:, 0, 0])
+        if optimizer == "adagrad":
+            s = s + g * g
+            new.append(c.detach() - lr * g / (s.sqrt() + eps))
+        else:  # row-wise over core slices
+            s = s + (g * g).mean(dim=(1, 2))
+            new.append(c.detach() - lr * g / (s.sqrt() + eps).view(-1, 1, 1))
+        new_state.append(s)
+    return new, new_state
+
+
+def batch(num_rows, B, rng, hot=8, max_len=4):
+    """Jagged bags with repeats (a hot set) and empty bags."""
+    lengths = torch.from_numpy(rng.integers(0, max_len + 1, B))
+    n = int(lengths.sum())
+    ids = np.where(rng.random(n) < 0.5, rng.integers(0, hot, n), rng.integers(0, num_rows, n))
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.from_numpy(ids.astype(np.int64)), offsets
+
+
+# -- factorisation ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_rows", [1, 7, 1000, 1001, 123_457, 10_131_227, 39_884_406])
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_factor_rows_covers_with_little_padding(num_rows, d):
+    f = factor_rows(num_rows, d)
+    assert len(f) == d and math.prod(f) >= num_rows
+    # never more padding than the plain balanced choice ceil(M^(1/d))^d
+    c = math.ceil(num_rows ** (1 / d) - 1e-9)
+    while c ** d < num_rows:
+        c += 1
+    assert math.prod(f) <= c ** d
+    assert max(f) - min(f) <= 5
+    assert f[-1] == max(f)
+
+
+@pytest.mark.parametrize("dim", [1, 4, 13, 16, 64, 128])
+def test_factor_dim_exact_balanced(dim):
+    f = factor_dim(dim, 3)
+    assert math.prod(f) == dim and f == sorted(f)
+    brute = min(max(a, b, dim // (a * b)) for a in range(1, dim + 1) for b in range(1, dim + 1)
+                if dim % (a * b) == 0)
+    assert max(f) == brute
+
+
+def test_defaults_and_sizes():
+    assert factor_dim(16) == [2, 2, 4] and factor_dim(64) == [4, 4, 4]
+    m = TTEmbeddingBag(10_131_227, 16, 32, optimizer=None)
+    assert math.prod(m.row_shape) >= 10_131_227
+    assert m.num_parameters == tt_num_parameters(10_131_227, 16, 32)
+    assert [tuple(c.shape) for c in m.cores] == core_shapes(m.row_shape, m.dim_shape, [1, 32, 32, 1])
+    assert m.core_bytes * 300 < m.uncompressed_bytes  # a 10M x 16 table in a few MB
+
+
+# -- forward == nn.EmbeddingBag over the materialised table -----------------------------------------
+@pytest.mark.parametrize("cls", [TTEmbeddingBag, TTRecEmbeddingBag])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+@pytest.mark.parametrize("shape", [dict(num_cores=3), dict(num_cores=2), dict(num_cores=4),
+                                   dict(row_shape=[5, 3, 7], dim_shape=[3, 1, 4])])
+def test_forward_equals_materialised_embedding_bag(cls, mode, shape):
+    rng = np.random.default_rng(0)
+    M = 100 if "row_shape" in shape else 997
+    dim = 12 if "dim_shape" in shape else 16
+    rank = [3, 5] if "row_shape" in shape else 4
+    m = cls(M, dim, rank, mode=mode, optimizer="sgd", seed=1, init_std=0.5, **shape)
+    bag = ref_bag(m)
+    ids, offsets = batch(M, 64, rng)
+    psw = torch.rand(ids.numel()) if mode == "sum" else None
+    with torch.no_grad():
+        got = m(ids, offsets, psw)
+    want = bag(ids, offsets, per_sample_weights=psw)
+    assert got.shape == (64, dim)
+    assert (got - want).abs().max() < TOL
+
+
+def test_forward_conventions_2d_input_last_offset_and_grouping_fallback():
+    rng = np.random.default_rng(1)
+    m = TTEmbeddingBag(500, 8, 4, optimizer=None, seed=2, init_std=0.5, include_last_offset=True)
+    bag = ref_bag(m)
+    ids, offsets = batch(500, 32, rng)
+    offs = torch.cat([offsets, torch.tensor([ids.numel()])])
+    want = bag(ids, offs)
+    assert (m(ids, offs) - want).abs().max() < TOL
+    m.max_padding = 0.0  # every level falls back to the per-entry gather
+    assert (m(ids, offs) - want).abs().max() < TOL
+    m.grouped = False
+    assert (m(ids, offs) - want).abs().max() < TOL
+    ids2 = torch.from_numpy(rng.integers(0, 500, (10, 3)))
+    m2 = TTEmbeddingBag(500, 8, 4, optimizer="sgd", seed=2, init_std=0.5)
+    m2.copy_cores_from(m)
+    assert (m2(ids2) - nn.functional.embedding_bag(ids2, ref_table(m2), mode="sum")).abs().max() < TOL
+    empty = m2(torch.zeros(0, dtype=torch.int64), torch.zeros(3, dtype=torch.int64))
+    assert empty.shape == (3, 8) and not empty.any()
+
+
+def test_reuse_levels_count_distinct_prefixes():
+    m = TTEmbeddingBag(1000, 4, 2, row_shape=[10, 10, 10], dim_shape=[1, 2, 2], optimizer=None)
+    ids = torch.tensor([0, 1, 2, 2, 9, 10, 11, 999, 999])  # prefixes (0,0) (0,1) (9,9); rows 7 distinct
+    with torch.no_grad():
+        m(ids, torch.arange(ids.numel()))
+    assert m.last_sizes == [2, 3, 7]
+
+
+# -- one optimizer step ------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fused_steps_equal_autograd_and_ttrec(optimizer, mode):
+    rng = np.random.default_rng(3)
+    M, dim, lr, eps = 600, 8, 0.3, 1e-8
+    ours = TTEmbeddingBag(M, dim, [4, 3], mode=mode, optimizer=optimizer, lr=lr, eps=eps, seed=4, init_std=0.3)
+    ttrec = TTRecEmbeddingBag(M, dim, [4, 3], mode=mode, optimizer=optimizer, lr=lr, eps=eps, seed=9)
+    ttrec.copy_cores_from(ours)
+    state = None
+    for step in range(2):
+        ids, offsets = batch(M, 48, rng)
+        psw = torch.rand(ids.numel()) if mode == "sum" else None
+        grad_out = torch.randn(48, dim)
+        want, state = expected_step(ours, ids, offsets, psw, grad_out, lr, eps, optimizer, state)
+        for m in (ours, ttrec):
+            (m(ids, offsets, psw) * grad_out).sum().backward()
+            for c, w in zip(m.cores, want):
+                assert (c - w).abs().max() < TOL * max(1.0, float(w.abs().max()))
+            for s, w in zip(m.states, state):
+                assert (s - w).abs().max() < TOL * max(1.0, float(w.abs().max()))
+        for c in ours.cores:
+            assert c.grad is None
+
+
+def test_fused_step_with_padding_fallback_and_without_grouping():
+    rng = np.random.default_rng(5)
+    ids, offsets = batch(400, 40, rng)
+    grad_out = torch.randn(40, 8)
+    results = []
+    for grouped, pad in ((True, 4.0), (True, 0.0), (False, 4.0)):
+        m = TTEmbeddingBag(400, 8, 4, optimizer="adagrad", lr=0.2, seed=6, grouped=grouped, max_padding=pad)
+        (m(ids, offsets) * grad_out).sum().backward()
+        results.append([c.clone() for c in m.cores])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert (a - b).abs().max() < 1e-6
+
+
+def test_autograd_mode_gradients():
+    rng = np.random.default_rng(7)
+    m = TTEmbeddingBag(300, 6, 3, optimizer=None, seed=8, init_std=0.4)
+    ids, offsets = batch(300, 20, rng)
+    g = torch.randn(20, 6)
+    (m(ids, offsets) * g).sum().backward()
+    cores = [c.detach().clone().requires_grad_(True) for c in m.cores]
+    w = materialise(cores, m.row_shape, m.dim_shape, m.ranks, 300)
+    (nn.functional.embedding_bag(ids, w, offsets, mode="sum") * g).sum().backward()
+    for c, r in zip(m.cores, cores):
+        assert (c.grad - r.grad).abs().max() < TOL
+    assert len(list(m.parameters())) == 3
+
+
+@pytest.mark.parametrize("cls", [TTEmbeddingBag, TTRecEmbeddingBag])
+def test_grad_sync_data_parallel_equals_full_batch(cls):
+    """Two replicas, each half the batch, gradients summed by grad_sync: the full-batch step."""
+    rng = np.random.default_rng(9)
+    ids = torch.from_numpy(rng.integers(0, 500, 64))
+    g = torch.randn(64, 8)
+    full = cls(500, 8, 4, optimizer="adagrad", lr=0.1, seed=1)
+    (full(ids, torch.arange(64)) * g).sum().backward()
+
+    rank0 = cls(500, 8, 4, optimizer="adagrad", lr=0.1, seed=1)
+    other = TTEmbeddingBag(500, 8, 4, optimizer=None)  # rank 1's gradient via autograd
+    other.copy_cores_from(rank0)
+    (other(ids[32:], torch.arange(32)) * g[32:]).sum().backward()
+    calls = []
+
+    def all_reduce(grads):
+        calls.append(len(grads))
+        for mine, theirs in zip(grads, [c.grad for c in other.cores]):
+            mine.add_(theirs)
+
+    rank0.grad_sync = all_reduce
+    (rank0(ids[:32], torch.arange(32)) * g[:32]).sum().backward()
+    assert calls == [3]
+    for a, b in zip(rank0.cores, full.cores):
+        assert (a - b).abs().max() < TOL
+
+
+# -- initialisation, state, errors -------------------------------------------------------------------
+def test_init_reconstructs_intended_distribution():
+    m = TTEmbeddingBag(20_000, 16, 16, optimizer="sgd", seed=0)
+    w = m.full_weight()
+    target = default_init_std(20_000)
+    assert abs(float(w.std()) / target - 1) < 0.1
+    assert abs(float(w.mean())) < 0.05 * target
+    assert abs(float(m.full_weight().std()) - float(TTEmbeddingBag(20_000, 16, 16, seed=0).full_weight().std())) == 0
+    custom = TTEmbeddingBag(20_000, 16, 16, init_std=0.01, seed=1).full_weight()
+    assert abs(float(custom.std()) / 0.01 - 1) < 0.1
+
+
+def test_state_dict_round_trip_and_from_spec():
+    spec = TableSpec("big", 5000, 8, pooling="mean", compression="tt", tt_rank=6)
+    a = TTEmbeddingBag.from_spec(spec, optimizer="adagrad", lr=0.1, seed=0)
+    assert (a.name, a.mode, a.ranks) == ("big", "mean", [1, 6, 6, 1])
+    ids = torch.arange(0, 5000, 7)
+    a(ids, torch.arange(0, ids.numel(), 4)).sum().backward()  # non-zero Adagrad state
+    sd = a.state_dict()
+    assert set(sd) == {f"{p}{k}" for p in ("core", "state") for k in range(3)}
+    b = TTEmbeddingBag.from_spec(spec, optimizer="adagrad", lr=0.1, seed=1)
+    b.load_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(a(ids, torch.arange(0, ids.numel(), 4)), b(ids, torch.arange(0, ids.numel(), 4)))
+    assert all(torch.equal(x, y) for x, y in zip(a.states, b.states))
+
+
+def test_errors_name_table_and_value():
+    m = TTEmbeddingBag(100, 8, 2, name="C3")
+    with pytest.raises(InputError, match=r"'C3'.*row id 100 .*\[0, 100\)"):
+        m(torch.tensor([1, 100]), torch.tensor([0]))
+    with pytest.raises(InputError, match=r"'C3'.*row id -1"):
+        m(torch.tensor([-1, 3]), torch.tensor([0]))
+    with pytest.raises(InputError, match="offsets"):
+        m(torch.tensor([1, 2, 3]), torch.tensor([0, 3, 2]))
+    with pytest.raises(InputError, match="needs offsets"):
+        m(torch.tensor([1, 2]))
+    with pytest.raises(InputError, match="per_sample_weights"):
+        TTEmbeddingBag(100, 8, 2, mode="mean")(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
+    with pytest.raises(ConfigError, match="dim_shape"):
+        TTEmbeddingBag(100, 8, 2, dim_shape=[2, 2, 3])
+    with pytest.raises(ConfigError, match="covers"):
+        TTEmbeddingBag(100, 8, 2, row_shape=[4, 4, 4])
+    with pytest.raises(ConfigError, match="optimizer"):
+        TTEmbeddingBag(100, 8, 2, optimizer="adam")
+    with pytest.raises(ConfigError, match="pool"):
+        TTEmbeddingBag.from_spec(TableSpec("s", 10, 4, pooling="none"))

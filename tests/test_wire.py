@@ -1,0 +1,60 @@
+"""Bytes on wire counted by the collective transport per iteration against the prediction from the plan and
+the access profile (embedding.wire), for an OPER plan with replicas and a table-wise plan on 2 ranks."""
+
+import numpy as np
+import torch
+
+from embedscale.comm.collective import CollectiveTransport
+from embedscale.data.batch import JaggedFeatures
+from embedscale.data.profile import AccessProfile
+from embedscale.data.synthetic import SyntheticGenerator
+from embedscale.embedding.address_map import address_map_from_plan
+from embedscale.embedding.sharded import ShardedEmbedding
+from embedscale.embedding.wire import expected_wire_bytes
+from embedscale.plan.api import make_plan
+from embedscale.specs import SyntheticConfig, Topology
+from embedscale.train.launch import spawn_local
+
+B, STEPS = 512, 30
+
+
+def setup():
+    gen = SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle", max_rows=2000, alpha=1.05), seed=1,
+                             embedding_dim=8)
+    tables = gen.tables
+    profile = AccessProfile.expected(gen, 1_000_000)
+    return gen, tables, profile
+
+
+def _worker(rank, world, strategy):
+    gen, tables, profile = setup()
+    plan = make_plan(strategy, tables, profile, Topology(ranks_per_host=world), batch_size=B // world)
+    amap = address_map_from_plan(plan, tables)
+    tr = CollectiveTransport()
+    emb = ShardedEmbedding(tables, amap, tr, rank, optimizer="sgd", lr=0.01)
+    measured = []
+    cols = gen.sample(0, B * STEPS)  # one-hot features: sample s of the stream is row s of each column
+    keys = [t.name for t in tables]
+    for s in range(STEPS):
+        lo, hi = s * B + B * rank // world, s * B + B * (rank + 1) // world
+        values = torch.from_numpy(np.concatenate([cols.sparse[k][0][lo:hi] for k in keys]))
+        jf = JaggedFeatures(keys, values, torch.ones(values.numel(), dtype=torch.int64))
+        tr.counter.reset()
+        emb(jf).sum().backward()
+        measured.append(int(tr.counter.sent.sum()))
+    expected = expected_wire_bytes(amap, tables, profile, B / world, mode="training")["total"] if rank == 0 else 0
+    return float(np.mean(measured)), expected
+
+
+def _both(rank, world):
+    return [_worker(rank, world, s) for s in ("oper", "table_wise")]
+
+
+def test_measured_bytes_match_prediction_within_5_percent():
+    both = spawn_local(_both, 2)
+    for i, strategy in enumerate(("oper", "table_wise")):
+        res = [b[i] for b in both]
+        measured = sum(r[0] for r in res)
+        expected = res[0][1]
+        assert expected > 0
+        assert abs(measured - expected) / expected < 0.05, (strategy, measured, expected)
