@@ -89,3 +89,19 @@ def test_plan_milp_is_a_valid_plan_no_worse_than_oper():
         op = plan_oper(tables, prof, topo, mode=mode, extra_memory=0.25, batch_size=100)
         co = evaluate(op, prof, topo, mode=mode, batch_size=100)
         assert cm.max_rank_cost <= co.max_rank_cost * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode, extra", [("inference", 0.25), ("training", 0.0), ("training", 0.25)])
+def test_oper_within_two_percent_of_the_optimum(mode, extra):
+    from embedscale.plan.synthetic_profile import ZipfProfile
+    from embedscale.specs import Topology
+
+    tables = [TableSpec("t0", 10, dim=16), TableSpec("t1", 4, dim=16)]
+    prof = ZipfProfile.from_tables(tables, alpha=1.1, samples=1000, seed=2)
+    topo = Topology(num_hosts=1, ranks_per_host=2, intra_host_latency_us=0.0)
+    mp = plan_milp(tables, prof, topo, mode=mode, extra_memory=extra, batch_size=4096, time_limit=30)
+    assert mp.meta["milp"]["optimal"]
+    op = plan_oper(tables, prof, topo, mode=mode, extra_memory=extra, batch_size=4096)
+    opt = evaluate(mp, prof, topo, mode=mode, batch_size=4096).max_rank_cost
+    got = evaluate(op, prof, topo, mode=mode, batch_size=4096).max_rank_cost
+    assert opt <= got <= 1.02 * opt

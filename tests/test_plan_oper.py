@@ -154,3 +154,17 @@ def test_capacity_errors():
         rank_capacity(topo, 256, 0.05)
     with pytest.raises(ConfigError, match="extra_memory must be"):
         rank_capacity(Topology(), 10, -0.1)
+
+
+def test_polish_moves_a_partition_off_the_bottleneck_by_hand():
+    from embedscale.plan.place import polish
+
+    # 2 ranks, inference; L local 0, remote 1 us/byte. Partitions read 4, 3, 1 bytes per rank, all on rank 0:
+    # rank 0 pays nothing (lookup free), rank 1 fetches 8. Moving the 4 to rank 1: costs 4 / 4 -> max 4.
+    cost = np.array([[0.0, 1.0], [1.0, 0.0]])
+    owner = np.array([0, 0, 0], dtype=np.int32)
+    total = np.array([0.0, 8.0])
+    mem = np.array([3.0, 0.0])
+    n = polish(owner, np.ones(3, dtype=bool), np.array([4.0, 3.0, 1.0]), np.ones(3), cost, total, mem,
+               np.array([3.0, 3.0]), grad_factor=1.0)
+    assert n == 1 and owner.tolist() == [1, 0, 0] and total.tolist() == [4.0, 4.0] and mem.tolist() == [2.0, 1.0]

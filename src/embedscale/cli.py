@@ -113,7 +113,7 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
             from embedscale.train.distributed import train_distributed
 
             s = train_distributed(cfg, run_dir, progress=not no_progress)
-            if s is None:
+            if s is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
         elif cfg.dist.nproc > 1:
             s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
@@ -149,7 +149,7 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
-    code = launch_torchrun(cfg.dist.nproc, args, max_restarts=max_restarts)
+    code = launch_torchrun(cfg.dist.nproc, args, max_restarts=max_restarts, env={"EMBEDSCALE_LAUNCHED": "1"})
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
     return read_json(rd / "summary.json", "run summary")
@@ -195,6 +195,76 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
         click.echo(json.dumps(m))
     else:
         click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  on {m['samples']:,} samples")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True))
+@click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks.")
+@click.option("--plan", "plan", default="oper", show_default=True,
+              help="Inference plan: a strategy (oper replicates hot rows by OPER Algorithm 1) or a saved plan.")
+@click.option("--design", type=click.Choice(["retrieve", "send"]), default="retrieve", show_default=True)
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key of the run's config.")
+@click.option("--no-progress", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
+    """Sharded inference: score the eval split with a checkpoint (single-process file or sharded directory)
+    under an inference plan; writes predictions.npy and inference.json."""
+    import yaml
+
+    from embedscale import workflow
+    from embedscale.io import read_json
+    from embedscale.specs import from_dict, set_dotted
+
+    try:
+        ck = Path(checkpoint)
+        if ck.is_file():
+            from embedscale.train.checkpoint import load_checkpoint
+
+            data = yaml.safe_load(load_checkpoint(ck)["config_yaml"])
+        else:
+            cfg_path = ck.parent.parent / "config.yaml"
+            if not cfg_path.exists():
+                raise EmbedscaleError(f"{ck}: no config.yaml two levels up (expected a run's checkpoints/step-N)")
+            data = yaml.safe_load(cfg_path.read_text())
+        for item in overrides:
+            k, _, v = item.partition("=")
+            set_dotted(data, k.strip(), yaml.safe_load(v))
+        set_dotted(data, "dist.plan", plan)
+        set_dotted(data, "dist.design", design)
+        set_dotted(data, "dist.nproc", nproc)
+        set_dotted(data, "dist.mode", "inference")
+        cfg = from_dict(RunConfig, data)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" in os.environ and world > 1:
+            from embedscale.train.distributed import infer_distributed
+
+            out = infer_distributed(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
+            if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
+                return
+        else:
+            rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            if nproc > 1:
+                from embedscale.train.launch import launch_torchrun
+
+                args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
+                        "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
+                        *(["--no-progress"] if no_progress else [])]
+                code = launch_torchrun(nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})
+                if code != 0:
+                    raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
+                out = read_json(rd / "inference.json", "inference result")
+            else:
+                from embedscale.train.distributed import infer_distributed
+
+                out = infer_distributed(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    if as_json:
+        click.echo(json.dumps(out))
+    else:
+        click.echo(f"{out['samples']:,} samples on {out['world_size']} rank(s), plan {out['plan']}: "
+                   f"logloss {out['logloss']:.5f}  AUC {out['auc']:.5f}  {out['samples_per_s']:,.0f} samples/s")
 
 
 @main.group()

@@ -5,30 +5,31 @@ already read the rows of batches ``t + 1 .. t + k - 1`` from host memory, before
 batches in flight reached it; a prefetched row that one of those batches updates is *stale*. The cache
 keeps the up-to-date copy of every row a recent batch updated, and patches incoming prefetched rows with it.
 
-Life cycle (V-B): the rows of a finished batch enter the cache with a life-cycle counter (LC) equal to the
-number of gradient batches the server still has to pull before it has applied this batch (the queues'
-length ``k`` once the pipeline is full, fewer while it fills). Every gradient pull decrements the counters;
-a row whose counter reaches zero is evicted, since every batch prefetched from then on reads it fresh from
-the server. A row updated again re-enters with a full counter. The trainer learns of the pulls from the
-prefetched batches themselves: each carries ``applied``, the number of gradient batches the server had
-applied when it read the rows (:meth:`LifeCycleCache.advance`).
+Life cycle (V-B): the rows of a finished batch enter the cache together, with a life-cycle counter (LC)
+equal to the number of gradient batches the server still has to pull before it has applied this batch
+(the queues' length ``k`` once the pipeline is full, fewer while it fills). Every gradient pull decrements
+the counters; rows whose counter reaches zero are evicted, since every batch prefetched from then on reads
+them fresh from the server. The trainer learns of the pulls from the prefetched batches themselves: each
+carries ``applied``, the number of gradient batches the server had applied when it read the rows
+(:meth:`LifeCycleCache.advance`).
 
 Why this is exact: batch ``s`` was read after the server applied batches ``< applied(s)``; the cache then
-holds, for every row touched by a batch in ``[applied(s), s)``, the value after the latest of those
-batches (entries of older batches were evicted, and those rows are current on the server), so a patched
-row is the row sequential training would read. The optimizer state (row-wise Adagrad's per-row sum) is
-cached and patched with the weights.
+holds the rows of every batch in ``[applied(s), s)`` as that batch left them, and a row found in several
+entries is taken from the newest; rows of older batches were evicted and are current on the server. So
+a patched row is the row sequential training would read. The optimizer state (row-wise Adagrad's per-row
+sum) is cached and patched with the weights.
 
-Size: after batch ``t`` the cache holds rows of batches ``t - k + 1 .. t`` only, so never more than the
-unique rows of the last ``k`` batches (``peak_rows`` records the largest size it reached).
-
-Storage per dim group: sorted unique flat rows (int64), their weights ``[n, dim]``, optimizer state and
-int32 counters, all on the trainer's device; lookups are one ``searchsorted``, inserts one merge (sort),
-evictions one mask: no Python loop per row.
+Layout: one entry per finished batch (all rows of a batch share one counter, so the counter is kept per
+entry), each entry per host dim group the batch's sorted unique rows, their updated weights and state, on
+the trainer's device. Inserting is by reference (the trainer's updated local buffer becomes the entry, no
+copy, no merge); patching is one ``searchsorted`` per live entry, oldest first so the newest copy wins;
+eviction drops whole entries. After batch ``t`` the cache holds entries of batches ``t - k + 1 .. t``
+only, so never more than the rows of the last ``k`` batches (``peak_rows`` records the largest size).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -36,19 +37,47 @@ import torch
 from embedscale.errors import InputError
 
 
+@dataclass
+class _Entry:
+    """The rows one finished batch updated, per host dim group, with their life-cycle counter."""
+
+    batch: int
+    life: int
+    rows: list[torch.Tensor | None]  # per group: int64 [u] sorted unique flat rows (None: nothing)
+    weights: list[torch.Tensor | None]  # per group: [u, dim] after the batch's update
+    momentum: list[torch.Tensor | None]  # per group: float32 [u], or None (SGD)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(r.numel() for r in self.rows if r is not None)
+
+
 class LifeCycleCache:
     """Up-to-date copies of recently updated host rows, evicted by life-cycle counters (EL-Rec V-B).
 
     Args:
-        dims: embedding dim of each host dim group (one sub-cache per group).
+        dims: embedding dim of each host dim group.
         device: where the cached rows live (the trainer's device).
         dtype: weight dtype.
         with_momentum: also cache the row-wise Adagrad state (one float32 per row).
 
     Attributes:
         applied: gradient pulls observed so far (see :meth:`advance`).
-        peak_rows: most rows held at once, over all groups.
-        hits, lookups: prefetched rows found in the cache / looked for.
+        peak_rows: most rows held at once (a row held by two entries counts twice).
+        hits, lookups: prefetched rows replaced by a cached copy / looked for.
+
+    Example::
+
+        >>> import torch
+        >>> cache = LifeCycleCache([2])
+        >>> cache.insert(0, [torch.tensor([3, 5])], [torch.ones(2, 2)], [None], life=2)   # batch 0's rows
+        >>> w = torch.zeros(3, 2)
+        >>> cache.patch(0, torch.tensor([1, 3, 4]), w)       # row 3 is stale: patched
+        1
+        >>> cache.advance(1), cache.num_rows                  # one pull: life 2 -> 1
+        (0, 2)
+        >>> cache.advance(2), cache.num_rows                  # another: life 0, evicted
+        (2, 0)
     """
 
     def __init__(self, dims: Sequence[int], *, device: torch.device | str | None = None,
@@ -60,13 +89,8 @@ class LifeCycleCache:
         self.reset()
 
     def reset(self) -> None:
-        """Empty every group and restart the pull count (a new pass of the pipeline)."""
-        dev = self.device
-        self._rows = [torch.empty(0, dtype=torch.int64, device=dev) for _ in self.dims]
-        self._weights = [torch.empty(0, d, dtype=self.dtype, device=dev) for d in self.dims]
-        self._momentum = [torch.empty(0, dtype=torch.float32, device=dev) if self.with_momentum else None
-                          for _ in self.dims]
-        self._lc = [torch.empty(0, dtype=torch.int32, device=dev) for _ in self.dims]
+        """Empty the cache and restart the pull count (a new pass of the pipeline)."""
+        self._entries: list[_Entry] = []
         self.applied = 0
         self.peak_rows = 0
         self.hits = 0
@@ -75,25 +99,45 @@ class LifeCycleCache:
     # -- size ---------------------------------------------------------------------------------------
     @property
     def num_rows(self) -> int:
-        """Rows held now, over all groups."""
-        return sum(r.numel() for r in self._rows)
+        """Rows held now, over all groups and entries."""
+        return sum(e.num_rows for e in self._entries)
 
-    def group_rows(self, group: int) -> torch.Tensor:
-        """Sorted flat rows of ``group`` held now (a copy)."""
-        return self._rows[group].clone()
+    @property
+    def num_entries(self) -> int:
+        return len(self._entries)
 
-    def row_bytes(self) -> int:
-        """Bytes one cached row of each group takes, summed over the rows held now."""
+    def memory_bytes(self) -> int:
+        """Bytes held now: rows (int64), weights, optimizer state."""
         n = 0
-        for g, d in enumerate(self.dims):
-            per = d * torch.finfo(self.dtype).bits // 8 + 8 + 4 + (4 if self.with_momentum else 0)
-            n += self._rows[g].numel() * per
+        for e in self._entries:
+            for r, w, m in zip(e.rows, e.weights, e.momentum):
+                if r is not None:
+                    n += r.numel() * r.element_size() + w.numel() * w.element_size()
+                    n += m.numel() * m.element_size() if m is not None else 0
         return n
+
+    def latest(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(rows, weights, momentum)`` of every row of ``group`` held now, newest copy of each row
+        (for checkpoints taken while a pipeline runs)."""
+        dim = self.dims[group]
+        rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        w = torch.empty(0, dim, dtype=self.dtype, device=self.device)
+        m = torch.empty(0, dtype=torch.float32, device=self.device) if self.with_momentum else None
+        for e in self._entries:  # oldest first: later copies overwrite
+            r = e.rows[group]
+            if r is None or r.numel() == 0:
+                continue
+            keep = ~torch.isin(rows, r)
+            rows = torch.cat([rows[keep], r])
+            w = torch.cat([w[keep], e.weights[group].to(self.dtype)])
+            if m is not None:
+                m = torch.cat([m[keep], e.momentum[group]])
+        return rows, w, m
 
     # -- life cycle ---------------------------------------------------------------------------------
     def advance(self, applied: int) -> int:
         """The server has now pulled and applied ``applied`` gradient batches: decrement every counter by
-        the pulls since the last call and evict the rows that reach zero. Returns the rows evicted."""
+        the pulls since the last call and evict the entries that reach zero. Returns the rows evicted."""
         pulls = int(applied) - self.applied
         if pulls < 0:
             raise InputError(f"LifeCycleCache.advance: applied went back from {self.applied} to {applied}")
@@ -101,71 +145,54 @@ class LifeCycleCache:
             return 0
         self.applied = int(applied)
         evicted = 0
-        for g in range(len(self.dims)):
-            lc = self._lc[g]
-            if lc.numel() == 0:
-                continue
-            lc.sub_(pulls)
-            keep = lc > 0
-            kept = int(keep.sum())
-            if kept == lc.numel():
-                continue
-            evicted += lc.numel() - kept
-            self._rows[g] = self._rows[g][keep]
-            self._weights[g] = self._weights[g][keep]
-            self._lc[g] = lc[keep]
-            if self._momentum[g] is not None:
-                self._momentum[g] = self._momentum[g][keep]
+        keep = []
+        for e in self._entries:
+            e.life -= pulls
+            if e.life > 0:
+                keep.append(e)
+            else:
+                evicted += e.num_rows
+        self._entries = keep
         return evicted
 
     def patch(self, group: int, rows: torch.Tensor, weights: torch.Tensor,
               momentum: torch.Tensor | None = None) -> int:
         """Replace, in place, the prefetched ``weights`` (and ``momentum``) of every row of ``rows`` (sorted
-        unique flat rows) that the cache holds by the cached fresh copy. Returns the number replaced."""
-        cached = self._rows[group]
+        unique flat rows) that the cache holds by the newest cached copy. Returns the rows replaced."""
         self.lookups += rows.numel()
-        if cached.numel() == 0 or rows.numel() == 0:
+        if rows.numel() == 0:
             return 0
-        pos = torch.searchsorted(cached, rows)
-        pos_c = pos.clamp_(max=cached.numel() - 1)
-        hit = cached.index_select(0, pos_c) == rows
-        where = hit.nonzero().view(-1)
-        n = where.numel()
-        if n == 0:
-            return 0
-        src = pos_c.index_select(0, where)
-        weights.index_copy_(0, where, self._weights[group].index_select(0, src))
-        if momentum is not None and self._momentum[group] is not None:
-            momentum.index_copy_(0, where, self._momentum[group].index_select(0, src))
+        hit_any = None
+        for e in self._entries:  # oldest first: a newer entry's copy overwrites an older one's
+            cached = e.rows[group]
+            if cached is None or cached.numel() == 0:
+                continue
+            pos = torch.searchsorted(cached, rows).clamp_(max=cached.numel() - 1)
+            hit = cached.index_select(0, pos) == rows
+            where = hit.nonzero().view(-1)
+            if where.numel() == 0:
+                continue
+            src = pos.index_select(0, where)
+            weights.index_copy_(0, where, e.weights[group].index_select(0, src).to(weights.dtype))
+            if momentum is not None and e.momentum[group] is not None:
+                momentum.index_copy_(0, where, e.momentum[group].index_select(0, src))
+            hit_any = hit if hit_any is None else hit_any | hit
+        n = int(hit_any.sum()) if hit_any is not None else 0
         self.hits += n
         return n
 
-    def insert(self, group: int, rows: torch.Tensor, weights: torch.Tensor,
-               momentum: torch.Tensor | None, life: int) -> None:
-        """Put the updated rows of a finished batch (``rows`` sorted unique) with counter ``life``; a row
-        already held is replaced by the new copy and its counter reset."""
-        if life <= 0 or rows.numel() == 0:
+    def insert(self, batch: int, rows: list[torch.Tensor | None], weights: list[torch.Tensor | None],
+               momentum: list[torch.Tensor | None], life: int) -> None:
+        """Put the rows a finished batch updated (per group: sorted unique rows, updated weights and state;
+        held by reference, so the caller must not modify them afterwards) with counter ``life``."""
+        if life <= 0:
             return
-        cached = self._rows[group]
-        new_lc = torch.full((rows.numel(),), int(life), dtype=torch.int32, device=rows.device)
-        if cached.numel():
-            pos = torch.searchsorted(rows, cached).clamp_(max=rows.numel() - 1)
-            keep = rows.index_select(0, pos) != cached
-            all_rows = torch.cat([cached[keep], rows])
-            order = torch.argsort(all_rows)
-            self._rows[group] = all_rows.index_select(0, order)
-            self._weights[group] = torch.cat([self._weights[group][keep], weights.to(self.dtype)]).index_select(0, order)
-            self._lc[group] = torch.cat([self._lc[group][keep], new_lc]).index_select(0, order)
-            if self._momentum[group] is not None:
-                self._momentum[group] = torch.cat([self._momentum[group][keep], momentum]).index_select(0, order)
-        else:
-            self._rows[group] = rows.clone()
-            self._weights[group] = weights.to(self.dtype).clone()
-            self._lc[group] = new_lc
-            if self._momentum[group] is not None:
-                self._momentum[group] = momentum.clone()
+        if len(rows) != len(self.dims):
+            raise InputError(f"LifeCycleCache.insert: {len(rows)} groups, the cache has {len(self.dims)}")
+        mom = [m if self.with_momentum else None for m in momentum]
+        self._entries.append(_Entry(int(batch), int(life), list(rows), list(weights), mom))
         self.peak_rows = max(self.peak_rows, self.num_rows)
 
     def stats(self) -> dict:
-        return {"rows": self.num_rows, "peak_rows": self.peak_rows, "hits": self.hits, "lookups": self.lookups,
-                "applied": self.applied}
+        return {"rows": self.num_rows, "entries": self.num_entries, "peak_rows": self.peak_rows,
+                "hits": self.hits, "lookups": self.lookups, "applied": self.applied}

@@ -342,12 +342,12 @@ class PipelinedEmbedding(nn.Module):
         if group is not None:
             rows, updates, w_pre, m_pre = _exchange(rows, updates, w_pre, m_pre, group)
         if self._track_updates:
-            for hr, r, u, w, m in zip(pre.host, rows, updates, w_pre, m_pre):
+            for r, u, w, m in zip(rows, updates, w_pre, m_pre):
                 local = torch.arange(r.numel(), device=r.device)
                 apply_row_updates_(server.optimizer, w, m, local, u, lr, server.eps)
-                # LC: gradient pulls the server still has to make before it has applied this batch
-                life = pre.index + 1 - self.cache.applied
-                self.cache.insert(hr.group, r, w, m, life)
+            # LC: gradient pulls the server still has to make before it has applied this batch; the
+            # updated local buffers become the cache entry (by reference: they are not used again)
+            self.cache.insert(pre.index, rows, w_pre, m_pre, life=pre.index + 1 - self.cache.applied)
         grads = GradientBatch(pre.index, lr, rows, updates)
         if self._sink is not None:
             self._sink(grads)
@@ -367,10 +367,11 @@ class PipelinedEmbedding(nn.Module):
             moms = [m.clone() if m is not None else None for m in moms]
             if self.pipelined:
                 for g in range(len(ps.layouts)):
-                    rows = self.cache._rows[g].to(ps.device)
-                    weights[g].index_copy_(0, rows, self.cache._weights[g].to(ps.device))
+                    rows, w, m = self.cache.latest(g)
+                    rows = rows.to(ps.device)
+                    weights[g].index_copy_(0, rows, w.to(ps.device))
                     if moms[g] is not None:
-                        moms[g].index_copy_(0, rows, self.cache._momentum[g].to(ps.device))
+                        moms[g].index_copy_(0, rows, m.to(ps.device))
         out = {}
         for spec in ps.tables:
             g = ps.store.group_of(spec.name).index
@@ -387,8 +388,12 @@ class PipelinedEmbedding(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        n_unexpected = len(unexpected_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        # the base class does not know the host tables: they are not parameters or buffers here
+        unexpected_keys[n_unexpected:] = [k for k in unexpected_keys[n_unexpected:]
+                                          if not (self.server is not None and k.startswith(prefix + "host."))]
         if self.server is None:
             return
         if self.pipelined:

@@ -116,6 +116,10 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
                    "profile": getattr(profile, "spec", lambda: type(profile).__name__)()},
         "strategies": {},
     }
+    from embedscale.plan.oper import rank_capacity
+
+    budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in tables)), extra_memory)[0])
+    out["config"]["memory_budget_bytes"] = budget
     plans = {}
     for name in strategies:
         if name not in STRATEGIES:
@@ -126,7 +130,11 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
         except EmbedscaleError as e:
             out["strategies"][name] = {"error": str(e)}
             continue
-        cost = evaluate(plan, profile, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts)
+        # every strategy is held to the same memory budget (a strategy's own packing slack, if it declares
+        # one, counts: oper at 0% extra may overshoot by one partition)
+        cap = max(budget, float(plan.meta.get("capacity_bytes") or 0.0))
+        cost = evaluate(plan, profile, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts,
+                        capacity_bytes=cap)
         out["strategies"][name] = strategy_entry(plan, cost)
         plans[name] = plan
     if keep_plans:
@@ -153,6 +161,21 @@ def plan_command(tables, profile, topology, strategies=("oper",), out_dir="plans
     if json_output:
         sys.stdout.write(json.dumps(report) + "\n")
     return report
+
+
+def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:
+    """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
+    verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
+    from embedscale.plan.drift import drift
+
+    plan = Plan.load(plan_dir)
+    tables = plan.tables
+    rep = drift(plan, resolve_profile(new_profile, tables), resolve_topology(topology), **opts)
+    if out_path is not None:
+        atomic_write_json(out_path, rep)
+    if json_output:
+        sys.stdout.write(json.dumps(rep) + "\n")
+    return rep
 
 
 def topology_command(out_path, *, num_hosts: int = 1, ranks_per_host: int = 2, measure: bool = False,

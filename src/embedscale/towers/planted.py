@@ -7,7 +7,9 @@ by construction, so the partitioner's output can be scored (adjusted Rand index 
 groups) and the AUC of towers from the partitioner compared with naive towers (DMT Table 6).
 
 Model. ``F`` one-hot sparse features in ``G`` groups (group of each feature drawn at random, sizes as
-equal as possible), ``num_rows`` rows per table, ids uniform. Every row of feature ``f`` has a latent
+equal as possible), ``num_rows`` rows per table. Every sample has one *entity* per group (uniform over
+``num_rows``); with probability ``correlation`` a feature's id is its group entity's row (a fixed
+permutation per feature), otherwise uniform: the features of a group describe the same thing. Every row of feature ``f`` has a latent
 vector ``z_f[row]`` in the ``k``-dimensional subspace of its group (``R^(G k)``, groups' subspaces
 orthogonal) and a bias. The teacher's logit is::
 
@@ -38,6 +40,8 @@ class PlantedGroups:
         latent_dim: k, the teacher's latent width per group.
         num_dense: dense features.
         pair_scale, row_scale, dense_scale: standard deviations of the three logit parts.
+        correlation: probability that a feature's id is its group's entity's row (else uniform): the
+            features of a group describe one entity per sample, as a user's or an item's features do.
         seed: the data seed (groups, teacher, samples).
 
     Example::
@@ -48,9 +52,9 @@ class PlantedGroups:
         (['C1', 'C2', 'C3'], torch.Size([16, 4]), [0, 1])
     """
 
-    def __init__(self, num_features: int = 16, num_groups: int = 4, num_rows: int = 1000, latent_dim: int = 4,
-                 num_dense: int = 4, pair_scale: float = 1.5, row_scale: float = 0.6, dense_scale: float = 0.4,
-                 seed: int = 0):
+    def __init__(self, num_features: int = 16, num_groups: int = 4, num_rows: int = 50, latent_dim: int = 2,
+                 num_dense: int = 4, pair_scale: float = 1.5, row_scale: float = 0.3, dense_scale: float = 0.4,
+                 correlation: float = 0.9, seed: int = 0):
         if num_groups <= 0 or num_features < num_groups:
             raise ConfigError(f"planted groups: {num_groups} groups for {num_features} features")
         if num_rows <= 0 or latent_dim <= 0 or num_dense < 0:
@@ -66,6 +70,10 @@ class PlantedGroups:
             g = self.group_labels[f]
             self.latents[f, :, g * k:(g + 1) * k] = rng.standard_normal((num_rows, k)) / np.sqrt(k)
         self.biases = rng.standard_normal((num_features, num_rows))
+        if not 0.0 <= correlation <= 1.0:
+            raise ConfigError(f"planted groups: correlation must be in [0, 1], got {correlation}")
+        self.correlation = float(correlation)
+        self.entity_rows = np.stack([rng.permutation(num_rows) for _ in range(num_features)])
         self.dense_w = rng.standard_normal(num_dense) / max(np.sqrt(num_dense), 1.0)
         # scale the parts on a calibration draw
         ids, dense = self._draw(rng, 4096)
@@ -83,7 +91,11 @@ class PlantedGroups:
         return [[f for f, g in zip(self.feature_names, self.group_labels) if g == q] for q in range(self.num_groups)]
 
     def _draw(self, rng: np.random.Generator, n: int):
-        ids = rng.integers(0, self.num_rows, (n, self.num_features))
+        R, F = self.num_rows, self.num_features
+        entity = rng.integers(0, R, (n, self.num_groups))  # one entity per sample and group
+        ids = self.entity_rows[np.arange(F)[None, :], entity[:, self.group_labels]]
+        noise = rng.random((n, F)) >= self.correlation
+        ids[noise] = rng.integers(0, R, int(noise.sum()))
         dense = rng.standard_normal((n, self.num_dense))
         return ids, dense
 

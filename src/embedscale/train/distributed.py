@@ -124,7 +124,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 class DistributedRun:
     """Everything one rank holds for a distributed run (built by ``setup``)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True):
+    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
+                 inference: bool = False):
         from embedscale import workflow
         from embedscale.comm.collective import CollectiveTransport
         from embedscale.data.loader import ShardLoader
@@ -149,11 +150,24 @@ class DistributedRun:
         self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
         self.transport = self._transport(d.transport, rank, world)
         torch.manual_seed(t.seed)
+        self.inference = inference
         self.embedding = ShardedEmbedding(self.tables, amap, self.transport, rank, design=d.design,
-                                          optimizer=t.sparse_optimizer, lr=t.lr_sparse, grad_sync=d.grad_sync,
+                                          optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
+                                          grad_sync=d.grad_sync,
                                           sync_group=self.emb_group, seed=t.seed, device=self.device)
         self.model = build_model(cfg.model, self.tables, self.data.manifest.num_dense, embedding=self.embedding,
                                  device=self.device)
+        self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
+        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
+        self.losses: list[float] = []
+        self.bytes_per_step: list[int] = []
+        self.sync_bytes_per_step: list[int] = []
+        ev = self.data.eval
+        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
+                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
+                                       device=self.device) if ev else None
+        if inference:
+            return
         ignore = [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_parameters()]
         ignore += [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_buffers()]
         DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
@@ -161,18 +175,9 @@ class DistributedRun:
             warnings.simplefilter("ignore", FutureWarning)
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
-        self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
         self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
-        ev = self.data.eval
-        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
-                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
-                                       device=self.device) if ev else None
-        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
-        self.losses: list[float] = []
-        self.bytes_per_step: list[int] = []
-        self.sync_bytes_per_step: list[int] = []
 
     def _transport(self, name: str, rank: int, world: int):
         from embedscale.comm.collective import CollectiveTransport
@@ -236,8 +241,33 @@ class DistributedRun:
         dist.barrier()
         return d
 
+    def restore_single(self, path: Path) -> None:
+        """Load a single-process checkpoint (``Trainer``) onto this plan: every rank keeps its rows."""
+        from embedscale.train.checkpoint import load_checkpoint
+
+        ck = load_checkpoint(path)
+        prefix = "sparse_arch.embedding."
+        gids, weights, moms = [], [], []
+        base = self.embedding.amap.table_base
+        for t, spec in enumerate(self.tables):
+            w = ck["model"].get(f"{prefix}{spec.name}.weight")
+            if w is None:
+                raise FormatError(f"{path}: no weights for table {spec.name!r}")
+            gids.append(np.arange(base[t], base[t] + spec.num_rows))
+            weights.append(w)
+            m = ck["model"].get(f"{prefix}{spec.name}.momentum")
+            if m is not None:
+                moms.append(m)
+        mom = torch.cat(moms) if len(moms) == len(self.tables) else None
+        self.embedding.load_rows(np.concatenate(gids), torch.cat(weights), mom)
+        dense = {k: v for k, v in ck["model"].items() if not k.startswith(prefix)}
+        self.model.load_state_dict(dense, strict=False)
+        self.step = ck["step"]
+
     def restore(self, ckpt_dir: Path) -> None:
         """Load a sharded checkpoint written by any world size or plan (re-sharding by global row id)."""
+        if ckpt_dir.is_file():
+            return self.restore_single(ckpt_dir)
         m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
         if m.get("format") != "embedscale.sharded_checkpoint":
             raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
@@ -262,10 +292,67 @@ class DistributedRun:
         filled = self.embedding.load_rows(g, torch.cat(weights), mom)
         assert filled == self.embedding.weight.shape[0]
         self.model.load_state_dict(dense["dense"], strict=False)
-        self.opt.load_state_dict(dense["optimizer"])
+        if not self.inference:
+            self.opt.load_state_dict(dense["optimizer"])
         self.losses = [float(x) for x in dense["losses"]]
         self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
         self.samples = m["samples"]
+
+
+def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
+                      warmup: int = 2) -> dict | None:
+    """Sharded inference: the checkpoint's model under an inference plan (``dist.mode = inference``: hot rows
+    replicated by OPER Algorithm 1), scoring the eval split; rank 0 writes ``predictions.npy`` and
+    ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
+    from embedscale.train.launch import init_from_env
+    from embedscale.train.metrics import logloss_from_logits, roc_auc
+
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg.dist.nproc = world
+    cfg.dist.mode = "inference"
+    rd = shared_run_dir(cfg, run_dir)
+    if rank == 0:
+        if not (rd / READY).exists():
+            prepare_on_rank0(cfg, rd, progress)
+    else:
+        _wait_for_rank0(rd, timeout_s=max(cfg.dist.timeout_s, 3600.0))
+    backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
+    init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
+    run.restore(Path(checkpoint))
+    if run.eval_loader is None:
+        raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
+    run.model.eval()
+    zs, ys, secs, n = [], [], 0.0, 0
+    warmup = min(warmup, len(run.eval_loader) - 1)  # the first batches warm caches; time the rest
+    with torch.no_grad():
+        for i, batch in enumerate(run.eval_loader):
+            dist.barrier(group=run.monitor_group)
+            t0 = time.perf_counter()
+            z = run.model(batch.dense, batch.sparse)
+            if i >= warmup:
+                secs += time.perf_counter() - t0
+                n += batch.global_size
+            zs.append(z.float().cpu())
+            ys.append(batch.labels.float().cpu())
+    from embedscale.embedding.grad_sync import _all_gather_var
+
+    local = torch.stack([torch.cat(zs), torch.cat(ys)], 1)
+    both = torch.cat(_all_gather_var(local))
+    t = torch.tensor([secs])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    z, y = both[:, 0].numpy(), both[:, 1].numpy()
+    out = {"world_size": world, "checkpoint": str(checkpoint), "samples": int(y.size),
+           "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
+           "samples_per_s": n / float(t) if float(t) > 0 else math.nan, "plan": run.plan.meta.get("strategy"),
+           "design": cfg.dist.design}
+    with atomic_open(rd / "predictions.npy", "wb") as f:
+        np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
+    atomic_write_json(rd / "inference.json", out)
+    return out
 
 
 def latest_sharded_checkpoint(run_dir: Path) -> Path | None:

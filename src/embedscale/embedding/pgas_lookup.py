@@ -1,0 +1,622 @@
+"""``PgasShardedEmbedding``: the sharded embedding with its communication fused into the lookup.
+
+Same plans, same address map, same results as ``ShardedEmbedding`` (bitwise: every pooled vector and
+every row update is computed by the same operations on the same values in the same order), but the
+embedding storage, the pooled outputs and the fetched rows live in a symmetric heap
+(``comm.pgas.SymmetricHeap``) that every rank of the host maps, and the heavy data moves by one-sided
+writes and reads fused with the lookup:
+
+``send`` (PGAS paper, section III-C, Listing 2): each rank receives the ids of the values it owns for
+    the whole global batch (one small exchange through the heap), pools them chunk by chunk and writes
+    each pooled vector straight to its final position ``[sample, feature]`` in the requesting rank's
+    output tensor, which lives in the requester's heap segment (``GetEmbOwnerId`` -> remote store). No
+    all_to_all, no staging buffer, no unpack: the output a rank returns *is* the buffer its peers
+    wrote into. A bag whose rows live on several ranks (row-wise plans) has several partial sums; those
+    go through the transport and the requester adds them in rank order, exactly as the collective
+    design does, so results stay bitwise identical. The completion signal of a peer is the (often
+    empty) message that follows its last write: a per-peer signal, not a barrier.
+``retrieve`` (OPER section 5.2, local-remote lookup overlapping): the rows a rank's mini-batch needs
+    from other ranks of its host are read by one-sided gets from the owners' segments (the owners do
+    nothing) into a fetch area placed right after the rank's own storage, so one ``embedding_bag``
+    pools local and fetched rows together. The batch is pooled in chunks of bags; the gets of chunk
+    k+1 run on a helper thread while chunk k is pooled (OPER Fig. 4(b)). Before reading a peer's rows a
+    rank waits for the peer's *version* word (bumped after each update), so it never reads rows in the
+    middle of an update.
+Backward (both): the gradients of remote rows / partial bags are pushed into per-source slots in the
+    owner's segment (the transport's rings: one writer per slot, no races), the owner sums them per
+    row in the collective design's order and applies the fused optimizer (``embedding.optim``);
+    replicated rows go through ``grad_sync`` (OPER 5.3) as in ``ShardedEmbedding``.
+
+Ranks on other hosts (``PgasTransport.ranks_per_host``) are served through the transport's
+collective fallback inside the same steps: their pooled partials / rows travel by ``exchange``.
+
+Lifetime rule: the output of a ``send`` forward is a view of this rank's heap; it stays valid until the
+forward after next (outputs are double-buffered) — clone it to keep it longer. Autograd notices misuse
+(a later forward writes the buffer in place). The module must stay where it was built (no ``.to()``).
+Accelerators: the heap uses CUDA symmetric memory there; designed for, untested here.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from embedscale.comm.pgas import PgasTransport
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.address_map import AddressMap
+from embedscale.embedding.optim import aggregate_row_gradients
+from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding
+from embedscale.errors import ConfigError, InputError
+from embedscale.specs import TableSpec
+
+_MASK = (1 << _SHIFT) - 1
+_VERSION_LINE = 0
+
+
+def _bits_as(t: torch.Tensor, dtype: torch.dtype, cols: int) -> torch.Tensor:
+    """Reinterpret the bytes of 1-D ``t`` as ``[len(t), cols]`` of ``dtype`` (lossless, no arithmetic)."""
+    return t.contiguous().view(dtype).view(t.shape[0], cols)
+
+
+def _scale_bits(s: torch.Tensor) -> torch.Tensor:
+    """float32 scales packed two per int64 word (bit copies)."""
+    out = torch.zeros(s.numel() + s.numel() % 2, dtype=torch.float32)
+    out[: s.numel()] = s
+    return out.view(torch.int64)
+
+
+class PgasShardedEmbedding(ShardedEmbedding):
+    """``ShardedEmbedding`` whose lookups write and read a symmetric heap directly (see module docstring).
+
+    Args:
+        tables, amap, rank, design, optimizer, lr, eps, grad_sync, sync_group, seed, device, dtype,
+            validate: as ``ShardedEmbedding``.
+        transport: a ``PgasTransport`` (its ranks, hosts and job id; its rings carry ids and gradients).
+        max_batch_size: the largest mini-batch (samples) a rank's forward gets: sizes the output buffers
+            (``send``) and, with ``max_ids_per_bag``, the fetch area (``retrieve``).
+        max_ids_per_bag: expected ids per bag, for the fetch area (a batch needing more unique remote
+            rows falls back to a private buffer for that batch: same results, one more copy).
+        chunk_bags: bags pooled per chunk (the unit of overlap and of one burst of remote writes).
+        fetch_rows: override the fetch area (rows).
+        overlap: run the ``retrieve`` gets of chunk k+1 on a helper thread while chunk k is pooled.
+
+    Example (on every rank of a job; ``amap`` from a plan)::
+
+        tr = PgasTransport(ranks_per_host=4)
+        emb = PgasShardedEmbedding(tables, amap, tr, rank, design="send", max_batch_size=4096)
+        out = emb(features)       # [B, F * D], written by the owners straight into this rank's heap
+    """
+
+    def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: PgasTransport, rank: int, *,
+                 max_batch_size: int, max_ids_per_bag: float = 1.0, chunk_bags: int = 4096,
+                 fetch_rows: int | None = None, overlap: bool = True, **kwargs):
+        if not isinstance(transport, PgasTransport):
+            raise ConfigError(f"PgasShardedEmbedding needs a PgasTransport, got {type(transport).__name__}; "
+                              "use ShardedEmbedding for other transports")
+        super().__init__(tables, amap, transport, rank, **kwargs)
+        if max_batch_size <= 0:
+            raise ConfigError(f"PgasShardedEmbedding: max_batch_size must be positive, got {max_batch_size}")
+        self.max_batch_size = int(max_batch_size)
+        self.chunk_bags = max(1, int(chunk_bags))
+        self.overlap = overlap
+        W, me, D = self.world_size, rank, self.dim
+        F_ = len(self.feature_names)
+        storage = (amap.num_owned() + amap.num_replicas_held()).astype(np.int64)
+        self._storage_rows = storage
+        self._cap = int(storage.max())
+        itemsize = self.weight.element_size()
+        if fetch_rows is None:
+            elsewhere = int(amap.num_rows)  # a bound: any row of another rank
+            fetch_rows = min(elsewhere, int(math.ceil(self.max_batch_size * F_ * max(max_ids_per_bag, 1.0))))
+        self.fetch_rows = int(fetch_rows) if self.design == "retrieve" else 0
+        w_bytes = (self._cap + self.fetch_rows) * D * itemsize
+        self._out_off = -(-w_bytes // 64) * 64
+        out_rows = self.max_batch_size * F_ if self.design == "send" else 0
+        total = self._out_off + 2 * out_rows * D * itemsize
+        dev = self.weight.device
+        self.heap = transport.new_heap(total, num_lines=1, device=dev)
+        heap = self.heap
+        n_me = int(storage[me])
+        self._table = heap.view(me, 0, (self._cap + self.fetch_rows, D), self.weight.dtype)
+        self._table[:n_me].copy_(self.weight)
+        self.weight = self._table[:n_me]  # the storage now lives in the heap (peers read it in place)
+        self._weight_ptr = self.weight.data_ptr()
+        self._local = [p for p in heap.local_ranks]
+        self._same_host = torch.tensor([heap.is_local(p) for p in range(W)])
+        self._peer_weight = {p: heap.view(p, 0, (int(storage[p]), D), self.weight.dtype)
+                             for p in self._local if p != me}
+        self._out = {}
+        if out_rows:
+            for p in self._local:
+                self._out[p] = [heap.view(p, self._out_off + k * out_rows * D * itemsize, (out_rows, D),
+                                          self.weight.dtype) for k in range(2)]
+        self._ctrl = {p: heap.ctrl(p) for p in self._local}
+        self._version = 0
+        self._epoch = 0
+        self._pool: ThreadPoolExecutor | None = None
+        self._warned_fetch = False
+
+    # -- signals ----------------------------------------------------------------------------------
+    def _publish_version(self) -> None:
+        """This rank's rows are updated: peers may read them for the next step."""
+        self._version += 1
+        self.heap.fence()
+        self._ctrl[self.rank][_VERSION_LINE, 0] = self._version
+
+    def _await_versions(self, peers: list[int]) -> None:
+        v = self._version
+        ctrl = self._ctrl
+        if peers:
+            self.heap.wait_until(lambda: all(int(ctrl[p][_VERSION_LINE, 0]) >= v for p in peers), peers,
+                                 f"the rows of step {v}")
+
+    def load_rows(self, gids: np.ndarray, weight: torch.Tensor, momentum: torch.Tensor | None = None) -> int:
+        n = super().load_rows(gids, weight, momentum)
+        self._publish_version()  # every rank restores once: versions stay in step
+        return n
+
+    def close(self) -> None:
+        """Release the heap mappings (the segments' names are long gone)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.heap.close()
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        if self.weight.data_ptr() != self._weight_ptr:
+            raise ConfigError(f"rank {self.rank}: the embedding storage was moved out of the symmetric heap "
+                              f"(segment {self.heap.names[self.rank]}); build the module on its device instead")
+        gids, bag, scale, nbags, B = self._prepare(features)
+        self._check_batch(B)
+        fn = _PgasRetrieve if self.design == "retrieve" else _PgasSend
+        return fn.apply(self.anchor, self, gids, bag, scale, nbags, B)
+
+    def _check_batch(self, B: int) -> None:
+        if self.design == "send" and B > self.max_batch_size:
+            raise InputError(f"rank {self.rank}: mini-batch of {B} samples exceeds the heap's output buffer "
+                             f"({self.max_batch_size} samples, segment {self.heap.names[self.rank]}); "
+                             f"build PgasShardedEmbedding with max_batch_size >= {B}")
+
+    @torch.no_grad()
+    def input_dist(self, features: JaggedFeatures) -> dict:
+        """``send`` design, first phase (no autograd; inference and benchmarks): the ids to the owners.
+
+        ``compute_and_output_dist(handle)`` then pools and writes; ``forward`` is the two in one.
+        """
+        if self.design != "send":
+            raise ConfigError("input_dist / compute_and_output_dist are the phases of the send design")
+        gids, bag, scale, nbags, B = self._prepare(features)
+        self._check_batch(B)
+        return _PgasSend.input_dist(self, gids, bag, scale, nbags, B)
+
+    @torch.no_grad()
+    def compute_and_output_dist(self, handle: dict) -> torch.Tensor:
+        """``send`` design, second phase: pool the owned features of the global batch, write each pooled
+        vector into its requester's output (PGAS paper Listing 2); returns this rank's ``[B, F * D]``."""
+        return _PgasSend.compute_and_output_dist(self, handle)
+
+    def _chunks(self, B: int, F_: int) -> list[tuple[int, int, int, int]]:
+        """Bag ranges ``(f0, f1, b0, b1)`` of about ``chunk_bags`` bags (KJT order: feature-major)."""
+        cb = self.chunk_bags
+        if B == 0:
+            return []
+        if B >= cb:
+            return [(f, f + 1, b0, min(b0 + cb, B)) for f in range(F_) for b0 in range(0, B, cb)]
+        step = max(1, cb // B)
+        return [(f, min(f + step, F_), 0, B) for f in range(0, F_, step)]
+
+    # -- bookkeeping shared with backward -----------------------------------------------------
+    def _count_direct(self, peer: int, nbytes: int, kind: str, sent: bool) -> None:
+        c = self.transport.counter
+        if sent:
+            c.sent[peer] += nbytes
+            c.by_kind[kind] = c.by_kind.get(kind, 0) + nbytes
+        else:
+            c.recv[peer] += nbytes
+
+
+class _PgasRetrieve(torch.autograd.Function):
+    """Retrieve design with one-sided gets overlapped with pooling (OPER 5.2)."""
+
+    @staticmethod
+    def forward(ctx, anchor, mod: PgasShardedEmbedding, gids, bag, scale, nbags, B):
+        W, me, tr = mod.world_size, mod.rank, mod.transport
+        D = mod.dim
+        F_ = nbags // B if B else len(mod.feature_names)
+        dev = mod.weight.device
+        src, off, slot = mod.tmap.decode(gids)
+        local = src == me
+        nl = ~local
+        key = (src[nl] << _SHIFT) | off[nl]
+        runiq, rinv = torch.unique(key, sorted=True, return_inverse=True)
+        u_src, u_off = runiq >> _SHIFT, runiq & _MASK
+        counts = torch.bincount(u_src, minlength=W)
+        starts = torch.zeros(W + 1, dtype=torch.int64)
+        starts[1:] = torch.cumsum(counts, 0)
+        counts_l, starts_l = counts.tolist(), starts.tolist()
+        R = runiq.numel()
+        local_src = [p for p in mod._local if p != me and counts_l[p]]
+        remote_src = [p for p in range(W) if not mod.heap.is_local(p)]
+        fetched_remote = None
+        if remote_src:  # other hosts: request / reply through the collective fallback
+            req = [u_off[starts_l[p]:starts_l[p + 1]] if p in remote_src else u_off[:0] for p in range(W)]
+            requests = tr.exchange(req, kind="ids")
+            replies = [mod.weight[r.to(dev)] if (p != me and p in remote_src) else mod.weight[:0]
+                       for p, r in enumerate(requests)]
+            rc = [counts_l[p] if p in remote_src else 0 for p in range(W)]
+            fetched_remote = tr.exchange(replies, recv_counts=rc, kind="rows")
+        mod._await_versions(local_src)
+        voff = torch.zeros(nbags + 1, dtype=torch.int64)
+        voff[1:] = torch.cumsum(torch.bincount(bag, minlength=nbags), 0)
+        out = torch.empty((B, F_ * D), dtype=mod.weight.dtype, device=dev)
+        out3 = out.view(B, F_, D)
+        scale_d = scale.to(device=dev, dtype=mod.weight.dtype)
+        if R > mod.fetch_rows:
+            _PgasRetrieve._pool_private(mod, out3, off, local, rinv, counts_l, starts_l, u_off, fetched_remote,
+                                        remote_src, bag, voff, scale_d, nbags, B, F_)
+        else:
+            _PgasRetrieve._pool_fused(mod, out3, off, local, rinv, counts_l, starts_l, u_src, u_off,
+                                      fetched_remote, remote_src, bag, voff, scale_d, B, F_)
+        ctx.mod = mod
+        ctx.saved = (off, slot, local, bag, scale, runiq, rinv, counts_l, B, F_)
+        return out
+
+    @staticmethod
+    def _get(mod, p, rows, dst) -> None:
+        """One-sided get: rows ``rows`` of rank ``p``'s storage into ``dst`` (this rank's fetch area)."""
+        torch.index_select(mod._peer_weight[p], 0, rows, out=dst)
+        nbytes = dst.numel() * dst.element_size()
+        mod._count_direct(p, nbytes, "rows", sent=False)
+        c = mod.transport.counter
+        c.by_kind["rows"] = c.by_kind.get("rows", 0) + nbytes
+        mod.transport.record(nbytes, p, "rows")
+
+    @staticmethod
+    def _pool_fused(mod, out3, off, local, rinv, counts_l, starts_l, u_src, u_off, fetched_remote, remote_src,
+                    bag, voff, scale_d, B, F_):
+        W, me = mod.world_size, mod.rank
+        dev = out3.device
+        R = u_off.numel()
+        chunks = mod._chunks(B, F_)
+        K = len(chunks)
+        cap = mod._cap
+        table = mod._table
+        fetch = table[cap:cap + R]
+        # the chunk of every value, and the first chunk that needs each unique remote row
+        if B >= mod.chunk_bags:
+            per_f = -(-B // mod.chunk_bags)
+            f_of, b_of = bag // B, bag % B
+            chunk_of_value = f_of * per_f + b_of // mod.chunk_bags
+        else:
+            step = max(1, mod.chunk_bags // B)
+            chunk_of_value = (bag // B) // step
+        nl = ~local
+        fetch_pos = torch.empty(R, dtype=torch.int64)
+        gets: list[list[tuple[int, int, int]]] = [[] for _ in range(K)]
+        rows_in_order = u_off
+        if R:
+            first = torch.full((R,), K, dtype=torch.int64)
+            first.scatter_reduce_(0, rinv, chunk_of_value[nl], reduce="amin")
+            order = torch.argsort(first * W + u_src, stable=True)
+            fetch_pos[order] = torch.arange(R)
+            cnt = torch.bincount(first * W + u_src, minlength=K * W).view(K, W).tolist()
+            a = 0
+            for k in range(K):
+                for p in range(W):
+                    n = cnt[k][p]
+                    if n and p != me and mod.heap.is_local(p):
+                        gets[k].append((p, a, a + n))
+                    a += n
+            if remote_src:  # rows from other hosts arrived by the collective: place them in the fetch area
+                for p in remote_src:
+                    if counts_l[p]:
+                        sel = fetch_pos[starts_l[p]:starts_l[p + 1]]
+                        fetch.index_copy_(0, sel.to(dev), fetched_remote[p])
+            rows_in_order = u_off[order]
+        idx = torch.empty(off.numel(), dtype=torch.int64)
+        idx[local] = off[local]
+        idx[nl] = cap + fetch_pos[rinv]
+        idx = idx.to(dev)
+
+        def do_gets(k: int) -> None:
+            for p, a, b in gets[k]:
+                _PgasRetrieve._get(mod, p, rows_in_order[a:b].to(dev), fetch[a:b])
+
+        use_thread = mod.overlap and any(gets)
+        if use_thread and mod._pool is None:
+            mod._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pgas-get-r{me}")
+        fut = mod._pool.submit(do_gets, 0) if use_thread and K else None
+        if not use_thread and K:
+            do_gets(0)
+        for k, (f0, f1, b0, b1) in enumerate(chunks):
+            if fut is not None:
+                fut.result()
+                fut = None
+            if k + 1 < K:  # issue the gets of chunk k+1, then pool chunk k
+                if use_thread:
+                    fut = mod._pool.submit(do_gets, k + 1)
+                else:
+                    do_gets(k + 1)
+            g0, g1 = f0 * B + b0, (f1 - 1) * B + b1
+            va, vb = int(voff[g0]), int(voff[g1])
+            offs = (voff[g0:g1 + 1] - va).to(dev)
+            pooled = F.embedding_bag(idx[va:vb], table, offs, mode="sum", per_sample_weights=scale_d[va:vb],
+                                     include_last_offset=True)
+            if f1 - f0 == 1:
+                out3[b0:b1, f0].copy_(pooled)
+            else:
+                out3[:, f0:f1].copy_(pooled.view(f1 - f0, B, -1).transpose(0, 1))
+
+    @staticmethod
+    def _pool_private(mod, out3, off, local, rinv, counts_l, starts_l, u_off, fetched_remote, remote_src, bag,
+                      voff, scale_d, nbags, B, F_):
+        """Fallback when the unique remote rows exceed the fetch area: the collective design's layout."""
+        if not mod._warned_fetch:
+            mod._warned_fetch = True
+            warnings.warn(f"rank {mod.rank}: {u_off.numel()} unique remote rows exceed the PGAS fetch area "
+                          f"({mod.fetch_rows} rows); pooling from a private copy for such batches (raise "
+                          f"max_ids_per_bag or fetch_rows)", RuntimeWarning, stacklevel=3)
+        mod.stats["fetch_overflows"] = mod.stats.get("fetch_overflows", 0) + 1
+        dev = out3.device
+        fetched = torch.empty((u_off.numel(), mod.dim), dtype=mod.weight.dtype, device=dev)
+        for p in range(mod.world_size):
+            a, b = starts_l[p], starts_l[p + 1]
+            if a == b or p == mod.rank:
+                continue
+            if p in remote_src:
+                fetched[a:b] = fetched_remote[p]
+            else:
+                _PgasRetrieve._get(mod, p, u_off[a:b].to(dev), fetched[a:b])
+        luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
+        combined = torch.cat([mod.weight[luniq.to(dev)], fetched])
+        idx = torch.empty(off.numel(), dtype=torch.int64)
+        idx[local] = linv
+        idx[~local] = luniq.numel() + rinv
+        pooled = F.embedding_bag(idx.to(dev), combined, voff.to(dev), mode="sum", per_sample_weights=scale_d,
+                                 include_last_offset=True)
+        out3.copy_(pooled.view(F_, B, -1).transpose(0, 1))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        mod: PgasShardedEmbedding = ctx.mod
+        off, slot, local, bag, scale, runiq, rinv, counts_l, B, F_ = ctx.saved
+        W, me, D = mod.world_size, mod.rank, mod.dim
+        dev = grad_out.device
+        grad = grad_out.contiguous().view(B * F_, D)
+        nl = ~local
+        # the collective design's combined layout [local unique | remote unique], rebuilt to sum the
+        # gradients in exactly its order
+        luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
+        luniq_slot = torch.full_like(luniq, -1)
+        luniq_slot[linv] = slot[local]
+        runiq_slot = torch.full_like(runiq, -1)
+        runiq_slot[rinv] = slot[nl]
+        L = luniq.numel()
+        idx = torch.empty(off.numel(), dtype=torch.int64)
+        idx[local] = linv
+        idx[nl] = L + rinv
+        bpos = (bag % B) * F_ + bag // B if B else bag
+        pos, g = aggregate_row_gradients(idx.to(dev), grad, src_index=bpos.to(dev), scale=scale.to(dev))
+        g_comb = torch.zeros((L + runiq.numel(), D), dtype=grad.dtype, device=dev)
+        g_comb[pos] = g
+        gL, gR = g_comb[:L], g_comb[L:]
+        rep_R = (runiq_slot >= 0).to(dev)
+        send = gR.masked_fill(rep_R.unsqueeze(1), 0.0) if bool(rep_R.any()) else gR
+        # push (row offset, gradient) into the owner's slot for this rank (the owner never saw a request)
+        k = 8 // send.element_size()
+        u_off = (runiq & _MASK).to(dev)
+        packed = torch.cat([send, _bits_as(u_off, send.dtype, k)], 1)
+        recv = mod.transport.exchange(list(torch.split(packed, counts_l)), kind="grads")
+        rep_L = (luniq_slot >= 0).to(dev)
+        rows = [luniq.to(dev)[~rep_L]]
+        grads = [gL[~rep_L]]
+        for p, pk in enumerate(recv):
+            if p == me or pk.numel() == 0:
+                continue
+            r = pk[:, D:].contiguous().view(torch.int64).view(-1)
+            owned = r < mod.num_owned  # replica rows a peer read here are synced, not applied here
+            rows.append(r[owned])
+            grads.append(pk[:, :D][owned])
+        mod._apply_owned(torch.cat(rows), torch.cat(grads))
+        if mod.num_slots:
+            slots = torch.cat([luniq_slot.to(dev)[rep_L], runiq_slot.to(dev)[rep_R]])
+            mod._sync_and_apply_replicas(slots, torch.cat([gL[rep_L], gR[rep_R]]))
+        mod._publish_version()
+        return torch.zeros_like(mod.anchor), None, None, None, None, None, None
+
+
+class _PgasSend(torch.autograd.Function):
+    """Send design with pooled vectors written at their final place in the requester's heap (Listing 2)."""
+
+    @staticmethod
+    def forward(ctx, anchor, mod: PgasShardedEmbedding, gids, bag, scale, nbags, B):
+        st = _PgasSend.input_dist(mod, gids, bag, scale, nbags, B)
+        out = _PgasSend.compute_and_output_dist(mod, st)
+        ctx.mod = mod
+        ctx.saved = (st["bpos"], st["p_counts"], st["served"], B, st["F"])
+        return out
+
+    @staticmethod
+    def input_dist(mod: PgasShardedEmbedding, gids, bag, scale, nbags, B) -> dict:
+        """Requester side: partial bags, their final places, and the ids every owner needs (one exchange)."""
+        W, me, tr = mod.world_size, mod.rank, mod.transport
+        F_ = nbags // B if B else len(mod.feature_names)
+        dev = mod.weight.device
+        mod._epoch += 1
+        buf = mod._epoch % 2
+        src, off, _slot = mod.tmap.decode(gids)
+        # partial bags: one per (source rank, bag), numbered per source rank (the collective design's)
+        key = src * nbags + bag
+        pkeys, pinv = torch.unique(key, sorted=True, return_inverse=True)
+        p_src, p_bag = pkeys // nbags, pkeys % nbags
+        p_counts = torch.bincount(p_src, minlength=W).tolist()
+        p_len = torch.bincount(pinv, minlength=pkeys.numel())
+        n_src = torch.bincount(p_bag, minlength=nbags)
+        bpos = (p_bag % B) * F_ + p_bag // B  # final place of the bag in the [B, F, D] output
+        direct = (n_src[p_bag] == 1) & mod._same_host[p_src]
+        code = torch.where(direct, bpos, torch.full_like(bpos, -1))
+        out_flat = mod._out[me][buf][: B * F_]
+        # places no owner writes directly: empty bags, and bags summed here from partials; zeroed before
+        # the ids go out, since the owners write as soon as they have them
+        if B:
+            written = torch.zeros(nbags, dtype=torch.bool)
+            written[p_bag[direct]] = True
+            gaps = torch.nonzero(~written).view(-1)
+            if gaps.numel():
+                out_flat.index_fill_(0, ((gaps % B) * F_ + gaps // B).to(dev), 0)
+        order = torch.argsort(src, stable=True)
+        v_counts = torch.bincount(src, minlength=W).tolist()
+        off_o, sc_o = off[order], scale[order].to(torch.float32)
+        msgs, va, pa = [], 0, 0
+        for q in range(W):
+            nv, npb = v_counts[q], p_counts[q]
+            msgs.append(torch.cat([torch.tensor([npb, nv], dtype=torch.int64), p_len[pa:pa + npb],
+                                   code[pa:pa + npb], off_o[va:va + nv], _scale_bits(sc_o[va:va + nv])]))
+            va += nv
+            pa += npb
+        requests = tr.exchange(msgs, kind="ids")  # the input distribution (one small message per owner)
+        return {"requests": requests, "buf": buf, "F": F_, "B": B, "bpos": bpos, "code": code, "direct": direct,
+                "p_src": p_src, "p_counts": p_counts, "out": out_flat}
+
+    @staticmethod
+    def compute_and_output_dist(mod: PgasShardedEmbedding, st: dict) -> torch.Tensor:
+        """Owner side: pool every requester's bags and write each pooled vector where it is consumed;
+        then (requester side) add the partial sums of bags with several owners. Returns ``[B, F * D]``."""
+        W, me, tr = mod.world_size, mod.rank, mod.transport
+        D = mod.dim
+        dev = mod.weight.device
+        requests, buf, F_, B = st["requests"], st["buf"], st["F"], st["B"]
+        code, direct, p_src, p_counts, out_flat = st["code"], st["direct"], st["p_src"], st["p_counts"], st["out"]
+        served = [None] * W
+        sends, partials_remote = {}, {}
+        own_part = None
+        for i in range(1, W + 1):
+            q = (me + i) % W
+            served[q], part = _PgasSend._serve(mod, q, requests[q], buf, F_, dev)
+            if q == me:
+                own_part = part
+            elif mod.heap.is_local(q):
+                sends[q] = tr.post(q, part, "pooled")  # also q's completion signal for the direct writes
+                mod._count_direct(q, part.numel() * part.element_size(), "pooled", sent=True)
+            else:
+                partials_remote[q] = part
+        st["served"] = served
+        # -- requester side: partial sums of bags with several owners (and from other hosts), rank order
+        ind_counts = [int((code[a:a + n] < 0).sum()) for a, n in zip(np.cumsum([0] + p_counts[:-1]), p_counts)]
+        got: list = [None] * W
+        if tr.collective is not None:
+            empty = mod.weight.new_zeros((0, D))
+            cs = [partials_remote.get(q, empty) for q in range(W)]
+            rc = [ind_counts[q] if not mod.heap.is_local(q) else 0 for q in range(W)]
+            rr = tr.collective.exchange(cs, rc, "pooled")
+            for q in range(W):
+                if not mod.heap.is_local(q):
+                    got[q] = rr[q]
+                    tr.counter.sent[q] += cs[q].numel() * cs[q].element_size()
+                    tr.counter.recv[q] += rr[q].numel() * rr[q].element_size()
+        recvs = {q: tr.expect((D,), mod.weight.dtype, dev, ind_counts[q]) for q in sends}
+        tr.progress(sends, recvs, "pooled vectors")
+        for q, r in recvs.items():
+            got[q] = r["out"]
+            tr.counter.recv[q] += r["out"].numel() * r["out"].element_size()
+        got[me] = own_part
+        for q in mod._local:
+            if q != me:  # what the owners wrote straight into this buffer
+                nd = int(direct[p_src == q].sum())
+                mod._count_direct(q, nd * D * out_flat.element_size(), "pooled", sent=False)
+        ind = code < 0
+        if bool(ind.any()):
+            out_flat.index_add_(0, st["bpos"][ind].to(dev), torch.cat([g for g in got if g is not None]))
+        return out_flat.view(B, F_ * D)
+
+    @staticmethod
+    def _serve(mod, q, msg, buf, F_, dev):
+        """Pool requester ``q``'s partial bags; write the direct ones into ``q``'s output, return the rest."""
+        D = mod.dim
+        npb, nv = int(msg[0]), int(msg[1])
+        lens = msg[2:2 + npb]
+        code = msg[2 + npb:2 + 2 * npb]
+        offq = msg[2 + 2 * npb:2 + 2 * npb + nv]
+        scq = msg[2 + 2 * npb + nv:].view(torch.float32)[:nv]
+        voff = torch.zeros(npb + 1, dtype=torch.int64)
+        voff[1:] = torch.cumsum(lens, 0)
+        offq_d = offq.to(dev)
+        unit = bool((scq == 1).all())
+        local_q = mod.heap.is_local(q)
+        dst = mod._out[q][buf] if local_q else None
+        parts = []
+        cb = mod.chunk_bags
+        itemsize = mod.weight.element_size()
+        for a in range(0, npb, cb):
+            b = min(a + cb, npb)
+            va, vb = int(voff[a]), int(voff[b])
+            offs = (voff[a:b + 1] - va).to(dev)
+            if unit:  # sum of the rows in value order: the collective design's index_add_, bit for bit
+                pooled = F.embedding_bag(offq_d[va:vb], mod.weight, offs, mode="sum", include_last_offset=True)
+            else:  # rows scaled first (w * s), then summed in order: again the collective design's arithmetic
+                scaled = mod.weight[offq_d[va:vb]] * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
+                pooled = F.embedding_bag(torch.arange(vb - va, device=dev), scaled, offs, mode="sum",
+                                         include_last_offset=True)
+            if not local_q:
+                parts.append(pooled)
+                continue
+            c = code[a:b]
+            d = c >= 0
+            nd = int(d.sum())
+            if nd == b - a:
+                c0 = int(c[0])
+                if nd > 1 and int(c[-1]) - c0 == F_ * (nd - 1) and torch.equal(
+                        c, c0 + F_ * torch.arange(nd)):  # one feature, consecutive samples: a strided store
+                    dst[c0:c0 + F_ * (nd - 1) + 1:F_].copy_(pooled)
+                else:
+                    dst.index_copy_(0, c.to(dev), pooled)
+            else:
+                if nd:
+                    dst.index_copy_(0, c[d].to(dev), pooled[d.to(dev)])
+                parts.append(pooled[(~d).to(dev)])
+            if nd and q != mod.rank:
+                mod.transport.record(nd * D * itemsize, q, "pooled")
+                mod._count_direct(q, nd * D * itemsize, "pooled", sent=True)
+        part = torch.cat(parts) if parts else mod.weight.new_zeros((0, D))
+        pbv = torch.repeat_interleave(torch.arange(npb), lens)
+        return (offq, pbv, scq, npb), part
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        mod: PgasShardedEmbedding = ctx.mod
+        bpos, p_counts, served, B, F_ = ctx.saved
+        W, me, D = mod.world_size, mod.rank, mod.dim
+        dev = grad_out.device
+        grad = grad_out.contiguous().view(B * F_, D)
+        g_partial = grad.index_select(0, bpos.to(dev))  # gradient of every partial bag, rank-major
+        parts = list(torch.split(g_partial, p_counts))
+        n_recv = [served[q][3] if q != me else 0 for q in range(W)]
+        got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
+                                     recv_counts=n_recv, kind="grads")
+        got[me] = parts[me]
+        rows, grads, rep_slots, rep_grads = [], [], [], []
+        for q in range(W):
+            offq, pbv, scq, npb = served[q]
+            if offq.numel() == 0:
+                continue
+            r, g = aggregate_row_gradients(offq.to(dev), got[q], src_index=pbv.to(dev), scale=scq.to(dev))
+            owned = r < mod.num_owned
+            rows.append(r[owned])
+            grads.append(g[owned])
+            if not bool(owned.all()):
+                rep_slots.append(mod._region_slot.to(dev)[r[~owned] - mod.num_owned])
+                rep_grads.append(g[~owned])
+        if rows:
+            mod._apply_owned(torch.cat(rows), torch.cat(grads))
+        if mod.num_slots:
+            empty = grad.new_zeros((0, D))
+            mod._sync_and_apply_replicas(torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64),
+                                         torch.cat(rep_grads) if rep_grads else empty)
+        mod._publish_version()
+        return torch.zeros_like(mod.anchor), None, None, None, None, None, None
