@@ -21,6 +21,7 @@ from embedscale.embedding.tt import (
     factor_rows,
     tt_num_parameters,
 )
+from embedscale.data.batch import JaggedFeatures
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec
 
@@ -298,3 +299,139 @@ def test_errors_name_table_and_value():
         TTEmbeddingBag(100, 8, 2, optimizer="adam")
     with pytest.raises(ConfigError, match="pool"):
         TTEmbeddingBag.from_spec(TableSpec("s", 10, 4, pooling="none"))
+
+
+# -- compression policy and report ---------------------------------------------------------------------
+def test_tt_policy_and_compression_bars():
+    from embedscale.embedding.compression import apply_tt_policy, compression_report, split_tables, table_bytes
+    from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS
+
+    tables = [TableSpec("a", 1_000_000, 16), TableSpec("b", 1_000_001, 16),
+              TableSpec("c", 5_000_000, 16, compression="tt", tt_rank=8)]
+    marked = apply_tt_policy(tables, rank=32)
+    assert [(t.compression, t.tt_rank) for t in marked] == [("none", 32), ("tt", 32), ("tt", 8)]
+    assert tables[1].compression == "none"  # inputs untouched
+    plain, tt = split_tables(marked)
+    assert [t.name for t in plain] == ["a"] and [t.name for t in tt] == ["b", "c"]
+    m = TTEmbeddingBag.from_spec(marked[1], optimizer=None)
+    expected = sum(mk * m.ranks[k] * nk * m.ranks[k + 1] for k, (mk, nk) in enumerate(zip(m.row_shape, m.dim_shape)))
+    assert table_bytes(marked[1]) == expected * 4 == m.core_bytes
+    assert table_bytes(marked[0]) == 1_000_000 * 16 * 4
+    with pytest.raises(ConfigError, match="pooling 'none'"):
+        apply_tt_policy([TableSpec("s", 2_000_000, 16, pooling="none")])
+    # EL-Rec Table III: Kaggle >= 7x (7.29x), Terabyte at dim 64 >= 70x (74.19x)
+    kaggle = compression_report(apply_tt_policy([TableSpec(f"C{i}", n, 16) for i, n in enumerate(CRITEO_KAGGLE_ROWS)]))
+    tera = compression_report(apply_tt_policy([TableSpec(f"C{i}", n, 64) for i, n in enumerate(CRITEO_TERABYTE_ROWS)]))
+    assert kaggle.bytes_before == sum(CRITEO_KAGGLE_ROWS) * 64
+    assert kaggle.ratio >= 7 and tera.ratio >= 70
+    assert "**total**" in kaggle.to_markdown() and kaggle.to_dict()["ratio"] == kaggle.ratio
+
+
+# -- MixedEmbedding ---------------------------------------------------------------------------------------
+def mixed_tables():
+    return [TableSpec("u", 50, 4, features=["f1", "f2"]), TableSpec("v", 3000, 4, compression="tt", tt_rank=3,
+                                                                     features=["f3", "f4"]),
+            TableSpec("w", 40, 4, pooling="mean"), TableSpec("x", 2000, 4, compression="tt", tt_rank=2,
+                                                              pooling="mean")]
+
+
+def mixed_batch(rng, B=16):
+    sizes = {"f1": 50, "f2": 50, "f3": 3000, "f4": 3000, "w": 40, "x": 2000}
+    keys = ["x", "f3", "f1", "w", "f4", "f2"]  # not in table order
+    lengths = {k: rng.integers(0, 4, B) for k in keys}
+    values = [rng.integers(0, sizes[k], int(lengths[k].sum())) for k in keys]
+    return JaggedFeatures(keys, torch.from_numpy(np.concatenate(values)),
+                          torch.from_numpy(np.concatenate([lengths[k] for k in keys])))
+
+
+def reference_mixed(emb, jf):
+    per = {k: (v, l) for k, (v, l) in jf.to_dict().items()}
+    outs = []
+    for f in emb.feature_names:
+        t = emb._feature_table[f]
+        if t.compression == "tt":
+            w = ref_table(emb.tt[t.name])
+        else:
+            w = emb.local.table_weight(t.name)
+        v, l = per[f]
+        outs.append(nn.functional.embedding_bag(v, w, torch.cumsum(l, 0) - l, mode=t.pooling))
+    return torch.cat(outs, 1)
+
+
+def test_mixed_forward_matches_reference_and_steps_like_its_parts():
+    from embedscale.embedding.local import LocalEmbeddingBags
+    from embedscale.embedding.mixed import MixedEmbedding, build_embedding
+
+    rng = np.random.default_rng(11)
+    tables = mixed_tables()
+    emb = MixedEmbedding(tables, optimizer="rowwise_adagrad", lr=0.1, seed=3, tt_init_std=0.3)
+    assert emb.feature_names == ["f1", "f2", "f3", "f4", "w", "x"] and set(emb.tt) == {"v", "x"}
+    assert emb.tt["v"].optimizer == "adagrad"
+    jf = mixed_batch(rng)
+    with torch.no_grad():
+        got = emb(jf)
+    assert got.shape == (16, 24)
+    assert (got - reference_mixed(emb, jf)).abs().max() < TOL
+    # one step: each part moves exactly as it does alone with the same input and gradient columns
+    local = LocalEmbeddingBags([tables[0], tables[2]], optimizer="rowwise_adagrad", lr=0.1, seed=3)
+    tt_v = TTEmbeddingBag.from_spec(tables[1], optimizer="adagrad", lr=0.1)
+    tt_x = TTEmbeddingBag.from_spec(tables[3], optimizer="adagrad", lr=0.1)
+    tt_v.copy_cores_from(emb.tt["v"])
+    tt_x.copy_cores_from(emb.tt["x"])
+    g = torch.randn(16, 24)
+    (emb(jf) * g).sum().backward()
+    cols = dict(zip(emb.feature_names, g.split(4, 1)))
+    per = jf.to_dict()
+    lk = ["f1", "f2", "w"]
+    local_jf = JaggedFeatures(lk, torch.cat([per[k][0] for k in lk]), torch.cat([per[k][1] for k in lk]))
+    (local(local_jf) * torch.cat([cols[k] for k in lk], 1)).sum().backward()
+    for name in ("u", "w"):
+        assert (local.table_weight(name) - emb.local.table_weight(name)).abs().max() < TOL
+    for m, feats in ((tt_v, ["f3", "f4"]), (tt_x, ["x"])):
+        vals = torch.cat([per[f][0] for f in feats])
+        lens = torch.cat([per[f][1] for f in feats])
+        (m(vals, torch.cumsum(lens, 0) - lens) * torch.cat([cols[f] for f in feats])).sum().backward()
+        for a, b in zip(m.cores, emb.tt[m.name].cores):
+            assert (a - b).abs().max() < TOL
+    assert isinstance(build_embedding([tables[0]], optimizer="sgd", tt_lr=0.1), LocalEmbeddingBags)
+    assert isinstance(build_embedding(tables, optimizer="sgd"), MixedEmbedding)
+    with pytest.raises(InputError, match="missing"):
+        emb(JaggedFeatures.from_dense(["f1"], torch.tensor([[1]])))
+    with pytest.raises(InputError, match=r"'v'.*row id 3000"):
+        emb(JaggedFeatures.from_dense(["f1", "f2", "f3", "f4", "w", "x"], torch.tensor([[1, 1, 3000, 1, 1, 1]])))
+
+
+def test_mixed_in_dlrm_state_dict_and_reordering():
+    from embedscale.embedding.mixed import MixedEmbedding
+    from embedscale.models import build_model
+    from embedscale.reorder import Reordering, TableReordering
+    from embedscale.specs import ModelConfig
+
+    rng = np.random.default_rng(12)
+    tables = mixed_tables()
+    cfg = ModelConfig(arch="dlrm", embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
+    perm_v = rng.permutation(3000)
+    reo = Reordering([TableReordering("anything", perm_v, ["f3", "f4"])])
+
+    def model(seed, reordering=None):
+        torch.manual_seed(0)
+        emb = MixedEmbedding(tables, optimizer="sgd", lr=0.05, seed=seed, reordering=reordering)
+        return build_model(cfg, tables, 3, embedding=emb)
+
+    a = model(1, reo)
+    assert "sparse_arch.embedding.remap.v" in a.state_dict()
+    jf = mixed_batch(rng, 8)
+    dense = torch.rand(8, 3)
+    loss = a(dense, jf).sum()
+    loss.backward()  # fused updates of both kinds, dense grads for the MLPs
+    b = model(2, reo)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        assert torch.equal(a(dense, jf), b(dense, jf))
+        # the installed map renames ids exactly as the data-path reordering does
+        plain = model(3)
+        plain.load_state_dict({k: v for k, v in a.state_dict().items() if "remap" not in k})
+        assert torch.allclose(plain(dense, reo.apply(jf)), a(dense, jf), atol=1e-6)
+        assert not torch.allclose(plain(dense, jf), a(dense, jf), atol=1e-6)
+    with pytest.raises(ConfigError, match="only some features"):
+        MixedEmbedding(tables, reordering=Reordering([TableReordering("v", perm_v, ["f3"])]))

@@ -247,17 +247,41 @@ def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | N
 
 
 def run_main(cfg: RunConfig, progress: bool = True) -> dict:
-    """The README's main job: data, profile, train, evaluate, summary."""
+    """The README's main job: data, profile, plan, train (on ``dist.nproc`` local ranks), evaluate, summary."""
     t0 = time.perf_counter()
     run_dir = new_run_dir(cfg)
     _log(f"run directory: {run_dir}")
     data = prepare_data(cfg, progress=progress)
-    prof = profile(data, run_dir / "profile", tables_for(cfg, data.manifest), progress=progress)
-    summary = train(cfg, run_dir, data, resume=False, progress=progress)
+    tables = tables_for(cfg, data.manifest)
+    prof = profile(data, run_dir / "profile", tables, progress=progress)
+    if cfg.dist.nproc > 1:
+        summary = _run_distributed(cfg, run_dir, data, tables, progress)
+    else:
+        summary = train(cfg, run_dir, data, resume=False, progress=progress)
     summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
     summary["wall_seconds"] = time.perf_counter() - t0
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, progress: bool) -> dict:
+    """Plan here (the profile is made), then train on ``dist.nproc`` local ranks under torchrun."""
+    from embedscale.errors import EmbedscaleError
+    from embedscale.io import read_json
+    from embedscale.train.distributed import READY, make_run_plan
+    from embedscale.train.launch import launch_torchrun
+
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+    plan = make_run_plan(cfg, data, tables, run_dir / "plan", progress)
+    _log(f"plan: {plan.meta.get('strategy', cfg.dist.plan)} on {cfg.dist.nproc} ranks "
+         f"({plan.meta.get('plan_seconds', 0):.2f} s)")
+    atomic_write_text(run_dir / READY, "ok\n")
+    config_path = run_dir / "config.yaml"
+    args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
+    code = launch_torchrun(cfg.dist.nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})
+    if code != 0:
+        raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
+    return read_json(run_dir / "summary.json", "run summary")
 
 
 def format_summary(s: dict) -> str:
@@ -271,6 +295,16 @@ def format_summary(s: dict) -> str:
         f"eval AUC           {s.get('eval_auc', math.nan):.5f}"
         + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
     ]
+    if s.get("world_size", 1) > 1:
+        lines.append(f"ranks              {s['world_size']} ({s.get('plan')} plan, {s.get('design')} design, "
+                     f"{s.get('transport')} transport)")
+        if "dob_lookup" in s:
+            lines.append(f"plan balance       DoB lookup {s['dob_lookup']:.3f}, communication {s['dob_comm']:.3f}, "
+                         f"memory {s['dob_memory']:.3f}")
+        pred = s.get("predicted_bytes_on_wire_per_step")
+        lines.append(f"bytes on wire      {s['embedding_bytes_on_wire_per_step'] / 1e6:,.3f} MB/step embeddings"
+                     + (f" (predicted {pred / 1e6:,.3f})" if pred else "")
+                     + f", {s.get('grad_sync_bytes_per_step', 0) / 1e6:,.3f} MB/step replica AllReduce")
     if "wall_seconds" in s:
         lines.append(f"wall time          {s['wall_seconds']:.1f} s")
     return "\n".join(lines)

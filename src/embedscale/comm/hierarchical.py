@@ -574,13 +574,15 @@ class TowerRouter:
             self._cache[key] = out
         return out
 
-    def exchange_batch_sizes(self, batch_size: int, weighted: bool, device) -> tuple[list[int], bool]:
-        """Every rank's local batch size, and whether any rank's batch has per-sample weights."""
+    def exchange_batch_sizes(self, batch_size: int, weighted: bool, device, bad: bool = False
+                             ) -> tuple[list[int], bool, list[int]]:
+        """Every rank's local batch size, whether any rank's batch has per-sample weights, and the ranks
+        whose batch failed validation (so that a bad id is an error on every rank, not a hang)."""
         W = self.layout.world_size
-        mine = torch.tensor([batch_size, int(weighted)], dtype=torch.int64, device=device)
-        got = self.comm.world.exchange([mine] * W, recv_counts=[2] * W, kind="meta")
+        mine = torch.tensor([batch_size, int(weighted), int(bad)], dtype=torch.int64, device=device)
+        got = self.comm.world.exchange([mine] * W, recv_counts=[3] * W, kind="meta")
         sizes = [int(g[0]) for g in got]
-        return sizes, any(int(g[1]) for g in got)
+        return sizes, any(int(g[1]) for g in got), [r for r, g in enumerate(got) if int(g[2])]
 
     def peer_sources(self) -> list[int]:
         return self.layout.peer_order()
@@ -603,9 +605,6 @@ class TowerRouter:
             raise InputError(f"rank {self.rank}: tower routing got features {keys}; expected {self.feature_names}"
                              f" (unknown {unknown}, missing {missing})")
         B = features.batch_size
-        sizes, weighted = self.exchange_batch_sizes(B, features.weights is not None, dev)
-        row_wise = pl.sharding == "row"
-        use_weights = weighted or (row_wise and bool(self._mean.any()))
         Fin = len(keys)
         values, lengths = features.values, features.lengths
         n = values.numel()
@@ -614,15 +613,23 @@ class TowerRouter:
         fv = key_model[bag // B] if n else bag
         b = bag % B
         rows = self._dev(self._rows, dev)
+        message = None
         if n:
             bad = (values < 0) | (values >= rows[fv])
             if bool(bad.any()):
                 i = int(torch.nonzero(bad)[0])
                 f = int(fv[i])
                 t = pl.tables[pl.feature_table[f]]
-                raise InputError(f"rank {self.rank}: feature {self.feature_names[f]!r} (table {t.name!r}, "
-                                 f"tower group {int(pl.feature_group[f])}): row id {int(values[i])} at sample "
-                                 f"{int(b[i])} is outside [0, {t.num_rows})")
+                message = (f"rank {self.rank}: feature {self.feature_names[f]!r} (table {t.name!r}, tower group "
+                           f"{int(pl.feature_group[f])}): row id {int(values[i])} at sample {int(b[i])} is outside "
+                           f"[0, {t.num_rows})")
+        sizes, weighted, bad_ranks = self.exchange_batch_sizes(B, features.weights is not None, dev,
+                                                               message is not None)
+        if bad_ranks:
+            raise InputError(message or f"rank {self.rank}: rank(s) {bad_ranks} got row ids outside their tables "
+                                        "(their errors name the feature); no rank looked anything up")
+        row_wise = pl.sharding == "row"
+        use_weights = weighted or (row_wise and bool(self._mean.any()))
         slot = self._dev(self._slot, dev)[fv]
         if row_wise:
             bounds = self._dev(self._bounds, dev)[fv]  # [n, S + 1]

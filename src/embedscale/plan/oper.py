@@ -115,10 +115,7 @@ def plan_oper(
     if mode == "training" and replicate and m > 1:
         budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1))
         for t in st:
-            pre = t.prefix()
-            k = int(np.count_nonzero(np.diff(pre[: min(t.num_rows, 1 << 22) + 1]) > f_thr * samples))
-            heads.append(np.diff(pre[: k + 1]))
-            del pre
+            heads.append(t.head_counts(t.count_above(f_thr * samples)))
         hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
     history = []
     attempt = 0

@@ -464,12 +464,39 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
         "num_tables": len(run.tables), "embedding_bytes": sum(tb.memory_bytes for tb in run.tables),
     }
-    summary["plan_summary"] = run.plan.summary()
+    summary.update(plan_figures(run))
     _write_metrics(run.run_dir, rows)
     plot_curves(rows, run.run_dir / "curves.png", title=f"{cfg.model.arch} x{run.world} ranks ({summary['plan']})",
                 ceiling_auc=run.data.teacher_auc)
     atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
+
+
+def plan_figures(run: DistributedRun) -> dict:
+    """The plan's balance under the OPER cost model (eqs. 1-5) and the bytes on wire it predicts for this
+    executor (``embedding.wire``), next to what was measured."""
+    from embedscale.data.profile import AccessProfile
+    from embedscale.embedding.wire import expected_wire_bytes
+    from embedscale.plan.cost import evaluate
+
+    out: dict = {"plan_summary": run.plan.summary()}
+    prof_dir = run.run_dir / "profile"
+    if not prof_dir.exists():
+        return out
+    prof = AccessProfile.load(prof_dir)
+    b_local = run.cfg.train.batch_size / run.world
+    topo = run.plan.meta.get("topology") or {"num_hosts": 1, "ranks_per_host": run.world}
+    try:
+        cost = evaluate(run.plan, prof, topo, mode=run.plan.meta.get("mode", "training"),
+                        batch_size=max(1, int(b_local)))
+        out.update({"dob_memory": cost.dob_memory, "dob_lookup": cost.dob_lookup, "dob_comm": cost.dob_comm})
+    except EmbedscaleError as e:
+        out["cost_model_error"] = str(e)
+    if run.cfg.dist.design == "retrieve":
+        lookups = {t.name: prof.total(t.name) / max(prof.samples, 1) * b_local for t in run.tables}
+        pred = expected_wire_bytes(run.embedding.amap, run.tables, prof, lookups, mode="training")
+        out["predicted_bytes_on_wire_per_step"] = pred["total"]
+    return out
 
 
 def _inject_fault(kind: str) -> None:

@@ -1,0 +1,151 @@
+"""Which tables are stored as tensor-train tables, what that saves, and what it means for placement.
+
+The policy (EL-Rec section VI-A, "Baseline"): tables with more than 1 million rows are decomposed into
+TT tables of rank ``R`` (``TableSpec.compression = "tt"``, ``tt_rank = R``); the small tables stay
+uncompressed. :func:`apply_tt_policy` marks them; the planner calls it (or a config says
+``compression: tt`` per table).
+
+**The placement contract for TT tables** (EL-Rec section VI-B, "DLRM training on multi-GPU platform"):
+a TT table is small (a 10M x 16 table at rank 32 is under 2 MB of cores), so it is **replicated on
+every rank and trained data-parallel**. A planner therefore
+
+* gives TT tables no rows in its sharded plan (:func:`split_tables` separates them), never row- or
+  table-wise shards them, and counts their :func:`table_bytes` (cores) on *every* rank's memory;
+* leaves their lookups local: each rank looks up its own slice of the batch in its own replica (no
+  embedding all-to-all for them);
+* keeps replicas identical by summing the core gradients across ranks before the update: set
+  ``TTEmbeddingBag.grad_sync`` (embedscale.embedding.tt) to an in-place all-reduce of the list of dense
+  core gradients; the fused update then applies the summed gradient on every rank (the "gradient
+  all-reduce in the backward phase" of section VI-B). Optimizer state is per replica and stays
+  identical because the gradients are.
+
+:func:`compression_report` gives, per table, the bytes before (``num_rows * dim * bytes_per_value``) and
+after (the TT cores in float32), and the totals: EL-Rec Table III's comparison (Kaggle 7.29x,
+Terabyte 74.19x). Optimizer state is not counted on either side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from embedscale.embedding.tt import core_shapes, factor_dim, factor_rows, tt_ranks
+from embedscale.errors import ConfigError
+from embedscale.specs import TableSpec
+
+EL_REC_THRESHOLD_ROWS = 1_000_000
+TT_BYTES_PER_VALUE = 4  # TT cores are float32
+
+
+def apply_tt_policy(tables: list[TableSpec], threshold_rows: int = EL_REC_THRESHOLD_ROWS,
+                    rank: int = 32) -> list[TableSpec]:
+    """Copies of ``tables`` with every table of more than ``threshold_rows`` rows marked
+    ``compression="tt"``, ``tt_rank=rank`` (EL-Rec: more than 1M rows). Tables already marked ``tt`` keep
+    their rank; the others are returned unchanged (copies)."""
+    if isinstance(threshold_rows, bool) or not isinstance(threshold_rows, int) or threshold_rows < 0:
+        raise ConfigError(f"apply_tt_policy: threshold_rows must be a non-negative integer, got {threshold_rows!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ConfigError(f"apply_tt_policy: rank must be a positive integer, got {rank!r}")
+    out = []
+    for t in tables:
+        if t.compression == "tt" or t.num_rows <= threshold_rows:
+            out.append(dataclasses.replace(t, features=list(t.features)))
+            continue
+        if t.pooling == "none":
+            raise ConfigError(f"table {t.name!r}: {t.num_rows} rows would be TT-compressed, but TT tables pool "
+                              "(sum or mean) and this one has pooling 'none'")
+        out.append(dataclasses.replace(t, features=list(t.features), compression="tt", tt_rank=rank))
+    return out
+
+
+def split_tables(tables: list[TableSpec]) -> tuple[list[TableSpec], list[TableSpec]]:
+    """``(uncompressed, tt)``: the tables a planner shards, and the TT tables it replicates on every rank."""
+    return [t for t in tables if t.compression != "tt"], [t for t in tables if t.compression == "tt"]
+
+
+def tt_shapes(spec: TableSpec, num_cores: int = 3) -> tuple[list[int], list[int], list[int]]:
+    """``(row_shape, dim_shape, ranks)`` a ``TTEmbeddingBag`` built from ``spec`` uses by default."""
+    return factor_rows(spec.num_rows, num_cores), factor_dim(spec.dim, num_cores), tt_ranks(spec.tt_rank, num_cores)
+
+
+def table_bytes(spec: TableSpec, num_cores: int = 3) -> int:
+    """Bytes the table's values take as stored: TT cores (float32) for ``tt``, else ``num_rows * dim *
+    bytes_per_value``."""
+    if spec.compression != "tt":
+        return spec.memory_bytes
+    rows, dims, ranks = tt_shapes(spec, num_cores)
+    return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE
+
+
+@dataclass
+class TableCompression:
+    name: str
+    num_rows: int
+    dim: int
+    compression: str
+    tt_rank: int | None
+    row_shape: list[int] | None
+    dim_shape: list[int] | None
+    bytes_before: int
+    bytes_after: int
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_before / self.bytes_after
+
+
+@dataclass
+class CompressionReport:
+    """Per-table and total embedding bytes before and after compression."""
+
+    tables: list[TableCompression] = field(default_factory=list)
+
+    @property
+    def bytes_before(self) -> int:
+        return sum(t.bytes_before for t in self.tables)
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(t.bytes_after for t in self.tables)
+
+    @property
+    def ratio(self) -> float:
+        return self.bytes_before / self.bytes_after
+
+    def to_dict(self) -> dict:
+        return {"bytes_before": self.bytes_before, "bytes_after": self.bytes_after, "ratio": self.ratio,
+                "tables": [{**dataclasses.asdict(t), "ratio": t.ratio} for t in self.tables]}
+
+    def to_markdown(self) -> str:
+        lines = ["| table | rows | dim | stored as | bytes before | bytes after | ratio |",
+                 "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+        for t in self.tables:
+            how = (f"TT rank {t.tt_rank}, rows {'x'.join(map(str, t.row_shape))}, dim "
+                   f"{'x'.join(map(str, t.dim_shape))}" if t.compression == "tt" else "rows")
+            lines.append(f"| {t.name} | {t.num_rows:,} | {t.dim} | {how} | {_human(t.bytes_before)} | "
+                         f"{_human(t.bytes_after)} | {t.ratio:.1f}x |")
+        lines.append(f"| **total** | {sum(t.num_rows for t in self.tables):,} | | | **{_human(self.bytes_before)}** | "
+                     f"**{_human(self.bytes_after)}** | **{self.ratio:.2f}x** |")
+        return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def compression_report(tables: list[TableSpec], num_cores: int = 3) -> CompressionReport:
+    """Bytes before and after, per table, for the tables as they are marked (see :func:`apply_tt_policy`)."""
+    out = []
+    for t in tables:
+        if t.compression == "tt":
+            rows, dims, _ = tt_shapes(t, num_cores)
+            out.append(TableCompression(t.name, t.num_rows, t.dim, "tt", t.tt_rank, rows, dims, t.memory_bytes,
+                                        table_bytes(t, num_cores)))
+        else:
+            out.append(TableCompression(t.name, t.num_rows, t.dim, "none", None, None, None, t.memory_bytes,
+                                        t.memory_bytes))
+    return CompressionReport(out)

@@ -1,0 +1,251 @@
+"""Uncompressed and tensor-train tables behind one embedding interface.
+
+``MixedEmbedding(tables)`` keeps every table whose ``TableSpec.compression`` is ``none`` in one
+:class:`~embedscale.embedding.local.LocalEmbeddingBags` (flat storage, fused lookup, fused sparse
+optimizer) and every ``compression == "tt"`` table in its own
+:class:`~embedscale.embedding.tt.TTEmbeddingBag` (EL-Rec's Eff-TT, cores updated in backward). It has
+the ``LocalEmbeddingBags`` interface the models use: ``feature_names`` (pooled features in table order,
+features of a table in their order), ``feature_dims``, ``forward(JaggedFeatures) -> [B, sum of dims]``
+in ``feature_names`` order, updates of both kinds applied during ``loss.backward()``, and a
+``state_dict`` (``local.<table>.weight``/``.momentum``, ``tt.<table>.core<k>``/``.state<k>``,
+``remap.<table>``). So a model config that says ``compression: tt`` on a table runs through
+``build_model(cfg, tables, num_dense, embedding=MixedEmbedding(tables, ...))`` (or :func:`build_embedding`,
+which returns a plain ``LocalEmbeddingBags`` when no table is compressed).
+
+A TT table read by several features looks all of them up in one call (``k * B`` bags), so their
+distinct rows share one reuse buffer.
+
+Optimizers: ``optimizer`` (``sgd``, ``rowwise_adagrad`` or ``None``) drives the uncompressed tables;
+the TT tables use ``tt_optimizer`` (default: ``sgd`` with ``sgd``, element-wise ``adagrad`` on the
+cores with ``rowwise_adagrad`` (TT-Rec's core optimizer), ``None`` with ``None``) at ``tt_lr``
+(default ``lr``).
+
+Index reordering (EL-Rec section IV): given a :class:`~embedscale.reorder.Reordering`, the maps of the
+tables it covers (matched by feature names and row count) become persistent buffers (so they are saved
+with the model) and every lookup renames its ids first. Do not also apply the same reordering in the
+data path.
+
+Data parallelism: the TT tables are replicas (see :mod:`embedscale.embedding.compression`); set
+``grad_sync`` to sum their core gradients across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.tt import TTEmbeddingBag
+from embedscale.errors import ConfigError, InputError
+from embedscale.specs import TableSpec, feature_to_table
+
+_TT_DEFAULT = {"sgd": "sgd", "rowwise_adagrad": "adagrad", None: None}
+
+
+def build_embedding(tables: list[TableSpec], **kwargs) -> nn.Module:
+    """``LocalEmbeddingBags(tables, ...)`` when no table is TT-compressed, else ``MixedEmbedding``.
+
+    ``kwargs`` are ``MixedEmbedding``'s; the TT-only ones are dropped for a plain ``LocalEmbeddingBags``.
+    """
+    if any(t.compression == "tt" for t in tables) or kwargs.get("reordering") is not None:
+        return MixedEmbedding(tables, **kwargs)
+    local_kwargs = {k: v for k, v in kwargs.items() if not k.startswith("tt_") and k not in ("reordering", "grad_sync")}
+    return LocalEmbeddingBags(tables, **local_kwargs)
+
+
+class MixedEmbedding(nn.Module):
+    """Uncompressed tables in a ``LocalEmbeddingBags``, ``compression="tt"`` tables as ``TTEmbeddingBag`` s.
+
+    Args:
+        tables: the tables; pooled features in table order are the output columns.
+        device, dtype: where and how the uncompressed storage lives (TT cores are float32 on ``device``).
+        optimizer, lr, eps: the fused optimizer of the uncompressed tables (``LocalEmbeddingBags``).
+        init: init of the uncompressed tables (``"uniform"`` or a callable, as ``LocalEmbeddingBags``).
+        seed: seeds both initialisations (TT table ``i`` of the list uses ``seed + 1 + i``).
+        validate: check ids (both kinds) and offsets.
+        tt_optimizer: optimizer of the TT cores (default from ``optimizer``, see the module docstring).
+        tt_lr: learning rate of the TT cores (default ``lr``).
+        tt_init_std: std of the reconstructed TT rows at init (default ``1/sqrt(3 * num_rows)`` per table,
+            the spread of DLRM's uniform rows).
+        tt_options: extra ``TTEmbeddingBag`` keyword arguments (``num_cores``, ``grouped``, ...).
+        reordering: a ``Reordering`` whose maps are applied to the ids of the tables it covers.
+        grad_sync: set as every TT table's ``grad_sync`` (data-parallel replicas).
+
+    Attributes:
+        local: the ``LocalEmbeddingBags`` of the uncompressed tables, or ``None``.
+        tt: ``ModuleDict`` table name -> ``TTEmbeddingBag``.
+        feature_names, feature_dims, tables, table_names: as ``LocalEmbeddingBags``.
+
+    Example::
+
+        >>> import torch
+        >>> from embedscale.specs import TableSpec
+        >>> from embedscale.data.batch import JaggedFeatures
+        >>> tables = [TableSpec("small", 100, 8), TableSpec("big", 2_000_000, 8, compression="tt", tt_rank=8)]
+        >>> emb = MixedEmbedding(tables, optimizer="rowwise_adagrad", lr=0.1, seed=0)
+        >>> out = emb(JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 123_456], [2, 7]])))
+        >>> out.shape
+        torch.Size([2, 16])
+        >>> out.sum().backward()      # both kinds updated in place
+    """
+
+    def __init__(self, tables: list[TableSpec], *, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32, optimizer: str | None = "sgd", lr: float = 0.01,
+                 eps: float = 1e-8, init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
+                 seed: int | None = None, validate: bool = True, tt_optimizer: str | None = "default",
+                 tt_lr: float | None = None, tt_init_std: float | None = None, tt_options: dict | None = None,
+                 reordering=None, grad_sync: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        super().__init__()
+        if not tables:
+            raise ConfigError("MixedEmbedding: no tables")
+        feature_to_table(tables)
+        self.tables = list(tables)
+        self.table_names = [t.name for t in tables]
+        self._spec = {t.name: t for t in tables}
+        self.optimizer = optimizer
+        self.validate = validate
+        for t in tables:
+            if "." in t.name or not t.name:
+                raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
+        plain = [t for t in tables if t.compression != "tt"]
+        compressed = [t for t in tables if t.compression == "tt"]
+        self.local = (LocalEmbeddingBags(plain, device=device, dtype=dtype, optimizer=optimizer, lr=lr, eps=eps,
+                                         init=init, seed=seed, validate=validate) if plain else None)
+        if tt_optimizer == "default":
+            if optimizer not in _TT_DEFAULT:
+                raise ConfigError(f"MixedEmbedding: optimizer {optimizer!r} is not one of sgd, rowwise_adagrad or None")
+            tt_optimizer = _TT_DEFAULT[optimizer]
+        options = dict(tt_options or {})
+        self.tt = nn.ModuleDict()
+        for i, t in enumerate(compressed):
+            if t.pooling == "none":
+                raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
+            m = TTEmbeddingBag.from_spec(t, include_last_offset=True, optimizer=tt_optimizer,
+                                         lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
+                                         seed=None if seed is None else seed + 1 + self.tables.index(t),
+                                         device=device, validate=validate, **options)
+            m.grad_sync = grad_sync
+            self.tt[t.name] = m
+        self.feature_names: list[str] = []
+        self.feature_dims: list[int] = []
+        self._feature_table: dict[str, TableSpec] = {}
+        for t in tables:
+            for f in t.features:
+                self._feature_table[f] = t
+                if t.pooling != "none":
+                    self.feature_names.append(f)
+                    self.feature_dims.append(t.dim)
+        self.sequence_feature_names = list(self.local.sequence_feature_names) if self.local is not None else []
+        self.remap = nn.Module()
+        self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
+        if reordering is not None:
+            self._install_reordering(reordering)
+
+    # -- reordering --------------------------------------------------------------------------------
+    def _install_reordering(self, reordering) -> None:
+        device = self.device
+        for t in self.tables:
+            covered = [reordering.feature_table.get(f) for f in t.features]
+            if all(c is None for c in covered):
+                continue
+            if len(set(covered)) != 1 or None in covered:
+                raise ConfigError(f"MixedEmbedding: the reordering covers only some features of table {t.name!r} "
+                                  f"({dict(zip(t.features, covered))})")
+            m = reordering.map(covered[0])
+            if m.size != t.num_rows:
+                raise ConfigError(f"MixedEmbedding: the reordering of table {covered[0]!r} has {m.size} rows, "
+                                  f"table {t.name!r} {t.num_rows}")
+            self.remap.register_buffer(t.name, torch.as_tensor(m, dtype=torch.int64).to(device))
+            for f in t.features:
+                self._remapped[f] = t.name
+
+    def _rename(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
+        table = self._remapped[feature]
+        m = getattr(self.remap, table)
+        if self.validate and ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= m.numel():
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise InputError(f"feature {feature!r} (table {table!r}, {m.numel()} rows): row id {bad} is "
+                                 f"outside [0, {m.numel()})")
+        return m.index_select(0, ids)
+
+    # -- interface -----------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        if self.local is not None:
+            return self.local.device
+        return next(iter(self.tt.values())).device
+
+    @property
+    def output_dim(self) -> int:
+        return sum(self.feature_dims)
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of weights, TT cores and optimizer state."""
+        n = self.local.memory_bytes if self.local is not None else 0
+        return n + sum(m.memory_bytes for m in self.tt.values())
+
+    @property
+    def lr(self) -> float:
+        return self.local.lr if self.local is not None else next(iter(self.tt.values())).lr
+
+    def extra_repr(self) -> str:
+        return (f"tables={len(self.tables)} ({len(self.tt)} TT), features={len(self.feature_names)}, "
+                f"reordered={sorted(set(self._remapped.values()))}")
+
+    def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        """Pooled embeddings ``[B, sum(feature_dims)]``, columns in ``feature_names`` order."""
+        keys = features.keys
+        pos: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            if k not in self._feature_table:
+                raise InputError(f"feature {k!r} is not read by any table here; known features: "
+                                 f"{self.feature_names + self.sequence_feature_names}")
+            pos[k] = i
+        missing = [f for f in self.feature_names if f not in pos]
+        if missing:
+            raise InputError(f"got {len(keys)} features {keys}, expected the {len(self.feature_names)} pooled "
+                             f"features {self.feature_names}: missing {missing}")
+        F_in, B = len(keys), features.batch_size
+        lengths2d = features.lengths.view(F_in, B)
+        if not self.tt and not self._remapped and self.local is not None:
+            return self.local(features)
+        values = list(torch.split(features.values, lengths2d.sum(1).tolist()))
+        weights = (list(torch.split(features.weights, [v.numel() for v in values]))
+                   if features.weights is not None else None)
+        for f, i in pos.items():
+            if f in self._remapped:
+                values[i] = self._rename(f, values[i])
+        cols: dict[str, torch.Tensor] = {}
+        if self.local is not None:
+            lk = [k for k in keys if self._feature_table[k].compression != "tt"]
+            idx = [pos[k] for k in lk]
+            sub = JaggedFeatures(lk, torch.cat([values[i] for i in idx]), lengths2d[idx].reshape(-1),
+                                 torch.cat([weights[i] for i in idx]) if weights is not None else None)
+            out = self.local(sub)
+            for f, o in zip(self.local.feature_names, torch.split(out, self.local.feature_dims, dim=1)):
+                cols[f] = o
+        for name, m in self.tt.items():
+            t = self._spec[name]
+            idx = [pos[f] for f in t.features]
+            k = len(idx)
+            vals = torch.cat([values[i] for i in idx]) if k > 1 else values[idx[0]]
+            lens = lengths2d[idx].reshape(-1)
+            offsets = lens.new_zeros(k * B + 1)
+            torch.cumsum(lens, 0, out=offsets[1:])
+            psw = (torch.cat([weights[i] for i in idx]) if k > 1 else weights[idx[0]]) if weights is not None else None
+            out = m(vals, offsets, psw)  # [k * B, dim], key-major bags
+            out = out.view(k, B, t.dim)
+            for j, f in enumerate(t.features):
+                cols[f] = out[j]
+        return torch.cat([cols[f] for f in self.feature_names], dim=1)
+
+    def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
+        """``{feature: [B, dim]}`` column views of :meth:`forward`."""
+        out = self.forward(features)
+        return dict(zip(self.feature_names, torch.split(out, self.feature_dims, dim=1)))
