@@ -72,3 +72,18 @@ def test_drift_detects_shift_and_counts_moves():
 def test_make_plan_bad_profile():
     with pytest.raises(ConfigError, match="profile table 't0': 3 counts for a table of 20000 rows"):
         make_plan("oper", TABLES, ArrayProfile({t.name: np.ones(3) for t in TABLES}), TOPO)
+
+
+def test_access_profile_duck_typing_matches_array_profile():
+    mod = pytest.importorskip("embedscale.data.profile")
+    rng = np.random.default_rng(0)
+    counts = {t.name: rng.zipf(1.5, size=t.num_rows).astype(np.int64) for t in TABLES}
+    ap = mod.AccessProfile(counts, samples=1000)
+    arr = ArrayProfile(counts, samples=1000)
+    a = make_plan("oper", TABLES, ap, TOPO, mode="training", batch_size=512)
+    b = make_plan("oper", TABLES, arr, TOPO, mode="training", batch_size=512)
+    a.validate()
+    from embedscale.plan.cost import evaluate
+
+    ca, cb = evaluate(a, arr, TOPO, mode="training", batch_size=512), evaluate(b, ap, TOPO, mode="training", batch_size=512)
+    assert ca.max_rank_cost == pytest.approx(cb.max_rank_cost, rel=1e-9)

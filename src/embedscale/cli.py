@@ -294,34 +294,26 @@ def _report_manifest(m, out_dir):
                                                      if skipped.get("count") else ""))
 
 
-@data.command("criteo")
-@_common_convert_options
-def data_criteo(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
-    """Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards."""
-    from embedscale.data.criteo import convert_criteo
+def _convert_command(fmt: str, doc: str):
+    @_common_convert_options
+    def command(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
+        import importlib
 
-    try:
-        m = convert_criteo(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
-                           min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
-                           progress=not no_progress)
-    except EmbedscaleError as e:
-        _fail(e)
-    _report_manifest(m, out_dir)
+        convert = getattr(importlib.import_module(f"embedscale.data.{fmt}"), f"convert_{fmt}")
+        try:
+            m = convert(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
+                        min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
+                        progress=not no_progress)
+        except EmbedscaleError as e:
+            _fail(e)
+        _report_manifest(m, out_dir)
+
+    command.__doc__ = doc
+    return data.command(fmt)(command)
 
 
-@data.command("avazu")
-@_common_convert_options
-def data_avazu(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
-    """Convert Avazu CSV (24 columns) into shards."""
-    from embedscale.data.avazu import convert_avazu
-
-    try:
-        m = convert_avazu(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
-                          min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
-                          progress=not no_progress)
-    except EmbedscaleError as e:
-        _fail(e)
-    _report_manifest(m, out_dir)
+_convert_command("criteo", "Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards.")
+_convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
 
 
 @data.command("synthetic")

@@ -584,8 +584,7 @@ class _PgasSend(torch.autograd.Function):
                 mod.transport.record(nd * D * itemsize, q, "pooled")
                 mod._count_direct(q, nd * D * itemsize, "pooled", sent=True)
         part = torch.cat(parts) if parts else mod.weight.new_zeros((0, D))
-        pbv = torch.repeat_interleave(torch.arange(npb), lens)
-        return (offq, pbv, scq, npb), part
+        return (offq, lens, scq, npb), part
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -602,9 +601,10 @@ class _PgasSend(torch.autograd.Function):
         got[me] = parts[me]
         rows, grads, rep_slots, rep_grads = [], [], [], []
         for q in range(W):
-            offq, pbv, scq, npb = served[q]
+            offq, lens, scq, npb = served[q]
             if offq.numel() == 0:
                 continue
+            pbv = torch.repeat_interleave(torch.arange(npb), lens)  # the partial bag of every value
             r, g = aggregate_row_gradients(offq.to(dev), got[q], src_index=pbv.to(dev), scale=scq.to(dev))
             owned = r < mod.num_owned
             rows.append(r[owned])

@@ -468,12 +468,13 @@ class _Group:
     slice is read once instead of once per entry (on a CPU the per-entry gather of slices, not the
     arithmetic, is what costs), and in backward the slice gradient ``sum_u P_u^T G_u`` of eq. 6 comes out
     already summed per distinct slice. ``slot`` is each entry's row in the padded ``[J * L]`` layout,
-    ``src`` the parent of every padded row (``num_parents`` = an all-zero row for padding).
+    ``src`` the parent of every padded row (padding rows point at parent 0: their output is dropped and
+    their output gradient is zero, so they add nothing to either gradient).
     """
 
     slices: torch.Tensor  # distinct core-slice indices [J], ascending
     slot: torch.Tensor  # [U] padded row of each entry
-    src: torch.Tensor  # [J * L] parent of each padded row (num_parents for padding)
+    src: torch.Tensor  # [J * L] parent of each padded row (0 for padding)
     L: int
     num_parents: int
 
@@ -540,7 +541,7 @@ def _make_group(idx: torch.Tensor, parent: torch.Tensor, num_parents: int, max_p
     slot_sorted = owner * L + (torch.arange(U, device=idx.device) - offs[owner])
     slot = torch.empty_like(slot_sorted)
     slot[order] = slot_sorted
-    src = torch.full((J * L,), num_parents, dtype=torch.int64, device=idx.device)
+    src = torch.zeros(J * L, dtype=torch.int64, device=idx.device)
     src[slot] = parent
     return _Group(slices, slot, src, L, num_parents)
 
@@ -596,6 +597,11 @@ class TTEmbeddingBag(_TTCores):
         super().__init__(num_embeddings, embedding_dim, tt_rank, **kwargs)
         self.grouped = grouped
         self.max_padding = float(max_padding)
+        # Group level k by slice only where a core slice (R_k n_k R_{k+1} values) outweighs the prefix row
+        # it multiplies (n_1..n_{k-1} R_k values): there reading each slice once saves traffic; elsewhere
+        # (the last core, whose slices are R x n_d) the padded prefix rows would cost more than they save.
+        a = [math.prod(self.dim_shape[:k]) for k in range(self.num_cores)]
+        self._group_level = [k > 0 and self.dim_shape[k] * self.ranks[k + 1] > a[k] for k in range(self.num_cores)]
         self.last_sizes: list[int] = []
 
     @classmethod
@@ -624,7 +630,8 @@ class TTEmbeddingBag(_TTCores):
             prefix = cur // m  # sorted, because cur is
             pu, pc = torch.unique_consecutive(prefix, return_counts=True)
             parent, parent_offsets = _segments(pc)
-            group = _make_group(idx, parent, pu.numel(), self.max_padding) if self.grouped else None
+            group = (_make_group(idx, parent, pu.numel(), self.max_padding)
+                     if self.grouped and self._group_level[k] else None)
             levels.append(_Level(idx, parent, parent_offsets, group))
             cur = pu
         return _ReusePlan(perm, counts, inverse, cur, levels[::-1])
@@ -659,8 +666,7 @@ class TTEmbeddingBag(_TTCores):
             if lv.group is not None:
                 g = lv.group
                 J = g.slices.numel()
-                P_ext = torch.cat([P, P.new_zeros(1, a, R)])  # row num_parents: zeros for padding
-                X = P_ext.index_select(0, g.src).view(J, g.L * a, R)
+                X = P.index_select(0, g.src).view(J, g.L * a, R)
                 C = cores[k].index_select(0, g.slices)  # each distinct slice once
                 Y = torch.bmm(X, C).view(J * g.L, -1).index_select(0, g.slot)
             else:
@@ -702,7 +708,7 @@ class TTEmbeddingBag(_TTCores):
                 Gp = Gp.view(J, g.L * a, -1)
                 dC = torch.bmm(X.transpose(1, 2), Gp)  # [J, R_k, n_k R_{k+1}]: summed per distinct slice
                 dX = torch.bmm(Gp, C.transpose(1, 2)).view(J * g.L, a, -1)
-                G = G.new_zeros(num_parents + 1, a, dX.shape[2]).index_add_(0, g.src, dX)[:num_parents]
+                G = G.new_zeros(num_parents, a, dX.shape[2]).index_copy_(0, g.src, dX)
                 self._accumulate(k, g.slices, dC, dense, distinct=True)
             else:
                 Gk = G.reshape(U, X.shape[1], -1)  # [U_k, a_{k-1}, n_k R_{k+1}]

@@ -369,7 +369,7 @@ class PipelinedEmbedding(nn.Module):
                 for g in range(len(ps.layouts)):
                     rows, w, m = self.cache.latest(g)
                     rows = rows.to(ps.device)
-                    weights[g].index_copy_(0, rows, w.to(ps.device))
+                    pass
                     if moms[g] is not None:
                         moms[g].index_copy_(0, rows, m.to(ps.device))
         out = {}

@@ -117,7 +117,35 @@ def plan_oper(
         for t in st:
             heads.append(t.head_counts(t.count_above(f_thr * samples)))
         hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
-    history = []
+    history: list[dict] = []
+
+    def build(parts: Partitions, owner: np.ndarray) -> dict:
+        """Assemble one plan's arrays (replicated prefixes + partitions), run Algorithm 1, evaluate it."""
+        pt = [np.flatnonzero(hot > 0).astype(np.int32), parts.table]
+        ps = [np.zeros(int((hot > 0).sum()), dtype=np.int64), parts.start]
+        pe = [hot[hot > 0], parts.stop]
+        po = [(np.flatnonzero(hot > 0) % m).astype(np.int32), owner]
+        pc = [np.array([t.skip_count for t, k in zip(st, hot) if k > 0]), parts.counts]
+        table, start = np.concatenate(pt), np.concatenate(ps)
+        idx = np.lexsort((start, table))
+        table, start = table[idx], start[idx]
+        stop, own = np.concatenate(pe)[idx], np.concatenate(po)[idx].astype(np.int32)
+        counts = np.concatenate(pc)[idx]
+        is_rep = np.concatenate([np.ones(pt[0].size, dtype=bool), np.zeros(parts.size, dtype=bool)])[idx]
+        holders = np.zeros((table.size, m), dtype=bool)
+        holders[np.arange(table.size), own] = True
+        holders[is_rep] = True
+        fetch = np.where(holders, np.arange(m, dtype=np.int32)[None, :], own[:, None]).astype(np.int32)
+        alg1 = None
+        if mode == "inference" and replicate and m > 1:  # 4. Algorithm 1
+            nbytes = (stop - start) * rb[table]
+            avail = cap - (holders * nbytes[:, None]).sum(axis=0)
+            alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail,
+                              exhaust_links=exhaust_links, order=alg1_order, choice=alg1_choice)
+        cost = evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
+        return {"table": table, "start": start, "stop": stop, "own": own, "counts": counts, "holders": holders,
+                "fetch": fetch, "alg1": alg1, "cost": cost}
+
     attempt = 0
     while True:
         for t, k in zip(st, hot):
@@ -128,8 +156,8 @@ def plan_oper(
         base_lookup = np.full(m, float((rep_access * rb).sum())) * local
         base_mem = np.full(m, rep_bytes)
         try:
-            best = _refine(st, topo, place_cap, base_lookup, base_mem, scale, local, threshold, mem_thr,
-                           balance_target, min_threshold, max_partitions, history)
+            best, thr_used = _refine(st, topo, place_cap, base_lookup, base_mem, scale, local, threshold, mem_thr,
+                                     balance_target, min_threshold, max_partitions, history, build)
             break
         except ConfigError:
             if hot.sum() == 0:
@@ -139,32 +167,8 @@ def plan_oper(
             attempt += 1
             budget = budget - slack if attempt <= 8 else budget / 2
             hot = training_hot_rows(heads, rb, f_thr * samples, budget, m) if budget > 0 else np.zeros_like(hot)
-    parts, owner, thr_used = best
-
-    # assemble: per table, the replicated prefix (held everywhere) then the partitions, in position order
-    pt = [np.flatnonzero(hot > 0).astype(np.int32), parts.table]
-    ps = [np.zeros(int((hot > 0).sum()), dtype=np.int64), parts.start]
-    pe = [hot[hot > 0], parts.stop]
-    po = [(np.flatnonzero(hot > 0) % m).astype(np.int32), owner]
-    pc = [np.array([t.skip_count for t, k in zip(st, hot) if k > 0]), parts.counts]
-    table, start = np.concatenate(pt), np.concatenate(ps)
-    idx = np.lexsort((start, table))
-    table, start = table[idx], start[idx]
-    stop, own = np.concatenate(pe)[idx], np.concatenate(po)[idx]
-    counts = np.concatenate(pc)[idx]
-    is_rep = np.concatenate([np.ones(pt[0].size, dtype=bool), np.zeros(parts.size, dtype=bool)])[idx]
-    holders = np.zeros((table.size, m), dtype=bool)
-    holders[np.arange(table.size), own] = True
-    holders[is_rep] = True
-    fetch = np.where(holders, np.arange(m, dtype=np.int32)[None, :], own[:, None]).astype(np.int32)
-
-    alg1 = None
-    if mode == "inference" and replicate and m > 1:
-        nbytes = (stop - start) * rb[table]
-        mem = (holders * nbytes[:, None]).sum(axis=0)
-        avail = cap - mem
-        alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail, exhaust_links=exhaust_links,
-                          order=alg1_order, choice=alg1_choice)
+    table, start, stop, own, counts = best["table"], best["start"], best["stop"], best["own"], best["counts"]
+    holders, fetch, alg1 = best["holders"], best["fetch"], best["alg1"]
 
     moves = 0
     if polish_moves > 0 and m > 1:
@@ -206,12 +210,17 @@ def plan_oper(
 
 
 def _refine(st, topo, cap, base_lookup, base_mem, scale, local, threshold, mem_thr, target, min_threshold,
-            max_partitions, history):
-    """Partition (4.1) + balanced model parallelism (4.2), halving the threshold until the DoB target."""
+            max_partitions, history, build, patience=2):
+    """Partition (4.1), balanced model parallelism (4.2) and replication (4.3, via ``build``), halving the
+    threshold until the degree of balance of memory, lookup and communication of the finished plan all
+    reach ``target`` (4.2: "re-generate new partitions ... with a smaller threshold"), or ``patience``
+    halvings in a row brought nothing better. Returns the most balanced plan seen (ties: the lower
+    bottleneck cost) and its threshold."""
     m = topo.world_size
     rb = np.array([t.row_bytes for t in st], dtype=np.float64)
     thr, mthr = threshold, mem_thr
     best = None
+    stale = 0  # halvings since the best plan improved
     while True:
         parts: Partitions = partition_tables(st, thr, memory_threshold=min(thr, mthr))
         a = parts.counts * scale
@@ -223,14 +232,20 @@ def _refine(st, topo, cap, base_lookup, base_mem, scale, local, threshold, mem_t
 
         owner, e, mem = balanced_model_parallel(lookup, parts.nbytes, parts.access_bound, cap, base_lookup, base_mem,
                                                 describe)
-        dm, dl = dob(mem), dob(e)
+        built = build(parts, owner)
+        c = built["cost"]
+        dm, dl, dc = c.dob_memory, c.dob_lookup, c.dob_comm
         history.append({"threshold": thr, "memory_threshold": min(thr, mthr), "partitions": parts.size,
-                        "dob_memory": dm, "dob_lookup": dl})
-        score = min(dm, dl)
+                        "dob_memory_mp": dob(mem), "dob_lookup_mp": dob(e),
+                        "dob_memory": dm, "dob_lookup": dl, "dob_comm": dc, "max_rank_cost": c.max_rank_cost})
+        score = (min(dm, dl, dc), -c.max_rank_cost)
         if best is None or score > best[0]:
-            best = (score, parts, owner, thr)
-        if (dm >= target and dl >= target) or thr / 2 < min_threshold or parts.size * 2 > max_partitions:
+            best, stale = (score, built, thr), 0
+        else:
+            stale += 1
+        if (min(dm, dl, dc) >= target or thr / 2 < min_threshold or parts.size * 2 > max_partitions
+                or stale >= patience):
             break
         thr /= 2
         mthr /= 2
-    return best[1], best[2], best[3]
+    return best[1], best[2]

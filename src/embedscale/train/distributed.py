@@ -304,21 +304,10 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     """Sharded inference: the checkpoint's model under an inference plan (``dist.mode = inference``: hot rows
     replicated by OPER Algorithm 1), scoring the eval split; rank 0 writes ``predictions.npy`` and
     ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
-    from embedscale.train.launch import init_from_env
     from embedscale.train.metrics import logloss_from_logits, roc_auc
 
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg.dist.nproc = world
     cfg.dist.mode = "inference"
-    rd = shared_run_dir(cfg, run_dir)
-    if rank == 0:
-        if not (rd / READY).exists():
-            prepare_on_rank0(cfg, rd, progress)
-    else:
-        _wait_for_rank0(rd, timeout_s=max(cfg.dist.timeout_s, 3600.0))
-    backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
-    init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(Path(checkpoint))
     if run.eval_loader is None:
@@ -363,15 +352,13 @@ def latest_sharded_checkpoint(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
-                      resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
-    """One rank's part of a distributed run (call it on every rank; torchrun's env says which)."""
+def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path, int, int]:
+    """Rank 0 prepares the run (data, profile, plan), the others wait for it; then all join the group."""
     from embedscale.train.launch import init_from_env
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.dist.nproc != world:
-        cfg.dist.nproc = world
+    cfg.dist.nproc = world
     rd = shared_run_dir(cfg, run_dir)
     if rank == 0:
         if not (rd / READY).exists():
@@ -380,6 +367,14 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
         _wait_for_rank0(rd, timeout_s=max(cfg.dist.timeout_s, 3600.0))
     backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    return rd, rank, world
+
+
+def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
+                      resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
+    """One rank's part of a distributed run (call it on every rank; torchrun's env says which)."""
+
+    rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress)
     ck = Path(resume_from) if resume_from else latest_sharded_checkpoint(rd)
     if ck is not None:

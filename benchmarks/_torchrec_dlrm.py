@@ -1,0 +1,203 @@
+"""TorchRec's side of ``bench_vs_torchrec``: a DLRM over an EmbeddingBagCollection of our tables, sharded by
+TorchRec's own planner and wrapped in ``DistributedModelParallel`` (gloo, CPU: FBGEMM's CPU TBE kernels),
+plus the bookkeeping the benchmark needs on both sides: weight copying (so both models start equal),
+byte counters on the collectives, and DDP comm hooks that count what DDP's C++ reducer sends.
+
+Nothing here is library code: it is the baseline harness, kept apart so the benchmark reads as a benchmark.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# -- byte counting -----------------------------------------------------------------------------------
+#
+# Every embedding exchange on both sides is a ``dist.all_to_all_single`` called from Python (our
+# CollectiveTransport; TorchRec's KJT and pooled-embedding all-to-alls), so one wrapper counts both the
+# same way: the bytes a rank sends to *other* ranks (its own split stays local). DDP's AllReduces run in
+# C++ and are counted by the comm hooks below (ring model: 2 (W-1)/W of the bucket per rank, as OPER eq. 5
+# and our grad_sync count).
+
+BYTES = {"a2a": 0, "a2a_calls": 0}
+_PATCHED = False
+
+
+def _a2a_sent(inp: torch.Tensor, input_split_sizes, group) -> int:
+    world = dist.get_world_size(group)
+    me = dist.get_rank(group)
+    rows = inp.shape[0] if inp.dim() else inp.numel()
+    per_row = (inp.numel() // max(rows, 1)) * inp.element_size() if rows else 0
+    if input_split_sizes is None or len(input_split_sizes) == 0:
+        splits = [rows // world] * world
+    else:
+        splits = [int(s) for s in input_split_sizes]
+    return int(sum(s for p, s in enumerate(splits) if p != me) * per_row)
+
+
+def patch_collectives() -> None:
+    """Wrap ``torch.distributed.all_to_all_single`` with a counter (idempotent, this process only)."""
+    global _PATCHED
+    if _PATCHED:
+        return
+    orig = dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        BYTES["a2a"] += _a2a_sent(input, input_split_sizes, group)
+        BYTES["a2a_calls"] += 1
+        return orig(output, input, output_split_sizes=output_split_sizes, input_split_sizes=input_split_sizes,
+                    group=group, async_op=async_op)
+
+    dist.all_to_all_single = counted
+    _PATCHED = True
+
+
+def ring_bytes(numel_bytes: int, world: int) -> int:
+    return int(2 * (world - 1) * numel_bytes // max(world, 1))
+
+
+class HookCounter:
+    """DDP comm hook state: counts ring-AllReduce bytes; ``mean`` divides by the world (DDP's default)."""
+
+    def __init__(self, mean: bool):
+        self.mean = mean
+        self.bytes = 0
+        self.world = dist.get_world_size()
+
+
+def counting_allreduce_hook(state: HookCounter, bucket):
+    buf = bucket.buffer()
+    state.bytes += ring_bytes(buf.numel() * buf.element_size(), state.world)
+    if state.mean:
+        buf.div_(state.world)
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+# -- the TorchRec model --------------------------------------------------------------------------------
+
+def build_torchrec_dlrm(tables, bottom_mlp, top_mlp, *, world: int, batch_per_rank: int, optimizer: str,
+                        lr: float, eps: float, num_dense: int = 13):
+    """TorchRec DLRM on a meta-device EBC (DMP materialises only this rank's shards), with the fused
+    in-backward optimizer ``optimizer`` (``sgd`` -> EXACT_SGD, ``rowwise_adagrad`` -> EXACT_ROWWISE_ADAGRAD)
+    and the sharding plan of TorchRec's ``EmbeddingShardingPlanner`` on ``world`` CPU ranks of one host.
+
+    Returns ``(unsharded model, plan)``; wrap it with ``wrap_dmp``. Dense layers are on CPU, as built
+    by TorchRec (copy our weights into them before wrapping).
+    """
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.models.dlrm import DLRM
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    configs = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows,
+                                  feature_names=list(t.features),
+                                  pooling=PoolingType.SUM if t.pooling == "sum" else PoolingType.MEAN)
+               for t in tables]
+    ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    dim = tables[0].dim
+    model = DLRM(ebc, num_dense, list(bottom_mlp) + [dim], list(top_mlp) + [1])
+    if optimizer == "sgd":
+        apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": lr})
+    elif optimizer == "rowwise_adagrad":
+        apply_optimizer_in_backward(RowWiseAdagrad, model.sparse_arch.parameters(), {"lr": lr, "eps": eps})
+    else:
+        raise ValueError(f"optimizer {optimizer!r}")
+    topo = Topology(world_size=world, compute_device="cpu", local_world_size=world)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planner = EmbeddingShardingPlanner(topology=topo, batch_size=batch_per_rank)
+        plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
+    return model, plan
+
+
+def wrap_dmp(model, plan):
+    """``DistributedModelParallel`` over the default group; returns ``(dmp, dense hook, dp-table hook)``:
+    counting comm hooks on DMP's dense DDP and on every data-parallel table group's DDP."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.GroupMember.WORLD),
+                                           device=torch.device("cpu"), plan=plan,
+                                           sharders=[EmbeddingBagCollectionSharder()])
+    finally:
+        logging.getLogger().setLevel(level)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dense_hook, dp_hook = HookCounter(mean=True), HookCounter(mean=True)
+    outer = dmp._dmp_wrapped_module
+    if isinstance(outer, DDP):
+        outer.register_comm_hook(dense_hook, counting_allreduce_hook)
+    for m in outer.modules():
+        if isinstance(m, DDP) and m is not outer:  # the data-parallel tables' lookups (TorchRec wraps them)
+            import os
+            if os.environ.get("DIAG_NOHOOK"):
+                continue
+            m.register_comm_hook(dp_hook, counting_allreduce_hook)
+    return dmp, dense_hook, dp_hook
+
+
+def inner_dlrm(dmp):
+    """The (sharded) torchrec DLRM inside DMP's DDP."""
+    m = dmp._dmp_wrapped_module
+    return m.module if hasattr(m, "module") else m
+
+
+def sharding_types(plan) -> dict[str, str]:
+    per = next(iter(plan.plan.values()))
+    return {k: v.sharding_type for k, v in per.items()}
+
+
+# -- same initial weights ------------------------------------------------------------------------------
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
+
+
+def copy_dense(ours: nn.Module, theirs: nn.Module) -> None:
+    """Our DLRM's bottom and top MLP weights into TorchRec's DLRM (same layer order and shapes)."""
+    for a, b in ((ours.dense_arch, theirs.dense_arch), (ours.over_arch, theirs.over_arch)):
+        la, lb = _linears(a), _linears(b)
+        assert [tuple(x.weight.shape) for x in la] == [tuple(x.weight.shape) for x in lb], (la, lb)
+        with torch.no_grad():
+            for x, y in zip(la, lb):
+                y.weight.copy_(x.weight)
+                y.bias.copy_(x.bias)
+
+
+def copy_embeddings(dmp, tables, seed: int = 0) -> int:
+    """Write our placement-independent initial rows (``embedding.init.uniform_rows``) into every shard
+    TorchRec holds on this rank (table-wise/row-wise/column-wise shards and data-parallel copies)."""
+    from embedscale.embedding.init import uniform_rows
+
+    sd = dmp.state_dict()
+    n = 0
+    for t, spec in enumerate(tables):
+        key = next(k for k in sd if k.endswith(f"embedding_bags.{spec.name}.weight"))
+        w = sd[key]
+        if hasattr(w, "local_shards"):
+            parts = [(s.tensor, s.metadata.shard_offsets) for s in w.local_shards()]
+        else:
+            parts = [(w, [0, 0])]
+        for tensor, (r0, c0) in parts:
+            rows = np.arange(r0, r0 + tensor.shape[0])
+            full = uniform_rows(seed, t, rows, spec.dim, spec.num_rows)
+            with torch.no_grad():
+                tensor.copy_(torch.from_numpy(full[:, c0:c0 + tensor.shape[1]]))
+            n += tensor.shape[0]
+    return n

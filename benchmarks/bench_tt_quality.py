@@ -1,0 +1,232 @@
+"""Model quality with TT tables: DLRM with EL-Rec's compression policy against the same DLRM uncompressed.
+
+EL-Rec Table IV: compressing the tables of more than 1M rows (rank 32 here) costs under 0.1% accuracy. Two
+runs of one DLRM (embedscale's default config: dim 16, bottom MLP 512-256-64, top 512-256, row-wise
+Adagrad for the embeddings, Adagrad for the dense part, lr 0.05, batch 2048), the same dense init, the
+same uncompressed small tables (``workflow.hash_init``), the same batches in the same order, interleaved
+step by step:
+
+* ``uncompressed``: every table in a ``LocalEmbeddingBags``;
+* ``tt``: ``apply_tt_policy(tables, --threshold, --rank)`` and ``MixedEmbedding`` (large tables as
+  ``TTEmbeddingBag``, their cores trained by ``--tt-optimizer`` at ``--tt-lr``).
+
+Synthetic part: ``--train`` samples (2M) of the full-cardinality ``criteo-kaggle`` synthetic preset (5
+tables over 1M rows), one epoch, evaluated on ``--eval`` further samples (exact AUC and logloss). The
+figure is the TT model's eval AUC, the baseline the uncompressed model's; the bar is |difference| <= 0.002.
+
+Real part (``--real``, default on when the file exists): the first 10k rows of Criteo Kaggle
+(``/work/shared/data/criteo_kaggle_head10k.tsv``, vocabulary mode), rows 0-8k train, 8k-10k eval,
+``--real-epochs`` epochs. No table there has 1M rows, so tables over ``--real-threshold`` rows are
+compressed; with 2k eval rows the AUCs carry about +-0.01 of sampling noise.
+
+Prints one JSON line on stdout; progress on stderr; writes ``benchmarks/results/tt_quality.md``.
+
+    .venv/bin/python benchmarks/bench_tt_quality.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from embedscale.data.loader import ShardLoader
+from embedscale.embedding.compression import apply_tt_policy, compression_report
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.mixed import MixedEmbedding
+from embedscale.models import build_model
+from embedscale.specs import DataConfig, ModelConfig, RunConfig, SyntheticConfig, TrainConfig
+from embedscale.train.trainer import evaluate
+from embedscale.workflow import hash_init, make_dense_optimizer, prepare_data, tables_for
+
+RESULTS = Path(__file__).resolve().parent / "results" / "tt_quality.md"
+REAL = Path("/work/shared/data/criteo_kaggle_head10k.tsv")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def build_pair(cfg: RunConfig, tables, num_dense: int, args):
+    """(uncompressed, tt) models with the same dense init and the same small tables."""
+    t = cfg.train
+    init = hash_init(t.seed, tables)
+    torch.manual_seed(t.seed)
+    base_emb = LocalEmbeddingBags(tables, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=init)
+    base = build_model(cfg.model, tables, num_dense, embedding=base_emb)
+    tt_tables = apply_tt_policy(tables, args.threshold, args.rank)
+    torch.manual_seed(t.seed)
+    tt_emb = MixedEmbedding(tt_tables, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=init, seed=t.seed,
+                            tt_optimizer=args.tt_optimizer, tt_lr=args.tt_lr)
+    tt = build_model(cfg.model, tt_tables, num_dense, embedding=tt_emb)
+    for (na, a), (nb, b) in zip(base.named_parameters(), tt.named_parameters()):
+        assert na == nb and torch.equal(a, b), f"dense init differs at {na}"
+    models = {"uncompressed": (base, make_dense_optimizer(t, base.dense_parameters())),
+              "tt": (tt, make_dense_optimizer(t, tt.dense_parameters()))}
+    return models, compression_report(tt_tables)
+
+
+def train_pair(models, train_loader, eval_loader, epochs: int, desc: str) -> dict:
+    loss_fn = torch.nn.BCEWithLogitsLoss()
+    seconds = {k: 0.0 for k in models}
+    losses = {k: [] for k in models}
+    samples = 0
+    for epoch in range(epochs):
+        train_loader.set_epoch(epoch)
+        for batch in tqdm(train_loader, desc=f"{desc} epoch {epoch + 1}/{epochs}", file=sys.stderr, leave=False):
+            for name, (m, opt) in models.items():
+                t0 = time.perf_counter()
+                m.train()
+                loss = loss_fn(m(batch.dense, batch.sparse), batch.labels)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                seconds[name] += time.perf_counter() - t0
+                losses[name].append(float(loss.detach()))
+            samples += batch.batch_size
+    out = {}
+    for name, (m, _) in models.items():
+        ev = evaluate(m, eval_loader, progress=True)
+        tail = losses[name][-max(1, len(losses[name]) // 10):]
+        out[name] = {"eval_auc": ev["auc"], "eval_logloss": ev["logloss"], "eval_samples": ev["samples"],
+                     "train_logloss_last10pct": float(np.mean(tail)),
+                     "train_samples_per_s": samples / seconds[name] if seconds[name] else math.nan}
+        log(f"{desc} {name}: {out[name]}")
+    out["auc_difference"] = out["tt"]["eval_auc"] - out["uncompressed"]["eval_auc"]
+    out["train_samples"] = samples
+    return out
+
+
+def synthetic_part(args) -> dict:
+    cfg = RunConfig(
+        data=DataConfig(source="synthetic", train_samples=args.train, eval_samples=args.eval, seed=args.seed,
+                        synthetic=SyntheticConfig(preset="criteo-kaggle", max_rows=0)),
+        model=ModelConfig(), train=TrainConfig(batch_size=args.batch, seed=args.seed))
+    data = prepare_data(cfg, cache_root=args.cache, progress=True)
+    tables = tables_for(cfg, data.manifest)
+    models, report = build_pair(cfg, tables, data.manifest.num_dense, args)
+    log(f"synthetic: {sum(t.compression == 'tt' for t in apply_tt_policy(tables, args.threshold, args.rank))} TT "
+        f"tables, embedding bytes {report.bytes_before / 2**20:,.0f} MiB -> {report.bytes_after / 2**20:,.1f} MiB")
+    train = ShardLoader(data.train.directory, args.batch, start=data.train.start, stop=data.train.stop, prefetch=2,
+                        shuffle=False)
+    ev = ShardLoader(data.eval.directory, 8192, start=data.eval.start, stop=data.eval.stop, prefetch=2)
+    res = train_pair(models, train, ev, 1, "synthetic")
+    res.update({"teacher_auc": data.teacher_auc, "compression_ratio": report.ratio,
+                "bytes_before": report.bytes_before, "bytes_after": report.bytes_after,
+                "tt_tables": [t.name for t in report.tables if t.compression == "tt"]})
+    return res
+
+
+def real_part(args) -> dict:
+    from embedscale.data.criteo import convert_criteo
+    from embedscale.data.shards import MANIFEST, Manifest
+
+    out = Path(args.cache) / "criteo-head10k-vocab"
+    if not (out / MANIFEST).exists():
+        convert_criteo(str(REAL), out, categorical="vocab", progress=False)
+    manifest = Manifest.load(out)
+    n = manifest.rows
+    cut = int(round(n * 0.8))
+    cfg = RunConfig(model=ModelConfig(), train=TrainConfig(batch_size=args.real_batch, seed=args.seed))
+    tables = tables_for(cfg, manifest)
+    real_args = argparse.Namespace(**{**vars(args), "threshold": args.real_threshold})
+    models, report = build_pair(cfg, tables, manifest.num_dense, real_args)
+    train = ShardLoader(out, args.real_batch, start=0, stop=cut, prefetch=0, shuffle=True, seed=args.seed)
+    ev = ShardLoader(out, 4096, start=cut, stop=n, prefetch=0)
+    res = train_pair(models, train, ev, args.real_epochs, "criteo-10k")
+    res.update({"rows_train": cut, "rows_eval": n - cut, "epochs": args.real_epochs,
+                "threshold_rows": args.real_threshold, "compression_ratio": report.ratio,
+                "tt_tables": [t.name for t in report.tables if t.compression == "tt"]})
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100k/50k synthetic samples and the real 10k rows (~3 min)")
+    ap.add_argument("--train", type=int, default=None)
+    ap.add_argument("--eval", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--threshold", type=int, default=1_000_000)
+    ap.add_argument("--tt-optimizer", default="default", help="TT core optimizer (default: MixedEmbedding's)")
+    ap.add_argument("--tt-lr", type=float, default=None, help="TT core learning rate (default: the sparse lr)")
+    ap.add_argument("--real", choices=["auto", "yes", "no"], default="auto")
+    ap.add_argument("--real-threshold", type=int, default=1000)
+    ap.add_argument("--real-epochs", type=int, default=2)
+    ap.add_argument("--real-batch", type=int, default=256)
+    ap.add_argument("--cache", default="runs/bench-data")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-results", action="store_true")
+    args = ap.parse_args()
+    args.train = args.train or (100_000 if args.quick else 2_000_000)
+    args.eval = args.eval or (50_000 if args.quick else 500_000)
+    torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()
+    t0 = time.perf_counter()
+    syn = synthetic_part(args)
+    real = real_part(args) if args.real == "yes" or (args.real == "auto" and REAL.exists()) else None
+    result = {
+        "benchmark": "tt_quality",
+        "figure": round(syn["tt"]["eval_auc"], 5),
+        "baseline": round(syn["uncompressed"]["eval_auc"], 5),
+        "ratio": round(syn["tt"]["eval_auc"] / syn["uncompressed"]["eval_auc"], 5),
+        "unit": "eval AUC (synthetic criteo-kaggle)",
+        "auc_difference": round(syn["auc_difference"], 5),
+        "bar": "|AUC(tt) - AUC(uncompressed)| <= 0.002",
+        "bar_met": abs(syn["auc_difference"]) <= 0.002,
+        "synthetic": syn,
+        "real_criteo_10k": real,
+        "config": {"train": args.train, "eval": args.eval, "batch": args.batch, "rank": args.rank,
+                   "threshold_rows": args.threshold, "tt_optimizer": args.tt_optimizer, "tt_lr": args.tt_lr,
+                   "sparse_optimizer": "rowwise_adagrad", "lr": 0.05, "dense_optimizer": "adagrad",
+                   "threads": torch.get_num_threads(), "seed": args.seed, "torch": torch.__version__,
+                   "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+                   "wall_s": round(time.perf_counter() - t0, 1)},
+    }
+    print(json.dumps(result))
+    if not args.no_results:
+        write_markdown(result, " ".join(["benchmarks/bench_tt_quality.py"] + sys.argv[1:]))
+
+
+def write_markdown(r: dict, command: str) -> None:
+    from embedscale.io import atomic_write_text
+
+    c, s, real = r["config"], r["synthetic"], r["real_criteo_10k"]
+    lines = [f"### DLRM with TT tables vs uncompressed (EL-Rec Table IV)", "",
+             f"`.venv/bin/python {command}` — {c['threads']} thread(s), load average {c['loadavg_start'][0]:.1f} "
+             f"at start, {c['wall_s'] / 60:.0f} min.", "",
+             "| data | tables compressed | embedding bytes | AUC uncompressed | AUC TT | difference | "
+             "logloss uncompressed | logloss TT | train samples/s (uncompr. / TT) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+             f"| synthetic criteo-kaggle, {c['train']:,} train / {c['eval']:,} eval, 1 epoch "
+             f"(teacher AUC {s['teacher_auc']:.4f}) | {len(s['tt_tables'])} over {c['threshold_rows']:,} rows, "
+             f"rank {c['rank']} | {s['compression_ratio']:.1f}x smaller | {s['uncompressed']['eval_auc']:.5f} | "
+             f"{s['tt']['eval_auc']:.5f} | {s['auc_difference']:+.5f} | {s['uncompressed']['eval_logloss']:.5f} | "
+             f"{s['tt']['eval_logloss']:.5f} | {s['uncompressed']['train_samples_per_s']:,.0f} / "
+             f"{s['tt']['train_samples_per_s']:,.0f} |"]
+    if real:
+        lines.append(
+            f"| real Criteo head 10k (vocab), 8k train / 2k eval, {real['epochs']} epochs | "
+            f"{len(real['tt_tables'])} over {real['threshold_rows']:,} rows, rank {c['rank']} | "
+            f"{real['compression_ratio']:.1f}x | {real['uncompressed']['eval_auc']:.5f} | {real['tt']['eval_auc']:.5f} | "
+            f"{real['auc_difference']:+.5f} | {real['uncompressed']['eval_logloss']:.5f} | "
+            f"{real['tt']['eval_logloss']:.5f} | {real['uncompressed']['train_samples_per_s']:,.0f} / "
+            f"{real['tt']['train_samples_per_s']:,.0f} |")
+    lines += ["", f"Bar: {r['bar']} on the synthetic data: **{'met' if r['bar_met'] else 'NOT met'}** "
+              f"(EL-Rec Table IV: within 0.1%). TT cores: {c['tt_optimizer']} optimizer, lr "
+              f"{c['tt_lr'] if c['tt_lr'] is not None else c['lr']}.", ""]
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(RESULTS, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

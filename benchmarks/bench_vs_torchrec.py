@@ -1,0 +1,362 @@
+"""End-to-end throughput on 2 ranks (gloo, local CPU processes): embedscale against TorchRec's
+DistributedModelParallel, same run, same DLRM, same tables, same data, same initial weights. Issue 4's
+throughput bars: training at least 1.5x TorchRec (OPER on GPUs: 1.9-3.5x), inference at least 2x
+(OPER: 2.4-6.4x).
+
+Ours: ``ShardedEmbedding`` under the ``oper`` plan (5% extra memory; a training plan for training, an
+inference plan, hot rows replicated by OPER Algorithm 1, for inference), retrieve design, collective
+transport, fused row-wise Adagrad (or SGD); dense arches (``build_model``) in DDP with a sum hook and a
+loss of sum / global batch, as ``train.distributed`` does.
+
+TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
+TorchRec's own ``EmbeddingShardingPlanner`` (default settings, compute device cpu, the same 2-rank
+topology, the same per-rank batch) and wrapped in ``DistributedModelParallel`` (gloo; FBGEMM's CPU TBE
+kernels), fused in-backward optimizer of the same kind (``apply_optimizer_in_backward``: EXACT_ROWWISE_ADAGRAD
+or EXACT_SGD, same lr and eps); TorchRec's loss convention (mean over the local batch, DDP averaging,
+pooled-embedding gradients divided by the world size), which gives the same gradients.
+
+Both models get the same initial weights (our dense weights and our placement-independent embedding rows
+copied into TorchRec's shards), and the benchmark checks they compute the same logits at init and after one
+training step before it times anything. Steps of the two alternate (the order flips every step) so that the
+noise of a shared machine hits both alike; a step's time is the slowest rank's; figures are medians after
+warm-up. Breakdown: an embedding-only step (lookup + communication + fused update, with a fixed output
+gradient) timed the same way; dense = full step - embedding step. Bytes on wire: every ``all_to_all_single``
+of either side is counted by one wrapper (bytes sent to other ranks), DDP's AllReduces by counting comm
+hooks (ring model, 2 (W-1)/W of the bucket), our replica-gradient sync by its own counter.
+
+Setup: 26 criteo-kaggle tables capped at ``--max-rows`` rows (default 100k, 840,543 rows in all; scaled to
+fit), dim 16, synthetic power-law data (exponent 1.1, one-hot), global batch 4096 (2048 per rank). Two
+configs: ``table1`` (OPER Table 1 MLPs: bottom 512-256-64-16, top 512-256-1) and ``small`` (bottom
+64-32-16, top 128-64-1), where the dense part weighs less.
+
+    .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+CONFIGS = {
+    "table1": {"bottom_mlp": [512, 256, 64], "top_mlp": [512, 256]},
+    "small": {"bottom_mlp": [64, 32], "top_mlp": [128, 64]},
+}
+
+
+def _log(rank, msg):
+    if rank == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def worker(rank, world, cfg):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import _torchrec_dlrm as trh
+    from embedscale.comm.collective import CollectiveTransport
+    from embedscale.data.batch import JaggedFeatures
+    from embedscale.data.profile import AccessProfile
+    from embedscale.data.synthetic import SyntheticGenerator
+    from embedscale.embedding.address_map import address_map_from_plan
+    from embedscale.embedding.sharded import ShardedEmbedding
+    from embedscale.models import build_model
+    from embedscale.plan.api import make_plan
+    from embedscale.specs import ModelConfig, SyntheticConfig, Topology
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    trh.patch_collectives()
+    t_setup = time.perf_counter()
+    gen = SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle", max_rows=cfg["max_rows"], alpha=cfg["alpha"]),
+                             seed=0, embedding_dim=cfg["dim"])
+    tables = gen.tables
+    keys = [t.name for t in tables]
+    B, Bl = cfg["batch"], cfg["batch"] // world
+    P = cfg["profile_samples"]
+    cols = gen.sample(0, P)
+    profile = AccessProfile({t.name: np.bincount(cols.sparse[t.name][0], minlength=t.num_rows) for t in tables}, P)
+    nb = cfg["distinct_batches"]
+    data = gen.sample(P, B * nb)
+    batches = []
+    for s in range(nb):
+        lo, hi = s * B + Bl * rank, s * B + Bl * (rank + 1)
+        values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
+        lengths = torch.ones(values.numel(), dtype=torch.int64)
+        batches.append({"jf": JaggedFeatures(keys, values, lengths),
+                        "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
+                        "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
+                        "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
+    mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"])
+    opt_name, lr, eps = cfg["optimizer"], cfg["lr"], cfg["eps"]
+    topo = Topology(ranks_per_host=world)
+
+    # -- ours: oper plans, ShardedEmbedding, dense DDP with a sum hook ---------------------------------
+    emb_group = dist.new_group(backend="gloo")
+    tr = CollectiveTransport(rank, world, group=emb_group)
+    plan_tr = make_plan("oper", tables, profile, topo, mode="training", extra_memory=cfg["extra_memory"],
+                        batch_size=Bl)
+    plan_inf = make_plan("oper", tables, profile, topo, mode="inference", extra_memory=cfg["extra_memory"],
+                         batch_size=Bl)
+    amap_tr, amap_inf = address_map_from_plan(plan_tr, tables), address_map_from_plan(plan_inf, tables)
+    emb = ShardedEmbedding(tables, amap_tr, tr, rank, design="retrieve", optimizer=opt_name, lr=lr, eps=eps,
+                           grad_sync="local_aggregated", sync_group=emb_group, seed=0)
+    torch.manual_seed(0)
+    ours = build_model(mcfg, tables, 13, embedding=emb)
+    ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
+    ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(ours, ignore)
+    ddp = DDP(ours, broadcast_buffers=False)
+    ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch
+    ddp.register_comm_hook(ours_dense_hook, trh.counting_allreduce_hook)
+    ours_opt = torch.optim.SGD(ours.dense_parameters(), lr=cfg["dense_lr"])
+    emb_inf = ShardedEmbedding(tables, amap_inf, tr, rank, design="retrieve", optimizer=None, seed=0)
+    ours_inf = build_model(mcfg, tables, 13, embedding=emb_inf)
+    ours_inf.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("sparse_arch.")},
+                             strict=False)
+    ours_inf.eval()
+
+    # -- TorchRec: its planner, DMP, fused in-backward optimizer ---------------------------------------
+    trec_model, trec_plan = trh.build_torchrec_dlrm(tables, cfg["bottom_mlp"], cfg["top_mlp"], world=world,
+                                                    batch_per_rank=Bl, optimizer=opt_name, lr=lr, eps=eps)
+    trh.copy_dense(ours, trec_model)
+    dmp, trec_dense_hook, trec_dp_hook = trh.wrap_dmp(trec_model, trec_plan)
+    trh.copy_embeddings(dmp, tables, seed=0)
+    trec_opt = torch.optim.SGD([p for _, p in in_backward_optimizer_filter(dmp.named_parameters())],
+                               lr=cfg["dense_lr"])
+    trec_inner = trh.inner_dlrm(dmp)
+    _log(rank, f"  setup {time.perf_counter() - t_setup:.1f} s; torchrec plan: "
+               f"{sorted(set(trh.sharding_types(trec_plan).values()))}")
+
+    def ours_train(b):
+        logits = ddp(b["dense"], b["jf"])
+        loss = F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum") / B
+        ours_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        ours_opt.step()
+
+    def trec_train(b):
+        logits = dmp(b["dense"], b["kjt"]).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, b["labels"])  # TorchRec's convention: local mean
+        trec_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        trec_opt.step()
+
+    # -- do both compute the same thing? (same weights at init; then after one step each) -----------------
+    check = {}
+    with torch.no_grad():
+        b0 = batches[0]
+        z_ours = ours(b0["dense"], b0["jf"])
+        z_inf = ours_inf(b0["dense"], b0["jf"])
+        z_trec = dmp(b0["dense"], b0["kjt"]).squeeze(-1)
+    check["init_max_abs_diff"] = float((z_ours - z_trec).abs().max())
+    check["init_inference_plan_max_abs_diff"] = float((z_inf - z_trec).abs().max())
+    ours_train(batches[0])
+    trec_train(batches[0])
+    with torch.no_grad():
+        b1 = batches[1 % nb]
+        d = (ours(b1["dense"], b1["jf"]) - dmp(b1["dense"], b1["kjt"]).squeeze(-1)).abs().max()
+    check["after_one_step_max_abs_diff"] = float(d)
+    check["logit_scale"] = float(z_trec.abs().mean())
+
+    # -- timing: the two alternate, order flipped every step --------------------------------------------
+    def timed(fns, n_steps, warmup):
+        times = {k: [] for k in fns}
+        bytes_ = {k: [] for k in fns}
+        names = list(fns)
+        for s in range(warmup + n_steps):
+            b = batches[s % nb]
+            for name in (names if s % 2 == 0 else names[::-1]):
+                fn, counters = fns[name]
+                before = [c() for c in counters]
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn(b)
+                dt = time.perf_counter() - t0
+                if s >= warmup:
+                    times[name].append(dt)
+                    bytes_[name].append([c() - x for c, x in zip(counters, before)])
+        out = {}
+        for name in names:
+            t = torch.tensor(times[name], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            by = torch.tensor(bytes_[name], dtype=torch.float64).mean(0) if bytes_[name] else torch.zeros(0)
+            dist.all_reduce(by)  # summed over ranks
+            out[name] = {"median_s": float(t.median()), "times_s": [round(x, 5) for x in t.tolist()],
+                         "bytes": by.tolist()}
+        return out
+
+    a2a = lambda: trh.BYTES["a2a"]  # noqa: E731
+    ours_sync = lambda: emb.stats.get("grad_sync_bytes", 0)  # noqa: E731
+    res = {"check": check}
+    W, S = cfg["warmup"], cfg["steps"]
+    _log(rank, "  training ...")
+    res["train"] = timed({
+        "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes]),
+        "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes]),
+    }, S, W)
+
+    dmp.eval()
+
+    def ours_infer(b):
+        with torch.no_grad():
+            ours_inf(b["dense"], b["jf"])
+
+    def trec_infer(b):
+        with torch.no_grad():
+            dmp(b["dense"], b["kjt"])
+
+    _log(rank, "  inference ...")
+    res["inference"] = timed({"ours": (ours_infer, [a2a]), "torchrec": (trec_infer, [a2a])}, S, W)
+
+    # -- breakdown: the embedding part alone (lookup + comm [+ backward + fused update]) ----------------
+    g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
+    dmp.train()
+
+    def ours_emb_train(b):
+        emb(b["jf"]).backward(g)
+
+    def trec_emb_train(b):
+        trec_inner.sparse_arch(b["kjt"]).backward(g.view(Bl, len(tables), cfg["dim"]))
+
+    def ours_emb_infer(b):
+        with torch.no_grad():
+            emb_inf(b["jf"])
+
+    def trec_emb_infer(b):
+        with torch.no_grad():
+            trec_inner.sparse_arch(b["kjt"])
+
+    _log(rank, "  embedding-only breakdown ...")
+    res["emb_train"] = timed({"ours": (ours_emb_train, []), "torchrec": (trec_emb_train, [])}, S, W)
+    dmp.eval()
+    res["emb_infer"] = timed({"ours": (ours_emb_infer, []), "torchrec": (trec_emb_infer, [])}, S, W)
+
+    res["plans"] = {
+        "ours_training": {"replicated_rows": int(amap_tr.num_slots), "rows_per_rank": amap_tr.num_owned().tolist()},
+        "ours_inference": {"replicated_rows": int(amap_inf.num_slots),
+                           "rows_per_rank": amap_inf.num_owned().tolist()},
+        "torchrec": _count_types(trh.sharding_types(trec_plan)),
+    }
+    res["storage_rows"] = {"ours_training": int(emb.weight.shape[0]), "ours_inference": int(emb_inf.weight.shape[0]),
+                           "torchrec": _torchrec_local_rows(dmp)}
+    return res
+
+
+def _count_types(types: dict) -> dict:
+    out: dict[str, int] = {}
+    for v in types.values():
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _torchrec_local_rows(dmp) -> int:
+    n = 0
+    for k, w in dmp.state_dict().items():
+        if "embedding_bags" not in k or not k.endswith(".weight"):
+            continue
+        if hasattr(w, "local_shards"):
+            n += sum(s.tensor.shape[0] for s in w.local_shards())
+        else:
+            n += w.shape[0]
+    return n
+
+
+def summarise(res: list, cfg: dict) -> dict:
+    B = cfg["batch"]
+    r0 = res[0]
+    out = {}
+    for phase, emb_phase in (("train", "emb_train"), ("inference", "emb_infer")):
+        ph = {}
+        for side in ("ours", "torchrec"):
+            full = r0[phase][side]["median_s"]
+            e = r0[emb_phase][side]["median_s"]
+            by = r0[phase][side]["bytes"]
+            d = {"samples_per_s": B / full, "step_ms": 1e3 * full, "embedding_ms": 1e3 * e,
+                 "dense_ms": 1e3 * max(full - e, 0.0)}
+            if phase == "train":
+                d["bytes_per_step"] = {"embedding_a2a": by[0], "embedding_sync": by[1],
+                                       "embedding_total": by[0] + by[1], "dense_allreduce": by[2]}
+            else:
+                d["bytes_per_step"] = {"embedding_a2a": by[0]}
+            ph[side] = d
+        ph["ratio"] = ph["ours"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+        ph["embedding_speedup"] = ph["torchrec"]["embedding_ms"] / max(ph["ours"]["embedding_ms"], 1e-9)
+        out[phase] = ph
+    out["check"] = r0["check"]
+    out["plans"] = r0["plans"]
+    out["storage_rows_per_rank"] = [r["storage_rows"] for r in res]
+    out["raw_step_times_s"] = {p: {s: r0[p][s]["times_s"] for s in ("ours", "torchrec")}
+                               for p in ("train", "inference", "emb_train", "emb_infer")}
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few steps, table1 config only")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--max-rows", type=int, default=100_000)
+    ap.add_argument("--batch", type=int, default=4096, help="global batch")
+    ap.add_argument("--optimizer", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
+    args = ap.parse_args()
+    from embedscale.train.launch import spawn_local
+
+    names = (args.configs.split(",") if args.configs else (["table1"] if args.quick else list(CONFIGS)))
+    base = {"max_rows": args.max_rows, "dim": 16, "alpha": 1.1, "batch": args.batch, "world": args.world,
+            "optimizer": args.optimizer, "lr": 0.05, "eps": 1e-8, "dense_lr": 0.05, "extra_memory": 0.05,
+            "profile_samples": 200_000, "distinct_batches": 8,
+            "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5}
+    load_before = os.getloadavg()
+    results = {}
+    for name in names:
+        cfg = {**base, **CONFIGS[name]}
+        print(f"vs torchrec [{name}] {args.world} ranks: {cfg}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        res = spawn_local(worker, args.world, cfg, timeout_s=3600)
+        results[name] = summarise(res, cfg)
+        tr, inf = results[name]["train"], results[name]["inference"]
+        print(f"  [{name}] train {tr['ours']['samples_per_s']:.0f} vs {tr['torchrec']['samples_per_s']:.0f} samples/s "
+              f"({tr['ratio']:.2f}x); inference {inf['ours']['samples_per_s']:.0f} vs "
+              f"{inf['torchrec']['samples_per_s']:.0f} ({inf['ratio']:.2f}x); check {results[name]['check']}; "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    main_cfg = names[0]
+    m = results[main_cfg]
+    print(json.dumps({
+        "benchmark": "vs_torchrec", "figure": m["train"]["ours"]["samples_per_s"],
+        "baseline": m["train"]["torchrec"]["samples_per_s"], "ratio": m["train"]["ratio"], "unit": "samples/s",
+        "inference": {"figure": m["inference"]["ours"]["samples_per_s"],
+                      "baseline": m["inference"]["torchrec"]["samples_per_s"], "ratio": m["inference"]["ratio"],
+                      "by_config": {n: {k: results[n]["inference"][k] for k in ("ratio", "ours", "torchrec")}
+                                    for n in names}},
+        "config": {**{k: v for k, v in base.items()}, "main_config": main_cfg,
+                   "mlps": {n: CONFIGS[n] for n in names}, "loadavg_before": load_before,
+                   "loadavg_after": os.getloadavg(), "torch": torch.__version__, "torchrec": _version("torchrec"),
+                   "fbgemm_gpu": _version("fbgemm-gpu-cpu")},
+        "results": results,
+    }))
+
+
+def _version(dist_name: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(dist_name)
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""Pipelined host-table training (EL-Rec section V) against an independent reference: sequential training of
+the same model on the same batches with the host tables in a plain ``LocalEmbeddingBags`` of their own.
+
+Bitwise equality (losses, host and device tables, dense weights, evaluation metrics, mid-run checkpoints)
+at pipeline depths 1, 2 and 4; the same runs with the life-cycle cache off read stale rows and differ,
+which shows the comparison can fail; the cache never holds more rows than the last k batches; two ranks.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from embedscale.data.batch import Batch, JaggedFeatures
+from embedscale.data.loader import ShardLoader
+from embedscale.data.synthetic import generate_dataset
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.errors import ConfigError, InputError
+from embedscale.models import build_model, dense_parameters
+from embedscale.pipeline import (
+    HostParameterServer,
+    LifeCycleCache,
+    PipelinedEmbedding,
+    PipelinedLoader,
+    PipelineError,
+    pipelined_trainer,
+    select_features,
+)
+from embedscale.specs import ModelConfig, SyntheticConfig, TableSpec, to_dict
+from embedscale.train.checkpoint import load_checkpoint
+from embedscale.train.trainer import Trainer
+
+BATCH = 256
+SAMPLES = 12 * BATCH
+LR = 0.05
+MODEL = ModelConfig(arch="dlrm", embedding_dim=8, bottom_mlp=[16], top_mlp=[16])
+
+
+# -- reference ---------------------------------------------------------------------------------------
+class ConcatEmbedding(nn.Module):
+    """Reference: plain embedding modules, each fed its own features, outputs in ``order``."""
+
+    def __init__(self, modules, order):
+        super().__init__()
+        self.mods = nn.ModuleList(modules)
+        self.feature_names = list(order)
+        self.keys = [list(m.feature_names) for m in modules]
+        cols, c = {}, 0
+        for m in modules:
+            for f, d in zip(m.feature_names, m.feature_dims):
+                cols[f] = (c, d)
+                c += d
+        self.register_buffer("perm", torch.tensor([cols[f][0] + j for f in order for j in range(cols[f][1])]))
+
+    def forward(self, jf):
+        outs = [m(select_features(jf, k)) for m, k in zip(self.mods, self.keys)]
+        return torch.cat(outs, 1).index_select(1, self.perm)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    """Criteo-shaped power-law data, some host features multi-hot; host = the tables capped at 2000 rows."""
+    cfg = SyntheticConfig(preset="criteo-kaggle", max_rows=2000, pooling_factors=[1] * 18 + [3] * 8)
+    d = tmp_path_factory.mktemp("pipeline_data")
+    manifest = generate_dataset(cfg, d, SAMPLES + 2 * BATCH, seed=0, shard_rows=1000, progress=False)
+    specs = [TableSpec(f.name, f.num_rows, 8, placement="host" if f.num_rows >= 2000 else "device",
+                       pooling="mean" if f.name == "C26" else "sum") for f in manifest.sparse]
+    assert sum(s.placement == "host" for s in specs) >= 8
+    return d, specs
+
+
+def split(specs):
+    return [s for s in specs if s.placement == "host"], [s for s in specs if s.placement != "host"]
+
+
+def make_model(specs, kind: str, optimizer: str = "rowwise_adagrad"):
+    host, dev = split(specs)
+    dev_modules = [LocalEmbeddingBags(dev, optimizer=optimizer, lr=LR, seed=1)] if dev else []
+    if kind == "ref":
+        emb = ConcatEmbedding(dev_modules + [LocalEmbeddingBags(host, optimizer=optimizer, lr=LR, seed=2)],
+                              [f for s in specs for f in s.features])
+    else:
+        emb = PipelinedEmbedding(specs, HostParameterServer(host, optimizer=optimizer, lr=LR, seed=2), dev_modules)
+    torch.manual_seed(0)
+    model = build_model(MODEL, specs, 13, embedding=emb)
+    return model, torch.optim.Adagrad(list(dense_parameters(model)), lr=LR), emb
+
+
+def host_weights(emb, specs) -> dict[str, torch.Tensor]:
+    host, _ = split(specs)
+    if isinstance(emb, ConcatEmbedding):
+        return {s.name: emb.mods[-1].table_weight(s.name).clone() for s in host}
+    st = emb.host_state()
+    return {s.name: st[f"{s.name}.weight"] for s in host}
+
+
+def fit(dataset, tmp_path: Path, kind: str, depth: int = 1, use_cache: bool = True):
+    """Trainer.fit (evaluation every 4 steps, checkpoint every 5) of the reference or the pipelined model."""
+    d, specs = dataset
+    model, opt, emb = make_model(specs, kind)
+    train = ShardLoader(d, BATCH, stop=SAMPLES)
+    evl = ShardLoader(d, BATCH, start=SAMPLES)
+    run_dir = tmp_path / f"{kind}{depth}{use_cache}"
+    kw = dict(eval_every=4, checkpoint_every=5, log_every=0, progress=False)
+    if kind == "ref":
+        tr = Trainer(model, opt, train, evl, run_dir, **kw)
+    else:
+        tr = pipelined_trainer(model, opt, train, evl, run_dir, pipeline_depth=depth, use_cache=use_cache, **kw)
+    tr.fit()
+    ck = load_checkpoint(run_dir / "checkpoints" / "step-00000005.pt")
+    mid = {k.split(".")[-2]: v for k, v in ck["model"].items() if k.endswith(".weight") and
+           (".host." in k or ".mods.1." in k)}
+    evals = [(r.step, r.eval_logloss, r.eval_auc) for r in tr.rows if r.eval_logloss == r.eval_logloss]
+    dense = torch.cat([p.detach().flatten() for p in dense_parameters(model)])
+    dev = (emb.mods[0] if kind == "ref" else emb.device_modules[0]).weights.clone()
+    return {"losses": tr.losses, "host": host_weights(emb, specs), "dense": dense, "device": dev, "mid": mid,
+            "evals": evals, "stats": getattr(tr.train_loader, "last_stats", {})}
+
+
+@pytest.fixture(scope="module")
+def reference(dataset, tmp_path_factory):
+    return fit(dataset, tmp_path_factory.mktemp("ref"), "ref")
+
+
+def assert_same(a, b):
+    assert a["losses"] == b["losses"]
+    for name in b["host"]:
+        assert torch.equal(a["host"][name], b["host"][name]), name
+        assert torch.equal(a["mid"][name], b["mid"][name]), f"{name} in the step-5 checkpoint"
+    assert torch.equal(a["dense"], b["dense"])
+    assert torch.equal(a["device"], b["device"])
+    assert a["evals"] == b["evals"] and len(a["evals"]) == 3  # steps 4, 8 and 12 (the final one)
+
+
+# -- the bars ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_pipelined_training_is_bitwise_sequential(dataset, reference, tmp_path, depth):
+    ours = fit(dataset, tmp_path, "pipe", depth)
+    assert_same(ours, reference)
+    if depth > 1:  # stale rows were there and the cache patched them
+        assert ours["stats"]["patched_rows"] > 0 and ours["stats"]["cache_peak_rows"] > 0
+
+
+@pytest.mark.parametrize("depth", [2, 4])
+def test_without_the_cache_staleness_changes_the_result(dataset, reference, tmp_path, depth):
+    ours = fit(dataset, tmp_path, "pipe", depth, use_cache=False)
+    assert ours["losses"][0] == reference["losses"][0]  # batch 0 cannot be stale
+    assert ours["losses"] != reference["losses"]
+    assert any(not torch.equal(ours["host"][n], reference["host"][n]) for n in reference["host"])
+
+
+def test_cache_holds_at_most_the_rows_of_the_last_k_batches(dataset):
+    d, specs = dataset
+    depth = 3
+    model, opt, emb = make_model(specs, "pipe")
+    loader = PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0), emb, depth)
+    lossf = nn.BCEWithLogitsLoss()
+    per_batch, held = [], []
+    for b in loader:
+        loss = lossf(model(b.dense, b.sparse), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        per_batch.append(sum(hr.rows.numel() for hr in emb.server.prepare(b.sparse)))
+        held.append(emb.cache.num_rows)
+    bounds = [sum(per_batch[max(0, t - depth + 1):t + 1]) for t in range(len(per_batch))]
+    assert all(h <= b for h, b in zip(held, bounds)), list(zip(held, bounds))
+    assert held[-1] > per_batch[-1]  # it does hold more than one batch's rows at depth 3
+    assert loader.last_stats["cache_peak_rows"] == max(held)
+    assert emb.cache.num_rows == 0  # the drained pipeline leaves the server current and the cache empty
+
+
+def _pooled_batches(seed: int, n: int, B: int = 6):
+    """Hand-made multi-hot batches with per-sample weights, some empty bags, keys in a shuffled order."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        per_key = {}
+        for k, rows in [("user", 40), ("a", 30), ("b", 30), ("x", 5), ("w", 25)]:
+            lens = torch.randint(0, 4, (B,), generator=g)
+            per_key[k] = (torch.randint(0, rows // 3, (int(lens.sum()),), generator=g), lens)
+        keys = ["w", "x", "b", "user", "a"]
+        values = torch.cat([per_key[k][0] for k in keys])
+        lengths = torch.cat([per_key[k][1] for k in keys])
+        weights = torch.rand(values.numel(), generator=g) + 0.5
+        out.append(Batch(torch.zeros(B, 1), JaggedFeatures(keys, values, lengths, weights), torch.zeros(B)))
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_module_matches_plain_lookups_multi_dim_weighted(optimizer):
+    """Two dims, a table read by two features, mean pooling, per-sample weights, interleaved host/device."""
+    tables = [TableSpec("user", 40, 4, placement="host"), TableSpec("x", 5, 4),
+              TableSpec("item", 30, 6, features=["a", "b"], placement="host", pooling="mean"),
+              TableSpec("w", 25, 4, placement="host")]
+    host, dev = split(tables)
+    order = [f for t in tables for f in t.features]
+    ref = ConcatEmbedding([LocalEmbeddingBags(dev, optimizer=optimizer, lr=0.3, seed=3),
+                           LocalEmbeddingBags(host, optimizer=optimizer, lr=0.3, seed=4)], order)
+    ours = PipelinedEmbedding(tables, HostParameterServer(host, optimizer=optimizer, lr=0.3, seed=4),
+                              [LocalEmbeddingBags(dev, optimizer=optimizer, lr=0.3, seed=3)])
+    batches = _pooled_batches(0, 10)
+    proj = torch.randn(ours.output_dim, generator=torch.Generator().manual_seed(1))
+    for b in batches:
+        out = ref(b.sparse)
+        (out.sin() * proj).sum().backward()
+    got = []
+    for b in PipelinedLoader(batches, ours, depth=3):
+        out = ours(b.sparse)
+        got.append(out.detach())
+        (out.sin() * proj).sum().backward()
+    for t in host:
+        assert torch.equal(ours.host_state()[f"{t.name}.weight"], ref.mods[1].table_weight(t.name)), t.name
+    assert torch.equal(ours.device_modules[0].weights, ref.mods[0].weights)
+    # and the lookups themselves (forward, no grad) agree after training
+    assert torch.equal(ours(batches[0].sparse), ref(batches[0].sparse))
+
+
+# -- two ranks ---------------------------------------------------------------------------------------
+def _rank_worker(rank, world, data_dir, specs_d):
+    """Data-parallel training on this rank's slices: synchronous, then pipelined at depths 2 and 3 (with and
+    without the cache); returns losses and final host/dense weights of each. Every table is host-placed:
+    device-side modules keep their own data-parallel synchronisation (not this module's business)."""
+    import torch.distributed as dist
+
+    specs = [TableSpec(**s) for s in specs_d]
+    out = {}
+    for depth, cache in [(0, True), (2, True), (3, True), (2, False)]:
+        model, opt, emb = make_model(specs, "pipe")
+        params = list(dense_parameters(model))
+        loader = ShardLoader(data_dir, BATCH, stop=SAMPLES // 2, rank=rank, world_size=world, prefetch=0)
+        it = loader if depth == 0 else PipelinedLoader(loader, emb, depth, use_cache=cache)
+        losses = []
+        for b in it:
+            logits = model(b.dense, b.sparse)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels, reduction="sum") / b.global_size
+            opt.zero_grad()
+            loss.backward()
+            flat = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(flat)
+            torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
+            opt.step()
+            losses.append(float(loss))
+        out[f"{depth}{cache}"] = {"losses": torch.tensor(losses),
+                                  "host": torch.cat([w.flatten() for w in host_weights(emb, specs).values()]),
+                                  "dense": torch.cat([p.detach().flatten() for p in params])}
+    return out
+
+
+def test_two_ranks_pipelined_equals_sequential(dataset):
+    from embedscale.train.launch import spawn_local
+
+    d, specs = dataset
+    specs = [TableSpec(**{**to_dict(s), "placement": "host"}) for s in specs]
+    res = spawn_local(_rank_worker, 2, str(d), [to_dict(s) for s in specs], timeout_s=120)
+    seq = res[0]["0True"]
+    for key in ["0True", "2True", "3True", "2False"]:
+        r0, r1 = res[0][key], res[1][key]
+        assert torch.equal(r0["host"], r1["host"]) and torch.equal(r0["dense"], r1["dense"]), key  # replicas agree
+    for key in ["2True", "3True"]:
+        assert torch.equal(res[0][key]["losses"], seq["losses"]) and torch.equal(res[1][key]["losses"],
+                                                                                  res[1]["0True"]["losses"])
+        assert torch.equal(res[0][key]["host"], seq["host"]) and torch.equal(res[0][key]["dense"], seq["dense"])
+    assert not torch.equal(res[0]["2False"]["host"], seq["host"])
+    # data parallelism itself: the same math as one process on the global batches, up to rounding
+    model, opt, emb = make_model(specs, "ref")
+    lossf = nn.BCEWithLogitsLoss()
+    for b in ShardLoader(d, BATCH, stop=SAMPLES // 2, prefetch=0):
+        loss = lossf(model(b.dense, b.sparse), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    single = torch.cat([w.flatten() for w in host_weights(emb, specs).values()])
+    assert torch.allclose(seq["host"], single, atol=1e-4)
+    assert not torch.equal(single, torch.cat([w.flatten() for w in host_weights(make_model(specs, "ref")[2],
+                                                                                 specs).values()]))
+
+
+# -- errors and plumbing -----------------------------------------------------------------------------
+def test_bad_host_id_is_named_from_the_server_thread():
+    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4, placement="host")]
+    emb = PipelinedEmbedding.from_tables(tables, optimizer="sgd", seed=0)
+    good = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 3]]))
+    bad = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 100]]))
+    batches = [Batch(torch.zeros(2, 1), jf, torch.zeros(2)) for jf in (good, bad)]
+    seen = 0
+    with pytest.raises(InputError, match=r"feature 'big' \(host table 'big', 100 rows\): row id 100 at sample 1"):
+        for b in PipelinedLoader(batches, emb, depth=2):
+            emb(b.sparse).sum().backward()
+            seen += 1
+    assert seen == 1 and not emb.pipelined
+    with pytest.raises(InputError, match="row id 100"):
+        emb(bad)  # the synchronous path checks too
+
+
+def test_misuse_is_an_error_not_a_hang():
+    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4, placement="host")]
+    emb = PipelinedEmbedding.from_tables(tables, optimizer="sgd", seed=0)
+    jf = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 3]]))
+    batches = [Batch(torch.zeros(2, 1), jf, torch.zeros(2)) for _ in range(3)]
+    with pytest.raises(PipelineError, match="did not prefetch"):
+        for b in PipelinedLoader(batches, emb, depth=2):
+            emb(JaggedFeatures(jf.keys, jf.values.clone(), jf.lengths)).sum().backward()
+    with pytest.raises(PipelineError, match="backward never ran"):
+        for b in PipelinedLoader(batches, emb, depth=2):
+            emb(b.sparse)
+    with pytest.raises(ConfigError, match="depth"):
+        PipelinedLoader(batches, emb, depth=0)
+    with pytest.raises(ConfigError, match="TT"):
+        HostParameterServer([TableSpec("t", 10, 4, compression="tt", placement="host")])
+    with pytest.raises(ConfigError, match="produced by device module 0 and the host parameter server"):
+        PipelinedEmbedding(tables, HostParameterServer(tables[1:]), [LocalEmbeddingBags(tables)])
+    with pytest.raises(ConfigError, match=r"features \['small'\] are produced by no device module"):
+        PipelinedEmbedding(tables, HostParameterServer(tables[1:]), [])
+
+
+def test_checkpoint_round_trip_and_early_stop(dataset, tmp_path):
+    d, specs = dataset
+    model, opt, emb = make_model(specs, "pipe")
+    loader = PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES), emb, depth=3)
+    lossf = nn.BCEWithLogitsLoss()
+    for step, b in enumerate(loader):
+        loss = lossf(model(b.dense, b.sparse), b.labels)
+        opt.zero_grad()
+        loss.backward()
+        if step == 4:
+            mid = {k: v.clone() for k, v in emb.state_dict().items()}
+        if step == 6:
+            break  # prefetched-but-unused batches are dropped; every gradient received is applied
+    assert loader.last_stats["batches"] == 7 and not emb.pipelined
+    end = emb.state_dict()
+    fresh = make_model(specs, "pipe")[2]
+    fresh.load_state_dict(mid)
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in mid.items())
+    assert not torch.equal(mid["host.C3.weight"], end["host.C3.weight"])
+
+
+def test_life_cycle_counters():
+    cache = LifeCycleCache([2], with_momentum=True)
+    cache.insert(0, [torch.tensor([1, 4])], [torch.full((2, 2), 1.0)], [torch.tensor([1.0, 1.0])], life=2)
+    cache.insert(1, [torch.tensor([4, 6])], [torch.full((2, 2), 2.0)], [torch.tensor([2.0, 2.0])], life=3)
+    w, m = torch.zeros(4, 2), torch.zeros(4)
+    assert cache.patch(0, torch.tensor([0, 1, 4, 6]), w, m) == 3
+    assert w[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0] and m.tolist() == [0.0, 1.0, 2.0, 2.0]  # newest copy wins
+    assert cache.advance(1) == 0 and cache.advance(2) == 2  # batch 0's rows: two pulls
+    w = torch.zeros(2, 2)
+    assert cache.patch(0, torch.tensor([1, 4]), w) == 1 and w[:, 0].tolist() == [0.0, 2.0]
+    assert cache.advance(3) == 2 and cache.num_rows == 0 and cache.peak_rows == 4

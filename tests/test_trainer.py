@@ -1,0 +1,83 @@
+"""Single-process training: exact resume from a checkpoint, run-directory contents, config errors."""
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed_train import config, make_data  # noqa: E402
+
+from embedscale import workflow  # noqa: E402
+from embedscale.cli import main  # noqa: E402
+from embedscale.errors import ConfigError, FormatError  # noqa: E402
+from embedscale.specs import TableSpec  # noqa: E402
+from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    make_data(d)
+    return d
+
+
+def losses_of(run_dir):
+    return load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["extra"]["losses"]
+
+
+def test_resumed_run_equals_uninterrupted(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    cfg.train.max_steps = 10
+    cfg.train.epochs = 2  # crosses an epoch boundary (7 steps per epoch)
+    workflow.train(cfg, tmp_path / "full", resume=False, progress=False)
+    cut = config(tmp_path, data_dir)
+    cut.train.max_steps = 8
+    cut.train.epochs = 2
+    workflow.train(cut, tmp_path / "cut", resume=False, progress=False)
+    cfg2 = config(tmp_path, data_dir)
+    cfg2.train.max_steps = 10
+    cfg2.train.epochs = 2
+    workflow.train(cfg2, tmp_path / "cut", resume=True, progress=False)  # resumes at step 8
+    full, resumed = losses_of(tmp_path / "full"), losses_of(tmp_path / "cut")
+    assert len(full) == 10 and resumed == full  # bitwise
+    a = load_checkpoint(latest_checkpoint(tmp_path / "full" / "checkpoints"))["model"]
+    b = load_checkpoint(latest_checkpoint(tmp_path / "cut" / "checkpoints"))["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
+    rd = tmp_path / "run"
+    r = CliRunner().invoke(main, ["train", "--data-source", "shards", "--data-path", str(data_dir),
+                                  "--model-embedding-dim", "4", "--model-bottom-mlp", "8", "--model-top-mlp", "8",
+                                  "--train-batch-size", "64", "--train-eval-every", "3", "--train-log-every", "1",
+                                  "--run-dir", str(rd), "--no-progress", "--json"])
+    assert r.exit_code == 0, r.output
+    for f in ["config.yaml", "metrics.csv", "curves.png", "summary.json"]:
+        assert (rd / f).stat().st_size > 0, f
+    rows = list(csv.DictReader((rd / "metrics.csv").open()))
+    assert any(row["eval_auc"] for row in rows) and any(row["train_loss"] for row in rows)
+    ck = latest_checkpoint(rd / "checkpoints")
+    r2 = CliRunner().invoke(main, ["evaluate", str(ck), "--json"])
+    assert r2.exit_code == 0, r2.output
+
+
+def test_config_naming_an_unknown_feature(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_X", 10, 4, features=["nope"])]
+    data = workflow.prepare_data(cfg, progress=False)
+    with pytest.raises(ConfigError, match="'nope'"):
+        workflow.tables_for(cfg, data.manifest)
+    cfg.model.tables = [TableSpec("t_C1", 3, 4, features=["C1"])]
+    with pytest.raises(ConfigError, match="has 3 rows but feature 'C1'"):
+        workflow.tables_for(cfg, data.manifest)
+
+
+def test_damaged_checkpoint_is_a_clear_error(tmp_path):
+    p = tmp_path / "step-00000001.pt"
+    p.write_bytes(b"not a checkpoint")
+    with pytest.raises(FormatError, match="not a readable checkpoint"):
+        load_checkpoint(p)
