@@ -145,11 +145,28 @@ def wrap_dmp(model, plan):
         outer.register_comm_hook(dense_hook, counting_allreduce_hook)
     for m in outer.modules():
         if isinstance(m, DDP) and m is not outer:  # the data-parallel tables' lookups (TorchRec wraps them)
-            import os
-            if os.environ.get("DIAG_NOHOOK"):
-                continue
             m.register_comm_hook(dp_hook, counting_allreduce_hook)
     return dmp, dense_hook, dp_hook
+
+
+def split_dense_optimizers(dmp, optimizer: str, lr: float, eps: float, dense_lr: float):
+    """TorchRec's non-fused parameters: the dense arches (plain SGD, as ours) and the tables TorchRec's
+    planner made data-parallel. Those run on its *dense* embedding kernel, whose parameters get no
+    in-backward (fused) optimizer: TorchRec's DLRM example trains them with its dense optimizer. Here they
+    get the same kind of optimizer as the fused tables (TorchRec's own ``RowWiseAdagrad``, or SGD), so both
+    models train the same thing. Returns ``(dense optimizer, data-parallel-table optimizer or None)``."""
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    rest = list(in_backward_optimizer_filter(dmp.named_parameters()))
+    tables = [p for n, p in rest if "embedding_bags" in n]
+    dense = [p for n, p in rest if "embedding_bags" not in n]
+    dense_opt = torch.optim.SGD(dense, lr=dense_lr)
+    if not tables:
+        return dense_opt, None
+    if optimizer == "sgd":
+        return dense_opt, torch.optim.SGD(tables, lr=lr)
+    return dense_opt, RowWiseAdagrad(tables, lr=lr, eps=eps)
 
 
 def inner_dlrm(dmp):

@@ -100,17 +100,19 @@ def _shard_weights(model):
 
 def _train(model, rank, world, global_b, comm):
     opt = torch.optim.SGD(model.dense_parameters(), lr=LR)
-    logits, grads = [], None
+    logits, grads, nbytes = [], None, None
     for step, (dense, jf, y) in enumerate(batches(global_b)):
         lo, hi = global_b * rank // world, global_b * (rank + 1) // world
+        comm.reset_bytes()
         _, out = train_step(model, opt, dense[lo:hi], jf.slice_batch(lo, hi), y[lo:hi], global_b, comm)
         logits.append(out)
         if step == 0:
             grads = [p.grad.clone() for p in model.global_parameters()]
+            nbytes = comm.bytes_report()
     return {"logits": logits, "grads": grads, "params": [p.detach().clone() for p in model.global_parameters()],
             "towers": {k: v.clone() for k, v in model.sparse_arch.towers.state_dict().items()}
             if hasattr(model.sparse_arch, "towers") else {},
-            "weights": _shard_weights(model)}
+            "weights": _shard_weights(model), "bytes": nbytes}
 
 
 def _bytes_one_step(model, comm, rank, world, global_b):
@@ -150,17 +152,9 @@ def _worker(rank, world, layouts, global_b):
                 except InputError as e:
                     out[(lname, name)] = str(e)
                 continue
-            elif name.startswith("bytes"):
-                kind, cr = name.split("_")[1], int(name.split("_")[2])
-                dmt = DMTConfig(tower_module=kind, compression=cr, hosts_per_tower=K, tower_dim=N // cr) \
-                    if kind != "none" else DMTConfig(tower_module="none", hosts_per_tower=K)
-                if kind == "flat":
-                    ref = build_dmt_model(model_cfg(), tables(), 3, DMTConfig(tower_module="none", hosts_per_tower=K),
-                                          assignment=assign, comm=comm, seed=5)
-                    model = build_flat_model(model_cfg(), tables(), 3, comm,
-                                             placement=ref.sparse_arch.embedding.placement, seed=5)
-                else:
-                    model = build_dmt_model(model_cfg(), tables(), 3, dmt, assignment=assign, comm=comm, seed=5)
+            elif name == "bytes_dlrm_4":  # one step of DMT-DLRM at CR 4, counting bytes
+                dmt = DMTConfig(tower_module="dlrm", compression=4, hosts_per_tower=K)
+                model = build_dmt_model(model_cfg(), tables(), 3, dmt, assignment=assign, comm=comm, seed=5)
                 out[(lname, name)] = _bytes_one_step(model, comm, rank, world, global_b)
                 continue
             else:
@@ -174,7 +168,7 @@ def scenario_config(name, K=1):
     return {"sptt": DMTConfig(tower_module="none", permute="embeddings", hosts_per_tower=K),
             "sptt_ids": DMTConfig(tower_module="none", permute="ids", hosts_per_tower=K),
             "sptt_row": DMTConfig(tower_module="none", sharding="row", hosts_per_tower=K),
-            "dmt_dlrm": DMTConfig(tower_module="dlrm", compression=2, p=1, hosts_per_tower=K),
+            "dmt_dlrm": DMTConfig(tower_module="dlrm", compression=2, hosts_per_tower=K),
             "dmt_dcn": DMTConfig(tower_module="dcn", compression=2, hosts_per_tower=K)}[name]
 
 
@@ -239,29 +233,27 @@ def k_ref(key):
     return key  # ModuleDict keys ("3.xxx") and ModuleList keys ("3.xxx") coincide
 
 
-def _check_bytes(results, world, lname, layout):
-    """Cross-host embedding bytes: SPTT equals flat; tower modules divide them by CR exactly."""
+def _check_bytes(results, world, lname):
+    """Cross-host embedding bytes of one step: SPTT equals flat; tower modules divide them by CR exactly;
+    tower-module gradients stay on the host."""
     emb_kinds = ("peer_a2a", "peer_a2a_grad", "tower_a2a", "tower_a2a_grad", "flat_a2a", "flat_a2a_grad")
 
     def cross(name):
-        return sum(results[r][(lname, name)]["cross"].get(k, 0) for r in range(world) for k in emb_kinds)
+        rep = [results[r][(lname, name)] for r in range(world)]
+        return sum((x["bytes"] if "bytes" in x else x)["cross"].get(k, 0) for x in rep for k in emb_kinds)
 
-    flat, sptt, cr2, cr4 = cross("bytes_flat_1"), cross("bytes_none_1"), cross("bytes_dlrm_2"), cross("bytes_dlrm_4")
-    assert flat > 0 and sptt == flat
-    if layout.hosts_per_tower == 1:
-        assert sptt == cr2 * 2 and sptt == cr4 * 4
-        for r in range(world):  # tower-module gradients never leave the host
-            rep = results[r][(lname, "bytes_dlrm_2")]
-            assert rep["cross"].get("tower_grads", 0) == 0 and rep["intra"].get("tower_grads", 0) > 0
-            assert rep["cross"].get("dense_grads", 0) > 0
+    flat, sptt, cr2, cr4 = cross("flat"), cross("sptt"), cross("dmt_dlrm"), cross("bytes_dlrm_4")
+    assert flat > 0 and sptt == flat, (flat, sptt)
+    assert sptt == cr2 * 2 and sptt == cr4 * 4, (sptt, cr2, cr4)
+    for r in range(world):
+        rep = results[r][(lname, "dmt_dlrm")]["bytes"]
+        assert rep["cross"].get("tower_grads", 0) == 0 and rep["intra"].get("tower_grads", 0) > 0
+        assert rep["cross"].get("dense_grads", 0) > 0
 
 
-LAYOUTS_4 = {"2x2": (2, 1, ["flat", "sptt", "sptt_ids", "sptt_row", "dmt_dlrm", "dmt_dcn",
-                           "bytes_flat_1", "bytes_none_1", "bytes_dlrm_2", "bytes_dlrm_4", "error"])}
-LAYOUTS_8 = {"2x4": (4, 1, ["flat", "sptt", "dmt_dlrm", "bytes_flat_1", "bytes_none_1", "bytes_dlrm_2",
-                           "bytes_dlrm_4"]),
-             "4x2": (2, 1, ["flat", "sptt", "dmt_dcn"]),
-             "4x2_k2": (2, 2, ["flat", "sptt"])}
+LAYOUTS_4 = {"2x2": (2, 1, ["flat", "sptt", "sptt_ids", "sptt_row", "dmt_dlrm", "dmt_dcn", "bytes_dlrm_4", "error"]),
+             "4x1_k2": (1, 2, ["flat", "sptt"])}  # towers over 2 hosts (DMT 3.1.3)
+LAYOUTS_8 = {"2x4": (4, 1, ["flat", "sptt", "dmt_dlrm", "bytes_dlrm_4"])}
 
 
 @pytest.mark.parametrize("world,layouts,global_b", [(4, LAYOUTS_4, 26), (8, LAYOUTS_8, 43)])
@@ -282,8 +274,8 @@ def test_tower_transform_multi_rank(world, layouts, global_b):
         for name in [s for s in scenarios if s in ("sptt", "sptt_ids", "sptt_row", "dmt_dlrm", "dmt_dcn")]:
             ref = ref_plain if name.startswith("sptt") else reference(name, layout.num_hosts, P, global_b)
             _check_reference(results, world, lname, name, ref, global_b)
-        if "bytes_flat_1" in scenarios:
-            _check_bytes(results, world, lname, layout)
+        if "bytes_dlrm_4" in scenarios:
+            _check_bytes(results, world, lname)
         if "error" in scenarios:
             for r in range(world):
                 msg = results[r][(lname, "error")]

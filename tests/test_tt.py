@@ -329,7 +329,7 @@ def test_tt_policy_and_compression_bars():
 
 # -- MixedEmbedding ---------------------------------------------------------------------------------------
 def mixed_tables():
-    return [TableSpec("u", 50, 4, features=["f1", "f2"]), TableSpec("v", 3000, 4, compression="tt", tt_rank=3,
+    return [TableSpec("u", 50, 4, features=["f2", "f1"]), TableSpec("v", 3000, 4, compression="tt", tt_rank=3,
                                                                      features=["f3", "f4"]),
             TableSpec("w", 40, 4, pooling="mean"), TableSpec("x", 2000, 4, compression="tt", tt_rank=2,
                                                               pooling="mean")]
@@ -365,7 +365,7 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
     rng = np.random.default_rng(11)
     tables = mixed_tables()
     emb = MixedEmbedding(tables, optimizer="rowwise_adagrad", lr=0.1, seed=3, tt_init_std=0.3)
-    assert emb.feature_names == ["f1", "f2", "f3", "f4", "w", "x"] and set(emb.tt) == {"v", "x"}
+    assert emb.feature_names == ["f2", "f1", "f3", "f4", "w", "x"] and set(emb.tt) == {"v", "x"}
     assert emb.tt["v"].optimizer == "adagrad"
     jf = mixed_batch(rng)
     with torch.no_grad():
@@ -384,7 +384,8 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
     per = jf.to_dict()
     lk = ["f1", "f2", "w"]
     local_jf = JaggedFeatures(lk, torch.cat([per[k][0] for k in lk]), torch.cat([per[k][1] for k in lk]))
-    (local(local_jf) * torch.cat([cols[k] for k in lk], 1)).sum().backward()
+    assert local.feature_names == ["f2", "f1", "w"]
+    (local(local_jf) * torch.cat([cols[k] for k in local.feature_names], 1)).sum().backward()
     for name in ("u", "w"):
         assert (local.table_weight(name) - emb.local.table_weight(name)).abs().max() < TOL
     for m, feats in ((tt_v, ["f3", "f4"]), (tt_x, ["x"])):

@@ -345,6 +345,122 @@ def data_synthetic(out_dir, preset, samples, first_sample, max_rows, alpha, seed
         click.echo(f"teacher AUC (ceiling): {t:.5f}")
 
 
+def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
+    """Tables from a YAML list, a synthetic preset, or the saved profile's tables."""
+    import yaml
+
+    from embedscale.specs import TableSpec, from_dict
+
+    if tables_path:
+        data = yaml.safe_load(Path(tables_path).read_text())
+        data = data.get("tables", data) if isinstance(data, dict) else data
+        if not isinstance(data, list):
+            raise EmbedscaleError(f"{tables_path}: expected a list of tables (or a mapping with 'tables')")
+        return [from_dict(TableSpec, {"dim": dim, **t}, f"{tables_path}: tables[{i}]") for i, t in enumerate(data)]
+    if preset:
+        from embedscale.data.synthetic import SyntheticGenerator
+        from embedscale.specs import SyntheticConfig
+
+        return SyntheticGenerator(SyntheticConfig(preset=preset, max_rows=max_rows), seed=0).table_specs(dim)
+    if profile_path:
+        from embedscale.data.profile import AccessProfile
+
+        prof = AccessProfile.load(profile_path)
+        return [TableSpec(n, prof.num_rows(n), dim) for n in prof.table_names]
+    raise EmbedscaleError("name the tables: --tables FILE.yaml, --preset NAME or --profile DIR")
+
+
+def _plan_topology(topology_path, hosts, ranks_per_host):
+    from embedscale.specs import Topology
+
+    return topology_path if topology_path else Topology(num_hosts=hosts, ranks_per_host=ranks_per_host)
+
+
+@main.command()
+@click.option("--tables", "tables_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="YAML list of tables (name, num_rows, dim, ...).")
+@click.option("--preset", default=None, help="Tables of a synthetic preset (criteo-kaggle, criteo-terabyte, ...).")
+@click.option("--max-rows", type=int, default=0, show_default=True, help="With --preset: cap every table's rows.")
+@click.option("--dim", type=int, default=16, show_default=True)
+@click.option("--profile", "profile_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Saved AccessProfile (embedscale profile); default: a synthetic power-law profile (--zipf).")
+@click.option("--zipf", type=float, default=1.1, show_default=True, help="Exponent of the synthetic profile.")
+@click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Topology file (embedscale topology); default: --hosts x --ranks-per-host with default links.")
+@click.option("--hosts", type=int, default=1, show_default=True)
+@click.option("--ranks-per-host", type=int, default=2, show_default=True)
+@click.option("--strategy", "strategies", multiple=True, default=["oper"], show_default=True,
+              help="oper, table_wise, row_wise, memory_greedy, access_greedy, torchrec, milp; repeat to compare.")
+@click.option("--mode", type=click.Choice(["training", "inference"]), default="training", show_default=True)
+@click.option("--extra-memory", type=float, default=0.05, show_default=True, help="Replication budget (OPER: 5%).")
+@click.option("--batch-size", type=int, default=2048, show_default=True, help="Samples per rank per iteration.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="plans", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
+         mode, extra_memory, batch_size, out_dir, as_json):
+    """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
+
+    Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
+    """
+    from embedscale.plan.api import plan_command
+
+    try:
+        tables = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
+        prof = profile_path or {"kind": "zipf", "alpha": zipf}
+        rep = plan_command(tables, prof, _plan_topology(topology_path, hosts, ranks_per_host), list(strategies),
+                           out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size)
+    except EmbedscaleError as e:
+        _fail(e)
+    if not as_json:
+        click.echo(f"{'strategy':<14} {'plan s':>8} {'DoB mem':>8} {'DoB lookup':>10} {'DoB comm':>9} "
+                   f"{'comm MB/link':>13} {'max rank cost':>14}")
+        for name, e in rep["strategies"].items():
+            if "error" in e:
+                click.echo(f"{name:<14} error: {e['error']}")
+                continue
+            click.echo(f"{name:<14} {e['plan_seconds']:>8.2f} {e['dob_memory']:>8.3f} {e['dob_lookup']:>10.3f} "
+                       f"{e['dob_comm']:>9.3f} {e['comm_mean'] / 1e6:>13.4f} {e['max_rank_cost']:>14.1f}")
+        click.echo(f"plans and report in {out_dir}/")
+
+
+@main.command()
+@click.argument("plan_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--profile", "profile_path", type=click.Path(exists=True, file_okay=False), required=True,
+              help="The new access profile.")
+@click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False), default=None)
+@click.option("--hosts", type=int, default=1, show_default=True)
+@click.option("--ranks-per-host", type=int, default=2, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def drift(plan_dir, profile_path, topology_path, hosts, ranks_per_host, as_json):
+    """Evaluate a saved plan on a new profile (OPER section 8): how far its balance fell, whether to re-plan,
+    and how many rows a re-plan would move."""
+    from embedscale.plan.api import drift_command
+
+    try:
+        rep = drift_command(plan_dir, profile_path, _plan_topology(topology_path, hosts, ranks_per_host),
+                            json_output=as_json)
+    except EmbedscaleError as e:
+        _fail(e)
+    if not as_json:
+        click.echo(json.dumps(rep, indent=1, default=float))
+
+
+@main.command()
+@click.option("--hosts", type=int, default=1, show_default=True)
+@click.option("--ranks-per-host", type=int, default=2, show_default=True)
+@click.option("--measure", is_flag=True, help="Fill bandwidths and latencies from a micro-benchmark on local ranks.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
+def topology(hosts, ranks_per_host, measure, out_path):
+    """Write a topology file (hosts x ranks, link bandwidths and latencies, the cost matrix L of OPER 3.2)."""
+    from embedscale.plan.api import topology_command
+
+    try:
+        d = topology_command(out_path, num_hosts=hosts, ranks_per_host=ranks_per_host, measure=measure)
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(f"topology ({d.get('source', 'spec')}) written to {out_path}")
+
+
 @main.command()
 @click.argument("shards", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)

@@ -173,14 +173,14 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    batch_size: int = 2048
-    epochs: int = 1
+    batch_size: int = 1024
+    epochs: int = 1  # click logs overfit from the second pass on (rare rows get memorised): one epoch
     max_steps: int = 0  # 0 = run the epochs
-    lr_dense: float = 0.05
-    lr_sparse: float = 0.05
+    lr_dense: float = 0.01
+    lr_sparse: float = 0.1
     dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
     sparse_optimizer: str = "rowwise_adagrad"  # sgd | rowwise_adagrad
-    eval_every: int = 0  # steps; 0 = at the end only
+    eval_every: int = 100  # steps; 0 = at the end only
     log_every: int = 10
     checkpoint_every: int = 0  # steps; 0 = at the end only
     seed: int = 0

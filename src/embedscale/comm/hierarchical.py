@@ -494,6 +494,12 @@ class _ReduceScatter(torch.autograd.Function):
         return torch.cat(back), None, None, None, None
 
 
+def _placeholder(rows: int, cols: int, device) -> torch.Tensor:
+    """An empty-width lookup result for a rank that holds no rows. It requires grad (when autograd is
+    on) so that the backward exchanges run on this rank too: every rank must join every collective."""
+    return torch.zeros((rows, cols), device=device, requires_grad=torch.is_grad_enabled())
+
+
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenation of ``arange(s, s + n)`` for every (s, n), vectorised."""
     total = int(lengths.sum())
@@ -695,8 +701,8 @@ class TowerRouter:
         g = lay.group_of(self.rank)
         total = sum(sizes)
         width = len(self.my_features) * N
-        if pooled is None:
-            pooled = torch.zeros((total, width), device=device)
+        if pooled is None:  # holds no rows; still part of every exchange, forward and backward
+            pooled = _placeholder(total, width, device)
         dev = pooled.device
         if not routed.peer_ordered and P > 1 and S > 1:  # step c: peer permute
             order = lay.peer_order()
@@ -747,7 +753,7 @@ class TowerRouter:
         B = sizes[self.rank]
         width = len(self.my_features) * N
         if pooled is None:
-            pooled = torch.zeros((sum(sizes), width), device=device)
+            pooled = _placeholder(sum(sizes), width, device)
         widths = [len(pl.rank_features[r]) * N for r in range(W)]
         out = _AllToAllV.apply(pooled.reshape(-1), self.comm.world, [s * width for s in sizes],
                                [B * w for w in widths], "flat_a2a")

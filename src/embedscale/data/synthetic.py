@@ -60,7 +60,7 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, SyntheticConfig, TableSpec, to_dict
 from embedscale.train.metrics import logloss, roc_auc
 
-GENERATOR_VERSION = 1  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
+GENERATOR_VERSION = 2  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
 BLOCK = 1 << 16  # samples per generator block: the unit of determinism
 PRESETS: dict[str, list[int]] = {"criteo-kaggle": CRITEO_KAGGLE_ROWS, "criteo-terabyte": CRITEO_TERABYTE_ROWS}
 SCALES: dict[str, int] = {"small": 100_000, "tiny": 10_000}
@@ -69,7 +69,7 @@ MAX_TABLE_ROWS = (1 << 31) - 1  # keeps (a * r) and (a^-1 * row) inside int64
 # Teacher calibration (see the module docstring).
 POSITIVE_RATE = 0.25
 LOGIT_STD = 1.2
-SHARE_DENSE, SHARE_ROW, SHARE_PAIR = 0.25, 0.5, 0.25  # variance shares of the logit
+SHARE_DENSE, SHARE_ROW, SHARE_PAIR = 0.3, 0.6, 0.1  # variance shares of the logit
 REFERENCE_SAMPLES = 200_000
 LEARNABLE_COUNT = 500.0  # K: a row expected K times in REFERENCE_SAMPLES carries half its effect
 CALIBRATION_SAMPLES = 1 << 15

@@ -137,9 +137,32 @@ class PgasShardedEmbedding(ShardedEmbedding):
                                           self.weight.dtype) for k in range(2)]
         self._ctrl = {p: heap.ctrl(p) for p in self._local}
         self._version = 0
+        self._publish_version()  # the initial rows are in place: peers wait for this before their first get
         self._epoch = 0
         self._pool: ThreadPoolExecutor | None = None
         self._warned_fetch = False
+        self._blocks = self._feature_blocks() if self.design == "send" else None
+
+    def _feature_blocks(self) -> dict | None:
+        """Where each feature's rows are when every table lives whole on one rank of this host, as one
+        contiguous range of its storage, without replicas (table-wise plans): ``offset[f]`` (storage row
+        of the table's row 0 on its owner) and ``features_of[q]`` (the features rank ``q`` owns).
+        Then a feature's values form one block of the mini-batch and need no sort. None otherwise."""
+        if any(not self.heap.is_local(p) for p in range(self.world_size)):
+            return None
+        tm = self.tmap
+        per_table = []
+        for t in range(len(self.tables)):
+            a, b = int(tm.table_base[t]), int(tm.table_base[t + 1])
+            src, off, slot = tm.src[a:b], tm.off[a:b], tm.slot[a:b]
+            if bool((slot >= 0).any()) or not bool((src == src[0]).all()) or \
+                    not bool((off - torch.arange(b - a) == off[0]).all()):
+                return None
+            per_table.append((int(src[0]), int(off[0])))
+        ft = self._feature_table.tolist()
+        owner = [per_table[t][0] for t in ft]
+        return {"offset": [per_table[t][1] for t in ft],
+                "features_of": {q: [f for f, o in enumerate(owner) if o == q] for q in range(self.world_size)}}
 
     # -- signals ----------------------------------------------------------------------------------
     def _publish_version(self) -> None:
@@ -172,10 +195,48 @@ class PgasShardedEmbedding(ShardedEmbedding):
         if self.weight.data_ptr() != self._weight_ptr:
             raise ConfigError(f"rank {self.rank}: the embedding storage was moved out of the symmetric heap "
                               f"(segment {self.heap.names[self.rank]}); build the module on its device instead")
+        if self.design == "send":
+            return _PgasSend.apply(self.anchor, self, self._prepare_send(features))
         gids, bag, scale, nbags, B = self._prepare(features)
+        return _PgasRetrieve.apply(self.anchor, self, gids, bag, scale, nbags, B)
+
+    def _prepare_send(self, features: JaggedFeatures) -> dict:
+        """The send design's inputs: feature blocks (table-wise plans: no per-value decode) or, for any
+        other plan, ``ShardedEmbedding._prepare``'s global ids, bags and scales."""
+        if self._blocks is None:
+            gids, bag, scale, nbags, B = self._prepare(features)
+            self._check_batch(B)
+            return {"kind": 0, "gids": gids, "bag": bag, "scale": scale, "nbags": nbags, "B": B,
+                    "F": len(self.feature_names)}
+        if features.keys != self.feature_names:
+            unknown = [k for k in features.keys if k not in self.feature_names]
+            if unknown:
+                raise InputError(f"sharded embedding: unknown feature(s) {unknown}; expected {self.feature_names}")
+            raise InputError(f"sharded embedding: features {features.keys} are not in the order "
+                             f"{self.feature_names}")
+        F_, B = len(self.feature_names), features.batch_size
         self._check_batch(B)
-        fn = _PgasRetrieve if self.design == "retrieve" else _PgasSend
-        return fn.apply(self.anchor, self, gids, bag, scale, nbags, B)
+        lengths, values = features.lengths.cpu(), features.values.cpu()
+        vstart = [0] + torch.cumsum(lengths.view(F_, B).sum(1), 0).tolist()
+        if self.validate:
+            for f in range(F_):
+                v = values[vstart[f]:vstart[f + 1]]
+                if v.numel():
+                    lo, hi = torch.aminmax(v)
+                    n = int(self._feature_rows[f])
+                    if int(lo) < 0 or int(hi) >= n:
+                        bad = int(v[(v < 0) | (v >= n)][0])
+                        raise InputError(f"feature {self.feature_names[f]}: row id {bad} outside table "
+                                         f"{self.tables[int(self._feature_table[f])].name!r} [0, {n})")
+        scale = None
+        if features.weights is not None or bool(self._feature_mean.any()):
+            scale = features.weights.cpu().to(torch.float32) if features.weights is not None else \
+                torch.ones(values.numel(), dtype=torch.float32)
+            for f in torch.nonzero(self._feature_mean).view(-1).tolist():
+                a, b = vstart[f], vstart[f + 1]
+                ln = lengths.view(F_, B)[f]
+                scale[a:b] = scale[a:b] / torch.repeat_interleave(ln.clamp(min=1), ln).to(torch.float32)
+        return {"kind": 1, "B": B, "F": F_, "lengths": lengths, "values": values, "vstart": vstart, "scale": scale}
 
     def _check_batch(self, B: int) -> None:
         if self.design == "send" and B > self.max_batch_size:
@@ -191,9 +252,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
         """
         if self.design != "send":
             raise ConfigError("input_dist / compute_and_output_dist are the phases of the send design")
-        gids, bag, scale, nbags, B = self._prepare(features)
-        self._check_batch(B)
-        return _PgasSend.input_dist(self, gids, bag, scale, nbags, B)
+        return _PgasSend.input_dist(self, self._prepare_send(features))
 
     @torch.no_grad()
     def compute_and_output_dist(self, handle: dict) -> torch.Tensor:
@@ -432,24 +491,71 @@ class _PgasRetrieve(torch.autograd.Function):
 
 
 class _PgasSend(torch.autograd.Function):
-    """Send design with pooled vectors written at their final place in the requester's heap (Listing 2)."""
+    """Send design with pooled vectors written at their final place in the requester's heap (Listing 2).
+
+    Two layouts of the ids message to an owner (int64 words):
+
+    * feature blocks (every feature's table on one rank of this host, no replicas: table-wise plans):
+      ``[1, B, nf, nv, has_scale, features(nf), lengths(nf * B), row offsets(nv), scales]``; every bag
+      of those features is one partial bag, written directly (empty bags as zeros); no sort anywhere.
+    * general (any plan): ``[0, npb, nv, has_scale, lengths(npb), places(npb), row offsets(nv), scales]``
+      with one partial bag per (owner, bag) as in ``ShardedEmbedding``; ``places[i]`` is the bag's final
+      row in the requester's ``[B * F, D]`` output, or -1 when the bag has several owners (or its owner
+      is on another host): those partial sums go back through the transport and are added in rank order.
+
+    Scales (per-sample weights, 1/length for mean pooling) travel as float32 bits only when some is not 1.
+    """
 
     @staticmethod
-    def forward(ctx, anchor, mod: PgasShardedEmbedding, gids, bag, scale, nbags, B):
-        st = _PgasSend.input_dist(mod, gids, bag, scale, nbags, B)
+    def forward(ctx, anchor, mod: PgasShardedEmbedding, prep: dict):
+        st = _PgasSend.input_dist(mod, prep)
         out = _PgasSend.compute_and_output_dist(mod, st)
         ctx.mod = mod
-        ctx.saved = (st["bpos"], st["p_counts"], st["served"], B, st["F"])
+        ctx.st = st
         return out
 
+    # -- requester side -------------------------------------------------------------------------
     @staticmethod
-    def input_dist(mod: PgasShardedEmbedding, gids, bag, scale, nbags, B) -> dict:
-        """Requester side: partial bags, their final places, and the ids every owner needs (one exchange)."""
-        W, me, tr = mod.world_size, mod.rank, mod.transport
-        F_ = nbags // B if B else len(mod.feature_names)
-        dev = mod.weight.device
+    def input_dist(mod: PgasShardedEmbedding, prep: dict) -> dict:
+        """Requester side: the ids every owner needs (one exchange through the heap)."""
         mod._epoch += 1
         buf = mod._epoch % 2
+        if prep["kind"] == 1:
+            st = _PgasSend._messages_blocks(mod, prep)
+        else:
+            st = _PgasSend._messages_general(mod, prep, buf)
+        st["buf"] = buf
+        st["requests"] = mod.transport.exchange(st.pop("msgs"), kind="ids")  # the input distribution
+        return st
+
+    @staticmethod
+    def _messages_blocks(mod: PgasShardedEmbedding, prep: dict) -> dict:
+        W = mod.world_size
+        B, F_ = prep["B"], prep["F"]
+        lengths, values, vstart, scale = prep["lengths"], prep["values"], prep["vstart"], prep["scale"]
+        fc = mod._blocks["offset"]
+        has = scale is not None
+        msgs, p_counts = [], []
+        for q in range(W):
+            fq = mod._blocks["features_of"][q]
+            vals = [values[vstart[f]:vstart[f + 1]] + fc[f] for f in fq]
+            nv = sum(v.numel() for v in vals)
+            parts = [torch.tensor([1, B, len(fq), nv, int(has)] + fq, dtype=torch.int64)]
+            if fq:
+                parts.append(lengths.view(F_, B)[fq].reshape(-1))
+                parts += vals
+                if has:
+                    parts.append(_scale_bits(torch.cat([scale[vstart[f]:vstart[f + 1]] for f in fq])))
+            msgs.append(torch.cat(parts))
+            p_counts.append(len(fq) * B)
+        return {"kind": 1, "msgs": msgs, "B": B, "F": F_, "p_counts": p_counts, "out": None}
+
+    @staticmethod
+    def _messages_general(mod: PgasShardedEmbedding, prep: dict, buf: int) -> dict:
+        W = mod.world_size
+        gids, bag, scale, nbags, B = prep["gids"], prep["bag"], prep["scale"], prep["nbags"], prep["B"]
+        F_ = prep["F"]
+        dev = mod.weight.device
         src, off, _slot = mod.tmap.decode(gids)
         # partial bags: one per (source rank, bag), numbered per source rank (the collective design's)
         key = src * nbags + bag
@@ -458,10 +564,10 @@ class _PgasSend(torch.autograd.Function):
         p_counts = torch.bincount(p_src, minlength=W).tolist()
         p_len = torch.bincount(pinv, minlength=pkeys.numel())
         n_src = torch.bincount(p_bag, minlength=nbags)
-        bpos = (p_bag % B) * F_ + p_bag // B  # final place of the bag in the [B, F, D] output
+        bpos = (p_bag % B) * F_ + p_bag // B if B else p_bag  # final place of the bag in the [B, F, D] output
         direct = (n_src[p_bag] == 1) & mod._same_host[p_src]
         code = torch.where(direct, bpos, torch.full_like(bpos, -1))
-        out_flat = mod._out[me][buf][: B * F_]
+        out_flat = mod._out[mod.rank][buf][: B * F_]
         # places no owner writes directly: empty bags, and bags summed here from partials; zeroed before
         # the ids go out, since the owners write as soon as they have them
         if B:
@@ -472,18 +578,23 @@ class _PgasSend(torch.autograd.Function):
                 out_flat.index_fill_(0, ((gaps % B) * F_ + gaps // B).to(dev), 0)
         order = torch.argsort(src, stable=True)
         v_counts = torch.bincount(src, minlength=W).tolist()
-        off_o, sc_o = off[order], scale[order].to(torch.float32)
+        has = not bool((scale == 1).all())
+        off_o = off[order]
+        sc_o = scale[order].to(torch.float32) if has else None
         msgs, va, pa = [], 0, 0
         for q in range(W):
             nv, npb = v_counts[q], p_counts[q]
-            msgs.append(torch.cat([torch.tensor([npb, nv], dtype=torch.int64), p_len[pa:pa + npb],
-                                   code[pa:pa + npb], off_o[va:va + nv], _scale_bits(sc_o[va:va + nv])]))
+            parts = [torch.tensor([0, npb, nv, int(has)], dtype=torch.int64), p_len[pa:pa + npb],
+                     code[pa:pa + npb], off_o[va:va + nv]]
+            if has:
+                parts.append(_scale_bits(sc_o[va:va + nv]))
+            msgs.append(torch.cat(parts))
             va += nv
             pa += npb
-        requests = tr.exchange(msgs, kind="ids")  # the input distribution (one small message per owner)
-        return {"requests": requests, "buf": buf, "F": F_, "B": B, "bpos": bpos, "code": code, "direct": direct,
+        return {"kind": 0, "msgs": msgs, "B": B, "F": F_, "bpos": bpos, "code": code, "direct": direct,
                 "p_src": p_src, "p_counts": p_counts, "out": out_flat}
 
+    # -- owner side, then requester side --------------------------------------------------------
     @staticmethod
     def compute_and_output_dist(mod: PgasShardedEmbedding, st: dict) -> torch.Tensor:
         """Owner side: pool every requester's bags and write each pooled vector where it is consumed;
@@ -492,7 +603,6 @@ class _PgasSend(torch.autograd.Function):
         D = mod.dim
         dev = mod.weight.device
         requests, buf, F_, B = st["requests"], st["buf"], st["F"], st["B"]
-        code, direct, p_src, p_counts, out_flat = st["code"], st["direct"], st["p_src"], st["p_counts"], st["out"]
         served = [None] * W
         sends, partials_remote = {}, {}
         own_part = None
@@ -507,8 +617,12 @@ class _PgasSend(torch.autograd.Function):
             else:
                 partials_remote[q] = part
         st["served"] = served
-        # -- requester side: partial sums of bags with several owners (and from other hosts), rank order
-        ind_counts = [int((code[a:a + n] < 0).sum()) for a, n in zip(np.cumsum([0] + p_counts[:-1]), p_counts)]
+        out_flat = mod._out[me][buf][: B * F_]
+        if st["kind"] == 1:
+            ind_counts = [0] * W
+        else:
+            code, p_counts = st["code"], st["p_counts"]
+            ind_counts = [int((code[a:a + n] < 0).sum()) for a, n in zip(np.cumsum([0] + p_counts[:-1]), p_counts)]
         got: list = [None] * W
         if tr.collective is not None:
             empty = mod.weight.new_zeros((0, D))
@@ -519,40 +633,75 @@ class _PgasSend(torch.autograd.Function):
                 if not mod.heap.is_local(q):
                     got[q] = rr[q]
                     tr.counter.sent[q] += cs[q].numel() * cs[q].element_size()
+                    tr.counter.by_kind["pooled"] = tr.counter.by_kind.get("pooled", 0) + \
+                        cs[q].numel() * cs[q].element_size()
                     tr.counter.recv[q] += rr[q].numel() * rr[q].element_size()
         recvs = {q: tr.expect((D,), mod.weight.dtype, dev, ind_counts[q]) for q in sends}
-        tr.progress(sends, recvs, "pooled vectors")
+        tr.progress(sends, recvs, "pooled vectors")  # every owner has written all it writes here
         for q, r in recvs.items():
             got[q] = r["out"]
             tr.counter.recv[q] += r["out"].numel() * r["out"].element_size()
         got[me] = own_part
-        for q in mod._local:
-            if q != me:  # what the owners wrote straight into this buffer
-                nd = int(direct[p_src == q].sum())
-                mod._count_direct(q, nd * D * out_flat.element_size(), "pooled", sent=False)
-        ind = code < 0
-        if bool(ind.any()):
-            out_flat.index_add_(0, st["bpos"][ind].to(dev), torch.cat([g for g in got if g is not None]))
+        itemsize = out_flat.element_size()
+        if st["kind"] == 1:
+            for q in mod._local:
+                if q != me:  # what the owners wrote straight into this buffer
+                    mod._count_direct(q, st["p_counts"][q] * D * itemsize, "pooled", sent=False)
+        else:
+            direct, p_src, code = st["direct"], st["p_src"], st["code"]
+            for q in mod._local:
+                if q != me:
+                    mod._count_direct(q, int(direct[p_src == q].sum()) * D * itemsize, "pooled", sent=False)
+            ind = code < 0
+            if bool(ind.any()):  # ((0 + p_0) + p_1) + ...: the collective design's index_add_, rank order
+                out_flat.index_add_(0, st["bpos"][ind].to(dev), torch.cat([g for g in got if g is not None]))
         return out_flat.view(B, F_ * D)
+
+    @staticmethod
+    def _write_runs(dst: torch.Tensor, places: torch.Tensor, pooled: torch.Tensor, F_: int) -> None:
+        """``dst[places[i]] = pooled[i]``: strided stores for runs of consecutive samples of one feature
+        (places ``c, c + F, c + 2F, ...``), ``index_copy_`` when the places are scattered."""
+        n = places.numel()
+        if n == 0:
+            return
+        brk = torch.nonzero(places[1:] - places[:-1] != F_).view(-1) if n > 1 else places[:0]
+        if brk.numel() > 16:
+            dst.index_copy_(0, places.to(dst.device), pooled)
+            return
+        bounds = [0] + (brk + 1).tolist() + [n]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            c0 = int(places[s])
+            dst[c0:c0 + F_ * (e - s - 1) + 1:F_].copy_(pooled[s:e])
 
     @staticmethod
     def _serve(mod, q, msg, buf, F_, dev):
         """Pool requester ``q``'s partial bags; write the direct ones into ``q``'s output, return the rest."""
         D = mod.dim
-        npb, nv = int(msg[0]), int(msg[1])
-        lens = msg[2:2 + npb]
-        code = msg[2 + npb:2 + 2 * npb]
-        offq = msg[2 + 2 * npb:2 + 2 * npb + nv]
-        scq = msg[2 + 2 * npb + nv:].view(torch.float32)[:nv]
+        itemsize = mod.weight.element_size()
+        kind = int(msg[0])
+        if kind == 1:
+            B, nf, nv, has = (int(x) for x in msg[1:5])
+            feats = msg[5:5 + nf].tolist()
+            h = 5 + nf
+            npb = nf * B
+            lens = msg[h:h + npb]
+            offq = msg[h + npb:h + npb + nv]
+            scq = msg[h + npb + nv:].view(torch.float32)[:nv] if has else None
+            code = None
+        else:
+            npb, nv, has = (int(x) for x in msg[1:4])
+            lens = msg[4:4 + npb]
+            code = msg[4 + npb:4 + 2 * npb]
+            offq = msg[4 + 2 * npb:4 + 2 * npb + nv]
+            scq = msg[4 + 2 * npb + nv:].view(torch.float32)[:nv] if has else None
         voff = torch.zeros(npb + 1, dtype=torch.int64)
-        voff[1:] = torch.cumsum(lens, 0)
+        torch.cumsum(lens, 0, out=voff[1:])
         offq_d = offq.to(dev)
-        unit = bool((scq == 1).all())
+        unit = scq is None or bool((scq == 1).all())
         local_q = mod.heap.is_local(q)
         dst = mod._out[q][buf] if local_q else None
         parts = []
         cb = mod.chunk_bags
-        itemsize = mod.weight.element_size()
         for a in range(0, npb, cb):
             b = min(a + cb, npb)
             va, vb = int(voff[a]), int(voff[b])
@@ -563,38 +712,46 @@ class _PgasSend(torch.autograd.Function):
                 scaled = mod.weight[offq_d[va:vb]] * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
                 pooled = F.embedding_bag(torch.arange(vb - va, device=dev), scaled, offs, mode="sum",
                                          include_last_offset=True)
-            if not local_q:
+            if kind == 1:  # feature blocks: bag i of the block is sample i % B of feature feats[i // B]
+                dst3 = dst[: B * F_].view(B, F_, D)
+                for i in range(a // B, (b - 1) // B + 1):
+                    s, e = max(a, i * B), min(b, (i + 1) * B)
+                    dst3[s - i * B:e - i * B, feats[i]].copy_(pooled[s - a:e - a])
+                nd = b - a
+            elif not local_q:
                 parts.append(pooled)
                 continue
-            c = code[a:b]
-            d = c >= 0
-            nd = int(d.sum())
-            if nd == b - a:
-                c0 = int(c[0])
-                if nd > 1 and int(c[-1]) - c0 == F_ * (nd - 1) and torch.equal(
-                        c, c0 + F_ * torch.arange(nd)):  # one feature, consecutive samples: a strided store
-                    dst[c0:c0 + F_ * (nd - 1) + 1:F_].copy_(pooled)
-                else:
-                    dst.index_copy_(0, c.to(dev), pooled)
             else:
-                if nd:
-                    dst.index_copy_(0, c[d].to(dev), pooled[d.to(dev)])
-                parts.append(pooled[(~d).to(dev)])
+                c = code[a:b]
+                d = c >= 0
+                nd = int(d.sum())
+                if nd == b - a:
+                    _PgasSend._write_runs(dst, c, pooled, F_)
+                else:
+                    if nd:
+                        dst.index_copy_(0, c[d].to(dev), pooled[d.to(dev)])
+                    parts.append(pooled[(~d).to(dev)])
             if nd and q != mod.rank:
                 mod.transport.record(nd * D * itemsize, q, "pooled")
                 mod._count_direct(q, nd * D * itemsize, "pooled", sent=True)
         part = torch.cat(parts) if parts else mod.weight.new_zeros((0, D))
         return (offq, lens, scq, npb), part
 
+    # -- backward ---------------------------------------------------------------------------------
     @staticmethod
     def backward(ctx, grad_out):
         mod: PgasShardedEmbedding = ctx.mod
-        bpos, p_counts, served, B, F_ = ctx.saved
+        st = ctx.st
+        served, B, F_, p_counts = st["served"], st["B"], st["F"], st["p_counts"]
         W, me, D = mod.world_size, mod.rank, mod.dim
         dev = grad_out.device
         grad = grad_out.contiguous().view(B * F_, D)
-        g_partial = grad.index_select(0, bpos.to(dev))  # gradient of every partial bag, rank-major
-        parts = list(torch.split(g_partial, p_counts))
+        if st["kind"] == 1:  # the bags of each owner's features, feature-major: its partial bags in order
+            g3 = grad.view(B, F_, D)
+            parts = [g3[:, mod._blocks["features_of"][q]].transpose(0, 1).reshape(-1, D) for q in range(W)]
+        else:
+            g_partial = grad.index_select(0, st["bpos"].to(dev))  # gradient of every partial bag, rank-major
+            parts = list(torch.split(g_partial, p_counts))
         n_recv = [served[q][3] if q != me else 0 for q in range(W)]
         got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
                                      recv_counts=n_recv, kind="grads")
@@ -605,7 +762,8 @@ class _PgasSend(torch.autograd.Function):
             if offq.numel() == 0:
                 continue
             pbv = torch.repeat_interleave(torch.arange(npb), lens)  # the partial bag of every value
-            r, g = aggregate_row_gradients(offq.to(dev), got[q], src_index=pbv.to(dev), scale=scq.to(dev))
+            sc = scq if scq is not None else torch.ones(offq.numel(), dtype=torch.float32)
+            r, g = aggregate_row_gradients(offq.to(dev), got[q], src_index=pbv.to(dev), scale=sc.to(dev))
             owned = r < mod.num_owned
             rows.append(r[owned])
             grads.append(g[owned])
@@ -619,4 +777,4 @@ class _PgasSend(torch.autograd.Function):
             mod._sync_and_apply_replicas(torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64),
                                          torch.cat(rep_grads) if rep_grads else empty)
         mod._publish_version()
-        return torch.zeros_like(mod.anchor), None, None, None, None, None, None
+        return torch.zeros_like(mod.anchor), None, None

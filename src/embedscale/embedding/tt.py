@@ -20,7 +20,11 @@ the product of its slices (eq. 2); element ``(j_1, ..., j_d)`` of the row is col
   computed once per distinct prefix with batched GEMM (``torch.bmm``) into the *reuse buffer*, level by
   level (level ``k`` reuses level ``k - 1``: the two-level reuse of the section's title for ``d = 3``);
   the last core is applied once per distinct row; the rows are pooled by ``offsets`` with one
-  ``embedding_bag`` over the distinct rows. Algorithm 1's atomic flags become the sort.
+  ``embedding_bag`` over the distinct rows. Algorithm 1's atomic flags become the sort. Where a level's
+  core slices are larger than the prefix rows they multiply (the middle cores, ``R x n R`` slices), its
+  entries are grouped by slice so the batched GEMM reads every distinct slice once (``_Group``; what
+  cuBLAS's pointer arrays give for free on a GPU costs a gather per entry on a CPU); ``grouped=False``
+  keeps Algorithm 1's one-slice-per-entry GEMM.
 * **In-advance gradient aggregation (III-B, Fig. 6b).** The output gradient is first summed per distinct
   row (a segment sum over the sorted occurrences), then pushed through the cores once per distinct row
   and, through the reuse buffer, once per distinct prefix (eq. 6): the gradients of rows that share a
@@ -708,7 +712,7 @@ class TTEmbeddingBag(_TTCores):
                 Gp = Gp.view(J, g.L * a, -1)
                 dC = torch.bmm(X.transpose(1, 2), Gp)  # [J, R_k, n_k R_{k+1}]: summed per distinct slice
                 dX = torch.bmm(Gp, C.transpose(1, 2)).view(J * g.L, a, -1)
-                G = G.new_zeros(num_parents, a, dX.shape[2]).index_copy_(0, g.src, dX)
+                G = G.new_zeros(num_parents, a, dX.shape[2]).index_add_(0, g.src, dX)
                 self._accumulate(k, g.slices, dC, dense, distinct=True)
             else:
                 Gk = G.reshape(U, X.shape[1], -1)  # [U_k, a_{k-1}, n_k R_{k+1}]

@@ -203,6 +203,7 @@ class PipelinedEmbedding(nn.Module):
         self._pending: PrefetchedBatch | None = None
         self._sink: Callable[[GradientBatch], None] | None = None
         self._track_updates = False  # update local copies and fill the cache (pipelined, depth > 1)
+        self._sync_read_hook: Callable[[], None] | None = None  # before a read outside the schedule
         self.host_lookups = 0
 
     @classmethod
@@ -285,6 +286,8 @@ class PipelinedEmbedding(nn.Module):
             if self.pipelined and torch.is_grad_enabled() and self.training:
                 raise PipelineError("a training lookup of a batch the pipeline did not prefetch: while a pipeline "
                                     "runs, train only on the batches it yields, one forward each")
+            if self._sync_read_hook is not None:
+                self._sync_read_hook()
             pre = self.prefetch(features)
             if self.pipelined:
                 self._patch_sync(pre)
@@ -360,6 +363,8 @@ class PipelinedEmbedding(nn.Module):
         the rows it has not caught up on (pipeline running) taken from the cache."""
         if self.server is None:
             return {}
+        if self._sync_read_hook is not None:
+            self._sync_read_hook()
         ps = self.server
         with torch.no_grad():
             weights = [ps.group_weight(g).clone() for g in range(len(ps.layouts))]
@@ -369,7 +374,7 @@ class PipelinedEmbedding(nn.Module):
                 for g in range(len(ps.layouts)):
                     rows, w, m = self.cache.latest(g)
                     rows = rows.to(ps.device)
-                    pass
+                    weights[g].index_copy_(0, rows, w.to(ps.device))
                     if moms[g] is not None:
                         moms[g].index_copy_(0, rows, m.to(ps.device))
         out = {}

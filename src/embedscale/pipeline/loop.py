@@ -5,7 +5,8 @@ schedule over the batches (PyTorch ops release the GIL, so it computes beside th
 
     for s = 0, 1, ...:
         if s >= depth: pull the gradients of batch s - depth from the gradient queue and apply them
-        read the host rows of batch s; put them on the prefetch queue          (applied(s) = max(0, s-depth+1))
+        take batch s from the loader; read its host rows; put them on the prefetch queue
+                                                                     (applied(s) = max(0, s - depth + 1))
     then pull and apply the remaining gradients
 
 and the trainer, for each batch, takes it from the prefetch queue, patches its rows from the life-cycle
@@ -74,6 +75,8 @@ class Pipeline:
         self.pushed = 0  # trainer side: gradient batches sent
         self._finished = False  # server side: the trainer sent FINISH
         self.error: BaseException | None = None
+        self._applied_cv = threading.Condition()
+        self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
         self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0}
 
@@ -82,13 +85,15 @@ class Pipeline:
         it = iter(self.batches)
         try:
             s = 0
-            for batch in it:
+            while True:
+                # the gradient due first, then the loader: a gradient pushed is applied whatever the loader does
                 if s >= self.depth and not self._pull_and_apply(s - self.depth):
                     break
-                if self._finished:
+                try:
+                    batch = next(it)
+                except StopIteration:
                     break
-                feats = batch.sparse
-                pre = self.embedding.prefetch(feats, index=s, applied=self.applied, batch=batch)
+                pre = self.embedding.prefetch(batch.sparse, index=s, applied=self.applied, batch=batch)
                 self.prefetch_q.put(pre)
                 s += 1
             self.prefetch_q.put(END)
@@ -98,6 +103,9 @@ class Pipeline:
             self.error = e
             self.prefetch_q.put(e)
         finally:
+            with self._applied_cv:
+                self._serving = False
+                self._applied_cv.notify_all()
             close = getattr(it, "close", None)
             if close is not None:
                 try:
@@ -119,8 +127,24 @@ class Pipeline:
             raise PipelineError(f"gradient of batch {item.index} arrived, the server expected batch {self.applied}")
         if self.server is not None:
             self.server.apply(item)
-        self.applied += 1
+        with self._applied_cv:
+            self.applied += 1
+            self._applied_cv.notify_all()
         return True
+
+    def wait_applied(self) -> None:
+        """Block until the server has applied every gradient pushed so far (a synchronous read of the host
+        tables without the cache: depth 1, where the server pulls each gradient as soon as it is pushed)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._applied_cv:
+            while self.applied < self.pushed and self._serving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(f"the server applied {self.applied} of {self.pushed} gradient batches "
+                                        f"within {self.timeout_s:.0f} s")
+                self._applied_cv.wait(min(left, 0.5))
+        if self.error is not None:
+            raise self.error
 
     # -- trainer side --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +153,9 @@ class Pipeline:
         emb._pending = None
         emb._sink = self._push
         emb._track_updates = self.use_cache and self.depth > 1
+        # reads outside the schedule (evaluation, checkpoints): the cache has what the server lacks at
+        # depth >= 2; at depth 1 the server lags by at most the last gradient, so wait for it
+        emb._sync_read_hook = None if emb._track_updates else self.wait_applied
         self.thread.start()
 
     def _push(self, grads: GradientBatch) -> None:
@@ -170,6 +197,7 @@ class Pipeline:
         emb._sink = None
         emb._pending = None
         emb._track_updates = False
+        emb._sync_read_hook = None
         if self.thread.is_alive():
             raise PipelineError(f"the parameter server thread did not finish within {self.timeout_s:.0f} s")
         emb.cache.reset()  # every gradient is applied: the server is current

@@ -115,7 +115,9 @@ def plan_oper(
     if mode == "training" and replicate and m > 1:
         budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1))
         for t in st:
-            heads.append(t.head_counts(t.count_above(f_thr * samples)))
+            pre = t.prefix()
+            heads.append(np.diff(pre[: t.count_above(f_thr * samples, pre) + 1]))
+            del pre
         hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
     history: list[dict] = []
 
@@ -148,9 +150,9 @@ def plan_oper(
 
     attempt = 0
     while True:
-        for t, k in zip(st, hot):
+        for i, (t, k) in enumerate(zip(st, hot)):
             t.skip = int(k)
-            t.skip_count = float(t.prefix()[k]) if k else 0.0
+            t.skip_count = float(heads[i][:k].sum()) if k else 0.0
         rep_bytes = float((hot * rb).sum())
         rep_access = np.array([t.skip_count for t in st]) * scale  # per rank, looked up locally
         base_lookup = np.full(m, float((rep_access * rb).sum())) * local

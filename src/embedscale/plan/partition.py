@@ -20,6 +20,9 @@ from embedscale.errors import ConfigError
 from embedscale.plan.cost import table_counts
 
 
+_LAST_PREFIX: tuple[np.ndarray, np.ndarray] | None = None
+
+
 @dataclass
 class SortedTable:
     """One table in access order: the permutation and (optionally cached) prefix sums of its counts."""
@@ -44,18 +47,26 @@ class SortedTable:
         return (c if self.order is None else c[self.order]).astype(np.float64, copy=False)
 
     def prefix(self) -> np.ndarray:
-        """Exclusive prefix sums of the sorted counts, length ``num_rows + 1`` (float64)."""
+        """Exclusive prefix sums of the sorted counts, length ``num_rows + 1`` (float64).
+
+        Tables whose profile hands out the very same sorted-counts array (equal-shaped synthetic tables)
+        share one prefix array instead of recomputing it."""
+        global _LAST_PREFIX
         if self._prefix is not None:
             return self._prefix
         c = self.sorted_counts()
+        if _LAST_PREFIX is not None and _LAST_PREFIX[0] is c:
+            return _LAST_PREFIX[1]
         out = np.empty(c.size + 1, dtype=np.float64)
         out[0] = 0.0
         np.cumsum(c, out=out[1:])
+        if not c.flags.writeable:  # an immutable array can be trusted not to change under the cache
+            _LAST_PREFIX = (c, out)
         return out
 
-    def count_above(self, value: float) -> int:
+    def count_above(self, value: float, pre: np.ndarray | None = None) -> int:
         """How many rows have a count above ``value`` (binary search on the prefix sums: counts are sorted)."""
-        pre = self.prefix()
+        pre = self.prefix() if pre is None else pre
         lo, hi = 0, self.num_rows  # invariant: rows [0, lo) are above, rows [hi, n) are not
         while lo < hi:
             mid = (lo + hi) // 2
@@ -131,12 +142,16 @@ def sort_tables(tables, profile, cache_rows: int = 200_000_000) -> list[SortedTa
                          _profile=profile)
         st._native = native
         if total_rows <= cache_rows:
-            pre = np.empty(n + 1, dtype=np.float64)
-            pre[0] = 0.0
-            np.cumsum(srt, out=pre[1:])
-            st._prefix = pre
+            st._prefix = st.prefix() if native else _prefix_of(srt)
         out.append(st)
         del srt
+    return out
+
+
+def _prefix_of(c: np.ndarray) -> np.ndarray:
+    out = np.empty(c.size + 1, dtype=np.float64)
+    out[0] = 0.0
+    np.cumsum(c, out=out[1:])
     return out
 
 

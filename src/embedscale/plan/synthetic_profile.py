@@ -175,12 +175,15 @@ class ZipfProfile:
         """Row ids by decreasing expected count (int32 when the table fits)."""
         n = self._check(name)
         a, b = self._bij[name]
-        dtype = np.int32 if n < 2**31 else np.int64
-        r = np.arange(n, dtype=np.int64)
-        r *= a
-        r += b
-        np.remainder(r, n, out=r)
-        return r.astype(dtype, copy=False)
+        out = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
+        chunk = 1 << 20  # int64 temporaries that stay in cache: the big array is written once
+        for s in range(0, n, chunk):
+            r = np.arange(s, min(s + chunk, n), dtype=np.int64)
+            r *= a
+            r += b
+            np.remainder(r, n, out=r)
+            out[s : s + r.size] = r
+        return out
 
     def counts(self, name: str) -> np.ndarray:
         out = np.empty(self._check(name), dtype=np.float64)
