@@ -29,6 +29,10 @@ fit), dim 16, synthetic power-law data (exponent 1.1, one-hot), global batch 409
 configs: ``table1`` (OPER Table 1 MLPs: bottom 512-256-64-16, top 512-256-1) and ``small`` (bottom
 64-32-16, top 128-64-1), where the dense part weighs less.
 
+Prints one JSON line on stdout (figure = our training samples/s, baseline = TorchRec's, for the first
+config; inference and every config inside); progress on stderr; writes ``benchmarks/results/vs_torchrec.md``
+(``--out``; ``--from-json`` re-renders it from saved JSON lines).
+
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
 """
 
@@ -40,11 +44,14 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+RESULTS_MD = Path(__file__).resolve().parent / "results" / "vs_torchrec.md"
 
 CONFIGS = {
     "table1": {"bottom_mlp": [512, 256, 64], "top_mlp": [512, 256]},
@@ -324,7 +331,18 @@ def main():
     ap.add_argument("--optimizer", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
+    ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
+    ap.add_argument("--from-json", nargs="+", default=None,
+                    help="render --out from saved JSON lines of earlier runs instead of running (the first is "
+                         "the main run; the others are appended as further runs)")
     args = ap.parse_args()
+    if args.from_json:
+        lines = []
+        for fn in args.from_json:
+            with open(fn) as f:
+                lines.append(json.loads(f.read().strip().splitlines()[-1]))
+        write_markdown(lines, args.out)
+        return
     from embedscale.train.launch import spawn_local
 
     names = (args.configs.split(",") if args.configs else (["table1"] if args.quick else list(CONFIGS)))
@@ -347,7 +365,7 @@ def main():
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     main_cfg = names[0]
     m = results[main_cfg]
-    print(json.dumps({
+    line = {
         "benchmark": "vs_torchrec", "figure": m["train"]["ours"]["samples_per_s"],
         "baseline": m["train"]["torchrec"]["samples_per_s"], "ratio": m["train"]["ratio"], "unit": "samples/s",
         "paired_ratio": m["train"]["paired_ratio"],
@@ -361,7 +379,111 @@ def main():
                    "loadavg_after": os.getloadavg(), "torch": torch.__version__, "torchrec": _version("torchrec"),
                    "fbgemm_gpu": _version("fbgemm-gpu-cpu")},
         "results": results,
-    }))
+    }
+    line["config"]["command"] = " ".join([".venv/bin/python", "benchmarks/bench_vs_torchrec.py", *sys.argv[1:]])
+    print(json.dumps(line))
+    if args.out:
+        write_markdown([line], args.out)
+
+
+def write_markdown(lines: list, path: str) -> None:
+    """The figures of runs (their JSON lines; the first is the main one) as ``benchmarks/results/vs_torchrec.md``."""
+    L = ["# embedscale vs TorchRec DistributedModelParallel: end-to-end throughput, 2 ranks (issue 4)", ""]
+    for i, line in enumerate(lines):
+        if i:
+            L += [f"# Further run {i}: {line['config']['max_rows']:,} rows per table at most", ""]
+        L += _run_markdown(line)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(L))
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def _run_markdown(line: dict) -> list[str]:
+    c = line["config"]
+    res = line["results"]
+    L = [f"Command: `{c.get('command', '.venv/bin/python benchmarks/bench_vs_torchrec.py')}`", "",
+         f"Setup: {c['world']} ranks = {c['world']} local processes on gloo (CPU, 1 torch thread each), 26 "
+         f"criteo-kaggle tables capped at {c['max_rows']:,} rows (scaled to fit), dim {c['dim']}, synthetic "
+         f"power-law data (exponent {c['alpha']}, one-hot), global batch {c['batch']} ({c['batch'] // c['world']} "
+         f"per rank), sparse optimizer {c['optimizer']} (lr {c['lr']}, eps {c['eps']}) on both sides, dense SGD "
+         f"(lr {c['dense_lr']}); {c['steps']} timed steps after {c['warmup']} warm-up, ours and TorchRec "
+         "alternating step by step (order flipped every step); a step's time is the slowest rank's; medians. "
+         f"torch {c['torch']}, torchrec {c['torchrec']}, fbgemm-gpu-cpu {c['fbgemm_gpu']}.", "",
+         "- ours: `ShardedEmbedding` (retrieve design, collective transport) under the `oper` plan with "
+         f"{c['extra_memory']:.0%} extra memory (training plan for training; inference plan, hot rows replicated "
+         "by OPER Algorithm 1, for inference), fused row-wise update; dense arches in DDP (sum hook, loss = "
+         "sum / global batch).",
+         "- TorchRec: `torchrec.models.dlrm.DLRM` over an `EmbeddingBagCollection` of the same tables, "
+         "`DistributedModelParallel` with the plan of its own `EmbeddingShardingPlanner` (defaults, compute "
+         "device cpu, same topology and per-rank batch); FBGEMM CPU TBE kernels; fused in-backward optimizer "
+         "(`apply_optimizer_in_backward`) of the same kind. Its data-parallel tables run on TorchRec's dense "
+         "kernel, which gets no fused optimizer: they get TorchRec's `RowWiseAdagrad` (or SGD) as a normal "
+         "optimizer, as TorchRec's DLRM example trains them with its dense optimizer.",
+         f"- load average (2 cores, shared with other jobs): before {_fmt_load(c['loadavg_before'])}, after "
+         f"{_fmt_load(c['loadavg_after'])}. Timings on this machine are noisy; the paired ratio is the median "
+         "over steps of TorchRec's step time / ours on the same batch, adjacent in time.", "",
+         "## Throughput", "",
+         "| config (MLPs) | phase | ours samples/s | TorchRec samples/s | ratio (medians) | paired ratio | bar |",
+         "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for n, r in res.items():
+        mlp = c["mlps"][n]
+        desc = f"{n} (bottom {'-'.join(map(str, mlp['bottom_mlp'] + [c['dim']]))}, top " \
+               f"{'-'.join(map(str, mlp['top_mlp'] + [1]))})"
+        for ph, bar in (("train", 1.5), ("inference", 2.0)):
+            x = r[ph]
+            met = "met" if x["ratio"] >= bar else "**not met**"
+            L.append(f"| {desc} | {ph} | {x['ours']['samples_per_s']:,.0f} | {x['torchrec']['samples_per_s']:,.0f} | "
+                     f"{x['ratio']:.2f}x | {x['paired_ratio']:.2f}x | >= {bar}x: {met} |")
+    L += ["", "## Breakdown (ms per step, medians; embedding = an embedding-only step timed the same way: "
+          "lookup + all-to-alls [+ backward, replica-gradient sync, fused update]; dense = full - embedding)", "",
+          "| config | phase | ours step | ours embedding | ours dense | TorchRec step | TorchRec embedding | "
+          "TorchRec dense | embedding speed-up |",
+          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n, r in res.items():
+        for ph in ("train", "inference"):
+            o, t = r[ph]["ours"], r[ph]["torchrec"]
+            L.append(f"| {n} | {ph} | {o['step_ms']:.1f} | {o['embedding_ms']:.1f} | {o['dense_ms']:.1f} | "
+                     f"{t['step_ms']:.1f} | {t['embedding_ms']:.1f} | {t['dense_ms']:.1f} | "
+                     f"{r[ph]['embedding_speedup']:.2f}x |")
+    L += ["", "## Bytes on wire per step (summed over ranks; bytes sent to other ranks)", "",
+          "Both sides' all-to-alls are counted by one wrapper around `torch.distributed.all_to_all_single` (our "
+          "transport and TorchRec's KJT / pooled-embedding all-to-alls all go through it); DDP's AllReduces by "
+          "counting comm hooks (ring model, 2 (W-1)/W of the bucket per rank); our replica-gradient sync by its "
+          "own counter; TorchRec's data-parallel tables' gradient AllReduce is its table DDP's, hooked the same way.", "",
+          "| config | phase | side | embedding all-to-all | embedding sync / DP-table AllReduce | embedding total | "
+          "dense AllReduce | all-to-alls per rank | ours / TorchRec embedding bytes |",
+          "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n, r in res.items():
+        for ph in ("train", "inference"):
+            for side in ("ours", "torchrec"):
+                b = r[ph][side]["bytes_per_step"]
+                L.append(f"| {n} | {ph} | {side} | {b['embedding_a2a']:,.0f} | {b.get('embedding_sync', 0):,.0f} | "
+                         f"{b['embedding_total']:,.0f} | {b.get('dense_allreduce', 0):,.0f} | "
+                         f"{r[ph][side].get('all_to_alls_per_step_per_rank', float('nan')):.0f} | "
+                         + (f"{r[ph]['bytes_ratio']:.3f} |" if side == "ours" else " |"))
+    L += ["", "## Same model on both sides", ""]
+    for n, r in res.items():
+        ck = r["check"]
+        L.append(f"- {n}: logits at init (our dense weights and our placement-independent rows copied into "
+                 f"TorchRec's shards), max |ours - TorchRec| = {ck['init_max_abs_diff']:.3g} (training plan), "
+                 f"{ck['init_inference_plan_max_abs_diff']:.3g} (inference plan); after one training step of each on "
+                 f"the same batch, on the next batch: {ck['after_one_step_max_abs_diff']:.3g} (the step moved the "
+                 f"logits by up to {ck['one_step_logit_change']:.3g}; mean |logit| {ck['logit_scale']:.3g}).")
+    L += ["", "## Plans", ""]
+    for n, r in res.items():
+        pl = r["plans"]
+        rows = r["storage_rows_per_rank"]
+        L.append(f"- {n}: TorchRec's planner: {pl['torchrec']} (tables per sharding type); ours: "
+                 f"{pl['ours_training']['replicated_rows']:,} replicated rows (training plan), "
+                 f"{pl['ours_inference']['replicated_rows']:,} (inference plan); storage rows per rank: "
+                 + "; ".join(f"rank {i}: ours {x['ours_training']:,} / {x['ours_inference']:,}, TorchRec "
+                             f"{x['torchrec']:,}" for i, x in enumerate(rows)) + ".")
+    L += ["", "## JSON line", "", "```json", json.dumps({k: v for k, v in line.items() if k != "results"}), "```", ""]
+    return L
+
+
+def _fmt_load(x) -> str:
+    return "[" + ", ".join(f"{v:.1f}" for v in x) + "]"
 
 
 def _brief(ph: dict) -> dict:

@@ -81,3 +81,21 @@ def test_damaged_checkpoint_is_a_clear_error(tmp_path):
     p.write_bytes(b"not a checkpoint")
     with pytest.raises(FormatError, match="not a readable checkpoint"):
         load_checkpoint(p)
+
+
+def test_cli_plan_compares_strategies(tmp_path):
+    out = tmp_path / "plans"
+    r = CliRunner().invoke(main, ["plan", "--preset", "criteo-kaggle", "--max-rows", "2000", "--ranks-per-host", "4",
+                                  "--strategy", "oper", "--strategy", "table_wise", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    import json
+
+    rep = json.loads(r.output.strip().splitlines()[-1])
+    for name in ("oper", "table_wise"):
+        e = rep["strategies"][name]
+        for key in ("plan_seconds", "memory_per_rank", "lookup_per_rank", "comm_matrix", "dob_memory", "dob_lookup",
+                    "dob_comm", "comm_mean", "max_rank_cost"):
+            assert key in e, (name, key)
+        assert (out / name / "plan.json").exists()
+    assert rep["strategies"]["oper"]["max_rank_cost"] < rep["strategies"]["table_wise"]["max_rank_cost"]
+    assert (out / "report.png").stat().st_size > 0
