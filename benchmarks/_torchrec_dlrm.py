@@ -143,9 +143,12 @@ def wrap_dmp(model, plan):
     outer = dmp._dmp_wrapped_module
     if isinstance(outer, DDP):
         outer.register_comm_hook(dense_hook, counting_allreduce_hook)
-    for m in outer.modules():
-        if isinstance(m, DDP) and m is not outer:  # the data-parallel tables' lookups (TorchRec wraps them)
-            m.register_comm_hook(dp_hook, counting_allreduce_hook)
+    # the data-parallel tables' lookups: TorchRec wraps each in its own DDP, kept in a plain list
+    # (``ShardedEmbeddingBagCollection._lookups``), so ``modules()`` does not reach them
+    dp_ddps = [lk for m in outer.modules() for lk in getattr(m, "_lookups", []) if isinstance(lk, DDP)]
+    for lk in dp_ddps:
+        lk.register_comm_hook(dp_hook, counting_allreduce_hook)
+    dp_hook.modules = len(dp_ddps)
     return dmp, dense_hook, dp_hook
 
 

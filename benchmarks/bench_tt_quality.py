@@ -108,7 +108,7 @@ def train_pair(models, train_loader, eval_loader, epochs: int, desc: str) -> dic
 def synthetic_part(args) -> dict:
     cfg = RunConfig(
         data=DataConfig(source="synthetic", train_samples=args.train, eval_samples=args.eval, seed=args.seed,
-                        synthetic=SyntheticConfig(preset="criteo-kaggle", max_rows=0)),
+                        synthetic=SyntheticConfig(preset=args.preset, max_rows=args.max_rows)),
         model=ModelConfig(), train=TrainConfig(batch_size=args.batch, seed=args.seed))
     data = prepare_data(cfg, cache_root=args.cache, progress=True)
     tables = tables_for(cfg, data.manifest)
@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--threshold", type=int, default=1_000_000)
+    ap.add_argument("--preset", default="criteo-kaggle", help="synthetic preset (criteo-kaggle-small: 100k-row cap)")
+    ap.add_argument("--max-rows", type=int, default=0, help="cap every synthetic table (0 = the preset's)")
     ap.add_argument("--tt-optimizer", default="default", help="TT core optimizer (default: MixedEmbedding's)")
     ap.add_argument("--tt-lr", type=float, default=None, help="TT core learning rate (default: the sparse lr)")
     ap.add_argument("--real", choices=["auto", "yes", "no"], default="auto")
@@ -179,13 +181,14 @@ def main() -> None:
         "figure": round(syn["tt"]["eval_auc"], 5),
         "baseline": round(syn["uncompressed"]["eval_auc"], 5),
         "ratio": round(syn["tt"]["eval_auc"] / syn["uncompressed"]["eval_auc"], 5),
-        "unit": "eval AUC (synthetic criteo-kaggle)",
+        "unit": f"eval AUC (synthetic {args.preset})",
         "auc_difference": round(syn["auc_difference"], 5),
         "bar": "|AUC(tt) - AUC(uncompressed)| <= 0.002",
         "bar_met": abs(syn["auc_difference"]) <= 0.002,
         "synthetic": syn,
         "real_criteo_10k": real,
-        "config": {"train": args.train, "eval": args.eval, "batch": args.batch, "rank": args.rank,
+        "config": {"preset": args.preset, "max_rows": args.max_rows, "train": args.train, "eval": args.eval,
+                   "batch": args.batch, "rank": args.rank,
                    "threshold_rows": args.threshold, "tt_optimizer": args.tt_optimizer, "tt_lr": args.tt_lr,
                    "sparse_optimizer": "rowwise_adagrad", "lr": 0.05, "dense_optimizer": "adagrad",
                    "threads": torch.get_num_threads(), "seed": args.seed, "torch": torch.__version__,
@@ -201,13 +204,15 @@ def write_markdown(r: dict, command: str) -> None:
     from embedscale.io import atomic_write_text
 
     c, s, real = r["config"], r["synthetic"], r["real_criteo_10k"]
+    cap = f" (max_rows {c['max_rows']:,})" if c["max_rows"] else ""
     lines = [f"### DLRM with TT tables vs uncompressed (EL-Rec Table IV)", "",
              f"`.venv/bin/python {command}` — {c['threads']} thread(s), load average {c['loadavg_start'][0]:.1f} "
              f"at start, {c['wall_s'] / 60:.0f} min.", "",
              "| data | tables compressed | embedding bytes | AUC uncompressed | AUC TT | difference | "
              "logloss uncompressed | logloss TT | train samples/s (uncompr. / TT) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-             f"| synthetic criteo-kaggle, {c['train']:,} train / {c['eval']:,} eval, 1 epoch "
+             f"| synthetic {c['preset']}{cap}, "
+             f"{c['train']:,} train / {c['eval']:,} eval, 1 epoch "
              f"(teacher AUC {s['teacher_auc']:.4f}) | {len(s['tt_tables'])} over {c['threshold_rows']:,} rows, "
              f"rank {c['rank']} | {s['compression_ratio']:.1f}x smaller | {s['uncompressed']['eval_auc']:.5f} | "
              f"{s['tt']['eval_auc']:.5f} | {s['auc_difference']:+.5f} | {s['uncompressed']['eval_logloss']:.5f} | "
@@ -224,8 +229,10 @@ def write_markdown(r: dict, command: str) -> None:
     lines += ["", f"Bar: {r['bar']} on the synthetic data: **{'met' if r['bar_met'] else 'NOT met'}** "
               f"(EL-Rec Table IV: within 0.1%). TT cores: {c['tt_optimizer']} optimizer, lr "
               f"{c['tt_lr'] if c['tt_lr'] is not None else c['lr']}.", ""]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(RESULTS, "\n".join(lines))
+    path = RESULTS if c["preset"] == "criteo-kaggle" and not c["max_rows"] else \
+        RESULTS.with_name(f"tt_quality-{c['preset']}" + (f"-{c['max_rows']}" if c["max_rows"] else "") + ".md")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -449,7 +449,8 @@ def _run_markdown(line: dict) -> list[str]:
           "Both sides' all-to-alls are counted by one wrapper around `torch.distributed.all_to_all_single` (our "
           "transport and TorchRec's KJT / pooled-embedding all-to-alls all go through it); DDP's AllReduces by "
           "counting comm hooks (ring model, 2 (W-1)/W of the bucket per rank); our replica-gradient sync by its "
-          "own counter; TorchRec's data-parallel tables' gradient AllReduce is its table DDP's, hooked the same way.", "",
+          "own counter; TorchRec's data-parallel tables' gradient AllReduce is its table DDP's, hooked the same "
+          "way.", "",
           "| config | phase | side | embedding all-to-all | embedding sync / DP-table AllReduce | embedding total | "
           "dense AllReduce | all-to-alls per rank | ours / TorchRec embedding bytes |",
           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -487,8 +488,9 @@ def _fmt_load(x) -> str:
 
 
 def _brief(ph: dict) -> dict:
-    return {"ours_samples_per_s": ph["ours"]["samples_per_s"], "torchrec_samples_per_s": ph["torchrec"]["samples_per_s"],
-            "ratio": ph["ratio"], "paired_ratio": ph["paired_ratio"], "embedding_speedup": ph["embedding_speedup"],
+    return {"ours_samples_per_s": ph["ours"]["samples_per_s"],
+            "torchrec_samples_per_s": ph["torchrec"]["samples_per_s"], "ratio": ph["ratio"],
+            "paired_ratio": ph["paired_ratio"], "embedding_speedup": ph["embedding_speedup"],
             "embedding_bytes_ratio": ph["bytes_ratio"]}
 
 

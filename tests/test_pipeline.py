@@ -370,6 +370,10 @@ def test_mid_run_checkpoint_while_gradients_are_pending(dataset):
         if step == 4:
             assert emb.server.batches_applied <= 3  # gradients of batches 3 and 4 at least are pending
             mid = {k: v.clone() for k, v in emb.state_dict().items()}
+            with torch.no_grad():  # an evaluation lookup now reads the server and patches from the cache
+                model.eval(), ref_model.eval()
+                assert torch.equal(model(b.dense, b.sparse), ref_model(b.dense, b.sparse))
+                model.train(), ref_model.train()
             for name, w in host_weights(ref_emb, specs).items():
                 assert torch.equal(mid[f"host.{name}.weight"], w), name
                 assert torch.equal(mid[f"host.{name}.momentum"], ref_emb.mods[-1].table_momentum(name)), name

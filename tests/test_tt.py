@@ -290,7 +290,11 @@ def test_errors_name_table_and_value():
     with pytest.raises(InputError, match="needs offsets"):
         m(torch.tensor([1, 2]))
     with pytest.raises(InputError, match="per_sample_weights"):
-        TTEmbeddingBag(100, 8, 2, mode="mean")(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
+        m(torch.tensor([1, 2]), torch.tensor([0]), torch.ones(3))
+    mean = TTEmbeddingBag(100, 8, 2, mode="mean", optimizer=None)  # weighted mean: weighted sum / length
+    got = mean(torch.tensor([1, 2, 3]), torch.tensor([0, 2]), torch.tensor([2.0, 4.0, 5.0]))
+    rows = ref_table(mean)
+    assert (got[0] - (2 * rows[1] + 4 * rows[2]) / 2).abs().max() < TOL and (got[1] - 5 * rows[3]).abs().max() < TOL
     with pytest.raises(ConfigError, match="dim_shape"):
         TTEmbeddingBag(100, 8, 2, dim_shape=[2, 2, 3])
     with pytest.raises(ConfigError, match="covers"):
@@ -345,7 +349,10 @@ def mixed_batch(rng, B=16):
 
 
 def reference_mixed(emb, jf):
+    """Per feature: nn.functional.embedding_bag over the table (materialised for TT); with per-sample
+    weights, mean = weighted sum / bag length."""
     per = {k: (v, l) for k, (v, l) in jf.to_dict().items()}
+    wts = dict(zip(jf.keys, torch.split(jf.weights, jf.length_per_key().tolist()))) if jf.weights is not None else {}
     outs = []
     for f in emb.feature_names:
         t = emb._feature_table[f]
@@ -354,7 +361,14 @@ def reference_mixed(emb, jf):
         else:
             w = emb.local.table_weight(t.name)
         v, l = per[f]
-        outs.append(nn.functional.embedding_bag(v, w, torch.cumsum(l, 0) - l, mode=t.pooling))
+        offs = torch.cumsum(l, 0) - l
+        if f in wts:
+            o = nn.functional.embedding_bag(v, w, offs, mode="sum", per_sample_weights=wts[f])
+            if t.pooling == "mean":
+                o = o / l.clamp(min=1).unsqueeze(1)
+            outs.append(o)
+        else:
+            outs.append(nn.functional.embedding_bag(v, w, offs, mode=t.pooling))
     return torch.cat(outs, 1)
 
 
@@ -372,6 +386,9 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
         got = emb(jf)
     assert got.shape == (16, 24)
     assert (got - reference_mixed(emb, jf)).abs().max() < TOL
+    weighted = JaggedFeatures(jf.keys, jf.values, jf.lengths, torch.rand(jf.values.numel()))
+    with torch.no_grad():
+        assert (emb(weighted) - reference_mixed(emb, weighted)).abs().max() < TOL
     # one step: each part moves exactly as it does alone with the same input and gradient columns
     local = LocalEmbeddingBags([tables[0], tables[2]], optimizer="rowwise_adagrad", lr=0.1, seed=3)
     tt_v = TTEmbeddingBag.from_spec(tables[1], optimizer="adagrad", lr=0.1)

@@ -19,6 +19,9 @@ from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
 
 
+MAIN_JOB_RANKS = 2  # `embedscale run` without a config: the OPER plan on this many local ranks
+
+
 def _flag(dotted: str) -> str:
     return "--" + dotted.replace(".", "-").replace("_", "-")
 
@@ -76,10 +79,17 @@ def main() -> None:
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def run(config_path, overrides, no_progress, as_json, **kwargs):
-    """The main job: synthetic data (default), profile, train, evaluate, summary."""
+    """The main job: synthetic data (default), profile, plan, train on 2 local ranks, evaluate, summary.
+
+    Without --config it runs the embedded default: 1M synthetic criteo-kaggle-shaped samples (tables capped
+    at 100k rows), the `oper` plan on 2 local ranks (gloo), one epoch of DLRM (OPER Table 1 sizes).
+    """
     from embedscale import workflow
 
     try:
+        if config_path is None and kwargs.get("cfg__dist__nproc") is None and not any(
+                o.startswith("dist.nproc=") for o in overrides):
+            kwargs["cfg__dist__nproc"] = str(MAIN_JOB_RANKS)  # the embedded default runs on local ranks
         cfg = resolve_config(config_path, overrides, kwargs)
         s = workflow.run_main(cfg, progress=not no_progress)
     except EmbedscaleError as e:

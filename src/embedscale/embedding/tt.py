@@ -248,16 +248,15 @@ def _make_bags(module, input: torch.Tensor, offsets: torch.Tensor | None,
                              f"[0, {module.num_embeddings})")
     scale = None
     if per_sample_weights is not None:
-        if module.mode != "sum":
-            raise InputError(f"TT table {name!r}: per_sample_weights need mode='sum' (as nn.EmbeddingBag), "
-                             f"not {module.mode!r}")
         if per_sample_weights.numel() != n:
             raise InputError(f"TT table {name!r}: {per_sample_weights.numel()} per_sample_weights for {n} ids")
         scale = per_sample_weights.reshape(-1).to(module.dtype)
-    elif module.mode == "mean":
+    if module.mode == "mean":
+        # mean = (weighted) sum / bag length, as LocalEmbeddingBags; an empty bag pools to zeros
         lengths = offs.diff()
         inv = 1.0 / lengths.clamp(min=1).to(module.dtype)
-        scale = torch.repeat_interleave(inv, lengths, output_size=n)
+        inv_v = torch.repeat_interleave(inv, lengths, output_size=n)
+        scale = inv_v if scale is None else scale * inv_v
     return _Bags(values, offs, scale)
 
 
@@ -574,7 +573,9 @@ class TTEmbeddingBag(_TTCores):
         num_embeddings: rows ``M``.
         embedding_dim: dim ``N``.
         tt_rank: TT rank ``R`` (one int, or the ``d - 1`` inner ranks). EL-Rec evaluates 32-128.
-        mode: ``sum`` or ``mean`` pooling (``mean`` of an empty bag is zeros, as ``nn.EmbeddingBag``).
+        mode: ``sum`` or ``mean`` pooling (``mean`` of an empty bag is zeros, as ``nn.EmbeddingBag``; unlike
+            ``nn.EmbeddingBag``, ``mean`` accepts per-sample weights: the weighted sum over the bag length,
+            as ``LocalEmbeddingBags``).
         include_last_offset: ``offsets`` has ``B + 1`` entries (``nn.EmbeddingBag``'s flag).
         num_cores: ``d`` (3 default), used when ``row_shape``/``dim_shape`` are not given.
         row_shape, dim_shape: explicit factorisations (default :func:`factor_rows`, :func:`factor_dim`).

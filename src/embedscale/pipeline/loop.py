@@ -53,7 +53,8 @@ class Pipeline:
 
     Attributes:
         stats: after the pass: batches, rows patched, cache peak rows, seconds the trainer waited for the
-            server (``wait_s``) and the server waited for gradients (``server_wait_s``).
+            server (``wait_s``), the server waited for gradients (``server_wait_s``) and the server thread's
+            CPU time (``server_cpu_s``).
     """
 
     def __init__(self, embedding: PipelinedEmbedding, batches: Iterable, depth: int, *, use_cache: bool = True,
@@ -78,11 +79,13 @@ class Pipeline:
         self._applied_cv = threading.Condition()
         self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
-        self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0}
+        self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0,
+                      "server_cpu_s": 0.0}
 
     # -- server thread -----------------------------------------------------------------------------
     def _serve(self) -> None:
         it = iter(self.batches)
+        cpu0 = time.thread_time()
         try:
             s = 0
             while True:
@@ -103,6 +106,7 @@ class Pipeline:
             self.error = e
             self.prefetch_q.put(e)
         finally:
+            self.stats["server_cpu_s"] = time.thread_time() - cpu0
             with self._applied_cv:
                 self._serving = False
                 self._applied_cv.notify_all()

@@ -1,0 +1,139 @@
+"""Tower partitioner quality (DMT 3.3, Table 6): planted feature groups recovered, and DMT-DLRM with the
+partitioner's towers against naive strided towers over several seeds, with the Mann-Whitney p-value.
+
+Data: ``embedscale.towers.planted.PlantedGroups`` (16 one-hot features in 4 planted groups at random
+positions, interactions only inside groups, 50 rows per table), one data seed; train samples
+``[0, --train)``, eval samples ``[10^7, 10^7 + --eval)``.
+
+Per model seed (``--seeds``, default 5):
+
+1. train a plain DLRM (N = 16) one epoch; run ``learn_towers`` (coherent strategy, 4 towers, max/min
+   size ratio 1) on its embeddings over 8192 fresh samples; score the partition against the planted
+   groups with the adjusted Rand index;
+2. train DMT-DLRM (4 towers, DLRM tower modules ``c = 1, p = 0, D = 4``: CR 4) with the partitioner's
+   towers, and with the naive strided towers of DMT 5.2.3, same seed, same data; evaluate AUC.
+
+Everything runs in one process (``build_dmt_model`` without a ``TowerComm``: the tower transform does not
+change the model, only where it runs). The one-sided Mann-Whitney U test asks whether TP's AUCs are
+stochastically greater than naive's (DMT Table 6 reports the same test over 9 runs). Also reports
+training FLOPs per sample of DLRM and DMT-DLRM (DMT Table 4's column).
+
+Prints one JSON line on stdout (figure: median AUC with TP towers; baseline: median AUC with naive
+towers; ratio: their quotient); progress on stderr.
+
+    .venv/bin/python benchmarks/bench_dmt_quality.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from scipy.stats import mannwhitneyu
+
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.models import build_model
+from embedscale.models.dmt import DMTConfig, build_dmt_model, training_flops_per_sample
+from embedscale.specs import ModelConfig
+from embedscale.towers.partitioner import adjusted_rand_index, learn_towers, naive_assignment
+from embedscale.towers.planted import PlantedGroups
+from embedscale.train.metrics import roc_auc
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def train(model, data, n, batch, seed):
+    torch.manual_seed(seed)
+    opt = torch.optim.Adagrad(model.dense_parameters(), lr=0.05)
+    for b in data.batches(0, n, batch):
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels).backward()
+        opt.step()
+    return model
+
+
+@torch.no_grad()
+def auc(model, ev) -> float:
+    model.eval()
+    out = roc_auc(ev.labels.numpy(), model(ev.dense, ev.sparse).numpy())
+    model.train()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="3 seeds, fewer samples")
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--train", type=int, default=400_000)
+    ap.add_argument("--eval", type=int, default=100_000)
+    ap.add_argument("--data-seed", type=int, default=0)
+    args = ap.parse_args()
+    seeds = 3 if args.quick else args.seeds
+    n_train = 150_000 if args.quick else args.train
+    torch.set_num_threads(1)
+    N, T, CR, batch, sparse_lr = 16, 4, 4, 512, 1.0
+    data = PlantedGroups(num_features=16, num_groups=4, num_rows=50, seed=args.data_seed)
+    tables = data.tables(N)
+    ev = data.batch(10**7, args.eval)
+    teacher_auc = roc_auc(ev.labels.numpy(), data.teacher_logit(ev))
+    cfg = ModelConfig(arch="dlrm", embedding_dim=N, bottom_mlp=[32], top_mlp=[64, 32])
+    dmt = DMTConfig(towers=T, tower_module="dlrm", compression=CR)
+    naive = naive_assignment(data.feature_names, T)
+    load0 = os.getloadavg()
+    log(f"bench_dmt_quality: {seeds} seeds, {n_train} train samples, load {load0}; teacher AUC {teacher_auc:.4f}")
+    rows = []
+    t0 = time.time()
+    for s in range(seeds):
+        plain = build_model(cfg, tables, data.num_dense,
+                            embedding=LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=sparse_lr, seed=s))
+        train(plain, data, n_train, batch, s)
+        tp, report = learn_towers(plain, data.batches(2 * 10**7, 8192, 2048), T, "coherent", max_ratio=1.0, seed=s)
+        ari = adjusted_rand_index(tp.labels(data.feature_names), data.group_labels)
+        row = {"seed": s, "ari": ari, "plain_dlrm_auc": auc(plain, ev), "stress": report["stress"],
+               "tp_towers": tp.towers}
+        for name, assignment in (("tp", tp), ("naive", naive)):
+            m = build_dmt_model(cfg, tables, data.num_dense, dmt, assignment=assignment, seed=s, lr=sparse_lr)
+            train(m, data, n_train, batch, s)
+            row[f"{name}_auc"] = auc(m, ev)
+        rows.append(row)
+        log(f"seed {s}: ARI {ari:.3f}, AUC plain {row['plain_dlrm_auc']:.4f}, TP {row['tp_auc']:.4f}, "
+            f"naive {row['naive_auc']:.4f} ({time.time() - t0:.0f} s)")
+    tp_aucs = [r["tp_auc"] for r in rows]
+    naive_aucs = [r["naive_auc"] for r in rows]
+    p = float(mannwhitneyu(tp_aucs, naive_aucs, alternative="greater").pvalue)
+    b = data.batch(0, 64)
+    plain = build_dmt_model(cfg, tables, data.num_dense, DMTConfig(tower_module="none", towers=1))
+    dmt_model = build_dmt_model(cfg, tables, data.num_dense, dmt, assignment=naive)
+    fl = {"dlrm": training_flops_per_sample(plain, b.dense, b.sparse)["train"],
+          "dmt_dlrm": training_flops_per_sample(dmt_model, b.dense, b.sparse)["train"]}
+    med_tp, med_naive = statistics.median(tp_aucs), statistics.median(naive_aucs)
+    out = {
+        "benchmark": "dmt_partitioner_quality",
+        "figure": round(med_tp, 5),
+        "baseline": round(med_naive, 5),
+        "ratio": round(med_tp / med_naive, 5),
+        "unit": "median eval AUC of DMT-DLRM (TP towers vs naive strided towers)",
+        "config": {"seeds": seeds, "train_samples": n_train, "eval_samples": args.eval, "data_seed": args.data_seed,
+                   "features": 16, "planted_groups": 4, "towers": T, "compression_ratio": CR, "embedding_dim": N,
+                   "tower_dim": N // CR, "batch": batch, "sparse_lr": sparse_lr, "dense": "adagrad 0.05",
+                   "mann_whitney_p_tp_greater": p, "ari": [round(r["ari"], 4) for r in rows],
+                   "ari_min": min(r["ari"] for r in rows), "auc_tp": tp_aucs, "auc_naive": naive_aucs,
+                   "auc_plain_dlrm": [r["plain_dlrm_auc"] for r in rows], "teacher_auc": teacher_auc,
+                   "tp_wins": sum(a > b for a, b in zip(tp_aucs, naive_aucs)), "planted": data.groups(),
+                   "tp_towers_seed0": rows[0]["tp_towers"], "naive_towers": naive.towers,
+                   "flops_per_sample_train": fl, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                   "wall_s": round(time.time() - t0, 1)},
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""The tower partitioner (DMT 3.3) against brute force and planted structure."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from embedscale.errors import ConfigError, FormatError, InputError
+from embedscale.towers.partitioner import (
+    TowerAssignment,
+    _assign,
+    adjusted_rand_index,
+    constrained_kmeans,
+    distance_matrix,
+    embed_coordinates,
+    interaction_matrix,
+    learn_towers,
+    naive_assignment,
+    partition_features,
+    plot_interaction,
+    size_bounds,
+)
+from embedscale.towers.planted import PlantedGroups
+
+
+def ari_brute(a, b):
+    """ARI from its definition over all pairs: (index - expected) / (max - expected)."""
+    n = len(a)
+    pairs = list(itertools.combinations(range(n), 2))
+    same_a = np.array([a[i] == a[j] for i, j in pairs])
+    same_b = np.array([b[i] == b[j] for i, j in pairs])
+    index = float((same_a & same_b).sum())
+    sa, sb, total = float(same_a.sum()), float(same_b.sum()), len(pairs)
+    expected = sa * sb / total
+    mx = 0.5 * (sa + sb)
+    return 1.0 if mx == expected else (index - expected) / (mx - expected)
+
+
+def test_adjusted_rand_index_matches_definition():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a = rng.integers(0, 4, 15)
+        b = rng.integers(0, 3, 15)
+        assert adjusted_rand_index(a, b) == pytest.approx(ari_brute(a, b), abs=1e-12)
+    a = np.array([0, 0, 1, 1, 2, 2])
+    assert adjusted_rand_index(a, (a + 1) % 3) == 1.0  # a relabelling is the same partition
+    assert adjusted_rand_index(a, [0, 1, 0, 1, 0, 1]) < 0
+    with pytest.raises(InputError):
+        adjusted_rand_index([0, 1], [0, 1, 2])
+
+
+def test_naive_assignment_is_dmt_strided_example():
+    feats = [str(i) for i in range(26)]
+    a = naive_assignment(feats, 8)
+    assert a.towers[0] == ["0", "8", "16", "24"] and a.towers[2] == ["2", "10", "18"] and a.towers[7] == ["7", "15", "23"]
+    with pytest.raises(ConfigError, match="at least one feature"):
+        naive_assignment(feats[:3], 4)
+
+
+def test_interaction_matrix_matches_loops_and_skips_empty_bags():
+    g = torch.Generator().manual_seed(0)
+    e = torch.randn(7, 4, 3, generator=g)
+    e[2, 1] = 0.0  # an empty bag: no direction
+    I = interaction_matrix([e[:3], e[3:]])
+    want = np.zeros((4, 4))
+    cnt = np.zeros((4, 4))
+    for b in range(7):
+        for i in range(4):
+            for j in range(4):
+                u, v = e[b, i].double(), e[b, j].double()
+                if u.norm() > 0 and v.norm() > 0:
+                    want[i, j] += abs(float(u @ v / (u.norm() * v.norm())))
+                    cnt[i, j] += 1
+    want = want / cnt
+    np.fill_diagonal(want, 1.0)
+    np.testing.assert_allclose(I, want, atol=1e-12)
+    D = distance_matrix(I, "coherent")
+    np.testing.assert_allclose(D + np.eye(4), 1 - I + np.eye(4), atol=1e-12)
+    np.testing.assert_allclose(distance_matrix(I, "diverse"), I - np.eye(4), atol=1e-12)
+    with pytest.raises(ConfigError, match="strategy"):
+        distance_matrix(I, "random")
+
+
+def test_coordinates_recover_planar_distances():
+    rng = np.random.default_rng(1)
+    P = rng.random((9, 2))
+    D = np.linalg.norm(P[:, None] - P[None], axis=2)
+    X, stress = embed_coordinates(D, 2, steps=800, restarts=2, seed=0)
+    assert stress < 1e-3
+    np.testing.assert_allclose(np.linalg.norm(X[:, None] - X[None], axis=2), D, atol=0.02)
+
+
+def test_assignment_step_is_the_exact_constrained_optimum():
+    rng = np.random.default_rng(2)
+    for F, k, m, M in [(6, 2, 2, 4), (7, 3, 2, 3), (8, 3, 1, 4)]:
+        sq = rng.random((F, k))
+        got = _assign(sq, m, M)
+        sizes = np.bincount(got, minlength=k)
+        assert sizes.min() >= m and sizes.max() <= M
+        best = min(sq[np.arange(F), lab].sum() for lab in itertools.product(range(k), repeat=F)
+                   if m <= min(np.bincount(lab, minlength=k)) and max(np.bincount(lab, minlength=k)) <= M)
+        assert sq[np.arange(F), got].sum() == pytest.approx(best)
+
+
+def test_constrained_kmeans_balances_and_finds_the_brute_force_optimum():
+    rng = np.random.default_rng(3)
+    # two blobs of 7 and 2 points: unconstrained K-Means would split 7/2, ratio <= 2 forces 6/3 .. 3/6
+    X = np.concatenate([rng.normal(0, 0.05, (7, 2)), rng.normal(5, 0.05, (2, 2))])
+    labels, inertia = constrained_kmeans(X, 2, max_ratio=2.0, seed=0)
+    sizes = np.bincount(labels)
+    assert max(sizes) <= 2 * min(sizes)
+
+    def inertia_of(lab):
+        return sum(((X[lab == c] - X[lab == c].mean(0)) ** 2).sum() for c in range(2))
+
+    best = min(inertia_of(np.array(lab)) for lab in itertools.product(range(2), repeat=9)
+               if 0 < min(np.bincount(lab, minlength=2)) and max(np.bincount(lab, minlength=2)) <= 2 * min(
+                   np.bincount(lab, minlength=2)))
+    assert inertia == pytest.approx(best, rel=1e-9)
+    with pytest.raises(ConfigError, match="smallest possible"):
+        size_bounds(26, 8, 1.0)
+    assert (3, 4) in size_bounds(26, 8, 4 / 3)
+
+
+def _planted_embeddings(groups, N=12, B=400, seed=0):
+    """Per-sample embeddings whose features of a group share a 2-d subspace (what a model that learnt
+    group-local interactions holds), plus noise."""
+    rng = np.random.default_rng(seed)
+    G = int(max(groups)) + 1
+    basis = np.linalg.qr(rng.standard_normal((N, N)))[0][:, : 2 * G]
+    e = np.zeros((B, len(groups), N))
+    for f, g in enumerate(groups):
+        coef = rng.standard_normal((B, 2))
+        e[:, f] = coef @ basis[:, 2 * g: 2 * g + 2].T + 0.15 * rng.standard_normal((B, N))
+    return torch.from_numpy(e).float()
+
+
+def test_partitioner_recovers_planted_groups_and_diverse_spreads_them():
+    groups = np.random.default_rng(4).permutation(np.arange(16) % 4)
+    names = [f"C{i + 1}" for i in range(16)]
+    I = interaction_matrix(_planted_embeddings(groups))
+    coherent, rep = partition_features(names, I, 4, strategy="coherent", seed=0, steps=600, restarts=2)
+    assert adjusted_rand_index(coherent.labels(names), groups) >= 0.9
+    assert rep["within_tower_interaction"] > rep["naive"]["within_tower_interaction"]
+    assert coherent.sizes == [4, 4, 4, 4]
+    diverse, _ = partition_features(names, I, 4, strategy="diverse", seed=0, steps=600, restarts=2)
+    for tower in diverse.towers:  # every tower mixes groups
+        assert len({groups[names.index(f)] for f in tower}) >= 3
+
+
+class _EmbOnly(torch.nn.Module):
+    """A 'trained model' whose pooled embeddings are planted: exercises learn_towers' plumbing."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.feature_names = [f"C{i + 1}" for i in range(len(groups))]
+        self.feature_dims = [12] * len(groups)
+        self.groups = groups
+        self.calls = 0
+
+    def pooled(self, sparse):
+        self.calls += 1
+        return _planted_embeddings(self.groups, B=sparse.batch_size, seed=self.calls).reshape(sparse.batch_size, -1)
+
+
+def test_learn_towers_end_to_end_with_unequal_towers(tmp_path):
+    groups = np.random.default_rng(5).permutation(np.arange(10) % 3)  # groups of 4, 3, 3
+    model = torch.nn.Module()
+    model.sparse_arch = _EmbOnly(groups)
+    from embedscale.data.batch import JaggedFeatures
+
+    batches = [JaggedFeatures.from_dense(model.sparse_arch.feature_names, torch.zeros(100, 10, dtype=torch.int64))] * 4
+    a, rep = learn_towers(model, batches, 3, "coherent", max_ratio=1.0, steps=600, restarts=2, max_batches=3)
+    assert model.sparse_arch.calls == 3
+    assert rep["max_ratio_used"] == pytest.approx(4 / 3) and sorted(a.sizes) == [3, 3, 4]
+    assert adjusted_rand_index(a.labels(model.sparse_arch.feature_names), groups) >= 0.9
+    a.save(tmp_path / "towers.json")
+    b = TowerAssignment.load(tmp_path / "towers.json")
+    assert b.towers == a.towers and b.strategy == "coherent"
+    plot_interaction(rep, tmp_path / "towers.png")
+    assert (tmp_path / "towers.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "bad.json").write_text('{"version": 1, "towers": [["a"], ["a"]]}')
+    with pytest.raises(FormatError, match="towers 0 and 1"):
+        TowerAssignment.load(tmp_path / "bad.json")
+
+
+def test_learn_towers_on_a_trained_dlrm():
+    """A small DLRM trained on planted groups: the coherent partition recovers them (ARI >= 0.9)."""
+    from embedscale.embedding.local import LocalEmbeddingBags
+    from embedscale.models import build_model
+    from embedscale.specs import ModelConfig
+
+    torch.manual_seed(0)
+    data = PlantedGroups(num_features=8, num_groups=2, num_rows=30, seed=1)
+    tables = data.tables(8)
+    model = build_model(ModelConfig(embedding_dim=8, bottom_mlp=[16], top_mlp=[16]), tables, data.num_dense,
+                        embedding=LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=1.0, seed=0))
+    opt = torch.optim.Adagrad(model.dense_parameters(), lr=0.05)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for b in data.batches(0, 120_000, 512):
+            opt.zero_grad()
+            torch.nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels).backward()
+            opt.step()
+        a, _ = learn_towers(model, data.batches(10**7, 4096, 1024), 2, "coherent", steps=600, restarts=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert adjusted_rand_index(a.labels(data.feature_names), data.group_labels) >= 0.9
+
+
+def test_assignment_validation():
+    with pytest.raises(ConfigError, match="no features"):
+        TowerAssignment([["a"], []])
+    a = TowerAssignment([["a", "b"], ["c"]])
+    with pytest.raises(ConfigError, match="missing"):
+        a.check_covers(["a", "b", "c", "d"])
+    with pytest.raises(ConfigError, match="in no tower"):
+        a.tower_of("z")
+    with pytest.raises(InputError, match="square"):
+        distance_matrix(np.zeros((2, 3)))
