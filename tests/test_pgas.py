@@ -13,6 +13,7 @@ instead of hanging.
 """
 
 import os
+import time
 import uuid
 
 import numpy as np
@@ -138,6 +139,13 @@ def _equality_worker(rank, world, rph, job, scenarios):
             extra = {"fetch_rows": 1} if variant == "fused_small_fetch" else {}
             emb = PgasShardedEmbedding(tables(), amap, pt, rank, max_batch_size=(B + world - 1) // world,
                                        chunk_bags=5, **kw, **extra)
+        if variant == "fused_slow_owner" and rank == 1:  # updates land late: readers must wait for them
+            apply = emb._apply_owned
+
+            def slow_apply(rows, grads, apply=apply):
+                time.sleep(0.3)
+                apply(rows, grads)
+            emb._apply_owned = slow_apply
         got = _train(emb, rank, world, weighted)
         res[(name, design, optimizer, variant, weighted)] = {
             "ref": ref, "got": got, "gids": torch.from_numpy(amap.storage_gids(rank)),
@@ -196,7 +204,8 @@ def _scenarios(world, rph):
     if world == 2:
         out += [("table_wise", "send", "rowwise_adagrad", "fused", False),  # feature blocks, unit scales
                 ("row_wise", "send", "sgd", "fused", False),
-                ("replicas", "retrieve", "rowwise_adagrad", "fused_small_fetch", True)]
+                ("replicas", "retrieve", "rowwise_adagrad", "fused_small_fetch", True),
+                ("row_wise", "retrieve", "sgd", "fused_slow_owner", True)]
     return out
 
 

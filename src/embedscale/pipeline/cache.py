@@ -22,8 +22,9 @@ sum) is cached and patched with the weights.
 Layout: one entry per finished batch (all rows of a batch share one counter, so the counter is kept per
 entry), each entry per host dim group the batch's sorted unique rows, their updated weights and state, on
 the trainer's device. Inserting is by reference (the trainer's updated local buffer becomes the entry, no
-copy, no merge); patching is one ``searchsorted`` per live entry, oldest first so the newest copy wins;
-eviction drops whole entries. After batch ``t`` the cache holds entries of batches ``t - k + 1 .. t``
+copy, no merge); patching copies rows from each live entry, oldest first so the newest copy wins, at
+positions the server computed ahead of time (one rank: it prefetched both batches) or found here by one
+``searchsorted`` per entry; eviction drops whole entries. After batch ``t`` the cache holds entries of batches ``t - k + 1 .. t``
 only, so never more than the rows of the last ``k`` batches (``peak_rows`` records the largest size).
 """
 
@@ -64,7 +65,7 @@ class LifeCycleCache:
     Attributes:
         applied: gradient pulls observed so far (see :meth:`advance`).
         peak_rows: most rows held at once (a row held by two entries counts twice).
-        hits, lookups: prefetched rows replaced by a cached copy / looked for.
+        hits, lookups: replacements made (a row patched from two entries counts twice) / rows looked for.
 
     Example::
 
@@ -156,28 +157,36 @@ class LifeCycleCache:
         return evicted
 
     def patch(self, group: int, rows: torch.Tensor, weights: torch.Tensor,
-              momentum: torch.Tensor | None = None) -> int:
+              momentum: torch.Tensor | None = None,
+              plans: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> int:
         """Replace, in place, the prefetched ``weights`` (and ``momentum``) of every row of ``rows`` (sorted
-        unique flat rows) that the cache holds by the newest cached copy. Returns the rows replaced."""
+        unique flat rows) that the cache holds by the newest cached copy. Returns the replacements made.
+
+        ``plans`` (optional) maps an entry's batch to ``(dst, src)``: positions in ``rows`` and in that
+        entry's rows of their common rows, found ahead of time by the server (one rank: the server
+        prefetched both batches, so it knows both row sets). Entries without a plan are searched here.
+        """
         self.lookups += rows.numel()
         if rows.numel() == 0:
             return 0
-        hit_any = None
+        n = 0
         for e in self._entries:  # oldest first: a newer entry's copy overwrites an older one's
             cached = e.rows[group]
             if cached is None or cached.numel() == 0:
                 continue
-            pos = torch.searchsorted(cached, rows).clamp_(max=cached.numel() - 1)
-            hit = cached.index_select(0, pos) == rows
-            where = hit.nonzero().view(-1)
+            plan = plans.get(e.batch) if plans is not None else None
+            if plan is not None:
+                where, src = plan
+            else:
+                pos = torch.searchsorted(cached, rows).clamp_(max=cached.numel() - 1)
+                where = (cached.index_select(0, pos) == rows).nonzero().view(-1)
+                src = pos.index_select(0, where)
             if where.numel() == 0:
                 continue
-            src = pos.index_select(0, where)
             weights.index_copy_(0, where, e.weights[group].index_select(0, src).to(weights.dtype))
             if momentum is not None and e.momentum[group] is not None:
                 momentum.index_copy_(0, where, e.momentum[group].index_select(0, src))
-            hit_any = hit if hit_any is None else hit_any | hit
-        n = int(hit_any.sum()) if hit_any is not None else 0
+            n += where.numel()
         self.hits += n
         return n
 

@@ -43,7 +43,7 @@ from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import ConfigError, InputError
 from embedscale.pipeline.cache import LifeCycleCache
 from embedscale.pipeline.queues import GradientBatch, HostRows, PipelineError, PrefetchedBatch
-from embedscale.pipeline.server import HostParameterServer, aggregate_row_updates, apply_row_updates_
+from embedscale.pipeline.server import HostParameterServer, aggregate_row_updates, apply_buffer_updates_
 from embedscale.specs import TableSpec
 
 
@@ -249,13 +249,33 @@ class PipelinedEmbedding(nn.Module):
         return f"features={len(self.feature_names)}, host_tables={host}, device_modules={len(self.device_modules)}"
 
     # -- server-side preparation (runs on the server thread when pipelined) -----------------------------
-    def prefetch(self, features: JaggedFeatures, *, index: int = 0, applied: int = 0, batch=None) -> PrefetchedBatch:
-        """Everything the trainer needs for one batch: device modules' features and the host rows, read now."""
+    def prefetch(self, features: JaggedFeatures, *, index: int = 0, applied: int = 0, batch=None,
+                 in_flight: Sequence[tuple[int, list[torch.Tensor]]] | None = None) -> PrefetchedBatch:
+        """Everything the trainer needs for one batch: device modules' features and the host rows, read now.
+
+        ``in_flight``: ``(batch, rows per group)`` of the batches whose gradients the server has not applied
+        yet; for each, the positions of the rows both batches read are computed here (the cache's patch
+        plan), so the trainer does not search for them.
+        """
         dev_feats = [select_features(features, keys) for keys in self._device_keys]
         host: list[HostRows] = []
+        plan = None
         if self.server is not None:
-            host = self.server.read(self.server.prepare(features), self.device)
-        return PrefetchedBatch(index, applied, batch, features, dev_feats, host)
+            prepared = self.server.prepare(features)
+            if in_flight is not None:
+                plan = {}
+                for t, rows_t in in_flight:
+                    per_group = []
+                    for hr, rt in zip(prepared, rows_t):
+                        if rt.numel() == 0:
+                            per_group.append((rt.new_empty(0), rt.new_empty(0)))
+                            continue
+                        pos = torch.searchsorted(rt, hr.rows).clamp_(max=rt.numel() - 1)
+                        dst = (rt.index_select(0, pos) == hr.rows).nonzero().view(-1)
+                        per_group.append((dst.to(self.device), pos.index_select(0, dst).to(self.device)))
+                    plan[t] = per_group
+            host = self.server.read(prepared, self.device)
+        return PrefetchedBatch(index, applied, batch, features, dev_feats, host, plan)
 
     # -- trainer side --------------------------------------------------------------------------------
     def attach(self, pre: PrefetchedBatch) -> int:
@@ -274,7 +294,10 @@ class PipelinedEmbedding(nn.Module):
         self.cache.advance(pre.applied)
         n = 0
         for hr in pre.host:
-            n += self.cache.patch(hr.group, hr.rows, hr.weights, hr.momentum)
+            plans = None
+            if pre.patch_plan is not None:
+                plans = {t: per_group[hr.group] for t, per_group in pre.patch_plan.items()}
+            n += self.cache.patch(hr.group, hr.rows, hr.weights, hr.momentum, plans)
         return n
 
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
@@ -345,9 +368,8 @@ class PipelinedEmbedding(nn.Module):
         if group is not None:
             rows, updates, w_pre, m_pre = _exchange(rows, updates, w_pre, m_pre, group)
         if self._track_updates:
-            for r, u, w, m in zip(rows, updates, w_pre, m_pre):
-                local = torch.arange(r.numel(), device=r.device)
-                apply_row_updates_(server.optimizer, w, m, local, u, lr, server.eps)
+            for u, w, m in zip(updates, w_pre, m_pre):
+                apply_buffer_updates_(server.optimizer, w, m, u, lr, server.eps)
             # LC: gradient pulls the server still has to make before it has applied this batch; the
             # updated local buffers become the cache entry (by reference: they are not used again)
             self.cache.insert(pre.index, rows, w_pre, m_pre, life=pre.index + 1 - self.cache.applied)

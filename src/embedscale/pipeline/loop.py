@@ -25,6 +25,7 @@ with its training loader wrapped.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -77,6 +78,7 @@ class Pipeline:
         self._finished = False  # server side: the trainer sent FINISH
         self.error: BaseException | None = None
         self._applied_cv = threading.Condition()
+        self._plan_patches = False
         self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
         self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0,
@@ -86,6 +88,7 @@ class Pipeline:
     def _serve(self) -> None:
         it = iter(self.batches)
         cpu0 = time.thread_time()
+        recent: collections.deque = collections.deque()  # (batch, rows per group) of batches in flight
         try:
             s = 0
             while True:
@@ -96,7 +99,15 @@ class Pipeline:
                     batch = next(it)
                 except StopIteration:
                     break
-                pre = self.embedding.prefetch(batch.sparse, index=s, applied=self.applied, batch=batch)
+                in_flight = None
+                if self._plan_patches:
+                    while recent and recent[0][0] < self.applied:
+                        recent.popleft()
+                    in_flight = list(recent)
+                pre = self.embedding.prefetch(batch.sparse, index=s, applied=self.applied, batch=batch,
+                                              in_flight=in_flight)
+                if self._plan_patches:
+                    recent.append((s, [hr.rows.to(self.embedding.server.device) for hr in pre.host]))
                 self.prefetch_q.put(pre)
                 s += 1
             self.prefetch_q.put(END)
@@ -157,6 +168,9 @@ class Pipeline:
         emb._pending = None
         emb._sink = self._push
         emb._track_updates = self.use_cache and self.depth > 1
+        # one rank: a cache entry holds exactly the rows its batch read, which the server knows, so it can
+        # plan the patches; with several ranks entries also hold rows other ranks updated
+        self._plan_patches = emb._track_updates and emb.server is not None and emb._group() is None
         # reads outside the schedule (evaluation, checkpoints): the cache has what the server lacks at
         # depth >= 2; at depth 1 the server lags by at most the last gradient, so wait for it
         emb._sync_read_hook = None if emb._track_updates else self.wait_applied

@@ -93,6 +93,9 @@ class PrefetchedBatch:
         features: the sparse features the rows were prepared from (matched by identity at lookup).
         device_features: per device-side module, the features it reads.
         host: per host dim group, the prefetched rows.
+        patch_plan: for each batch still in flight when the rows were read (its gradients not yet applied):
+            per host dim group ``(dst, src)``, the positions in this batch's rows and in that batch's rows
+            of the rows both read; ``None`` when the server did not compute it (several ranks).
     """
 
     index: int
@@ -101,6 +104,7 @@ class PrefetchedBatch:
     features: JaggedFeatures
     device_features: list[JaggedFeatures]
     host: list[HostRows]
+    patch_plan: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
 
 
 @dataclass

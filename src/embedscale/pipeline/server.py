@@ -89,6 +89,21 @@ def _bag_of_values(offsets, key_major: int, num_bags: int, B: int, n: int, dev) 
     return torch.repeat_interleave(bags, lengths, output_size=n)
 
 
+def apply_buffer_updates_(optimizer: str, weight: torch.Tensor, momentum: torch.Tensor | None,
+                          updates: torch.Tensor, lr: float, eps: float) -> None:
+    """:func:`apply_row_updates_` on every row of a contiguous buffer (row ``i`` gets ``updates[i]``), with
+    the same elementwise operations (so the same bits) and without the row gathers and scatters."""
+    if updates.shape[0] == 0:
+        return
+    if optimizer == "sgd":
+        weight.add_(updates.to(weight.dtype))
+    else:
+        g = updates.to(torch.float32)
+        momentum.add_(g.pow(2).mean(1))
+        multiplier = momentum.sqrt().add_(eps).reciprocal_().mul_(-lr)
+        weight.add_((g * multiplier.unsqueeze(1)).to(weight.dtype))
+
+
 class _GroupLayout:
     """Per dim group of the server: its pooled features, their row offsets, limits and mean flags."""
 

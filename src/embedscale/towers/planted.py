@@ -42,6 +42,9 @@ class PlantedGroups:
         pair_scale, row_scale, dense_scale: standard deviations of the three logit parts.
         correlation: probability that a feature's id is its group's entity's row (else uniform): the
             features of a group describe one entity per sample, as a user's or an item's features do.
+        context_per_group: features per group whose ids ignore the entity (uniform, independent):
+            "context" features whose interactions with the group are genuinely pairwise (a function of
+            two independent ids, which no single feature's bias can absorb).
         seed: the data seed (groups, teacher, samples).
 
     Example::
@@ -54,7 +57,7 @@ class PlantedGroups:
 
     def __init__(self, num_features: int = 16, num_groups: int = 4, num_rows: int = 50, latent_dim: int = 2,
                  num_dense: int = 4, pair_scale: float = 1.5, row_scale: float = 0.3, dense_scale: float = 0.4,
-                 correlation: float = 0.9, seed: int = 0):
+                 correlation: float = 0.9, context_per_group: int = 0, seed: int = 0):
         if num_groups <= 0 or num_features < num_groups:
             raise ConfigError(f"planted groups: {num_groups} groups for {num_features} features")
         if num_rows <= 0 or latent_dim <= 0 or num_dense < 0:
@@ -74,6 +77,11 @@ class PlantedGroups:
             raise ConfigError(f"planted groups: correlation must be in [0, 1], got {correlation}")
         self.correlation = float(correlation)
         self.entity_rows = np.stack([rng.permutation(num_rows) for _ in range(num_features)])
+        # the first `context_per_group` features of every group (in feature order) ignore the entity
+        self.context = np.zeros(num_features, dtype=bool)
+        for g in range(num_groups):
+            members = np.flatnonzero(self.group_labels == g)
+            self.context[members[:context_per_group]] = True
         self.dense_w = rng.standard_normal(num_dense) / max(np.sqrt(num_dense), 1.0)
         # scale the parts on a calibration draw
         ids, dense = self._draw(rng, 4096)
@@ -94,7 +102,7 @@ class PlantedGroups:
         R, F = self.num_rows, self.num_features
         entity = rng.integers(0, R, (n, self.num_groups))  # one entity per sample and group
         ids = self.entity_rows[np.arange(F)[None, :], entity[:, self.group_labels]]
-        noise = rng.random((n, F)) >= self.correlation
+        noise = (rng.random((n, F)) >= self.correlation) | self.context[None, :]
         ids[noise] = rng.integers(0, R, int(noise.sum()))
         dense = rng.standard_normal((n, self.num_dense))
         return ids, dense

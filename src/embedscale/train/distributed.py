@@ -189,11 +189,11 @@ class DistributedRun:
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
         self.ddp.train()
+        self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         logits = self.ddp(batch.dense, batch.sparse)
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / batch.global_size
         self.opt.zero_grad(set_to_none=True)
-        self.transport.counter.reset()
         sync_before = self.embedding.stats.get("grad_sync_bytes", 0)
         loss.backward()
         self.opt.step()
