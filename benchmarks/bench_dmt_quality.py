@@ -1,17 +1,23 @@
 """Tower partitioner quality (DMT 3.3, Table 6): planted feature groups recovered, and DMT-DLRM with the
 partitioner's towers against naive strided towers over several seeds, with the Mann-Whitney p-value.
 
-Data: ``embedscale.towers.planted.PlantedGroups`` (16 one-hot features in 4 planted groups at random
-positions, interactions only inside groups, 50 rows per table), one data seed; train samples
-``[0, --train)``, eval samples ``[10^7, 10^7 + --eval)``.
+Data: ``embedscale.towers.planted.PlantedGroups``: 16 one-hot features in 4 planted groups at random
+positions, 50 rows per table, every group a noisy view (90%) of one entity per sample. Two teachers:
+``within`` (features of a group interact pairwise, latent width 2) and ``both`` (additionally the groups'
+entities interact with each other, latent width 4; the structure DMT 5.2.3 reports for its production
+model: item, user and item-user interactions). Train samples ``[0, --train)``, eval samples
+``[10^7, 10^7 + --eval)`` of one data seed.
 
 Per model seed (``--seeds``, default 5):
 
-1. train a plain DLRM (N = 16) one epoch; run ``learn_towers`` (coherent strategy, 4 towers, max/min
-   size ratio 1) on its embeddings over 8192 fresh samples; score the partition against the planted
-   groups with the adjusted Rand index;
-2. train DMT-DLRM (4 towers, DLRM tower modules ``c = 1, p = 0, D = 4``: CR 4) with the partitioner's
-   towers, and with the naive strided towers of DMT 5.2.3, same seed, same data; evaluate AUC.
+1. on each teacher, train a plain DLRM (N = 16) one epoch; run ``learn_towers`` (coherent strategy,
+   4 towers, max/min size ratio 1) on its embeddings over 8192 fresh samples; score the partition
+   against the planted groups with the adjusted Rand index;
+2. on ``both``, train DMT-DLRM (4 towers, DLRM tower modules ``c = 0, p = 1, D = 8``: each tower emits
+   one mixed vector, DMT 5.2.2's 16-tower setting; CR 8) with the partitioner's towers and with the
+   naive strided towers of DMT 5.2.3, same seed, same data; evaluate AUC. (With ``c >= 1`` every
+   feature keeps its own projected vector and the assignment barely matters: the linear module cannot
+   mix a feature away; with ``p`` it can, which is where a meaningful assignment pays.)
 
 Everything runs in one process (``build_dmt_model`` without a ``TowerComm``: the tower transform does not
 change the model, only where it runs). The one-sided Mann-Whitney U test asks whether TP's AUCs are
@@ -77,43 +83,53 @@ def main() -> None:
     ap.add_argument("--data-seed", type=int, default=0)
     args = ap.parse_args()
     seeds = 3 if args.quick else args.seeds
-    n_train = 150_000 if args.quick else args.train
+    n_train = 300_000 if args.quick else args.train
     torch.set_num_threads(1)
-    N, T, CR, batch, sparse_lr = 16, 4, 4, 512, 1.0
-    data = PlantedGroups(num_features=16, num_groups=4, num_rows=50, seed=args.data_seed)
+    N, T, D, batch, sparse_lr = 16, 4, 8, 512, 1.0
+    within = PlantedGroups(num_features=16, num_groups=4, num_rows=50, latent_dim=2, interaction="within",
+                           seed=args.data_seed)
+    data = PlantedGroups(num_features=16, num_groups=4, num_rows=50, latent_dim=4, interaction="both",
+                         seed=args.data_seed)
+    assert (within.group_labels == data.group_labels).all()
     tables = data.tables(N)
-    ev = data.batch(10**7, args.eval)
-    teacher_auc = roc_auc(ev.labels.numpy(), data.teacher_logit(ev))
+    ev, ev_logit = data.batch_with_logit(10**7, args.eval)
+    teacher_auc = roc_auc(ev.labels.numpy(), ev_logit)
     cfg = ModelConfig(arch="dlrm", embedding_dim=N, bottom_mlp=[32], top_mlp=[64, 32])
-    dmt = DMTConfig(towers=T, tower_module="dlrm", compression=CR)
+    dmt = DMTConfig(towers=T, tower_module="dlrm", c=0, p=1, tower_dim=D)
     naive = naive_assignment(data.feature_names, T)
     load0 = os.getloadavg()
     log(f"bench_dmt_quality: {seeds} seeds, {n_train} train samples, load {load0}; teacher AUC {teacher_auc:.4f}")
     rows = []
     t0 = time.time()
     for s in range(seeds):
-        plain = build_model(cfg, tables, data.num_dense,
-                            embedding=LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=sparse_lr, seed=s))
-        train(plain, data, n_train, batch, s)
-        tp, report = learn_towers(plain, data.batches(2 * 10**7, 8192, 2048), T, "coherent", max_ratio=1.0, seed=s)
-        ari = adjusted_rand_index(tp.labels(data.feature_names), data.group_labels)
-        row = {"seed": s, "ari": ari, "plain_dlrm_auc": auc(plain, ev), "stress": report["stress"],
-               "tp_towers": tp.towers}
+        row = {"seed": s}
+        for name, d in (("within", within), ("both", data)):
+            plain = build_model(cfg, tables, d.num_dense,
+                                embedding=LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=sparse_lr, seed=s))
+            train(plain, d, n_train, batch, s)
+            tp, report = learn_towers(plain, d.batches(2 * 10**7, 8192, 2048), T, "coherent", max_ratio=1.0, seed=s)
+            row[f"ari_{name}"] = adjusted_rand_index(tp.labels(d.feature_names), d.group_labels)
+            if name == "both":
+                row["plain_dlrm_auc"] = auc(plain, ev)
+                row["tp_towers"] = tp.towers
         for name, assignment in (("tp", tp), ("naive", naive)):
             m = build_dmt_model(cfg, tables, data.num_dense, dmt, assignment=assignment, seed=s, lr=sparse_lr)
             train(m, data, n_train, batch, s)
             row[f"{name}_auc"] = auc(m, ev)
         rows.append(row)
-        log(f"seed {s}: ARI {ari:.3f}, AUC plain {row['plain_dlrm_auc']:.4f}, TP {row['tp_auc']:.4f}, "
-            f"naive {row['naive_auc']:.4f} ({time.time() - t0:.0f} s)")
+        log(f"seed {s}: ARI within {row['ari_within']:.3f} both {row['ari_both']:.3f}; AUC plain "
+            f"{row['plain_dlrm_auc']:.4f}, TP {row['tp_auc']:.4f}, naive {row['naive_auc']:.4f} ({time.time() - t0:.0f} s)")
     tp_aucs = [r["tp_auc"] for r in rows]
     naive_aucs = [r["naive_auc"] for r in rows]
     p = float(mannwhitneyu(tp_aucs, naive_aucs, alternative="greater").pvalue)
     b = data.batch(0, 64)
     plain = build_dmt_model(cfg, tables, data.num_dense, DMTConfig(tower_module="none", towers=1))
     dmt_model = build_dmt_model(cfg, tables, data.num_dense, dmt, assignment=naive)
+    dmt_c1 = build_dmt_model(cfg, tables, data.num_dense, DMTConfig(towers=T, tower_module="dlrm", compression=4),
+                             assignment=naive)
     fl = {"dlrm": training_flops_per_sample(plain, b.dense, b.sparse)["train"],
-          "dmt_dlrm": training_flops_per_sample(dmt_model, b.dense, b.sparse)["train"]}
+          "dmt_dlrm_p1_D8": training_flops_per_sample(dmt_model, b.dense, b.sparse)["train"],
+          "dmt_dlrm_c1_CR4": training_flops_per_sample(dmt_c1, b.dense, b.sparse)["train"]}
     med_tp, med_naive = statistics.median(tp_aucs), statistics.median(naive_aucs)
     out = {
         "benchmark": "dmt_partitioner_quality",
@@ -122,10 +138,12 @@ def main() -> None:
         "ratio": round(med_tp / med_naive, 5),
         "unit": "median eval AUC of DMT-DLRM (TP towers vs naive strided towers)",
         "config": {"seeds": seeds, "train_samples": n_train, "eval_samples": args.eval, "data_seed": args.data_seed,
-                   "features": 16, "planted_groups": 4, "towers": T, "compression_ratio": CR, "embedding_dim": N,
-                   "tower_dim": N // CR, "batch": batch, "sparse_lr": sparse_lr, "dense": "adagrad 0.05",
-                   "mann_whitney_p_tp_greater": p, "ari": [round(r["ari"], 4) for r in rows],
-                   "ari_min": min(r["ari"] for r in rows), "auc_tp": tp_aucs, "auc_naive": naive_aucs,
+                   "features": 16, "planted_groups": 4, "towers": T, "tower_module": "dlrm c=0 p=1",
+                   "compression_ratio": dmt_model.compression_ratio, "embedding_dim": N, "tower_dim": D, "batch": batch, "sparse_lr": sparse_lr, "dense": "adagrad 0.05",
+                   "mann_whitney_p_tp_greater": p,
+                   "ari_within": [round(r["ari_within"], 4) for r in rows],
+                   "ari_both": [round(r["ari_both"], 4) for r in rows],
+                   "ari_min": min(min(r["ari_within"], r["ari_both"]) for r in rows), "auc_tp": tp_aucs, "auc_naive": naive_aucs,
                    "auc_plain_dlrm": [r["plain_dlrm_auc"] for r in rows], "teacher_auc": teacher_auc,
                    "tp_wins": sum(a > b for a, b in zip(tp_aucs, naive_aucs)), "planted": data.groups(),
                    "tp_towers_seed0": rows[0]["tp_towers"], "naive_towers": naive.towers,

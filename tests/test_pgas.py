@@ -1,10 +1,13 @@
 """The PGAS transport and the fused lookups against independent references, and heap cleanup.
 
 References: ``ShardedEmbedding`` over ``CollectiveTransport`` on the same batches in the same processes
-(outputs and weights must be *bitwise* equal at every step: ``torch.equal``, which counts +0 and -0 as
-equal) and a single-process dense model (per-table ``nn.EmbeddingBag``, dense SGD / row-wise Adagrad;
-within 1e-5). Every scenario runs the fused ``PgasShardedEmbedding`` and the unchanged
-``ShardedEmbedding`` over ``PgasTransport``. Multi-rank scenarios are batched into a few spawns.
+(outputs at every step, final weights and optimizer state must be *bitwise* equal: ``torch.equal``,
+which counts +0 and -0 as equal) and a single-process dense model (per-table ``nn.EmbeddingBag``, dense
+SGD / row-wise Adagrad; within 1e-5). Scenarios run the fused ``PgasShardedEmbedding`` and the unchanged
+``ShardedEmbedding`` over ``PgasTransport`` (byte counts equal to the collective's, peer by peer), with
+ring slots of 256 bytes so that messages stream through the rings in several rounds; one scenario makes
+an owner apply its updates late (a reader that does not wait for the owner's version word fails it),
+one forces the fetch-area fallback. Multi-rank scenarios are batched into a few spawns.
 
 Cleanup: after a normal exit, an exception in one rank, a SIGKILL of one rank after the heap is set up,
 and a SIGKILL inside the rendezvous (between creating and unlinking the segments), no segment of the
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from embedscale.comm.collective import CollectiveTransport
-from embedscale.comm.pgas import PgasTransport, heap_segments
+from embedscale.comm.pgas import PgasTransport, heap_segments, slot_bytes_for
 from embedscale.comm.timeline import Timeline, plot_timeline
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
@@ -303,3 +306,13 @@ def test_timeline_plot(tmp_path):
     base = [{"start_ns": int(ev["t_ns"][0]), "end_ns": int(ev["t_ns"][-1]) + 1000, "bytes": 1000}]
     p = plot_timeline([ev, ev2], tmp_path / "t.png", baseline=base)
     assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_slot_bytes_from_plan_and_batch():
+    amap = AddressMap.build(tables(), 2, plans(2)["row_wise"][0])
+    small = slot_bytes_for(tables(), amap, max_batch_size=8)
+    assert small == 64 << 10  # floor
+    big = slot_bytes_for(tables(), amap, max_batch_size=1 << 20, design="send", cap=1 << 20)
+    assert big == 1 << 20  # capped: larger messages stream through the ring
+    mid = slot_bytes_for(tables(), amap, max_batch_size=4096, max_ids_per_bag=2, design="send", cap=1 << 30)
+    assert mid % 64 == 0 and mid >= 4096 * 4 * 2 * 20

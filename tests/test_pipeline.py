@@ -394,8 +394,11 @@ def test_life_cycle_counters():
     cache.insert(0, [torch.tensor([1, 4])], [torch.full((2, 2), 1.0)], [torch.tensor([1.0, 1.0])], life=2)
     cache.insert(1, [torch.tensor([4, 6])], [torch.full((2, 2), 2.0)], [torch.tensor([2.0, 2.0])], life=3)
     w, m = torch.zeros(4, 2), torch.zeros(4)
-    assert cache.patch(0, torch.tensor([0, 1, 4, 6]), w, m) == 3
+    assert cache.patch(0, torch.tensor([0, 1, 4, 6]), w, m) == 4  # row 4 from both entries
     assert w[:, 0].tolist() == [0.0, 1.0, 2.0, 2.0] and m.tolist() == [0.0, 1.0, 2.0, 2.0]  # newest copy wins
+    w2 = torch.zeros(4, 2)  # the same with positions planned ahead (as the server does for one rank)
+    plans = {0: (torch.tensor([1, 2]), torch.tensor([0, 1])), 1: (torch.tensor([2, 3]), torch.tensor([0, 1]))}
+    assert cache.patch(0, torch.tensor([0, 1, 4, 6]), w2, None, plans) == 4 and torch.equal(w, w2)
     assert cache.advance(1) == 0 and cache.advance(2) == 2  # batch 0's rows: two pulls
     w = torch.zeros(2, 2)
     assert cache.patch(0, torch.tensor([1, 4]), w) == 1 and w[:, 0].tolist() == [0.0, 2.0]

@@ -571,23 +571,22 @@ class PgasTransport(Transport):
 
 
 def slot_bytes_for(tables, amap, max_batch_size: int, max_ids_per_bag: float = 1.0, design: str = "retrieve",
-                   world_size: int | None = None) -> int:
-    """Ring slot bytes such that every exchange of a ``ShardedEmbedding`` step fits one slot.
+                   cap: int = 16 << 20) -> int:
+    """Ring slot bytes for ``PgasTransport`` from the plan and the batch: one step's largest message.
 
-    The largest message a rank writes to one peer in a step is bounded by the values of its mini-batch
-    (``max_batch_size`` samples x features x ``max_ids_per_bag``): ``retrieve`` sends ids (8 bytes) and
-    rows / gradients (``dim`` x 4 bytes) per unique remote row; ``send`` sends ids (16 bytes + 4 bytes
-    of scale) per value and one pooled vector / gradient per bag. Capped by the rows a peer can own.
+    The largest message a rank writes to one peer in a step is bounded by its mini-batch
+    (``max_batch_size`` samples x features x ``max_ids_per_bag`` values): ``retrieve`` moves ids
+    (8 bytes) and rows / gradients (``dim`` x bytes per value) per unique remote row, at most the rows a
+    rank holds; ``send`` moves ids (up to 20 bytes) per value and one pooled vector / gradient per bag.
+    Capped at ``cap`` (a rank maps ``ranks_per_host x depth`` slots per peer): larger messages stream
+    through the ring in several rounds.
     """
-    W = world_size or amap.world_size
     F_ = sum(len(t.features) for t in tables)
-    dim = max(t.dim for t in tables)
-    row = dim * max(t.bytes_per_value for t in tables)
+    row = max(t.dim * t.bytes_per_value for t in tables)
     values = int(math.ceil(max_batch_size * F_ * max(max_ids_per_bag, 1.0)))
     if design == "retrieve":
-        rows = min(values, int(amap.num_owned().max() + amap.num_replicas_held().max()))
-        need = rows * max(row + 8, 16)
+        rows = min(values, int((amap.num_owned() + amap.num_replicas_held()).max()))
+        need = rows * (row + 8)
     else:
-        need = max(values * 16, max_batch_size * F_ * (row + 8))
-    del W
-    return _align(max(need, 64 << 10))
+        need = max(values * 20 + max_batch_size * F_ * 16, max_batch_size * F_ * (row + 8))
+    return _align(min(max(need, 64 << 10), int(cap)))

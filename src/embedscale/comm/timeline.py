@@ -82,9 +82,9 @@ def plot_timeline(per_rank: list[dict], path: str | Path, *, baseline: list[dict
         per_rank: one ``Timeline.events()`` dict per rank (``t_ns``, ``nbytes``); an optional ``t0_ns``
             key sets the time origin of that rank (default: the earliest event or mark of all ranks).
         path: the PNG to write.
-        baseline: optional, one dict per rank ``{"start_ns", "end_ns", "bytes"}``: the all_to_all
-            baseline's communication phase, drawn dashed as the paper does (total volume linearly
-            interpolated over the phase).
+        baseline: optional, one dict per rank ``{"start_ns", "end_ns", "bytes"}`` (optional ``t0_ns``:
+            its time origin): the all_to_all baseline's communication phase, drawn dashed as the paper
+            does (total volume linearly interpolated over the phase).
         unit: the y unit in bytes (the paper counts in units of 256 bytes).
 
     Returns the path written.
@@ -115,9 +115,10 @@ def plot_timeline(per_rank: list[dict], path: str | Path, *, baseline: list[dict
             ax.axvline((tm - origin) / 1e6, color=c, lw=0.5, alpha=0.4)
     for r, b in enumerate(baseline or []):
         c = colors[r % len(colors)]
-        s, e_, tot = (int(b["start_ns"]) - t0) / 1e6, (int(b["end_ns"]) - t0) / 1e6, b["bytes"] / unit
+        o = int(b.get("t0_ns", t0))
+        s, e_, tot = (int(b["start_ns"]) - o) / 1e6, (int(b["end_ns"]) - o) / 1e6, b["bytes"] / unit
         ax.plot([0.0, s, e_], [0.0, 0.0, tot], ls="--", color=c, alpha=0.8, label=f"all_to_all baseline, rank {r}")
-    ax.set_xlabel("time (ms)")
+    ax.set_xlabel("time since the start of the forward (ms)" if any("t0_ns" in e for e in per_rank) else "time (ms)")
     ax.set_ylabel(f"bytes written to peers (x{unit} B)")
     ax.set_title(title)
     ax.legend(fontsize=7, loc="upper left")

@@ -60,7 +60,7 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, SyntheticConfig, TableSpec, to_dict
 from embedscale.train.metrics import logloss, roc_auc
 
-GENERATOR_VERSION = 2  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
+GENERATOR_VERSION = 3  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
 BLOCK = 1 << 16  # samples per generator block: the unit of determinism
 PRESETS: dict[str, list[int]] = {"criteo-kaggle": CRITEO_KAGGLE_ROWS, "criteo-terabyte": CRITEO_TERABYTE_ROWS}
 SCALES: dict[str, int] = {"small": 100_000, "tiny": 10_000}
@@ -71,7 +71,7 @@ POSITIVE_RATE = 0.25
 LOGIT_STD = 1.2
 SHARE_DENSE, SHARE_ROW, SHARE_PAIR = 0.3, 0.6, 0.1  # variance shares of the logit
 REFERENCE_SAMPLES = 200_000
-LEARNABLE_COUNT = 500.0  # K: a row expected K times in REFERENCE_SAMPLES carries half its effect
+LEARNABLE_COUNT = 2000.0  # K: a row expected K times in REFERENCE_SAMPLES carries half its effect
 CALIBRATION_SAMPLES = 1 << 15
 TEACHER_AUC_MAX_SAMPLES = 20_000_000  # teacher_auc is exact over at most this many (the first) samples
 

@@ -574,7 +574,7 @@ class _PgasSend(torch.autograd.Function):
             written = torch.zeros(nbags, dtype=torch.bool)
             written[p_bag[direct]] = True
             gaps = torch.nonzero(~written).view(-1)
-            if False:
+            if gaps.numel():
                 out_flat.index_fill_(0, ((gaps % B) * F_ + gaps // B).to(dev), 0)
         order = torch.argsort(src, stable=True)
         v_counts = torch.bincount(src, minlength=W).tolist()
