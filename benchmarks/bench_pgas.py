@@ -13,19 +13,20 @@ Measured in the same run, interleaved repeat by repeat:
   ``all_to_all_single`` (gloo, waited on), then the unpack into ``[B_local, F * D]``.
 
 The timed region is the paper's: EMB forward + communication + unpack, after the sparse inputs have reached
-their owners (``input_dist``, untimed, is the same heap exchange for both... for the baseline the owner-side
-ids are given). ``e2e`` adds the input distribution to both (ids through the heap for ours; an id
-all_to_all plus the KJT regrouping for the baseline). Each iteration's time is the slowest rank's (max over
+their owners (untimed: ``input_dist`` for pgas; the baseline is given the owner-side ids). ``e2e`` adds
+the input distribution to both (ids through the heap for ours; an id all_to_all plus the KJT regrouping
+for the baseline). Each iteration's time is the slowest rank's (max over
 ranks); figures are medians over ``--repeats``. The baseline is broken down as the paper's Fig. 6:
 computation (pooling + batch-major layout), communication (all_to_all minus the same all_to_all of one
 float per peer), sync + unpack (that one-float all_to_all, which is mostly waiting for the slowest rank,
 plus the unpack). Scaling references run the same code on 1 rank (no peers): with 8 tables for the weak
-scaling factor, with all 16 tables of the 2-rank job for the strong scaling factor at 2 ranks. A timeline of bytes written per rank (the paper's Fig. 7) is drawn from one
-PGAS forward at 2 ranks, P = 4, with the baseline's all_to_all phase dashed.
+scaling factor, with all 16 tables of the 2-rank job for the strong scaling factor at 2 ranks. A timeline
+of bytes written per rank (the paper's Fig. 7) is drawn from one PGAS forward at 2 ranks, P = 4, with the
+baseline's all_to_all phase dashed.
 
 Every output is checked equal (bitwise) between pgas and baseline before timing.
 
-    .venv/bin/python benchmarks/bench_pgas.py [--quick]
+    .venv/bin/python benchmarks/bench_pgas.py [--quick] [--repeats N]
 
 Prints one JSON line on stdout; progress on stderr; writes benchmarks/results/pgas.md and pgas_timeline.png.
 """
@@ -341,9 +342,9 @@ def _write_md(res: dict, cmd: str) -> None:
     lines += ["", f"Minimum speedup at pooling 1 and 4: **{res['min_speedup_pooling_1_4']}x**; at any pooling factor: "
               f"**{res['min_speedup_all']}x** (paper, on V100s with NVLink: 1.97x weak, 2.63x strong).", ""]
     if c.get("timeline_png"):
-        lines += ["Timeline (paper Fig. 7): bytes written to the peer over one PGAS forward at 2 ranks, rank 0; "
-                  "dashed, the baseline's all_to_all volume interpolated over its communication phase, placed "
-                  "after its computation: `benchmarks/results/pgas_timeline.png`.", ""]
+        lines += ["Timeline (paper Fig. 7): bytes each rank wrote to its peer over one PGAS forward at 2 ranks, "
+                  "from the start of its forward; dashed, the baseline's all_to_all volume interpolated over its "
+                  "communication phase, placed after its computation: `benchmarks/results/pgas_timeline.png`.", ""]
     lines += ["On a CPU the same cores pool and copy; the PGAS writes are plain stores into another process's "
               "mapped pages, so the gain is the removed all_to_all (gloo over loopback TCP: serialisation, "
               "copies, waiting for the slowest rank), the removed unpack, and the removed staging buffers: the "

@@ -171,6 +171,46 @@ def table(res: dict) -> list[str]:
     return lines
 
 
+def write_markdown(out: dict, path: Path) -> None:
+    """``benchmarks/results/pipeline.md`` from the JSON line of a run."""
+    c = out["config"]
+    res, config, onehot, best, command = c, c, c.get("onehot_oper_dlrm"), c["best_depth"], c["command"]
+    repeats = c["repeats"]
+    lines = ["# Pipelined host-table training (EL-Rec section V, Fig. 16)", "", f"Command: `{command}`", "",
+             f"DLRM (bottom {config['bottom_mlp']}, top {config['top_mlp']}, dim {config['dim']}), batch "
+             f"{config['batch_size']}, {config['batches']} batches per run, {repeats} alternations; host tables "
+             f"{config['host_tables']} ({config['host_rows']:,} rows, {config['host_pooling_factor']} ids per sample), "
+             f"{config['device_tables']} one-hot device tables; row-wise Adagrad; 1 trainer + 1 server thread. "
+             f"Figure: depth {best} vs depth 1 (sequential) = **{res['ratio']:.3f}x** (EL-Rec Fig. 16: 1.30x).", ""]
+    lines += table(res)
+    if onehot is not None:
+        oc = onehot["config"]
+        lines += ["", f"## One-hot Criteo DLRM, OPER MLP sizes (bottom {oc['bottom_mlp']}, top {oc['top_mlp']})", "",
+                  f"Host tables {oc['host_tables']}, one id per sample; {oc['batches']} batches of {oc['batch_size']}.",
+                  ""]
+        lines += table(onehot)
+    lines += ["", f"Load average before {out['config']['loadavg_before']}, after {out['config']['loadavg_after']} on "
+              f"{c['cores']} cores shared with other jobs; Linux autogroup scheduling "
+              f"(`sched_autogroup_enabled` = {c['sched_autogroup_enabled']}) shares CPU per session: under contention the "
+              f"server thread added little CPU share (CPU s per wall s: sequential {res['cpu_per_wall']['seq']:.2f}, "
+              f"depth {best} {res['cpu_per_wall'][f'depth{best}']:.2f}), so it could not overlap the trainer; "
+              "on a saturated machine only the total CPU work counts, which pipelining does not reduce. The idle "
+              "2-core bound is what the per-thread CPU times allow; rerun the command on an idle machine to "
+              "measure it.", "",
+              "```json", json.dumps(out), "```", ""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, "\n".join(lines))
+
+
+def sched_autogroup() -> str:
+    """Linux autogroup scheduling shares CPU per session: under contention a process gets the same share with
+    one thread or two, so a second (server) thread only helps when a core is idle."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer batches and repeats")
@@ -187,7 +227,12 @@ def main() -> None:
     ap.add_argument("--no-onehot", action="store_true", help="skip the one-hot OPER-sized DLRM measurement")
     ap.add_argument("--data-dir", default="", help="where to keep the synthetic datasets (default: a temp dir)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.md"))
+    ap.add_argument("--render", default="", help="only rewrite --out from a saved JSON line of an earlier run")
     args = ap.parse_args()
+    if args.render:
+        out = json.loads(Path(args.render).read_text())
+        write_markdown(out, Path(args.out))
+        return
     if args.quick:
         args.batches, args.repeats = 12, 3
     load_before = os.getloadavg()
@@ -222,27 +267,11 @@ def main() -> None:
         "config": {**config, "torch_threads": 1, "repeats": args.repeats, **res,
                    "onehot_oper_dlrm": onehot,
                    "loadavg_before": [round(x, 2) for x in load_before],
-                   "loadavg_after": [round(x, 2) for x in load_after], "cores": os.cpu_count(), "command": command},
+                   "loadavg_after": [round(x, 2) for x in load_after], "cores": os.cpu_count(),
+                   "sched_autogroup_enabled": sched_autogroup(), "command": command},
     }
     print(json.dumps(out))
-    lines = ["# Pipelined host-table training (EL-Rec section V, Fig. 16)", "", f"Command: `{command}`", "",
-             f"DLRM (bottom {config['bottom_mlp']}, top {config['top_mlp']}, dim {config['dim']}), batch "
-             f"{config['batch_size']}, {config['batches']} batches per run, {args.repeats} alternations; host tables "
-             f"{config['host_tables']} ({config['host_rows']:,} rows, {config['host_pooling_factor']} ids per sample), "
-             f"{config['device_tables']} one-hot device tables; row-wise Adagrad; 1 trainer + 1 server thread. "
-             f"Figure: depth {best} vs depth 1 (sequential) = **{res['ratio']:.3f}x** (EL-Rec Fig. 16: 1.30x).", ""]
-    lines += table(res)
-    if onehot is not None:
-        c = onehot["config"]
-        lines += ["", f"## One-hot Criteo DLRM, OPER MLP sizes (bottom {c['bottom_mlp']}, top {c['top_mlp']})", "",
-                  f"Host tables {c['host_tables']}, one id per sample; {c['batches']} batches of {c['batch_size']}.", ""]
-        lines += table(onehot)
-    lines += ["", f"Load average before {out['config']['loadavg_before']}, after {out['config']['loadavg_after']} on "
-              f"{os.cpu_count()} cores shared with other jobs: pipelining needs a free core for the server thread; "
-              "on a saturated machine only the total CPU work counts, which pipelining does not reduce.", "",
-              "```json", json.dumps(out), "```", ""]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(args.out), "\n".join(lines))
+    write_markdown(out, Path(args.out))
     log(f"wrote {args.out}")
     if tmp is not None:
         tmp.cleanup()

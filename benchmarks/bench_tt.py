@@ -3,7 +3,7 @@
 One table of ``--rows`` rows (10M), dims ``--dims`` (16 and 64), TT rank ``--rank`` (32), batch ``--batch``
 (4096) one-hot ids drawn from a Zipf(``--alpha`` 1.2) law over the rows (finite-support inverse CDF,
 popularity ranks scattered over the rows by a random permutation, as hashed ids are). Measured in the
-same run, interleaved step by step, each on the same batches:
+same run, interleaved step by step in a fresh random order, each on the same batches:
 
 * ``eff``: ``TTEmbeddingBag`` (batch-level reuse, in-advance aggregation, fused SGD update);
 * ``ttrec``: ``TTRecEmbeddingBag`` (one chain per index, per-occurrence backward, dense aggregation,
@@ -139,8 +139,12 @@ def run_dim(args, dim: int, rng: np.random.Generator, steps: int) -> dict:
     bwd_t = {k: [] for k in methods}
     step_t = {k: [] for k in methods}
     order = list(methods)
+    shuffle = np.random.default_rng(args.seed + dim)
     for i in tqdm(range(steps), desc=f"dim {dim}", file=sys.stderr, leave=False):
-        for name in order[i % len(order):] + order[:i % len(order)]:
+        # a fresh random order every step: each method follows every other equally often (a method run
+        # right after TT-Rec's large buffers or the uncompressed table's scattered writes meets other
+        # cache and allocator states than one run after a small method)
+        for name in shuffle.permutation(order):
             fwd, step = methods[name]
             t = time.perf_counter()
             fwd(i)
@@ -250,7 +254,7 @@ def main() -> None:
                    "hot_ratio": args.hot_ratio, "profile_batches": args.profile_batches, "steps": steps,
                    "optimizer": "sgd", "lr": args.lr, "threads": torch.get_num_threads(), "torch": torch.__version__,
                    "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-                   "statistic": "median per-step time, methods interleaved step by step"},
+                   "statistic": "median per-step time, methods interleaved step by step in a random order"},
     }
     print(json.dumps(result))
     if not args.no_results:
@@ -265,7 +269,8 @@ def write_markdown(r: dict, command: str) -> None:
              f"Zipf {c['zipf_alpha']}",
              "",
              f"`.venv/bin/python {command}` — {c['threads']} thread(s), load average {c['loadavg_start'][0]:.1f} "
-             f"at start, {c['loadavg_end'][0]:.1f} at end; medians of {c['steps']} interleaved steps.",
+             f"at start, {c['loadavg_end'][0]:.1f} at end; medians of {c['steps']} steps, methods interleaved in a "
+             "random order every step.",
              "",
              "| dim | forward vs TT-Rec | backward+update vs TT-Rec | reordering (fwd / bwd / step) | "
              "reuse only, no grouping (fwd / bwd) | Eff-TT step time / uncompressed fused SGD | cores vs table |",

@@ -99,3 +99,26 @@ def test_cli_plan_compares_strategies(tmp_path):
         assert (out / name / "plan.json").exists()
     assert rep["strategies"]["oper"]["max_rank_cost"] < rep["strategies"]["table_wise"]["max_rank_cost"]
     assert (out / "report.png").stat().st_size > 0
+
+
+def test_workflow_host_tables_pipelined_equal_sequential(tmp_path, data_dir):
+    """`placement: host` tables through the workflow: depth 3 gives the same losses as depth 1."""
+    out = []
+    for depth in (1, 3):
+        cfg = config(tmp_path, data_dir)
+        cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_C2", 9, 4, features=["C2"]),
+                            TableSpec("t_C3", 120, 4, features=["C3"], placement="host"),
+                            TableSpec("t_C4", 5, 4, features=["C4"])]
+        cfg.train.pipeline_depth = depth
+        workflow.train(cfg, tmp_path / f"d{depth}", resume=False, progress=False)
+        out.append(losses_of(tmp_path / f"d{depth}"))
+    assert len(out[0]) == 6 and out[0] == out[1]
+
+
+def test_workflow_tt_table_trains(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_C2", 9, 4, features=["C2"]),
+                        TableSpec("t_C3", 120, 4, features=["C3"], compression="tt", tt_rank=4),
+                        TableSpec("t_C4", 5, 4, features=["C4"])]
+    s = workflow.train(cfg, tmp_path / "tt", resume=False, progress=False)
+    assert s["steps"] == 6 and 0.0 < s["eval_logloss"] < 5.0

@@ -186,6 +186,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     prefetch: int = 2
+    pipeline_depth: int = 1  # >1: host-placed tables prefetched this many batches ahead (EL-Rec section V)
+    pipeline_cache: bool = True  # the life-cycle cache that keeps prefetched rows fresh (off: stale, for tests)
 
 
 @dataclass

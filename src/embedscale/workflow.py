@@ -151,8 +151,21 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
 
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
-    embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                   init=hash_init(t.seed, tables))
+    if any(tb.placement == "host" for tb in tables):
+        from embedscale.pipeline import PipelinedEmbedding
+
+        if any(tb.compression == "tt" for tb in tables):
+            raise ConfigError("tables with placement: host and compression: tt in one model are not supported yet")
+        embedding = PipelinedEmbedding.from_tables(tables, device=device, optimizer=t.sparse_optimizer,
+                                                   lr=t.lr_sparse, seed=t.seed)
+    elif any(tb.compression == "tt" for tb in tables):
+        from embedscale.embedding.mixed import MixedEmbedding
+
+        embedding = MixedEmbedding(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
+                                   init=hash_init(t.seed, tables), seed=t.seed)
+    else:
+        embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
+                                       init=hash_init(t.seed, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     return model, make_dense_optimizer(t, model.dense_parameters())
 
@@ -215,9 +228,15 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
                                prefetch=t.prefetch, device=device, drop_last=False)
     eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
-    trainer = Trainer(model, opt, train_loader, eval_loader, run_dir, epochs=t.epochs, max_steps=t.max_steps,
-                      eval_every=t.eval_every, log_every=t.log_every, checkpoint_every=t.checkpoint_every,
-                      config_yaml=config_yaml, progress=progress)
+    kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
+              checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress)
+    if any(tb.placement == "host" for tb in tables):
+        from embedscale.pipeline import pipelined_trainer
+
+        trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
+                                    pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
+    else:
+        trainer = Trainer(model, opt, train_loader, eval_loader, run_dir, **kw)
     if resume and trainer.resume():
         _log(f"resumed from step {trainer.step} in {run_dir / 'checkpoints'}")
     summary = trainer.fit()

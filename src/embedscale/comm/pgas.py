@@ -253,7 +253,9 @@ class SymmetricHeap:
         for r in self.local_ranks:
             arr = np.frombuffer(self._maps[r], dtype=np.int64, count=self._ctrl_bytes // 8)
             self._ctrl[r] = arr[: (1 + self.num_lines) * _LINE].reshape(1 + self.num_lines, _LINE)
-            self._pids[r] = int(self._ctrl[r][0, 1])
+            pid = int(self._ctrl[r][0, 1])
+            # a peer in another pid namespace is invisible here: no liveness checks for it (timeouts only)
+            self._pids[r] = pid if _pid_alive(pid) else 0
             if int(self._ctrl[r][0, 0]) != _MAGIC:
                 raise HeapError(f"symmetric heap: segment of rank {r} ({self.names[r]}) has no valid header")
 
@@ -328,7 +330,7 @@ class SymmetricHeap:
 
     def check_peers(self, peers, what: str) -> None:
         for p in peers:
-            if p != self.rank and not _pid_alive(self._pids.get(p, 0)):
+            if p != self.rank and self._pids.get(p, 0) and not _pid_alive(self._pids[p]):
                 raise HeapError(f"rank {self.rank}: rank {p} (pid {self._pids[p]}) exited while this rank "
                                 f"waited for {what} (segment {self.names[p]}, {_fmt_bytes(self.nbytes)})")
 
