@@ -142,11 +142,11 @@ def test_partitioner_recovers_planted_groups_and_diverse_spreads_them():
     groups = np.random.default_rng(4).permutation(np.arange(16) % 4)
     names = [f"C{i + 1}" for i in range(16)]
     I = interaction_matrix(_planted_embeddings(groups))
-    coherent, rep = partition_features(names, I, 4, strategy="coherent", seed=0, steps=600, restarts=2)
+    coherent, rep = partition_features(names, I, 4, strategy="coherent", seed=0, steps=600, restarts=2, trials=2)
     assert adjusted_rand_index(coherent.labels(names), groups) >= 0.9
     assert rep["within_tower_interaction"] > rep["naive"]["within_tower_interaction"]
     assert coherent.sizes == [4, 4, 4, 4]
-    diverse, _ = partition_features(names, I, 4, strategy="diverse", seed=0, steps=600, restarts=2)
+    diverse, _ = partition_features(names, I, 4, strategy="diverse", seed=0, steps=600, restarts=2, trials=2)
     for tower in diverse.towers:  # every tower mixes groups
         assert len({groups[names.index(f)] for f in tower}) >= 3
 
@@ -173,7 +173,7 @@ def test_learn_towers_end_to_end_with_unequal_towers(tmp_path):
     from embedscale.data.batch import JaggedFeatures
 
     batches = [JaggedFeatures.from_dense(model.sparse_arch.feature_names, torch.zeros(100, 10, dtype=torch.int64))] * 4
-    a, rep = learn_towers(model, batches, 3, "coherent", max_ratio=1.0, steps=600, restarts=2, max_batches=3)
+    a, rep = learn_towers(model, batches, 3, "coherent", max_ratio=1.0, steps=600, restarts=2, trials=2, max_batches=3)
     assert model.sparse_arch.calls == 3
     assert rep["max_ratio_used"] == pytest.approx(4 / 3) and sorted(a.sizes) == [3, 3, 4]
     assert adjusted_rand_index(a.labels(model.sparse_arch.feature_names), groups) >= 0.9
@@ -206,7 +206,7 @@ def test_learn_towers_on_a_trained_dlrm():
             opt.zero_grad()
             torch.nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels).backward()
             opt.step()
-        a, _ = learn_towers(model, data.batches(10**7, 4096, 1024), 2, "coherent", steps=600, restarts=2)
+        a, _ = learn_towers(model, data.batches(10**7, 4096, 1024), 2, "coherent", steps=600, restarts=2, trials=2)
     finally:
         torch.set_num_threads(threads)
     assert adjusted_rand_index(a.labels(data.feature_names), data.group_labels) >= 0.9

@@ -81,7 +81,7 @@ def main() -> None:
 def run(config_path, overrides, no_progress, as_json, **kwargs):
     """The main job: synthetic data (default), profile, plan, train on 2 local ranks, evaluate, summary.
 
-    Without --config it runs the embedded default: 1M synthetic criteo-kaggle-shaped samples (tables capped
+    Without --config it runs the embedded default: 1.5M synthetic criteo-kaggle-shaped samples (tables capped
     at 100k rows), the `oper` plan on 2 local ranks (gloo), one epoch of DLRM (OPER Table 1 sizes).
     """
     from embedscale import workflow
@@ -469,6 +469,25 @@ def topology(hosts, ranks_per_host, measure, out_path):
     except EmbedscaleError as e:
         _fail(e)
     click.echo(f"topology ({d.get('source', 'spec')}) written to {out_path}")
+
+
+@main.command()
+@click.argument("shards", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+              help="Where the index bijection goes (JSON + one .npy per table).")
+@click.option("--hot-ratio", type=float, default=0.01, show_default=True,
+              help="Share of rows, hottest first, kept in front (EL-Rec IV).")
+@click.option("--method", type=click.Choice(["leiden", "louvain"]), default="leiden", show_default=True)
+def reorder(shards, out_dir, hot_ratio, method):
+    """Index reordering (EL-Rec IV): hot rows first, then communities of co-accessed rows get consecutive ids.
+    Writes the bijection; a model applies it to its ids (MixedEmbedding(reordering=...), Reordering.apply)."""
+    from embedscale.reorder import reorder_shards
+
+    try:
+        out = reorder_shards(shards, out_dir, hot_ratio=hot_ratio, method=method)
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(f"index bijection of {len(out) - 1} table(s) written to {out['out_dir']}")
 
 
 @main.command()

@@ -146,7 +146,7 @@ class SyntheticConfig:
 class DataConfig:
     source: str = "synthetic"  # synthetic | criteo | avazu | shards
     path: str = ""  # raw file (criteo/avazu) or shard directory (shards)
-    train_samples: int = 1_000_000
+    train_samples: int = 1_500_000
     eval_samples: int = 100_000
     eval_fraction: float = 0.2  # for real files: the last fraction of rows is the eval split
     seed: int = 0

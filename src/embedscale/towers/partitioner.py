@@ -363,27 +363,47 @@ def partition_scores(interaction: np.ndarray, labels: Sequence[int]) -> dict:
 # the pipeline
 
 
+def within_tower_distance(distance: np.ndarray, labels: Sequence[int]) -> float:
+    """Mean distance ``D(i, j)`` over the pairs that share a tower (what the partition minimises)."""
+    lab = np.asarray(labels)
+    same = (lab[:, None] == lab[None, :]) & ~np.eye(len(lab), dtype=bool)
+    return float(np.asarray(distance)[same].mean()) if same.any() else 0.0
+
+
 def partition_features(features: Sequence[str], interaction: np.ndarray, num_towers: int, *,
                        strategy: str = "coherent", max_ratio: float = 1.0, coord_dim: int = 2, seed: int = 0,
-                       steps: int = 1500, restarts: int = 4, n_init: int = 10) -> tuple[TowerAssignment, dict]:
-    """DMT 3.3 steps 2-4 on a given interaction matrix: distance, coordinates, constrained K-Means."""
+                       steps: int = 1500, restarts: int = 4, n_init: int = 20, trials: int = 4
+                       ) -> tuple[TowerAssignment, dict]:
+    """DMT 3.3 steps 2-4 on a given interaction matrix: distance, coordinates, constrained K-Means.
+
+    ``trials`` runs of coordinates + K-Means (seeds ``seed .. seed + trials - 1``) guard against the
+    local optima of both; the partition with the smallest mean within-tower distance in ``D`` itself (the
+    quantity the coordinates approximate) is kept. This selection is ours, not DMT's.
+    """
     features = list(features)
     I = np.asarray(interaction, dtype=np.float64)
     if I.shape != (len(features), len(features)):
         raise InputError(f"interaction matrix of shape {I.shape} for {len(features)} features")
     _check_towers(len(features), num_towers)
     D = distance_matrix(I, strategy)
-    X, stress = embed_coordinates(D, coord_dim, steps=steps, restarts=restarts, seed=seed)
-    labels, inertia = constrained_kmeans(X, num_towers, max_ratio, n_init=n_init, seed=seed)
+    best = None
+    for t in range(max(1, trials)):
+        X, stress = embed_coordinates(D, coord_dim, steps=steps, restarts=restarts, seed=seed + t)
+        labels, inertia = constrained_kmeans(X, num_towers, max_ratio, n_init=n_init, seed=seed + t)
+        score = within_tower_distance(D, labels)
+        if best is None or score < best[0] - 1e-12:
+            best = (score, X, stress, labels, inertia, seed + t)
+    score, X, stress, labels, inertia, used_seed = best
     meta = {"strategy": strategy, "max_ratio": max_ratio, "coord_dim": coord_dim, "stress": stress,
-            "inertia": inertia, "seed": seed}
+            "inertia": inertia, "seed": used_seed, "within_tower_distance": score}
     assignment = TowerAssignment.from_labels(features, labels, strategy, meta)
     naive = naive_assignment(features, num_towers)
     report = {
         "features": features, "num_towers": num_towers, "strategy": strategy, "max_ratio": max_ratio,
-        "stress": stress, "inertia": inertia, "coordinates": X.tolist(), "towers": assignment.towers,
-        "interaction": I.tolist(), **partition_scores(I, labels),
-        "naive": {"towers": naive.towers, **partition_scores(I, naive.labels(features))},
+        "stress": stress, "inertia": inertia, "within_tower_distance": score, "coordinates": X.tolist(),
+        "towers": assignment.towers, "interaction": I.tolist(), **partition_scores(I, labels),
+        "naive": {"towers": naive.towers, "within_tower_distance": within_tower_distance(D, naive.labels(features)),
+                  **partition_scores(I, naive.labels(features))},
     }
     return assignment, report
 
@@ -424,7 +444,7 @@ def model_embeddings(model, batches: Iterable, max_batches: int = 0) -> tuple[li
 
 def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coherent", max_ratio: float = 1.0,
                  *, max_batches: int = 0, coord_dim: int = 2, seed: int = 0, steps: int = 1500,
-                 restarts: int = 4, n_init: int = 10) -> tuple[TowerAssignment, dict]:
+                 restarts: int = 4, n_init: int = 20, trials: int = 4) -> tuple[TowerAssignment, dict]:
     """Learn a balanced, meaningful feature-to-tower assignment from a trained model (DMT 3.3).
 
     Args:
@@ -436,7 +456,8 @@ def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coh
             up to the smallest feasible ratio when ``F % T != 0`` would make 1 impossible, see below).
         max_batches: stop after this many batches (0 = all).
         coord_dim: n, the dimension of the coordinates (DMT uses 2).
-        seed, steps, restarts, n_init: optimiser and K-Means settings.
+        seed, steps, restarts, n_init, trials: optimiser and K-Means settings (see
+            :func:`partition_features`).
 
     Returns:
         ``(TowerAssignment, report)``; the report holds the interaction matrix, coordinates, stress,
@@ -453,7 +474,7 @@ def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coh
     used = max(float(max_ratio), feasible)
     assignment, report = partition_features(names, I, num_towers, strategy=strategy, max_ratio=used,
                                             coord_dim=coord_dim, seed=seed, steps=steps, restarts=restarts,
-                                            n_init=n_init)
+                                            n_init=n_init, trials=trials)
     report["max_ratio_requested"] = float(max_ratio)
     report["max_ratio_used"] = used
     return assignment, report

@@ -148,12 +148,18 @@ class DistributedRun:
                                         timeout=datetime.timedelta(seconds=d.timeout_s))
         # made now, while every rank answers: after a failure it finds the ranks that stopped (monitored barrier)
         self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
-        self.transport = self._transport(d.transport, rank, world)
+        max_batch = -(-max(t.batch_size, 8192) // world)  # per rank, the eval loader's batches included
+        self.transport = self._transport(d.transport, rank, world, amap, max_batch)
         torch.manual_seed(t.seed)
         self.inference = inference
-        self.embedding = ShardedEmbedding(self.tables, amap, self.transport, rank, design=d.design,
+        emb_cls, extra = ShardedEmbedding, {}
+        if d.transport == "pgas":
+            from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+
+            emb_cls, extra = PgasShardedEmbedding, {"max_batch_size": max_batch}
+        self.embedding = emb_cls(self.tables, amap, self.transport, rank, design=d.design,
                                           optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
-                                          grad_sync=d.grad_sync,
+                                          grad_sync=d.grad_sync, **extra,
                                           sync_group=self.emb_group, seed=t.seed, device=self.device)
         self.model = build_model(cfg.model, self.tables, self.data.manifest.num_dense, embedding=self.embedding,
                                  device=self.device)
@@ -179,12 +185,19 @@ class DistributedRun:
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
 
-    def _transport(self, name: str, rank: int, world: int):
+    def _transport(self, name: str, rank: int, world: int, amap, max_batch: int):
         from embedscale.comm.collective import CollectiveTransport
 
+        d = self.cfg.dist
         if name == "collective":
             return CollectiveTransport(rank, world, group=self.emb_group)
-        raise ConfigError(f"dist.transport {name!r} is not available (collective)")
+        if name == "pgas":
+            from embedscale.comm.pgas import PgasTransport, slot_bytes_for
+
+            return PgasTransport(rank, world, group=self.emb_group, ranks_per_host=-(-world // d.topology_hosts),
+                                 slot_bytes=slot_bytes_for(self.tables, amap, max_batch, design=d.design),
+                                 timeout_s=d.timeout_s)
+        raise ConfigError(f"dist.transport {name!r} is not one of collective, pgas")
 
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
