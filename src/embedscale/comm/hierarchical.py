@@ -469,7 +469,7 @@ class _AllToAllV(torch.autograd.Function):
     def backward(ctx, grad):
         back = ctx.transport.exchange(list(torch.split(grad.contiguous(), ctx.recv_counts)),
                                       recv_counts=ctx.send_counts, kind=ctx.kind + "_grad")
-        return torch.zeros_like(torch.cat(back)), None, None, None, None
+        return torch.cat(back), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
