@@ -242,7 +242,7 @@ def simulate(gpus: int, hardware: str | Hardware = "A100", *, ranks_per_host: in
     sptt = {"compute": flat["compute"], "lookup": lookup, "ids": t_ids, "embedding_comm": 2 * step_df,
             "shuffle": 2 * 2 * shuffle, "allreduce": flat["allreduce"]}
     dmt = {"compute": dmt_f["train_flops"] * b / peak, "lookup": lookup, "ids": t_ids,
-           "embedding_comm": 2 * (cm.intra_all_to_all(V, L, hw) + cm.peer_all_to_all(V, H, hw)),
+           "embedding_comm": 2 * (cm.intra_all_to_all(V, L, hw) + cm.peer_all_to_all(V / CR, H, hw)),
            "shuffle": 2 * 2 * shuffle,
            "allreduce": cm.allreduce(dmt_f["dense_params"] * w.grad_bytes, G, L, hw)
            + cm.allreduce(dmt_f["tower_params"] * w.grad_bytes, L, L, hw)}
