@@ -756,25 +756,12 @@ class _PgasSend(torch.autograd.Function):
         got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
                                      recv_counts=n_recv, kind="grads")
         got[me] = parts[me]
-        rows, grads, rep_slots, rep_grads = [], [], [], []
+        work = []
         for q in range(W):
             offq, lens, scq, npb = served[q]
-            if offq.numel() == 0:
-                continue
             pbv = torch.repeat_interleave(torch.arange(npb), lens)  # the partial bag of every value
             sc = scq if scq is not None else torch.ones(offq.numel(), dtype=torch.float32)
-            r, g = aggregate_row_gradients(offq.to(dev), got[q], src_index=pbv.to(dev), scale=sc.to(dev))
-            owned = r < mod.num_owned
-            rows.append(r[owned])
-            grads.append(g[owned])
-            if not bool(owned.all()):
-                rep_slots.append(mod._region_slot.to(dev)[r[~owned] - mod.num_owned])
-                rep_grads.append(g[~owned])
-        if rows:
-            mod._apply_owned(torch.cat(rows), torch.cat(grads))
-        if mod.num_slots:
-            empty = grad.new_zeros((0, D))
-            mod._sync_and_apply_replicas(torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64),
-                                         torch.cat(rep_grads) if rep_grads else empty)
+            work.append((offq, pbv, sc, got[q]))
+        mod._apply_partial_bag_grads(work, grad.dtype)
         mod._publish_version()
         return torch.zeros_like(mod.anchor), None, None

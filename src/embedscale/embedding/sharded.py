@@ -167,6 +167,29 @@ class ShardedEmbedding(nn.Module):
         else:
             rowwise_adagrad_update_(self.weight, self.momentum, uniq, g, self.lr, self.eps)
 
+    def _apply_partial_bag_grads(self, served, dtype) -> None:
+        """Owner side of the send design's backward: for every peer, the rows it asked this rank to pool
+        (``offsets``), each value's partial bag, its scale, and the gradients of those partial bags. Sums
+        per row, applies owned rows, and sends replica rows through the replica AllReduce."""
+        dev = self.weight.device
+        rows, grads, rep_slots, rep_grads = [], [], [], []
+        for offsets, pbag, scale, g_bags in served:
+            if offsets.numel() == 0:
+                continue
+            r, g = aggregate_row_gradients(offsets.to(dev), g_bags, src_index=pbag.to(dev), scale=scale.to(dev))
+            owned = r < self.num_owned
+            rows.append(r[owned])
+            grads.append(g[owned])
+            if not bool(owned.all()):
+                rep_slots.append(self._region_slot.to(dev)[r[~owned] - self.num_owned])
+                rep_grads.append(g[~owned])
+        if rows:
+            self._apply_owned(torch.cat(rows), torch.cat(grads))
+        if self.num_slots:
+            self._sync_and_apply_replicas(
+                torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64, device=dev),
+                torch.cat(rep_grads) if rep_grads else torch.zeros((0, self.dim), dtype=dtype, device=dev))
+
     def _sync_and_apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Sum replica gradients over all ranks (OPER 5.3) and apply them on every holder."""
         if self.num_slots == 0 or self.optimizer is None:
@@ -335,24 +358,10 @@ class _SendBased(torch.autograd.Function):
         got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
                                      recv_counts=n_recv, kind="grads")
         got[me] = parts[me]
-        rows, grads, rep_slots, rep_grads = [], [], [], []
+        served = []
         for q in range(W):
             ids_q = my_ids if q == me else recv_ids[q]
             sc_q = my_scale if q == me else recv_scale[q]
-            if ids_q.numel() == 0:
-                continue
-            r, g = aggregate_row_gradients(ids_q[:, 0].to(dev), got[q], src_index=ids_q[:, 1].to(dev),
-                                           scale=sc_q.to(dev))
-            owned = r < mod.num_owned
-            rows.append(r[owned])
-            grads.append(g[owned])
-            if not bool(owned.all()):
-                rep_slots.append(mod._region_slot.to(dev)[r[~owned] - mod.num_owned])
-                rep_grads.append(g[~owned])
-        if rows:
-            mod._apply_owned(torch.cat(rows), torch.cat(grads))
-        if mod.num_slots:
-            empty = grad_out.new_zeros((0, mod.dim))
-            mod._sync_and_apply_replicas(torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64),
-                                         torch.cat(rep_grads) if rep_grads else empty)
+            served.append((ids_q[:, 0], ids_q[:, 1], sc_q, got[q]))
+        mod._apply_partial_bag_grads(served, grad_out.dtype)
         return torch.zeros_like(mod.anchor), None, None, None, None, None
