@@ -39,7 +39,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 from scipy.stats import mannwhitneyu
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
@@ -37,9 +36,9 @@ from embedscale.specs import ModelConfig, TableSpec
 from embedscale.towers.modules import (
     DCNTowerModule,
     DLRMTowerModule,
-    PassThroughTower,
     build_tower_modules,
     compression_ratio,
+    tower_out_features,
 )
 from embedscale.towers.partitioner import TowerAssignment
 from embedscale.train.launch import spawn_local
@@ -218,7 +217,8 @@ def _check_reference(results, world, lname, name, ref, global_b, atol=2e-5):
         for p, q in zip(got["params"], ref["params"]):
             torch.testing.assert_close(p, q, atol=atol, rtol=0)
         for k, v in got["towers"].items():  # this rank's tower modules equal the single-process ones
-            torch.testing.assert_close(v, ref["towers"][k_ref(k)], atol=atol, rtol=0)
+            # (ModuleDict key "3.project.weight" on a rank = ModuleList key of tower 3 in one process)
+            torch.testing.assert_close(v, ref["towers"][k], atol=atol, rtol=0)
         for k, w in got["weights"].items():
             table, lo_r, hi_r = k, 0, None
             if "[" in k:  # row shard name[lo:hi]
@@ -227,10 +227,6 @@ def _check_reference(results, world, lname, name, ref, global_b, atol=2e-5):
             full = ref["weights"][table]
             hi_r = full.shape[0] if hi_r is None else hi_r
             torch.testing.assert_close(w[: hi_r - lo_r], full[lo_r:hi_r], atol=atol, rtol=0)
-
-
-def k_ref(key):
-    return key  # ModuleDict keys ("3.xxx") and ModuleList keys ("3.xxx") coincide
 
 
 def _check_bytes(results, world, lname):
@@ -360,6 +356,9 @@ def test_link_model_sleeps_for_cross_host_bytes_only():
     link = LinkModel(cross_host_gbit_s=8.0, latency_us=10)
     assert link.seconds(0, 0) == 0.0
     assert math.isclose(link.seconds(1_000_000, 500_000), 10e-6 + 1e-3)
+    assert math.isclose(link.seconds(0, 0, 10**9), 0.0)  # intra-host not modelled
+    both = LinkModel(cross_host_gbit_s=8.0, intra_host_gbit_s=80.0)
+    assert math.isclose(both.seconds(1_000_000, 0, 20_000_000), 2e-3)  # the slower of the two links
     with pytest.raises(ConfigError):
         LinkModel(0.0)
 
@@ -393,6 +392,9 @@ def test_compression_ratio_and_deterministic_modules():
     assert torch.equal(again[1].project.weight, mods[1].project.weight)
     assert not torch.equal(mods[0].project.weight, mods[1].project.weight)
     assert compression_ratio(list(build_tower_modules("none", [3, 5], 16).values())) == 1.0
+    for kind in ("none", "dlrm", "dcn"):  # widths known without building (every rank needs all of them)
+        for t, m in build_tower_modules(kind, [3, 5], 16, out_dim=4, c=2, p=1).items():
+            assert tower_out_features(kind, [3, 5][t], 16, 4, c=2, p=1) == m.out_features
     with pytest.raises(ConfigError, match="no features"):
         build_tower_modules("dlrm", [3, 0], 16, out_dim=4)
 

@@ -37,9 +37,10 @@ bit, because only the route differs (DMT Table 3). The fourth specialisation of 
 process group already in peer order, which drops step c) is not implemented: step c is one gather.
 
 Byte accounting: :class:`HostAwareTransport` counts the payload bytes of every exchange by kind and by
-whether the peer is on this rank's host or another host. Its optional :class:`LinkModel` injects a
-slower cross-host link: after an exchange it sleeps ``max(cross-host bytes sent, received) / rate``
-(a documented bandwidth model for one machine, where every "host" is a group of local processes).
+whether the peer is on this rank's host or another host. Its optional :class:`LinkModel` injects slower
+links: after an exchange it sleeps for the modelled transfer time of this rank's cross-host bytes (and,
+optionally, intra-host bytes) at the given rates (a documented bandwidth model for one machine, where
+every "host" is a group of local processes).
 
 Designed for GPUs with NCCL (every tensor stays on the device of its input), tested on CPU with gloo.
 """
@@ -148,23 +149,31 @@ class TowerLayout:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """An injected cross-host link: ``rate`` Gbit/s per rank plus a fixed latency per exchange.
+    """Injected links: ``cross_host_gbit_s`` Gbit/s per rank across hosts, optionally
+    ``intra_host_gbit_s`` inside a host (0 = not modelled), plus a latency per exchange that moves bytes.
 
-    The transfer time of an exchange is ``latency + max(sent, received) * 8 / (rate * 1e9)`` over the
-    cross-host bytes of this rank (a full-duplex link per rank, as the per-GPU NICs of DMT Table 1).
+    The modelled time of an exchange is ``latency + max(cross * 8 / cross rate, intra * 8 / intra rate)``
+    where ``cross`` and ``intra`` are this rank's bytes on each kind of link, the larger of sent and
+    received (full-duplex links per rank, as the per-GPU NICs and NVLink of DMT Table 1; the two kinds
+    of link work in parallel).
     """
 
     cross_host_gbit_s: float
     latency_us: float = 0.0
+    intra_host_gbit_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.cross_host_gbit_s > 0:
             raise ConfigError(f"link model: cross_host_gbit_s must be positive, got {self.cross_host_gbit_s}")
+        if self.intra_host_gbit_s < 0:
+            raise ConfigError(f"link model: intra_host_gbit_s must be >= 0, got {self.intra_host_gbit_s}")
 
-    def seconds(self, sent_bytes: int, recv_bytes: int) -> float:
-        if sent_bytes == 0 and recv_bytes == 0:
+    def seconds(self, sent_bytes: int, recv_bytes: int, intra_bytes: int = 0) -> float:
+        intra = intra_bytes * 8.0 / (self.intra_host_gbit_s * 1e9) if self.intra_host_gbit_s > 0 else 0.0
+        cross = max(sent_bytes, recv_bytes) * 8.0 / (self.cross_host_gbit_s * 1e9)
+        if cross == 0.0 and intra == 0.0:
             return 0.0
-        return self.latency_us * 1e-6 + max(sent_bytes, recv_bytes) * 8.0 / (self.cross_host_gbit_s * 1e9)
+        return self.latency_us * 1e-6 + max(cross, intra)
 
 
 class HostAwareTransport(Transport):
@@ -205,21 +214,23 @@ class HostAwareTransport(Transport):
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
         recv = self.inner.exchange(send, recv_counts, kind)
-        sc = rc = ic = 0
+        sc = rc = ic = irc = 0
         for p in range(self.world_size):
             if p == self.rank:
                 continue
             s = send[p].numel() * send[p].element_size()
+            r = recv[p].numel() * recv[p].element_size()
             if self.cross[p]:
                 sc += s
-                rc += recv[p].numel() * recv[p].element_size()
+                rc += r
             else:
                 ic += s
+                irc += r
         self.cross_bytes[kind] = self.cross_bytes.get(kind, 0) + sc
         self.cross_recv_bytes[kind] = self.cross_recv_bytes.get(kind, 0) + rc
         self.intra_bytes[kind] = self.intra_bytes.get(kind, 0) + ic
         if self.link is not None:
-            delay = self.link.seconds(sc, rc)
+            delay = self.link.seconds(sc, rc, max(ic, irc))
             if delay > 0:
                 self.modelled_seconds += delay
                 time.sleep(delay)
@@ -238,14 +249,16 @@ class HostAwareTransport(Transport):
         per_host = self.world_size / hosts
         nbytes = tensor.numel() * tensor.element_size()
         cross = int(round(2 * (hosts - 1) / hosts * nbytes / per_host)) if hosts > 1 else 0
-        intra = nbytes if self.world_size > 1 else 0
+        per_rank_intra = 2 * (per_host - 1) / per_host * nbytes if per_host > 1 else 0  # reduce-scatter + all-gather
+        intra = int(round(per_rank_intra))
         self.cross_bytes[kind] = self.cross_bytes.get(kind, 0) + cross
         self.cross_recv_bytes[kind] = self.cross_recv_bytes.get(kind, 0) + cross
         self.intra_bytes[kind] = self.intra_bytes.get(kind, 0) + intra
-        if self.link is not None and cross:
-            delay = self.link.seconds(cross, cross)
-            self.modelled_seconds += delay
-            time.sleep(delay)
+        if self.link is not None:
+            delay = self.link.seconds(cross, cross, intra)
+            if delay > 0:
+                self.modelled_seconds += delay
+                time.sleep(delay)
         return tensor
 
 

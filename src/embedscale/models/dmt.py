@@ -41,11 +41,17 @@ from embedscale.comm.hierarchical import TowerComm, TowerLayout, TowerPlacement,
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
-from embedscale.errors import ConfigError, InputError
+from embedscale.errors import ConfigError
 from embedscale.models.dcn import CrossNet
 from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
 from embedscale.specs import ModelConfig, TableSpec, feature_to_table
-from embedscale.towers.modules import TOWER_MODULES, TowerModule, build_tower_modules, compression_ratio
+from embedscale.towers.modules import (
+    TOWER_MODULES,
+    TowerModule,
+    build_tower_modules,
+    compression_ratio,
+    tower_out_features,
+)
 from embedscale.towers.partitioner import TowerAssignment, naive_assignment
 
 DMT_ARCHS = ("dmt-dlrm", "dmt-dcn")
@@ -468,14 +474,12 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
         mine = [t for t in range(T) if groups[t] == comm.layout.group_of(comm.rank)]
     else:
         mine = None
-    # every tower's module is made on the host (its width is needed on every rank); a rank keeps its own
-    all_modules = build_tower_modules(kind, sizes, N, out_dim=D, c=dmt.c, p=dmt.p,
-                                      cross_layers=dmt.tower_cross_layers, low_rank=dmt.tower_cross_low_rank,
-                                      seed=seed)
-    outs = [all_modules[t].out_features for t in range(T)]
-    keep = range(T) if mine is None else mine
-    modules = {t: (all_modules[t].to(device) if device is not None else all_modules[t]) for t in keep}
-    with torch.random.fork_rng(devices=[]):
+    # a rank builds its own towers' modules, and knows every tower's width (the peer all_to_all needs them)
+    keep = list(range(T)) if mine is None else mine
+    modules = build_tower_modules(kind, sizes, N, out_dim=D, c=dmt.c, p=dmt.p, cross_layers=dmt.tower_cross_layers,
+                                  low_rank=dmt.tower_cross_low_rank, seed=seed, towers=keep, device=device)
+    outs = [tower_out_features(kind, F, N, D, dmt.c, dmt.p) for F in sizes]
+    with torch.random.fork_rng():
         torch.manual_seed(seed)
         if comm is None:
             towers = LocalTowerEmbedding(tables, assignment, modules, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
@@ -513,7 +517,7 @@ def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, 
     from embedscale.models import build_model
 
     arch = cfg.arch.lower().removeprefix("dmt-")
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng():
         torch.manual_seed(seed)
         emb = FlatTableWiseEmbedding(tables, comm, placement, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
                                      device=device)

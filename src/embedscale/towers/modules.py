@@ -20,8 +20,9 @@ for ``D = 64, 32, 16, 8`` at ``N = 128`` (Table 5), i.e. input over output; :fun
 returns input over output, so CR 4 means a quarter of the bytes cross hosts.
 
 Initialisation: linear layers as the DLRM reference (``models.dlrm.init_linear_``), CrossNet as DCN-v2;
-:func:`build_tower_modules` creates each tower's module under its own seed on the host and then moves it
-to the target device, so a tower's module starts identical on every rank and in single-process runs.
+:func:`build_tower_modules` creates each tower's module under its own seed (``torch.manual_seed`` inside
+``fork_rng``, so the caller's generators are untouched), so a tower's module starts identical on every
+rank and in single-process runs on the same kind of device.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def build_tower_modules(kind: str, tower_sizes: Sequence[int], embedding_dim: in
         embedding_dim: N.
         out_dim: D (required unless ``kind == "none"``).
         c, p: DLRM module parameters. cross_layers, low_rank: DCN module parameters.
-        seed: initialisation seed; tower ``t`` uses ``seed * 1_000_003 + t`` on the host.
+        seed: initialisation seed; tower ``t`` uses ``seed * 1_000_003 + t``.
         towers: build only these towers (a rank builds its tower group's); default all.
         device: where the modules go.
 
@@ -211,17 +212,28 @@ def build_tower_modules(kind: str, tower_sizes: Sequence[int], embedding_dim: in
         F = int(tower_sizes[t])
         if F <= 0:
             raise ConfigError(f"tower {t} has no features")
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng():  # seeds (and restores) the generators of every device
             torch.manual_seed(seed * 1_000_003 + t)
             if kind == "none":
                 m: TowerModule = PassThroughTower(F, embedding_dim)
             elif kind == "dlrm":
-                m = DLRMTowerModule(F, embedding_dim, out_dim, c=c, p=p, device="cpu")
+                m = DLRMTowerModule(F, embedding_dim, out_dim, c=c, p=p, device=device)
             else:
                 m = DCNTowerModule(F, embedding_dim, out_dim, cross_layers=cross_layers, low_rank=low_rank,
-                                   device="cpu")
-        out[t] = m.to(device) if device is not None else m
+                                   device=device)
+        out[t] = m
     return out
+
+
+def tower_out_features(kind: str, num_features: int, embedding_dim: int, out_dim: int, c: int = 1, p: int = 0) -> int:
+    """``O_t`` of a tower module without building it: ``F N`` (none), ``D (c F + p)`` (dlrm), ``F D`` (dcn)."""
+    if kind == "none":
+        return num_features * embedding_dim
+    if kind == "dlrm":
+        return out_dim * (c * num_features + p)
+    if kind == "dcn":
+        return num_features * out_dim
+    raise ConfigError(f"tower module {kind!r} is not one of {TOWER_MODULES}")
 
 
 def compression_ratio(modules: Sequence[TowerModule]) -> float:

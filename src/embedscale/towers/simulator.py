@@ -38,7 +38,7 @@ neither side: both pay it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Sequence
 
 from embedscale.errors import ConfigError
