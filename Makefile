@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench torchrec clean
+.PHONY: run test torchrec clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
