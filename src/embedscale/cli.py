@@ -187,7 +187,7 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
         ck = load_checkpoint(checkpoint)
         cfg = from_dict(RunConfig, yaml.safe_load(ck["config_yaml"]))
         if data_dir:
-            data = workflow._split_existing(Path(data_dir), 0.0)
+            data = workflow.split_existing(Path(data_dir), 0.0)
             split = data.train
         else:
             data = workflow.prepare_data(cfg)

@@ -101,15 +101,15 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
                 from embedscale.data.avazu import convert_avazu as convert
             convert(d.path, out, categorical=d.categorical, table_rows=d.table_rows, min_frequency=d.min_frequency,
                     shard_rows=d.shard_rows, skip_malformed=d.skip_malformed, progress=progress)
-        return _split_existing(out, d.eval_fraction)
+        return split_existing(out, d.eval_fraction)
     if d.source == "shards":
         if not d.path:
             raise ConfigError("data.source is 'shards' but data.path is empty")
-        return _split_existing(Path(d.path), d.eval_fraction)
+        return split_existing(Path(d.path), d.eval_fraction)
     raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, shards")
 
 
-def _split_existing(directory: Path, eval_fraction: float) -> PreparedData:
+def split_existing(directory: Path, eval_fraction: float) -> PreparedData:
     if not (0.0 <= eval_fraction < 1.0):
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
     m = Manifest.load(directory)

@@ -27,7 +27,7 @@ def _ring_allreduce_bytes(numel: int, itemsize: int, world: int) -> int:
     return int(2 * (world - 1) * numel * itemsize // max(world, 1))
 
 
-def _all_gather_var(t: torch.Tensor, group=None) -> list[torch.Tensor]:
+def all_gather_var(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     """all_gather of tensors whose first dimension differs per rank (sizes first, then padded data)."""
     world = dist.get_world_size(group)
     n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
@@ -98,8 +98,8 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         # exactly as they were, so applying it everywhere is exact (and is what dense AllReduce costs).
         out = (torch.arange(num_replica_rows, device=grads.device), full)
     elif method == "allgather":
-        rparts = _all_gather_var(rows, group)
-        gparts = _all_gather_var(grads, group)
+        rparts = all_gather_var(rows, group)
+        gparts = all_gather_var(grads, group)
         sent += (world - 1) * (rows.numel() * 8 + grads.numel() * itemsize) + 16 * (world - 1)
         out = aggregate_rows(torch.cat(rparts), torch.cat(gparts), num_replica_rows)
     else:

@@ -208,12 +208,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
             self._check_batch(B)
             return {"kind": 0, "gids": gids, "bag": bag, "scale": scale, "nbags": nbags, "B": B,
                     "F": len(self.feature_names)}
-        if features.keys != self.feature_names:
-            unknown = [k for k in features.keys if k not in self.feature_names]
-            if unknown:
-                raise InputError(f"sharded embedding: unknown feature(s) {unknown}; expected {self.feature_names}")
-            raise InputError(f"sharded embedding: features {features.keys} are not in the order "
-                             f"{self.feature_names}")
+        self._check_keys(features)
         F_, B = len(self.feature_names), features.batch_size
         self._check_batch(B)
         lengths, values = features.lengths.cpu(), features.values.cpu()

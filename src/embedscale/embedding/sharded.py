@@ -122,13 +122,16 @@ class ShardedEmbedding(nn.Module):
         self.stats: dict[str, int] = {}
 
     # -- inputs ---------------------------------------------------------------------------------
-    def _prepare(self, features: JaggedFeatures):
+    def _check_keys(self, features: JaggedFeatures) -> None:
         if features.keys != self.feature_names:
             unknown = [k for k in features.keys if k not in self.feature_names]
             if unknown:
                 raise InputError(f"sharded embedding: unknown feature(s) {unknown}; expected {self.feature_names}")
             raise InputError(f"sharded embedding: features {features.keys} are not in the order "
                              f"{self.feature_names}")
+
+    def _prepare(self, features: JaggedFeatures):
+        self._check_keys(features)
         F_, B = len(self.feature_names), features.batch_size
         lengths = features.lengths.cpu()
         values = features.values.cpu()

@@ -219,7 +219,6 @@ class DistributedRun:
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        from embedscale.embedding.grad_sync import _all_gather_var
         from embedscale.train.metrics import logloss_from_logits, roc_auc
 
         self.model.eval()
@@ -228,9 +227,7 @@ class DistributedRun:
             zs.append(self.model(batch.dense, batch.sparse).float())
             ys.append(batch.labels.float())
         self.model.train()
-        local = torch.stack([torch.cat(zs), torch.cat(ys)], 1).cpu() if zs else torch.zeros(0, 2)
-        both = torch.cat(_all_gather_var(local))
-        z, y = both[:, 0].numpy(), both[:, 1].numpy()
+        z, y = gather_logits(zs, ys)
         return {"logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z), "samples": int(y.size)}
 
     # -- sharded checkpoints --------------------------------------------------------------------
@@ -338,15 +335,11 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
                 n += batch.global_size
             zs.append(z.float().cpu())
             ys.append(batch.labels.float().cpu())
-    from embedscale.embedding.grad_sync import _all_gather_var
-
-    local = torch.stack([torch.cat(zs), torch.cat(ys)], 1)
-    both = torch.cat(_all_gather_var(local))
+    z, y = gather_logits(zs, ys)
     t = torch.tensor([secs])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank != 0:
         return None
-    z, y = both[:, 0].numpy(), both[:, 1].numpy()
     out = {"world_size": world, "checkpoint": str(checkpoint), "samples": int(y.size),
            "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
            "samples_per_s": n / float(t) if float(t) > 0 else math.nan, "plan": run.plan.meta.get("strategy"),
@@ -355,6 +348,15 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
         np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
     atomic_write_json(rd / "inference.json", out)
     return out
+
+
+def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's logits and labels, concatenated in rank order on every rank (for exact AUC)."""
+    from embedscale.embedding.grad_sync import all_gather_var
+
+    local = torch.stack([torch.cat(zs), torch.cat(ys)], 1).cpu() if zs else torch.zeros(0, 2)
+    both = torch.cat(all_gather_var(local))
+    return both[:, 0].numpy(), both[:, 1].numpy()
 
 
 def latest_sharded_checkpoint(run_dir: Path) -> Path | None:
