@@ -368,11 +368,16 @@ class PipelinedEmbedding(nn.Module):
         if group is not None:
             rows, updates, w_pre, m_pre = _exchange(rows, updates, w_pre, m_pre, group)
         if self._track_updates:
-            for u, w, m in zip(updates, w_pre, m_pre):
-                apply_buffer_updates_(server.optimizer, w, m, u, lr, server.eps)
-            # LC: gradient pulls the server still has to make before it has applied this batch; the
-            # updated local buffers become the cache entry (by reference: they are not used again)
-            self.cache.insert(pre.index, rows, w_pre, m_pre, life=pre.index + 1 - self.cache.applied)
+            # LC: gradient pulls the server still has to make before it has applied this batch. The local
+            # buffers become the cache entry by reference (they are not used again), with the optimizer
+            # step deferred to the rows a later batch actually reads (LifeCycleCache.insert)
+            opt, eps = server.optimizer, server.eps
+
+            def update(w, m, u, opt=opt, lr=lr, eps=eps):
+                apply_buffer_updates_(opt, w, m, u, lr, eps)
+
+            self.cache.insert(pre.index, rows, w_pre, m_pre, life=pre.index + 1 - self.cache.applied,
+                              updates=updates, update=update)
         grads = GradientBatch(pre.index, lr, rows, updates)
         if self._sink is not None:
             self._sink(grads)
