@@ -104,14 +104,15 @@ def split(specs):
     return [s for s in specs if s.placement == "host"], [s for s in specs if s.placement != "host"]
 
 
-def make_model(specs, kind: str, optimizer: str = "rowwise_adagrad"):
+def make_model(specs, kind: str, optimizer: str = "rowwise_adagrad", server_group=None):
     host, dev = split(specs)
     dev_modules = [LocalEmbeddingBags(dev, optimizer=optimizer, lr=LR, seed=1)] if dev else []
     if kind == "ref":
         emb = ConcatEmbedding(dev_modules + [LocalEmbeddingBags(host, optimizer=optimizer, lr=LR, seed=2)],
                               [f for s in specs for f in s.features])
     else:
-        emb = PipelinedEmbedding(specs, HostParameterServer(host, optimizer=optimizer, lr=LR, seed=2), dev_modules)
+        emb = PipelinedEmbedding(specs, HostParameterServer(host, optimizer=optimizer, lr=LR, seed=2,
+                                                            share_group=server_group, timeout_s=60), dev_modules)
     torch.manual_seed(0)
     model = build_model(MODEL, specs, 13, embedding=emb)
     return model, torch.optim.Adagrad(list(dense_parameters(model)), lr=LR), emb
@@ -249,14 +250,31 @@ def test_module_matches_plain_lookups_multi_dim_weighted(optimizer):
 # -- two ranks ---------------------------------------------------------------------------------------
 def _rank_worker(rank, world, data_dir, specs_d):
     """Data-parallel training on this rank's slices: synchronous, then pipelined at depths 2 and 3 (with and
-    without the cache); returns losses and final host/dense weights of each. Every table is host-placed:
+    without the cache), each with one server per rank and with one server shared by the local ranks
+    (``S``); returns losses and final host/dense weights of each. Every table is host-placed:
     device-side modules keep their own data-parallel synchronisation (not this module's business)."""
     import torch.distributed as dist
 
+    from embedscale.pipeline.shared import local_group
+
     specs = [TableSpec(**s) for s in specs_d]
+    group = local_group()
     out = {}
-    for depth, cache in [(0, True), (2, True), (3, True), (2, False)]:
-        model, opt, emb = make_model(specs, "pipe")
+    for depth, cache, shared in [(0, True, ""), (2, True, ""), (3, True, ""), (2, False, ""), (0, True, "S"),
+                                 (2, True, "S"), (4, True, "S"), (2, False, "S")]:
+        model, opt, emb = make_model(specs, "pipe", server_group=group if shared else None)
+        if shared:  # one copy of the tables on the machine: a write by one rank is seen by the other
+            w = emb.server.store.weights
+            orig = w[0].clone()
+            dist.barrier()
+            if rank == 0:
+                w[0] = 12345.0
+            dist.barrier()
+            out[f"peer_sees_write{depth}{cache}"] = float(w[0])
+            dist.barrier()
+            if rank == 0:
+                w[0] = orig
+            dist.barrier()
         params = list(dense_parameters(model))
         loader = ShardLoader(data_dir, BATCH, stop=SAMPLES // 2, rank=rank, world_size=world, prefetch=0)
         it = loader if depth == 0 else PipelinedLoader(loader, emb, depth, use_cache=cache)
@@ -271,7 +289,7 @@ def _rank_worker(rank, world, data_dir, specs_d):
             torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
             opt.step()
             losses.append(float(loss))
-        out[f"{depth}{cache}"] = {"losses": torch.tensor(losses),
+        out[f"{depth}{cache}{shared}"] = {"losses": torch.tensor(losses),
                                   "host": torch.cat([w.flatten() for w in host_weights(emb, specs).values()]),
                                   "dense": torch.cat([p.detach().flatten() for p in params])}
     return out
@@ -292,6 +310,16 @@ def test_two_ranks_pipelined_equals_sequential(dataset):
                                                                                   res[1]["0True"]["losses"])
         assert torch.equal(res[0][key]["host"], seq["host"]) and torch.equal(res[0][key]["dense"], seq["dense"])
     assert not torch.equal(res[0]["2False"]["host"], seq["host"])
+    # one server shared by the local ranks: the same bits as one replica per rank, sequential or pipelined;
+    # without the cache it reads stale rows too
+    for key in ["0TrueS", "2TrueS", "4TrueS"]:
+        for r in (0, 1):
+            assert torch.equal(res[r][key]["losses"], res[r]["0True"]["losses"]), key
+            assert torch.equal(res[r][key]["host"], seq["host"]) and torch.equal(res[r][key]["dense"], seq["dense"])
+    assert not torch.equal(res[0]["2FalseS"]["host"], seq["host"])
+    for depth in ("0True", "2True", "4True", "2False"):
+        assert res[1][f"peer_sees_write{depth}"] == res[0][f"peer_sees_write{depth}"] == 12345.0  # shared storage
+    assert not list(Path("/dev/shm").glob("embedscale-ps-*")) if Path("/dev/shm").is_dir() else True
     # data parallelism itself: the same math as one process on the global batches, up to rounding
     model, opt, emb = make_model(specs, "ref")
     lossf = nn.BCEWithLogitsLoss()

@@ -209,18 +209,21 @@ class PipelinedEmbedding(nn.Module):
     @classmethod
     def from_tables(cls, tables: list[TableSpec], *, device: torch.device | str | None = None,
                     host_device: torch.device | str | None = None, optimizer: str = "rowwise_adagrad",
-                    lr: float = 0.01, eps: float = 1e-8, seed: int | None = None,
-                    device_modules: Sequence[nn.Module] | None = None, process_group=None) -> "PipelinedEmbedding":
+                    lr: float = 0.01, eps: float = 1e-8, seed: int | None = None, init="uniform",
+                    device_modules: Sequence[nn.Module] | None = None, process_group=None,
+                    server_group=None, timeout_s: float = 300.0) -> "PipelinedEmbedding":
         """Tables with ``placement: host`` go to a new :class:`HostParameterServer` on ``host_device``; the
         others, unless ``device_modules`` is given, to one ``LocalEmbeddingBags`` on ``device``. Both are
-        initialised with ``seed`` (each as a ``LocalEmbeddingBags`` of its own tables would be)."""
+        initialised with ``init`` and ``seed`` (each as a ``LocalEmbeddingBags`` of its own tables would be).
+        ``server_group``: the ranks of this machine that share one copy of the host tables
+        (:mod:`embedscale.pipeline.shared`); ``None``: one server with its own copy per rank."""
         host = [t for t in tables if t.placement == "host"]
         rest = [t for t in tables if t.placement != "host"]
         if device_modules is None:
             device_modules = [LocalEmbeddingBags(rest, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                                 seed=seed)] if rest else []
-        server = HostParameterServer(host, device=host_device, optimizer=optimizer, lr=lr, eps=eps,
-                                     seed=seed) if host else None
+                                                 init=init, seed=seed)] if rest else []
+        server = HostParameterServer(host, device=host_device, optimizer=optimizer, lr=lr, eps=eps, init=init,
+                                     seed=seed, share_group=server_group, timeout_s=timeout_s) if host else None
         return cls(tables, server, device_modules, device=device, process_group=process_group)
 
     # -- attributes ------------------------------------------------------------------------------------
@@ -393,6 +396,7 @@ class PipelinedEmbedding(nn.Module):
         if self._sync_read_hook is not None:
             self._sync_read_hook()
         ps = self.server
+        ps.sync()
         with torch.no_grad():
             weights = [ps.group_weight(g).clone() for g in range(len(ps.layouts))]
             moms = [ps.group_momentum(g) for g in range(len(ps.layouts))]

@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from embedscale.data.batch import JaggedFeatures
@@ -35,6 +36,7 @@ from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.optim import add_rows_, rowwise_adagrad_update_
 from embedscale.errors import ConfigError, InputError
 from embedscale.pipeline.queues import GradientBatch, HostRows
+from embedscale.pipeline.shared import SharedHostStorage
 from embedscale.specs import TableSpec
 
 
@@ -73,6 +75,10 @@ def apply_row_updates_(optimizer: str, weight: torch.Tensor, momentum: torch.Ten
 
 
 _INT32_MAX = 2**31 - 1
+
+
+def _no_init(spec: TableSpec, weight: torch.Tensor) -> None:  # noqa: ARG001
+    """Shared tables: only the first local rank initialises (the others' storage is replaced, never read)."""
 
 
 def _bag_of_values(offsets, key_major: int, num_bags: int, B: int, n: int, dev) -> torch.Tensor | None:
@@ -135,6 +141,10 @@ class HostParameterServer:
         init, seed: initialisation as ``LocalEmbeddingBags`` (same seed and tables give the same rows).
         validate: check the row ids of every read (one vectorised min/max per group) and name the
             feature, table, sample and value of a bad one.
+        share_group: the process group of the ranks of this machine to share one copy of the tables with
+            (:class:`~embedscale.pipeline.shared.SharedHostStorage`: the first rank initialises, every rank
+            applies its stripe of each update); ``None``: this rank's own copy.
+        timeout_s: shared tables: how long a read may wait for the other local ranks' updates.
 
     Attributes:
         store: the ``LocalEmbeddingBags`` holding the tables (its views are the checkpoint format).
@@ -156,7 +166,8 @@ class HostParameterServer:
     def __init__(self, tables: list[TableSpec], *, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32, optimizer: str = "rowwise_adagrad", lr: float = 0.01,
                  eps: float = 1e-8, init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
-                 seed: int | None = None, validate: bool = True) -> None:
+                 seed: int | None = None, validate: bool = True, share_group=None,
+                 timeout_s: float = 300.0) -> None:
         if not tables:
             raise ConfigError("HostParameterServer: no host tables")
         if optimizer is None:
@@ -169,8 +180,16 @@ class HostParameterServer:
             if spec.compression != "none":
                 raise ConfigError(f"table {spec.name!r}: compression {spec.compression!r} with placement "
                                   "'host': compressed (TT) tables are small, keep them on the device")
+        leader = share_group is None or dist.get_rank(share_group) == 0
         self.store = LocalEmbeddingBags(tables, device=device, dtype=dtype, optimizer=optimizer, lr=lr, eps=eps,
-                                        init=init, seed=seed, validate=False)
+                                        init=init if leader else _no_init, seed=seed, validate=False)
+        self.shared: SharedHostStorage | None = None
+        if share_group is not None:  # one copy per machine: the first local rank's tables, mapped by all
+            self.shared = SharedHostStorage(self.store.weights, self.store.momentum, share_group,
+                                            timeout_s=timeout_s)
+            self.store.weights = self.shared.weights
+            if self.store.momentum is not None:
+                self.store.momentum = self.shared.momentum
         self.tables = self.store.tables
         self.optimizer = optimizer
         self.eps = float(eps)
@@ -320,8 +339,15 @@ class HostParameterServer:
                                  f"sample {sample} of {B} is outside [0, {lim})")
         raise InputError(f"features {lay.features}: row id outside its table")  # pragma: no cover
 
+    def sync(self) -> None:
+        """Shared tables: wait until every local rank has applied as many gradient batches as this one."""
+        if self.shared is not None:
+            self.shared.wait_all_applied()
+
     def read(self, host: list[HostRows], device: torch.device) -> list[HostRows]:
-        """Fill every group's ``weights`` (and ``momentum``) with a copy of its rows, moved to ``device``."""
+        """Fill every group's ``weights`` (and ``momentum``) with a copy of its rows, moved to ``device``
+        (shared tables: once every local rank has applied the gradient batches this one has)."""
+        self.sync()
         out = []
         for hr in host:
             w = self.group_weight(hr.group).index_select(0, hr.rows)
@@ -335,16 +361,22 @@ class HostParameterServer:
     # -- update --------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply(self, grads: GradientBatch) -> None:
-        """Apply one batch's aggregated row gradients (the fused optimizer, at the rate the trainer used)."""
+        """Apply one batch's aggregated row gradients (the fused optimizer, at the rate the trainer used).
+        Shared tables: only this rank's stripe of the rows (the others apply theirs)."""
         for g, (rows, upd) in enumerate(zip(grads.rows, grads.updates)):
             if rows.numel() == 0:
                 continue
             rows = rows.to(self.device)
             upd = upd.to(self.device)
+            if self.shared is not None:
+                mine = self.shared.stripe(rows)
+                rows, upd = rows[mine], upd[mine]
             apply_row_updates_(self.optimizer, self.group_weight(g), self.group_momentum(g), rows, upd,
                                grads.lr, self.eps)
             self.rows_updated += rows.numel()
         self.batches_applied += 1
+        if self.shared is not None:
+            self.shared.mark_applied()
 
     @property
     def memory_bytes(self) -> int:
