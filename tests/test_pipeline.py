@@ -247,6 +247,48 @@ def test_module_matches_plain_lookups_multi_dim_weighted(optimizer):
     assert torch.equal(ours(batches[0].sparse), ref(batches[0].sparse))
 
 
+def test_host_tables_compose_with_tt_tables():
+    """EL-Rec V with III: host tables pipelined beside a device-side MixedEmbedding holding a TT table (its
+    cores trained by their own optimizer in backward) equal the sequential reference, where the same
+    MixedEmbedding sits beside the host tables in a plain LocalEmbeddingBags."""
+    from embedscale.embedding.mixed import MixedEmbedding
+
+    tables = [TableSpec("user", 40, 4, placement="host"), TableSpec("x", 5, 4),
+              TableSpec("item", 30, 4, features=["a", "b"], placement="host", pooling="mean"),
+              TableSpec("w", 2000, 4, compression="tt", tt_rank=4)]
+    host, dev = split(tables)
+    order = [f for t in tables for f in t.features]
+
+    def tt_side():
+        return MixedEmbedding(dev, optimizer="rowwise_adagrad", lr=0.3, seed=3)
+
+    ref = ConcatEmbedding([tt_side(), LocalEmbeddingBags(host, optimizer="rowwise_adagrad", lr=0.3, seed=4)], order)
+    ours = PipelinedEmbedding(tables, HostParameterServer(host, optimizer="rowwise_adagrad", lr=0.3, seed=4),
+                              [tt_side()])
+    batches = _pooled_batches(1, 10)
+    proj = torch.randn(ours.output_dim, generator=torch.Generator().manual_seed(2))
+    want = []
+    for b in batches:
+        out = ref(b.sparse)
+        want.append(out.detach())
+        (out.sin() * proj).sum().backward()
+    got = []
+    loader = PipelinedLoader(batches, ours, depth=3)
+    for b in loader:
+        out = ours(b.sparse)
+        got.append(out.detach())
+        (out.sin() * proj).sum().backward()
+    assert loader.last_stats["patched_rows"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for t in host:
+        assert torch.equal(ours.host_state()[f"{t.name}.weight"], ref.mods[1].table_weight(t.name)), t.name
+    cores = [ours.device_modules[0].tt["w"].state_dict(), ref.mods[0].tt["w"].state_dict(),
+             tt_side().tt["w"].state_dict()]  # ours, reference, untrained
+    assert cores[0].keys() == cores[1].keys() and any(k.startswith("core") for k in cores[0])
+    assert all(torch.equal(cores[0][k], cores[1][k]) for k in cores[0])
+    assert not all(torch.equal(cores[0][k], cores[2][k]) for k in cores[0] if k.startswith("core"))
+
+
 # -- two ranks ---------------------------------------------------------------------------------------
 def _rank_worker(rank, world, data_dir, specs_d):
     """Data-parallel training on this rank's slices: synchronous, then pipelined at depths 2 and 3 (with and

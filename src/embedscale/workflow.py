@@ -154,10 +154,15 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     if any(tb.placement == "host" for tb in tables):
         from embedscale.pipeline import PipelinedEmbedding
 
-        if any(tb.compression == "tt" for tb in tables):
-            raise ConfigError("tables with placement: host and compression: tt in one model are not supported yet")
+        rest = [tb for tb in tables if tb.placement != "host"]
+        device_modules = None
+        if any(tb.compression == "tt" for tb in rest):  # TT tables beside the host ones (EL-Rec III with V)
+            from embedscale.embedding.mixed import MixedEmbedding
+
+            device_modules = [MixedEmbedding(rest, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
+                                             init=hash_init(t.seed, tables), seed=t.seed)]
         embedding = PipelinedEmbedding.from_tables(tables, device=device, optimizer=t.sparse_optimizer,
-                                                   lr=t.lr_sparse, seed=t.seed)
+                                                   lr=t.lr_sparse, seed=t.seed, device_modules=device_modules)
     elif any(tb.compression == "tt" for tb in tables):
         from embedscale.embedding.mixed import MixedEmbedding
 
