@@ -188,6 +188,7 @@ class TrainConfig:
     prefetch: int = 2
     pipeline_depth: int = 1  # >1: host-placed tables prefetched this many batches ahead (EL-Rec section V)
     pipeline_cache: bool = True  # the life-cycle cache that keeps prefetched rows fresh (off: stale, for tests)
+    pipeline_server: str = "per-rank"  # several ranks: per-rank (a replica each) | shared (one copy per machine)
 
 
 @dataclass

@@ -57,6 +57,8 @@ class ShardedEmbedding(nn.Module):
         grad_sync: ``local_aggregated`` | ``dense`` | ``allgather`` for replicated rows.
         sync_group: process group for the replica AllReduce (default: the world).
         seed: row initialisation seed (``embedding.init``: the same rows as single-process training).
+        init_index: each table's index for ``embedding.init`` (its position among the model's tables, when
+            these are a subset of them, e.g. beside host-placed tables); default ``0, 1, ...``.
         device, dtype: where and how the storage lives.
 
     Forward takes this rank's mini-batch (``JaggedFeatures`` over ``feature_names``) and returns
@@ -66,7 +68,8 @@ class ShardedEmbedding(nn.Module):
     def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: Transport, rank: int, *,
                  design: str = "retrieve", optimizer: str | None = "sgd", lr: float = 0.01, eps: float = 1e-8,
                  grad_sync: str = "local_aggregated", sync_group=None, seed: int = 0,
-                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, validate: bool = True):
+                 device: torch.device | None = None, dtype: torch.dtype = torch.float32, validate: bool = True,
+                 init_index: list[int] | None = None):
         super().__init__()
         if design not in DESIGNS:
             raise ConfigError(f"sharded embedding: design {design!r} is not one of {DESIGNS}")
@@ -107,11 +110,14 @@ class ShardedEmbedding(nn.Module):
         gids = amap.storage_gids(rank)
         weight = torch.empty((gids.size, self.dim), dtype=dtype)
         table_of = np.searchsorted(amap.table_base, gids, side="right") - 1
+        init_index = list(range(len(self.tables))) if init_index is None else list(init_index)
+        if len(init_index) != len(self.tables):
+            raise ConfigError(f"sharded embedding: {len(init_index)} init indices for {len(self.tables)} tables")
         for t, spec in enumerate(self.tables):
             sel = np.flatnonzero(table_of == t)
             if sel.size:
-                weight[torch.from_numpy(sel)] = torch.from_numpy(
-                    uniform_rows(seed, t, gids[sel] - amap.table_base[t], self.dim, spec.num_rows)).to(dtype)
+                weight[torch.from_numpy(sel)] = torch.from_numpy(uniform_rows(
+                    seed, init_index[t], gids[sel] - amap.table_base[t], self.dim, spec.num_rows)).to(dtype)
         self.register_buffer("weight", weight.to(device))
         if optimizer == "rowwise_adagrad":
             self.register_buffer("momentum", torch.zeros(gids.size, dtype=torch.float32, device=device))

@@ -417,6 +417,19 @@ class PipelinedEmbedding(nn.Module):
                 out[f"{spec.name}.momentum"] = moms[g].narrow(0, off, spec.num_rows)
         return out
 
+    def load_host_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the host tables from ``host_state()``'s format (``<table>.weight`` / ``.momentum``), every
+        key required; not while a pipeline runs."""
+        if self.server is None:
+            if state:
+                raise InputError(f"no host tables to load {sorted(state)[:3]} into")
+            return
+        if self.pipelined:
+            raise PipelineError("PipelinedEmbedding: cannot load host tables while a pipeline runs")
+        result = self.server.store.load_state_dict(state, strict=True)
+        if result.missing_keys or result.unexpected_keys:  # pragma: no cover - strict raises first
+            raise InputError(f"host tables: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         for k, v in self.host_state().items():
@@ -436,7 +449,8 @@ class PipelinedEmbedding(nn.Module):
             error_msgs.append("PipelinedEmbedding: cannot load host tables while a pipeline runs")
             return
         sub = {k[len(prefix) + 5:]: v for k, v in state_dict.items() if k.startswith(prefix + "host.")}
-        result = self.server.store.load_state_dict(sub, strict=strict)
+        # torch passes strict=True to every module and applies ``strict`` itself to the keys reported here
+        result = self.server.store.load_state_dict(sub, strict=False)
         missing_keys.extend(prefix + "host." + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + "host." + k for k in result.unexpected_keys)
 

@@ -79,7 +79,7 @@ def plan_oper(
             of one partition that packing may need is never used for replicas).
         exhaust_links: see ``replicate.algorithm1``.
         alg1_order, alg1_choice: see ``replicate.algorithm1``.
-        polish_moves: at most this many single-partition moves that lower the largest per-rank cost
+        polish_moves: at most this many partition moves or swaps that lower the largest per-rank cost
             (``place.polish``, our addition; 0 = OPER's steps only).
     """
     t0 = time.perf_counter()
@@ -173,6 +173,7 @@ def plan_oper(
     holders, fetch, alg1 = best["holders"], best["fetch"], best["alg1"]
 
     moves = 0
+    polish_stats: dict = {}
     if polish_moves > 0 and m > 1:
         nbytes = (stop - start) * rb[table]
         vol = counts * scale * rb[table]
@@ -181,7 +182,7 @@ def plan_oper(
         total = c0.total_per_rank - c0.latency_per_rank
         mem = c0.memory_per_rank.copy()
         moves = polish(own, single, vol, nbytes, lb, total, mem, place_cap, 2.0 if mode == "training" else 1.0,
-                       max_moves=polish_moves)
+                       max_moves=polish_moves, stats=polish_stats)
         if moves:
             holders[single] = False
             holders[np.flatnonzero(single), own[single]] = True
@@ -203,6 +204,7 @@ def plan_oper(
         "replication_budget_bytes": budget,
         "algorithm1": alg1,
         "polish_moves": moves,
+        "polish": polish_stats,
         "samples": samples,
         "topology": topo.to_dict(),
     }

@@ -91,26 +91,40 @@ def polish(
     grad_factor: float,
     max_moves: int = 200,
     max_work: float = 4e6,
-    max_partitions: int = 1024,
-    time_budget: float = 1.0,
+    max_partitions: int = 1 << 20,
+    time_budget: float | None = None,
+    full_swap_work: float = 2.5e5,
+    work_budget: float = 1e8,
+    stats: dict | None = None,
 ) -> int:
     """Move single-holder partitions to lower the largest per-rank cost (our addition after OPER 4.2-4.3).
 
     OPER balances lookup load (4.2) and then replicates (4.3); neither looks at the per-rank sum the
-    cost model ends with. On small or lumpy instances a few moves of whole partitions lower that
-    bottleneck. Each step evaluates every (partition, destination) move at once (and, when none helps,
+    cost model ends with. Moves of whole partitions lower that bottleneck: by a lot on small, lumpy
+    instances, by the last fraction of a percent on fine-grained ones. Each step evaluates every (partition, destination) move at once (and, when none helps,
     every swap of a partition on the busiest rank with one elsewhere): moving ``p`` (read
     ``volume[p]`` bytes per rank, all from its owner) from ``j`` to ``j'`` changes rank ``x``'s cost by
     ``M v (L[j'][j'][x = j'] - L[j][j][x = j])`` (eq. 2) ``+ g v (L[x][j'] - L[x][j])`` off the diagonal
     (eq. 3, ``g = 2`` in training). The move taken lowers (largest, second largest) cost the most.
-    A move never raises the largest memory of any rank (memory balance is kept). Fine-grained instances
-    are balanced by 4.2 already: with more than ``max_partitions`` movable partitions, or after
-    ``time_budget`` seconds, nothing more is tried. ``owner``, ``total`` and ``memory`` are updated in
-    place; returns the number of moves.
+    A move never raises the largest memory of any rank (memory balance is kept).
+
+    Swaps are searched over every pair when there are few (``|on busiest| x |elsewhere| x M <=
+    full_swap_work``: the small, lumpy instances the MILP comparison uses); otherwise partner by partner,
+    the least loaded rank first, taking the best swap with the first partner that has an improving one.
+    A pair is only costed on every rank when neither the busiest rank nor the partner would end above
+    the current largest cost (necessary for an improvement, so the choice is the same as costing all).
+    On criteo-kaggle's ~1,900 partitions on 8 ranks this closes the last 0.05% between 4.2's placement
+    and ``bound.lower_bound`` in ~0.2 s. Nothing is tried with more than ``max_partitions`` movable
+    partitions or more than ``max_work`` (partition, destination, rank) triples per step; the search
+    stops after ``work_budget`` triples in all (deterministic: the same inputs give the same plan) or,
+    if set, ``time_budget`` seconds. ``owner``, ``total`` and ``memory`` are updated in place; returns
+    the number of moves (``stats``, if given, receives ``moves``, ``swaps`` and ``work``).
     """
     import time
 
-    t_end = time.perf_counter() + time_budget
+    t_end = np.inf if time_budget is None else time.perf_counter() + time_budget
+    work = 0.0  # (partition, destination, rank) or (partition, partition, rank) triples evaluated
+    swaps = 0
     p = owner.size
     m = total.size
     cand = np.flatnonzero(movable & (volume > 0))
@@ -123,8 +137,9 @@ def polish(
     v = volume[cand]
     moves = 0
     for _ in range(max_moves):
-        if time.perf_counter() > t_end:
+        if time.perf_counter() > t_end or work > work_budget:
             break
+        work += cand.size * m * m
         j = owner[cand]
         d = grad_factor * v[:, None, None] * (off[None, :, :] - off[j][:, None, :])  # [c, j', x]
         d[:, np.arange(m), np.arange(m)] += (m * v)[:, None] * loc[None, :]
@@ -147,31 +162,56 @@ def polish(
             moves += 1
             continue
         # no single move helps: swap a partition of the busiest rank with one elsewhere (memory is often
-        # full by now); only where the pairs are few (small instances are the lumpy ones)
+        # full by now)
         r = int(np.argmax(total))
         a = np.flatnonzero(j == r)
-        b = np.flatnonzero(j != r)
-        if a.size == 0 or b.size == 0 or a.size * b.size * m > max_work:
+        if a.size == 0:
             break
-        jb = j[b]
-        new = total[None, None, :] + d[a][:, jb, :] + d[b, r, :][None, :, :]  # [a, b, x]
-        nb_a, nb_b = nbytes[cand[a]], nbytes[cand[b]]
-        ok = (memory[r] - nb_a[:, None] + nb_b[None, :] <= capacity[r]) & (
-            memory[jb][None, :] - nb_b[None, :] + nb_a[:, None] <= capacity[jb][None, :])
-        top2 = -np.partition(-new, 1, axis=2)[:, :, :2]
-        key1 = np.where(ok, top2[:, :, 0], np.inf)
-        flat = np.lexsort((np.where(ok, top2[:, :, 1], np.inf).ravel(), key1.ravel()))[0]
-        ia, ib = np.unravel_index(flat, key1.shape)
-        if not _better(key1[ia, ib], top2[ia, ib, 1], cur):
+        others = np.flatnonzero(j != r)
+        if a.size * others.size * m <= full_swap_work:
+            groups = [others]
+        else:  # partner by partner, least loaded first
+            groups = [np.flatnonzero(j == x) for x in np.argsort(total, kind="stable") if x != r]
+        swapped = False
+        for b in groups:
+            if b.size == 0 or a.size * b.size * m > max_work:
+                continue
+            if time.perf_counter() > t_end or work > work_budget:
+                break
+            jb = j[b]
+            nb_a, nb_b = nbytes[cand[a]], nbytes[cand[b]]
+            ok = (memory[r] - nb_a[:, None] + nb_b[None, :] <= capacity[r]) & (
+                memory[jb][None, :] - nb_b[None, :] + nb_a[:, None] <= capacity[jb][None, :])
+            # necessary for an improvement: neither the busiest rank nor the partner ends above the
+            # current largest cost (filters pairs cheaply; the full [pair, rank] costs only for the rest)
+            top = cur[0] + 1e-12 * max(abs(cur[0]), 1.0)  # _better's rounding
+            ok &= total[r] + d[a[:, None], jb[None, :], r] + d[b, r, r][None, :] <= top
+            ok &= total[jb][None, :] + d[a[:, None], jb[None, :], jb[None, :]] + d[b, r, jb][None, :] <= top
+            ia_, ib_ = np.nonzero(ok)
+            work += a.size * b.size + ia_.size * m
+            if ia_.size == 0:
+                continue
+            new = total[None, :] + d[a[ia_], jb[ib_], :] + d[b[ib_], r, :]  # [pair, x]
+            top2 = -np.partition(-new, 1, axis=1)[:, :2]
+            k = int(np.lexsort((top2[:, 1], top2[:, 0]))[0])
+            if not _better(top2[k, 0], top2[k, 1], cur):
+                continue
+            ia, ib = ia_[k], ib_[k]
+            qa, qb = cand[a[ia]], cand[b[ib]]
+            total[:] = new[k]
+            dst_b = int(jb[ib])
+            memory[r] += nbytes[qb] - nbytes[qa]
+            memory[dst_b] += nbytes[qa] - nbytes[qb]
+            owner[qa], owner[qb] = dst_b, r
+            moves += 1
+            swaps += 1
+            swapped = True
             break
-        qa, qb = cand[a[ia]], cand[b[ib]]
-        total[:] = new[ia, ib]
-        dst_b = int(jb[ib])
-        memory[r] += nbytes[qb] - nbytes[qa]
-        memory[dst_b] += nbytes[qa] - nbytes[qb]
-        owner[qa], owner[qb] = dst_b, r
-        moves += 1
+        if not swapped:
+            break
     del p
+    if stats is not None:
+        stats.update(moves=moves, swaps=swaps, work=work)
     return moves
 
 

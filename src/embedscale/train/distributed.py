@@ -95,10 +95,45 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool) -> None:
         raise
 
 
+def planned_tables(tables: list) -> list:
+    """The tables a plan places: all but ``placement: host`` ones (those live in a parameter server)."""
+    return [t for t in tables if t.placement != "host"]
+
+
+def _host_tables_embedding(cfg: RunConfig, tables: list, sharded, device):
+    """Host-placed tables of a distributed run (EL-Rec V): a :class:`~embedscale.pipeline.PipelinedEmbedding`
+    with the sharded embedding as its device module and the host tables in a parameter server, one per rank
+    (``train.pipeline_server: per-rank``) or one per machine shared by its local ranks (``shared``); ``None``
+    when no table is host-placed. Data parallel over the host rows: every rank applies every update."""
+    host = [t for t in tables if t.placement == "host"]
+    if not host:
+        return None
+    from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
+    from embedscale.pipeline.shared import local_group
+    from embedscale.workflow import hash_init
+
+    t, d = cfg.train, cfg.dist
+    if t.pipeline_server not in ("per-rank", "shared"):
+        raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
+    if t.sparse_optimizer not in ("sgd", "rowwise_adagrad"):
+        raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {t.sparse_optimizer!r}")
+    share = local_group() if t.pipeline_server == "shared" else None
+    server = HostParameterServer(host, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=hash_init(t.seed, tables),
+                                 share_group=share, timeout_s=d.timeout_s)
+    group = dist.new_group(backend="gloo" if device.type == "cpu" else None,
+                           timeout=datetime.timedelta(seconds=d.timeout_s))  # the host rows' exchange
+    return PipelinedEmbedding(tables, server, [sharded], device=device, process_group=group)
+
+
 def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     """The run's plan: a saved plan (``dist.plan`` is a path) or one made now from the training split's
-    access profile with the named strategy."""
+    access profile with the named strategy. Host-placed tables are not planned (``planned_tables``)."""
     from embedscale.plan.plan import Plan
+
+    profiled, tables = tables, planned_tables(tables)
+    if not tables:
+        raise ConfigError("several ranks need at least one table with placement: device to plan; every table "
+                          "is host-placed")
 
     d = cfg.dist
     world = d.nproc
@@ -113,7 +148,7 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
-        prof = workflow.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        prof = workflow.profile(data, plan_dir.parent / "profile", profiled, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
@@ -139,7 +174,8 @@ class DistributedRun:
         t, d = cfg.train, cfg.dist
         self.device = torch.device(t.device)
         self.data = workflow.prepare_data(cfg, progress=False)
-        self.tables = workflow.tables_for(cfg, self.data.manifest)
+        self.all_tables = workflow.tables_for(cfg, self.data.manifest)
+        self.tables = planned_tables(self.all_tables)  # the sharded ones; host tables: a parameter server
         self.plan = Plan.load(run_dir / "plan")
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
@@ -160,9 +196,11 @@ class DistributedRun:
         self.embedding = emb_cls(self.tables, amap, self.transport, rank, design=d.design,
                                           optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
                                           grad_sync=d.grad_sync, **extra,
-                                          sync_group=self.emb_group, seed=t.seed, device=self.device)
-        self.model = build_model(cfg.model, self.tables, self.data.manifest.num_dense, embedding=self.embedding,
-                                 device=self.device)
+                                          sync_group=self.emb_group, seed=t.seed, device=self.device,
+                                          init_index=[self.all_tables.index(tb) for tb in self.tables])
+        self.host_embedding = _host_tables_embedding(cfg, self.all_tables, self.embedding, self.device)
+        self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
+                                 embedding=self.host_embedding or self.embedding, device=self.device)
         self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
         self.step = self.epoch = self.batch_in_epoch = self.samples = 0
         self.losses: list[float] = []
@@ -174,8 +212,9 @@ class DistributedRun:
                                        device=self.device) if ev else None
         if inference:
             return
-        ignore = [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_parameters()]
-        ignore += [f"sparse_arch.embedding.{n}" for n, _ in self.embedding.named_buffers()]
+        emb = self.host_embedding or self.embedding  # rank-local rows: never DDP's business
+        ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
+        ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
         DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
         with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: rank-local storage
             warnings.simplefilter("ignore", FutureWarning)
@@ -184,6 +223,11 @@ class DistributedRun:
         self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
+        if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
+            from embedscale.pipeline import PipelinedLoader
+
+            self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, max(1, t.pipeline_depth),
+                                                use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
 
     def _transport(self, name: str, rank: int, world: int, amap, max_batch: int):
         from embedscale.comm.collective import CollectiveTransport
@@ -238,6 +282,8 @@ class DistributedRun:
         if self.rank == 0:
             dense = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.embedding.")}
             shard.update({"dense": dense, "optimizer": self.opt.state_dict(), "losses": list(self.losses)})
+            if self.host_embedding is not None:  # replicated (or shared) on every rank: rank 0 writes them
+                shard["host"] = self.host_embedding.host_state()
         with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
             torch.save(shard, f)
         dist.barrier()
@@ -302,6 +348,11 @@ class DistributedRun:
         filled = self.embedding.load_rows(g, torch.cat(weights), mom)
         assert filled == self.embedding.weight.shape[0]
         self.model.load_state_dict(dense["dense"], strict=False)
+        if self.host_embedding is not None:
+            if "host" not in dense:
+                raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
+                                  f"{[t.name for t in self.all_tables if t.placement == 'host']}")
+            self.host_embedding.load_host_state(dense["host"])
         if not self.inference:
             self.opt.load_state_dict(dense["optimizer"])
         self.losses = [float(x) for x in dense["losses"]]
