@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from embedscale import workflow
@@ -85,3 +86,20 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     for k, v in ref_dense.items():
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     assert not list(Path("/dev/shm").glob("embedscale-ps-*")) if Path("/dev/shm").is_dir() else True
+
+
+def test_host_min_rows_places_the_largest_tables_on_the_server(tmp_path):
+    from embedscale.data.shards import Manifest
+    from embedscale.errors import ConfigError
+
+    data_dir = tmp_path / "data"
+    make_data(data_dir)
+    manifest = Manifest.load(data_dir)
+    cfg = config(tmp_path, data_dir, host=False)
+    cfg.model.host_min_rows = 30
+    assert [t.placement for t in workflow.tables_for(cfg, manifest)] == ["host", "device", "host", "device"]
+    cfg.model.tables = []  # one table per feature, sized by the data: the same rule
+    assert [t.placement for t in workflow.tables_for(cfg, manifest)] == ["host", "device", "host", "device"]
+    cfg.model.host_min_rows = -1
+    with pytest.raises(ConfigError, match="host_min_rows"):
+        workflow.tables_for(cfg, manifest)

@@ -168,6 +168,7 @@ class ModelConfig:
     cross_layers: int = 3
     cross_low_rank: int = 0  # 0 = full-rank DCN-v2 cross
     pooling: str = "sum"
+    host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
     tables: list[TableSpec] = field(default_factory=list)  # empty = one table per sparse feature of the data
 
 

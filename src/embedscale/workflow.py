@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,9 +126,16 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     ids need, is a ``ConfigError`` naming table and feature.
     """
     rows = {s.name: s.num_rows for s in manifest.sparse}
+    host_min = cfg.model.host_min_rows
+    if host_min < 0:
+        raise ConfigError(f"model.host_min_rows must be >= 0, got {host_min}")
+
+    def placed(t: TableSpec) -> TableSpec:  # model.host_min_rows: the largest tables to the parameter server
+        return dataclasses.replace(t, placement="host") if host_min and t.num_rows >= host_min else t
+
     if not cfg.model.tables:
-        return [TableSpec(name=f"t_{s.name}", num_rows=s.num_rows, dim=cfg.model.embedding_dim, features=[s.name],
-                          pooling=cfg.model.pooling) for s in manifest.sparse]
+        return [placed(TableSpec(name=f"t_{s.name}", num_rows=s.num_rows, dim=cfg.model.embedding_dim,
+                                 features=[s.name], pooling=cfg.model.pooling)) for s in manifest.sparse]
     seen = set()
     for t in cfg.model.tables:
         for f in t.features:
@@ -141,7 +149,7 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     missing = [f for f in rows if f not in seen]
     if missing:
         raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
-    return list(cfg.model.tables)
+    return [placed(t) for t in cfg.model.tables]
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device):
