@@ -161,7 +161,16 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "dlrm"  # dlrm | dcn
+    """The model: ``arch`` and its sizes; the ``tower*`` fields configure the DMT archs only (DMT 3-4).
+
+    DMT (``arch: dmt-dlrm | dmt-dcn``): the features are split into ``towers`` towers; each tower's
+    embeddings meet in one tower group of ``hosts_per_tower`` hosts (the tower transform, DMT 3.1) and
+    are compressed there by a tower module (DMT 3.2, section 4 Listings 1-2) before they cross hosts.
+    Defaults: one tower per host (``dist.topology_hosts``), the naive strided assignment, DLRM tower
+    modules for dmt-dlrm and DCN ones for dmt-dcn with ``D = embedding_dim / tower_compression``.
+    """
+
+    arch: str = "dlrm"  # dlrm | dcn | dmt-dlrm | dmt-dcn
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [512, 256, 64])
     top_mlp: list[int] = field(default_factory=lambda: [512, 256])
@@ -170,6 +179,19 @@ class ModelConfig:
     pooling: str = "sum"
     host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
     tables: list[TableSpec] = field(default_factory=list)  # empty = one table per sparse feature of the data
+    # DMT only (arch dmt-dlrm | dmt-dcn)
+    towers: int = 0  # T; 0 = the tower assignment file's count, else one per host (dist.topology_hosts / hosts_per_tower)
+    tower_assignment: str = "naive"  # naive (feature i to tower i % T, DMT 5.2.3) or a JSON file of `embedscale towers`
+    tower_module: str = "auto"  # auto (dlrm for dmt-dlrm, dcn for dmt-dcn) | dlrm | dcn | none (tower transform only)
+    tower_compression: int = 4  # D = embedding_dim / this when tower_dim is 0: the compression ratio for c=1, p=0 (DMT 4)
+    tower_dim: int = 0  # D, the width of the tower module's output vectors; 0 = embedding_dim / tower_compression
+    tower_c: int = 1  # DLRM tower module (Listing 1): projected vectors per feature
+    tower_p: int = 0  # DLRM tower module (Listing 1): mixed vectors per tower
+    tower_cross_layers: int = 1  # DCN tower module (Listing 2): layers of the tower's CrossNet
+    tower_cross_low_rank: int = 0  # DCN tower module: low rank of its CrossNet (0 = full rank)
+    hosts_per_tower: int = 1  # K: hosts of one tower group (DMT 3.1.3)
+    tower_sharding: str = "table"  # table | row: tables inside a tower group (DMT 3.1.3, 4)
+    tower_permute: str = "auto"  # auto | embeddings | ids (steps b and c swapped, DMT 3.1.3)
 
 
 @dataclass

@@ -152,13 +152,26 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     return [placed(t) for t in cfg.model.tables]
 
 
-def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device):
-    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``."""
+def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
+          assignment=None):
+    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``.
+
+    DMT archs (``model.arch: dmt-dlrm | dmt-dcn``): without ``comm`` all towers in this process (one per
+    host of ``dist.topology_hosts`` unless ``model.towers`` says otherwise: the same model a distributed
+    run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
+    ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``.
+    """
     from embedscale.embedding.local import LocalEmbeddingBags
     from embedscale.models import build_model
+    from embedscale.models.dmt import is_dmt_arch
 
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
+    if is_dmt_arch(cfg.model.arch):
+        model = build_model(cfg.model, tables, num_dense, device=device, num_hosts=cfg.dist.topology_hosts, comm=comm,
+                            assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
+                            seed=t.seed)
+        return model, make_dense_optimizer(t, model.dense_parameters())
     if any(tb.placement == "host" for tb in tables):
         from embedscale.pipeline import PipelinedEmbedding
 
@@ -235,7 +248,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     data = data or prepare_data(cfg, progress=progress)
     device = torch.device(cfg.train.device)
     tables = tables_for(cfg, data.manifest)
-    model, opt = build(cfg, tables, data.manifest.num_dense, device)
+    assignment = _dmt_towers(cfg, tables, run_dir)
+    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
     t = cfg.train
     train_loader = ShardLoader(data.train.directory, t.batch_size, start=data.train.start, stop=data.train.stop,
                                prefetch=t.prefetch, device=device, drop_last=False)
@@ -260,6 +274,17 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
                 ceiling_auc=data.teacher_auc)
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
+
+
+def _dmt_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
+    """DMT archs: the run's towers, written to (or, when resuming, checked against) ``run_dir/towers.json``."""
+    from embedscale.models.dmt import is_dmt_arch
+
+    if not is_dmt_arch(cfg.model.arch):
+        return None
+    from embedscale.train.dmt_run import prepare_towers
+
+    return prepare_towers(cfg, tables, run_dir)
 
 
 def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True):
@@ -304,9 +329,14 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     from embedscale.train.launch import launch_torchrun
 
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
-    plan = make_run_plan(cfg, data, tables, run_dir / "plan", progress)
-    _log(f"plan: {plan.meta.get('strategy', cfg.dist.plan)} on {cfg.dist.nproc} ranks "
-         f"({plan.meta.get('plan_seconds', 0):.2f} s)")
+    towers = _dmt_towers(cfg, tables, run_dir)
+    if towers is not None:  # DMT: the towers place the tables (tower groups), no plan
+        _log(f"towers: {towers.num_towers} ({towers.strategy}) on {cfg.dist.nproc} ranks, "
+             f"{cfg.dist.topology_hosts} host(s)")
+    else:
+        plan = make_run_plan(cfg, data, tables, run_dir / "plan", progress)
+        _log(f"plan: {plan.meta.get('strategy', cfg.dist.plan)} on {cfg.dist.nproc} ranks "
+             f"({plan.meta.get('plan_seconds', 0):.2f} s)")
     atomic_write_text(run_dir / READY, "ok\n")
     config_path = run_dir / "config.yaml"
     args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
@@ -333,6 +363,9 @@ def format_summary(s: dict) -> str:
         if "dob_lookup" in s:
             lines.append(f"plan balance       DoB lookup {s['dob_lookup']:.3f}, communication {s['dob_comm']:.3f}, "
                          f"memory {s['dob_memory']:.3f}")
+        if "towers" in s:
+            lines.append(f"towers             {s['num_towers']} over {s['topology_hosts']} host(s), compression ratio "
+                         f"{s['compression_ratio']:.3g}, {s['cross_host_bytes_per_step'] / 1e6:,.3f} MB/step across hosts")
         pred = s.get("predicted_bytes_on_wire_per_step")
         lines.append(f"bytes on wire      {s['embedding_bytes_on_wire_per_step'] / 1e6:,.3f} MB/step embeddings"
                      + (f" (predicted {pred / 1e6:,.3f})" if pred else "")

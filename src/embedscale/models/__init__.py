@@ -20,6 +20,7 @@ from embedscale.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch, S
 from embedscale.specs import ModelConfig, TableSpec, feature_to_table
 
 __all__ = [
+    "ALL_ARCHS",
     "ARCHS",
     "DCN",
     "DLRM",
@@ -32,7 +33,8 @@ __all__ = [
     "dense_parameters",
 ]
 
-ARCHS = ("dlrm", "dcn")
+ARCHS = ("dlrm", "dcn")  # the flat models; DMT_ARCHS (models.dmt) are their multi-tower variants
+ALL_ARCHS = ARCHS + ("dmt-dlrm", "dmt-dcn")
 
 
 def _check_widths(key: str, sizes: Sequence[int]) -> list[int]:
@@ -50,8 +52,22 @@ def build_model(
     embedding: nn.Module | None = None,
     *,
     device: torch.device | str | None = None,
+    num_hosts: int = 1,
+    comm=None,
+    assignment=None,
+    sparse_optimizer: str = "rowwise_adagrad",
+    lr_sparse: float = 0.05,
+    seed: int = 0,
 ) -> nn.Module:
-    """Build the ``cfg.arch`` model (``dlrm`` or ``dcn``) over ``tables``.
+    """Build the ``cfg.arch`` model (``dlrm``, ``dcn``, ``dmt-dlrm`` or ``dmt-dcn``) over ``tables``.
+
+    The DMT archs (Luo et al., MLSys 2024) are built by :func:`embedscale.models.dmt.build_dmt_model` from
+    ``cfg``'s tower settings (``model.towers``, ``model.tower_*``): they own their embedding (the tables
+    behind the tower transform), so ``embedding`` must be ``None``; ``num_hosts`` (single process: the
+    default tower count, one per host), ``comm`` (a ``TowerComm``: build this rank's part of the
+    distributed model), ``assignment`` (a ``TowerAssignment`` overriding ``model.tower_assignment``),
+    ``sparse_optimizer``, ``lr_sparse`` (the tables' fused optimizer) and ``seed`` (placement-independent
+    initialisation) are for them only.
 
     Args:
         cfg: the model config: arch, embedding dim D, bottom/top MLP hidden widths (OPER Table 1 defaults:
@@ -85,8 +101,26 @@ def build_model(
         torch.Size([2])
     """
     arch = cfg.arch.lower() if isinstance(cfg.arch, str) else cfg.arch
-    if arch not in ARCHS:
-        raise ConfigError(f"model.arch: unknown architecture {cfg.arch!r}; known: {', '.join(ARCHS)}")
+    if arch not in ALL_ARCHS:
+        raise ConfigError(f"model.arch: unknown architecture {cfg.arch!r}; known: {', '.join(ALL_ARCHS)}")
+    from embedscale.models.dmt import DMTConfig, build_dmt_model, check_no_tower_settings
+
+    if arch.startswith("dmt-"):
+        if embedding is not None:
+            raise ConfigError(f"model.arch {arch}: DMT models build their own tower embedding; pass embedding=None")
+        if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
+            raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
+        _check_widths("model.bottom_mlp", cfg.bottom_mlp)
+        _check_widths("model.top_mlp", cfg.top_mlp)
+        for spec in tables:
+            if spec.pooling == "none" or spec.compression != "none" or spec.placement != "device":
+                raise ConfigError(f"table {spec.name!r}: {arch} needs pooled (sum/mean), uncompressed, device-placed "
+                                  f"tables (got pooling {spec.pooling!r}, compression {spec.compression!r}, "
+                                  f"placement {spec.placement!r})")
+        return build_dmt_model(cfg, tables, num_dense, DMTConfig.from_model(cfg), arch=arch, assignment=assignment,
+                               comm=comm, num_hosts=num_hosts, optimizer=sparse_optimizer, lr=lr_sparse, seed=seed,
+                               device=device)
+    check_no_tower_settings(cfg)
     if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
         raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
     if isinstance(cfg.embedding_dim, bool) or not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim <= 0:

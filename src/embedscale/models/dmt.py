@@ -31,13 +31,22 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from embedscale.comm.hierarchical import TowerComm, TowerLayout, TowerPlacement, TowerRouter, to_model_order
+from embedscale.comm.hierarchical import (
+    PERMUTES,
+    SHARDINGS,
+    TowerComm,
+    TowerLayout,
+    TowerPlacement,
+    TowerRouter,
+    to_model_order,
+)
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
@@ -55,6 +64,9 @@ from embedscale.towers.modules import (
 from embedscale.towers.partitioner import TowerAssignment, naive_assignment
 
 DMT_ARCHS = ("dmt-dlrm", "dmt-dcn")
+# the ModelConfig fields that configure DMT only (a plain arch keeps them at their defaults)
+TOWER_FIELDS = ("towers", "tower_assignment", "tower_module", "tower_compression", "tower_dim", "tower_c", "tower_p",
+                "tower_cross_layers", "tower_cross_low_rank", "hosts_per_tower", "tower_sharding", "tower_permute")
 
 
 @dataclass
@@ -88,6 +100,52 @@ class DMTConfig:
     sharding: str = "table"
     permute: str = "auto"
     assignment: str = "naive"
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig) -> "DMTConfig":
+        """The DMT settings of a run's model config (``model.towers``, ``model.tower_*``,
+        ``model.hosts_per_tower``), checked: a bad value is a ``ConfigError`` naming its ``model.`` key."""
+
+        def integer(key: str, low: int) -> int:
+            v = getattr(cfg, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"model.{key} must be an integer >= {low}, got {v!r}")
+            return v
+
+        def choice(key: str, allowed: Sequence[str]) -> str:
+            v = getattr(cfg, key)
+            if v not in allowed:
+                raise ConfigError(f"model.{key} {v!r} is not one of {', '.join(allowed)}")
+            return v
+
+        out = cls(towers=integer("towers", 0), tower_module=choice("tower_module", ("auto",) + TOWER_MODULES),
+                  compression=integer("tower_compression", 1), tower_dim=integer("tower_dim", 0),
+                  c=integer("tower_c", 0), p=integer("tower_p", 0),
+                  tower_cross_layers=integer("tower_cross_layers", 0),
+                  tower_cross_low_rank=integer("tower_cross_low_rank", 0),
+                  hosts_per_tower=integer("hosts_per_tower", 1), sharding=choice("tower_sharding", SHARDINGS),
+                  permute=choice("tower_permute", PERMUTES), assignment=cfg.tower_assignment or "naive")
+        if out.c == 0 and out.p == 0:
+            raise ConfigError("model.tower_c and model.tower_p are both 0: a DLRM tower module would output nothing "
+                              "(DMT Listing 1: O = D (c F + p))")
+        if out.assignment != "naive" and not Path(out.assignment).is_file():
+            raise ConfigError(f"model.tower_assignment: file not found: {out.assignment} (a JSON file written by "
+                              "`embedscale towers`, or 'naive')")
+        return out
+
+
+def is_dmt_arch(arch) -> bool:
+    """Whether ``model.arch`` names a DMT model (``dmt-dlrm`` or ``dmt-dcn``)."""
+    return isinstance(arch, str) and arch.lower() in DMT_ARCHS
+
+
+def check_no_tower_settings(cfg: ModelConfig) -> None:
+    """A plain arch with a DMT field changed from its default is a ``ConfigError`` (never silently ignored)."""
+    default = ModelConfig()
+    changed = [k for k in TOWER_FIELDS if getattr(cfg, k, getattr(default, k)) != getattr(default, k)]
+    if changed:
+        raise ConfigError(f"model.{changed[0]} is set but model.arch is {cfg.arch!r}: the tower settings "
+                          f"({', '.join('model.' + k for k in changed)}) apply to dmt-dlrm and dmt-dcn only")
 
 
 def _table_init(tables: list[TableSpec], seed: int):
@@ -199,6 +257,7 @@ class TowerEmbedding(nn.Module):
         self.router = TowerRouter(self.placement, comm, permute)
         self.comm = comm
         self.rank = comm.rank
+        self.assignment = assignment
         self.dim = self.placement.dim
         self.feature_names = features
         shards = self.placement.shard_tables(self.rank)
@@ -379,18 +438,24 @@ class DMTDCN(_DMTBase):
 # builders
 
 
-def resolve_assignment(dmt: DMTConfig, features: Sequence[str], num_towers: int,
+def resolve_assignment(dmt: DMTConfig, features: Sequence[str], default_towers: int,
                        assignment: TowerAssignment | None = None) -> TowerAssignment:
-    """The towers: ``assignment`` if given, else ``dmt.assignment`` (``naive`` or a saved file)."""
+    """The towers: ``assignment`` if given, else ``dmt.assignment`` (``naive`` or a file of ``embedscale
+    towers``). The number of towers is ``dmt.towers`` when set, else the assignment's (given or file), else
+    ``default_towers`` (one per tower group); a mismatch, or towers that do not hold exactly the model's
+    features, is a ``ConfigError`` naming the file."""
+    source = "the tower assignment"
+    if assignment is None and dmt.assignment not in ("", "naive"):
+        assignment = TowerAssignment.load(dmt.assignment)
+        source = f"tower assignment {dmt.assignment}"
     if assignment is None:
-        if dmt.assignment in ("", "naive"):
-            assignment = naive_assignment(list(features), num_towers)
-        else:
-            assignment = TowerAssignment.load(dmt.assignment)
-    assignment.check_covers(list(features))
-    if assignment.num_towers != num_towers:
-        raise ConfigError(f"the tower assignment has {assignment.num_towers} towers, the model asks for "
-                          f"{num_towers} (model towers)")
+        assignment = naive_assignment(list(features), dmt.towers or default_towers)
+    try:
+        assignment.check_covers(list(features))
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    if dmt.towers and assignment.num_towers != dmt.towers:
+        raise ConfigError(f"{source} has {assignment.num_towers} towers, model.towers asks for {dmt.towers}")
     return assignment
 
 
@@ -446,28 +511,30 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
     if kind == "auto":
         kind = "dlrm" if arch == "dmt-dlrm" else "dcn"
     if kind not in TOWER_MODULES:
-        raise ConfigError(f"dmt.tower_module {dmt.tower_module!r} is not auto or one of {TOWER_MODULES}")
+        raise ConfigError(f"model.tower_module {dmt.tower_module!r} is not auto or one of {TOWER_MODULES}")
     if arch == "dmt-dlrm" and kind == "dcn":
-        raise ConfigError("dmt-dlrm needs DLRM tower modules (vectors for the dot interaction); use dlrm or none")
+        raise ConfigError("model.tower_module dcn: dmt-dlrm needs DLRM tower modules (vectors for the dot "
+                          "interaction); use dlrm or none")
     D = dmt.tower_dim
     if kind != "none" and D <= 0:
         if isinstance(dmt.compression, bool) or dmt.compression <= 0 or N % int(dmt.compression):
-            raise ConfigError(f"dmt.compression {dmt.compression!r} must divide the embedding dim {N} "
-                              "(or set dmt.tower_dim)")
+            raise ConfigError(f"model.tower_compression {dmt.compression!r} must divide model.embedding_dim {N} "
+                              "(or set model.tower_dim)")
         D = N // int(dmt.compression)
     features = [f for t in tables for f in t.features]
     if comm is not None:
         layout = comm.layout
         if layout.hosts_per_tower != dmt.hosts_per_tower:
-            raise ConfigError(f"dmt.hosts_per_tower {dmt.hosts_per_tower} differs from the TowerComm layout's "
+            raise ConfigError(f"model.hosts_per_tower {dmt.hosts_per_tower} differs from the TowerComm layout's "
                               f"{layout.hosts_per_tower}")
         default_towers = layout.num_groups
     else:
         if num_hosts % dmt.hosts_per_tower:
-            raise ConfigError(f"{num_hosts} hosts cannot form towers of {dmt.hosts_per_tower} hosts")
+            raise ConfigError(f"{num_hosts} hosts (dist.topology_hosts) cannot form towers of model.hosts_per_tower = "
+                              f"{dmt.hosts_per_tower} hosts")
         default_towers = num_hosts // dmt.hosts_per_tower
-    T = dmt.towers or default_towers
-    assignment = resolve_assignment(dmt, features, T, assignment)
+    assignment = resolve_assignment(dmt, features, default_towers, assignment)
+    T = assignment.num_towers
     sizes = assignment.sizes
     if comm is not None:
         groups = tower_groups_of(T, comm.layout.num_groups)
@@ -493,13 +560,22 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
 
             if comm is None:  # single process: the plain model over all tables, features in model order
                 towers = towers.embedding
-            flat_cfg = copy.copy(cfg)
-            flat_cfg.arch = arch[4:]
-            return _with_split(build_model(flat_cfg, tables, num_dense, embedding=towers, device=device))
+            return _with_split(build_model(_plain_config(cfg, arch[4:]), tables, num_dense, embedding=towers,
+                                           device=device))
         if arch == "dmt-dlrm":
             return DMTDLRM(num_dense, towers, D, cfg.bottom_mlp, cfg.top_mlp, device=device)
         return DMTDCN(num_dense, towers, N, cfg.bottom_mlp, cfg.top_mlp, cross_layers=cfg.cross_layers,
                       cross_low_rank=cfg.cross_low_rank, device=device)
+
+
+def _plain_config(cfg: ModelConfig, arch: str) -> ModelConfig:
+    """``cfg`` as the plain ``arch`` (dlrm/dcn): same sizes, tower settings back at their defaults."""
+    default = ModelConfig()
+    out = copy.copy(cfg)
+    out.arch = arch
+    for k in TOWER_FIELDS:
+        setattr(out, k, getattr(default, k))
+    return out
 
 
 def _with_split(model: nn.Module) -> nn.Module:
@@ -521,9 +597,7 @@ def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, 
         torch.manual_seed(seed)
         emb = FlatTableWiseEmbedding(tables, comm, placement, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
                                      device=device)
-        flat_cfg = copy.copy(cfg)
-        flat_cfg.arch = arch
-        return _with_split(build_model(flat_cfg, tables, num_dense, embedding=emb, device=device))
+        return _with_split(build_model(_plain_config(cfg, arch), tables, num_dense, embedding=emb, device=device))
 
 
 # --------------------------------------------------------------------------------------------------

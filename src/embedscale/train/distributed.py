@@ -12,6 +12,9 @@ runs into a collective timeout. Then every rank builds:
   exactly the global-batch mean gradient, and the embedding gradients exactly those of single-process
   training, whatever the split of the batch over ranks (sizes may differ by one).
 
+DMT models (``model.arch: dmt-dlrm | dmt-dcn``) run as a ``DMTRun`` (``embedscale.train.dmt_run``): the
+tower transform instead of a plan, tower-group gradient sync instead of DDP, the same loop and summary.
+
 Checkpoints are sharded: every rank writes the rows it owns (global ids, weights, optimizer state) and
 rank 0 the dense state; a manifest written last marks the checkpoint complete. Restoring reads every
 shard and keeps the rows the *current* plan puts on this rank, so a checkpoint restores onto the same
@@ -37,6 +40,7 @@ from tqdm import tqdm
 
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
+from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig, dump_config
 
 READY, FAILED = ".ready", ".failed"
@@ -87,7 +91,11 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool) -> None:
         data = workflow.prepare_data(cfg, progress=progress)
         tables = workflow.tables_for(cfg, data.manifest)
         plan_dir = run_dir / "plan"
-        if not (plan_dir / "plan.json").exists():
+        if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
+            from embedscale.train.dmt_run import prepare_towers
+
+            prepare_towers(cfg, tables, run_dir)
+        elif not (plan_dir / "plan.json").exists():
             make_run_plan(cfg, data, tables, plan_dir, progress)
         atomic_write_text(run_dir / READY, "ok\n")
     except BaseException as e:
@@ -243,6 +251,14 @@ class DistributedRun:
                                  timeout_s=d.timeout_s)
         raise ConfigError(f"dist.transport {name!r} is not one of collective, pgas")
 
+    @property
+    def plan_name(self) -> str:
+        return self.plan.meta.get("strategy", self.cfg.dist.plan)
+
+    def figures(self) -> dict:
+        """What the summary adds for this executor (rank 0): the plan's figures (``plan_figures``)."""
+        return plan_figures(self) if self.rank == 0 else {}
+
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
         self.ddp.train()
@@ -327,6 +343,8 @@ class DistributedRun:
         m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
         if m.get("format") != "embedscale.sharded_checkpoint":
             raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
+        if m.get("kind", "plan") != "plan":
+            raise FormatError(f"{ckpt_dir}: written by a {m['kind']} model (model.arch dmt-*); it resumes only as one")
         if m["table_rows"] != [t.num_rows for t in self.tables]:
             raise FormatError(f"{ckpt_dir}: tables {m['tables']} / {m['table_rows']} differ from this model's")
         gids, weights, moms = [], [], []
@@ -368,6 +386,9 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     from embedscale.train.metrics import logloss_from_logits, roc_auc
 
     cfg.dist.mode = "inference"
+    if is_dmt_arch(cfg.model.arch):
+        raise ConfigError("sharded inference (embedscale infer) of DMT models is not supported yet; a distributed DMT "
+                          "run evaluates on the eval split at the end (summary.json)")
     rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(Path(checkpoint))
@@ -438,10 +459,15 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
 
 def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
                       resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
-    """One rank's part of a distributed run (call it on every rank; torchrun's env says which)."""
-
+    """One rank's part of a distributed run (call it on every rank; torchrun's env says which); a DMT arch
+    (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``)."""
     rd, rank, world = join_run(cfg, run_dir, progress)
-    run = DistributedRun(cfg, rd, rank, world, progress)
+    if is_dmt_arch(cfg.model.arch):
+        from embedscale.train.dmt_run import DMTRun
+
+        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress)
+    else:
+        run = DistributedRun(cfg, rd, rank, world, progress)
     ck = Path(resume_from) if resume_from else latest_sharded_checkpoint(rd)
     if ck is not None:
         run.restore(ck)
@@ -508,6 +534,7 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
                                float(np.mean(run.sync_bytes_per_step)) if run.sync_bytes_per_step else 0.0,
                                train_s])
     dist.all_reduce(bytes_mean)
+    figures = run.figures()  # every rank calls it (collective for DMT runs)
     if run.rank != 0:
         return None
     if final:
@@ -521,11 +548,11 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         "eval_samples": final.get("samples", 0), "teacher_auc": run.data.teacher_auc,
         "embedding_bytes_on_wire_per_step": bytes_mean[0].item(),  # summed over ranks
         "grad_sync_bytes_per_step": bytes_mean[1].item(),
-        "steps_measured": steps_here, "plan": run.plan.meta.get("strategy", cfg.dist.plan),
+        "steps_measured": steps_here, "plan": run.plan_name,
         "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
         "num_tables": len(run.tables), "embedding_bytes": sum(tb.memory_bytes for tb in run.tables),
     }
-    summary.update(plan_figures(run))
+    summary.update(figures)
     _write_metrics(run.run_dir, rows)
     plot_curves(rows, run.run_dir / "curves.png", title=f"{cfg.model.arch} x{run.world} ranks ({summary['plan']})",
                 ceiling_auc=run.data.teacher_auc)

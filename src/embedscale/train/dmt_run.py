@@ -1,0 +1,340 @@
+"""Distributed training of the DMT models (``model.arch: dmt-dlrm | dmt-dcn``) on several ranks.
+
+The counterpart of :class:`~embedscale.train.distributed.DistributedRun` for Disaggregated Multi-Tower
+models (Luo et al., MLSys 2024). Where the flat run places rows by an OPER plan and keeps the dense part
+data-parallel under DDP, a DMT rank:
+
+- joins the process groups of the tower transform (:class:`~embedscale.comm.hierarchical.TowerComm`:
+  one group per tower group of ``model.hosts_per_tower`` hosts, one per peer set; DMT 3.1.1), with
+  ``dist.topology_hosts`` hosts of ``nproc / topology_hosts`` ranks each;
+- holds its tower group's tables (table-wise or row-wise inside the group, ``model.tower_sharding``)
+  and its towers' modules; the embeddings go through steps a-f of the tower transform (DMT 3.1,
+  Figure 7) and are compressed by the tower modules before they cross hosts (DMT 3.2, section 4);
+- synchronises dense gradients itself (no DDP): tower-module gradients are summed inside the tower
+  group only, every other dense gradient over the world (DMT 3.2 "System Perspective",
+  :func:`~embedscale.models.dmt.sync_dense_gradients`). The loss is the rank's BCE sum over the global
+  batch size, so the summed gradients are the global-batch mean gradient: the run trains the same
+  model as single-process training of the same config on the same global batches.
+
+The feature-to-tower assignment is resolved once by rank 0 (``model.tower_assignment``: ``naive`` or a
+file of ``embedscale towers``) and written to ``<run dir>/towers.json``; every rank reads that file, and
+a resumed run must use the same towers.
+
+Checkpoints are sharded (``checkpoints/step-N/``): every rank writes the rows it holds (global row
+ranges of every table, weights and row-wise Adagrad state), the first member of every tower group its
+towers' modules, rank 0 the other dense parameters; optimizer state is keyed by parameter name, not
+position. A manifest written last (``kind: dmt``) marks the checkpoint complete. Restoring reads every
+shard and takes what the *current* layout puts on this rank, so a checkpoint resumes exactly on the
+same layout and also onto another world size, host count or in-tower sharding with the same towers;
+different towers (or tower module shapes) are a clear error.
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from embedscale.errors import ConfigError, FormatError
+from embedscale.io import atomic_open, atomic_write_json, read_json
+from embedscale.specs import RunConfig, TableSpec
+from embedscale.train.distributed import DistributedRun
+
+TOWERS_FILE = "towers.json"
+CHECKPOINT_KIND = "dmt"
+# kinds of HostAwareTransport bytes that are dense-gradient synchronisation, not embedding traffic
+_SYNC_KINDS = ("dense_grads", "tower_grads")
+
+
+def dmt_layout(cfg: RunConfig, world: int):
+    """The ``TowerLayout`` of a run: ``dist.topology_hosts`` hosts of ``world / hosts`` ranks, towers of
+    ``model.hosts_per_tower`` hosts (DMT 3.1.1, 3.1.3)."""
+    from embedscale.comm.hierarchical import TowerLayout
+
+    hosts = cfg.dist.topology_hosts
+    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts <= 0 or world % hosts:
+        raise ConfigError(f"dist.topology_hosts {hosts!r} does not divide the {world} ranks into hosts")
+    K = cfg.model.hosts_per_tower
+    if isinstance(K, bool) or not isinstance(K, int) or K <= 0 or hosts % K:
+        raise ConfigError(f"model.hosts_per_tower {K!r} does not divide dist.topology_hosts {hosts} "
+                          "(DMT 3.1.3: every tower group spans the same number of hosts)")
+    return TowerLayout(world, world // hosts, K)
+
+
+def resolve_run_towers(cfg: RunConfig, tables: list[TableSpec]):
+    """The run's ``TowerAssignment`` from its config (checked against the tables and the topology)."""
+    from embedscale.models.dmt import DMTConfig, resolve_assignment, tower_groups_of
+
+    dmt = DMTConfig.from_model(cfg.model)
+    hosts = cfg.dist.topology_hosts
+    if hosts % dmt.hosts_per_tower:
+        raise ConfigError(f"model.hosts_per_tower {dmt.hosts_per_tower} does not divide dist.topology_hosts {hosts}")
+    groups = hosts // dmt.hosts_per_tower
+    features = [f for t in tables for f in t.features]
+    assignment = resolve_assignment(dmt, features, groups)
+    tower_groups_of(assignment.num_towers, groups)  # every tower group needs a tower
+    return assignment
+
+
+def prepare_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
+    """Rank 0: resolve the towers and write ``<run dir>/towers.json``; a run directory that already
+    holds different towers (a resume under another assignment) is a ``ConfigError``."""
+    from embedscale.towers.partitioner import TowerAssignment
+
+    assignment = resolve_run_towers(cfg, tables)
+    path = Path(run_dir) / TOWERS_FILE
+    if path.exists():
+        old = TowerAssignment.load(path)
+        if old.towers != assignment.towers:
+            raise ConfigError(f"{path}: this run directory was trained with towers {old.towers}; the config now "
+                              f"gives {assignment.towers} (model.towers / model.tower_assignment). Use a new run "
+                              "directory or the same towers")
+        return old
+    assignment.save(path)
+    return assignment
+
+
+def _named_optimizer_state(opt: torch.optim.Optimizer, names: list[str], keep) -> dict:
+    """``{parameter name: state}`` for the parameters ``keep(name)`` accepts (positions become names)."""
+    sd = opt.state_dict()
+    return {names[i]: st for i, st in sd["state"].items() if keep(names[i])}
+
+
+class DMTRun(DistributedRun):
+    """Everything one rank holds for a distributed DMT run (see the module docstring).
+
+    The training loop, evaluation and summary are :class:`DistributedRun`'s (``train.distributed._fit``);
+    this class builds the tower-transformed model and owns its step, checkpoints and figures.
+    """
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
+                 inference: bool = False):
+        from embedscale import workflow
+        from embedscale.comm.hierarchical import TowerComm
+        from embedscale.data.loader import ShardLoader
+        from embedscale.towers.partitioner import TowerAssignment
+
+        if inference:
+            raise ConfigError("sharded inference (embedscale infer) of DMT models is not supported yet; a distributed "
+                              "DMT run evaluates on the eval split at the end (summary.json)")
+        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
+        self.progress = progress and rank == 0
+        self.inference = False
+        t, d = cfg.train, cfg.dist
+        self.device = torch.device(t.device)
+        self.data = workflow.prepare_data(cfg, progress=False)
+        self.tables = workflow.tables_for(cfg, self.data.manifest)
+        self.layout = dmt_layout(cfg, world)
+        path = run_dir / TOWERS_FILE
+        if not path.exists():
+            raise ConfigError(f"{path} is missing: rank 0 writes it when it prepares the run (prepare_towers)")
+        self.assignment = TowerAssignment.load(path)
+        # made first, in the same order on every rank: the monitor group finds ranks that stopped answering
+        self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
+        self.comm = TowerComm(self.layout)
+        self.model, self.opt = workflow.build(cfg, self.tables, self.data.manifest.num_dense, self.device,
+                                              comm=self.comm, assignment=self.assignment)
+        self.towers = self.model.sparse_arch  # the TowerEmbedding (tower transform + this group's modules)
+        self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
+        self.plan = None
+        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
+        self.losses: list[float] = []
+        self.bytes_per_step: list[int] = []
+        self.sync_bytes_per_step: list[int] = []
+        self.cross_host_bytes_per_step: list[int] = []
+        ev = self.data.eval
+        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
+                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
+                                       device=self.device) if ev else None
+        self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
+                                        start=self.data.train.start, stop=self.data.train.stop,
+                                        prefetch=t.prefetch, device=self.device)
+        self._dense_names = self._param_names()
+
+    # -- one step -------------------------------------------------------------------------------
+    def train_step(self, batch) -> float:
+        """Forward through the tower transform, backward (the tables update in place), tower-module
+        gradients summed inside the tower group, the rest over the world (DMT 3.2), dense step."""
+        from embedscale.models.dmt import sync_dense_gradients
+
+        self.model.train()
+        self.comm.reset_bytes()
+        logits = self.model(batch.dense, batch.sparse)
+        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        self.opt.zero_grad(set_to_none=True)
+        (loss_sum / batch.global_size).backward()
+        sync_dense_gradients(self.model, self.comm)
+        self.opt.step()
+        rep = self.comm.bytes_report()
+        emb = sum(v for part in ("cross", "intra") for k, v in rep[part].items() if k not in _SYNC_KINDS)
+        sync = sum(v for part in ("cross", "intra") for k, v in rep[part].items() if k in _SYNC_KINDS)
+        self.bytes_per_step.append(int(emb))
+        self.sync_bytes_per_step.append(int(sync))
+        self.cross_host_bytes_per_step.append(int(sum(rep["cross"].values())))
+        total = loss_sum.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        return float(total) / batch.global_size
+
+    # -- summary --------------------------------------------------------------------------------
+    @property
+    def plan_name(self) -> str:
+        lay = self.layout
+        return (f"dmt: {self.assignment.num_towers} towers on {lay.num_groups} tower group(s) of "
+                f"{lay.hosts_per_tower} host(s) x {lay.ranks_per_host} ranks")
+
+    def figures(self) -> dict:
+        """Towers, compression ratio (DMT 4: input over output values of all towers) and the cross-host
+        bytes per step summed over ranks (collective: every rank calls it)."""
+        outs = self.towers.tower_out_features
+        cr = sum(self.assignment.sizes) * self.towers.dim / sum(outs)
+        cross = torch.tensor([float(np.mean(self.cross_host_bytes_per_step)) if self.cross_host_bytes_per_step
+                              else 0.0], dtype=torch.float64)
+        dist.all_reduce(cross)
+        return {"towers": self.assignment.towers, "num_towers": self.assignment.num_towers,
+                "compression_ratio": cr, "cross_host_bytes_per_step": float(cross[0]),
+                "topology_hosts": self.layout.num_hosts, "hosts_per_tower": self.layout.hosts_per_tower}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _param_names(self) -> list[str]:
+        """Names of the dense optimizer's parameters, in its order."""
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        return [by_id[id(p)] for g in self.opt.param_groups for p in g["params"]]
+
+    def _tower_names(self) -> set[str]:
+        ids = {id(p) for p in self.model.tower_parameters()}
+        return {n for n, p in self.model.named_parameters() if id(p) in ids}
+
+    def _manifest_model(self) -> dict:
+        m = self.cfg.model
+        from embedscale.models.dmt import TOWER_FIELDS
+
+        keep = ("arch", "embedding_dim", "bottom_mlp", "top_mlp", "cross_layers", "cross_low_rank") + tuple(
+            k for k in TOWER_FIELDS if k not in ("tower_assignment", "hosts_per_tower", "tower_sharding",
+                                                 "tower_permute", "towers"))
+        return {k: getattr(m, k) for k in keep}
+
+    def save(self) -> Path:
+        d = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
+        d.mkdir(parents=True, exist_ok=True)
+        pl = self.towers.placement
+        tables = {}
+        for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
+            entry = {"lo": lo, "hi": hi, "weight": self.embedding.table_weight(spec.name)[: hi - lo].clone()}
+            if self.embedding.momentum is not None:
+                entry["momentum"] = self.embedding.table_momentum(spec.name)[: hi - lo].clone()
+            tables[pl.tables[i].name] = entry
+        tower_names = self._tower_names()
+        first_of_group = self.layout.local_index(self.rank) == 0
+        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.embedding.")}
+        keep = (lambda n: (n in tower_names and first_of_group) or (n not in tower_names and self.rank == 0))
+        shard = {"rank": self.rank, "world_size": self.world, "tables": tables,
+                 "dense": {k: v for k, v in state.items() if keep(k)},
+                 "optimizer": _named_optimizer_state(self.opt, self._dense_names, keep)}
+        if self.rank == 0:
+            shard["optimizer_groups"] = [{k: v for k, v in g.items() if k != "params"}
+                                         for g in self.opt.state_dict()["param_groups"]]
+            shard["losses"] = list(self.losses)
+        with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
+            torch.save(shard, f)
+        dist.barrier()
+        if self.rank == 0:
+            atomic_write_json(d / "manifest.json", {
+                "format": "embedscale.sharded_checkpoint", "kind": CHECKPOINT_KIND, "version": 1,
+                "world_size": self.world, "topology_hosts": self.layout.num_hosts,
+                "hosts_per_tower": self.layout.hosts_per_tower, "sharding": self.cfg.model.tower_sharding,
+                "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "samples": self.samples, "tables": [t.name for t in self.tables],
+                "table_rows": [t.num_rows for t in self.tables], "optimizer": self.cfg.train.sparse_optimizer,
+                "dense_optimizer": self.cfg.train.dense_optimizer, "towers": self.assignment.towers,
+                "model": self._manifest_model(), "shards": [f"rank-{r:05d}.pt" for r in range(self.world)]})
+        dist.barrier()
+        return d
+
+    def restore_single(self, path: Path) -> None:
+        raise ConfigError(f"{path}: a single-process checkpoint cannot seed a distributed DMT run yet; resume "
+                          "from a sharded DMT checkpoint (a run's checkpoints/step-N directory)")
+
+    def restore(self, ckpt_dir: Path) -> None:
+        """Load a sharded DMT checkpoint onto this rank's part of the current layout (module docstring)."""
+        ckpt_dir = Path(ckpt_dir)
+        if ckpt_dir.is_file():
+            return self.restore_single(ckpt_dir)
+        m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
+        if m.get("format") != "embedscale.sharded_checkpoint":
+            raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
+        if m.get("kind") != CHECKPOINT_KIND:
+            raise FormatError(f"{ckpt_dir}: written by a flat model (model.arch dlrm/dcn under a plan); a DMT run "
+                              "resumes from DMT checkpoints only")
+        if m["tables"] != [t.name for t in self.tables] or m["table_rows"] != [t.num_rows for t in self.tables]:
+            raise FormatError(f"{ckpt_dir}: tables {m['tables']} / {m['table_rows']} differ from this model's")
+        if m["towers"] != self.assignment.towers:
+            raise ConfigError(f"{ckpt_dir}: trained with towers {m['towers']}, this run has {self.assignment.towers}; "
+                              "a DMT checkpoint resumes with the same towers only")
+        mine = self._manifest_model()
+        diff = [k for k in mine if m["model"].get(k) != mine[k]]
+        if diff:
+            saved = ", ".join(f"model.{k} {m['model'].get(k)!r}" for k in diff)
+            raise ConfigError(f"{ckpt_dir}: trained with {saved}; this run's differ (a DMT checkpoint resumes with "
+                              "the same model shape)")
+        if m.get("optimizer") != self.cfg.train.sparse_optimizer or \
+                m.get("dense_optimizer") != self.cfg.train.dense_optimizer:
+            raise ConfigError(f"{ckpt_dir}: optimizers {m.get('optimizer')}/{m.get('dense_optimizer')} differ from this "
+                              f"run's {self.cfg.train.sparse_optimizer}/{self.cfg.train.dense_optimizer}")
+        shards = [torch.load(ckpt_dir / name, map_location="cpu", weights_only=True) for name in m["shards"]]
+        self._restore_tables(ckpt_dir, shards)
+        dense, opt_state, groups = {}, {}, None
+        for sh in shards:
+            dense.update(sh["dense"])
+            opt_state.update(sh["optimizer"])
+            if sh["rank"] == 0:
+                groups, self.losses = sh["optimizer_groups"], [float(x) for x in sh["losses"]]
+        want = {k for k in self.model.state_dict() if not k.startswith("sparse_arch.embedding.")}
+        missing = sorted(want - set(dense))
+        if missing:
+            raise FormatError(f"{ckpt_dir}: no saved values for {missing[:5]}")
+        self.model.load_state_dict({k: dense[k] for k in want}, strict=False)
+        sd = self.opt.state_dict()
+        sd["state"] = {i: opt_state[n] for i, n in enumerate(self._dense_names) if n in opt_state}
+        sd["param_groups"] = [{**saved, "params": cur["params"]} for saved, cur in zip(groups, sd["param_groups"])]
+        self.opt.load_state_dict(sd)
+        self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
+        self.samples = m["samples"]
+
+    def _restore_tables(self, ckpt_dir: Path, shards: list[dict]) -> None:
+        """Every row range this rank holds, gathered from the saved ranges of all shards."""
+        pl = self.towers.placement
+        pieces: dict[str, list[dict]] = {}
+        for sh in shards:
+            for name, e in sh["tables"].items():
+                pieces.setdefault(name, []).append(e)
+        with torch.no_grad():
+            for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
+                table = pl.tables[i]
+                w = self.embedding.table_weight(spec.name)
+                mom = self.embedding.table_momentum(spec.name) if self.embedding.momentum is not None else None
+                covered = np.zeros(hi - lo, dtype=bool)
+                for e in pieces.get(table.name, []):
+                    a, b = max(lo, e["lo"]), min(hi, e["hi"])
+                    if a >= b:
+                        continue
+                    w[a - lo:b - lo].copy_(e["weight"][a - e["lo"]:b - e["lo"]])
+                    if mom is not None:
+                        if "momentum" not in e:
+                            raise FormatError(f"{ckpt_dir}: table {table.name!r} has no row-wise Adagrad state")
+                        mom[a - lo:b - lo].copy_(e["momentum"][a - e["lo"]:b - e["lo"]])
+                    covered[a - lo:b - lo] = True
+                if not covered.all():
+                    first = lo + int(np.argmin(covered))
+                    raise FormatError(f"{ckpt_dir}: no shard holds row {first} of table {table.name!r}")
+
+
+def is_dmt_checkpoint(ckpt_dir: Path) -> bool:
+    p = Path(ckpt_dir) / "manifest.json"
+    return p.exists() and read_json(p, "sharded checkpoint manifest").get("kind") == CHECKPOINT_KIND
+
+
+__all__ = ["DMTRun", "TOWERS_FILE", "dmt_layout", "is_dmt_checkpoint", "prepare_towers", "resolve_run_towers"]

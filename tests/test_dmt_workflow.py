@@ -1,0 +1,234 @@
+"""DMT as a product: ``model.arch: dmt-dlrm | dmt-dcn`` through the config, the workflow, the CLI and the
+distributed trainer, with checkpoints; ``embedscale towers``.
+
+Reference: the same config trained in one process (``workflow.train``: all towers in one process over
+``LocalEmbeddingBags``, the fused row-wise Adagrad, the same placement-independent initial rows, one tower
+per host of ``dist.topology_hosts``). The 4-rank run (2 hosts x 2, through ``embedscale train --nproc 4``
+under torchrun) goes through the tower transform with tower-group gradient sync instead; per-step losses,
+every table row, tower modules and dense parameters, and the eval AUC must match within float
+reassociation. Its mid-run checkpoint resumed on the same layout must end bitwise where the uninterrupted
+run ended, and resumed on 2 ranks as one host with row-wise shards (re-sharding) must still match the
+reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from embedscale import workflow
+from embedscale.cli import main
+from embedscale.errors import ConfigError
+from embedscale.specs import RunConfig, from_dict, to_dict
+from embedscale.towers.partitioner import TowerAssignment
+from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
+from embedscale.train.launch import spawn_local
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_distributed_train import ROWS, make_data  # noqa: E402
+
+STEPS = 6
+FEATURES = [f"C{i + 1}" for i in range(len(ROWS))]
+
+
+def config(tmp_path, data_dir, **over) -> RunConfig:
+    d = {"name": "dmt", "out_dir": str(tmp_path / "runs"),
+         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
+         "model": {"arch": "dmt-dlrm", "embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "tower_compression": 2,
+                   "tower_c": 1, "tower_p": 1},
+         "train": {"batch_size": 50, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
+                   "checkpoint_every": 3, "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad",
+                   "prefetch": 0},
+         "dist": {"topology_hosts": 2, "timeout_s": 60}}
+    for key, value in over.items():
+        section, field = key.split("__")
+        d[section][field] = value
+    return from_dict(RunConfig, d)
+
+
+def cli_flags(cfg: RunConfig) -> list[str]:
+    m, t = cfg.model, cfg.train
+    return ["--data-source", "shards", "--data-path", cfg.data.path, "--data-eval-fraction", "0.2",
+            "--model-arch", m.arch, "--model-embedding-dim", "4", "--model-bottom-mlp", "8", "--model-top-mlp", "8",
+            "--model-tower-compression", "2", "--model-tower-c", "1", "--model-tower-p", "1",
+            "--train-batch-size", str(t.batch_size), "--train-max-steps", str(t.max_steps), "--train-lr-dense", "0.1",
+            "--train-lr-sparse", "0.3", "--train-log-every", "1", "--train-checkpoint-every", "3",
+            "--train-sparse-optimizer", "rowwise_adagrad", "--train-dense-optimizer", "adagrad", "--train-prefetch", "0",
+            "--dist-topology-hosts", "2", "--dist-timeout-s", "60", "--out-dir", cfg.out_dir]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dmt-data")
+    make_data(d)
+    return d
+
+
+def single_process(cfg: RunConfig, run_dir: Path) -> dict:
+    summary = workflow.train(cfg, run_dir, resume=True, progress=False)
+    ck = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
+    prefix = "sparse_arch.embedding."
+    return {"losses": ck["extra"]["losses"], "summary": summary,
+            "tables": {f"t_{f}": ck["model"][f"{prefix}t_{f}.weight"] for f in FEATURES},
+            "momentum": {f"t_{f}": ck["model"][f"{prefix}t_{f}.momentum"] for f in FEATURES},
+            "dense": {k: v for k, v in ck["model"].items() if not k.startswith(prefix)}}
+
+
+def sharded(ckpt_dir: Path) -> dict:
+    """Losses, whole tables (assembled from the row ranges of every shard) and dense state of a DMT checkpoint."""
+    tables = {f"t_{f}": torch.full((r, 4), float("nan")) for f, r in zip(FEATURES, ROWS)}
+    momentum = {f"t_{f}": torch.full((r,), float("nan")) for f, r in zip(FEATURES, ROWS)}
+    dense, losses = {}, None
+    for f in sorted(ckpt_dir.glob("rank-*.pt")):
+        sh = torch.load(f, weights_only=True)
+        for name, e in sh["tables"].items():
+            tables[name][e["lo"]:e["hi"]] = e["weight"]
+            momentum[name][e["lo"]:e["hi"]] = e["momentum"]
+        dense.update(sh["dense"])
+        if sh["rank"] == 0:
+            losses = sh["losses"]
+    for name, w in tables.items():
+        assert not torch.isnan(w).any(), f"{ckpt_dir}: rows of {name} missing"
+    return {"losses": losses, "tables": tables, "momentum": momentum, "dense": dense}
+
+
+def assert_matches(got: dict, ref: dict, atol: float, what: str) -> None:
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0, atol=atol, err_msg=f"{what}: losses")
+    for key in ("tables", "momentum"):
+        for name, w in ref[key].items():
+            torch.testing.assert_close(got[key][name], w, rtol=0, atol=atol, msg=lambda m: f"{what} {key} {name}: {m}")
+    assert set(got["dense"]) == set(ref["dense"]), (what, set(got["dense"]) ^ set(ref["dense"]))
+    for k, v in ref["dense"].items():
+        torch.testing.assert_close(got["dense"][k], v, rtol=0, atol=atol, msg=lambda m: f"{what} {k}: {m}")
+
+
+def _resume_rank(rank, world, cfg_dict, run_dir, resume_from, bad_towers):
+    """Resume ``resume_from`` on this layout and train to the end; then check that a restore under other
+    towers is refused before any exchange."""
+    from embedscale.train.distributed import join_run
+    from embedscale.train.dmt_run import DMTRun
+    from embedscale.train.distributed import train_distributed
+
+    cfg = from_dict(RunConfig, cfg_dict)
+    train_distributed(cfg, run_dir, progress=False, resume_from=resume_from)
+    rd, _, _ = join_run(cfg, run_dir, False)
+    run = DMTRun(cfg, rd, rank, world, False)
+    run.assignment = TowerAssignment(bad_towers)
+    try:
+        run.restore(Path(resume_from))
+        return "no error"
+    except ConfigError as e:
+        return str(e)
+
+
+def test_dmt_dlrm_on_4_ranks_through_the_cli_equals_single_process_and_resumes(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    ref = single_process(cfg, tmp_path / "single")
+    assert len(ref["losses"]) == STEPS
+    assert json.loads((tmp_path / "single" / "towers.json").read_text())["towers"] == [["C1", "C3"], ["C2", "C4"]]
+
+    run4 = tmp_path / "four"
+    p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--nproc", "4", "--run-dir", str(run4),
+                        "--no-progress", "--json", *cli_flags(cfg)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["world_size"] == 4 and s["plan"].startswith("dmt: 2 towers on 2 tower group(s)")
+    assert s["towers"] == [["C1", "C3"], ["C2", "C4"]] and s["compression_ratio"] == 8 / 6  # D = 2, c = p = 1: O = D (c F + p) = 6 of F N = 8
+    assert s["cross_host_bytes_per_step"] > 0 and s["embedding_bytes_on_wire_per_step"] > 0
+    got = sharded(run4 / "checkpoints" / f"step-{STEPS:08d}")
+    assert_matches(got, ref, 1e-5, "4 ranks vs single process")
+    assert abs(s["eval_auc"] - ref["summary"]["eval_auc"]) < 1e-6
+    assert abs(s["eval_logloss"] - ref["summary"]["eval_logloss"]) < 1e-5
+
+    half = run4 / "checkpoints" / "step-00000003"
+    manifest = json.loads((half / "manifest.json").read_text())
+    assert manifest["kind"] == "dmt" and manifest["world_size"] == 4 and manifest["step"] == 3
+
+    # the same layout, resumed from step 3 in a new run directory: bitwise the uninterrupted run
+    bad = [["C1", "C2"], ["C3", "C4"]]
+    msgs = spawn_local(_resume_rank, 4, to_dict(cfg), str(tmp_path / "resumed4"), str(half), bad, timeout_s=180)
+    again = sharded(tmp_path / "resumed4" / "checkpoints" / f"step-{STEPS:08d}")
+    assert again["losses"] == got["losses"]
+    for key in ("tables", "momentum", "dense"):
+        for k in got[key]:
+            assert torch.equal(again[key][k], got[key][k]), (key, k)
+    for m in msgs:
+        assert "trained with towers" in m and "['C1', 'C3']" in m and "same towers" in m, m
+
+    # re-sharding: 2 ranks on one host, both towers in one tower group, row-wise shards (reduce-scatter)
+    cfg2 = config(tmp_path, data_dir, model__towers=2, model__tower_sharding="row", dist__topology_hosts=1)
+    spawn_local(_resume_rank, 2, to_dict(cfg2), str(tmp_path / "two"), str(half), bad, timeout_s=180)
+    two = sharded(tmp_path / "two" / "checkpoints" / f"step-{STEPS:08d}")
+    assert_matches(two, ref, 1e-5, "4 ranks resumed on 2 (row-wise) vs single process")
+
+
+def test_single_process_dmt_dcn_resumes_exactly_and_keeps_its_towers(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir, model__arch="dmt-dcn", model__tower_cross_layers=1)
+    a = tmp_path / "a"
+    workflow.train(cfg, a, resume=False, progress=False)
+    ck_a = load_checkpoint(latest_checkpoint(a / "checkpoints"))
+    model_keys = [k for k in ck_a["model"] if k.startswith("sparse_arch.towers.")]
+    assert any("cross" in k for k in model_keys), model_keys  # the DCN tower module (Listing 2) is there
+    b = tmp_path / "b"
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copy(a / "checkpoints" / "step-00000003.pt", b / "checkpoints")
+    shutil.copy(a / "towers.json", b)
+    workflow.train(cfg, b, resume=True, progress=False)
+    ck_b = load_checkpoint(latest_checkpoint(b / "checkpoints"))
+    assert ck_b["extra"]["losses"] == ck_a["extra"]["losses"]
+    for k, v in ck_a["model"].items():
+        assert torch.equal(ck_b["model"][k], v), k
+    # resuming this run directory under other towers is refused
+    other = tmp_path / "other.json"
+    TowerAssignment([["C1", "C2"], ["C3", "C4"]]).save(other)
+    cfg_other = config(tmp_path, data_dir, model__arch="dmt-dcn", model__tower_assignment=str(other))
+    with pytest.raises(ConfigError, match=r"towers\.json: this run directory was trained with towers"):
+        workflow.train(cfg_other, b, resume=True, progress=False)
+
+
+def test_dmt_config_errors_name_the_key(tmp_path, data_dir):
+    def build(**over):
+        cfg = config(tmp_path, data_dir, **over)
+        data = workflow.prepare_data(cfg, progress=False)
+        return workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
+                              torch.device(cfg.train.device))
+
+    with pytest.raises(ConfigError, match="model.tower_compression 3 must divide model.embedding_dim 4"):
+        build(model__tower_compression=3)
+    with pytest.raises(ConfigError, match="model.towers is set but model.arch is 'dlrm'"):
+        build(model__arch="dlrm", model__towers=2)
+    with pytest.raises(ConfigError, match="model.tower_sharding 'column' is not one of table, row"):
+        build(model__tower_sharding="column")
+    with pytest.raises(ConfigError, match="model.tower_c and model.tower_p are both 0"):
+        build(model__tower_c=0, model__tower_p=0)
+    with pytest.raises(ConfigError, match="model.tower_assignment: file not found: .*nope.json"):
+        build(model__tower_assignment=str(tmp_path / "nope.json"))
+    partial = tmp_path / "partial.json"
+    TowerAssignment([["C1", "C3"], ["C2"]]).save(partial)
+    with pytest.raises(ConfigError, match=r"partial\.json: .*missing \['C4'\]"):
+        build(model__tower_assignment=str(partial))
+    with pytest.raises(ConfigError, match="has 2 towers, model.towers asks for 3"):
+        build(model__tower_assignment=str(_save(tmp_path, [["C1", "C3"], ["C2", "C4"]])), model__towers=3)
+    # an assignment file sets the tower count when model.towers is 0; the CLI has a flag per setting
+    model, _ = build(model__tower_assignment=str(_save(tmp_path, [["C1"], ["C2"], ["C3", "C4"]])), dist__topology_hosts=1)
+    assert model.sparse_arch.assignment.towers == [["C1"], ["C2"], ["C3", "C4"]]
+    r = CliRunner().invoke(main, ["train", "--help"])
+    for flag in ("--model-towers", "--model-tower-assignment", "--model-tower-compression", "--model-tower-c",
+                 "--model-tower-p", "--model-hosts-per-tower", "--model-tower-sharding"):
+        assert flag in r.output, flag
+
+
+def _save(tmp_path, towers) -> Path:
+    path = tmp_path / f"towers-{len(towers)}-{len(towers[0])}.json"
+    TowerAssignment(towers).save(path)
+    return path
