@@ -232,3 +232,95 @@ def _save(tmp_path, towers) -> Path:
     path = tmp_path / f"towers-{len(towers)}-{len(towers[0])}.json"
     TowerAssignment(towers).save(path)
     return path
+
+
+# --------------------------------------------------------------------------------------------------
+# embedscale towers
+
+
+def planted_shards(path: Path, n: int):
+    """``PlantedGroups`` (8 features, 2 planted groups) written as shards; returns the generator."""
+    from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+    from embedscale.towers.planted import PlantedGroups
+
+    data = PlantedGroups(num_features=8, num_groups=2, num_rows=30, seed=1)
+    b = data.batch(0, n)
+    assert int(b.sparse.lengths.max()) == 1 == int(b.sparse.lengths.min())
+    # one-hot, key-major values: feature i's ids are values[i n: (i + 1) n]
+    ids = {k: b.sparse.values[i * n:(i + 1) * n].numpy() for i, k in enumerate(b.sparse.keys)}
+    with ShardWriter(path, [f"I{i + 1}" for i in range(data.num_dense)],
+                     [SparseFeatureInfo(f, data.num_rows) for f in data.feature_names], shard_rows=50_000) as w:
+        w.write(b.labels.numpy(), b.dense.numpy(), ids)
+    return data
+
+
+def test_towers_command_learns_planted_groups_and_training_accepts_them(tmp_path):
+    from embedscale.towers.partitioner import adjusted_rand_index
+
+    data = planted_shards(tmp_path / "planted", 130_000)
+    cfg = from_dict(RunConfig, {
+        "name": "plain", "out_dir": str(tmp_path / "runs"),
+        "data": {"source": "shards", "path": str(tmp_path / "planted"), "eval_fraction": 0.08},
+        "model": {"arch": "dlrm", "embedding_dim": 8, "bottom_mlp": [16], "top_mlp": [16]},
+        "train": {"batch_size": 512, "lr_dense": 0.05, "lr_sparse": 1.0, "dense_optimizer": "adagrad",
+                  "eval_every": 0, "log_every": 50, "prefetch": 0}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        workflow.train(cfg, tmp_path / "plain", resume=False, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    r = CliRunner().invoke(main, ["towers", str(tmp_path / "plain"), "--samples", "4096", "--no-progress", "--json"])
+    assert r.exit_code == 2 and "pass --towers T" in r.output, r.output  # a one-host run: say how many
+    out = tmp_path / "learned.json"
+    r = CliRunner().invoke(main, ["towers", str(tmp_path / "plain"), "--towers", "2", "--samples", "4096", "--out",
+                                  str(out), "--no-progress", "--json"])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output.strip().splitlines()[-1])
+    learned = TowerAssignment.load(out)
+    assert learned.towers == s["towers"] and learned.sizes == [4, 4] and s["samples"] == 4096
+    assert adjusted_rand_index(learned.labels(data.feature_names), data.group_labels) >= 0.9, (learned.towers,
+                                                                                              data.groups())
+    assert s["learned"]["within_tower_interaction"] > s["naive"]["within_tower_interaction"]
+    report = json.loads(out.with_suffix(".report.json").read_text())
+    assert np.asarray(report["interaction"]).shape == (8, 8) and report["features"] == data.feature_names
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert learned.meta["checkpoint"].endswith(".pt") and learned.meta["samples"] == 4096
+
+    # training reads the file: a DMT run on one host with the learned towers (their count from the file)
+    r = CliRunner().invoke(main, ["train", "--data-source", "shards", "--data-path", str(tmp_path / "planted"),
+                                  "--data-eval-fraction", "0.08", "--model-arch", "dmt-dlrm", "--model-embedding-dim",
+                                  "8", "--model-bottom-mlp", "16", "--model-top-mlp", "16", "--model-tower-assignment",
+                                  str(out), "--train-max-steps", "3", "--train-batch-size", "256", "--run-dir",
+                                  str(tmp_path / "dmt"), "--no-progress", "--json"])
+    assert r.exit_code == 0, r.output
+    assert TowerAssignment.load(tmp_path / "dmt" / "towers.json").towers == learned.towers
+
+
+def test_towers_reads_sharded_checkpoints_of_planned_and_dmt_runs(tmp_path):
+    """Whole tables rebuilt from the two sharded formats (rows by global id; row ranges per table)."""
+    from embedscale.specs import TableSpec
+    from embedscale.towers.command import load_table_weights
+
+    tables = [TableSpec("a", 5, 3), TableSpec("b", 7, 3, features=["b1", "b2"])]
+    g = torch.Generator().manual_seed(0)
+    full = {t.name: torch.randn(t.num_rows, 3, generator=g) for t in tables}
+    flat = torch.cat([full["a"], full["b"]])
+    perm = torch.randperm(12, generator=g)
+    plan_dir, dmt_dir = tmp_path / "plan-ck", tmp_path / "dmt-ck"
+    plan_dir.mkdir(), dmt_dir.mkdir()
+    for r, gids in enumerate((perm[:5], perm[5:])):
+        torch.save({"rank": r, "embedding": {"gids": gids, "weight": flat[gids]}}, plan_dir / f"rank-{r:05d}.pt")
+    torch.save({"rank": 0, "tables": {"a": {"lo": 0, "hi": 5, "weight": full["a"]},
+                                      "b": {"lo": 0, "hi": 3, "weight": full["b"][:3]}}}, dmt_dir / "rank-00000.pt")
+    torch.save({"rank": 1, "tables": {"b": {"lo": 3, "hi": 7, "weight": full["b"][3:]}}}, dmt_dir / "rank-00001.pt")
+    for d, kind in ((plan_dir, "plan"), (dmt_dir, "dmt")):
+        (d / "manifest.json").write_text(json.dumps({"kind": kind, "tables": ["a", "b"], "table_rows": [5, 7],
+                                                     "shards": ["rank-00000.pt", "rank-00001.pt"]}))
+        got = load_table_weights(d, tables)
+        for name, w in full.items():
+            assert torch.equal(got[name], w), (kind, name)
+    (dmt_dir / "rank-00001.pt").unlink()
+    torch.save({"rank": 1, "tables": {}}, dmt_dir / "rank-00001.pt")
+    with pytest.raises(Exception, match="do not hold every row of table 'b'"):
+        load_table_weights(dmt_dir, tables)

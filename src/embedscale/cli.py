@@ -472,6 +472,39 @@ def topology(hosts, ranks_per_host, measure, out_path):
 
 
 @main.command()
+@click.argument("run", type=click.Path(exists=True))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Assignment JSON (default RUN/learned-towers.json); a .report.json and a .png go beside it.")
+@click.option("--towers", type=int, default=0, show_default=True,
+              help="Number of towers T (0: the run's model.towers, else one per host of dist.topology_hosts).")
+@click.option("--strategy", type=click.Choice(["coherent", "diverse"]), default="coherent", show_default=True,
+              help="coherent: similar features share a tower; diverse: dissimilar ones do (DMT 3.3).")
+@click.option("--max-ratio", type=float, default=1.0, show_default=True,
+              help="K: largest allowed max/min tower size ratio (raised to the smallest feasible one).")
+@click.option("--samples", type=int, default=65536, show_default=True,
+              help="Samples of the run's eval split (train split if none) for the interaction matrix.")
+@click.option("--coord-dim", type=int, default=2, show_default=True, help="Dimension of the feature coordinates.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-png", is_flag=True, help="Do not draw the interaction matrix.")
+@click.option("--no-progress", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed, no_png, no_progress, as_json):
+    """Learn a balanced, meaningful feature-to-tower assignment from a trained run (DMT 3.3 tower partitioner).
+
+    RUN is a run directory (its latest checkpoint; any arch) or a checkpoint. A DMT run trains with the result:
+    --model-arch dmt-dlrm --model-tower-assignment OUT.
+    """
+    from embedscale.towers.command import format_towers_summary, towers_command
+
+    try:
+        s = towers_command(run, out_path, towers=towers, strategy=strategy, max_ratio=max_ratio, samples=samples,
+                           coord_dim=coord_dim, seed=seed, png=not no_png, progress=not no_progress)
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(json.dumps(s, default=float) if as_json else format_towers_summary(s))
+
+
+@main.command()
 @click.argument("shards", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
               help="Where the index bijection goes (JSON + one .npy per table).")
