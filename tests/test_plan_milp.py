@@ -1,7 +1,7 @@
 """The MILP (OPER section 3.3) equals a brute-force enumeration of every plan on tiny instances.
 
-The brute force enumerates every holder set of every row and every fetch path of every non-holder
-(training: a row is held by its owner or by every rank, as OPER 4.3 and the MILP assume), evaluates each
+The brute force enumerates every holder set of every row (in training too: any number of holders, each
+paying eq. 5's ``2 (h-1)/h`` AllReduce share) and every fetch path of every non-holder, evaluates each
 plan with the cost model, and keeps the smallest ``max_rank_cost`` among those within capacity.
 """
 
@@ -22,8 +22,6 @@ def row_options(m: int, mode: str):
     """Every (holders, fetch) of one row on m ranks."""
     out = []
     sets = [frozenset(s) for k in range(1, m + 1) for s in itertools.combinations(range(m), k)]
-    if mode == "training":
-        sets = [s for s in sets if len(s) in (1, m)]
     for s in sets:
         non = [i for i in range(m) if i not in s]
         for srcs in itertools.product(sorted(s), repeat=len(non)):

@@ -8,7 +8,8 @@ from embedscale.plan.cost import evaluate
 from embedscale.plan.oper import plan_oper, rank_capacity
 from embedscale.plan.partition import cut_table, partition_tables, sort_tables
 from embedscale.plan.place import balanced_model_parallel
-from embedscale.plan.replicate import algorithm1, training_hot_rows
+from embedscale.plan.cost import evaluate_arrays
+from embedscale.plan.replicate import algorithm1, training_fill, training_hot_rows
 from embedscale.plan.synthetic_profile import ArrayProfile, ZipfProfile
 from embedscale.plan.topology import LinkTopology
 from embedscale.specs import Topology, TableSpec
@@ -133,6 +134,54 @@ def test_training_hot_rows_respects_budget_and_prefixes():
     k = training_hot_rows(heads, np.array([1.0, 2.0]), 2.5, budget_bytes=5, world_size=4)
     # per byte: a0 9, a1 5, b0 4, b1 3.5, a2 3 -> a0 (1), a1 (2), b0 (4) fits, b1 would reach 6
     assert k.tolist() == [2, 1]
+
+
+def test_training_fill_by_hand():
+    # 2 ranks; L local 0.1, remote 1 us/byte; BW_AR 1e-3 GB/s = 1 us/byte; g = 2. All on rank 0, rank 1 has
+    # 2 bytes free. A copy on rank 1 saves v (2 x 1 + 0.1 - 0.1) and costs 2 x mem of AllReduce:
+    # p0 (v 10, 1 byte): 18 > 0, copied; p1 (v 0.5, 1 byte): -1, not; p2 (v 5, 3 bytes): does not fit.
+    topo = LinkTopology.from_link_classes(1, 2, {"same_rank": 1e-2, "same_host": 1e-3}, allreduce_bw=1e-3)
+    lb = topo.cost_matrix()
+    vol, nb = np.array([10.0, 0.5, 5.0]), np.array([1.0, 1.0, 3.0])
+    holders = np.array([[True, False]] * 3)
+    fetch = np.zeros((3, 2), dtype=np.int32)
+    args = (np.zeros(3, dtype=np.int32), nb, vol, np.array([1.0]))  # table, rows, accesses (1-byte rows)
+
+    def totals():
+        c = evaluate_arrays(*args, holders, fetch, topo, "training")
+        return c.total_per_rank - c.latency_per_rank
+
+    total = totals()
+    avail = np.array([0.0, 2.0])
+    out = training_fill(holders, fetch, vol, nb, lb, avail, total, topo.allreduce_bw)
+    assert out == {"replicas": 1, "bytes": [0.0, 1.0]}
+    assert holders.tolist() == [[True, True], [True, False], [True, False]]
+    assert fetch.tolist() == [[0, 1], [0, 0], [0, 0]]
+    assert avail.tolist() == [0.0, 1.0]
+    np.testing.assert_allclose(total, totals())  # the running totals are the cost model's
+    # before: rank 0 looks up 2 x 15.5 x 0.1 = 3.1, rank 1 fetches 2 x 15.5 = 31; after: each holder of p0
+    # pays 2 (2-1)/2 x 1 = 1 of AllReduce, rank 1 reads p0 locally (1.0) and fetches 2 x 5.5 = 11
+    np.testing.assert_allclose(total, [1.1 + 1.0 + 1.0, 1.0 + 11.0 + 1.0])
+
+
+def test_training_fill_uses_the_room_the_everywhere_copies_leave():
+    # 5% of four small tables is too little for every row OPER 4.3 wants copied on all ranks; the rest of
+    # the room takes single copies and the plan ends within 0.1% of the lower bound (0.3% without them)
+    from embedscale.plan.bound import lower_bound
+
+    tabs = [TableSpec(f"t{i}", n, dim=16) for i, n in enumerate([20000, 5000, 300, 40])]
+    prof = ZipfProfile.from_tables(tabs, alpha=1.1, samples=100_000, seed=0)
+    topo = Topology(num_hosts=1, ranks_per_host=4)
+    plan = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048)
+    plan.validate()
+    assert plan.meta["training_fill"]["replicas"] > 0
+    assert 0 < plan.meta["replicated_rows_everywhere"] < 648
+    c = evaluate(plan, prof, topo, mode="training", batch_size=2048)
+    b = lower_bound(tabs, prof, topo, mode="training", batch_size=2048, capacity_bytes=plan.meta["capacity_bytes"])
+    assert b["rows_worth_replicating"] == 648
+    assert b["max_rank_cost"] <= c.max_rank_cost <= 1.001 * b["max_rank_cost"]
+    bare = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048, fill_rounds=0)
+    assert c.max_rank_cost < evaluate(bare, prof, topo, mode="training", batch_size=2048).max_rank_cost
 
 
 def test_threshold_refinement_reaches_the_target():

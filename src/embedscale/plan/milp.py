@@ -5,8 +5,10 @@ threshold, as the paper's solver runs in Table 3). Variables, for unit ``p`` and
 
 * ``x[p,i,j]``: rank ``i`` fetches ``p`` from rank ``j`` (OPER's ``P_p[i][j]``);
 * ``y[p,j]``: rank ``j`` holds ``p``; ``o[p,j]``: rank ``j`` owns ``p``;
-* training only: ``r[p]``: ``p`` is replicated on every rank (OPER 4.3 replicates for training on all
-  ranks; partial holder sets would make the AllReduce term ``2(h-1)/h`` non-linear);
+* training only: ``n[p,h]``: ``p`` has exactly ``h`` holders, and ``a[p,j,h] >= y[p,j] + n[p,h] - 1``
+  (continuous): rank ``j`` pays ``p``'s AllReduce share ``2 (h-1)/h * S_p / BW_AR`` (eq. 5 for ``h``
+  holders; OPER 4.3 copies to all ranks, ``h = M``, but any holder set is a plan the cost model
+  evaluates, and ``oper`` may make partial copies, so the optimum is over all of them);
 * ``u[i,j]``: link ``i <- j`` carries bytes; ``w[i] >= lat[i][j] * u[i,j]``: rank ``i``'s latency round;
 * ``z``: the largest per-rank cost.
 
@@ -60,13 +62,21 @@ def solve_units(
     nx, ny = p * m * m, p * m
     ox, oy, oo = 0, nx, nx + ny
     orr = oo + ny
-    nr = p if mode == "training" else 0
+    nr = p * m if mode == "training" else 0  # n[p,h], h = 1..M
     ou = orr + nr
     links = [(i, j) for i in range(m) for j in range(m) if i != j and lat[i, j] > 0]
     nu = len(links)
     ow = ou + nu  # latency round per rank (continuous)
     oz = ow + m
-    nvar = oz + 1
+    oa = oz + 1  # a[p,j,h] for h = 2..M (continuous)
+    na = p * m * (m - 1) if mode == "training" else 0
+    nvar = oa + na
+
+    def N(q, h):
+        return orr + q * m + (h - 1)
+
+    def A(q, j, h):
+        return oa + (q * m + j) * (m - 1) + (h - 2)
 
     def X(q, i, j):
         return ox + (q * m + i) * m + j
@@ -103,8 +113,11 @@ def solve_units(
             if not replicas:
                 add([(Y(q, j), 1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # and nobody else does
             if mode == "training":
-                add([(Y(q, j), 1.0), (orr + q, -1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # y <= o + r
-                add([(Y(q, j), 1.0), (orr + q, -1.0)], 0.0, np.inf)  # y >= r
+                for h in range(2, m + 1):  # a >= y + n - 1
+                    add([(Y(q, j), 1.0), (N(q, h), 1.0), (A(q, j, h), -1.0)], -np.inf, 1.0)
+        if mode == "training":
+            add([(N(q, h), 1.0) for h in range(1, m + 1)], 1.0, 1.0)  # one holder count
+            add([(Y(q, j), 1.0) for j in range(m)] + [(N(q, h), -float(h)) for h in range(1, m + 1)], 0.0, 0.0)
     for j in range(m):  # eq. 1
         add([(Y(q, j), float(part_bytes[q])) for q in range(p)], -np.inf, float(capacity[j]))
     for n_, (i, j) in enumerate(links):  # a link with traffic makes its latency the rank's round at least
@@ -112,7 +125,7 @@ def solve_units(
             if vol[q] > 0:
                 add([(X(q, i, j), 1.0), (ou + n_, -1.0)], -np.inf, 0.0)
         add([(ow + i, 1.0), (ou + n_, -float(lat[i, j]))], 0.0, np.inf)
-    ar = 2.0 * (m - 1) / m / (topo.allreduce_bw * 1e3)
+    ar = 1.0 / (topo.allreduce_bw * 1e3)
     for j in range(m):  # eqs. 2-5: cost of rank j <= z
         e = []
         for q in range(p):
@@ -123,8 +136,8 @@ def solve_units(
                     e.append((X(q, j, i), k * vol[q] * lb[j, i]))  # j reads from i (eq. 3)
                 else:
                     e.append((X(q, j, j), c))
-            if mode == "training":
-                e.append((orr + q, ar * float(part_bytes[q])))
+            if mode == "training":  # eq. 5 for h holders
+                e.extend((A(q, j, h), 2.0 * (h - 1) / h * ar * float(part_bytes[q])) for h in range(2, m + 1))
         e.append((ow + j, k))
         e.append((oz, -1.0))
         add(e, -np.inf, 0.0)

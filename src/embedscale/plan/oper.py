@@ -7,7 +7,9 @@
    memory; if the degree of balance of memory or lookup misses the target, halve the threshold and
    repeat (the threshold refinement of 4.2).
 4. Inference: Algorithm 1 fills each rank's free memory with replicas of the hot partitions it fetches,
-   re-pointing fetch paths to the cheapest holder (4.3).
+   re-pointing fetch paths to the cheapest holder (4.3). Training: the memory step 1's all-rank copies
+   left free takes single copies of partitions that still pass 4.3's test (``replicate.training_fill``).
+5. Polish (our addition): partition moves and swaps that lower the largest per-rank cost.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from embedscale.plan.cost import check_mode, dob, evaluate_arrays, profile_sampl
 from embedscale.plan.partition import Partitions, partition_tables, sort_tables
 from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition, polish
 from embedscale.plan.plan import Plan
-from embedscale.plan.replicate import algorithm1, training_hot_rows
+from embedscale.plan.replicate import algorithm1, training_fill, training_hot_rows
 from embedscale.plan.topology import as_link_topology
 
 
@@ -59,6 +61,7 @@ def plan_oper(
     replicate: bool = True,
     exhaust_links: bool = True,
     polish_moves: int = 200,
+    fill_rounds: int = 3,
     alg1_order: str = "max_comm",
     alg1_choice: str = "best_gain",
     sorted_tables=None,
@@ -81,6 +84,8 @@ def plan_oper(
         alg1_order, alg1_choice: see ``replicate.algorithm1``.
         polish_moves: at most this many partition moves or swaps that lower the largest per-rank cost
             (``place.polish``, our addition; 0 = OPER's steps only).
+        fill_rounds: training: at most this many rounds of ``replicate.training_fill`` + polish (0: none,
+            OPER's all-rank copies only).
     """
     t0 = time.perf_counter()
     check_mode(mode)
@@ -171,22 +176,61 @@ def plan_oper(
             hot = training_hot_rows(heads, rb, f_thr * samples, budget, m) if budget > 0 else np.zeros_like(hot)
     table, start, stop, own, counts = best["table"], best["start"], best["stop"], best["own"], best["counts"]
     holders, fetch, alg1 = best["holders"], best["fetch"], best["alg1"]
+    nbytes = (stop - start) * rb[table]
+    vol = counts * scale * rb[table]
 
-    moves = 0
-    polish_stats: dict = {}
-    if polish_moves > 0 and m > 1:
-        nbytes = (stop - start) * rb[table]
-        vol = counts * scale * rb[table]
+    def current():
+        return evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
+
+    def polish_singles(stats: dict) -> int:
+        """5. Our addition: moves and swaps of single-holder partitions that lower the largest per-rank cost."""
+        if polish_moves <= 0 or m <= 1:
+            return 0
         single = holders.sum(axis=1) == 1
-        c0 = evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
-        total = c0.total_per_rank - c0.latency_per_rank
-        mem = c0.memory_per_rank.copy()
-        moves = polish(own, single, vol, nbytes, lb, total, mem, place_cap, 2.0 if mode == "training" else 1.0,
-                       max_moves=polish_moves, stats=polish_stats)
-        if moves:
+        c0 = current()
+        n = polish(own, single, vol, nbytes, lb, c0.total_per_rank - c0.latency_per_rank, c0.memory_per_rank.copy(),
+                   place_cap, 2.0 if mode == "training" else 1.0, max_moves=polish_moves, stats=stats)
+        if n:
             holders[single] = False
             holders[np.flatnonzero(single), own[single]] = True
             fetch[single] = own[single][:, None]
+        return n
+
+    polish_stats: dict = {}
+
+    def add_stats(st: dict) -> None:
+        for k, v in st.items():
+            polish_stats[k] = polish_stats.get(k, 0) + v
+
+    first: dict = {}
+    moves = polish_singles(first)
+    add_stats(first)
+    fill = None
+    if mode == "training" and replicate and m > 1 and fill_rounds > 0:
+        # 4. training: single copies that pass 4.3's test in the room left, then polish around them. The
+        # placement polish settles on decides which copies fit where, so drop the copies and fill again
+        # while that lowers the largest per-rank cost (at most fill_rounds times; kept only if it does).
+        everywhere = holders.all(axis=1)
+        best_state = (current().max_rank_cost, own.copy(), holders.copy(), fetch.copy(), {"replicas": 0, "bytes": [0.0] * m})
+        for _ in range(fill_rounds):
+            holders[~everywhere] = False
+            holders[np.flatnonzero(~everywhere), own[~everywhere]] = True
+            fetch[~everywhere] = np.where(holders[~everywhere], np.arange(m, dtype=np.int32)[None, :],
+                                          own[~everywhere][:, None])
+            c0 = current()
+            f = training_fill(holders, fetch, vol, nbytes, lb, cap - c0.memory_per_rank,
+                              c0.total_per_rank - c0.latency_per_rank, topo.allreduce_bw)
+            again: dict = {}
+            n = polish_singles(again) if f["replicas"] else 0
+            add_stats(again)
+            c = current().max_rank_cost
+            if c >= best_state[0] * (1 - 1e-12):
+                break
+            moves += n
+            best_state = (c, own.copy(), holders.copy(), fetch.copy(), f)
+            if not f["replicas"]:
+                break
+        _, own[:], holders[:], fetch[:], fill = best_state
 
     meta = {
         "strategy": "oper",
@@ -203,6 +247,7 @@ def plan_oper(
         "replicated_rows_everywhere": int(hot.sum()),
         "replication_budget_bytes": budget,
         "algorithm1": alg1,
+        "training_fill": fill,
         "polish_moves": moves,
         "polish": polish_stats,
         "samples": samples,

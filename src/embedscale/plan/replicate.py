@@ -6,7 +6,9 @@
   the new holder (lines 13-20). A rank stops when nothing it fetches fits any more.
 * Training: a row is worth replicating on every rank only when its per-sample frequency
   ``f > BW_P2P / (Batch_Size * BW_AR)`` (eqs. 4-5); among those rows, the hottest per byte are
-  replicated until the extra-memory budget is used.
+  replicated until the extra-memory budget is used (``training_hot_rows``). The room placement leaves
+  then takes single copies that still pass the same test, per copy (``training_fill``; our addition:
+  OPER copies to all ranks only).
 """
 
 from __future__ import annotations
@@ -248,3 +250,109 @@ def training_hot_rows(heads: list[np.ndarray], row_bytes: np.ndarray, freq_thres
     if np.any(k > kmax):  # pragma: no cover - guarded by construction
         raise ConfigError("training replication chose more rows than qualify")
     return k
+
+
+def training_fill(
+    holders: np.ndarray,
+    fetch: np.ndarray,
+    part_volume: np.ndarray,
+    part_bytes: np.ndarray,
+    cost: np.ndarray,
+    available: np.ndarray,
+    total: np.ndarray,
+    allreduce_bw: float,
+    grad_factor: float = 2.0,
+    max_replicas: int = 100_000,
+) -> dict:
+    """Training replicas in the room the all-rank replicas of ``training_hot_rows`` leave (OPER 4.3, eqs. 4-5).
+
+    ``training_hot_rows`` copies whole rows to every rank while the budget lasts; placement then leaves
+    each rank some free memory (packing slack, budget given back when placement did not fit), while
+    partitions that pass OPER's test may remain single. Copying partition ``p`` to one more rank ``x``
+    changes the iteration's summed cost by
+
+        - A_p S_p (g L[x][src] + L[src][src] - L[x][x]) + 2 p.mem / BW_AR
+
+    (``x`` stops fetching it and looks it up locally, its source stops looking it up for ``x``; the
+    ring AllReduce of ``h`` holders moves ``2 (h-1)/h p.mem`` per holder, ``2 (h-1) p.mem`` in all, so
+    one more holder adds ``2 p.mem``). On a uniform machine this is negative exactly when OPER's
+    ``f > BW_P2P / (B BW_AR)`` holds (eq. 4 > eq. 5), for any number of holders: the rule, applied per
+    copy; across hosts it also admits copies of rows read over the slow links only. Each step takes,
+    among the copies that lower that sum and fit a rank's free memory, the one that saves the most per
+    byte (the hottest first, as 4.3 ranks rows), on the rank it leaves with the lowest (largest, second
+    largest) per-rank cost; peers re-point to the new holder when it is cheaper (Algorithm 1 lines 13-20).
+
+    Args:
+        holders, fetch: ``[P, M]`` as in ``Plan`` (modified in place).
+        part_volume: ``[P]`` bytes each rank reads from the partition per iteration (``A_p * S_p``).
+        part_bytes: ``[P]`` footprint.
+        cost: ``[M, M]`` OPER ``L`` (microseconds per byte).
+        available: ``[M]`` free bytes per rank (modified in place).
+        total: ``[M]`` each rank's lookup-plus-communication cost (modified in place, latency aside).
+        allreduce_bw: ``BW_AR`` in GB/s.
+        grad_factor: ``g``, 2 in training (eq. 4).
+
+    Returns:
+        ``{"replicas": count, "bytes": per-rank bytes added}``.
+    """
+    p, m = holders.shape
+    vol = np.asarray(part_volume, dtype=np.float64)
+    nb = np.asarray(part_bytes, dtype=np.float64)
+    ar = 1.0 / (allreduce_bw * 1e3)  # us per byte
+    loc = np.diag(cost)
+    g = float(grad_factor)
+    # a copy can only pay when it would even from the costliest source to the cheapest rank
+    remote = np.where(~np.eye(m, dtype=bool), cost, 0.0)
+    best_case = vol * (g * remote.max() + loc.max() - loc.min()) - 2.0 * ar * nb
+    cand = np.flatnonzero((best_case > 0) & ~holders.all(axis=1))
+    added = np.zeros(m)
+    count = 0
+    ranks = np.arange(m)
+    while cand.size and count < max_replicas:
+        v, b, hl, f = vol[cand], nb[cand], holders[cand], fetch[cand]
+        h = hl.sum(axis=1).astype(np.float64)
+        ar_new, ar_old = 2.0 * h / (h + 1) * b * ar, 2.0 * (h - 1) / h * b * ar
+        delta = np.zeros((cand.size, m, m))  # [candidate, new holder x, rank]
+        gain = np.zeros((cand.size, m))
+        for x in range(m):
+            src = f[:, x]
+            gain[:, x] = v * (g * cost[x, src] + loc[src] - loc[x]) - 2.0 * ar * b
+            dx = delta[:, x, :]
+            dx += hl * (ar_new - ar_old)[:, None]  # the holders' AllReduce share grows
+            dx[:, x] += v * (loc[x] - g * cost[x, src]) + ar_new
+            np.subtract.at(dx, (np.arange(cand.size), src), v * loc[src])
+            for i in range(m):  # peers that re-point to x (lines 13-20)
+                if i == x:
+                    continue
+                o = f[:, i]
+                rp = ~hl[:, i] & (cost[i, x] < cost[i, o])
+                if rp.any():
+                    k = np.flatnonzero(rp)
+                    dx[k, i] += g * v[k] * (cost[i, x] - cost[i, o[k]])
+                    dx[k, x] += v[k] * loc[x]
+                    np.subtract.at(dx, (k, o[k]), v[k] * loc[o[k]])
+        ok = ~hl & (b[:, None] <= available[None, :]) & (gain > 0)
+        if not ok.any():
+            break
+        # the copy that saves the most per byte (OPER's hottest first); among equally good ones, the
+        # rank it leaves the lowest (largest, second largest) per-rank cost
+        density = np.where(ok, gain / np.maximum(b, 1.0)[:, None], -np.inf)
+        ok &= density >= density.max() * (1 - 1e-9)
+        new = total[None, None, :] + delta
+        top2 = -np.partition(-new, 1, axis=2)[:, :, :2]
+        inf = np.inf
+        key = np.lexsort((np.where(ok, top2[:, :, 1], inf).ravel(), np.where(ok, top2[:, :, 0], inf).ravel()))[0]
+        c, x = np.unravel_index(key, ok.shape)
+        q, x = int(cand[c]), int(x)
+        total += delta[c, x]
+        rp = ~holders[q] & (cost[:, x] < cost[ranks, fetch[q]])
+        rp[x] = False
+        holders[q, x] = True
+        fetch[q, x] = x
+        fetch[q, rp] = x
+        available[x] -= nb[q]
+        added[x] += nb[q]
+        count += 1
+        if holders[q].all():
+            cand = cand[cand != q]
+    return {"replicas": count, "bytes": added.tolist()}
