@@ -269,7 +269,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     summary = trainer.fit()
     summary.update({"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
                     "eval_rows": data.eval.rows if data.eval else 0, "run_dir": str(run_dir),
-                    "embedding_bytes": sum(tb.memory_bytes for tb in tables), "num_tables": len(tables)})
+                    "embedding_bytes": sum(tb.memory_bytes for tb in tables), "num_tables": len(tables),
+                    "host_tables": sum(tb.placement == "host" for tb in tables)})
     plot_curves(trainer.rows, run_dir / "curves.png", title=f"{cfg.model.arch} on {cfg.data.source}",
                 ceiling_auc=data.teacher_auc)
     atomic_write_json(run_dir / "summary.json", summary)
@@ -349,7 +350,8 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
 def format_summary(s: dict) -> str:
     lines = [
         f"run directory      {s.get('run_dir')}",
-        f"tables             {s.get('num_tables')} ({s.get('embedding_bytes', 0) / 2**20:,.1f} MiB of embeddings)",
+        f"tables             {s.get('num_tables')} ({s.get('embedding_bytes', 0) / 2**20:,.1f} MiB of embeddings"
+        + (f"; {s['host_tables']} in the host parameter server)" if s.get("host_tables") else ")"),
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
         f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",

@@ -550,7 +550,9 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         "grad_sync_bytes_per_step": bytes_mean[1].item(),
         "steps_measured": steps_here, "plan": run.plan_name,
         "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
-        "num_tables": len(run.tables), "embedding_bytes": sum(tb.memory_bytes for tb in run.tables),
+        "num_tables": len(getattr(run, "all_tables", run.tables)),
+        "embedding_bytes": sum(tb.memory_bytes for tb in getattr(run, "all_tables", run.tables)),
+        "host_tables": sum(tb.placement == "host" for tb in getattr(run, "all_tables", [])),
     }
     summary.update(figures)
     _write_metrics(run.run_dir, rows)
