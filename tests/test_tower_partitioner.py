@@ -21,6 +21,7 @@ from embedscale.towers.partitioner import (
     naive_assignment,
     partition_features,
     plot_interaction,
+    refine_by_swaps,
     size_bounds,
 )
 from embedscale.towers.planted import PlantedGroups
@@ -62,21 +63,32 @@ def test_naive_assignment_is_dmt_strided_example():
 
 def test_interaction_matrix_matches_loops_and_skips_empty_bags():
     g = torch.Generator().manual_seed(0)
-    e = torch.randn(7, 4, 3, generator=g)
+    e = torch.randn(7, 4, 3, generator=g) + torch.tensor([2.0, 0.0, 0.0])  # a shared constant part
     e[2, 1] = 0.0  # an empty bag: no direction
-    I = interaction_matrix([e[:3], e[3:]])
-    want = np.zeros((4, 4))
-    cnt = np.zeros((4, 4))
-    for b in range(7):
-        for i in range(4):
-            for j in range(4):
-                u, v = e[b, i].double(), e[b, j].double()
-                if u.norm() > 0 and v.norm() > 0:
-                    want[i, j] += abs(float(u @ v / (u.norm() * v.norm())))
-                    cnt[i, j] += 1
-    want = want / cnt
-    np.fill_diagonal(want, 1.0)
-    np.testing.assert_allclose(I, want, atol=1e-12)
+    for center in (False, True):
+        I = interaction_matrix([e[:3], e[3:]], center=center)
+        mean = torch.zeros(4, 3, dtype=torch.float64)
+        if center:  # every feature's mean over its non-empty bags
+            for i in range(4):
+                rows = [e[b, i].double() for b in range(7) if e[b, i].norm() > 0]
+                mean[i] = sum(rows) / len(rows)
+        want = np.zeros((4, 4))
+        cnt = np.zeros((4, 4))
+        for b in range(7):
+            for i in range(4):
+                for j in range(4):
+                    if e[b, i].norm() > 0 and e[b, j].norm() > 0:
+                        u, v = e[b, i].double() - mean[i], e[b, j].double() - mean[j]
+                        want[i, j] += abs(float(u @ v / (u.norm() * v.norm())))
+                        cnt[i, j] += 1
+        want = want / cnt
+        np.fill_diagonal(want, 1.0)
+        np.testing.assert_allclose(I, want, atol=1e-12)
+    # a feature that never varies has no direction once centred: no interaction with anything
+    const = e.clone()
+    const[:, 3] = torch.tensor([1.0, 2.0, 3.0])
+    I = interaction_matrix(const, center=True)
+    assert (I[3, :3] == 0).all() and (I[:3, 3] == 0).all() and I[3, 3] == 1.0
     D = distance_matrix(I, "coherent")
     np.testing.assert_allclose(D + np.eye(4), 1 - I + np.eye(4), atol=1e-12)
     np.testing.assert_allclose(distance_matrix(I, "diverse"), I - np.eye(4), atol=1e-12)
@@ -149,6 +161,61 @@ def test_partitioner_recovers_planted_groups_and_diverse_spreads_them():
     diverse, _ = partition_features(names, I, 4, strategy="diverse", seed=0, steps=600, restarts=2, trials=2)
     for tower in diverse.towers:  # every tower mixes groups
         assert len({groups[names.index(f)] for f in tower}) >= 3
+
+
+def test_centring_ignores_constant_parts_that_hide_the_groups():
+    """Every feature's embeddings plus a large constant part of its own (a table that drifted as a whole):
+    DMT's uncentred |cos| sees mostly the constants, the centred one sees the planted groups."""
+    groups = np.random.default_rng(4).permutation(np.arange(16) % 4)
+    names = [f"C{i + 1}" for i in range(16)]
+    e = _planted_embeddings(groups)
+    offsets = torch.from_numpy(np.random.default_rng(7).standard_normal((16, e.shape[2])) * 1.5).float()
+    drifted = e + offsets
+    raw, _ = partition_features(names, interaction_matrix(drifted, center=False), 4, seed=0, steps=600, restarts=2)
+    centred, _ = partition_features(names, interaction_matrix(drifted, center=True), 4, seed=0, steps=600,
+                                    restarts=2)
+    assert adjusted_rand_index(raw.labels(names), groups) < 0.5
+    assert adjusted_rand_index(centred.labels(names), groups) == 1.0
+    np.testing.assert_allclose(interaction_matrix(drifted, center=True), interaction_matrix(e, center=True),
+                               atol=0.05)
+
+
+def test_swap_refinement_reaches_a_2_opt_optimum_and_never_worsens():
+    rng = np.random.default_rng(5)
+    F, k = 10, 2
+    A = rng.random((F, F))
+    D = (A + A.T) / 2
+    np.fill_diagonal(D, 0)
+
+    def within(lab):
+        return sum(D[i, j] for i in range(F) for j in range(i + 1, F) if lab[i] == lab[j])
+
+    start = np.arange(F) % k
+    lab, swaps = refine_by_swaps(D, start)
+    assert sorted(np.bincount(lab)) == sorted(np.bincount(start))  # sizes kept
+    assert within(lab) <= within(start) and swaps > 0
+    for i in range(F):  # no single swap improves on it (checked by recomputing, not by the gain formula)
+        for j in range(F):
+            if lab[i] != lab[j]:
+                other = lab.copy()
+                other[i], other[j] = lab[j], lab[i]
+                assert within(other) >= within(lab) - 1e-12
+    # planted blocks, started one pair away: the refinement puts the pair back
+    groups = np.repeat(np.arange(3), 4)
+    Dp = np.where(groups[:, None] == groups[None, :], 0.2, 1.0) + 0.01 * rng.random((12, 12))
+    Dp = (Dp + Dp.T) / 2
+    np.fill_diagonal(Dp, 0)
+    off = groups.copy()
+    off[0], off[4] = off[4], off[0]
+    lab, swaps = refine_by_swaps(Dp, off)
+    assert adjusted_rand_index(lab, groups) == 1.0 and swaps == 1
+    # partition_features with the refinement never ends above the same runs without it
+    I = 1 - Dp
+    names = [f"f{i}" for i in range(12)]
+    for seed in range(3):
+        _, with_r = partition_features(names, I, 3, seed=seed, steps=300, restarts=2, trials=2)
+        _, without = partition_features(names, I, 3, seed=seed, steps=300, restarts=2, trials=2, refine=False)
+        assert with_r["within_tower_distance"] <= without["within_tower_distance"] + 1e-12
 
 
 class _EmbOnly(torch.nn.Module):

@@ -485,10 +485,13 @@ def topology(hosts, ranks_per_host, measure, out_path):
               help="Samples of the run's eval split (train split if none) for the interaction matrix.")
 @click.option("--coord-dim", type=int, default=2, show_default=True, help="Dimension of the feature coordinates.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--no-center", is_flag=True,
+              help="DMT's uncentred |cos| (default: every feature's mean embedding subtracted first).")
 @click.option("--no-png", is_flag=True, help="Do not draw the interaction matrix.")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed, no_png, no_progress, as_json):
+def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed, no_center, no_png, no_progress,
+           as_json):
     """Learn a balanced, meaningful feature-to-tower assignment from a trained run (DMT 3.3 tower partitioner).
 
     RUN is a run directory (its latest checkpoint; any arch) or a checkpoint. A DMT run trains with the result:
@@ -498,7 +501,8 @@ def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed,
 
     try:
         s = towers_command(run, out_path, towers=towers, strategy=strategy, max_ratio=max_ratio, samples=samples,
-                           coord_dim=coord_dim, seed=seed, png=not no_png, progress=not no_progress)
+                           coord_dim=coord_dim, seed=seed, center=not no_center, png=not no_png,
+                           progress=not no_progress)
     except EmbedscaleError as e:
         _fail(e)
     click.echo(json.dumps(s, default=float) if as_json else format_towers_summary(s))

@@ -108,7 +108,7 @@ def default_towers(cfg: RunConfig) -> int:
 
 def towers_command(run: str | Path, out: str | Path | None = None, *, towers: int = 0, strategy: str = "coherent",
                    max_ratio: float = 1.0, samples: int = 65536, batch_size: int = 4096, coord_dim: int = 2,
-                   seed: int = 0, png: bool = True, progress: bool = True) -> dict:
+                   seed: int = 0, center: bool = True, png: bool = True, progress: bool = True) -> dict:
     """Learn towers from a trained run (DMT 3.3) and write assignment, report and plot (module docstring).
 
     Args:
@@ -120,6 +120,8 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
         samples: samples of the run's eval split (its train split if it has none) the interaction
             matrix averages over.
         batch_size, coord_dim, seed: reading batch, coordinate dimension (DMT: 2), partitioner seed.
+        center: centre every feature's embeddings before the cosine (``False``: DMT's uncentred ``|cos|``,
+            see ``partitioner.interaction_matrix``).
         png: also draw the interaction matrix.
 
     Returns:
@@ -152,7 +154,8 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
     split = data.eval or data.train
     stop = min(split.stop, split.start + samples)
     loader = ShardLoader(split.directory, batch_size, start=split.start, stop=stop, prefetch=0)
-    assignment, report = learn_towers(emb, loader, T, strategy, max_ratio=max_ratio, coord_dim=coord_dim, seed=seed)
+    assignment, report = learn_towers(emb, loader, T, strategy, max_ratio=max_ratio, coord_dim=coord_dim, seed=seed,
+                                      center=center)
     used_samples = stop - split.start
     # a table read by several features must sit in one tower group when it trains (DMT 3.1: tables are whole)
     split_tables = [t.name for t in tables if len({assignment.tower_of(f) for f in t.features}) > 1]
@@ -161,7 +164,7 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
     out = Path(out) if out else run_dir / "learned-towers.json"
     assignment.meta.update({
         "source_run": str(run_dir), "checkpoint": str(checkpoint), "arch": cfg.model.arch, "samples": used_samples,
-        "max_ratio_used": report["max_ratio_used"], "sizes": assignment.sizes, **learned,
+        "max_ratio_used": report["max_ratio_used"], "centered": center, "sizes": assignment.sizes, **learned,
         "naive": {k: naive[k] for k in learned}})
     assignment.save(out)
     report_path = out.with_suffix(".report.json")
