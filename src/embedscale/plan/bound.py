@@ -15,11 +15,16 @@ Summed over ranks, these charges are exactly the plan's total lookup plus fetch 
 a row held by ``h`` ranks adds ``h * 2 (h-1)/h * S_k / BW_AR = (h-1) b_k`` over its holders (eq. 5,
 ``b_k = 2 S_k / BW_AR``). Two bounds on the sum over ranks follow:
 
-* **per row** (ignores memory): with holder set ``H`` (not empty), row ``k`` costs
-  ``sum_{i in H} A S L[i][i] + sum_{i not in H} A S r_i + (|H|-1) b``, which is linear in the members
-  of ``H``: the best ``H`` holds rank ``i`` exactly when ``delta_i = A S (L[i][i] - r_i) + b < 0``
-  (at least one rank). On a uniform machine this is OPER 4.3's rule: replicate on every rank iff
-  ``f > BW_P2P / (B BW_AR)``, else keep one copy; no partial replication (``1 < h < M``) does better.
+* **per row**: with holder set ``H`` (not empty), row ``k`` costs
+  ``sum_{i in H} A S L[i][i] + sum_{i not in H} A S r_i + (|H|-1) b``; with ``delta_i = A S (L[i][i] -
+  r_i) + b`` sorted ascending that is at least ``A S (sum_i r_i + d_min) + sum_{t=2..|H|} delta_(t)``
+  (``d_min = min_i (L[i][i] - r_i)``: the first holder pays no AllReduce). Every row needs one copy;
+  the copies beyond it are items of ``S_k`` bytes costing ``delta_(t)``, and together they fit in the
+  room ``E = sum_i cap_i - sum_k S_k``: a fractional knapsack, bounded below for any price
+  ``mu >= 0`` per byte by ``sum_items S min(0, delta / S + mu) - mu E`` (weak duality; ``mu`` found
+  by bisection). Without a memory limit ``mu = 0`` and a row takes every copy with ``delta < 0``: on a
+  uniform machine the cost is linear in ``|H|``, so the best is one holder or all, all exactly when
+  OPER 4.3's ``f > BW_P2P / (B BW_AR)`` holds; no partial replication (``1 < h < M``) does better.
 * **per rank** (ignores the AllReduce): rank ``i`` holds at most ``cap_i`` bytes, so the reads it
   serves itself are at most the fractional knapsack ``V_held(cap_i)`` of the hottest bytes
   (``A_k`` is the value per byte), and its charges are at least ``V r_i - V_held (r_i - L[i][i])``
