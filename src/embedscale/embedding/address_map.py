@@ -176,23 +176,47 @@ class AddressMap:
 
 
 class TorchAddressMap:
-    """The same map as torch tensors on the host, for fast per-batch decoding inside the lookup."""
+    """The same map as torch tensors on the host, for fast per-batch decoding inside the lookup.
+
+    Every gid's ``(src, offset)`` from this rank's point of view is packed into one int64 ``code``
+    (``src << 40 | offset``, bit 62 set when the row is a replica), so a batch decodes with one gather
+    and its codes sort by (source rank, offset): the order of the requests to each peer.
+    """
+
+    SHIFT = 40  # offsets below 2**40 rows per rank, ranks below 2**22
+    REPLICA = 1 << 62
+    KEY_MASK = REPLICA - 1
+    OFF_MASK = (1 << SHIFT) - 1
 
     def __init__(self, amap: AddressMap, rank: int):
         self.amap = amap
         self.rank = rank
         self.table_base = torch.from_numpy(amap.table_base)
-        # the decoded (src, offset, slot) of every gid, from this rank's point of view
         src, off, slot = amap.fetch(rank, np.arange(amap.num_rows))
-        self.src = torch.from_numpy(src.astype(np.int32))
-        self.off = torch.from_numpy(off)
+        if amap.num_rows and (int(off.max()) > self.OFF_MASK or int(src.max()) >= 1 << (62 - self.SHIFT)):
+            raise ConfigError("address map: a rank holds more than 2**40 rows, or more than 2**22 ranks")
+        code = (src.astype(np.int64) << self.SHIFT) | off.astype(np.int64)
+        code[slot >= 0] |= self.REPLICA
+        self.code = torch.from_numpy(code)
         self.slot = torch.from_numpy(slot)
         self.num_owned = torch.from_numpy(amap.num_owned())
         self.replica_local = torch.from_numpy(amap.replica_local[:, rank].copy()) if amap.num_slots else \
             torch.zeros(0, dtype=torch.int64)
 
+    @property
+    def src(self) -> torch.Tensor:
+        """Rank every gid is read from (int64, all gids)."""
+        return (self.code & self.KEY_MASK) >> self.SHIFT
+
+    @property
+    def off(self) -> torch.Tensor:
+        """Offset of every gid in the storage of the rank it is read from."""
+        return self.code & self.OFF_MASK
+
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.src[gids].long(), self.off[gids], self.slot[gids]
+        """``(src, offset, replica slot or -1)`` of each gid."""
+        c = self.code[gids]
+        return (c & self.KEY_MASK) >> self.SHIFT, c & self.OFF_MASK, self.slot[gids]
 
 
 def address_map_from_plan(plan, tables: list[TableSpec]) -> AddressMap:

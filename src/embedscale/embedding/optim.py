@@ -51,7 +51,9 @@ def aggregate_row_gradients(
     and the bag of each value as ``src_index``, so the per-value gradient (FBGEMM's "expanded" gradient)
     is never materialised.
 
-    Implementation: sort ``rows`` (as int32 when ``num_rows`` fits, which sorts faster), find the
+    Implementation: sort ``rows`` stably (as int32 when ``num_rows`` fits, which sorts faster), so every
+    row's values are summed in batch order whatever the row numbering (lookups that number rows differently
+    get the same bits), find the
     segments of equal rows, and reduce each segment with ``torch.nn.functional.embedding_bag`` in
     ``sum`` mode (the segment's source rows are the bag, ``scale`` the per-sample weights), which is a
     vectorised segment sum on every backend.
@@ -71,7 +73,7 @@ def aggregate_row_gradients(
     if n == 0:
         return rows.new_empty(0), grad_src.new_zeros(0, grad_src.shape[1])
     keys = rows.to(torch.int32) if num_rows is not None and num_rows <= _INT32_MAX else rows
-    sorted_rows, perm = torch.sort(keys)
+    sorted_rows, perm = torch.sort(keys, stable=True)  # each row's values summed in batch order
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     seg = counts.new_zeros(counts.numel() + 1)
     torch.cumsum(counts, 0, out=seg[1:])

@@ -40,7 +40,8 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
 DESIGNS = ("retrieve", "send")
-_SHIFT = 40  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
+_INT32_MAX = 2**31 - 1
+_SHIFT = TorchAddressMap.SHIFT  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
 
 
 class ShardedEmbedding(nn.Module):
@@ -245,67 +246,88 @@ def _split_by_rank(src: torch.Tensor, W: int) -> list[int]:
 
 
 class _Retrieve(torch.autograd.Function):
-    """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally."""
+    """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally.
+
+    The unique rows of the batch's packed ``(source rank, offset)`` codes come in source-rank order, so the
+    rows to request from each peer are contiguous blocks and the fetched blocks concatenate in that same order
+    with the local block in between; each value's position among them drives the pooling, and one stable sort
+    of those positions gives the segments that sum the gradients per unique row in backward.
+    """
 
     @staticmethod
     def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags):
-        W, me, tr = mod.world_size, mod.rank, mod.transport
-        src, off, slot = mod.tmap.decode(gids)
-        local = src == me
-        l_off, l_slot = off[local], slot[local]
-        luniq, linv = torch.unique(l_off, sorted=True, return_inverse=True)
-        luniq_slot = torch.full_like(luniq, -1)
-        luniq_slot[linv] = l_slot
-        key = (src[~local] << _SHIFT) | off[~local]
-        runiq, rinv = torch.unique(key, sorted=True, return_inverse=True)
-        runiq_slot = torch.full_like(runiq, -1)
-        runiq_slot[rinv] = slot[~local]
-        u_src, u_off = runiq >> _SHIFT, runiq & ((1 << _SHIFT) - 1)
-        counts = _split_by_rank(u_src, W)
-        requests = tr.exchange(list(torch.split(u_off, counts)), kind="ids")
+        W, me, tr, tm = mod.world_size, mod.rank, mod.transport, mod.tmap
         dev = mod.weight.device
+        code = tm.code[gids]
+        uniq, idx, counts = torch.unique(code & tm.KEY_MASK, sorted=True, return_inverse=True, return_counts=True)
+        U = uniq.numel()
+        seg = torch.zeros(U + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=seg[1:])
+        # values grouped by unique row, in batch order within a row (a stable sort of the small positions)
+        perm = torch.sort(idx.to(torch.int32) if U <= _INT32_MAX else idx, stable=True).indices
+        per_rank = _split_by_rank(uniq >> tm.SHIFT, W)
+        blocks = list(torch.split(uniq & tm.OFF_MASK, per_rank))  # offsets on each source rank, ascending
+        local_off = blocks[me]
+        blocks[me] = local_off[:0]
+        requests = tr.exchange(blocks, kind="ids")
         replies = [mod.weight[r.to(dev)] if p != me else mod.weight[:0] for p, r in enumerate(requests)]
-        fetched = torch.cat(tr.exchange(replies, recv_counts=counts, kind="rows"))
-        combined = torch.cat([mod.weight[luniq.to(dev)], fetched])
-        idx = torch.empty(gids.numel(), dtype=torch.int64)
-        idx[local] = linv
-        idx[~local] = luniq.numel() + rinv
+        fetched = tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
+                              kind="rows")
+        fetched[me] = mod.weight[local_off.to(dev)]
+        combined = torch.cat(fetched)  # the unique rows, in code order
+        u_slot = None
+        rep = (code & tm.REPLICA) != 0
+        if bool(rep.any()):
+            u_slot = torch.full((U,), -1, dtype=torch.int64)
+            u_slot[idx[rep]] = tm.slot[gids[rep]]
         offsets = torch.zeros(nbags + 1, dtype=torch.int64)
         offsets[1:] = torch.cumsum(torch.bincount(bag, minlength=nbags), 0)
         out = F.embedding_bag(idx.to(dev), combined, offsets.to(dev), mode="sum",
                               per_sample_weights=scale.to(device=dev, dtype=combined.dtype), include_last_offset=True)
         ctx.mod = mod
-        ctx.saved = (idx, bag, scale, luniq, luniq_slot, runiq_slot, counts, requests)
+        ctx.saved = (perm, seg, bag, scale, local_off, u_slot, per_rank, requests)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         mod: ShardedEmbedding = ctx.mod
-        idx, bag, scale, luniq, luniq_slot, runiq_slot, counts, requests = ctx.saved
+        perm, seg, bag, scale, local_off, u_slot, per_rank, requests = ctx.saved
         dev = grad_out.device
-        L = luniq.numel()
-        pos, g = aggregate_row_gradients(idx.to(dev), grad_out, src_index=bag.to(dev), scale=scale.to(dev))
-        g_comb = torch.zeros((L + runiq_slot.numel(), grad_out.shape[1]), dtype=grad_out.dtype, device=dev)
-        g_comb[pos] = g
-        gL, gR = g_comb[:L], g_comb[L:]
-        rep_R = (runiq_slot >= 0).to(dev)
-        send = gR.masked_fill(rep_R.unsqueeze(1), 0.0) if bool(rep_R.any()) else gR
-        recv = mod.transport.exchange(list(torch.split(send, counts)),
-                                      recv_counts=[r.numel() for r in requests], kind="grads")
+        me = mod.rank
+        # per unique row: sum of scale[i] * grad_out[bag[i]] over its values, in batch order (the segments
+        # of the forward's sort), as aggregate_row_gradients would
+        perm_d = perm.to(dev)
+        g_comb = F.embedding_bag(bag.to(dev).index_select(0, perm_d), grad_out.contiguous(), seg.to(dev),
+                                 mode="sum", per_sample_weights=scale.to(dev, grad_out.dtype).index_select(0, perm_d),
+                                 include_last_offset=True)
+        g_blocks = list(torch.split(g_comb, per_rank))
+        rep = (u_slot >= 0).to(dev) if u_slot is not None else None
+        rep_blocks = list(torch.split(rep, per_rank)) if rep is not None else [None] * len(per_rank)
+        send = []
+        for p, (g, r) in enumerate(zip(g_blocks, rep_blocks)):
+            if p == me:
+                send.append(g[:0])
+            else:  # replica rows' gradients go through the replica AllReduce instead
+                send.append(g.masked_fill(r.unsqueeze(1), 0.0) if r is not None and bool(r.any()) else g)
+        recv = mod.transport.exchange(send, recv_counts=[r.numel() for r in requests], kind="grads")
         # owner side: own rows touched here plus the rows peers read from here
-        rep_L = (luniq_slot >= 0).to(dev)
-        rows = [luniq.to(dev)[~rep_L]]
-        grads = [gL[~rep_L]]
+        gL, repL = g_blocks[me], rep_blocks[me]
+        lo = local_off.to(dev)
+        rows = [lo if repL is None else lo[~repL]]
+        grads = [gL if repL is None else gL[~repL]]
         for p, (r, gr) in enumerate(zip(requests, recv)):
-            if p == mod.rank or r.numel() == 0:
+            if p == me or r.numel() == 0:
                 continue
             owned = r.to(dev) < mod.num_owned  # replica rows a peer read here are synced, not applied here
             rows.append(r.to(dev)[owned])
             grads.append(gr[owned])
         mod._apply_owned(torch.cat(rows), torch.cat(grads))
         if mod.num_slots:
-            slots = torch.cat([luniq_slot.to(dev)[rep_L], runiq_slot.to(dev)[rep_R]])
-            mod._sync_and_apply_replicas(slots, torch.cat([gL[rep_L], gR[rep_R]]))
+            if rep is None:
+                mod._sync_and_apply_replicas(torch.zeros(0, dtype=torch.int64, device=dev),
+                                             grad_out.new_zeros((0, grad_out.shape[1])))
+            else:
+                mod._sync_and_apply_replicas(u_slot.to(dev)[rep], g_comb[rep])
         return torch.zeros_like(mod.anchor), None, None, None, None, None
 
 

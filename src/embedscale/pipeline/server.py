@@ -310,7 +310,7 @@ class HostParameterServer:
         # LocalEmbeddingBags sorts (int32 when the group fits): local ids are a monotone relabelling of the
         # rows, so the trainer's sums see the values in the order a local fused update would.
         keys = flat.to(torch.int32) if lay.num_rows <= _INT32_MAX else flat
-        sorted_keys, perm = torch.sort(keys)
+        sorted_keys, perm = torch.sort(keys, stable=True)
         uniq, counts = torch.unique_consecutive(sorted_keys, return_counts=True)
         u = uniq.numel()
         seg = torch.zeros(u + 1, dtype=torch.int64, device=dev)
