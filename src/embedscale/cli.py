@@ -405,17 +405,28 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--extra-memory", type=float, default=0.05, show_default=True, help="Replication budget (OPER: 5%).")
 @click.option("--batch-size", type=int, default=2048, show_default=True, help="Samples per rank per iteration.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="plans", show_default=True)
+@click.option("--tt-min-rows", type=int, default=0, show_default=True,
+              help="Store tables of at least this many rows as TT tables (EL-Rec: 1000000): replicated on every "
+                   "rank, not in the plan. 0 = off (tables saying compression: tt in --tables are TT anyway).")
+@click.option("--tt-rank", type=int, default=32, show_default=True, help="TT rank of the tables --tt-min-rows selects.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
-         mode, extra_memory, batch_size, out_dir, as_json):
+         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
 
     Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
+    TT-compressed tables (compression: tt, or --tt-min-rows) are not placed: every rank holds their cores.
     """
     from embedscale.plan.api import plan_command
 
     try:
         tables = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
+        if tt_min_rows < 0:
+            raise EmbedscaleError(f"--tt-min-rows must be >= 0 (0 = off), got {tt_min_rows}")
+        if tt_min_rows:
+            from embedscale.embedding.compression import apply_tt_policy
+
+            tables = apply_tt_policy(tables, tt_min_rows - 1, tt_rank)  # the policy counts "more than"
         prof = profile_path or {"kind": "zipf", "alpha": zipf}
         rep = plan_command(tables, prof, _plan_topology(topology_path, hosts, ranks_per_host), list(strategies),
                            out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size)
@@ -430,6 +441,10 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
                 continue
             click.echo(f"{name:<14} {e['plan_seconds']:>8.2f} {e['dob_memory']:>8.3f} {e['dob_lookup']:>10.3f} "
                        f"{e['dob_comm']:>9.3f} {e['comm_mean'] / 1e6:>13.4f} {e['max_rank_cost']:>14.1f}")
+        tt = rep["config"].get("replicated_tables")
+        if tt:
+            click.echo(f"TT tables, replicated on every rank ({rep['config']['replicated_bytes_per_rank'] / 2**20:,.2f} "
+                       f"MiB of cores per rank): " + ", ".join(f"{m['name']} ({m['num_rows']:,} rows)" for m in tt))
         click.echo(f"plans and report in {out_dir}/")
 
 

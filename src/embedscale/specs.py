@@ -179,6 +179,10 @@ class ModelConfig:
     pooling: str = "sum"
     host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
     tables: list[TableSpec] = field(default_factory=list)  # empty = one table per sparse feature of the data
+    # > 0: tables of at least this many rows are stored as tensor-train tables of rank tt_rank (EL-Rec VI-A
+    # compresses the tables over 1M rows: 1000000), replicated on every rank and trained data-parallel
+    tt_min_rows: int = 0
+    tt_rank: int = 32
     # DMT only (arch dmt-dlrm | dmt-dcn)
     towers: int = 0  # T; 0 = the tower assignment file's count, else one per host (dist.topology_hosts / hosts_per_tower)
     tower_assignment: str = "naive"  # naive (feature i to tower i % T, DMT 5.2.3) or a JSON file of `embedscale towers`
@@ -201,6 +205,8 @@ class TrainConfig:
     max_steps: int = 0  # 0 = run the epochs
     lr_dense: float = 0.01
     lr_sparse: float = 0.1
+    # linear warmup of lr_dense over the first steps (train.trainer.warm_up_lr: Adagrad's first step kills ReLUs)
+    lr_warmup_steps: int = 0
     dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
     sparse_optimizer: str = "rowwise_adagrad"  # sgd | rowwise_adagrad
     eval_every: int = 100  # steps; 0 = at the end only

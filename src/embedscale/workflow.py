@@ -124,13 +124,32 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
 
     A configured table that reads a feature the data does not have, or has fewer rows than the data's
     ids need, is a ``ConfigError`` naming table and feature.
+
+    ``model.tt_min_rows > 0`` applies EL-Rec's compression policy (section VI-A): every table of at least
+    that many rows becomes ``compression: tt`` with ``model.tt_rank`` (``embedding.compression``); such
+    tables are replicated on every rank, never sharded by a plan. ``model.host_min_rows`` moves tables to
+    the host parameter server instead; a table that both would take is a ``ConfigError``.
     """
     rows = {s.name: s.num_rows for s in manifest.sparse}
     host_min = cfg.model.host_min_rows
     if host_min < 0:
         raise ConfigError(f"model.host_min_rows must be >= 0, got {host_min}")
+    tt_min = cfg.model.tt_min_rows
+    if tt_min < 0:
+        raise ConfigError(f"model.tt_min_rows must be >= 0 (0 = off), got {tt_min}")
+    if tt_min and cfg.model.tt_rank <= 0:
+        raise ConfigError(f"model.tt_rank must be positive, got {cfg.model.tt_rank}")
 
     def placed(t: TableSpec) -> TableSpec:  # model.host_min_rows: the largest tables to the parameter server
+        if tt_min and t.num_rows >= tt_min and t.compression == "none":  # model.tt_min_rows: EL-Rec's policy
+            if host_min and t.num_rows >= host_min:
+                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches both model.tt_min_rows ({tt_min}) "
+                                  f"and model.host_min_rows ({host_min}): a table is either TT-compressed "
+                                  "(replicated) or host-placed, set one")
+            if t.pooling == "none":
+                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches model.tt_min_rows ({tt_min}), but "
+                                  "TT tables pool (sum or mean) and this one has pooling 'none'")
+            return dataclasses.replace(t, features=list(t.features), compression="tt", tt_rank=cfg.model.tt_rank)
         return dataclasses.replace(t, placement="host") if host_min and t.num_rows >= host_min else t
 
     if not cfg.model.tables:
@@ -238,6 +257,7 @@ def new_run_dir(cfg: RunConfig) -> Path:
 def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
           progress: bool = True) -> dict:
     """Train and evaluate as ``cfg`` says, writing config, metrics, plot and checkpoints into ``run_dir``."""
+    from embedscale.embedding.compression import table_bytes
     from embedscale.train.plots import plot_curves
     from embedscale.train.trainer import Trainer
 
@@ -256,7 +276,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
     kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
-              checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress)
+              checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
+              lr_warmup_steps=t.lr_warmup_steps)
     if any(tb.placement == "host" for tb in tables):
         from embedscale.pipeline import pipelined_trainer
 
@@ -269,8 +290,9 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     summary = trainer.fit()
     summary.update({"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
                     "eval_rows": data.eval.rows if data.eval else 0, "run_dir": str(run_dir),
-                    "embedding_bytes": sum(tb.memory_bytes for tb in tables), "num_tables": len(tables),
-                    "host_tables": sum(tb.placement == "host" for tb in tables)})
+                    "embedding_bytes": sum(table_bytes(tb) for tb in tables), "num_tables": len(tables),
+                    "host_tables": sum(tb.placement == "host" for tb in tables),
+                    "tt_tables": sum(tb.compression == "tt" for tb in tables)})
     plot_curves(trainer.rows, run_dir / "curves.png", title=f"{cfg.model.arch} on {cfg.data.source}",
                 ceiling_auc=data.teacher_auc)
     atomic_write_json(run_dir / "summary.json", summary)
@@ -351,7 +373,8 @@ def format_summary(s: dict) -> str:
     lines = [
         f"run directory      {s.get('run_dir')}",
         f"tables             {s.get('num_tables')} ({s.get('embedding_bytes', 0) / 2**20:,.1f} MiB of embeddings"
-        + (f"; {s['host_tables']} in the host parameter server)" if s.get("host_tables") else ")"),
+        + (f"; {s['host_tables']} in the host parameter server" if s.get("host_tables") else "")
+        + (f"; {s['tt_tables']} TT-compressed, replicated on every rank" if s.get("tt_tables") else "") + ")",
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
         f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",

@@ -59,6 +59,47 @@ def apply_tt_policy(tables: list[TableSpec], threshold_rows: int = EL_REC_THRESH
     return out
 
 
+def replica_grad_sync(group=None, stats: dict | None = None):
+    """A ``TTEmbeddingBag.grad_sync`` for TT replicas on several ranks (EL-Rec section VI-B).
+
+    The returned callable sums a TT table's dense core gradients over the ranks of ``group`` (default: the
+    world) in place, with one ``all_reduce`` of the cores flattened into one buffer; the fused update that
+    follows then applies the same summed gradient on every rank, so the replicas stay identical. With a loss
+    that is the sum over a rank's samples divided by the global batch size (``train.distributed``), the sum
+    is exactly the single-process gradient of the global batch. ``stats["tt_grad_sync_bytes"]`` counts the
+    bytes of the buffers this rank contributes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    def sync(grads: list) -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        off = 0
+        for g in grads:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+        if stats is not None:
+            stats["tt_grad_sync_bytes"] = stats.get("tt_grad_sync_bytes", 0) + flat.numel() * flat.element_size()
+
+    return sync
+
+
+def replicated_tables_meta(tables: list[TableSpec], num_cores: int = 3) -> list[dict]:
+    """What a plan records about the TT tables it does not shard: name, rows, dim, rank, factorisation
+    and core bytes, held by *every* rank (``Plan.meta["replicated_tables"]``)."""
+    out = []
+    for t in tables:
+        if t.compression != "tt":
+            continue
+        rows, dims, _ = tt_shapes(t, num_cores)
+        out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
+                    "tt_rank": int(t.tt_rank), "row_shape": rows, "dim_shape": dims,
+                    "bytes": int(table_bytes(t, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
+                    "placement": "replicated on every rank"})
+    return out
+
+
 def split_tables(tables: list[TableSpec]) -> tuple[list[TableSpec], list[TableSpec]]:
     """``(uncompressed, tt)``: the tables a planner shards, and the TT tables it replicates on every rank."""
     return [t for t in tables if t.compression != "tt"], [t for t in tables if t.compression == "tt"]

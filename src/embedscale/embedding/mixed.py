@@ -25,8 +25,11 @@ tables it covers (matched by feature names and row count) become persistent buff
 with the model) and every lookup renames its ids first. Do not also apply the same reordering in the
 data path.
 
-Data parallelism: the TT tables are replicas (see :mod:`embedscale.embedding.compression`); set
-``grad_sync`` to sum their core gradients across ranks.
+Several ranks (EL-Rec section VI-B): the TT tables are replicas (see
+:mod:`embedscale.embedding.compression`); set ``grad_sync`` to sum their core gradients across ranks, and
+pass the module that executes the plan for the uncompressed tables as ``local`` (a
+:class:`~embedscale.embedding.sharded.ShardedEmbedding`): its lookups go across ranks, the TT lookups stay
+on the rank, and the output is the same ``[B, sum of dims]`` in ``feature_names`` order.
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ class MixedEmbedding(nn.Module):
         tt_options: extra ``TTEmbeddingBag`` keyword arguments (``num_cores``, ``grouped``, ...).
         reordering: a ``Reordering`` whose maps are applied to the ids of the tables it covers.
         grad_sync: set as every TT table's ``grad_sync`` (data-parallel replicas).
+        local: a module that already holds the uncompressed tables (e.g. a ``ShardedEmbedding`` executing a
+            plan) instead of a ``LocalEmbeddingBags`` built here. It must have ``feature_names`` (the pooled
+            features of the uncompressed tables, in table order) and return ``[B, sum of their dims]`` for a
+            ``JaggedFeatures`` of those features in that order; ``optimizer``, ``lr``, ``init`` ... then
+            only concern the TT tables.
 
     Attributes:
         local: the ``LocalEmbeddingBags`` of the uncompressed tables, or ``None``.
@@ -97,7 +105,8 @@ class MixedEmbedding(nn.Module):
                  eps: float = 1e-8, init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
                  seed: int | None = None, validate: bool = True, tt_optimizer: str | None = "default",
                  tt_lr: float | None = None, tt_init_std: float | None = None, tt_options: dict | None = None,
-                 reordering=None, grad_sync: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+                 reordering=None, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
+                 local: nn.Module | None = None) -> None:
         super().__init__()
         if not tables:
             raise ConfigError("MixedEmbedding: no tables")
@@ -112,8 +121,16 @@ class MixedEmbedding(nn.Module):
                 raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
         plain = [t for t in tables if t.compression != "tt"]
         compressed = [t for t in tables if t.compression == "tt"]
-        self.local = (LocalEmbeddingBags(plain, device=device, dtype=dtype, optimizer=optimizer, lr=lr, eps=eps,
-                                         init=init, seed=seed, validate=validate) if plain else None)
+        if local is not None:
+            expected = [f for t in plain if t.pooling != "none" for f in t.features]
+            got = list(getattr(local, "feature_names", []))
+            if got != expected:
+                raise ConfigError(f"MixedEmbedding: the given local module serves features {got}, the uncompressed "
+                                  f"tables have {expected}")
+            self.local = local
+        else:
+            self.local = (LocalEmbeddingBags(plain, device=device, dtype=dtype, optimizer=optimizer, lr=lr, eps=eps,
+                                             init=init, seed=seed, validate=validate) if plain else None)
         if tt_optimizer == "default":
             if optimizer not in _TT_DEFAULT:
                 raise ConfigError(f"MixedEmbedding: optimizer {optimizer!r} is not one of sgd, rowwise_adagrad or None")
@@ -138,7 +155,9 @@ class MixedEmbedding(nn.Module):
                 if t.pooling != "none":
                     self.feature_names.append(f)
                     self.feature_dims.append(t.dim)
-        self.sequence_feature_names = list(self.local.sequence_feature_names) if self.local is not None else []
+        self.sequence_feature_names = list(getattr(self.local, "sequence_feature_names", []))
+        self._local_dims = [self._feature_table[f].dim for f in self.local.feature_names] if self.local is not None \
+            else []
         self.remap = nn.Module()
         self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
         if reordering is not None:
@@ -177,7 +196,8 @@ class MixedEmbedding(nn.Module):
     @property
     def device(self) -> torch.device:
         if self.local is not None:
-            return self.local.device
+            dev = getattr(self.local, "device", None)
+            return dev if dev is not None else next(self.local.buffers()).device
         return next(iter(self.tt.values())).device
 
     @property
@@ -187,7 +207,11 @@ class MixedEmbedding(nn.Module):
     @property
     def memory_bytes(self) -> int:
         """Bytes of weights, TT cores and optimizer state."""
-        n = self.local.memory_bytes if self.local is not None else 0
+        n = 0
+        if self.local is not None:
+            n = getattr(self.local, "memory_bytes", None)
+            if n is None:  # a module without the property (sharded): its storage on this rank
+                n = sum(b.numel() * b.element_size() for b in self.local.buffers())
         return n + sum(m.memory_bytes for m in self.tt.values())
 
     @property
@@ -223,12 +247,16 @@ class MixedEmbedding(nn.Module):
                 values[i] = self._rename(f, values[i])
         cols: dict[str, torch.Tensor] = {}
         if self.local is not None:
-            lk = [k for k in keys if self._feature_table[k].compression != "tt"]
+            # the local module's pooled features in its own order (a sharded module takes no other), then any
+            # unpooled ones
+            pooled = set(self.local.feature_names)
+            lk = list(self.local.feature_names) + [k for k in keys if k not in pooled
+                                                   and self._feature_table[k].compression != "tt"]
             idx = [pos[k] for k in lk]
             sub = JaggedFeatures(lk, torch.cat([values[i] for i in idx]), lengths2d[idx].reshape(-1),
                                  torch.cat([weights[i] for i in idx]) if weights is not None else None)
             out = self.local(sub)
-            for f, o in zip(self.local.feature_names, torch.split(out, self.local.feature_dims, dim=1)):
+            for f, o in zip(self.local.feature_names, torch.split(out, self._local_dims, dim=1)):
                 cols[f] = o
         for name, m in self.tt.items():
             t = self._spec[name]

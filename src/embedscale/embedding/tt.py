@@ -566,6 +566,25 @@ class _EffTTLookup(torch.autograd.Function):
         return None, None, None, None
 
 
+class _EmptySyncLookup(torch.autograd.Function):
+    """A lookup of no rows on a data-parallel replica: zeros forward; backward contributes zero core
+    gradients to ``grad_sync`` (the other ranks wait for them) and applies the summed update."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, out):  # noqa: ARG004
+        ctx.module = module
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ARG004
+        m = ctx.module
+        with torch.no_grad():
+            dense = [torch.zeros_like(c) for c in m.cores]
+            m.grad_sync(dense)
+            m._apply_dense(dense)
+        return None, None, None
+
+
 class TTEmbeddingBag(_TTCores):
     """A TT-compressed embedding table with EL-Rec's Eff-TT lookup; drop-in for ``nn.EmbeddingBag``.
 
@@ -648,6 +667,10 @@ class TTEmbeddingBag(_TTCores):
         bags = _make_bags(self, input, offsets, per_sample_weights)
         if bags.values.numel() == 0:
             out = torch.zeros(bags.num_bags, self.embedding_dim, device=self.device, dtype=self.dtype)
+            if self.optimizer is not None and self.grad_sync is not None and torch.is_grad_enabled():
+                # a replica whose slice of the batch reads no row still joins the ranks' gradient sum
+                anchor = torch.empty(0, device=self.device, requires_grad=True)
+                return _EmptySyncLookup.apply(anchor, self, out)
             return out.requires_grad_(self.optimizer is None and torch.is_grad_enabled())
         plan = self._plan(bags.values)
         self.last_sizes = plan.sizes

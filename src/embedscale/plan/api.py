@@ -55,7 +55,9 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     Args:
         strategy: ``oper``, ``table_wise``, ``row_wise``, ``memory_greedy``, ``access_greedy``,
             ``torchrec`` or ``milp``.
-        tables: ``TableSpec`` list.
+        tables: ``TableSpec`` list. Tables with ``compression: tt`` are not sharded: they are replicated on
+            every rank and trained data-parallel (EL-Rec VI-B); the plan covers the others and lists them in
+            ``plan.meta["replicated_tables"]`` (``embedding.compression.replicated_tables_meta``).
         profile: per-row access counts (see ``resolve_profile``).
         topology: ``specs.Topology``, ``LinkTopology``, a dict or a YAML/JSON path.
         mode: ``training`` or ``inference`` (stored in the plan's metadata).
@@ -72,9 +74,10 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
         >>> plan.validate()
     """
     check_mode(mode)
-    tables = list(tables)
+    tables, tt_tables = _split_tt(tables)
     if not tables:
-        raise ConfigError("no tables to plan")
+        raise ConfigError("no tables to plan" + (" (every table is TT-compressed: replicated on every rank, "
+                                                 "nothing to shard)" if tt_tables else ""))
     profile = resolve_profile(profile, tables)
     topo = resolve_topology(topology)
     t0 = time.perf_counter()
@@ -95,7 +98,18 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     plan.meta.setdefault("plan_seconds", time.perf_counter() - t0)
     plan.meta.update({"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory)})
     plan.meta.setdefault("topology", topo.to_dict())
+    if tt_tables:
+        from embedscale.embedding.compression import replicated_tables_meta
+
+        plan.meta["replicated_tables"] = replicated_tables_meta(tt_tables)
     return plan
+
+
+def _split_tt(tables) -> tuple[list, list]:
+    """(tables a plan shards, TT-compressed tables replicated on every rank)."""
+    tables = list(tables)
+    return ([t for t in tables if getattr(t, "compression", "none") != "tt"],
+            [t for t in tables if getattr(t, "compression", "none") == "tt"])
 
 
 def compare(strategies, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
@@ -109,6 +123,7 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
     profile = resolve_profile(profile, tables)
     topo = resolve_topology(topology)
     options = options or {}
+    sharded, tt_tables = _split_tt(tables)
     out: dict[str, Any] = {
         "config": {"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory),
                    "world_size": topo.world_size, "num_hosts": topo.num_hosts, "ranks_per_host": topo.ranks_per_host,
@@ -118,8 +133,13 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
     }
     from embedscale.plan.oper import rank_capacity
 
-    budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in tables)), extra_memory)[0])
+    budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in sharded)), extra_memory)[0])
     out["config"]["memory_budget_bytes"] = budget
+    if tt_tables:  # not sharded: every rank holds their cores besides its share of the plan
+        from embedscale.embedding.compression import replicated_tables_meta
+
+        out["config"]["replicated_tables"] = replicated_tables_meta(tt_tables)
+        out["config"]["replicated_bytes_per_rank"] = sum(m["bytes"] for m in out["config"]["replicated_tables"])
     plans = {}
     for name in strategies:
         if name not in STRATEGIES:

@@ -44,6 +44,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {e['plan_seconds']:.2f} | {e['dob_memory']:.4f} | {e['dob_lookup']:.4f} | {e['dob_comm']:.4f} "
             f"| {e['comm_mean'] / 1e6:.4f} | {e['max_rank_cost']:.2f} | {e['fits_memory']} |"
         )
+    if cfg.get("replicated_tables"):  # TT tables (EL-Rec VI-B): not in any plan, a copy on every rank
+        lines += ["", f"TT-compressed tables, replicated on every rank and trained data-parallel (not sharded): "
+                  f"{cfg['replicated_bytes_per_rank'] / 2**20:,.2f} MiB of cores per rank", "",
+                  "| table | rows | dim | TT rank | row factors | cores | uncompressed |", "| --- | ---: | ---: | ---: | --- | ---: | ---: |"]
+        for m in cfg["replicated_tables"]:
+            lines.append(f"| {m['name']} | {m['num_rows']:,} | {m['dim']} | {m['tt_rank']} | "
+                         f"{'x'.join(map(str, m['row_shape']))} | {m['bytes'] / 2**20:,.2f} MiB | "
+                         f"{m['uncompressed_bytes'] / 2**20:,.1f} MiB |")
     return "\n".join(lines) + "\n"
 
 

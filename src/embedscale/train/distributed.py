@@ -104,8 +104,32 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool) -> None:
 
 
 def planned_tables(tables: list) -> list:
-    """The tables a plan places: all but ``placement: host`` ones (those live in a parameter server)."""
-    return [t for t in tables if t.placement != "host"]
+    """The tables a plan places: all but ``placement: host`` ones (those live in a parameter server) and
+    ``compression: tt`` ones (replicated on every rank and trained data-parallel, EL-Rec VI-B)."""
+    return [t for t in tables if t.placement != "host" and t.compression != "tt"]
+
+
+def _tt_tables_embedding(cfg: RunConfig, tables: list, sharded, device, inference: bool, stats: dict):
+    """TT tables of a distributed run (EL-Rec VI-B): a :class:`~embedscale.embedding.mixed.MixedEmbedding` of
+    the non-host tables whose uncompressed part is the sharded embedding and whose TT tables are replicas on
+    this rank, their core gradients summed over the ranks (``compression.replica_grad_sync``, on a process
+    group of their own) before the fused update; ``None`` when no table is TT-compressed. Built with the
+    same seeds and optimizer as single-process training (``workflow.build``), so it starts and steps alike."""
+    rest = [t for t in tables if t.placement != "host"]
+    if not any(t.compression == "tt" for t in rest):
+        return None
+    from embedscale.embedding.compression import replica_grad_sync
+    from embedscale.embedding.mixed import MixedEmbedding
+    from embedscale.workflow import hash_init
+
+    t, d = cfg.train, cfg.dist
+    sync = None
+    if not inference:
+        group = dist.new_group(backend="gloo" if device.type == "cpu" else None,
+                               timeout=datetime.timedelta(seconds=d.timeout_s))  # the TT core gradients
+        sync = replica_grad_sync(group, stats)
+    return MixedEmbedding(rest, local=sharded, device=device, optimizer=None if inference else t.sparse_optimizer,
+                          lr=t.lr_sparse, init=hash_init(t.seed, tables), seed=t.seed, grad_sync=sync)
 
 
 def _host_tables_embedding(cfg: RunConfig, tables: list, sharded, device):
@@ -140,8 +164,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 
     profiled, tables = tables, planned_tables(tables)
     if not tables:
-        raise ConfigError("several ranks need at least one table with placement: device to plan; every table "
-                          "is host-placed")
+        raise ConfigError("several ranks need at least one table with placement: device and no compression to "
+                          "plan; every table is host-placed or TT-compressed (replicated)")
 
     d = cfg.dist
     world = d.nproc
@@ -160,6 +184,10 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
+    if any(t.compression == "tt" for t in profiled):  # not sharded: a copy on every rank (EL-Rec VI-B)
+        from embedscale.embedding.compression import replicated_tables_meta
+
+        plan.meta["replicated_tables"] = replicated_tables_meta(profiled)
     plan.save(plan_dir)
     return plan
 
@@ -206,9 +234,13 @@ class DistributedRun:
                                           grad_sync=d.grad_sync, **extra,
                                           sync_group=self.emb_group, seed=t.seed, device=self.device,
                                           init_index=[self.all_tables.index(tb) for tb in self.tables])
-        self.host_embedding = _host_tables_embedding(cfg, self.all_tables, self.embedding, self.device)
+        self.tt_stats: dict[str, int] = {}
+        self.tt_embedding = _tt_tables_embedding(cfg, self.all_tables, self.embedding, self.device, inference,
+                                                 self.tt_stats)
+        device_module = self.tt_embedding or self.embedding
+        self.host_embedding = _host_tables_embedding(cfg, self.all_tables, device_module, self.device)
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
-                                 embedding=self.host_embedding or self.embedding, device=self.device)
+                                 embedding=self.host_embedding or device_module, device=self.device)
         self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
         self.step = self.epoch = self.batch_in_epoch = self.samples = 0
         self.losses: list[float] = []
@@ -220,7 +252,7 @@ class DistributedRun:
                                        device=self.device) if ev else None
         if inference:
             return
-        emb = self.host_embedding or self.embedding  # rank-local rows: never DDP's business
+        emb = self.host_embedding or device_module  # rank-local rows and TT replicas (own sync): never DDP's
         ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
         ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
         DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
@@ -267,11 +299,12 @@ class DistributedRun:
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / batch.global_size
         self.opt.zero_grad(set_to_none=True)
-        sync_before = self.embedding.stats.get("grad_sync_bytes", 0)
+        sync_before = self.embedding.stats.get("grad_sync_bytes", 0) + self.tt_stats.get("tt_grad_sync_bytes", 0)
         loss.backward()
         self.opt.step()
         self.bytes_per_step.append(int(self.transport.counter.sent.sum()))
-        self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0) - sync_before)
+        self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0)
+                                        + self.tt_stats.get("tt_grad_sync_bytes", 0) - sync_before)
         total = loss_sum.detach().reshape(1).clone()
         dist.all_reduce(total)
         return float(total) / batch.global_size
@@ -300,6 +333,8 @@ class DistributedRun:
             shard.update({"dense": dense, "optimizer": self.opt.state_dict(), "losses": list(self.losses)})
             if self.host_embedding is not None:  # replicated (or shared) on every rank: rank 0 writes them
                 shard["host"] = self.host_embedding.host_state()
+            if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
+                shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
         with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
             torch.save(shard, f)
         dist.barrier()
@@ -309,6 +344,7 @@ class DistributedRun:
                 "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "samples": self.samples, "tables": [t.name for t in self.tables],
                 "table_rows": [t.num_rows for t in self.tables], "optimizer": self.cfg.train.sparse_optimizer,
+                "tt_tables": [t.name for t in self.all_tables if t.compression == "tt"],
                 "shards": [f"rank-{r:05d}.pt" for r in range(self.world)]})
         dist.barrier()
         return d
@@ -322,14 +358,19 @@ class DistributedRun:
         gids, weights, moms = [], [], []
         base = self.embedding.amap.table_base
         for t, spec in enumerate(self.tables):
-            w = ck["model"].get(f"{prefix}{spec.name}.weight")
-            if w is None:
+            # a model with TT tables (MixedEmbedding) keeps its uncompressed ones under "local."
+            key = next((k for k in (f"{prefix}{spec.name}", f"{prefix}local.{spec.name}")
+                        if f"{k}.weight" in ck["model"]), None)
+            if key is None:
                 raise FormatError(f"{path}: no weights for table {spec.name!r}")
             gids.append(np.arange(base[t], base[t] + spec.num_rows))
-            weights.append(w)
-            m = ck["model"].get(f"{prefix}{spec.name}.momentum")
+            weights.append(ck["model"][f"{key}.weight"])
+            m = ck["model"].get(f"{key}.momentum")
             if m is not None:
                 moms.append(m)
+        if self.tt_embedding is not None:
+            tt = {k[len(prefix) + 3:]: v for k, v in ck["model"].items() if k.startswith(f"{prefix}tt.")}
+            self._load_tt(tt, path)
         mom = torch.cat(moms) if len(moms) == len(self.tables) else None
         self.embedding.load_rows(np.concatenate(gids), torch.cat(weights), mom)
         dense = {k: v for k, v in ck["model"].items() if not k.startswith(prefix)}
@@ -371,11 +412,33 @@ class DistributedRun:
                 raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
                                   f"{[t.name for t in self.all_tables if t.placement == 'host']}")
             self.host_embedding.load_host_state(dense["host"])
+        if self.tt_embedding is not None:
+            self._load_tt(dense.get("tt"), ckpt_dir)
         if not self.inference:
             self.opt.load_state_dict(dense["optimizer"])
         self.losses = [float(x) for x in dense["losses"]]
         self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
         self.samples = m["samples"]
+
+    def _load_tt(self, state: dict | None, where) -> None:
+        """Load TT cores (and, when training, their optimizer state) into every rank's replicas."""
+        names = [n for n in self.tt_embedding.tt]
+        if not state:
+            raise FormatError(f"{where}: no TT tables in the checkpoint; this model has {names}")
+        missing = sorted({n for n in names if not any(k.startswith(f"{n}.") for k in state)})
+        if missing:
+            raise FormatError(f"{where}: the checkpoint has no cores for TT table(s) {missing}")
+        own = self.tt_embedding.tt.state_dict()
+        with torch.no_grad():
+            for k, dst in own.items():
+                if k not in state:
+                    if k.split(".")[-1].startswith("core"):
+                        raise FormatError(f"{where}: TT tensor {k!r} is missing")
+                    continue  # optimizer state of a checkpoint trained otherwise (or an inference model)
+                if tuple(state[k].shape) != tuple(dst.shape):
+                    raise FormatError(f"{where}: TT tensor {k!r} has shape {tuple(state[k].shape)}, this model's "
+                                      f"{tuple(dst.shape)} (another rank or factorisation?)")
+                dst.copy_(state[k])
 
 
 def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
@@ -479,8 +542,9 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
 
 
 def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
+    from embedscale.embedding.compression import table_bytes
     from embedscale.train.plots import plot_curves
-    from embedscale.train.trainer import MetricRow
+    from embedscale.train.trainer import MetricRow, warm_up_lr
 
     cfg, t = run.cfg, run.cfg.train
     total = t.max_steps or t.epochs * len(run.train_loader)
@@ -498,6 +562,7 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
                     os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
                 _inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
             s0 = time.perf_counter()
+            warm_up_lr(run.opt, run.step, t.lr_warmup_steps)
             try:
                 loss = run.train_step(batch)
             except RuntimeError as e:
@@ -551,8 +616,9 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         "steps_measured": steps_here, "plan": run.plan_name,
         "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
         "num_tables": len(getattr(run, "all_tables", run.tables)),
-        "embedding_bytes": sum(tb.memory_bytes for tb in getattr(run, "all_tables", run.tables)),
+        "embedding_bytes": sum(table_bytes(tb) for tb in getattr(run, "all_tables", run.tables)),
         "host_tables": sum(tb.placement == "host" for tb in getattr(run, "all_tables", [])),
+        "tt_tables": sum(tb.compression == "tt" for tb in getattr(run, "all_tables", [])),
     }
     summary.update(figures)
     _write_metrics(run.run_dir, rows)

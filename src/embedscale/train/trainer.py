@@ -23,6 +23,7 @@ from torch import nn
 from tqdm import tqdm
 
 from embedscale.data.loader import ShardLoader
+from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_text
 from embedscale.train.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
 from embedscale.train.metrics import logloss_from_logits, roc_auc
@@ -58,6 +59,28 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
             "positive_rate": float(y.mean())}
 
 
+def warm_up_lr(opt: torch.optim.Optimizer, step: int, warmup_steps: int) -> None:
+    """Linear learning-rate warmup of the dense optimizer: step ``k`` (0-based) runs at
+    ``min(1, (k + 1) / warmup_steps)`` times each group's configured rate (kept in the group as
+    ``warmup_base_lr``, so it survives a checkpoint and resume is exact). ``warmup_steps <= 0``: no-op.
+
+    Why: Adagrad's (and Adam's) first update moves every weight by about the learning rate, whatever the
+    size of its gradient (the step is normalised by the gradient itself). On a freshly initialised ReLU
+    MLP that coherent jump pushes whole layers below zero for every input: measured on DLRM (bottom MLP
+    512-256-64-16, Adagrad lr 0.01) 50-69% of the units of the deeper bottom layers stop firing after
+    step 1, and once all 16 outputs of the bottom MLP are dead (which happened at batch 2048, not at
+    1024) the dense features never reach the model again (eval AUC 0.712 instead of 0.761 on 2M synthetic
+    Criteo samples). Ramping the rate up over the first steps keeps the initial units alive. The DLRM
+    MLPerf reference and TorchRec's DLRM example warm up the same way (``lr_warmup_steps``)."""
+    if warmup_steps < 0:
+        raise ConfigError(f"train.lr_warmup_steps must be >= 0 (0 = no warmup), got {warmup_steps}")
+    if warmup_steps == 0:
+        return
+    f = min(1.0, (step + 1) / warmup_steps)
+    for g in opt.param_groups:
+        g["lr"] = g.setdefault("warmup_base_lr", g["lr"]) * f
+
+
 class Trainer:
     """Train ``model`` on ``train_loader``; evaluate on ``eval_loader``; checkpoint into ``run_dir``.
 
@@ -69,13 +92,16 @@ class Trainer:
         epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps (0 = no step limit).
         eval_every, log_every, checkpoint_every: in steps (0 = only at the end for eval/checkpoint).
         config_yaml: the resolved run config, stored in every checkpoint.
+        lr_warmup_steps: linear warmup of the dense optimizer's learning rate over this many steps
+            (:func:`warm_up_lr`; 0 = none).
     """
 
     def __init__(self, model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader: ShardLoader,
                  eval_loader: ShardLoader | None, run_dir: str | Path, *, epochs: int = 1, max_steps: int = 0,
                  eval_every: int = 0, log_every: int = 10, checkpoint_every: int = 0, config_yaml: str = "",
-                 progress: bool = True):
+                 progress: bool = True, lr_warmup_steps: int = 0):
         self.model = model
+        self.lr_warmup_steps = int(lr_warmup_steps)
         self.opt = dense_optimizer
         self.train_loader = train_loader
         self.eval_loader = eval_loader
@@ -145,6 +171,7 @@ class Trainer:
             self.train_loader.set_epoch(self.epoch, skip_batches=self.batch_in_epoch)
             for batch in self.train_loader:
                 t0 = time.perf_counter()
+                warm_up_lr(self.opt, self.step, self.lr_warmup_steps)
                 loss = self.train_step(batch)
                 train_seconds += time.perf_counter() - t0
                 self.step += 1
