@@ -383,8 +383,11 @@ def format_summary(s: dict) -> str:
         + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
     ]
     if s.get("world_size", 1) > 1:
-        lines.append(f"ranks              {s['world_size']} ({s.get('plan')} plan, {s.get('design')} design, "
-                     f"{s.get('transport')} transport)")
+        if "towers" in s:  # DMT: the tower transform, no plan
+            lines.append(f"ranks              {s['world_size']} ({s.get('plan')})")
+        else:
+            lines.append(f"ranks              {s['world_size']} ({s.get('plan')} plan, {s.get('design')} design, "
+                         f"{s.get('transport')} transport)")
         if "dob_lookup" in s:
             lines.append(f"plan balance       DoB lookup {s['dob_lookup']:.3f}, communication {s['dob_comm']:.3f}, "
                          f"memory {s['dob_memory']:.3f}")
@@ -394,7 +397,8 @@ def format_summary(s: dict) -> str:
         pred = s.get("predicted_bytes_on_wire_per_step")
         lines.append(f"bytes on wire      {s['embedding_bytes_on_wire_per_step'] / 1e6:,.3f} MB/step embeddings"
                      + (f" (predicted {pred / 1e6:,.3f})" if pred else "")
-                     + f", {s.get('grad_sync_bytes_per_step', 0) / 1e6:,.3f} MB/step replica AllReduce")
+                     + f", {s.get('grad_sync_bytes_per_step', 0) / 1e6:,.3f} MB/step "
+                     + ("dense gradient sync" if "towers" in s else "replica AllReduce"))
     if "wall_seconds" in s:
         lines.append(f"wall time          {s['wall_seconds']:.1f} s")
     return "\n".join(lines)

@@ -117,9 +117,9 @@ def build_model(
                 raise ConfigError(f"table {spec.name!r}: {arch} needs pooled (sum/mean), uncompressed, device-placed "
                                   f"tables (got pooling {spec.pooling!r}, compression {spec.compression!r}, "
                                   f"placement {spec.placement!r})")
-        return build_dmt_model(cfg, tables, num_dense, DMTConfig.from_model(cfg), arch=arch, assignment=assignment,
-                               comm=comm, num_hosts=num_hosts, optimizer=sparse_optimizer, lr=lr_sparse, seed=seed,
-                               device=device)
+        return build_dmt_model(cfg, tables, num_dense, DMTConfig.from_model(cfg, check_file=assignment is None),
+                               arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
+                               optimizer=sparse_optimizer, lr=lr_sparse, seed=seed, device=device)
     check_no_tower_settings(cfg)
     if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
         raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")

@@ -102,9 +102,10 @@ class DMTConfig:
     assignment: str = "naive"
 
     @classmethod
-    def from_model(cls, cfg: ModelConfig) -> "DMTConfig":
+    def from_model(cls, cfg: ModelConfig, check_file: bool = True) -> "DMTConfig":
         """The DMT settings of a run's model config (``model.towers``, ``model.tower_*``,
-        ``model.hosts_per_tower``), checked: a bad value is a ``ConfigError`` naming its ``model.`` key."""
+        ``model.hosts_per_tower``), checked: a bad value is a ``ConfigError`` naming its ``model.`` key
+        (``check_file=False``: the assignment comes from elsewhere, its file need not exist here)."""
 
         def integer(key: str, low: int) -> int:
             v = getattr(cfg, key)
@@ -128,7 +129,7 @@ class DMTConfig:
         if out.c == 0 and out.p == 0:
             raise ConfigError("model.tower_c and model.tower_p are both 0: a DLRM tower module would output nothing "
                               "(DMT Listing 1: O = D (c F + p))")
-        if out.assignment != "naive" and not Path(out.assignment).is_file():
+        if check_file and out.assignment != "naive" and not Path(out.assignment).is_file():
             raise ConfigError(f"model.tower_assignment: file not found: {out.assignment} (a JSON file written by "
                               "`embedscale towers`, or 'naive')")
         return out
