@@ -1,6 +1,6 @@
 """Host-placed tables in a distributed run (EL-Rec V with OPER 5): a parameter server per rank or one shared by
-the local ranks, pipelined, beside sharded tables, against single-process training of the same model with every
-table a plain device table (``LocalEmbeddingBags``). Also: the host tables go through the sharded checkpoint and a
+the local ranks, pipelined, beside sharded tables and a TT table, against single-process training of the same
+model with every table on the device (``MixedEmbedding``: plain tables and the TT table). Also: the host tables go through the sharded checkpoint and a
 resumed run continues exactly, switching from the shared server at depth 3 to per-rank servers at depth 2.
 """
 
@@ -22,9 +22,13 @@ from test_distributed_train import ROWS, STEPS, make_data
 HOST = {0, 2}  # t_C1 and t_C3 live in the parameter server
 
 
+TT = {1}  # t_C2 is a TT table (replicated, EL-Rec VI-B): host, TT and sharded tables in one model
+
+
 def config(tmp_path, data_dir, *, host: bool, depth: int = 1, server: str = "per-rank", steps: int = STEPS):
     tables = [{"name": f"t_C{i + 1}", "num_rows": r, "dim": 4, "features": [f"C{i + 1}"],
-               "placement": "host" if host and i in HOST else "device"} for i, r in enumerate(ROWS)]
+               "placement": "host" if host and i in HOST else "device",
+               **({"compression": "tt", "tt_rank": 2} if i in TT else {})} for i, r in enumerate(ROWS)]
     return from_dict(RunConfig, {
         "name": "h", "out_dir": str(tmp_path / "runs"),
         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
@@ -51,7 +55,8 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     workflow.train(config(tmp_path, data_dir, host=False), rd, resume=False, progress=False)
     ck = load_checkpoint(latest_checkpoint(rd / "checkpoints"))
     ref_losses = ck["extra"]["losses"]
-    ref = {f"t_C{i + 1}": ck["model"][f"sparse_arch.embedding.t_C{i + 1}.weight"] for i in range(len(ROWS))}
+    ref = {f"t_C{i + 1}": ck["model"][f"sparse_arch.embedding.local.t_C{i + 1}.weight"] for i in range(len(ROWS))
+           if i not in TT}
     ref_dense = {k: v for k, v in ck["model"].items() if not k.startswith("sparse_arch.embedding.")}
 
     # two ranks: three steps with one shared server at depth 3, then resumed with per-rank servers at depth 2
@@ -63,7 +68,8 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
 
     got, losses, dense = {}, None, None
     last = sorted((tmp_path / "b" / "checkpoints").iterdir())[-1]
-    sharded = [f"t_C{i + 1}" for i in range(len(ROWS)) if i not in HOST]
+    sharded = [f"t_C{i + 1}" for i in range(len(ROWS)) if i not in HOST and i not in TT]
+    tt = None
     base = np.cumsum([0] + [ROWS[int(n[3:]) - 1] for n in sharded])
     full = torch.empty(int(base[-1]), 4)
     for f in sorted(last.glob("rank-*.pt")):
@@ -72,6 +78,7 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
         if sh["rank"] == 0:
             losses, dense = sh["losses"], sh["dense"]
             got.update({k[:-len(".weight")]: v for k, v in sh["host"].items() if k.endswith(".weight")})
+            tt = sh["tt"]
     for j, name in enumerate(sharded):
         got[name] = full[base[j]:base[j + 1]]
     assert sorted(got) == sorted(ref)
@@ -83,7 +90,14 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     init = torch.empty(ROWS[0], 4)
     workflow.hash_init(0, specs)(specs[0], init)
     assert not torch.allclose(got["t_C1"], init, atol=1e-3)  # the host table did train
+    ref_tt = {k[len("sparse_arch.embedding.tt."):]: v for k, v in ck["model"].items()
+              if k.startswith("sparse_arch.embedding.tt.")}
+    assert ref_tt and sorted(tt) == sorted(ref_tt)
+    for k, v in ref_tt.items():
+        torch.testing.assert_close(tt[k], v, rtol=0, atol=1e-5, msg=lambda m: f"TT {k}: {m}")
     for k, v in ref_dense.items():
+        if k.startswith("sparse_arch.embedding."):
+            continue
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     assert not list(Path("/dev/shm").glob("embedscale-ps-*")) if Path("/dev/shm").is_dir() else True
 

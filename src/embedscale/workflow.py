@@ -200,9 +200,11 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
             from embedscale.embedding.mixed import MixedEmbedding
 
             device_modules = [MixedEmbedding(rest, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                             init=hash_init(t.seed, tables), seed=t.seed)]
+                                             init=hash_init(t.seed, tables), seed=t.seed,
+                                             init_index=[tables.index(x) for x in rest])]
         embedding = PipelinedEmbedding.from_tables(tables, device=device, optimizer=t.sparse_optimizer,
-                                                   lr=t.lr_sparse, seed=t.seed, device_modules=device_modules)
+                                                   lr=t.lr_sparse, seed=t.seed, init=hash_init(t.seed, tables),
+                                                   device_modules=device_modules)
     elif any(tb.compression == "tt" for tb in tables):
         from embedscale.embedding.mixed import MixedEmbedding
 

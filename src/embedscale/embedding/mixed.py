@@ -67,7 +67,7 @@ class MixedEmbedding(nn.Module):
         device, dtype: where and how the uncompressed storage lives (TT cores are float32 on ``device``).
         optimizer, lr, eps: the fused optimizer of the uncompressed tables (``LocalEmbeddingBags``).
         init: init of the uncompressed tables (``"uniform"`` or a callable, as ``LocalEmbeddingBags``).
-        seed: seeds both initialisations (TT table ``i`` of the list uses ``seed + 1 + i``).
+        seed: seeds both initialisations (TT table ``i`` of the list uses ``seed + 1 + init_index[i]``).
         validate: check ids (both kinds) and offsets.
         tt_optimizer: optimizer of the TT cores (default from ``optimizer``, see the module docstring).
         tt_lr: learning rate of the TT cores (default ``lr``).
@@ -76,6 +76,8 @@ class MixedEmbedding(nn.Module):
         tt_options: extra ``TTEmbeddingBag`` keyword arguments (``num_cores``, ``grouped``, ...).
         reordering: a ``Reordering`` whose maps are applied to the ids of the tables it covers.
         grad_sync: set as every TT table's ``grad_sync`` (data-parallel replicas).
+        init_index: each table's position among the model's tables, when ``tables`` is a subset of them
+            (beside host-placed tables): TT seeds follow it, so the subset starts as the whole model would.
         local: a module that already holds the uncompressed tables (e.g. a ``ShardedEmbedding`` executing a
             plan) instead of a ``LocalEmbeddingBags`` built here. It must have ``feature_names`` (the pooled
             features of the uncompressed tables, in table order) and return ``[B, sum of their dims]`` for a
@@ -106,7 +108,7 @@ class MixedEmbedding(nn.Module):
                  seed: int | None = None, validate: bool = True, tt_optimizer: str | None = "default",
                  tt_lr: float | None = None, tt_init_std: float | None = None, tt_options: dict | None = None,
                  reordering=None, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
-                 local: nn.Module | None = None) -> None:
+                 local: nn.Module | None = None, init_index: list[int] | None = None) -> None:
         super().__init__()
         if not tables:
             raise ConfigError("MixedEmbedding: no tables")
@@ -121,6 +123,9 @@ class MixedEmbedding(nn.Module):
                 raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
         plain = [t for t in tables if t.compression != "tt"]
         compressed = [t for t in tables if t.compression == "tt"]
+        init_index = list(range(len(tables))) if init_index is None else list(init_index)
+        if len(init_index) != len(tables):
+            raise ConfigError(f"MixedEmbedding: {len(init_index)} init indices for {len(tables)} tables")
         if local is not None:
             expected = [f for t in plain if t.pooling != "none" for f in t.features]
             got = list(getattr(local, "feature_names", []))
@@ -142,7 +147,7 @@ class MixedEmbedding(nn.Module):
                 raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
             m = TTEmbeddingBag.from_spec(t, include_last_offset=True, optimizer=tt_optimizer,
                                          lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
-                                         seed=None if seed is None else seed + 1 + self.tables.index(t),
+                                         seed=None if seed is None else seed + 1 + init_index[self.tables.index(t)],
                                          device=device, validate=validate, **options)
             m.grad_sync = grad_sync
             self.tt[t.name] = m

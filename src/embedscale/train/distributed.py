@@ -129,7 +129,8 @@ def _tt_tables_embedding(cfg: RunConfig, tables: list, sharded, device, inferenc
                                timeout=datetime.timedelta(seconds=d.timeout_s))  # the TT core gradients
         sync = replica_grad_sync(group, stats)
     return MixedEmbedding(rest, local=sharded, device=device, optimizer=None if inference else t.sparse_optimizer,
-                          lr=t.lr_sparse, init=hash_init(t.seed, tables), seed=t.seed, grad_sync=sync)
+                          lr=t.lr_sparse, init=hash_init(t.seed, tables), seed=t.seed, grad_sync=sync,
+                          init_index=[tables.index(x) for x in rest])
 
 
 def _host_tables_embedding(cfg: RunConfig, tables: list, sharded, device):
