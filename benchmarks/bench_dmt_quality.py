@@ -21,6 +21,11 @@ Per model seed (``--seeds``, default 5):
    feature keeps its own projected vector and the assignment barely matters: the linear module cannot
    mix a feature away; with ``p`` it can, which is where a meaningful assignment pays.)
 
+``--ablation K`` (a separate mode) trains ``K`` further plain DLRMs per teacher (initial weights from
+seeds 1000 .. 1000 + K - 1, data order from seed k) and scores four partitioners on each: DMT's pipeline
+alone, with the swap refinement, with the centred interaction, with both (the default). It prints one
+JSON line with the ARI of every variant on every model.
+
 Everything runs in one process (``build_dmt_model`` without a ``TowerComm``: the tower transform does not
 change the model, only where it runs). The one-sided Mann-Whitney U test asks whether TP's AUCs are
 stochastically greater than naive's (DMT Table 6 reports the same test over 9 runs). Also reports
@@ -75,6 +80,33 @@ def auc(model, ev) -> float:
     return out
 
 
+VARIANTS = {"dmt_pipeline": dict(center=False, refine=False, restarts=4), "refine": dict(center=False),
+            "center": dict(refine=False), "center_refine": {}}
+
+
+def ablation(k_models, teachers, tables, cfg, n_train, batch, sparse_lr, T) -> None:
+    """ARI of the partitioner variants on ``k_models`` extra trained models per teacher (see the docstring)."""
+    load0, t0 = os.getloadavg(), time.time()
+    ari = {f"{name}/{v}": [] for name in teachers for v in VARIANTS}
+    for k in range(k_models):
+        for name, d in teachers.items():
+            torch.manual_seed(1000 + k)
+            plain = build_model(cfg, tables, d.num_dense,
+                                embedding=LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=sparse_lr, seed=k))
+            train(plain, d, n_train, batch, k)
+            for v, kw in VARIANTS.items():
+                a, _ = learn_towers(plain, d.batches(2 * 10**7, 8192, 2048), T, "coherent", max_ratio=1.0, seed=k, **kw)
+                ari[f"{name}/{v}"].append(round(adjusted_rand_index(a.labels(d.feature_names), d.group_labels), 4))
+            log(f"model {k} {name}: " + ", ".join(f"{v} {ari[f'{name}/{v}'][-1]:.3f}" for v in VARIANTS)
+                + f" ({time.time() - t0:.0f} s)")
+    hits = {v: sum(x >= 0.9 for name in teachers for x in ari[f"{name}/{v}"]) for v in VARIANTS}
+    print(json.dumps({"benchmark": "dmt_partitioner_ablation", "figure": hits["center_refine"],
+                      "baseline": hits["dmt_pipeline"], "unit": f"partitions with ARI >= 0.9 of {2 * k_models}",
+                      "config": {"models_per_teacher": k_models, "train_samples": n_train, "init_seeds": "1000+k",
+                                 "hits": hits, "ari": ari, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
+                                 "wall_s": round(time.time() - t0, 1)}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="3 seeds, fewer samples")
@@ -82,6 +114,8 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=400_000)
     ap.add_argument("--eval", type=int, default=100_000)
     ap.add_argument("--data-seed", type=int, default=0)
+    ap.add_argument("--ablation", type=int, default=0, metavar="K",
+                    help="instead: K more trained models per teacher, ARI of four partitioner variants on each")
     args = ap.parse_args()
     seeds = 3 if args.quick else args.seeds
     n_train = 300_000 if args.quick else args.train
@@ -98,6 +132,8 @@ def main() -> None:
     cfg = ModelConfig(arch="dlrm", embedding_dim=N, bottom_mlp=[32], top_mlp=[64, 32])
     dmt = DMTConfig(towers=T, tower_module="dlrm", c=0, p=1, tower_dim=D)
     naive = naive_assignment(data.feature_names, T)
+    if args.ablation:
+        return ablation(args.ablation, {"within": within, "both": data}, tables, cfg, n_train, batch, sparse_lr, T)
     load0 = os.getloadavg()
     log(f"bench_dmt_quality: {seeds} seeds, {n_train} train samples, load {load0}; teacher AUC {teacher_auc:.4f}")
     rows = []

@@ -453,15 +453,17 @@ def _canonical(labels: np.ndarray) -> np.ndarray:
 def partition_features(features: Sequence[str], interaction: np.ndarray, num_towers: int, *,
                        strategy: str = "coherent", max_ratio: float = 1.0, coord_dim: int = 2, seed: int = 0,
                        steps: int = 1500, restarts: int = 8, n_init: int = 20, trials: int = 4,
-                       refine: bool = True) -> tuple[TowerAssignment, dict]:
+                       refine: bool = True, random_starts: int = 64) -> tuple[TowerAssignment, dict]:
     """DMT 3.3 steps 2-4 on a given interaction matrix: distance, coordinates, constrained K-Means.
 
     ``trials`` runs of coordinates + K-Means (seeds ``seed .. seed + trials - 1``) guard against the
     local optima of both; each partition is then refined by :func:`refine_by_swaps` on ``D`` itself (the
-    quantity the 2-D coordinates only approximate), and the partition with the smallest mean
-    within-tower distance in ``D`` is kept. The refinement and the selection are ours, not DMT's: on
-    planted groups the coordinates + K-Means partition alone misses by one swapped pair in about one
-    run in five (``benchmarks/results/dmt.md``); ``refine=False`` gives DMT's pipeline alone.
+    quantity the 2-D coordinates only approximate), and so are ``random_starts`` random partitions with
+    the tower sizes of the best one (a multi-start local search: the K-Means starts of several trials
+    can all fall into the same local optimum). The partition with the smallest mean within-tower
+    distance in ``D`` is kept. Refinement, random starts and selection are ours, not DMT's:
+    ``refine=False`` gives DMT's pipeline alone (best of the trials), which on planted groups misses by a
+    swapped pair or two in about one trained model in five (``benchmarks/results/dmt.md``).
     """
     features = list(features)
     I = np.asarray(interaction, dtype=np.float64)
@@ -480,17 +482,27 @@ def partition_features(features: Sequence[str], interaction: np.ndarray, num_tow
             labels = _canonical(labels)
         score = within_tower_distance(D, labels)
         if best is None or score < best[0] - 1e-12:
-            best = (score, X, stress, labels, inertia, seed + t, kmeans_score, swaps)
-    score, X, stress, labels, inertia, used_seed, kmeans_score, swaps = best
+            best = (score, X, stress, labels, inertia, seed + t, kmeans_score, swaps, "kmeans")
+    if refine and random_starts > 0:
+        rng = np.random.default_rng([seed, 0x5EED])
+        best_labels = best[3]
+        for _ in range(random_starts):  # a random partition with the same tower sizes
+            labels, swaps = refine_by_swaps(D, rng.permutation(best_labels))
+            labels = _canonical(labels)
+            score = within_tower_distance(D, labels)
+            if score < best[0] - 1e-12:
+                best = best[:3] + (labels,) + best[4:7] + (swaps, "random start")
+    score, X, stress, labels, inertia, used_seed, kmeans_score, swaps, origin = best
     meta = {"strategy": strategy, "max_ratio": max_ratio, "coord_dim": coord_dim, "stress": stress,
             "inertia": inertia, "seed": used_seed, "within_tower_distance": score,
-            "kmeans_within_tower_distance": kmeans_score, "refinement_swaps": swaps}
+            "kmeans_within_tower_distance": kmeans_score, "refinement_swaps": swaps, "best_from": origin}
     assignment = TowerAssignment.from_labels(features, labels, strategy, meta)
     naive = naive_assignment(features, num_towers)
     report = {
         "features": features, "num_towers": num_towers, "strategy": strategy, "max_ratio": max_ratio,
         "stress": stress, "inertia": inertia, "within_tower_distance": score,
-        "kmeans_within_tower_distance": kmeans_score, "refinement_swaps": swaps, "coordinates": X.tolist(),
+        "kmeans_within_tower_distance": kmeans_score, "refinement_swaps": swaps, "best_from": origin,
+        "coordinates": X.tolist(),
         "towers": assignment.towers, "interaction": I.tolist(), **partition_scores(I, labels),
         "naive": {"towers": naive.towers, "within_tower_distance": within_tower_distance(D, naive.labels(features)),
                   **partition_scores(I, naive.labels(features))},
@@ -534,8 +546,8 @@ def model_embeddings(model, batches: Iterable, max_batches: int = 0) -> tuple[li
 
 def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coherent", max_ratio: float = 1.0,
                  *, max_batches: int = 0, coord_dim: int = 2, seed: int = 0, steps: int = 1500,
-                 restarts: int = 8, n_init: int = 20, trials: int = 4, refine: bool = True, center: bool = True
-                 ) -> tuple[TowerAssignment, dict]:
+                 restarts: int = 8, n_init: int = 20, trials: int = 4, refine: bool = True, center: bool = True,
+                 random_starts: int = 64) -> tuple[TowerAssignment, dict]:
     """Learn a balanced, meaningful feature-to-tower assignment from a trained model (DMT 3.3).
 
     Args:
@@ -547,8 +559,8 @@ def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coh
             up to the smallest feasible ratio when ``F % T != 0`` would make 1 impossible, see below).
         max_batches: stop after this many batches (0 = all).
         coord_dim: n, the dimension of the coordinates (DMT uses 2).
-        seed, steps, restarts, n_init, trials, refine: optimiser, K-Means and refinement settings (see
-            :func:`partition_features`).
+        seed, steps, restarts, n_init, trials, refine, random_starts: optimiser, K-Means and refinement
+            settings (see :func:`partition_features`).
         center: centre every feature's embeddings before the cosine (:func:`interaction_matrix`; the
             embeddings of all batches are then held in memory: samples x F x N values).
 
@@ -567,7 +579,8 @@ def learn_towers(model, batches: Iterable, num_towers: int, strategy: str = "coh
     used = max(float(max_ratio), feasible)
     assignment, report = partition_features(names, I, num_towers, strategy=strategy, max_ratio=used,
                                             coord_dim=coord_dim, seed=seed, steps=steps, restarts=restarts,
-                                            n_init=n_init, trials=trials, refine=refine)
+                                            n_init=n_init, trials=trials, refine=refine,
+                                            random_starts=random_starts)
     report["centered"] = bool(center)
     report["max_ratio_requested"] = float(max_ratio)
     report["max_ratio_used"] = used
