@@ -49,14 +49,15 @@ def data_dir(tmp_path_factory):
 
 
 def config(tmp_path, data_dir, plan="", design="retrieve", steps=STEPS) -> RunConfig:
-    # lr 0.1: element-wise Adagrad on the cores turns the float rounding of near-zero core gradients (summed
-    # in another order on two ranks) into steps; at 0.3 that reaches 3e-5 after 6 steps, at 0.1 3e-7
+    # lr 0.1 (rows and cores): element-wise Adagrad on the cores turns the float rounding of near-zero core
+    # gradients (summed in another order on two ranks) into steps; at 0.3 that reaches 3e-5 after 6 steps,
+    # at 0.1 3e-7
     return from_dict(RunConfig, {
         "name": "t", "out_dir": str(tmp_path / "runs"),
         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
         "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "tt_min_rows": TT_MIN, "tt_rank": 3},
         "train": {"batch_size": 50, "max_steps": steps, "lr_dense": 0.1, "lr_sparse": 0.1, "log_every": 1,
-                  "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad", "prefetch": 0,
+                  "lr_tt": 0.1, "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad", "prefetch": 0,
                   "lr_warmup_steps": 3},
         "dist": {"design": design, "plan": plan, "timeout_s": 60},
     })

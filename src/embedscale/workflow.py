@@ -200,7 +200,7 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
             from embedscale.embedding.mixed import MixedEmbedding
 
             device_modules = [MixedEmbedding(rest, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                             init=hash_init(t.seed, tables), seed=t.seed,
+                                             init=hash_init(t.seed, tables), seed=t.seed, tt_lr=tt_lr(t),
                                              init_index=[tables.index(x) for x in rest])]
         embedding = PipelinedEmbedding.from_tables(tables, device=device, optimizer=t.sparse_optimizer,
                                                    lr=t.lr_sparse, seed=t.seed, init=hash_init(t.seed, tables),
@@ -209,12 +209,19 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
         from embedscale.embedding.mixed import MixedEmbedding
 
         embedding = MixedEmbedding(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                   init=hash_init(t.seed, tables), seed=t.seed)
+                                   init=hash_init(t.seed, tables), seed=t.seed, tt_lr=tt_lr(t))
     else:
         embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
                                        init=hash_init(t.seed, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     return model, make_dense_optimizer(t, model.dense_parameters())
+
+
+def tt_lr(t) -> float:
+    """The TT cores' learning rate: ``train.lr_tt``, or ``train.lr_sparse`` when it is 0."""
+    if t.lr_tt < 0:
+        raise ConfigError(f"train.lr_tt must be >= 0 (0 = train.lr_sparse), got {t.lr_tt}")
+    return t.lr_tt or t.lr_sparse
 
 
 def make_dense_optimizer(t, params) -> torch.optim.Optimizer:

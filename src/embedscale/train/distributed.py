@@ -120,7 +120,7 @@ def _tt_tables_embedding(cfg: RunConfig, tables: list, sharded, device, inferenc
         return None
     from embedscale.embedding.compression import replica_grad_sync
     from embedscale.embedding.mixed import MixedEmbedding
-    from embedscale.workflow import hash_init
+    from embedscale.workflow import hash_init, tt_lr
 
     t, d = cfg.train, cfg.dist
     sync = None
@@ -130,7 +130,7 @@ def _tt_tables_embedding(cfg: RunConfig, tables: list, sharded, device, inferenc
         sync = replica_grad_sync(group, stats)
     return MixedEmbedding(rest, local=sharded, device=device, optimizer=None if inference else t.sparse_optimizer,
                           lr=t.lr_sparse, init=hash_init(t.seed, tables), seed=t.seed, grad_sync=sync,
-                          init_index=[tables.index(x) for x in rest])
+                          init_index=[tables.index(x) for x in rest], tt_lr=tt_lr(t))
 
 
 def _host_tables_embedding(cfg: RunConfig, tables: list, sharded, device):
