@@ -205,6 +205,7 @@ def test_planner_replicates_tt_tables_instead_of_sharding_them(tmp_path):
     (meta,) = plan.meta["replicated_tables"]
     assert meta["name"] == "big" and meta["tt_rank"] == 32 and meta["bytes"] == table_bytes(tables[1])
     assert meta["bytes"] < tables[1].memory_bytes / 100
+    assert plan.summary()["replicated_tables"] == ["big"] and plan.summary()["replicated_bytes_per_rank"] == meta["bytes"]
     rep = compare(["oper", "table_wise"], tables, prof, Topology(ranks_per_host=2))
     assert rep["config"]["replicated_bytes_per_rank"] == meta["bytes"]
     plain_bytes = (1000 + 50_000) * 16 * 4

@@ -576,6 +576,9 @@ class Plan:
             "replicated_partitions": int((self.holders.sum(1) > 1).sum()),
             "rows_per_rank": self.rows_per_rank().tolist(),
             "memory_per_rank": self.memory_per_rank().tolist(),
+            # TT tables (EL-Rec VI-B) are outside the plan: their cores sit on every rank besides these rows
+            "replicated_tables": [m["name"] for m in self.meta.get("replicated_tables", [])],
+            "replicated_bytes_per_rank": int(sum(m["bytes"] for m in self.meta.get("replicated_tables", []))),
         }
 
 
