@@ -96,7 +96,7 @@ def single_process(tmp_path, data_dir):
     weights = torch.cat([m[f"sparse_arch.embedding.local.t_C{i + 1}.weight"] for i in PLAIN])
     tt = {k[len("sparse_arch.embedding.tt."):]: v for k, v in m.items() if k.startswith("sparse_arch.embedding.tt.")}
     dense = {k: v for k, v in m.items() if not k.startswith("sparse_arch.embedding.")}
-    return ck["extra"]["losses"], weights, tt, dense
+    return ck["extra"]["losses"], weights, tt, dense, rd
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
@@ -143,7 +143,7 @@ def reference(tmp_path_factory, data_dir):
 
 @pytest.mark.parametrize("kind,design", [("table_wise", "retrieve"), ("replicas", "send")])
 def test_two_ranks_with_tt_tables_equal_single_process(tmp_path, data_dir, reference, kind, design):
-    ref_losses, ref_w, ref_tt, ref_dense = reference
+    ref_losses, ref_w, ref_tt, ref_dense, _ = reference
     assert sorted({k.split(".")[0] for k in ref_tt}) == ["t_C3", "t_C5"]
     plan_dir = tmp_path / "plan"
     hand_plan(kind, 2).save(plan_dir)
@@ -163,7 +163,7 @@ def test_two_ranks_with_tt_tables_equal_single_process(tmp_path, data_dir, refer
 
 
 def test_two_rank_checkpoint_with_tt_tables_resumes_exactly(tmp_path, data_dir, reference):
-    ref_losses, ref_w, ref_tt, _ = reference
+    ref_losses, ref_w, ref_tt, _, _ = reference
     plan_dir = tmp_path / "plan"
     hand_plan("replicas", 2).save(plan_dir)
     distributed(config(tmp_path, data_dir, str(plan_dir), steps=3), tmp_path / "first")
@@ -230,3 +230,23 @@ def test_plan_cli_applies_the_policy(tmp_path):
     assert names == ["C3", "C4", "C12", "C16", "C21"]  # criteo-kaggle's five tables over 1M rows
     assert Plan.load(out / "oper").table_names == [f"C{i}" for i in range(1, 27) if f"C{i}" not in names]
     assert "replicated on every rank" in (out / "report.md").read_text()
+
+
+def _infer_rank(rank, world, cfg_dict, checkpoint, run_dir):
+    from embedscale.train.distributed import infer_distributed
+
+    return infer_distributed(from_dict(RunConfig, cfg_dict), checkpoint, run_dir, progress=False)
+
+
+def test_single_process_checkpoint_with_tt_tables_serves_on_two_ranks(tmp_path, data_dir, reference):
+    """A single-process checkpoint (uncompressed tables under ``local.``, TT cores under ``tt.``) restored onto
+    an inference plan on 2 ranks scores the eval split as the single-process model did."""
+    *_, rd = reference
+    summary = __import__("json").loads((rd / "summary.json").read_text())
+    plan_dir = tmp_path / "plan"
+    hand_plan("table_wise", 2).save(plan_dir)
+    ck = latest_checkpoint(rd / "checkpoints")
+    out = spawn_local(_infer_rank, 2, to_dict(config(tmp_path, data_dir, str(plan_dir))), str(ck),
+                      str(tmp_path / "infer"), timeout_s=120)[0]
+    assert out["samples"] == summary["eval_samples"]
+    assert abs(out["auc"] - summary["eval_auc"]) < 1e-6 and abs(out["logloss"] - summary["eval_logloss"]) < 1e-5
