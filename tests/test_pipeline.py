@@ -197,7 +197,8 @@ def test_cache_holds_at_most_the_rows_of_the_last_k_batches(dataset):
     bounds = [sum(per_batch[max(0, t - depth + 1):t + 1]) for t in range(len(per_batch))]
     assert all(h <= b for h, b in zip(held, bounds)), list(zip(held, bounds))
     assert held[-1] > per_batch[-1]  # it does hold more than one batch's rows at depth 3
-    assert loader.last_stats["cache_peak_rows"] == max(held)
+    # the peak is taken at insertion (the patcher thread may evict right after, before `held` is read)
+    assert max(held) <= loader.last_stats["cache_peak_rows"] <= max(bounds)
     assert emb.cache.num_rows == 0  # the drained pipeline leaves the server current and the cache empty
 
 

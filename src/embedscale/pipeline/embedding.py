@@ -281,13 +281,14 @@ class PipelinedEmbedding(nn.Module):
         return PrefetchedBatch(index, applied, batch, features, dev_feats, host, plan)
 
     # -- trainer side --------------------------------------------------------------------------------
-    def attach(self, pre: PrefetchedBatch) -> int:
+    def attach(self, pre: PrefetchedBatch, *, patch: bool = True) -> int:
         """Make ``pre`` the next batch to look up: count the server's gradient pulls (evicting rows whose
-        life cycle ended) and patch its rows from the cache. Returns the rows patched."""
+        life cycle ended) and patch its rows from the cache (``patch=False``: already patched, by the server
+        thread). Returns the rows patched."""
         if self._pending is not None:
             raise PipelineError(f"batch {self._pending.index} was prefetched but never looked up "
                                 "(the pipeline needs exactly one forward and one backward per batch)")
-        patched = self._patch(pre)
+        patched = self._patch(pre) if patch else 0
         self._pending = pre
         return patched
 

@@ -9,9 +9,12 @@ schedule over the batches (PyTorch ops release the GIL, so it computes beside th
                                                                      (applied(s) = max(0, s - depth + 1))
     then pull and apply the remaining gradients
 
-and the trainer, for each batch, takes it from the prefetch queue, patches its rows from the life-cycle
+and the trainer, for each batch, takes it from the prefetch queue with its rows patched from the life-cycle
 cache (:mod:`embedscale.pipeline.cache`), trains on it (the host rows' gradients go up the gradient queue
-during backward) and moves on. So while the trainer computes batch ``t`` the server has batches up to
+during backward) and moves on. The patch of batch ``s`` needs the cache entry of batch ``s - 1``, complete
+when that batch's gradients are pushed; a patcher thread between the prefetch queue and the trainer patches
+batch ``s`` as soon as they are, so the patch runs beside the rest of the trainer's step ``s - 1`` (the rest
+of its backward, the dense optimizer step) instead of on its critical path. So while the trainer computes batch ``t`` the server has batches up to
 ``t + depth - 1`` read, and applies batch ``t - 1``'s gradients; both queues hold at most ``depth``
 items. ``depth = 1`` is sequential training (EL-Rec's "prefetch queue of length 1"): the server reads
 batch ``t`` only after it applied batch ``t - 1``, so nothing is ever stale and the cache stays off.
@@ -55,7 +58,7 @@ class Pipeline:
     Attributes:
         stats: after the pass: batches, rows patched, cache peak rows, seconds the trainer waited for the
             server (``wait_s``), the server waited for gradients (``server_wait_s``) and the server thread's
-            CPU time (``server_cpu_s``).
+            CPU time (``server_cpu_s``) and the patcher thread's (``patcher_cpu_s``).
     """
 
     def __init__(self, embedding: PipelinedEmbedding, batches: Iterable, depth: int, *, use_cache: bool = True,
@@ -79,10 +82,15 @@ class Pipeline:
         self.error: BaseException | None = None
         self._applied_cv = threading.Condition()
         self._plan_patches = False
+        self._async_patch = False  # a patcher thread patches prefetched rows (cache on, depth > 1)
+        self.ready_q: queue.Queue = queue.Queue()
+        self._pushed_cv = threading.Condition()
+        self._stopping = False
+        self.patcher = threading.Thread(target=self._patch_loop, name="embedscale-cache-patcher", daemon=True)
         self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
         self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0,
-                      "server_cpu_s": 0.0}
+                      "server_cpu_s": 0.0, "patcher_cpu_s": 0.0}
 
     # -- server thread -----------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -147,6 +155,29 @@ class Pipeline:
             self._applied_cv.notify_all()
         return True
 
+    # -- patcher thread ------------------------------------------------------------------------------
+    def _patch_loop(self) -> None:
+        """Take prefetched batches in order; patch batch ``s`` from the cache once the trainer has pushed the
+        gradients of batch ``s - 1`` (its cache entry is complete then); hand it to the trainer."""
+        cpu0 = time.thread_time()
+        try:
+            while True:
+                item = self.prefetch_q.get()  # the server always ends with END or its exception
+                if item is END or isinstance(item, BaseException):
+                    self.ready_q.put(item)
+                    return
+                with self._pushed_cv:
+                    while self.pushed < item.index and not self._stopping:
+                        self._pushed_cv.wait(0.5)
+                    if self._stopping:
+                        return
+                item.patched = self.embedding._patch(item)
+                self.ready_q.put(item)
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer
+            self.ready_q.put(e)
+        finally:
+            self.stats["patcher_cpu_s"] = time.thread_time() - cpu0
+
     def wait_applied(self) -> None:
         """Block until the server has applied every gradient pushed so far (a synchronous read of the host
         tables without the cache: depth 1, where the server pulls each gradient as soon as it is pushed)."""
@@ -171,15 +202,20 @@ class Pipeline:
         # one rank: a cache entry holds exactly the rows its batch read, which the server knows, so it can
         # plan the patches; with several ranks entries also hold rows other ranks updated
         self._plan_patches = emb._track_updates and emb.server is not None and emb._group() is None
+        self._async_patch = emb._track_updates and emb.server is not None
         # reads outside the schedule (evaluation, checkpoints): the cache has what the server lacks at
         # depth >= 2; at depth 1 the server lags by at most the last gradient, so wait for it
         emb._sync_read_hook = None if emb._track_updates else self.wait_applied
         self.thread.start()
+        if self._async_patch:
+            self.patcher.start()
 
     def _push(self, grads: GradientBatch) -> None:
         if grads.index != self.pushed:
             raise PipelineError(f"backward of batch {grads.index} while batch {self.pushed} was expected")
-        self.pushed += 1
+        with self._pushed_cv:
+            self.pushed += 1
+            self._pushed_cv.notify_all()
         self.grad_q.put(grads)
 
     def next(self) -> PrefetchedBatch | None:
@@ -188,7 +224,10 @@ class Pipeline:
             raise PipelineError(f"batch {self.consumed - 1} was handed out but its backward never ran "
                                 "(the pipeline needs exactly one forward and one backward per batch)")
         t0 = time.perf_counter()
-        item = get_from(self.prefetch_q, self.thread, "waiting for prefetched rows", self.timeout_s)
+        if self._async_patch:
+            item = get_from(self.ready_q, self.patcher, "waiting for prefetched, patched rows", self.timeout_s)
+        else:
+            item = get_from(self.prefetch_q, self.thread, "waiting for prefetched rows", self.timeout_s)
         self.stats["wait_s"] += time.perf_counter() - t0
         if item is END:
             return None
@@ -196,7 +235,10 @@ class Pipeline:
             raise item
         if item.index != self.consumed:
             raise PipelineError(f"prefetched batch {item.index} arrived, batch {self.consumed} was expected")
-        if self.use_cache:
+        if self._async_patch:  # patched by the patcher thread
+            self.embedding.attach(item, patch=False)
+            self.stats["patched_rows"] += item.patched
+        elif self.use_cache:
             self.stats["patched_rows"] += self.embedding.attach(item)
         else:
             self.embedding._pending = item
@@ -209,6 +251,11 @@ class Pipeline:
         self.grad_q.put(FINISH)
         if self.thread.is_alive():
             self.thread.join(self.timeout_s)
+        if self.patcher.is_alive():  # the server has put END by now; or the patcher waits for a push
+            with self._pushed_cv:
+                self._stopping = True
+                self._pushed_cv.notify_all()
+            self.patcher.join(self.timeout_s)
         self.stats["batches"] = self.pushed
         self.stats["cache_peak_rows"] = emb.cache.peak_rows
         self.stats["cache_hits"] = emb.cache.hits

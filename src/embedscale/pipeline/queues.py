@@ -96,6 +96,7 @@ class PrefetchedBatch:
         patch_plan: for each batch still in flight when the rows were read (its gradients not yet applied):
             per host dim group ``(dst, src)``, the positions in this batch's rows and in that batch's rows
             of the rows both read; ``None`` when the server did not compute it (several ranks).
+        patched: rows patched from the life-cycle cache by the pipeline's patcher thread.
     """
 
     index: int
@@ -105,6 +106,7 @@ class PrefetchedBatch:
     device_features: list[JaggedFeatures]
     host: list[HostRows]
     patch_plan: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+    patched: int = 0
 
 
 @dataclass
