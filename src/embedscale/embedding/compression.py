@@ -19,6 +19,12 @@ every rank and trained data-parallel**. A planner therefore
   all-reduce in the backward phase" of section VI-B). Optimizer state is per replica and stays
   identical because the gradients are.
 
+Where it is applied: ``model.tt_min_rows`` (``workflow.tables_for``) or ``embedscale plan --tt-min-rows`` mark
+the tables; ``plan.api.make_plan`` plans the others and records the TT tables in
+``plan.meta["replicated_tables"]`` (:func:`replicated_tables_meta`); ``train.distributed`` builds a
+``MixedEmbedding`` whose uncompressed part is the plan's ``ShardedEmbedding`` and whose TT tables sync with
+:func:`replica_grad_sync`.
+
 :func:`compression_report` gives, per table, the bytes before (``num_rows * dim * bytes_per_value``) and
 after (the TT cores in float32), and the totals: EL-Rec Table III's comparison (Kaggle 7.29x,
 Terabyte 74.19x). Optimizer state is not counted on either side.
