@@ -31,15 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from embedscale.comm.pgas import shm_dir
+from embedscale.comm.pgas import _align, shm_dir
 from embedscale.errors import ConfigError
 from embedscale.pipeline.queues import PipelineError
 
 _LINE = 64
-
-
-def _align(n: int, a: int = _LINE) -> int:
-    return (int(n) + a - 1) // a * a
 
 
 class SharedHostStorage:
@@ -62,10 +58,10 @@ class SharedHostStorage:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.timeout_s = float(timeout_s)
-        header = _align(self.size * 8)
+        header = _align(self.size * 8, _LINE)
         wbytes = weights.numel() * weights.element_size()
         mbytes = momentum.numel() * momentum.element_size() if momentum is not None else 0
-        total = header + _align(wbytes) + max(mbytes, _LINE)
+        total = header + _align(wbytes, _LINE) + max(mbytes, _LINE)
         token = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         dist.broadcast(token, src=dist.get_global_rank(group, 0), group=group)
         job = os.environ.get("TORCHELASTIC_RUN_ID") or "local"
@@ -96,7 +92,7 @@ class SharedHostStorage:
         self.momentum = None
         if momentum is not None:
             self.momentum = torch.frombuffer(self._mm, dtype=momentum.dtype, count=momentum.numel(),
-                                             offset=header + _align(wbytes))
+                                             offset=header + _align(wbytes, _LINE))
         if self.rank == 0:
             self.weights.copy_(weights.reshape(-1))
             if momentum is not None:
