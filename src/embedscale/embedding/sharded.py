@@ -127,6 +127,7 @@ class ShardedEmbedding(nn.Module):
         # a zero-size parameter so that autograd calls our backward even though the storage is a buffer
         self.anchor = nn.Parameter(torch.zeros(0, device=device))
         self.stats: dict[str, int] = {}
+        self._backing: torch.Tensor | None = None  # storage + fetch area (``_pool_table``)
 
     # -- inputs ---------------------------------------------------------------------------------
     def _check_keys(self, features: JaggedFeatures) -> None:
@@ -137,34 +138,71 @@ class ShardedEmbedding(nn.Module):
             raise InputError(f"sharded embedding: features {features.keys} are not in the order "
                              f"{self.feature_names}")
 
-    def _prepare(self, features: JaggedFeatures):
+    def _inputs(self, features: JaggedFeatures, ones: bool = True):
+        """A mini-batch as flat lookups: ``(gids, bag, scale, nbags, B, offsets)``.
+
+        ``gids``: global row id of every value; ``bag``: its bag, ``f * B + b`` (features major, as the
+        values come); ``scale``: its per-sample weight (``1/length`` folded in for mean pooling), or ``None``
+        when every weight is 1 and ``ones`` is false; ``offsets``: ``[nbags + 1]`` start of every bag.
+        Values of feature ``f`` are one contiguous block, so table bases and bounds repeat per feature.
+        """
         self._check_keys(features)
         F_, B = len(self.feature_names), features.batch_size
         lengths = features.lengths.cpu()
         values = features.values.cpu()
-        per_value_feature = torch.repeat_interleave(torch.arange(F_).repeat_interleave(B), lengths)
-        if self.validate and values.numel():
-            bad = (values < 0) | (values >= self._feature_rows[per_value_feature])
+        n = values.numel()
+        per_feature = lengths.view(F_, B).sum(1) if B else torch.zeros(F_, dtype=torch.int64)
+        if self.validate and n:
+            rows = torch.repeat_interleave(self._feature_rows, per_feature)
+            bad = (values < 0) | (values >= rows)
             if bool(bad.any()):
                 i = int(torch.nonzero(bad)[0])
-                f = int(per_value_feature[i])
+                f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
                 raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
                                  f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
-        gids = self.tmap.table_base[self._feature_table[per_value_feature]] + values
-        bag = torch.repeat_interleave(torch.arange(F_ * B), lengths)
-        scale = features.weights.cpu().to(torch.float32) if features.weights is not None else \
-            torch.ones(values.numel(), dtype=torch.float32)
-        mean = self._feature_mean[per_value_feature]
-        if bool(mean.any()):
-            scale = torch.where(mean, scale / lengths[bag].clamp(min=1).to(scale.dtype), scale)
-        return gids, bag, scale, F_ * B, B
+        gids = torch.repeat_interleave(self.tmap.table_base.index_select(0, self._feature_table), per_feature) + values
+        one_hot = n == F_ * B and bool((lengths == 1).all())
+        bag = torch.arange(n) if one_hot else torch.repeat_interleave(torch.arange(F_ * B), lengths)
+        offsets = torch.zeros(F_ * B + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        scale = features.weights.cpu().to(torch.float32) if features.weights is not None else None
+        if not one_hot and bool(self._feature_mean.any()):
+            mean = torch.repeat_interleave(self._feature_mean, per_feature)
+            if scale is None:
+                scale = torch.ones(n, dtype=torch.float32)
+            scale = torch.where(mean, scale / lengths.index_select(0, bag).clamp(min=1).to(scale.dtype), scale)
+        if scale is None and ones:
+            scale = torch.ones(n, dtype=torch.float32)
+        return gids, bag, scale, F_ * B, B, offsets
+
+    def _prepare(self, features: JaggedFeatures):
+        """``(gids, bag, scale, nbags, B)`` of ``_inputs``, with a scale for every value."""
+        return self._inputs(features)[:5]
 
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
-        gids, bag, scale, nbags, B = self._prepare(features)
-        fn = _Retrieve if self.design == "retrieve" else _SendBased
-        out = fn.apply(self.anchor, self, gids, bag, scale, nbags)
         F_ = len(self.feature_names)
+        if self.design == "retrieve":
+            gids, bag, scale, nbags, B, offsets = self._inputs(features, ones=False)
+            out = _Retrieve.apply(self.anchor, self, gids, bag, scale, nbags, offsets, torch.is_grad_enabled())
+        else:
+            gids, bag, scale, nbags, B = self._prepare(features)
+            out = _SendBased.apply(self.anchor, self, gids, bag, scale, nbags)
         return out.view(F_, B, self.dim).transpose(0, 1).reshape(B, F_ * self.dim)
+
+    def _pool_table(self, extra: int) -> torch.Tensor:
+        """The storage with room for ``extra`` fetched rows right after it, as one tensor whose head *is*
+        ``self.weight`` (OPER 5.2: local and fetched rows pooled by one lookup, no copy of the local rows).
+        Grown, with the storage moved into it, when too small or when the storage was moved or replaced."""
+        w = self.weight
+        n = w.shape[0]
+        back = self._backing
+        if back is None or back.data_ptr() != w.data_ptr() or back.shape[0] < n + extra or \
+                back.device != w.device or back.dtype != w.dtype:
+            back = torch.empty((n + extra + extra // 4 + 64, self.dim), dtype=w.dtype, device=w.device)
+            back[:n].copy_(w)
+            self._backing = back
+            self.weight = back[:n]  # the registered buffer, now the head of the pooling table
+        return back
 
     # -- updates ----------------------------------------------------------------------------------
     def _apply_owned(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
@@ -248,87 +286,100 @@ def _split_by_rank(src: torch.Tensor, W: int) -> list[int]:
 class _Retrieve(torch.autograd.Function):
     """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally.
 
-    The unique rows of the batch's packed ``(source rank, offset)`` codes come in source-rank order, so the
-    rows to request from each peer are contiguous blocks and the fetched blocks concatenate in that same order
-    with the local block in between; each value's position among them drives the pooling, and one stable sort
-    of those positions gives the segments that sum the gradients per unique row in backward.
+    Only the remote values are deduplicated: their packed ``(source rank, offset)`` codes, made unique and
+    sorted, come in source-rank order, so the rows to request from each peer are contiguous blocks, and the
+    fetched blocks land in that order in a fetch area right after the rank's own storage
+    (``ShardedEmbedding._pool_table``, OPER 5.2). Local values index the storage directly, remote ones the
+    fetch area, and one ``embedding_bag`` pools them all, each bag in its values' order. Backward sums the
+    gradients per storage or fetch-area row in batch order (``aggregate_row_gradients``): local rows go to the
+    fused optimizer, fetched rows back to their owners (replicas through ``grad_sync``).
     """
 
     @staticmethod
-    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags):
+    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags, offsets, training):
         W, me, tr, tm = mod.world_size, mod.rank, mod.transport, mod.tmap
         dev = mod.weight.device
-        code = tm.code[gids]
-        uniq, idx, counts = torch.unique(code & tm.KEY_MASK, sorted=True, return_inverse=True, return_counts=True)
-        U = uniq.numel()
-        seg = torch.zeros(U + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=seg[1:])
-        # values grouped by unique row, in batch order within a row (a stable sort of the small positions)
-        perm = torch.sort(idx.to(torch.int32) if U <= _INT32_MAX else idx, stable=True).indices
-        per_rank = _split_by_rank(uniq >> tm.SHIFT, W)
-        blocks = list(torch.split(uniq & tm.OFF_MASK, per_rank))  # offsets on each source rank, ascending
-        local_off = blocks[me]
-        blocks[me] = local_off[:0]
-        requests = tr.exchange(blocks, kind="ids")
-        replies = [mod.weight[r.to(dev)] if p != me else mod.weight[:0] for p, r in enumerate(requests)]
+        code = tm.code.index_select(0, gids)
+        key = code & tm.KEY_MASK
+        ridx = ((key >> tm.SHIFT) != me).nonzero().squeeze(1)  # values read from other ranks
+        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+        R = runiq.numel()
+        per_rank = _split_by_rank(runiq >> tm.SHIFT, W)
+        requests = tr.exchange(list(torch.split(runiq & tm.OFF_MASK, per_rank)), kind="ids")
+        replies = [mod.weight.index_select(0, r.to(dev)) if p != me else mod.weight[:0]
+                   for p, r in enumerate(requests)]
         fetched = tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
                               kind="rows")
-        fetched[me] = mod.weight[local_off.to(dev)]
-        combined = torch.cat(fetched)  # the unique rows, in code order
-        u_slot = None
-        rep = (code & tm.REPLICA) != 0
-        if bool(rep.any()):
-            u_slot = torch.full((U,), -1, dtype=torch.int64)
-            u_slot[idx[rep]] = tm.slot[gids[rep]]
-        offsets = torch.zeros(nbags + 1, dtype=torch.int64)
-        offsets[1:] = torch.cumsum(torch.bincount(bag, minlength=nbags), 0)
-        out = F.embedding_bag(idx.to(dev), combined, offsets.to(dev), mode="sum",
-                              per_sample_weights=scale.to(device=dev, dtype=combined.dtype), include_last_offset=True)
-        ctx.mod = mod
-        ctx.saved = (perm, seg, bag, scale, local_off, u_slot, per_rank, requests)
+        n = mod.weight.shape[0]
+        table = mod._pool_table(R)
+        if R:
+            torch.cat(fetched, out=table[n:n + R])
+        pos = key.bitwise_and_(tm.OFF_MASK)  # storage row of local values ...
+        pos.index_copy_(0, ridx, rinv.add_(n))  # ... fetch-area row of remote ones
+        pos_d = pos.to(dev)
+        out = F.embedding_bag(pos_d, table[:n + R], offsets.to(dev), mode="sum", include_last_offset=True,
+                              per_sample_weights=None if scale is None else scale.to(device=dev, dtype=table.dtype))
+        if training:
+            r_slot = None
+            if mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here): synced, not pushed
+                rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
+                if bool(rep.any()):
+                    r_slot = torch.full((R,), -1, dtype=torch.int64)
+                    r_slot[rinv[rep] - n] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
+            ctx.mod = mod
+            ctx.saved = (pos_d, n, bag, scale, r_slot, per_rank, requests)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         mod: ShardedEmbedding = ctx.mod
-        perm, seg, bag, scale, local_off, u_slot, per_rank, requests = ctx.saved
+        pos, n, bag, scale, r_slot, per_rank, requests = ctx.saved
+        ctx.saved = None
         dev = grad_out.device
         me = mod.rank
-        # per unique row: sum of scale[i] * grad_out[bag[i]] over its values, in batch order (the segments
-        # of the forward's sort), as aggregate_row_gradients would
-        perm_d = perm.to(dev)
-        g_comb = F.embedding_bag(bag.to(dev).index_select(0, perm_d), grad_out.contiguous(), seg.to(dev),
-                                 mode="sum", per_sample_weights=scale.to(dev, grad_out.dtype).index_select(0, perm_d),
-                                 include_last_offset=True)
-        g_blocks = list(torch.split(g_comb, per_rank))
-        rep = (u_slot >= 0).to(dev) if u_slot is not None else None
-        rep_blocks = list(torch.split(rep, per_rank)) if rep is not None else [None] * len(per_rank)
-        send = []
-        for p, (g, r) in enumerate(zip(g_blocks, rep_blocks)):
-            if p == me:
-                send.append(g[:0])
-            else:  # replica rows' gradients go through the replica AllReduce instead
-                send.append(g.masked_fill(r.unsqueeze(1), 0.0) if r is not None and bool(r.any()) else g)
-        recv = mod.transport.exchange(send, recv_counts=[r.numel() for r in requests], kind="grads")
-        # owner side: own rows touched here plus the rows peers read from here
-        gL, repL = g_blocks[me], rep_blocks[me]
-        lo = local_off.to(dev)
-        rows = [lo if repL is None else lo[~repL]]
-        grads = [gL if repL is None else gL[~repL]]
+        # one gradient per storage / fetch-area row, its values summed in batch order
+        rows, g = aggregate_row_gradients(pos, grad_out, src_index=bag.to(dev),
+                                          scale=None if scale is None else scale.to(dev),
+                                          num_rows=n + sum(per_rank))
+        k = int(torch.searchsorted(rows, n))
+        rows_l, g_l = rows[:k], g[:k]
+        g_r = g[k:]  # every fetched row was read: rows[k:] == n + arange(R), in request order
+        if r_slot is not None:
+            r_rep = (r_slot >= 0).to(dev)
+            send = g_r.masked_fill(r_rep.unsqueeze(1), 0.0)
+        else:
+            send = g_r
+        blocks = list(torch.split(send, per_rank))
+        blocks[me] = send[:0]
+        recv = mod.transport.exchange(blocks, recv_counts=[r.numel() for r in requests], kind="grads")
+        # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead)
+        own_l = rows_l < mod.num_owned
+        all_own = bool(own_l.all())
+        rows_all = [rows_l if all_own else rows_l[own_l]]
+        grads_all = [g_l if all_own else g_l[own_l]]
         for p, (r, gr) in enumerate(zip(requests, recv)):
             if p == me or r.numel() == 0:
                 continue
-            owned = r.to(dev) < mod.num_owned  # replica rows a peer read here are synced, not applied here
-            rows.append(r.to(dev)[owned])
-            grads.append(gr[owned])
-        mod._apply_owned(torch.cat(rows), torch.cat(grads))
-        if mod.num_slots:
-            if rep is None:
-                mod._sync_and_apply_replicas(torch.zeros(0, dtype=torch.int64, device=dev),
-                                             grad_out.new_zeros((0, grad_out.shape[1])))
+            r = r.to(dev)
+            owned = r < mod.num_owned
+            if bool(owned.all()):
+                rows_all.append(r)
+                grads_all.append(gr)
             else:
-                mod._sync_and_apply_replicas(u_slot.to(dev)[rep], g_comb[rep])
-        return torch.zeros_like(mod.anchor), None, None, None, None, None
+                sel = owned.nonzero().squeeze(1)
+                rows_all.append(r.index_select(0, sel))
+                grads_all.append(gr.index_select(0, sel))
+        mod._apply_owned(torch.cat(rows_all), torch.cat(grads_all))
+        if mod.num_slots:
+            lrep = (~own_l).nonzero().squeeze(1)
+            slots = [mod._region_slot.to(dev).index_select(0, rows_l.index_select(0, lrep) - mod.num_owned)]
+            grads = [g_l.index_select(0, lrep)]
+            if r_slot is not None:
+                rsel = r_rep.nonzero().squeeze(1)
+                slots.append(r_slot.to(dev).index_select(0, rsel))
+                grads.append(g_r.index_select(0, rsel))
+            mod._sync_and_apply_replicas(torch.cat(slots), torch.cat(grads))
+        return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None
 
 
 class _SendBased(torch.autograd.Function):
