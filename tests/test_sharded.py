@@ -98,10 +98,11 @@ def _worker(rank, world, scenarios):
     results = {}
     transport = CollectiveTransport()
     ts = tables()
-    for name, design, optimizer in scenarios:
+    for name, design, optimizer, sync in scenarios:
         owner, replicas, holders = plans(world)[name]
         amap = AddressMap.build(ts, world, owner, replicas, holders)
-        emb = ShardedEmbedding(ts, amap, transport, rank, design=design, optimizer=optimizer, lr=LR, eps=EPS)
+        emb = ShardedEmbedding(ts, amap, transport, rank, design=design, optimizer=optimizer, lr=LR, eps=EPS,
+                               grad_sync=sync)
         outs = []
         for jf, c in batches():
             lo, hi = B * rank // world, B * (rank + 1) // world
@@ -109,12 +110,15 @@ def _worker(rank, world, scenarios):
             outs.append(out.detach().clone())
             loss = (out * c[lo:hi]).sum() / B
             loss.backward()
-        results[(name, design, optimizer)] = (outs, torch.from_numpy(amap.storage_gids(rank)), emb.weight.clone())
+        results[(name, design, optimizer, sync)] = (outs, torch.from_numpy(amap.storage_gids(rank)), emb.weight.clone())
     return results
 
 
-SCENARIOS = [(p, d, o) for p in ["table_wise", "row_wise", "oper_replicas", "partial_replicas"]
+SCENARIOS = [(p, d, o, "local_aggregated") for p in ["table_wise", "row_wise", "oper_replicas", "partial_replicas"]
              for d in ["retrieve", "send"] for o in ["sgd", "rowwise_adagrad"]]
+# replica gradients riding in the retrieve design's all-to-all (partial replicas: non-holders contribute too)
+SCENARIOS += [(p, "retrieve", o, "alltoall") for p in ["oper_replicas", "partial_replicas"]
+              for o in ["sgd", "rowwise_adagrad"]]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,5 +1,6 @@
 """Bytes on wire counted by the collective transport per iteration against the prediction from the plan and
-the access profile (embedding.wire), for an OPER plan with replicas and a table-wise plan on 2 ranks."""
+the access profile (embedding.wire), for an OPER plan with replicas and a table-wise plan on 2 ranks, and for
+the OPER plan with the replicas' gradients riding in the all-to-all (grad_sync "alltoall")."""
 
 import numpy as np
 import torch
@@ -26,12 +27,13 @@ def setup():
     return gen, tables, profile
 
 
-def _worker(rank, world, strategy):
+def _worker(rank, world, strategy, sync="local_aggregated"):
     gen, tables, profile = setup()
-    plan = make_plan(strategy, tables, profile, Topology(ranks_per_host=world), batch_size=B // world)
+    plan = make_plan(strategy, tables, profile, Topology(ranks_per_host=world), batch_size=B // world,
+                     extra_memory=0.05 if sync == "local_aggregated" else 0.2)
     amap = address_map_from_plan(plan, tables)
     tr = CollectiveTransport()
-    emb = ShardedEmbedding(tables, amap, tr, rank, optimizer="sgd", lr=0.01)
+    emb = ShardedEmbedding(tables, amap, tr, rank, optimizer="sgd", lr=0.01, grad_sync=sync)
     measured = []
     cols = gen.sample(0, B * STEPS)  # one-hot features: sample s of the stream is row s of each column
     keys = [t.name for t in tables]
@@ -42,17 +44,22 @@ def _worker(rank, world, strategy):
         tr.counter.reset()
         emb(jf).sum().backward()
         measured.append(int(tr.counter.sent.sum()))
-    expected = expected_wire_bytes(amap, tables, profile, B / world, mode="training")["total"] if rank == 0 else 0
-    return float(np.mean(measured)), expected
+    pred = expected_wire_bytes(amap, tables, profile, B / world, mode="training", grad_sync=sync)
+    if sync == "alltoall":
+        assert amap.num_slots > 0 and pred["replica_sync"] > 0.1 * pred["total"]  # the replicas weigh in
+    return float(np.mean(measured)), (pred["total"] if rank == 0 else 0)
 
 
-def _both(rank, world):
-    return [_worker(rank, world, s) for s in ("oper", "table_wise")]
+CASES = (("oper", "local_aggregated"), ("table_wise", "local_aggregated"), ("oper", "alltoall"))
+
+
+def _all(rank, world):
+    return [_worker(rank, world, *c) for c in CASES]
 
 
 def test_measured_bytes_match_prediction_within_5_percent():
-    both = spawn_local(_both, 2)
-    for i, strategy in enumerate(("oper", "table_wise")):
+    both = spawn_local(_all, 2)
+    for i, strategy in enumerate(CASES):
         res = [b[i] for b in both]
         measured = sum(r[0] for r in res)
         expected = res[0][1]

@@ -234,7 +234,7 @@ class DistConfig:
     extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
     design: str = "retrieve"  # retrieve | send
     transport: str = "collective"  # collective (pgas: issue 5)
-    grad_sync: str = "local_aggregated"  # local_aggregated | dense | allgather
+    grad_sync: str = "local_aggregated"  # local_aggregated | dense | allgather | alltoall (retrieve, collective)
     timeout_s: float = 300.0  # a rank that dies or hangs becomes an error on the others after this
     backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
     topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)

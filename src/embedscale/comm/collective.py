@@ -30,6 +30,18 @@ class CollectiveTransport(Transport):
         self.counter.meta += 2 * (self.world_size - 1) * 8
         return recv.tolist()
 
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Swap small per-peer count vectors: ``counts`` int64 ``[W, k]`` (row ``p`` goes to rank ``p``);
+        returns ``[W, k]``, row ``p`` what rank ``p`` sent here. One all-to-all, counted as metadata."""
+        W = self.world_size
+        counts = counts.to(torch.int64).contiguous()
+        if W == 1:
+            return counts.clone()
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        self.counter.meta += 2 * (W - 1) * counts.shape[1] * 8
+        return recv
+
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
         W = self.world_size

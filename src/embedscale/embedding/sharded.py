@@ -33,6 +33,7 @@ from torch import nn
 from embedscale.comm.transport import Transport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap, TorchAddressMap
+from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
 from embedscale.embedding.grad_sync import sync_replica_grads
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
@@ -40,6 +41,7 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
 DESIGNS = ("retrieve", "send")
+SYNC_METHODS = (*_SYNC_METHODS, "alltoall")
 _INT32_MAX = 2**31 - 1
 _SHIFT = TorchAddressMap.SHIFT  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
 
@@ -55,7 +57,12 @@ class ShardedEmbedding(nn.Module):
         design: ``retrieve`` or ``send``.
         optimizer: ``sgd`` | ``rowwise_adagrad`` | ``None`` (inference: no updates).
         lr, eps: optimizer settings.
-        grad_sync: ``local_aggregated`` | ``dense`` | ``allgather`` for replicated rows.
+        grad_sync: ``local_aggregated`` | ``dense`` | ``allgather`` for replicated rows, or ``alltoall``
+            (retrieve design over a ``CollectiveTransport``): each rank's locally aggregated replica
+            gradients ride in the backward all-to-all that returns the fetched rows' gradients, and every
+            rank sums all ranks' contributions in rank order: no collective of its own (two fewer per step
+            than ``local_aggregated``; it sends ``(W - 1) x`` the rows a rank touched, against the ring's
+            ``2 (W - 1) / W x`` their union, so it suits few ranks).
         sync_group: process group for the replica AllReduce (default: the world).
         seed: row initialisation seed (``embedding.init``: the same rows as single-process training).
         init_index: each table's index for ``embedding.init`` (its position among the model's tables, when
@@ -91,6 +98,12 @@ class ShardedEmbedding(nn.Module):
         self.design = design
         self.optimizer = optimizer
         self.lr, self.eps = lr, eps
+        if grad_sync not in SYNC_METHODS:
+            raise ConfigError(f"sharded embedding: grad_sync {grad_sync!r} is not one of {SYNC_METHODS}")
+        if grad_sync == "alltoall" and (design != "retrieve" or not hasattr(transport, "exchange_counts")):
+            raise ConfigError("sharded embedding: grad_sync 'alltoall' rides in the retrieve design's all-to-all; "
+                              f"it needs design 'retrieve' and a collective transport (got {design!r}, "
+                              f"{type(transport).__name__})")
         self.grad_sync = grad_sync
         self.sync_group = sync_group
         self.validate = validate
@@ -139,11 +152,12 @@ class ShardedEmbedding(nn.Module):
                              f"{self.feature_names}")
 
     def _inputs(self, features: JaggedFeatures, ones: bool = True):
-        """A mini-batch as flat lookups: ``(gids, bag, scale, nbags, B, offsets)``.
+        """A mini-batch as flat lookups: ``(gids, bag, scale, nbags, B, offsets, one_hot)``.
 
         ``gids``: global row id of every value; ``bag``: its bag, ``f * B + b`` (features major, as the
         values come); ``scale``: its per-sample weight (``1/length`` folded in for mean pooling), or ``None``
-        when every weight is 1 and ``ones`` is false; ``offsets``: ``[nbags + 1]`` start of every bag.
+        when every weight is 1 and ``ones`` is false; ``offsets``: ``[nbags + 1]`` start of every bag;
+        ``one_hot``: every bag holds exactly one value.
         Values of feature ``f`` are one contiguous block, so table bases and bounds repeat per feature.
         """
         self._check_keys(features)
@@ -173,7 +187,7 @@ class ShardedEmbedding(nn.Module):
             scale = torch.where(mean, scale / lengths.index_select(0, bag).clamp(min=1).to(scale.dtype), scale)
         if scale is None and ones:
             scale = torch.ones(n, dtype=torch.float32)
-        return gids, bag, scale, F_ * B, B, offsets
+        return gids, bag, scale, F_ * B, B, offsets, one_hot
 
     def _prepare(self, features: JaggedFeatures):
         """``(gids, bag, scale, nbags, B)`` of ``_inputs``, with a scale for every value."""
@@ -182,8 +196,9 @@ class ShardedEmbedding(nn.Module):
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
         F_ = len(self.feature_names)
         if self.design == "retrieve":
-            gids, bag, scale, nbags, B, offsets = self._inputs(features, ones=False)
-            out = _Retrieve.apply(self.anchor, self, gids, bag, scale, nbags, offsets, torch.is_grad_enabled())
+            gids, bag, scale, nbags, B, offsets, one_hot = self._inputs(features, ones=False)
+            out = _Retrieve.apply(self.anchor, self, gids, bag, scale, B, offsets, one_hot, torch.is_grad_enabled())
+            return out.view(B, F_ * self.dim)  # pooled sample-major: no transpose
         else:
             gids, bag, scale, nbags, B = self._prepare(features)
             out = _SendBased.apply(self.anchor, self, gids, bag, scale, nbags)
@@ -246,10 +261,14 @@ class ShardedEmbedding(nn.Module):
         uslots, g = sync_replica_grads(slots, grads, self.num_slots, method=self.grad_sync,
                                        group=self.sync_group, stats=st)
         self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
-        local = self.tmap.replica_local[uslots]
-        keep = local >= 0
-        if bool(keep.any()):
-            self._apply_owned(self.num_owned + local[keep], g[keep])
+        self._apply_replicas(uslots, g)
+
+    def _apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply the summed gradients of replica ``slots`` (unique) to the ones this rank holds."""
+        local = self.tmap.replica_local.to(slots.device).index_select(0, slots)
+        keep = (local >= 0).nonzero().squeeze(1)
+        if keep.numel():
+            self._apply_owned(self.num_owned + local.index_select(0, keep), grads.index_select(0, keep))
 
     # -- checkpoints ------------------------------------------------------------------------------
     def shard_state(self) -> dict:
@@ -296,16 +315,38 @@ class _Retrieve(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, nbags, offsets, training):
+    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, B, offsets, one_hot, training):
         W, me, tr, tm = mod.world_size, mod.rank, mod.transport, mod.tmap
         dev = mod.weight.device
         code = tm.code.index_select(0, gids)
         key = code & tm.KEY_MASK
-        ridx = ((key >> tm.SHIFT) != me).nonzero().squeeze(1)  # values read from other ranks
+        remote = (key >> tm.SHIFT) != me
+        ridx = remote.nonzero().squeeze(1)  # values read from other ranks
         runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
         R = runiq.numel()
         per_rank = _split_by_rank(runiq >> tm.SHIFT, W)
-        requests = tr.exchange(list(torch.split(runiq & tm.OFF_MASK, per_rank)), kind="ids")
+        r_slot = None
+        if training and mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
+            rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
+            if bool(rep.any()):
+                r_slot = torch.full((R,), -1, dtype=torch.int64)
+                r_slot[rinv[rep]] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
+        blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
+        fused = training and mod.num_slots and mod.grad_sync == "alltoall" and mod.optimizer is not None
+        if fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
+            t_slots = _touched_replicas(mod, key, remote, r_slot)
+            cnt = tr.exchange_counts(torch.tensor([[c, t_slots.numel()] if p != me else [0, 0]
+                                                   for p, c in enumerate(per_rank)], dtype=torch.int64))
+            got = tr.exchange([torch.cat([b, t_slots]) if p != me else b for p, b in enumerate(blocks)],
+                              recv_counts=cnt.sum(1).tolist(), kind="ids")
+            requests = [x[:c] for x, c in zip(got, cnt[:, 0].tolist())]
+            peer_slots = [x[c:] for x, c in zip(got, cnt[:, 0].tolist())]
+            peer_slots[me] = t_slots
+            mod.stats["grad_sync_alltoall_bytes"] = mod.stats.get("grad_sync_alltoall_bytes", 0) + \
+                (W - 1) * t_slots.numel() * (8 + mod.dim * mod.weight.element_size())
+        else:
+            requests = tr.exchange(blocks, kind="ids")
+            peer_slots = None
         replies = [mod.weight.index_select(0, r.to(dev)) if p != me else mod.weight[:0]
                    for p, r in enumerate(requests)]
         fetched = tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
@@ -316,28 +357,36 @@ class _Retrieve(torch.autograd.Function):
             torch.cat(fetched, out=table[n:n + R])
         pos = key.bitwise_and_(tm.OFF_MASK)  # storage row of local values ...
         pos.index_copy_(0, ridx, rinv.add_(n))  # ... fetch-area row of remote ones
-        pos_d = pos.to(dev)
-        out = F.embedding_bag(pos_d, table[:n + R], offsets.to(dev), mode="sum", include_last_offset=True,
-                              per_sample_weights=None if scale is None else scale.to(device=dev, dtype=table.dtype))
+        # pool sample-major (bag b * F + f), each bag's values in their order, so the output is [B, F * D]
+        F_ = (offsets.numel() - 1) // B if B else 0
+        bag_s = (bag % B) * F_ + bag // B if B else bag  # each value's sample-major bag
+        if one_hot:
+            pos_s = pos.view(F_, B).t().reshape(-1)
+            scale_s = None if scale is None else scale.view(F_, B).t().reshape(-1)
+            offsets_s = offsets
+        else:
+            lengths_s = (offsets[1:] - offsets[:-1]).view(F_, B).t().reshape(-1)
+            offsets_s = torch.zeros_like(offsets)
+            torch.cumsum(lengths_s, 0, out=offsets_s[1:])
+            dest = offsets_s.index_select(0, bag_s) + torch.arange(pos.numel()) - offsets.index_select(0, bag)
+            pos_s = torch.empty_like(pos).index_copy_(0, dest, pos)
+            scale_s = None if scale is None else torch.empty_like(scale).index_copy_(0, dest, scale)
+        out = F.embedding_bag(pos_s.to(dev), table[:n + R], offsets_s.to(dev), mode="sum", include_last_offset=True,
+                              per_sample_weights=None if scale_s is None else scale_s.to(device=dev, dtype=table.dtype))
         if training:
-            r_slot = None
-            if mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here): synced, not pushed
-                rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
-                if bool(rep.any()):
-                    r_slot = torch.full((R,), -1, dtype=torch.int64)
-                    r_slot[rinv[rep] - n] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
             ctx.mod = mod
-            ctx.saved = (pos_d, n, bag, scale, r_slot, per_rank, requests)
+            ctx.saved = (pos.to(dev), n, bag_s, scale, r_slot, per_rank, requests, peer_slots)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         mod: ShardedEmbedding = ctx.mod
-        pos, n, bag, scale, r_slot, per_rank, requests = ctx.saved
+        pos, n, bag, scale, r_slot, per_rank, requests, peer_slots = ctx.saved
         ctx.saved = None
         dev = grad_out.device
         me = mod.rank
         # one gradient per storage / fetch-area row, its values summed in batch order
+        # (values in feature-major order, as single-process lookups and the PGAS design sum them)
         rows, g = aggregate_row_gradients(pos, grad_out, src_index=bag.to(dev),
                                           scale=None if scale is None else scale.to(dev),
                                           num_rows=n + sum(per_rank))
@@ -351,9 +400,27 @@ class _Retrieve(torch.autograd.Function):
             send = g_r
         blocks = list(torch.split(send, per_rank))
         blocks[me] = send[:0]
-        recv = mod.transport.exchange(blocks, recv_counts=[r.numel() for r in requests], kind="grads")
-        # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead)
         own_l = rows_l < mod.num_owned
+        rep_g = None
+        if mod.num_slots:  # gradients of the replica rows read here, in _touched_replicas' order
+            lrep = (~own_l).nonzero().squeeze(1)
+            slots = [mod._region_slot.to(dev).index_select(0, rows_l.index_select(0, lrep) - mod.num_owned)]
+            rep_g = [g_l.index_select(0, lrep)]
+            if r_slot is not None:
+                rsel = r_rep.nonzero().squeeze(1)
+                slots.append(r_slot.to(dev).index_select(0, rsel))
+                rep_g.append(g_r.index_select(0, rsel))
+            slots, rep_g = torch.cat(slots), torch.cat(rep_g)
+        if peer_slots is not None:  # grad_sync "alltoall": they ride behind each peer's block
+            blocks = [torch.cat([b, rep_g]) if p != me else b for p, b in enumerate(blocks)]
+            got = mod.transport.exchange(blocks, recv_counts=[r.numel() + s.numel() if p != me else 0
+                                                              for p, (r, s) in enumerate(zip(requests, peer_slots))],
+                                         kind="grads")
+            recv = [x[:r.numel()] for x, r in zip(got, requests)]
+            peer_g = [rep_g if p == me else x[r.numel():] for p, (x, r) in enumerate(zip(got, requests))]
+        else:
+            recv = mod.transport.exchange(blocks, recv_counts=[r.numel() for r in requests], kind="grads")
+        # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead)
         all_own = bool(own_l.all())
         rows_all = [rows_l if all_own else rows_l[own_l]]
         grads_all = [g_l if all_own else g_l[own_l]]
@@ -370,16 +437,27 @@ class _Retrieve(torch.autograd.Function):
                 rows_all.append(r.index_select(0, sel))
                 grads_all.append(gr.index_select(0, sel))
         mod._apply_owned(torch.cat(rows_all), torch.cat(grads_all))
-        if mod.num_slots:
-            lrep = (~own_l).nonzero().squeeze(1)
-            slots = [mod._region_slot.to(dev).index_select(0, rows_l.index_select(0, lrep) - mod.num_owned)]
-            grads = [g_l.index_select(0, lrep)]
-            if r_slot is not None:
-                rsel = r_rep.nonzero().squeeze(1)
-                slots.append(r_slot.to(dev).index_select(0, rsel))
-                grads.append(g_r.index_select(0, rsel))
-            mod._sync_and_apply_replicas(torch.cat(slots), torch.cat(grads))
-        return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None
+        if peer_slots is not None:  # every rank's contributions, summed in rank order: the same bits everywhere
+            uslots, gsum = aggregate_row_gradients(torch.cat([x.to(dev) for x in peer_slots]), torch.cat(peer_g),
+                                                   num_rows=mod.num_slots)
+            mod._apply_replicas(uslots, gsum)
+        elif mod.num_slots:
+            mod._sync_and_apply_replicas(slots, rep_g)
+        return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None, None
+
+
+def _touched_replicas(mod: ShardedEmbedding, key: torch.Tensor, remote: torch.Tensor, r_slot) -> torch.Tensor:
+    """Replica slots a batch reads: the held replica rows its local values read (ascending storage row),
+    then the replicas it fetched (request order), the order backward lists their gradients in."""
+    off = key & mod.tmap.OFF_MASK
+    held = int(mod.weight.shape[0]) - mod.num_owned
+    sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
+    flag = torch.zeros(held, dtype=torch.bool)
+    flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
+    out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
+    if r_slot is not None:
+        out.append(r_slot[r_slot >= 0])
+    return torch.cat(out)
 
 
 class _SendBased(torch.autograd.Function):

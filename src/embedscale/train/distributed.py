@@ -651,7 +651,8 @@ def plan_figures(run: DistributedRun) -> dict:
         out["cost_model_error"] = str(e)
     if run.cfg.dist.design == "retrieve":
         lookups = {t.name: prof.total(t.name) / max(prof.samples, 1) * b_local for t in run.tables}
-        pred = expected_wire_bytes(run.embedding.amap, run.tables, prof, lookups, mode="training")
+        pred = expected_wire_bytes(run.embedding.amap, run.tables, prof, lookups, mode="training",
+                                   grad_sync=run.cfg.dist.grad_sync)
         out["predicted_bytes_on_wire_per_step"] = pred["total"]
     return out
 
