@@ -196,6 +196,68 @@ def test_single_process_dmt_dcn_resumes_exactly_and_keeps_its_towers(tmp_path, d
         workflow.train(cfg_other, b, resume=True, progress=False)
 
 
+def cli_infer(checkpoint: Path, run_dir: Path, nproc: int) -> dict:
+    p = subprocess.run([sys.executable, "-m", "embedscale", "infer", str(checkpoint), "--nproc", str(nproc),
+                        "--run-dir", str(run_dir), "--no-progress", "--json"], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_dmt_dcn_on_4_ranks_through_the_cli_equals_single_process_and_serves(tmp_path, data_dir):
+    """DMT-DCN (DCN tower modules, Listing 2) on 4 ranks as 2 hosts x 2 through ``embedscale train`` trains the
+    single-process model; ``embedscale infer`` on one rank serves its sharded checkpoint as the run scored it."""
+    cfg = config(tmp_path, data_dir, model__arch="dmt-dcn")
+    ref = single_process(cfg, tmp_path / "single")
+    run4 = tmp_path / "four"
+    p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--nproc", "4", "--run-dir", str(run4),
+                        "--no-progress", "--json", *cli_flags(cfg)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["world_size"] == 4 and s["plan"].startswith("dmt: 2 towers on 2 tower group(s)")
+    assert s["towers"] == [["C1", "C3"], ["C2", "C4"]] and s["compression_ratio"] == 2.0  # D = 2: O = F D = 4 of F N = 8
+    got = sharded(run4 / "checkpoints" / f"step-{STEPS:08d}")
+    assert any(".cross" in k for k in got["dense"] if k.startswith("sparse_arch.towers."))  # the tower CrossNets
+    assert_matches(got, ref, 1e-5, "dmt-dcn, 4 ranks vs single process")
+    assert abs(s["eval_auc"] - ref["summary"]["eval_auc"]) < 1e-6
+    assert abs(s["eval_logloss"] - ref["summary"]["eval_logloss"]) < 1e-5
+
+    out = cli_infer(run4 / "checkpoints" / f"step-{STEPS:08d}", tmp_path / "served", 1)
+    assert out["world_size"] == 1 and out["towers"] == s["towers"] and out["samples"] == ref["summary"]["eval_rows"]
+    assert abs(out["auc"] - s["eval_auc"]) < 1e-6 and abs(out["logloss"] - s["eval_logloss"]) < 1e-5
+
+
+def test_infer_serves_a_single_process_dmt_dlrm_checkpoint_on_1_and_2_ranks(tmp_path, data_dir):
+    """``embedscale infer`` of a single-process DMT-DLRM checkpoint file: on one rank and on two (2 hosts x 1,
+    each rank holding its tower group's rows) the predictions are the model's own on the eval split, and
+    logloss and AUC those of the run's final evaluation."""
+    from embedscale.data.loader import ShardLoader
+
+    cfg = config(tmp_path, data_dir)
+    run = tmp_path / "single"
+    summary = workflow.train(cfg, run, resume=False, progress=False)
+    ck_path = latest_checkpoint(run / "checkpoints")
+    # the reference: the checkpoint loaded into the single-process model (all towers in one process)
+    data = workflow.prepare_data(cfg, progress=False)
+    model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
+                              torch.device(cfg.train.device), assignment=TowerAssignment.load(run / "towers.json"))
+    model.load_state_dict(load_checkpoint(ck_path)["model"])
+    model.eval()
+    ev = data.eval
+    with torch.no_grad():
+        z = torch.cat([model(b.dense, b.sparse) for b in ShardLoader(ev.directory, 16, start=ev.start, stop=ev.stop)])
+    want = (1 / (1 + np.exp(-z.double().numpy())))
+    for nproc in (1, 2):
+        out = cli_infer(ck_path, tmp_path / f"served{nproc}", nproc)
+        assert out["world_size"] == nproc and out["towers"] == [["C1", "C3"], ["C2", "C4"]]
+        assert out["samples"] == summary["eval_rows"] == len(want)
+        assert abs(out["auc"] - summary["eval_auc"]) < 1e-6, (nproc, out, summary)
+        assert abs(out["logloss"] - summary["eval_logloss"]) < 1e-5, (nproc, out, summary)
+        pred = np.load(tmp_path / f"served{nproc}" / "predictions.npy")
+        np.testing.assert_allclose(pred, want, rtol=0, atol=1e-6, err_msg=f"{nproc} rank(s)")
+
+
 def test_dmt_config_errors_name_the_key(tmp_path, data_dir):
     def build(**over):
         cfg = config(tmp_path, data_dir, **over)

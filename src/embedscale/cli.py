@@ -207,6 +207,20 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
         click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  on {m['samples']:,} samples")
 
 
+def _infer_fn(cfg):
+    """The serving entry of the checkpoint's arch: DMT models through the tower transform (``infer_dmt``,
+    DMT 3.1), the others under an inference plan (``infer_distributed``)."""
+    from embedscale.models.dmt import is_dmt_arch
+
+    if is_dmt_arch(cfg.model.arch):
+        from embedscale.train.dmt_run import infer_dmt
+
+        return infer_dmt
+    from embedscale.train.distributed import infer_distributed
+
+    return infer_distributed
+
+
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks.")
@@ -219,7 +233,9 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
     """Sharded inference: score the eval split with a checkpoint (single-process file or sharded directory)
-    under an inference plan; writes predictions.npy and inference.json."""
+    under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
+    through the tower transform with the checkpoint's towers (--plan and --design do not apply; on several
+    ranks dist.topology_hosts must divide --nproc)."""
     import yaml
 
     from embedscale import workflow
@@ -246,10 +262,9 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
         set_dotted(data, "dist.mode", "inference")
         cfg = from_dict(RunConfig, data)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        infer_fn = _infer_fn(cfg)
         if "RANK" in os.environ and world > 1:
-            from embedscale.train.distributed import infer_distributed
-
-            out = infer_distributed(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
+            out = infer_fn(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
             if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
         else:
@@ -265,9 +280,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
                     raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
                 out = read_json(rd / "inference.json", "inference result")
             else:
-                from embedscale.train.distributed import infer_distributed
-
-                out = infer_distributed(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
+                out = infer_fn(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
     except EmbedscaleError as e:
         _fail(e)
     if as_json:

@@ -32,6 +32,7 @@ different towers (or tower module shapes) are a clear error.
 from __future__ import annotations
 
 import datetime
+import os
 from pathlib import Path
 
 import numpy as np
@@ -118,12 +119,9 @@ class DMTRun(DistributedRun):
         from embedscale.data.loader import ShardLoader
         from embedscale.towers.partitioner import TowerAssignment
 
-        if inference:
-            raise ConfigError("sharded inference (embedscale infer) of DMT models is not supported yet; a distributed "
-                              "DMT run evaluates on the eval split at the end (summary.json)")
         self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
         self.progress = progress and rank == 0
-        self.inference = False
+        self.inference = inference  # serving (infer_dmt): a single-process checkpoint file may seed the ranks
         t, d = cfg.train, cfg.dist
         self.device = torch.device(t.device)
         self.data = workflow.prepare_data(cfg, progress=False)
@@ -255,8 +253,49 @@ class DMTRun(DistributedRun):
         return d
 
     def restore_single(self, path: Path) -> None:
-        raise ConfigError(f"{path}: a single-process checkpoint cannot seed a distributed DMT run yet; resume "
-                          "from a sharded DMT checkpoint (a run's checkpoints/step-N directory)")
+        """Serving only: take this rank's rows and towers from a single-process DMT checkpoint file (the
+        whole model, ``LocalTowerEmbedding``), trained with the same towers. Training cannot resume from
+        one (its dense optimizer state is positional over the whole model)."""
+        from embedscale.models.dmt import is_dmt_arch
+        from embedscale.specs import from_dict
+        from embedscale.train.checkpoint import load_checkpoint
+
+        if not self.inference:
+            raise ConfigError(f"{path}: a single-process checkpoint cannot seed a distributed DMT training run yet; "
+                              "resume from a sharded DMT checkpoint (a run's checkpoints/step-N directory)")
+        import yaml
+
+        ck = load_checkpoint(path, map_location="cpu")
+        arch = from_dict(RunConfig, yaml.safe_load(ck["config_yaml"])).model.arch
+        if not is_dmt_arch(arch):
+            raise FormatError(f"{path}: written by a {arch!r} model, not a DMT model (dmt-dlrm / dmt-dcn)")
+        state = ck["model"]
+        prefix = "sparse_arch.embedding."
+        pl = self.towers.placement
+        with torch.no_grad():
+            for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
+                table = pl.tables[i]
+                key = f"{prefix}{table.name}.weight"
+                if key not in state:
+                    raise FormatError(f"{path}: no rows of table {table.name!r} ({key})")
+                full = state[key]
+                if tuple(full.shape) != (table.num_rows, table.dim):
+                    raise FormatError(f"{path}: table {table.name!r} is {tuple(full.shape)}, this model's "
+                                      f"({table.num_rows}, {table.dim})")
+                self.embedding.table_weight(spec.name)[: hi - lo].copy_(full[lo:hi])
+                mom = state.get(f"{prefix}{table.name}.momentum")
+                if mom is not None and self.embedding.momentum is not None:
+                    self.embedding.table_momentum(spec.name)[: hi - lo].copy_(mom[lo:hi])
+        want = {k for k in self.model.state_dict() if not k.startswith(prefix)}
+        missing = sorted(want - set(state))
+        if missing:
+            raise FormatError(f"{path}: no saved values for {missing[:5]} (trained with other towers or tower modules?)")
+        for k in want:
+            if tuple(state[k].shape) != tuple(self.model.state_dict()[k].shape):
+                raise FormatError(f"{path}: {k} has shape {tuple(state[k].shape)}, this model's "
+                                  f"{tuple(self.model.state_dict()[k].shape)} (another model shape?)")
+        self.model.load_state_dict({k: state[k] for k in want}, strict=False)
+        self.step, self.epoch, self.batch_in_epoch = ck["step"], ck["epoch"], ck["batch_in_epoch"]
 
     def restore(self, ckpt_dir: Path) -> None:
         """Load a sharded DMT checkpoint onto this rank's part of the current layout (module docstring)."""
@@ -332,9 +371,97 @@ class DMTRun(DistributedRun):
                     raise FormatError(f"{ckpt_dir}: no shard holds row {first} of table {table.name!r}")
 
 
+def checkpoint_towers(checkpoint: Path):
+    """The towers a DMT checkpoint was trained with: a sharded checkpoint's manifest (``towers``), or for a
+    single-process checkpoint file ``<run>/checkpoints/step-N.pt`` its run's ``towers.json``; ``None``
+    when neither is there."""
+    from embedscale.towers.partitioner import TowerAssignment
+
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_dir():
+        m = read_json(checkpoint / "manifest.json", "sharded checkpoint manifest")
+        if m.get("kind") != CHECKPOINT_KIND:
+            raise FormatError(f"{checkpoint}: written by a flat model (model.arch dlrm/dcn under a plan), not a DMT "
+                              "model")
+        return TowerAssignment(m["towers"])
+    path = checkpoint.parent.parent / TOWERS_FILE
+    return TowerAssignment.load(path) if path.is_file() else None
+
+
+def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
+              warmup: int = 2) -> dict | None:
+    """Serve a DMT checkpoint (``embedscale infer``): score the eval split with the checkpoint's model on this
+    rank's part of the tower transform (DMT 3.1; one rank: all towers in one tower group), as
+    ``train.distributed.infer_distributed`` does for flat models; rank 0 writes ``predictions.npy`` and
+    ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures.
+
+    The checkpoint is a sharded DMT checkpoint (any layout: the restore re-shards) or a single-process
+    checkpoint file. The towers are the checkpoint's (:func:`checkpoint_towers`), not re-derived from the
+    config (whose ``model.tower_assignment`` file may be gone). On one rank the topology is one host
+    (``dist.topology_hosts`` and ``model.hosts_per_tower`` set to 1: they place rows, not the model); on
+    several, ``dist.topology_hosts`` must divide the ranks (``--set dist.topology_hosts=H``).
+    """
+    import math
+    import time
+
+    from embedscale import workflow
+    from embedscale.train.distributed import gather_logits, join_run
+    from embedscale.train.metrics import logloss_from_logits, roc_auc
+
+    cfg.dist.mode = "inference"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if run_dir is None:
+        if world > 1:
+            raise ConfigError("DMT inference on several ranks needs a run directory shared by the ranks (--run-dir)")
+        run_dir = str(workflow.new_run_dir(cfg))
+    ck = Path(checkpoint)
+    towers = checkpoint_towers(ck)
+    if towers is not None:  # rank 0 resolves the run's towers (prepare_towers) from this file, then the ranks
+        path = Path(run_dir) / "checkpoint_towers.json"  # read <run>/towers.json as in training
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
+            towers.save(path)
+        cfg.model.tower_assignment = str(path)
+    if world == 1:
+        cfg.dist.topology_hosts = 1
+        cfg.model.hosts_per_tower = 1
+    rd, rank, world = join_run(cfg, run_dir, progress)
+    run = DMTRun(cfg, rd, rank, world, progress, inference=True)
+    run.restore(ck)
+    if run.eval_loader is None:
+        raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
+    run.model.eval()
+    zs, ys, secs, n = [], [], 0.0, 0
+    warmup = min(warmup, len(run.eval_loader) - 1)  # the first batches warm caches; time the rest
+    with torch.no_grad():
+        for i, batch in enumerate(run.eval_loader):
+            dist.barrier(group=run.monitor_group)
+            t0 = time.perf_counter()
+            z = run.model(batch.dense, batch.sparse)
+            if i >= warmup:
+                secs += time.perf_counter() - t0
+                n += batch.global_size
+            zs.append(z.float().cpu())
+            ys.append(batch.labels.float().cpu())
+    z, y = gather_logits(zs, ys)
+    t = torch.tensor([secs])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return None
+    out = {"world_size": world, "checkpoint": str(checkpoint), "samples": int(y.size),
+           "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
+           "samples_per_s": n / float(t) if float(t) > 0 else math.nan, "plan": run.plan_name,
+           "design": "tower transform", "towers": run.assignment.towers}
+    with atomic_open(rd / "predictions.npy", "wb") as f:
+        np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
+    atomic_write_json(rd / "inference.json", out)
+    return out
+
+
 def is_dmt_checkpoint(ckpt_dir: Path) -> bool:
     p = Path(ckpt_dir) / "manifest.json"
     return p.exists() and read_json(p, "sharded checkpoint manifest").get("kind") == CHECKPOINT_KIND
 
 
-__all__ = ["DMTRun", "TOWERS_FILE", "dmt_layout", "is_dmt_checkpoint", "prepare_towers", "resolve_run_towers"]
+__all__ = ["DMTRun", "TOWERS_FILE", "checkpoint_towers", "dmt_layout", "infer_dmt", "is_dmt_checkpoint",
+           "prepare_towers", "resolve_run_towers"]
