@@ -119,6 +119,8 @@ def _train(emb, rank, world, weighted):
         out = emb(jf.slice_batch(lo, hi))
         outs.append(out.detach().clone())
         ((out * c[lo:hi]).sum() / B).backward()
+    with torch.no_grad():  # inference after training (PGAS retrieve: one-sided gets, no message)
+        outs.append(emb(jf.slice_batch(lo, hi)).clone())
     mom = emb.momentum.clone() if hasattr(emb, "momentum") else torch.zeros(0)
     return outs, emb.weight.detach().clone(), mom
 
@@ -165,7 +167,7 @@ def _check(results, world, scenarios):
         name, design, optimizer, variant, weighted = sc
         for r in range(world):
             (ro, rw, rm), (go, gw, gm) = results[r][sc]["ref"], results[r][sc]["got"]
-            for step in range(STEPS):
+            for step in range(STEPS + 1):  # the last: a no-grad forward after training
                 assert torch.equal(go[step], ro[step]), f"{sc} rank {r} step {step}: output differs from collective"
             assert torch.equal(gw, rw), f"{sc} rank {r}: weights differ from the collective run"
             assert torch.equal(gm, rm), f"{sc} rank {r}: optimizer state differs from the collective run"

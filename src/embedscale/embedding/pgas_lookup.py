@@ -50,7 +50,7 @@ from embedscale.comm.pgas import PgasTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.optim import aggregate_row_gradients
-from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding
+from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, _split_by_rank, sample_major
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec
 
@@ -198,8 +198,43 @@ class PgasShardedEmbedding(ShardedEmbedding):
                               f"(segment {self.heap.names[self.rank]}); build the module on its device instead")
         if self.design == "send":
             return _PgasSend.apply(self.anchor, self, self._prepare_send(features))
+        if not torch.is_grad_enabled() and all(self._same_host.tolist()):
+            out = self._lookup_one_sided(features)
+            if out is not None:
+                return out
         gids, bag, scale, nbags, B = self._prepare(features)
         return _PgasRetrieve.apply(self.anchor, self, gids, bag, scale, nbags, B)
+
+    def _lookup_one_sided(self, features: JaggedFeatures) -> torch.Tensor | None:
+        """``retrieve`` without autograd (inference) when every rank is on this host: the unique remote rows
+        are read by one-sided gets straight into the fetch area after the storage, in one pass (no chunks,
+        no helper thread: nothing to overlap a get with when nothing else waits), and one ``embedding_bag``
+        pools local and fetched rows sample-major, bit for bit as the collective design. No message at all.
+        ``None`` when the batch's unique remote rows overflow the fetch area (the general path takes it)."""
+        gids, bag, scale, _, B, offsets, one_hot = self._inputs(features, ones=False)
+        tm, me, W, dev = self.tmap, self.rank, self.world_size, self.weight.device
+        key = tm.code.index_select(0, gids) & tm.KEY_MASK
+        ridx = ((key >> tm.SHIFT) != me).nonzero().squeeze(1)
+        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+        R = runiq.numel()
+        if R > self.fetch_rows:
+            return None
+        counts = _split_by_rank(runiq >> tm.SHIFT, W)
+        self._await_versions([p for p in range(W) if p != me and counts[p]])
+        fetch = self._table[self._cap:self._cap + R]
+        u_off = runiq & tm.OFF_MASK
+        a = 0
+        for p, c in enumerate(counts):
+            if c and p != me:
+                _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
+            a += c
+        pos = key.bitwise_and_(tm.OFF_MASK)
+        pos.index_copy_(0, ridx, rinv.add_(self._cap))
+        pos_s, scale_s, offsets_s, _ = sample_major(pos, scale, bag, offsets, B, one_hot)
+        out = F.embedding_bag(pos_s.to(dev), self._table[:self._cap + R], offsets_s.to(dev), mode="sum",
+                              include_last_offset=True,
+                              per_sample_weights=None if scale_s is None else scale_s.to(dev, self.weight.dtype))
+        return out.view(B, len(self.feature_names) * self.dim)
 
     def _prepare_send(self, features: JaggedFeatures) -> dict:
         """The send design's inputs: feature blocks (table-wise plans: no per-value decode) or, for any

@@ -358,19 +358,7 @@ class _Retrieve(torch.autograd.Function):
         pos = key.bitwise_and_(tm.OFF_MASK)  # storage row of local values ...
         pos.index_copy_(0, ridx, rinv.add_(n))  # ... fetch-area row of remote ones
         # pool sample-major (bag b * F + f), each bag's values in their order, so the output is [B, F * D]
-        F_ = (offsets.numel() - 1) // B if B else 0
-        bag_s = (bag % B) * F_ + bag // B if B else bag  # each value's sample-major bag
-        if one_hot:
-            pos_s = pos.view(F_, B).t().reshape(-1)
-            scale_s = None if scale is None else scale.view(F_, B).t().reshape(-1)
-            offsets_s = offsets
-        else:
-            lengths_s = (offsets[1:] - offsets[:-1]).view(F_, B).t().reshape(-1)
-            offsets_s = torch.zeros_like(offsets)
-            torch.cumsum(lengths_s, 0, out=offsets_s[1:])
-            dest = offsets_s.index_select(0, bag_s) + torch.arange(pos.numel()) - offsets.index_select(0, bag)
-            pos_s = torch.empty_like(pos).index_copy_(0, dest, pos)
-            scale_s = None if scale is None else torch.empty_like(scale).index_copy_(0, dest, scale)
+        pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
         out = F.embedding_bag(pos_s.to(dev), table[:n + R], offsets_s.to(dev), mode="sum", include_last_offset=True,
                               per_sample_weights=None if scale_s is None else scale_s.to(device=dev, dtype=table.dtype))
         if training:
@@ -444,6 +432,25 @@ class _Retrieve(torch.autograd.Function):
         elif mod.num_slots:
             mod._sync_and_apply_replicas(slots, rep_g)
         return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None, None
+
+
+def sample_major(pos: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int, one_hot: bool):
+    """Reorder feature-major lookups (bag ``f * B + b``, as a KJT holds them) into sample-major bags
+    (``b * F + f``), each bag's values kept in their order, so that pooling them gives ``[B, F * D]``
+    with no transpose. Returns ``(pos, scale, offsets, bag_s)``; ``bag_s`` is every value's sample-major
+    bag, in the *original* value order (what backward needs to sum in feature-major order)."""
+    F_ = (offsets.numel() - 1) // B if B else 0
+    bag_s = (bag % B) * F_ + bag // B if B else bag
+    if one_hot:
+        return (pos.view(F_, B).t().reshape(-1), None if scale is None else scale.view(F_, B).t().reshape(-1),
+                offsets, bag_s)
+    lengths_s = (offsets[1:] - offsets[:-1]).view(F_, B).t().reshape(-1)
+    offsets_s = torch.zeros_like(offsets)
+    torch.cumsum(lengths_s, 0, out=offsets_s[1:])
+    dest = offsets_s.index_select(0, bag_s) + torch.arange(pos.numel()) - offsets.index_select(0, bag)
+    pos_s = torch.empty_like(pos).index_copy_(0, dest, pos)
+    scale_s = None if scale is None else torch.empty_like(scale).index_copy_(0, dest, scale)
+    return pos_s, scale_s, offsets_s, bag_s
 
 
 def _touched_replicas(mod: ShardedEmbedding, key: torch.Tensor, remote: torch.Tensor, r_slot) -> torch.Tensor:
