@@ -127,7 +127,15 @@ def worker(rank, world, cfg):
     ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch
     ddp.register_comm_hook(ours_dense_hook, trh.counting_allreduce_hook)
     ours_opt = torch.optim.SGD(ours.dense_parameters(), lr=cfg["dense_lr"])
-    emb_inf = ShardedEmbedding(tables, amap_inf, tr, rank, design="retrieve", optimizer=None, seed=0)
+    pgas_tr = None
+    if cfg["inference_transport"] == "pgas":  # one host: one-sided gets from the peers' shared segments
+        from embedscale.comm.pgas import PgasTransport
+        from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+        pgas_tr = PgasTransport(ranks_per_host=world)
+        emb_inf = PgasShardedEmbedding(tables, amap_inf, pgas_tr, rank, design="retrieve", optimizer=None, seed=0,
+                                       max_batch_size=Bl)
+    else:
+        emb_inf = ShardedEmbedding(tables, amap_inf, tr, rank, design="retrieve", optimizer=None, seed=0)
     ours_inf = build_model(mcfg, tables, 13, embedding=emb_inf)
     ours_inf.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith("sparse_arch.")},
                              strict=False)
@@ -232,7 +240,9 @@ def worker(rank, world, cfg):
             dmp(b["dense"], b["kjt"])
 
     _log(rank, "  inference ...")
-    res["inference"] = timed({"ours": (ours_infer, [a2a, calls]), "torchrec": (trec_infer, [a2a, calls])}, S, W)
+    # bytes ours moves: all-to-alls, plus the rows PGAS gets read from peers (counted once, by the reader)
+    moved = (lambda: a2a() + int(pgas_tr.counter.recv.sum())) if pgas_tr is not None else a2a  # noqa: E731
+    res["inference"] = timed({"ours": (ours_infer, [moved, calls]), "torchrec": (trec_infer, [a2a, calls])}, S, W)
 
     # -- breakdown: the embedding part alone (lookup + comm [+ backward + fused update]) ----------------
     g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
@@ -265,6 +275,9 @@ def worker(rank, world, cfg):
     }
     res["storage_rows"] = {"ours_training": int(emb.weight.shape[0]), "ours_inference": int(emb_inf.weight.shape[0]),
                            "torchrec": _torchrec_local_rows(dmp)}
+    if pgas_tr is not None:
+        dist.barrier()
+        emb_inf.close()
     return res
 
 
@@ -330,6 +343,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4096, help="global batch")
     ap.add_argument("--optimizer", choices=["rowwise_adagrad", "sgd"], default="rowwise_adagrad")
     ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--inference-transport", default="pgas", choices=["pgas", "collective"],
+                    help="our inference lookups: pgas (one-sided gets from the peers' shared memory, no message; "
+                         "one host) or collective (all-to-alls)")
     ap.add_argument("--grad-sync", default="alltoall",
                     choices=["alltoall", "local_aggregated", "dense", "allgather"],
                     help="our replica-gradient sync (alltoall: in the backward all-to-all, no collective of its own; "
@@ -352,7 +368,7 @@ def main():
     names = (args.configs.split(",") if args.configs else (["table1"] if args.quick else list(CONFIGS)))
     base = {"max_rows": args.max_rows, "dim": 16, "alpha": 1.1, "batch": args.batch, "world": args.world,
             "optimizer": args.optimizer, "lr": 0.05, "eps": 1e-8, "dense_lr": 0.05, "extra_memory": 0.05,
-            "grad_sync": args.grad_sync,
+            "grad_sync": args.grad_sync, "inference_transport": args.inference_transport,
             "profile_samples": 200_000, "distinct_batches": 8,
             "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5}
     load_before = os.getloadavg()
@@ -417,7 +433,11 @@ def _run_markdown(line: dict) -> list[str]:
          "- ours: `ShardedEmbedding` (retrieve design, collective transport) under the `oper` plan with "
          f"{c['extra_memory']:.0%} extra memory (training plan for training; inference plan, hot rows replicated "
          "by OPER Algorithm 1, for inference), fused row-wise update, replica gradients synchronised by "
-         f"`{c.get('grad_sync', 'local_aggregated')}`; dense arches in DDP (sum hook, loss = sum / global batch).",
+         f"`{c.get('grad_sync', 'local_aggregated')}`; inference lookups over the "
+         f"`{c.get('inference_transport', 'collective')}` transport"
+         + (" (`PgasShardedEmbedding`: one-sided gets from the peers' shared-memory segments, no message; its "
+            "bytes are the rows read from peers)" if c.get("inference_transport") == "pgas" else "")
+         + "; dense arches in DDP (sum hook, loss = sum / global batch).",
          "- TorchRec: `torchrec.models.dlrm.DLRM` over an `EmbeddingBagCollection` of the same tables, "
          "`DistributedModelParallel` with the plan of its own `EmbeddingShardingPlanner` (defaults, compute "
          "device cpu, same topology and per-rank batch); FBGEMM CPU TBE kernels; fused in-backward optimizer "
