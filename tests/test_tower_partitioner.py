@@ -289,3 +289,30 @@ def test_assignment_validation():
         a.tower_of("z")
     with pytest.raises(InputError, match="square"):
         distance_matrix(np.zeros((2, 3)))
+
+
+def test_group_sums_teacher_matches_its_definition():
+    """``interaction="group_sums"`` (the AUC benchmark's teacher, DMT 3.2's hierarchical interaction): the
+    logit recomputed sample by sample from the definition: group sums of the features' latents, a bilinear
+    form per pair of groups, row biases, dense part."""
+    d = PlantedGroups(num_features=6, num_groups=3, num_rows=7, latent_dim=2, num_dense=2, interaction="group_sums",
+                      correlation=0.0, seed=3)
+    n = 40
+    b, logit = d.batch_with_logit(100, n)
+    ids = b.sparse.values.numpy().reshape(len(b.sparse.keys), n).T  # one-hot, key-major
+    for s in range(n):
+        sums = [sum(d.feature_latents[f, ids[s, f]] for f in range(6) if d.group_labels[f] == g) for g in range(3)]
+        pair = sum(sums[g] @ d.group_forms[g, h] @ sums[h] for g in range(3) for h in range(g + 1, 3))
+        row = sum(d.biases[f, ids[s, f]] for f in range(6))
+        dense = float(b.dense[s].double().numpy() @ d.dense_w)
+        want = d.bias + d.coef[0] * pair + d.coef[2] * row + d.coef[3] * dense
+        assert logit[s] == pytest.approx(want, abs=1e-6)  # the batch holds the dense features as float32
+    # the interaction part has the configured scale (pair_scale 1.5) on a large draw
+    big, big_logit = d.batch_with_logit(0, 20_000)
+    assert d.coef[1] == 0.0 and np.std(big_logit) > 1.0
+    # the other teachers' draws are untouched by the new one (drawn last)
+    w = PlantedGroups(num_features=6, num_groups=3, num_rows=7, latent_dim=2, num_dense=2, interaction="within",
+                      correlation=0.0, seed=3)
+    assert (w.group_labels == d.group_labels).all() and np.array_equal(w.biases, d.biases)
+    with pytest.raises(ConfigError, match="interaction 'sums' is not one of"):
+        PlantedGroups(interaction="sums")

@@ -24,6 +24,18 @@ has a latent vector ``w_g[entity]`` in ``R^k``; every row of every feature has a
   (``sum_g sum_{i<j in g} <z_i[id_i], z_j[id_j]>``, groups in orthogonal subspaces), entities only
   correlate the ids.
 * ``interaction="both"``: the sum of the two, each scaled to half the interaction variance.
+* ``interaction="group_sums"``: every group is summarised by the *sum* of its features' latents, and
+  the groups' summaries interact through a bilinear form per pair of groups::
+
+      s_g = sum_{f in g} z_f[id_f]                       (z_f[row] in R^k, independent per feature)
+      logit = b0 + s_pair * sum_{g<h} s_g^T M_gh s_h + s_row * sum_f beta_f[id_f] + s_dense * <v, dense>
+
+  This is DMT 3.2's hierarchical interaction by construction: compress inside a group (a linear map of
+  the group's embeddings gives ``s_g`` exactly, DMT Listing 1's ``p`` vector), then interact across groups
+  (DLRM's dot of the tower vectors; ``M_gh`` is random, so the tower maps must differ per group). With
+  ``correlation=0`` the features of a group carry independent parts of ``s_g``: no feature is a
+  redundant view of another, so a tower that mixes groups cannot route around the loss (unlike the
+  ``entities`` teacher, where every feature of a group is a noisy copy of the same entity).
 
 Deterministic in ``seed``; samples ``[first, first + n)`` are a function of ``(seed, first, n)``.
 """
@@ -37,7 +49,7 @@ from embedscale.data.batch import Batch, JaggedFeatures
 from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec
 
-INTERACTIONS = ("entities", "within", "both")
+INTERACTIONS = ("entities", "within", "both", "group_sums")
 
 
 class PlantedGroups:
@@ -51,7 +63,7 @@ class PlantedGroups:
         num_dense: dense features.
         pair_scale, row_scale, dense_scale: standard deviations of the three logit parts.
         correlation: probability that a feature's id is its group entity's row (else uniform).
-        interaction: ``entities`` or ``within``.
+        interaction: ``entities``, ``within``, ``both`` or ``group_sums``.
         seed: the data seed (groups, teacher, samples).
 
     Example::
@@ -88,6 +100,9 @@ class PlantedGroups:
         self.biases = rng.standard_normal((num_features, num_rows))
         self.entity_rows = np.stack([rng.permutation(num_rows) for _ in range(num_features)])
         self.dense_w = rng.standard_normal(num_dense) / max(np.sqrt(num_dense), 1.0)
+        if interaction == "group_sums":  # drawn last: the other teachers' draws stay as they were
+            self.feature_latents = rng.standard_normal((num_features, num_rows, k)) / np.sqrt(k)
+            self.group_forms = rng.standard_normal((num_groups, num_groups, k, k)) / np.sqrt(k)
         # scale the parts on a calibration draw ("both": the two interaction parts get equal shares)
         ent, within, row, dn = self._raw_parts(*self._draw(rng, 4096))
 
@@ -124,6 +139,12 @@ class PlantedGroups:
             w = self.entity_latents[np.arange(self.num_groups)[None, :], entity]  # [n, G, k]
             s = w.sum(1)
             ent = 0.5 * ((s * s).sum(1) - (w * w).sum((1, 2)))  # sum_{g<h} <w_g, w_h>
+        if self.interaction == "group_sums":
+            z = self.feature_latents[np.arange(F)[None, :], ids]  # [n, F, k]
+            sums = np.stack([z[:, self.group_labels == g].sum(1) for g in range(self.num_groups)], 1)  # [n, G, k]
+            for g in range(self.num_groups):
+                for h in range(g + 1, self.num_groups):
+                    ent = ent + np.einsum("nk,kl,nl->n", sums[:, g], self.group_forms[g, h], sums[:, h])
         if self.interaction in ("within", "both"):
             z = self.latents[np.arange(F)[None, :], ids]  # [n, F, G k]
             s = z.sum(1)
