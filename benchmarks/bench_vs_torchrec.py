@@ -5,8 +5,11 @@ throughput bars: training at least 1.5x TorchRec (OPER on GPUs: 1.9-3.5x), infer
 
 Ours: ``ShardedEmbedding`` under the ``oper`` plan (5% extra memory; a training plan for training, an
 inference plan, hot rows replicated by OPER Algorithm 1, for inference), retrieve design, collective
-transport, fused row-wise Adagrad (or SGD); dense arches (``build_model``) in DDP with a sum hook and a
-loss of sum / global batch, as ``train.distributed`` does.
+transport, fused row-wise Adagrad (or SGD), replica gradients in the backward all-to-all (``--grad-sync``,
+default ``alltoall``); inference over the PGAS transport (``--inference-transport``, default ``pgas``:
+``PgasShardedEmbedding``, one-sided gets from the peer's shared memory); dense arches (``build_model``) in
+DDP with a sum hook and a loss of sum / global batch, as ``train.distributed`` does. The report's
+*ceiling* is TorchRec's step over its dense time: what ours would reach with an embedding that cost nothing.
 
 TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
 TorchRec's own ``EmbeddingShardingPlanner`` (default settings, compute device cpu, the same 2-rank
@@ -34,6 +37,7 @@ config; inference and every config inside); progress on stderr; writes ``benchma
 (``--out``; ``--from-json`` re-renders it from saved JSON lines).
 
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
+        [--grad-sync alltoall|local_aggregated|dense|allgather] [--inference-transport pgas|collective]
 """
 
 from __future__ import annotations

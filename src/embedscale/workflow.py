@@ -404,10 +404,12 @@ def format_summary(s: dict) -> str:
             lines.append(f"towers             {s['num_towers']} over {s['topology_hosts']} host(s), compression ratio "
                          f"{s['compression_ratio']:.3g}, {s['cross_host_bytes_per_step'] / 1e6:,.3f} MB/step across hosts")
         pred = s.get("predicted_bytes_on_wire_per_step")
+        in_a2a = s.get("grad_sync") == "alltoall"
         lines.append(f"bytes on wire      {s['embedding_bytes_on_wire_per_step'] / 1e6:,.3f} MB/step embeddings"
+                     + (" incl. replica gradients" if in_a2a else "")
                      + (f" (predicted {pred / 1e6:,.3f})" if pred else "")
-                     + f", {s.get('grad_sync_bytes_per_step', 0) / 1e6:,.3f} MB/step "
-                     + ("dense gradient sync" if "towers" in s else "replica AllReduce"))
+                     + ("" if in_a2a else f", {s.get('grad_sync_bytes_per_step', 0) / 1e6:,.3f} MB/step "
+                        + ("dense gradient sync" if "towers" in s else "replica AllReduce")))
     if "wall_seconds" in s:
         lines.append(f"wall time          {s['wall_seconds']:.1f} s")
     return "\n".join(lines)

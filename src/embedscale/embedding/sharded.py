@@ -100,7 +100,8 @@ class ShardedEmbedding(nn.Module):
         self.lr, self.eps = lr, eps
         if grad_sync not in SYNC_METHODS:
             raise ConfigError(f"sharded embedding: grad_sync {grad_sync!r} is not one of {SYNC_METHODS}")
-        if grad_sync == "alltoall" and (design != "retrieve" or not hasattr(transport, "exchange_counts")):
+        if grad_sync == "alltoall" and optimizer is not None and \
+                (design != "retrieve" or not hasattr(transport, "exchange_counts")):
             raise ConfigError("sharded embedding: grad_sync 'alltoall' rides in the retrieve design's all-to-all; "
                               f"it needs design 'retrieve' and a collective transport (got {design!r}, "
                               f"{type(transport).__name__})")

@@ -615,7 +615,7 @@ def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
         "embedding_bytes_on_wire_per_step": bytes_mean[0].item(),  # summed over ranks
         "grad_sync_bytes_per_step": bytes_mean[1].item(),
         "steps_measured": steps_here, "plan": run.plan_name,
-        "design": cfg.dist.design, "transport": cfg.dist.transport, "run_dir": str(run.run_dir),
+        "design": cfg.dist.design, "transport": cfg.dist.transport, "grad_sync": cfg.dist.grad_sync, "run_dir": str(run.run_dir),
         "num_tables": len(getattr(run, "all_tables", run.tables)),
         "embedding_bytes": sum(table_bytes(tb) for tb in getattr(run, "all_tables", run.tables)),
         "host_tables": sum(tb.placement == "host" for tb in getattr(run, "all_tables", [])),
