@@ -215,8 +215,8 @@ class TorchAddressMap:
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(src, offset, replica slot or -1)`` of each gid."""
-        c = self.code[gids]
-        return (c & self.KEY_MASK) >> self.SHIFT, c & self.OFF_MASK, self.slot[gids]
+        c = self.code.index_select(0, gids)
+        return (c & self.KEY_MASK) >> self.SHIFT, c & self.OFF_MASK, self.slot.index_select(0, gids)
 
 
 def address_map_from_plan(plan, tables: list[TableSpec]) -> AddressMap:

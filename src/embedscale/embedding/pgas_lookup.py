@@ -337,7 +337,7 @@ class _PgasRetrieve(torch.autograd.Function):
         if remote_src:  # other hosts: request / reply through the collective fallback
             req = [u_off[starts_l[p]:starts_l[p + 1]] if p in remote_src else u_off[:0] for p in range(W)]
             requests = tr.exchange(req, kind="ids")
-            replies = [mod.weight[r.to(dev)] if (p != me and p in remote_src) else mod.weight[:0]
+            replies = [mod.weight.index_select(0, r.to(dev)) if (p != me and p in remote_src) else mod.weight[:0]
                        for p, r in enumerate(requests)]
             rc = [counts_l[p] if p in remote_src else 0 for p in range(W)]
             fetched_remote = tr.exchange(replies, recv_counts=rc, kind="rows")
@@ -464,7 +464,7 @@ class _PgasRetrieve(torch.autograd.Function):
             else:
                 _PgasRetrieve._get(mod, p, u_off[a:b].to(dev), fetched[a:b])
         luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
-        combined = torch.cat([mod.weight[luniq.to(dev)], fetched])
+        combined = torch.cat([mod.weight.index_select(0, luniq.to(dev)), fetched])
         idx = torch.empty(off.numel(), dtype=torch.int64)
         idx[local] = linv
         idx[~local] = luniq.numel() + rinv
@@ -740,7 +740,7 @@ class _PgasSend(torch.autograd.Function):
             if unit:  # sum of the rows in value order: the collective design's index_add_, bit for bit
                 pooled = F.embedding_bag(offq_d[va:vb], mod.weight, offs, mode="sum", include_last_offset=True)
             else:  # rows scaled first (w * s), then summed in order: again the collective design's arithmetic
-                scaled = mod.weight[offq_d[va:vb]] * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
+                scaled = mod.weight.index_select(0, offq_d[va:vb]) * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
                 pooled = F.embedding_bag(torch.arange(vb - va, device=dev), scaled, offs, mode="sum",
                                          include_last_offset=True)
             if kind == 1:  # feature blocks: bag i of the block is sample i % B of feature feats[i // B]

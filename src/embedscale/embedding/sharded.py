@@ -502,7 +502,7 @@ class _SendBased(torch.autograd.Function):
             out_q = torch.zeros((n_pb, mod.dim), dtype=mod.weight.dtype, device=dev)
             if src_ids.numel():
                 out_q.index_add_(0, src_ids[:, 1].to(dev),
-                                 mod.weight[src_ids[:, 0].to(dev)] * src_scale.to(dev, mod.weight.dtype)[:, None])
+                                 mod.weight.index_select(0, src_ids[:, 0].to(dev)) * src_scale.to(dev, mod.weight.dtype)[:, None])
             pooled.append(out_q)
         back = tr.exchange([pooled[q] if q != me else pooled[q][:0] for q in range(W)],
                            recv_counts=[c if q != me else 0 for q, c in enumerate(p_counts)], kind="pooled")
