@@ -110,6 +110,71 @@ class _BagPlan:
     key_major: int = 1  # k > 1: bags are in key-major order f * B + b (output transposed to [B, k, dim])
 
 
+def check_lengths(lengths: torch.Tensor, n: int, names: list[str]) -> None:
+    """Bag lengths of ``names`` must be non-negative and add up to the ``n`` values."""
+    if lengths.numel() == 0:
+        if n:
+            raise InputError(f"features {names}: {n} values but no lengths")
+        return
+    lo, total = int(lengths.min()), int(lengths.sum())
+    if lo < 0:
+        raise InputError(f"features {names}: negative bag length {lo}")
+    if total != n:
+        raise InputError(f"features {names}: lengths sum to {total} but there are {n} values")
+
+
+def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, B: int,
+             row_off: torch.Tensor, limit: torch.Tensor, mean: torch.Tensor | None, dim: int, *,
+             dtype: torch.dtype, row_dtype: torch.dtype, offsets_dtype: torch.dtype | None = None,
+             validate: bool = True, names: list[str] = (), on_bad=None) -> _BagPlan:
+    """One dim group's key-major ids (``k`` features x ``B`` samples, ``lengths`` ``[k, B]``) as flat rows
+    of the group (``row_off[f]`` + id, checked against ``limit[f]``) and bags; shared by the fused local
+    lookup and the host parameter server, which must agree value for value.
+
+    One-hot batches transpose to sample-major bags of one value each (``offsets`` None; mean = sum);
+    multi-hot ones keep the input's key-major bags ``f * B + b`` (``key_major = k``; the pooled
+    ``[k, B, dim]`` is transposed afterwards), with ``1 / length`` folded into ``scale`` for the features
+    whose ``mean`` flag is set. ``on_bad()`` raises the error naming the first id outside its table.
+    """
+    k = lengths.shape[0]
+    n = values.numel()
+    dev = values.device
+    if weights is not None:
+        weights = weights.to(dtype)
+    one_hot = False
+    if n == k * B and n:
+        lo_len, hi_len = torch.aminmax(lengths)
+        one_hot = int(lo_len) == 1 and int(hi_len) == 1
+    if one_hot:
+        v2 = values.view(k, B)
+        # per-feature max and one global min: one vectorised check, one sync
+        if validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
+            on_bad()
+        rows = torch.empty(n, dtype=row_dtype, device=dev)
+        torch.add(v2.t(), row_off, out=rows.view(B, k))  # shift and transpose in one pass
+        scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
+        return _BagPlan(rows, None, scale, k * B, k * dim, 1)
+    if validate:
+        check_lengths(lengths, n, list(names))
+    lpk = lengths.sum(1)
+    if validate and n:
+        limit_v = torch.repeat_interleave(limit, lpk, output_size=n)
+        if bool(((values >= limit_v) | (values < 0)).any()):
+            on_bad()
+    rows = torch.empty(n, dtype=row_dtype, device=dev)
+    torch.add(values, torch.repeat_interleave(row_off, lpk, output_size=n), out=rows)
+    lengths_flat = lengths.reshape(-1)
+    offsets = torch.zeros(k * B + 1, dtype=offsets_dtype or row_dtype, device=dev)
+    torch.cumsum(lengths_flat, 0, out=offsets[1:])
+    scale = weights
+    if mean is not None and bool(mean.any()):
+        inv = torch.where(mean.repeat_interleave(B), 1.0 / lengths_flat.clamp(min=1).to(dtype),
+                          torch.ones((), dtype=dtype, device=dev))
+        inv_v = torch.repeat_interleave(inv, lengths_flat, output_size=n)
+        scale = inv_v if scale is None else scale * inv_v
+    return _BagPlan(rows, offsets, scale, k * B, k * dim, k)
+
+
 @dataclass
 class _KeyPlan:
     """Where the module's features sit in one input key order (cached per key tuple)."""
@@ -566,15 +631,7 @@ class LocalEmbeddingBags(nn.Module):
         raise InputError("row id outside its table")  # pragma: no cover - the fast check said so
 
     def _check_lengths(self, lengths: torch.Tensor, n: int, names: list[str]) -> None:
-        if lengths.numel() == 0:
-            if n:
-                raise InputError(f"features {names}: {n} values but no lengths")
-            return
-        lo, total = int(lengths.min()), int(lengths.sum())
-        if lo < 0:
-            raise InputError(f"features {names}: negative bag length {lo}")
-        if total != n:
-            raise InputError(f"features {names}: lengths sum to {total} but there are {n} values")
+        check_lengths(lengths, n, names)
 
     def _flat_rows_key_major(self, values, lengths, row_off, limit, names, row_dtype=torch.int64):
         """Key-major ids -> flat rows (validated); returns ``(rows, values_per_key)``."""
@@ -614,50 +671,13 @@ class LocalEmbeddingBags(nn.Module):
         return groups, plans
 
     def _bag_plan(self, g: DimGroup, values, lengths, weights, B: int) -> _BagPlan:
-        """Flat rows of a group's features in sample-major bag order (bag ``b * k + f``)."""
-        k = lengths.shape[0]
-        n = values.numel()
-        row_off = getattr(self, f"_g{g.index}_row_off")
-        limit = getattr(self, f"_g{g.index}_limit")
-        if weights is not None:
-            weights = weights.to(self.dtype)
-        one_hot = False
-        if n == k * B and n:
-            lo_len, hi_len = torch.aminmax(lengths)
-            one_hot = int(lo_len) == 1 and int(hi_len) == 1
-        if one_hot:
-            # One-hot: the key-major [k, B] ids transpose to sample-major bags of one value each;
-            # mean pooling equals sum pooling.
-            v2 = values.view(k, B)
-            if self.validate:
-                # per-feature max and one global min: one vectorised check, one sync
-                bad = (v2.amax(1) >= limit).any() | (v2.min() < 0)
-                if bool(bad):
-                    names = [self.feature_names[p] for p in g.pooled]
-                    self._raise_bad_ids(values, lengths, names, limit.tolist())
-            # int32 rows when the group fits: half the index bytes and a faster sort in backward
-            rows = torch.empty(n, dtype=self._row_dtype[g.index], device=values.device)
-            torch.add(v2.t(), row_off, out=rows.view(B, k))  # shift and transpose in one pass
-            scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
-            return _BagPlan(rows, None, scale, k * B, k * g.dim, 1)
+        """Flat rows of a group's features: :func:`bag_plan`."""
         names = [self.feature_names[p] for p in g.pooled]
-        rows_dtype = self._row_dtype[g.index]
-        rows, _ = self._flat_rows_key_major(values, lengths, row_off, limit, names, rows_dtype)
-        # Multi-hot: pool in the input's key-major bag order (bag f * B + b; a table's rows stay
-        # together, which is also kinder to caches) and transpose the [k, B, dim] result afterwards:
-        # cheaper than permuting the jagged ids to sample-major.
-        dev = values.device
-        lengths_flat = lengths.reshape(-1)
-        offsets = torch.zeros(k * B + 1, dtype=rows_dtype, device=dev)
-        torch.cumsum(lengths_flat, 0, out=offsets[1:])
-        scale = weights
-        if self._group_has_mean[g.index]:
-            mean_bag = getattr(self, f"_g{g.index}_mean").repeat_interleave(B)
-            inv = torch.where(mean_bag, 1.0 / lengths_flat.clamp(min=1).to(self.dtype),
-                              torch.ones((), dtype=self.dtype, device=dev))
-            inv_v = torch.repeat_interleave(inv, lengths_flat, output_size=n)
-            scale = inv_v if scale is None else scale * inv_v
-        return _BagPlan(rows, offsets, scale, k * B, k * g.dim, k)
+        limit = getattr(self, f"_g{g.index}_limit")
+        return bag_plan(values, lengths, weights, B, getattr(self, f"_g{g.index}_row_off"), limit,
+                        getattr(self, f"_g{g.index}_mean") if self._group_has_mean[g.index] else None, g.dim,
+                        dtype=self.dtype, row_dtype=self._row_dtype[g.index], validate=self.validate, names=names,
+                        on_bad=lambda: self._raise_bad_ids(values, lengths, names, limit.tolist()))
 
     def _pool(self, groups, plans, batch_size, col_perm, weight_of) -> torch.Tensor:
         outs = []

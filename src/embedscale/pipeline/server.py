@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.local import LocalEmbeddingBags, bag_plan
 from embedscale.embedding.optim import add_rows_, rowwise_adagrad_update_
 from embedscale.errors import ConfigError, InputError
 from embedscale.pipeline.queues import GradientBatch, HostRows
@@ -264,48 +264,16 @@ class HostParameterServer:
         return out
 
     def _group_rows(self, lay: _GroupLayout, values, lengths, weights, B: int) -> HostRows:
-        """Mirror of ``LocalEmbeddingBags._bag_plan`` (value order, bags, scale), then unique rows."""
+        """The group's rows, bags and scales as the fused local lookup lays them out (``local.bag_plan``:
+        the same value order, so the same sums), then its unique rows."""
         k = lengths.shape[0]
         n = values.numel()
         dev = values.device
-        row_off, limit = lay.row_off.to(dev), lay.limit.to(dev)
-        if weights is not None:
-            weights = weights.to(self.dtype)
-        one_hot = False
-        if n == k * B and n:
-            lo_len, hi_len = torch.aminmax(lengths)
-            one_hot = int(lo_len) == 1 and int(hi_len) == 1
-        if one_hot:
-            v2 = values.view(k, B)
-            if self.validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
-                self._raise_bad_ids(lay, values, lengths)
-            flat = (v2.t() + row_off).reshape(-1)  # sample-major: value b * k + f
-            scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
-            offsets, key_major = None, 1
-        else:
-            if self.validate:
-                lo = int(lengths.min()) if lengths.numel() else 0
-                total = int(lengths.sum())
-                if lo < 0 or total != n:
-                    raise InputError(f"features {lay.features}: bag lengths (min {lo}, sum {total}) do not fit "
-                                     f"{n} values")
-            lpk = lengths.sum(1)
-            if self.validate and n:
-                limit_v = torch.repeat_interleave(limit, lpk, output_size=n)
-                if bool(((values >= limit_v) | (values < 0)).any()):
-                    self._raise_bad_ids(lay, values, lengths)
-            flat = values + torch.repeat_interleave(row_off, lpk, output_size=n)  # key-major
-            lengths_flat = lengths.reshape(-1)
-            offsets = torch.zeros(k * B + 1, dtype=torch.int32, device=dev)
-            torch.cumsum(lengths_flat, 0, out=offsets[1:])
-            scale = weights
-            if lay.has_mean:
-                mean_bag = lay.mean.to(dev).repeat_interleave(B)
-                inv = torch.where(mean_bag, 1.0 / lengths_flat.clamp(min=1).to(self.dtype),
-                                  torch.ones((), dtype=self.dtype, device=dev))
-                inv_v = torch.repeat_interleave(inv, lengths_flat, output_size=n)
-                scale = inv_v if scale is None else scale * inv_v
-            key_major = k
+        plan = bag_plan(values, lengths, weights, B, lay.row_off.to(dev), lay.limit.to(dev),
+                        lay.mean.to(dev) if lay.has_mean else None, lay.dim, dtype=self.dtype, row_dtype=torch.int64,
+                        offsets_dtype=torch.int32, validate=self.validate, names=lay.features,
+                        on_bad=lambda: self._raise_bad_ids(lay, values, lengths))
+        flat, offsets, scale, key_major = plan.rows, plan.offsets, plan.scale, plan.key_major
         # Unique rows and the backward's segment-sum plan from one sort of the rows, with the key dtype
         # LocalEmbeddingBags sorts (int32 when the group fits): local ids are a monotone relabelling of the
         # rows, so the trainer's sums see the values in the order a local fused update would.
