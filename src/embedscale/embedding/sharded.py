@@ -5,18 +5,19 @@ storage. The host-side address map (``embedding.address_map``) decodes every loo
 it is read from and the offset there. Two designs, both measured on this same code (OPER section 8):
 
 ``retrieve`` (default; OPER 5.1-5.2): a rank fetches the remote rows its own mini-batch needs,
-    deduplicated per source rank, and pools everything locally with one ``embedding_bag`` over
-    ``[local unique rows | fetched rows]``. Backward: gradients are summed per unique row; those of
-    remote rows go back to their owners, which apply the fused sparse optimizer to the sum of all
-    ranks' contributions.
+    deduplicated per source rank, into a fetch area right after its storage, and pools local and
+    fetched rows with one ``embedding_bag`` over ``[storage | fetch area]``, sample-major (the output is
+    ``[B, F * D]`` with no transpose). Backward: gradients are summed per row; those of fetched rows go
+    back to their owners, which apply the fused sparse optimizer to the sum of all ranks' contributions.
 ``send`` (the classic model-parallel path): a rank sends each remote owner the ids of the values it
     owns, grouped into partial bags; the owner pools them and returns one partial pooled vector per
     (bag, owner); the requester adds the partials. Backward: the partial bags' gradients go back to the
     owners, which expand them to rows and apply the optimizer.
 
 Replicated rows (data parallel, OPER 4.3) are read locally where held; their gradients are summed over
-all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3), and every holder
-applies the same update, so replicas stay identical.
+all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3; or, for few ranks,
+``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
+holder applies the same update, so replicas stay identical.
 
 Gradient scale: the module applies exactly the gradient it receives. Data-parallel training that wants
 the single-process result uses a loss that is the sum over the local samples divided by the *global*
