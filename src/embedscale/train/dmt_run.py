@@ -27,6 +27,10 @@ position. A manifest written last (``kind: dmt``) marks the checkpoint complete.
 shard and takes what the *current* layout puts on this rank, so a checkpoint resumes exactly on the
 same layout and also onto another world size, host count or in-tower sharding with the same towers;
 different towers (or tower module shapes) are a clear error.
+
+Serving (:func:`infer_dmt`, ``embedscale infer``): a :class:`DMTRun` built for inference restores a DMT
+checkpoint (sharded, any layout, or a single-process file whose rows and towers it slices to this rank)
+under the checkpoint's own towers and scores the eval split through the tower transform.
 """
 
 from __future__ import annotations
