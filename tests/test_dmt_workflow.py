@@ -256,6 +256,13 @@ def test_infer_serves_a_single_process_dmt_dlrm_checkpoint_on_1_and_2_ranks(tmp_
         assert abs(out["logloss"] - summary["eval_logloss"]) < 1e-5, (nproc, out, summary)
         pred = np.load(tmp_path / f"served{nproc}" / "predictions.npy")
         np.testing.assert_allclose(pred, want, rtol=0, atol=1e-6, err_msg=f"{nproc} rank(s)")
+    # a checkpoint file away from its run (no towers.json beside it): the config's naive towers, one per host
+    # of the trained topology (2), not of the serving one
+    alone = tmp_path / "alone" / "step.pt"
+    alone.parent.mkdir()
+    shutil.copy(ck_path, alone)
+    out = cli_infer(alone, tmp_path / "served-alone", 1)
+    assert out["towers"] == [["C1", "C3"], ["C2", "C4"]] and abs(out["auc"] - summary["eval_auc"]) < 1e-6
 
 
 def test_dmt_config_errors_name_the_key(tmp_path, data_dir):

@@ -426,6 +426,12 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
             Path(run_dir).mkdir(parents=True, exist_ok=True)
             towers.save(path)
         cfg.model.tower_assignment = str(path)
+    elif world == 1 and not cfg.model.towers and cfg.model.tower_assignment in ("", "naive"):
+        # no towers beside the checkpoint: naive towers of the config, one per tower group of the trained
+        # topology (kept before the topology becomes one host below)
+        hosts, k = cfg.dist.topology_hosts, cfg.model.hosts_per_tower
+        if isinstance(hosts, int) and isinstance(k, int) and k > 0 and hosts % k == 0:
+            cfg.model.towers = hosts // k
     if world == 1:
         cfg.dist.topology_hosts = 1
         cfg.model.hosts_per_tower = 1
