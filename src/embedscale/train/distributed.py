@@ -449,10 +449,11 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
     from embedscale.train.metrics import logloss_from_logits, roc_auc
 
+    if is_dmt_arch(cfg.model.arch):  # DMT models serve through the tower transform, with their own towers
+        from embedscale.train.dmt_run import infer_dmt
+
+        return infer_dmt(cfg, checkpoint, run_dir, progress=progress, warmup=warmup)
     cfg.dist.mode = "inference"
-    if is_dmt_arch(cfg.model.arch):
-        raise ConfigError("sharded inference (embedscale infer) of DMT models is not supported yet; a distributed DMT "
-                          "run evaluates on the eval split at the end (summary.json)")
     rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(Path(checkpoint))
