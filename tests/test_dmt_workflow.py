@@ -130,6 +130,15 @@ def _resume_rank(rank, world, cfg_dict, run_dir, resume_from, bad_towers):
         return str(e)
 
 
+def cli_train(cfg, run_dir, nproc: int) -> dict:
+    """``embedscale train --nproc N`` of ``cfg`` into ``run_dir``; its JSON summary."""
+    p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--nproc", str(nproc), "--run-dir", str(run_dir),
+                        "--no-progress", "--json", *cli_flags(cfg)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def test_dmt_dlrm_on_4_ranks_through_the_cli_equals_single_process_and_resumes(tmp_path, data_dir):
     cfg = config(tmp_path, data_dir)
     ref = single_process(cfg, tmp_path / "single")
@@ -137,11 +146,7 @@ def test_dmt_dlrm_on_4_ranks_through_the_cli_equals_single_process_and_resumes(t
     assert json.loads((tmp_path / "single" / "towers.json").read_text())["towers"] == [["C1", "C3"], ["C2", "C4"]]
 
     run4 = tmp_path / "four"
-    p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--nproc", "4", "--run-dir", str(run4),
-                        "--no-progress", "--json", *cli_flags(cfg)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ))
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads(p.stdout.strip().splitlines()[-1])
+    s = cli_train(cfg, run4, 4)
     assert s["world_size"] == 4 and s["plan"].startswith("dmt: 2 towers on 2 tower group(s)")
     assert s["towers"] == [["C1", "C3"], ["C2", "C4"]] and s["compression_ratio"] == 8 / 6  # D = 2, c = p = 1: O = D (c F + p) = 6 of F N = 8
     assert s["cross_host_bytes_per_step"] > 0 and s["embedding_bytes_on_wire_per_step"] > 0
@@ -210,11 +215,7 @@ def test_dmt_dcn_on_4_ranks_through_the_cli_equals_single_process_and_serves(tmp
     cfg = config(tmp_path, data_dir, model__arch="dmt-dcn")
     ref = single_process(cfg, tmp_path / "single")
     run4 = tmp_path / "four"
-    p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--nproc", "4", "--run-dir", str(run4),
-                        "--no-progress", "--json", *cli_flags(cfg)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ))
-    assert p.returncode == 0, p.stderr[-3000:]
-    s = json.loads(p.stdout.strip().splitlines()[-1])
+    s = cli_train(cfg, run4, 4)
     assert s["world_size"] == 4 and s["plan"].startswith("dmt: 2 towers on 2 tower group(s)")
     assert s["towers"] == [["C1", "C3"], ["C2", "C4"]] and s["compression_ratio"] == 2.0  # D = 2: O = F D = 4 of F N = 8
     got = sharded(run4 / "checkpoints" / f"step-{STEPS:08d}")

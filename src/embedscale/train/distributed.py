@@ -447,8 +447,6 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     """Sharded inference: the checkpoint's model under an inference plan (``dist.mode = inference``: hot rows
     replicated by OPER Algorithm 1), scoring the eval split; rank 0 writes ``predictions.npy`` and
     ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
-    from embedscale.train.metrics import logloss_from_logits, roc_auc
-
     if is_dmt_arch(cfg.model.arch):  # DMT models serve through the tower transform, with their own towers
         from embedscale.train.dmt_run import infer_dmt
 
@@ -457,6 +455,16 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(Path(checkpoint))
+    return serve_eval_split(run, rd, checkpoint, warmup,
+                            {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
+
+
+def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dict | None:
+    """Score the eval split with ``run``'s restored model on every rank (the timed part: forward passes after
+    ``warmup`` batches, the slowest rank's); rank 0 writes ``predictions.npy`` and ``inference.json``
+    (logloss, AUC, samples/s and ``extra``) into ``rd`` and returns the figures; other ranks return None."""
+    from embedscale.train.metrics import logloss_from_logits, roc_auc
+
     if run.eval_loader is None:
         raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
     run.model.eval()
@@ -475,12 +483,11 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     z, y = gather_logits(zs, ys)
     t = torch.tensor([secs])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if rank != 0:
+    if run.rank != 0:
         return None
-    out = {"world_size": world, "checkpoint": str(checkpoint), "samples": int(y.size),
+    out = {"world_size": run.world, "checkpoint": str(checkpoint), "samples": int(y.size),
            "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
-           "samples_per_s": n / float(t) if float(t) > 0 else math.nan, "plan": run.plan.meta.get("strategy"),
-           "design": cfg.dist.design}
+           "samples_per_s": n / float(t) if float(t) > 0 else math.nan, **extra}
     with atomic_open(rd / "predictions.npy", "wb") as f:
         np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
     atomic_write_json(rd / "inference.json", out)

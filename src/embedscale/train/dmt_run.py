@@ -405,12 +405,8 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     (``dist.topology_hosts`` and ``model.hosts_per_tower`` set to 1: they place rows, not the model); on
     several, ``dist.topology_hosts`` must divide the ranks (``--set dist.topology_hosts=H``).
     """
-    import math
-    import time
-
     from embedscale import workflow
-    from embedscale.train.distributed import gather_logits, join_run
-    from embedscale.train.metrics import logloss_from_logits, roc_auc
+    from embedscale.train.distributed import join_run, serve_eval_split
 
     cfg.dist.mode = "inference"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -438,34 +434,8 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     rd, rank, world = join_run(cfg, run_dir, progress)
     run = DMTRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(ck)
-    if run.eval_loader is None:
-        raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
-    run.model.eval()
-    zs, ys, secs, n = [], [], 0.0, 0
-    warmup = min(warmup, len(run.eval_loader) - 1)  # the first batches warm caches; time the rest
-    with torch.no_grad():
-        for i, batch in enumerate(run.eval_loader):
-            dist.barrier(group=run.monitor_group)
-            t0 = time.perf_counter()
-            z = run.model(batch.dense, batch.sparse)
-            if i >= warmup:
-                secs += time.perf_counter() - t0
-                n += batch.global_size
-            zs.append(z.float().cpu())
-            ys.append(batch.labels.float().cpu())
-    z, y = gather_logits(zs, ys)
-    t = torch.tensor([secs])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    if rank != 0:
-        return None
-    out = {"world_size": world, "checkpoint": str(checkpoint), "samples": int(y.size),
-           "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
-           "samples_per_s": n / float(t) if float(t) > 0 else math.nan, "plan": run.plan_name,
-           "design": "tower transform", "towers": run.assignment.towers}
-    with atomic_open(rd / "predictions.npy", "wb") as f:
-        np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
-    atomic_write_json(rd / "inference.json", out)
-    return out
+    return serve_eval_split(run, rd, checkpoint, warmup,
+                            {"plan": run.plan_name, "design": "tower transform", "towers": run.assignment.towers})
 
 
 def is_dmt_checkpoint(ckpt_dir: Path) -> bool:
