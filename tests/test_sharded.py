@@ -15,6 +15,7 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.sharded import ShardedEmbedding
+from embedscale.errors import InputError
 from embedscale.specs import TableSpec
 from embedscale.train.launch import spawn_local
 
@@ -138,3 +139,23 @@ def test_sharded_training_equals_single_process(world):
             torch.testing.assert_close(w, full[gids], atol=1e-5, rtol=0, msg=lambda m: f"{sc} rank {r}: {m}")
             seen[gids.numpy()] = True
         assert seen.all(), f"{sc}: some rows are on no rank"
+
+
+@pytest.mark.parametrize("multi_hot", [False, True])
+def test_bad_row_id_names_feature_table_and_value(multi_hot):
+    """A row id outside its table is an error naming the feature, its table and the value, before any message."""
+    ts = tables()
+    amap = AddressMap.build(ts, 1, [np.zeros(t.num_rows, dtype=np.int64) for t in ts])
+    emb = ShardedEmbedding(ts, amap, CollectiveTransport(rank=0, world_size=1), 0, optimizer=None)
+    keys = ["f0", "f1", "f2", "f3"]
+    n = 2 if multi_hot else 1  # ids per bag, 3 samples
+    vals = [torch.zeros(3 * n, dtype=torch.int64) for _ in keys]
+    vals[2][-1] = 7  # f2 reads table t1, which has 7 rows
+    jf = JaggedFeatures(keys, torch.cat(vals), torch.full((4 * 3,), n, dtype=torch.int64))
+    with pytest.raises(InputError, match=r"feature f2: row id 7 outside table 't1' \[0, 7\)"):
+        emb(jf)
+    vals[2][-1] = 6
+    vals[3][0] = -1
+    jf = JaggedFeatures(keys, torch.cat(vals), torch.full((4 * 3,), n, dtype=torch.int64))
+    with pytest.raises(InputError, match=r"feature f3: row id -1 outside table 't2'"):
+        emb(jf)
