@@ -353,7 +353,7 @@ def main():
     ap.add_argument("--grad-sync", default="alltoall",
                     choices=["alltoall", "local_aggregated", "dense", "allgather"],
                     help="our replica-gradient sync (alltoall: in the backward all-to-all, no collective of its own; "
-                         "the fewest bytes and collectives at 2 ranks)")
+                         "two collectives fewer per step than local_aggregated)")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
     ap.add_argument("--from-json", nargs="+", default=None,

@@ -63,7 +63,7 @@ class ShardedEmbedding(nn.Module):
             gradients ride in the backward all-to-all that returns the fetched rows' gradients, and every
             rank sums all ranks' contributions in rank order: no collective of its own (two fewer per step
             than ``local_aggregated``; it sends ``(W - 1) x`` the rows a rank touched, against the ring's
-            ``2 (W - 1) / W x`` their union, so it suits few ranks).
+            ``2 (W - 1) / W x`` their union: about the same bytes at 2 ranks, more beyond).
         sync_group: process group for the replica AllReduce (default: the world).
         seed: row initialisation seed (``embedding.init``: the same rows as single-process training).
         init_index: each table's index for ``embedding.init`` (its position among the model's tables, when
