@@ -24,11 +24,8 @@ class CollectiveTransport(Transport):
         self.group = group
 
     def _exchange_counts(self, counts: list[int], device) -> list[int]:
-        send = torch.tensor(counts, dtype=torch.int64, device=device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        self.counter.meta += 2 * (self.world_size - 1) * 8
-        return recv.tolist()
+        send = torch.tensor(counts, dtype=torch.int64, device=device).view(-1, 1)
+        return self.exchange_counts(send).view(-1).tolist()
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Swap small per-peer count vectors: ``counts`` int64 ``[W, k]`` (row ``p`` goes to rank ``p``);

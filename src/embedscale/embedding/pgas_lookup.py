@@ -50,7 +50,7 @@ from embedscale.comm.pgas import PgasTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.optim import aggregate_row_gradients
-from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, _split_by_rank, sample_major
+from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, pool_local_and_fetched, remote_rows
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec
 
@@ -213,13 +213,10 @@ class PgasShardedEmbedding(ShardedEmbedding):
         ``None`` when the batch's unique remote rows overflow the fetch area (the general path takes it)."""
         gids, bag, scale, _, B, offsets, one_hot = self._inputs(features, ones=False)
         tm, me, W, dev = self.tmap, self.rank, self.world_size, self.weight.device
-        key = tm.code.index_select(0, gids) & tm.KEY_MASK
-        ridx = ((key >> tm.SHIFT) != me).nonzero().squeeze(1)
-        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W)
         R = runiq.numel()
         if R > self.fetch_rows:
             return None
-        counts = _split_by_rank(runiq >> tm.SHIFT, W)
         self._await_versions([p for p in range(W) if p != me and counts[p]])
         fetch = self._table[self._cap:self._cap + R]
         u_off = runiq & tm.OFF_MASK
@@ -228,12 +225,8 @@ class PgasShardedEmbedding(ShardedEmbedding):
             if c and p != me:
                 _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
             a += c
-        pos = key.bitwise_and_(tm.OFF_MASK)
-        pos.index_copy_(0, ridx, rinv.add_(self._cap))
-        pos_s, scale_s, offsets_s, _ = sample_major(pos, scale, bag, offsets, B, one_hot)
-        out = F.embedding_bag(pos_s.to(dev), self._table[:self._cap + R], offsets_s.to(dev), mode="sum",
-                              include_last_offset=True,
-                              per_sample_weights=None if scale_s is None else scale_s.to(dev, self.weight.dtype))
+        out, _, _ = pool_local_and_fetched(self._table[:self._cap + R], self._cap, key, ridx, rinv, scale, bag,
+                                           offsets, B, one_hot)
         return out.view(B, len(self.feature_names) * self.dim)
 
     def _prepare_send(self, features: JaggedFeatures) -> dict:

@@ -176,7 +176,8 @@ class ShardedEmbedding(nn.Module):
                 f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
                 raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
                                  f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
-        gids = torch.repeat_interleave(self.tmap.table_base.index_select(0, self._feature_table), per_feature) + values
+        base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
+        gids = torch.repeat_interleave(base, per_feature) + values
         one_hot = n == F_ * B and bool((lengths == 1).all())
         bag = torch.arange(n) if one_hot else torch.repeat_interleave(torch.arange(F_ * B), lengths)
         offsets = torch.zeros(F_ * B + 1, dtype=torch.int64)
@@ -320,13 +321,8 @@ class _Retrieve(torch.autograd.Function):
     def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, B, offsets, one_hot, training):
         W, me, tr, tm = mod.world_size, mod.rank, mod.transport, mod.tmap
         dev = mod.weight.device
-        code = tm.code.index_select(0, gids)
-        key = code & tm.KEY_MASK
-        remote = (key >> tm.SHIFT) != me
-        ridx = remote.nonzero().squeeze(1)  # values read from other ranks
-        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W)
         R = runiq.numel()
-        per_rank = _split_by_rank(runiq >> tm.SHIFT, W)
         r_slot = None
         if training and mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
             rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
@@ -357,12 +353,7 @@ class _Retrieve(torch.autograd.Function):
         table = mod._pool_table(R)
         if R:
             torch.cat(fetched, out=table[n:n + R])
-        pos = key.bitwise_and_(tm.OFF_MASK)  # storage row of local values ...
-        pos.index_copy_(0, ridx, rinv.add_(n))  # ... fetch-area row of remote ones
-        # pool sample-major (bag b * F + f), each bag's values in their order, so the output is [B, F * D]
-        pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
-        out = F.embedding_bag(pos_s.to(dev), table[:n + R], offsets_s.to(dev), mode="sum", include_last_offset=True,
-                              per_sample_weights=None if scale_s is None else scale_s.to(device=dev, dtype=table.dtype))
+        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot)
         if training:
             ctx.mod = mod
             ctx.saved = (pos.to(dev), n, bag_s, scale, r_slot, per_rank, requests, peer_slots)
@@ -436,6 +427,35 @@ class _Retrieve(torch.autograd.Function):
         return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None, None
 
 
+def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
+    """Decode a batch's global ids on rank ``me`` and deduplicate the values read from other ranks (OPER 5.1):
+    ``(code, key, remote, ridx, runiq, rinv, per_rank)``: packed codes, the codes without the replica bit,
+    which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
+    rows are one block), each remote value's index among them, and how many rows come from each rank."""
+    code = tm.code.index_select(0, gids)
+    key = code & tm.KEY_MASK
+    remote = (key >> tm.SHIFT) != me
+    ridx = remote.nonzero().squeeze(1)
+    runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+    return code, key, remote, ridx, runiq, rinv, _split_by_rank(runiq >> tm.SHIFT, W)
+
+
+def pool_local_and_fetched(table: torch.Tensor, fetch_base: int, key: torch.Tensor, ridx: torch.Tensor,
+                           rinv: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int,
+                           one_hot: bool):
+    """One ``embedding_bag`` over ``table`` (the storage, then the fetched rows from row ``fetch_base``):
+    local values read their storage row, remote ones their fetched row; bags pooled sample-major so the
+    output is ``[B * F, D]`` = ``[B, F * D]``. ``key`` and ``rinv`` are overwritten. Returns ``(out, pos,
+    bag_s)``: each value's table row and its sample-major bag, in the original value order (for backward)."""
+    dev = table.device
+    pos = key.bitwise_and_(TorchAddressMap.OFF_MASK)  # storage row of local values ...
+    pos.index_copy_(0, ridx, rinv.add_(fetch_base))  # ... fetch-area row of remote ones
+    pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
+    out = F.embedding_bag(pos_s.to(dev), table, offsets_s.to(dev), mode="sum", include_last_offset=True,
+                          per_sample_weights=None if scale_s is None else scale_s.to(device=dev, dtype=table.dtype))
+    return out, pos, bag_s
+
+
 def sample_major(pos: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int, one_hot: bool):
     """Reorder feature-major lookups (bag ``f * B + b``, as a KJT holds them) into sample-major bags
     (``b * F + f``), each bag's values kept in their order, so that pooling them gives ``[B, F * D]``
@@ -503,7 +523,8 @@ class _SendBased(torch.autograd.Function):
             out_q = torch.zeros((n_pb, mod.dim), dtype=mod.weight.dtype, device=dev)
             if src_ids.numel():
                 out_q.index_add_(0, src_ids[:, 1].to(dev),
-                                 mod.weight.index_select(0, src_ids[:, 0].to(dev)) * src_scale.to(dev, mod.weight.dtype)[:, None])
+                                 mod.weight.index_select(0, src_ids[:, 0].to(dev))
+                                 * src_scale.to(dev, mod.weight.dtype)[:, None])
             pooled.append(out_q)
         back = tr.exchange([pooled[q] if q != me else pooled[q][:0] for q in range(W)],
                            recv_counts=[c if q != me else 0 for q, c in enumerate(p_counts)], kind="pooled")
