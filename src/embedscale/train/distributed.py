@@ -42,6 +42,7 @@ from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig, dump_config
+from embedscale.train.lock import hold_run_dir
 
 READY, FAILED = ".ready", ".failed"
 
@@ -520,6 +521,8 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
     cfg.dist.nproc = world
     rd = shared_run_dir(cfg, run_dir)
     if rank == 0:
+        if not os.environ.get("EMBEDSCALE_LAUNCHED"):  # plain torchrun: rank 0 holds the run (train.lock)
+            hold_run_dir(rd)
         if not (rd / READY).exists():
             prepare_on_rank0(cfg, rd, progress)
     else:
