@@ -72,6 +72,14 @@ def alive(pids: set[int]) -> set[int]:
     return {p for p in pids if p in t and t[p][2] not in "ZX"}
 
 
+def signal_all(pids, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S):
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -79,8 +87,8 @@ def wait_for(what: str, cond, proc: subprocess.Popen, timeout_s: float = START_T
         if v:
             return v
         if proc.poll() is not None:
-            out, err = proc.communicate()
-            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{err[-3000:]}")
+            err = proc.communicate()[1] if proc.stderr else ""
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{(err or '')[-3000:]}")
         time.sleep(0.1)
     proc.kill()
     pytest.fail(f"no {what} within {timeout_s} s")
@@ -101,8 +109,11 @@ def out_dir(tmp_path_factory):
                          ids=["2ranks-SIGTERM", "2ranks-SIGINT", "single-SIGTERM", "single-SIGINT"])
 def test_signal_ends_every_process_of_the_run(tmp_path, out_dir, nproc, sig):
     rd = tmp_path / "run"
-    p = subprocess.Popen(cli(rd, out_dir, nproc=nproc, max_steps=10**6, every=3, extra=["--train-epochs", "100"]), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: a rank left behind must not hang the test
+    procs: set[int] = set()
+    with open(log, "w") as f:
+        p = subprocess.Popen(cli(rd, out_dir, nproc=nproc, max_steps=10**6, every=3, extra=["--train-epochs", "100"]),
+                             stdout=subprocess.DEVNULL, stderr=f, text=True)
     try:
         wait_for("checkpoint", lambda: checkpoints(rd), p)
         procs = tree(p.pid)
@@ -110,12 +121,14 @@ def test_signal_ends_every_process_of_the_run(tmp_path, out_dir, nproc, sig):
             assert len(procs) >= 3, procs
         t0 = time.monotonic()
         p.send_signal(sig)
-        out, err = p.communicate(timeout=60)
+        p.wait(timeout=60)
         secs = time.monotonic() - t0
+        left = alive(procs)
     finally:
         if p.poll() is None:
             p.kill()
-    left = alive(procs)
+        signal_all(alive(procs), signal.SIGKILL)  # whatever a failing launcher left behind
+    err = log.read_text()
     assert p.returncode == 128 + sig, (p.returncode, err[-3000:])
     assert secs < STOP_BAR_S, f"the launcher took {secs:.1f} s to exit"
     assert not left, f"processes of the run still alive after the launcher exited: {sorted(left)}"
@@ -138,14 +151,6 @@ def _held(rd: Path, pid: int) -> bool:
     return read_holder(rd).get("pid") == pid
 
 
-def signal_all(pids, sig) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.mark.parametrize("nproc", [2, 1], ids=["2ranks", "single"])
 def test_second_run_into_held_dir_fails_and_first_completes(tmp_path, out_dir, nproc):
     """While the first run trains, a second run into its directory (the launcher; and for 2 ranks a plain
@@ -154,13 +159,15 @@ def test_second_run_into_held_dir_fails_and_first_completes(tmp_path, out_dir, n
     processes, which keeps its lock) while the others try, so it cannot finish before them however loaded
     the machine is; SIGCONT lets it go on."""
     rd = tmp_path / "run"
-    steps = 100 if nproc > 1 else 200  # an epoch is 313 steps
+    steps = 40 if nproc > 1 else 60  # the first run is frozen while the others try: it need not be long
     first = subprocess.Popen(cli(rd, out_dir, nproc=nproc, max_steps=steps, every=10, extra=["--json"]),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     frozen: list[int] = []
+    members: set[int] = set()
     try:
         wait_for("first checkpoint", lambda: _held(rd, first.pid) and checkpoints(rd), first)
-        frozen = [first.pid, *tree(first.pid)]
+        members = tree(first.pid)
+        frozen = [first.pid, *members]
         signal_all(frozen, signal.SIGSTOP)
         holder = read_holder(rd)
         cfg_path = rd / "config.yaml"
@@ -201,6 +208,7 @@ def test_second_run_into_held_dir_fails_and_first_completes(tmp_path, out_dir, n
         signal_all(frozen, signal.SIGCONT)
         if first.poll() is None:
             first.kill()
+            signal_all(alive(members), signal.SIGKILL)
     assert first.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["steps"] == steps, summary
