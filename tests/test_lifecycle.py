@@ -273,3 +273,19 @@ def test_lock_against_another_process_then_taken_over_when_it_dies(tmp_path, cap
                                 "RunLock(sys.argv[1]).acquire()", str(rd)], capture_output=True, text=True)
         assert other.returncode != 0 and f"pid {os.getpid()}" in other.stderr and "RunDirBusy" in other.stderr
     assert read_holder(rd) == {}
+
+
+def test_stop_on_signals_raises_in_process_and_restores_handlers():
+    """In one process SIGTERM becomes StopRequested (so clean-ups run) and the handlers come back after."""
+    from embedscale.train.lock import StopRequested, stop_on_signals, stop_requested
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StopRequested) as e:
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between bytecodes
+                time.sleep(0.01)
+    assert e.value.signum == signal.SIGTERM and stop_requested() == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+    with stop_on_signals():
+        assert stop_requested() is None  # a new command starts clean

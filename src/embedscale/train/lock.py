@@ -195,10 +195,13 @@ def _raise_stop(signum, frame) -> None:
 def stop_on_signals() -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`StopRequested` in the main thread while inside (a single-process run,
     or one rank); the previous handlers come back after. Outside the main thread it does nothing."""
+    global _stop_signal
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    if _raise_stop not in old.values():  # the outermost: a new command (in-process callers run several)
+        _stop_signal = None
     try:
         yield
     finally:
