@@ -269,8 +269,8 @@ def test_lock_against_another_process_then_taken_over_when_it_dies(tmp_path, cap
             pass
         assert lock.held and read_holder(rd)["command"] == "third"
         # another process cannot take it while we hold it
-        other = subprocess.run([sys.executable, "-c", "import sys; from embedscale.train.lock import RunLock;"
-                                "RunLock(sys.argv[1]).acquire()", str(rd)], capture_output=True, text=True)
+        other = subprocess.run([sys.executable, "-c", ("import sys; from embedscale.train.lock import RunLock;"
+                                                      "RunLock(sys.argv[1]).acquire()"), str(rd)], capture_output=True, text=True)
         assert other.returncode != 0 and f"pid {os.getpid()}" in other.stderr and "RunDirBusy" in other.stderr
     assert read_holder(rd) == {}
 
@@ -280,11 +280,10 @@ def test_stop_on_signals_raises_in_process_and_restores_handlers():
     from embedscale.train.lock import StopRequested, stop_on_signals, stop_requested
 
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(StopRequested) as e:
-        with stop_on_signals():
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100):  # the handler runs between bytecodes
-                time.sleep(0.01)
+    with pytest.raises(StopRequested) as e, stop_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # the handler runs between bytecodes
+            time.sleep(0.01)
     assert e.value.signum == signal.SIGTERM and stop_requested() == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before
     with stop_on_signals():

@@ -29,13 +29,13 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from embedscale.errors import EmbedscaleError
 
 LOCK_NAME = "run.lock"
-_held: dict[Path, "RunLock"] = {}  # the directories this process holds (resolved path -> its outermost lock)
+_held: dict[Path, RunLock] = {}  # the directories this process holds (resolved path -> its outermost lock)
 
 
 class RunDirBusy(EmbedscaleError):
@@ -117,7 +117,7 @@ class RunLock:
             print(f"embedscale: taking over the stale lock of {self.run_dir} ({_describe(previous)}; {state})",
                   file=sys.stderr, flush=True)
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                   "command": self.command}
         data = (json.dumps(holder) + "\n").encode()
         os.ftruncate(fd, 0)
