@@ -326,13 +326,14 @@ class PipelinedLoader:
 
 def pipelined_trainer(model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader, eval_loader,
                       run_dir: str | Path, *, pipeline_depth: int = 2, use_cache: bool = True, **kwargs):
-    """The single-process :class:`~embedscale.train.trainer.Trainer`, pipelined (EL-Rec section V).
+    """The single-process run (:class:`~embedscale.train.trainer.Trainer`, a ``train.run.Run``), pipelined
+    (EL-Rec section V).
 
     Same arguments as ``Trainer`` plus ``pipeline_depth`` and ``use_cache``; ``model.sparse_arch.embedding``
     must be a :class:`PipelinedEmbedding`. Returns a ``Trainer`` whose training loader is a
-    :class:`PipelinedLoader`: metrics, evaluation, checkpoints and exact resume are the Trainer's, and a
-    checkpoint holds the host tables (``...embedding.host.<table>.weight``) as sequential training would
-    have them at that step.
+    :class:`PipelinedLoader`; the one loop (``train.loop.fit``) drives it: metrics, evaluation, checkpoints and
+    exact resume are every run's, and a checkpoint holds the host tables (rank file ``host``:
+    ``<table>.weight``) as sequential training would have them at that step.
     """
     from embedscale.train.trainer import Trainer  # train sits above pipeline: imported when used
 
