@@ -360,19 +360,18 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     """Plan here (the profile is made), then train on ``dist.nproc`` local ranks under torchrun."""
     from embedscale.errors import EmbedscaleError
     from embedscale.io import read_json
-    from embedscale.train.distributed import READY, make_run_plan
+    from embedscale.train.distributed import ensure_run_plan
     from embedscale.train.launch import launch_torchrun
 
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     towers = _dmt_towers(cfg, tables, run_dir)
     if towers is not None:  # DMT: the towers place the tables (tower groups), no plan
         _log(f"towers: {towers.num_towers} ({towers.strategy}) on {cfg.dist.nproc} ranks, "
              f"{cfg.dist.topology_hosts} host(s)")
-    else:
-        plan = make_run_plan(cfg, data, tables, run_dir / "plan", progress)
+    else:  # planned here, where the profile is; the ranks' rank 0 finds it made for this world and plan
+        plan = ensure_run_plan(cfg, data, tables, run_dir, progress)
         _log(f"plan: {plan.meta.get('strategy', cfg.dist.plan)} on {cfg.dist.nproc} ranks "
              f"({plan.meta.get('plan_seconds', 0):.2f} s)")
-    atomic_write_text(run_dir / READY, "ok\n")
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     config_path = run_dir / "config.yaml"
     args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
     code = launch_torchrun(cfg.dist.nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})
