@@ -17,7 +17,7 @@ from embedscale import workflow
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
-from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
+from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.launch import spawn_local
 
 ROWS = [30, 9, 120, 5]

@@ -11,6 +11,7 @@ single-process training of the k + m steps (within 1e-5).
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed_train import checkpoint_state, config, make_data  # noqa: E402
 
+from click.testing import CliRunner  # noqa: E402
+
 from embedscale import workflow  # noqa: E402
-from embedscale.cli import resolve_config  # noqa: E402
+from embedscale.cli import main, resolve_config  # noqa: E402
 from embedscale.io import read_json  # noqa: E402
 from embedscale.specs import RunConfig, from_dict, to_dict  # noqa: E402
 from embedscale.train.checkpoint import latest_checkpoint, read_manifest, step_dir  # noqa: E402
@@ -136,6 +139,15 @@ def test_another_plan_is_an_error_unless_replanned(tmp_path, data_dir):
     assert "plan: row_wise" in (run / "config.yaml").read_text()
     # the CLI flag
     assert resolve_config(None, [], {"cfg__dist__replan": "true"}).dist.replan is True
+    # `embedscale evaluate` reads the 2-rank run in one process (the run directory = its latest checkpoint):
+    # the run's own final evaluation
+    summary = read_json(run / "summary.json")
+    for target in (run, latest_checkpoint(run)):
+        r = CliRunner().invoke(main, ["evaluate", str(target), "--json"])
+        assert r.exit_code == 0, r.output
+        got = json.loads(r.output.strip().splitlines()[-1])
+        assert got["step"] == 2 and got["samples"] == summary["eval_samples"]
+        assert abs(got["auc"] - summary["eval_auc"]) < 1e-6 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-5
 
 
 def test_metrics_log_keeps_the_rows_up_to_the_restored_step(tmp_path):

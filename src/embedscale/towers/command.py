@@ -21,12 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 
 from embedscale.errors import ConfigError, FormatError
-from embedscale.io import atomic_write_json, read_json
+from embedscale.io import atomic_write_json
 from embedscale.specs import RunConfig, TableSpec, from_dict
 
 
