@@ -1,6 +1,7 @@
 """Single-process training: exact resume from a checkpoint, run-directory contents, config errors."""
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -71,9 +72,18 @@ def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
         assert (rd / f).stat().st_size > 0, f
     rows = list(csv.DictReader((rd / "metrics.csv").open()))
     assert any(row["eval_auc"] for row in rows) and any(row["train_loss"] for row in rows)
-    ck = latest_checkpoint(rd / "checkpoints")
-    r2 = CliRunner().invoke(main, ["evaluate", str(ck), "--json"])
-    assert r2.exit_code == 0, r2.output
+    ck = latest_checkpoint(rd)
+    summary = json.loads((rd / "summary.json").read_text())
+    for target in (ck, rd):  # a checkpoint, or a run directory (its latest checkpoint)
+        r2 = CliRunner().invoke(main, ["evaluate", str(target), "--json"])
+        assert r2.exit_code == 0, r2.output
+        got = json.loads(r2.output.strip().splitlines()[-1])
+        assert got["step"] == summary["steps"] and got["checkpoint"] == str(ck)
+        assert abs(got["auc"] - summary["eval_auc"]) < 1e-9 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-9
+    r3 = CliRunner().invoke(main, ["infer", str(rd), "--run-dir", str(tmp_path / "served"), "--no-progress", "--json"])
+    assert r3.exit_code == 0, r3.output
+    got = json.loads(r3.output.strip().splitlines()[-1])
+    assert got["samples"] == summary["eval_samples"] and abs(got["auc"] - summary["eval_auc"]) < 1e-6
 
 
 def test_config_naming_an_unknown_feature(tmp_path, data_dir):
