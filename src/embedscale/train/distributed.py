@@ -45,9 +45,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from embedscale import workflow
+from embedscale.data.loader import ShardLoader
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
+from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
                                         resolve_checkpoint, table_pieces, write_rank_file)
@@ -114,8 +117,6 @@ def _wait_for_rank0(run_dir: Path, token: str, timeout_s: float) -> None:
 def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> None:
     """Data, profile and plan (rank 0 only, every attempt); ``config.yaml`` once they are valid, the ready
     marker of this attempt last, or a failure marker."""
-    from embedscale import workflow
-
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for marker in (READY, FAILED):
@@ -140,8 +141,6 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
     the ones it was made for (the run continues exactly); else made anew with ``dist.plan`` (re-sharding from the
     checkpoints by row id). ``dist.plan`` other than the run's is a ``ConfigError`` naming both, unless
     ``dist.replan`` is set. Records ``dist.plan`` and the world size in ``<run dir>/run-plan.json``."""
-    from embedscale.plan.plan import Plan
-
     plan_dir, d, world = run_dir / "plan", cfg.dist, cfg.dist.nproc
     rec = read_json(run_dir / RUN_PLAN, "run plan record") if (run_dir / RUN_PLAN).exists() else None
     if rec is None and (plan_dir / "plan.json").exists():  # a run directory planned before the record existed
@@ -324,9 +323,6 @@ class DistributedRun:
                      inference: bool) -> None:
         """What every distributed run holds (flat and DMT): config, rank, device, data, tables, position, eval
         loader, byte counters."""
-        from embedscale import workflow
-        from embedscale.data.loader import ShardLoader
-
         self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world
         self.progress = progress and rank == 0
         self.inference = inference

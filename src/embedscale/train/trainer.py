@@ -25,7 +25,8 @@ from embedscale.data.loader import ShardLoader
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.errors import FormatError
 from embedscale.pipeline.embedding import PipelinedEmbedding
-from embedscale.train.checkpoint import latest_checkpoint, merged, rank0, read_manifest, read_shards, write_rank_file
+from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
+                                        write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.metrics import MetricRow, MetricsLog, logloss_from_logits, roc_auc
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, load_whole_tables,
@@ -86,8 +87,6 @@ def _parts(model: nn.Module):
 def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
     """Load a checkpoint of any world size into a single-process ``model`` (its tables, host tables, TT cores and
     dense state; no optimizer); returns the manifest. For serving and tests."""
-    from embedscale.train.checkpoint import resolve_checkpoint
-
     ckpt = resolve_checkpoint(checkpoint)
     m = read_manifest(ckpt)
     shards = read_shards(ckpt, m)
