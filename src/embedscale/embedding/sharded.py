@@ -2,7 +2,8 @@
 
 OPER section 5 (all-in-one EMT). Each rank holds the rows it owns and the replicas it holds in one flat
 storage. The address map (``embedding.address_map``), kept as torch tensors on the storage's device,
-decodes every looked-up row to the rank it is read from and the offset there. Two designs, both measured on this same code (OPER section 8):
+decodes every looked-up row to the rank it is read from and the offset there. Two designs, both measured
+on this same code (OPER section 8):
 
 ``retrieve`` (default; OPER 5.1-5.2): a rank fetches the remote rows its own mini-batch needs,
     deduplicated per source rank, into a fetch area right after its storage, and pools local and
