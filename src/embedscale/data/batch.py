@@ -4,6 +4,13 @@
 batch of ``B`` samples, ``lengths`` has ``F * B`` entries ordered key-major (all samples of ``k_0``,
 then all of ``k_1``, ...), and ``values`` holds the row ids in that same order. ``weights`` (optional)
 is one float per value (per-sample weights for weighted pooling).
+
+As with TorchRec's ``KeyedJaggedTensor``, a module that needs some of the keys takes them with
+``select(keys)`` / ``permute(order)`` / ``split(segments)`` rather than re-splitting the batch by hand: the
+per-key value counts are read once per batch (``length_per_key_list``, ``F`` numbers) and carried to every
+selection, and the ids stay on the batch's device (each key's values are one contiguous block, so a
+selection is one ``cat`` of views). ``values`` and ``lengths`` are not to be modified in place after a
+selection was taken (the cached counts would be stale).
 """
 
 from __future__ import annotations
