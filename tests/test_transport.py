@@ -3,6 +3,7 @@
 import torch
 
 from embedscale.comm.collective import CollectiveTransport
+from embedscale.comm.hierarchical import HostAwareTransport
 from embedscale.comm.transport import Transport, backend_device
 from embedscale.train.launch import spawn_local
 
@@ -53,3 +54,8 @@ def test_collective_transport_on_gloo_uses_host_memory():
         for p in range(world):  # what rank p sent to r: rows r + 1 + p of value 10 p + r
             assert got[p] == [[10 * p + r] * 2] * (r + 1 + p)
         assert counts == [r + p for p in range(world)]
+
+
+def test_host_aware_transport_reports_its_inner_backend_device():
+    inner = _Fixed(torch.device("meta"))
+    assert HostAwareTransport(inner, [0], 1).wire_device == torch.device("meta")
