@@ -241,3 +241,19 @@ def test_host_read_spy_catches_a_cpu_copy():
         ids.numpy()
     assert [c[0] for c in spy.calls] == ["cpu", "to('cpu')", "tolist", "numpy"]
     assert all(c[1] == 100 for c in spy.calls)
+
+
+def test_address_map_follows_the_storage_device():
+    """Moving the module moves its storage (a buffer); the address map and per-feature tables follow it at
+    the next lookup, so decoding runs where the storage is ('meta' stands in for an accelerator here)."""
+    ts = tables()
+    amap = AddressMap.build(ts, 1, [np.zeros(t.num_rows, dtype=np.int64) for t in ts], [np.array([1]), [], []])
+    emb = ShardedEmbedding(ts, amap, CollectiveTransport(rank=0, world_size=1), 0, optimizer=None)
+    assert emb.tmap.device == torch.device("cpu")
+    code = emb.tmap.code.clone()
+    emb.to(torch.device("meta"))
+    assert emb._follow_storage() == torch.device("meta")
+    for t in (emb.tmap.code, emb.tmap.slot, emb.tmap.table_base, emb._feature_rows, emb._region_slot):
+        assert t.device == torch.device("meta")
+    assert emb.tmap.code.shape == code.shape
+    assert emb.tmap.to("meta") is emb.tmap  # already there: no copy
