@@ -150,3 +150,11 @@ def test_select_keeps_values_on_their_device_and_reads_counts_once(monkeypatch):
     a.select(["c"])
     assert calls == [4]  # the 4 per-key counts, once for the batch and everything selected from it
     assert a.values.device == jf.values.device and b.values.device == jf.values.device
+
+
+@pytest.mark.parametrize("lo,hi", [(0, 4), (1, 3), (3, 4), (2, 2), (0, 1)])
+def test_slice_batch_moves_weights_with_values(lo, hi):
+    jf, wl = _weighted(DATA)
+    s = jf.slice_batch(lo, hi)
+    assert ref_lists(s) == {k: v[lo:hi] for k, v in DATA.items()}
+    assert _ref_weights(s) == {k: v[lo:hi] for k, v in wl.items()}

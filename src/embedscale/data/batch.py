@@ -179,9 +179,12 @@ class JaggedFeatures:
             raise InputError(f"slice_batch: [{start}, {stop}) outside batch of {B}")
         offs = self.offsets()
         lens = self.lengths.view(F, B)[:, start:stop].reshape(-1)
-        starts = offs[:-1].view(F, B)[:, start]
-        ends = offs[:-1].view(F, B)[:, stop] if stop < B else offs[1:].view(F, B)[:, B - 1]
-        idx = torch.cat([torch.arange(int(s), int(e), device=self.values.device) for s, e in zip(starts, ends)])
+        first = torch.arange(F, device=offs.device) * B
+        starts, ends = offs.index_select(0, first + start), offs.index_select(0, first + stop)
+        counts = ends - starts  # values of each key in the slice
+        n = int(counts.sum())  # one number read, not the ids: the positions are computed on the device
+        shift = starts - (torch.cumsum(counts, 0) - counts)
+        idx = torch.arange(n, device=offs.device) + torch.repeat_interleave(shift, counts, output_size=n)
         w = self.weights[idx] if self.weights is not None else None
         return JaggedFeatures(self.keys, self.values[idx], lens, w)
 
