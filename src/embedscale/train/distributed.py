@@ -288,7 +288,7 @@ class DistributedRun:
             emb_cls, extra = PgasShardedEmbedding, {"max_batch_size": max_batch}
         self.embedding = emb_cls(self.tables, amap, self.transport, rank, design=d.design,
                                           optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
-                                          grad_sync=d.grad_sync, **extra,
+                                          grad_sync=d.grad_sync, **extra, validate=False,  # ShardLoader checked the ids
                                           sync_group=self.emb_group, seed=t.seed, device=self.device,
                                           init_index=[self.all_tables.index(tb) for tb in self.tables])
         self.tt_stats: dict[str, int] = {}
