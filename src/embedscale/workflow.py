@@ -294,7 +294,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
               checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
               lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
     if any(tb.placement == "host" for tb in tables):
-        from embedscale.pipeline import pipelined_trainer
+        from embedscale.train.trainer import pipelined_trainer
 
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
