@@ -32,11 +32,8 @@ import collections
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
-from torch import nn
 
 from embedscale.data.batch import Batch
 from embedscale.errors import ConfigError
