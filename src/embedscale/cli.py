@@ -7,6 +7,7 @@ anything else; flags override the file, the file overrides the defaults.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -68,7 +69,31 @@ def _fail(e: Exception) -> None:
     sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def _os_message(e: OSError) -> str:
+    """``<path>: <strerror>`` (both paths of a rename), or the error's own text when it names no file."""
+    if e.filename is None:
+        return str(e)
+    where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+    return f"{where}: {e.strerror or e}"
+
+
+class _Commands(click.Group):
+    """The command group: every command's ``EmbedscaleError`` and ``OSError`` (a read-only ``--out``, a full
+    disk) ends as ``error: <message>`` on stderr and exit code 2, never a traceback. Writers are atomic
+    (``io.atomic_open``), so nothing half-written is left behind."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except EmbedscaleError as e:
+            _fail(e)
+        except OSError as e:
+            if e.errno == errno.EPIPE:  # stdout closed by the reader (| head): click's own handling
+                raise
+            _fail(_os_message(e))
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="embedscale")
 def main() -> None:
     """embedscale: train and serve recommendation models with large, skewed embedding tables."""
