@@ -180,8 +180,11 @@ def kwargs_argv(argv: list[str]) -> list[str]:
 def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
     from embedscale import workflow
     from embedscale.io import read_json
+    from embedscale.plan.plan import Plan
     from embedscale.train.launch import launch_torchrun
 
+    if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
+        Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     code = launch_torchrun(cfg.dist.nproc, args, max_restarts=max_restarts, env={"EMBEDSCALE_LAUNCHED": "1"})
@@ -194,11 +197,15 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
               help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
+@click.option("--split", "split_name", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw).")
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
-def evaluate(checkpoint, data_dir, batch_size, as_json):
+def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     """Evaluate a checkpoint (a run's checkpoints/step-N, or a run directory: its latest) of any world size in one
-    process: exact logloss and AUC."""
+    process: exact logloss and AUC on the run's eval split (``--split train``: its training split; ``--data``:
+    another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
+    ``--split train`` or ``--data`` says what to score."""
     import yaml
 
     import torch
@@ -218,7 +225,11 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
             split = data.train
         else:
             data = workflow.prepare_data(cfg)
-            split = data.eval or data.train
+            split = data.eval if split_name == "eval" else data.train
+            if split is None:
+                raise EmbedscaleError(f"{ck}: the run has no eval split (data.eval_fraction "
+                                      f"{cfg.data.eval_fraction}, data.eval_samples {cfg.data.eval_samples}); "
+                                      "pass --split train to score its training data, or --data DIR")
         device = torch.device(cfg.train.device)
         assignment = None
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
