@@ -137,12 +137,11 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
     (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
     """
-    from embedscale import workflow
-
     try:
         if nproc is not None:
             kwargs["cfg__dist__nproc"] = str(nproc)
-        cfg = resolve_config(config_path, overrides, kwargs)
+        cfg = resolve_config(config_path, overrides, kwargs)  # a bad config fails here, before torch is imported
+        from embedscale import workflow
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             from embedscale.train.distributed import train_distributed

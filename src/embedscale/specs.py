@@ -373,6 +373,8 @@ def validate(obj: Any, path: str = "") -> None:
 def check_device(name: str, key: str = "train.device") -> None:
     """``name`` parses as a torch device and exists on this machine (device-agnostic: the type's accelerator
     API or its torch module says how many there are); else a ``ConfigError`` naming ``key`` and what exists."""
+    if name == "cpu":  # the default: no torch import for it
+        return
     # torch is imported here, not at the top: the planner imports specs and must stay torch-free (issue 13 part 1)
     import torch
 
