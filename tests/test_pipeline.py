@@ -28,12 +28,11 @@ from embedscale.pipeline import (
     PipelinedEmbedding,
     PipelinedLoader,
     PipelineError,
-    pipelined_trainer,
     select_features,
 )
 from embedscale.specs import ModelConfig, TableSpec, to_dict
 from embedscale.train.checkpoint import load_checkpoint
-from embedscale.train.trainer import Trainer
+from embedscale.train.trainer import Trainer, pipelined_trainer
 
 BATCH = 256
 SAMPLES = 12 * BATCH

@@ -7,9 +7,11 @@ anything else; flags override the file, the file overrides the defaults.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -18,6 +20,7 @@ import click
 
 from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
+from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
 
 
 MAIN_JOB_RANKS = 2  # `embedscale run` without a config: the OPER plan on this many local ranks
@@ -66,7 +69,38 @@ def resolve_config(config_path, overrides, kwargs) -> RunConfig:
 
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
-    sys.exit(2)
+    sys.exit(getattr(e, "exit_code", 2))  # 2; a run stopped by a signal: 128 + the signal (lock.Stopped)
+
+
+def _stopped(signum: int, run_dir) -> None:
+    """A stop signal ended this process's part of a run: one line, no traceback, exit 128 + the signal."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    who = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and world > 1 else ""
+    where = f"; {run_dir} keeps its last complete checkpoint" if run_dir and not who else ""
+    click.echo(f"error: {who}stopped by {signal.Signals(signum).name}{where}", err=True)
+    if who:  # a rank: its clean-ups ran while unwinding; skip the slow interpreter teardown (gloo, threads)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
+    sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def _command(state: dict):
+    """The body of a command that runs: a user error is one line and exit 2; SIGINT/SIGTERM end it with one
+    line "error: stopped by SIGTERM; ..." and exit 130/143, no traceback, clean-ups run on the way out
+    (nothing half-written). ``state["run_dir"]``, once set, is named in the message."""
+    try:
+        with stop_on_signals():
+            yield
+    except KeyboardInterrupt as e:
+        _stopped(getattr(e, "signum", signal.SIGINT), state.get("run_dir"))
+    except EmbedscaleError as e:
+        _fail(e)
+    except Exception:
+        if stop_requested() is not None:  # e.g. a collective broken by a peer that was stopped first
+            _stopped(stop_requested(), state.get("run_dir"))
+        raise
 
 
 def _os_message(e: OSError) -> str:
@@ -111,14 +145,12 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
     """
     from embedscale import workflow
 
-    try:
+    with _command({}):
         if config_path is None and kwargs.get("cfg__dist__nproc") is None and not any(
                 o.startswith("dist.nproc=") for o in overrides):
             kwargs["cfg__dist__nproc"] = str(MAIN_JOB_RANKS)  # the embedded default runs on local ranks
         cfg = resolve_config(config_path, overrides, kwargs)
         s = workflow.run_main(cfg, progress=not no_progress)
-    except EmbedscaleError as e:
-        _fail(e)
     click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
 
 
@@ -137,11 +169,13 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
     (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
     """
-    try:
+    from embedscale import workflow
+
+    state: dict = {"run_dir": run_dir}
+    with _command(state):
         if nproc is not None:
             kwargs["cfg__dist__nproc"] = str(nproc)
-        cfg = resolve_config(config_path, overrides, kwargs)  # a bad config fails here, before torch is imported
-        from embedscale import workflow
+        cfg = resolve_config(config_path, overrides, kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             from embedscale.train.distributed import train_distributed
@@ -152,10 +186,9 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
         elif cfg.dist.nproc > 1:
             s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
         else:
-            rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
-            s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
-    except EmbedscaleError as e:
-        _fail(e)
+            rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            with RunLock(rd):  # one run per directory, for as long as it runs
+                s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
     click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
 
 
@@ -177,16 +210,18 @@ def kwargs_argv(argv: list[str]) -> list[str]:
 
 
 def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
+    """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
     from embedscale import workflow
     from embedscale.io import read_json
     from embedscale.plan.plan import Plan
-    from embedscale.train.launch import launch_torchrun
+    from embedscale.train.launch import launch_ranks
 
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
-    code = launch_torchrun(cfg.dist.nproc, args, max_restarts=max_restarts, env={"EMBEDSCALE_LAUNCHED": "1"})
+    with RunLock(rd):  # before anything is written there: a second run into rd fails here
+        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd)
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
     return read_json(rd / "summary.json", "run summary")
@@ -285,7 +320,8 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
     from embedscale.io import read_json
     from embedscale.specs import from_dict, set_dotted
 
-    try:
+    state: dict = {}
+    with _command(state):
         from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
 
         ck = resolve_checkpoint(checkpoint)
@@ -305,21 +341,20 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
         else:
-            rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
-            if nproc > 1:
-                from embedscale.train.launch import launch_torchrun
+            rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            with RunLock(rd):  # one run per directory, for as long as it runs
+                if nproc > 1:
+                    from embedscale.train.launch import launch_ranks
 
-                args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
-                        "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
-                        *(["--no-progress"] if no_progress else [])]
-                code = launch_torchrun(nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})
-                if code != 0:
-                    raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
-                out = read_json(rd / "inference.json", "inference result")
-            else:
-                out = infer_fn(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
-    except EmbedscaleError as e:
-        _fail(e)
+                    args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
+                            "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
+                            *(["--no-progress"] if no_progress else [])]
+                    code = launch_ranks(nproc, args, run_dir=rd)
+                    if code != 0:
+                        raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
+                    out = read_json(rd / "inference.json", "inference result")
+                else:
+                    out = infer_fn(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
     if as_json:
         click.echo(json.dumps(out))
     else:

@@ -22,6 +22,7 @@ from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json, atomic_write_text
 from embedscale.specs import RunConfig, TableSpec, dump_config, feature_to_table, to_dict
+from embedscale.train.lock import RunLock
 
 
 @dataclass
@@ -298,7 +299,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
               checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
               lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
     if any(tb.placement == "host" for tb in tables):
-        from embedscale.pipeline import pipelined_trainer
+        from embedscale.train.trainer import pipelined_trainer
 
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
@@ -347,16 +348,17 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     run_dir = new_run_dir(cfg)
     _log(f"run directory: {run_dir}")
-    data = prepare_data(cfg, progress=progress)
-    tables = tables_for(cfg, data.manifest)
-    prof = profile(data, run_dir / "profile", tables, progress=progress)
-    if cfg.dist.nproc > 1:
-        summary = _run_distributed(cfg, run_dir, data, tables, progress)
-    else:
-        summary = train(cfg, run_dir, data, resume=False, progress=progress)
-    summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
-    summary["wall_seconds"] = time.perf_counter() - t0
-    atomic_write_json(run_dir / "summary.json", summary)
+    with RunLock(run_dir):  # this process holds the run for as long as it runs (train.lock)
+        data = prepare_data(cfg, progress=progress)
+        tables = tables_for(cfg, data.manifest)
+        prof = profile(data, run_dir / "profile", tables, progress=progress)
+        if cfg.dist.nproc > 1:
+            summary = _run_distributed(cfg, run_dir, data, tables, progress)
+        else:
+            summary = train(cfg, run_dir, data, resume=False, progress=progress)
+        summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
+        summary["wall_seconds"] = time.perf_counter() - t0
+        atomic_write_json(run_dir / "summary.json", summary)
     return summary
 
 
@@ -365,7 +367,7 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     from embedscale.errors import EmbedscaleError
     from embedscale.io import read_json
     from embedscale.train.distributed import ensure_run_plan
-    from embedscale.train.launch import launch_torchrun
+    from embedscale.train.launch import launch_ranks
 
     towers = _dmt_towers(cfg, tables, run_dir)
     if towers is not None:  # DMT: the towers place the tables (tower groups), no plan
@@ -378,7 +380,7 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     config_path = run_dir / "config.yaml"
     args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
-    code = launch_torchrun(cfg.dist.nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})
+    code = launch_ranks(cfg.dist.nproc, args, run_dir=run_dir)
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
     return read_json(run_dir / "summary.json", "run summary")

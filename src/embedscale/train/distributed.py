@@ -58,6 +58,7 @@ from embedscale.train.loop import LoopConfig, fit
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
+from embedscale.train.lock import hold_run_dir
 
 READY, FAILED = ".ready", ".failed"
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
@@ -288,7 +289,7 @@ class DistributedRun:
             emb_cls, extra = PgasShardedEmbedding, {"max_batch_size": max_batch}
         self.embedding = emb_cls(self.tables, amap, self.transport, rank, design=d.design,
                                           optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
-                                          grad_sync=d.grad_sync, **extra,
+                                          grad_sync=d.grad_sync, **extra, validate=False,  # ShardLoader checked the ids
                                           sync_group=self.emb_group, seed=t.seed, device=self.device,
                                           init_index=[self.all_tables.index(tb) for tb in self.tables])
         self.tt_stats: dict[str, int] = {}
@@ -570,6 +571,8 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
     rd = shared_run_dir(cfg, run_dir)
     token = attempt_token(world)
     if rank == 0:
+        if not os.environ.get("EMBEDSCALE_LAUNCHED"):  # plain torchrun: rank 0 holds the run (train.lock)
+            hold_run_dir(rd)
         prepare_on_rank0(cfg, rd, progress, token)
     else:
         _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))

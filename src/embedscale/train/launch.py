@@ -3,21 +3,33 @@
 ``init_from_env`` reads the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) and joins the group with a timeout, so a rank that dies or hangs turns into an error on the
 others instead of a silent hang. ``spawn_local`` runs a function on N local processes (gloo) and returns
-what each rank returned, re-raising the first failure with the rank that failed named.
+what each rank returned, re-raising the first failure with the rank that failed named. ``launch_ranks``
+is the one launcher of every command that starts ranks: it runs torchrun, owns the ranks and ends all of
+them (and only then itself) on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
+import queue
+import signal
 import socket
+import subprocess
+import sys
+import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from embedscale.train.lock import Stopped
 
 
 def free_port() -> int:
@@ -87,14 +99,12 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
         p.start()
     out: dict[int, Any] = {}
     errors = []
-    import queue as _q
-
     deadline = timeout_s + 60
     waited = 0.0
     while len(out) + len(errors) < world_size:
         try:
             rank, status, value = results.get(timeout=1.0)
-        except _q.Empty:
+        except queue.Empty:
             waited += 1.0
             dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)
                     and i not in out and all(e[0] != i for e in errors)]
@@ -118,19 +128,170 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
     return [out[r] for r in range(world_size)]
 
 
-def launch_torchrun(nproc: int, module_args: list[str], *, max_restarts: int = 0, env: dict | None = None) -> int:
-    """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone).
 
-    torchrun supervises the ranks: a rank that dies ends the others and the launcher reports which rank
-    failed and how; with ``max_restarts`` it restarts the group, and the run resumes from its last
-    complete checkpoint. Returns torchrun's exit code.
+# ---------------------------------------------------------------------------------------------------------------
+# The launcher: one function starts the ranks of every command (train, infer, run) and owns them.
+# ---------------------------------------------------------------------------------------------------------------
+
+STOP_GRACE_S = 5.0  # after SIGTERM, how long ranks may take to finish (e.g. an atomic checkpoint write)
+KILL_WAIT_S = 3.0  # after SIGKILL, how long to wait for the processes to be gone
+
+
+def _proc_table() -> dict[int, tuple[int, int, str]]:
+    """``pid -> (ppid, session id, state)`` of every process we can see (Linux ``/proc``; empty elsewhere)."""
+    out = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        try:
+            out[int(name)] = (int(fields[1]), int(fields[3]), fields[0])
+        except (IndexError, ValueError):
+            continue
+    return out
+
+
+def run_processes(root: int, sessions: set[int]) -> set[int]:
+    """Live processes of a run: ``root``'s descendants and every process in one of ``sessions`` (torchrun
+    starts each rank in a session of its own, and a rank's helpers stay in it even when orphaned). Adds the
+    sessions of the processes found to ``sessions``. Zombies count as gone."""
+    table = _proc_table()
+    me = os.getpid()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, (_, sid, _) in table.items() if sid in sessions}
+    stack = [root, *found]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in found:
+                found.add(c)
+                stack.append(c)
+    if root in table:
+        found.add(root)
+    found = {p for p in found if p != me and table.get(p, (0, 0, "Z"))[2] not in ("Z", "X")}
+    sessions.update(table[p][1] for p in found if table[p][1] != me and table[p][1] != 0)
+    return found
+
+
+def _signal_all(pids: set[int], sessions: set[int], sig: int) -> None:
+    for sid in sessions:
+        with contextlib.suppress(OSError):
+            os.killpg(sid, sig)  # the session leader's group: the rank and whatever it started
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+
+
+def _wait_gone(root: int, sessions: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = run_processes(root, sessions)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
+def end_run_processes(proc: subprocess.Popen, sessions: set[int], grace_s: float = STOP_GRACE_S) -> int:
+    """End torchrun and all its ranks: SIGKILL torchrun (it only supervises; killed, it prints no
+    traceback of its own and restarts nothing), SIGTERM to the ranks and their helpers, up to ``grace_s``
+    for them to finish what they write (atomically) and exit, then SIGKILL whatever is left. Returns how
+    many processes it found."""
+    procs = run_processes(proc.pid, sessions)
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own group (start_new_session: pgid == its pid)
+    with contextlib.suppress(OSError):
+        proc.kill()
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=KILL_WAIT_S)
+    procs |= run_processes(proc.pid, sessions)
+    ranks = procs - {proc.pid}
+    _signal_all(ranks, sessions - {proc.pid}, signal.SIGTERM)
+    left = _wait_gone(proc.pid, sessions, grace_s)
+    if left:
+        _signal_all(left, sessions, signal.SIGKILL)
+        left = _wait_gone(proc.pid, sessions, KILL_WAIT_S)
+    if left:
+        print(f"embedscale: processes {sorted(left)} of the run did not end after SIGKILL", file=sys.stderr,
+              flush=True)
+    return len(procs)
+
+
+def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files ``io.atomic_open`` leaves when its writer is killed (``.NAME.XXXX.tmp``)
+    under ``run_dir``: only call it when every process of the run is gone (and the run's lock is held).
+    The final files are untouched: a write either renamed its temporary file into place or it never happened."""
+    removed = []
+    root = Path(run_dir)
+    if not root.is_dir():
+        return removed
+    for p in root.rglob(".*.tmp"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, env: dict | None = None,
+                 run_dir: str | os.PathLike | None = None) -> int:
+    """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone) and
+    own them; returns torchrun's exit code. Every command that starts ranks goes through here.
+
+    torchrun supervises the ranks: a rank that dies ends the others and torchrun reports which rank failed
+    and how; with ``max_restarts`` it restarts the group, and the run resumes from its last complete
+    checkpoint. torchrun runs in a session of its own (and starts each rank in one of its own), so a Ctrl-C
+    in the terminal reaches only this process; on SIGINT or SIGTERM this process ends every process of the
+    run (:func:`end_run_processes`: SIGTERM, ``STOP_GRACE_S`` for the ranks to finish atomic writes, then
+    SIGKILL), removes temporary files the killed ranks left in ``run_dir`` and raises :class:`Stopped`
+    (exit code 130 or 143). The ranks see ``EMBEDSCALE_LAUNCHED=1`` (this process holds the run's lock).
     """
-    import subprocess
-    import sys
-
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    full_env["EMBEDSCALE_LAUNCHED"] = "1"
     full_env.update(env or {})
-    return subprocess.call(cmd, env=full_env)
+    received: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    old = {}
+    if main:
+        old = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if received:
+            raise Stopped(received[0], "no rank was started")
+        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True)
+        sessions = {proc.pid}
+        while True:
+            try:
+                code = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if received:
+                n = end_run_processes(proc, sessions)
+                removed = remove_orphan_temps(run_dir) if run_dir is not None else []
+                where = f"; {run_dir} keeps its last complete checkpoint" if run_dir is not None else ""
+                raise Stopped(received[0], f"ended the run's {n} process(es){where}"
+                              + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
+            run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
+        left = run_processes(proc.pid, sessions)
+        if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
+            _signal_all(left, sessions, signal.SIGKILL)
+            _wait_gone(proc.pid, sessions, KILL_WAIT_S)
+        return code
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+launch_torchrun = launch_ranks  # the former name

@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from embedscale.data.loader import ShardLoader
 from embedscale.embedding.mixed import MixedEmbedding
-from embedscale.errors import FormatError
+from embedscale.errors import ConfigError, FormatError
 from embedscale.pipeline.embedding import PipelinedEmbedding
+from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
                                         write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
@@ -219,3 +220,22 @@ class Trainer:
         summary = fit(self, self.loop, title=title, ceiling_auc=ceiling_auc, extra=extra)
         self.rows = MetricsLog(self.run_dir).read()
         return summary
+
+
+def pipelined_trainer(model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader, eval_loader,
+                      run_dir: str | Path, *, pipeline_depth: int = 2, use_cache: bool = True, **kwargs):
+    """The single-process run (:class:`Trainer`, a ``train.run.Run``), pipelined
+    (EL-Rec section V).
+
+    Same arguments as ``Trainer`` plus ``pipeline_depth`` and ``use_cache``; ``model.sparse_arch.embedding``
+    must be a :class:`~embedscale.pipeline.PipelinedEmbedding`. Returns a ``Trainer`` whose training loader is a
+    :class:`~embedscale.pipeline.PipelinedLoader`; the one loop (``train.loop.fit``) drives it: metrics, evaluation, checkpoints and
+    exact resume are every run's, and a checkpoint holds the host tables (rank file ``host``:
+    ``<table>.weight``) as sequential training would have them at that step.
+    """
+    emb = getattr(getattr(model, "sparse_arch", None), "embedding", None)
+    if not isinstance(emb, PipelinedEmbedding):
+        raise ConfigError("pipelined_trainer: model.sparse_arch.embedding must be a PipelinedEmbedding, got "
+                          f"{type(emb).__name__}")
+    loader = PipelinedLoader(train_loader, emb, pipeline_depth, use_cache=use_cache)
+    return Trainer(model, dense_optimizer, loader, eval_loader, run_dir, **kwargs)
