@@ -8,6 +8,7 @@ anything else; flags override the file, the file overrides the defaults.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -102,7 +103,31 @@ def _command(state: dict):
         raise
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def _os_message(e: OSError) -> str:
+    """``<path>: <strerror>`` (both paths of a rename), or the error's own text when it names no file."""
+    if e.filename is None:
+        return str(e)
+    where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else f"{e.filename}"
+    return f"{where}: {e.strerror or e}"
+
+
+class _Commands(click.Group):
+    """The command group: every command's ``EmbedscaleError`` and ``OSError`` (a read-only ``--out``, a full
+    disk) ends as ``error: <message>`` on stderr and exit code 2, never a traceback. Writers are atomic
+    (``io.atomic_open``), so nothing half-written is left behind."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except EmbedscaleError as e:
+            _fail(e)
+        except OSError as e:
+            if e.errno == errno.EPIPE:  # stdout closed by the reader (| head): click's own handling
+                raise
+            _fail(_os_message(e))
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="embedscale")
 def main() -> None:
     """embedscale: train and serve recommendation models with large, skewed embedding tables."""
@@ -188,8 +213,11 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
     """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
     from embedscale import workflow
     from embedscale.io import read_json
+    from embedscale.plan.plan import Plan
     from embedscale.train.launch import launch_ranks
 
+    if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
+        Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     with RunLock(rd):  # before anything is written there: a second run into rd fails here
@@ -203,11 +231,15 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
               help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
+@click.option("--split", "split_name", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
+              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw).")
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
-def evaluate(checkpoint, data_dir, batch_size, as_json):
+def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     """Evaluate a checkpoint (a run's checkpoints/step-N, or a run directory: its latest) of any world size in one
-    process: exact logloss and AUC."""
+    process: exact logloss and AUC on the run's eval split (``--split train``: its training split; ``--data``:
+    another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
+    ``--split train`` or ``--data`` says what to score."""
     import yaml
 
     import torch
@@ -227,7 +259,11 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
             split = data.train
         else:
             data = workflow.prepare_data(cfg)
-            split = data.eval or data.train
+            split = data.eval if split_name == "eval" else data.train
+            if split is None:
+                raise EmbedscaleError(f"{ck}: the run has no eval split (data.eval_fraction "
+                                      f"{cfg.data.eval_fraction}, data.eval_samples {cfg.data.eval_samples}); "
+                                      "pass --split train to score its training data, or --data DIR")
         device = torch.device(cfg.train.device)
         assignment = None
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's

@@ -13,22 +13,39 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
+from embedscale.errors import FormatError
+
+
+def _umask() -> int:
+    """The process's umask (read by setting and restoring it: the only portable way)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside ``path``; on success rename it onto ``path``, on error remove it."""
+    """Open a temporary file beside ``path``; on success rename it onto ``path``, on error remove it.
+
+    The file gets the mode ``open`` would give it (0666 minus the umask), not mkstemp's 0600. An ``OSError``
+    without a file name (a full disk: ENOSPC, EFBIG) is raised again naming ``path``, so the CLI can say
+    ``error: <path>: <strerror>``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
 
 
@@ -51,12 +68,17 @@ def atomic_save_npy(path: str | os.PathLike, array) -> None:
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
     """Read JSON with an error that names the file."""
-    from embedscale.errors import FormatError
-
     path = Path(path)
     if not path.exists():
         raise FormatError(f"{what} not found: {path}")
+    raw = path.read_bytes()
     try:
-        return json.loads(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise FormatError(f"{path}:{line}: {what} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start})") \
+            from None
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None

@@ -8,6 +8,7 @@ default. The CLI turns every leaf field into a flag (``--train-lr-dense``) that 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -332,9 +333,87 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
         )
     kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except TypeError as e:
         raise ConfigError(f"{path or cls.__name__}: {e}") from None
+    validate(obj, path)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# value checks: enumerated names and numbers, when the config is loaded (a single-process run too)
+
+# The names the code accepts (the modules that implement them check again; these lists must match them:
+# embedding.grad_sync.METHODS + alltoall, embedding.optim.OPTIMIZERS, models.ALL_ARCHS, workflow.prepare_data).
+CHOICES: dict[type, dict[str, tuple[str, ...]]] = {}  # filled below, once the classes exist
+# float fields: (lowest allowed, whether the lowest itself is allowed, highest (exclusive) or None)
+NUMBERS: dict[type, dict[str, tuple[float, bool, float | None]]] = {}
+
+
+def validate(obj: Any, path: str = "") -> None:
+    """Check ``obj``'s enumerated names and numbers (``CHOICES``/``NUMBERS``) and, for a ``TrainConfig``, that
+    ``train.device`` exists here; a ``ConfigError`` names the key (``train.lr_dense``) and the value."""
+    where = f"{path}." if path else ""
+    for key, allowed in CHOICES.get(type(obj), {}).items():
+        v = getattr(obj, key)
+        if v not in allowed:
+            raise ConfigError(f"{where}{key}: {v!r} is not one of {', '.join(allowed)}")
+    for key, (low, low_ok, high) in NUMBERS.get(type(obj), {}).items():
+        v = getattr(obj, key)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        bad = not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v >= high)
+        if bad:
+            rng = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high is not None else "")
+            raise ConfigError(f"{where}{key}: {v!r} is not a finite number {rng}")
+    if isinstance(obj, TrainConfig):
+        check_device(obj.device, f"{where}device")
+
+
+def check_device(name: str, key: str = "train.device") -> None:
+    """``name`` parses as a torch device and exists on this machine (device-agnostic: the type's accelerator
+    API or its torch module says how many there are); else a ``ConfigError`` naming ``key`` and what exists."""
+    if name == "cpu":  # the default: no torch import for it
+        return
+    # torch is imported here, not at the top: the planner imports specs and must stay torch-free (issue 13 part 1)
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"{key}: {name!r} is not a device ({e})") from None
+    if dev.type in ("cpu", "meta"):
+        return
+    mod = getattr(torch, dev.type, None)
+    count = 0
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available() and acc.current_accelerator().type == dev.type:
+        count = acc.device_count()
+    elif mod is not None and hasattr(mod, "device_count"):
+        count = mod.device_count() if getattr(mod, "is_available", lambda: True)() else 0
+    if count == 0 or (dev.index is not None and dev.index >= count):
+        acc_dev = acc.current_accelerator() if acc is not None and acc.is_available() else None
+        have = ["cpu"] + ([f"{acc_dev.type}:{i}" for i in range(acc.device_count())] if acc_dev is not None else [])
+        raise ConfigError(f"{key}: {name!r} is not on this machine (devices here: {', '.join(have)})")
+
+
+CHOICES.update({
+    DataConfig: {"source": ("synthetic", "criteo", "avazu", "shards"), "categorical": ("hash", "vocab")},
+    ModelConfig: {"arch": ("dlrm", "dcn", "dmt-dlrm", "dmt-dcn"), "pooling": POOLINGS},
+    TrainConfig: {"dense_optimizer": ("sgd", "adagrad", "adam"), "sparse_optimizer": ("sgd", "rowwise_adagrad"),
+                  "pipeline_server": ("per-rank", "shared")},
+    DistConfig: {"mode": ("training", "inference"), "design": ("retrieve", "send"),
+                 "transport": ("collective", "pgas"),
+                 "grad_sync": ("local_aggregated", "dense", "allgather", "alltoall")},
+})
+NUMBERS.update({
+    DataConfig: {"eval_fraction": (0.0, True, 1.0)},
+    SyntheticConfig: {"alpha": (0.0, True, None)},
+    TrainConfig: {"lr_dense": (0.0, True, None), "lr_sparse": (0.0, True, None), "lr_tt": (0.0, True, None)},
+    DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
+    Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
+                                              "inter_host_latency_us", "local_bw", "allreduce_bw")},
+})
 
 
 def to_dict(obj: Any) -> Any:

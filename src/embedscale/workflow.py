@@ -21,7 +21,7 @@ from embedscale.data.loader import ShardLoader
 from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json, atomic_write_text
-from embedscale.specs import RunConfig, TableSpec, dump_config, to_dict
+from embedscale.specs import RunConfig, TableSpec, dump_config, feature_to_table, to_dict
 from embedscale.train.lock import RunLock
 
 
@@ -156,6 +156,10 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     if not cfg.model.tables:
         return [placed(TableSpec(name=f"t_{s.name}", num_rows=s.num_rows, dim=cfg.model.embedding_dim,
                                  features=[s.name], pooling=cfg.model.pooling)) for s in manifest.sparse]
+    try:
+        feature_to_table(cfg.model.tables)  # a feature read by two tables, named with both
+    except ConfigError as e:
+        raise ConfigError(f"model.tables: {e}") from None
     seen = set()
     for t in cfg.model.tables:
         for f in t.features:

@@ -464,13 +464,17 @@ class AccessProfile:
         if d.get("version") != VERSION:
             raise FormatError(f"{path}: access profile version {d.get('version')} is not {VERSION}")
         tables = {}
-        for e in d["tables"]:
+        entries = d.get("tables")
+        if not isinstance(entries, list) or not all(isinstance(e, dict) and {"name", "file", "num_rows", "dtype"}
+                                                    <= set(e) for e in entries) or "samples" not in d:
+            raise FormatError(f"{path}: 'samples' or a table entry (name, file, num_rows, dtype) is missing")
+        for e in entries:
             f = directory / e["file"]
             if not f.exists():
                 raise FormatError(f"{path}: table {e['name']!r}: file {e['file']} is missing")
             try:
                 a = np.load(f, mmap_mode="r" if mmap else None, allow_pickle=False)
-            except ValueError as err:
+            except (ValueError, OSError, EOFError) as err:  # a truncated .npy: ValueError or EOFError
                 raise FormatError(f"{f}: not a readable .npy count array ({err})") from None
             if a.shape != (e["num_rows"],) or str(a.dtype) != e["dtype"]:
                 raise FormatError(f"{f}: table {e['name']!r} holds {a.dtype}{list(a.shape)}, the manifest says "

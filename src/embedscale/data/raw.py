@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -58,6 +59,17 @@ class LineBlock:
     num_lines: int
 
 
+def _gzip_error(path: Path, line_no: int, e: Exception) -> InputError:
+    """A damaged ``.gz`` input as an ``InputError`` naming the file and the last whole line block read before."""
+    if isinstance(e, EOFError):
+        why = "truncated gzip file (the compressed stream ends early)"
+    elif isinstance(e, gzip.BadGzipFile):
+        why = f"not a gzip file, though named .gz ({e})"
+    else:
+        why = f"damaged gzip data ({e})"
+    return InputError(f"{path}: {why}" + (f", after line {line_no - 1}" if line_no > 1 else ""))
+
+
 def _open_raw(path: Path):
     raw = open(path, "rb")
     if path.suffix == ".gz":
@@ -86,7 +98,10 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, he
         line_no = 1
         carry = b""
         if header:
-            head = f.readline()
+            try:
+                head = f.readline()
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                raise _gzip_error(path, line_no, e) from None
             if not head:
                 raise InputError(f"{path}: empty file, expected a header line")
             yield head
@@ -104,7 +119,10 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, he
             if reuse:
                 ring.append(buf)
             buf[:len(carry)] = carry
-            got = f.readinto(memoryview(buf)[len(carry):])
+            try:
+                got = f.readinto(memoryview(buf)[len(carry):])
+            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+                raise _gzip_error(path, line_no, e) from None
             if on_progress is not None:
                 now = raw.tell()
                 on_progress(now - pos)

@@ -88,10 +88,36 @@ class Manifest:
             raise FormatError(f"{path}: manifest version {d.get('version')} is not {VERSION}")
         m = cls(d["dense_names"], [SparseFeatureInfo(**s) for s in d["sparse"]], d["shards"], d.get("extra", {}))
         for s in m.shards:
-            f = Path(directory) / s["file"]
-            if not f.exists():
-                raise FormatError(f"{path}: shard {s['file']} is listed but missing")
+            check_shard(path, Path(directory) / s["file"], s.get("rows"), m)
         return m
+
+
+def check_shard(manifest_path: Path, shard: Path, rows: Any, m: Manifest) -> None:
+    """A shard agrees with its manifest entry: it exists, is an Arrow IPC file with every column the manifest
+    lists (of the listed type) and exactly the listed rows. Cheap: the file's footer and batch headers only
+    (memory-mapped), no column is read. Else a ``FormatError`` naming the manifest, the shard and the column
+    or both row counts."""
+    name = shard.name
+    if not shard.exists():
+        raise FormatError(f"{manifest_path}: shard {name} is listed but missing")
+    try:
+        with pa.memory_map(str(shard), "r") as source:
+            reader = ipc.open_file(source)
+            schema = reader.schema
+            n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+    except (pa.ArrowInvalid, OSError) as e:
+        raise FormatError(f"{shard}: not a readable Arrow shard ({e})") from None
+    want = arrow_schema(m.num_dense, m.sparse)
+    for f in want:
+        i = schema.get_field_index(f.name)
+        if i < 0:
+            raise FormatError(f"{manifest_path}: lists column {f.name!r}, which shard {shard} lacks "
+                              f"(it has {', '.join(schema.names)})")
+        if schema.field(i).type != f.type:
+            raise FormatError(f"{manifest_path}: column {f.name!r} is {f.type} but {schema.field(i).type} in "
+                              f"shard {shard}")
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows != n:
+        raise FormatError(f"{manifest_path}: shard {name} is listed with {rows!r} rows but {shard} holds {n}")
 
 
 def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo]) -> pa.Schema:
@@ -155,9 +181,15 @@ class ShardWriter:
         name = f"shard-{len(self.manifest.shards):05d}.arrow"
         tmp = self.dir / f".{name}.tmp"
         table = pa.Table.from_batches(self._pending, schema=self.schema).combine_chunks()
-        with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, self.schema) as w:
-            w.write_table(table, max_chunksize=max(1, table.num_rows))
-        os.replace(tmp, self.dir / name)
+        try:
+            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, self.schema) as w:
+                w.write_table(table, max_chunksize=max(1, table.num_rows))
+            os.replace(tmp, self.dir / name)
+        except OSError as e:  # Arrow's errors name no file: say which one (a full disk, a read-only directory)
+            tmp.unlink(missing_ok=True)
+            if e.filename is not None or e.errno is None:
+                raise
+            raise OSError(e.errno, os.strerror(e.errno), str(self.dir / name)) from e
         positives = int(np.asarray(table.column("label").to_numpy()).sum())
         self.manifest.shards.append({"file": name, "rows": table.num_rows, "positives": positives})
         self._pending, self._pending_rows = [], 0

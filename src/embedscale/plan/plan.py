@@ -22,6 +22,7 @@ Files: a directory with ``plan.json`` (tables, metadata, array shapes), ``partit
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
@@ -534,10 +535,13 @@ class Plan:
                 raise FormatError(f"plan file not found: {path / name}")
         try:
             order = np.load(path / ORDER_NPY, allow_pickle=False, mmap_mode="r" if mmap else None)
+        except (ValueError, OSError, EOFError) as e:
+            raise FormatError(f"{path / ORDER_NPY}: plan array unreadable ({e})") from None
+        try:
             with np.load(path / PARTS_NPZ, allow_pickle=False) as z:
                 arrays = {k: z[k] for k in z.files}
-        except (ValueError, OSError, EOFError) as e:
-            raise FormatError(f"{path}: plan arrays unreadable ({e})") from None
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:  # a truncated .npz: BadZipFile
+            raise FormatError(f"{path / PARTS_NPZ}: plan arrays unreadable ({type(e).__name__}: {e})") from None
         if order.shape != (olen,) or order.dtype != odt:
             raise FormatError(f"{path / ORDER_NPY}: shape {order.shape} dtype {order.dtype}, plan.json says ({olen},) {odt}")
         need = {"part_table": (nparts,), "part_start": (nparts,), "part_stop": (nparts,), "owner": (nparts,),

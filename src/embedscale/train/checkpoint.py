@@ -26,6 +26,7 @@ model; ``dmt``: tower model), the row-stored tables and their rows, the optimize
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -192,9 +193,26 @@ def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
     """This rank's part, written atomically (a temporary file renamed)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / rank_file(rank)
-    with atomic_open(path, "wb") as f:
-        torch.save(payload, f)
+    try:
+        with atomic_open(path, "wb") as f:
+            torch.save(payload, f)
+    except RuntimeError as e:  # torch's zip writer wraps a failed write (a full disk) in a RuntimeError
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        raise OSError(cause.errno, os.strerror(cause.errno), str(path)) from e
     return path
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The ``OSError`` with an errno behind ``e`` (its cause or context chain), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def write_manifest(ckpt_dir: Path, world: int, fields: dict) -> Path:
