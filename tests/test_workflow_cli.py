@@ -119,6 +119,11 @@ def test_saved_plan_forms_are_what_training_builds(planned):
     with pytest.raises(ConfigError, match=r"asks for host but plan p made it tt"):
         run_tables(host, m, plan, "p")
     assert workflow.tables_for(cfg, m)[0].compression == "none"  # the config alone asks for nothing
+    wide = from_dict(RunConfig, {"data": {"source": "shards", "path": str(planned / "d")},
+                                 "model": {"embedding_dim": 32}})
+    with pytest.raises(ConfigError, match=r"table 't_C\d+': plan p placed \d+ rows of dim 16, the model has \d+ rows "
+                                          r"of dim 32"):
+        run_tables(wide, m, plan, "p")
 
 
 def test_decide_forms_requests():

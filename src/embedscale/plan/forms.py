@@ -272,6 +272,18 @@ def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableF
     return out
 
 
+def check_plan_sizes(plan, tables: Sequence[TableSpec], plan_name: str) -> None:
+    """The rows and dim of every table ``plan`` places must be the model's (``embedscale plan --dim`` against
+    ``model.embedding_dim``, a profile of other data): else a ``ConfigError`` naming table, plan and both."""
+    mine = {t.name: t for t in tables}
+    for p in plan.tables:
+        t = mine.get(p.name)
+        if t is not None and (int(p.num_rows), int(p.dim)) != (int(t.num_rows), int(t.dim)):
+            raise ConfigError(f"table {p.name!r}: plan {plan_name} placed {p.num_rows} rows of dim {p.dim}, the model "
+                              f"has {t.num_rows} rows of dim {t.dim}; re-plan (embedscale plan --dim {t.dim}) or match "
+                              "the model to the plan")
+
+
 # -- TT size arithmetic (EL-Rec section III-A) --------------------------------------------------------------
 
 def factor_rows(num_rows: int, num_cores: int = 3) -> list[int]:

@@ -43,7 +43,7 @@ from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
-from embedscale.plan.forms import forms_for_run, forms_of, replicated_tables_meta, with_forms
+from embedscale.plan.forms import check_plan_sizes, forms_for_run, forms_of, replicated_tables_meta, with_forms
 from embedscale.specs import RunConfig, dump_config
 
 READY, FAILED = ".ready", ".failed"
@@ -126,6 +126,7 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
         plan = Plan.load(d.plan)
         if plan.world_size != world:
             raise ConfigError(f"plan {d.plan} is for {plan.world_size} ranks, this run has {world}")
+        check_plan_sizes(plan, tables, d.plan)
         tables = with_forms(tables, forms_for_run(plan.forms, forms_of(tables), d.plan))
     if not planned_tables(tables):
         raise ConfigError("several ranks need at least one table with placement: device and no compression to "
@@ -155,6 +156,7 @@ def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> list:
     from embedscale import workflow
 
     tables = workflow.tables_for(cfg, manifest)
+    check_plan_sizes(plan, tables, str(plan_name))
     return with_forms(tables, forms_for_run(plan.forms, forms_of(tables), str(plan_name)))
 
 
