@@ -33,6 +33,7 @@ from embedscale.embedding.compression import replica_grad_sync
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.mixed import MixedEmbedding
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError
 from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
@@ -131,8 +132,6 @@ def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Modu
     opt = None if env.inference else env.optimizer
     cls, extra = ShardedEmbedding, {}
     if env.pgas:
-        from embedscale.embedding.pgas_lookup import PgasShardedEmbedding  # the PGAS transport's module (optional)
-
         cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
     module: nn.Module = cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
                             optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra,
