@@ -14,7 +14,7 @@ import torch
 
 from embedscale import workflow
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
-from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
+from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.launch import spawn_local
 
 from test_distributed_train import ROWS, STEPS, make_data
@@ -53,11 +53,10 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     # reference: one process, all four tables plain device tables
     rd = tmp_path / "single"
     workflow.train(config(tmp_path, data_dir, host=False), rd, resume=False, progress=False)
-    ck = load_checkpoint(latest_checkpoint(rd / "checkpoints"))
-    ref_losses = ck["extra"]["losses"]
-    ref = {f"t_C{i + 1}": ck["model"][f"sparse_arch.embedding.local.t_C{i + 1}.weight"] for i in range(len(ROWS))
-           if i not in TT}
-    ref_dense = {k: v for k, v in ck["model"].items() if not k.startswith("sparse_arch.embedding.")}
+    ck = load_checkpoint(rd)
+    ref_losses = ck["losses"]
+    ref = {f"t_C{i + 1}": ck["tables"][f"t_C{i + 1}"]["weight"] for i in range(len(ROWS)) if i not in TT}
+    ref_dense = ck["dense"]
 
     # two ranks: three steps with one shared server at depth 3, then resumed with per-rank servers at depth 2
     first = config(tmp_path, data_dir, host=True, depth=3, server="shared", steps=3)
@@ -66,21 +65,10 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     second = config(tmp_path, data_dir, host=True, depth=2, server="per-rank")
     spawn_local(_rank, 2, to_dict(second), str(tmp_path / "b"), str(mid), timeout_s=120)
 
-    got, losses, dense = {}, None, None
-    last = sorted((tmp_path / "b" / "checkpoints").iterdir())[-1]
-    sharded = [f"t_C{i + 1}" for i in range(len(ROWS)) if i not in HOST and i not in TT]
-    tt = None
-    base = np.cumsum([0] + [ROWS[int(n[3:]) - 1] for n in sharded])
-    full = torch.empty(int(base[-1]), 4)
-    for f in sorted(last.glob("rank-*.pt")):
-        sh = torch.load(f, weights_only=True)
-        full[sh["embedding"]["gids"]] = sh["embedding"]["weight"]
-        if sh["rank"] == 0:
-            losses, dense = sh["losses"], sh["dense"]
-            got.update({k[:-len(".weight")]: v for k, v in sh["host"].items() if k.endswith(".weight")})
-            tt = sh["tt"]
-    for j, name in enumerate(sharded):
-        got[name] = full[base[j]:base[j + 1]]
+    last = load_checkpoint(tmp_path / "b")
+    losses, dense, tt = last["losses"], last["dense"], last["tt"]
+    got = {name: e["weight"] for name, e in last["tables"].items()}
+    got.update({k[:-len(".weight")]: v for k, v in last["host"].items() if k.endswith(".weight")})
     assert sorted(got) == sorted(ref)
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
@@ -90,8 +78,7 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     init = torch.empty(ROWS[0], 4)
     workflow.hash_init(0, specs)(specs[0], init)
     assert not torch.allclose(got["t_C1"], init, atol=1e-3)  # the host table did train
-    ref_tt = {k[len("sparse_arch.embedding.tt."):]: v for k, v in ck["model"].items()
-              if k.startswith("sparse_arch.embedding.tt.")}
+    ref_tt = ck["tt"]
     assert ref_tt and sorted(tt) == sorted(ref_tt)
     for k, v in ref_tt.items():
         torch.testing.assert_close(tt[k], v, rtol=0, atol=1e-5, msg=lambda m: f"TT {k}: {m}")

@@ -17,7 +17,7 @@ from embedscale import workflow
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
-from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
+from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.launch import spawn_local
 
 ROWS = [30, 9, 120, 5]
@@ -76,10 +76,15 @@ def single_process(tmp_path, data_dir, optimizer):
     cfg = config(tmp_path, data_dir, optimizer)
     rd = tmp_path / f"single-{optimizer}"
     workflow.train(cfg, rd, resume=False, progress=False)
-    ck = load_checkpoint(latest_checkpoint(rd / "checkpoints"))
-    weights = torch.cat([ck["model"][f"sparse_arch.embedding.t_C{i + 1}.weight"] for i in range(len(ROWS))])
-    dense = {k: v for k, v in ck["model"].items() if not k.startswith("sparse_arch.embedding.")}
-    return ck["extra"]["losses"], weights, dense
+    return checkpoint_state(rd)
+
+
+def checkpoint_state(path):
+    """Losses, the tables stacked in order ``[sum(ROWS), 4]`` and the dense state of a checkpoint (or run
+    directory) of any world size."""
+    ck = load_checkpoint(path)
+    weights = torch.cat([ck["tables"][f"t_C{i + 1}"]["weight"] for i in range(len(ROWS))])
+    return ck["losses"], weights, ck["dense"]
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
@@ -92,18 +97,8 @@ def _rank(rank, world, cfg_dict, run_dir, resume_from):
 
 def distributed(cfg, run_dir, world, resume_from=None):
     spawn_local(_rank, world, to_dict(cfg), str(run_dir), resume_from, timeout_s=120)
-    ck = sorted((run_dir / "checkpoints").iterdir())[-1]
-    gids, w = [], []
-    dense = None
-    for f in sorted(ck.glob("rank-*.pt")):
-        sh = torch.load(f, weights_only=True)
-        gids.append(sh["embedding"]["gids"])
-        w.append(sh["embedding"]["weight"])
-        if sh["rank"] == 0:
-            dense, losses = sh["dense"], sh["losses"]
-    full = torch.empty(sum(ROWS), 4)
-    full[torch.cat(gids)] = torch.cat(w)
-    return losses, full, dense
+    assert load_checkpoint(run_dir)["manifest"]["world_size"] == world
+    return checkpoint_state(run_dir)
 
 
 @pytest.fixture(scope="module")

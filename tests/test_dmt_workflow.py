@@ -31,6 +31,7 @@ from embedscale.errors import ConfigError
 from embedscale.specs import RunConfig, from_dict, to_dict
 from embedscale.towers.partitioner import TowerAssignment
 from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
+from embedscale.train.trainer import load_model_state
 from embedscale.train.launch import spawn_local
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -75,30 +76,16 @@ def data_dir(tmp_path_factory):
 
 def single_process(cfg: RunConfig, run_dir: Path) -> dict:
     summary = workflow.train(cfg, run_dir, resume=True, progress=False)
-    ck = load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))
-    prefix = "sparse_arch.embedding."
-    return {"losses": ck["extra"]["losses"], "summary": summary,
-            "tables": {f"t_{f}": ck["model"][f"{prefix}t_{f}.weight"] for f in FEATURES},
-            "momentum": {f"t_{f}": ck["model"][f"{prefix}t_{f}.momentum"] for f in FEATURES},
-            "dense": {k: v for k, v in ck["model"].items() if not k.startswith(prefix)}}
+    return {**sharded(latest_checkpoint(run_dir)), "summary": summary}
 
 
 def sharded(ckpt_dir: Path) -> dict:
-    """Losses, whole tables (assembled from the row ranges of every shard) and dense state of a DMT checkpoint."""
-    tables = {f"t_{f}": torch.full((r, 4), float("nan")) for f, r in zip(FEATURES, ROWS)}
-    momentum = {f"t_{f}": torch.full((r,), float("nan")) for f, r in zip(FEATURES, ROWS)}
-    dense, losses = {}, None
-    for f in sorted(ckpt_dir.glob("rank-*.pt")):
-        sh = torch.load(f, weights_only=True)
-        for name, e in sh["tables"].items():
-            tables[name][e["lo"]:e["hi"]] = e["weight"]
-            momentum[name][e["lo"]:e["hi"]] = e["momentum"]
-        dense.update(sh["dense"])
-        if sh["rank"] == 0:
-            losses = sh["losses"]
-    for name, w in tables.items():
-        assert not torch.isnan(w).any(), f"{ckpt_dir}: rows of {name} missing"
-    return {"losses": losses, "tables": tables, "momentum": momentum, "dense": dense}
+    """Losses, whole tables (assembled from the rows of every rank file) and dense state of a DMT checkpoint of any
+    world size (one process included)."""
+    ck = load_checkpoint(ckpt_dir)
+    assert ck["manifest"]["kind"] == "dmt"
+    return {"losses": ck["losses"], "tables": {n: e["weight"] for n, e in ck["tables"].items()},
+            "momentum": {n: e["momentum"] for n, e in ck["tables"].items()}, "dense": ck["dense"]}
 
 
 def assert_matches(got: dict, ref: dict, atol: float, what: str) -> None:
@@ -181,18 +168,20 @@ def test_single_process_dmt_dcn_resumes_exactly_and_keeps_its_towers(tmp_path, d
     cfg = config(tmp_path, data_dir, model__arch="dmt-dcn", model__tower_cross_layers=1)
     a = tmp_path / "a"
     workflow.train(cfg, a, resume=False, progress=False)
-    ck_a = load_checkpoint(latest_checkpoint(a / "checkpoints"))
-    model_keys = [k for k in ck_a["model"] if k.startswith("sparse_arch.towers.")]
+    ck_a = load_checkpoint(a)
+    model_keys = [k for k in ck_a["dense"] if k.startswith("sparse_arch.towers.")]
     assert any("cross" in k for k in model_keys), model_keys  # the DCN tower module (Listing 2) is there
     b = tmp_path / "b"
     (b / "checkpoints").mkdir(parents=True)
-    shutil.copy(a / "checkpoints" / "step-00000003.pt", b / "checkpoints")
+    shutil.copytree(a / "checkpoints" / "step-00000003", b / "checkpoints" / "step-00000003")
     shutil.copy(a / "towers.json", b)
     workflow.train(cfg, b, resume=True, progress=False)
-    ck_b = load_checkpoint(latest_checkpoint(b / "checkpoints"))
-    assert ck_b["extra"]["losses"] == ck_a["extra"]["losses"]
-    for k, v in ck_a["model"].items():
-        assert torch.equal(ck_b["model"][k], v), k
+    ck_b = load_checkpoint(b)
+    assert ck_b["losses"] == ck_a["losses"]
+    for k, v in ck_a["dense"].items():
+        assert torch.equal(ck_b["dense"][k], v), k
+    for n, e in ck_a["tables"].items():
+        assert all(torch.equal(ck_b["tables"][n][k], v) for k, v in e.items()), n
     # resuming this run directory under other towers is refused
     other = tmp_path / "other.json"
     TowerAssignment([["C1", "C2"], ["C3", "C4"]]).save(other)
@@ -238,12 +227,12 @@ def test_infer_serves_a_single_process_dmt_dlrm_checkpoint_on_1_and_2_ranks(tmp_
     cfg = config(tmp_path, data_dir)
     run = tmp_path / "single"
     summary = workflow.train(cfg, run, resume=False, progress=False)
-    ck_path = latest_checkpoint(run / "checkpoints")
+    ck_path = latest_checkpoint(run)
     # the reference: the checkpoint loaded into the single-process model (all towers in one process)
     data = workflow.prepare_data(cfg, progress=False)
     model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
                               torch.device(cfg.train.device), assignment=TowerAssignment.load(run / "towers.json"))
-    model.load_state_dict(load_checkpoint(ck_path)["model"])
+    load_model_state(model, ck_path)
     model.eval()
     ev = data.eval
     with torch.no_grad():
@@ -257,11 +246,9 @@ def test_infer_serves_a_single_process_dmt_dlrm_checkpoint_on_1_and_2_ranks(tmp_
         assert abs(out["logloss"] - summary["eval_logloss"]) < 1e-5, (nproc, out, summary)
         pred = np.load(tmp_path / f"served{nproc}" / "predictions.npy")
         np.testing.assert_allclose(pred, want, rtol=0, atol=1e-6, err_msg=f"{nproc} rank(s)")
-    # a checkpoint file away from its run (no towers.json beside it): the config's naive towers, one per host
-    # of the trained topology (2), not of the serving one
-    alone = tmp_path / "alone" / "step.pt"
-    alone.parent.mkdir()
-    shutil.copy(ck_path, alone)
+    # a checkpoint away from its run (no towers.json beside it): its manifest's towers
+    alone = tmp_path / "alone" / "step"
+    shutil.copytree(ck_path, alone)
     out = cli_infer(alone, tmp_path / "served-alone", 1)
     assert out["towers"] == [["C1", "C3"], ["C2", "C4"]] and abs(out["auc"] - summary["eval_auc"]) < 1e-6
 
@@ -355,7 +342,7 @@ def test_towers_command_learns_planted_groups_and_training_accepts_them(tmp_path
     report = json.loads(out.with_suffix(".report.json").read_text())
     assert np.asarray(report["interaction"]).shape == (8, 8) and report["features"] == data.feature_names
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
-    assert learned.meta["checkpoint"].endswith(".pt") and learned.meta["samples"] == 4096
+    assert Path(learned.meta["checkpoint"]).name.startswith("step-") and learned.meta["samples"] == 4096
 
     # training reads the file: a DMT run on one host with the learned towers (their count from the file)
     r = CliRunner().invoke(main, ["train", "--data-source", "shards", "--data-path", str(tmp_path / "planted"),
@@ -367,30 +354,25 @@ def test_towers_command_learns_planted_groups_and_training_accepts_them(tmp_path
     assert TowerAssignment.load(tmp_path / "dmt" / "towers.json").towers == learned.towers
 
 
-def test_towers_reads_sharded_checkpoints_of_planned_and_dmt_runs(tmp_path):
-    """Whole tables rebuilt from the two sharded formats (rows by global id; row ranges per table)."""
+def test_towers_reads_checkpoints_of_any_world_size(tmp_path):
+    """Whole tables rebuilt from the rows (by table and row id) of every rank file, whatever rank holds which."""
     from embedscale.specs import TableSpec
     from embedscale.towers.command import load_table_weights
+    from embedscale.train.checkpoint import write_manifest, write_rank_file
 
     tables = [TableSpec("a", 5, 3), TableSpec("b", 7, 3, features=["b1", "b2"])]
     g = torch.Generator().manual_seed(0)
     full = {t.name: torch.randn(t.num_rows, 3, generator=g) for t in tables}
-    flat = torch.cat([full["a"], full["b"]])
-    perm = torch.randperm(12, generator=g)
-    plan_dir, dmt_dir = tmp_path / "plan-ck", tmp_path / "dmt-ck"
-    plan_dir.mkdir(), dmt_dir.mkdir()
-    for r, gids in enumerate((perm[:5], perm[5:])):
-        torch.save({"rank": r, "embedding": {"gids": gids, "weight": flat[gids]}}, plan_dir / f"rank-{r:05d}.pt")
-    torch.save({"rank": 0, "tables": {"a": {"lo": 0, "hi": 5, "weight": full["a"]},
-                                      "b": {"lo": 0, "hi": 3, "weight": full["b"][:3]}}}, dmt_dir / "rank-00000.pt")
-    torch.save({"rank": 1, "tables": {"b": {"lo": 3, "hi": 7, "weight": full["b"][3:]}}}, dmt_dir / "rank-00001.pt")
-    for d, kind in ((plan_dir, "plan"), (dmt_dir, "dmt")):
-        (d / "manifest.json").write_text(json.dumps({"kind": kind, "tables": ["a", "b"], "table_rows": [5, 7],
-                                                     "shards": ["rank-00000.pt", "rank-00001.pt"]}))
-        got = load_table_weights(d, tables)
-        for name, w in full.items():
-            assert torch.equal(got[name], w), (kind, name)
-    (dmt_dir / "rank-00001.pt").unlink()
-    torch.save({"rank": 1, "tables": {}}, dmt_dir / "rank-00001.pt")
-    with pytest.raises(Exception, match="do not hold every row of table 'b'"):
-        load_table_weights(dmt_dir, tables)
+    ck = tmp_path / "ck"
+    perm = {t.name: torch.randperm(t.num_rows, generator=g) for t in tables}
+    for r in range(2):
+        part = {n: {"rows": p[r::2], "weight": full[n][p[r::2]]} for n, p in perm.items()}
+        write_rank_file(ck, r, {"rank": r, "world_size": 2, "tables": part})
+    write_manifest(ck, 2, {"kind": "plan", "tables": ["a", "b"], "table_rows": [5, 7], "step": 1, "epoch": 0,
+                           "batch_in_epoch": 1, "samples": 1})
+    got = load_table_weights(ck, tables)
+    for name, w in full.items():
+        assert torch.equal(got[name], w), name
+    write_rank_file(ck, 1, {"rank": 1, "world_size": 2, "tables": {}})
+    with pytest.raises(Exception, match="no rank file holds row .* of table 'a'"):
+        load_table_weights(ck, tables)

@@ -4,6 +4,7 @@ checkpoint and ends exactly where an uninterrupted run does."""
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -32,7 +33,7 @@ def run(setup, run_dir, fault=None, restarts=0):
             "--max-restarts", str(restarts), "--no-progress",
             "--data-source", "shards", "--data-path", str(setup / "data"), "--model-embedding-dim", "4",
             "--model-bottom-mlp", "8", "--model-top-mlp", "8", "--train-batch-size", "50", "--train-max-steps", "6",
-            "--train-checkpoint-every", "2", "--dist-plan", str(setup / "plan"), "--dist-timeout-s", str(TIMEOUT_S),
+            "--train-checkpoint-every", "2", "--train-log-every", "1", "--train-eval-every", "3", "--dist-plan", str(setup / "plan"), "--dist-timeout-s", str(TIMEOUT_S),
             "--out-dir", str(setup / "runs")]
     env = dict(os.environ)
     if fault:
@@ -45,6 +46,11 @@ def run(setup, run_dir, fault=None, restarts=0):
 def losses(run_dir):
     ck = sorted((run_dir / "checkpoints").iterdir())[-1]
     return torch.load(ck / "rank-00000.pt", weights_only=True)["losses"]
+
+
+def metric_rows(run_dir):
+    with (run_dir / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
 
 
 def test_killed_rank_is_named(setup, tmp_path):
@@ -70,3 +76,10 @@ def test_restart_resumes_from_checkpoint_exactly(setup, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "resumed from" in p.stderr and "step-00000002" in p.stderr
     assert losses(tmp_path / "faulty") == losses(tmp_path / "clean")
+    # metrics.csv across the restart: every logged step exactly once (the first attempt's rows up to the
+    # checkpoint it resumed from, then the second attempt's), the same losses and evaluations as the clean run
+    clean, faulty = metric_rows(tmp_path / "clean"), metric_rows(tmp_path / "faulty")
+    assert [int(r["step"]) for r in faulty] == list(range(1, 7))
+    assert [r["train_loss"] for r in faulty] == [r["train_loss"] for r in clean]
+    assert [(r["eval_logloss"], r["eval_auc"]) for r in faulty] == [(r["eval_logloss"], r["eval_auc"]) for r in clean]
+    assert faulty[2]["eval_auc"] != "" and faulty[5]["eval_auc"] != ""

@@ -14,7 +14,8 @@ from test_distributed_train import config, hand_plan, make_data  # noqa: E402
 from embedscale import workflow  # noqa: E402
 from embedscale.data.loader import ShardLoader  # noqa: E402
 from embedscale.specs import RunConfig, from_dict, to_dict  # noqa: E402
-from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from embedscale.train.checkpoint import latest_checkpoint  # noqa: E402
+from embedscale.train.trainer import load_model_state  # noqa: E402
 from embedscale.train.launch import spawn_local  # noqa: E402
 
 
@@ -29,11 +30,11 @@ def test_sharded_inference_equals_single_process(tmp_path, plan, design):
     make_data(tmp_path / "data")
     cfg = config(tmp_path, tmp_path / "data")
     workflow.train(cfg, tmp_path / "single", resume=False, progress=False)
-    ck = latest_checkpoint(tmp_path / "single" / "checkpoints")
+    ck = latest_checkpoint(tmp_path / "single")
     # reference: the single-process model on the eval split
     data = workflow.prepare_data(cfg, progress=False)
     model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), 3, torch.device("cpu"))
-    model.load_state_dict(load_checkpoint(ck)["model"])
+    load_model_state(model, ck)
     model.eval()
     loader = ShardLoader(data.eval.directory, 1000, start=data.eval.start, stop=data.eval.stop, prefetch=0)
     with torch.no_grad():

@@ -20,6 +20,10 @@ def make_dataset(path, n=103, shard_rows=17, seed=0, bad=None):
         labels[41] = 3
     if bad == "row":
         one[42] = 50
+    if bad == "multi":  # the second (multi-hot) feature: the check must name it, not the first
+        multi[min(30, multi.size - 1)] = 20
+    if bad == "negative":
+        one[43] = -1
     sp = [SparseFeatureInfo("one", 50), SparseFeatureInfo("multi", 20, multi_hot=True)]
     with ShardWriter(path, ["d0", "d1", "d2"], sp, shard_rows=shard_rows) as w:
         # write in uneven pieces to cross shard boundaries
@@ -93,7 +97,9 @@ def test_shuffle_is_a_seeded_permutation_and_skip_resumes(tmp_path):
 
 @pytest.mark.parametrize("bad,msg", [("nan", r"shard-00002\.arrow: row 6: dense feature d1 is nan"),
                                      ("label", r"shard-00002\.arrow: row 7: label 3 is not 0 or 1"),
-                                     ("row", r"feature one: row id 50 outside its table \[0, 50\)")])
+                                     ("row", r"feature one: row id 50 outside its table \[0, 50\)"),
+                                     ("multi", r"feature multi: row id 20 outside its table \[0, 20\)"),
+                                     ("negative", r"feature one: row id -1 outside its table \[0, 50\)")])
 def test_bad_rows_are_named(tmp_path, bad, msg):
     make_dataset(tmp_path, bad=bad)
     with pytest.raises(InputError, match=msg):

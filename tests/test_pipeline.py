@@ -28,12 +28,11 @@ from embedscale.pipeline import (
     PipelinedEmbedding,
     PipelinedLoader,
     PipelineError,
-    pipelined_trainer,
     select_features,
 )
 from embedscale.specs import ModelConfig, TableSpec, to_dict
 from embedscale.train.checkpoint import load_checkpoint
-from embedscale.train.trainer import Trainer
+from embedscale.train.trainer import Trainer, pipelined_trainer
 
 BATCH = 256
 SAMPLES = 12 * BATCH
@@ -139,9 +138,11 @@ def fit(dataset, tmp_path: Path, kind: str, depth: int = 1, use_cache: bool = Tr
     else:
         tr = pipelined_trainer(model, opt, train, evl, run_dir, pipeline_depth=depth, use_cache=use_cache, **kw)
     tr.fit()
-    ck = load_checkpoint(run_dir / "checkpoints" / "step-00000005.pt")
-    mid = {k.split(".")[-2]: v for k, v in ck["model"].items() if k.endswith(".weight") and
-           (".host." in k or ".mods.1." in k)}
+    ck = load_checkpoint(run_dir / "checkpoints" / "step-00000005")
+    host_names = {sp.name for sp in split(specs)[0]}  # the reference holds them as device tables
+    mid = {n: e["weight"] for n, e in ck["tables"].items() if n in host_names}
+    mid.update({k[:-len(".weight")]: v for k, v in ck["host"].items() if k.endswith(".weight")})
+    assert sorted(mid) == sorted(host_names)
     evals = [(r.step, r.eval_logloss, r.eval_auc) for r in tr.rows if r.eval_logloss == r.eval_logloss]
     dense = torch.cat([p.detach().flatten() for p in dense_parameters(model)])
     dev = (emb.mods[0] if kind == "ref" else emb.device_modules[0]).weights.clone()

@@ -159,3 +159,101 @@ def test_bad_row_id_names_feature_table_and_value(multi_hot):
     jf = JaggedFeatures(keys, torch.cat(vals), torch.full((4 * 3,), n, dtype=torch.int64))
     with pytest.raises(InputError, match=r"feature f3: row id -1 outside table 't2'"):
         emb(jf)
+
+
+class _HostReads:
+    """Counts every way a tensor's data reaches the host as Python or numpy data inside a block:
+    ``.cpu()``, ``.numpy()`` / ``__array__``, ``.tolist()``, ``.to("cpu")`` (a string or ``device=`` literal).
+    Records ``(how, numel)``. On a CPU-only machine ``.cpu()`` is a no-op copy-wise, but it is still a call,
+    so adding one back to the lookup path fails this test as it would cost a device-to-host copy on GPU."""
+
+    def __init__(self):
+        self.calls = []
+        self._saved = {}
+
+    def _wrap(self, name, how, pred=None):
+        real = getattr(torch.Tensor, name)
+        self._saved[name] = real
+
+        def spy(t, *a, **k):
+            if pred is None or pred(a, k):
+                self.calls.append((how, t.numel()))
+            return real(t, *a, **k)
+        setattr(torch.Tensor, name, spy)
+
+    def __enter__(self):
+        def to_host(a, k):
+            args = list(a) + [k.get("device")]
+            return any(x == "cpu" or (isinstance(x, str) and x.startswith("cpu")) for x in args if x is not None)
+        self._wrap("cpu", "cpu")
+        self._wrap("numpy", "numpy")
+        self._wrap("__array__", "__array__")
+        self._wrap("tolist", "tolist")
+        self._wrap("to", "to('cpu')", to_host)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(torch.Tensor, name, real)
+
+
+def _host_copy_worker(rank, world, scenarios):
+    out = {}
+    transport = CollectiveTransport()
+    ts = tables()
+    for name, design, sync in scenarios:
+        owner, replicas, holders = plans(world)[name]
+        amap = AddressMap.build(ts, world, owner, replicas, holders)
+        emb = ShardedEmbedding(ts, amap, transport, rank, design=design, optimizer="rowwise_adagrad", lr=LR,
+                               grad_sync=sync)
+        jf, c = batches()[0]
+        lo, hi = B * rank // world, B * (rank + 1) // world
+        part = jf.slice_batch(lo, hi)
+        with _HostReads() as spy:
+            y = emb(part)
+            (y * c[lo:hi]).sum().backward()
+        out[(name, design, sync)] = (spy.calls, part.values.numel())
+    return out
+
+
+def test_sharded_lookup_reads_no_ids_on_the_host():
+    """Forward and backward of the sharded lookup (both designs, replicas, replica gradients in the
+    all-to-all) never convert a batch's ids to host data: the only host reads are per-peer counts (at most
+    ``2 W`` numbers each), and ``.cpu()`` / ``.numpy()`` / ``.to('cpu')`` are never called."""
+    world = 2
+    scenarios = [("row_wise", "retrieve", "local_aggregated"), ("partial_replicas", "retrieve", "alltoall"),
+                 ("oper_replicas", "retrieve", "local_aggregated"), ("oper_replicas", "send", "local_aggregated")]
+    results = spawn_local(_host_copy_worker, world, scenarios)
+    for r in range(world):
+        for sc, (calls, n_ids) in results[r].items():
+            assert n_ids > 4 * world, sc  # the batch is larger than any count vector, so the test can tell
+            bad = [c for c in calls if c[0] != "tolist" or c[1] > 2 * world]
+            assert not bad, f"rank {r} {sc}: host reads {bad} in the lookup path"
+
+
+def test_host_read_spy_catches_a_cpu_copy():
+    """The spy above fails when ids are moved to the host (so the test can fail)."""
+    ids = torch.arange(100)
+    with _HostReads() as spy:
+        ids.cpu()
+        ids.to("cpu")
+        ids.tolist()
+        ids.numpy()
+    assert [c[0] for c in spy.calls] == ["cpu", "to('cpu')", "tolist", "numpy"]
+    assert all(c[1] == 100 for c in spy.calls)
+
+
+def test_address_map_follows_the_storage_device():
+    """Moving the module moves its storage (a buffer); the address map and per-feature tables follow it at
+    the next lookup, so decoding runs where the storage is ('meta' stands in for an accelerator here)."""
+    ts = tables()
+    amap = AddressMap.build(ts, 1, [np.zeros(t.num_rows, dtype=np.int64) for t in ts], [np.array([1]), [], []])
+    emb = ShardedEmbedding(ts, amap, CollectiveTransport(rank=0, world_size=1), 0, optimizer=None)
+    assert emb.tmap.device == torch.device("cpu")
+    code = emb.tmap.code.clone()
+    emb.to(torch.device("meta"))
+    assert emb._follow_storage() == torch.device("meta")
+    for t in (emb.tmap.code, emb.tmap.slot, emb.tmap.table_base, emb._feature_rows, emb._region_slot):
+        assert t.device == torch.device("meta")
+    assert emb.tmap.code.shape == code.shape
+    assert emb.tmap.to("meta") is emb.tmap  # already there: no copy

@@ -1,6 +1,7 @@
 """Single-process training: exact resume from a checkpoint, run-directory contents, config errors."""
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +27,17 @@ def data_dir(tmp_path_factory):
 
 
 def losses_of(run_dir):
-    return load_checkpoint(latest_checkpoint(run_dir / "checkpoints"))["extra"]["losses"]
+    return load_checkpoint(run_dir)["losses"]
+
+
+def assert_same_state(a, b):
+    """Two checkpoints (``load_checkpoint``) hold the same tables and dense state, bit for bit."""
+    assert set(a["tables"]) == set(b["tables"]) and set(a["dense"]) == set(b["dense"])
+    for name in a["tables"]:
+        for k, v in a["tables"][name].items():
+            assert torch.equal(v, b["tables"][name][k]), (name, k)
+    for k, v in a["dense"].items():
+        assert torch.equal(v, b["dense"][k]), k
 
 
 def test_resumed_run_equals_uninterrupted(tmp_path, data_dir):
@@ -44,9 +55,10 @@ def test_resumed_run_equals_uninterrupted(tmp_path, data_dir):
     workflow.train(cfg2, tmp_path / "cut", resume=True, progress=False)  # resumes at step 8
     full, resumed = losses_of(tmp_path / "full"), losses_of(tmp_path / "cut")
     assert len(full) == 10 and resumed == full  # bitwise
-    a = load_checkpoint(latest_checkpoint(tmp_path / "full" / "checkpoints"))["model"]
-    b = load_checkpoint(latest_checkpoint(tmp_path / "cut" / "checkpoints"))["model"]
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_state(load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "cut"))
+    # the checkpoint format: a step directory, manifest + one rank file (a world of one)
+    ck = latest_checkpoint(tmp_path / "cut")
+    assert ck.name == "step-00000010" and sorted(p.name for p in ck.iterdir()) == ["manifest.json", "rank-00000.pt"]
 
 
 def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
@@ -60,9 +72,18 @@ def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
         assert (rd / f).stat().st_size > 0, f
     rows = list(csv.DictReader((rd / "metrics.csv").open()))
     assert any(row["eval_auc"] for row in rows) and any(row["train_loss"] for row in rows)
-    ck = latest_checkpoint(rd / "checkpoints")
-    r2 = CliRunner().invoke(main, ["evaluate", str(ck), "--json"])
-    assert r2.exit_code == 0, r2.output
+    ck = latest_checkpoint(rd)
+    summary = json.loads((rd / "summary.json").read_text())
+    for target in (ck, rd):  # a checkpoint, or a run directory (its latest checkpoint)
+        r2 = CliRunner().invoke(main, ["evaluate", str(target), "--json"])
+        assert r2.exit_code == 0, r2.output
+        got = json.loads(r2.output.strip().splitlines()[-1])
+        assert got["step"] == summary["steps"] and got["checkpoint"] == str(ck)
+        assert abs(got["auc"] - summary["eval_auc"]) < 1e-9 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-9
+    r3 = CliRunner().invoke(main, ["infer", str(rd), "--run-dir", str(tmp_path / "served"), "--no-progress", "--json"])
+    assert r3.exit_code == 0, r3.output
+    got = json.loads(r3.output.strip().splitlines()[-1])
+    assert got["samples"] == summary["eval_samples"] and abs(got["auc"] - summary["eval_auc"]) < 1e-6
 
 
 def test_config_naming_an_unknown_feature(tmp_path, data_dir):
@@ -76,11 +97,21 @@ def test_config_naming_an_unknown_feature(tmp_path, data_dir):
         workflow.tables_for(cfg, data.manifest)
 
 
-def test_damaged_checkpoint_is_a_clear_error(tmp_path):
-    p = tmp_path / "step-00000001.pt"
-    p.write_bytes(b"not a checkpoint")
-    with pytest.raises(FormatError, match="not a readable checkpoint"):
-        load_checkpoint(p)
+def test_damaged_checkpoint_is_a_clear_error(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    cfg.train.max_steps = 2
+    workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
+    ck = latest_checkpoint(tmp_path / "run")
+    (ck / "rank-00000.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(FormatError, match=r"rank-00000\.pt: not a readable checkpoint file"):
+        load_checkpoint(ck)
+    with pytest.raises(FormatError, match=r"rank-00000\.pt: not a readable checkpoint file"):
+        workflow.train(cfg, tmp_path / "run", resume=True, progress=False)
+    # a step directory without its manifest (an interrupted write) is never read: the run has no checkpoint
+    (ck / "manifest.json").unlink()
+    assert latest_checkpoint(tmp_path / "run") is None
+    with pytest.raises(FormatError, match="not a checkpoint directory|neither a checkpoint"):
+        load_checkpoint(ck)
 
 
 def test_cli_plan_compares_strategies(tmp_path):

@@ -91,39 +91,29 @@ def single_process(tmp_path, data_dir):
     cfg = config(tmp_path, data_dir)
     rd = tmp_path / "single"
     workflow.train(cfg, rd, resume=False, progress=False)
-    ck = load_checkpoint(latest_checkpoint(rd / "checkpoints"))
-    m = ck["model"]
-    weights = torch.cat([m[f"sparse_arch.embedding.local.t_C{i + 1}.weight"] for i in PLAIN])
-    tt = {k[len("sparse_arch.embedding.tt."):]: v for k, v in m.items() if k.startswith("sparse_arch.embedding.tt.")}
-    dense = {k: v for k, v in m.items() if not k.startswith("sparse_arch.embedding.")}
-    return ck["extra"]["losses"], weights, tt, dense, rd
+    ck = load_checkpoint(rd)
+    weights = torch.cat([ck["tables"][f"t_C{i + 1}"]["weight"] for i in PLAIN])
+    return ck["losses"], weights, ck["tt"], ck["dense"], rd
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
-    from embedscale.train.distributed import DistributedRun, _fit, join_run
+    from embedscale.train.distributed import DistributedRun, join_run
+    from embedscale.train.loop import LoopConfig, fit
 
     cfg = from_dict(RunConfig, cfg_dict)
     rd, r, w = join_run(cfg, run_dir, False)
     run = DistributedRun(cfg, rd, r, w, False)
     if resume_from:
         run.restore(__import__("pathlib").Path(resume_from))
-    _fit(run, None)
+    fit(run, LoopConfig.from_train(cfg.train))
     return {k: v.detach().clone() for k, v in run.tt_embedding.tt.state_dict().items()}
 
 
 def distributed(cfg, run_dir, world=2, resume_from=None):
     replicas = spawn_local(_rank, world, to_dict(cfg), str(run_dir), resume_from, timeout_s=120)
-    ck = sorted(p for p in (run_dir / "checkpoints").iterdir() if p.is_dir())[-1]
-    gids, w = [], []
-    for f in sorted(ck.glob("rank-*.pt")):
-        sh = torch.load(f, weights_only=True)
-        gids.append(sh["embedding"]["gids"])
-        w.append(sh["embedding"]["weight"])
-        if sh["rank"] == 0:
-            dense, losses, tt = sh["dense"], sh["losses"], sh["tt"]
-    full = torch.empty(sum(ROWS[i] for i in PLAIN), 4)
-    full[torch.cat(gids)] = torch.cat(w)
-    return losses, full, tt, dense, replicas
+    ck = load_checkpoint(run_dir)
+    full = torch.cat([ck["tables"][f"t_C{i + 1}"]["weight"] for i in PLAIN])
+    return ck["losses"], full, ck["tt"], ck["dense"], replicas
 
 
 def materialise(state: dict, name: str) -> torch.Tensor:
@@ -245,7 +235,7 @@ def test_single_process_checkpoint_with_tt_tables_serves_on_two_ranks(tmp_path, 
     summary = __import__("json").loads((rd / "summary.json").read_text())
     plan_dir = tmp_path / "plan"
     hand_plan("table_wise", 2).save(plan_dir)
-    ck = latest_checkpoint(rd / "checkpoints")
+    ck = latest_checkpoint(rd)
     out = spawn_local(_infer_rank, 2, to_dict(config(tmp_path, data_dir, str(plan_dir))), str(ck),
                       str(tmp_path / "infer"), timeout_s=120)[0]
     assert out["samples"] == summary["eval_samples"]

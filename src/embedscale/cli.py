@@ -166,13 +166,14 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 
 
 @main.command()
-@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
               help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, batch_size, as_json):
-    """Evaluate a checkpoint: exact logloss and AUC."""
+    """Evaluate a checkpoint (a run's checkpoints/step-N, or a run directory: its latest) of any world size in one
+    process: exact logloss and AUC."""
     import yaml
 
     import torch
@@ -180,12 +181,13 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
     from embedscale import workflow
     from embedscale.data.loader import ShardLoader
     from embedscale.specs import RunConfig, from_dict
-    from embedscale.train.checkpoint import load_checkpoint
-    from embedscale.train.trainer import evaluate as eval_model
+    from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
+    from embedscale.train.trainer import evaluate as eval_model, load_model_state
 
     try:
-        ck = load_checkpoint(checkpoint)
-        cfg = from_dict(RunConfig, yaml.safe_load(ck["config_yaml"]))
+        ck = resolve_checkpoint(checkpoint)
+        manifest = read_manifest(ck)
+        cfg = from_dict(RunConfig, yaml.safe_load(manifest.get("config_yaml") or "") or {})
         if data_dir:
             data = workflow.split_existing(Path(data_dir), 0.0)
             split = data.train
@@ -193,14 +195,20 @@ def evaluate(checkpoint, data_dir, batch_size, as_json):
             data = workflow.prepare_data(cfg)
             split = data.eval or data.train
         device = torch.device(cfg.train.device)
-        model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device)
-        model.load_state_dict(ck["model"])
+        assignment = None
+        if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
+            from embedscale.train.dmt_run import checkpoint_towers
+
+            assignment = checkpoint_towers(ck)
+        model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device,
+                                  assignment=assignment)
+        load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
         m = eval_model(model, loader, progress=True)
     except EmbedscaleError as e:
         _fail(e)
-    m["checkpoint"] = str(checkpoint)
-    m["step"] = ck["step"]
+    m["checkpoint"] = str(ck)
+    m["step"] = manifest["step"]
     if as_json:
         click.echo(json.dumps(m))
     else:
@@ -232,8 +240,8 @@ def _infer_fn(cfg):
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
-    """Sharded inference: score the eval split with a checkpoint (single-process file or sharded directory)
-    under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
+    """Sharded inference: score the eval split with a checkpoint (a run's checkpoints/step-N of any world size, or a
+    run directory: its latest) under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
     through the tower transform with the checkpoint's towers (--plan and --design do not apply; on several
     ranks dist.topology_hosts must divide --nproc)."""
     import yaml
@@ -243,16 +251,10 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
     from embedscale.specs import from_dict, set_dotted
 
     try:
-        ck = Path(checkpoint)
-        if ck.is_file():
-            from embedscale.train.checkpoint import load_checkpoint
+        from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
 
-            data = yaml.safe_load(load_checkpoint(ck)["config_yaml"])
-        else:
-            cfg_path = ck.parent.parent / "config.yaml"
-            if not cfg_path.exists():
-                raise EmbedscaleError(f"{ck}: no config.yaml two levels up (expected a run's checkpoints/step-N)")
-            data = yaml.safe_load(cfg_path.read_text())
+        ck = resolve_checkpoint(checkpoint)
+        data = yaml.safe_load(read_manifest(ck).get("config_yaml") or "") or {}
         for item in overrides:
             k, _, v = item.partition("=")
             set_dotted(data, k.strip(), yaml.safe_load(v))

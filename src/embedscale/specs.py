@@ -240,6 +240,7 @@ class DistConfig:
     timeout_s: float = 300.0  # a rank that dies or hangs becomes an error on the others after this
     backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
     topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)
+    replan: bool = False  # resume a run directory under another dist.plan: re-plan it (else a ConfigError)
 
 
 @dataclass

@@ -215,14 +215,15 @@ def new_run_dir(cfg: RunConfig) -> Path:
 
 def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
           progress: bool = True) -> dict:
-    """Train and evaluate as ``cfg`` says, writing config, metrics, plot and checkpoints into ``run_dir``."""
-    from embedscale.train.plots import plot_curves
+    """Train and evaluate as ``cfg`` says in one process, writing config, metrics, plot and checkpoints into
+    ``run_dir``; with ``resume`` it continues from the run directory's latest checkpoint, whatever world size
+    wrote it (``train.checkpoint``: rows by table and row id). ``config.yaml`` is written once the inputs
+    (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was."""
     from embedscale.train.trainer import Trainer
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = dump_config(cfg)
-    atomic_write_text(run_dir / "config.yaml", config_yaml)
     data = data or prepare_data(cfg, progress=progress)
     device = torch.device(cfg.train.device)
     tables = tables_for(cfg, data.manifest)
@@ -233,11 +234,16 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
                                prefetch=t.prefetch, device=device, drop_last=False)
     eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
+    fields = None
+    if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
+        from embedscale.train.dmt_run import dmt_checkpoint_fields
+
+        fields = dmt_checkpoint_fields(cfg, assignment, world=1)
     kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
               checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
-              lr_warmup_steps=t.lr_warmup_steps)
+              lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
     if any(tb.placement == "host" for tb in tables):
-        from embedscale.pipeline import pipelined_trainer
+        from embedscale.train.trainer import pipelined_trainer
 
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
@@ -245,16 +251,13 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
         trainer = Trainer(model, opt, train_loader, eval_loader, run_dir, **kw)
     if resume and trainer.resume():
         _log(f"resumed from step {trainer.step} in {run_dir / 'checkpoints'}")
-    summary = trainer.fit()
-    summary.update({"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
-                    "eval_rows": data.eval.rows if data.eval else 0, "run_dir": str(run_dir),
-                    "embedding_bytes": sum(table_bytes(tb) for tb in tables), "num_tables": len(tables),
-                    "host_tables": sum(tb.placement == "host" for tb in tables),
-                    "tt_tables": sum(tb.compression == "tt" for tb in tables)})
-    plot_curves(trainer.rows, run_dir / "curves.png", title=f"{cfg.model.arch} on {cfg.data.source}",
-                ceiling_auc=data.teacher_auc)
-    atomic_write_json(run_dir / "summary.json", summary)
-    return summary
+    atomic_write_text(run_dir / "config.yaml", config_yaml)
+    extra = {"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
+             "eval_rows": data.eval.rows if data.eval else 0,
+             "embedding_bytes": sum(table_bytes(tb) for tb in tables), "num_tables": len(tables),
+             "host_tables": sum(tb.placement == "host" for tb in tables),
+             "tt_tables": sum(tb.compression == "tt" for tb in tables)}
+    return trainer.fit(title=f"{cfg.model.arch} on {cfg.data.source}", ceiling_auc=data.teacher_auc, extra=extra)
 
 
 def _dmt_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
@@ -306,19 +309,18 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     """Plan here (the profile is made), then train on ``dist.nproc`` local ranks under torchrun."""
     from embedscale.errors import EmbedscaleError
     from embedscale.io import read_json
-    from embedscale.train.distributed import READY, make_run_plan
+    from embedscale.train.distributed import ensure_run_plan
     from embedscale.train.launch import launch_torchrun
 
-    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     towers = _dmt_towers(cfg, tables, run_dir)
     if towers is not None:  # DMT: the towers place the tables (tower groups), no plan
         _log(f"towers: {towers.num_towers} ({towers.strategy}) on {cfg.dist.nproc} ranks, "
              f"{cfg.dist.topology_hosts} host(s)")
-    else:
-        plan = make_run_plan(cfg, data, tables, run_dir / "plan", progress)
+    else:  # planned here, where the profile is; the ranks' rank 0 finds it made for this world and plan
+        plan = ensure_run_plan(cfg, data, tables, run_dir, progress)
         _log(f"plan: {plan.meta.get('strategy', cfg.dist.plan)} on {cfg.dist.nproc} ranks "
              f"({plan.meta.get('plan_seconds', 0):.2f} s)")
-    atomic_write_text(run_dir / READY, "ok\n")
+    atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     config_path = run_dir / "config.yaml"
     args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
     code = launch_torchrun(cfg.dist.nproc, args, env={"EMBEDSCALE_LAUNCHED": "1"})

@@ -1,11 +1,15 @@
-"""Collective transport: one ``all_to_all_single`` per exchange (gloo on CPU, NCCL on GPUs)."""
+"""Collective transport: one ``all_to_all_single`` per exchange (gloo on CPU, NCCL on GPUs).
+
+The transport knows its backend (``wire_device``): tensors reach ``all_to_all_single`` on CUDA for NCCL and
+in host memory for gloo, whatever device the caller's tensors are on, and come back on the caller's device.
+The NCCL path is designed for GPU and untested here (CPU-only machine)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from embedscale.comm.transport import Transport
+from embedscale.comm.transport import Transport, backend_device
 
 
 class CollectiveTransport(Transport):
@@ -22,22 +26,33 @@ class CollectiveTransport(Transport):
         super().__init__(dist.get_rank(group) if rank is None else rank,
                          dist.get_world_size(group) if world_size is None else world_size)
         self.group = group
+        self._wire: torch.device | None = None
 
-    def _exchange_counts(self, counts: list[int], device) -> list[int]:
-        send = torch.tensor(counts, dtype=torch.int64, device=device).view(-1, 1)
+    @property
+    def wire_device(self) -> torch.device:
+        """CUDA for NCCL, host memory for gloo (``backend_device`` of the group's backend)."""
+        if self._wire is None:
+            self._wire = backend_device(dist.get_backend(self.group)) if dist.is_initialized() \
+                else torch.device("cpu")
+        return self._wire
+
+    def _exchange_counts(self, counts: list[int], device=None) -> list[int]:
+        send = torch.tensor(counts, dtype=torch.int64, device=self.wire_device).view(-1, 1)
         return self.exchange_counts(send).view(-1).tolist()
 
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Swap small per-peer count vectors: ``counts`` int64 ``[W, k]`` (row ``p`` goes to rank ``p``);
-        returns ``[W, k]``, row ``p`` what rank ``p`` sent here. One all-to-all, counted as metadata."""
+        returns ``[W, k]`` on ``counts``' device, row ``p`` what rank ``p`` sent here. One all-to-all,
+        counted as metadata."""
         W = self.world_size
-        counts = counts.to(torch.int64).contiguous()
+        dev = counts.device
+        counts = self.to_wire(counts.to(torch.int64).contiguous())
         if W == 1:
-            return counts.clone()
+            return counts.clone().to(dev)
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=self.group)
         self.counter.meta += 2 * (W - 1) * counts.shape[1] * 8
-        return recv
+        return recv.to(dev)
 
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
@@ -52,11 +67,12 @@ class CollectiveTransport(Transport):
             recv_counts = self._exchange_counts(counts, device)
         if W == 1:
             return [send[0]]
-        flat_in = torch.cat([t.reshape(t.shape[0], *tail) for t in send]) if sum(counts) else \
-            torch.empty((0, *tail), dtype=dtype, device=device)
-        flat_out = torch.empty((sum(recv_counts), *tail), dtype=dtype, device=device)
+        wire = self.wire_device
+        flat_in = torch.cat([self.to_wire(t).reshape(t.shape[0], *tail) for t in send]) if sum(counts) else \
+            torch.empty((0, *tail), dtype=dtype, device=wire)
+        flat_out = torch.empty((sum(recv_counts), *tail), dtype=dtype, device=wire)
         dist.all_to_all_single(flat_out, flat_in.contiguous(), output_split_sizes=recv_counts,
                                input_split_sizes=counts, group=self.group)
-        recv = list(torch.split(flat_out, recv_counts))
+        recv = list(torch.split(flat_out.to(device), recv_counts))  # back on the caller's device
         self._count(send, recv, kind)
         return recv

@@ -205,6 +205,10 @@ class HostAwareTransport(Transport):
         self.num_hosts = len({m // ranks_per_host for m in self.members})
         self.reset_bytes()
 
+    @property
+    def wire_device(self):
+        return self.inner.wire_device  # the inner transport's backend moves the bytes
+
     def reset_bytes(self) -> None:
         self.cross_bytes: dict[str, int] = {}
         self.cross_recv_bytes: dict[str, int] = {}

@@ -41,6 +41,12 @@ class Transport(ABC):
     ``exchange(send)`` takes one tensor per peer (``send[p]`` goes to rank ``p``; all share the trailing
     shape and dtype) and returns one tensor per peer (what rank ``p`` sent here). The entry for this rank
     is passed through locally and never counted as communication.
+
+    Device contract: callers hand ``exchange`` (and ``exchange_counts``) tensors on the run's device and get
+    the received tensors back on that same device; a transport whose backend needs another device
+    (gloo: host memory) moves them itself, through ``to_wire``, and ``wire_device`` says which device that
+    is (``None``: any, the tensors are used where they are). So no caller moves ids to the host, and on
+    NCCL every tensor reaches the collective on CUDA. Designed for GPU; tested on CPU (gloo) only.
     """
 
     name = "abstract"
@@ -49,6 +55,16 @@ class Transport(ABC):
         self.rank = rank
         self.world_size = world_size
         self.counter = ByteCounter(world_size)
+
+    @property
+    def wire_device(self) -> torch.device | None:
+        """The device this transport's backend moves tensors on, or ``None`` when any device will do."""
+        return None
+
+    def to_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on ``wire_device`` (``t`` itself when it is already there or any device will do)."""
+        dev = self.wire_device
+        return t if dev is None or t.device == dev else t.to(dev)
 
     @abstractmethod
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
@@ -71,3 +87,12 @@ class Transport(ABC):
             self.counter.recv[p] += recv[p].numel() * recv[p].element_size()
         self.counter.by_kind[kind] = self.counter.by_kind.get(kind, 0) + total
         self.counter.calls += 1
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a ``torch.distributed`` backend's all-to-all takes tensors on: the current CUDA device
+    for NCCL, host memory for gloo and MPI (their all-to-all is CPU-only). Designed for GPU (NCCL branch
+    untested here)."""
+    if str(backend).lower() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -4,6 +4,13 @@
 batch of ``B`` samples, ``lengths`` has ``F * B`` entries ordered key-major (all samples of ``k_0``,
 then all of ``k_1``, ...), and ``values`` holds the row ids in that same order. ``weights`` (optional)
 is one float per value (per-sample weights for weighted pooling).
+
+As with TorchRec's ``KeyedJaggedTensor``, a module that needs some of the keys takes them with
+``select(keys)`` / ``permute(order)`` / ``split(segments)`` rather than re-splitting the batch by hand: the
+per-key value counts are read once per batch (``length_per_key_list``, ``F`` numbers) and carried to every
+selection, and the ids stay on the batch's device (each key's values are one contiguous block, so a
+selection is one ``cat`` of views). ``values`` and ``lengths`` are not to be modified in place after a
+selection was taken (the cached counts would be stale).
 """
 
 from __future__ import annotations
@@ -55,6 +62,25 @@ class JaggedFeatures:
     def length_per_key(self) -> torch.Tensor:
         return self.lengths.view(len(self.keys), -1).sum(1)
 
+    def length_per_key_list(self) -> list[int]:
+        """Values per key as Python ints: read once per batch (``F`` numbers, never the ids) and cached;
+        every ``select``/``permute``/``split``/``to_dict`` of this batch reuses it."""
+        lpk = getattr(self, "_lpk", None)
+        if lpk is None:
+            lpk = self.length_per_key().tolist() if self.keys else []
+            object.__setattr__(self, "_lpk", lpk)
+        return lpk
+
+    def index_of(self, key: str) -> int:
+        """Position of ``key`` among the keys (an ``InputError`` naming it and the keys when absent)."""
+        pos = getattr(self, "_pos", None)
+        if pos is None:
+            pos = {k: i for i, k in enumerate(self.keys)}
+            object.__setattr__(self, "_pos", pos)
+        if key not in pos:
+            raise InputError(f"JaggedFeatures: no feature {key!r}; the batch has {self.keys}")
+        return pos[key]
+
     def validate(self) -> None:
         """Check lengths are non-negative and sum to the number of values."""
         if self.lengths.numel() and int(self.lengths.min()) < 0:
@@ -88,10 +114,62 @@ class JaggedFeatures:
     def to_dict(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{key: (values, lengths)}`` per key."""
         B = self.batch_size
-        lpk = self.length_per_key().tolist()
-        vals = torch.split(self.values, lpk)
+        vals = torch.split(self.values, self.length_per_key_list())
         lens = torch.split(self.lengths, B)
         return {k: (v, l) for k, v, l in zip(self.keys, vals, lens)}
+
+    def permute(self, order: Sequence[int]) -> "JaggedFeatures":
+        """The keys ``[keys[i] for i in order]`` (repeats allowed, any subset), their values, lengths and
+        weights moved with them; as TorchRec's ``KeyedJaggedTensor.permute``. Each key's values are one
+        contiguous block, so this is one ``cat`` of views on the batch's device: ids never leave it (only
+        the ``F`` per-key counts are read, once per batch). The identity order returns ``self``."""
+        F_ = len(self.keys)
+        order = [int(i) for i in order]
+        for i in order:
+            if not 0 <= i < F_:
+                raise InputError(f"JaggedFeatures.permute: index {i} outside the {F_} keys {self.keys}")
+        if order == list(range(F_)):
+            return self
+        if not order:
+            raise InputError("JaggedFeatures.permute: no keys selected")
+        lpk = self.length_per_key_list()
+        vals = torch.split(self.values, lpk)
+        lens = self.lengths.view(F_, -1)
+        wts = torch.split(self.weights, lpk) if self.weights is not None else None
+        idx = torch.tensor(order, dtype=torch.int64, device=self.lengths.device)
+        out = JaggedFeatures([self.keys[i] for i in order],
+                             torch.cat([vals[i] for i in order]) if len(order) > 1 else vals[order[0]],
+                             lens.index_select(0, idx).reshape(-1),
+                             None if wts is None else (torch.cat([wts[i] for i in order]) if len(order) > 1
+                                                       else wts[order[0]]))
+        object.__setattr__(out, "_lpk", [lpk[i] for i in order])
+        return out
+
+    def select(self, keys: Sequence[str]) -> "JaggedFeatures":
+        """The features ``keys``, in that order (``permute`` by name); an unknown key is an ``InputError``
+        naming it and the batch's keys."""
+        return self.permute([self.index_of(k) for k in keys])
+
+    def split(self, segments: Sequence[int]) -> list["JaggedFeatures"]:
+        """Consecutive groups of ``segments[i]`` keys each (they must add up to the number of keys), as
+        TorchRec's ``KeyedJaggedTensor.split``; views of this batch's tensors, no copy."""
+        F_ = len(self.keys)
+        segments = [int(s) for s in segments]
+        if sum(segments) != F_ or any(s <= 0 for s in segments):
+            raise InputError(f"JaggedFeatures.split: segments {segments} do not cut {F_} keys into non-empty groups")
+        if len(segments) == 1:
+            return [self]
+        lpk = self.length_per_key_list()
+        B = self.batch_size
+        out, k, v = [], 0, 0
+        for s in segments:
+            n = sum(lpk[k:k + s])
+            part = JaggedFeatures(self.keys[k:k + s], self.values[v:v + n], self.lengths[k * B:(k + s) * B],
+                                  None if self.weights is None else self.weights[v:v + n])
+            object.__setattr__(part, "_lpk", lpk[k:k + s])
+            out.append(part)
+            k, v = k + s, v + n
+        return out
 
     def slice_batch(self, start: int, stop: int) -> "JaggedFeatures":
         """Samples ``start:stop`` of every key (per-rank slicing for data parallelism)."""
@@ -101,9 +179,12 @@ class JaggedFeatures:
             raise InputError(f"slice_batch: [{start}, {stop}) outside batch of {B}")
         offs = self.offsets()
         lens = self.lengths.view(F, B)[:, start:stop].reshape(-1)
-        starts = offs[:-1].view(F, B)[:, start]
-        ends = offs[:-1].view(F, B)[:, stop] if stop < B else offs[1:].view(F, B)[:, B - 1]
-        idx = torch.cat([torch.arange(int(s), int(e), device=self.values.device) for s, e in zip(starts, ends)])
+        first = torch.arange(F, device=offs.device) * B
+        starts, ends = offs.index_select(0, first + start), offs.index_select(0, first + stop)
+        counts = ends - starts  # values of each key in the slice
+        n = int(counts.sum())  # one number read, not the ids: the positions are computed on the device
+        shift = starts - (torch.cumsum(counts, 0) - counts)
+        idx = torch.arange(n, device=offs.device) + torch.repeat_interleave(shift, counts, output_size=n)
         w = self.weights[idx] if self.weights is not None else None
         return JaggedFeatures(self.keys, self.values[idx], lens, w)
 

@@ -175,15 +175,19 @@ class ShardLoader:
                     else:
                         values.append(_gather_ragged(v, offs[sel], ln))
                     lengths.append(ln)
+        flat = np.concatenate(values).astype(np.int64, copy=False)
         if self.validate:
-            self._check(pieces, labels, dense, values)
-        sparse = JaggedFeatures(self.feature_names, torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)),
+            self._check(pieces, labels, dense, values, flat)
+        sparse = JaggedFeatures(self.feature_names, torch.from_numpy(flat),
                                 torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)))
         batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), sparse,
                       torch.from_numpy(labels.astype(np.float32)))
         return batch.to(self.device) if self.device is not None else batch
 
-    def _check(self, pieces, labels, dense, values) -> None:
+    def _check(self, pieces, labels, dense, values, flat: np.ndarray) -> None:
+        """Dense finite, labels 0/1, and every row id inside its feature's table: one vectorised comparison
+        of the batch's ids (``flat``, key-major) against per-value bounds, on the host before the batch is
+        built. This is where a run's ids are validated (the lookups behind it need not check them again)."""
         if not np.isfinite(dense).all():
             r, c = np.argwhere(~np.isfinite(dense))[0]
             raise InputError(f"{self._where(pieces, int(r))}: dense feature "
@@ -193,12 +197,17 @@ class ShardLoader:
             r = int(np.flatnonzero(bad)[0])
             raise InputError(f"{self._where(pieces, r)}: label {labels[r]} is not 0 or 1")
         P = len(pieces)
-        for f, name in enumerate(self.feature_names):
-            v = np.concatenate(values[f * P:(f + 1) * P])
-            if v.size and (v.min() < 0 or v.max() >= self._num_rows[name]):
-                bad_v = v[(v < 0) | (v >= self._num_rows[name])][0]
-                raise InputError(f"{self.directory}: feature {name}: row id {bad_v} outside its table "
-                                 f"[0, {self._num_rows[name]})")
+        if not flat.size:
+            return
+        counts = [sum(v.size for v in values[f * P:(f + 1) * P]) for f in range(len(self.feature_names))]
+        bounds = np.repeat(np.array([self._num_rows[n] for n in self.feature_names], dtype=np.int64), counts)
+        bad = (flat < 0) | (flat >= bounds)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            f = int(np.searchsorted(np.cumsum(counts), i, side="right"))
+            name = self.feature_names[f]
+            raise InputError(f"{self.directory}: feature {name}: row id {flat[i]} outside its table "
+                             f"[0, {self._num_rows[name]})")
 
     def _where(self, pieces, r: int) -> str:
         for blk, sel in pieces:

@@ -56,6 +56,7 @@ class EmbeddingEnv:
         transport, address_map, sync_group: N ranks: the transport the sharded embedding talks through,
             the plan's address map (``address_map_from_plan``) and the process group of its gradient sync.
         pgas: use ``PgasShardedEmbedding`` (``dist.transport: pgas``) with ``max_batch_size`` ids per rank.
+        validate: N ranks: the sharded embedding checks the batch's ids itself (``False`` when the loader did).
         new_group: N ranks: makes a new process group (the TT core gradients', the host rows' exchange).
         new_share_group: makes the process group of this machine's ranks that share one host server
             (``train.pipeline_server: shared``); ``None``: a server per rank.
@@ -78,6 +79,7 @@ class EmbeddingEnv:
     sync_group: Any = None
     pgas: bool = False
     max_batch_size: int = 0
+    validate: bool = True
     new_group: Callable[[], Any] | None = None
     new_share_group: Callable[[], Any] | None = None
     timeout_s: float = 300.0
@@ -134,7 +136,7 @@ def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Modu
     if env.pgas:
         cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
     module: nn.Module = cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
-                            optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra,
+                            optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra, validate=env.validate,
                             sync_group=env.sync_group, seed=env.seed, device=env.device,
                             init_index=[tables.index(tb) for tb in sharded_tables])
     init = hash_init(env.seed, tables)

@@ -502,15 +502,12 @@ class LocalEmbeddingBags(nn.Module):
                 f"{self.sequence_feature_names}: missing {kp.missing_sequence}"
             )
         B = features.batch_size
-        F_in = len(features.keys)
-        lengths2d = features.lengths.view(F_in, B)
-        per_key = torch.split(features.values, lengths2d.sum(1).tolist())
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for g, pos in zip(self.groups, kp.sequence_pos):
             if not pos:
                 continue
-            values = torch.cat([per_key[p] for p in pos]) if len(pos) > 1 else per_key[pos[0]]
-            lengths = lengths2d[pos]
+            sub = features.permute(pos)  # the batch's per-key split, computed once (JaggedFeatures)
+            values, lengths = sub.values, sub.lengths.view(len(pos), B)
             names = [self.sequence_feature_names[p] for p in g.sequence]
             row_off = getattr(self, f"_g{g.index}_seq_row_off")
             limit = getattr(self, f"_g{g.index}_seq_limit")
@@ -649,23 +646,12 @@ class LocalEmbeddingBags(nn.Module):
 
     def _pooled_plans(self, features: JaggedFeatures, kp: _KeyPlan) -> tuple[list[DimGroup], list[_BagPlan]]:
         B = features.batch_size
-        F_in = len(features.keys)
-        lengths2d = features.lengths.view(F_in, B)
-        per_key = per_key_w = None
         groups, plans = [], []
         for g, pos, all_keys in zip(self.groups, kp.pooled_pos, kp.pooled_all):
             if not pos:
                 continue
-            if all_keys:
-                values, lengths, weights = features.values, lengths2d, features.weights
-            else:
-                if per_key is None:
-                    lpk = lengths2d.sum(1).tolist()
-                    per_key = torch.split(features.values, lpk)
-                    per_key_w = torch.split(features.weights, lpk) if features.weights is not None else None
-                values = torch.cat([per_key[p] for p in pos])
-                weights = torch.cat([per_key_w[p] for p in pos]) if per_key_w is not None else None
-                lengths = lengths2d[pos]
+            sub = features if all_keys else features.permute(pos)  # per-key split computed once per batch
+            values, lengths, weights = sub.values, sub.lengths.view(len(sub.keys), B), sub.weights
             groups.append(g)
             plans.append(self._bag_plan(g, values, lengths, weights, B))
         return groups, plans

@@ -230,16 +230,16 @@ class MixedEmbedding(nn.Module):
         if missing:
             raise InputError(f"got {len(keys)} features {keys}, expected the {len(self.feature_names)} pooled "
                              f"features {self.feature_names}: missing {missing}")
-        F_in, B = len(keys), features.batch_size
-        lengths2d = features.lengths.view(F_in, B)
+        B = features.batch_size
         if not self.tt and not self._remapped and self.local is not None:
             return self.local(features)
-        values = list(torch.split(features.values, lengths2d.sum(1).tolist()))
-        weights = (list(torch.split(features.weights, [v.numel() for v in values]))
-                   if features.weights is not None else None)
-        for f, i in pos.items():
-            if f in self._remapped:
-                values[i] = self._rename(f, values[i])
+        if self._remapped:  # rename the reordered features' ids, then select from the renamed batch
+            lpk = features.length_per_key_list()
+            values = list(torch.split(features.values, lpk))
+            for f, i in pos.items():
+                if f in self._remapped:
+                    values[i] = self._rename(f, values[i])
+            features = JaggedFeatures(keys, torch.cat(values), features.lengths, features.weights)
         cols: dict[str, torch.Tensor] = {}
         if self.local is not None:
             # the local module's pooled features in its own order (a sharded module takes no other), then any
@@ -247,22 +247,16 @@ class MixedEmbedding(nn.Module):
             pooled = set(self.local.feature_names)
             lk = list(self.local.feature_names) + [k for k in keys if k not in pooled
                                                    and self._feature_table[k].compression != "tt"]
-            idx = [pos[k] for k in lk]
-            sub = JaggedFeatures(lk, torch.cat([values[i] for i in idx]), lengths2d[idx].reshape(-1),
-                                 torch.cat([weights[i] for i in idx]) if weights is not None else None)
-            out = self.local(sub)
+            out = self.local(features.select(lk))
             for f, o in zip(self.local.feature_names, torch.split(out, self._local_dims, dim=1)):
                 cols[f] = o
         for name, m in self.tt.items():
             t = self._spec[name]
-            idx = [pos[f] for f in t.features]
-            k = len(idx)
-            vals = torch.cat([values[i] for i in idx]) if k > 1 else values[idx[0]]
-            lens = lengths2d[idx].reshape(-1)
-            offsets = lens.new_zeros(k * B + 1)
-            torch.cumsum(lens, 0, out=offsets[1:])
-            psw = (torch.cat([weights[i] for i in idx]) if k > 1 else weights[idx[0]]) if weights is not None else None
-            out = m(vals, offsets, psw)  # [k * B, dim], key-major bags
+            sub = features.select(t.features)  # key-major bags of the table's features
+            k = len(t.features)
+            offsets = sub.lengths.new_zeros(k * B + 1)
+            torch.cumsum(sub.lengths, 0, out=offsets[1:])
+            out = m(sub.values, offsets, sub.weights)  # [k * B, dim], key-major bags
             out = out.view(k, B, t.dim)
             for j, f in enumerate(t.features):
                 cols[f] = out[j]

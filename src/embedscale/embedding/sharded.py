@@ -1,8 +1,9 @@
 """``ShardedEmbedding``: execute any placement plan with one flat storage and one fused lookup per rank.
 
 OPER section 5 (all-in-one EMT). Each rank holds the rows it owns and the replicas it holds in one flat
-storage. The host-side address map (``embedding.address_map``) decodes every looked-up row to the rank
-it is read from and the offset there. Two designs, both measured on this same code (OPER section 8):
+storage. The address map (``embedding.address_map``), kept as torch tensors on the storage's device,
+decodes every looked-up row to the rank it is read from and the offset there. Two designs, both measured
+on this same code (OPER section 8):
 
 ``retrieve`` (default; OPER 5.1-5.2): a rank fetches the remote rows its own mini-batch needs,
     deduplicated per source rank, into a fetch area right after its storage, and pools local and
@@ -18,6 +19,11 @@ Replicated rows (data parallel, OPER 4.3) are read locally where held; their gra
 all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3; or, for few ranks,
 ``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
 holder applies the same update, so replicas stay identical.
+
+Device: a batch's ids are decoded, deduplicated and pooled on the device of the storage (the run's
+device); only per-peer counts (``W`` numbers) and scalar checks are read on the host, never the ids. Every
+tensor goes to the transport on that device, and the transport moves it to the device its backend needs
+(``Transport.wire_device``: CUDA for NCCL, host for gloo). Designed for GPU; tested on CPU (gloo) only.
 
 Gradient scale: the module applies exactly the gradient it receives. Data-parallel training that wants
 the single-process result uses a loss that is the sum over the local samples divided by the *global*
@@ -114,7 +120,7 @@ class ShardedEmbedding(nn.Module):
         self._feature_table = torch.tensor([f2t[f] for f in self.feature_names], dtype=torch.int64)
         self._feature_rows = torch.tensor([self.tables[f2t[f]].num_rows for f in self.feature_names])
         self._feature_mean = torch.tensor([self.tables[f2t[f]].pooling == "mean" for f in self.feature_names])
-        self.tmap = TorchAddressMap(amap, rank)
+        self.tmap = TorchAddressMap(amap, rank).to(device)
         self.num_owned = int(amap.num_owned()[rank])
         self.num_slots = amap.num_slots
         # replica region index -> global slot (for gradients of replicas a peer read from this rank)
@@ -122,7 +128,10 @@ class ShardedEmbedding(nn.Module):
         if self.num_slots:
             held = np.flatnonzero(amap.replica_local[:, rank] >= 0)
             region[amap.replica_local[held, rank]] = held
-        self._region_slot = torch.from_numpy(region)
+        self._region_slot = torch.from_numpy(region).to(device)
+        self._feature_table = self._feature_table.to(device)
+        self._feature_rows = self._feature_rows.to(device)
+        self._feature_mean = self._feature_mean.to(device)
         gids = amap.storage_gids(rank)
         weight = torch.empty((gids.size, self.dim), dtype=dtype)
         table_of = np.searchsorted(amap.table_base, gids, side="right") - 1
@@ -153,6 +162,16 @@ class ShardedEmbedding(nn.Module):
             raise InputError(f"sharded embedding: features {features.keys} are not in the order "
                              f"{self.feature_names}")
 
+    def _follow_storage(self) -> torch.device:
+        """The storage's device; the address map and per-feature tables follow it there when the module was
+        moved (``.to(device)`` moves buffers only). A no-op check per step otherwise."""
+        dev = self.weight.device
+        if self.tmap.device != dev:
+            self.tmap = self.tmap.to(dev)
+            for name in ("_feature_table", "_feature_rows", "_feature_mean", "_region_slot"):
+                setattr(self, name, getattr(self, name).to(dev))
+        return dev
+
     def _inputs(self, features: JaggedFeatures, ones: bool = True):
         """A mini-batch as flat lookups: ``(gids, bag, scale, nbags, B, offsets, one_hot)``.
 
@@ -161,35 +180,40 @@ class ShardedEmbedding(nn.Module):
         when every weight is 1 and ``ones`` is false; ``offsets``: ``[nbags + 1]`` start of every bag;
         ``one_hot``: every bag holds exactly one value.
         Values of feature ``f`` are one contiguous block, so table bases and bounds repeat per feature.
+        Everything is computed on the storage's device, where the ids stay (a batch on another device is
+        moved there once); with ``validate`` the ids are checked here, once, by one vectorised comparison
+        (a batch already checked by the loader against the same tables can skip it: ``validate=False``).
         """
         self._check_keys(features)
+        dev = self._follow_storage()
         F_, B = len(self.feature_names), features.batch_size
-        lengths = features.lengths.cpu()
-        values = features.values.cpu()
+        lengths = features.lengths.to(dev)
+        values = features.values.to(dev)
         n = values.numel()
-        per_feature = lengths.view(F_, B).sum(1) if B else torch.zeros(F_, dtype=torch.int64)
+        per_feature = lengths.view(F_, B).sum(1) if B else torch.zeros(F_, dtype=torch.int64, device=dev)
         if self.validate and n:
-            rows = torch.repeat_interleave(self._feature_rows, per_feature)
+            rows = torch.repeat_interleave(self._feature_rows, per_feature, output_size=n)
             bad = (values < 0) | (values >= rows)
-            if bool(bad.any()):
+            if bool(bad.any()):  # one scalar read per step; the details only on the error path
                 i = int(torch.nonzero(bad)[0])
                 f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
                 raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
                                  f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
         base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
-        gids = torch.repeat_interleave(base, per_feature) + values
+        gids = torch.repeat_interleave(base, per_feature, output_size=n) + values
         one_hot = n == F_ * B and bool((lengths == 1).all())
-        bag = torch.arange(n) if one_hot else torch.repeat_interleave(torch.arange(F_ * B), lengths)
-        offsets = torch.zeros(F_ * B + 1, dtype=torch.int64)
+        bag = torch.arange(n, device=dev) if one_hot else \
+            torch.repeat_interleave(torch.arange(F_ * B, device=dev), lengths, output_size=n)
+        offsets = torch.zeros(F_ * B + 1, dtype=torch.int64, device=dev)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        scale = features.weights.cpu().to(torch.float32) if features.weights is not None else None
+        scale = features.weights.to(dev, torch.float32) if features.weights is not None else None
         if not one_hot and bool(self._feature_mean.any()):
-            mean = torch.repeat_interleave(self._feature_mean, per_feature)
+            mean = torch.repeat_interleave(self._feature_mean, per_feature, output_size=n)
             if scale is None:
-                scale = torch.ones(n, dtype=torch.float32)
+                scale = torch.ones(n, dtype=torch.float32, device=dev)
             scale = torch.where(mean, scale / lengths.index_select(0, bag).clamp(min=1).to(scale.dtype), scale)
         if scale is None and ones:
-            scale = torch.ones(n, dtype=torch.float32)
+            scale = torch.ones(n, dtype=torch.float32, device=dev)
         return gids, bag, scale, F_ * B, B, offsets, one_hot
 
     def _prepare(self, features: JaggedFeatures):
@@ -327,14 +351,14 @@ class _Retrieve(torch.autograd.Function):
         if training and mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
             rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
             if bool(rep.any()):
-                r_slot = torch.full((R,), -1, dtype=torch.int64)
+                r_slot = torch.full((R,), -1, dtype=torch.int64, device=dev)
                 r_slot[rinv[rep]] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
         blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
         fused = training and mod.num_slots and mod.grad_sync == "alltoall" and mod.optimizer is not None
         if fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
             t_slots = _touched_replicas(mod, key, remote, r_slot)
             cnt = tr.exchange_counts(torch.tensor([[c, t_slots.numel()] if p != me else [0, 0]
-                                                   for p, c in enumerate(per_rank)], dtype=torch.int64))
+                                                   for p, c in enumerate(per_rank)], dtype=torch.int64, device=dev))
             got = tr.exchange([torch.cat([b, t_slots]) if p != me else b for p, b in enumerate(blocks)],
                               recv_counts=cnt.sum(1).tolist(), kind="ids")
             requests = [x[:c] for x, c in zip(got, cnt[:, 0].tolist())]
@@ -469,7 +493,8 @@ def sample_major(pos: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Ten
     lengths_s = (offsets[1:] - offsets[:-1]).view(F_, B).t().reshape(-1)
     offsets_s = torch.zeros_like(offsets)
     torch.cumsum(lengths_s, 0, out=offsets_s[1:])
-    dest = offsets_s.index_select(0, bag_s) + torch.arange(pos.numel()) - offsets.index_select(0, bag)
+    dest = offsets_s.index_select(0, bag_s) + torch.arange(pos.numel(), device=pos.device) - \
+        offsets.index_select(0, bag)
     pos_s = torch.empty_like(pos).index_copy_(0, dest, pos)
     scale_s = None if scale is None else torch.empty_like(scale).index_copy_(0, dest, scale)
     return pos_s, scale_s, offsets_s, bag_s
@@ -481,7 +506,7 @@ def _touched_replicas(mod: ShardedEmbedding, key: torch.Tensor, remote: torch.Te
     off = key & mod.tmap.OFF_MASK
     held = int(mod.weight.shape[0]) - mod.num_owned
     sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
-    flag = torch.zeros(held, dtype=torch.bool)
+    flag = torch.zeros(held, dtype=torch.bool, device=key.device)
     flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
     out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
     if r_slot is not None:
@@ -503,8 +528,8 @@ class _SendBased(torch.autograd.Function):
         p_src = pkeys // nbags
         p_bag = pkeys % nbags
         p_counts = _split_by_rank(p_src, W)
-        p_first = torch.zeros(W + 1, dtype=torch.int64)
-        p_first[1:] = torch.cumsum(torch.tensor(p_counts), 0)
+        p_first = torch.zeros(W + 1, dtype=torch.int64, device=dev)
+        p_first[1:] = torch.cumsum(torch.tensor(p_counts, device=dev), 0)
         local_pbag = pinv - p_first[src]  # partial-bag number inside its source rank's list
         order = torch.argsort(src, stable=True)
         v_counts = _split_by_rank(src, W)

@@ -1,13 +1,13 @@
 """Pipelined training with a host-memory parameter server and a life-cycle embedding cache (EL-Rec, SC 2022,
 section V): tables with ``placement: host`` live in :class:`HostParameterServer`; :class:`PipelinedEmbedding`
 presents them, with device-side tables, as one embedding module; :class:`PipelinedLoader` /
-:func:`pipelined_trainer` prefetch host rows ``depth - 1`` batches ahead while the trainer computes, and
+``train.trainer.pipelined_trainer`` prefetch host rows ``depth - 1`` batches ahead while the trainer computes, and
 :class:`LifeCycleCache` patches the stale ones, so the result equals sequential training bit for bit.
 """
 
 from embedscale.pipeline.cache import LifeCycleCache
 from embedscale.pipeline.embedding import PipelinedEmbedding, select_features
-from embedscale.pipeline.loop import Pipeline, PipelinedLoader, pipelined_trainer
+from embedscale.pipeline.loop import Pipeline, PipelinedLoader
 from embedscale.pipeline.queues import GradientBatch, HostRows, PipelineError, PrefetchedBatch
 from embedscale.pipeline.server import HostParameterServer, aggregate_row_updates, apply_row_updates_
 
@@ -22,7 +22,6 @@ __all__ = [
     "PipelinedLoader",
     "PrefetchedBatch",
     "aggregate_row_updates",
-    "pipelined_trainer",
     "apply_row_updates_",
     "select_features",
 ]

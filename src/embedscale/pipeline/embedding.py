@@ -48,25 +48,13 @@ from embedscale.specs import TableSpec
 
 
 def select_features(features: JaggedFeatures, keys: Sequence[str]) -> JaggedFeatures:
-    """The features ``keys`` (in that order) of ``features``: the input itself when it already is exactly that."""
+    """The features ``keys`` (in that order) of ``features`` (``JaggedFeatures.select``): the input itself when
+    it already is exactly that."""
     keys = list(keys)
-    if keys == features.keys:
-        return features
-    pos = {k: i for i, k in enumerate(features.keys)}
-    missing = [k for k in keys if k not in pos]
+    missing = [k for k in keys if k not in features.keys]
     if missing:
         raise InputError(f"got features {features.keys}: missing {missing}")
-    idx = [pos[k] for k in keys]
-    B = features.batch_size
-    lengths2d = features.lengths.view(len(features.keys), B)
-    lpk = lengths2d.sum(1).tolist()
-    per_key = torch.split(features.values, lpk)
-    values = torch.cat([per_key[i] for i in idx])
-    weights = None
-    if features.weights is not None:
-        per_w = torch.split(features.weights, lpk)
-        weights = torch.cat([per_w[i] for i in idx])
-    return JaggedFeatures(keys, values, lengths2d[idx].reshape(-1), weights)
+    return features.select(keys)
 
 
 class _HostLookup(torch.autograd.Function):

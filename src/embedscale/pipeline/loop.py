@@ -22,7 +22,7 @@ With ``depth >= 2``, rows read before the updates of the batches in flight reach
 and the cache patches them: the result is bit for bit that of sequential training.
 
 :class:`PipelinedLoader` wraps any batch iterable (a ``ShardLoader``) so that any training loop runs
-pipelined; :func:`pipelined_trainer` is the single-process :class:`~embedscale.train.trainer.Trainer`
+pipelined; :func:`embedscale.train.trainer.pipelined_trainer` is the single-process :class:`~embedscale.train.trainer.Trainer`
 with its training loader wrapped.
 """
 
@@ -32,11 +32,8 @@ import collections
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Iterable, Iterator
 
-import torch
-from torch import nn
 
 from embedscale.data.batch import Batch
 from embedscale.errors import ConfigError
@@ -322,23 +319,3 @@ class PipelinedLoader:
         finally:
             pipe.finish()
             self.last_stats = dict(pipe.stats)
-
-
-def pipelined_trainer(model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader, eval_loader,
-                      run_dir: str | Path, *, pipeline_depth: int = 2, use_cache: bool = True, **kwargs):
-    """The single-process :class:`~embedscale.train.trainer.Trainer`, pipelined (EL-Rec section V).
-
-    Same arguments as ``Trainer`` plus ``pipeline_depth`` and ``use_cache``; ``model.sparse_arch.embedding``
-    must be a :class:`PipelinedEmbedding`. Returns a ``Trainer`` whose training loader is a
-    :class:`PipelinedLoader`: metrics, evaluation, checkpoints and exact resume are the Trainer's, and a
-    checkpoint holds the host tables (``...embedding.host.<table>.weight``) as sequential training would
-    have them at that step.
-    """
-    from embedscale.train.trainer import Trainer  # train sits above pipeline: imported when used
-
-    emb = getattr(getattr(model, "sparse_arch", None), "embedding", None)
-    if not isinstance(emb, PipelinedEmbedding):
-        raise ConfigError("pipelined_trainer: model.sparse_arch.embedding must be a PipelinedEmbedding, got "
-                          f"{type(emb).__name__}")
-    loader = PipelinedLoader(train_loader, emb, pipeline_depth, use_cache=use_cache)
-    return Trainer(model, dense_optimizer, loader, eval_loader, run_dir, **kwargs)

@@ -242,25 +242,10 @@ class HostParameterServer:
         if missing:
             raise InputError(f"got features {keys}; the host tables need {self.feature_names}: missing {missing}")
         B = features.batch_size
-        F_in = len(keys)
-        lengths2d = features.lengths.view(F_in, B)
-        per_key = per_key_w = None
         out = []
         for lay in self.layouts:
-            p = [pos[f] for f in lay.features]
-            if p == list(range(F_in)):
-                values, lengths, weights = features.values, lengths2d, features.weights
-            else:
-                if per_key is None:
-                    lpk = lengths2d.sum(1).tolist()
-                    per_key = torch.split(features.values, lpk)
-                    per_key_w = torch.split(features.weights, lpk) if features.weights is not None else None
-                values = torch.cat([per_key[i] for i in p]) if len(p) > 1 else per_key[p[0]]
-                weights = None
-                if per_key_w is not None:
-                    weights = torch.cat([per_key_w[i] for i in p]) if len(p) > 1 else per_key_w[p[0]]
-                lengths = lengths2d[p]
-            out.append(self._group_rows(lay, values, lengths, weights, B))
+            sub = features.permute([pos[f] for f in lay.features])  # per-key split computed once per batch
+            out.append(self._group_rows(lay, sub.values, sub.lengths.view(len(lay.features), B), sub.weights, B))
         return out
 
     def _group_rows(self, lay: _GroupLayout, values, lengths, weights, B: int) -> HostRows:

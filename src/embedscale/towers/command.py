@@ -13,8 +13,7 @@ Outputs, written atomically, no pickle:
   learned and of the naive strided assignment);
 * ``OUT`` with suffix ``.png``: the interaction matrix sorted by tower, towers outlined (DMT Figure 9).
 
-Checkpoints read: a single-process checkpoint (``checkpoints/step-N.pt``), a sharded checkpoint of a
-planned run (``checkpoints/step-N/``, rows by global id) or of a DMT run (row ranges per table); the
+Checkpoints read: the one format (``checkpoints/step-N/``, rows by table and row id, any world size); the
 latest one of the run unless a checkpoint path is given.
 """
 
@@ -22,38 +21,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 
 from embedscale.errors import ConfigError, FormatError
-from embedscale.io import atomic_write_json, read_json
+from embedscale.io import atomic_write_json
 from embedscale.specs import RunConfig, TableSpec, from_dict
 
 
 def _find_checkpoint(path: Path) -> tuple[Path, Path]:
     """``(run directory, checkpoint)`` from a run directory or a checkpoint path."""
-    from embedscale.train.checkpoint import latest_checkpoint
-    from embedscale.train.distributed import latest_sharded_checkpoint
+    from embedscale.train.checkpoint import is_checkpoint, latest_checkpoint
 
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such run directory or checkpoint")
-    if path.is_file() or (path / "manifest.json").exists():  # a checkpoint: <run>/checkpoints/<ckpt>
+    if is_checkpoint(path):  # a checkpoint: <run>/checkpoints/<ckpt>
         return path.parent.parent, path
-    candidates = [c for c in (latest_checkpoint(path / "checkpoints"), latest_sharded_checkpoint(path)) if c]
-    if not candidates:
+    found = latest_checkpoint(path)
+    if found is None:
         raise ConfigError(f"{path}: no checkpoint in {path / 'checkpoints'} (train the run first)")
-    step = lambda c: int(c.name.split("-")[1].split(".")[0])  # noqa: E731 - step-00000012[.pt]
-    return path, max(candidates, key=step)
+    return path, found
 
 
 def _run_config(run_dir: Path, checkpoint: Path) -> RunConfig:
-    if checkpoint.is_file():
-        from embedscale.train.checkpoint import load_checkpoint
+    from embedscale.train.checkpoint import read_manifest
 
-        text = load_checkpoint(checkpoint)["config_yaml"]
-    else:
+    text = read_manifest(checkpoint).get("config_yaml")
+    if not text:
         p = run_dir / "config.yaml"
         if not p.exists():
             raise ConfigError(f"{checkpoint}: no config.yaml in the run directory {run_dir}")
@@ -62,41 +57,18 @@ def _run_config(run_dir: Path, checkpoint: Path) -> RunConfig:
 
 
 def load_table_weights(checkpoint: Path, tables: list[TableSpec]) -> dict[str, torch.Tensor]:
-    """Every table's ``[num_rows, dim]`` weights from a single-process or sharded checkpoint."""
-    checkpoint = Path(checkpoint)
-    if checkpoint.is_file():
-        from embedscale.train.checkpoint import load_checkpoint
+    """Every table's ``[num_rows, dim]`` weights from a checkpoint of any world size (``train.checkpoint``)."""
+    from embedscale.train.checkpoint import assemble_table, read_manifest, read_shards
 
-        state = load_checkpoint(checkpoint, map_location="cpu")["model"]
-        out = {}
-        for t in tables:
-            w = state.get(f"sparse_arch.embedding.{t.name}.weight")
-            if w is None:
-                raise FormatError(f"{checkpoint}: no weights for table {t.name!r} (tensor-train and host-placed tables "
-                                  "are not read by embedscale towers)")
-            out[t.name] = w.float()
-        return out
-    m = read_json(checkpoint / "manifest.json", "sharded checkpoint manifest")
-    if m.get("table_rows") != [t.num_rows for t in tables]:
-        raise FormatError(f"{checkpoint}: tables {m.get('tables')} / {m.get('table_rows')} differ from the run's")
-    out = {t.name: torch.full((t.num_rows, t.dim), float("nan")) for t in tables}
-    base = np.concatenate([[0], np.cumsum([t.num_rows for t in tables])])
-    for name in m["shards"]:
-        sh = torch.load(checkpoint / name, map_location="cpu", weights_only=True)
-        if m.get("kind") == "dmt":  # row ranges per table
-            for tname, e in sh["tables"].items():
-                out[tname][e["lo"]:e["hi"]] = e["weight"].float()
-        else:  # rows by global id (address map: table_base[t] + row)
-            gids = sh["embedding"]["gids"].numpy()
-            w = sh["embedding"]["weight"].float()
-            t_of = np.searchsorted(base, gids, side="right") - 1
-            for ti, t in enumerate(tables):
-                sel = np.flatnonzero(t_of == ti)
-                out[t.name][torch.from_numpy(gids[sel] - base[ti])] = w[torch.from_numpy(sel)]
+    m = read_manifest(checkpoint)
+    rows = dict(zip(m.get("tables", []), m.get("table_rows", [])))
     for t in tables:
-        if torch.isnan(out[t.name]).any():
-            raise FormatError(f"{checkpoint}: the shards do not hold every row of table {t.name!r}")
-    return out
+        if rows.get(t.name) != t.num_rows:
+            raise FormatError(f"{checkpoint}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint, "
+                              f"{t.num_rows} in the run (tensor-train and host-placed tables are not read by "
+                              "embedscale towers)")
+    shards = read_shards(checkpoint, m)
+    return {t.name: assemble_table(shards, t.name, t.num_rows, checkpoint)[0].float() for t in tables}
 
 
 def default_towers(cfg: RunConfig) -> int:

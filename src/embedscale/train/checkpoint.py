@@ -1,10 +1,27 @@
-"""Checkpoints that resume exactly and never run code on load.
+"""One checkpoint format for every run: ``checkpoints/step-N/`` = ``manifest.json`` + ``rank-XXXXX.pt`` per rank.
 
-A checkpoint is one ``torch.save`` file holding only tensors, numbers, strings, lists and dicts: the
-model's state (embedding weights and their fused-optimizer state included), the dense optimizer's state,
-the position in the data (epoch, batches done in that epoch, global step), the RNG states and the
-resolved config as YAML text. It is written to a temporary file and renamed, and read back with
-``torch.load(..., weights_only=True)``.
+Every run (one process, N ranks under any plan, TT/host mixtures, pipelined host tables, DMT towers) writes
+the same directory: each rank a file with the embedding rows it holds, *by table name and row id* (so a
+checkpoint restores onto any world size, plan or tower sharding), and the dense state it is responsible
+for; rank 0 writes ``manifest.json`` last, after every rank file is complete, so a directory without a
+manifest is an interrupted write and never read. One process is a world of one.
+
+A rank file holds only tensors, numbers, strings, lists and dicts (read back with
+``torch.load(..., weights_only=True)``, never pickle):
+
+- ``tables``: ``{table: {"rows": int64 [k], "weight": [k, dim], "momentum": [k] (row-wise Adagrad)}}``, the
+  rows this rank stores (every row of every row-stored table is in exactly one rank's file);
+- ``dense``: model state outside the embedding tables (module name -> tensor), in one or more rank files
+  (DMT: tower modules in the first rank of each tower group);
+- ``optimizer``: the dense optimizer's state *by parameter name* (positions differ between a sharded and a
+  single-process model), and on rank 0 ``optimizer_groups`` (learning rates, warmup base rates);
+- rank 0 only: ``losses`` (every step's loss), ``rng_torch``, ``host`` (host parameter-server tables:
+  ``<table>.weight`` / ``.momentum``) and ``tt`` (TT cores and their optimizer state: every rank's copy is
+  the same).
+
+The manifest holds the run position (step, epoch, batch_in_epoch, samples), ``kind`` (``plan``: flat
+model; ``dmt``: tower model), the row-stored tables and their rows, the optimizers, the resolved config
+(``config_yaml``) and the shard file names.
 """
 
 from __future__ import annotations
@@ -13,61 +30,181 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from embedscale.errors import FormatError
-from embedscale.io import atomic_open
+from embedscale.io import atomic_open, atomic_write_json, read_json
 
 FORMAT = "embedscale.checkpoint"
-VERSION = 1
-_NAME = re.compile(r"step-(\d+)\.pt$")
+VERSION = 2
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step-(\d+)$")
 
 
-def save_checkpoint(path: str | Path, *, model_state: dict, optimizer_state: dict, step: int, epoch: int,
-                    batch_in_epoch: int, config_yaml: str, extra: dict | None = None) -> Path:
-    """Write a checkpoint atomically; returns its path."""
-    payload = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": model_state,
-        "optimizer": optimizer_state,
-        "step": int(step),
-        "epoch": int(epoch),
-        "batch_in_epoch": int(batch_in_epoch),
-        "rng_torch": torch.get_rng_state(),
-        "config_yaml": config_yaml,
-        "extra": extra or {},
-    }
+# -- paths ------------------------------------------------------------------------------------------
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    """``<run dir>/checkpoints/step-NNNNNNNN``."""
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """A complete checkpoint: a directory whose manifest has been written."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def latest_checkpoint(path: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step of a run directory (or of its ``checkpoints/``);
+    ``None`` if there is none. Directories without a manifest (interrupted writes) are skipped."""
+    d = Path(path)
+    if (d / "checkpoints").is_dir():
+        d = d / "checkpoints"
+    if not d.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _STEP.match(p.name)) and is_checkpoint(p)]
+    return max(found)[1] if found else None
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from a checkpoint directory or a run directory (its latest checkpoint)."""
+    p = Path(path)
+    if is_checkpoint(p):
+        return p
+    if p.is_dir():
+        found = latest_checkpoint(p)
+        if found is not None:
+            return found
+        raise FormatError(f"{p}: neither a checkpoint (no {MANIFEST}) nor a run directory with a complete "
+                          "checkpoint under checkpoints/step-N/")
+    raise FormatError(f"{p}: not a checkpoint directory (a run's checkpoints/step-N/ or a run directory)")
+
+
+# -- reading ----------------------------------------------------------------------------------------
+def read_manifest(ckpt_dir: str | Path) -> dict:
+    """The manifest of a complete checkpoint; another format or version is a ``FormatError``."""
+    ckpt_dir = Path(ckpt_dir)
+    if not is_checkpoint(ckpt_dir):
+        raise FormatError(f"{ckpt_dir}: not a complete checkpoint (no {MANIFEST})")
+    m = read_json(ckpt_dir / MANIFEST, "checkpoint manifest")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise FormatError(f"{ckpt_dir / MANIFEST}: not an embedscale checkpoint (format {m.get('format')!r})"
+                          if isinstance(m, dict) else f"{ckpt_dir / MANIFEST}: not an embedscale checkpoint")
+    if m.get("version") != VERSION:
+        raise FormatError(f"{ckpt_dir / MANIFEST}: checkpoint version {m.get('version')} is not {VERSION}")
+    return m
+
+
+def read_shard(path: str | Path) -> dict:
+    """One rank file, read with ``weights_only=True``; a damaged file is a ``FormatError`` naming it."""
     path = Path(path)
+    if not path.is_file():
+        raise FormatError(f"checkpoint file not found: {path}")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+        raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or "rank" not in payload:
+        raise FormatError(f"{path}: not an embedscale checkpoint rank file")
+    return payload
+
+
+def read_shards(ckpt_dir: str | Path, manifest: dict) -> list[dict]:
+    return [read_shard(Path(ckpt_dir) / name) for name in manifest["shards"]]
+
+
+def rank0(shards: list[dict]) -> dict:
+    return next(sh for sh in shards if sh["rank"] == 0)
+
+
+def merged(shards: list[dict], key: str) -> dict:
+    """The union of the ``key`` dicts of every rank file (dense state, named optimizer state)."""
+    out: dict = {}
+    for sh in shards:
+        out.update(sh.get(key) or {})
+    return out
+
+
+def table_pieces(shards: list[dict], name: str) -> tuple[np.ndarray, torch.Tensor | None, torch.Tensor | None]:
+    """``(rows, weight, momentum)`` of table ``name`` concatenated over the rank files (row order as stored)."""
+    rows, ws, ms = [], [], []
+    for sh in shards:
+        e = (sh.get("tables") or {}).get(name)
+        if e is None:
+            continue
+        rows.append(e["rows"].numpy())
+        ws.append(e["weight"])
+        if "momentum" in e:
+            ms.append(e["momentum"])
+    if not rows:
+        return np.zeros(0, np.int64), None, None
+    return np.concatenate(rows), torch.cat(ws), (torch.cat(ms) if len(ms) == len(ws) else None)
+
+
+def assemble_table(shards: list[dict], name: str, num_rows: int, where: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Table ``name`` whole (``[num_rows, dim]`` weight and row-wise state or ``None``) from the rank files;
+    a row that no file holds (or a table the checkpoint lacks) is a ``FormatError`` naming table and row."""
+    rows, w, m = table_pieces(shards, name)
+    if w is None:
+        raise FormatError(f"{where}: no rows of table {name!r} in the checkpoint")
+    if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
+        raise FormatError(f"{where}: table {name!r} has a saved row {int(rows.max())} outside [0, {num_rows})")
+    covered = np.zeros(num_rows, dtype=bool)
+    covered[rows] = True
+    if not covered.all():
+        raise FormatError(f"{where}: no rank file holds row {int(np.argmin(covered))} of table {name!r} "
+                          f"({num_rows} rows)")
+    idx = torch.from_numpy(rows)
+    weight = torch.empty((num_rows, w.shape[1]), dtype=w.dtype)
+    weight[idx] = w
+    mom = None
+    if m is not None:
+        mom = torch.empty(num_rows, dtype=m.dtype)
+        mom[idx] = m
+    return weight, mom
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """A whole checkpoint in one process (tools, tests, ``embedscale evaluate``): ``manifest``, ``step``,
+    ``epoch``, ``batch_in_epoch``, ``samples``, ``config_yaml``, ``losses``, ``tables`` (``{name: {"weight",
+    "momentum"}}`` whole), ``dense``, ``optimizer`` (by parameter name), ``optimizer_groups``, ``host``, ``tt``.
+    ``path`` is a checkpoint or a run directory (its latest checkpoint)."""
+    ckpt = resolve_checkpoint(path)
+    m = read_manifest(ckpt)
+    shards = read_shards(ckpt, m)
+    r0 = rank0(shards)
+    tables = {}
+    for name, n in zip(m["tables"], m["table_rows"]):
+        w, mom = assemble_table(shards, name, n, ckpt)
+        tables[name] = {"weight": w, **({"momentum": mom} if mom is not None else {})}
+    return {"path": ckpt, "manifest": m, "step": m["step"], "epoch": m["epoch"],
+            "batch_in_epoch": m["batch_in_epoch"], "samples": m["samples"], "config_yaml": m.get("config_yaml", ""),
+            "losses": [float(x) for x in r0.get("losses", [])], "tables": tables, "dense": merged(shards, "dense"),
+            "optimizer": merged(shards, "optimizer"), "optimizer_groups": r0.get("optimizer_groups", []),
+            "host": r0.get("host", {}), "tt": r0.get("tt", {})}
+
+
+# -- writing ----------------------------------------------------------------------------------------
+def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
+    """This rank's part, written atomically (a temporary file renamed)."""
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    path = ckpt_dir / rank_file(rank)
     with atomic_open(path, "wb") as f:
         torch.save(payload, f)
     return path
 
 
-def load_checkpoint(path: str | Path, map_location: Any = None) -> dict:
-    """Read a checkpoint with ``weights_only=True``; a wrong or damaged file is a ``FormatError``."""
-    path = Path(path)
-    if not path.exists():
-        raise FormatError(f"checkpoint not found: {path}")
-    try:
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
-        raise FormatError(f"{path}: not a readable checkpoint ({type(e).__name__}: {e})") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise FormatError(f"{path}: not an embedscale checkpoint")
-    if payload.get("version") != VERSION:
-        raise FormatError(f"{path}: checkpoint version {payload.get('version')} is not {VERSION}")
-    return payload
+def write_manifest(ckpt_dir: Path, world: int, fields: dict) -> Path:
+    """The manifest (rank 0, after every rank file is written): marks the checkpoint complete."""
+    m = {"format": FORMAT, "version": VERSION, "world_size": world, **fields,
+         "shards": [rank_file(r) for r in range(world)]}
+    atomic_write_json(ckpt_dir / MANIFEST, m)
+    return ckpt_dir / MANIFEST
 
 
-def checkpoint_path(directory: str | Path, step: int) -> Path:
-    return Path(directory) / f"step-{step:08d}.pt"
-
-
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The checkpoint with the highest step in ``directory`` (``None`` if there is none)."""
-    d = Path(directory)
-    if not d.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.search(p.name))]
-    return max(found)[1] if found else None
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "assemble_table", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
+           "merged", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
+           "step_dir", "table_pieces", "write_manifest", "write_rank_file"]

@@ -15,10 +15,18 @@ runs into a collective timeout. Then every rank builds:
 DMT models (``model.arch: dmt-dlrm | dmt-dcn``) run as a ``DMTRun`` (``embedscale.train.dmt_run``): the
 tower transform instead of a plan, tower-group gradient sync instead of DDP, the same loop and summary.
 
-Checkpoints are sharded: every rank writes the rows it owns (global ids, weights, optimizer state) and
-rank 0 the dense state; a manifest written last marks the checkpoint complete. Restoring reads every
-shard and keeps the rows the *current* plan puts on this rank, so a checkpoint restores onto the same
-plan exactly, or onto another plan or world size (re-sharding).
+Checkpoints are the one format of ``train.checkpoint``: every rank writes the rows it owns (by table and
+row id, with their optimizer state) and rank 0 the dense state; a manifest written last marks the
+checkpoint complete. Restoring reads every rank file and keeps the rows the *current* plan puts on this
+rank, so a checkpoint restores onto the same plan exactly, or onto another plan or world size, one
+process included (re-sharding). The loop is :func:`embedscale.train.loop.fit`.
+
+Resume: the run directory records its plan (``run-plan.json``: ``dist.plan`` and world size). Resumed on the
+same world size and plan it continues exactly; on another world size rank 0 re-plans with the run's
+strategy and the ranks re-shard from the last checkpoint. A ``dist.plan`` other than the run's is a
+``ConfigError`` unless ``dist.replan`` asks to re-plan. The ready/failed markers between rank 0 and the
+others carry the attempt (torchrun run id and restart count), so a marker of an earlier attempt is never
+read as this one's.
 """
 
 from __future__ import annotations
@@ -36,17 +44,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
+from embedscale import workflow
+from embedscale.data.loader import ShardLoader
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
 from embedscale.plan.forms import check_plan_sizes, forms_for_run, forms_of, replicated_tables_meta, with_forms
+from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
+from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
+                                        resolve_checkpoint, table_pieces, write_rank_file)
+from embedscale.train.loop import LoopConfig, fit
+from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
+                                  optimizer_state, param_names, table_entry)
+from embedscale.train.trainer import load_tt_state
 
 READY, FAILED = ".ready", ".failed"
+RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
 
 def _log(rank: int, msg: str) -> None:
@@ -70,40 +87,83 @@ def shared_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     return Path(cfg.out_dir) / f"{cfg.name}-{run_id}"
 
 
-def _wait_for_rank0(run_dir: Path, timeout_s: float) -> None:
+def attempt_token(world: int) -> str:
+    """This attempt of the run: torchrun's run id and restart count and the world size (the same on every rank
+    of the attempt, different from any earlier attempt's under torchrun)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("EMBEDSCALE_RUN_ID", "")
+    return f"{run_id}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:{world}"
+
+
+def _marker(path: Path) -> tuple[str, str]:
+    """``(attempt token, message)`` of a marker file (``("", "")`` if it vanished meanwhile)."""
+    try:
+        token, _, msg = path.read_text().partition("\n")
+    except FileNotFoundError:
+        return "", ""
+    return token, msg
+
+
+def _wait_for_rank0(run_dir: Path, token: str, timeout_s: float) -> None:
+    """Wait for rank 0's ready marker of this attempt (markers of earlier attempts are ignored)."""
     t0 = time.monotonic()
     while True:
-        if (run_dir / FAILED).exists():
-            raise EmbedscaleError(f"rank 0 failed while preparing the run: {(run_dir / FAILED).read_text()}")
-        if (run_dir / READY).exists():
+        tok, msg = _marker(run_dir / FAILED)
+        if tok == token:
+            raise EmbedscaleError(f"rank 0 failed while preparing the run {run_dir}: {msg.strip()}")
+        if _marker(run_dir / READY)[0] == token:
             return
         if time.monotonic() - t0 > timeout_s:
             raise EmbedscaleError(f"rank 0 did not finish preparing {run_dir} within {timeout_s:.0f} s")
         time.sleep(0.2)
 
 
-def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool) -> None:
-    """Data, profile and plan (rank 0 only); writes the ready marker last, or a failure marker."""
-    from embedscale import workflow
-
+def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> None:
+    """Data, profile and plan (rank 0 only, every attempt); ``config.yaml`` once they are valid, the ready
+    marker of this attempt last, or a failure marker."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for marker in (READY, FAILED):
             (run_dir / marker).unlink(missing_ok=True)
-        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
         data = workflow.prepare_data(cfg, progress=progress)
         tables = workflow.tables_for(cfg, data.manifest)
-        plan_dir = run_dir / "plan"
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
             from embedscale.train.dmt_run import prepare_towers
 
             prepare_towers(cfg, tables, run_dir)
-        elif not (plan_dir / "plan.json").exists():
-            make_run_plan(cfg, data, tables, plan_dir, progress)
-        atomic_write_text(run_dir / READY, "ok\n")
+        else:
+            ensure_run_plan(cfg, data, tables, run_dir, progress)
+        atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
+        atomic_write_text(run_dir / READY, f"{token}\nok\n")
     except BaseException as e:
-        atomic_write_text(run_dir / FAILED, f"{type(e).__name__}: {e}\n")
+        atomic_write_text(run_dir / FAILED, f"{token}\n{type(e).__name__}: {e}\n")
         raise
+
+
+def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool):
+    """The run's plan for ``dist.nproc`` ranks: the run directory's own when the world size and ``dist.plan`` are
+    the ones it was made for (the run continues exactly); else made anew with ``dist.plan`` (re-sharding from the
+    checkpoints by row id). ``dist.plan`` other than the run's is a ``ConfigError`` naming both, unless
+    ``dist.replan`` is set. Records ``dist.plan`` and the world size in ``<run dir>/run-plan.json``."""
+    plan_dir, d, world = run_dir / "plan", cfg.dist, cfg.dist.nproc
+    rec = read_json(run_dir / RUN_PLAN, "run plan record") if (run_dir / RUN_PLAN).exists() else None
+    if rec is None and (plan_dir / "plan.json").exists():  # a run directory planned before the record existed
+        old = Plan.load(plan_dir)
+        rec = {"plan": old.meta.get("strategy", d.plan), "world_size": old.world_size}
+    if rec is not None:
+        if rec["plan"] != d.plan and not d.replan:
+            raise ConfigError(f"{run_dir}: this run was planned with dist.plan {rec['plan']!r} on {rec['world_size']} "
+                              f"ranks; this command asks for dist.plan {d.plan!r}. Resume with --dist-plan "
+                              f"{rec['plan']}, or re-plan the run with {d.plan!r} by --dist-replan true (its "
+                              "checkpoints re-shard by row id)")
+        if rec["plan"] == d.plan and rec["world_size"] == world and (plan_dir / "plan.json").exists() \
+                and not d.replan:
+            return Plan.load(plan_dir)
+        _log(0, f"re-planning {run_dir} with {d.plan!r} for {world} ranks (was {rec['plan']!r} on "
+                f"{rec['world_size']})")
+    plan = make_run_plan(cfg, data, tables, plan_dir, progress)
+    atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
+                                           "strategy": plan.meta.get("strategy", d.plan)})
+    return plan
 
 
 def planned_tables(tables: list) -> list:
@@ -117,8 +177,6 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     access profile with the named strategy. The plan records every table's form (``Plan.forms``); a saved
     plan's forms win over the config's, and an explicit request contradicting them is a ``ConfigError``
     (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``)."""
-    from embedscale.plan.plan import Plan
-
     d = cfg.dist
     world = d.nproc
     saved = Path(d.plan).exists()
@@ -132,7 +190,6 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
         raise ConfigError("several ranks need at least one table with placement: device and no compression to "
                           "plan; every table is host-placed or TT-compressed (replicated)")
     if not saved:
-        from embedscale import workflow
         from embedscale.plan.api import make_plan
         from embedscale.specs import Topology
 
@@ -153,8 +210,6 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> list:
     """The tables a distributed run builds: the config's (``workflow.tables_for``) in the forms ``plan``
     recorded (``plan.forms.forms_for_run``)."""
-    from embedscale import workflow
-
     tables = workflow.tables_for(cfg, manifest)
     check_plan_sizes(plan, tables, str(plan_name))
     return with_forms(tables, forms_for_run(plan.forms, forms_of(tables), str(plan_name)))
@@ -165,18 +220,11 @@ class DistributedRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
                  inference: bool = False):
-        from embedscale import workflow
-        from embedscale.comm.collective import CollectiveTransport
-        from embedscale.data.loader import ShardLoader
         from embedscale.embedding.address_map import address_map_from_plan
         from embedscale.models import build_model
-        from embedscale.plan.plan import Plan
 
-        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
-        self.progress = progress and rank == 0
+        self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
-        self.device = torch.device(t.device)
-        self.data = workflow.prepare_data(cfg, progress=False)
         self.plan = Plan.load(run_dir / "plan")
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
@@ -198,7 +246,8 @@ class DistributedRun:
             device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
             tt_lr=workflow.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
             grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
-            pgas=d.transport == "pgas", max_batch_size=max_batch, new_group=self._new_group,
+            pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
+            new_group=self._new_group,
             new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
             stats=self.tt_stats))
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
@@ -206,14 +255,7 @@ class DistributedRun:
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
         self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
-        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
-        self.losses: list[float] = []
-        self.bytes_per_step: list[int] = []
-        self.sync_bytes_per_step: list[int] = []
-        ev = self.data.eval
-        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
-                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
-                                       device=self.device) if ev else None
+        self._names = param_names(self.model, self.opt)
         if inference:
             return
         emb = self.host_embedding or device_module  # rank-local rows and TT replicas (own sync): never DDP's
@@ -238,6 +280,37 @@ class DistributedRun:
         return dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
                               timeout=datetime.timedelta(seconds=self.cfg.dist.timeout_s))
 
+    def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
+                     inference: bool) -> None:
+        """What every distributed run holds (flat and DMT): config, rank, device, data, tables, position, eval
+        loader, byte counters."""
+        self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world
+        self.progress = progress and rank == 0
+        self.inference = inference
+        t = cfg.train
+        self.device = torch.device(t.device)
+        self.data = workflow.prepare_data(cfg, progress=False)
+        self.all_tables = workflow.tables_for(cfg, self.data.manifest)
+        self.state = RunState()
+        self.bytes_per_step: list[int] = []
+        self.sync_bytes_per_step: list[int] = []
+        ev = self.data.eval
+        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
+                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
+                                       device=self.device) if ev else None
+
+    # the position, as attributes
+    step = property(lambda self: self.state.step)
+    epoch = property(lambda self: self.state.epoch)
+    samples = property(lambda self: self.state.samples)
+    losses = property(lambda self: self.state.losses)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def step_error(self, err: RuntimeError) -> Exception:
+        return _diagnose(self, err)
+
     def _transport(self, name: str, rank: int, world: int, amap, max_batch: int):
         from embedscale.comm.collective import CollectiveTransport
 
@@ -257,7 +330,25 @@ class DistributedRun:
         return self.plan.meta.get("strategy", self.cfg.dist.plan)
 
     def figures(self) -> dict:
-        """What the summary adds for this executor (rank 0): the plan's figures (``plan_figures``)."""
+        """What the summary adds (collective: every rank calls it): bytes on wire per step summed over ranks, the
+        run's tables, and this executor's own figures (:meth:`executor_figures`)."""
+        from embedscale.embedding.compression import table_bytes
+
+        means = torch.tensor([float(np.mean(self.bytes_per_step)) if self.bytes_per_step else 0.0,
+                              float(np.mean(self.sync_bytes_per_step)) if self.sync_bytes_per_step else 0.0])
+        dist.all_reduce(means)
+        d = self.cfg.dist
+        out = {"embedding_bytes_on_wire_per_step": means[0].item(), "grad_sync_bytes_per_step": means[1].item(),
+               "steps_measured": max(len(self.bytes_per_step), 1), "plan": self.plan_name, "design": d.design,
+               "transport": d.transport, "grad_sync": d.grad_sync, "teacher_auc": self.data.teacher_auc,
+               "num_tables": len(self.all_tables), "embedding_bytes": sum(table_bytes(tb) for tb in self.all_tables),
+               "host_tables": sum(tb.placement == "host" for tb in self.all_tables),
+               "tt_tables": sum(tb.compression == "tt" for tb in self.all_tables)}
+        out.update(self.executor_figures())
+        return out
+
+    def executor_figures(self) -> dict:
+        """The plan's figures (``plan_figures``, rank 0)."""
         return plan_figures(self) if self.rank == 0 else {}
 
     # -- one step -------------------------------------------------------------------------------
@@ -292,122 +383,78 @@ class DistributedRun:
         z, y = gather_logits(zs, ys)
         return {"logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z), "samples": int(y.size)}
 
-    # -- sharded checkpoints --------------------------------------------------------------------
-    def save(self) -> Path:
-        d = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
-        d.mkdir(parents=True, exist_ok=True)
-        shard = {"rank": self.rank, "world_size": self.world, "embedding": self.embedding.shard_state()}
+    # -- checkpoints (train.checkpoint) ---------------------------------------------------------
+    def save(self, ckpt_dir: Path) -> dict:
+        """This rank's rows (by table and row id, with their optimizer state); rank 0 the dense state, named
+        optimizer state, losses, host tables and TT cores. Returns the manifest fields."""
+        st = self.embedding.shard_state()
+        gids = st["gids"].numpy()
+        base = self.embedding.amap.table_base
+        tables = {}
+        for t, spec in enumerate(self.tables):
+            sel = np.flatnonzero((gids >= base[t]) & (gids < base[t + 1]))
+            idx = torch.from_numpy(sel)
+            tables[spec.name] = table_entry(st["weight"][idx], st["momentum"][idx] if "momentum" in st else None,
+                                            gids[sel] - base[t])
+        shard = {"rank": self.rank, "world_size": self.world, "tables": tables}
         if self.rank == 0:
-            dense = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.embedding.")}
-            shard.update({"dense": dense, "optimizer": self.opt.state_dict(), "losses": list(self.losses)})
+            shard.update({"dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
+                          "optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
+                          "rng_torch": torch.get_rng_state()})
             if self.host_embedding is not None:  # replicated (or shared) on every rank: rank 0 writes them
-                shard["host"] = self.host_embedding.host_state()
+                shard["host"] = {k: v.detach().cpu() for k, v in self.host_embedding.host_state().items()}
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
-        with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
-            torch.save(shard, f)
-        dist.barrier()
-        if self.rank == 0:
-            atomic_write_json(d / "manifest.json", {
-                "format": "embedscale.sharded_checkpoint", "version": 1, "world_size": self.world,
-                "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "samples": self.samples, "tables": [t.name for t in self.tables],
-                "table_rows": [t.num_rows for t in self.tables], "optimizer": self.cfg.train.sparse_optimizer,
+        write_rank_file(ckpt_dir, self.rank, shard)
+        return {"kind": "plan", "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
+                "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
                 "tt_tables": [t.name for t in self.all_tables if t.compression == "tt"],
-                "shards": [f"rank-{r:05d}.pt" for r in range(self.world)]})
-        dist.barrier()
-        return d
-
-    def restore_single(self, path: Path) -> None:
-        """Load a single-process checkpoint (``Trainer``) onto this plan: every rank keeps its rows."""
-        from embedscale.train.checkpoint import load_checkpoint
-
-        ck = load_checkpoint(path)
-        prefix = "sparse_arch.embedding."
-        gids, weights, moms = [], [], []
-        base = self.embedding.amap.table_base
-        for t, spec in enumerate(self.tables):
-            # a model with TT tables (MixedEmbedding) keeps its uncompressed ones under "local."
-            key = next((k for k in (f"{prefix}{spec.name}", f"{prefix}local.{spec.name}")
-                        if f"{k}.weight" in ck["model"]), None)
-            if key is None:
-                raise FormatError(f"{path}: no weights for table {spec.name!r}")
-            gids.append(np.arange(base[t], base[t] + spec.num_rows))
-            weights.append(ck["model"][f"{key}.weight"])
-            m = ck["model"].get(f"{key}.momentum")
-            if m is not None:
-                moms.append(m)
-        if self.tt_embedding is not None:
-            tt = {k[len(prefix) + 3:]: v for k, v in ck["model"].items() if k.startswith(f"{prefix}tt.")}
-            self._load_tt(tt, path)
-        mom = torch.cat(moms) if len(moms) == len(self.tables) else None
-        self.embedding.load_rows(np.concatenate(gids), torch.cat(weights), mom)
-        dense = {k: v for k, v in ck["model"].items() if not k.startswith(prefix)}
-        self.model.load_state_dict(dense, strict=False)
-        self.step = ck["step"]
+                "host_tables": [t.name for t in self.all_tables if t.placement == "host"],
+                "plan": self.plan_name, "config_yaml": dump_config(self.cfg)}
 
     def restore(self, ckpt_dir: Path) -> None:
-        """Load a sharded checkpoint written by any world size or plan (re-sharding by global row id)."""
-        if ckpt_dir.is_file():
-            return self.restore_single(ckpt_dir)
-        m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
-        if m.get("format") != "embedscale.sharded_checkpoint":
-            raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
+        """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id)."""
+        ckpt_dir = resolve_checkpoint(ckpt_dir)
+        m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != "plan":
-            raise FormatError(f"{ckpt_dir}: written by a {m['kind']} model (model.arch dmt-*); it resumes only as one")
-        if m["table_rows"] != [t.num_rows for t in self.tables]:
-            raise FormatError(f"{ckpt_dir}: tables {m['tables']} / {m['table_rows']} differ from this model's")
+            raise FormatError(f"{ckpt_dir}: written by a {m['kind']!r} model (model.arch dmt-*); it resumes only as one")
+        rows = dict(zip(m["tables"], m["table_rows"]))
+        for t in self.tables:
+            if rows.get(t.name) != t.num_rows:
+                raise FormatError(f"{ckpt_dir}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint "
+                                  f"(tables {m['tables']}), {t.num_rows} in this model")
+        shards = read_shards(ckpt_dir, m)
+        base = self.embedding.amap.table_base
         gids, weights, moms = [], [], []
-        dense = None
-        for name in m["shards"]:
-            sh = torch.load(ckpt_dir / name, map_location="cpu", weights_only=True)
-            e = sh["embedding"]
-            gids.append(e["gids"].numpy())
-            weights.append(e["weight"])
-            if "momentum" in e:
-                moms.append(e["momentum"])
-            if sh["rank"] == 0:
-                dense = sh
+        adagrad = self.cfg.train.sparse_optimizer == "rowwise_adagrad" and not self.inference
+        for t, spec in enumerate(self.tables):
+            r, w, mo = table_pieces(shards, spec.name)
+            if adagrad and mo is None:
+                raise FormatError(f"{ckpt_dir}: table {spec.name!r} has no row-wise Adagrad state")
+            gids.append(r + base[t])
+            weights.append(w)
+            moms.append(mo)
         g = np.concatenate(gids)
         if np.unique(g).size != self.embedding.amap.num_rows or g.size != self.embedding.amap.num_rows:
-            raise FormatError(f"{ckpt_dir}: shards hold {g.size} rows ({np.unique(g).size} distinct), "
+            raise FormatError(f"{ckpt_dir}: rank files hold {g.size} rows ({np.unique(g).size} distinct), "
                               f"the model has {self.embedding.amap.num_rows}")
-        mom = torch.cat(moms) if moms and self.cfg.train.sparse_optimizer == "rowwise_adagrad" else None
+        mom = torch.cat(moms) if adagrad else None
         filled = self.embedding.load_rows(g, torch.cat(weights), mom)
         assert filled == self.embedding.weight.shape[0]
-        self.model.load_state_dict(dense["dense"], strict=False)
+        r0 = rank0(shards)
+        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
         if self.host_embedding is not None:
-            if "host" not in dense:
+            if not r0.get("host"):
                 raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
                                   f"{[t.name for t in self.all_tables if t.placement == 'host']}")
-            self.host_embedding.load_host_state(dense["host"])
+            self.host_embedding.load_host_state(r0["host"])
         if self.tt_embedding is not None:
-            self._load_tt(dense.get("tt"), ckpt_dir)
+            load_tt_state(self.tt_embedding.tt, r0.get("tt"), ckpt_dir, with_optimizer=not self.inference)
         if not self.inference:
-            self.opt.load_state_dict(dense["optimizer"])
-        self.losses = [float(x) for x in dense["losses"]]
-        self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
-        self.samples = m["samples"]
-
-    def _load_tt(self, state: dict | None, where) -> None:
-        """Load TT cores (and, when training, their optimizer state) into every rank's replicas."""
-        names = [n for n in self.tt_embedding.tt]
-        if not state:
-            raise FormatError(f"{where}: no TT tables in the checkpoint; this model has {names}")
-        missing = sorted({n for n in names if not any(k.startswith(f"{n}.") for k in state)})
-        if missing:
-            raise FormatError(f"{where}: the checkpoint has no cores for TT table(s) {missing}")
-        own = self.tt_embedding.tt.state_dict()
-        with torch.no_grad():
-            for k, dst in own.items():
-                if k not in state:
-                    if k.split(".")[-1].startswith("core"):
-                        raise FormatError(f"{where}: TT tensor {k!r} is missing")
-                    continue  # optimizer state of a checkpoint trained otherwise (or an inference model)
-                if tuple(state[k].shape) != tuple(dst.shape):
-                    raise FormatError(f"{where}: TT tensor {k!r} has shape {tuple(state[k].shape)}, this model's "
-                                      f"{tuple(dst.shape)} (another rank or factorisation?)")
-                dst.copy_(state[k])
+            load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
+        if "rng_torch" in r0:
+            torch.set_rng_state(r0["rng_torch"])
+        self.state.restore(m, r0.get("losses", []))
 
 
 def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
@@ -471,12 +518,7 @@ def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[np.nd
     return both[:, 0].numpy(), both[:, 1].numpy()
 
 
-def latest_sharded_checkpoint(run_dir: Path) -> Path | None:
-    d = run_dir / "checkpoints"
-    if not d.is_dir():
-        return None
-    done = sorted(p for p in d.iterdir() if p.is_dir() and (p / "manifest.json").exists())
-    return done[-1] if done else None
+latest_sharded_checkpoint = latest_checkpoint  # one format: every checkpoint is a step directory
 
 
 def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path, int, int]:
@@ -487,11 +529,11 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.dist.nproc = world
     rd = shared_run_dir(cfg, run_dir)
+    token = attempt_token(world)
     if rank == 0:
-        if not (rd / READY).exists():
-            prepare_on_rank0(cfg, rd, progress)
+        prepare_on_rank0(cfg, rd, progress, token)
     else:
-        _wait_for_rank0(rd, timeout_s=max(cfg.dist.timeout_s, 3600.0))
+        _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))
     backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
     return rd, rank, world
@@ -500,7 +542,9 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
 def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
                       resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
     """One rank's part of a distributed run (call it on every rank; torchrun's env says which); a DMT arch
-    (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``)."""
+    (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``). Resumes from
+    ``resume_from`` (a checkpoint or run directory) or the run directory's latest checkpoint, whatever world
+    size wrote it. Returns the summary on rank 0."""
     rd, rank, world = join_run(cfg, run_dir, progress)
     if is_dmt_arch(cfg.model.arch):
         from embedscale.train.dmt_run import DMTRun
@@ -508,101 +552,17 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
         run: DistributedRun = DMTRun(cfg, rd, rank, world, progress)
     else:
         run = DistributedRun(cfg, rd, rank, world, progress)
-    ck = Path(resume_from) if resume_from else latest_sharded_checkpoint(rd)
+    ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
     if ck is not None:
         run.restore(ck)
-        _log(rank, f"resumed from {ck} (step {run.step})")
+        _log(rank, f"resumed from {ck} (step {run.state.step})")
     if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
-    return _fit(run, fault_step)
-
-
-def _fit(run: DistributedRun, fault_step: int | None) -> dict | None:
-    from embedscale.embedding.compression import table_bytes
-    from embedscale.train.plots import plot_curves
-    from embedscale.train.trainer import MetricRow, warm_up_lr
-
-    cfg, t = run.cfg, run.cfg.train
-    total = t.max_steps or t.epochs * len(run.train_loader)
-    bar = tqdm(total=total, initial=run.step, desc=f"train x{run.world}", unit="step", disable=not run.progress,
-               file=sys.stderr, dynamic_ncols=True)
-    rows: list[MetricRow] = []
-    t0 = time.perf_counter()
-    train_s, trained = 0.0, 0
-    window: list[float] = []
-    done = lambda: bool(t.max_steps) and run.step >= t.max_steps  # noqa: E731
-    while run.epoch < t.epochs and not done():
-        run.train_loader.set_epoch(run.epoch, skip_batches=run.batch_in_epoch)
-        for batch in run.train_loader:
-            if fault_step is not None and run.step == fault_step and run.rank == int(
-                    os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
-                _inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
-            s0 = time.perf_counter()
-            warm_up_lr(run.opt, run.step, t.lr_warmup_steps)
-            try:
-                loss = run.train_step(batch)
-            except RuntimeError as e:
-                raise _diagnose(run, e) from e
-            train_s += time.perf_counter() - s0
-            trained += batch.global_size
-            run.step += 1
-            run.batch_in_epoch += 1
-            run.samples += batch.global_size
-            run.losses.append(loss)
-            window.append(loss)
-            bar.update(1)
-            if t.log_every and run.step % t.log_every == 0:
-                rows.append(MetricRow(run.step, run.epoch, run.samples, float(np.mean(window)),
-                                      samples_per_s=trained / max(train_s, 1e-9), seconds=time.perf_counter() - t0))
-                bar.set_postfix(loss=f"{np.mean(window):.4f}")
-                window = []
-            if t.eval_every and run.step % t.eval_every == 0 and run.eval_loader is not None:
-                m = run.evaluate()
-                rows.append(MetricRow(run.step, run.epoch, run.samples, eval_logloss=m["logloss"], eval_auc=m["auc"],
-                                      seconds=time.perf_counter() - t0))
-            if t.checkpoint_every and run.step % t.checkpoint_every == 0:
-                run.save()
-            if done():
-                break
-        else:
-            run.epoch += 1
-            run.batch_in_epoch = 0
-    bar.close()
-    final = run.evaluate() if run.eval_loader is not None else {}
-    run.save()
-    steps_here = max(len(run.bytes_per_step), 1)
-    bytes_mean = torch.tensor([float(np.mean(run.bytes_per_step)) if run.bytes_per_step else 0.0,
-                               float(np.mean(run.sync_bytes_per_step)) if run.sync_bytes_per_step else 0.0,
-                               train_s])
-    dist.all_reduce(bytes_mean)
-    figures = run.figures()  # every rank calls it (collective for DMT runs)
-    if run.rank != 0:
-        return None
-    if final:
-        rows.append(MetricRow(run.step, run.epoch, run.samples, eval_logloss=final["logloss"], eval_auc=final["auc"],
-                              seconds=time.perf_counter() - t0))
-    summary = {
-        "world_size": run.world, "steps": run.step, "samples": run.samples,
-        "train_samples_per_s": trained / train_s if train_s else math.nan,
-        "train_logloss": float(np.mean(run.losses[-t.log_every:])) if run.losses else math.nan,
-        "eval_logloss": final.get("logloss", math.nan), "eval_auc": final.get("auc", math.nan),
-        "eval_samples": final.get("samples", 0), "teacher_auc": run.data.teacher_auc,
-        "embedding_bytes_on_wire_per_step": bytes_mean[0].item(),  # summed over ranks
-        "grad_sync_bytes_per_step": bytes_mean[1].item(),
-        "steps_measured": steps_here, "plan": run.plan_name,
-        "design": cfg.dist.design, "transport": cfg.dist.transport, "grad_sync": cfg.dist.grad_sync, "run_dir": str(run.run_dir),
-        "num_tables": len(getattr(run, "all_tables", run.tables)),
-        "embedding_bytes": sum(table_bytes(tb) for tb in getattr(run, "all_tables", run.tables)),
-        "host_tables": sum(tb.placement == "host" for tb in getattr(run, "all_tables", [])),
-        "tt_tables": sum(tb.compression == "tt" for tb in getattr(run, "all_tables", [])),
-    }
-    summary.update(figures)
-    _write_metrics(run.run_dir, rows)
-    plot_curves(rows, run.run_dir / "curves.png", title=f"{cfg.model.arch} x{run.world} ranks ({summary['plan']})",
-                ceiling_auc=run.data.teacher_auc)
-    atomic_write_json(run.run_dir / "summary.json", summary)
-    return summary
+    if rank != int(os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
+        fault_step = None
+    return fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
+               title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
 
 
 def plan_figures(run: DistributedRun) -> dict:
@@ -633,14 +593,6 @@ def plan_figures(run: DistributedRun) -> dict:
     return out
 
 
-def _inject_fault(kind: str) -> None:
-    """Fault injection for the fault tests (``EMBEDSCALE_FAULT_STEP``): this rank dies or hangs here."""
-    if kind == "hang":
-        while True:
-            time.sleep(3600)
-    os.kill(os.getpid(), 9)
-
-
 def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
     """Turn a failed collective into an error that names the rank(s) that stopped answering.
 
@@ -658,19 +610,3 @@ def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
     return EmbedscaleError(f"rank {run.rank}: a collective with the other ranks failed at step {run.step} "
                            f"(timeout dist.timeout_s = {run.cfg.dist.timeout_s:g} s): {str(err).splitlines()[0]}."
                            f"{culprits}")
-
-
-def _write_metrics(run_dir: Path, rows) -> None:
-    import csv
-    import io
-    from dataclasses import asdict
-
-    from embedscale.train.trainer import METRIC_FIELDS
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=METRIC_FIELDS)
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()})
-    atomic_write_text(run_dir / "metrics.csv", buf.getvalue())
-

@@ -20,17 +20,17 @@ The feature-to-tower assignment is resolved once by rank 0 (``model.tower_assign
 file of ``embedscale towers``) and written to ``<run dir>/towers.json``; every rank reads that file, and
 a resumed run must use the same towers.
 
-Checkpoints are sharded (``checkpoints/step-N/``): every rank writes the rows it holds (global row
-ranges of every table, weights and row-wise Adagrad state), the first member of every tower group its
-towers' modules, rank 0 the other dense parameters; optimizer state is keyed by parameter name, not
-position. A manifest written last (``kind: dmt``) marks the checkpoint complete. Restoring reads every
-shard and takes what the *current* layout puts on this rank, so a checkpoint resumes exactly on the
-same layout and also onto another world size, host count or in-tower sharding with the same towers;
-different towers (or tower module shapes) are a clear error.
+Checkpoints are the one format (``train.checkpoint``, ``kind: dmt``): every rank writes the rows it holds
+(by table and row id, with row-wise Adagrad state), the first member of every tower group its towers'
+modules, rank 0 the other dense parameters; optimizer state is keyed by parameter name. Restoring reads
+every rank file and takes what the *current* layout puts on this rank, so a checkpoint resumes exactly on
+the same layout and also onto another world size, host count or in-tower sharding with the same towers,
+a single-process DMT run (a world of one) included; different towers (or tower module shapes) are a
+clear error.
 
 Serving (:func:`infer_dmt`, ``embedscale infer``): a :class:`DMTRun` built for inference restores a DMT
-checkpoint (sharded, any layout, or a single-process file whose rows and towers it slices to this rank)
-under the checkpoint's own towers and scores the eval split through the tower transform.
+checkpoint (any layout) under the checkpoint's own towers and scores the eval split through the tower
+transform.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ import torch.distributed as dist
 from torch import nn
 
 from embedscale.errors import ConfigError, FormatError
-from embedscale.io import atomic_open, atomic_write_json, read_json
-from embedscale.specs import RunConfig, TableSpec
+from embedscale.specs import RunConfig, TableSpec, dump_config
+from embedscale.train.checkpoint import (assemble_table, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
+                                        write_rank_file)
 from embedscale.train.distributed import DistributedRun
+from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
+                                  optimizer_state, param_names, table_entry)
 
 TOWERS_FILE = "towers.json"
 CHECKPOINT_KIND = "dmt"
@@ -103,10 +106,22 @@ def prepare_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
     return assignment
 
 
-def _named_optimizer_state(opt: torch.optim.Optimizer, names: list[str], keep) -> dict:
-    """``{parameter name: state}`` for the parameters ``keep(name)`` accepts (positions become names)."""
-    sd = opt.state_dict()
-    return {names[i]: st for i, st in sd["state"].items() if keep(names[i])}
+def dmt_model_fields(cfg: RunConfig) -> dict:
+    """The model settings a DMT checkpoint must be restored under (its shape; not where it runs)."""
+    from embedscale.models.dmt import TOWER_FIELDS
+
+    m = cfg.model
+    keep = ("arch", "embedding_dim", "bottom_mlp", "top_mlp", "cross_layers", "cross_low_rank") + tuple(
+        k for k in TOWER_FIELDS if k not in ("tower_assignment", "hosts_per_tower", "tower_sharding",
+                                             "tower_permute", "towers"))
+    return {k: getattr(m, k) for k in keep}
+
+
+def dmt_checkpoint_fields(cfg: RunConfig, assignment, world: int) -> dict:
+    """Manifest fields of a DMT checkpoint (``kind: dmt``): towers and model shape it must be restored under."""
+    return {"kind": CHECKPOINT_KIND, "towers": assignment.towers, "model": dmt_model_fields(cfg),
+            "topology_hosts": cfg.dist.topology_hosts if world > 1 else 1,
+            "hosts_per_tower": cfg.model.hosts_per_tower if world > 1 else 1, "sharding": cfg.model.tower_sharding}
 
 
 class DMTRun(DistributedRun):
@@ -123,13 +138,9 @@ class DMTRun(DistributedRun):
         from embedscale.data.loader import ShardLoader
         from embedscale.towers.partitioner import TowerAssignment
 
-        self.cfg, self.run_dir, self.rank, self.world = cfg, run_dir, rank, world
-        self.progress = progress and rank == 0
-        self.inference = inference  # serving (infer_dmt): a single-process checkpoint file may seed the ranks
+        self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
-        self.device = torch.device(t.device)
-        self.data = workflow.prepare_data(cfg, progress=False)
-        self.tables = workflow.tables_for(cfg, self.data.manifest)
+        self.tables = self.all_tables
         self.layout = dmt_layout(cfg, world)
         path = run_dir / TOWERS_FILE
         if not path.exists():
@@ -143,19 +154,11 @@ class DMTRun(DistributedRun):
         self.towers = self.model.sparse_arch  # the TowerEmbedding (tower transform + this group's modules)
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
         self.plan = None
-        self.step = self.epoch = self.batch_in_epoch = self.samples = 0
-        self.losses: list[float] = []
-        self.bytes_per_step: list[int] = []
-        self.sync_bytes_per_step: list[int] = []
         self.cross_host_bytes_per_step: list[int] = []
-        ev = self.data.eval
-        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
-                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
-                                       device=self.device) if ev else None
         self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
-        self._dense_names = self._param_names()
+        self._names = param_names(self.model, self.opt)
 
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
@@ -188,7 +191,7 @@ class DMTRun(DistributedRun):
         return (f"dmt: {self.assignment.num_towers} towers on {lay.num_groups} tower group(s) of "
                 f"{lay.hosts_per_tower} host(s) x {lay.ranks_per_host} ranks")
 
-    def figures(self) -> dict:
+    def executor_figures(self) -> dict:
         """Towers, compression ratio (DMT 4: input over output values of all towers) and the cross-host
         bytes per step summed over ranks (collective: every rank calls it)."""
         outs = self.towers.tower_out_features
@@ -201,114 +204,39 @@ class DMTRun(DistributedRun):
                 "topology_hosts": self.layout.num_hosts, "hosts_per_tower": self.layout.hosts_per_tower}
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def _param_names(self) -> list[str]:
-        """Names of the dense optimizer's parameters, in its order."""
-        by_id = {id(p): n for n, p in self.model.named_parameters()}
-        return [by_id[id(p)] for g in self.opt.param_groups for p in g["params"]]
-
     def _tower_names(self) -> set[str]:
         ids = {id(p) for p in self.model.tower_parameters()}
         return {n for n, p in self.model.named_parameters() if id(p) in ids}
 
-    def _manifest_model(self) -> dict:
-        m = self.cfg.model
-        from embedscale.models.dmt import TOWER_FIELDS
-
-        keep = ("arch", "embedding_dim", "bottom_mlp", "top_mlp", "cross_layers", "cross_low_rank") + tuple(
-            k for k in TOWER_FIELDS if k not in ("tower_assignment", "hosts_per_tower", "tower_sharding",
-                                                 "tower_permute", "towers"))
-        return {k: getattr(m, k) for k in keep}
-
-    def save(self) -> Path:
-        d = self.run_dir / "checkpoints" / f"step-{self.step:08d}"
-        d.mkdir(parents=True, exist_ok=True)
+    def save(self, ckpt_dir: Path) -> dict:
+        """This rank's row ranges (by table and row id), its towers' modules (first rank of the tower group),
+        the other dense state (rank 0); optimizer state by parameter name. Returns the manifest fields."""
         pl = self.towers.placement
         tables = {}
         for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
-            entry = {"lo": lo, "hi": hi, "weight": self.embedding.table_weight(spec.name)[: hi - lo].clone()}
-            if self.embedding.momentum is not None:
-                entry["momentum"] = self.embedding.table_momentum(spec.name)[: hi - lo].clone()
-            tables[pl.tables[i].name] = entry
+            mom = self.embedding.table_momentum(spec.name)[: hi - lo] if self.embedding.momentum is not None else None
+            tables[pl.tables[i].name] = table_entry(self.embedding.table_weight(spec.name)[: hi - lo], mom,
+                                                    np.arange(lo, hi))
         tower_names = self._tower_names()
         first_of_group = self.layout.local_index(self.rank) == 0
-        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("sparse_arch.embedding.")}
         keep = (lambda n: (n in tower_names and first_of_group) or (n not in tower_names and self.rank == 0))
         shard = {"rank": self.rank, "world_size": self.world, "tables": tables,
-                 "dense": {k: v for k, v in state.items() if keep(k)},
-                 "optimizer": _named_optimizer_state(self.opt, self._dense_names, keep)}
+                 "dense": dense_state(self.model, keep), "optimizer": optimizer_state(self.opt, self._names, keep)}
         if self.rank == 0:
-            shard["optimizer_groups"] = [{k: v for k, v in g.items() if k != "params"}
-                                         for g in self.opt.state_dict()["param_groups"]]
-            shard["losses"] = list(self.losses)
-        with atomic_open(d / f"rank-{self.rank:05d}.pt", "wb") as f:
-            torch.save(shard, f)
-        dist.barrier()
-        if self.rank == 0:
-            atomic_write_json(d / "manifest.json", {
-                "format": "embedscale.sharded_checkpoint", "kind": CHECKPOINT_KIND, "version": 1,
-                "world_size": self.world, "topology_hosts": self.layout.num_hosts,
-                "hosts_per_tower": self.layout.hosts_per_tower, "sharding": self.cfg.model.tower_sharding,
-                "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "samples": self.samples, "tables": [t.name for t in self.tables],
-                "table_rows": [t.num_rows for t in self.tables], "optimizer": self.cfg.train.sparse_optimizer,
-                "dense_optimizer": self.cfg.train.dense_optimizer, "towers": self.assignment.towers,
-                "model": self._manifest_model(), "shards": [f"rank-{r:05d}.pt" for r in range(self.world)]})
-        dist.barrier()
-        return d
-
-    def restore_single(self, path: Path) -> None:
-        """Serving only: take this rank's rows and towers from a single-process DMT checkpoint file (the
-        whole model, ``LocalTowerEmbedding``), trained with the same towers. Training cannot resume from
-        one (its dense optimizer state is positional over the whole model)."""
-        from embedscale.models.dmt import is_dmt_arch
-        from embedscale.specs import from_dict
-        from embedscale.train.checkpoint import load_checkpoint
-
-        if not self.inference:
-            raise ConfigError(f"{path}: a single-process checkpoint cannot seed a distributed DMT training run yet; "
-                              "resume from a sharded DMT checkpoint (a run's checkpoints/step-N directory)")
-        import yaml
-
-        ck = load_checkpoint(path, map_location="cpu")
-        arch = from_dict(RunConfig, yaml.safe_load(ck["config_yaml"])).model.arch
-        if not is_dmt_arch(arch):
-            raise FormatError(f"{path}: written by a {arch!r} model, not a DMT model (dmt-dlrm / dmt-dcn)")
-        state = ck["model"]
-        prefix = "sparse_arch.embedding."
-        pl = self.towers.placement
-        with torch.no_grad():
-            for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
-                table = pl.tables[i]
-                key = f"{prefix}{table.name}.weight"
-                if key not in state:
-                    raise FormatError(f"{path}: no rows of table {table.name!r} ({key})")
-                full = state[key]
-                if tuple(full.shape) != (table.num_rows, table.dim):
-                    raise FormatError(f"{path}: table {table.name!r} is {tuple(full.shape)}, this model's "
-                                      f"({table.num_rows}, {table.dim})")
-                self.embedding.table_weight(spec.name)[: hi - lo].copy_(full[lo:hi])
-                mom = state.get(f"{prefix}{table.name}.momentum")
-                if mom is not None and self.embedding.momentum is not None:
-                    self.embedding.table_momentum(spec.name)[: hi - lo].copy_(mom[lo:hi])
-        want = {k for k in self.model.state_dict() if not k.startswith(prefix)}
-        missing = sorted(want - set(state))
-        if missing:
-            raise FormatError(f"{path}: no saved values for {missing[:5]} (trained with other towers or tower modules?)")
-        for k in want:
-            if tuple(state[k].shape) != tuple(self.model.state_dict()[k].shape):
-                raise FormatError(f"{path}: {k} has shape {tuple(state[k].shape)}, this model's "
-                                  f"{tuple(self.model.state_dict()[k].shape)} (another model shape?)")
-        self.model.load_state_dict({k: state[k] for k in want}, strict=False)
-        self.step, self.epoch, self.batch_in_epoch = ck["step"], ck["epoch"], ck["batch_in_epoch"]
+            shard.update({"optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
+                          "rng_torch": torch.get_rng_state()})
+        write_rank_file(ckpt_dir, self.rank, shard)
+        return {**dmt_checkpoint_fields(self.cfg, self.assignment, self.world),
+                "topology_hosts": self.layout.num_hosts, "hosts_per_tower": self.layout.hosts_per_tower,
+                "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
+                "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
+                "config_yaml": dump_config(self.cfg)}
 
     def restore(self, ckpt_dir: Path) -> None:
-        """Load a sharded DMT checkpoint onto this rank's part of the current layout (module docstring)."""
-        ckpt_dir = Path(ckpt_dir)
-        if ckpt_dir.is_file():
-            return self.restore_single(ckpt_dir)
-        m = read_json(ckpt_dir / "manifest.json", "sharded checkpoint manifest")
-        if m.get("format") != "embedscale.sharded_checkpoint":
-            raise FormatError(f"{ckpt_dir}: not an embedscale sharded checkpoint")
+        """Load a DMT checkpoint of any layout (one process included) onto this rank's part of the current
+        layout (module docstring)."""
+        ckpt_dir = resolve_checkpoint(ckpt_dir)
+        m = read_manifest(ckpt_dir)
         if m.get("kind") != CHECKPOINT_KIND:
             raise FormatError(f"{ckpt_dir}: written by a flat model (model.arch dlrm/dcn under a plan); a DMT run "
                               "resumes from DMT checkpoints only")
@@ -317,79 +245,52 @@ class DMTRun(DistributedRun):
         if m["towers"] != self.assignment.towers:
             raise ConfigError(f"{ckpt_dir}: trained with towers {m['towers']}, this run has {self.assignment.towers}; "
                               "a DMT checkpoint resumes with the same towers only")
-        mine = self._manifest_model()
+        mine = dmt_model_fields(self.cfg)
         diff = [k for k in mine if m["model"].get(k) != mine[k]]
         if diff:
             saved = ", ".join(f"model.{k} {m['model'].get(k)!r}" for k in diff)
             raise ConfigError(f"{ckpt_dir}: trained with {saved}; this run's differ (a DMT checkpoint resumes with "
                               "the same model shape)")
-        if m.get("optimizer") != self.cfg.train.sparse_optimizer or \
-                m.get("dense_optimizer") != self.cfg.train.dense_optimizer:
+        dense_opt = type(self.opt).__name__.lower()
+        if not self.inference and (m.get("optimizer") != self.cfg.train.sparse_optimizer
+                                   or m.get("dense_optimizer") != dense_opt):
             raise ConfigError(f"{ckpt_dir}: optimizers {m.get('optimizer')}/{m.get('dense_optimizer')} differ from this "
-                              f"run's {self.cfg.train.sparse_optimizer}/{self.cfg.train.dense_optimizer}")
-        shards = [torch.load(ckpt_dir / name, map_location="cpu", weights_only=True) for name in m["shards"]]
+                              f"run's {self.cfg.train.sparse_optimizer}/{dense_opt}")
+        shards = read_shards(ckpt_dir, m)
         self._restore_tables(ckpt_dir, shards)
-        dense, opt_state, groups = {}, {}, None
-        for sh in shards:
-            dense.update(sh["dense"])
-            opt_state.update(sh["optimizer"])
-            if sh["rank"] == 0:
-                groups, self.losses = sh["optimizer_groups"], [float(x) for x in sh["losses"]]
-        want = {k for k in self.model.state_dict() if not k.startswith("sparse_arch.embedding.")}
-        missing = sorted(want - set(dense))
-        if missing:
-            raise FormatError(f"{ckpt_dir}: no saved values for {missing[:5]}")
-        self.model.load_state_dict({k: dense[k] for k in want}, strict=False)
-        sd = self.opt.state_dict()
-        sd["state"] = {i: opt_state[n] for i, n in enumerate(self._dense_names) if n in opt_state}
-        sd["param_groups"] = [{**saved, "params": cur["params"]} for saved, cur in zip(groups, sd["param_groups"])]
-        self.opt.load_state_dict(sd)
-        self.step, self.epoch, self.batch_in_epoch = m["step"], m["epoch"], m["batch_in_epoch"]
-        self.samples = m["samples"]
+        r0 = rank0(shards)
+        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
+        if not self.inference:
+            load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
+        if "rng_torch" in r0:
+            torch.set_rng_state(r0["rng_torch"])
+        self.state.restore(m, r0.get("losses", []))
 
     def _restore_tables(self, ckpt_dir: Path, shards: list[dict]) -> None:
-        """Every row range this rank holds, gathered from the saved ranges of all shards."""
+        """Every row range this rank holds, from the rows of all rank files."""
+        if self.embedding is None:
+            return
         pl = self.towers.placement
-        pieces: dict[str, list[dict]] = {}
-        for sh in shards:
-            for name, e in sh["tables"].items():
-                pieces.setdefault(name, []).append(e)
         with torch.no_grad():
             for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
                 table = pl.tables[i]
-                w = self.embedding.table_weight(spec.name)
-                mom = self.embedding.table_momentum(spec.name) if self.embedding.momentum is not None else None
-                covered = np.zeros(hi - lo, dtype=bool)
-                for e in pieces.get(table.name, []):
-                    a, b = max(lo, e["lo"]), min(hi, e["hi"])
-                    if a >= b:
-                        continue
-                    w[a - lo:b - lo].copy_(e["weight"][a - e["lo"]:b - e["lo"]])
-                    if mom is not None:
-                        if "momentum" not in e:
-                            raise FormatError(f"{ckpt_dir}: table {table.name!r} has no row-wise Adagrad state")
-                        mom[a - lo:b - lo].copy_(e["momentum"][a - e["lo"]:b - e["lo"]])
-                    covered[a - lo:b - lo] = True
-                if not covered.all():
-                    first = lo + int(np.argmin(covered))
-                    raise FormatError(f"{ckpt_dir}: no shard holds row {first} of table {table.name!r}")
+                w, mom = assemble_table(shards, table.name, table.num_rows, ckpt_dir)
+                self.embedding.table_weight(spec.name)[: hi - lo].copy_(w[lo:hi])
+                if self.embedding.momentum is not None:
+                    if mom is None:
+                        raise FormatError(f"{ckpt_dir}: table {table.name!r} has no row-wise Adagrad state")
+                    self.embedding.table_momentum(spec.name)[: hi - lo].copy_(mom[lo:hi])
 
 
 def checkpoint_towers(checkpoint: Path):
-    """The towers a DMT checkpoint was trained with: a sharded checkpoint's manifest (``towers``), or for a
-    single-process checkpoint file ``<run>/checkpoints/step-N.pt`` its run's ``towers.json``; ``None``
-    when neither is there."""
+    """The towers a DMT checkpoint (or a run directory's latest) was trained with, from its manifest."""
     from embedscale.towers.partitioner import TowerAssignment
 
-    checkpoint = Path(checkpoint)
-    if checkpoint.is_dir():
-        m = read_json(checkpoint / "manifest.json", "sharded checkpoint manifest")
-        if m.get("kind") != CHECKPOINT_KIND:
-            raise FormatError(f"{checkpoint}: written by a flat model (model.arch dlrm/dcn under a plan), not a DMT "
-                              "model")
-        return TowerAssignment(m["towers"])
-    path = checkpoint.parent.parent / TOWERS_FILE
-    return TowerAssignment.load(path) if path.is_file() else None
+    ckpt = resolve_checkpoint(checkpoint)
+    m = read_manifest(ckpt)
+    if m.get("kind") != CHECKPOINT_KIND:
+        raise FormatError(f"{ckpt}: written by a flat model (model.arch dlrm/dcn under a plan), not a DMT model")
+    return TowerAssignment(m["towers"])
 
 
 def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
@@ -439,9 +340,11 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
 
 
 def is_dmt_checkpoint(ckpt_dir: Path) -> bool:
-    p = Path(ckpt_dir) / "manifest.json"
-    return p.exists() and read_json(p, "sharded checkpoint manifest").get("kind") == CHECKPOINT_KIND
+    try:
+        return read_manifest(resolve_checkpoint(ckpt_dir)).get("kind") == CHECKPOINT_KIND
+    except FormatError:
+        return False
 
 
-__all__ = ["DMTRun", "TOWERS_FILE", "checkpoint_towers", "dmt_layout", "infer_dmt", "is_dmt_checkpoint",
+__all__ = ["DMTRun", "TOWERS_FILE", "checkpoint_towers", "dmt_checkpoint_fields", "dmt_layout", "dmt_model_fields", "infer_dmt", "is_dmt_checkpoint",
            "prepare_towers", "resolve_run_towers"]

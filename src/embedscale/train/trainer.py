@@ -1,20 +1,19 @@
-"""Single-process training and evaluation loop: exact metrics, progress, checkpoints that resume exactly.
+"""Single-process training: a :class:`~embedscale.train.run.Run` of a world of one.
 
 The model is any ``nn.Module`` called as ``model(dense, sparse) -> logits [B]`` whose embedding module
 updates itself during ``backward`` (fused sparse optimizer, FBGEMM style) and whose other parameters are
-stepped by ``dense_optimizer``. Resume is exact: the loader skips the batches already consumed in the
-checkpoint's epoch, and model, optimizer and RNG states are restored, so the losses after a resume are
-bit-for-bit those of an uninterrupted run.
+stepped by ``dense_optimizer``. The loop is :func:`embedscale.train.loop.fit`; checkpoints are the one
+format (``train.checkpoint``): this process writes ``rank-00000.pt`` with every table's rows by row id,
+so its checkpoints restore on any number of ranks and it restores checkpoints written by any number.
+Resume is exact: the loader skips the batches already consumed in the checkpoint's epoch, and model,
+optimizer and RNG states are restored, so the losses after a resume are bit-for-bit those of an
+uninterrupted run.
 """
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,24 +22,18 @@ from torch import nn
 from tqdm import tqdm
 
 from embedscale.data.loader import ShardLoader
-from embedscale.errors import ConfigError
-from embedscale.io import atomic_write_text
-from embedscale.train.checkpoint import checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
-from embedscale.train.metrics import logloss_from_logits, roc_auc
+from embedscale.embedding.mixed import MixedEmbedding
+from embedscale.errors import ConfigError, FormatError
+from embedscale.pipeline.embedding import PipelinedEmbedding
+from embedscale.pipeline.loop import PipelinedLoader
+from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
+                                        write_rank_file)
+from embedscale.train.loop import LoopConfig, fit, warm_up_lr
+from embedscale.train.metrics import MetricRow, MetricsLog, logloss_from_logits, roc_auc
+from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, load_whole_tables,
+                                  local_tables, optimizer_groups, optimizer_state, param_names, whole_table_entries)
 
-METRIC_FIELDS = ["step", "epoch", "samples", "train_loss", "eval_logloss", "eval_auc", "samples_per_s", "seconds"]
-
-
-@dataclass
-class MetricRow:
-    step: int
-    epoch: int
-    samples: int
-    train_loss: float = math.nan
-    eval_logloss: float = math.nan
-    eval_auc: float = math.nan
-    samples_per_s: float = math.nan
-    seconds: float = math.nan
+__all__ = ["Trainer", "evaluate", "warm_up_lr", "MetricRow", "load_tt_state", "load_model_state"]
 
 
 @torch.no_grad()
@@ -59,26 +52,53 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
             "positive_rate": float(y.mean())}
 
 
-def warm_up_lr(opt: torch.optim.Optimizer, step: int, warmup_steps: int) -> None:
-    """Linear learning-rate warmup of the dense optimizer: step ``k`` (0-based) runs at
-    ``min(1, (k + 1) / warmup_steps)`` times each group's configured rate (kept in the group as
-    ``warmup_base_lr``, so it survives a checkpoint and resume is exact). ``warmup_steps <= 0``: no-op.
+def load_tt_state(tt: nn.Module, state: dict | None, where, *, with_optimizer: bool = True) -> None:
+    """Load TT cores (and, ``with_optimizer``, their optimizer state) into ``tt`` (a ``ModuleDict`` of TT tables);
+    a table or core the checkpoint lacks, or another shape, is a ``FormatError`` naming it."""
+    names = list(tt.keys())
+    if not state:
+        raise FormatError(f"{where}: no TT tables in the checkpoint; this model has {names}")
+    missing = sorted({n for n in names if not any(k.startswith(f"{n}.") for k in state)})
+    if missing:
+        raise FormatError(f"{where}: the checkpoint has no cores for TT table(s) {missing}")
+    with torch.no_grad():
+        for k, dst in tt.state_dict().items():
+            if k not in state:
+                if k.split(".")[-1].startswith("core"):
+                    raise FormatError(f"{where}: TT tensor {k!r} is missing")
+                continue  # optimizer state of a checkpoint trained otherwise (or an inference model)
+            if not with_optimizer and not k.split(".")[-1].startswith("core"):
+                continue
+            if tuple(state[k].shape) != tuple(dst.shape):
+                raise FormatError(f"{where}: TT tensor {k!r} has shape {tuple(state[k].shape)}, this model's "
+                                  f"{tuple(dst.shape)} (another rank or factorisation?)")
+            dst.copy_(state[k])
 
-    Why: Adagrad's (and Adam's) first update moves every weight by about the learning rate, whatever the
-    size of its gradient (the step is normalised by the gradient itself). On a freshly initialised ReLU
-    MLP that coherent jump pushes whole layers below zero for every input: measured on DLRM (bottom MLP
-    512-256-64-16, Adagrad lr 0.01) 50-69% of the units of the deeper bottom layers stop firing after
-    step 1, and once all 16 outputs of the bottom MLP are dead (which happened at batch 2048, not at
-    1024) the dense features never reach the model again (eval AUC 0.712 instead of 0.761 on 2M synthetic
-    Criteo samples). Ramping the rate up over the first steps keeps the initial units alive. The DLRM
-    MLPerf reference and TorchRec's DLRM example warm up the same way (``lr_warmup_steps``)."""
-    if warmup_steps < 0:
-        raise ConfigError(f"train.lr_warmup_steps must be >= 0 (0 = no warmup), got {warmup_steps}")
-    if warmup_steps == 0:
-        return
-    f = min(1.0, (step + 1) / warmup_steps)
-    for g in opt.param_groups:
-        g["lr"] = g.setdefault("warmup_base_lr", g["lr"]) * f
+
+def _parts(model: nn.Module):
+    """The model's row-stored tables (``{name: LocalEmbeddingBags}``), its host parameter-server embedding and its
+    TT tables (``ModuleDict`` or ``None``)."""
+    tables = local_tables(model, [s.name for m in model.modules() if hasattr(m, "tables") and
+                                  isinstance(getattr(m, "tables"), list) for s in m.tables])
+    host = next((m for m in model.modules() if isinstance(m, PipelinedEmbedding) and m.server is not None), None)
+    tt = next((m.tt for m in model.modules() if isinstance(m, MixedEmbedding) and len(m.tt)), None)
+    return tables, host, tt
+
+
+def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
+    """Load a checkpoint of any world size into a single-process ``model`` (its tables, host tables, TT cores and
+    dense state; no optimizer); returns the manifest. For serving and tests."""
+    ckpt = resolve_checkpoint(checkpoint)
+    m = read_manifest(ckpt)
+    shards = read_shards(ckpt, m)
+    tables, host, tt = _parts(model)
+    load_whole_tables(tables, shards, ckpt)
+    if host is not None:
+        host.load_host_state(rank0(shards).get("host") or {})
+    if tt is not None:
+        load_tt_state(tt, rank0(shards).get("tt"), ckpt, with_optimizer=False)
+    load_dense_state(model, merged(shards, "dense"), ckpt)
+    return m
 
 
 class Trainer:
@@ -88,63 +108,41 @@ class Trainer:
         model: ``model(dense, sparse) -> logits``.
         dense_optimizer: optimizer over the non-embedding parameters.
         train_loader, eval_loader: ``ShardLoader``s (eval may be ``None``).
-        run_dir: where ``metrics.csv``, ``curves.png`` and ``checkpoints/`` go.
-        epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps (0 = no step limit).
-        eval_every, log_every, checkpoint_every: in steps (0 = only at the end for eval/checkpoint).
-        config_yaml: the resolved run config, stored in every checkpoint.
-        lr_warmup_steps: linear warmup of the dense optimizer's learning rate over this many steps
-            (:func:`warm_up_lr`; 0 = none).
+        run_dir: where ``metrics.csv``, ``curves.png``, ``summary.json`` and ``checkpoints/`` go.
+        epochs, max_steps, eval_every, log_every, checkpoint_every, lr_warmup_steps: :class:`LoopConfig`.
+        config_yaml: the resolved run config, stored in every checkpoint's manifest.
+        checkpoint_fields: more manifest fields (``kind: dmt`` and the towers of a DMT model).
     """
+
+    rank, world = 0, 1
 
     def __init__(self, model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader: ShardLoader,
                  eval_loader: ShardLoader | None, run_dir: str | Path, *, epochs: int = 1, max_steps: int = 0,
                  eval_every: int = 0, log_every: int = 10, checkpoint_every: int = 0, config_yaml: str = "",
-                 progress: bool = True, lr_warmup_steps: int = 0):
+                 progress: bool = True, lr_warmup_steps: int = 0, checkpoint_fields: dict | None = None):
         self.model = model
-        self.lr_warmup_steps = int(lr_warmup_steps)
         self.opt = dense_optimizer
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.run_dir = Path(run_dir)
-        self.ckpt_dir = self.run_dir / "checkpoints"
-        self.epochs, self.max_steps = epochs, max_steps
-        self.eval_every, self.log_every, self.checkpoint_every = eval_every, log_every, checkpoint_every
+        self.loop = LoopConfig(epochs=epochs, max_steps=max_steps, eval_every=eval_every, log_every=log_every,
+                               checkpoint_every=checkpoint_every, lr_warmup_steps=int(lr_warmup_steps))
         self.config_yaml = config_yaml
         self.progress = progress
+        self.fields = {"kind": "plan", **(checkpoint_fields or {})}
         self.loss_fn = nn.BCEWithLogitsLoss()
-        self.step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0
-        self.samples = 0
+        self.state = RunState()
         self.rows: list[MetricRow] = []
-        self.losses: list[float] = []  # every step's loss (exact-resume tests read it)
+        self._tables, self._host, self._tt = _parts(model)
+        self._names = param_names(model, dense_optimizer)
 
-    # -- state ----------------------------------------------------------------------------------
-    def save(self) -> Path:
-        path = checkpoint_path(self.ckpt_dir, self.step)
-        save_checkpoint(path, model_state=self.model.state_dict(), optimizer_state=self.opt.state_dict(),
-                        step=self.step, epoch=self.epoch, batch_in_epoch=self.batch_in_epoch,
-                        config_yaml=self.config_yaml,
-                        extra={"samples": self.samples, "losses": list(self.losses)})
-        self._write_metrics()
-        return path
+    # the position, as attributes (tests and callers read them)
+    step = property(lambda self: self.state.step)
+    epoch = property(lambda self: self.state.epoch)
+    samples = property(lambda self: self.state.samples)
+    losses = property(lambda self: self.state.losses)
 
-    def resume(self, path: str | Path | None = None) -> bool:
-        """Restore from ``path`` or the latest checkpoint in the run dir; False if there is none."""
-        path = Path(path) if path else latest_checkpoint(self.ckpt_dir)
-        if path is None:
-            return False
-        ck = load_checkpoint(path)
-        self.model.load_state_dict(ck["model"])
-        self.opt.load_state_dict(ck["optimizer"])
-        torch.set_rng_state(ck["rng_torch"])
-        self.step, self.epoch, self.batch_in_epoch = ck["step"], ck["epoch"], ck["batch_in_epoch"]
-        self.samples = int(ck["extra"].get("samples", 0))
-        self.losses = [float(x) for x in ck["extra"].get("losses", [])]
-        self.rows = [r for r in self._read_metrics() if r.step <= self.step]
-        return True
-
-    # -- loop -----------------------------------------------------------------------------------
+    # -- Run protocol ---------------------------------------------------------------------------
     def train_step(self, batch) -> float:
         self.model.train()
         logits = self.model(batch.dense, batch.sparse)
@@ -154,91 +152,90 @@ class Trainer:
         self.opt.step()
         return float(loss.detach())
 
-    def _done(self) -> bool:
-        return bool(self.max_steps) and self.step >= self.max_steps
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.eval_loader, progress=self.progress)
 
-    def fit(self) -> dict:
-        """Train to the end (``epochs`` or ``max_steps``) and return the summary."""
-        steps_per_epoch = len(self.train_loader)
-        total = self.max_steps or self.epochs * steps_per_epoch
-        bar = tqdm(total=total, initial=self.step, desc="train", unit="step", disable=not self.progress,
-                   file=sys.stderr, dynamic_ncols=True)
-        window, window_samples, t_window = [], 0, time.perf_counter()
-        t_start = time.perf_counter()
-        train_seconds = 0.0
-        trained_samples = 0
-        while self.epoch < self.epochs and not self._done():
-            self.train_loader.set_epoch(self.epoch, skip_batches=self.batch_in_epoch)
-            for batch in self.train_loader:
-                t0 = time.perf_counter()
-                warm_up_lr(self.opt, self.step, self.lr_warmup_steps)
-                loss = self.train_step(batch)
-                train_seconds += time.perf_counter() - t0
-                self.step += 1
-                self.batch_in_epoch += 1
-                self.samples += batch.batch_size
-                trained_samples += batch.batch_size
-                self.losses.append(loss)
-                window.append(loss)
-                window_samples += batch.batch_size
-                bar.update(1)
-                if self.log_every and self.step % self.log_every == 0:
-                    now = time.perf_counter()
-                    sps = window_samples / max(now - t_window, 1e-9)
-                    bar.set_postfix(loss=f"{np.mean(window):.4f}", sps=f"{sps:,.0f}")
-                    self.rows.append(MetricRow(self.step, self.epoch, self.samples, float(np.mean(window)),
-                                               samples_per_s=sps, seconds=now - t_start))
-                    window, window_samples, t_window = [], 0, now
-                if self.eval_every and self.step % self.eval_every == 0 and self.eval_loader is not None:
-                    self._eval_row(t_start)
-                if self.checkpoint_every and self.step % self.checkpoint_every == 0:
-                    self.save()
-                if self._done():
-                    break
-            else:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-        bar.close()
-        final_eval = self._eval_row(t_start) if self.eval_loader is not None else {}
-        self.save()
-        self._write_metrics()
-        train_losses = [r.train_loss for r in self.rows if not math.isnan(r.train_loss)]
-        return {
-            "steps": self.step,
-            "samples": self.samples,
-            "train_samples_per_s": trained_samples / train_seconds if train_seconds else math.nan,
-            "train_logloss": train_losses[-1] if train_losses else (self.losses[-1] if self.losses else math.nan),
-            "eval_logloss": final_eval.get("logloss", math.nan),
-            "eval_auc": final_eval.get("auc", math.nan),
-            "eval_samples": final_eval.get("samples", 0),
-        }
+    def figures(self) -> dict:
+        return {}
 
-    def _eval_row(self, t_start: float) -> dict:
-        m = evaluate(self.model, self.eval_loader, progress=self.progress)
-        if self.rows and self.rows[-1].step == self.step:
-            self.rows[-1].eval_logloss, self.rows[-1].eval_auc = m["logloss"], m["auc"]
-        else:
-            self.rows.append(MetricRow(self.step, self.epoch, self.samples, eval_logloss=m["logloss"],
-                                       eval_auc=m["auc"], seconds=time.perf_counter() - t_start))
-        self._write_metrics()
-        return m
+    def barrier(self) -> None:
+        pass
 
-    # -- metrics files --------------------------------------------------------------------------
-    def _write_metrics(self) -> None:
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=METRIC_FIELDS)
-        w.writeheader()
-        for r in self.rows:
-            w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()})
-        atomic_write_text(self.run_dir / "metrics.csv", buf.getvalue())
+    def step_error(self, err: RuntimeError) -> Exception:
+        return err
 
-    def _read_metrics(self) -> list[MetricRow]:
-        path = self.run_dir / "metrics.csv"
-        if not path.exists():
-            return []
-        out = []
-        with path.open() as f:
-            for d in csv.DictReader(f):
-                out.append(MetricRow(int(d["step"]), int(d["epoch"]), int(d["samples"]),
-                                     *[float(d[k]) if d[k] != "" else math.nan for k in METRIC_FIELDS[3:]]))
-        return out
+    def save(self, ckpt_dir: Path) -> dict:
+        """A world of one: every row of every table, the dense state and optimizer, host tables, TT cores."""
+        shard = {"rank": 0, "world_size": 1, "tables": whole_table_entries(self._tables),
+                 "dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
+                 "optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
+                 "rng_torch": torch.get_rng_state()}
+        if self._host is not None:
+            shard["host"] = {k: v.detach().cpu() for k, v in self._host.host_state().items()}
+        if self._tt is not None:
+            shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
+        write_rank_file(ckpt_dir, 0, shard)
+        opt = next(iter(self._tables.values())).optimizer if self._tables else None
+        return {**self.fields, "tables": list(self._tables), "table_rows": [m.table_weight(n).shape[0]
+                                                                          for n, m in self._tables.items()],
+                "optimizer": opt, "dense_optimizer": type(self.opt).__name__.lower(),
+                "tt_tables": list(self._tt.keys()) if self._tt is not None else [],
+                "host_tables": [s.name for s in self._host.server.tables] if self._host is not None else [],
+                "config_yaml": self.config_yaml}
+
+    def restore(self, ckpt_dir: Path) -> None:
+        """Restore a checkpoint of any world size (rows by table and row id) and the run position."""
+        ckpt_dir = Path(ckpt_dir)
+        m = read_manifest(ckpt_dir)
+        if m.get("kind", "plan") != self.fields["kind"]:
+            raise FormatError(f"{ckpt_dir}: written by a {m.get('kind')!r} model, this run trains a "
+                              f"{self.fields['kind']!r} model (model.arch dmt-* is 'dmt')")
+        shards = read_shards(ckpt_dir, m)
+        r0 = rank0(shards)
+        load_whole_tables(self._tables, shards, ckpt_dir)
+        if self._host is not None:
+            if not r0.get("host"):
+                raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
+                                  f"{[s.name for s in self._host.server.tables]}")
+            self._host.load_host_state(r0["host"])
+        if self._tt is not None:
+            load_tt_state(self._tt, r0.get("tt"), ckpt_dir)
+        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
+        load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
+        if "rng_torch" in r0:
+            torch.set_rng_state(r0["rng_torch"])
+        self.state.restore(m, r0.get("losses", []))
+
+    # -- entry points ---------------------------------------------------------------------------
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Restore from ``path`` or the latest checkpoint in the run dir; False if there is none."""
+        path = Path(path) if path else latest_checkpoint(self.run_dir)
+        if path is None:
+            return False
+        self.restore(path)
+        return True
+
+    def fit(self, *, title: str = "", ceiling_auc: float = math.nan, extra: dict | None = None) -> dict:
+        """Train to the end (``epochs`` or ``max_steps``) with :func:`~embedscale.train.loop.fit`; the summary."""
+        summary = fit(self, self.loop, title=title, ceiling_auc=ceiling_auc, extra=extra)
+        self.rows = MetricsLog(self.run_dir).read()
+        return summary
+
+
+def pipelined_trainer(model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader, eval_loader,
+                      run_dir: str | Path, *, pipeline_depth: int = 2, use_cache: bool = True, **kwargs):
+    """The single-process run (:class:`Trainer`, a ``train.run.Run``), pipelined
+    (EL-Rec section V).
+
+    Same arguments as ``Trainer`` plus ``pipeline_depth`` and ``use_cache``; ``model.sparse_arch.embedding``
+    must be a :class:`~embedscale.pipeline.PipelinedEmbedding`. Returns a ``Trainer`` whose training loader is a
+    :class:`~embedscale.pipeline.PipelinedLoader`; the one loop (``train.loop.fit``) drives it: metrics, evaluation, checkpoints and
+    exact resume are every run's, and a checkpoint holds the host tables (rank file ``host``:
+    ``<table>.weight``) as sequential training would have them at that step.
+    """
+    emb = getattr(getattr(model, "sparse_arch", None), "embedding", None)
+    if not isinstance(emb, PipelinedEmbedding):
+        raise ConfigError("pipelined_trainer: model.sparse_arch.embedding must be a PipelinedEmbedding, got "
+                          f"{type(emb).__name__}")
+    loader = PipelinedLoader(train_loader, emb, pipeline_depth, use_cache=use_cache)
+    return Trainer(model, dense_optimizer, loader, eval_loader, run_dir, **kwargs)
