@@ -374,7 +374,8 @@ def reference_mixed(emb, jf):
 
 def test_mixed_forward_matches_reference_and_steps_like_its_parts():
     from embedscale.embedding.local import LocalEmbeddingBags
-    from embedscale.embedding.mixed import MixedEmbedding, build_embedding
+    from embedscale.embedding.build import EmbeddingEnv, build_embedding
+    from embedscale.embedding.mixed import MixedEmbedding
 
     rng = np.random.default_rng(11)
     tables = mixed_tables()
@@ -411,8 +412,9 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
         (m(vals, torch.cumsum(lens, 0) - lens) * torch.cat([cols[f] for f in feats])).sum().backward()
         for a, b in zip(m.cores, emb.tt[m.name].cores):
             assert (a - b).abs().max() < TOL
-    assert isinstance(build_embedding([tables[0]], optimizer="sgd", tt_lr=0.1), LocalEmbeddingBags)
-    assert isinstance(build_embedding(tables, optimizer="sgd"), MixedEmbedding)
+    env = EmbeddingEnv(device=torch.device("cpu"), optimizer="sgd", tt_lr=0.1)  # the test's own device
+    assert isinstance(build_embedding([tables[0]], None, env), LocalEmbeddingBags)
+    assert isinstance(build_embedding(tables, None, env), MixedEmbedding)
     with pytest.raises(InputError, match="missing"):
         emb(JaggedFeatures.from_dense(["f1"], torch.tensor([[1]])))
     with pytest.raises(InputError, match=r"'v'.*row id 3000"):

@@ -441,7 +441,9 @@ def data_synthetic(out_dir, preset, samples, first_sample, max_rows, alpha, seed
 
 
 def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
-    """Tables from a YAML list, a synthetic preset, or the saved profile's tables."""
+    """Tables from a YAML list, a synthetic preset, or the saved profile's: for a profile of the data
+    (``embedscale profile DIR``, per feature) the tables training builds by default (``t_<feature>``,
+    ``plan.forms.default_tables``)."""
     import yaml
 
     from embedscale.specs import TableSpec, from_dict
@@ -460,8 +462,9 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
     if profile_path:
         from embedscale.data.profile import AccessProfile
 
-        prof = AccessProfile.load(profile_path)
-        return [TableSpec(n, prof.num_rows(n), dim) for n in prof.table_names]
+        from embedscale.plan.forms import tables_from_profile
+
+        return tables_from_profile(AccessProfile.load(profile_path), dim)
     raise EmbedscaleError("name the tables: --tables FILE.yaml, --preset NAME or --profile DIR")
 
 
@@ -494,24 +497,29 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
               help="Store tables of at least this many rows as TT tables (EL-Rec: 1000000): replicated on every "
                    "rank, not in the plan. 0 = off (tables saying compression: tt in --tables are TT anyway).")
 @click.option("--tt-rank", type=int, default=32, show_default=True, help="TT rank of the tables --tt-min-rows selects.")
+@click.option("--host-min-rows", type=int, default=0, show_default=True,
+              help="Place tables of at least this many rows in the host parameter server (EL-Rec V): not in the "
+                   "plan. 0 = off.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
-         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, as_json):
+         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
 
     Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
-    TT-compressed tables (compression: tt, or --tt-min-rows) are not placed: every rank holds their cores.
+    With --profile of the data (embedscale profile DIR) the tables are the ones training builds by default
+    (t_<feature>). Every table's form is decided here and saved in the plan (training with --dist-plan builds
+    it): TT-compressed tables (compression: tt, or --tt-min-rows) and host tables (placement: host, or
+    --host-min-rows) are not placed; every rank holds the TT cores.
     """
     from embedscale.plan.api import plan_command
+    from embedscale.plan.forms import decide_forms, with_forms
 
     try:
         tables = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
         if tt_min_rows < 0:
             raise EmbedscaleError(f"--tt-min-rows must be >= 0 (0 = off), got {tt_min_rows}")
-        if tt_min_rows:
-            from embedscale.embedding.compression import apply_tt_policy
-
-            tables = apply_tt_policy(tables, tt_min_rows - 1, tt_rank)  # the policy counts "more than"
+        tables = with_forms(tables, decide_forms(tables, tt_min_rows=tt_min_rows, tt_rank=tt_rank,
+                                                 host_min_rows=host_min_rows))
         prof = profile_path or {"kind": "zipf", "alpha": zipf}
         rep = plan_command(tables, prof, _plan_topology(topology_path, hosts, ranks_per_host), list(strategies),
                            out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size)

@@ -51,9 +51,11 @@ class TableSpec:
         dim: embedding dimension.
         features: the sparse features looked up in this table (default: one feature named as the table).
         pooling: ``sum``, ``mean``, or ``none`` (unpooled sequence).
-        compression: ``none`` or ``tt`` (tensor-train, EL-Rec).
+        compression: ``none`` or ``tt`` (tensor-train, EL-Rec): a *request*; the table's form is decided by
+            ``plan.forms.decide_forms`` and recorded in the plan (``Plan.forms``).
         tt_rank: TT rank when ``compression == "tt"``.
-        placement: ``device`` or ``host`` (host-memory parameter server, EL-Rec section V).
+        placement: ``device`` or ``host`` (host-memory parameter server, EL-Rec section V): a request, as
+            ``compression``. Specs returned by ``plan.forms.with_forms`` carry the decided forms in these two.
         bytes_per_value: bytes per stored value (4 for fp32).
     """
 

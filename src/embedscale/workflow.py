@@ -11,7 +11,6 @@ import json
 import math
 import sys
 import time
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,9 @@ import torch
 from embedscale.data.loader import ShardLoader
 from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.errors import ConfigError
+from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: old callers)
 from embedscale.io import atomic_write_json, atomic_write_text
+from embedscale.plan.forms import decide_forms, default_tables, table_bytes, with_forms
 from embedscale.specs import RunConfig, TableSpec, dump_config, feature_to_table, to_dict
 from embedscale.train.lock import RunLock
 
@@ -126,36 +127,21 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     A configured table that reads a feature the data does not have, or has fewer rows than the data's
     ids need, is a ``ConfigError`` naming table and feature.
 
-    ``model.tt_min_rows > 0`` applies EL-Rec's compression policy (section VI-A): every table of at least
-    that many rows becomes ``compression: tt`` with ``model.tt_rank`` (``embedding.compression``); such
-    tables are replicated on every rank, never sharded by a plan. ``model.host_min_rows`` moves tables to
-    the host parameter server instead; a table that both would take is a ``ConfigError``.
+    The default tables are ``plan.forms.default_tables`` (``t_<feature>``: the names ``embedscale plan
+    --profile`` gives them too). The forms the config requests (``compression: tt``, ``placement: host``,
+    ``model.tt_min_rows`` (EL-Rec VI-A), ``model.host_min_rows`` (EL-Rec V)) are decided by
+    ``plan.forms.decide_forms`` and carried on the returned specs (``plan.forms.with_forms``); a run with a
+    saved plan builds the plan's forms instead (``train.distributed.run_tables``).
     """
     rows = {s.name: s.num_rows for s in manifest.sparse}
-    host_min = cfg.model.host_min_rows
-    if host_min < 0:
-        raise ConfigError(f"model.host_min_rows must be >= 0, got {host_min}")
-    tt_min = cfg.model.tt_min_rows
-    if tt_min < 0:
-        raise ConfigError(f"model.tt_min_rows must be >= 0 (0 = off), got {tt_min}")
-    if tt_min and cfg.model.tt_rank <= 0:
-        raise ConfigError(f"model.tt_rank must be positive, got {cfg.model.tt_rank}")
+    m = cfg.model
 
-    def placed(t: TableSpec) -> TableSpec:  # model.host_min_rows: the largest tables to the parameter server
-        if tt_min and t.num_rows >= tt_min and t.compression == "none":  # model.tt_min_rows: EL-Rec's policy
-            if host_min and t.num_rows >= host_min:
-                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches both model.tt_min_rows ({tt_min}) "
-                                  f"and model.host_min_rows ({host_min}): a table is either TT-compressed "
-                                  "(replicated) or host-placed, set one")
-            if t.pooling == "none":
-                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches model.tt_min_rows ({tt_min}), but "
-                                  "TT tables pool (sum or mean) and this one has pooling 'none'")
-            return dataclasses.replace(t, features=list(t.features), compression="tt", tt_rank=cfg.model.tt_rank)
-        return dataclasses.replace(t, placement="host") if host_min and t.num_rows >= host_min else t
+    def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests turned into forms, in one place
+        return with_forms(tables, decide_forms(tables, tt_min_rows=m.tt_min_rows, tt_rank=m.tt_rank,
+                                               host_min_rows=m.host_min_rows))
 
     if not cfg.model.tables:
-        return [placed(TableSpec(name=f"t_{s.name}", num_rows=s.num_rows, dim=cfg.model.embedding_dim,
-                                 features=[s.name], pooling=cfg.model.pooling)) for s in manifest.sparse]
+        return decided(default_tables(((s.name, s.num_rows) for s in manifest.sparse), m.embedding_dim, m.pooling))
     try:
         feature_to_table(cfg.model.tables)  # a feature read by two tables, named with both
     except ConfigError as e:
@@ -173,7 +159,7 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     missing = [f for f in rows if f not in seen]
     if missing:
         raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
-    return [placed(t) for t in cfg.model.tables]
+    return decided(list(cfg.model.tables))
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
@@ -185,7 +171,6 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
     ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``.
     """
-    from embedscale.embedding.local import LocalEmbeddingBags
     from embedscale.models import build_model
     from embedscale.models.dmt import is_dmt_arch
 
@@ -196,28 +181,8 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                             assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
                             seed=t.seed)
         return model, make_dense_optimizer(t, model.dense_parameters())
-    if any(tb.placement == "host" for tb in tables):
-        from embedscale.pipeline import PipelinedEmbedding
-
-        rest = [tb for tb in tables if tb.placement != "host"]
-        device_modules = None
-        if any(tb.compression == "tt" for tb in rest):  # TT tables beside the host ones (EL-Rec III with V)
-            from embedscale.embedding.mixed import MixedEmbedding
-
-            device_modules = [MixedEmbedding(rest, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                             init=hash_init(t.seed, tables), seed=t.seed, tt_lr=tt_lr(t),
-                                             init_index=[tables.index(x) for x in rest])]
-        embedding = PipelinedEmbedding.from_tables(tables, device=device, optimizer=t.sparse_optimizer,
-                                                   lr=t.lr_sparse, seed=t.seed, init=hash_init(t.seed, tables),
-                                                   device_modules=device_modules)
-    elif any(tb.compression == "tt" for tb in tables):
-        from embedscale.embedding.mixed import MixedEmbedding
-
-        embedding = MixedEmbedding(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                   init=hash_init(t.seed, tables), seed=t.seed, tt_lr=tt_lr(t))
-    else:
-        embedding = LocalEmbeddingBags(tables, device=device, optimizer=t.sparse_optimizer, lr=t.lr_sparse,
-                                       init=hash_init(t.seed, tables))
+    embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
+                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     return model, make_dense_optimizer(t, model.dense_parameters())
 
@@ -241,22 +206,6 @@ def make_dense_optimizer(t, params) -> torch.optim.Optimizer:
     raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
 
 
-def hash_init(seed: int, tables: list[TableSpec]):
-    """``LocalEmbeddingBags`` init callable giving every row its placement-independent initial value
-    (``embedding.init``), so single-process and sharded runs start from the same model."""
-    from embedscale.embedding.init import uniform_rows
-
-    index = {t.name: i for i, t in enumerate(tables)}
-
-    def init(spec: TableSpec, weight: torch.Tensor) -> None:
-        import numpy as np
-
-        rows = uniform_rows(seed, index[spec.name], np.arange(spec.num_rows), spec.dim, spec.num_rows)
-        weight.copy_(torch.from_numpy(rows))
-
-    return init
-
-
 def new_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}"
@@ -274,7 +223,6 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     ``run_dir``; with ``resume`` it continues from the run directory's latest checkpoint, whatever world size
     wrote it (``train.checkpoint``: rows by table and row id). ``config.yaml`` is written once the inputs
     (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was."""
-    from embedscale.embedding.compression import table_bytes
     from embedscale.train.trainer import Trainer
 
     run_dir = Path(run_dir)

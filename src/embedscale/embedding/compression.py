@@ -19,9 +19,10 @@ every rank and trained data-parallel**. A planner therefore
   all-reduce in the backward phase" of section VI-B). Optimizer state is per replica and stays
   identical because the gradients are.
 
-Where it is applied: ``model.tt_min_rows`` (``workflow.tables_for``) or ``embedscale plan --tt-min-rows`` mark
-the tables; ``plan.api.make_plan`` plans the others and records the TT tables in
-``plan.meta["replicated_tables"]`` (:func:`replicated_tables_meta`); ``train.distributed`` builds a
+Where it is applied: ``model.tt_min_rows`` / ``compression: tt`` (config) or ``embedscale plan --tt-min-rows``
+request it; ``plan.forms.decide_forms`` decides the forms (the TT size arithmetic, ``tt_shapes`` and
+``table_bytes``, lives there too: the planner is numpy-only); ``plan.api.make_plan`` plans the others and
+records the TT tables in ``plan.meta["replicated_tables"]`` and every form in ``plan.meta["forms"]``; ``train.distributed`` builds a
 ``MixedEmbedding`` whose uncompressed part is the plan's ``ShardedEmbedding`` and whose TT tables sync with
 :func:`replica_grad_sync`.
 
@@ -33,15 +34,20 @@ Terabyte 74.19x). Optimizer state is not counted on either side.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
-from embedscale.embedding.tt import core_shapes, factor_dim, factor_rows, tt_ranks
+import torch
+import torch.distributed as dist
+
 from embedscale.errors import ConfigError
+from embedscale.plan.forms import TT_BYTES_PER_VALUE, replicated_tables_meta, table_bytes, tt_shapes
 from embedscale.specs import TableSpec
 
+# the TT size arithmetic lives in the (numpy-only) plan package; re-exported here for old callers
+__all__ = ["EL_REC_THRESHOLD_ROWS", "TT_BYTES_PER_VALUE", "apply_tt_policy", "compression_report", "replica_grad_sync",
+           "replicated_tables_meta", "split_tables", "table_bytes", "tt_shapes"]
+
 EL_REC_THRESHOLD_ROWS = 1_000_000
-TT_BYTES_PER_VALUE = 4  # TT cores are float32
 
 
 def apply_tt_policy(tables: list[TableSpec], threshold_rows: int = EL_REC_THRESHOLD_ROWS,
@@ -75,9 +81,6 @@ def replica_grad_sync(group=None, stats: dict | None = None):
     is exactly the single-process gradient of the global batch. ``stats["tt_grad_sync_bytes"]`` counts the
     bytes of the buffers this rank contributes.
     """
-    import torch
-    import torch.distributed as dist
-
     def sync(grads: list) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
@@ -91,38 +94,9 @@ def replica_grad_sync(group=None, stats: dict | None = None):
     return sync
 
 
-def replicated_tables_meta(tables: list[TableSpec], num_cores: int = 3) -> list[dict]:
-    """What a plan records about the TT tables it does not shard: name, rows, dim, rank, factorisation
-    and core bytes, held by *every* rank (``Plan.meta["replicated_tables"]``)."""
-    out = []
-    for t in tables:
-        if t.compression != "tt":
-            continue
-        rows, dims, _ = tt_shapes(t, num_cores)
-        out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
-                    "tt_rank": int(t.tt_rank), "row_shape": rows, "dim_shape": dims,
-                    "bytes": int(table_bytes(t, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
-                    "placement": "replicated on every rank"})
-    return out
-
-
 def split_tables(tables: list[TableSpec]) -> tuple[list[TableSpec], list[TableSpec]]:
     """``(uncompressed, tt)``: the tables a planner shards, and the TT tables it replicates on every rank."""
     return [t for t in tables if t.compression != "tt"], [t for t in tables if t.compression == "tt"]
-
-
-def tt_shapes(spec: TableSpec, num_cores: int = 3) -> tuple[list[int], list[int], list[int]]:
-    """``(row_shape, dim_shape, ranks)`` a ``TTEmbeddingBag`` built from ``spec`` uses by default."""
-    return factor_rows(spec.num_rows, num_cores), factor_dim(spec.dim, num_cores), tt_ranks(spec.tt_rank, num_cores)
-
-
-def table_bytes(spec: TableSpec, num_cores: int = 3) -> int:
-    """Bytes the table's values take as stored: TT cores (float32) for ``tt``, else ``num_rows * dim *
-    bytes_per_value``."""
-    if spec.compression != "tt":
-        return spec.memory_bytes
-    rows, dims, ranks = tt_shapes(spec, num_cores)
-    return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE
 
 
 @dataclass

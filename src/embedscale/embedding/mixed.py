@@ -9,8 +9,9 @@ features of a table in their order), ``feature_dims``, ``forward(JaggedFeatures)
 in ``feature_names`` order, updates of both kinds applied during ``loss.backward()``, and a
 ``state_dict`` (``local.<table>.weight``/``.momentum``, ``tt.<table>.core<k>``/``.state<k>``,
 ``remap.<table>``). So a model config that says ``compression: tt`` on a table runs through
-``build_model(cfg, tables, num_dense, embedding=MixedEmbedding(tables, ...))`` (or :func:`build_embedding`,
-which returns a plain ``LocalEmbeddingBags`` when no table is compressed).
+``build_model(cfg, tables, num_dense, embedding=MixedEmbedding(tables, ...))``; the model's embedding is
+built by :func:`embedscale.embedding.build.build_embedding` (a plain ``LocalEmbeddingBags`` when no table's
+form is TT).
 
 A TT table read by several features looks all of them up in one call (``k * B`` bags), so their
 distinct rows share one reuse buffer.
@@ -46,17 +47,6 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
 _TT_DEFAULT = {"sgd": "sgd", "rowwise_adagrad": "adagrad", None: None}
-
-
-def build_embedding(tables: list[TableSpec], **kwargs) -> nn.Module:
-    """``LocalEmbeddingBags(tables, ...)`` when no table is TT-compressed, else ``MixedEmbedding``.
-
-    ``kwargs`` are ``MixedEmbedding``'s; the TT-only ones are dropped for a plain ``LocalEmbeddingBags``.
-    """
-    if any(t.compression == "tt" for t in tables) or kwargs.get("reordering") is not None:
-        return MixedEmbedding(tables, **kwargs)
-    local_kwargs = {k: v for k, v in kwargs.items() if not k.startswith("tt_") and k not in ("reordering", "grad_sync")}
-    return LocalEmbeddingBags(tables, **local_kwargs)
 
 
 class MixedEmbedding(nn.Module):

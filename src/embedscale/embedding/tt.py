@@ -75,7 +75,6 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -86,6 +85,7 @@ import torch.nn.functional as F
 
 from embedscale.embedding.optim import aggregate_row_gradients
 from embedscale.errors import ConfigError, InputError
+from embedscale.plan.forms import core_shapes, factor_dim, factor_rows, tt_ranks  # the TT size arithmetic (numpy)
 from embedscale.specs import TableSpec
 
 TT_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
@@ -94,73 +94,6 @@ MODES = ("sum", "mean")
 
 # --------------------------------------------------------------------------------------------------
 # factorisation and sizes
-
-
-def factor_rows(num_rows: int, num_cores: int = 3) -> list[int]:
-    """Row factors ``m_1..m_d`` with ``prod >= num_rows``, as balanced as possible, least padding first.
-
-    Candidates are the integers near ``num_rows ** (1/d)``; among the combinations whose product covers
-    the table, the smallest product wins (least padding), then the most balanced. The largest factor goes
-    last (more rows share a prefix: more reuse, section III-A) and the smallest into the middle cores,
-    whose slices carry ``R^2`` values each (the least memory).
-    """
-    if num_rows <= 0:
-        raise ConfigError(f"factor_rows: num_rows must be positive, got {num_rows}")
-    if num_cores < 2:
-        raise ConfigError(f"factor_rows: a TT table needs at least 2 cores, got {num_cores}")
-    base = max(1, int(round(num_rows ** (1.0 / num_cores))))
-    cands = range(max(1, base - 2), base + 4)
-    best = None
-    for combo in itertools.combinations_with_replacement(cands, num_cores):
-        p = math.prod(combo)
-        if p < num_rows:
-            continue
-        key = (p, max(combo) - min(combo))
-        if best is None or key < best[0]:
-            best = (key, combo)
-    if best is None:  # cannot happen: (base + 3) ** d >= num_rows
-        raise ConfigError(f"factor_rows: no factorisation of {num_rows} rows into {num_cores} factors")
-    s = sorted(best[1])
-    if num_cores == 2:
-        return s
-    return [s[-2]] + s[:-2] + [s[-1]]
-
-
-def factor_dim(dim: int, num_cores: int = 3) -> list[int]:
-    """Exact dim factors ``n_1..n_d`` (``prod == dim``), most balanced, ascending (the largest last: the
-    reuse buffer's width ``n_1 * .. * n_{d-1}`` and the middle cores stay small)."""
-    if dim <= 0:
-        raise ConfigError(f"factor_dim: dim must be positive, got {dim}")
-
-    def splits(n: int, k: int):
-        if k == 1:
-            yield (n,)
-            return
-        for f in range(1, n + 1):
-            if n % f == 0:
-                for rest in splits(n // f, k - 1):
-                    yield (f,) + rest
-
-    best = min(splits(dim, num_cores), key=lambda c: (max(c), -min(c)))
-    return sorted(best)
-
-
-def tt_ranks(tt_rank: int | Sequence[int], num_cores: int) -> list[int]:
-    """Full rank list ``[1, R_1, .., R_{d-1}, 1]`` from one rank or the ``d - 1`` inner ranks."""
-    if isinstance(tt_rank, int) and not isinstance(tt_rank, bool):
-        inner = [tt_rank] * (num_cores - 1)
-    else:
-        inner = [int(r) for r in tt_rank]
-        if len(inner) != num_cores - 1:
-            raise ConfigError(f"tt_rank: {num_cores} cores need {num_cores - 1} inner ranks, got {inner}")
-    if any(r <= 0 for r in inner):
-        raise ConfigError(f"tt_rank must be positive, got {inner}")
-    return [1] + inner + [1]
-
-
-def core_shapes(row_shape: Sequence[int], dim_shape: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Shape of every core: ``(m_k, R_{k-1}, n_k * R_k)``."""
-    return [(m, ranks[k], n * ranks[k + 1]) for k, (m, n) in enumerate(zip(row_shape, dim_shape))]
 
 
 def tt_num_parameters(num_rows: int, dim: int, tt_rank: int | Sequence[int] = 32, num_cores: int = 3) -> int:

@@ -18,6 +18,7 @@ from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_json
 from embedscale.plan.baselines import BASELINES, plan_baseline
 from embedscale.plan.cost import check_mode, evaluate
+from embedscale.plan.forms import forms_of, replicated_tables_meta, table_profile
 from embedscale.plan.oper import plan_oper
 from embedscale.plan.plan import Plan
 from embedscale.plan.report import strategy_entry, write_markdown, write_png
@@ -55,10 +56,12 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     Args:
         strategy: ``oper``, ``table_wise``, ``row_wise``, ``memory_greedy``, ``access_greedy``,
             ``torchrec`` or ``milp``.
-        tables: ``TableSpec`` list. Tables with ``compression: tt`` are not sharded: they are replicated on
-            every rank and trained data-parallel (EL-Rec VI-B); the plan covers the others and lists them in
-            ``plan.meta["replicated_tables"]`` (``embedding.compression.replicated_tables_meta``).
-        profile: per-row access counts (see ``resolve_profile``).
+        tables: ``TableSpec`` list, their forms decided (``plan.forms.decide_forms`` / ``with_forms``). Only
+            ``sharded`` tables get rows placed; TT tables are replicated on every rank and trained data-parallel
+            (EL-Rec VI-B), listed in ``plan.meta["replicated_tables"]``; host tables live in the parameter
+            server. ``plan.meta["forms"]`` records every table's form (``Plan.forms``).
+        profile: per-row access counts (see ``resolve_profile``); a per-feature profile is summed by table
+            (``plan.forms.table_profile``).
         topology: ``specs.Topology``, ``LinkTopology``, a dict or a YAML/JSON path.
         mode: ``training`` or ``inference`` (stored in the plan's metadata).
         extra_memory: replication budget, fraction of the tables' footprint (OPER: 5%).
@@ -74,11 +77,13 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
         >>> plan.validate()
     """
     check_mode(mode)
-    tables, tt_tables = _split_tt(tables)
+    all_tables = list(tables)
+    forms = forms_of(all_tables)
+    tables, tt_tables = _split_tt(all_tables)
     if not tables:
-        raise ConfigError("no tables to plan" + (" (every table is TT-compressed: replicated on every rank, "
-                                                 "nothing to shard)" if tt_tables else ""))
-    profile = resolve_profile(profile, tables)
+        raise ConfigError("no tables to plan" + (" (every table is TT-compressed or host-placed: nothing to shard)"
+                                                 if all_tables else ""))
+    profile = table_profile(resolve_profile(profile, tables), tables)
     topo = resolve_topology(topology)
     t0 = time.perf_counter()
     if strategy == "oper":
@@ -99,17 +104,15 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     plan.meta.update({"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory)})
     plan.meta.setdefault("topology", topo.to_dict())
     if tt_tables:
-        from embedscale.embedding.compression import replicated_tables_meta
-
         plan.meta["replicated_tables"] = replicated_tables_meta(tt_tables)
+    plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     return plan
 
 
 def _split_tt(tables) -> tuple[list, list]:
-    """(tables a plan shards, TT-compressed tables replicated on every rank)."""
-    tables = list(tables)
-    return ([t for t in tables if getattr(t, "compression", "none") != "tt"],
-            [t for t in tables if getattr(t, "compression", "none") == "tt"])
+    """(tables a plan shards, TT-compressed tables replicated on every rank); host tables are in neither."""
+    forms = forms_of(tables)
+    return ([t for t in tables if forms[t.name].kind == "sharded"], [t for t in tables if forms[t.name].kind == "tt"])
 
 
 def compare(strategies, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
@@ -120,10 +123,10 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
     still run. Returns ``{"config": ..., "strategies": {name: entry}}`` (+ ``"plans"`` if ``keep_plans``).
     """
     tables = list(tables)
-    profile = resolve_profile(profile, tables)
+    sharded, tt_tables = _split_tt(tables)
+    profile = table_profile(resolve_profile(profile, tables), sharded)
     topo = resolve_topology(topology)
     options = options or {}
-    sharded, tt_tables = _split_tt(tables)
     out: dict[str, Any] = {
         "config": {"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory),
                    "world_size": topo.world_size, "num_hosts": topo.num_hosts, "ranks_per_host": topo.ranks_per_host,
@@ -136,8 +139,6 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
     budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in sharded)), extra_memory)[0])
     out["config"]["memory_budget_bytes"] = budget
     if tt_tables:  # not sharded: every rank holds their cores besides its share of the plan
-        from embedscale.embedding.compression import replicated_tables_meta
-
         out["config"]["replicated_tables"] = replicated_tables_meta(tt_tables)
         out["config"]["replicated_bytes_per_rank"] = sum(m["bytes"] for m in out["config"]["replicated_tables"])
     plans = {}

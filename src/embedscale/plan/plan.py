@@ -31,6 +31,7 @@ import numpy as np
 
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_open, atomic_write_json, read_json
+from embedscale.plan.forms import SHARDED, TableForm
 
 FORMAT = "embedscale.plan"
 VERSION = 1
@@ -159,6 +160,23 @@ class Plan:
     @property
     def table_names(self) -> list[str]:
         return [t.name for t in self.tables]
+
+    @property
+    def forms(self) -> dict[str, TableForm]:
+        """Every table's form (``plan.forms``): the tables this plan places are ``sharded``; the others (TT,
+        host) as ``meta["forms"]`` records them (``plan.api.make_plan``). A plan saved before plans recorded
+        forms: its TT tables from ``meta["replicated_tables"]``."""
+        out = {n: SHARDED for n in self.table_names}
+        if "forms" in self.meta:
+            for n, d in self.meta["forms"].items():
+                out[n] = TableForm.from_dict(d, f"plan forms[{n!r}]")
+        else:
+            for m in self.meta.get("replicated_tables", []):
+                out[m["name"]] = TableForm("tt", tt_rank=int(m["tt_rank"]))
+        bad = sorted(n for n in self.table_names if out[n].kind != "sharded")
+        if bad:
+            raise PlanError(f"plan: tables {bad} have rows placed but forms {[out[n].kind for n in bad]} (not sharded)")
+        return out
 
     @property
     def part_rows(self) -> np.ndarray:

@@ -47,9 +47,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import workflow
 from embedscale.data.loader import ShardLoader
+from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
+from embedscale.pipeline.shared import local_group
+from embedscale.plan.forms import check_plan_sizes, forms_for_run, forms_of, replicated_tables_meta, with_forms
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
@@ -170,88 +173,47 @@ def planned_tables(tables: list) -> list:
     return [t for t in tables if t.placement != "host" and t.compression != "tt"]
 
 
-def _tt_tables_embedding(cfg: RunConfig, tables: list, sharded, device, inference: bool, stats: dict):
-    """TT tables of a distributed run (EL-Rec VI-B): a :class:`~embedscale.embedding.mixed.MixedEmbedding` of
-    the non-host tables whose uncompressed part is the sharded embedding and whose TT tables are replicas on
-    this rank, their core gradients summed over the ranks (``compression.replica_grad_sync``, on a process
-    group of their own) before the fused update; ``None`` when no table is TT-compressed. Built with the
-    same seeds and optimizer as single-process training (``workflow.build``), so it starts and steps alike."""
-    rest = [t for t in tables if t.placement != "host"]
-    if not any(t.compression == "tt" for t in rest):
-        return None
-    from embedscale.embedding.compression import replica_grad_sync
-    from embedscale.embedding.mixed import MixedEmbedding
-    from embedscale.workflow import hash_init, tt_lr
-
-    t, d = cfg.train, cfg.dist
-    sync = None
-    if not inference:
-        group = dist.new_group(backend="gloo" if device.type == "cpu" else None,
-                               timeout=datetime.timedelta(seconds=d.timeout_s))  # the TT core gradients
-        sync = replica_grad_sync(group, stats)
-    return MixedEmbedding(rest, local=sharded, device=device, optimizer=None if inference else t.sparse_optimizer,
-                          lr=t.lr_sparse, init=hash_init(t.seed, tables), seed=t.seed, grad_sync=sync,
-                          init_index=[tables.index(x) for x in rest], tt_lr=tt_lr(t))
-
-
-def _host_tables_embedding(cfg: RunConfig, tables: list, sharded, device):
-    """Host-placed tables of a distributed run (EL-Rec V): a :class:`~embedscale.pipeline.PipelinedEmbedding`
-    with the sharded embedding as its device module and the host tables in a parameter server, one per rank
-    (``train.pipeline_server: per-rank``) or one per machine shared by its local ranks (``shared``); ``None``
-    when no table is host-placed. Data parallel over the host rows: every rank applies every update."""
-    host = [t for t in tables if t.placement == "host"]
-    if not host:
-        return None
-    from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
-    from embedscale.pipeline.shared import local_group
-    from embedscale.workflow import hash_init
-
-    t, d = cfg.train, cfg.dist
-    if t.pipeline_server not in ("per-rank", "shared"):
-        raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
-    if t.sparse_optimizer not in ("sgd", "rowwise_adagrad"):
-        raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {t.sparse_optimizer!r}")
-    share = local_group() if t.pipeline_server == "shared" else None
-    server = HostParameterServer(host, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=hash_init(t.seed, tables),
-                                 share_group=share, timeout_s=d.timeout_s)
-    group = dist.new_group(backend="gloo" if device.type == "cpu" else None,
-                           timeout=datetime.timedelta(seconds=d.timeout_s))  # the host rows' exchange
-    return PipelinedEmbedding(tables, server, [sharded], device=device, process_group=group)
-
-
 def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     """The run's plan: a saved plan (``dist.plan`` is a path) or one made now from the training split's
-    access profile with the named strategy. Host-placed tables are not planned (``planned_tables``)."""
-    from embedscale.plan.plan import Plan
-
-    profiled, tables = tables, planned_tables(tables)
-    if not tables:
-        raise ConfigError("several ranks need at least one table with placement: device and no compression to "
-                          "plan; every table is host-placed or TT-compressed (replicated)")
-
+    access profile with the named strategy. The plan records every table's form (``Plan.forms``); a saved
+    plan's forms win over the config's, and an explicit request contradicting them is a ``ConfigError``
+    (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``)."""
     d = cfg.dist
     world = d.nproc
-    if Path(d.plan).exists():
+    saved = Path(d.plan).exists()
+    if saved:
         plan = Plan.load(d.plan)
         if plan.world_size != world:
             raise ConfigError(f"plan {d.plan} is for {plan.world_size} ranks, this run has {world}")
-    else:
-        from embedscale import workflow
+        check_plan_sizes(plan, tables, d.plan)
+        tables = with_forms(tables, forms_for_run(plan.forms, forms_of(tables), d.plan))
+    if not planned_tables(tables):
+        raise ConfigError("several ranks need at least one table with placement: device and no compression to "
+                          "plan; every table is host-placed or TT-compressed (replicated)")
+    if not saved:
         from embedscale.plan.api import make_plan
         from embedscale.specs import Topology
 
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
-        prof = workflow.profile(data, plan_dir.parent / "profile", profiled, progress=progress)
+        prof = workflow.profile(data, plan_dir.parent / "profile", tables, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
-    if any(t.compression == "tt" for t in profiled):  # not sharded: a copy on every rank (EL-Rec VI-B)
-        from embedscale.embedding.compression import replicated_tables_meta
-
-        plan.meta["replicated_tables"] = replicated_tables_meta(profiled)
+    tt = [t for t in tables if t.compression == "tt"]
+    if tt:  # not sharded: a copy on every rank (EL-Rec VI-B)
+        plan.meta["replicated_tables"] = replicated_tables_meta(tt)
+    plan.meta["forms"] = {n: f.to_dict() for n, f in forms_of(tables).items()}
     plan.save(plan_dir)
     return plan
+
+
+def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> list:
+    """The tables a distributed run builds: the config's (``workflow.tables_for``) in the forms ``plan``
+    recorded (``plan.forms.forms_for_run``)."""
+    tables = workflow.tables_for(cfg, manifest)
+    check_plan_sizes(plan, tables, str(plan_name))
+    return with_forms(tables, forms_for_run(plan.forms, forms_of(tables), str(plan_name)))
 
 
 class DistributedRun:
@@ -259,20 +221,16 @@ class DistributedRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
                  inference: bool = False):
-        from embedscale import workflow
-        from embedscale.comm.collective import CollectiveTransport
-        from embedscale.data.loader import ShardLoader
         from embedscale.embedding.address_map import address_map_from_plan
-        from embedscale.embedding.sharded import ShardedEmbedding
         from embedscale.models import build_model
-        from embedscale.plan.plan import Plan
 
         self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
-        self.tables = planned_tables(self.all_tables)  # the sharded ones; host tables: a parameter server
         self.plan = Plan.load(run_dir / "plan")
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
+        self.all_tables = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan")  # the plan's forms
+        self.tables = planned_tables(self.all_tables)  # the sharded ones; host tables: a parameter server
         amap = address_map_from_plan(self.plan, self.tables)
         self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
                                         timeout=datetime.timedelta(seconds=d.timeout_s))
@@ -282,21 +240,19 @@ class DistributedRun:
         self.transport = self._transport(d.transport, rank, world, amap, max_batch)
         torch.manual_seed(t.seed)
         self.inference = inference
-        emb_cls, extra = ShardedEmbedding, {}
-        if d.transport == "pgas":
-            from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
-
-            emb_cls, extra = PgasShardedEmbedding, {"max_batch_size": max_batch}
-        self.embedding = emb_cls(self.tables, amap, self.transport, rank, design=d.design,
-                                          optimizer=None if inference else t.sparse_optimizer, lr=t.lr_sparse,
-                                          grad_sync=d.grad_sync, **extra, validate=False,  # ShardLoader checked the ids
-                                          sync_group=self.emb_group, seed=t.seed, device=self.device,
-                                          init_index=[self.all_tables.index(tb) for tb in self.tables])
+        if t.pipeline_server not in ("per-rank", "shared"):
+            raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
         self.tt_stats: dict[str, int] = {}
-        self.tt_embedding = _tt_tables_embedding(cfg, self.all_tables, self.embedding, self.device, inference,
-                                                 self.tt_stats)
+        built = build_embedding(self.all_tables, self.plan, EmbeddingEnv(
+            device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
+            tt_lr=workflow.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
+            grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
+            pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
+            new_group=self._new_group,
+            new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
+            stats=self.tt_stats))
+        self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
         device_module = self.tt_embedding or self.embedding
-        self.host_embedding = _host_tables_embedding(cfg, self.all_tables, device_module, self.device)
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
         self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
@@ -319,6 +275,11 @@ class DistributedRun:
 
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, max(1, t.pipeline_depth),
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
+
+    def _new_group(self):
+        """A process group of every rank (the TT core gradients', the host rows' exchange)."""
+        return dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
+                              timeout=datetime.timedelta(seconds=self.cfg.dist.timeout_s))
 
     def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
                      inference: bool) -> None:

@@ -1,0 +1,171 @@
+"""The one constructor of a model's embedding: ``build_embedding(tables, plan, env) -> nn.Module``.
+
+Every table's form is decided in the plan (``embedscale.plan.forms``: ``sharded``, ``tt``, ``host``); the
+tables arrive carrying it (``plan.forms.with_forms``). What is built:
+
+* world of one (``plan`` is ``None``): the sharded tables in one :class:`~embedscale.embedding.local.LocalEmbeddingBags`
+  (the fast path when nothing is sharded across ranks);
+* ``N`` ranks: the sharded tables in a :class:`~embedscale.embedding.sharded.ShardedEmbedding` (or
+  :class:`~embedscale.embedding.pgas_lookup.PgasShardedEmbedding` on the PGAS transport) executing the plan's
+  row placement (OPER section 4, through ``env.address_map``);
+* TT tables (EL-Rec section III): a :class:`~embedscale.embedding.mixed.MixedEmbedding` around the above, its
+  TT tables replicas whose core gradients are summed over the ranks before the fused update (EL-Rec VI-B,
+  ``compression.replica_grad_sync`` on a process group of their own, made by ``env.new_group``);
+* host tables (EL-Rec section V): a :class:`~embedscale.pipeline.PipelinedEmbedding` with the above as its
+  device module and the host tables in a :class:`~embedscale.pipeline.HostParameterServer` (one per rank,
+  or one per machine with ``env.pipeline_server == "shared"``).
+
+DMT tower embeddings are built by ``models.dmt.build_dmt_model`` (the tower transform owns its tables).
+Every part is initialised by ``workflow.hash_init`` with the table's index among all tables, so the same
+table starts with the same rows whatever its form or placement (single process == N ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from embedscale.embedding.compression import replica_grad_sync
+from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.mixed import MixedEmbedding
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.embedding.sharded import ShardedEmbedding
+from embedscale.errors import ConfigError
+from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
+from embedscale.plan.forms import forms_of
+from embedscale.specs import TableSpec
+
+
+@dataclass
+class EmbeddingEnv:
+    """Where and how the embedding is built (everything but the tables and the plan).
+
+    Args:
+        device: where the rows live (from the run's config, ``train.device``).
+        optimizer: the fused sparse optimizer (``sgd``, ``rowwise_adagrad``; ``train.sparse_optimizer``).
+        inference: no update: the sharded and TT parts get no optimizer (the host server keeps its own).
+        lr: its learning rate (``train.lr_sparse``); ``tt_lr`` the TT cores' (``workflow.tt_lr``).
+        seed: ``train.seed`` (row initialisation).
+        rank, world_size: this rank and the world (1: single process).
+        design, grad_sync: ``dist.design`` and ``dist.grad_sync`` of the sharded embedding.
+        transport, address_map, sync_group: N ranks: the transport the sharded embedding talks through,
+            the plan's address map (``address_map_from_plan``) and the process group of its gradient sync.
+        pgas: use ``PgasShardedEmbedding`` (``dist.transport: pgas``) with ``max_batch_size`` ids per rank.
+        validate: N ranks: the sharded embedding checks the batch's ids itself (``False`` when the loader did).
+        new_group: N ranks: makes a new process group (the TT core gradients', the host rows' exchange).
+        new_share_group: makes the process group of this machine's ranks that share one host server
+            (``train.pipeline_server: shared``); ``None``: a server per rank.
+        timeout_s: ``dist.timeout_s``.
+        stats: counters the parts add to (``tt_grad_sync_bytes``).
+    """
+
+    device: torch.device
+    optimizer: str = "rowwise_adagrad"
+    inference: bool = False
+    lr: float = 0.05
+    tt_lr: float = 0.05
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    design: str = "retrieve"
+    grad_sync: str = "local_aggregated"
+    transport: Any = None
+    address_map: Any = None
+    sync_group: Any = None
+    pgas: bool = False
+    max_batch_size: int = 0
+    validate: bool = True
+    new_group: Callable[[], Any] | None = None
+    new_share_group: Callable[[], Any] | None = None
+    timeout_s: float = 300.0
+    stats: dict = field(default_factory=dict)
+
+
+def hash_init(seed: int, tables: list[TableSpec]):
+    """``LocalEmbeddingBags`` init callable giving every row its placement-independent initial value
+    (``embedding.init.uniform_rows`` of the table's index in ``tables``), so single-process and sharded runs
+    start from the same model."""
+    index = {t.name: i for i, t in enumerate(tables)}
+
+    def init(spec: TableSpec, weight: torch.Tensor) -> None:
+        rows = uniform_rows(seed, index[spec.name], np.arange(spec.num_rows), spec.dim, spec.num_rows)
+        weight.copy_(torch.from_numpy(rows))
+
+    return init
+
+
+def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Module:
+    """The model's embedding over ``tables`` (forms decided, see the module docstring) for ``plan`` (``None``:
+    a world of one) in ``env``. Bit-identical to the constructors it replaces (same seeds, same order)."""
+    forms = forms_of(tables)
+    host = [t for t in tables if forms[t.name].kind == "host"]
+    rest = [t for t in tables if forms[t.name].kind != "host"]
+    has_tt = any(forms[t.name].kind == "tt" for t in rest)
+    init = hash_init(env.seed, tables)
+    if plan is None:
+        if env.world_size != 1:
+            raise ConfigError(f"build_embedding: {env.world_size} ranks need a plan")
+        if host:
+            device_modules = None
+            if has_tt:  # TT tables beside the host ones (EL-Rec III with V)
+                device_modules = [MixedEmbedding(rest, device=env.device, optimizer=env.optimizer, lr=env.lr,
+                                                 init=init, seed=env.seed, tt_lr=env.tt_lr,
+                                                 init_index=[tables.index(x) for x in rest])]
+            return PipelinedEmbedding.from_tables(tables, device=env.device, optimizer=env.optimizer, lr=env.lr,
+                                                  seed=env.seed, init=init, device_modules=device_modules)
+        if has_tt:
+            return MixedEmbedding(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
+                                  seed=env.seed, tt_lr=env.tt_lr)
+        return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init)
+    return _distributed(tables, host, rest, has_tt, plan, env)
+
+
+def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Module:
+    sharded_tables = [t for t in rest if t.compression != "tt"]
+    if plan.world_size != env.world_size:
+        raise ConfigError(f"build_embedding: the plan is for {plan.world_size} ranks, this run has {env.world_size}")
+    if env.transport is None or env.address_map is None:
+        raise ConfigError("build_embedding: several ranks need env.transport and env.address_map")
+    opt = None if env.inference else env.optimizer
+    cls, extra = ShardedEmbedding, {}
+    if env.pgas:
+        cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
+    module: nn.Module = cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
+                            optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra, validate=env.validate,
+                            sync_group=env.sync_group, seed=env.seed, device=env.device,
+                            init_index=[tables.index(tb) for tb in sharded_tables])
+    init = hash_init(env.seed, tables)
+    if has_tt:  # TT replicas beside the sharded tables, their core gradients summed over the ranks (EL-Rec VI-B)
+        sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
+        module = MixedEmbedding(rest, local=module, device=env.device, optimizer=opt, lr=env.lr,
+                                init=init, seed=env.seed, grad_sync=sync, init_index=[tables.index(x) for x in rest],
+                                tt_lr=env.tt_lr)
+    if host:  # host rows in a parameter server, data parallel: every rank applies every update (EL-Rec V)
+        if env.optimizer not in ("sgd", "rowwise_adagrad"):
+            raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {env.optimizer!r}")
+        share = env.new_share_group() if env.new_share_group is not None else None
+        server = HostParameterServer(host, optimizer=env.optimizer, lr=env.lr, init=init, share_group=share,
+                                     timeout_s=env.timeout_s)
+        module = PipelinedEmbedding(tables, server, [module], device=env.device, process_group=_group(env))
+    return module
+
+
+def _group(env: EmbeddingEnv):
+    if env.new_group is None:
+        raise ConfigError("build_embedding: TT or host tables on several ranks need env.new_group")
+    return env.new_group()
+
+
+def embedding_parts(module: nn.Module) -> tuple[nn.Module, MixedEmbedding | None, PipelinedEmbedding | None]:
+    """``(rows, tt, host)`` of a built embedding: the module holding the sharded (or local) rows, the
+    ``MixedEmbedding`` of the TT tables (``None`` without), the ``PipelinedEmbedding`` (``None`` without)."""
+    host = module if isinstance(module, PipelinedEmbedding) else None
+    device = host.device_modules[0] if host is not None and len(host.device_modules) else module
+    tt = device if isinstance(device, MixedEmbedding) else None
+    rows = tt.local if tt is not None else device
+    return rows, tt, host

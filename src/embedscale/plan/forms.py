@@ -1,0 +1,382 @@
+"""What the plan decides about every table: its *form* (sharded, TT, host, tower), and the model's default tables.
+
+numpy-only (like all of ``embedscale.plan``): no torch, nothing from ``embedscale.embedding``.
+
+**Forms.** A :class:`TableForm` says how a table is stored and trained:
+
+* ``sharded``: rows placed on the ranks by the plan's row placement (OPER section 4);
+* ``tt``: a tensor-train table of rank ``tt_rank`` (EL-Rec section III), replicated on every rank and trained
+  data-parallel (EL-Rec section VI-B): the plan gives it no rows;
+* ``host``: rows in the host parameter server, prefetched ``pipeline_depth`` batches ahead (EL-Rec section V);
+* ``tower``: a DMT tower's table (DMT section 4), placed by the tower assignment.
+
+The config's keys (``model.tables[i].compression: tt``, ``placement: host``, ``model.tt_min_rows``,
+``model.host_min_rows``) and ``embedscale plan --tt-min-rows`` are *requests*; :func:`decide_forms` is the one
+function that turns them into forms, and the plan records the result (``plan.meta["forms"]``, read back by
+``Plan.forms``). Training with a saved plan builds the forms the plan recorded (:func:`check_requests`).
+
+**Default tables.** :func:`default_tables` is the one place that names the model's tables when the config lists
+none: one table ``t_<feature>`` per sparse feature, used by ``embedscale plan --profile`` and by training
+(``workflow.tables_for``), so a plan made from a profile of the data covers exactly the tables training builds.
+A profile of the data is per feature; :func:`table_profile` sums it by table (features sharing a table add up).
+
+**TT size arithmetic** (EL-Rec section III-A): :func:`factor_rows`, :func:`factor_dim`, :func:`tt_ranks`,
+:func:`core_shapes`, :func:`tt_shapes` and :func:`table_bytes` (bytes a table takes in its form).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from embedscale.errors import ConfigError
+from embedscale.specs import TableSpec
+
+KINDS = ("sharded", "tt", "host", "tower")
+TT_BYTES_PER_VALUE = 4  # TT cores are float32
+DEFAULT_TABLE_PREFIX = "t_"
+
+
+@dataclass(frozen=True)
+class TableForm:
+    """How one table is stored and trained (see the module docstring).
+
+    Args:
+        kind: ``sharded``, ``tt``, ``host`` or ``tower``.
+        tt_rank: TT rank (``kind == "tt"``), else 0.
+        pipeline_depth: batches the host server prefetches ahead (``kind == "host"``; 0 = the run's
+            ``train.pipeline_depth``).
+        tower: the DMT tower holding the table (``kind == "tower"``), else -1.
+    """
+
+    kind: str = "sharded"
+    tt_rank: int = 0
+    pipeline_depth: int = 0
+    tower: int = -1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"table form {self.kind!r} is not one of {', '.join(KINDS)}")
+        if self.kind == "tt" and self.tt_rank <= 0:
+            raise ConfigError(f"a TT table form needs a positive tt_rank, got {self.tt_rank}")
+        if self.kind != "tt" and self.tt_rank:
+            raise ConfigError(f"tt_rank {self.tt_rank} given for a {self.kind!r} table form")
+        if self.pipeline_depth < 0:
+            raise ConfigError(f"table form: pipeline_depth must be >= 0, got {self.pipeline_depth}")
+        if (self.kind == "tower") != (self.tower >= 0):
+            raise ConfigError(f"table form {self.kind!r}: tower {self.tower} (a tower table names its tower >= 0, "
+                              "no other form does)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "form") -> "TableForm":
+        if not isinstance(d, Mapping) or "kind" not in d:
+            raise ConfigError(f"{where}: expected a mapping with 'kind', got {d!r}")
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {unknown}")
+        try:
+            return cls(**{k: (str(v) if k == "kind" else int(v)) for k, v in d.items()})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: {e}") from None
+
+    def describe(self) -> str:
+        return {"sharded": "sharded", "tt": f"tt (rank {self.tt_rank})", "host": "host",
+                "tower": f"tower {self.tower}"}[self.kind]
+
+
+SHARDED = TableForm()
+
+
+# -- default tables and the profile by table --------------------------------------------------------------
+
+def default_tables(features: Iterable[tuple[str, int]], dim: int, pooling: str = "sum") -> list[TableSpec]:
+    """The model's tables when the config lists none: one table ``t_<feature>`` per sparse feature, with the
+    feature's rows. ``features`` is ``(name, num_rows)`` pairs (a manifest's sparse features, or a per-feature
+    access profile's tables)."""
+    return [TableSpec(name=f"{DEFAULT_TABLE_PREFIX}{f}", num_rows=int(n), dim=dim, features=[f], pooling=pooling)
+            for f, n in features]
+
+
+class TableCounts:
+    """An access profile by table: ``counts(table)`` sums the counts of the table's features (numpy only).
+
+    Has what the planner reads from a profile: ``table_names``, ``counts``, ``num_rows``, ``samples``."""
+
+    def __init__(self, counts: Mapping[str, np.ndarray], samples: int | float):
+        self._counts = dict(counts)
+        self.samples = samples
+
+    @property
+    def table_names(self) -> list[str]:
+        return list(self._counts)
+
+    def counts(self, name: str) -> np.ndarray:
+        try:
+            return self._counts[name]
+        except KeyError:
+            raise ConfigError(f"access profile has no table {name!r}; tables: {self.table_names}") from None
+
+    def num_rows(self, name: str) -> int:
+        return int(self.counts(name).size)
+
+    def spec(self) -> str:
+        return "AccessProfile (by table)"
+
+
+def table_profile(profile, tables: Sequence[TableSpec]):
+    """``profile`` as counts by table of ``tables``.
+
+    A profile whose tables already are ``tables``' names is returned as it is. A per-feature profile (what
+    ``embedscale profile DIR`` writes: one entry per sparse feature) is summed by table: a table's count of
+    row ``r`` is the sum over its features of their counts of ``r``. A feature the profile lacks, or one
+    with more rows than its table, is a ``ConfigError`` naming table and feature."""
+    names = set(profile.table_names)
+    if all(t.name in names for t in tables):
+        return profile
+    out = {}
+    for t in tables:
+        acc = np.zeros(t.num_rows, dtype=np.int64)
+        for f in getattr(t, "features", None) or [t.name]:
+            if f not in names:
+                raise ConfigError(f"table {t.name!r} reads feature {f!r}, which the access profile does not have "
+                                  f"(it has {sorted(names)})")
+            c = np.asarray(profile.counts(f))
+            if c.size > t.num_rows:
+                raise ConfigError(f"table {t.name!r} has {t.num_rows} rows but the profile of feature {f!r} has "
+                                  f"{c.size}")
+            if c.dtype.kind == "f" and acc.dtype.kind != "f":
+                acc = acc.astype(np.float64)
+            acc[: c.size] += c
+        out[t.name] = acc
+    samples = getattr(profile, "samples", None)
+    return TableCounts(out, samples() if callable(samples) else samples)
+
+
+def tables_from_profile(profile, dim: int, pooling: str = "sum") -> list[TableSpec]:
+    """The tables a plan over ``profile`` covers: the default tables of its features (:func:`default_tables`)
+    for a per-feature profile (each feature its own entry, as ``embedscale profile DIR`` writes); for a
+    profile saved by table (``feature_to_table`` set, e.g. a run's
+    ``profile/``) its tables with the features that map to them."""
+    f2t = getattr(profile, "feature_to_table", None)
+    if not f2t or all(f == t for f, t in f2t.items()):  # per feature: one entry per sparse feature
+        return default_tables(((n, profile.num_rows(n)) for n in profile.table_names), dim, pooling)
+    return [TableSpec(n, profile.num_rows(n), dim, features=[f for f, t in f2t.items() if t == n], pooling=pooling)
+            for n in profile.table_names]
+
+
+# -- forms: requests -> decisions ---------------------------------------------------------------------------
+
+def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: int = 32,
+                 host_min_rows: int = 0, towers: Mapping[str, int] | None = None) -> dict[str, TableForm]:
+    """The form of every table, from the requests (the one place they are decided).
+
+    Requests, strongest first: ``towers`` (DMT: table -> tower, DMT section 4) makes tower tables; a table
+    saying ``compression: tt`` is TT of its ``tt_rank``, ``placement: host`` is host-placed; otherwise
+    ``tt_min_rows > 0`` makes every table of at least that many rows TT of ``tt_rank`` (EL-Rec section VI-A's
+    policy) and ``host_min_rows > 0`` moves tables of at least that many rows to the host parameter server
+    (EL-Rec section V). A table both thresholds take, or that is both TT and host, is a ``ConfigError``; so is
+    a TT table that does not pool. Everything else is sharded by the plan.
+    """
+    if tt_min_rows < 0:
+        raise ConfigError(f"model.tt_min_rows must be >= 0 (0 = off), got {tt_min_rows}")
+    if host_min_rows < 0:
+        raise ConfigError(f"model.host_min_rows must be >= 0, got {host_min_rows}")
+    if tt_min_rows and tt_rank <= 0:
+        raise ConfigError(f"model.tt_rank must be positive, got {tt_rank}")
+    out: dict[str, TableForm] = {}
+    for t in tables:
+        if towers is not None:
+            if t.name not in towers:
+                raise ConfigError(f"table {t.name!r} is in no tower (towers hold {sorted(towers)})")
+            out[t.name] = TableForm("tower", tower=int(towers[t.name]))
+            continue
+        # duck-typed tables (a saved plan's PlanTable) carry no requests: sharded
+        tt_req, host_req = getattr(t, "compression", "none") == "tt", getattr(t, "placement", "device") == "host"
+        pooling = getattr(t, "pooling", "sum")
+        if tt_req and host_req:
+            raise ConfigError(f"table {t.name!r} asks for compression: tt and placement: host; a table is either "
+                              "TT-compressed (replicated) or host-placed")
+        if not tt_req and not host_req and tt_min_rows and t.num_rows >= tt_min_rows:
+            if host_min_rows and t.num_rows >= host_min_rows:
+                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches both model.tt_min_rows "
+                                  f"({tt_min_rows}) and model.host_min_rows ({host_min_rows}): a table is either "
+                                  "TT-compressed (replicated) or host-placed, set one")
+            if pooling == "none":
+                raise ConfigError(f"table {t.name!r} ({t.num_rows} rows) reaches model.tt_min_rows ({tt_min_rows}), "
+                                  "but TT tables pool (sum or mean) and this one has pooling 'none'")
+            out[t.name] = TableForm("tt", tt_rank=tt_rank)
+        elif tt_req:
+            if pooling == "none":
+                raise ConfigError(f"table {t.name!r}: compression: tt, but TT tables pool (sum or mean) and this one "
+                                  "has pooling 'none'")
+            out[t.name] = TableForm("tt", tt_rank=t.tt_rank)
+        elif host_req or (host_min_rows and t.num_rows >= host_min_rows):
+            out[t.name] = TableForm("host")
+        else:
+            out[t.name] = SHARDED
+    return out
+
+
+def with_forms(tables: Sequence[TableSpec], forms: Mapping[str, TableForm]) -> list[TableSpec]:
+    """Copies of ``tables`` whose ``compression`` / ``tt_rank`` / ``placement`` say their decided forms (what
+    the embedding modules read). A table without a form is a ``ConfigError``."""
+    out = []
+    for t in tables:
+        if t.name not in forms:
+            raise ConfigError(f"table {t.name!r} has no form (forms for {sorted(forms)})")
+        f = forms[t.name]
+        out.append(dataclasses.replace(t, features=list(t.features), compression="tt" if f.kind == "tt" else "none",
+                                       tt_rank=f.tt_rank if f.kind == "tt" else t.tt_rank,
+                                       placement="host" if f.kind == "host" else "device"))
+    return out
+
+
+def forms_of(tables: Sequence[TableSpec]) -> dict[str, TableForm]:
+    """The forms ``tables`` carry (``compression`` / ``placement`` as set by :func:`with_forms`)."""
+    return decide_forms(tables)
+
+
+def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableForm], plan: str) -> dict[str, TableForm]:
+    """The forms a run with a saved plan builds: the plan's (``saved``, ``Plan.forms``), for exactly the tables
+    of the model (``requested``: the forms this run's config asks for, :func:`decide_forms`).
+
+    A table the plan does not know is a ``ConfigError``, except one the config asks to be TT or host (a plan
+    saved without forms, e.g. hand-written, names only its sharded tables): it keeps its requested form. An explicit request (anything but ``sharded``) that
+    contradicts the plan is a ``ConfigError`` naming table, plan and request; a table the plan made TT or host
+    without the config asking is built as the plan says."""
+    extra = sorted(set(saved) - set(requested))
+    if extra:
+        raise ConfigError(f"plan {plan} has tables {extra} that the model does not have (the model's tables: "
+                          f"{sorted(requested)}); plan the model's tables (embedscale plan --profile of its data "
+                          "names them as training does)")
+    out: dict[str, TableForm] = {}
+    for name, want in requested.items():
+        have = saved.get(name)
+        if have is None:
+            if want.kind == "sharded":
+                raise ConfigError(f"table {name!r} is not in plan {plan} (the plan has {sorted(saved)})")
+            out[name] = want
+            continue
+        if want.kind != "sharded" and want != have:
+            raise ConfigError(f"table {name!r}: the config asks for {want.describe()} but plan {plan} made it "
+                              f"{have.describe()}; drop the request or re-plan with it")
+        out[name] = have
+    return out
+
+
+def check_plan_sizes(plan, tables: Sequence[TableSpec], plan_name: str) -> None:
+    """The rows and dim of every table ``plan`` places must be the model's (``embedscale plan --dim`` against
+    ``model.embedding_dim``, a profile of other data): else a ``ConfigError`` naming table, plan and both."""
+    mine = {t.name: t for t in tables}
+    for p in plan.tables:
+        t = mine.get(p.name)
+        if t is not None and (int(p.num_rows), int(p.dim)) != (int(t.num_rows), int(t.dim)):
+            raise ConfigError(f"table {p.name!r}: plan {plan_name} placed {p.num_rows} rows of dim {p.dim}, the model "
+                              f"has {t.num_rows} rows of dim {t.dim}; re-plan (embedscale plan --dim {t.dim}) or match "
+                              "the model to the plan")
+
+
+# -- TT size arithmetic (EL-Rec section III-A) --------------------------------------------------------------
+
+def factor_rows(num_rows: int, num_cores: int = 3) -> list[int]:
+    """Row factors ``m_1..m_d`` with ``prod >= num_rows``, as balanced as possible, least padding first.
+
+    Candidates are the integers near ``num_rows ** (1/d)``; among the combinations whose product covers
+    the table, the smallest product wins (least padding), then the most balanced. The largest factor goes
+    last (more rows share a prefix: more reuse, section III-A) and the smallest into the middle cores,
+    whose slices carry ``R^2`` values each (the least memory).
+    """
+    if num_rows <= 0:
+        raise ConfigError(f"factor_rows: num_rows must be positive, got {num_rows}")
+    if num_cores < 2:
+        raise ConfigError(f"factor_rows: a TT table needs at least 2 cores, got {num_cores}")
+    base = max(1, int(round(num_rows ** (1.0 / num_cores))))
+    cands = range(max(1, base - 2), base + 4)
+    best = None
+    for combo in itertools.combinations_with_replacement(cands, num_cores):
+        p = math.prod(combo)
+        if p < num_rows:
+            continue
+        key = (p, max(combo) - min(combo))
+        if best is None or key < best[0]:
+            best = (key, combo)
+    if best is None:  # cannot happen: (base + 3) ** d >= num_rows
+        raise ConfigError(f"factor_rows: no factorisation of {num_rows} rows into {num_cores} factors")
+    s = sorted(best[1])
+    if num_cores == 2:
+        return s
+    return [s[-2]] + s[:-2] + [s[-1]]
+
+
+def factor_dim(dim: int, num_cores: int = 3) -> list[int]:
+    """Exact dim factors ``n_1..n_d`` (``prod == dim``), most balanced, ascending (the largest last: the
+    reuse buffer's width ``n_1 * .. * n_{d-1}`` and the middle cores stay small)."""
+    if dim <= 0:
+        raise ConfigError(f"factor_dim: dim must be positive, got {dim}")
+
+    def splits(n: int, k: int):
+        if k == 1:
+            yield (n,)
+            return
+        for f in range(1, n + 1):
+            if n % f == 0:
+                for rest in splits(n // f, k - 1):
+                    yield (f,) + rest
+
+    best = min(splits(dim, num_cores), key=lambda c: (max(c), -min(c)))
+    return sorted(best)
+
+
+def tt_ranks(tt_rank: int | Sequence[int], num_cores: int) -> list[int]:
+    """Full rank list ``[1, R_1, .., R_{d-1}, 1]`` from one rank or the ``d - 1`` inner ranks."""
+    if isinstance(tt_rank, int) and not isinstance(tt_rank, bool):
+        inner = [tt_rank] * (num_cores - 1)
+    else:
+        inner = [int(r) for r in tt_rank]
+        if len(inner) != num_cores - 1:
+            raise ConfigError(f"tt_rank: {num_cores} cores need {num_cores - 1} inner ranks, got {inner}")
+    if any(r <= 0 for r in inner):
+        raise ConfigError(f"tt_rank must be positive, got {inner}")
+    return [1] + inner + [1]
+
+
+def core_shapes(row_shape: Sequence[int], dim_shape: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Shape of every core: ``(m_k, R_{k-1}, n_k * R_k)``."""
+    return [(m, ranks[k], n * ranks[k + 1]) for k, (m, n) in enumerate(zip(row_shape, dim_shape))]
+
+
+def tt_shapes(spec: TableSpec, num_cores: int = 3) -> tuple[list[int], list[int], list[int]]:
+    """``(row_shape, dim_shape, ranks)`` a ``TTEmbeddingBag`` built from ``spec`` uses by default."""
+    return factor_rows(spec.num_rows, num_cores), factor_dim(spec.dim, num_cores), tt_ranks(spec.tt_rank, num_cores)
+
+
+def table_bytes(spec: TableSpec, num_cores: int = 3) -> int:
+    """Bytes the table's values take as stored: TT cores (float32) for ``tt``, else ``num_rows * dim *
+    bytes_per_value``."""
+    if spec.compression != "tt":
+        return spec.memory_bytes
+    rows, dims, ranks = tt_shapes(spec, num_cores)
+    return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE
+
+
+def replicated_tables_meta(tables: Sequence[TableSpec], num_cores: int = 3) -> list[dict]:
+    """What a plan records about the TT tables it does not shard: name, rows, dim, rank, factorisation
+    and core bytes, held by *every* rank (``Plan.meta["replicated_tables"]``)."""
+    out = []
+    for t in tables:
+        if t.compression != "tt":
+            continue
+        rows, dims, _ = tt_shapes(t, num_cores)
+        out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
+                    "tt_rank": int(t.tt_rank), "row_shape": rows, "dim_shape": dims,
+                    "bytes": int(table_bytes(t, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
+                    "placement": "replicated on every rank"})
+    return out
