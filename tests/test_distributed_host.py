@@ -41,7 +41,7 @@ def config(tmp_path, data_dir, *, host: bool, depth: int = 1, server: str = "per
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
-    from embedscale.train.distributed import train_distributed
+    from embedscale.train.ranks import train_distributed
 
     train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False, resume_from=resume_from)
     return True

@@ -88,7 +88,7 @@ def checkpoint_state(path):
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
-    from embedscale.train.distributed import train_distributed
+    from embedscale.train.ranks import train_distributed
 
     cfg = from_dict(RunConfig, cfg_dict)
     train_distributed(cfg, run_dir, progress=False, resume_from=resume_from)

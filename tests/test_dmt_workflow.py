@@ -103,7 +103,7 @@ def _resume_rank(rank, world, cfg_dict, run_dir, resume_from, bad_towers):
     towers is refused before any exchange."""
     from embedscale.train.distributed import join_run
     from embedscale.train.dmt_run import DMTRun
-    from embedscale.train.distributed import train_distributed
+    from embedscale.train.ranks import train_distributed
 
     cfg = from_dict(RunConfig, cfg_dict)
     train_distributed(cfg, run_dir, progress=False, resume_from=resume_from)

@@ -20,7 +20,7 @@ from embedscale.train.launch import spawn_local  # noqa: E402
 
 
 def _rank(rank, world, cfg_dict, ckpt, run_dir):
-    from embedscale.train.distributed import infer_distributed
+    from embedscale.train.ranks import infer_distributed
 
     return infer_distributed(from_dict(RunConfig, cfg_dict), ckpt, run_dir, progress=False)
 

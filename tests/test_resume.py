@@ -52,7 +52,7 @@ def cfg_for(tmp_path, data_dir, steps: int, plan: str = "row_wise", replan: bool
 
 
 def _rank(rank, world, cfg_dict, run_dir, resume_from):
-    from embedscale.train.distributed import train_distributed
+    from embedscale.train.ranks import train_distributed
 
     train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False, resume_from=resume_from)
     return True

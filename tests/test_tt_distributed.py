@@ -223,7 +223,7 @@ def test_plan_cli_applies_the_policy(tmp_path):
 
 
 def _infer_rank(rank, world, cfg_dict, checkpoint, run_dir):
-    from embedscale.train.distributed import infer_distributed
+    from embedscale.train.ranks import infer_distributed
 
     return infer_distributed(from_dict(RunConfig, cfg_dict), checkpoint, run_dir, progress=False)
 

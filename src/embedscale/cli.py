@@ -178,7 +178,7 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
         cfg = resolve_config(config_path, overrides, kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
-            from embedscale.train.distributed import train_distributed
+            from embedscale.train.ranks import train_distributed
 
             s = train_distributed(cfg, run_dir, progress=not no_progress)
             if s is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
@@ -294,7 +294,7 @@ def _infer_fn(cfg):
         from embedscale.train.dmt_run import infer_dmt
 
         return infer_dmt
-    from embedscale.train.distributed import infer_distributed
+    from embedscale.train.ranks import infer_distributed
 
     return infer_distributed
 
@@ -552,7 +552,7 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 def drift(plan_dir, profile_path, topology_path, hosts, ranks_per_host, as_json):
     """Evaluate a saved plan on a new profile (OPER section 8): how far its balance fell, whether to re-plan,
     and how many rows a re-plan would move."""
-    from embedscale.plan.api import drift_command
+    from embedscale.plan.drift import drift_command
 
     try:
         rep = drift_command(plan_dir, profile_path, _plan_topology(topology_path, hosts, ranks_per_host),

@@ -184,21 +184,6 @@ def plan_command(tables, profile, topology, strategies=("oper",), out_dir="plans
     return report
 
 
-def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:
-    """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
-    verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
-    from embedscale.plan.drift import drift
-
-    plan = Plan.load(plan_dir)
-    tables = plan.tables
-    rep = drift(plan, resolve_profile(new_profile, tables), resolve_topology(topology), **opts)
-    if out_path is not None:
-        atomic_write_json(out_path, rep)
-    if json_output:
-        sys.stdout.write(json.dumps(rep) + "\n")
-    return rep
-
-
 def topology_command(out_path, *, num_hosts: int = 1, ranks_per_host: int = 2, measure: bool = False,
                      base=None, **measure_opts) -> dict[str, Any]:
     """``embedscale topology``: write a topology file; ``measure=True`` fills the bandwidths and latencies

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from embedscale.errors import ConfigError
+from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
 from embedscale.plan.cost import evaluate
 from embedscale.plan.plan import Plan
 from embedscale.plan.topology import as_link_topology
@@ -74,8 +75,6 @@ def drift(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | No
         replan: False skips the fresh plan (no ``rows_moved``).
         **opts: options for the fresh plan (e.g. ``extra_memory``).
     """
-    from embedscale.plan.api import make_plan
-
     topo = as_link_topology(topology)
     mode = mode or plan.meta.get("mode", "training")
     batch_size = int(batch_size or plan.meta.get("batch_size", 2048))
@@ -132,3 +131,16 @@ def drift(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | No
 def _figures(c) -> dict[str, float]:
     return {"dob_memory": c.dob_memory, "dob_lookup": c.dob_lookup, "dob_comm": c.dob_comm,
             "comm_mean": c.comm_mean, "max_rank_cost": c.max_rank_cost}
+
+
+def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:
+    """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
+    verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
+    plan = Plan.load(plan_dir)
+    tables = plan.tables
+    rep = drift(plan, resolve_profile(new_profile, tables), resolve_topology(topology), **opts)
+    if out_path is not None:
+        atomic_write_json(out_path, rep)
+    if json_output:
+        sys.stdout.write(json.dumps(rep) + "\n")
+    return rep

@@ -99,7 +99,7 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
     Returns:
         A summary: towers, sizes, scores of the learned and the naive assignment, paths written.
     """
-    from embedscale import workflow
+    from embedscale import assemble
     from embedscale.data.loader import ShardLoader
     from embedscale.embedding.local import LocalEmbeddingBags
     from embedscale.towers.partitioner import STRATEGIES, learn_towers, plot_interaction
@@ -110,8 +110,8 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
         raise ConfigError(f"--samples must be a positive integer, got {samples!r}")
     run_dir, checkpoint = _find_checkpoint(Path(run))
     cfg = _run_config(run_dir, checkpoint)
-    data = workflow.prepare_data(cfg, progress=progress)
-    tables = workflow.tables_for(cfg, data.manifest)
+    data = assemble.prepare_data(cfg, progress=progress)
+    tables = assemble.tables_for(cfg, data.manifest)
     T = towers or default_towers(cfg)
     if T < 2:
         raise ConfigError(f"{run_dir}: the run has one host, so one tower; pass --towers T (T >= 2) for the hosts the "

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from embedscale import workflow
+from embedscale import assemble
 from embedscale.data.loader import ShardLoader
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
@@ -57,7 +57,6 @@ from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
                                         resolve_checkpoint, table_pieces, write_rank_file)
-from embedscale.train.loop import LoopConfig, fit
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
@@ -125,10 +124,10 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str =
         run_dir.mkdir(parents=True, exist_ok=True)
         for marker in (READY, FAILED):
             (run_dir / marker).unlink(missing_ok=True)
-        data = workflow.prepare_data(cfg, progress=progress)
-        tables = workflow.tables_for(cfg, data.manifest)
+        data = assemble.prepare_data(cfg, progress=progress)
+        tables = assemble.tables_for(cfg, data.manifest)
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
-            from embedscale.train.dmt_run import prepare_towers
+            from embedscale.train.dmt_towers import prepare_towers
 
             prepare_towers(cfg, tables, run_dir)
         else:
@@ -196,7 +195,7 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
-        prof = workflow.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
@@ -209,9 +208,9 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
 
 
 def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> list:
-    """The tables a distributed run builds: the config's (``workflow.tables_for``) in the forms ``plan``
+    """The tables a distributed run builds: the config's (``assemble.tables_for``) in the forms ``plan``
     recorded (``plan.forms.forms_for_run``)."""
-    tables = workflow.tables_for(cfg, manifest)
+    tables = assemble.tables_for(cfg, manifest)
     check_plan_sizes(plan, tables, str(plan_name))
     return with_forms(tables, forms_for_run(plan.forms, forms_of(tables), str(plan_name)))
 
@@ -245,7 +244,7 @@ class DistributedRun:
         self.tt_stats: dict[str, int] = {}
         built = build_embedding(self.all_tables, self.plan, EmbeddingEnv(
             device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
-            tt_lr=workflow.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
+            tt_lr=assemble.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
             grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
             pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
             new_group=self._new_group,
@@ -255,7 +254,7 @@ class DistributedRun:
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
-        self.opt = workflow.make_dense_optimizer(t, self.model.dense_parameters())
+        self.opt = assemble.make_dense_optimizer(t, self.model.dense_parameters())
         self._names = param_names(self.model, self.opt)
         if inference:
             return
@@ -290,8 +289,8 @@ class DistributedRun:
         self.inference = inference
         t = cfg.train
         self.device = torch.device(t.device)
-        self.data = workflow.prepare_data(cfg, progress=False)
-        self.all_tables = workflow.tables_for(cfg, self.data.manifest)
+        self.data = assemble.prepare_data(cfg, progress=False)
+        self.all_tables = assemble.tables_for(cfg, self.data.manifest)
         self.state = RunState()
         self.bytes_per_step: list[int] = []
         self.sync_bytes_per_step: list[int] = []
@@ -458,23 +457,6 @@ class DistributedRun:
         self.state.restore(m, r0.get("losses", []))
 
 
-def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
-                      warmup: int = 2) -> dict | None:
-    """Sharded inference: the checkpoint's model under an inference plan (``dist.mode = inference``: hot rows
-    replicated by OPER Algorithm 1), scoring the eval split; rank 0 writes ``predictions.npy`` and
-    ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
-    if is_dmt_arch(cfg.model.arch):  # DMT models serve through the tower transform, with their own towers
-        from embedscale.train.dmt_run import infer_dmt
-
-        return infer_dmt(cfg, checkpoint, run_dir, progress=progress, warmup=warmup)
-    cfg.dist.mode = "inference"
-    rd, rank, world = join_run(cfg, run_dir, progress)
-    run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
-    run.restore(Path(checkpoint))
-    return serve_eval_split(run, rd, checkpoint, warmup,
-                            {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
-
-
 def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dict | None:
     """Score the eval split with ``run``'s restored model on every rank (the timed part: forward passes after
     ``warmup`` batches, the slowest rank's); rank 0 writes ``predictions.npy`` and ``inference.json``
@@ -540,32 +522,6 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
     backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
     return rd, rank, world
-
-
-def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
-                      resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
-    """One rank's part of a distributed run (call it on every rank; torchrun's env says which); a DMT arch
-    (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``). Resumes from
-    ``resume_from`` (a checkpoint or run directory) or the run directory's latest checkpoint, whatever world
-    size wrote it. Returns the summary on rank 0."""
-    rd, rank, world = join_run(cfg, run_dir, progress)
-    if is_dmt_arch(cfg.model.arch):
-        from embedscale.train.dmt_run import DMTRun
-
-        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress)
-    else:
-        run = DistributedRun(cfg, rd, rank, world, progress)
-    ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
-    if ck is not None:
-        run.restore(ck)
-        _log(rank, f"resumed from {ck} (step {run.state.step})")
-    if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-        fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
-    if rank != int(os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
-        fault_step = None
-    return fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
-               title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
 
 
 def plan_figures(run: DistributedRun) -> dict:

@@ -45,65 +45,17 @@ import torch.distributed as dist
 from torch import nn
 
 from embedscale.errors import ConfigError, FormatError
-from embedscale.specs import RunConfig, TableSpec, dump_config
+from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (assemble_table, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
                                         write_rank_file)
 from embedscale.train.distributed import DistributedRun
+from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
 from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 
-TOWERS_FILE = "towers.json"
 CHECKPOINT_KIND = "dmt"
 # kinds of HostAwareTransport bytes that are dense-gradient synchronisation, not embedding traffic
 _SYNC_KINDS = ("dense_grads", "tower_grads")
-
-
-def dmt_layout(cfg: RunConfig, world: int):
-    """The ``TowerLayout`` of a run: ``dist.topology_hosts`` hosts of ``world / hosts`` ranks, towers of
-    ``model.hosts_per_tower`` hosts (DMT 3.1.1, 3.1.3)."""
-    from embedscale.comm.hierarchical import TowerLayout
-
-    hosts = cfg.dist.topology_hosts
-    if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts <= 0 or world % hosts:
-        raise ConfigError(f"dist.topology_hosts {hosts!r} does not divide the {world} ranks into hosts")
-    K = cfg.model.hosts_per_tower
-    if isinstance(K, bool) or not isinstance(K, int) or K <= 0 or hosts % K:
-        raise ConfigError(f"model.hosts_per_tower {K!r} does not divide dist.topology_hosts {hosts} "
-                          "(DMT 3.1.3: every tower group spans the same number of hosts)")
-    return TowerLayout(world, world // hosts, K)
-
-
-def resolve_run_towers(cfg: RunConfig, tables: list[TableSpec]):
-    """The run's ``TowerAssignment`` from its config (checked against the tables and the topology)."""
-    from embedscale.models.dmt import DMTConfig, resolve_assignment, tower_groups_of
-
-    dmt = DMTConfig.from_model(cfg.model)
-    hosts = cfg.dist.topology_hosts
-    if hosts % dmt.hosts_per_tower:
-        raise ConfigError(f"model.hosts_per_tower {dmt.hosts_per_tower} does not divide dist.topology_hosts {hosts}")
-    groups = hosts // dmt.hosts_per_tower
-    features = [f for t in tables for f in t.features]
-    assignment = resolve_assignment(dmt, features, groups)
-    tower_groups_of(assignment.num_towers, groups)  # every tower group needs a tower
-    return assignment
-
-
-def prepare_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
-    """Rank 0: resolve the towers and write ``<run dir>/towers.json``; a run directory that already
-    holds different towers (a resume under another assignment) is a ``ConfigError``."""
-    from embedscale.towers.partitioner import TowerAssignment
-
-    assignment = resolve_run_towers(cfg, tables)
-    path = Path(run_dir) / TOWERS_FILE
-    if path.exists():
-        old = TowerAssignment.load(path)
-        if old.towers != assignment.towers:
-            raise ConfigError(f"{path}: this run directory was trained with towers {old.towers}; the config now "
-                              f"gives {assignment.towers} (model.towers / model.tower_assignment). Use a new run "
-                              "directory or the same towers")
-        return old
-    assignment.save(path)
-    return assignment
 
 
 def dmt_model_fields(cfg: RunConfig) -> dict:
@@ -133,7 +85,7 @@ class DMTRun(DistributedRun):
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
                  inference: bool = False):
-        from embedscale import workflow
+        from embedscale import assemble
         from embedscale.comm.hierarchical import TowerComm
         from embedscale.data.loader import ShardLoader
         from embedscale.towers.partitioner import TowerAssignment
@@ -149,7 +101,7 @@ class DMTRun(DistributedRun):
         # made first, in the same order on every rank: the monitor group finds ranks that stopped answering
         self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
         self.comm = TowerComm(self.layout)
-        self.model, self.opt = workflow.build(cfg, self.tables, self.data.manifest.num_dense, self.device,
+        self.model, self.opt = assemble.build(cfg, self.tables, self.data.manifest.num_dense, self.device,
                                               comm=self.comm, assignment=self.assignment)
         self.towers = self.model.sparse_arch  # the TowerEmbedding (tower transform + this group's modules)
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
@@ -306,7 +258,7 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     (``dist.topology_hosts`` and ``model.hosts_per_tower`` set to 1: they place rows, not the model); on
     several, ``dist.topology_hosts`` must divide the ranks (``--set dist.topology_hosts=H``).
     """
-    from embedscale import workflow
+    from embedscale import assemble
     from embedscale.train.distributed import join_run, serve_eval_split
 
     cfg.dist.mode = "inference"
@@ -314,7 +266,7 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     if run_dir is None:
         if world > 1:
             raise ConfigError("DMT inference on several ranks needs a run directory shared by the ranks (--run-dir)")
-        run_dir = str(workflow.new_run_dir(cfg))
+        run_dir = str(assemble.new_run_dir(cfg))
     ck = Path(checkpoint)
     towers = checkpoint_towers(ck)
     if towers is not None:  # rank 0 resolves the run's towers (prepare_towers) from this file, then the ranks

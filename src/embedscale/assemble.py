@@ -1,0 +1,234 @@
+"""Assembly: from a run config to what a run holds, below the run loop and above the executors.
+
+data (``prepare_data``: synthetic, raw logs converted once, or shards; the train/eval split) -> tables
+(``tables_for``: as configured or one per sparse feature, the forms the config asks for decided by
+``plan.forms``) -> access profile (``profile``) -> model (``build``: the one embedding builder
+``embedding.build.build_embedding`` plus the dense arches) and its dense optimizer. Nothing here starts ranks,
+loops or writes a run's results: the run loop and the launcher (``embedscale.train``) and the orchestration
+(``embedscale.workflow``) sit above this module and call it (ARCHITECTURE.md, layers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from embedscale.data.shards import MANIFEST, Manifest
+from embedscale.errors import ConfigError
+from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
+from embedscale.plan.forms import decide_forms, default_tables, with_forms
+from embedscale.specs import RunConfig, TableSpec, feature_to_table, to_dict
+
+
+@dataclass
+class Split:
+    """A row range ``[start, stop)`` of a shard directory."""
+
+    directory: Path
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class PreparedData:
+    train: Split
+    eval: Split | None
+    manifest: Manifest
+    teacher_auc: float = math.nan
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _file_identity(path: str) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data.path: file not found: {p}")
+    st = p.stat()
+    return {"path": str(p.resolve()), "size": st.st_size, "mtime": int(st.st_mtime)}
+
+
+def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress: bool = True) -> PreparedData:
+    """Make (or reuse from the cache) the shard directories the run reads, and its train/eval split.
+
+    ``synthetic`` generates train samples ``[0, N)`` and eval samples ``[N, N+M)`` of one seeded stream;
+    raw ``criteo``/``avazu`` files are converted once and the last ``eval_fraction`` of rows is the eval
+    split (time order, as with real click logs); ``shards`` reads an existing directory.
+    """
+    d = cfg.data
+    cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
+    if d.source == "synthetic":
+        from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
+
+        key = _fingerprint({"v": GENERATOR_VERSION, "synthetic": to_dict(d.synthetic), "seed": d.seed, "train": d.train_samples,
+                            "eval": d.eval_samples})
+        base = cache_root / f"synthetic-{d.synthetic.preset}-{key}"
+        dirs = {}
+        for name, first, n in (("train", 0, d.train_samples), ("eval", d.train_samples, d.eval_samples)):
+            out = base / name
+            if n <= 0:
+                continue
+            if not (out / MANIFEST).exists():
+                _log(f"generating {n:,} synthetic {d.synthetic.preset} {name} samples into {out}")
+                generate_dataset(d.synthetic, out, n, seed=d.seed, first_sample=first, shard_rows=d.shard_rows,
+                                 progress=progress)
+            dirs[name] = out
+        m = Manifest.load(dirs["train"])
+        ev = Manifest.load(dirs["eval"]) if "eval" in dirs else None
+        return PreparedData(Split(dirs["train"], 0, m.rows), Split(dirs["eval"], 0, ev.rows) if ev else None, m,
+                            float(ev.extra.get("teacher_auc", math.nan)) if ev else math.nan)
+    if d.source in ("criteo", "avazu"):
+        key = _fingerprint({"v": 1, "src": d.source, "file": _file_identity(d.path), "cat": d.categorical,
+                            "rows": d.table_rows, "minf": d.min_frequency, "skip": d.skip_malformed})
+        out = cache_root / f"{d.source}-{key}"
+        if not (out / MANIFEST).exists():
+            _log(f"converting {d.path} ({d.source}) into {out}")
+            if d.source == "criteo":
+                from embedscale.data.criteo import convert_criteo as convert
+            else:
+                from embedscale.data.avazu import convert_avazu as convert
+            convert(d.path, out, categorical=d.categorical, table_rows=d.table_rows, min_frequency=d.min_frequency,
+                    shard_rows=d.shard_rows, skip_malformed=d.skip_malformed, progress=progress)
+        return split_existing(out, d.eval_fraction)
+    if d.source == "shards":
+        if not d.path:
+            raise ConfigError("data.source is 'shards' but data.path is empty")
+        return split_existing(Path(d.path), d.eval_fraction)
+    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, shards")
+
+
+def split_existing(directory: Path, eval_fraction: float) -> PreparedData:
+    if not (0.0 <= eval_fraction < 1.0):
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
+    m = Manifest.load(directory)
+    n_eval = int(round(m.rows * eval_fraction))
+    cut = m.rows - n_eval
+    return PreparedData(Split(directory, 0, cut), Split(directory, cut, m.rows) if n_eval else None, m)
+
+
+def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
+    """The model's tables: as configured, or one per sparse feature of the data (sized by the data).
+
+    A configured table that reads a feature the data does not have, or has fewer rows than the data's
+    ids need, is a ``ConfigError`` naming table and feature.
+
+    The default tables are ``plan.forms.default_tables`` (``t_<feature>``: the names ``embedscale plan
+    --profile`` gives them too). The forms the config requests (``compression: tt``, ``placement: host``,
+    ``model.tt_min_rows`` (EL-Rec VI-A), ``model.host_min_rows`` (EL-Rec V)) are decided by
+    ``plan.forms.decide_forms`` and carried on the returned specs (``plan.forms.with_forms``); a run with a
+    saved plan builds the plan's forms instead (``train.distributed.run_tables``).
+    """
+    rows = {s.name: s.num_rows for s in manifest.sparse}
+    m = cfg.model
+
+    def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests turned into forms, in one place
+        return with_forms(tables, decide_forms(tables, tt_min_rows=m.tt_min_rows, tt_rank=m.tt_rank,
+                                               host_min_rows=m.host_min_rows))
+
+    if not cfg.model.tables:
+        return decided(default_tables(((s.name, s.num_rows) for s in manifest.sparse), m.embedding_dim, m.pooling))
+    try:
+        feature_to_table(cfg.model.tables)  # a feature read by two tables, named with both
+    except ConfigError as e:
+        raise ConfigError(f"model.tables: {e}") from None
+    seen = set()
+    for t in cfg.model.tables:
+        for f in t.features:
+            if f not in rows:
+                raise ConfigError(f"model.tables: table {t.name!r} reads feature {f!r}, which the data does not "
+                                  f"have (features: {', '.join(rows)})")
+            if rows[f] > t.num_rows:
+                raise ConfigError(f"model.tables: table {t.name!r} has {t.num_rows} rows but feature {f!r} "
+                                  f"has ids up to {rows[f] - 1}")
+            seen.add(f)
+    missing = [f for f in rows if f not in seen]
+    if missing:
+        raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
+    return decided(list(cfg.model.tables))
+
+
+def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
+          assignment=None):
+    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``.
+
+    DMT archs (``model.arch: dmt-dlrm | dmt-dcn``): without ``comm`` all towers in this process (one per
+    host of ``dist.topology_hosts`` unless ``model.towers`` says otherwise: the same model a distributed
+    run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
+    ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``.
+    """
+    from embedscale.models import build_model
+    from embedscale.models.dmt import is_dmt_arch
+
+    torch.manual_seed(cfg.train.seed)
+    t = cfg.train
+    if is_dmt_arch(cfg.model.arch):
+        model = build_model(cfg.model, tables, num_dense, device=device, num_hosts=cfg.dist.topology_hosts, comm=comm,
+                            assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
+                            seed=t.seed)
+        return model, make_dense_optimizer(t, model.dense_parameters())
+    embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
+                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed))
+    model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
+    return model, make_dense_optimizer(t, model.dense_parameters())
+
+
+def tt_lr(t) -> float:
+    """The TT cores' learning rate: ``train.lr_tt``, or ``train.lr_sparse`` when it is 0."""
+    if t.lr_tt < 0:
+        raise ConfigError(f"train.lr_tt must be >= 0 (0 = train.lr_sparse), got {t.lr_tt}")
+    return t.lr_tt or t.lr_sparse
+
+
+def make_dense_optimizer(t, params) -> torch.optim.Optimizer:
+    """The optimizer of the dense (non-embedding) parameters."""
+    params = list(params)
+    if t.dense_optimizer == "sgd":
+        return torch.optim.SGD(params, lr=t.lr_dense)
+    if t.dense_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=t.lr_dense)
+    if t.dense_optimizer == "adam":
+        return torch.optim.Adam(params, lr=t.lr_dense)
+    raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
+
+
+def new_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}"
+    n = 1
+    while path.exists():
+        path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}-{n}"
+        n += 1
+    path.mkdir(parents=True)
+    return path
+
+
+def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True):
+    """Per-row access counts of the training data (the planner's input), saved under ``out_dir``.
+
+    With ``tables`` the counts are per table (features sharing a table add up); otherwise per feature.
+    For raw files split by ``eval_fraction`` the whole converted file is profiled.
+    """
+    from embedscale.data.profile import AccessProfile
+
+    f2t = {f: t.name for t in tables for f in t.features} if tables else None
+    num_rows = {t.name: t.num_rows for t in tables} if tables else None
+    prof = AccessProfile.from_shards(data.train.directory, feature_to_table=f2t, num_rows=num_rows,
+                                     progress=progress)
+    prof.save(out_dir)
+    return prof

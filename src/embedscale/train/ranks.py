@@ -1,0 +1,58 @@
+"""One rank's part of a distributed run or of sharded inference: the entry every rank calls (under torchrun,
+the launcher's ranks or a test's local processes). It joins the run (rank 0 prepares data, profile and plan),
+builds the run of the checkpoint's kind - a flat :class:`~embedscale.train.distributed.DistributedRun` (rows
+placed by a plan) or a :class:`~embedscale.train.dmt_run.DMTRun` (DMT's tower transform) - and hands it to the
+one loop (``train.loop.fit``) or to serving (``serve_eval_split``). Above both run kinds, which know nothing of
+each other's modules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from embedscale.models.dmt import is_dmt_arch
+from embedscale.specs import RunConfig
+from embedscale.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from embedscale.train.distributed import DistributedRun, _log, join_run, serve_eval_split
+from embedscale.train.dmt_run import DMTRun, infer_dmt
+from embedscale.train.loop import LoopConfig, fit
+
+
+def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
+                      warmup: int = 2) -> dict | None:
+    """Sharded inference: the checkpoint's model under an inference plan (``dist.mode = inference``: hot rows
+    replicated by OPER Algorithm 1), scoring the eval split; rank 0 writes ``predictions.npy`` and
+    ``inference.json`` (logloss, AUC, samples/s) into the run directory and returns the figures."""
+    if is_dmt_arch(cfg.model.arch):  # DMT models serve through the tower transform, with their own towers
+        return infer_dmt(cfg, checkpoint, run_dir, progress=progress, warmup=warmup)
+    cfg.dist.mode = "inference"
+    rd, rank, world = join_run(cfg, run_dir, progress)
+    run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
+    run.restore(Path(checkpoint))
+    return serve_eval_split(run, rd, checkpoint, warmup,
+                            {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
+
+
+def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
+                      resume_from: str | None = None, fault_step: int | None = None) -> dict | None:
+    """One rank's part of a distributed run (call it on every rank; torchrun's env says which); a DMT arch
+    (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``). Resumes from
+    ``resume_from`` (a checkpoint or run directory) or the run directory's latest checkpoint, whatever world
+    size wrote it. Returns the summary on rank 0."""
+    rd, rank, world = join_run(cfg, run_dir, progress)
+    if is_dmt_arch(cfg.model.arch):
+        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress)
+    else:
+        run = DistributedRun(cfg, rd, rank, world, progress)
+    ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
+    if ck is not None:
+        run.restore(ck)
+        _log(rank, f"resumed from {ck} (step {run.state.step})")
+    if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
+    if rank != int(os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
+        fault_step = None
+    return fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
+               title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
