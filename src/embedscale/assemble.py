@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
+from embedscale.data import avazu, criteo
+from embedscale.data.profile import AccessProfile
 from embedscale.data.shards import MANIFEST, Manifest
+from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
 from embedscale.plan.forms import decide_forms, default_tables, with_forms
@@ -74,8 +77,6 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     d = cfg.data
     cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
     if d.source == "synthetic":
-        from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
-
         key = _fingerprint({"v": GENERATOR_VERSION, "synthetic": to_dict(d.synthetic), "seed": d.seed, "train": d.train_samples,
                             "eval": d.eval_samples})
         base = cache_root / f"synthetic-{d.synthetic.preset}-{key}"
@@ -99,10 +100,7 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
         out = cache_root / f"{d.source}-{key}"
         if not (out / MANIFEST).exists():
             _log(f"converting {d.path} ({d.source}) into {out}")
-            if d.source == "criteo":
-                from embedscale.data.criteo import convert_criteo as convert
-            else:
-                from embedscale.data.avazu import convert_avazu as convert
+            convert = criteo.convert_criteo if d.source == "criteo" else avazu.convert_avazu
             convert(d.path, out, categorical=d.categorical, table_rows=d.table_rows, min_frequency=d.min_frequency,
                     shard_rows=d.shard_rows, skip_malformed=d.skip_malformed, progress=progress)
         return split_existing(out, d.eval_fraction)
@@ -224,8 +222,6 @@ def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | N
     With ``tables`` the counts are per table (features sharing a table add up); otherwise per feature.
     For raw files split by ``eval_fraction`` the whole converted file is profiled.
     """
-    from embedscale.data.profile import AccessProfile
-
     f2t = {f: t.name for t in tables for f in t.features} if tables else None
     num_rows = {t.name: t.num_rows for t in tables} if tables else None
     prof = AccessProfile.from_shards(data.train.directory, feature_to_table=f2t, num_rows=num_rows,

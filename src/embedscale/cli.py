@@ -21,6 +21,24 @@ import click
 from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
 from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
+from embedscale import workflow
+from embedscale.data.loader import ShardLoader
+from embedscale.data.profile import AccessProfile
+from embedscale.data.synthetic import SyntheticGenerator, generate_dataset
+from embedscale.io import read_json
+from embedscale.models.dmt import is_dmt_arch
+from embedscale.plan.api import plan_command, topology_command
+from embedscale.plan.drift import drift_command
+from embedscale.plan.forms import decide_forms, tables_from_profile, with_forms
+from embedscale.plan.plan import Plan
+from embedscale.reorder import reorder_shards
+from embedscale.specs import SyntheticConfig, TableSpec, Topology, from_dict, set_dotted
+from embedscale.towers.command import format_towers_summary, towers_command
+from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
+from embedscale.train.dmt_run import checkpoint_towers, infer_dmt
+from embedscale.train.launch import launch_ranks
+from embedscale.train.ranks import infer_distributed, train_distributed
+from embedscale.train.trainer import evaluate as eval_model, load_model_state
 
 
 MAIN_JOB_RANKS = 2  # `embedscale run` without a config: the OPER plan on this many local ranks
@@ -143,8 +161,6 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
     Without --config it runs the embedded default: 1.5M synthetic criteo-kaggle-shaped samples (tables capped
     at 100k rows), the `oper` plan on 2 local ranks (gloo), one epoch of DLRM (OPER Table 1 sizes).
     """
-    from embedscale import workflow
-
     with _command({}):
         if config_path is None and kwargs.get("cfg__dist__nproc") is None and not any(
                 o.startswith("dist.nproc=") for o in overrides):
@@ -169,8 +185,6 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
     (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
     """
-    from embedscale import workflow
-
     state: dict = {"run_dir": run_dir}
     with _command(state):
         if nproc is not None:
@@ -178,8 +192,6 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
         cfg = resolve_config(config_path, overrides, kwargs)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
-            from embedscale.train.ranks import train_distributed
-
             s = train_distributed(cfg, run_dir, progress=not no_progress)
             if s is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
@@ -211,11 +223,6 @@ def kwargs_argv(argv: list[str]) -> list[str]:
 
 def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
     """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
-    from embedscale import workflow
-    from embedscale.io import read_json
-    from embedscale.plan.plan import Plan
-    from embedscale.train.launch import launch_ranks
-
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
@@ -244,12 +251,6 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
 
     import torch
 
-    from embedscale import workflow
-    from embedscale.data.loader import ShardLoader
-    from embedscale.specs import RunConfig, from_dict
-    from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
-    from embedscale.train.trainer import evaluate as eval_model, load_model_state
-
     try:
         ck = resolve_checkpoint(checkpoint)
         manifest = read_manifest(ck)
@@ -267,8 +268,6 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         device = torch.device(cfg.train.device)
         assignment = None
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
-            from embedscale.train.dmt_run import checkpoint_towers
-
             assignment = checkpoint_towers(ck)
         model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device,
                                   assignment=assignment)
@@ -288,14 +287,8 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
 def _infer_fn(cfg):
     """The serving entry of the checkpoint's arch: DMT models through the tower transform (``infer_dmt``,
     DMT 3.1), the others under an inference plan (``infer_distributed``)."""
-    from embedscale.models.dmt import is_dmt_arch
-
     if is_dmt_arch(cfg.model.arch):
-        from embedscale.train.dmt_run import infer_dmt
-
         return infer_dmt
-    from embedscale.train.ranks import infer_distributed
-
     return infer_distributed
 
 
@@ -316,14 +309,8 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
     ranks dist.topology_hosts must divide --nproc)."""
     import yaml
 
-    from embedscale import workflow
-    from embedscale.io import read_json
-    from embedscale.specs import from_dict, set_dotted
-
     state: dict = {}
     with _command(state):
-        from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
-
         ck = resolve_checkpoint(checkpoint)
         data = yaml.safe_load(read_manifest(ck).get("config_yaml") or "") or {}
         for item in overrides:
@@ -344,8 +331,6 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
                 if nproc > 1:
-                    from embedscale.train.launch import launch_ranks
-
                     args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
                             "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
                             *(["--no-progress"] if no_progress else [])]
@@ -425,9 +410,6 @@ _convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
 @click.option("--no-progress", is_flag=True)
 def data_synthetic(out_dir, preset, samples, first_sample, max_rows, alpha, seed, shard_rows, no_progress):
     """Generate synthetic Criteo-shaped data with power-law access and a planted teacher."""
-    from embedscale.data.synthetic import generate_dataset
-    from embedscale.specs import SyntheticConfig
-
     try:
         cfg = SyntheticConfig(preset=preset, max_rows=max_rows, alpha=alpha)
         m = generate_dataset(cfg, out_dir, samples, seed=seed, first_sample=first_sample, shard_rows=shard_rows,
@@ -446,8 +428,6 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
     ``plan.forms.default_tables``)."""
     import yaml
 
-    from embedscale.specs import TableSpec, from_dict
-
     if tables_path:
         data = yaml.safe_load(Path(tables_path).read_text())
         data = data.get("tables", data) if isinstance(data, dict) else data
@@ -455,22 +435,13 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
             raise EmbedscaleError(f"{tables_path}: expected a list of tables (or a mapping with 'tables')")
         return [from_dict(TableSpec, {"dim": dim, **t}, f"{tables_path}: tables[{i}]") for i, t in enumerate(data)]
     if preset:
-        from embedscale.data.synthetic import SyntheticGenerator
-        from embedscale.specs import SyntheticConfig
-
         return SyntheticGenerator(SyntheticConfig(preset=preset, max_rows=max_rows), seed=0).table_specs(dim)
     if profile_path:
-        from embedscale.data.profile import AccessProfile
-
-        from embedscale.plan.forms import tables_from_profile
-
         return tables_from_profile(AccessProfile.load(profile_path), dim)
     raise EmbedscaleError("name the tables: --tables FILE.yaml, --preset NAME or --profile DIR")
 
 
 def _plan_topology(topology_path, hosts, ranks_per_host):
-    from embedscale.specs import Topology
-
     return topology_path if topology_path else Topology(num_hosts=hosts, ranks_per_host=ranks_per_host)
 
 
@@ -511,9 +482,6 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
     it): TT-compressed tables (compression: tt, or --tt-min-rows) and host tables (placement: host, or
     --host-min-rows) are not placed; every rank holds the TT cores.
     """
-    from embedscale.plan.api import plan_command
-    from embedscale.plan.forms import decide_forms, with_forms
-
     try:
         tables = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
         if tt_min_rows < 0:
@@ -552,8 +520,6 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 def drift(plan_dir, profile_path, topology_path, hosts, ranks_per_host, as_json):
     """Evaluate a saved plan on a new profile (OPER section 8): how far its balance fell, whether to re-plan,
     and how many rows a re-plan would move."""
-    from embedscale.plan.drift import drift_command
-
     try:
         rep = drift_command(plan_dir, profile_path, _plan_topology(topology_path, hosts, ranks_per_host),
                             json_output=as_json)
@@ -570,8 +536,6 @@ def drift(plan_dir, profile_path, topology_path, hosts, ranks_per_host, as_json)
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True)
 def topology(hosts, ranks_per_host, measure, out_path):
     """Write a topology file (hosts x ranks, link bandwidths and latencies, the cost matrix L of OPER 3.2)."""
-    from embedscale.plan.api import topology_command
-
     try:
         d = topology_command(out_path, num_hosts=hosts, ranks_per_host=ranks_per_host, measure=measure)
     except EmbedscaleError as e:
@@ -605,8 +569,6 @@ def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed,
     RUN is a run directory (its latest checkpoint; any arch) or a checkpoint. A DMT run trains with the result:
     --model-arch dmt-dlrm --model-tower-assignment OUT.
     """
-    from embedscale.towers.command import format_towers_summary, towers_command
-
     try:
         s = towers_command(run, out_path, towers=towers, strategy=strategy, max_ratio=max_ratio, samples=samples,
                            coord_dim=coord_dim, seed=seed, center=not no_center, png=not no_png,
@@ -626,8 +588,6 @@ def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed,
 def reorder(shards, out_dir, hot_ratio, method):
     """Index reordering (EL-Rec IV): hot rows first, then communities of co-accessed rows get consecutive ids.
     Writes the bijection; a model applies it to its ids (MixedEmbedding(reordering=...), Reordering.apply)."""
-    from embedscale.reorder import reorder_shards
-
     try:
         out = reorder_shards(shards, out_dir, hot_ratio=hot_ratio, method=method)
     except EmbedscaleError as e:
@@ -642,8 +602,6 @@ def reorder(shards, out_dir, hot_ratio, method):
 @click.option("--json", "as_json", is_flag=True)
 def profile(shards, out_dir, no_progress, as_json):
     """Count how often every row of every table is read (the planner's input)."""
-    from embedscale.data.profile import AccessProfile
-
     try:
         prof = AccessProfile.from_shards(shards, progress=not no_progress)
         prof.save(out_dir)

@@ -55,6 +55,9 @@ from embedscale.data.batch import Batch, JaggedFeatures
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_save_npy, atomic_write_json, read_json
 from embedscale.specs import TableSpec, feature_to_table
+from embedscale.data.loader import ShardLoader
+from embedscale.data.profile import AccessProfile
+from embedscale.data.shards import Manifest
 
 REORDER_MANIFEST = "reorder.json"
 FORMAT = "embedscale.reorder"
@@ -360,8 +363,6 @@ def _select(tables: list[TableSpec], names: list[str] | None) -> list[TableSpec]
 
 
 def _iter_shard_batches(directory: Path, features: list[str], batch_size: int, max_batches: int):
-    from embedscale.data.loader import ShardLoader
-
     loader = ShardLoader(directory, batch_size, prefetch=0)
     for i, batch in enumerate(loader):
         if i >= max_batches:
@@ -399,8 +400,6 @@ def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: floa
     """
     from tqdm import tqdm
 
-    from embedscale.data.profile import AccessProfile
-
     if not 0.0 <= hot_ratio <= 1.0:
         raise ConfigError(f"build_reorder: hot_ratio must be in [0, 1], got {hot_ratio}")
     if method not in METHODS:
@@ -414,8 +413,6 @@ def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: floa
         if tables is None:
             tables = [TableSpec(t, profile.num_rows(t)) for t in profile.table_names]
     elif isinstance(source, (str, os.PathLike)):
-        from embedscale.data.shards import Manifest
-
         directory = Path(source)
         manifest = Manifest.load(directory)
         if tables is None:

@@ -21,6 +21,14 @@ from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, split_existing, tables_for, tt_lr)
+from embedscale.errors import EmbedscaleError
+from embedscale.io import read_json
+from embedscale.models.dmt import is_dmt_arch
+from embedscale.train.distributed import ensure_run_plan
+from embedscale.train.dmt_run import dmt_checkpoint_fields
+from embedscale.train.dmt_towers import prepare_towers
+from embedscale.train.launch import launch_ranks
+from embedscale.train.trainer import Trainer, pipelined_trainer
 
 
 def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
@@ -29,8 +37,6 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     ``run_dir``; with ``resume`` it continues from the run directory's latest checkpoint, whatever world size
     wrote it (``train.checkpoint``: rows by table and row id). ``config.yaml`` is written once the inputs
     (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was."""
-    from embedscale.train.trainer import Trainer
-
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = dump_config(cfg)
@@ -46,15 +52,11 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
-        from embedscale.train.dmt_run import dmt_checkpoint_fields
-
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)
     kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
               checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
               lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
     if any(tb.placement == "host" for tb in tables):
-        from embedscale.train.trainer import pipelined_trainer
-
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
     else:
@@ -72,12 +74,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
 
 def _dmt_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
     """DMT archs: the run's towers, written to (or, when resuming, checked against) ``run_dir/towers.json``."""
-    from embedscale.models.dmt import is_dmt_arch
-
     if not is_dmt_arch(cfg.model.arch):
         return None
-    from embedscale.train.dmt_towers import prepare_towers
-
     return prepare_towers(cfg, tables, run_dir)
 
 
@@ -102,11 +100,6 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
 
 def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, progress: bool) -> dict:
     """Plan here (the profile is made), then train on ``dist.nproc`` local ranks under torchrun."""
-    from embedscale.errors import EmbedscaleError
-    from embedscale.io import read_json
-    from embedscale.train.distributed import ensure_run_plan
-    from embedscale.train.launch import launch_ranks
-
     towers = _dmt_towers(cfg, tables, run_dir)
     if towers is not None:  # DMT: the towers place the tables (tower groups), no plan
         _log(f"towers: {towers.num_towers} ({towers.strategy}) on {cfg.dist.nproc} ranks, "

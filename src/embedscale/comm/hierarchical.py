@@ -60,6 +60,7 @@ from embedscale.comm.transport import Transport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, Topology, feature_to_table
+from embedscale.embedding.init import uniform_rows
 
 SHARDINGS = ("table", "row")
 PERMUTES = ("embeddings", "ids", "auto")
@@ -453,8 +454,6 @@ class TowerPlacement:
     def shard_init(self, rank: int, seed: int = 0):
         """An ``init(spec, weight_view)`` for ``LocalEmbeddingBags`` that fills every shard with the
         placement-independent rows of ``embedding.init.uniform_rows`` (table index, global row id)."""
-        from embedscale.embedding.init import uniform_rows
-
         by_name = {s.name: (i, lo, hi) for s, (i, lo, hi) in zip(self.shard_tables(rank), self.rank_tables[rank])}
 
         def init(spec: TableSpec, weight: torch.Tensor) -> None:

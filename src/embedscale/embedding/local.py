@@ -71,7 +71,6 @@ from embedscale.embedding.optim import (
     add_rows_,
     aggregate_row_gradients,
     rowwise_adagrad_update_,
-    sgd_update_,
 )
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table

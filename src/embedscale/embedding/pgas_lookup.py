@@ -469,7 +469,7 @@ class _PgasRetrieve(torch.autograd.Function):
     def backward(ctx, grad_out):
         mod: PgasShardedEmbedding = ctx.mod
         off, slot, local, bag, scale, runiq, rinv, counts_l, B, F_ = ctx.saved
-        W, me, D = mod.world_size, mod.rank, mod.dim
+        me, D = mod.rank, mod.dim
         dev = grad_out.device
         grad = grad_out.contiguous().view(B * F_, D)
         nl = ~local

@@ -24,6 +24,11 @@ from embedscale.plan.plan import Plan
 from embedscale.plan.report import strategy_entry, write_markdown, write_png
 from embedscale.plan.synthetic_profile import profile_from_spec
 from embedscale.plan.topology import LinkTopology, as_link_topology, load_topology
+from embedscale.plan.measure import measure_topology
+from embedscale.plan.milp import plan_milp
+from embedscale.plan.oper import rank_capacity
+from embedscale.plan.torchrec_plan import plan_torchrec
+from embedscale.specs import Topology
 
 STRATEGIES = ("oper",) + BASELINES + ("torchrec", "milp")
 
@@ -91,12 +96,8 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     elif strategy in BASELINES:
         plan = plan_baseline(strategy, tables, profile, topo.world_size, mode=mode, batch_size=batch_size, **opts)
     elif strategy == "torchrec":
-        from embedscale.plan.torchrec_plan import plan_torchrec
-
         plan = plan_torchrec(tables, profile, topo, mode=mode, batch_size=batch_size, **opts)
     elif strategy == "milp":
-        from embedscale.plan.milp import plan_milp
-
         plan = plan_milp(tables, profile, topo, mode=mode, extra_memory=extra_memory, batch_size=batch_size, **opts)
     else:
         raise ConfigError(f"unknown strategy {strategy!r}; known: {', '.join(STRATEGIES)}")
@@ -134,8 +135,6 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
                    "profile": getattr(profile, "spec", lambda: type(profile).__name__)()},
         "strategies": {},
     }
-    from embedscale.plan.oper import rank_capacity
-
     budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in sharded)), extra_memory)[0])
     out["config"]["memory_budget_bytes"] = budget
     if tt_tables:  # not sharded: every rank holds their cores besides its share of the plan
@@ -188,12 +187,8 @@ def topology_command(out_path, *, num_hosts: int = 1, ranks_per_host: int = 2, m
                      base=None, **measure_opts) -> dict[str, Any]:
     """``embedscale topology``: write a topology file; ``measure=True`` fills the bandwidths and latencies
     of the classes it can reach on this machine with ``plan.measure.measure_topology``."""
-    from embedscale.specs import Topology
-
     spec = base if base is not None else Topology(num_hosts=num_hosts, ranks_per_host=ranks_per_host)
     if measure:
-        from embedscale.plan.measure import measure_topology
-
         topo = measure_topology(num_hosts=spec.num_hosts, ranks_per_host=spec.ranks_per_host, base=spec, **measure_opts)
     else:
         topo = as_link_topology(spec)

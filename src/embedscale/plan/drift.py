@@ -15,11 +15,14 @@ communication DoB on the new profile is below ``dob_floor``.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import numpy as np
 
 from embedscale.errors import ConfigError
+from embedscale.io import atomic_write_json
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
 from embedscale.plan.cost import evaluate
 from embedscale.plan.plan import Plan

@@ -23,6 +23,7 @@ import numpy as np
 
 from embedscale.errors import ConfigError
 from embedscale.plan.topology import OTHER_HOST, SAME_HOST, LinkTopology
+from embedscale.specs import Topology
 
 
 def _free_port() -> int:
@@ -90,8 +91,6 @@ def measure_topology(num_hosts: int = 1, ranks_per_host: int = 2, *, base=None, 
     """
     import torch
     import torch.multiprocessing as mp
-
-    from embedscale.specs import Topology
 
     if ranks_per_host < 2:
         raise ConfigError(f"measure_topology needs at least 2 local ranks, got {ranks_per_host}")

@@ -18,6 +18,7 @@ import numpy as np
 
 from embedscale.errors import ConfigError
 from embedscale.plan.cost import table_counts
+from embedscale.plan.synthetic_profile import ZipfProfile
 
 
 _LAST_PREFIX: tuple[np.ndarray, np.ndarray] | None = None
@@ -113,8 +114,6 @@ def sort_tables(tables, profile, cache_rows: int = 200_000_000) -> list[SortedTa
                 native = True
             else:
                 srt = table_counts(profile, t.name, n)[order].astype(np.float64)
-            from embedscale.plan.synthetic_profile import ZipfProfile
-
             # trust our own exact profile; check anybody else's order really is non-increasing
             if not isinstance(profile, ZipfProfile) and bool((srt[1:] > srt[:-1]).any()):
                 order, native, srt = None, False, None

@@ -24,6 +24,7 @@ import numpy as np
 
 from embedscale.errors import ConfigError
 from embedscale.specs import Topology
+from embedscale.specs import from_dict
 
 SAME_RANK, SAME_HOST, OTHER_HOST = 0, 1, 2
 LINK_CLASS_NAMES = ("same_rank", "same_host", "other_host")
@@ -158,8 +159,6 @@ class LinkTopology:
                 )
             except KeyError as e:
                 raise ConfigError(f"topology: missing key {e.args[0]!r}") from None
-        from embedscale.specs import from_dict
-
         return cls.from_spec(from_dict(Topology, d, "topology"))
 
     # ------------------------------------------------------------------ queries

@@ -27,12 +27,15 @@ import yaml
 from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json
 from embedscale.specs import RunConfig, TableSpec, from_dict
+from embedscale import assemble
+from embedscale.data.loader import ShardLoader
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.towers.partitioner import STRATEGIES, learn_towers, plot_interaction
+from embedscale.train.checkpoint import assemble_table, is_checkpoint, latest_checkpoint, read_manifest, read_shards
 
 
 def _find_checkpoint(path: Path) -> tuple[Path, Path]:
     """``(run directory, checkpoint)`` from a run directory or a checkpoint path."""
-    from embedscale.train.checkpoint import is_checkpoint, latest_checkpoint
-
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: no such run directory or checkpoint")
@@ -45,8 +48,6 @@ def _find_checkpoint(path: Path) -> tuple[Path, Path]:
 
 
 def _run_config(run_dir: Path, checkpoint: Path) -> RunConfig:
-    from embedscale.train.checkpoint import read_manifest
-
     text = read_manifest(checkpoint).get("config_yaml")
     if not text:
         p = run_dir / "config.yaml"
@@ -58,8 +59,6 @@ def _run_config(run_dir: Path, checkpoint: Path) -> RunConfig:
 
 def load_table_weights(checkpoint: Path, tables: list[TableSpec]) -> dict[str, torch.Tensor]:
     """Every table's ``[num_rows, dim]`` weights from a checkpoint of any world size (``train.checkpoint``)."""
-    from embedscale.train.checkpoint import assemble_table, read_manifest, read_shards
-
     m = read_manifest(checkpoint)
     rows = dict(zip(m.get("tables", []), m.get("table_rows", [])))
     for t in tables:
@@ -99,11 +98,6 @@ def towers_command(run: str | Path, out: str | Path | None = None, *, towers: in
     Returns:
         A summary: towers, sizes, scores of the learned and the naive assignment, paths written.
     """
-    from embedscale import assemble
-    from embedscale.data.loader import ShardLoader
-    from embedscale.embedding.local import LocalEmbeddingBags
-    from embedscale.towers.partitioner import STRATEGIES, learn_towers, plot_interaction
-
     if strategy not in STRATEGIES:
         raise ConfigError(f"--strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples <= 0:

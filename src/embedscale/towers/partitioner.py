@@ -40,6 +40,7 @@ from scipy.special import comb
 
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_write_json, read_json
+from embedscale.io import atomic_open
 
 STRATEGIES = ("coherent", "diverse")
 ASSIGNMENT_VERSION = 1
@@ -593,8 +594,6 @@ def plot_interaction(report: dict, path: str | Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from embedscale.io import atomic_open
 
     names = report["features"]
     I = np.asarray(report["interaction"])

@@ -60,7 +60,22 @@ from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
+from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
+from embedscale.comm.collective import CollectiveTransport
+from embedscale.comm.pgas import PgasTransport, slot_bytes_for
+from embedscale.data.profile import AccessProfile
+from embedscale.embedding.address_map import address_map_from_plan
+from embedscale.embedding.compression import table_bytes
+from embedscale.embedding.grad_sync import all_gather_var
+from embedscale.embedding.wire import expected_wire_bytes
+from embedscale.models import build_model
+from embedscale.pipeline import PipelinedLoader
+from embedscale.plan.api import make_plan
+from embedscale.plan.cost import evaluate
+from embedscale.specs import Topology
+from embedscale.train.launch import init_from_env
+from embedscale.train.metrics import logloss_from_logits, roc_auc
 
 READY, FAILED = ".ready", ".failed"
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
@@ -127,8 +142,6 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str =
         data = assemble.prepare_data(cfg, progress=progress)
         tables = assemble.tables_for(cfg, data.manifest)
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
-            from embedscale.train.dmt_towers import prepare_towers
-
             prepare_towers(cfg, tables, run_dir)
         else:
             ensure_run_plan(cfg, data, tables, run_dir, progress)
@@ -190,9 +203,6 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
         raise ConfigError("several ranks need at least one table with placement: device and no compression to "
                           "plan; every table is host-placed or TT-compressed (replicated)")
     if not saved:
-        from embedscale.plan.api import make_plan
-        from embedscale.specs import Topology
-
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
         prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
@@ -220,9 +230,6 @@ class DistributedRun:
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
                  inference: bool = False):
-        from embedscale.embedding.address_map import address_map_from_plan
-        from embedscale.models import build_model
-
         self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
         self.plan = Plan.load(run_dir / "plan")
@@ -270,8 +277,6 @@ class DistributedRun:
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
-            from embedscale.pipeline import PipelinedLoader
-
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, max(1, t.pipeline_depth),
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
 
@@ -312,14 +317,10 @@ class DistributedRun:
         return _diagnose(self, err)
 
     def _transport(self, name: str, rank: int, world: int, amap, max_batch: int):
-        from embedscale.comm.collective import CollectiveTransport
-
         d = self.cfg.dist
         if name == "collective":
             return CollectiveTransport(rank, world, group=self.emb_group)
         if name == "pgas":
-            from embedscale.comm.pgas import PgasTransport, slot_bytes_for
-
             return PgasTransport(rank, world, group=self.emb_group, ranks_per_host=-(-world // d.topology_hosts),
                                  slot_bytes=slot_bytes_for(self.tables, amap, max_batch, design=d.design),
                                  timeout_s=d.timeout_s)
@@ -332,8 +333,6 @@ class DistributedRun:
     def figures(self) -> dict:
         """What the summary adds (collective: every rank calls it): bytes on wire per step summed over ranks, the
         run's tables, and this executor's own figures (:meth:`executor_figures`)."""
-        from embedscale.embedding.compression import table_bytes
-
         means = torch.tensor([float(np.mean(self.bytes_per_step)) if self.bytes_per_step else 0.0,
                               float(np.mean(self.sync_bytes_per_step)) if self.sync_bytes_per_step else 0.0])
         dist.all_reduce(means)
@@ -372,8 +371,6 @@ class DistributedRun:
     # -- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> dict:
-        from embedscale.train.metrics import logloss_from_logits, roc_auc
-
         self.model.eval()
         zs, ys = [], []
         for batch in self.eval_loader:
@@ -461,8 +458,6 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
     """Score the eval split with ``run``'s restored model on every rank (the timed part: forward passes after
     ``warmup`` batches, the slowest rank's); rank 0 writes ``predictions.npy`` and ``inference.json``
     (logloss, AUC, samples/s and ``extra``) into ``rd`` and returns the figures; other ranks return None."""
-    from embedscale.train.metrics import logloss_from_logits, roc_auc
-
     if run.eval_loader is None:
         raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
     run.model.eval()
@@ -494,8 +489,6 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
 
 def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's logits and labels, concatenated in rank order on every rank (for exact AUC)."""
-    from embedscale.embedding.grad_sync import all_gather_var
-
     local = torch.stack([torch.cat(zs), torch.cat(ys)], 1).cpu() if zs else torch.zeros(0, 2)
     both = torch.cat(all_gather_var(local))
     return both[:, 0].numpy(), both[:, 1].numpy()
@@ -506,8 +499,6 @@ latest_sharded_checkpoint = latest_checkpoint  # one format: every checkpoint is
 
 def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path, int, int]:
     """Rank 0 prepares the run (data, profile, plan), the others wait for it; then all join the group."""
-    from embedscale.train.launch import init_from_env
-
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.dist.nproc = world
@@ -527,10 +518,6 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
 def plan_figures(run: DistributedRun) -> dict:
     """The plan's balance under the OPER cost model (eqs. 1-5) and the bytes on wire it predicts for this
     executor (``embedding.wire``), next to what was measured."""
-    from embedscale.data.profile import AccessProfile
-    from embedscale.embedding.wire import expected_wire_bytes
-    from embedscale.plan.cost import evaluate
-
     out: dict = {"plan_summary": run.plan.summary()}
     prof_dir = run.run_dir / "profile"
     if not prof_dir.exists():

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from embedscale.errors import ConfigError
 from embedscale.specs import RunConfig, TableSpec
+from embedscale.comm.hierarchical import TowerLayout
+from embedscale.models.dmt import DMTConfig, resolve_assignment, tower_groups_of
+from embedscale.towers.partitioner import TowerAssignment
 
 TOWERS_FILE = "towers.json"
 
@@ -17,8 +20,6 @@ TOWERS_FILE = "towers.json"
 def dmt_layout(cfg: RunConfig, world: int):
     """The ``TowerLayout`` of a run: ``dist.topology_hosts`` hosts of ``world / hosts`` ranks, towers of
     ``model.hosts_per_tower`` hosts (DMT 3.1.1, 3.1.3)."""
-    from embedscale.comm.hierarchical import TowerLayout
-
     hosts = cfg.dist.topology_hosts
     if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts <= 0 or world % hosts:
         raise ConfigError(f"dist.topology_hosts {hosts!r} does not divide the {world} ranks into hosts")
@@ -31,8 +32,6 @@ def dmt_layout(cfg: RunConfig, world: int):
 
 def resolve_run_towers(cfg: RunConfig, tables: list[TableSpec]):
     """The run's ``TowerAssignment`` from its config (checked against the tables and the topology)."""
-    from embedscale.models.dmt import DMTConfig, resolve_assignment, tower_groups_of
-
     dmt = DMTConfig.from_model(cfg.model)
     hosts = cfg.dist.topology_hosts
     if hosts % dmt.hosts_per_tower:
@@ -47,8 +46,6 @@ def resolve_run_towers(cfg: RunConfig, tables: list[TableSpec]):
 def prepare_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
     """Rank 0: resolve the towers and write ``<run dir>/towers.json``; a run directory that already
     holds different towers (a resume under another assignment) is a ``ConfigError``."""
-    from embedscale.towers.partitioner import TowerAssignment
-
     assignment = resolve_run_towers(cfg, tables)
     path = Path(run_dir) / TOWERS_FILE
     if path.exists():
