@@ -58,7 +58,7 @@ import numpy as np
 from embedscale.data.shards import Columns, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, SyntheticConfig, TableSpec, to_dict
-from embedscale.train.metrics import logloss, roc_auc
+from embedscale.data.metrics import logloss, roc_auc
 
 GENERATOR_VERSION = 3  # bump when the stream for a given (cfg, seed) changes; recorded in manifest.extra
 BLOCK = 1 << 16  # samples per generator block: the unit of determinism
