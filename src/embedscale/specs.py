@@ -370,6 +370,12 @@ def validate(obj: Any, path: str = "") -> None:
             raise ConfigError(f"{where}{key}: {v!r} is not a finite number {rng}")
     if isinstance(obj, TrainConfig):
         check_device(obj.device, f"{where}device")
+    if isinstance(obj, DistConfig) and obj.grad_sync == "alltoall" and (obj.design, obj.transport) != (
+            "retrieve", "collective"):
+        # caught here, before any rank starts, not as N rank errors under torchrun
+        raise ConfigError(f"{where}grad_sync: 'alltoall' rides in the retrieve design's all-to-all; it needs "
+                          f"{where}design 'retrieve' and {where}transport 'collective' (got {obj.design!r}, "
+                          f"{obj.transport!r})")
 
 
 def check_device(name: str, key: str = "train.device") -> None:

@@ -107,6 +107,7 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     if tt_tables:
         plan.meta["replicated_tables"] = replicated_tables_meta(tt_tables)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
+    plan.meta["features"] = {t.name: list(getattr(t, "features", None) or [t.name]) for t in tables}
     return plan
 
 

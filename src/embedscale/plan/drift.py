@@ -25,8 +25,10 @@ from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
 from embedscale.plan.cost import evaluate
+from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
 from embedscale.plan.topology import as_link_topology
+from embedscale.specs import TableSpec
 
 
 def rows_moved(old: Plan, new: Plan) -> dict[str, Any]:
@@ -141,7 +143,9 @@ def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False,
     verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
     plan = Plan.load(plan_dir)
     tables = plan.tables
-    rep = drift(plan, resolve_profile(new_profile, tables), resolve_topology(topology), **opts)
+    features = plan.meta.get("features") or {}  # a per-feature profile (embedscale profile) sums by table
+    specs = [TableSpec(t.name, t.num_rows, t.dim, features=features.get(t.name) or [t.name]) for t in tables]
+    rep = drift(plan, table_profile(resolve_profile(new_profile, tables), specs), resolve_topology(topology), **opts)
     if out_path is not None:
         atomic_write_json(out_path, rep)
     if json_output:
