@@ -241,6 +241,51 @@ def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
+_TRACEBACK = b"Traceback (most recent call last):"
+
+
+def forward_stderr(src, dst) -> None:
+    """Copy torchrun's stderr (its own and its ranks') to ``dst`` as it comes, leaving out torchrun's own Python
+    traceback of ``ChildFailedError``: a rank that fails has printed its error already, and torchrun's summary
+    below the traceback (which rank, exit code, root cause) is kept. Any other traceback passes unchanged.
+    Partial lines (progress bars) pass at once, except a line that may still become a traceback's first line."""
+    held: list[bytes] = []  # a traceback being read, held until its last line says whose it is
+    partial = b""
+    while True:
+        chunk = os.read(src, 65536)
+        if not chunk:
+            break
+        data = partial + chunk
+        lines = data.split(b"\n")
+        partial = lines.pop()
+        out = []
+        for line in lines:
+            line += b"\n"
+            if held:
+                if line[:1] in (b" ", b"\t") or line.startswith(_TRACEBACK) or len(held) > 2000:
+                    held.append(line)
+                    continue
+                if b"ChildFailedError" not in line:  # someone else's traceback: as it was
+                    out.extend(held)
+                    out.append(line)
+                held = []
+                continue
+            if line.startswith(_TRACEBACK):
+                held = [line]
+                continue
+            out.append(line)
+        if partial and not held and not _TRACEBACK.startswith(partial[: len(_TRACEBACK)]):
+            out.append(partial)
+            partial = b""
+        if out:
+            dst.write(b"".join(out))
+            dst.flush()
+    rest = b"".join(held) + partial
+    if rest:
+        dst.write(rest)
+        dst.flush()
+
+
 def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, env: dict | None = None,
                  run_dir: str | os.PathLike | None = None) -> int:
     """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone) and
@@ -269,7 +314,10 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     try:
         if received:
             raise Stopped(received[0], "no rank was started")
-        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, stderr=subprocess.PIPE)
+        relay = threading.Thread(target=forward_stderr, args=(proc.stderr.fileno(), sys.stderr.buffer),
+                                 name="torchrun-stderr", daemon=True)
+        relay.start()
         sessions = {proc.pid}
         while True:
             try:
@@ -288,6 +336,7 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
         if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
             _signal_all(left, sessions, signal.SIGKILL)
             _wait_gone(proc.pid, sessions, KILL_WAIT_S)
+        relay.join(timeout=5)  # the ranks' last words reach the terminal before the launcher's own
         return code
     finally:
         for s, h in old.items():
