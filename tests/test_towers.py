@@ -33,7 +33,7 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.errors import ConfigError, InputError
 from embedscale.models.dmt import DMTConfig, DMTDLRM, build_dmt_model, build_flat_model, train_step
 from embedscale.specs import ModelConfig, TableSpec
-from embedscale.towers.modules import (
+from embedscale.models.tower_modules import (
     DCNTowerModule,
     DLRMTowerModule,
     build_tower_modules,

@@ -28,6 +28,8 @@ from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
 from embedscale.plan.forms import decide_forms, default_tables, with_forms
 from embedscale.specs import RunConfig, TableSpec, feature_to_table, to_dict
+from embedscale.models import build_model
+from embedscale.models.dmt import is_dmt_arch
 
 
 @dataclass
@@ -170,9 +172,6 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
     ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``.
     """
-    from embedscale.models import build_model
-    from embedscale.models.dmt import is_dmt_arch
-
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
     if is_dmt_arch(cfg.model.arch):

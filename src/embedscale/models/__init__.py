@@ -9,7 +9,6 @@ model's embedding dim.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -17,7 +16,9 @@ from torch import nn
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import DCN, CrossNet
 from embedscale.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch, SparseArch, dense_parameters
-from embedscale.specs import ModelConfig, TableSpec, feature_to_table
+from embedscale.specs import ModelConfig, TableSpec
+from embedscale.models.dmt import DMTConfig, build_dmt_model, check_no_tower_settings
+from embedscale.models.flat import _check_widths, build_flat
 
 __all__ = [
     "ALL_ARCHS",
@@ -35,14 +36,6 @@ __all__ = [
 
 ARCHS = ("dlrm", "dcn")  # the flat models; DMT_ARCHS (models.dmt) are their multi-tower variants
 ALL_ARCHS = ARCHS + ("dmt-dlrm", "dmt-dcn")
-
-
-def _check_widths(key: str, sizes: Sequence[int]) -> list[int]:
-    out = list(sizes)
-    for i, s in enumerate(out):
-        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
-            raise ConfigError(f"{key}[{i}] must be a positive integer, got {s!r} (in {out})")
-    return out
 
 
 def build_model(
@@ -103,8 +96,6 @@ def build_model(
     arch = cfg.arch.lower() if isinstance(cfg.arch, str) else cfg.arch
     if arch not in ALL_ARCHS:
         raise ConfigError(f"model.arch: unknown architecture {cfg.arch!r}; known: {', '.join(ALL_ARCHS)}")
-    from embedscale.models.dmt import DMTConfig, build_dmt_model, check_no_tower_settings
-
     if arch.startswith("dmt-"):
         if embedding is not None:
             raise ConfigError(f"model.arch {arch}: DMT models build their own tower embedding; pass embedding=None")
@@ -121,60 +112,4 @@ def build_model(
                                arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
                                optimizer=sparse_optimizer, lr=lr_sparse, seed=seed, device=device)
     check_no_tower_settings(cfg)
-    if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
-        raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
-    if isinstance(cfg.embedding_dim, bool) or not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim <= 0:
-        raise ConfigError(f"model.embedding_dim must be a positive integer, got {cfg.embedding_dim!r}")
-    bottom = _check_widths("model.bottom_mlp", cfg.bottom_mlp)
-    top = _check_widths("model.top_mlp", cfg.top_mlp)
-    if not tables:
-        raise ConfigError("build_model: no embedding tables")
-    table_of = feature_to_table(tables)
-    for spec in tables:
-        if spec.pooling == "none":
-            raise ConfigError(
-                f"table {spec.name!r}: pooling 'none' (unpooled sequence) cannot feed {arch}, which needs one "
-                "pooled vector per feature; use 'sum' or 'mean'"
-            )
-        if arch == "dlrm" and spec.dim != cfg.embedding_dim:
-            raise ConfigError(
-                f"table {spec.name!r}: dim {spec.dim} differs from model.embedding_dim {cfg.embedding_dim}; "
-                "DLRM's dot interaction needs every table and the bottom MLP output to share one dim"
-            )
-    if arch == "dcn":
-        for key in ("cross_layers", "cross_low_rank"):
-            v = getattr(cfg, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"model.{key} must be a non-negative integer, got {v!r}")
-
-    if embedding is None:
-        try:
-            from embedscale.embedding.local import LocalEmbeddingBags
-        except ImportError as e:
-            raise ImportError(
-                "build_model: no embedding module given and embedscale.embedding.local.LocalEmbeddingBags "
-                f"cannot be imported ({e}); pass `embedding=` explicitly"
-            ) from e
-        embedding = LocalEmbeddingBags(tables, device=device)
-
-    names = getattr(embedding, "feature_names", None)
-    if names is None:
-        raise ConfigError(
-            f"build_model: the embedding module {type(embedding).__name__} has no `feature_names` attribute"
-        )
-    names = list(names)
-    unknown = [f for f in names if f not in table_of]
-    if unknown:
-        raise ConfigError(
-            f"build_model: the embedding module produces features {unknown} that no table reads "
-            f"(tables: {[t.name for t in tables]})"
-        )
-    missing = [f for f in table_of if f not in names]
-    if missing:
-        raise ConfigError(f"build_model: features {missing} of the tables are not produced by the embedding module")
-    feature_dims = [tables[table_of[f]].dim for f in names]
-
-    if arch == "dlrm":
-        return DLRM(num_dense, embedding, cfg.embedding_dim, bottom_mlp=bottom, top_mlp=top, device=device)
-    return DCN(num_dense, embedding, cfg.embedding_dim, feature_dims=feature_dims, bottom_mlp=bottom, top_mlp=top,
-               cross_layers=cfg.cross_layers, cross_low_rank=cfg.cross_low_rank, device=device)
+    return build_flat(cfg, tables, num_dense, embedding, device=device)

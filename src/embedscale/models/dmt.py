@@ -54,7 +54,7 @@ from embedscale.errors import ConfigError
 from embedscale.models.dcn import CrossNet
 from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
 from embedscale.specs import ModelConfig, TableSpec, feature_to_table
-from embedscale.towers.modules import (
+from embedscale.models.tower_modules import (
     TOWER_MODULES,
     TowerModule,
     build_tower_modules,
@@ -62,6 +62,7 @@ from embedscale.towers.modules import (
     tower_out_features,
 )
 from embedscale.towers.partitioner import TowerAssignment, naive_assignment
+from embedscale.models.flat import build_flat
 
 DMT_ARCHS = ("dmt-dlrm", "dmt-dcn")
 # the ModelConfig fields that configure DMT only (a plain arch keeps them at their defaults)
@@ -557,12 +558,10 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
                                     permute=dmt.permute, optimizer=optimizer, lr=lr, eps=eps, seed=seed, device=device,
                                     model_order=(kind == "none"))
         if kind == "none":
-            from embedscale.models import build_model
-
             if comm is None:  # single process: the plain model over all tables, features in model order
                 towers = towers.embedding
-            return _with_split(build_model(_plain_config(cfg, arch[4:]), tables, num_dense, embedding=towers,
-                                           device=device))
+            return _with_split(build_flat(_plain_config(cfg, arch[4:]), tables, num_dense, embedding=towers,
+                                          device=device))
         if arch == "dmt-dlrm":
             return DMTDLRM(num_dense, towers, D, cfg.bottom_mlp, cfg.top_mlp, device=device)
         return DMTDCN(num_dense, towers, N, cfg.bottom_mlp, cfg.top_mlp, cross_layers=cfg.cross_layers,
@@ -591,14 +590,12 @@ def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, 
                      eps: float = 1e-8, seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
     """The baseline: plain ``cfg.arch`` (dlrm/dcn) over :class:`FlatTableWiseEmbedding` (classic
     table-wise model parallelism), initialised as :func:`build_dmt_model` with the same seed."""
-    from embedscale.models import build_model
-
     arch = cfg.arch.lower().removeprefix("dmt-")
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         emb = FlatTableWiseEmbedding(tables, comm, placement, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
                                      device=device)
-        return _with_split(build_model(_plain_config(cfg, arch), tables, num_dense, embedding=emb, device=device))
+        return _with_split(build_flat(_plain_config(cfg, arch), tables, num_dense, embedding=emb, device=device))
 
 
 # --------------------------------------------------------------------------------------------------

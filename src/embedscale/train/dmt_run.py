@@ -52,6 +52,12 @@ from embedscale.train.distributed import DistributedRun
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
 from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
+from embedscale import assemble
+from embedscale.comm.hierarchical import TowerComm
+from embedscale.data.loader import ShardLoader
+from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
+from embedscale.towers.partitioner import TowerAssignment
+from embedscale.train.distributed import join_run, serve_eval_split
 
 CHECKPOINT_KIND = "dmt"
 # kinds of HostAwareTransport bytes that are dense-gradient synchronisation, not embedding traffic
@@ -60,8 +66,6 @@ _SYNC_KINDS = ("dense_grads", "tower_grads")
 
 def dmt_model_fields(cfg: RunConfig) -> dict:
     """The model settings a DMT checkpoint must be restored under (its shape; not where it runs)."""
-    from embedscale.models.dmt import TOWER_FIELDS
-
     m = cfg.model
     keep = ("arch", "embedding_dim", "bottom_mlp", "top_mlp", "cross_layers", "cross_low_rank") + tuple(
         k for k in TOWER_FIELDS if k not in ("tower_assignment", "hosts_per_tower", "tower_sharding",
@@ -85,11 +89,6 @@ class DMTRun(DistributedRun):
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
                  inference: bool = False):
-        from embedscale import assemble
-        from embedscale.comm.hierarchical import TowerComm
-        from embedscale.data.loader import ShardLoader
-        from embedscale.towers.partitioner import TowerAssignment
-
         self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
         self.tables = self.all_tables
@@ -116,8 +115,6 @@ class DMTRun(DistributedRun):
     def train_step(self, batch) -> float:
         """Forward through the tower transform, backward (the tables update in place), tower-module
         gradients summed inside the tower group, the rest over the world (DMT 3.2), dense step."""
-        from embedscale.models.dmt import sync_dense_gradients
-
         self.model.train()
         self.comm.reset_bytes()
         logits = self.model(batch.dense, batch.sparse)
@@ -236,8 +233,6 @@ class DMTRun(DistributedRun):
 
 def checkpoint_towers(checkpoint: Path):
     """The towers a DMT checkpoint (or a run directory's latest) was trained with, from its manifest."""
-    from embedscale.towers.partitioner import TowerAssignment
-
     ckpt = resolve_checkpoint(checkpoint)
     m = read_manifest(ckpt)
     if m.get("kind") != CHECKPOINT_KIND:
@@ -258,9 +253,6 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     (``dist.topology_hosts`` and ``model.hosts_per_tower`` set to 1: they place rows, not the model); on
     several, ``dist.topology_hosts`` must divide the ranks (``--set dist.topology_hosts=H``).
     """
-    from embedscale import assemble
-    from embedscale.train.distributed import join_run, serve_eval_split
-
     cfg.dist.mode = "inference"
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if run_dir is None:
