@@ -118,7 +118,7 @@ def run_main_job(tree: Path, extra: list, timeout: float) -> dict:
         out, meta = _run([sys.executable, "-m", "embedscale", "run", *extra, "--out-dir", str(Path(d) / "runs"),
                           "--no-progress", "--json"], tree, d, timeout, f"embedscale run ({tree})")
     return {"train_samples_per_s": out["train_samples_per_s"],
-            "eval": {k: out.get(k) for k in ("eval_auc", "eval_logloss", "auc", "logloss") if k in out}, **meta}
+            "summary": {k: v for k, v in out.items() if k != "run_dir"}, **meta}
 
 
 def _git_head(tree: Path) -> str:
