@@ -388,8 +388,7 @@ def test_build_model_without_embedding_constructs_local_embedding_bags(monkeypat
             made.update(tables=tables, device=device)
             super().__init__(tables, device=device)
 
-    fake = types.SimpleNamespace(LocalEmbeddingBags=FakeLocal)
-    monkeypatch.setitem(sys.modules, "embedscale.embedding.local", fake)
+    monkeypatch.setattr("embedscale.models.flat.LocalEmbeddingBags", FakeLocal)  # the default the builder makes
     tables = make_tables()
     device = torch.device("meta")  # the device comes from the caller; nothing is hard-coded
     cfg = ModelConfig(embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
