@@ -45,7 +45,7 @@ def test_shell_commands_are_found():
     cmds = shell_commands(README.read_text())
     assert any(c.startswith("embedscale data criteo") for c in cmds)
     assert any("--nproc" in c for c in cmds)
-    assert shell_commands("```bash\nmake run\nembedscale a \\\n  --b 1  # c\n# d\n```\n") == ["embedscale a --b 1  # c"]
+    assert shell_commands("```bash\nmake run\nembedscale a \\\n  --b 1  # c\n# d\n```\n") == ["embedscale a  --b 1  # c"]
 
 
 @pytest.fixture(scope="module")
