@@ -67,6 +67,9 @@ class RankFailed(RuntimeError):
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, timeout_s: float) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    # this launch's id (the same on its ranks, new for every launch): a run's ready/failed markers name their
+    # attempt by it, so a marker an earlier launch left in the run directory is never taken for this one's
+    os.environ.setdefault("EMBEDSCALE_RUN_ID", f"local-{port}")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
