@@ -434,7 +434,7 @@ def test_towers_split_across_groups_rejects_shared_table():
             super().__init__()
             self.layout = TowerLayout(2, 1)
 
-    from embedscale.models.dmt import TowerEmbedding
+    from embedscale.embedding.towers import TowerEmbedding
 
     mods = build_tower_modules("none", split.sizes, N)
     with pytest.raises(ConfigError, match="table 't1'"):
