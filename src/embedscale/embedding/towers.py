@@ -24,7 +24,7 @@ Designed for GPUs (devices come from arguments), tested on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -34,7 +34,18 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec, feature_to_table
-from embedscale.towers.partitioner import TowerAssignment
+
+
+class TowerAssignment(Protocol):
+    """Features per tower, as ``towers.partitioner.TowerAssignment`` gives them (that layer sits above this one,
+    so the executors take any object of this shape)."""
+
+    towers: list[list[str]]
+
+    @property
+    def num_towers(self) -> int: ...
+
+    def check_covers(self, features: list[str]) -> None: ...
 
 
 @dataclass
@@ -43,7 +54,7 @@ class TowerSetup:
     (``EmbeddingEnv.towers``); ``models.dmt.resolve_towers`` makes it from a model config.
 
     Args:
-        assignment: features per tower (``towers.partitioner.TowerAssignment``); ``None`` for the flat baseline.
+        assignment: features per tower (a ``towers.partitioner.TowerAssignment``); ``None`` for the flat baseline.
         modules: ``{tower: module}``, the tower modules (``models.tower_modules``: ``forward(embs [B, F, N]) ->
             [B, O]``, attributes ``num_features``, ``embedding_dim``, ``out_features``): every tower in one
             process, at least this rank's tower group's towers with ``comm``.
