@@ -36,7 +36,7 @@ from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec, feature_to_table
 
 
-class TowerAssignment(Protocol):
+class FeatureTowers(Protocol):
     """Features per tower, as ``towers.partitioner.TowerAssignment`` gives them (that layer sits above this one,
     so the executors take any object of this shape)."""
 
@@ -67,7 +67,7 @@ class TowerSetup:
         placement: the flat baseline's table owners (default: balanced over the world).
     """
 
-    assignment: TowerAssignment | None = None
+    assignment: FeatureTowers | None = None
     modules: dict = field(default_factory=dict)
     tower_out_features: Sequence[int] = ()
     comm: TowerComm | None = None
@@ -99,7 +99,7 @@ def tower_groups_of(num_towers: int, num_groups: int) -> list[int]:
     return [t * num_groups // num_towers for t in range(num_towers)]
 
 
-def tower_feature_index(assignment: TowerAssignment, features: list[str]) -> list[list[int]]:
+def tower_feature_index(assignment: FeatureTowers, features: list[str]) -> list[list[int]]:
     """Positions in ``features`` of every tower's features (a ``ConfigError`` unless the towers hold exactly
     ``features``)."""
     assignment.check_covers(features)
@@ -119,7 +119,7 @@ class LocalTowerEmbedding(nn.Module):
         device: where the tables live.
     """
 
-    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, nn.Module], *,
+    def __init__(self, tables: list[TableSpec], assignment: FeatureTowers, modules: dict[int, nn.Module], *,
                  init: Callable[[TableSpec, torch.Tensor], None], optimizer: str | None = "rowwise_adagrad",
                  lr: float = 0.05, eps: float = 1e-8, device: torch.device | str | None = None):
         super().__init__()
@@ -161,7 +161,7 @@ class TowerEmbedding(nn.Module):
             module for DLRM/DCN, bitwise the flat model's).
     """
 
-    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, nn.Module],
+    def __init__(self, tables: list[TableSpec], assignment: FeatureTowers, modules: dict[int, nn.Module],
                  comm: TowerComm, tower_out_features: Sequence[int], *, sharding: str = "table",
                  permute: str = "auto", optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
                  seed: int = 0, device: torch.device | str | None = None, model_order: bool = False):
