@@ -15,10 +15,10 @@ tables arrive carrying it (``plan.forms.with_forms``). What is built:
   device module and the host tables in a :class:`~embedscale.pipeline.HostParameterServer` (one per rank,
   or one per machine with ``env.pipeline_server == "shared"``);
 * DMT towers (``env.towers``, a :class:`~embedscale.embedding.towers.TowerSetup`, or tables of form
-  ``tower``; :func:`build_tower_embedding`): all towers in one process (:class:`~embedscale.embedding.towers.
-  LocalTowerEmbedding`), one rank's share of the tower transform (:class:`~embedscale.embedding.towers.
-  TowerEmbedding`, DMT 3.1) or the table-wise baseline (:class:`~embedscale.embedding.towers.
-  FlatTableWiseEmbedding`, DMT 2.2); ``models.dmt`` resolves the towers and builds their modules.
+  ``tower``; :func:`build_tower_embedding`), from :mod:`embedscale.embedding.towers`: all towers in one
+  process (``LocalTowerEmbedding``), one rank's share of the tower transform (``TowerEmbedding``, DMT 3.1)
+  or the table-wise baseline (``FlatTableWiseEmbedding``, DMT 2.2); ``models.dmt`` resolves the towers and
+  builds their modules.
 
 Every part is initialised by ``workflow.hash_init`` with the table's index among all tables, so the same
 table starts with the same rows whatever its form or placement (single process == N ranks).
