@@ -30,6 +30,7 @@ from embedscale.comm.hierarchical import (
 )
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.towers import TowerEmbedding
 from embedscale.errors import ConfigError, InputError
 from embedscale.models.dmt import DMTConfig, DMTDLRM, build_dmt_model, build_flat_model, train_step
 from embedscale.specs import ModelConfig, TableSpec
@@ -433,8 +434,6 @@ def test_towers_split_across_groups_rejects_shared_table():
         def __init__(self):
             super().__init__()
             self.layout = TowerLayout(2, 1)
-
-    from embedscale.models.dmt import TowerEmbedding
 
     mods = build_tower_modules("none", split.sizes, N)
     with pytest.raises(ConfigError, match="table 't1'"):

@@ -13,9 +13,13 @@ tables arrive carrying it (``plan.forms.with_forms``). What is built:
   ``compression.replica_grad_sync`` on a process group of their own, made by ``env.new_group``);
 * host tables (EL-Rec section V): a :class:`~embedscale.pipeline.PipelinedEmbedding` with the above as its
   device module and the host tables in a :class:`~embedscale.pipeline.HostParameterServer` (one per rank,
-  or one per machine with ``env.pipeline_server == "shared"``).
+  or one per machine with ``env.pipeline_server == "shared"``);
+* DMT towers (``env.towers``, a :class:`~embedscale.embedding.towers.TowerSetup`, or tables of form
+  ``tower``; :func:`build_tower_embedding`), from :mod:`embedscale.embedding.towers`: all towers in one
+  process (``LocalTowerEmbedding``), one rank's share of the tower transform (``TowerEmbedding``, DMT 3.1)
+  or the table-wise baseline (``FlatTableWiseEmbedding``, DMT 2.2); ``models.dmt`` resolves the towers and
+  builds their modules.
 
-DMT tower embeddings are built by ``models.dmt.build_dmt_model`` (the tower transform owns its tables).
 Every part is initialised by ``workflow.hash_init`` with the table's index among all tables, so the same
 table starts with the same rows whatever its form or placement (single process == N ranks).
 """
@@ -35,6 +39,7 @@ from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
+from embedscale.embedding.towers import FlatTableWiseEmbedding, LocalTowerEmbedding, TowerEmbedding, TowerSetup
 from embedscale.errors import ConfigError
 from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
 from embedscale.plan.forms import forms_of
@@ -62,6 +67,8 @@ class EmbeddingEnv:
             (``train.pipeline_server: shared``); ``None``: a server per rank.
         timeout_s: ``dist.timeout_s``.
         stats: counters the parts add to (``tt_grad_sync_bytes``).
+        towers: DMT: the towers to build (:class:`~embedscale.embedding.towers.TowerSetup`: assignment, tower
+            modules, ``TowerComm``, sharding, permute, or the flat baseline); ``None``: no towers.
     """
 
     device: torch.device
@@ -84,6 +91,7 @@ class EmbeddingEnv:
     new_share_group: Callable[[], Any] | None = None
     timeout_s: float = 300.0
     stats: dict = field(default_factory=dict)
+    towers: TowerSetup | None = None
 
 
 def hash_init(seed: int, tables: list[TableSpec]):
@@ -103,6 +111,8 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Modu
     """The model's embedding over ``tables`` (forms decided, see the module docstring) for ``plan`` (``None``:
     a world of one) in ``env``. Bit-identical to the constructors it replaces (same seeds, same order)."""
     forms = forms_of(tables)
+    if env.towers is not None or any(f.kind == "tower" for f in forms.values()):
+        return build_tower_embedding(tables, plan, env)
     host = [t for t in tables if forms[t.name].kind == "host"]
     rest = [t for t in tables if forms[t.name].kind != "host"]
     has_tt = any(forms[t.name].kind == "tt" for t in rest)
@@ -153,6 +163,46 @@ def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Modu
                                      timeout_s=env.timeout_s)
         module = PipelinedEmbedding(tables, server, [module], device=env.device, process_group=_group(env))
     return module
+
+
+def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Module:
+    """The DMT tower embedding of ``tables`` (``build_embedding``'s tower branch; DMT Luo et al., MLSys 2024).
+
+    ``env.towers`` says what to build (:class:`~embedscale.embedding.towers.TowerSetup`): without a ``comm``
+    every tower in this process (a :class:`~embedscale.embedding.towers.LocalTowerEmbedding`, or with
+    ``model_order`` its fused lookup alone: the plain model's embedding), with one this rank's share of the
+    tower transform (:class:`~embedscale.embedding.towers.TowerEmbedding`, DMT 3.1), with ``flat`` the
+    table-wise baseline (:class:`~embedscale.embedding.towers.FlatTableWiseEmbedding`, DMT 2.2). The towers
+    place their own rows (``plan`` must be ``None``); their tables are device tables of one dim (form
+    ``sharded`` or ``tower``; TT and host tables are a ``ConfigError``). The rows start from the
+    placement-independent :func:`hash_init` values whatever rank holds them, so one process and any number of
+    ranks build the same tables. The tables always get the fused optimizer ``env.optimizer`` (an inference run
+    restores them and never steps).
+    """
+    setup, forms = env.towers, forms_of(tables)
+    if setup is None:
+        named = [t.name for t in tables if forms[t.name].kind == "tower"]
+        raise ConfigError(f"build_embedding: tables {named} are DMT tower tables; env.towers must say the towers "
+                          "(assignment, tower modules)")
+    if plan is not None:
+        raise ConfigError("build_embedding: DMT towers place their own rows (tower assignment and layout); "
+                          "pass plan=None")
+    if not tables:
+        raise ConfigError("build_embedding: DMT towers need at least one table")
+    for t in tables:
+        if forms[t.name].kind not in ("sharded", "tower"):
+            raise ConfigError(f"table {t.name!r}: form {forms[t.name].kind!r}; DMT towers hold device tables only "
+                              "(no TT or host tables)")
+    if setup.flat:
+        return FlatTableWiseEmbedding(tables, setup.comm, setup.placement, optimizer=env.optimizer, lr=env.lr,
+                                      seed=env.seed, device=env.device)
+    if setup.comm is None:
+        local = LocalTowerEmbedding(tables, setup.assignment, setup.modules, init=hash_init(env.seed, tables),
+                                    optimizer=env.optimizer, lr=env.lr, device=env.device)
+        return local.embedding if setup.model_order else local
+    return TowerEmbedding(tables, setup.assignment, setup.modules, setup.comm, setup.tower_out_features,
+                          sharding=setup.sharding, permute=setup.permute, optimizer=env.optimizer, lr=env.lr,
+                          seed=env.seed, device=env.device, model_order=setup.model_order)
 
 
 def _group(env: EmbeddingEnv):

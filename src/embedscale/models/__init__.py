@@ -55,9 +55,9 @@ def build_model(
     """Build the ``cfg.arch`` model (``dlrm``, ``dcn``, ``dmt-dlrm`` or ``dmt-dcn``) over ``tables``.
 
     The DMT archs (Luo et al., MLSys 2024) are built by :func:`embedscale.models.dmt.build_dmt_model` from
-    ``cfg``'s tower settings (``model.towers``, ``model.tower_*``): they own their embedding (the tables
-    behind the tower transform), so ``embedding`` must be ``None``; ``num_hosts`` (single process: the
-    default tower count, one per host), ``comm`` (a ``TowerComm``: build this rank's part of the
+    ``cfg``'s tower settings (``model.towers``, ``model.tower_*``): it resolves the towers and builds their
+    embedding through ``embedding.build.build_embedding``, so ``embedding`` must be ``None``; ``num_hosts``
+    (single process: the default tower count, one per host), ``comm`` (a ``TowerComm``: build this rank's part of the
     distributed model), ``assignment`` (a ``TowerAssignment`` overriding ``model.tower_assignment``),
     ``sparse_optimizer``, ``lr_sparse`` (the tables' fused optimizer) and ``seed`` (placement-independent
     initialisation) are for them only.

@@ -1,19 +1,11 @@
 """Disaggregated Multi-Tower models (DMT, Luo et al., MLSys 2024): ``dmt-dlrm`` and ``dmt-dcn``.
 
-This module owns the DMT models, their embedding executors, the flat model-parallel baseline, and the
-gradient synchronisation of DMT 3.2 (tower modules inside the tower, the rest over the world).
-
-Executors (all return ``[B, sum_t O_t]``, towers in order, for the local mini-batch):
-
-* :class:`LocalTowerEmbedding`: every tower in one process (single-process training, the reference
-  semantics, flops counting, the partitioner's quality runs).
-* :class:`TowerEmbedding`: one rank's share of the tower transform (DMT 3.1, Figure 7): step a
-  (ids all_to_all), step b (fused lookup of the rows it holds), steps c-e (peer permute, intra-tower
-  all_to_all or reduce-scatter, shuffle), its tower group's tower modules, step f (peer all_to_all).
-  With pass-through towers and ``model_order=True`` it is a drop-in embedding module for the plain
-  DLRM/DCN (DMT Table 3's SPTT-DLRM).
-* :class:`FlatTableWiseEmbedding`: the classic model-parallel baseline: ids all_to_all to table owners,
-  owners pool, one all_to_all of pooled vectors back (DMT section 2.2, Figure 4).
+This module owns the DMT models, the resolution of their towers (:func:`resolve_towers`: assignment,
+tower modules), the flat model-parallel baseline's model, and the gradient synchronisation of DMT 3.2
+(tower modules inside the tower, the rest over the world). The tower embeddings themselves (every tower in
+one process, one rank's share of the tower transform, the table-wise baseline) live in
+:mod:`embedscale.embedding.towers` and are built by the one embedding builder,
+:func:`embedscale.embedding.build.build_embedding` (``EmbeddingEnv.towers``).
 
 Models:
 
@@ -23,7 +15,8 @@ Models:
   deep MLP.
 
 :func:`build_dmt_model` builds either from a ``ModelConfig``, tables and a :class:`DMTConfig`; without a
-``TowerComm`` it builds the single-process model, with one the distributed one (same initial weights).
+``TowerComm`` it builds the single-process model, with one the distributed one (same initial weights):
+:func:`resolve_towers`, then ``build_embedding``, then :func:`dmt_model` around the built embedding.
 Designed for GPUs (devices come from arguments), tested on CPU.
 """
 
@@ -34,33 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
-from embedscale.comm.hierarchical import (
-    PERMUTES,
-    SHARDINGS,
-    TowerComm,
-    TowerLayout,
-    TowerPlacement,
-    TowerRouter,
-    to_model_order,
-)
+from embedscale.comm.hierarchical import PERMUTES, SHARDINGS, TowerComm, TowerPlacement
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding.init import uniform_rows
-from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.build import EmbeddingEnv, build_embedding
+from embedscale.embedding.towers import TowerSetup, tower_groups_of
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import CrossNet
 from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
-from embedscale.specs import ModelConfig, TableSpec, feature_to_table
-from embedscale.models.tower_modules import (
-    TOWER_MODULES,
-    TowerModule,
-    build_tower_modules,
-    compression_ratio,
-    tower_out_features,
-)
+from embedscale.specs import ModelConfig, TableSpec
+from embedscale.models.tower_modules import TOWER_MODULES, build_tower_modules, compression_ratio, tower_out_features
 from embedscale.towers.partitioner import TowerAssignment, naive_assignment
 from embedscale.models.flat import build_flat
 
@@ -150,197 +128,6 @@ def check_no_tower_settings(cfg: ModelConfig) -> None:
                           f"({', '.join('model.' + k for k in changed)}) apply to dmt-dlrm and dmt-dcn only")
 
 
-def _table_init(tables: list[TableSpec], seed: int):
-    """Placement-independent init for a ``LocalEmbeddingBags`` over ``tables`` (``embedding.init``)."""
-    index = {t.name: i for i, t in enumerate(tables)}
-
-    def init(spec: TableSpec, weight: torch.Tensor) -> None:
-        rows = uniform_rows(seed, index[spec.name], np.arange(spec.num_rows), spec.dim, spec.num_rows)
-        weight.copy_(torch.from_numpy(rows).to(weight))
-
-    return init
-
-
-def tower_groups_of(num_towers: int, num_groups: int) -> list[int]:
-    """Tower group of every tower: contiguous blocks, tower ``t`` to group ``t * P // T`` (T >= P)."""
-    if num_towers < num_groups:
-        raise ConfigError(f"{num_towers} towers for {num_groups} tower groups: use hosts_per_tower = "
-                          f"hosts / towers so that every tower group holds at least one tower")
-    return [t * num_groups // num_towers for t in range(num_towers)]
-
-
-def _tower_feature_index(assignment: TowerAssignment, features: list[str]) -> list[list[int]]:
-    assignment.check_covers(features)
-    pos = {f: i for i, f in enumerate(features)}
-    return [[pos[f] for f in t] for t in assignment.towers]
-
-
-# --------------------------------------------------------------------------------------------------
-# executors
-
-
-class LocalTowerEmbedding(nn.Module):
-    """All towers in one process: fused lookup of every table, then each tower's module.
-
-    Args:
-        tables: the tables (one shared dim N).
-        assignment: features per tower.
-        modules: ``{tower: TowerModule}`` for every tower.
-        optimizer, lr, eps: the fused sparse optimizer (``LocalEmbeddingBags``).
-        seed: placement-independent row initialisation (``embedding.init``).
-        device: where the tables live.
-    """
-
-    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, TowerModule], *,
-                 optimizer: str | None = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8, seed: int = 0,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        self.embedding = LocalEmbeddingBags(tables, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                            init=_table_init(tables, seed))
-        self.feature_names = list(self.embedding.feature_names)
-        self.dim = tables[0].dim
-        self.assignment = assignment
-        idx = _tower_feature_index(assignment, self.feature_names)
-        for t, ix in enumerate(idx):
-            self.register_buffer(f"_tower{t}", torch.tensor(ix, dtype=torch.int64, device=device), persistent=False)
-        self.towers = nn.ModuleList([modules[t] for t in range(assignment.num_towers)])
-        self.out_features = sum(m.out_features for m in self.towers)
-
-    def pooled(self, features: JaggedFeatures) -> torch.Tensor:
-        """``[B, F N]`` pooled embeddings in ``feature_names`` order (for the partitioner)."""
-        return self.embedding(features)
-
-    def forward(self, features: JaggedFeatures) -> torch.Tensor:
-        B = features.batch_size
-        e = self.embedding(features).view(B, len(self.feature_names), self.dim)
-        outs = [tm(e.index_select(1, getattr(self, f"_tower{t}"))) for t, tm in enumerate(self.towers)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-
-class TowerEmbedding(nn.Module):
-    """One rank's part of the tower-transformed lookup (DMT 3.1, Figure 7) with its tower group's modules.
-
-    Args:
-        tables: all tables of the model (one shared dim N).
-        assignment: features per tower.
-        modules: ``{tower: TowerModule}`` for the towers of this rank's tower group (at least).
-        comm: this rank's :class:`TowerComm`.
-        tower_out_features: ``O_t`` of every tower (all towers: every rank must know the widths of the
-            peer all_to_all).
-        sharding, permute: see :class:`~embedscale.comm.hierarchical.TowerRouter` / ``TowerPlacement``.
-        optimizer, lr, eps, seed, device: the fused lookup of the rows this rank holds.
-        model_order: pass-through towers only: return the features in model order (a drop-in embedding
-            module for DLRM/DCN, bitwise the flat model's).
-    """
-
-    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, TowerModule],
-                 comm: TowerComm, tower_out_features: Sequence[int], *, sharding: str = "table",
-                 permute: str = "auto", optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
-                 seed: int = 0, device: torch.device | str | None = None, model_order: bool = False):
-        super().__init__()
-        if optimizer is None:
-            raise ConfigError("TowerEmbedding needs a fused sparse optimizer (sgd or rowwise_adagrad)")
-        layout: TowerLayout = comm.layout
-        features = [f for t in tables for f in t.features]
-        tower_idx = _tower_feature_index(assignment, features)
-        T, P = assignment.num_towers, layout.num_groups
-        self.tower_group = tower_groups_of(T, P)
-        f2t = feature_to_table(tables)
-        table_group = [-1] * len(tables)
-        for t, ix in enumerate(tower_idx):
-            for f in ix:
-                ti = f2t[features[f]]
-                if table_group[ti] not in (-1, self.tower_group[t]):
-                    raise ConfigError(f"table {tables[ti].name!r} is read by features in towers of different tower "
-                                      f"groups (feature {features[f]!r} in tower {t}); keep a table's features in "
-                                      "one tower group")
-                table_group[ti] = self.tower_group[t]
-        self.placement = TowerPlacement(tables, table_group, layout, sharding)
-        self.router = TowerRouter(self.placement, comm, permute)
-        self.comm = comm
-        self.rank = comm.rank
-        self.assignment = assignment
-        self.dim = self.placement.dim
-        self.feature_names = features
-        shards = self.placement.shard_tables(self.rank)
-        self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                            init=self.placement.shard_init(self.rank, seed)) if shards else None
-        self._device = device
-        g = layout.group_of(self.rank)
-        self.group = g
-        group_pos = {f: i for i, f in enumerate(self.placement.group_features[g])}
-        self.my_towers = [t for t in range(T) if self.tower_group[t] == g]
-        missing = [t for t in self.my_towers if t not in modules]
-        if missing:
-            raise ConfigError(f"rank {self.rank} (tower group {g}): no module for towers {missing}")
-        self.towers = nn.ModuleDict({str(t): modules[t] for t in self.my_towers})
-        for t in self.my_towers:
-            self.register_buffer(f"_tower{t}", torch.tensor([group_pos[f] for f in tower_idx[t]], dtype=torch.int64,
-                                                            device=device), persistent=False)
-        self.tower_out_features = [int(o) for o in tower_out_features]
-        self.group_widths = [sum(self.tower_out_features[t] for t in range(T) if self.tower_group[t] == q)
-                             for q in range(P)]
-        self.out_features = sum(self.tower_out_features)
-        self.model_order = model_order
-        if model_order:
-            if not all(isinstance(m, TowerModule) and m.out_features == m.num_features * m.embedding_dim
-                       and not list(m.parameters()) for m in self.towers.values()):
-                raise ConfigError("model_order=True needs pass-through towers")
-            self._model_perm = [f for t in range(T) for f in tower_idx[t]]
-
-    def forward(self, features: JaggedFeatures) -> torch.Tensor:
-        routed = self.router.route_ids(features)  # step a
-        dev = features.values.device
-        pooled = self.embedding(routed.features) if routed.features is not None else None  # step b
-        x = self.router.to_tower(pooled, routed, dev)  # steps c, d, e
-        M = x.shape[0]
-        x3 = x.view(M, -1, self.dim)
-        ys = [self.towers[str(t)](x3.index_select(1, getattr(self, f"_tower{t}"))) for t in self.my_towers]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-        out = self.router.from_tower(y, routed.sizes, self.group_widths)  # step f
-        if self.model_order:
-            out = to_model_order(out, self._model_perm, self.dim)
-        return out
-
-
-class FlatTableWiseEmbedding(nn.Module):
-    """The classic model-parallel lookup (DMT 2.2, Figure 4): ids all_to_all to table owners, owners pool
-    the global batch, one all_to_all of pooled vectors back. Output ``[B, F N]`` in model order.
-
-    Args:
-        tables: all tables.
-        comm: the rank's :class:`TowerComm` (only its world transport is used).
-        placement: which rank owns which table; default: table-wise over all ranks, balanced by pooled
-            output per sample, then rows (``TowerPlacement`` with one group of the whole world).
-        optimizer, lr, eps, seed, device: as :class:`TowerEmbedding`.
-    """
-
-    def __init__(self, tables: list[TableSpec], comm: TowerComm, placement: TowerPlacement | None = None, *,
-                 optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8, seed: int = 0,
-                 device: torch.device | str | None = None):
-        super().__init__()
-        lay = comm.layout
-        if placement is None:
-            flat = TowerLayout(lay.world_size, lay.ranks_per_host, lay.num_hosts)
-            placement = TowerPlacement(tables, [0] * len(tables), flat, "table")
-        if placement.sharding != "table":
-            raise ConfigError("the flat baseline is table-wise")
-        self.placement = placement
-        self.router = TowerRouter(placement, comm, "embeddings")
-        self.comm = comm
-        self.rank = comm.rank
-        self.dim = placement.dim
-        self.feature_names = placement.feature_names
-        shards = placement.shard_tables(self.rank)
-        self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                            init=placement.shard_init(self.rank, seed)) if shards else None
-
-    def forward(self, features: JaggedFeatures) -> torch.Tensor:
-        routed = self.router.route_ids(features)
-        pooled = self.embedding(routed.features) if routed.features is not None else None
-        return self.router.flat_return(pooled, routed, features.values.device)
-
-
 # --------------------------------------------------------------------------------------------------
 # models
 
@@ -379,7 +166,7 @@ class DMTDLRM(_DMTBase):
 
     Args:
         dense_in_features: dense features.
-        towers: a :class:`LocalTowerEmbedding` or :class:`TowerEmbedding` whose modules emit vectors of
+        towers: a ``LocalTowerEmbedding`` or ``TowerEmbedding`` (``embedding.towers``) whose modules emit vectors of
             width ``vector_dim`` (``out_features = num_vectors * vector_dim``).
         vector_dim: D.
         bottom_mlp, top_mlp: hidden widths (the D-wide bottom output and the logit layer are added).
@@ -461,41 +248,30 @@ def resolve_assignment(dmt: DMTConfig, features: Sequence[str], default_towers: 
     return assignment
 
 
-def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, dmt: DMTConfig | None = None, *,
-                    arch: str | None = None, assignment: TowerAssignment | None = None, comm: TowerComm | None = None,
-                    num_hosts: int = 1, optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
-                    seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
-    """Build ``dmt-dlrm`` or ``dmt-dcn`` (single process without ``comm``, one rank's part with it).
+@dataclass
+class DMTTowers:
+    """A DMT model's resolved towers (:func:`resolve_towers`): what the model around them needs, and the
+    :class:`~embedscale.embedding.towers.TowerSetup` ``build_embedding`` builds the tower embedding from.
 
     Args:
-        cfg: the model config (embedding dim N, MLPs, DCN cross layers); ``cfg.arch`` may be ``dmt-dlrm``,
-            ``dmt-dcn``, ``dlrm`` or ``dcn`` unless ``arch`` says which.
-        tables: the tables (one shared dim, ``cfg.embedding_dim``).
-        num_dense: dense features.
-        dmt: the DMT settings (default ``DMTConfig()``).
-        assignment: features per tower (default from ``dmt.assignment``).
-        comm: this rank's ``TowerComm``: build the distributed model (tower transform); ``None``: all
-            towers in this process.
-        num_hosts: single process only: hosts the default tower count counts (``towers: 0``).
-        optimizer, lr, eps: the fused sparse optimizer of the tables.
-        seed: the initialisation of tables (placement-independent), tower modules (per tower) and dense
-            arches; the same seed gives the same model in one process and on any number of ranks.
-        device: where everything lives.
-
-    Returns:
-        ``DMTDLRM`` / ``DMTDCN``; with ``tower_module: none`` the plain ``DLRM`` / ``DCN`` over the tower
-        transform (SPTT only). ``model.tower_parameters()`` and ``model.global_parameters()`` split the
-        dense parameters for :func:`sync_dense_gradients`.
-
-    Example::
-
-        >>> from embedscale.specs import ModelConfig, TableSpec
-        >>> tables = [TableSpec(f"C{i}", 50, dim=8) for i in range(6)]
-        >>> cfg = ModelConfig(embedding_dim=8, bottom_mlp=[16], top_mlp=[16])
-        >>> model = build_dmt_model(cfg, tables, 4, DMTConfig(towers=2, compression=2), arch="dmt-dlrm")
-        >>> model.num_vectors, model.compression_ratio
-        (6, 2.0)
+        arch: ``dmt-dlrm`` or ``dmt-dcn``.
+        kind: the tower module (``dlrm``, ``dcn`` or ``none``: pass-through, the plain model over SPTT).
+        vector_dim: D, the width of the tower output vectors (DLRM tower modules).
+        setup: assignment, this rank's tower modules, every tower's width, ``TowerComm``, sharding, permute.
     """
+
+    arch: str
+    kind: str
+    vector_dim: int
+    setup: TowerSetup
+
+
+def resolve_towers(cfg: ModelConfig, tables: list[TableSpec], dmt: DMTConfig | None = None, *,
+                   arch: str | None = None, assignment: TowerAssignment | None = None, comm: TowerComm | None = None,
+                   num_hosts: int = 1, seed: int = 0, device: torch.device | str | None = None) -> DMTTowers:
+    """Check a DMT model's settings, resolve its towers and build this rank's tower modules (the arguments of
+    :func:`build_dmt_model`); a bad setting is a ``ConfigError`` naming its ``model.`` key. Tower ``t``'s module
+    is created under seed ``(seed, t)`` whatever rank builds it (``models.tower_modules``)."""
     dmt = dmt or DMTConfig()
     arch = (arch or cfg.arch).lower()
     if arch in ("dlrm", "dcn"):
@@ -540,32 +316,76 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
     sizes = assignment.sizes
     if comm is not None:
         groups = tower_groups_of(T, comm.layout.num_groups)
-        mine = [t for t in range(T) if groups[t] == comm.layout.group_of(comm.rank)]
+        keep = [t for t in range(T) if groups[t] == comm.layout.group_of(comm.rank)]
     else:
-        mine = None
+        keep = list(range(T))
     # a rank builds its own towers' modules, and knows every tower's width (the peer all_to_all needs them)
-    keep = list(range(T)) if mine is None else mine
     modules = build_tower_modules(kind, sizes, N, out_dim=D, c=dmt.c, p=dmt.p, cross_layers=dmt.tower_cross_layers,
                                   low_rank=dmt.tower_cross_low_rank, seed=seed, towers=keep, device=device)
     outs = [tower_out_features(kind, F, N, D, dmt.c, dmt.p) for F in sizes]
+    setup = TowerSetup(assignment, modules, outs, comm=comm, sharding=dmt.sharding, permute=dmt.permute,
+                       model_order=(kind == "none"))
+    return DMTTowers(arch, kind, D, setup)
+
+
+def dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, towers: DMTTowers, embedding: nn.Module, *,
+              seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
+    """The DMT model around a built tower ``embedding`` (``build_embedding`` with ``EmbeddingEnv.towers =
+    towers.setup``): ``DMTDLRM`` / ``DMTDCN``, or with pass-through towers the plain ``DLRM`` / ``DCN``. The
+    dense arches are initialised under ``seed`` (the same on every rank and in one process)."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        if comm is None:
-            towers = LocalTowerEmbedding(tables, assignment, modules, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
-                                         device=device)
-        else:
-            towers = TowerEmbedding(tables, assignment, modules, comm, outs, sharding=dmt.sharding,
-                                    permute=dmt.permute, optimizer=optimizer, lr=lr, eps=eps, seed=seed, device=device,
-                                    model_order=(kind == "none"))
-        if kind == "none":
-            if comm is None:  # single process: the plain model over all tables, features in model order
-                towers = towers.embedding
-            return _with_split(build_flat(_plain_config(cfg, arch[4:]), tables, num_dense, embedding=towers,
+        if towers.kind == "none":
+            return _with_split(build_flat(_plain_config(cfg, towers.arch[4:]), tables, num_dense, embedding=embedding,
                                           device=device))
-        if arch == "dmt-dlrm":
-            return DMTDLRM(num_dense, towers, D, cfg.bottom_mlp, cfg.top_mlp, device=device)
-        return DMTDCN(num_dense, towers, N, cfg.bottom_mlp, cfg.top_mlp, cross_layers=cfg.cross_layers,
-                      cross_low_rank=cfg.cross_low_rank, device=device)
+        if towers.arch == "dmt-dlrm":
+            return DMTDLRM(num_dense, embedding, towers.vector_dim, cfg.bottom_mlp, cfg.top_mlp, device=device)
+        return DMTDCN(num_dense, embedding, cfg.embedding_dim, cfg.bottom_mlp, cfg.top_mlp,
+                      cross_layers=cfg.cross_layers, cross_low_rank=cfg.cross_low_rank, device=device)
+
+
+def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, dmt: DMTConfig | None = None, *,
+                    arch: str | None = None, assignment: TowerAssignment | None = None, comm: TowerComm | None = None,
+                    num_hosts: int = 1, optimizer: str = "rowwise_adagrad", lr: float = 0.05, seed: int = 0,
+                    device: torch.device | str | None = None) -> nn.Module:
+    """Build ``dmt-dlrm`` or ``dmt-dcn`` (single process without ``comm``, one rank's part with it):
+    :func:`resolve_towers`, the tower embedding from ``embedding.build.build_embedding`` (the one embedding
+    builder), :func:`dmt_model` around it.
+
+    Args:
+        cfg: the model config (embedding dim N, MLPs, DCN cross layers); ``cfg.arch`` may be ``dmt-dlrm``,
+            ``dmt-dcn``, ``dlrm`` or ``dcn`` unless ``arch`` says which.
+        tables: the tables (one shared dim, ``cfg.embedding_dim``).
+        num_dense: dense features.
+        dmt: the DMT settings (default ``DMTConfig()``).
+        assignment: features per tower (default from ``dmt.assignment``).
+        comm: this rank's ``TowerComm``: build the distributed model (tower transform); ``None``: all
+            towers in this process.
+        num_hosts: single process only: hosts the default tower count counts (``towers: 0``).
+        optimizer, lr: the fused sparse optimizer of the tables.
+        seed: the initialisation of tables (placement-independent), tower modules (per tower) and dense
+            arches; the same seed gives the same model in one process and on any number of ranks.
+        device: where everything lives.
+
+    Returns:
+        ``DMTDLRM`` / ``DMTDCN``; with ``tower_module: none`` the plain ``DLRM`` / ``DCN`` over the tower
+        transform (SPTT only). ``model.tower_parameters()`` and ``model.global_parameters()`` split the
+        dense parameters for :func:`sync_dense_gradients`.
+
+    Example::
+
+        >>> from embedscale.specs import ModelConfig, TableSpec
+        >>> tables = [TableSpec(f"C{i}", 50, dim=8) for i in range(6)]
+        >>> cfg = ModelConfig(embedding_dim=8, bottom_mlp=[16], top_mlp=[16])
+        >>> model = build_dmt_model(cfg, tables, 4, DMTConfig(towers=2, compression=2), arch="dmt-dlrm")
+        >>> model.num_vectors, model.compression_ratio
+        (6, 2.0)
+    """
+    towers = resolve_towers(cfg, tables, dmt, arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
+                            seed=seed, device=device)
+    embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=optimizer, lr=lr, seed=seed,
+                                                           towers=towers.setup))
+    return dmt_model(cfg, tables, num_dense, towers, embedding, seed=seed, device=device)
 
 
 def _plain_config(cfg: ModelConfig, arch: str) -> ModelConfig:
@@ -587,14 +407,15 @@ def _with_split(model: nn.Module) -> nn.Module:
 
 def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, comm: TowerComm, *,
                      placement: TowerPlacement | None = None, optimizer: str = "rowwise_adagrad", lr: float = 0.05,
-                     eps: float = 1e-8, seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
-    """The baseline: plain ``cfg.arch`` (dlrm/dcn) over :class:`FlatTableWiseEmbedding` (classic
-    table-wise model parallelism), initialised as :func:`build_dmt_model` with the same seed."""
+                     seed: int = 0, device: torch.device | str | None = None) -> nn.Module:
+    """The baseline: plain ``cfg.arch`` (dlrm/dcn) over the classic table-wise model parallelism
+    (:class:`~embedscale.embedding.towers.FlatTableWiseEmbedding`, DMT 2.2, built by ``build_embedding``),
+    initialised as :func:`build_dmt_model` with the same seed."""
     arch = cfg.arch.lower().removeprefix("dmt-")
+    emb = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=optimizer, lr=lr, seed=seed,
+                                                     towers=TowerSetup(comm=comm, flat=True, placement=placement)))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        emb = FlatTableWiseEmbedding(tables, comm, placement, optimizer=optimizer, lr=lr, eps=eps, seed=seed,
-                                     device=device)
         return _with_split(build_flat(_plain_config(cfg, arch), tables, num_dense, embedding=emb, device=device))
 
 

@@ -102,7 +102,7 @@ class DMTRun(DistributedRun):
         self.comm = TowerComm(self.layout)
         self.model, self.opt = assemble.build(cfg, self.tables, self.data.manifest.num_dense, self.device,
                                               comm=self.comm, assignment=self.assignment)
-        self.towers = self.model.sparse_arch  # the TowerEmbedding (tower transform + this group's modules)
+        self.towers = self.model.sparse_arch  # the TowerEmbedding (embedding.towers, built by build_embedding)
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
         self.plan = None
         self.cross_host_bytes_per_step: list[int] = []

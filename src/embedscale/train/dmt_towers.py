@@ -11,7 +11,8 @@ from pathlib import Path
 from embedscale.errors import ConfigError
 from embedscale.specs import RunConfig, TableSpec
 from embedscale.comm.hierarchical import TowerLayout
-from embedscale.models.dmt import DMTConfig, resolve_assignment, tower_groups_of
+from embedscale.embedding.towers import tower_groups_of
+from embedscale.models.dmt import DMTConfig, resolve_assignment
 from embedscale.towers.partitioner import TowerAssignment
 
 TOWERS_FILE = "towers.json"
