@@ -358,7 +358,7 @@ class ShardedEmbedding(nn.Module):
         if not has_ebc_names(state_dict, prefix):
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                                  unexpected_keys, error_msgs)
-        expected, gids, rows = set(), [], []
+        expected, gids, rows, bad = set(), [], [], False
         for i, t in enumerate(self.tables):
             key = ebc_weight_key(t.name, prefix)
             expected.add(key)
@@ -369,12 +369,13 @@ class ShardedEmbedding(nn.Module):
             if tuple(w.shape) != (t.num_rows, self.dim):
                 error_msgs.append(f"{key}: shape {tuple(w.shape)} in the checkpoint, ({t.num_rows}, {self.dim}) "
                                   f"in the module")
+                bad = True
                 continue
             gids.append(int(self.amap.table_base[i]) + np.arange(t.num_rows, dtype=np.int64))
             rows.append(w.detach())
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        if rows and not error_msgs:
+        if rows and not bad:  # all or nothing: every rank skips a bad checkpoint alike
             with torch.no_grad():
                 g = np.concatenate(gids)
                 zeros = torch.zeros(g.size, dtype=torch.float32) if self.optimizer == "rowwise_adagrad" else None
