@@ -20,7 +20,8 @@ The timed region is the paper's: EMB forward + communication + unpack, after the
 their owners (untimed: ``input_dist`` for pgas; the baseline is given the owner-side ids). ``e2e`` adds
 the input distribution to both (from the rank's KJT-layout batch, each owner's ids shifted to its storage
 offsets, one block per owner: through the heap for ours; an id all_to_all among the peers, into a buffer
-allocated once, for the baseline). Each iteration's time is the slowest rank's (max over ranks); figures are medians over ``--repeats``. The baseline is broken down as the paper's Fig. 6:
+allocated once, for the baseline). Each iteration's time is the slowest rank's (max over ranks); figures
+are medians over ``--repeats``. The baseline is broken down as the paper's Fig. 6:
 computation (pooling + batch-major layout), communication (all_to_all minus the same all_to_all of one
 float per peer), sync + unpack (that one-float all_to_all, which is mostly waiting for the slowest rank,
 plus the unpack). Scaling references run the same code on 1 rank (no peers; the two methods must be within

@@ -233,7 +233,7 @@ def test_sharded_embedding_round_trips_a_trained_ebc(design):
         keys, dims, got, ref_keys, ref = res["in"]
         assert keys == ref_keys == ["u", "i", "i_hist", "c"] and dims == [8, 8, 8, 8]
         torch.testing.assert_close(got, ref, **TOL, msg=lambda m: f"rank {r}, loaded: {m}")
-        assert all(res["gathered_in"].values()), f"rank {r}: gathered tables differ from the EBC's: {res['gathered_in']}"
+        assert all(res["gathered_in"].values()), f"rank {r}: gathered tables differ: {res['gathered_in']}"
         ours, back = res["back"]
         torch.testing.assert_close(ours, back, **TOL, msg=lambda m: f"rank {r}, saved back: {m}")
         assert res["moved"], f"rank {r}: training changed nothing, the way back proves nothing"
