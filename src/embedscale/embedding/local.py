@@ -66,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.interop import as_jagged, ebc_state_dict, ebc_weight_key, has_ebc_names, keyed_tensor
 from embedscale.embedding.optim import (
     OPTIMIZERS,
     add_rows_,
@@ -471,8 +472,13 @@ class LocalEmbeddingBags(nn.Module):
         """Pooled embeddings ``[B, sum(feature_dims)]``, columns in ``feature_names`` order.
 
         ``features`` must hold every pooled feature (any key order); keys of sequence features are
-        ignored here; an unknown key is an error.
+        ignored here; an unknown key is an error. Given a TorchRec ``KeyedJaggedTensor`` instead, returns
+        what an ``EmbeddingBagCollection`` returns: a ``KeyedTensor`` over ``feature_names``
+        (:mod:`embedscale.embedding.interop`).
         """
+        features, kjt = as_jagged(features)
+        if kjt:
+            return keyed_tensor(self.feature_names, self.feature_dims, self.forward(features))
         kp = self._key_plan(features.keys)
         if kp.missing_pooled:
             raise InputError(
@@ -485,7 +491,7 @@ class LocalEmbeddingBags(nn.Module):
 
     def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
         """``{feature: [B, dim]}`` column views of :meth:`forward`."""
-        out = self.forward(features)
+        out = self.forward(as_jagged(features)[0])
         return dict(zip(self.feature_names, torch.split(out, self.feature_dims, dim=1)))
 
     def lookup_sequences(self, features: JaggedFeatures) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -493,7 +499,9 @@ class LocalEmbeddingBags(nn.Module):
 
         ``rows`` holds the looked-up rows of all samples, sample after sample (jagged, lengths as
         given). Gradients flow through the fused optimizer (or dense autograd with ``optimizer=None``).
+        ``features`` may be a TorchRec ``KeyedJaggedTensor``.
         """
+        features = as_jagged(features)[0]
         kp = self._key_plan(features.keys)
         if kp.missing_sequence:
             raise InputError(
@@ -730,13 +738,31 @@ class LocalEmbeddingBags(nn.Module):
             if self.momentum is not None:
                 destination[f"{prefix}{spec.name}.momentum"] = self.table_momentum(spec.name).detach()
 
+    def ebc_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The tables under a TorchRec ``EmbeddingBagCollection``'s names, ``{prefix}embedding_bags.<table>.weight``
+        (views into the storage, detached; clone to keep them past the next update): what
+        ``EmbeddingBagCollection.load_state_dict`` takes. ``load_state_dict`` takes these names too."""
+        return ebc_state_dict(self.table_names, self.table_weight, prefix)
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        """Our names (``{prefix}{table}.weight`` / ``.momentum``) or an ``EmbeddingBagCollection``'s
+        (``{prefix}embedding_bags.{table}.weight``: weights only, the row-wise Adagrad state of every
+        loaded table restarts at zero; :mod:`embedscale.embedding.interop`)."""
         expected = {}
+        ebc = has_ebc_names(state_dict, prefix)
         for spec in self.tables:
+            if ebc:
+                expected[ebc_weight_key(spec.name, prefix)] = self.table_weight(spec.name)
+                continue
             expected[f"{prefix}{spec.name}.weight"] = self.table_weight(spec.name)
             if self.momentum is not None:
                 expected[f"{prefix}{spec.name}.momentum"] = self.table_momentum(spec.name)
+        if ebc and self.momentum is not None:
+            with torch.no_grad():
+                for spec in self.tables:
+                    if ebc_weight_key(spec.name, prefix) in state_dict:
+                        self.table_momentum(spec.name).zero_()
         with torch.no_grad():
             for key, dst in expected.items():
                 if key not in state_dict:

@@ -43,6 +43,7 @@ from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
 from embedscale.embedding.grad_sync import sync_replica_grads
 from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.interop import as_jagged, ebc_weight_key, has_ebc_names, keyed_tensor
 from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
@@ -77,7 +78,11 @@ class ShardedEmbedding(nn.Module):
         device, dtype: where and how the storage lives.
 
     Forward takes this rank's mini-batch (``JaggedFeatures`` over ``feature_names``) and returns
-    ``[B_local, F * D]`` in ``feature_names`` order, like ``LocalEmbeddingBags``.
+    ``[B_local, F * D]`` in ``feature_names`` order, like ``LocalEmbeddingBags``. Given a TorchRec
+    ``KeyedJaggedTensor`` (its keys in any order) it returns an ``EmbeddingBagCollection``'s ``KeyedTensor``;
+    ``load_state_dict`` takes an EBC's state dict (``embedding_bags.<table>.weight``, whole tables: each rank
+    keeps its rows) and :meth:`ebc_state_dict` gathers the tables back under those names
+    (:mod:`embedscale.embedding.interop`).
     """
 
     def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: Transport, rank: int, *,
@@ -221,6 +226,11 @@ class ShardedEmbedding(nn.Module):
         return self._inputs(features)[:5]
 
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        features, kjt = as_jagged(features)
+        if kjt:  # a TorchRec KJT: its keys in any order, an EmbeddingBagCollection's KeyedTensor back
+            if features.keys != self.feature_names and sorted(features.keys) == sorted(self.feature_names):
+                features = features.select(self.feature_names)
+            return keyed_tensor(self.feature_names, [self.dim] * len(self.feature_names), self.forward(features))
         F_ = len(self.feature_names)
         if self.design == "retrieve":
             gids, bag, scale, nbags, B, offsets, one_hot = self._inputs(features, ones=False)
@@ -309,6 +319,67 @@ class ShardedEmbedding(nn.Module):
         if self.optimizer == "rowwise_adagrad":
             st["momentum"] = self.momentum[idx.to(self.momentum.device)].cpu()
         return st
+
+    def _shard_gids(self, rank: int) -> np.ndarray:
+        """Global ids of the rows in ``rank``'s shard state (``shard_state``'s order), from the address map."""
+        rep = self.amap.replica_gids_on(rank)
+        return np.concatenate([self.amap.owned_gids(rank), rep[self.amap.owner[rep] == rank]])
+
+    @torch.no_grad()
+    def ebc_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Collective (every rank calls it): the whole tables under a TorchRec ``EmbeddingBagCollection``'s
+        names, ``{prefix}embedding_bags.<table>.weight [num_rows, dim]``, on every rank (on the storage's
+        device). Each rank sends the rows of its shard state (every row is in exactly one) to every peer
+        through the transport, and every rank places them by table and row. Weights only (an EBC's state
+        dict has no optimizer state); needs the memory of all tables on every rank."""
+        me, W = self.rank, self.world_size
+        st = self.shard_state()
+        dev = self.weight.device
+        mine = st["weight"].to(dev)
+        counts = [self._shard_gids(p).size if p != me else 0 for p in range(W)]
+        got = self.transport.exchange([mine if p != me else mine[:0] for p in range(W)], recv_counts=counts,
+                                      kind="checkpoint")
+        got[me] = mine
+        gids = np.concatenate([st["gids"].numpy() if p == me else self._shard_gids(p) for p in range(W)])
+        if gids.size != self.amap.num_rows or np.unique(gids).size != gids.size:
+            raise InputError(f"rank {me}: the shards hold {gids.size} rows ({np.unique(gids).size} distinct), "
+                             f"the tables {self.amap.num_rows}")
+        full = torch.empty((self.amap.num_rows, self.dim), dtype=self.weight.dtype, device=dev)
+        full[torch.from_numpy(gids).to(dev)] = torch.cat(got)
+        base = self.amap.table_base
+        return {ebc_weight_key(t.name, prefix): full[int(base[i]):int(base[i]) + t.num_rows]
+                for i, t in enumerate(self.tables)}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """An ``EmbeddingBagCollection``'s state dict (``{prefix}embedding_bags.<table>.weight``, whole
+        tables, the same on every rank): each rank keeps the rows it holds (owned and replicas, by table and
+        row: ``load_rows``); row-wise Adagrad state restarts at zero for them. Our own names as usual."""
+        if not has_ebc_names(state_dict, prefix):
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                                 unexpected_keys, error_msgs)
+        expected, gids, rows, bad = set(), [], [], False
+        for i, t in enumerate(self.tables):
+            key = ebc_weight_key(t.name, prefix)
+            expected.add(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            w = state_dict[key]
+            if tuple(w.shape) != (t.num_rows, self.dim):
+                error_msgs.append(f"{key}: shape {tuple(w.shape)} in the checkpoint, ({t.num_rows}, {self.dim}) "
+                                  f"in the module")
+                bad = True
+                continue
+            gids.append(int(self.amap.table_base[i]) + np.arange(t.num_rows, dtype=np.int64))
+            rows.append(w.detach())
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if rows and not bad:  # all or nothing: every rank skips a bad checkpoint alike
+            with torch.no_grad():
+                g = np.concatenate(gids)
+                zeros = torch.zeros(g.size, dtype=torch.float32) if self.optimizer == "rowwise_adagrad" else None
+                self.load_rows(g, torch.cat([r.to(self.weight.device) for r in rows]), zeros)
 
     def load_rows(self, gids: np.ndarray, weight: torch.Tensor, momentum: torch.Tensor | None = None) -> int:
         """Fill every storage row (owned or replica) whose global id is in ``gids``; returns rows filled."""
