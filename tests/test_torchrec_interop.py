@@ -26,11 +26,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection  # noqa: E
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
 from embedscale.comm.collective import CollectiveTransport  # noqa: E402
+from embedscale.comm.pgas import PgasTransport  # noqa: E402
 from embedscale.data.batch import JaggedFeatures  # noqa: E402
 from embedscale.embedding.address_map import AddressMap  # noqa: E402
 from embedscale.embedding.build import EmbeddingEnv, build_embedding  # noqa: E402
 from embedscale.embedding.interop import table_specs_from_ebc  # noqa: E402
 from embedscale.embedding.local import LocalEmbeddingBags  # noqa: E402
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding  # noqa: E402
 from embedscale.embedding.sharded import ShardedEmbedding  # noqa: E402
 from embedscale.errors import ConfigError, InputError  # noqa: E402
 from embedscale.train.launch import spawn_local  # noqa: E402
@@ -194,15 +196,19 @@ def _plan(specs, world):
     return AddressMap.build(specs, world, owner, replicas, None)
 
 
-def _sharded_worker(rank, world, designs):
-    return {d: _sharded_design(rank, world, d) for d in designs}
+def _sharded_worker(rank, world, designs, job):
+    return {d: _sharded_design(rank, world, d, job) for d in designs}
 
 
-def _sharded_design(rank, world, design):
+def _sharded_design(rank, world, design, job):
     ebc = trained_ebc(one_dim=True)  # the same seed and steps on every rank: the same trained tables
     specs = table_specs_from_ebc(ebc)
-    emb = ShardedEmbedding(specs, _plan(specs, world), CollectiveTransport(), rank, design=design, optimizer="sgd",
-                           lr=0.3, seed=11)
+    if design == "pgas":  # the one-sided lookup (retrieve design through the symmetric heap)
+        emb = PgasShardedEmbedding(specs, _plan(specs, world), PgasTransport(job_id=job), rank, optimizer="sgd",
+                                   lr=0.3, seed=11, max_batch_size=12, max_ids_per_bag=4.0)
+    else:
+        emb = ShardedEmbedding(specs, _plan(specs, world), CollectiveTransport(), rank, design=design,
+                               optimizer="sgd", lr=0.3, seed=11)
     emb.load_state_dict(ebc.state_dict())
     B = 12
     lo, hi = B * rank // world, B * (rank + 1) // world
@@ -231,8 +237,8 @@ def _sharded_design(rank, world, design):
 
 
 def test_sharded_embedding_round_trips_a_trained_ebc():
-    designs = ["retrieve", "send"]  # one launch for both (each rank imports torchrec once)
-    results = spawn_local(_sharded_worker, 2, designs, timeout_s=900)
+    designs = ["retrieve", "send", "pgas"]  # one launch for all (each rank imports torchrec once)
+    results = spawn_local(_sharded_worker, 2, designs, f"interop-{os.getpid()}", timeout_s=900)
     for r in range(2):
         for design in designs:
             res = results[r][design]

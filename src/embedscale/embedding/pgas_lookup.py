@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from embedscale.comm.pgas import PgasTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
+from embedscale.embedding.interop import as_jagged
 from embedscale.embedding.optim import aggregate_row_gradients
 from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, pool_local_and_fetched, remote_rows
 from embedscale.errors import ConfigError, InputError
@@ -193,6 +194,9 @@ class PgasShardedEmbedding(ShardedEmbedding):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
+        features, kjt = as_jagged(features)
+        if kjt:  # a TorchRec KJT in, a KeyedTensor out (as ShardedEmbedding)
+            return self._keyed_forward(features)
         if self.weight.data_ptr() != self._weight_ptr:
             raise ConfigError(f"rank {self.rank}: the embedding storage was moved out of the symmetric heap "
                               f"(segment {self.heap.names[self.rank]}); build the module on its device instead")

@@ -225,12 +225,16 @@ class ShardedEmbedding(nn.Module):
         """``(gids, bag, scale, nbags, B)`` of ``_inputs``, with a scale for every value."""
         return self._inputs(features)[:5]
 
+    def _keyed_forward(self, features: JaggedFeatures):
+        """A TorchRec KJT's lookup (its keys in any order): an ``EmbeddingBagCollection``'s ``KeyedTensor``."""
+        if features.keys != self.feature_names and sorted(features.keys) == sorted(self.feature_names):
+            features = features.select(self.feature_names)
+        return keyed_tensor(self.feature_names, [self.dim] * len(self.feature_names), self.forward(features))
+
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
         features, kjt = as_jagged(features)
-        if kjt:  # a TorchRec KJT: its keys in any order, an EmbeddingBagCollection's KeyedTensor back
-            if features.keys != self.feature_names and sorted(features.keys) == sorted(self.feature_names):
-                features = features.select(self.feature_names)
-            return keyed_tensor(self.feature_names, [self.dim] * len(self.feature_names), self.forward(features))
+        if kjt:
+            return self._keyed_forward(features)
         F_ = len(self.feature_names)
         if self.design == "retrieve":
             gids, bag, scale, nbags, B, offsets, one_hot = self._inputs(features, ones=False)
