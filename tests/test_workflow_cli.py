@@ -128,7 +128,8 @@ def test_saved_plan_forms_are_what_training_builds(planned):
 
 
 def test_decide_forms_requests():
-    tabs = [TableSpec("a", 100, 8), TableSpec("b", 10, 8), TableSpec("c", 50, 8), TableSpec("d", 200, 8, pooling="none")]
+    tabs = [TableSpec("a", 100, 8), TableSpec("b", 10, 8), TableSpec("c", 50, 8),
+            TableSpec("d", 200, 8, pooling="none")]
     asks = [TableConfig("b", 10, 8, compression="tt", tt_rank=3), TableConfig("c", 50, 8, placement="host")]
     f = decide_forms(tabs[:3], requests=asks, tt_min_rows=100, tt_rank=5)
     assert f == {"a": TableForm("tt", tt_rank=5), "b": TableForm("tt", tt_rank=3), "c": TableForm("host")}
@@ -162,3 +163,19 @@ def test_table_profile_sums_features_by_table():
     assert [x.name for x in default_tables([("f", 3), ("g", 2)], 8)] == ["t_f", "t_g"]
     with pytest.raises(ConfigError, match="'shared' reads feature 'h'"):
         table_profile(P(), [TableSpec("shared", 4, 8, features=["f", "h"])])
+
+
+def test_plan_tables_file_requests_become_the_plans_forms(tmp_path):
+    """``embedscale plan --tables FILE``: the entries' ``compression: tt`` / ``placement: host`` are requests the
+    plan decides and records (``Plan.forms``); the TT table's cores are listed per rank, neither gets rows."""
+    f = tmp_path / "tables.yaml"
+    f.write_text("tables:\n  - {name: a, num_rows: 4000}\n  - {name: b, num_rows: 3000, compression: tt, tt_rank: 4}\n"
+                 "  - {name: c, num_rows: 2000, placement: host}\n  - {name: d, num_rows: 1000}\n")
+    out = json.loads(_cli("plan", "--tables", f, "--dim", 8, "--out", tmp_path / "p", "--json").strip().splitlines()[-1])
+    assert [m["name"] for m in out["config"]["replicated_tables"]] == ["b"]
+    plan = Plan.load(tmp_path / "p" / "oper")
+    assert plan.table_names == ["a", "d"] and [t.dim for t in plan.tables] == [8, 8]
+    assert plan.forms == {"a": TableForm(), "b": TableForm("tt", tt_rank=4), "c": TableForm("host"), "d": TableForm()}
+    f.write_text("- {name: a, num_rows: 10, compression: zip}\n")
+    r = CliRunner().invoke(main, ["plan", "--tables", str(f), "--out", str(tmp_path / "q")])
+    assert r.exit_code == 2 and "error:" in r.output and "compression 'zip'" in r.output, r.output

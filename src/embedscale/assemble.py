@@ -2,8 +2,9 @@
 
 data (``prepare_data``: synthetic, raw logs converted once, or shards; the train/eval split) -> tables
 (``tables_for``: the facts, as configured or one per sparse feature; their forms, ``{table: TableForm}``, are
-the plan's or, in a world of one, the config's requests decided by ``plan.forms.config_forms``) -> access profile (``profile``) -> model (``build``: the one embedding builder
-``embedding.build.build_embedding`` plus the dense arches) and its dense optimizer. Nothing here starts ranks,
+the plan's or, in a world of one, the config's requests decided by ``plan.forms.config_forms``) -> access
+profile (``profile``) -> model (``build``: the one embedding builder ``embedding.build.build_embedding`` plus
+the dense arches) and its dense optimizer. Nothing here starts ranks,
 loops or writes a run's results: the run loop and the launcher (``embedscale.train``) and the orchestration
 (``embedscale.workflow``) sit above this module and call it (ARCHITECTURE.md, layers).
 """

@@ -86,8 +86,7 @@ def build_model(
 
         >>> import torch
         >>> from embedscale.data.batch import JaggedFeatures
-        >>> from embedscale.plan.forms import config_forms
-from embedscale.specs import ModelConfig, TableSpec
+        >>> from embedscale.specs import ModelConfig, TableSpec
         >>> tables = [TableSpec("t1", num_rows=10, dim=4), TableSpec("t2", num_rows=20, dim=4)]
         >>> cfg = ModelConfig(arch="dlrm", embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
         >>> model = build_model(cfg, tables, num_dense=13)

@@ -344,7 +344,8 @@ class DistributedRun:
         out = {"embedding_bytes_on_wire_per_step": means[0].item(), "grad_sync_bytes_per_step": means[1].item(),
                "steps_measured": max(len(self.bytes_per_step), 1), "plan": self.plan_name, "design": d.design,
                "transport": d.transport, "grad_sync": d.grad_sync, "teacher_auc": self.data.teacher_auc,
-               "num_tables": len(self.all_tables), "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
+               "num_tables": len(self.all_tables),
+               "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
                "host_tables": sum(self.forms[tb.name].kind == "host" for tb in self.all_tables),
                "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
         out.update(self.executor_figures())
