@@ -77,6 +77,8 @@ def test_config_tables_keep_the_form_keys_as_requests(tmp_path):
         load_config(None, {"model.tables": [{"name": "x", "num_rows": 5, "placement": "gpu"}]})
     with pytest.raises(ConfigError, match=r"model\.tables\[0\].*tt_rnak"):
         load_config(None, {"model.tables": [{"name": "x", "num_rows": 5, "tt_rnak": 4}]})
+    with pytest.raises(ConfigError, match=r"table 'x': tt_rank must be positive, got 0"):
+        load_config(None, {"model.tables": [{"name": "x", "num_rows": 5, "compression": "tt", "tt_rank": 0}]})
     with pytest.raises(ConfigError, match=r"table 'x': num_rows must be positive"):
         load_config(None, {"model.tables": [{"name": "x", "num_rows": 0}]})
 

@@ -95,6 +95,9 @@ def test_config_naming_an_unknown_feature(tmp_path, data_dir):
     cfg.model.tables = [TableConfig("t_C1", 3, 4, features=["C1"])]
     with pytest.raises(ConfigError, match="has 3 rows but feature 'C1'"):
         workflow.tables_for(cfg, data.manifest)
+    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"])]  # facts only: not a config entry
+    with pytest.raises(ConfigError, match=r"model.tables\[0\]: expected a table entry .*got TableSpec"):
+        workflow.tables_for(cfg, data.manifest)
 
 
 def test_damaged_checkpoint_is_a_clear_error(tmp_path, data_dir):

@@ -28,7 +28,7 @@ from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
 from embedscale.plan.forms import config_forms, default_tables
-from embedscale.specs import RunConfig, TableSpec, feature_to_table, to_dict
+from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
 from embedscale.models import build_model
 from embedscale.models.dmt import is_dmt_arch
 
@@ -144,6 +144,10 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
 
     if not cfg.model.tables:
         return decided(default_tables(((s.name, s.num_rows) for s in manifest.sparse), m.embedding_dim, m.pooling))
+    for i, t in enumerate(cfg.model.tables):
+        if not isinstance(t, TableConfig):
+            raise ConfigError(f"model.tables[{i}]: expected a table entry (specs.TableConfig: the facts and the "
+                              f"requested form), got {type(t).__name__}")
     try:
         feature_to_table(cfg.model.tables)  # a feature read by two tables, named with both
     except ConfigError as e:

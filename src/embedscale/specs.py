@@ -122,12 +122,14 @@ class TableConfig:
             raise ConfigError(f"table {self.name!r}: compression {self.compression!r} is not 'none' or 'tt'")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
+        if self.compression == "tt" and self.tt_rank <= 0:
+            raise ConfigError(f"table {self.name!r}: tt_rank must be positive, got {self.tt_rank}")
 
     @property
     def spec(self) -> TableSpec:
         """The table's facts."""
-        return TableSpec(**{k: (list(v) if k == "features" else v) for k in FACT_FIELDS
-                            for v in (getattr(self, k),)})
+        facts = {k: getattr(self, k) for k in FACT_FIELDS}
+        return TableSpec(**{**facts, "features": list(self.features)})
 
 
 def feature_to_table(tables: list[TableSpec]) -> dict[str, int]:
