@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import statistics
@@ -46,6 +45,7 @@ from embedscale.data.synthetic import SyntheticGenerator, generate_dataset
 from embedscale.io import atomic_write_text
 from embedscale.models import build_model, dense_parameters
 from embedscale.pipeline import PipelinedEmbedding, PipelinedLoader
+from embedscale.plan.forms import TableForm
 from embedscale.specs import ModelConfig, SyntheticConfig
 
 
@@ -64,9 +64,9 @@ class Workload:
         pfs = [pooling_factor if t in host_idx else 1 for t in range(len(probe.num_rows))]
         cfg = SyntheticConfig(preset="criteo-kaggle", max_rows=max_rows, pooling_factors=pfs)
         specs = SyntheticGenerator(cfg, 0).table_specs(dim)
-        self.specs = [dataclasses.replace(s, placement="host" if t in host_idx else "device")
-                      for t, s in enumerate(specs)]
-        self.host = [s for s in self.specs if s.placement == "host"]
+        self.specs = specs
+        self.forms = {s.name: TableForm("host") if t in host_idx else TableForm() for t, s in enumerate(specs)}
+        self.host = [s for s in self.specs if self.forms[s.name].kind == "host"]
         d = data_root / f"pf{pooling_factor}_rows{max_rows}_b{batch_size}x{batches}"
         if not (d / "manifest.json").exists():
             log(f"[{name}] generating {batches * batch_size:,} samples into {d}")
@@ -77,7 +77,7 @@ class Workload:
                        "batches": len(self.batches), "host_tables": [s.name for s in self.host],
                        "host_rows": sum(s.num_rows for s in self.host), "host_pooling_factor": pooling_factor,
                        "device_tables": len(self.specs) - len(self.host), "optimizer": "rowwise_adagrad"}
-        self.emb = PipelinedEmbedding.from_tables(self.specs, optimizer="rowwise_adagrad", lr=0.05, seed=0)
+        self.emb = PipelinedEmbedding.from_tables(self.specs, self.forms, optimizer="rowwise_adagrad", lr=0.05, seed=0)
         torch.manual_seed(0)
         self.model = build_model(ModelConfig(arch="dlrm", embedding_dim=dim, bottom_mlp=bottom, top_mlp=top),
                                  self.specs, cfg.num_dense, embedding=self.emb)

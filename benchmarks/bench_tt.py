@@ -185,14 +185,16 @@ def run_dim(args, dim: int, rng: np.random.Generator, steps: int) -> dict:
 
 def compression_figures(rank: int) -> dict:
     """EL-Rec Table III at ``rank``: tables over 1M rows as TT, total embedding bytes before and after."""
-    from embedscale.embedding.compression import apply_tt_policy, compression_report
+    from embedscale.embedding.compression import compression_report
+    from embedscale.plan.forms import decide_forms
     from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS
 
     out = {}
     for key, rows, dim, paper in (("criteo_kaggle_dim16", CRITEO_KAGGLE_ROWS, 16, 7.29),
                                   ("criteo_terabyte_dim64", CRITEO_TERABYTE_ROWS, 64, 74.19)):
-        rep = compression_report(apply_tt_policy([TableSpec(f"C{i + 1}", n, dim) for i, n in enumerate(rows)],
-                                                 1_000_000, rank))
+        tables = [TableSpec(f"C{i + 1}", n, dim) for i, n in enumerate(rows)]
+        # EL-Rec VI-A: the tables of more than 1M rows
+        rep = compression_report(tables, decide_forms(tables, tt_min_rows=1_000_001, tt_rank=rank))
         out[key] = {"bytes_before": rep.bytes_before, "bytes_after": rep.bytes_after, "ratio": round(rep.ratio, 2),
                     "el_rec_table_iii": paper,
                     "tt_tables": sum(t.compression == "tt" for t in rep.tables)}

@@ -8,7 +8,8 @@ uncompressed small tables (``workflow.hash_init``), the same batches in the same
 step:
 
 * ``uncompressed``: every table in a ``LocalEmbeddingBags``;
-* ``tt``: ``apply_tt_policy(tables, --threshold, --rank)`` and ``MixedEmbedding`` (large tables as
+* ``tt``: the tables of more than ``--threshold`` rows TT of ``--rank`` (``plan.forms.decide_forms``,
+  :func:`tt_forms`) and ``MixedEmbedding`` (large tables as
   ``TTEmbeddingBag``, their cores trained by ``--tt-optimizer`` at ``lr_tt``, default ``train.lr_tt``).
 
 Synthetic part: ``--train`` samples (2M) of the full-cardinality ``criteo-kaggle`` synthetic preset (5
@@ -43,10 +44,11 @@ import torch
 from tqdm import tqdm
 
 from embedscale.data.loader import ShardLoader
-from embedscale.embedding.compression import apply_tt_policy, compression_report
+from embedscale.embedding.compression import compression_report
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.models import build_model
+from embedscale.plan.forms import decide_forms
 from embedscale.specs import DataConfig, ModelConfig, RunConfig, SyntheticConfig, TrainConfig
 from embedscale.train.trainer import evaluate, warm_up_lr
 from embedscale.workflow import hash_init, make_dense_optimizer, prepare_data, tables_for, tt_lr
@@ -59,6 +61,11 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def tt_forms(tables, args) -> dict:
+    """EL-Rec VI-A's policy: the tables of more than ``args.threshold`` rows TT of rank ``args.rank``."""
+    return decide_forms(tables, tt_min_rows=args.threshold + 1, tt_rank=args.rank)
+
+
 def build_pair(cfg: RunConfig, tables, num_dense: int, args):
     """(uncompressed, tt) models with the same dense init and the same small tables."""
     t = cfg.train
@@ -66,18 +73,19 @@ def build_pair(cfg: RunConfig, tables, num_dense: int, args):
     torch.manual_seed(t.seed)
     base_emb = LocalEmbeddingBags(tables, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=init)
     base = build_model(cfg.model, tables, num_dense, embedding=base_emb)
-    tt_tables = apply_tt_policy(tables, args.threshold, args.rank)
+    forms = tt_forms(tables, args)
     torch.manual_seed(t.seed)
-    tt_emb = MixedEmbedding(tt_tables, optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=init, seed=t.seed,
+    tt_emb = MixedEmbedding(tables, tt={n: f.tt_rank for n, f in forms.items() if f.kind == "tt"},
+                            optimizer=t.sparse_optimizer, lr=t.lr_sparse, init=init, seed=t.seed,
                             tt_optimizer=args.tt_optimizer, tt_lr=args.tt_lr if args.tt_lr is not None else tt_lr(t))
     for m in tt_emb.tt.values():
         m.base_lr = m.lr
-    tt = build_model(cfg.model, tt_tables, num_dense, embedding=tt_emb)
+    tt = build_model(cfg.model, tables, num_dense, embedding=tt_emb)
     for (na, a), (nb, b) in zip(base.named_parameters(), tt.named_parameters()):
         assert na == nb and torch.equal(a, b), f"dense init differs at {na}"
     models = {"uncompressed": (base, make_dense_optimizer(t, base.dense_parameters())),
               "tt": (tt, make_dense_optimizer(t, tt.dense_parameters()))}
-    return models, compression_report(tt_tables)
+    return models, compression_report(tables, forms)
 
 
 def dead_bottom_outputs(model, batch) -> float:
@@ -136,7 +144,7 @@ def synthetic_part(args) -> dict:
     data = prepare_data(cfg, cache_root=args.cache, progress=True)
     tables = tables_for(cfg, data.manifest)
     models, report = build_pair(cfg, tables, data.manifest.num_dense, args)
-    log(f"synthetic: {sum(t.compression == 'tt' for t in apply_tt_policy(tables, args.threshold, args.rank))} TT "
+    log(f"synthetic: {sum(f.kind == 'tt' for f in tt_forms(tables, args).values())} TT "
         f"tables, embedding bytes {report.bytes_before / 2**20:,.0f} MiB -> {report.bytes_after / 2**20:,.1f} MiB")
     train = ShardLoader(data.train.directory, args.batch, start=data.train.start, stop=data.train.stop, prefetch=2,
                         shuffle=False)

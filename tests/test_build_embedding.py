@@ -22,8 +22,9 @@ from embedscale.errors import ConfigError
 from embedscale.models.dmt import DMTConfig, build_dmt_model, build_flat_model
 from embedscale.models.tower_modules import build_tower_modules, tower_out_features
 from embedscale.pipeline import PipelinedEmbedding
-from embedscale.plan.forms import decide_forms, with_forms
-from embedscale.specs import ModelConfig, TableSpec
+from embedscale.embedding.towers import tower_forms
+from embedscale.plan.forms import TableForm, decide_forms
+from embedscale.specs import ModelConfig, TableConfig, TableSpec
 from embedscale.towers.partitioner import TowerAssignment
 from embedscale.train.launch import spawn_local
 
@@ -31,8 +32,10 @@ DEV = torch.device("cpu")  # the test's own device; the builder takes it from en
 
 
 def _tables(mixed: bool = False):
-    tabs = [TableSpec("a", 30, 4), TableSpec("b", 500, 4), TableSpec("c", 200, 4, placement="host" if mixed else "device")]
-    return with_forms(tabs, decide_forms(tabs, tt_min_rows=400 if mixed else 0, tt_rank=2))
+    """The tables and their forms (``b`` TT by ``tt_min_rows``, ``c`` host by its request when ``mixed``)."""
+    tabs = [TableSpec("a", 30, 4), TableSpec("b", 500, 4), TableSpec("c", 200, 4)]
+    requests = [TableConfig("c", 200, 4, placement="host")] if mixed else []
+    return tabs, decide_forms(tabs, requests=requests, tt_min_rows=400 if mixed else 0, tt_rank=2)
 
 
 def _ref(seed, index, spec):
@@ -40,8 +43,8 @@ def _ref(seed, index, spec):
 
 
 def test_world_of_one_plain_tables_are_local_bags_with_hash_init():
-    tabs = _tables()
-    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=7))
+    tabs, forms = _tables()
+    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=7), forms=forms)
     assert type(emb) is LocalEmbeddingBags
     rows, tt, host = embedding_parts(emb)
     assert rows is emb and tt is None and host is None
@@ -50,19 +53,26 @@ def test_world_of_one_plain_tables_are_local_bags_with_hash_init():
 
 
 def test_tt_and_host_forms_make_the_mixed_and_pipelined_parts():
-    tabs = _tables(mixed=True)  # b: TT (tt_min_rows), c: host (placement: host), a: rows
-    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=3))
+    tabs, forms = _tables(mixed=True)  # b: TT (tt_min_rows), c: host (placement: host), a: rows
+    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=3), forms=forms)
     rows, tt, host = embedding_parts(emb)
     assert isinstance(host, PipelinedEmbedding) and isinstance(tt, MixedEmbedding)
-    assert list(tt.tt) == ["b"]
+    assert list(tt.tt) == ["b"] and tt.tt["b"].ranks == [1, 2, 2, 1]  # the form's rank
     # the uncompressed table keeps its index among all tables (0), so it starts as everywhere else
     np.testing.assert_array_equal(rows.table_weight("a").detach().numpy()[:30], _ref(3, 0, tabs[0]))
     np.testing.assert_array_equal(host.server.store.table_weight("c").detach().numpy()[:200], _ref(3, 2, tabs[2]))
 
 
 def test_several_ranks_need_a_plan_and_a_transport():
+    tabs, forms = _tables()
     with pytest.raises(ConfigError, match="2 ranks need a plan"):
-        build_embedding(_tables(), None, EmbeddingEnv(device=DEV, world_size=2))
+        build_embedding(tabs, None, EmbeddingEnv(device=DEV, world_size=2), forms=forms)
+
+
+def test_every_table_needs_a_form():
+    tabs, forms = _tables(mixed=True)
+    with pytest.raises(ConfigError, match=r"tables \['c'\] have no form"):
+        build_embedding(tabs, None, EmbeddingEnv(device=DEV), forms={k: v for k, v in forms.items() if k != "c"})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,8 +100,17 @@ def _tower_tables():
             TableSpec("t6", 50, n, features=["f7"])]
 
 
+def test_tower_forms_name_each_tables_first_tower():
+    assert {k: f.tower for k, f in TFORMS.items()} == {"t0": 0, "t1": 0, "t2": 1, "t3": 1, "t4": 0, "t5": 1, "t6": 1}
+    assert all(f.kind == "tower" for f in TFORMS.values())
+    assert {f.kind for f in tower_forms(_tower_tables(), None).values()} == {"sharded"}  # the flat baseline
+
+
 def _tower_model_cfg(arch="dlrm"):
     return ModelConfig(arch=arch, embedding_dim=TOWER_DIM, bottom_mlp=[8], top_mlp=[8], cross_layers=1)
+
+
+TFORMS = tower_forms(_tower_tables(), TowerAssignment(TOWER_ASSIGN))
 
 
 def _tower_batch(b=6):
@@ -140,7 +159,7 @@ _ASSIGN_4 = [["f0", "f5"], ["f1", "f2"], ["f3", "f7"], ["f4", "f6"]]
 def test_one_process_towers_hold_hash_rows_and_apply_each_tower_module():
     tabs = _tower_tables()
     setup = _tower_setup()
-    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=5, towers=setup))
+    emb = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=5, towers=setup), forms=TFORMS)
     assert type(emb) is LocalTowerEmbedding
     ref_rows = {t.name: _ref(5, i, t) for i, t in enumerate(tabs)}
     for t in tabs:  # every row starts where it starts in any other form or placement
@@ -160,17 +179,20 @@ def test_one_process_towers_hold_hash_rows_and_apply_each_tower_module():
     with torch.no_grad():
         torch.testing.assert_close(emb(jf), want.detach())
     # pass-through towers in one process: the plain model's fused lookup itself
-    plain = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=5, towers=_tower_setup("none")))
+    plain = build_embedding(tabs, None, EmbeddingEnv(device=DEV, seed=5, towers=_tower_setup("none")), forms=TFORMS)
     assert type(plain) is LocalEmbeddingBags
 
 
 def test_tower_embedding_errors():
     tabs = _tower_tables()
     with pytest.raises(ConfigError, match="place their own rows"):
-        build_embedding(tabs, object(), EmbeddingEnv(device=DEV, towers=_tower_setup()))
-    host = [TableSpec("t0", 40, TOWER_DIM, features=["f0"], placement="host")] + tabs[1:]
+        build_embedding(tabs, object(), EmbeddingEnv(device=DEV, towers=_tower_setup()), forms=TFORMS)
+    host = dict(TFORMS, t0=TableForm("host"))
     with pytest.raises(ConfigError, match="table 't0'.*host"):
-        build_embedding(host, None, EmbeddingEnv(device=DEV, towers=_tower_setup()))
+        build_embedding(tabs, None, EmbeddingEnv(device=DEV, towers=_tower_setup()), forms=host)
+    with pytest.raises(ConfigError, match=r"tables \['t0'\] have no form"):
+        build_embedding(tabs, None, EmbeddingEnv(device=DEV, towers=_tower_setup()),
+                        forms={k: v for k, v in TFORMS.items() if k != "t0"})
     with pytest.raises(ConfigError, match="needs comm"):
         TowerSetup(flat=True)
     with pytest.raises(ConfigError, match="3 tower widths for 2 towers"):
@@ -187,7 +209,8 @@ def _two_rank_towers(rank, world):
     torch.manual_seed(99 + rank)
     digests = {k: _digest(m) for k, m in _dmt_models(comm).items()}
     emb = build_embedding(_tower_tables(), None, EmbeddingEnv(device=DEV, seed=5,
-                                                              towers=_tower_setup(comm=comm, towers=[rank])))
+                                                              towers=_tower_setup(comm=comm, towers=[rank])),
+                          forms=TFORMS)
     _, jf = _tower_batch()
     lo, hi = jf.batch_size * rank // world, jf.batch_size * (rank + 1) // world
     with torch.no_grad():
@@ -197,7 +220,7 @@ def _two_rank_towers(rank, world):
 
 def test_two_rank_tower_transform_pools_as_one_process_and_models_are_pre_move():
     results = spawn_local(_two_rank_towers, 2, timeout_s=300)
-    one = build_embedding(_tower_tables(), None, EmbeddingEnv(device=DEV, seed=5, towers=_tower_setup()))
+    one = build_embedding(_tower_tables(), None, EmbeddingEnv(device=DEV, seed=5, towers=_tower_setup()), forms=TFORMS)
     _, jf = _tower_batch()
     with torch.no_grad():
         want = one(jf)

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from embedscale import workflow
+from embedscale.plan.forms import TableForm, config_forms
+from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
 from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.launch import spawn_local
@@ -70,6 +72,11 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
     got = {name: e["weight"] for name, e in last["tables"].items()}
     got.update({k[:-len(".weight")]: v for k, v in last["host"].items() if k.endswith(".weight")})
     assert sorted(got) == sorted(ref)
+    # the config's requests (placement: host, compression: tt) became the forms the run's plan records and built
+    forms = Plan.load(tmp_path / "b" / "plan").forms
+    assert forms == {"t_C1": TableForm("host"), "t_C2": TableForm("tt", tt_rank=2), "t_C3": TableForm("host"),
+                     "t_C4": TableForm()}
+    assert tt["t_C2.core1"].shape[1] == 2  # (m_2, R_1, n_2 * R_2): the rank the plan says
     assert len(losses) == STEPS
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     for name, w in ref.items():
@@ -98,9 +105,12 @@ def test_host_min_rows_places_the_largest_tables_on_the_server(tmp_path):
     manifest = Manifest.load(data_dir)
     cfg = config(tmp_path, data_dir, host=False)
     cfg.model.host_min_rows = 30
-    assert [t.placement for t in workflow.tables_for(cfg, manifest)] == ["host", "device", "host", "device"]
+    def kinds():
+        return [f.kind for f in config_forms(cfg.model, workflow.tables_for(cfg, manifest)).values()]
+
+    assert kinds() == ["host", "tt", "host", "sharded"]  # t_C2 asks for TT (its config entry)
     cfg.model.tables = []  # one table per feature, sized by the data: the same rule
-    assert [t.placement for t in workflow.tables_for(cfg, manifest)] == ["host", "device", "host", "device"]
+    assert kinds() == ["host", "sharded", "host", "sharded"]
     cfg.model.host_min_rows = -1
     with pytest.raises(ConfigError, match="host_min_rows"):
         workflow.tables_for(cfg, manifest)

@@ -398,8 +398,6 @@ def test_key_errors():
 def test_config_errors():
     with pytest.raises(ConfigError, match="optimizer 'adam'"):
         LocalEmbeddingBags(SAME_DIM, optimizer="adam")
-    with pytest.raises(ConfigError, match="compression 'tt'"):
-        LocalEmbeddingBags([TableSpec("t", 10, 4, compression="tt")])
     with pytest.raises(ConfigError, match="read by tables"):
         LocalEmbeddingBags([TableSpec("t", 10, 4, features=["f"]), TableSpec("s", 10, 4, features=["f"])])
 

@@ -30,6 +30,7 @@ from embedscale.pipeline import (
     PipelineError,
     select_features,
 )
+from embedscale.plan.forms import TableForm
 from embedscale.specs import ModelConfig, TableSpec, to_dict
 from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.trainer import Trainer, pipelined_trainer
@@ -94,17 +95,17 @@ def dataset(tmp_path_factory):
     labels = (dense[:, 0] + 0.3 * (sparse["C1"] % 3 == 0) + 0.2 * rng.random(n) > 0.8).astype(np.int8)
     with ShardWriter(d, [f"I{i + 1}" for i in range(13)], infos, shard_rows=1000) as w:
         w.write(labels, dense, sparse)
-    specs = [TableSpec(f.name, f.num_rows, 8, placement="host" if t < 5 else "device",
-                       pooling="mean" if t == 3 else "sum") for t, f in enumerate(infos)]
-    return d, specs
+    specs = [TableSpec(f.name, f.num_rows, 8, pooling="mean" if t == 3 else "sum") for t, f in enumerate(infos)]
+    return d, specs, {f.name for f in infos[:5]}
 
 
-def split(specs):
-    return [s for s in specs if s.placement == "host"], [s for s in specs if s.placement != "host"]
+def split(specs, host_names):
+    """``(host tables, device tables)``: the tables ``host_names`` names are the ones whose form is host."""
+    return [s for s in specs if s.name in host_names], [s for s in specs if s.name not in host_names]
 
 
-def make_model(specs, kind: str, optimizer: str = "rowwise_adagrad", server_group=None):
-    host, dev = split(specs)
+def make_model(specs, host_names, kind: str, optimizer: str = "rowwise_adagrad", server_group=None):
+    host, dev = split(specs, host_names)
     dev_modules = [LocalEmbeddingBags(dev, optimizer=optimizer, lr=LR, seed=1)] if dev else []
     if kind == "ref":
         emb = ConcatEmbedding(dev_modules + [LocalEmbeddingBags(host, optimizer=optimizer, lr=LR, seed=2)],
@@ -117,8 +118,8 @@ def make_model(specs, kind: str, optimizer: str = "rowwise_adagrad", server_grou
     return model, torch.optim.Adagrad(list(dense_parameters(model)), lr=LR), emb
 
 
-def host_weights(emb, specs) -> dict[str, torch.Tensor]:
-    host, _ = split(specs)
+def host_weights(emb, specs, host_names) -> dict[str, torch.Tensor]:
+    host, _ = split(specs, host_names)
     if isinstance(emb, ConcatEmbedding):
         return {s.name: emb.mods[-1].table_weight(s.name).clone() for s in host}
     st = emb.host_state()
@@ -127,8 +128,8 @@ def host_weights(emb, specs) -> dict[str, torch.Tensor]:
 
 def fit(dataset, tmp_path: Path, kind: str, depth: int = 1, use_cache: bool = True):
     """Trainer.fit (evaluation every 4 steps, checkpoint every 5) of the reference or the pipelined model."""
-    d, specs = dataset
-    model, opt, emb = make_model(specs, kind)
+    d, specs, host = dataset
+    model, opt, emb = make_model(specs, host, kind)
     train = ShardLoader(d, BATCH, stop=SAMPLES)
     evl = ShardLoader(d, BATCH, start=SAMPLES)
     run_dir = tmp_path / f"{kind}{depth}{use_cache}"
@@ -139,14 +140,14 @@ def fit(dataset, tmp_path: Path, kind: str, depth: int = 1, use_cache: bool = Tr
         tr = pipelined_trainer(model, opt, train, evl, run_dir, pipeline_depth=depth, use_cache=use_cache, **kw)
     tr.fit()
     ck = load_checkpoint(run_dir / "checkpoints" / "step-00000005")
-    host_names = {sp.name for sp in split(specs)[0]}  # the reference holds them as device tables
-    mid = {n: e["weight"] for n, e in ck["tables"].items() if n in host_names}
+    # the reference holds the host tables as device tables
+    mid = {n: e["weight"] for n, e in ck["tables"].items() if n in host}
     mid.update({k[:-len(".weight")]: v for k, v in ck["host"].items() if k.endswith(".weight")})
-    assert sorted(mid) == sorted(host_names)
+    assert sorted(mid) == sorted(host)
     evals = [(r.step, r.eval_logloss, r.eval_auc) for r in tr.rows if r.eval_logloss == r.eval_logloss]
     dense = torch.cat([p.detach().flatten() for p in dense_parameters(model)])
     dev = (emb.mods[0] if kind == "ref" else emb.device_modules[0]).weights.clone()
-    return {"losses": tr.losses, "host": host_weights(emb, specs), "dense": dense, "device": dev, "mid": mid,
+    return {"losses": tr.losses, "host": host_weights(emb, specs, host), "dense": dense, "device": dev, "mid": mid,
             "evals": evals, "stats": getattr(tr.train_loader, "last_stats", {})}
 
 
@@ -183,9 +184,9 @@ def test_without_the_cache_staleness_changes_the_result(dataset, reference, tmp_
 
 
 def test_cache_holds_at_most_the_rows_of_the_last_k_batches(dataset):
-    d, specs = dataset
+    d, specs, host = dataset
     depth = 3
-    model, opt, emb = make_model(specs, "pipe")
+    model, opt, emb = make_model(specs, host, "pipe")
     loader = PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0), emb, depth)
     lossf = nn.BCEWithLogitsLoss()
     per_batch, held = [], []
@@ -223,10 +224,9 @@ def _pooled_batches(seed: int, n: int, B: int = 6):
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
 def test_module_matches_plain_lookups_multi_dim_weighted(optimizer):
     """Two dims, a table read by two features, mean pooling, per-sample weights, interleaved host/device."""
-    tables = [TableSpec("user", 40, 4, placement="host"), TableSpec("x", 5, 4),
-              TableSpec("item", 30, 6, features=["a", "b"], placement="host", pooling="mean"),
-              TableSpec("w", 25, 4, placement="host")]
-    host, dev = split(tables)
+    tables = [TableSpec("user", 40, 4), TableSpec("x", 5, 4),
+              TableSpec("item", 30, 6, features=["a", "b"], pooling="mean"), TableSpec("w", 25, 4)]
+    host, dev = split(tables, {"user", "item", "w"})
     order = [f for t in tables for f in t.features]
     ref = ConcatEmbedding([LocalEmbeddingBags(dev, optimizer=optimizer, lr=0.3, seed=3),
                            LocalEmbeddingBags(host, optimizer=optimizer, lr=0.3, seed=4)], order)
@@ -255,14 +255,13 @@ def test_host_tables_compose_with_tt_tables():
     MixedEmbedding sits beside the host tables in a plain LocalEmbeddingBags."""
     from embedscale.embedding.mixed import MixedEmbedding
 
-    tables = [TableSpec("user", 40, 4, placement="host"), TableSpec("x", 5, 4),
-              TableSpec("item", 30, 4, features=["a", "b"], placement="host", pooling="mean"),
-              TableSpec("w", 2000, 4, compression="tt", tt_rank=4)]
-    host, dev = split(tables)
+    tables = [TableSpec("user", 40, 4), TableSpec("x", 5, 4),
+              TableSpec("item", 30, 4, features=["a", "b"], pooling="mean"), TableSpec("w", 2000, 4)]
+    host, dev = split(tables, {"user", "item"})
     order = [f for t in tables for f in t.features]
 
-    def tt_side():
-        return MixedEmbedding(dev, optimizer="rowwise_adagrad", lr=0.3, seed=3)
+    def tt_side():  # w: a TT table of rank 4
+        return MixedEmbedding(dev, tt={"w": 4}, optimizer="rowwise_adagrad", lr=0.3, seed=3)
 
     ref = ConcatEmbedding([tt_side(), LocalEmbeddingBags(host, optimizer="rowwise_adagrad", lr=0.3, seed=4)], order)
     ours = PipelinedEmbedding(tables, HostParameterServer(host, optimizer="rowwise_adagrad", lr=0.3, seed=4),
@@ -292,7 +291,7 @@ def test_host_tables_compose_with_tt_tables():
 
 
 # -- two ranks ---------------------------------------------------------------------------------------
-def _rank_worker(rank, world, data_dir, specs_d):
+def _rank_worker(rank, world, data_dir, specs_d, host_names):
     """Data-parallel training on this rank's slices: synchronous, then pipelined at depths 2 and 3 (with and
     without the cache), each with one server per rank and with one server shared by the local ranks
     (``S``); returns losses and final host/dense weights of each. Every table is host-placed:
@@ -306,7 +305,7 @@ def _rank_worker(rank, world, data_dir, specs_d):
     out = {}
     for depth, cache, shared in [(0, True, ""), (2, True, ""), (3, True, ""), (2, False, ""), (0, True, "S"),
                                  (2, True, "S"), (4, True, "S"), (2, False, "S")]:
-        model, opt, emb = make_model(specs, "pipe", server_group=group if shared else None)
+        model, opt, emb = make_model(specs, set(host_names), "pipe", server_group=group if shared else None)
         if shared:  # one copy of the tables on the machine: a write by one rank is seen by the other
             w = emb.server.store.weights
             orig = w[0].clone()
@@ -333,8 +332,9 @@ def _rank_worker(rank, world, data_dir, specs_d):
             torch.nn.utils.vector_to_parameters(flat, [p.grad for p in params])
             opt.step()
             losses.append(float(loss))
+        hw = host_weights(emb, specs, set(host_names))
         out[f"{depth}{cache}{shared}"] = {"losses": torch.tensor(losses),
-                                  "host": torch.cat([w.flatten() for w in host_weights(emb, specs).values()]),
+                                  "host": torch.cat([w.flatten() for w in hw.values()]),
                                   "dense": torch.cat([p.detach().flatten() for p in params])}
     return out
 
@@ -342,9 +342,9 @@ def _rank_worker(rank, world, data_dir, specs_d):
 def test_two_ranks_pipelined_equals_sequential(dataset):
     from embedscale.train.launch import spawn_local
 
-    d, specs = dataset
-    specs = [TableSpec(**{**to_dict(s), "placement": "host"}) for s in specs]
-    res = spawn_local(_rank_worker, 2, str(d), [to_dict(s) for s in specs], timeout_s=120)
+    d, specs, _ = dataset
+    host = [s.name for s in specs]  # every table host-placed
+    res = spawn_local(_rank_worker, 2, str(d), [to_dict(s) for s in specs], host, timeout_s=120)
     seq = res[0]["0True"]
     for key in ["0True", "2True", "3True", "2False"]:
         r0, r1 = res[0][key], res[1][key]
@@ -365,23 +365,23 @@ def test_two_ranks_pipelined_equals_sequential(dataset):
         assert res[1][f"peer_sees_write{depth}"] == res[0][f"peer_sees_write{depth}"] == 12345.0  # shared storage
     assert not list(Path("/dev/shm").glob("embedscale-ps-*")) if Path("/dev/shm").is_dir() else True
     # data parallelism itself: the same math as one process on the global batches, up to rounding
-    model, opt, emb = make_model(specs, "ref")
+    model, opt, emb = make_model(specs, host, "ref")
     lossf = nn.BCEWithLogitsLoss()
     for b in ShardLoader(d, BATCH, stop=SAMPLES // 2, prefetch=0):
         loss = lossf(model(b.dense, b.sparse), b.labels)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    single = torch.cat([w.flatten() for w in host_weights(emb, specs).values()])
+    single = torch.cat([w.flatten() for w in host_weights(emb, specs, host).values()])
     assert torch.allclose(seq["host"], single, atol=1e-4)
-    assert not torch.equal(single, torch.cat([w.flatten() for w in host_weights(make_model(specs, "ref")[2],
-                                                                                 specs).values()]))
+    assert not torch.equal(single, torch.cat([w.flatten() for w in host_weights(make_model(specs, host, "ref")[2],
+                                                                                 specs, host).values()]))
 
 
 # -- errors and plumbing -----------------------------------------------------------------------------
 def test_bad_host_id_is_named_from_the_server_thread():
-    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4, placement="host")]
-    emb = PipelinedEmbedding.from_tables(tables, optimizer="sgd", seed=0)
+    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4)]
+    emb = PipelinedEmbedding.from_tables(tables, {"big": TableForm("host")}, optimizer="sgd", seed=0)
     good = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 3]]))
     bad = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 100]]))
     batches = [Batch(torch.zeros(2, 1), jf, torch.zeros(2)) for jf in (good, bad)]
@@ -396,8 +396,8 @@ def test_bad_host_id_is_named_from_the_server_thread():
 
 
 def test_misuse_is_an_error_not_a_hang():
-    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4, placement="host")]
-    emb = PipelinedEmbedding.from_tables(tables, optimizer="sgd", seed=0)
+    tables = [TableSpec("small", 10, 4), TableSpec("big", 100, 4)]
+    emb = PipelinedEmbedding.from_tables(tables, {"big": TableForm("host")}, optimizer="sgd", seed=0)
     jf = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 3]]))
     batches = [Batch(torch.zeros(2, 1), jf, torch.zeros(2)) for _ in range(3)]
     with pytest.raises(PipelineError, match="did not prefetch"):
@@ -408,8 +408,8 @@ def test_misuse_is_an_error_not_a_hang():
             emb(b.sparse)
     with pytest.raises(ConfigError, match="depth"):
         PipelinedLoader(batches, emb, depth=0)
-    with pytest.raises(ConfigError, match="TT"):
-        HostParameterServer([TableSpec("t", 10, 4, compression="tt", placement="host")])
+    with pytest.raises(ConfigError, match=r"tables \['small'\] are \['tt'\].*pass device_modules"):
+        PipelinedEmbedding.from_tables(tables, {"big": TableForm("host"), "small": TableForm("tt", tt_rank=2)})
     with pytest.raises(ConfigError, match="produced by device module 0 and the host parameter server"):
         PipelinedEmbedding(tables, HostParameterServer(tables[1:]), [LocalEmbeddingBags(tables)])
     with pytest.raises(ConfigError, match=r"features \['small'\] are produced by no device module"):
@@ -419,7 +419,7 @@ def test_misuse_is_an_error_not_a_hang():
 def test_mid_run_checkpoint_while_gradients_are_pending(dataset):
     """A state_dict taken while the server still owes gradients equals sequential training's tables then;
     it loads back; breaking out of the loop applies every gradient received."""
-    d, specs = dataset
+    d, specs, host = dataset
     batches = list(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0))
     gate = threading.Event()
 
@@ -429,8 +429,8 @@ def test_mid_run_checkpoint_while_gradients_are_pending(dataset):
                 assert gate.wait(60)
             yield b
 
-    model, opt, emb = make_model(specs, "pipe")
-    ref_model, ref_opt, ref_emb = make_model(specs, "ref")
+    model, opt, emb = make_model(specs, host, "pipe")
+    ref_model, ref_opt, ref_emb = make_model(specs, host, "ref")
     lossf = nn.BCEWithLogitsLoss()
     loader = PipelinedLoader(gated(), emb, depth=3)
     for step, b in enumerate(loader):
@@ -446,7 +446,7 @@ def test_mid_run_checkpoint_while_gradients_are_pending(dataset):
                 model.eval(), ref_model.eval()
                 assert torch.equal(model(b.dense, b.sparse), ref_model(b.dense, b.sparse))
                 model.train(), ref_model.train()
-            for name, w in host_weights(ref_emb, specs).items():
+            for name, w in host_weights(ref_emb, specs, host).items():
                 assert torch.equal(mid[f"host.{name}.weight"], w), name
                 assert torch.equal(mid[f"host.{name}.momentum"], ref_emb.mods[-1].table_momentum(name)), name
             gate.set()
@@ -454,9 +454,9 @@ def test_mid_run_checkpoint_while_gradients_are_pending(dataset):
             break  # prefetched-but-unused batches are dropped; every gradient received is applied
     assert loader.last_stats["batches"] == 7 and not emb.pipelined and emb.server.batches_applied == 7
     end = emb.state_dict()
-    for name, w in host_weights(ref_emb, specs).items():
+    for name, w in host_weights(ref_emb, specs, host).items():
         assert torch.equal(end[f"host.{name}.weight"], w), name
-    fresh = make_model(specs, "pipe")[2]
+    fresh = make_model(specs, host, "pipe")[2]
     fresh.load_state_dict(mid)
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in mid.items())
 

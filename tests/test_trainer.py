@@ -15,7 +15,7 @@ from test_distributed_train import config, make_data  # noqa: E402
 from embedscale import workflow  # noqa: E402
 from embedscale.cli import main  # noqa: E402
 from embedscale.errors import ConfigError, FormatError  # noqa: E402
-from embedscale.specs import TableSpec  # noqa: E402
+from embedscale.specs import ModelConfig, TableConfig, TableSpec, from_dict, to_dict  # noqa: E402
 from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 
 
@@ -88,12 +88,15 @@ def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
 
 def test_config_naming_an_unknown_feature(tmp_path, data_dir):
     cfg = config(tmp_path, data_dir)
-    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_X", 10, 4, features=["nope"])]
+    cfg.model.tables = [TableConfig("t_C1", 30, 4, features=["C1"]), TableConfig("t_X", 10, 4, features=["nope"])]
     data = workflow.prepare_data(cfg, progress=False)
     with pytest.raises(ConfigError, match="'nope'"):
         workflow.tables_for(cfg, data.manifest)
-    cfg.model.tables = [TableSpec("t_C1", 3, 4, features=["C1"])]
+    cfg.model.tables = [TableConfig("t_C1", 3, 4, features=["C1"])]
     with pytest.raises(ConfigError, match="has 3 rows but feature 'C1'"):
+        workflow.tables_for(cfg, data.manifest)
+    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"])]  # facts only: not a config entry
+    with pytest.raises(ConfigError, match=r"model.tables\[0\]: expected a table entry .*got TableSpec"):
         workflow.tables_for(cfg, data.manifest)
 
 
@@ -137,9 +140,9 @@ def test_workflow_host_tables_pipelined_equal_sequential(tmp_path, data_dir):
     out = []
     for depth in (1, 3):
         cfg = config(tmp_path, data_dir)
-        cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_C2", 9, 4, features=["C2"]),
-                            TableSpec("t_C3", 120, 4, features=["C3"], placement="host"),
-                            TableSpec("t_C4", 5, 4, features=["C4"])]
+        cfg.model.tables = [TableConfig("t_C1", 30, 4, features=["C1"]), TableConfig("t_C2", 9, 4, features=["C2"]),
+                            TableConfig("t_C3", 120, 4, features=["C3"], placement="host"),
+                            TableConfig("t_C4", 5, 4, features=["C4"])]
         cfg.train.pipeline_depth = depth
         workflow.train(cfg, tmp_path / f"d{depth}", resume=False, progress=False)
         out.append(losses_of(tmp_path / f"d{depth}"))
@@ -147,9 +150,20 @@ def test_workflow_host_tables_pipelined_equal_sequential(tmp_path, data_dir):
 
 
 def test_workflow_tt_table_trains(tmp_path, data_dir):
+    """A config table saying ``compression: tt`` (the YAML keys) trains as a TT table of its rank in one process:
+    the request is the config's, the form decided by ``plan.forms``, the spec holds only facts."""
     cfg = config(tmp_path, data_dir)
-    cfg.model.tables = [TableSpec("t_C1", 30, 4, features=["C1"]), TableSpec("t_C2", 9, 4, features=["C2"]),
-                        TableSpec("t_C3", 120, 4, features=["C3"], compression="tt", tt_rank=4),
-                        TableSpec("t_C4", 5, 4, features=["C4"])]
+    cfg.model = from_dict(ModelConfig, {**to_dict(cfg.model), "tables": [
+        {"name": "t_C1", "num_rows": 30, "dim": 4, "features": ["C1"]},
+        {"name": "t_C2", "num_rows": 9, "dim": 4, "features": ["C2"]},
+        {"name": "t_C3", "num_rows": 120, "dim": 4, "features": ["C3"], "compression": "tt", "tt_rank": 4},
+        {"name": "t_C4", "num_rows": 5, "dim": 4, "features": ["C4"]}]}, "model")
+    data = workflow.prepare_data(cfg, progress=False)
+    tables = workflow.tables_for(cfg, data.manifest)
+    assert all(type(t) is TableSpec for t in tables) and not hasattr(tables[2], "compression")
     s = workflow.train(cfg, tmp_path / "tt", resume=False, progress=False)
-    assert s["steps"] == 6 and 0.0 < s["eval_logloss"] < 5.0
+    assert s["steps"] == 6 and 0.0 < s["eval_logloss"] < 5.0 and s["tt_tables"] == 1
+    ck = load_checkpoint(tmp_path / "tt")
+    assert sorted(ck["tables"]) == ["t_C1", "t_C2", "t_C4"]  # rows of the plain tables only
+    assert sorted(ck["tt"]) == [f"t_C3.{k}{i}" for k in ("core", "state") for i in range(3)]
+    assert ck["tt"]["t_C3.core1"].shape[1] == 4  # (m_2, R_1, n_2 * R_2): rank 4 as asked

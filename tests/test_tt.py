@@ -265,14 +265,14 @@ def test_init_reconstructs_intended_distribution():
 
 
 def test_state_dict_round_trip_and_from_spec():
-    spec = TableSpec("big", 5000, 8, pooling="mean", compression="tt", tt_rank=6)
-    a = TTEmbeddingBag.from_spec(spec, optimizer="adagrad", lr=0.1, seed=0)
+    spec = TableSpec("big", 5000, 8, pooling="mean")
+    a = TTEmbeddingBag.from_spec(spec, 6, optimizer="adagrad", lr=0.1, seed=0)
     assert (a.name, a.mode, a.ranks) == ("big", "mean", [1, 6, 6, 1])
     ids = torch.arange(0, 5000, 7)
     a(ids, torch.arange(0, ids.numel(), 4)).sum().backward()  # non-zero Adagrad state
     sd = a.state_dict()
     assert set(sd) == {f"{p}{k}" for p in ("core", "state") for k in range(3)}
-    b = TTEmbeddingBag.from_spec(spec, optimizer="adagrad", lr=0.1, seed=1)
+    b = TTEmbeddingBag.from_spec(spec, 6, optimizer="adagrad", lr=0.1, seed=1)
     b.load_state_dict(sd)
     with torch.no_grad():
         assert torch.equal(a(ids, torch.arange(0, ids.numel(), 4)), b(ids, torch.arange(0, ids.numel(), 4)))
@@ -302,41 +302,46 @@ def test_errors_name_table_and_value():
     with pytest.raises(ConfigError, match="optimizer"):
         TTEmbeddingBag(100, 8, 2, optimizer="adam")
     with pytest.raises(ConfigError, match="pool"):
-        TTEmbeddingBag.from_spec(TableSpec("s", 10, 4, pooling="none"))
+        TTEmbeddingBag.from_spec(TableSpec("s", 10, 4, pooling="none"), 2)
 
 
 # -- compression policy and report ---------------------------------------------------------------------
 def test_tt_policy_and_compression_bars():
-    from embedscale.embedding.compression import apply_tt_policy, compression_report, split_tables, table_bytes
-    from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS
+    from embedscale.embedding.compression import EL_REC_THRESHOLD_ROWS, compression_report, split_tables, table_bytes
+    from embedscale.plan.forms import TableForm, decide_forms
+    from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, TableConfig
 
-    tables = [TableSpec("a", 1_000_000, 16), TableSpec("b", 1_000_001, 16),
-              TableSpec("c", 5_000_000, 16, compression="tt", tt_rank=8)]
-    marked = apply_tt_policy(tables, rank=32)
-    assert [(t.compression, t.tt_rank) for t in marked] == [("none", 32), ("tt", 32), ("tt", 8)]
-    assert tables[1].compression == "none"  # inputs untouched
-    plain, tt = split_tables(marked)
+    def el_rec(tables, requests=()):  # EL-Rec VI-A: the tables of more than 1M rows are TT of rank 32
+        return decide_forms(tables, requests=requests, tt_min_rows=EL_REC_THRESHOLD_ROWS + 1, tt_rank=32)
+
+    tables = [TableSpec("a", 1_000_000, 16), TableSpec("b", 1_000_001, 16), TableSpec("c", 5_000_000, 16)]
+    forms = el_rec(tables, [TableConfig("c", 5_000_000, 16, compression="tt", tt_rank=8)])
+    assert forms == {"a": TableForm(), "b": TableForm("tt", tt_rank=32), "c": TableForm("tt", tt_rank=8)}
+    plain, tt = split_tables(tables, forms)
     assert [t.name for t in plain] == ["a"] and [t.name for t in tt] == ["b", "c"]
-    m = TTEmbeddingBag.from_spec(marked[1], optimizer=None)
+    m = TTEmbeddingBag.from_spec(tables[1], forms["b"].tt_rank, optimizer=None)
     expected = sum(mk * m.ranks[k] * nk * m.ranks[k + 1] for k, (mk, nk) in enumerate(zip(m.row_shape, m.dim_shape)))
-    assert table_bytes(marked[1]) == expected * 4 == m.core_bytes
-    assert table_bytes(marked[0]) == 1_000_000 * 16 * 4
+    assert table_bytes(tables[1], forms["b"]) == expected * 4 == m.core_bytes
+    assert table_bytes(tables[0], forms["a"]) == 1_000_000 * 16 * 4
     with pytest.raises(ConfigError, match="pooling 'none'"):
-        apply_tt_policy([TableSpec("s", 2_000_000, 16, pooling="none")])
+        el_rec([TableSpec("s", 2_000_000, 16, pooling="none")])
     # EL-Rec Table III: Kaggle >= 7x (7.29x), Terabyte at dim 64 >= 70x (74.19x)
-    kaggle = compression_report(apply_tt_policy([TableSpec(f"C{i}", n, 16) for i, n in enumerate(CRITEO_KAGGLE_ROWS)]))
-    tera = compression_report(apply_tt_policy([TableSpec(f"C{i}", n, 64) for i, n in enumerate(CRITEO_TERABYTE_ROWS)]))
+    kaggle_tables = [TableSpec(f"C{i}", n, 16) for i, n in enumerate(CRITEO_KAGGLE_ROWS)]
+    tera_tables = [TableSpec(f"C{i}", n, 64) for i, n in enumerate(CRITEO_TERABYTE_ROWS)]
+    kaggle = compression_report(kaggle_tables, el_rec(kaggle_tables))
+    tera = compression_report(tera_tables, el_rec(tera_tables))
     assert kaggle.bytes_before == sum(CRITEO_KAGGLE_ROWS) * 64
     assert kaggle.ratio >= 7 and tera.ratio >= 70
     assert "**total**" in kaggle.to_markdown() and kaggle.to_dict()["ratio"] == kaggle.ratio
 
 
 # -- MixedEmbedding ---------------------------------------------------------------------------------------
+MIXED_TT = {"v": 3, "x": 2}  # the TT tables of mixed_tables() and their ranks
+
+
 def mixed_tables():
-    return [TableSpec("u", 50, 4, features=["f2", "f1"]), TableSpec("v", 3000, 4, compression="tt", tt_rank=3,
-                                                                     features=["f3", "f4"]),
-            TableSpec("w", 40, 4, pooling="mean"), TableSpec("x", 2000, 4, compression="tt", tt_rank=2,
-                                                              pooling="mean")]
+    return [TableSpec("u", 50, 4, features=["f2", "f1"]), TableSpec("v", 3000, 4, features=["f3", "f4"]),
+            TableSpec("w", 40, 4, pooling="mean"), TableSpec("x", 2000, 4, pooling="mean")]
 
 
 def mixed_batch(rng, B=16):
@@ -356,7 +361,7 @@ def reference_mixed(emb, jf):
     outs = []
     for f in emb.feature_names:
         t = emb._feature_table[f]
-        if t.compression == "tt":
+        if t.name in emb.tt:
             w = ref_table(emb.tt[t.name])
         else:
             w = emb.local.table_weight(t.name)
@@ -376,10 +381,11 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
     from embedscale.embedding.local import LocalEmbeddingBags
     from embedscale.embedding.build import EmbeddingEnv, build_embedding
     from embedscale.embedding.mixed import MixedEmbedding
+    from embedscale.plan.forms import TableForm
 
     rng = np.random.default_rng(11)
     tables = mixed_tables()
-    emb = MixedEmbedding(tables, optimizer="rowwise_adagrad", lr=0.1, seed=3, tt_init_std=0.3)
+    emb = MixedEmbedding(tables, tt=MIXED_TT, optimizer="rowwise_adagrad", lr=0.1, seed=3, tt_init_std=0.3)
     assert emb.feature_names == ["f2", "f1", "f3", "f4", "w", "x"] and set(emb.tt) == {"v", "x"}
     assert emb.tt["v"].optimizer == "adagrad"
     jf = mixed_batch(rng)
@@ -392,8 +398,8 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
         assert (emb(weighted) - reference_mixed(emb, weighted)).abs().max() < TOL
     # one step: each part moves exactly as it does alone with the same input and gradient columns
     local = LocalEmbeddingBags([tables[0], tables[2]], optimizer="rowwise_adagrad", lr=0.1, seed=3)
-    tt_v = TTEmbeddingBag.from_spec(tables[1], optimizer="adagrad", lr=0.1)
-    tt_x = TTEmbeddingBag.from_spec(tables[3], optimizer="adagrad", lr=0.1)
+    tt_v = TTEmbeddingBag.from_spec(tables[1], 3, optimizer="adagrad", lr=0.1)
+    tt_x = TTEmbeddingBag.from_spec(tables[3], 2, optimizer="adagrad", lr=0.1)
     tt_v.copy_cores_from(emb.tt["v"])
     tt_x.copy_cores_from(emb.tt["x"])
     g = torch.randn(16, 24)
@@ -413,8 +419,12 @@ def test_mixed_forward_matches_reference_and_steps_like_its_parts():
         for a, b in zip(m.cores, emb.tt[m.name].cores):
             assert (a - b).abs().max() < TOL
     env = EmbeddingEnv(device=torch.device("cpu"), optimizer="sgd", tt_lr=0.1)  # the test's own device
-    assert isinstance(build_embedding([tables[0]], None, env), LocalEmbeddingBags)
-    assert isinstance(build_embedding(tables, None, env), MixedEmbedding)
+    forms = {t.name: TableForm("tt", tt_rank=MIXED_TT[t.name]) if t.name in MIXED_TT else TableForm() for t in tables}
+    assert isinstance(build_embedding([tables[0]], None, env, forms=forms), LocalEmbeddingBags)
+    built = build_embedding(tables, None, env, forms=forms)
+    assert isinstance(built, MixedEmbedding) and {n: m.ranks[1] for n, m in built.tt.items()} == MIXED_TT
+    with pytest.raises(ConfigError, match=r"TT ranks given for tables \['y'\]"):
+        MixedEmbedding(tables, tt={"y": 2})
     with pytest.raises(InputError, match="missing"):
         emb(JaggedFeatures.from_dense(["f1"], torch.tensor([[1]])))
     with pytest.raises(InputError, match=r"'v'.*row id 3000"):
@@ -435,7 +445,7 @@ def test_mixed_in_dlrm_state_dict_and_reordering():
 
     def model(seed, reordering=None):
         torch.manual_seed(0)
-        emb = MixedEmbedding(tables, optimizer="sgd", lr=0.05, seed=seed, reordering=reordering)
+        emb = MixedEmbedding(tables, tt=MIXED_TT, optimizer="sgd", lr=0.05, seed=seed, reordering=reordering)
         return build_model(cfg, tables, 3, embedding=emb)
 
     a = model(1, reo)
@@ -454,4 +464,4 @@ def test_mixed_in_dlrm_state_dict_and_reordering():
         assert torch.allclose(plain(dense, reo.apply(jf)), a(dense, jf), atol=1e-6)
         assert not torch.allclose(plain(dense, jf), a(dense, jf), atol=1e-6)
     with pytest.raises(ConfigError, match="only some features"):
-        MixedEmbedding(tables, reordering=Reordering([TableReordering("v", perm_v, ["f3"])]))
+        MixedEmbedding(tables, tt=MIXED_TT, reordering=Reordering([TableReordering("v", perm_v, ["f3"])]))

@@ -19,6 +19,7 @@ from embedscale import workflow
 from embedscale.data.shards import Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.embedding.tt import TTEmbeddingBag
 from embedscale.errors import ConfigError
+from embedscale.plan.forms import TableForm, config_forms, decide_forms
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, Topology, from_dict, to_dict
 from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
@@ -170,10 +171,13 @@ def test_two_rank_checkpoint_with_tt_tables_resumes_exactly(tmp_path, data_dir, 
 def test_policy_from_config_marks_tables_and_checks_conflicts(tmp_path, data_dir):
     cfg = config(tmp_path, data_dir)
     tables = workflow.tables_for(cfg, Manifest.load(data_dir))
-    assert [(t.name, t.compression, t.tt_rank if t.compression == "tt" else None) for t in tables] == [
-        ("t_C1", "none", None), ("t_C2", "none", None), ("t_C3", "tt", 3), ("t_C4", "none", None), ("t_C5", "tt", 3)]
+    forms = config_forms(cfg.model, tables)
+    assert [(t.name, forms[t.name].kind, forms[t.name].tt_rank or None) for t in tables] == [
+        ("t_C1", "sharded", None), ("t_C2", "sharded", None), ("t_C3", "tt", 3), ("t_C4", "sharded", None),
+        ("t_C5", "tt", 3)]
     cfg.model.tt_min_rows = 0  # off: nothing compressed (the default)
-    assert all(t.compression == "none" for t in workflow.tables_for(cfg, Manifest.load(data_dir)))
+    assert all(f == TableForm() for f in config_forms(cfg.model, workflow.tables_for(cfg, Manifest.load(data_dir)))
+               .values())
     cfg.model.tt_min_rows, cfg.model.host_min_rows = TT_MIN, 200
     with pytest.raises(ConfigError, match="t_C5.*tt_min_rows.*host_min_rows"):
         workflow.tables_for(cfg, Manifest.load(data_dir))
@@ -185,23 +189,25 @@ def test_policy_from_config_marks_tables_and_checks_conflicts(tmp_path, data_dir
 def test_planner_replicates_tt_tables_instead_of_sharding_them(tmp_path):
     from embedscale.plan.api import compare, make_plan
     from embedscale.plan.synthetic_profile import ZipfProfile
-    from embedscale.embedding.compression import apply_tt_policy, table_bytes
+    from embedscale.embedding.compression import table_bytes
 
-    tables = apply_tt_policy([TableSpec("small", 1000, 16), TableSpec("big", 3_000_000, 16),
-                              TableSpec("mid", 50_000, 16)], 1_000_000, 32)
+    tables = [TableSpec("small", 1000, 16), TableSpec("big", 3_000_000, 16), TableSpec("mid", 50_000, 16)]
+    forms = decide_forms(tables, tt_min_rows=1_000_001, tt_rank=32)
     prof = ZipfProfile.from_tables(tables)
-    plan = make_plan("oper", tables, prof, Topology(ranks_per_host=2))
-    assert plan.table_names == ["small", "mid"]
+    plan = make_plan("oper", tables, prof, Topology(ranks_per_host=2), forms=forms)
+    assert plan.table_names == ["small", "mid"] and plan.forms == forms
     (meta,) = plan.meta["replicated_tables"]
-    assert meta["name"] == "big" and meta["tt_rank"] == 32 and meta["bytes"] == table_bytes(tables[1])
+    assert meta["name"] == "big" and meta["tt_rank"] == 32 and meta["bytes"] == table_bytes(tables[1], forms["big"])
     assert meta["bytes"] < tables[1].memory_bytes / 100
     assert plan.summary()["replicated_tables"] == ["big"] and plan.summary()["replicated_bytes_per_rank"] == meta["bytes"]
-    rep = compare(["oper", "table_wise"], tables, prof, Topology(ranks_per_host=2))
+    rep = compare(["oper", "table_wise"], tables, prof, Topology(ranks_per_host=2), forms=forms)
     assert rep["config"]["replicated_bytes_per_rank"] == meta["bytes"]
     plain_bytes = (1000 + 50_000) * 16 * 4
     assert rep["config"]["memory_budget_bytes"] < plain_bytes  # the budget is the sharded tables' share only
     with pytest.raises(ConfigError, match="every table is TT-compressed"):
-        make_plan("oper", [tables[1]], prof, Topology(ranks_per_host=2))
+        make_plan("oper", [tables[1]], prof, Topology(ranks_per_host=2), forms=forms)
+    with pytest.raises(ConfigError, match=r"tables \['mid'\] have no form"):
+        make_plan("oper", tables, prof, Topology(ranks_per_host=2), forms={"small": TableForm(), "big": forms["big"]})
 
 
 def test_plan_cli_applies_the_policy(tmp_path):

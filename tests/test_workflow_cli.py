@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from embedscale.cli import main
 from embedscale.data.shards import Manifest, iter_shards
 from embedscale.errors import ConfigError
-from embedscale.plan.forms import TableForm, decide_forms, default_tables, forms_for_run, table_profile
+from embedscale.plan.forms import TableForm, config_forms, decide_forms, default_tables, forms_for_run, table_profile
 from embedscale.plan.plan import Plan
-from embedscale.specs import RunConfig, TableSpec, from_dict
+from embedscale.specs import RunConfig, TableConfig, TableSpec, from_dict
 
 _CANDIDATES = [Path(__file__).resolve().parents[2] / "shared/data/criteo_kaggle_head10k.tsv",
                Path("/work/shared/data/criteo_kaggle_head10k.tsv")]
@@ -103,13 +103,14 @@ def test_saved_plan_forms_are_what_training_builds(planned):
     assert all(plan.forms[n] == TableForm("tt", tt_rank=4) for n in tt)
     assert not tt & set(plan.table_names)  # TT tables get no rows
     cfg = from_dict(RunConfig, {"data": {"source": "shards", "path": str(planned / "d")}})
-    built = run_tables(cfg, m, plan, "plans_tt/oper")
-    assert {t.name for t in built if t.compression == "tt"} == tt
-    assert all(t.tt_rank == 4 for t in built if t.compression == "tt")
+    tables, built = run_tables(cfg, m, plan, "plans_tt/oper")
+    assert [t.name for t in tables] == list(built) == [f"t_{s.name}" for s in m.sparse]
+    assert {n for n, f in built.items() if f.kind == "tt"} == tt
+    assert all(built[n] == TableForm("tt", tt_rank=4) for n in tt)
     # the same request agrees; a different rank contradicts the plan: an error naming table, plan and request
     same = from_dict(RunConfig, {"data": {"source": "shards", "path": str(planned / "d")},
                                  "model": {"tt_min_rows": 3000, "tt_rank": 4}})
-    assert [t.compression for t in run_tables(same, m, plan, "p")] == [t.compression for t in built]
+    assert run_tables(same, m, plan, "p")[1] == built
     other = from_dict(RunConfig, {"data": {"source": "shards", "path": str(planned / "d")},
                                   "model": {"tt_min_rows": 3000, "tt_rank": 8}})
     with pytest.raises(ConfigError, match=r"table 't_C\d+'.*tt \(rank 8\).*plans_tt/oper.*tt \(rank 4\)"):
@@ -118,7 +119,7 @@ def test_saved_plan_forms_are_what_training_builds(planned):
                                  "model": {"host_min_rows": 3000}})
     with pytest.raises(ConfigError, match=r"asks for host but plan p made it tt"):
         run_tables(host, m, plan, "p")
-    assert workflow.tables_for(cfg, m)[0].compression == "none"  # the config alone asks for nothing
+    assert all(f.kind == "sharded" for f in config_forms(cfg.model, workflow.tables_for(cfg, m)).values())  # no asks
     wide = from_dict(RunConfig, {"data": {"source": "shards", "path": str(planned / "d")},
                                  "model": {"embedding_dim": 32}})
     with pytest.raises(ConfigError, match=r"table 't_C\d+': plan p placed \d+ rows of dim 16, the model has \d+ rows "
@@ -127,11 +128,17 @@ def test_saved_plan_forms_are_what_training_builds(planned):
 
 
 def test_decide_forms_requests():
-    tabs = [TableSpec("a", 100, 8), TableSpec("b", 10, 8, compression="tt", tt_rank=3),
-            TableSpec("c", 50, 8, placement="host"), TableSpec("d", 200, 8, pooling="none")]
-    f = decide_forms(tabs[:3], tt_min_rows=100, tt_rank=5)
+    tabs = [TableSpec("a", 100, 8), TableSpec("b", 10, 8), TableSpec("c", 50, 8),
+            TableSpec("d", 200, 8, pooling="none")]
+    asks = [TableConfig("b", 10, 8, compression="tt", tt_rank=3), TableConfig("c", 50, 8, placement="host")]
+    f = decide_forms(tabs[:3], requests=asks, tt_min_rows=100, tt_rank=5)
     assert f == {"a": TableForm("tt", tt_rank=5), "b": TableForm("tt", tt_rank=3), "c": TableForm("host")}
-    assert decide_forms(tabs, host_min_rows=100)["d"] == TableForm("host")
+    assert decide_forms(tabs[:3], tt_min_rows=100, tt_rank=5)["b"] == TableForm()  # the requests are not on specs
+    assert decide_forms(tabs, requests=asks, host_min_rows=100)["d"] == TableForm("host")
+    with pytest.raises(ConfigError, match=r"requests for tables \['b', 'c'\] that the model does not have"):
+        decide_forms(tabs[:1], requests=asks)
+    with pytest.raises(ConfigError, match="'b' asks for compression: tt and placement: host"):
+        decide_forms(tabs, requests=[TableConfig("b", 10, 8, compression="tt", placement="host")])
     with pytest.raises(ConfigError, match="'d'.*pooling 'none'"):
         decide_forms(tabs, tt_min_rows=100)
     with pytest.raises(ConfigError, match="'a'.*both"):
@@ -156,3 +163,19 @@ def test_table_profile_sums_features_by_table():
     assert [x.name for x in default_tables([("f", 3), ("g", 2)], 8)] == ["t_f", "t_g"]
     with pytest.raises(ConfigError, match="'shared' reads feature 'h'"):
         table_profile(P(), [TableSpec("shared", 4, 8, features=["f", "h"])])
+
+
+def test_plan_tables_file_requests_become_the_plans_forms(tmp_path):
+    """``embedscale plan --tables FILE``: the entries' ``compression: tt`` / ``placement: host`` are requests the
+    plan decides and records (``Plan.forms``); the TT table's cores are listed per rank, neither gets rows."""
+    f = tmp_path / "tables.yaml"
+    f.write_text("tables:\n  - {name: a, num_rows: 4000}\n  - {name: b, num_rows: 3000, compression: tt, tt_rank: 4}\n"
+                 "  - {name: c, num_rows: 2000, placement: host}\n  - {name: d, num_rows: 1000}\n")
+    out = json.loads(_cli("plan", "--tables", f, "--dim", 8, "--out", tmp_path / "p", "--json").strip().splitlines()[-1])
+    assert [m["name"] for m in out["config"]["replicated_tables"]] == ["b"]
+    plan = Plan.load(tmp_path / "p" / "oper")
+    assert plan.table_names == ["a", "d"] and [t.dim for t in plan.tables] == [8, 8]
+    assert plan.forms == {"a": TableForm(), "b": TableForm("tt", tt_rank=4), "c": TableForm("host"), "d": TableForm()}
+    f.write_text("- {name: a, num_rows: 10, compression: zip}\n")
+    r = CliRunner().invoke(main, ["plan", "--tables", str(f), "--out", str(tmp_path / "q")])
+    assert r.exit_code == 2 and "error:" in r.output and "compression 'zip'" in r.output, r.output

@@ -1,9 +1,10 @@
 """Assembly: from a run config to what a run holds, below the run loop and above the executors.
 
 data (``prepare_data``: synthetic, raw logs converted once, or shards; the train/eval split) -> tables
-(``tables_for``: as configured or one per sparse feature, the forms the config asks for decided by
-``plan.forms``) -> access profile (``profile``) -> model (``build``: the one embedding builder
-``embedding.build.build_embedding`` plus the dense arches) and its dense optimizer. Nothing here starts ranks,
+(``tables_for``: the facts, as configured or one per sparse feature; their forms, ``{table: TableForm}``, are
+the plan's or, in a world of one, the config's requests decided by ``plan.forms.config_forms``) -> access
+profile (``profile``) -> model (``build``: the one embedding builder ``embedding.build.build_embedding`` plus
+the dense arches) and its dense optimizer. Nothing here starts ranks,
 loops or writes a run's results: the run loop and the launcher (``embedscale.train``) and the orchestration
 (``embedscale.workflow``) sit above this module and call it (ARCHITECTURE.md, layers).
 """
@@ -26,8 +27,8 @@ from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
-from embedscale.plan.forms import decide_forms, default_tables, with_forms
-from embedscale.specs import RunConfig, TableSpec, feature_to_table, to_dict
+from embedscale.plan.forms import config_forms, default_tables
+from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
 from embedscale.models import build_model
 from embedscale.models.dmt import is_dmt_arch
 
@@ -123,26 +124,30 @@ def split_existing(directory: Path, eval_fraction: float) -> PreparedData:
 
 
 def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
-    """The model's tables: as configured, or one per sparse feature of the data (sized by the data).
+    """The model's tables (facts only): as configured, or one per sparse feature of the data (sized by the data).
 
     A configured table that reads a feature the data does not have, or has fewer rows than the data's
     ids need, is a ``ConfigError`` naming table and feature.
 
     The default tables are ``plan.forms.default_tables`` (``t_<feature>``: the names ``embedscale plan
     --profile`` gives them too). The forms the config requests (``compression: tt``, ``placement: host``,
-    ``model.tt_min_rows`` (EL-Rec VI-A), ``model.host_min_rows`` (EL-Rec V)) are decided by
-    ``plan.forms.decide_forms`` and carried on the returned specs (``plan.forms.with_forms``); a run with a
-    saved plan builds the plan's forms instead (``train.distributed.run_tables``).
+    ``model.tt_min_rows`` (EL-Rec VI-A), ``model.host_min_rows`` (EL-Rec V)) are checked here (a bad request is a
+    ``ConfigError`` before anything runs) and decided by ``plan.forms.config_forms`` where a world of one
+    builds (:func:`build`); a run with a saved plan builds the plan's forms (``train.distributed.run_forms``).
     """
     rows = {s.name: s.num_rows for s in manifest.sparse}
     m = cfg.model
 
-    def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests turned into forms, in one place
-        return with_forms(tables, decide_forms(tables, tt_min_rows=m.tt_min_rows, tt_rank=m.tt_rank,
-                                               host_min_rows=m.host_min_rows))
+    def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests checked, as they were decided
+        config_forms(m, tables)
+        return tables
 
     if not cfg.model.tables:
         return decided(default_tables(((s.name, s.num_rows) for s in manifest.sparse), m.embedding_dim, m.pooling))
+    for i, t in enumerate(cfg.model.tables):
+        if not isinstance(t, TableConfig):
+            raise ConfigError(f"model.tables[{i}]: expected a table entry (specs.TableConfig: the facts and the "
+                              f"requested form), got {type(t).__name__}")
     try:
         feature_to_table(cfg.model.tables)  # a feature read by two tables, named with both
     except ConfigError as e:
@@ -160,12 +165,13 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     missing = [f for f in rows if f not in seen]
     if missing:
         raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
-    return decided(list(cfg.model.tables))
+    return decided([t.spec for t in cfg.model.tables])
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
           assignment=None):
-    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``.
+    """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``, in a world of
+    one: the tables' forms are the config's requests decided (``plan.forms.config_forms``).
 
     DMT archs (``model.arch: dmt-dlrm | dmt-dcn``): without ``comm`` all towers in this process (one per
     host of ``dist.topology_hosts`` unless ``model.towers`` says otherwise: the same model a distributed
@@ -180,7 +186,8 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                             seed=t.seed)
         return model, make_dense_optimizer(t, model.dense_parameters())
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
-                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed))
+                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed),
+                                forms=config_forms(cfg.model, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     return model, make_dense_optimizer(t, model.dense_parameters())
 

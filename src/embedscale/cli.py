@@ -29,10 +29,10 @@ from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.plan.api import plan_command, topology_command
 from embedscale.plan.drift import drift_command
-from embedscale.plan.forms import decide_forms, tables_from_profile, with_forms
+from embedscale.plan.forms import decide_forms, tables_from_profile
 from embedscale.plan.plan import Plan
 from embedscale.reorder import reorder_shards
-from embedscale.specs import SyntheticConfig, TableSpec, Topology, from_dict, set_dotted
+from embedscale.specs import SyntheticConfig, TableConfig, Topology, from_dict, set_dotted
 from embedscale.towers.command import format_towers_summary, towers_command
 from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
 from embedscale.train.dmt_run import checkpoint_towers, infer_dmt
@@ -423,8 +423,9 @@ def data_synthetic(out_dir, preset, samples, first_sample, max_rows, alpha, seed
 
 
 def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
-    """Tables from a YAML list, a synthetic preset, or the saved profile's: for a profile of the data
-    (``embedscale profile DIR``, per feature) the tables training builds by default (``t_<feature>``,
+    """``(tables, requests)``: tables from a YAML list (its entries, ``TableConfig``, are also the requests:
+    ``compression: tt``, ``placement: host``), a synthetic preset, or the saved profile's: for a profile of the
+    data (``embedscale profile DIR``, per feature) the tables training builds by default (``t_<feature>``,
     ``plan.forms.default_tables``)."""
     import yaml
 
@@ -433,11 +434,13 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
         data = data.get("tables", data) if isinstance(data, dict) else data
         if not isinstance(data, list):
             raise EmbedscaleError(f"{tables_path}: expected a list of tables (or a mapping with 'tables')")
-        return [from_dict(TableSpec, {"dim": dim, **t}, f"{tables_path}: tables[{i}]") for i, t in enumerate(data)]
+        requests = [from_dict(TableConfig, {"dim": dim, **t}, f"{tables_path}: tables[{i}]")
+                    for i, t in enumerate(data)]
+        return [r.spec for r in requests], requests
     if preset:
-        return SyntheticGenerator(SyntheticConfig(preset=preset, max_rows=max_rows), seed=0).table_specs(dim)
+        return SyntheticGenerator(SyntheticConfig(preset=preset, max_rows=max_rows), seed=0).table_specs(dim), []
     if profile_path:
-        return tables_from_profile(AccessProfile.load(profile_path), dim)
+        return tables_from_profile(AccessProfile.load(profile_path), dim), []
     raise EmbedscaleError("name the tables: --tables FILE.yaml, --preset NAME or --profile DIR")
 
 
@@ -483,14 +486,14 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
     --host-min-rows) are not placed; every rank holds the TT cores.
     """
     try:
-        tables = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
+        tables, requests = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
         if tt_min_rows < 0:
             raise EmbedscaleError(f"--tt-min-rows must be >= 0 (0 = off), got {tt_min_rows}")
-        tables = with_forms(tables, decide_forms(tables, tt_min_rows=tt_min_rows, tt_rank=tt_rank,
-                                                 host_min_rows=host_min_rows))
+        forms = decide_forms(tables, requests=requests, tt_min_rows=tt_min_rows, tt_rank=tt_rank,
+                             host_min_rows=host_min_rows)
         prof = profile_path or {"kind": "zipf", "alpha": zipf}
         rep = plan_command(tables, prof, _plan_topology(topology_path, hosts, ranks_per_host), list(strategies),
-                           out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size)
+                           out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size, forms=forms)
     except EmbedscaleError as e:
         _fail(e)
     if not as_json:

@@ -358,8 +358,7 @@ def _select(tables: list[TableSpec], names: list[str] | None) -> list[TableSpec]
         if unknown:
             raise ConfigError(f"build_reorder: unknown table(s) {unknown}; tables: {list(by)}")
         return [by[n] for n in names]
-    tt = [t for t in tables if t.compression == "tt"]
-    return tt or list(tables)
+    return list(tables)
 
 
 def _iter_shard_batches(directory: Path, features: list[str], batch_size: int, max_batches: int):
@@ -389,7 +388,8 @@ def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: floa
             named as the feature.
         hot_ratio: ``Hot_ratio`` of Algorithm 2: the top ``floor(num_rows * hot_ratio)`` rows by count
             keep the first ids and stay out of the graph.
-        names: tables to reorder; default the TT tables among ``tables``, or all when none is TT.
+        names: tables to reorder; default all of ``tables`` (EL-Rec reorders the TT tables: name them, the
+            tables whose form is ``tt``).
         batches: with a profile, an iterable of ``JaggedFeatures`` or ``{feature: numpy ids}``.
         max_pairs_per_batch: above this many pairs a batch links each row to ``max_pairs_per_batch // k``
             random partners instead of all (module docstring, step 2).

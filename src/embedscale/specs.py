@@ -43,7 +43,12 @@ POOLINGS = ("sum", "mean", "none")
 
 @dataclass
 class TableSpec:
-    """One embedding table.
+    """One embedding table: the facts about it, nothing about how it is stored or placed.
+
+    A table's *form* (sharded rows, TT with its rank, host parameter server, tower) is decided by the plan
+    (``plan.forms.decide_forms``, recorded in ``Plan.forms``) and travels beside the specs as
+    ``{table: TableForm}``, as TorchRec keeps ``EmbeddingBagConfig`` apart from its sharding plan. What a
+    config asks for is a :class:`TableConfig`.
 
     Args:
         name: table name, unique in the model.
@@ -51,11 +56,6 @@ class TableSpec:
         dim: embedding dimension.
         features: the sparse features looked up in this table (default: one feature named as the table).
         pooling: ``sum``, ``mean``, or ``none`` (unpooled sequence).
-        compression: ``none`` or ``tt`` (tensor-train, EL-Rec): a *request*; the table's form is decided by
-            ``plan.forms.decide_forms`` and recorded in the plan (``Plan.forms``).
-        tt_rank: TT rank when ``compression == "tt"``.
-        placement: ``device`` or ``host`` (host-memory parameter server, EL-Rec section V): a request, as
-            ``compression``. Specs returned by ``plan.forms.with_forms`` carry the decided forms in these two.
         bytes_per_value: bytes per stored value (4 for fp32).
     """
 
@@ -64,9 +64,6 @@ class TableSpec:
     dim: int = 16
     features: list[str] = field(default_factory=list)
     pooling: str = "sum"
-    compression: str = "none"
-    tt_rank: int = 32
-    placement: str = "device"
     bytes_per_value: int = 4
 
     def __post_init__(self) -> None:
@@ -78,10 +75,6 @@ class TableSpec:
             raise ConfigError(f"table {self.name!r}: dim must be positive, got {self.dim}")
         if self.pooling not in POOLINGS:
             raise ConfigError(f"table {self.name!r}: pooling {self.pooling!r} is not one of {POOLINGS}")
-        if self.compression not in ("none", "tt"):
-            raise ConfigError(f"table {self.name!r}: compression {self.compression!r} is not 'none' or 'tt'")
-        if self.placement not in ("device", "host"):
-            raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
 
     @property
     def row_bytes(self) -> int:
@@ -90,6 +83,53 @@ class TableSpec:
     @property
     def memory_bytes(self) -> int:
         return self.num_rows * self.row_bytes
+
+
+FACT_FIELDS = tuple(f.name for f in dataclasses.fields(TableSpec))
+COMPRESSIONS = ("none", "tt")
+PLACEMENTS = ("device", "host")
+
+
+@dataclass
+class TableConfig:
+    """One entry of ``model.tables``: a table's facts (:attr:`spec`) and the form the config *requests*.
+
+    ``compression: tt`` (with ``tt_rank``) asks for a tensor-train table (EL-Rec section III), ``placement:
+    host`` for the host parameter server (EL-Rec section V). They are requests only: ``plan.forms.decide_forms``
+    turns them (with ``model.tt_min_rows`` / ``model.host_min_rows``) into the table's form, and a run with a
+    saved plan builds what the plan recorded.
+
+    Args:
+        name, num_rows, dim, features, pooling, bytes_per_value: the facts, as :class:`TableSpec`.
+        compression: ``none`` or ``tt``.
+        tt_rank: TT rank when ``compression == "tt"``.
+        placement: ``device`` or ``host``.
+    """
+
+    name: str
+    num_rows: int
+    dim: int = 16
+    features: list[str] = field(default_factory=list)
+    pooling: str = "sum"
+    bytes_per_value: int = 4
+    compression: str = "none"
+    tt_rank: int = 32
+    placement: str = "device"
+
+    def __post_init__(self) -> None:
+        self.features = self.spec.features  # the facts checked, the default feature filled in
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(f"table {self.name!r}: compression {self.compression!r} is not 'none' or 'tt'")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
+        if self.compression == "tt" and self.tt_rank <= 0:
+            raise ConfigError(f"table {self.name!r}: tt_rank must be positive, got {self.tt_rank}")
+
+    @property
+    def spec(self) -> TableSpec:
+        """The table's facts."""
+        facts = {k: getattr(self, k) for k in FACT_FIELDS}
+        return TableSpec(**{**facts, "features": list(self.features)})
 
 
 def feature_to_table(tables: list[TableSpec]) -> dict[str, int]:
@@ -181,7 +221,8 @@ class ModelConfig:
     cross_low_rank: int = 0  # 0 = full-rank DCN-v2 cross
     pooling: str = "sum"
     host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
-    tables: list[TableSpec] = field(default_factory=list)  # empty = one table per sparse feature of the data
+    # the tables (facts and requested forms, TableConfig); empty = one table per sparse feature of the data
+    tables: list[TableConfig] = field(default_factory=list)
     # > 0: tables of at least this many rows are stored as tensor-train tables of rank tt_rank (EL-Rec VI-A
     # compresses the tables over 1M rows: 1000000), replicated on every rank and trained data-parallel
     tt_min_rows: int = 0

@@ -15,7 +15,7 @@ import torch
 
 from embedscale.data.loader import ShardLoader
 from embedscale.io import atomic_write_json, atomic_write_text
-from embedscale.plan.forms import table_bytes
+from embedscale.plan.forms import config_forms, table_bytes
 from embedscale.specs import RunConfig, TableSpec, dump_config
 from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
@@ -43,6 +43,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     data = data or prepare_data(cfg, progress=progress)
     device = torch.device(cfg.train.device)
     tables = tables_for(cfg, data.manifest)
+    forms = config_forms(cfg.model, tables)  # a world of one: the config's requests decided (build does the same)
     assignment = _dmt_towers(cfg, tables, run_dir)
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
     t = cfg.train
@@ -56,7 +57,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
               checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
               lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
-    if any(tb.placement == "host" for tb in tables):
+    if any(f.kind == "host" for f in forms.values()):
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
     else:
@@ -66,9 +67,9 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     atomic_write_text(run_dir / "config.yaml", config_yaml)
     extra = {"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
              "eval_rows": data.eval.rows if data.eval else 0,
-             "embedding_bytes": sum(table_bytes(tb) for tb in tables), "num_tables": len(tables),
-             "host_tables": sum(tb.placement == "host" for tb in tables),
-             "tt_tables": sum(tb.compression == "tt" for tb in tables)}
+             "embedding_bytes": sum(table_bytes(tb, forms[tb.name]) for tb in tables), "num_tables": len(tables),
+             "host_tables": sum(f.kind == "host" for f in forms.values()),
+             "tt_tables": sum(f.kind == "tt" for f in forms.values())}
     return trainer.fit(title=f"{cfg.model.arch} on {cfg.data.source}", ceiling_auc=data.teacher_auc, extra=extra)
 
 

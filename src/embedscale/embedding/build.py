@@ -1,7 +1,8 @@
-"""The one constructor of a model's embedding: ``build_embedding(tables, plan, env) -> nn.Module``.
+"""The one constructor of a model's embedding: ``build_embedding(tables, plan, env, forms=...) -> nn.Module``.
 
-Every table's form is decided in the plan (``embedscale.plan.forms``: ``sharded``, ``tt``, ``host``); the
-tables arrive carrying it (``plan.forms.with_forms``). What is built:
+Every table's form is decided in the plan (``embedscale.plan.forms``: ``sharded``, ``tt``, ``host``) and
+arrives beside the tables as ``forms``, ``{table: TableForm}`` (``Plan.forms`` with a plan, ``decide_forms`` in
+a world of one); the ``TableSpec`` s hold only facts. What is built:
 
 * world of one (``plan`` is ``None``): the sharded tables in one :class:`~embedscale.embedding.local.LocalEmbeddingBags`
   (the fast path when nothing is sharded across ranks);
@@ -27,7 +28,7 @@ table starts with the same rows whatever its form or placement (single process =
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.towers import FlatTableWiseEmbedding, LocalTowerEmbedding, TowerEmbedding, TowerSetup
 from embedscale.errors import ConfigError
 from embedscale.pipeline import HostParameterServer, PipelinedEmbedding
-from embedscale.plan.forms import forms_of
+from embedscale.plan.forms import TableForm
 from embedscale.specs import TableSpec
 
 
@@ -107,15 +108,19 @@ def hash_init(seed: int, tables: list[TableSpec]):
     return init
 
 
-def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Module:
-    """The model's embedding over ``tables`` (forms decided, see the module docstring) for ``plan`` (``None``:
-    a world of one) in ``env``. Bit-identical to the constructors it replaces (same seeds, same order)."""
-    forms = forms_of(tables)
-    if env.towers is not None or any(f.kind == "tower" for f in forms.values()):
-        return build_tower_embedding(tables, plan, env)
+def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: Mapping[str, TableForm]) -> nn.Module:
+    """The model's embedding over ``tables`` in their ``forms`` (every table's, see the module docstring) for
+    ``plan`` (``None``: a world of one) in ``env``. Bit-identical to the constructors it replaces (same seeds,
+    same order)."""
+    missing = [t.name for t in tables if t.name not in forms]
+    if missing:
+        raise ConfigError(f"build_embedding: tables {missing} have no form (forms for {sorted(forms)})")
+    if env.towers is not None or any(forms[t.name].kind == "tower" for t in tables):
+        return build_tower_embedding(tables, plan, env, forms=forms)
     host = [t for t in tables if forms[t.name].kind == "host"]
     rest = [t for t in tables if forms[t.name].kind != "host"]
-    has_tt = any(forms[t.name].kind == "tt" for t in rest)
+    tt = {t.name: forms[t.name].tt_rank for t in rest if forms[t.name].kind == "tt"}
+    has_tt = bool(tt)
     init = hash_init(env.seed, tables)
     if plan is None:
         if env.world_size != 1:
@@ -123,20 +128,21 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Modu
         if host:
             device_modules = None
             if has_tt:  # TT tables beside the host ones (EL-Rec III with V)
-                device_modules = [MixedEmbedding(rest, device=env.device, optimizer=env.optimizer, lr=env.lr,
+                device_modules = [MixedEmbedding(rest, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                  init=init, seed=env.seed, tt_lr=env.tt_lr,
                                                  init_index=[tables.index(x) for x in rest])]
-            return PipelinedEmbedding.from_tables(tables, device=env.device, optimizer=env.optimizer, lr=env.lr,
+            return PipelinedEmbedding.from_tables(tables, forms, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                   seed=env.seed, init=init, device_modules=device_modules)
         if has_tt:
-            return MixedEmbedding(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
+            return MixedEmbedding(tables, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
                                   seed=env.seed, tt_lr=env.tt_lr)
         return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init)
-    return _distributed(tables, host, rest, has_tt, plan, env)
+    return _distributed(tables, host, rest, tt, plan, env)
 
 
-def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Module:
-    sharded_tables = [t for t in rest if t.compression != "tt"]
+def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
+    has_tt = bool(tt)
+    sharded_tables = [t for t in rest if t.name not in tt]
     if plan.world_size != env.world_size:
         raise ConfigError(f"build_embedding: the plan is for {plan.world_size} ranks, this run has {env.world_size}")
     if env.transport is None or env.address_map is None:
@@ -152,7 +158,7 @@ def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Modu
     init = hash_init(env.seed, tables)
     if has_tt:  # TT replicas beside the sharded tables, their core gradients summed over the ranks (EL-Rec VI-B)
         sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
-        module = MixedEmbedding(rest, local=module, device=env.device, optimizer=opt, lr=env.lr,
+        module = MixedEmbedding(rest, tt=tt, local=module, device=env.device, optimizer=opt, lr=env.lr,
                                 init=init, seed=env.seed, grad_sync=sync, init_index=[tables.index(x) for x in rest],
                                 tt_lr=env.tt_lr)
     if host:  # host rows in a parameter server, data parallel: every rank applies every update (EL-Rec V)
@@ -165,7 +171,8 @@ def _distributed(tables, host, rest, has_tt, plan, env: EmbeddingEnv) -> nn.Modu
     return module
 
 
-def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> nn.Module:
+def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *,
+                          forms: Mapping[str, TableForm]) -> nn.Module:
     """The DMT tower embedding of ``tables`` (``build_embedding``'s tower branch; DMT Luo et al., MLSys 2024).
 
     ``env.towers`` says what to build (:class:`~embedscale.embedding.towers.TowerSetup`): without a ``comm``
@@ -179,7 +186,7 @@ def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv) -> n
     ranks build the same tables. The tables always get the fused optimizer ``env.optimizer`` (an inference run
     restores them and never steps).
     """
-    setup, forms = env.towers, forms_of(tables)
+    setup = env.towers
     if setup is None:
         named = [t.name for t in tables if forms[t.name].kind == "tower"]
         raise ConfigError(f"build_embedding: tables {named} are DMT tower tables; env.towers must say the towers "

@@ -1,9 +1,9 @@
 """Which tables are stored as tensor-train tables, what that saves, and what it means for placement.
 
 The policy (EL-Rec section VI-A, "Baseline"): tables with more than 1 million rows are decomposed into
-TT tables of rank ``R`` (``TableSpec.compression = "tt"``, ``tt_rank = R``); the small tables stay
-uncompressed. :func:`apply_tt_policy` marks them; the planner calls it (or a config says
-``compression: tt`` per table).
+TT tables of rank ``R`` (form ``TableForm("tt", tt_rank=R)``); the small tables stay uncompressed.
+``plan.forms.decide_forms(tables, tt_min_rows=EL_REC_THRESHOLD_ROWS + 1, tt_rank=R)`` decides it (the one
+place forms are decided; a config says ``compression: tt`` per table or ``model.tt_min_rows``).
 
 **The placement contract for TT tables** (EL-Rec section VI-B, "DLRM training on multi-GPU platform"):
 a TT table is small (a 10M x 16 table at rank 32 is under 2 MB of cores), so it is **replicated on
@@ -35,40 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from embedscale.errors import ConfigError
-from embedscale.plan.forms import TT_BYTES_PER_VALUE, replicated_tables_meta, table_bytes, tt_shapes
+from embedscale.plan.forms import TT_BYTES_PER_VALUE, TableForm, replicated_tables_meta, table_bytes, tt_shapes
 from embedscale.specs import TableSpec
 
 # the TT size arithmetic lives in the (numpy-only) plan package; re-exported here for old callers
-__all__ = ["EL_REC_THRESHOLD_ROWS", "TT_BYTES_PER_VALUE", "apply_tt_policy", "compression_report", "replica_grad_sync",
+__all__ = ["EL_REC_THRESHOLD_ROWS", "TT_BYTES_PER_VALUE", "compression_report", "replica_grad_sync",
            "replicated_tables_meta", "split_tables", "table_bytes", "tt_shapes"]
 
 EL_REC_THRESHOLD_ROWS = 1_000_000
-
-
-def apply_tt_policy(tables: list[TableSpec], threshold_rows: int = EL_REC_THRESHOLD_ROWS,
-                    rank: int = 32) -> list[TableSpec]:
-    """Copies of ``tables`` with every table of more than ``threshold_rows`` rows marked
-    ``compression="tt"``, ``tt_rank=rank`` (EL-Rec: more than 1M rows). Tables already marked ``tt`` keep
-    their rank; the others are returned unchanged (copies)."""
-    if isinstance(threshold_rows, bool) or not isinstance(threshold_rows, int) or threshold_rows < 0:
-        raise ConfigError(f"apply_tt_policy: threshold_rows must be a non-negative integer, got {threshold_rows!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise ConfigError(f"apply_tt_policy: rank must be a positive integer, got {rank!r}")
-    out = []
-    for t in tables:
-        if t.compression == "tt" or t.num_rows <= threshold_rows:
-            out.append(dataclasses.replace(t, features=list(t.features)))
-            continue
-        if t.pooling == "none":
-            raise ConfigError(f"table {t.name!r}: {t.num_rows} rows would be TT-compressed, but TT tables pool "
-                              "(sum or mean) and this one has pooling 'none'")
-        out.append(dataclasses.replace(t, features=list(t.features), compression="tt", tt_rank=rank))
-    return out
 
 
 def replica_grad_sync(group=None, stats: dict | None = None):
@@ -94,9 +73,11 @@ def replica_grad_sync(group=None, stats: dict | None = None):
     return sync
 
 
-def split_tables(tables: list[TableSpec]) -> tuple[list[TableSpec], list[TableSpec]]:
-    """``(uncompressed, tt)``: the tables a planner shards, and the TT tables it replicates on every rank."""
-    return [t for t in tables if t.compression != "tt"], [t for t in tables if t.compression == "tt"]
+def split_tables(tables: list[TableSpec],
+                 forms: Mapping[str, TableForm]) -> tuple[list[TableSpec], list[TableSpec]]:
+    """``(uncompressed, tt)`` by ``forms``: the tables a planner shards, and the TT tables it replicates on
+    every rank."""
+    return ([t for t in tables if forms[t.name].kind != "tt"], [t for t in tables if forms[t.name].kind == "tt"])
 
 
 @dataclass
@@ -158,14 +139,16 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def compression_report(tables: list[TableSpec], num_cores: int = 3) -> CompressionReport:
-    """Bytes before and after, per table, for the tables as they are marked (see :func:`apply_tt_policy`)."""
+def compression_report(tables: list[TableSpec], forms: Mapping[str, TableForm],
+                       num_cores: int = 3) -> CompressionReport:
+    """Bytes before and after, per table, for the tables in their ``forms`` (``plan.forms.decide_forms``)."""
     out = []
     for t in tables:
-        if t.compression == "tt":
-            rows, dims, _ = tt_shapes(t, num_cores)
-            out.append(TableCompression(t.name, t.num_rows, t.dim, "tt", t.tt_rank, rows, dims, t.memory_bytes,
-                                        table_bytes(t, num_cores)))
+        f = forms[t.name]
+        if f.kind == "tt":
+            rows, dims, _ = tt_shapes(t, f.tt_rank, num_cores)
+            out.append(TableCompression(t.name, t.num_rows, t.dim, "tt", f.tt_rank, rows, dims, t.memory_bytes,
+                                        table_bytes(t, f, num_cores)))
         else:
             out.append(TableCompression(t.name, t.num_rows, t.dim, "none", None, None, None, t.memory_bytes,
                                         t.memory_bytes))

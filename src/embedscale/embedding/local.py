@@ -279,12 +279,6 @@ class LocalEmbeddingBags(nn.Module):
             raise ConfigError("LocalEmbeddingBags: no tables")
         if optimizer is not None and optimizer not in OPTIMIZERS:
             raise ConfigError(f"LocalEmbeddingBags: optimizer {optimizer!r} is not one of {OPTIMIZERS} or None")
-        for spec in tables:
-            if spec.compression != "none":
-                raise ConfigError(
-                    f"table {spec.name!r}: compression {spec.compression!r} is not stored by "
-                    "LocalEmbeddingBags (tensor-train tables live in embedscale.embedding.tt)"
-                )
         feature_to_table(tables)  # raises on repeated tables or features
         device = torch.device(device) if device is not None else torch.get_default_device()
         self.tables = list(tables)

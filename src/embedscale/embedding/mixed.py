@@ -1,15 +1,17 @@
 """Uncompressed and tensor-train tables behind one embedding interface.
 
-``MixedEmbedding(tables)`` keeps every table whose ``TableSpec.compression`` is ``none`` in one
+``MixedEmbedding(tables, tt={table: rank})`` keeps every table ``tt`` does not name in one
 :class:`~embedscale.embedding.local.LocalEmbeddingBags` (flat storage, fused lookup, fused sparse
-optimizer) and every ``compression == "tt"`` table in its own
-:class:`~embedscale.embedding.tt.TTEmbeddingBag` (EL-Rec's Eff-TT, cores updated in backward). It has
+optimizer) and every table it names in its own :class:`~embedscale.embedding.tt.TTEmbeddingBag` of that
+rank (EL-Rec's Eff-TT, cores updated in backward). ``tt`` comes from the tables' forms (the TT ones'
+``TableForm.tt_rank``, decided by ``plan.forms.decide_forms`` or recorded in the plan): a ``TableSpec``
+holds only facts. It has
 the ``LocalEmbeddingBags`` interface the models use: ``feature_names`` (pooled features in table order,
 features of a table in their order), ``feature_dims``, ``forward(JaggedFeatures) -> [B, sum of dims]``
 in ``feature_names`` order, updates of both kinds applied during ``loss.backward()``, and a
 ``state_dict`` (``local.<table>.weight``/``.momentum``, ``tt.<table>.core<k>``/``.state<k>``,
 ``remap.<table>``). So a model config that says ``compression: tt`` on a table runs through
-``build_model(cfg, tables, num_dense, embedding=MixedEmbedding(tables, ...))``; the model's embedding is
+``build_model(cfg, tables, num_dense, embedding=MixedEmbedding(tables, tt=..., ...))``; the model's embedding is
 built by :func:`embedscale.embedding.build.build_embedding` (a plain ``LocalEmbeddingBags`` when no table's
 form is TT).
 
@@ -35,7 +37,7 @@ on the rank, and the output is the same ``[B, sum of dims]`` in ``feature_names`
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -50,10 +52,12 @@ _TT_DEFAULT = {"sgd": "sgd", "rowwise_adagrad": "adagrad", None: None}
 
 
 class MixedEmbedding(nn.Module):
-    """Uncompressed tables in a ``LocalEmbeddingBags``, ``compression="tt"`` tables as ``TTEmbeddingBag`` s.
+    """Uncompressed tables in a ``LocalEmbeddingBags``, the tables ``tt`` names as ``TTEmbeddingBag`` s.
 
     Args:
         tables: the tables; pooled features in table order are the output columns.
+        tt: the TT tables and their ranks, ``{table name: tt_rank}`` (the TT forms); the others are
+            uncompressed.
         device, dtype: where and how the uncompressed storage lives (TT cores are float32 on ``device``).
         optimizer, lr, eps: the fused optimizer of the uncompressed tables (``LocalEmbeddingBags``).
         init: init of the uncompressed tables (``"uniform"`` or a callable, as ``LocalEmbeddingBags``).
@@ -84,15 +88,16 @@ class MixedEmbedding(nn.Module):
         >>> import torch
         >>> from embedscale.specs import TableSpec
         >>> from embedscale.data.batch import JaggedFeatures
-        >>> tables = [TableSpec("small", 100, 8), TableSpec("big", 2_000_000, 8, compression="tt", tt_rank=8)]
-        >>> emb = MixedEmbedding(tables, optimizer="rowwise_adagrad", lr=0.1, seed=0)
+        >>> tables = [TableSpec("small", 100, 8), TableSpec("big", 2_000_000, 8)]
+        >>> emb = MixedEmbedding(tables, tt={"big": 8}, optimizer="rowwise_adagrad", lr=0.1, seed=0)
         >>> out = emb(JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 123_456], [2, 7]])))
         >>> out.shape
         torch.Size([2, 16])
         >>> out.sum().backward()      # both kinds updated in place
     """
 
-    def __init__(self, tables: list[TableSpec], *, device: torch.device | str | None = None,
+    def __init__(self, tables: list[TableSpec], *, tt: Mapping[str, int | Sequence[int]],
+                 device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float32, optimizer: str | None = "sgd", lr: float = 0.01,
                  eps: float = 1e-8, init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
                  seed: int | None = None, validate: bool = True, tt_optimizer: str | None = "default",
@@ -111,8 +116,13 @@ class MixedEmbedding(nn.Module):
         for t in tables:
             if "." in t.name or not t.name:
                 raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
-        plain = [t for t in tables if t.compression != "tt"]
-        compressed = [t for t in tables if t.compression == "tt"]
+        unknown = sorted(set(tt) - set(self.table_names))
+        if unknown:
+            raise ConfigError(f"MixedEmbedding: TT ranks given for tables {unknown} that are not among the tables "
+                              f"{self.table_names}")
+        self.tt_ranks = {t.name: tt[t.name] for t in tables if t.name in tt}
+        plain = [t for t in tables if t.name not in tt]
+        compressed = [t for t in tables if t.name in tt]
         init_index = list(range(len(tables))) if init_index is None else list(init_index)
         if len(init_index) != len(tables):
             raise ConfigError(f"MixedEmbedding: {len(init_index)} init indices for {len(tables)} tables")
@@ -135,7 +145,7 @@ class MixedEmbedding(nn.Module):
         for i, t in enumerate(compressed):
             if t.pooling == "none":
                 raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
-            m = TTEmbeddingBag.from_spec(t, include_last_offset=True, optimizer=tt_optimizer,
+            m = TTEmbeddingBag.from_spec(t, tt[t.name], include_last_offset=True, optimizer=tt_optimizer,
                                          lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
                                          seed=None if seed is None else seed + 1 + init_index[self.tables.index(t)],
                                          device=device, validate=validate, **options)
@@ -246,7 +256,7 @@ class MixedEmbedding(nn.Module):
             # unpooled ones
             pooled = set(self.local.feature_names)
             lk = list(self.local.feature_names) + [k for k in keys if k not in pooled
-                                                   and self._feature_table[k].compression != "tt"]
+                                                   and self._feature_table[k].name not in self.tt]
             out = self.local(features.select(lk))
             for f, o in zip(self.local.feature_names, torch.split(out, self._local_dims, dim=1)):
                 cols[f] = o

@@ -33,6 +33,7 @@ from embedscale.comm.hierarchical import SHARDINGS, TowerComm, TowerLayout, Towe
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import ConfigError
+from embedscale.plan.forms import TableForm
 from embedscale.specs import TableSpec, feature_to_table
 
 
@@ -46,6 +47,25 @@ class FeatureTowers(Protocol):
     def num_towers(self) -> int: ...
 
     def check_covers(self, features: list[str]) -> None: ...
+
+
+def tower_forms(tables: list[TableSpec], assignment: FeatureTowers | None) -> dict[str, TableForm]:
+    """Every table's form in a DMT model: ``tower`` with the first tower reading it (DMT 3.1; a table read by
+    several towers is held by their tower group, which :class:`TowerEmbedding` checks is one); the flat
+    baseline (``assignment`` ``None``) shards tables whole (form ``sharded``)."""
+    if assignment is None:
+        return {t.name: TableForm() for t in tables}
+    tower_of: dict[str, int] = {}
+    for g, fs in enumerate(assignment.towers):
+        for f in fs:
+            tower_of.setdefault(f, g)
+    out = {}
+    for t in tables:
+        groups = [tower_of[f] for f in t.features if f in tower_of]
+        if not groups:
+            raise ConfigError(f"table {t.name!r}: none of its features {t.features} is in a tower")
+        out[t.name] = TableForm("tower", tower=min(groups))
+    return out
 
 
 @dataclass

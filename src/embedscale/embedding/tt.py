@@ -562,14 +562,15 @@ class TTEmbeddingBag(_TTCores):
         self.last_sizes: list[int] = []
 
     @classmethod
-    def from_spec(cls, spec: TableSpec, **kwargs) -> "TTEmbeddingBag":
-        """The TT table of a ``TableSpec`` (its rows, dim, ``tt_rank``, pooling and name)."""
+    def from_spec(cls, spec: TableSpec, tt_rank: int | Sequence[int], **kwargs) -> "TTEmbeddingBag":
+        """The TT table of rank ``tt_rank`` (the table's form, ``TableForm.tt_rank``) of a ``TableSpec`` (its
+        rows, dim, pooling and name)."""
         if spec.pooling not in MODES:
             raise ConfigError(f"table {spec.name!r}: TT tables pool with 'sum' or 'mean', not {spec.pooling!r}")
         if spec.bytes_per_value != 4:
             raise ConfigError(f"table {spec.name!r}: TT tables store float32 (bytes_per_value 4), "
                               f"got {spec.bytes_per_value}")
-        return cls(spec.num_rows, spec.dim, spec.tt_rank, mode=spec.pooling, name=spec.name, **kwargs)
+        return cls(spec.num_rows, spec.dim, tt_rank, mode=spec.pooling, name=spec.name, **kwargs)
 
     # -- planning ----------------------------------------------------------------------------------
     def _plan(self, values: torch.Tensor) -> _ReusePlan:

@@ -16,6 +16,7 @@ from torch import nn
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import DCN, CrossNet
 from embedscale.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch, SparseArch, dense_parameters
+from embedscale.plan.forms import config_forms
 from embedscale.specs import ModelConfig, TableSpec
 from embedscale.models.dmt import DMTConfig, build_dmt_model, check_no_tower_settings
 from embedscale.models.flat import _check_widths, build_flat
@@ -103,11 +104,11 @@ def build_model(
             raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
         _check_widths("model.bottom_mlp", cfg.bottom_mlp)
         _check_widths("model.top_mlp", cfg.top_mlp)
+        forms = config_forms(cfg, tables)  # the forms the config asks for: the towers hold plain tables
         for spec in tables:
-            if spec.pooling == "none" or spec.compression != "none" or spec.placement != "device":
+            if spec.pooling == "none" or forms[spec.name].kind != "sharded":
                 raise ConfigError(f"table {spec.name!r}: {arch} needs pooled (sum/mean), uncompressed, device-placed "
-                                  f"tables (got pooling {spec.pooling!r}, compression {spec.compression!r}, "
-                                  f"placement {spec.placement!r})")
+                                  f"tables (got pooling {spec.pooling!r}, form {forms[spec.name].describe()})")
         return build_dmt_model(cfg, tables, num_dense, DMTConfig.from_model(cfg, check_file=assignment is None),
                                arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
                                optimizer=sparse_optimizer, lr=lr_sparse, seed=seed, device=device)

@@ -33,7 +33,7 @@ from torch import nn
 from embedscale.comm.hierarchical import PERMUTES, SHARDINGS, TowerComm, TowerPlacement
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.build import EmbeddingEnv, build_embedding
-from embedscale.embedding.towers import TowerSetup, tower_groups_of
+from embedscale.embedding.towers import TowerSetup, tower_forms, tower_groups_of
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import CrossNet
 from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
@@ -384,7 +384,8 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
     towers = resolve_towers(cfg, tables, dmt, arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
                             seed=seed, device=device)
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=optimizer, lr=lr, seed=seed,
-                                                           towers=towers.setup))
+                                                           towers=towers.setup),
+                                forms=tower_forms(tables, towers.setup.assignment))
     return dmt_model(cfg, tables, num_dense, towers, embedding, seed=seed, device=device)
 
 
@@ -413,7 +414,8 @@ def build_flat_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, 
     initialised as :func:`build_dmt_model` with the same seed."""
     arch = cfg.arch.lower().removeprefix("dmt-")
     emb = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=optimizer, lr=lr, seed=seed,
-                                                     towers=TowerSetup(comm=comm, flat=True, placement=placement)))
+                                                     towers=TowerSetup(comm=comm, flat=True, placement=placement)),
+                          forms=tower_forms(tables, None))
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         return _with_split(build_flat(_plain_config(cfg, arch), tables, num_dense, embedding=emb, device=device))

@@ -1,6 +1,6 @@
 """Pipelined training with a host-memory parameter server and a life-cycle embedding cache (EL-Rec, SC 2022,
-section V): tables with ``placement: host`` live in :class:`HostParameterServer`; :class:`PipelinedEmbedding`
-presents them, with device-side tables, as one embedding module; :class:`PipelinedLoader` /
+section V): the tables whose form is ``host`` (``plan.forms.TableForm``) live in :class:`HostParameterServer`;
+:class:`PipelinedEmbedding` presents them, with device-side tables, as one embedding module; :class:`PipelinedLoader` /
 ``train.trainer.pipelined_trainer`` prefetch host rows ``depth - 1`` batches ahead while the trainer computes, and
 :class:`LifeCycleCache` patches the stale ones, so the result equals sequential training bit for bit.
 """

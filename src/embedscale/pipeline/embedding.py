@@ -31,7 +31,7 @@ updates the server directly: that is sequential training. Designed for, untested
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.pipeline.cache import LifeCycleCache
 from embedscale.pipeline.queues import GradientBatch, HostRows, PipelineError, PrefetchedBatch
 from embedscale.pipeline.server import HostParameterServer, aggregate_row_updates, apply_buffer_updates_
+from embedscale.plan.forms import TableForm
 from embedscale.specs import TableSpec
 
 
@@ -97,8 +98,9 @@ class PipelinedEmbedding(nn.Module):
         >>> import torch
         >>> from embedscale.data.batch import JaggedFeatures
         >>> from embedscale.specs import TableSpec
-        >>> tables = [TableSpec("small", 10, 4), TableSpec("big", 1000, 4, placement="host")]
-        >>> emb = PipelinedEmbedding.from_tables(tables, optimizer="sgd", lr=0.1, seed=0)
+        >>> from embedscale.plan.forms import TableForm
+        >>> tables = [TableSpec("small", 10, 4), TableSpec("big", 1000, 4)]
+        >>> emb = PipelinedEmbedding.from_tables(tables, {"big": TableForm("host")}, optimizer="sgd", lr=0.1, seed=0)
         >>> jf = JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 7], [2, 3]]))
         >>> out = emb(jf)                # no pipeline running: reads the server synchronously
         >>> out.shape
@@ -195,19 +197,27 @@ class PipelinedEmbedding(nn.Module):
         self.host_lookups = 0
 
     @classmethod
-    def from_tables(cls, tables: list[TableSpec], *, device: torch.device | str | None = None,
+    def from_tables(cls, tables: list[TableSpec], forms: Mapping[str, TableForm], *,
+                    device: torch.device | str | None = None,
                     host_device: torch.device | str | None = None, optimizer: str = "rowwise_adagrad",
                     lr: float = 0.01, eps: float = 1e-8, seed: int | None = None, init="uniform",
                     device_modules: Sequence[nn.Module] | None = None, process_group=None,
                     server_group=None, timeout_s: float = 300.0) -> "PipelinedEmbedding":
-        """Tables with ``placement: host`` go to a new :class:`HostParameterServer` on ``host_device``; the
-        others, unless ``device_modules`` is given, to one ``LocalEmbeddingBags`` on ``device``. Both are
+        """Tables whose form in ``forms`` (``{table: TableForm}``; a table it does not name is ``sharded``) is
+        ``host`` go to a new :class:`HostParameterServer` on ``host_device``; the others, unless
+        ``device_modules`` is given, to one ``LocalEmbeddingBags`` on ``device`` (a TT table then needs
+        ``device_modules``: a ``MixedEmbedding``). Both are
         initialised with ``init`` and ``seed`` (each as a ``LocalEmbeddingBags`` of its own tables would be).
         ``server_group``: the ranks of this machine that share one copy of the host tables
         (:mod:`embedscale.pipeline.shared`); ``None``: one server with its own copy per rank."""
-        host = [t for t in tables if t.placement == "host"]
-        rest = [t for t in tables if t.placement != "host"]
+        kind = {t.name: forms[t.name].kind if t.name in forms else "sharded" for t in tables}
+        host = [t for t in tables if kind[t.name] == "host"]
+        rest = [t for t in tables if kind[t.name] != "host"]
         if device_modules is None:
+            tt = [t.name for t in rest if kind[t.name] != "sharded"]
+            if tt:
+                raise ConfigError(f"PipelinedEmbedding.from_tables: tables {tt} are {[kind[n] for n in tt]}, not "
+                                  "stored in a LocalEmbeddingBags: pass device_modules (a MixedEmbedding for TT)")
             device_modules = [LocalEmbeddingBags(rest, device=device, optimizer=optimizer, lr=lr, eps=eps,
                                                  init=init, seed=seed)] if rest else []
         server = HostParameterServer(host, device=host_device, optimizer=optimizer, lr=lr, eps=eps, init=init,

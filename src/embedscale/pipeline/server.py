@@ -1,4 +1,4 @@
-"""The host-memory parameter server: tables with ``placement: host`` and their fused sparse optimizer.
+"""The host-memory parameter server: the tables whose form is ``host`` and their fused sparse optimizer.
 
 EL-Rec (SC 2022) section V-A, Fig. 9: embedding tables that do not fit in the trainer's device memory
 stay in host memory, where a parameter server (PS) reads the rows of upcoming batches for the trainer
@@ -131,9 +131,9 @@ class HostParameterServer:
     """Host tables, their fused sparse optimizer, and the read/update operations of EL-Rec's PS.
 
     Args:
-        tables: the host tables (``placement`` is not checked: whatever is given lives here). Pooling
-            ``sum`` or ``mean``; ``compression`` must be ``none`` (TT tables are small enough for the
-            device: put them in a device-side module).
+        tables: the host tables (whatever is given lives here: the tables whose form is ``host``, decided
+            by ``plan.forms.decide_forms``, which never makes a TT table host-placed). Pooling ``sum`` or
+            ``mean``.
         device: the host device the tables live on (from the run config; default torch's default device).
         dtype: weight dtype.
         optimizer: ``"sgd"`` or ``"rowwise_adagrad"`` (FBGEMM ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD``).
@@ -156,7 +156,7 @@ class HostParameterServer:
         >>> import torch
         >>> from embedscale.data.batch import JaggedFeatures
         >>> from embedscale.specs import TableSpec
-        >>> ps = HostParameterServer([TableSpec("big", 1000, 4, placement="host")], optimizer="sgd", lr=0.1, seed=0)
+        >>> ps = HostParameterServer([TableSpec("big", 1000, 4)], optimizer="sgd", lr=0.1, seed=0)
         >>> jf = JaggedFeatures.from_dense(["big"], torch.tensor([[7], [3], [7]]))
         >>> hr = ps.read(ps.prepare(jf), torch.device("cpu"))[0]
         >>> hr.rows.tolist(), hr.ids.tolist(), tuple(hr.weights.shape)
@@ -177,9 +177,6 @@ class HostParameterServer:
             if spec.pooling == "none":
                 raise ConfigError(f"table {spec.name!r}: pooling 'none' (sequences) is not served from host "
                                   "memory; use placement 'device'")
-            if spec.compression != "none":
-                raise ConfigError(f"table {spec.name!r}: compression {spec.compression!r} with placement "
-                                  "'host': compressed (TT) tables are small, keep them on the device")
         leader = share_group is None or dist.get_rank(share_group) == 0
         self.store = LocalEmbeddingBags(tables, device=device, dtype=dtype, optimizer=optimizer, lr=lr, eps=eps,
                                         init=init if leader else _no_init, seed=seed, validate=False)

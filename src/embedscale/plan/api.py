@@ -12,13 +12,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_json
 from embedscale.plan.baselines import BASELINES, plan_baseline
 from embedscale.plan.cost import check_mode, evaluate
-from embedscale.plan.forms import forms_of, replicated_tables_meta, table_profile
+from embedscale.plan.forms import SHARDED, TableForm, replicated_tables_meta, table_profile
 from embedscale.plan.oper import plan_oper
 from embedscale.plan.plan import Plan
 from embedscale.plan.report import strategy_entry, write_markdown, write_png
@@ -54,17 +54,18 @@ def resolve_topology(topology) -> LinkTopology:
     return as_link_topology(topology)
 
 
-def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
-              batch_size: int = 2048, **opts) -> Plan:
+def make_plan(strategy: str, tables, profile, topology, *, forms: Mapping[str, TableForm] | None = None,
+              mode: str = "training", extra_memory: float = 0.05, batch_size: int = 2048, **opts) -> Plan:
     """Plan ``tables`` for ``topology`` with ``strategy`` (one of ``STRATEGIES``).
 
     Args:
         strategy: ``oper``, ``table_wise``, ``row_wise``, ``memory_greedy``, ``access_greedy``,
             ``torchrec`` or ``milp``.
-        tables: ``TableSpec`` list, their forms decided (``plan.forms.decide_forms`` / ``with_forms``). Only
-            ``sharded`` tables get rows placed; TT tables are replicated on every rank and trained data-parallel
-            (EL-Rec VI-B), listed in ``plan.meta["replicated_tables"]``; host tables live in the parameter
-            server. ``plan.meta["forms"]`` records every table's form (``Plan.forms``).
+        tables: ``TableSpec`` list (facts only).
+        forms: every table's form, ``{table: TableForm}`` (``plan.forms.decide_forms``); ``None``: every table
+            sharded. Only ``sharded`` tables get rows placed; TT tables are replicated on every rank and trained
+            data-parallel (EL-Rec VI-B), listed in ``plan.meta["replicated_tables"]``; host tables live in the
+            parameter server. ``plan.meta["forms"]`` records every table's form (``Plan.forms``).
         profile: per-row access counts (see ``resolve_profile``); a per-feature profile is summed by table
             (``plan.forms.table_profile``).
         topology: ``specs.Topology``, ``LinkTopology``, a dict or a YAML/JSON path.
@@ -83,8 +84,8 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     """
     check_mode(mode)
     all_tables = list(tables)
-    forms = forms_of(all_tables)
-    tables, tt_tables = _split_tt(all_tables)
+    forms = _forms(all_tables, forms)
+    tables, tt_tables = _split_tt(all_tables, forms)
     if not tables:
         raise ConfigError("no tables to plan" + (" (every table is TT-compressed or host-placed: nothing to shard)"
                                                  if all_tables else ""))
@@ -105,27 +106,39 @@ def make_plan(strategy: str, tables, profile, topology, *, mode: str = "training
     plan.meta.update({"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory)})
     plan.meta.setdefault("topology", topo.to_dict())
     if tt_tables:
-        plan.meta["replicated_tables"] = replicated_tables_meta(tt_tables)
+        plan.meta["replicated_tables"] = replicated_tables_meta(tt_tables, forms)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     plan.meta["features"] = {t.name: list(getattr(t, "features", None) or [t.name]) for t in tables}
     return plan
 
 
-def _split_tt(tables) -> tuple[list, list]:
+def _forms(tables, forms: Mapping[str, TableForm] | None) -> dict[str, TableForm]:
+    """``forms`` of exactly ``tables`` (``None``: all sharded); a table without a form is a ``ConfigError``."""
+    if forms is None:
+        return {t.name: SHARDED for t in tables}
+    missing = [t.name for t in tables if t.name not in forms]
+    if missing:
+        raise ConfigError(f"tables {missing} have no form (forms given for {sorted(forms)})")
+    return {t.name: forms[t.name] for t in tables}
+
+
+def _split_tt(tables, forms: Mapping[str, TableForm]) -> tuple[list, list]:
     """(tables a plan shards, TT-compressed tables replicated on every rank); host tables are in neither."""
-    forms = forms_of(tables)
     return ([t for t in tables if forms[t.name].kind == "sharded"], [t for t in tables if forms[t.name].kind == "tt"])
 
 
-def compare(strategies, tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,
-            batch_size: int = 2048, options: dict[str, dict] | None = None, keep_plans: bool = False) -> dict[str, Any]:
+def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableForm] | None = None,
+            mode: str = "training", extra_memory: float = 0.05, batch_size: int = 2048,
+            options: dict[str, dict] | None = None, keep_plans: bool = False) -> dict[str, Any]:
     """Plan with every strategy and evaluate all on one cost model (OPER eqs. 1-5).
 
     A strategy that fails (TorchRec missing, MILP too big) gets ``{"error": message}``; the others
     still run. Returns ``{"config": ..., "strategies": {name: entry}}`` (+ ``"plans"`` if ``keep_plans``).
+    ``forms``: as :func:`make_plan`.
     """
     tables = list(tables)
-    sharded, tt_tables = _split_tt(tables)
+    forms = _forms(tables, forms)
+    sharded, tt_tables = _split_tt(tables, forms)
     profile = table_profile(resolve_profile(profile, tables), sharded)
     topo = resolve_topology(topology)
     options = options or {}
@@ -139,15 +152,15 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
     budget = float(rank_capacity(topo, float(sum(t.num_rows * t.row_bytes for t in sharded)), extra_memory)[0])
     out["config"]["memory_budget_bytes"] = budget
     if tt_tables:  # not sharded: every rank holds their cores besides its share of the plan
-        out["config"]["replicated_tables"] = replicated_tables_meta(tt_tables)
+        out["config"]["replicated_tables"] = replicated_tables_meta(tt_tables, forms)
         out["config"]["replicated_bytes_per_rank"] = sum(m["bytes"] for m in out["config"]["replicated_tables"])
     plans = {}
     for name in strategies:
         if name not in STRATEGIES:
             raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
         try:
-            plan = make_plan(name, tables, profile, topo, mode=mode, extra_memory=extra_memory, batch_size=batch_size,
-                             **options.get(name, {}))
+            plan = make_plan(name, tables, profile, topo, forms=forms, mode=mode, extra_memory=extra_memory,
+                             batch_size=batch_size, **options.get(name, {}))
         except EmbedscaleError as e:
             out["strategies"][name] = {"error": str(e)}
             continue
@@ -165,11 +178,13 @@ def compare(strategies, tables, profile, topology, *, mode: str = "training", ex
 
 def plan_command(tables, profile, topology, strategies=("oper",), out_dir="plans", mode: str = "training",
                  extra_memory: float = 0.05, json_output: bool = False, batch_size: int = 2048, png: bool = True,
-                 options: dict[str, dict] | None = None) -> dict[str, Any]:
+                 options: dict[str, dict] | None = None,
+                 forms: Mapping[str, TableForm] | None = None) -> dict[str, Any]:
     """``embedscale plan``: write ``out_dir/<strategy>/`` (the plan files), ``report.json``, ``report.md``
-    and ``report.png``; with ``json_output`` print the report as one JSON line on stdout."""
+    and ``report.png``; with ``json_output`` print the report as one JSON line on stdout. ``forms``: as
+    :func:`make_plan`."""
     out = Path(out_dir)
-    report = compare(strategies, tables, profile, topology, mode=mode, extra_memory=extra_memory,
+    report = compare(strategies, tables, profile, topology, forms=forms, mode=mode, extra_memory=extra_memory,
                      batch_size=batch_size, options=options, keep_plans=True)
     plans = report.pop("plans")
     for name, plan in plans.items():

@@ -10,10 +10,12 @@ numpy-only (like all of ``embedscale.plan``): no torch, nothing from ``embedscal
 * ``host``: rows in the host parameter server, prefetched ``pipeline_depth`` batches ahead (EL-Rec section V);
 * ``tower``: a DMT tower's table (DMT section 4), placed by the tower assignment.
 
-The config's keys (``model.tables[i].compression: tt``, ``placement: host``, ``model.tt_min_rows``,
-``model.host_min_rows``) and ``embedscale plan --tt-min-rows`` are *requests*; :func:`decide_forms` is the one
-function that turns them into forms, and the plan records the result (``plan.meta["forms"]``, read back by
-``Plan.forms``). Training with a saved plan builds the forms the plan recorded (:func:`check_requests`).
+A ``TableSpec`` holds only facts (rows, dim, pooling, features); the forms travel beside the specs as
+``{table: TableForm}``. The config's keys (``model.tables[i].compression: tt``, ``placement: host``: a
+``specs.TableConfig``; ``model.tt_min_rows``, ``model.host_min_rows``) and ``embedscale plan --tt-min-rows``
+are *requests*; :func:`decide_forms` is the one function that turns them into forms (:func:`config_forms` for a
+run config), and the plan records the result (``plan.meta["forms"]``, read back by ``Plan.forms``). Training
+with a saved plan builds the forms the plan recorded (:func:`forms_for_run`).
 
 **Default tables.** :func:`default_tables` is the one place that names the model's tables when the config lists
 none: one table ``t_<feature>`` per sparse feature, used by ``embedscale plan --profile`` and by training
@@ -35,7 +37,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from embedscale.errors import ConfigError
-from embedscale.specs import TableSpec
+from embedscale.specs import ModelConfig, TableConfig, TableSpec
 
 KINDS = ("sharded", "tt", "host", "tower")
 TT_BYTES_PER_VALUE = 4  # TT cores are float32
@@ -174,16 +176,19 @@ def tables_from_profile(profile, dim: int, pooling: str = "sum") -> list[TableSp
 
 # -- forms: requests -> decisions ---------------------------------------------------------------------------
 
-def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: int = 32,
-                 host_min_rows: int = 0, towers: Mapping[str, int] | None = None) -> dict[str, TableForm]:
+def decide_forms(tables: Sequence[TableSpec], *, requests: Sequence[TableConfig] = (), tt_min_rows: int = 0,
+                 tt_rank: int = 32, host_min_rows: int = 0,
+                 towers: Mapping[str, int] | None = None) -> dict[str, TableForm]:
     """The form of every table, from the requests (the one place they are decided).
 
-    Requests, strongest first: ``towers`` (DMT: table -> tower, DMT section 4) makes tower tables; a table
-    saying ``compression: tt`` is TT of its ``tt_rank``, ``placement: host`` is host-placed; otherwise
-    ``tt_min_rows > 0`` makes every table of at least that many rows TT of ``tt_rank`` (EL-Rec section VI-A's
-    policy) and ``host_min_rows > 0`` moves tables of at least that many rows to the host parameter server
-    (EL-Rec section V). A table both thresholds take, or that is both TT and host, is a ``ConfigError``; so is
-    a TT table that does not pool. Everything else is sharded by the plan.
+    ``requests`` are the config's table entries (``model.tables``, :class:`~embedscale.specs.TableConfig`),
+    matched to ``tables`` by name. Requests, strongest first: ``towers`` (DMT: table -> tower, DMT section 4)
+    makes tower tables; a table whose entry says ``compression: tt`` is TT of its ``tt_rank``, ``placement:
+    host`` is host-placed; otherwise ``tt_min_rows > 0`` makes every table of at least that many rows TT of
+    ``tt_rank`` (EL-Rec section VI-A's policy) and ``host_min_rows > 0`` moves tables of at least that many rows
+    to the host parameter server (EL-Rec section V). A table both thresholds take, or that is both TT and host,
+    is a ``ConfigError``; so is a TT table that does not pool, or a request for a table not in ``tables``.
+    Everything else is sharded by the plan.
     """
     if tt_min_rows < 0:
         raise ConfigError(f"model.tt_min_rows must be >= 0 (0 = off), got {tt_min_rows}")
@@ -191,6 +196,11 @@ def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: 
         raise ConfigError(f"model.host_min_rows must be >= 0, got {host_min_rows}")
     if tt_min_rows and tt_rank <= 0:
         raise ConfigError(f"model.tt_rank must be positive, got {tt_rank}")
+    asked = {r.name: r for r in requests}
+    unknown = sorted(set(asked) - {t.name for t in tables})
+    if unknown:
+        raise ConfigError(f"model.tables: requests for tables {unknown} that the model does not have "
+                          f"(its tables: {[t.name for t in tables]})")
     out: dict[str, TableForm] = {}
     for t in tables:
         if towers is not None:
@@ -198,9 +208,10 @@ def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: 
                 raise ConfigError(f"table {t.name!r} is in no tower (towers hold {sorted(towers)})")
             out[t.name] = TableForm("tower", tower=int(towers[t.name]))
             continue
-        # duck-typed tables (a saved plan's PlanTable) carry no requests: sharded
-        tt_req, host_req = getattr(t, "compression", "none") == "tt", getattr(t, "placement", "device") == "host"
-        pooling = getattr(t, "pooling", "sum")
+        req = asked.get(t.name)
+        tt_req = req is not None and req.compression == "tt"
+        host_req = req is not None and req.placement == "host"
+        pooling = getattr(t, "pooling", "sum")  # a saved plan's PlanTable has none: it pools
         if tt_req and host_req:
             raise ConfigError(f"table {t.name!r} asks for compression: tt and placement: host; a table is either "
                               "TT-compressed (replicated) or host-placed")
@@ -217,7 +228,7 @@ def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: 
             if pooling == "none":
                 raise ConfigError(f"table {t.name!r}: compression: tt, but TT tables pool (sum or mean) and this one "
                                   "has pooling 'none'")
-            out[t.name] = TableForm("tt", tt_rank=t.tt_rank)
+            out[t.name] = TableForm("tt", tt_rank=req.tt_rank)
         elif host_req or (host_min_rows and t.num_rows >= host_min_rows):
             out[t.name] = TableForm("host")
         else:
@@ -225,23 +236,12 @@ def decide_forms(tables: Sequence[TableSpec], *, tt_min_rows: int = 0, tt_rank: 
     return out
 
 
-def with_forms(tables: Sequence[TableSpec], forms: Mapping[str, TableForm]) -> list[TableSpec]:
-    """Copies of ``tables`` whose ``compression`` / ``tt_rank`` / ``placement`` say their decided forms (what
-    the embedding modules read). A table without a form is a ``ConfigError``."""
-    out = []
-    for t in tables:
-        if t.name not in forms:
-            raise ConfigError(f"table {t.name!r} has no form (forms for {sorted(forms)})")
-        f = forms[t.name]
-        out.append(dataclasses.replace(t, features=list(t.features), compression="tt" if f.kind == "tt" else "none",
-                                       tt_rank=f.tt_rank if f.kind == "tt" else t.tt_rank,
-                                       placement="host" if f.kind == "host" else "device"))
-    return out
-
-
-def forms_of(tables: Sequence[TableSpec]) -> dict[str, TableForm]:
-    """The forms ``tables`` carry (``compression`` / ``placement`` as set by :func:`with_forms`)."""
-    return decide_forms(tables)
+def config_forms(model: ModelConfig, tables: Sequence[TableSpec]) -> dict[str, TableForm]:
+    """The forms the model config asks for ``tables``: its ``model.tables`` entries' requests and its
+    ``tt_min_rows`` / ``tt_rank`` / ``host_min_rows``, decided by :func:`decide_forms` (a world of one builds
+    these; several ranks build what their plan recorded, :func:`forms_for_run`)."""
+    return decide_forms(tables, requests=model.tables, tt_min_rows=model.tt_min_rows, tt_rank=model.tt_rank,
+                        host_min_rows=model.host_min_rows)
 
 
 def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableForm], plan: str) -> dict[str, TableForm]:
@@ -353,30 +353,33 @@ def core_shapes(row_shape: Sequence[int], dim_shape: Sequence[int], ranks: Seque
     return [(m, ranks[k], n * ranks[k + 1]) for k, (m, n) in enumerate(zip(row_shape, dim_shape))]
 
 
-def tt_shapes(spec: TableSpec, num_cores: int = 3) -> tuple[list[int], list[int], list[int]]:
-    """``(row_shape, dim_shape, ranks)`` a ``TTEmbeddingBag`` built from ``spec`` uses by default."""
-    return factor_rows(spec.num_rows, num_cores), factor_dim(spec.dim, num_cores), tt_ranks(spec.tt_rank, num_cores)
+def tt_shapes(spec: TableSpec, tt_rank: int | Sequence[int],
+              num_cores: int = 3) -> tuple[list[int], list[int], list[int]]:
+    """``(row_shape, dim_shape, ranks)`` a ``TTEmbeddingBag`` of ``spec`` at ``tt_rank`` uses by default."""
+    return factor_rows(spec.num_rows, num_cores), factor_dim(spec.dim, num_cores), tt_ranks(tt_rank, num_cores)
 
 
-def table_bytes(spec: TableSpec, num_cores: int = 3) -> int:
-    """Bytes the table's values take as stored: TT cores (float32) for ``tt``, else ``num_rows * dim *
-    bytes_per_value``."""
-    if spec.compression != "tt":
+def table_bytes(spec: TableSpec, form: TableForm, num_cores: int = 3) -> int:
+    """Bytes the table's values take as stored in ``form``: TT cores (float32) for ``tt``, else ``num_rows *
+    dim * bytes_per_value``."""
+    if form.kind != "tt":
         return spec.memory_bytes
-    rows, dims, ranks = tt_shapes(spec, num_cores)
+    rows, dims, ranks = tt_shapes(spec, form.tt_rank, num_cores)
     return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE
 
 
-def replicated_tables_meta(tables: Sequence[TableSpec], num_cores: int = 3) -> list[dict]:
-    """What a plan records about the TT tables it does not shard: name, rows, dim, rank, factorisation
-    and core bytes, held by *every* rank (``Plan.meta["replicated_tables"]``)."""
+def replicated_tables_meta(tables: Sequence[TableSpec], forms: Mapping[str, TableForm],
+                           num_cores: int = 3) -> list[dict]:
+    """What a plan records about the TT tables (by ``forms``) it does not shard: name, rows, dim, rank,
+    factorisation and core bytes, held by *every* rank (``Plan.meta["replicated_tables"]``)."""
     out = []
     for t in tables:
-        if t.compression != "tt":
+        f = forms[t.name]
+        if f.kind != "tt":
             continue
-        rows, dims, _ = tt_shapes(t, num_cores)
+        rows, dims, _ = tt_shapes(t, f.tt_rank, num_cores)
         out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
-                    "tt_rank": int(t.tt_rank), "row_shape": rows, "dim_shape": dims,
-                    "bytes": int(table_bytes(t, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
+                    "tt_rank": int(f.tt_rank), "row_shape": rows, "dim_shape": dims,
+                    "bytes": int(table_bytes(t, f, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
                     "placement": "replicated on every rank"})
     return out

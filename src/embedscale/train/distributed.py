@@ -38,6 +38,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
-from embedscale.plan.forms import check_plan_sizes, forms_for_run, forms_of, replicated_tables_meta, with_forms
+from embedscale.plan.forms import TableForm, check_plan_sizes, config_forms, forms_for_run, replicated_tables_meta
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
@@ -179,10 +180,10 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
     return plan
 
 
-def planned_tables(tables: list) -> list:
-    """The tables a plan places: all but ``placement: host`` ones (those live in a parameter server) and
-    ``compression: tt`` ones (replicated on every rank and trained data-parallel, EL-Rec VI-B)."""
-    return [t for t in tables if t.placement != "host" and t.compression != "tt"]
+def planned_tables(tables: list, forms: Mapping[str, TableForm]) -> list:
+    """The tables a plan places: those whose form is ``sharded``; not host tables (they live in a parameter
+    server) nor TT ones (replicated on every rank and trained data-parallel, EL-Rec VI-B)."""
+    return [t for t in tables if forms[t.name].kind == "sharded"]
 
 
 def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
@@ -193,13 +194,14 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     d = cfg.dist
     world = d.nproc
     saved = Path(d.plan).exists()
+    forms = config_forms(cfg.model, tables)  # what the config asks for
     if saved:
         plan = Plan.load(d.plan)
         if plan.world_size != world:
             raise ConfigError(f"plan {d.plan} is for {plan.world_size} ranks, this run has {world}")
         check_plan_sizes(plan, tables, d.plan)
-        tables = with_forms(tables, forms_for_run(plan.forms, forms_of(tables), d.plan))
-    if not planned_tables(tables):
+        forms = forms_for_run(plan.forms, forms, d.plan)
+    if not planned_tables(tables, forms):
         raise ConfigError("several ranks need at least one table with placement: device and no compression to "
                           "plan; every table is host-placed or TT-compressed (replicated)")
     if not saved:
@@ -207,22 +209,22 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
         prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
-        plan = make_plan(d.plan, tables, prof, topo, mode=d.mode, extra_memory=d.extra_memory,
+        plan = make_plan(d.plan, tables, prof, topo, forms=forms, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
-    tt = [t for t in tables if t.compression == "tt"]
-    if tt:  # not sharded: a copy on every rank (EL-Rec VI-B)
-        plan.meta["replicated_tables"] = replicated_tables_meta(tt)
-    plan.meta["forms"] = {n: f.to_dict() for n, f in forms_of(tables).items()}
+    if any(f.kind == "tt" for f in forms.values()):  # not sharded: a copy on every rank (EL-Rec VI-B)
+        plan.meta["replicated_tables"] = replicated_tables_meta(tables, forms)
+    plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     plan.save(plan_dir)
     return plan
 
 
-def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> list:
-    """The tables a distributed run builds: the config's (``assemble.tables_for``) in the forms ``plan``
-    recorded (``plan.forms.forms_for_run``)."""
+def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> tuple[list, dict[str, TableForm]]:
+    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``) in the
+    forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit request contradicting them is a
+    ``ConfigError``)."""
     tables = assemble.tables_for(cfg, manifest)
     check_plan_sizes(plan, tables, str(plan_name))
-    return with_forms(tables, forms_for_run(plan.forms, forms_of(tables), str(plan_name)))
+    return tables, forms_for_run(plan.forms, config_forms(cfg.model, tables), str(plan_name))
 
 
 class DistributedRun:
@@ -235,8 +237,9 @@ class DistributedRun:
         self.plan = Plan.load(run_dir / "plan")
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
-        self.all_tables = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan")  # the plan's forms
-        self.tables = planned_tables(self.all_tables)  # the sharded ones; host tables: a parameter server
+        # the plan's forms
+        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan")
+        self.tables = planned_tables(self.all_tables, self.forms)  # the sharded ones; host tables: a parameter server
         amap = address_map_from_plan(self.plan, self.tables)
         self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
                                         timeout=datetime.timedelta(seconds=d.timeout_s))
@@ -256,7 +259,7 @@ class DistributedRun:
             pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
             new_group=self._new_group,
             new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
-            stats=self.tt_stats))
+            stats=self.tt_stats), forms=self.forms)
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
@@ -296,6 +299,7 @@ class DistributedRun:
         self.device = torch.device(t.device)
         self.data = assemble.prepare_data(cfg, progress=False)
         self.all_tables = assemble.tables_for(cfg, self.data.manifest)
+        self.forms = config_forms(cfg.model, self.all_tables)  # a planned run: the plan's (DistributedRun)
         self.state = RunState()
         self.bytes_per_step: list[int] = []
         self.sync_bytes_per_step: list[int] = []
@@ -340,9 +344,10 @@ class DistributedRun:
         out = {"embedding_bytes_on_wire_per_step": means[0].item(), "grad_sync_bytes_per_step": means[1].item(),
                "steps_measured": max(len(self.bytes_per_step), 1), "plan": self.plan_name, "design": d.design,
                "transport": d.transport, "grad_sync": d.grad_sync, "teacher_auc": self.data.teacher_auc,
-               "num_tables": len(self.all_tables), "embedding_bytes": sum(table_bytes(tb) for tb in self.all_tables),
-               "host_tables": sum(tb.placement == "host" for tb in self.all_tables),
-               "tt_tables": sum(tb.compression == "tt" for tb in self.all_tables)}
+               "num_tables": len(self.all_tables),
+               "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
+               "host_tables": sum(self.forms[tb.name].kind == "host" for tb in self.all_tables),
+               "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
         out.update(self.executor_figures())
         return out
 
@@ -405,8 +410,8 @@ class DistributedRun:
         write_rank_file(ckpt_dir, self.rank, shard)
         return {"kind": "plan", "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
                 "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
-                "tt_tables": [t.name for t in self.all_tables if t.compression == "tt"],
-                "host_tables": [t.name for t in self.all_tables if t.placement == "host"],
+                "tt_tables": [t.name for t in self.all_tables if self.forms[t.name].kind == "tt"],
+                "host_tables": [t.name for t in self.all_tables if self.forms[t.name].kind == "host"],
                 "plan": self.plan_name, "config_yaml": dump_config(self.cfg)}
 
     def restore(self, ckpt_dir: Path) -> None:
@@ -443,7 +448,7 @@ class DistributedRun:
         if self.host_embedding is not None:
             if not r0.get("host"):
                 raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
-                                  f"{[t.name for t in self.all_tables if t.placement == 'host']}")
+                                  f"{[t.name for t in self.all_tables if self.forms[t.name].kind == 'host']}")
             self.host_embedding.load_host_state(r0["host"])
         if self.tt_embedding is not None:
             load_tt_state(self.tt_embedding.tt, r0.get("tt"), ckpt_dir, with_optimizer=not self.inference)
