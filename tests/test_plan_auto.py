@@ -226,7 +226,7 @@ def _cli(*args, cwd):
 
 def test_cli_writes_the_plan_and_its_explain_report(tmp_path):
     p = _cli("plan", "--strategy", "auto", "--preset", "criteo-kaggle", "--max-rows", "200000",
-             "--device-memory", "8MiB", "--host-memory", "32MiB", "--out", "plans", cwd=tmp_path)
+             "--device-memory", "16MiB", "--host-memory", "64MiB", "--hot-touch", "1", "--out", "plans", cwd=tmp_path)
     assert p.returncode == 0, p.stderr
     d = tmp_path / "plans" / "auto"
     for f in ("plan.json", "explain.txt", "explain.json"):

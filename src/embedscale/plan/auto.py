@@ -22,7 +22,8 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
     tt(R):       L * tt(R) + core_bytes * 2 (M-1)/M / allreduce_bw
     host(k):     L * exact + (D_r + D_g) * host_row + 2 * D_g * row_bytes * (M-1)/M / link_bw
 
-and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
+plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
+the search leaves it out and the report adds it), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
 row-wise state, host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
@@ -52,7 +53,7 @@ import numpy as np
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
 from embedscale.plan.forms import SHARDED, TableForm, core_shapes, factor_dim, factor_rows, tt_ranks
-from embedscale.plan.mrc import MissRatioCurve
+from embedscale.plan.mrc import MissRatioCurve, probability_histogram
 
 COSTS_FORMAT = "embedscale.costs"
 STATE_BYTES_PER_ROW = 4  # row-wise Adagrad: one float32 per row
@@ -192,16 +193,19 @@ class TableStats:
 
 
 def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: int, world: int, *,
-                hot_touch: float = 0.01, tt_min_rows: int = 10_000, bins: int = 2048) -> TableStats:
-    """Lookups, distinct rows per batch (rank and global) and hotness of ``table`` from its profile counts."""
+                hot_touch: float = 0.01, tt_min_rows: int = 10_000, bins: int = 2048,
+                hist: tuple[np.ndarray, np.ndarray] | None = None, total: float | None = None) -> TableStats:
+    """Lookups, distinct rows per batch (rank and global) and hotness of ``table`` from its profile counts
+    (``hist``: their :func:`~embedscale.plan.mrc.probability_histogram`, when already known, and ``total``)."""
     counts = np.asarray(counts)
-    total = float(counts.sum(dtype=np.float64))
+    total = float(counts.sum(dtype=np.float64)) if total is None else float(total)
     feats = list(getattr(table, "features", None) or [table.name])
     per_sample = total / float(samples) if samples and total > 0 else float(len(feats))
     lookups = per_sample * batch_size
-    mrc = MissRatioCurve.from_counts(counts, lookups, bins=bins)
+    hist = probability_histogram(counts, bins) if hist is None else hist
+    mrc = MissRatioCurve.from_histogram(*hist, lookups)
     d_r = mrc.distinct()
-    d_g = MissRatioCurve.from_counts(counts, lookups * world, bins=bins).distinct() if world > 1 else d_r
+    d_g = MissRatioCurve.from_histogram(*hist, lookups * world).distinct() if world > 1 else d_r
     n = int(table.num_rows)
     hot = n < tt_min_rows or (lookups * world) / max(n, 1) >= hot_touch
     return TableStats(table.name, n, int(table.dim), getattr(table, "pooling", "sum"), lookups, d_r, d_g, hot, mrc)
@@ -216,27 +220,26 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
     full = s.num_rows * (rb + STATE_BYTES_PER_ROW)
     link = costs.link_bandwidth_gbs * 1e9
     ar = costs.allreduce_gbs * 1e9
-    lat = costs.link_latency_us * 1e-6 if m > 1 else 0.0
     out = []
     exact = s.lookups_rank * costs.exact_lookup_s
     if "sharded" in forms:
-        out.append(Candidate("sharded", SHARDED, exact + 2 * s.distinct_rank * frac * rb / link + 2 * lat,
+        out.append(Candidate("sharded", SHARDED, exact + 2 * s.distinct_rank * frac * rb / link,
                              full / m, 0.0))
     if "replicated" in forms and m > 1:
-        out.append(Candidate("replicated", SHARDED, exact + s.distinct_global * rb * 2 * frac / ar + lat, full, 0.0))
+        out.append(Candidate("replicated", SHARDED, exact + s.distinct_global * rb * 2 * frac / ar, full, 0.0))
     if "tt" in forms and not s.hot and s.pooling != "none":
         for r in tt_rank_list:
             cb = tt_core_bytes(s.num_rows, s.dim, int(r))
             if cb >= full:  # a TT table larger than the table itself is never worth it
                 continue
             out.append(Candidate(f"tt-{r}", TableForm("tt", tt_rank=int(r)),
-                                 s.lookups_rank * costs.tt(int(r)) + cb * 2 * frac / ar + (lat if m > 1 else 0.0),
+                                 s.lookups_rank * costs.tt(int(r)) + cb * 2 * frac / ar,
                                  float(cb), 0.0))
     if "host" in forms:
         k = max(1, int(host_depth))
         dev = (k * s.distinct_rank + (k - 1) * s.distinct_global) * (rb + STATE_BYTES_PER_ROW)
         sec = exact + (s.distinct_rank + (s.distinct_global if m > 1 else 0.0)) * costs.host_row_s \
-            + 2 * s.distinct_global * frac * rb / link + 2 * lat
+            + 2 * s.distinct_global * frac * rb / link
         out.append(Candidate(f"host-{k}", TableForm("host", pipeline_depth=k), sec, min(dev, full), float(full)))
     if not out:
         raise ConfigError(f"table {s.name!r}: no form allowed (forms {list(forms)})")
@@ -259,34 +262,40 @@ def _over(d: float, h: float, dev_budget: float, host_budget: float) -> float:
     return max(0.0, d - dev_budget) / dev_budget + max(0.0, h - host_budget) / max(host_budget, 1.0)
 
 
-def _repair(cands, choice, dev_budget, host_budget) -> list[int]:
+def _arrays(cands) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seconds, device and host bytes as ``[tables, max forms]`` arrays (a missing form: infinite seconds, no
+    bytes)."""
+    k = max(len(cs) for cs in cands)
+    out = [np.full((len(cands), k), np.inf), np.zeros((len(cands), k)), np.zeros((len(cands), k))]
+    for i, cs in enumerate(cands):
+        for j, c in enumerate(cs):
+            out[0][i, j], out[1][i, j], out[2][i, j] = c.seconds, c.device_bytes, c.host_bytes
+    return out[0], out[1], out[2]
+
+
+def _repair(cands, choice, dev_budget, host_budget, arrays=None) -> list[int]:
     """Moves that remove the most over-budget (bytes over, relative to the budget, summed over tiers) per second
     they cost, until the budgets hold or no move helps."""
-    choice = list(choice)
-    _, d, h = _totals(cands, choice)
+    sec, dev, host = arrays if arrays is not None else _arrays(cands)
+    rows = np.arange(len(cands))
+    ch = np.asarray(choice, dtype=np.int64).copy()
+    hb = max(host_budget, 1.0)
+    d, h = float(dev[rows, ch].sum()), float(host[rows, ch].sum())
     over = _over(d, h, dev_budget, host_budget)
-    while over > 0:
-        best, best_key = None, None
-        for i, cs in enumerate(cands):
-            cur = cs[choice[i]]
-            for j, c in enumerate(cs):
-                if j == choice[i]:
-                    continue
-                gain = over - _over(d - cur.device_bytes + c.device_bytes, h - cur.host_bytes + c.host_bytes,
-                                    dev_budget, host_budget)
-                if gain <= 1e-15:
-                    continue
-                key = (c.seconds - cur.seconds) / gain  # seconds per unit of over-budget removed
-                if best_key is None or key < best_key:
-                    best, best_key = (i, j), key
-        if best is None:
-            break
-        i, j = best
-        cur, c = cands[i][choice[i]], cands[i][j]
-        choice[i] = j
-        d, h = d - cur.device_bytes + c.device_bytes, h - cur.host_bytes + c.host_bytes
-        over = _over(d, h, dev_budget, host_budget)
-    return choice
+    with np.errstate(invalid="ignore", divide="ignore"):
+        while over > 0:
+            nd = d - dev[rows, ch][:, None] + dev
+            nh = h - host[rows, ch][:, None] + host
+            gain = over - (np.maximum(0.0, nd - dev_budget) / dev_budget + np.maximum(0.0, nh - host_budget) / hb)
+            ok = np.isfinite(sec) & (gain > 1e-15)
+            if not ok.any():
+                break
+            key = np.where(ok, (np.where(ok, sec, 0.0) - sec[rows, ch][:, None]) / np.where(ok, gain, 1.0), np.inf)
+            i, j = np.unravel_index(int(np.argmin(key)), key.shape)
+            d, h = float(nd[i, j]), float(nh[i, j])
+            ch[i] = j
+            over = _over(d, h, dev_budget, host_budget)
+    return [int(x) for x in ch]
 
 
 def _improve(cands, choice, dev_budget, host_budget, pairs: bool) -> list[int]:
@@ -342,12 +351,16 @@ def search_greedy(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_
     grid = [0.0] + list(scale * np.geomspace(1e-3, 1e2, max(1, multipliers - 1)))
     has_host = any(c.host_bytes > 0 for cs in cands for c in cs)
     hb = max(host_budget, 1.0)
-    best, best_key = None, None
+    arrays = _arrays(cands)
+    sec, dev, host = arrays
+    best, best_key, tried = None, None, set()
     for a in grid:
         for b in (grid if has_host else [0.0]):
-            start = [int(np.argmin([c.seconds + a * c.device_bytes / dev_budget + b * c.host_bytes / hb for c in cs]))
-                     for cs in cands]
-            ch = _repair(cands, start, dev_budget, host_budget)
+            start = tuple(int(x) for x in np.argmin(sec + a * dev / dev_budget + b * host / hb, axis=1))
+            if start in tried:
+                continue
+            tried.add(start)
+            ch = _repair(cands, start, dev_budget, host_budget, arrays)
             t, d, h = _totals(cands, ch)
             over = _over(d, h, dev_budget, host_budget)
             if over == 0:
@@ -526,6 +539,17 @@ def parse_bytes(text: str | int | float, what: str = "memory") -> int:
 
 # -- per rank after placement, and the explain report -------------------------------------------------------
 
+def exchange_latency(res: AutoResult, world: int, costs: Costs) -> float:
+    """The latency a step pays once per exchange, whatever the tables in it: the sharded rows' all-to-all
+    (forward and backward), one all-reduce of replicated rows, one of TT cores, the host rows' all-gathers
+    (two). Not per table: the executor sends each kind's tables together."""
+    if world <= 1:
+        return 0.0
+    labels = {res.chosen(i).label.split("-")[0] for i in range(len(res.names))}
+    n = 2 * ("sharded" in labels) + ("replicated" in labels) + ("tt" in labels) + 2 * ("host" in labels)
+    return n * costs.link_latency_us * 1e-6
+
+
 def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str, Any]:
     """Per rank: device and host bytes by kind, and predicted step seconds, with the sharded tables' lookups and
     memory as ``plan`` (OPER) placed them (the symmetric model's other terms are the same on every rank)."""
@@ -554,6 +578,7 @@ def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str,
             dev["host_cache"] += c.device_bytes
             host += c.host_bytes
     secs += share * sharded_lookup
+    secs += exchange_latency(res, world, costs)
     if plan is not None:
         rows = plan.rows_per_rank().astype(np.float64)
         mem = plan.memory_per_rank().astype(np.float64)
@@ -607,11 +632,13 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
                                       else "the documented defaults (run embedscale calibrate to measure them)")]}
 
 
-def summarize_choice(res: AutoResult) -> dict[str, Any]:
-    """A short account of a choice (for the half / twice budget lines of the report)."""
+def summarize_choice(res: AutoResult, world: int, costs: Costs) -> dict[str, Any]:
+    """A short account of a choice (for the half / twice budget lines of the report): forms, predicted step
+    seconds (the symmetric model, sharded rows evenly spread), device and host bytes per rank."""
     _, d, h = _totals(res.cands, res.choice)
     return {"forms": {n: res.chosen(i).label for i, n in enumerate(res.names)},
-            "predicted_step_seconds": res.predicted_seconds(), "device_bytes": d, "host_bytes": h}
+            "predicted_step_seconds": res.predicted_seconds() + exchange_latency(res, world, costs),
+            "device_bytes": d, "host_bytes": h}
 
 
 def explain_text(rep: Mapping[str, Any]) -> str:

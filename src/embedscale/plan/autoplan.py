@@ -21,8 +21,10 @@ from embedscale.errors import ConfigError
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
 from embedscale.plan.auto import (DEFAULT_TT_RANKS, AutoResult, BudgetError, Costs, decide, explain, rank_breakdown,
                                   summarize_choice, table_stats, write_explain)
+from embedscale.plan.mrc import probability_histogram
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
+from embedscale.plan.synthetic_profile import ZipfProfile
 
 
 def with_topology_links(costs: Costs, topo) -> Costs:
@@ -69,8 +71,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     prof = table_profile(resolve_profile(profile, tables), tables)
     samples = getattr(prof, "samples", None)
     samples = samples() if callable(samples) else samples
-    stats = [table_stats(t, prof.counts(t.name), samples, batch_size, world, hot_touch=hot_touch,
-                         tt_min_rows=tt_min_rows, bins=bins) for t in tables]
+    stats = _table_stats(tables, prof, samples, batch_size, world, hot_touch, tt_min_rows, bins)
     kw = dict(costs=costs, batch_size=batch_size, tt_rank_list=tt_rank_list, host_depth=host_depth,
               search=search, stats=stats)
     res = decide(tables, prof.counts, samples, world, device_memory, host_memory, **kw)
@@ -89,7 +90,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
         for label, f in (("half", 0.5), ("twice", 2.0)):
             try:
                 alt = decide(tables, prof.counts, samples, world, device_memory * f, host_memory * f, **kw)
-                alts[label] = summarize_choice(alt)
+                alts[label] = summarize_choice(alt, world, costs)
             except BudgetError as e:
                 alts[label] = {"error": str(e)}
     rep = explain(res, per_rank, costs, alts)
@@ -105,6 +106,25 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     plan.meta["auto"] = rep
     plan.meta["plan_seconds"] = rep["plan_seconds"]
     return plan
+
+
+def _table_stats(tables, prof, samples, batch_size, world, hot_touch, tt_min_rows, bins):
+    """Every table's :func:`~embedscale.plan.auto.table_stats`. The rows' order does not matter to them: a
+    synthetic profile's counts are taken as generated (sorted, no scatter; tables of one shape share one array,
+    so their histogram is computed once)."""
+    synthetic = isinstance(prof, ZipfProfile)
+    seen: dict[int, tuple] = {}  # id of a shared counts array -> (array, histogram, total); the array kept alive
+    out = []
+    for t in tables:
+        c = prof.sorted_counts(t.name) if synthetic else prof.counts(t.name)
+        hit = seen.get(id(c))
+        if hit is None or hit[0] is not c:
+            hit = (c, probability_histogram(c, bins, descending=synthetic), float(np.sum(c, dtype=np.float64)))
+            if synthetic:
+                seen[id(c)] = hit
+        out.append(table_stats(t, c, samples, batch_size, world, hot_touch=hot_touch, tt_min_rows=tt_min_rows,
+                               bins=bins, hist=hit[1], total=hit[2]))
+    return out
 
 
 def _place(res: AutoResult, tables, prof, topo, mode, batch_size, costs):

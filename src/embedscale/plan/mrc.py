@@ -31,6 +31,7 @@ point; ``bins=0`` keeps every distinct ``q`` exactly (tests).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,48 @@ def batch_touch_probability(p: np.ndarray, lookups: float) -> np.ndarray:
     p = np.clip(np.asarray(p, dtype=np.float64), 0.0, 1.0)
     with np.errstate(divide="ignore"):
         return -np.expm1(lookups * np.log1p(-p))
+
+
+def probability_histogram(counts: np.ndarray, bins: int = 2048, descending: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``(p, n)``: the rows of a table with access ``counts`` grouped by their per-lookup probability
+    ``p = count / sum(counts)``; ``n[j]`` rows of mean probability ``p[j]``. ``bins > 0``: bins equally wide in
+    ``log p`` from one access to all of them (one pass, ``CHUNK`` rows at a time; within a bin ``p`` varies by a
+    factor ``total ** (1 / bins)``, about 1% for 10^8 accesses and 2048 bins); ``bins = 0``: every distinct count
+    its own entry (exact). ``descending``: the counts are sorted, largest first (a synthetic profile's): the bins
+    are then found by binary search and summed by ``np.add.reduceat``, no per-row logarithm."""
+    counts = np.asarray(counts)
+    total = float(counts.sum(dtype=np.float64))
+    if total <= 0:
+        return np.zeros(1), np.array([float(counts.size)])
+    if bins <= 0:
+        vals, n = np.unique(counts, return_counts=True)
+        return vals / total, n.astype(np.float64)
+    lo = math.log(1.0 / total)  # the smallest non-zero p: one access
+    width = -lo / bins if lo < 0 else 1.0
+    if descending:
+        asc = counts[::-1]
+        # count thresholds of the bin edges (bin j >= 1 holds lo + (j-1) w <= log p < lo + j w)
+        edges = total * np.exp(lo + width * np.arange(bins + 1))
+        edges[0] = np.nextafter(0.0, 1.0)  # bin 0: count 0
+        pos = np.searchsorted(asc, edges, side="left")
+        pos[-1] = asc.size
+        starts = np.r_[0, pos[:-1]]
+        n = (pos - starts).astype(np.float64)
+        keep = n > 0
+        sums = np.add.reduceat(asc, starts[keep].astype(np.int64), dtype=np.float64) if keep.any() else np.zeros(0)
+        return sums / total / n[keep], n[keep]
+    hist_n = np.zeros(bins + 1)  # bin 0: never accessed
+    hist_p = np.zeros(bins + 1)  # sum of p in the bin
+    for a in range(0, counts.size, CHUNK):
+        c = counts[a:a + CHUNK].astype(np.float64)
+        p = c / total
+        with np.errstate(divide="ignore"):
+            b = np.where(c > 0, 1 + np.clip(((np.log(np.where(c > 0, p, 1.0)) - lo) / width).astype(np.int64), 0, bins - 1), 0)
+        hist_n += np.bincount(b, minlength=bins + 1)
+        hist_p += np.bincount(b, weights=p, minlength=bins + 1)
+    keep = hist_n > 0
+    n = hist_n[keep]
+    return hist_p[keep] / n, n
 
 
 @dataclass
@@ -66,32 +109,15 @@ class MissRatioCurve:
     def from_counts(cls, counts: np.ndarray, lookups: float, bins: int = 2048) -> "MissRatioCurve":
         """The curve of a table whose rows were accessed ``counts`` times in the profile, for batches of
         ``lookups`` lookups. Rows never accessed have ``q = 0`` (no batch touches them)."""
+        return cls.from_histogram(*probability_histogram(counts, bins), lookups)
+
+    @classmethod
+    def from_histogram(cls, p: np.ndarray, n: np.ndarray, lookups: float) -> "MissRatioCurve":
+        """The curve of ``n[j]`` rows each drawn with probability ``p[j]`` per lookup
+        (:func:`probability_histogram`), for batches of ``lookups`` lookups."""
         if lookups < 0:
             raise ConfigError(f"miss-ratio curve: lookups per batch must be >= 0, got {lookups}")
-        counts = np.asarray(counts)
-        total = float(counts.sum(dtype=np.float64))
-        if total <= 0 or lookups == 0:
-            return cls(np.zeros(1), np.array([float(counts.size)]), float(lookups))
-        if bins <= 0:
-            vals, n = np.unique(counts, return_counts=True)
-            return cls(batch_touch_probability(vals / total, lookups), n.astype(np.float64), float(lookups))
-        lo = np.log(1.0 / total)  # the smallest non-zero p: one access
-        edges = np.linspace(lo, 0.0, bins + 1)
-        hist_n = np.zeros(bins + 1)  # bin 0: never accessed
-        hist_q = np.zeros(bins + 1)  # sum of q in the bin
-        for a in range(0, counts.size, CHUNK):
-            c = counts[a:a + CHUNK].astype(np.float64)
-            p = c / total
-            q = batch_touch_probability(p, lookups)
-            with np.errstate(divide="ignore"):
-                b = np.where(c > 0, 1 + np.clip(np.searchsorted(edges, np.log(np.maximum(p, 1e-300)), "right") - 1,
-                                                0, bins - 1), 0)
-            hist_n += np.bincount(b, minlength=bins + 1)
-            hist_q += np.bincount(b, weights=q, minlength=bins + 1)
-        keep = hist_n > 0
-        n = hist_n[keep]
-        q = np.where(n > 0, hist_q[keep] / np.maximum(n, 1), 0.0)
-        return cls(q, n, float(lookups))
+        return cls(batch_touch_probability(p, lookups), np.asarray(n, dtype=np.float64), float(lookups))
 
     # -- per batch ---------------------------------------------------------------------------------------
     @property
