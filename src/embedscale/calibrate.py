@@ -1,7 +1,8 @@
 """``embedscale calibrate``: measure on this machine the per-row costs ``plan --strategy auto`` reads.
 
 Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
-untested there) it times, median of ``repeats`` after a warm-up, on a power-law batch of ``batch`` one-hot
+untested there) it times, the least of ``repeats`` after a warm-up (the cost without interference: on a shared
+machine other processes only add to a step; the load average is recorded in ``notes``), on a power-law batch of ``batch`` one-hot
 lookups into a table of ``rows`` rows of dim ``dim``:
 
 * ``exact_lookup_s``: a fused :class:`~embedscale.embedding.local.LocalEmbeddingBags` step (lookup, backward,
@@ -20,6 +21,7 @@ numpy-only: it reads the JSON, never this module.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Sequence
 
@@ -44,7 +46,7 @@ def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.n
     return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
 
 
-def _median_step(step, batches: Sequence, repeats: int) -> float:
+def _least_step(step, batches: Sequence, repeats: int) -> float:
     for b in batches[:2]:  # warm-up
         step(b)
     times = []
@@ -52,7 +54,7 @@ def _median_step(step, batches: Sequence, repeats: int) -> float:
         t0 = time.perf_counter()
         step(batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.min(times))
 
 
 def calibrate(*, device: str | torch.device | None = None, rows: int = 1 << 20, dim: int = 16, batch: int = 4096,
@@ -74,24 +76,24 @@ def calibrate(*, device: str | torch.device | None = None, rows: int = 1 << 20, 
     def exact_step(jf):
         exact(jf).sum().backward()
 
-    t_exact = _median_step(exact_step, jfs, repeats)
+    t_exact = _least_step(exact_step, jfs, repeats)
     del exact
     offsets = torch.arange(batch, device=dev)
     tt_s = {}
     for r in tt_ranks:
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
-        tt_s[int(r)] = _median_step(lambda b: tt(b, offsets).sum().backward(), ids, repeats) / batch
+        tt_s[int(r)] = _least_step(lambda b: tt(b, offsets).sum().backward(), ids, repeats) / batch
         del tt
     host = PipelinedEmbedding.from_tables([TableSpec("t", rows, dim, placement="host")], device=dev,
                                           optimizer="rowwise_adagrad", lr=0.01, seed=seed)
-    t_host = _median_step(lambda jf: host(jf).sum().backward(), jfs, repeats)
+    t_host = _least_step(lambda jf: host(jf).sum().backward(), jfs, repeats)
     del host
     costs = Costs(exact_lookup_s=t_exact / batch, tt_lookup_s=tt_s,
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
                          "repeats": repeats, "distinct_rows_per_batch": distinct, "links_measured": False,
-                         "exact_step_s": t_exact, "host_step_s": t_host})
+                         "exact_step_s": t_exact, "host_step_s": t_host, "load_average": list(os.getloadavg())})
     if links:
         topo = measure_topology(ranks_per_host=2, device=str(dev))
         same = topo.link_class() == SAME_HOST

@@ -484,7 +484,7 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--host-depth", type=int, default=1, show_default=True,
               help="--strategy auto: pipeline depth of host tables (sizes their device cache).")
 @click.option("--hot-touch", type=float, default=0.01, show_default=True,
-              help="--strategy auto: a table a batch touches this share of rows of (on average) stays exact.")
+              help="--strategy auto: a table the global batch reads this many times per row (lookups / rows) stays exact.")
 @click.option("--auto-search", type=click.Choice(["greedy", "milp"]), default="greedy", show_default=True,
               help="--strategy auto: greedy search, or the exact MILP (HiGHS; small cases).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")

@@ -35,8 +35,9 @@ single and paired changes until none helps. :func:`search_milp` solves the same 
 (``scipy.optimize.milp``) for checking on small cases. When nothing fits, :class:`BudgetError` names the
 bytes over per tier and the tables that could not be placed.
 
-**Quality guard** (issue 16, part 4): a table whose rows are hot (a batch touches at least ``hot_touch`` of
-its rows on average, or it has fewer than ``tt_min_rows`` rows) stays exact: never TT. A TT form records its
+**Quality guard** (issue 16, part 4): a table whose rows are hot (the global batch reads it at least
+``hot_touch`` times per row on average, lookups / rows; or it has fewer than ``tt_min_rows`` rows) stays
+exact: never TT. A TT form records its
 rank in the plan (``TableForm.tt_rank``).
 """
 
