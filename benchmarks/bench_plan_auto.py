@@ -9,11 +9,20 @@ seconds; ``baseline`` = oper's planning seconds of the same tables with every ta
 ``--strategy oper`` runs today), planned after auto in the same process (so auto's peak RSS is measured first).
 Also reported: the forms chosen, the predicted step time, the per-rank memory, and the greedy search's time.
 Costs are the documented defaults (``embedscale calibrate`` measures them on a machine).
+
+``--train DIR``: a small training comparison instead (2 gloo ranks, synthetic criteo-kaggle capped at 200k rows
+per table, dim 16): the auto plan under 16 MiB device / 64 MiB host per rank (calibrated costs) against the
+hand-made EL-Rec rule of today (tables of at least 100k rows TT rank 32, the rest placed by oper), trained in turns
+(A B A B); prints train samples/s of both, and auto's predicted embedding step against the measured step.
 """
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from _plan_common import emit, log, peak_rss_gib
 from embedscale.plan.api import make_plan
@@ -31,7 +40,11 @@ def main() -> None:
     ap.add_argument("--device-memory", default="2GiB")
     ap.add_argument("--host-memory", default="8GiB")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--train", default=None, help="Work directory of the small training comparison.")
+    ap.add_argument("--train-steps", type=int, default=40)
     args = ap.parse_args()
+    if args.train:
+        return train_comparison(Path(args.train), args.train_steps)
     n_tables = 8 if args.quick else 50
     tables = [TableSpec(f"T{i}", 1 << 24, dim=64) for i in range(n_tables)]
     prof = ZipfProfile.from_tables(tables, alpha=args.alpha, samples=100_000_000)
@@ -63,6 +76,57 @@ def main() -> None:
          peak_rss_gib=rss, rss_before_planning_gib=rss0, search_seconds=rep["search_seconds"], forms=kinds,
          predicted_step_ms=rep["predicted_step_seconds"] * 1e3, max_device_gib=max(pr["device_total"]) / 2**30,
          max_host_gib=max(pr["host_bytes"]) / 2**30, bar_seconds=60, bar_gib=8, meets_bar=auto_s <= 60 and rss <= 8,
+         load_average_before=load0, load_average_after=os.getloadavg())
+
+
+def _es(*args, cwd: Path) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "embedscale", *args], cwd=cwd, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(f"embedscale {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+    return p
+
+
+def train_comparison(work: Path, steps: int) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    batch = 1024
+    if not (work / "data" / "manifest.json").exists():
+        _es("data", "synthetic", "--preset", "criteo-kaggle", "--max-rows", "200000", "--samples", "120000",
+            "--out", "data", "--no-progress", cwd=work)
+    if not (work / "profile").exists():
+        _es("profile", "data", "--out", "profile", cwd=work)
+    if not (work / "costs.json").exists():
+        _es("calibrate", "--rows", "200000", "--batch", str(batch // 2), "--tt-ranks", "8,16,32", "--out", "costs.json",
+            cwd=work)
+    _es("plan", "--profile", "profile", "--strategy", "auto", "--device-memory", "16MiB", "--host-memory", "64MiB",
+        "--hot-touch", "1", "--tt-ranks", "8,16,32", "--costs", "costs.json", "--batch-size", str(batch // 2),
+        "--out", "plans-auto", cwd=work)
+    _es("plan", "--profile", "profile", "--strategy", "oper", "--tt-min-rows", "100000", "--tt-rank", "32",
+        "--batch-size", str(batch // 2), "--out", "plans-elrec", "--json", cwd=work)
+    explain = json.loads((work / "plans-auto" / "auto" / "explain.json").read_text())
+    plans = {"auto": "plans-auto/auto", "elrec_rule": "plans-elrec/oper"}
+    sps: dict[str, list[float]] = {k: [] for k in plans}
+    load0 = os.getloadavg()
+    for rep in range(2):
+        for name, d in plans.items():
+            rd = work / "runs" / f"{name}-{rep}"
+            if rd.exists():
+                subprocess.run(["rm", "-rf", str(rd)], check=True)
+            _es("train", "--data-source", "shards", "--data-path", "data", "--train-batch-size", str(batch),
+                "--train-max-steps", str(steps), "--nproc", "2", "--dist-plan", d, "--run-dir", str(rd),
+                "--no-progress", cwd=work)
+            s = json.loads((rd / "summary.json").read_text())
+            sps[name].append(float(s["train_samples_per_s"]))
+            log(f"{name} run {rep}: {s['train_samples_per_s']:.0f} samples/s")
+    a, b = float(sorted(sps["auto"])[len(sps["auto"]) // 2]), float(sorted(sps["elrec_rule"])[len(sps["elrec_rule"]) // 2])
+    measured_step = batch / a
+    forms = {}
+    for e in explain["tables"]:
+        forms[e["chosen"]["form"]] = forms.get(e["chosen"]["form"], 0) + 1
+    emit("plan_auto_train_2ranks", a, b, "train samples/s (median of 2, interleaved)",
+         {"data": "synthetic criteo-kaggle, tables capped at 200k rows, dim 16", "ranks": 2, "batch": batch,
+          "steps": steps, "auto_budget": "16MiB device / 64MiB host per rank", "hand_plan": "tt-min-rows 100000 rank 32 + oper"},
+         auto_runs=sps["auto"], elrec_rule_runs=sps["elrec_rule"], auto_forms=forms,
+         predicted_embedding_step_s=explain["predicted_step_seconds"], measured_step_s=measured_step,
          load_average_before=load0, load_average_after=os.getloadavg())
 
 

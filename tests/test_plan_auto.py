@@ -293,3 +293,18 @@ def test_auto_plan_trains_on_two_ranks_like_one_process(tmp_path):
     assert ref["tt"] and sorted(got["tt"]) == sorted(ref["tt"])
     for k, v in ref["tt"].items():
         torch.testing.assert_close(got["tt"][k], v, rtol=0, atol=1e-5, msg=lambda m: f"TT {k}: {m}")
+
+
+def test_auto_plan_with_the_milp_equals_the_greedy_and_rejects_requests():
+    tabs = [TableSpec(f"s{i}", n, 16) for i, n in enumerate([50, 3_000, 40_000, 200_000, 600_000, 1_500_000])]
+    prof = ZipfProfile.from_tables(tabs, alpha=1.1, samples=1_000_000)
+    kw = dict(device_memory=40 * 2**20, host_memory=64 * 2**20, batch_size=1024, other_budgets=False)
+    g = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), **kw).meta["auto"]
+    m = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), search="milp", **kw).meta["auto"]
+    assert m["search"] == "milp"
+    assert g["predicted_step_seconds_symmetric"] <= 1.02 * m["predicted_step_seconds_symmetric"]
+    assert {e["chosen"]["form"] for e in g["tables"]} - {"sharded", "replicated"}  # the budget binds
+    asked = [TableSpec("s0", 50, 16), TableSpec("s1", 3000, 16, compression="tt", tt_rank=8)]
+    with pytest.raises(ConfigError, match=r"auto decides every table's form; tables \['s1'\]"):
+        make_auto_plan(asked, ZipfProfile.from_tables(asked), Topology(ranks_per_host=2), device_memory=2**20,
+                       host_memory=0)

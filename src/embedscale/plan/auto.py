@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
 
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
@@ -379,8 +380,6 @@ def search_milp(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_bu
                 time_limit: float = 60.0) -> list[int] | None:
     """The exact optimum of the same model (a multiple-choice knapsack with two budgets) by HiGHS; ``None``
     when infeasible."""
-    from scipy.optimize import Bounds, LinearConstraint, milp  # optional: scipy only for the exact check
-
     sizes = [len(cs) for cs in cands]
     nv = sum(sizes)
     flat = [c for cs in cands for c in cs]

@@ -63,6 +63,11 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     tables = list(tables)
     if not tables:
         raise ConfigError("no tables to plan")
+    asked = [t.name for t in tables if getattr(t, "compression", "none") != "none"
+             or getattr(t, "placement", "device") != "device"]
+    if asked:
+        raise ConfigError(f"--strategy auto decides every table's form; tables {asked} ask for one (compression / "
+                          "placement): drop the request or plan with another strategy")
     costs = costs or Costs()
     topo = resolve_topology(topology)
     world = topo.world_size
