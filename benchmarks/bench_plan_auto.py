@@ -13,7 +13,7 @@ Costs are the documented defaults (``embedscale calibrate`` measures them on a m
 ``--train DIR``: a small training comparison instead (2 gloo ranks, synthetic criteo-kaggle capped at 200k rows
 per table, dim 16): the auto plan under 16 MiB device / 64 MiB host per rank (calibrated costs) against the
 hand-made EL-Rec rule of today (tables of at least 100k rows TT rank 32, the rest placed by oper), trained in turns
-(A B A B); prints train samples/s of both, and auto's predicted embedding step against the measured step.
+(A B A B A B); prints train samples/s of both, and auto's predicted embedding step against the measured step.
 """
 
 import argparse
@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 from _plan_common import emit, log, peak_rss_gib
 from embedscale.plan.api import make_plan
@@ -42,9 +44,10 @@ def main() -> None:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--train", default=None, help="Work directory of the small training comparison.")
     ap.add_argument("--train-steps", type=int, default=40)
+    ap.add_argument("--train-repeats", type=int, default=3)
     args = ap.parse_args()
     if args.train:
-        return train_comparison(Path(args.train), args.train_steps)
+        return train_comparison(Path(args.train), args.train_steps, args.train_repeats)
     n_tables = 8 if args.quick else 50
     tables = [TableSpec(f"T{i}", 1 << 24, dim=64) for i in range(n_tables)]
     prof = ZipfProfile.from_tables(tables, alpha=args.alpha, samples=100_000_000)
@@ -86,7 +89,7 @@ def _es(*args, cwd: Path) -> subprocess.CompletedProcess:
     return p
 
 
-def train_comparison(work: Path, steps: int) -> None:
+def train_comparison(work: Path, steps: int, repeats: int = 3) -> None:
     work.mkdir(parents=True, exist_ok=True)
     batch = 1024
     if not (work / "data" / "manifest.json").exists():
@@ -106,7 +109,7 @@ def train_comparison(work: Path, steps: int) -> None:
     plans = {"auto": "plans-auto/auto", "elrec_rule": "plans-elrec/oper"}
     sps: dict[str, list[float]] = {k: [] for k in plans}
     load0 = os.getloadavg()
-    for rep in range(2):
+    for rep in range(repeats):
         for name, d in plans.items():
             rd = work / "runs" / f"{name}-{rep}"
             if rd.exists():
@@ -117,12 +120,12 @@ def train_comparison(work: Path, steps: int) -> None:
             s = json.loads((rd / "summary.json").read_text())
             sps[name].append(float(s["train_samples_per_s"]))
             log(f"{name} run {rep}: {s['train_samples_per_s']:.0f} samples/s")
-    a, b = float(sorted(sps["auto"])[len(sps["auto"]) // 2]), float(sorted(sps["elrec_rule"])[len(sps["elrec_rule"]) // 2])
+    a, b = float(np.median(sps["auto"])), float(np.median(sps["elrec_rule"]))
     measured_step = batch / a
     forms = {}
     for e in explain["tables"]:
         forms[e["chosen"]["form"]] = forms.get(e["chosen"]["form"], 0) + 1
-    emit("plan_auto_train_2ranks", a, b, "train samples/s (median of 2, interleaved)",
+    emit("plan_auto_train_2ranks", a, b, f"train samples/s (median of {repeats}, interleaved)",
          {"data": "synthetic criteo-kaggle, tables capped at 200k rows, dim 16", "ranks": 2, "batch": batch,
           "steps": steps, "auto_budget": "16MiB device / 64MiB host per rank", "hand_plan": "tt-min-rows 100000 rank 32 + oper"},
          auto_runs=sps["auto"], elrec_rule_runs=sps["elrec_rule"], auto_forms=forms,

@@ -137,6 +137,8 @@ class Costs:
             v = float(getattr(out, name))
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a positive number, got {v}")
+        if not (float(out.link_latency_us) >= 0 and math.isfinite(float(out.link_latency_us))):
+            raise ConfigError(f"{where}: link_latency_us must be a number >= 0, got {out.link_latency_us}")
         if any(not (v > 0 and math.isfinite(v)) for v in out.tt_lookup_s.values()):
             raise ConfigError(f"{where}: tt_lookup_s must hold positive numbers, got {out.tt_lookup_s}")
         return out
