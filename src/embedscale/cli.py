@@ -482,7 +482,8 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
               help="--strategy auto: per-row costs from embedscale calibrate (default: documented assumptions).")
 @click.option("--tt-ranks", default="8,16,32,64", show_default=True, help="--strategy auto: TT ranks to consider.")
 @click.option("--host-depth", type=int, default=1, show_default=True,
-              help="--strategy auto: pipeline depth of host tables (sizes their device cache).")
+              help="--strategy auto: pipeline depth of host tables (sizes their device cache; training runs "
+                   "--train-pipeline-depth: give it the same).")
 @click.option("--hot-touch", type=float, default=0.01, show_default=True,
               help="--strategy auto: a table the global batch reads this many times per row (lookups / rows) stays exact.")
 @click.option("--auto-search", type=click.Choice(["greedy", "milp"]), default="greedy", show_default=True,
