@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from embedscale.calibrate import calibrate as calibrate_costs
 from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
 from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
@@ -29,6 +30,8 @@ from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.plan.api import plan_command, topology_command
 from embedscale.plan.drift import drift_command
+from embedscale.plan.auto import explain_text, load_costs, parse_bytes
+from embedscale.plan.autoplan import auto_plan_command
 from embedscale.plan.forms import decide_forms, tables_from_profile
 from embedscale.plan.plan import Plan
 from embedscale.reorder import reorder_shards
@@ -462,7 +465,7 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--hosts", type=int, default=1, show_default=True)
 @click.option("--ranks-per-host", type=int, default=2, show_default=True)
 @click.option("--strategy", "strategies", multiple=True, default=["oper"], show_default=True,
-              help="oper, table_wise, row_wise, memory_greedy, access_greedy, torchrec, milp; repeat to compare.")
+              help="oper, table_wise, row_wise, memory_greedy, access_greedy, torchrec, milp, auto; repeat to compare.")
 @click.option("--mode", type=click.Choice(["training", "inference"]), default="training", show_default=True)
 @click.option("--extra-memory", type=float, default=0.05, show_default=True, help="Replication budget (OPER: 5%).")
 @click.option("--batch-size", type=int, default=2048, show_default=True, help="Samples per rank per iteration.")
@@ -474,9 +477,24 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--host-min-rows", type=int, default=0, show_default=True,
               help="Place tables of at least this many rows in the host parameter server (EL-Rec V): not in the "
                    "plan. 0 = off.")
+@click.option("--device-memory", default="256MiB", show_default=True,
+              help="--strategy auto: device memory per rank (e.g. 256MiB, 2GiB).")
+@click.option("--host-memory", default="512MiB", show_default=True,
+              help="--strategy auto: host memory per rank for host-placed tables.")
+@click.option("--costs", "costs_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="--strategy auto: per-row costs from embedscale calibrate (default: documented assumptions).")
+@click.option("--tt-ranks", default="8,16,32,64", show_default=True, help="--strategy auto: TT ranks to consider.")
+@click.option("--host-depth", type=int, default=1, show_default=True,
+              help="--strategy auto: pipeline depth of host tables (sizes their device cache; training runs "
+                   "--train-pipeline-depth: give it the same).")
+@click.option("--hot-touch", type=float, default=0.01, show_default=True,
+              help="--strategy auto: a table the global batch reads this many times per row (lookups / rows) stays exact.")
+@click.option("--auto-search", type=click.Choice(["greedy", "milp"]), default="greedy", show_default=True,
+              help="--strategy auto: greedy search, or the exact MILP (HiGHS; small cases).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
-         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, as_json):
+         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
+         costs_path, tt_ranks, host_depth, hot_touch, auto_search, as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
 
     Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
@@ -484,16 +502,41 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
     (t_<feature>). Every table's form is decided here and saved in the plan (training with --dist-plan builds
     it): TT-compressed tables (compression: tt, or --tt-min-rows) and host tables (placement: host, or
     --host-min-rows) are not placed; every rank holds the TT cores.
+
+    --strategy auto decides every table's form itself (replicated, sharded, TT of a rank, host with a cache)
+    for the fastest predicted step within --device-memory and --host-memory per rank; OUT/auto/ holds the
+    plan and its explain report (explain.txt, explain.json, memory.png).
     """
+    auto = "auto" in strategies
+    strategies = [s for s in strategies if s != "auto"]
     try:
         tables, requests = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
+        prof = profile_path or {"kind": "zipf", "alpha": zipf}
+        topo = _plan_topology(topology_path, hosts, ranks_per_host)
+        arep = None
+        if auto:
+            if tt_min_rows or host_min_rows:
+                raise EmbedscaleError("--strategy auto decides the forms itself: drop --tt-min-rows / --host-min-rows")
+            try:
+                ranks = [int(r) for r in str(tt_ranks).split(",") if r.strip()]
+            except ValueError:
+                raise EmbedscaleError(f"--tt-ranks: expected comma-separated integers, got {tt_ranks!r}") from None
+            arep = auto_plan_command(tables, prof, topo, out_dir, device_memory=parse_bytes(device_memory, "--device-memory"),
+                                     host_memory=parse_bytes(host_memory, "--host-memory"), costs=load_costs(costs_path),
+                                     json_output=as_json, batch_size=batch_size, mode=mode, tt_rank_list=ranks,
+                                     host_depth=host_depth, hot_touch=hot_touch, search=auto_search,
+                                     requests=requests)
+            if not as_json:
+                click.echo(explain_text(arep), nl=False)
+                click.echo(f"auto plan and explain report in {arep['plan_dir']}/")
+            if not strategies:
+                return
         if tt_min_rows < 0:
             raise EmbedscaleError(f"--tt-min-rows must be >= 0 (0 = off), got {tt_min_rows}")
         forms = decide_forms(tables, requests=requests, tt_min_rows=tt_min_rows, tt_rank=tt_rank,
                              host_min_rows=host_min_rows)
-        prof = profile_path or {"kind": "zipf", "alpha": zipf}
-        rep = plan_command(tables, prof, _plan_topology(topology_path, hosts, ranks_per_host), list(strategies),
-                           out_dir, mode, extra_memory, json_output=as_json, batch_size=batch_size, forms=forms)
+        rep = plan_command(tables, prof, topo, list(strategies), out_dir, mode, extra_memory, json_output=as_json,
+                           batch_size=batch_size, forms=forms)
     except EmbedscaleError as e:
         _fail(e)
     if not as_json:
@@ -510,6 +553,31 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
             click.echo(f"TT tables, replicated on every rank ({rep['config']['replicated_bytes_per_rank'] / 2**20:,.2f} "
                        f"MiB of cores per rank): " + ", ".join(f"{m['name']} ({m['num_rows']:,} rows)" for m in tt))
         click.echo(f"plans and report in {out_dir}/")
+
+
+@main.command()
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="Costs JSON to write.")
+@click.option("--device", default=None, help="Device to measure (default: torch's default device).")
+@click.option("--rows", type=int, default=1 << 20, show_default=True)
+@click.option("--dim", type=int, default=16, show_default=True)
+@click.option("--batch", type=int, default=4096, show_default=True)
+@click.option("--tt-ranks", default="8,16,32,64", show_default=True)
+@click.option("--repeats", type=int, default=7, show_default=True)
+@click.option("--links", is_flag=True, help="Also measure link bandwidth and latency on 2 local ranks.")
+def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links):
+    """Measure the per-row costs plan --strategy auto reads (--costs): exact, TT and host-table steps."""
+    try:
+        ranks = [int(r) for r in tt_ranks.split(",") if r.strip()]
+        costs = calibrate_costs(device=device, rows=rows, dim=dim, batch=batch, tt_ranks=ranks, repeats=repeats,
+                                links=links)
+        costs.save(out_path)
+    except ValueError:
+        _fail(EmbedscaleError(f"--tt-ranks: expected comma-separated integers, got {tt_ranks!r}"))
+    except EmbedscaleError as e:
+        _fail(e)
+    click.echo(f"exact {costs.exact_lookup_s * 1e9:.1f} ns/lookup; TT " + ", ".join(
+        f"rank {r}: {s * 1e9:.1f}" for r, s in costs.tt_lookup_s.items()) + f" ns/lookup; host "
+        f"{costs.host_row_s * 1e9:.1f} ns/row; costs written to {out_path}")
 
 
 @main.command()

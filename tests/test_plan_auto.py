@@ -1,0 +1,311 @@
+"""``plan --strategy auto`` (issue 16, first slice): miss-ratio curves, the search under budgets, the explain
+report, the calibration, and an auto plan trained on 2 ranks.
+
+References: the miss-ratio formulas against a Monte-Carlo count of distinct rows, the life-cycle cache
+(``pipeline/cache.py``) run on a synthetic Zipf stream and a brute-force LRU; the greedy search against the
+MILP optimum (HiGHS), the MILP against enumeration; the 2-rank run of an auto plan (sharded, TT and host
+tables) against one process training the same model (TT table configured, host table on the device).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from embedscale import workflow
+from embedscale.calibrate import calibrate
+from embedscale.data.profile import AccessProfile
+from embedscale.errors import ConfigError
+from embedscale.pipeline.cache import LifeCycleCache
+from embedscale.plan.auto import BudgetError, Candidate, Costs, load_costs, parse_bytes, search_greedy, search_milp
+from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
+from embedscale.plan.mrc import MissRatioCurve
+from embedscale.plan.plan import Plan
+from embedscale.plan.synthetic_profile import ZipfProfile
+from embedscale.specs import RunConfig, TableConfig, TableSpec, Topology, from_dict, to_dict
+from embedscale.train.checkpoint import load_checkpoint
+from embedscale.train.launch import spawn_local
+
+from test_distributed_train import ROWS, STEPS, make_data
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def zipf_probabilities(n: int, alpha: float, seed: int = 0) -> np.ndarray:
+    p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    return np.random.default_rng(seed).permutation(p / p.sum())
+
+
+# -- miss-ratio curves ------------------------------------------------------------------------------------
+
+def test_distinct_rows_per_batch_match_monte_carlo():
+    rng = np.random.default_rng(1)
+    p = zipf_probabilities(5000, 1.1)
+    counts = np.round(p * 1e6).astype(np.int64)
+    mrc = MissRatioCurve.from_counts(counts, 512, bins=0)
+    pe = counts / counts.sum()
+    sim = [np.unique(rng.choice(p.size, 512, p=pe)).size for _ in range(400)]
+    assert abs(mrc.distinct() - np.mean(sim)) < 0.02 * np.mean(sim)
+    binned = MissRatioCurve.from_counts(counts, 512, bins=2048)
+    assert abs(binned.distinct() - mrc.distinct()) < 1e-3 * mrc.distinct()
+    assert binned.window_hit_ratio(3) == pytest.approx(mrc.window_hit_ratio(3), abs=1e-3)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_window_hit_ratio_matches_the_life_cycle_cache(window):
+    """The life-cycle cache holding the rows of the last ``window`` batches, run on a Zipf stream: the share of
+    a batch's distinct rows it patches equals ``MissRatioCurve.window_hit_ratio``."""
+    rng = np.random.default_rng(2)
+    n, lookups, batches = 3000, 256, 300
+    p = zipf_probabilities(n, 1.05, seed=3)
+    cache = LifeCycleCache([1], device="cpu")
+    hits = distinct = 0
+    for t in range(batches):
+        rows = torch.from_numpy(np.unique(rng.choice(n, lookups, p=p)))
+        cache.advance(t)
+        if t >= window:
+            assert cache.num_entries == window
+            w = torch.zeros(rows.numel(), 1)
+            cache.patch(0, rows, w)
+            hits += int((w[:, 0] > 0).sum())  # each patched row once, however many entries held it
+            distinct += rows.numel()
+        cache.insert(t, [rows], [torch.ones(rows.numel(), 1)], [None], life=window + 1)
+    counts = np.round(p * 1e7).astype(np.int64)
+    want = MissRatioCurve.from_counts(counts, lookups, bins=0).window_hit_ratio(window)
+    assert hits / distinct == pytest.approx(want, abs=0.02)
+
+
+def test_lru_miss_ratio_matches_a_simulated_lru():
+    rng = np.random.default_rng(4)
+    n, lookups = 4000, 200
+    p = zipf_probabilities(n, 1.0, seed=5)
+    mrc = MissRatioCurve.from_counts(np.round(p * 1e7).astype(np.int64), lookups, bins=0)
+    for c in (100, 800):
+        lru: OrderedDict = OrderedDict()
+        miss = seen = 0
+        for t in range(500):
+            rows = np.unique(rng.choice(n, lookups, p=p))
+            if t >= 100:
+                miss += sum(1 for r in rows if r not in lru)
+                seen += rows.size
+            for r in rows:
+                lru[r] = True
+                lru.move_to_end(r)
+            while len(lru) > c:
+                lru.popitem(last=False)
+        assert mrc.lru_miss_ratio(c) == pytest.approx(miss / seen, abs=0.04), c
+    assert mrc.lru_miss_ratio(0) == 1.0 and mrc.lru_miss_ratio(10 * n) == 0.0
+
+
+# -- the search ----------------------------------------------------------------------------------------
+
+def _random_case(rng, n_tables):
+    cands = []
+    for _ in range(n_tables):
+        k = int(rng.integers(2, 5))
+        cands.append([Candidate(f"f{j}", SHARDED, float(rng.uniform(1, 10)), float(rng.uniform(0, 100)),
+                                float(rng.uniform(0, 100)) * (rng.random() < 0.5)) for j in range(k)])
+    return cands
+
+
+def _brute_force(cands, dev, host):
+    best = None
+    for choice in itertools.product(*[range(len(c)) for c in cands]):
+        cs = [cands[i][j] for i, j in enumerate(choice)]
+        if sum(c.device_bytes for c in cs) <= dev and sum(c.host_bytes for c in cs) <= host:
+            t = sum(c.seconds for c in cs)
+            if best is None or t < best[0]:
+                best = (t, list(choice))
+    return best
+
+
+def test_greedy_within_2_percent_of_the_milp_optimum():
+    rng = np.random.default_rng(6)
+    checked = 0
+    for case in range(40):
+        cands = _random_case(rng, int(rng.integers(3, 7)))
+        dev, host = float(rng.uniform(80, 250)), float(rng.uniform(50, 200))
+        ref = _brute_force(cands, dev, host)
+        exact = search_milp(cands, dev, host)
+        if ref is None:
+            assert exact is None
+            continue
+        t_exact = sum(cands[i][j].seconds for i, j in enumerate(exact))
+        assert t_exact == pytest.approx(ref[0], rel=1e-9), case
+        g = search_greedy(cands, dev, host)
+        cs = [cands[i][j] for i, j in enumerate(g)]
+        assert sum(c.device_bytes for c in cs) <= dev and sum(c.host_bytes for c in cs) <= host, case
+        assert sum(c.seconds for c in cs) <= 1.02 * t_exact, case
+        checked += 1
+    assert checked >= 20
+
+
+def _criteo_like():
+    rows = [1_460, 583, 10_131_227, 2_202_608, 305, 24, 12_517, 633, 3, 93_145, 5_683, 8_351_593, 3_194, 27,
+            14_992, 5_461_306, 10, 5_652, 2_173, 4, 7_046_547, 18, 15, 286_181, 105, 142_572]
+    tabs = [TableSpec(f"t{i}", r, 16) for i, r in enumerate(rows)]
+    return tabs, ZipfProfile.from_tables(tabs, alpha=1.1, samples=1_000_000)
+
+
+def test_auto_plan_fits_keeps_hot_tables_exact_and_records_tt_ranks():
+    tabs, prof = _criteo_like()
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=256 * 2**20,
+                          host_memory=512 * 2**20, batch_size=2048)
+    rep = plan.meta["auto"]
+    forms = plan.forms
+    assert sorted(forms) == sorted(t.name for t in tabs)
+    kinds = {f.kind for f in forms.values()}
+    assert "tt" in kinds or "host" in kinds  # 33.8M rows x 68 B do not fit 256 MiB exact
+    for e in rep["tables"]:
+        if e["hot"]:
+            assert forms[e["table"]].kind != "tt", e
+        if forms[e["table"]].kind == "tt":
+            assert forms[e["table"]].tt_rank in (8, 16, 32, 64)
+            assert e["chosen"]["form"] == f"tt-{forms[e['table']].tt_rank}"
+    assert max(rep["per_rank"]["device_total"]) <= 256 * 2**20
+    assert max(rep["per_rank"]["host_bytes"]) <= 512 * 2**20
+    assert set(rep["other_budgets"]) == {"half", "twice"}
+
+
+def test_saved_auto_plan_loads_with_its_forms(tmp_path):
+    tabs, prof = _criteo_like()
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=256 * 2**20,
+                          host_memory=512 * 2**20, other_budgets=False)
+    plan.save(tmp_path / "p")
+    back = Plan.load(tmp_path / "p")
+    assert back.forms == plan.forms and back.meta["strategy"] == "auto"
+    repl = plan.meta["auto"]["tables"]
+    for e in repl:  # a replicated table is held by every rank
+        if e["chosen"]["form"] == "replicated":
+            assert back.holders[back.table_partitions(e["table"])].all()
+
+
+def test_budget_too_small_is_a_named_error():
+    tabs, prof = _criteo_like()
+    with pytest.raises(BudgetError, match=r"device memory over by .* per rank.*could not be placed: t"):
+        make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=64 * 2**10, host_memory=0,
+                       other_budgets=False)
+
+
+def test_costs_file_round_trip_and_errors(tmp_path):
+    c = Costs(exact_lookup_s=1e-8, tt_lookup_s={8: 2e-8, 32: 8e-8}, source="measured")
+    c.save(tmp_path / "c.json")
+    back = load_costs(tmp_path / "c.json")
+    assert back.tt_lookup_s == {8: 2e-8, 32: 8e-8} and back.source == "measured"
+    assert back.tt(16) == pytest.approx(2e-8 + (8e-8 - 2e-8) * (256 - 64) / (1024 - 64))
+    (tmp_path / "bad.json").write_text(json.dumps({**c.to_dict(), "host_row_s": -1}))
+    with pytest.raises(ConfigError, match="bad.json.*host_row_s"):
+        load_costs(tmp_path / "bad.json")
+    assert parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("1.5GB") == 1_500_000_000
+    with pytest.raises(ConfigError, match="--device-memory"):
+        parse_bytes("lots", "--device-memory")
+
+
+def test_calibrate_measures_every_cost():
+    c = calibrate(device="cpu", rows=2000, dim=4, batch=256, tt_ranks=(2, 4), repeats=1)
+    assert c.source == "measured" and sorted(c.tt_lookup_s) == [2, 4]
+    assert c.exact_lookup_s > 0 and c.host_row_s > 0 and all(v > 0 for v in c.tt_lookup_s.values())
+    assert 0 < c.notes["distinct_rows_per_batch"] <= 256
+
+
+def _cli(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    return subprocess.run([sys.executable, "-m", "embedscale", *args], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=600)
+
+
+def test_cli_writes_the_plan_and_its_explain_report(tmp_path):
+    p = _cli("plan", "--strategy", "auto", "--preset", "criteo-kaggle", "--max-rows", "200000",
+             "--device-memory", "16MiB", "--host-memory", "64MiB", "--hot-touch", "1", "--out", "plans", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    d = tmp_path / "plans" / "auto"
+    for f in ("plan.json", "explain.txt", "explain.json"):
+        assert (d / f).exists(), f
+    rep = json.loads((d / "explain.json").read_text())
+    plan = Plan.load(d)
+    assert {n: f.kind for n, f in plan.forms.items()} == {e["table"]: e["chosen"]["form"].split("-")[0]
+                                                          .replace("replicated", "sharded") for e in rep["tables"]}
+    assert "runner-up" in (d / "explain.txt").read_text() and "predicted" in p.stdout
+    bad = _cli("plan", "--strategy", "auto", "--preset", "criteo-kaggle", "--max-rows", "200000",
+               "--device-memory", "1KiB", "--host-memory", "0", "--out", "plans2", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: no plan fits") and "Traceback" not in bad.stderr
+
+
+# -- an auto plan trains on 2 ranks as in one process ---------------------------------------------------------
+
+def _config(tmp_path, data_dir, plan="", tables=None):
+    return from_dict(RunConfig, {
+        "name": "a", "out_dir": str(tmp_path / "runs"),
+        "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], **({"tables": tables} if tables else {})},
+        "train": {"batch_size": 50, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
+                  "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad", "prefetch": 0},
+        "dist": {"plan": plan, "timeout_s": 60},
+    })
+
+
+def _rank(rank, world, cfg_dict, run_dir):
+    from embedscale.train.ranks import train_distributed  # in the spawned rank
+
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+    return True
+
+
+def test_auto_plan_trains_on_two_ranks_like_one_process(tmp_path):
+    data_dir = tmp_path / "data"
+    make_data(data_dir)
+    prof = AccessProfile.from_shards(data_dir)
+    tabs = tables_from_profile(prof, 4)
+    costs = Costs(exact_lookup_s=50e-9, tt_lookup_s={2: 60e-9}, host_row_s=100e-9)
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=740, host_memory=3000, costs=costs,
+                          batch_size=25, tt_rank_list=[2], tt_min_rows=100, hot_touch=1e9, bins=0)
+    forms = plan.forms
+    assert forms["t_C3"] == TableForm("tt", tt_rank=2) and forms["t_C1"].kind == "host"
+    assert {forms["t_C2"].kind, forms["t_C4"].kind} == {"sharded"}
+    plan.save(tmp_path / "plan")
+
+    # one process: the same model, the TT table configured, the host table an ordinary device table (exact)
+    ref_tables = [{"name": f"t_C{i + 1}", "num_rows": r, "dim": 4, "features": [f"C{i + 1}"],
+                   **({"compression": "tt", "tt_rank": 2} if i == 2 else {})} for i, r in enumerate(ROWS)]
+    workflow.train(_config(tmp_path, data_dir, tables=ref_tables), tmp_path / "single", resume=False, progress=False)
+    ref = load_checkpoint(tmp_path / "single")
+
+    spawn_local(_rank, 2, to_dict(_config(tmp_path, data_dir, plan=str(tmp_path / "plan"))), str(tmp_path / "dist"),
+                timeout_s=180)
+    got = load_checkpoint(tmp_path / "dist")
+    assert got["manifest"]["world_size"] == 2
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0, atol=1e-5)
+    weights = {n: e["weight"] for n, e in got["tables"].items()}
+    weights.update({k[:-len(".weight")]: v for k, v in got["host"].items() if k.endswith(".weight")})
+    assert sorted(weights) == ["t_C1", "t_C2", "t_C4"]
+    for n, w in weights.items():
+        torch.testing.assert_close(w, ref["tables"][n]["weight"], rtol=0, atol=1e-5, msg=lambda m: f"{n}: {m}")
+    assert ref["tt"] and sorted(got["tt"]) == sorted(ref["tt"])
+    for k, v in ref["tt"].items():
+        torch.testing.assert_close(got["tt"][k], v, rtol=0, atol=1e-5, msg=lambda m: f"TT {k}: {m}")
+
+
+def test_auto_plan_with_the_milp_equals_the_greedy_and_rejects_requests():
+    tabs = [TableSpec(f"s{i}", n, 16) for i, n in enumerate([50, 3_000, 40_000, 200_000, 600_000, 1_500_000])]
+    prof = ZipfProfile.from_tables(tabs, alpha=1.1, samples=1_000_000)
+    kw = dict(device_memory=40 * 2**20, host_memory=64 * 2**20, batch_size=1024, other_budgets=False)
+    g = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), **kw).meta["auto"]
+    m = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), search="milp", **kw).meta["auto"]
+    assert m["search"] == "milp"
+    assert g["predicted_step_seconds_symmetric"] <= 1.02 * m["predicted_step_seconds_symmetric"]
+    assert {e["chosen"]["form"] for e in g["tables"]} - {"sharded", "replicated"}  # the budget binds
+    asked = [TableConfig("s0", 50, 16), TableConfig("s1", 3000, 16, compression="tt", tt_rank=8)]
+    specs = [r.spec for r in asked]
+    with pytest.raises(ConfigError, match=r"auto decides every table's form; tables \['s1'\]"):
+        make_auto_plan(specs, ZipfProfile.from_tables(specs), Topology(ranks_per_host=2), device_memory=2**20,
+                       host_memory=0, requests=asked)
