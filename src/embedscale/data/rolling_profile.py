@@ -13,7 +13,7 @@ halves an access's weight every ``H`` steps. The decayed sample count follows th
 Cost on the training path: ``O(batch)`` per table and update, on the run's device. The decay is kept
 lazily as one scale factor (stored values are ``count * scale`` with ``scale = decay^-elapsed``, so an
 update is an ``index_add_`` of the batch's rows scaled by ``scale``); the tables are rescaled in one
-pass only when the scale passes ``1e150`` (the stored values stay finite and keep float64 relative
+pass only when the scale passes ``1e150`` (``1e18`` in float32; the stored values stay finite and keep their relative
 precision). Reading the counts costs one division per row.
 
 Across ranks: :meth:`RollingProfile.all_reduce` sums every rank's counts with one ``all_reduce`` of
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError, FormatError, InputError
 
-_RESCALE_AT = 1e150
+_RESCALE_AT = {torch.float64: 1e150, torch.float32: 1e18}  # stored values stay finite
 
 
 class RollingProfile:
@@ -105,7 +105,7 @@ class RollingProfile:
             self.steps += int(steps)
             if self.decay < 1.0:
                 self._scale *= self.decay ** -int(steps)
-                if self._scale > _RESCALE_AT:
+                if self._scale > _RESCALE_AT[next(iter(self._counts.values())).dtype]:
                     self._rescale()
         for name, rows in rows_by_table.items():
             c = self._counts[name]

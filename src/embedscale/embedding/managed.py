@@ -14,9 +14,10 @@ Layout. A table of ``num_rows`` rows keeps row 0 as the *default row*, shared by
 row of its own; rows ``1 .. num_rows - 1`` are given to ids. Everything is a tensor on the table's
 device: per row the id it holds, whether it is used, its last step and its frequency; the resident
 ids sorted (looked up with ``searchsorted``); the *pending* ids (seen, not yet admitted) sorted with
-their counts and last step. A batch costs a sort of the batch's ids plus a rebuild of the sorted
-index (``O(num_rows log num_rows)``; an on-device hash table would make it ``O(batch)``). No Python
-loop per id; a few host syncs per batch (sizes).
+their counts and last step. A batch costs a sort of its ids, a merge of the pending set and a rebuild
+of the sorted index, ``O((B + P + R) log(B + P + R))`` for ``B`` ids, ``P`` pending ids and ``R`` rows
+used so far (scans stop at the highest row ever used); an on-device hash table would make it
+``O(B)``. No Python loop per id; a few host syncs per batch (sizes).
 
 Semantics of one batch (:meth:`ManagedIdTable.assign`), at step ``t`` (one more than the last batch):
 
@@ -123,6 +124,7 @@ class ManagedIdTable:
         self.pend_count = torch.zeros(0, **i64)
         self.pend_last = torch.zeros(0, **i64)
         self.counters = {k: 0 for k in _COUNTERS}
+        self._fresh = 1  # rows >= _fresh have never been used: scans stop there
         self._rebuild_index()
 
     @property
@@ -135,7 +137,7 @@ class ManagedIdTable:
         return int(self._sorted_ids.numel())
 
     def _rebuild_index(self) -> None:
-        rows = torch.nonzero(self.row_used, as_tuple=True)[0]
+        rows = torch.nonzero(self.row_used[:self._fresh], as_tuple=True)[0]
         ids, order = torch.sort(self.row_id[rows])
         self._sorted_ids = ids
         self._sorted_rows = rows[order]
@@ -184,7 +186,8 @@ class ManagedIdTable:
         evicted_rows = [empty]
         # 3. TTL expiry of rows idle too long (touched rows have last == t)
         if self.policy == "ttl":
-            expired = torch.nonzero(self.row_used & (t - self.row_last > self.ttl), as_tuple=True)[0]
+            f = self._fresh
+            expired = torch.nonzero(self.row_used[:f] & (t - self.row_last[:f] > self.ttl), as_tuple=True)[0]
             evicted_rows.append(expired)
             self.row_used[expired] = False
         # 4. admission
@@ -194,13 +197,17 @@ class ManagedIdTable:
         total = m_cnt + self._gather(self.pend_count, p_idx)
         cand = torch.nonzero(total >= self.admit_after, as_tuple=True)[0]
         cand = cand[torch.argsort(m_first[cand])]  # first-occurrence order
-        free = torch.nonzero(~self.row_used, as_tuple=True)[0]
-        free = free[free >= 1]
-        n_free = min(int(cand.numel()), int(free.numel()))
+        n_cand = int(cand.numel())
+        holes = torch.nonzero(~self.row_used[1:self._fresh], as_tuple=True)[0] + 1  # free rows, ascending
+        fresh = torch.arange(self._fresh, min(self.num_rows, self._fresh + max(0, n_cand - holes.numel())),
+                             device=dev)
+        free = torch.cat([holes, fresh])
+        n_free = min(n_cand, int(free.numel()))
         targets = [free[:n_free]]
-        rest = int(cand.numel()) - n_free
+        rest = n_cand - n_free
         if rest > 0 and self.policy in ("lru", "lfu"):
-            eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending rows
+            f = self._fresh
+            eligible = torch.nonzero(self.row_used[:f] & (self.row_last[:f] < t), as_tuple=True)[0]  # ascending
             order = eligible[torch.argsort(self.row_last[eligible], stable=True)]
             if self.policy == "lfu":
                 order = order[torch.argsort(self.row_freq[order], stable=True)]
@@ -216,6 +223,8 @@ class ManagedIdTable:
         self.row_used[adm_rows] = True
         self.row_last[adm_rows] = t
         self.row_freq[adm_rows] = total[adm]
+        if adm_rows.numel():
+            self._fresh = max(self._fresh, int(adm_rows.max()) + 1)
         # 5./6. pending: the old entries not in this batch, plus this batch's misses not admitted
         admitted_mask = torch.zeros(m_ids.numel(), dtype=torch.bool, device=dev)
         admitted_mask[adm] = True
@@ -284,6 +293,8 @@ class ManagedIdTable:
             setattr(self, k, state[k].to(dev, torch.int64).clone())
         self.step = int(state["step"])
         self.counters = dict(zip(_COUNTERS, (int(v) for v in state["counters"].tolist())))
+        used = torch.nonzero(self.row_used, as_tuple=True)[0]
+        self._fresh = int(used.max()) + 1 if used.numel() else 1
         self._rebuild_index()
 
 
