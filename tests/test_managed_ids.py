@@ -10,7 +10,7 @@ import torch
 
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.managed import ManagedIds, ManagedIdTable, reset_rows
-from embedscale.errors import ConfigError, FormatError
+from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec
 
 
@@ -189,3 +189,14 @@ def test_reset_rows_on_local_embedding_bags():
     gen = torch.Generator().manual_seed(0)
     reset_rows(ebc.table_weight("b"), None, torch.tensor([5]), generator=gen)
     assert float(w[5].abs().max()) <= 1 / 8 ** 0.5
+
+
+def test_empty_batch_and_shape():
+    t = ManagedIdTable("t", 4, policy="lru")
+    a = t.assign(torch.zeros(0, dtype=torch.int64))
+    assert a.rows.numel() == 0 and t.step == 1 and t.counters["lookups"] == 0
+    a = t.assign(torch.tensor([[5, 6], [6, 7]]))
+    assert a.rows.tolist() == [[1, 2], [2, 3]]
+    assert t.rows_of(torch.tensor([7, 8])).tolist() == [3, 0]
+    with pytest.raises(InputError, match="integers"):
+        t.assign(torch.tensor([1.0]))

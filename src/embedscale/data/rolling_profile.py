@@ -44,7 +44,7 @@ class RollingProfile:
     Args:
         num_rows: table name -> rows.
         decay: per-step decay factor in ``(0, 1]``.
-        device: the run's device (``train.device``).
+        device: the run's device (``train.device``; default: torch's default device).
         dtype: ``torch.float64`` (default; ``float32`` for devices without float64).
 
     Example::
@@ -55,7 +55,7 @@ class RollingProfile:
         plan = make_plan("oper", tables, total.to_access_profile(), topology)
     """
 
-    def __init__(self, num_rows: Mapping[str, int], decay: float, device: torch.device | str = "cpu",
+    def __init__(self, num_rows: Mapping[str, int], decay: float, device: torch.device | str | None = None,
                  dtype: torch.dtype = torch.float64):
         if not (0.0 < float(decay) <= 1.0):
             raise ConfigError(f"RollingProfile: decay must be in (0, 1], got {decay}")
@@ -68,7 +68,10 @@ class RollingProfile:
         self.steps = 0
         self._scale = 1.0
         self._samples = 0.0  # stored like the counts (times the scale)
-        self._counts = {n: torch.zeros(int(r), dtype=dtype, device=device) for n, r in num_rows.items()}
+        if not num_rows:
+            raise ConfigError("RollingProfile: no tables")
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        self._counts = {n: torch.zeros(int(r), dtype=dtype, device=dev) for n, r in num_rows.items()}
 
     @property
     def table_names(self) -> list[str]:

@@ -88,12 +88,12 @@ class ManagedIdTable:
         policy: ``"lru"``, ``"lfu"`` or ``"ttl"``.
         ttl: for ``"ttl"``: a row idle for more than ``ttl`` steps is evicted (>= 1).
         pending_capacity: the most pending ids kept (default ``4 * num_rows``).
-        device: where the mapping lives (the run's device).
+        device: where the mapping lives (the run's device; default: torch's default device).
     """
 
     def __init__(self, name: str, num_rows: int, admit_after: int = 1, policy: str = "lru",
                  ttl: int | None = None, pending_capacity: int | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str | None = None):
         if policy not in POLICIES:
             raise ConfigError(f"managed table {name!r}: eviction policy {policy!r} is not one of {list(POLICIES)}")
         if int(num_rows) < 2:
@@ -113,7 +113,7 @@ class ManagedIdTable:
         self.pending_capacity = 4 * self.num_rows if pending_capacity is None else int(pending_capacity)
         if self.pending_capacity < 0:
             raise ConfigError(f"managed table {name!r}: pending_capacity must be >= 0, got {pending_capacity}")
-        dev = torch.device(device)
+        dev = torch.device(device) if device is not None else torch.get_default_device()
         i64 = dict(dtype=torch.int64, device=dev)
         self.step = 0
         self.row_id = torch.zeros(self.num_rows, **i64)
