@@ -141,9 +141,10 @@ def test_ties_and_in_batch_order():
     assert g.counters["collisions"] == 2 and g.counters["admissions"] == 1
 
 
-def test_state_round_trip_and_config_check():
-    a = ManagedIdTable("t", 6, admit_after=2, policy="lfu")
-    b = ManagedIdTable("t", 6, admit_after=2, policy="lfu")
+@pytest.mark.parametrize("policy,ttl", [("lfu", None), ("ttl", 2)])
+def test_state_round_trip_and_config_check(policy, ttl):
+    a = ManagedIdTable("t", 6, admit_after=2, policy=policy, ttl=ttl)
+    b = ManagedIdTable("t", 6, admit_after=2, policy=policy, ttl=ttl)
     stream = list(_stream(3, 60, 20, 8))
     for ids in stream[:30]:
         a.assign(torch.from_numpy(ids))
@@ -155,7 +156,7 @@ def test_state_round_trip_and_config_check():
         assert a.assign(torch.from_numpy(ids)).rows.tolist() == b.assign(torch.from_numpy(ids)).rows.tolist()
     assert a.counters == b.counters
     with pytest.raises(FormatError, match="differs"):
-        ManagedIdTable("t", 6, admit_after=2, policy="lru").load_state_dict(a.state_dict())
+        ManagedIdTable("t", 6, admit_after=3, policy=policy, ttl=ttl).load_state_dict(a.state_dict())
     many = ManagedIds({"u": ManagedIdTable("u", 4), "v": ManagedIdTable("v", 5, policy="ttl", ttl=3)})
     many.assign({"u": torch.tensor([1, 2]), "v": torch.tensor([3])})
     other = ManagedIds({"u": ManagedIdTable("u", 4), "v": ManagedIdTable("v", 5, policy="ttl", ttl=3)})

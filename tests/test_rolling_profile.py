@@ -60,6 +60,19 @@ def test_matches_definition(decay):
     assert prof.steps == sum(steps)
 
 
+def test_long_gap_decays_without_overflow():
+    prof = RollingProfile(ROWS, 0.9)
+    prof.update({"a": torch.tensor([1, 1, 2])}, samples=3)
+    prof.update({"a": torch.tensor([3])}, steps=5)
+    prof.update({}, steps=100_000)  # 0.9^-100000 does not fit a float
+    prof.update({"a": torch.tensor([4])}, steps=2)
+    want = np.zeros(50)
+    want[4] = 1.0
+    want[3] = 0.9 ** 100_002  # underflows to 0, as the definition does in float64
+    np.testing.assert_allclose(prof.counts("a").numpy(), want, rtol=1e-12, atol=0)
+    assert prof.steps == 100_008
+
+
 def test_state_round_trip_and_errors():
     batches, steps = stream(1)
     a, b = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)

@@ -27,6 +27,7 @@ monitor of issue 17 part 4).
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
@@ -93,6 +94,21 @@ class RollingProfile:
         self._samples /= self._scale
         self._scale = 1.0
 
+    def _advance(self, steps: int) -> None:
+        """Decay by ``decay^steps``: grow the scale, rescaling the tables before it would pass the limit
+        (in log space: ``decay^-steps`` alone may not fit a float)."""
+        limit = math.log(_RESCALE_AT[next(iter(self._counts.values())).dtype])
+        grow = -steps * math.log(self.decay)
+        if math.log(self._scale) + grow > limit:
+            self._rescale()
+            if grow > limit:  # a long gap: decay the tables directly (may underflow to 0, never overflows)
+                f = self.decay ** steps
+                for c in self._counts.values():
+                    c.mul_(f)
+                self._samples *= f
+                return
+        self._scale *= math.exp(grow)
+
     @torch.no_grad()
     def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0) -> None:
         """Decay every table by ``decay^steps``, then add one access per row id of ``rows_by_table``
@@ -107,9 +123,7 @@ class RollingProfile:
         if steps:
             self.steps += int(steps)
             if self.decay < 1.0:
-                self._scale *= self.decay ** -int(steps)
-                if self._scale > _RESCALE_AT[next(iter(self._counts.values())).dtype]:
-                    self._rescale()
+                self._advance(int(steps))
         for name, rows in rows_by_table.items():
             c = self._counts[name]
             rows = rows.reshape(-1).to(c.device, torch.int64)
