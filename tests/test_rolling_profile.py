@@ -7,6 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from embedscale.data.profile import AccessProfile
 from embedscale.data.rolling_profile import RollingProfile
@@ -111,7 +112,7 @@ def _two_ranks(rank, world):
     batches, steps = stream(10 + rank)
     prof = RollingProfile(ROWS, 0.9)
     feed(prof, batches, steps)
-    total = prof.all_reduce()
+    total = prof.all_reduce(dist.new_group([0, 1]))  # a given process group
     return {"a": total.counts("a"), "b": total.counts("b"), "samples": total.samples, "own": prof.counts("a")}
 
 
