@@ -1,0 +1,189 @@
+"""RollingProfile: decayed per-row access counts kept while training (issue 17 part 3).
+
+OPER plans once from a profile of the whole dataset (OPER section 3) and names re-planning when the
+input drifts as future work (section 8). On a stream the profile must follow the input: each rank
+keeps, per table, an exponentially decayed access count per row,
+
+    count_r  <-  count_r * decay^steps  +  new_r,
+
+where ``new_r`` is the number of accesses of row ``r`` in the batch and ``steps`` the training steps
+since the last update (1 per batch). ``decay = 1`` is a plain running count; ``decay = 0.5^(1/H)``
+halves an access's weight every ``H`` steps. The decayed sample count follows the same rule.
+
+Cost on the training path: ``O(batch)`` per table and update, on the run's device. The decay is kept
+lazily as one scale factor (stored values are ``count * scale`` with ``scale = decay^-elapsed``, so an
+update is an ``index_add_`` of the batch's rows scaled by ``scale``); the tables are rescaled in one
+pass only when the scale passes ``1e150`` (``1e18`` in float32; the stored values stay finite and keep their relative
+precision). Reading the counts costs one division per row.
+
+Across ranks: :meth:`RollingProfile.all_reduce` sums every rank's counts with one ``all_reduce`` of
+one flat tensor through a given process group, when the drift monitor asks (not per step).
+:meth:`RollingProfile.to_access_profile` gives an :class:`embedscale.data.profile.AccessProfile` of
+float64 expected counts, the format ``plan/`` plans from.
+
+Not yet used by ``train``: the run loop does not feed it yet (a later session wires it with the drift
+monitor of issue 17 part 4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from embedscale.data.profile import AccessProfile
+from embedscale.errors import ConfigError, FormatError, InputError
+
+_RESCALE_AT = {torch.float64: 1e150, torch.float32: 1e18}  # stored values stay finite
+
+
+class RollingProfile:
+    """Decayed per-row access counts of several tables on one device.
+
+    Args:
+        num_rows: table name -> rows.
+        decay: per-step decay factor in ``(0, 1]``.
+        device: the run's device (``train.device``; default: torch's default device).
+        dtype: ``torch.float64`` (default; ``float32`` for devices without float64).
+
+    Example::
+
+        prof = RollingProfile({"C1": 1000}, decay=0.99)
+        prof.update({"C1": rows})                  # once per batch, rows on the device
+        total = prof.all_reduce(group)             # every rank's counts summed (a new RollingProfile)
+        plan = make_plan("oper", tables, total.to_access_profile(), topology)
+    """
+
+    def __init__(self, num_rows: Mapping[str, int], decay: float, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float64):
+        if not (0.0 < float(decay) <= 1.0):
+            raise ConfigError(f"RollingProfile: decay must be in (0, 1], got {decay}")
+        if dtype not in (torch.float64, torch.float32):
+            raise ConfigError(f"RollingProfile: dtype must be float64 or float32, got {dtype}")
+        bad = {n: r for n, r in num_rows.items() if int(r) < 1}
+        if bad:
+            raise ConfigError(f"RollingProfile: tables need at least one row, got {bad}")
+        self.decay = float(decay)
+        self.steps = 0
+        self._scale = 1.0
+        self._samples = 0.0  # stored like the counts (times the scale)
+        if not num_rows:
+            raise ConfigError("RollingProfile: no tables")
+        dev = torch.device(device) if device is not None else torch.get_default_device()
+        self._counts = {n: torch.zeros(int(r), dtype=dtype, device=dev) for n, r in num_rows.items()}
+
+    @property
+    def table_names(self) -> list[str]:
+        return list(self._counts)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self._counts.values())).device
+
+    def _table(self, name: str) -> torch.Tensor:
+        try:
+            return self._counts[name]
+        except KeyError:
+            raise InputError(f"rolling profile has no table {name!r}; tables: {self.table_names}") from None
+
+    def _rescale(self) -> None:
+        for c in self._counts.values():
+            c.div_(self._scale)
+        self._samples /= self._scale
+        self._scale = 1.0
+
+    def _advance(self, steps: int) -> None:
+        """Decay by ``decay^steps``: grow the scale, rescaling the tables before it would pass the limit
+        (in log space: ``decay^-steps`` alone may not fit a float)."""
+        limit = math.log(_RESCALE_AT[next(iter(self._counts.values())).dtype])
+        grow = -steps * math.log(self.decay)
+        if math.log(self._scale) + grow > limit:
+            self._rescale()
+            if grow > limit:  # a long gap: decay the tables directly (may underflow to 0, never overflows)
+                f = self.decay ** steps
+                for c in self._counts.values():
+                    c.mul_(f)
+                self._samples *= f
+                return
+        self._scale *= math.exp(grow)
+
+    @torch.no_grad()
+    def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0) -> None:
+        """Decay every table by ``decay^steps``, then add one access per row id of ``rows_by_table``
+        (and ``samples`` to the sample count). Tables not named get only the decay."""
+        if int(steps) < 0:
+            raise ConfigError(f"RollingProfile.update: steps must be >= 0, got {steps}")
+        for name, rows in rows_by_table.items():  # check all before changing anything
+            c = self._table(name)
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= c.numel()):
+                bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
+                raise InputError(f"rolling profile: table {name!r}: row {bad} outside 0..{c.numel() - 1}")
+        if steps:
+            self.steps += int(steps)
+            if self.decay < 1.0:
+                self._advance(int(steps))
+        for name, rows in rows_by_table.items():
+            c = self._counts[name]
+            rows = rows.reshape(-1).to(c.device, torch.int64)
+            c.index_add_(0, rows, torch.full(rows.shape, self._scale, dtype=c.dtype, device=c.device))
+        self._samples += samples * self._scale
+
+    def counts(self, name: str) -> torch.Tensor:
+        """The decayed count of every row of table ``name`` (a new tensor on the device)."""
+        return self._table(name) / self._scale
+
+    @property
+    def samples(self) -> float:
+        """The decayed number of samples counted."""
+        return self._samples / self._scale
+
+    @torch.no_grad()
+    def all_reduce(self, group: dist.ProcessGroup | None = None) -> "RollingProfile":
+        """Every rank's counts summed (one ``all_reduce`` of one flat tensor through ``group``).
+
+        Collective: every rank of ``group`` calls it with the same tables. Returns a new profile; this
+        rank's own counts are unchanged."""
+        names = self.table_names
+        flat = torch.cat([self.counts(n) for n in names]
+                         + [torch.tensor([self.samples], dtype=self._counts[names[0]].dtype, device=self.device)])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        out = RollingProfile({n: self._counts[n].numel() for n in names}, self.decay, self.device,
+                             self._counts[names[0]].dtype)
+        out.steps = self.steps
+        for n, part in zip(names, torch.split(flat[:-1], [self._counts[n].numel() for n in names])):
+            out._counts[n].copy_(part)
+        out._samples = float(flat[-1])
+        return out
+
+    def to_access_profile(self, feature_to_table: Mapping[str, str] | None = None) -> AccessProfile:
+        """An :class:`AccessProfile` of float64 expected counts (its ``samples`` is the decayed sample
+        count rounded to an integer), the input of ``plan.api.make_plan``."""
+        tables = {n: self.counts(n).to("cpu", torch.float64).numpy() for n in self.table_names}
+        return AccessProfile(tables, int(round(self.samples)), feature_to_table)
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors only (``torch.load(..., weights_only=True)``): the decayed counts by table."""
+        out = {f"counts.{n}": self.counts(n) for n in self.table_names}
+        out["meta"] = torch.tensor([self.decay, float(self.steps), self.samples], dtype=torch.float64)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if "meta" not in state:
+            raise FormatError("rolling profile state: 'meta' is missing")
+        decay, steps, samples = state["meta"].tolist()
+        if decay != self.decay:
+            raise FormatError(f"rolling profile state: decay {decay} differs from this profile's {self.decay}")
+        for n, c in self._counts.items():
+            key = f"counts.{n}"
+            if key not in state or tuple(state[key].shape) != tuple(c.shape):
+                got = tuple(state[key].shape) if key in state else "missing"
+                raise FormatError(f"rolling profile state: table {n!r}: {got}, expected {tuple(c.shape)}")
+        for n, c in self._counts.items():
+            c.copy_(state[f"counts.{n}"])
+        self._scale = 1.0
+        self.steps = int(steps)
+        self._samples = float(samples)
+

@@ -1,0 +1,203 @@
+"""Managed ids (issue 17 part 2) against a reference written in plain Python (dicts, one id at a time)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.managed import ManagedIds, ManagedIdTable, reset_rows
+from embedscale.errors import ConfigError, FormatError, InputError
+from embedscale.specs import TableSpec
+
+
+class Reference:
+    """The semantics of embedding/managed.py's docstring, per id, in dicts."""
+
+    def __init__(self, num_rows, k, policy, ttl=None, pending_capacity=None):
+        self.n, self.k, self.policy, self.ttl = num_rows, k, policy, ttl
+        self.cap = 4 * num_rows if pending_capacity is None else pending_capacity
+        self.t = 0
+        self.row_of = {}      # id -> row
+        self.rows = {}        # row -> [id, last, freq]
+        self.pending = {}     # id -> [count, last]
+        self.counters = dict(lookups=0, hits=0, collisions=0, admissions=0, evictions=0, pending_dropped=0)
+
+    def assign(self, batch):
+        self.t += 1
+        t = self.t
+        order, count = [], {}
+        for x in batch:
+            if x not in count:
+                order.append(x)
+                count[x] = 0
+            count[x] += 1
+        for x in order:  # hits
+            if x in self.row_of:
+                r = self.rows[self.row_of[x]]
+                r[1] = t
+                r[2] += count[x]
+        evicted, admitted = [], []
+
+        def evict(row):
+            x = self.rows.pop(row)[0]
+            del self.row_of[x]
+            evicted.append((x, row))
+
+        if self.policy == "ttl":
+            for row in sorted(self.rows):
+                if t - self.rows[row][1] > self.ttl:
+                    evict(row)
+        for x in order:
+            if x in self.row_of:
+                continue
+            c, _ = self.pending.get(x, (0, 0))
+            c += count[x]
+            self.pending[x] = [c, t]
+            if c < self.k:
+                continue
+            free = [r for r in range(1, self.n) if r not in self.rows]
+            if free:
+                row = free[0]
+            elif self.policy == "ttl":
+                continue
+            else:
+                eligible = [r for r in self.rows if self.rows[r][1] < t]
+                if not eligible:
+                    continue
+                if self.policy == "lru":
+                    row = min(eligible, key=lambda r: (self.rows[r][1], r))
+                else:
+                    row = min(eligible, key=lambda r: (self.rows[r][2], self.rows[r][1], r))
+                evict(row)
+            del self.pending[x]
+            self.rows[row] = [x, t, c]
+            self.row_of[x] = row
+            admitted.append((x, row))
+        if len(self.pending) > self.cap:
+            drop = sorted(self.pending, key=lambda x: (self.pending[x][1], x))[:len(self.pending) - self.cap]
+            for x in drop:
+                del self.pending[x]
+            self.counters["pending_dropped"] += len(drop)
+        out = [self.row_of.get(x, 0) for x in batch]
+        self.counters["lookups"] += len(batch)
+        self.counters["collisions"] += sum(r == 0 for r in out)
+        self.counters["hits"] += sum(r != 0 for r in out)
+        self.counters["admissions"] += len(admitted)
+        self.counters["evictions"] += len(evicted)
+        return out, admitted, evicted
+
+
+def _stream(seed, steps, universe, batch):
+    rng = np.random.default_rng(seed)
+    # raw 64-bit ids, negative ones too; a skewed draw so some ids repeat within and across batches
+    pool = rng.integers(-(2**63), 2**63 - 1, size=universe, dtype=np.int64)
+    p = 1.0 / np.arange(1, universe + 1) ** 0.8
+    p /= p.sum()
+    for _ in range(steps):
+        yield pool[rng.choice(universe, size=rng.integers(1, batch + 1), p=p)]
+
+
+@pytest.mark.parametrize("policy,k,ttl,pcap", [("lru", 1, None, None), ("lru", 2, None, 6), ("lfu", 1, None, None),
+                                              ("lfu", 3, None, None), ("ttl", 1, 2, None), ("ttl", 2, 1, 5)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_reference(policy, k, ttl, pcap, seed):
+    num_rows = 7
+    table = ManagedIdTable("t", num_rows, admit_after=k, policy=policy, ttl=ttl, pending_capacity=pcap)
+    ref = Reference(num_rows, k, policy, ttl, pcap)
+    evictions = 0
+    for step, ids in enumerate(_stream(seed, 120, 25, 10)):
+        a = table.assign(torch.from_numpy(ids))
+        rows, admitted, evicted = ref.assign(ids.tolist())
+        assert a.rows.tolist() == rows, f"step {step}"
+        assert sorted(zip(a.admitted_ids.tolist(), a.admitted_rows.tolist())) == sorted(admitted), f"step {step}"
+        assert sorted(zip(a.evicted_ids.tolist(), a.evicted_rows.tolist())) == sorted(evicted), f"step {step}"
+        assert table.mapping() == ref.row_of
+        evictions += len(evicted)
+    assert table.counters == ref.counters
+    assert evictions > 10  # the streams did exercise eviction
+
+
+def test_ties_and_in_batch_order():
+    # LRU with 3 own rows: ids 10, 11, 12 admitted together (same last step); 13 then evicts the lowest row
+    t = ManagedIdTable("t", 4, policy="lru")
+    a = t.assign(torch.tensor([12, 10, 11, 12]))
+    assert a.rows.tolist() == [1, 2, 3, 1]  # free rows in first-occurrence order
+    a = t.assign(torch.tensor([13, 11, 14]))  # 11 is touched in this batch: rows 1 (12) and 2 (10) go
+    assert a.rows.tolist() == [1, 3, 2]
+    assert sorted(a.evicted_ids.tolist()) == [10, 12]
+    # LFU: the lowest frequency goes first, ties by last step then row
+    f = ManagedIdTable("f", 3, policy="lfu")
+    f.assign(torch.tensor([5, 5, 6]))   # 5 -> row 1 (freq 2), 6 -> row 2 (freq 1)
+    a = f.assign(torch.tensor([7]))
+    assert a.evicted_ids.tolist() == [6] and a.rows.tolist() == [2]
+    # admission after k accesses; the default row before
+    g = ManagedIdTable("g", 3, admit_after=3, policy="lru")
+    assert g.assign(torch.tensor([9, 9])).rows.tolist() == [0, 0]
+    assert g.assign(torch.tensor([9])).rows.tolist() == [1]
+    assert g.counters["collisions"] == 2 and g.counters["admissions"] == 1
+
+
+@pytest.mark.parametrize("policy,ttl", [("lfu", None), ("ttl", 2)])
+def test_state_round_trip_and_config_check(policy, ttl):
+    a = ManagedIdTable("t", 6, admit_after=2, policy=policy, ttl=ttl)
+    b = ManagedIdTable("t", 6, admit_after=2, policy=policy, ttl=ttl)
+    stream = list(_stream(3, 60, 20, 8))
+    for ids in stream[:30]:
+        a.assign(torch.from_numpy(ids))
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    for ids in stream[30:]:
+        assert a.assign(torch.from_numpy(ids)).rows.tolist() == b.assign(torch.from_numpy(ids)).rows.tolist()
+    assert a.counters == b.counters
+    with pytest.raises(FormatError, match="differs"):
+        ManagedIdTable("t", 6, admit_after=3, policy=policy, ttl=ttl).load_state_dict(a.state_dict())
+    many = ManagedIds({"u": ManagedIdTable("u", 4), "v": ManagedIdTable("v", 5, policy="ttl", ttl=3)})
+    many.assign({"u": torch.tensor([1, 2]), "v": torch.tensor([3])})
+    other = ManagedIds({"u": ManagedIdTable("u", 4), "v": ManagedIdTable("v", 5, policy="ttl", ttl=3)})
+    other.load_state_dict(many.state_dict())
+    assert other["u"].mapping() == {1: 1, 2: 2} and other["v"].mapping() == {3: 1}
+
+
+def test_bad_config():
+    with pytest.raises(ConfigError, match="'fifo'"):
+        ManagedIdTable("t", 4, policy="fifo")
+    with pytest.raises(ConfigError, match="ttl"):
+        ManagedIdTable("t", 4, policy="ttl")
+    with pytest.raises(ConfigError, match="num_rows"):
+        ManagedIdTable("t", 1)
+
+
+def test_reset_rows_on_local_embedding_bags():
+    ebc = LocalEmbeddingBags([TableSpec("a", 10, 4), TableSpec("b", 8, 4)], optimizer="rowwise_adagrad", seed=0)
+    table = ManagedIdTable("b", 8, policy="lru")
+    ebc.momentum.fill_(1.0)
+    before = ebc.weights.detach().clone()
+    a = table.assign(torch.tensor([100, 200, 100]))
+    reset_rows(ebc.table_weight("b"), ebc.table_momentum("b"), a.reset, init="zeros")
+    w, m = ebc.table_weight("b"), ebc.table_momentum("b")
+    assert a.reset.tolist() == [1, 2]
+    assert torch.all(w[1:3] == 0) and torch.all(m[1:3] == 0)
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[1:3] = False
+    assert torch.equal(w[keep], before[40:].view(8, 4)[keep]) and torch.all(m[keep] == 1)
+    assert torch.equal(ebc.table_weight("a"), before[:40].view(10, 4))  # the other table untouched
+    gen = torch.Generator().manual_seed(0)
+    reset_rows(ebc.table_weight("b"), None, torch.tensor([5]), generator=gen)
+    assert float(w[5].abs().max()) <= 1 / 8 ** 0.5
+
+
+def test_empty_batch_and_shape():
+    t = ManagedIdTable("t", 4, policy="lru")
+    a = t.assign(torch.zeros(0, dtype=torch.int64))
+    assert a.rows.numel() == 0 and t.step == 1 and t.counters["lookups"] == 0
+    a = t.assign(torch.tensor([[5, 6], [6, 7]]))
+    assert a.rows.tolist() == [[1, 2], [2, 3]]
+    assert t.rows_of(torch.tensor([7, 8])).tolist() == [3, 0]
+    with pytest.raises(InputError, match="integers"):
+        t.assign(torch.tensor([1.0]))

@@ -1,0 +1,126 @@
+"""RollingProfile (issue 17 part 3) against the decay rule written literally in float64 numpy."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from embedscale.data.profile import AccessProfile
+from embedscale.data.rolling_profile import RollingProfile
+from embedscale.errors import ConfigError, FormatError, InputError
+from embedscale.plan.api import make_plan
+from embedscale.specs import TableSpec, Topology
+from embedscale.train.launch import spawn_local
+
+ROWS = {"a": 50, "b": 7}
+
+
+def reference(batches, steps, decay):
+    """count = count * decay**steps + bincount(rows), per batch, in float64."""
+    out = {n: np.zeros(r) for n, r in ROWS.items()}
+    samples = 0.0
+    for batch, s in zip(batches, steps):
+        samples = samples * decay ** s + len(batch["a"])
+        for n in out:
+            out[n] = out[n] * decay ** s
+            if n in batch:
+                out[n] = out[n] + np.bincount(batch[n], minlength=ROWS[n])
+    return out, samples
+
+
+def stream(seed, n=40):
+    rng = np.random.default_rng(seed)
+    batches, steps = [], []
+    for i in range(n):
+        b = {"a": rng.zipf(1.3, size=16).clip(max=50) - 1}
+        if i % 3:
+            b["b"] = rng.integers(0, 7, size=int(rng.integers(0, 5)))
+        batches.append(b)
+        steps.append(int(rng.integers(0, 3)))
+    return batches, steps
+
+
+def feed(prof, batches, steps):
+    for b, s in zip(batches, steps):
+        prof.update({n: torch.from_numpy(v) for n, v in b.items()}, steps=s, samples=len(b["a"]))
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.9, 0.3])
+def test_matches_definition(decay):
+    batches, steps = stream(0, 400 if decay == 0.3 else 40)  # 0.3: the lazy scale passes 1e150 and is rescaled
+    prof = RollingProfile(ROWS, decay)
+    feed(prof, batches, steps)
+    ref, samples = reference(batches, steps, decay)
+    for n in ROWS:
+        np.testing.assert_allclose(prof.counts(n).numpy(), ref[n], rtol=1e-12, atol=1e-300)
+    assert prof.samples == pytest.approx(samples, rel=1e-12)
+    assert prof.steps == sum(steps)
+
+
+def test_long_gap_decays_without_overflow():
+    prof = RollingProfile(ROWS, 0.9)
+    prof.update({"a": torch.tensor([1, 1, 2])}, samples=3)
+    prof.update({"a": torch.tensor([3])}, steps=5)
+    prof.update({}, steps=100_000)  # 0.9^-100000 does not fit a float
+    prof.update({"a": torch.tensor([4])}, steps=2)
+    want = np.zeros(50)
+    want[4] = 1.0
+    want[3] = 0.9 ** 100_002  # underflows to 0, as the definition does in float64
+    np.testing.assert_allclose(prof.counts("a").numpy(), want, rtol=1e-12, atol=0)
+    assert prof.steps == 100_008
+
+
+def test_state_round_trip_and_errors():
+    batches, steps = stream(1)
+    a, b = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)
+    feed(a, batches[:20], steps[:20])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    feed(a, batches[20:], steps[20:])
+    feed(b, batches[20:], steps[20:])
+    for n in ROWS:
+        torch.testing.assert_close(a.counts(n), b.counts(n), rtol=1e-12, atol=0)
+    with pytest.raises(FormatError, match="decay"):
+        RollingProfile(ROWS, 0.5).load_state_dict(a.state_dict())
+    with pytest.raises(InputError, match="table 'b': row 7 outside 0..6"):
+        a.update({"b": torch.tensor([7])})
+    with pytest.raises(ConfigError, match="decay"):
+        RollingProfile(ROWS, 0.0)
+
+
+def test_to_access_profile_plans():
+    batches, steps = stream(2)
+    prof = RollingProfile(ROWS, 0.95)
+    feed(prof, batches, steps)
+    ap = prof.to_access_profile()
+    ref, samples = reference(batches, steps, 0.95)
+    assert isinstance(ap, AccessProfile) and ap.samples == round(samples)
+    np.testing.assert_allclose(ap.counts("a"), ref["a"], rtol=1e-12)
+    assert ap.sorted_rows("a")[0] == int(np.argmax(ref["a"]))
+    plan = make_plan("oper", [TableSpec("a", 50, 4), TableSpec("b", 7, 4)], ap, Topology(ranks_per_host=2),
+                     batch_size=16)
+    plan.validate()
+
+
+def _two_ranks(rank, world):
+    batches, steps = stream(10 + rank)
+    prof = RollingProfile(ROWS, 0.9)
+    feed(prof, batches, steps)
+    total = prof.all_reduce(dist.new_group([0, 1]))  # a given process group
+    return {"a": total.counts("a"), "b": total.counts("b"), "samples": total.samples, "own": prof.counts("a")}
+
+
+def test_all_reduce_two_ranks():
+    out = spawn_local(_two_ranks, 2, timeout_s=300)
+    refs = [reference(*stream(10 + r), 0.9) for r in range(2)]
+    for r in range(2):
+        for n in ROWS:
+            np.testing.assert_allclose(out[r][n].numpy(), refs[0][0][n] + refs[1][0][n], rtol=1e-12)
+        assert out[r]["samples"] == pytest.approx(refs[0][1] + refs[1][1], rel=1e-12)
+        np.testing.assert_allclose(out[r]["own"].numpy(), refs[r][0]["a"], rtol=1e-12)  # own counts unchanged
