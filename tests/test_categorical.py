@@ -53,7 +53,7 @@ def test_hash_encoder_is_key_modulo_rows_per_feature():
 def test_encoder_rejects_bad_config():
     with pytest.raises(ConfigError, match="2 entries for 3 sparse features a..c"):
         CategoricalEncoder(["a", "b", "c"], "hash", table_rows=[5, 5])
-    with pytest.raises(ConfigError, match="b=0"):
-        CategoricalEncoder(["a", "b"], "hash", table_rows=[5, 0])
+    with pytest.raises(ConfigError, match="b=-1"):
+        CategoricalEncoder(["a", "b"], "hash", table_rows=[5, -1])
     with pytest.raises(ConfigError, match="'hash' or 'vocab'"):
         CategoricalEncoder(["a"], "modulo")
