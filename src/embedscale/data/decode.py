@@ -290,6 +290,9 @@ class Decoder:
         lengths = None
         t = col.type
         if pa.types.is_list(t) or pa.types.is_large_list(t):
+            if not c.multi_hot:
+                raise InputError(f"{where}: column {name!r} holds lists: declare it multi-hot in the schema "
+                                 f"(multi_hot: true, or a separator)")
             if isinstance(col, pa.ChunkedArray):
                 col = col.combine_chunks()
             lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)

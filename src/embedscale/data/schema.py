@@ -14,6 +14,7 @@ schemas (``data.criteo.CRITEO``, ``data.avazu.AVAZU``). Example::
     sparse:                # key: string (FNV-1a of the bytes) | hex | int; rows: hashed table size
       - {column: site, rows: 10000}
       - {column: tags, separator: "|"}   # multi-hot: the values of one field, cut at the separator
+                                         # (a Parquet/JSON list column: multi_hot: true)
     weight: w              # optional sample weight (>= 0)
 
 libFM (``label field:index:value``) and libSVM (``label index:value``) files have no column names: a
@@ -59,9 +60,9 @@ class SparseColumn:
     column: str | int
     name: str = ""
     key: str = "string"  # string (FNV-1a 64 of the bytes) | hex | int; an empty value is key 0
-    separator: str = ""  # multi-hot when set (a list column of Parquet/JSON is multi-hot without one)
+    separator: str = ""  # multi-hot when set
     rows: int = 0  # hashed table rows; 0 = sized from the data (load factor and cap)
-    multi_hot: bool = False
+    multi_hot: bool = False  # several values per row: a separator, a Parquet/JSON list, a repeated libFM field
 
 
 @dataclass
