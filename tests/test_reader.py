@@ -21,8 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from embedscale.data.criteo import convert_criteo
+from embedscale.data.loader import ShardLoader
 from embedscale.data.schema import Schema
 from embedscale.data.shards import MANIFEST, Manifest, iter_shards
 from embedscale.data.tabular import convert
@@ -377,3 +379,20 @@ def test_cli_table_flags_and_errors(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "error: " in r.stderr and "'nope'" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_loader_hands_out_sample_weights(tmp_path):
+    p = tmp_path / "w.csv"
+    rng = random.Random(8)
+    rows = [(rng.choice([0, 1]), round(rng.uniform(0, 3), 2), rng.randint(0, 9)) for _ in range(50)]
+    p.write_text("label,w,c\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows))
+    convert(Schema.from_dict({"format": "csv", "weight": "w", "sparse": ["c"]}), p, tmp_path / "o", shard_rows=17,
+            progress=False)
+    got = [b.weights for b in ShardLoader(tmp_path / "o", batch_size=8, shuffle=True, seed=1)]
+    labels = [b.labels for b in ShardLoader(tmp_path / "o", batch_size=8, shuffle=True, seed=1)]
+    w = torch.cat(got).tolist()
+    by_label = sorted(zip(torch.cat(labels).tolist(), w))
+    assert by_label == sorted((float(a), float(np.float32(b))) for a, b, _ in rows)
+    first = next(iter(ShardLoader(tmp_path / "o", batch_size=8)))
+    assert first.weights.tolist() == [float(np.float32(b)) for _, b, _ in rows[:8]]
+    assert first.for_rank(1, 2).weights.tolist() == first.weights[4:].tolist()

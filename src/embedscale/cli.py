@@ -22,6 +22,7 @@ from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
 from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
 from embedscale import workflow
+from embedscale.data.compat import check_fits
 from embedscale.data.loader import ShardLoader
 from embedscale.data.profile import AccessProfile
 from embedscale.data.synthetic import SyntheticGenerator, generate_dataset
@@ -238,8 +239,9 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
               help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
-@click.option("--split", "split_name", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
-              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw).")
+@click.option("--split", "split_name", type=click.Choice(["eval", "train", "test"]), default="eval", show_default=True,
+              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw; "
+                   "test: the test files or the dataset's test/).")
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
@@ -260,7 +262,10 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
             split = data.train
         else:
             data = workflow.prepare_data(cfg)
-            split = data.eval if split_name == "eval" else data.train
+            split = {"eval": data.eval, "train": data.train, "test": data.test}[split_name]
+            if split is None and split_name == "test":
+                raise EmbedscaleError(f"{ck}: the run's data has no test split (data.test_path, or a dataset "
+                                      "written with --test FILES); pass --data DIR to score another dataset")
             if split is None:
                 raise EmbedscaleError(f"{ck}: the run has no eval split (data.eval_fraction "
                                       f"{cfg.data.eval_fraction}, data.eval_samples {cfg.data.eval_samples}); "
@@ -269,8 +274,9 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         assignment = None
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
             assignment = checkpoint_towers(ck)
-        model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device,
-                                  assignment=assignment)
+        tables = workflow.tables_for(cfg, data.manifest)
+        check_fits(ck, manifest, {t.name: t.num_rows for t in tables}, split.directory)
+        model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
         load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
         m = eval_model(model, loader, progress=True)
@@ -465,7 +471,7 @@ _convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
 @click.option("--schema", "schema_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A YAML schema (format, label, dense, sparse, weight, ...); or the flags below.")
 @click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm"]),
-              default=None, help="Without --schema (default: from the file name).")
+              default=None, help="The format (default: from the file name); with --schema: instead of its format.")
 @click.option("--label", default="label", show_default=True, help="The label column (name or 0-based position).")
 @click.option("--label-values", type=click.Choice(["01", "-1/1", "bool"]), default="01", show_default=True)
 @click.option("--dense", default="", help="Dense columns, comma-separated (names or positions).")
@@ -485,6 +491,8 @@ def data_table(schema_path, fmt, label, label_values, dense, sparse, multi_hot, 
         Schema = importlib.import_module("embedscale.data.schema").Schema
         if schema_path:
             schema = Schema.load(schema_path)
+            if fmt and fmt != schema.format:  # the same columns in another format
+                schema = Schema.from_dict({**schema.to_dict(), "format": fmt, "name": fmt}, f"{schema_path} as {fmt}")
         else:
             if fmt is None:
                 first = next(iter(kw["paths"] + kw["train_files"]), "")

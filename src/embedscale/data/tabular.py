@@ -27,12 +27,14 @@ directory beside ``out`` and renamed into place when complete: a failed conversi
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import shutil
 import sys
 import tempfile
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -45,8 +47,8 @@ import pyarrow.json as pajson
 from embedscale.data.categorical import CategoricalEncoder
 from embedscale.data.decode import SPLITS, Decoded, Decoder
 from embedscale.data.fields import show
-from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _lines, _open_raw, _prefetch, iter_line_blocks,
-                                 read_block_table)
+from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _gzip_error, _lines, _open_raw, _prefetch,
+                                 iter_line_blocks, read_block_table)
 from embedscale.data.schema import LABEL_VALUES, Schema
 from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
@@ -99,8 +101,8 @@ def _first_line(path: Path) -> bytes:
     raw, f = _open_raw(path)
     try:
         return f.readline()
-    except (EOFError, OSError) as e:
-        raise InputError(f"{path}: cannot read the first line ({e})") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise _gzip_error(path, 1, e) from None
     finally:
         f.close()
         raw.close()
@@ -128,8 +130,11 @@ def _csv_is_header(schema: Schema, cols: _Columns, path: Path) -> bool:
     known = cols.header or (sep.join(c.encode() for c in schema.columns) if schema.columns else None)
     if known is not None:
         is_header = head == known
-    elif isinstance(schema.label, str):
-        is_header = True  # a label named by name needs the names
+    elif isinstance(schema.label, str):  # a header names the label column
+        is_header = schema.label.encode() in head.split(sep)
+        if not is_header:
+            raise ConfigError(f"{path}: header: auto, but the first line does not name the label column "
+                              f"{schema.label!r} and the schema lists no columns (give columns: [...])")
     else:
         fields = head.split(sep)
         is_header = schema.label < len(fields) and fields[schema.label] not in _label_texts(schema)
@@ -410,6 +415,7 @@ class _Reader:
                  skip_malformed: bool, progress: bool):
         self.schema, self.decoder, self.sources = schema, decoder, sources
         self.block_bytes, self.skip_malformed, self.progress = block_bytes, skip_malformed, progress
+        self.columns: _Columns | None = None  # CSV/TSV: the column names, once the first file is open
 
     def _needed(self, resolve) -> list[str]:
         s = self.schema
@@ -423,7 +429,7 @@ class _Reader:
 
     def _chunks(self, splits: Sequence[str], update) -> Iterator[Chunk]:
         s = self.schema
-        cols = _Columns(s)
+        cols = self.columns = _Columns(s)
         for name in splits:
             split = SPLITS.index(name)
             for path in self.sources.get(name, []):
@@ -503,7 +509,8 @@ def _encoding_from(dataset: Path, schema: Schema) -> dict:
                           + describe_difference(m.dense_names, m.sparse_names, schema.dense_names,
                                                 schema.sparse_names))
     out = {"categorical": x.get("categorical", "hash"), "table_rows": [s.num_rows for s in m.sparse],
-           "min_frequency": x.get("min_frequency", 1), "dense_stats": x.get("dense_stats")}
+           "min_frequency": x.get("min_frequency", 1), "dense_stats": x.get("dense_stats"),
+           "columns": x.get("columns")}
     if out["categorical"] == "vocab":
         vocab = []
         for name in m.sparse_names:
@@ -602,6 +609,8 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
             enc.set_vocab(carried["vocab"])
         if decoder.standardised:
             decoder.stats = [tuple(s) for s in carried["dense_stats"]]
+    if carried is not None and carried["columns"] and schema.format in ("csv", "tsv") and not schema.columns:
+        schema = Schema.from_dict({**schema.to_dict(), "columns": carried["columns"]}, "schema")  # names of before
     reader = _Reader(schema, decoder, sources, block_bytes, skip_malformed, progress)
     row_split = bool(split_column or time_column)
 
@@ -690,6 +699,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
             if max_rows is not None and total >= max_rows:
                 break
         why = f" ({skipped.count} malformed lines skipped)" if skipped.count else ""
+        if reader.columns is not None and reader.columns.names:
+            for w in writers.values():
+                w.manifest.extra["columns"] = list(reader.columns.names)  # what --vocab-from files without a header use
         for name in present:
             if counts[name] == 0 and max_rows != 0 and (name == "train" or not row_split):
                 files = ", ".join(str(p) for p in sources.get(name, [])) if not row_split else ", ".join(all_files)
