@@ -9,8 +9,10 @@ user's schema: float dense columns through log1p, string categorical keys, i.e. 
 gets) and as Parquet (dense int64, categorical strings; row groups of 64k rows). Every conversion runs
 in a child process so its peak RSS (``ru_maxrss`` from ``wait4``) is its own. Hash mode with 1M rows per
 table (one pass, as the baseline's default). MB are the rows' TSV bytes for every format (the Parquet
-file is smaller; its size is reported). Per core = MB / wall seconds / 2 threads, as before (43-59
-MB/s per core for the baseline on 1 GB in earlier runs). Prints one JSON line on stdout.
+file is smaller; its size is reported). The figure is MB per CPU second of the conversion (all its
+threads): MB/s per busy core. Wall-clock MB/s per core (MB / wall s / 2 threads, the figure of earlier
+runs: 43-59 for the baseline on 1 GB) is reported too, but on a machine shared by other jobs it measures
+the load more than the reader. Prints one JSON line on stdout.
 
     .venv/bin/python benchmarks/bench_reader.py [--mb 200] [--rounds 3]
 """
@@ -167,20 +169,25 @@ def main() -> None:
 
     def summary(mode: str) -> dict:
         xs = sorted(x["mb_s_per_core"] for x in runs[mode])
+        cs = sorted(x["mb_per_cpu_s"] for x in runs[mode])
         return {"median": round(statistics.median(xs), 2), "p90": round(xs[min(len(xs) - 1, int(0.9 * len(xs)))], 2),
-                "mb_per_cpu_s_median": round(statistics.median(x["mb_per_cpu_s"] for x in runs[mode]), 2),
+                "mb_per_cpu_s_median": round(statistics.median(cs), 2),
+                "mb_per_cpu_s_p90": round(cs[min(len(cs) - 1, int(0.9 * len(cs)))], 2),
                 "peak_rss_mib": round(max(x["peak_mib"] for x in runs[mode]), 1), "rows": runs[mode][0]["rows"]}
 
     s = {m: summary(m) for m in runs}
-    base = s["baseline"]["median"]
+    base = s["baseline"]["mb_per_cpu_s_median"]
+    ours = {m: s[m]["mb_per_cpu_s_median"] for m in ("csv", "parquet", "criteo")}
     print(json.dumps({
         "benchmark": "reader",
-        "figure": {"csv": s["csv"]["median"], "parquet": s["parquet"]["median"], "criteo_preset": s["criteo"]["median"]},
+        "figure": ours,
         "baseline": base,
-        "ratio": {m: round(s[m]["median"] / base, 2) for m in ("csv", "parquet", "criteo")},
-        "unit": "MB/s per core (TSV bytes of the rows / wall s / threads)",
+        "ratio": {m: round(ours[m] / base, 2) for m in ours},
+        "unit": "MB per CPU second (TSV bytes of the rows / (user + sys) CPU s of the conversion): MB/s per busy "
+                "core, which a shared machine does not distort as it does wall time",
+        "wall_mb_s_per_core": {m: {"median": s[m]["median"], "p90": s[m]["p90"]} for m in s},
         "runs": s,
-        "meets_bar": bool(all(s[m]["median"] >= base for m in ("csv", "parquet"))
+        "meets_bar": bool(all(ours[m] >= base for m in ("csv", "parquet"))
                           and all(s[m]["peak_rss_mib"] < BAR_PEAK_MIB for m in s)),
         "config": {
             "load_average_at_start": [round(x, 2) for x in load_start],

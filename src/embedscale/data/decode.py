@@ -73,6 +73,7 @@ class Decoded:
 
 def parse_float(col) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Decimal numbers (``1``, ``-2.5``, ``1e-3``; no spaces, no ``inf``/``nan``) -> (float64, missing, bad)."""
+    col = _one(col)
     text = col.cast(pa.string()) if not pa.types.is_string(col.type) else col
     lens = field_lengths(col) if len(col) else np.zeros(0, np.int64)
     missing = lens == 0
@@ -104,7 +105,10 @@ def split_hour(hour: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def as_text(col) -> pa.Array:
-    """A column as one ``binary`` array without nulls (a null becomes the empty, i.e. missing, value)."""
+    """A column as ``binary`` without nulls (a null becomes the empty, i.e. missing, value); a binary column
+    without nulls is returned as it is (chunks and all: the decoders take chunked arrays, no copy)."""
+    if col.type == pa.binary() and not col.null_count:
+        return col
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     t = col.type
@@ -124,12 +128,19 @@ def as_text(col) -> pa.Array:
     return pc.fill_null(col.cast(pa.binary()), b"")
 
 
+def _one(col):
+    """One array (a chunked column's chunks combined)."""
+    if isinstance(col, pa.ChunkedArray):
+        return col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    return col
+
+
 def _numeric(col) -> bool:
     t = col.type
     return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
 
 
-def _values(text: pa.Array) -> Callable[[int], bytes]:
+def _values(text) -> Callable[[int], bytes]:
     return lambda i: text[i].as_py() or b""
 
 
@@ -179,7 +190,7 @@ class Decoder:
         if s.label_values == "01":
             labels, b = parse_label(ltext)
         else:
-            idx = pc.index_in(ltext, value_set=self._label_keys)
+            idx = pc.index_in(_one(ltext), value_set=self._label_keys)
             b = idx.is_null().to_numpy(zero_copy_only=False)
             labels = self._label_map[np.asarray(pc.fill_null(idx, 0).to_numpy(zero_copy_only=False), np.int64)]
         want = {"01": "0 or 1", "-1/1": "-1 or 1", "bool": "true or false"}[s.label_values]
@@ -225,7 +236,7 @@ class Decoder:
         split = None
         if self.split_column:
             text = _text_of(self._column(table, self.split_column, where), self.split_column, where)
-            idx = pc.index_in(text, value_set=pa.array([x.encode() for x in SPLITS], pa.binary()))
+            idx = pc.index_in(_one(text), value_set=pa.array([x.encode() for x in SPLITS], pa.binary()))
             b = idx.is_null().to_numpy(zero_copy_only=False)
             flag(self.split_column, b, lambda v: "is not train, eval or test", text=text)
             split = np.asarray(pc.fill_null(idx, 0).to_numpy(zero_copy_only=False), np.int8)
@@ -298,7 +309,7 @@ class Decoder:
             lengths = pc.fill_null(pc.list_value_length(col), 0).to_numpy(zero_copy_only=False).astype(np.int64)
             col = pc.list_flatten(col)
         elif c.multi_hot:
-            text = _text_of(col, name, where)
+            text = _one(_text_of(col, name, where))
             lens = field_lengths(text)
             parts = pc.split_pattern(text, c.separator)
             lengths = pc.list_value_length(parts).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -349,7 +360,7 @@ class Decoder:
             for i, cut in enumerate(num, 1):
                 split[v >= cut] = i
             return split, b, text
-        s = text.cast(pa.string())
+        s = _one(text).cast(pa.string())
         for i, cut in enumerate(cuts, 1):
             split[pc.greater_equal(s, cut).to_numpy(zero_copy_only=False)] = i
         return split, np.zeros(n, bool), text

@@ -56,6 +56,8 @@ def _per_chunk(col: pa.ChunkedArray | pa.Array, fn: Callable[[pa.Array], tuple])
     parts = [fn(c) for c in chunks if len(c)]
     if not parts:
         return fn(pa.array([], pa.binary()))
+    if len(parts) == 1:
+        return parts[0]
     return tuple(np.concatenate(p) for p in zip(*parts))
 
 
