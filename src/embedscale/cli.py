@@ -328,6 +328,10 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
         set_dotted(data, "dist.mode", "inference")
         cfg = from_dict(RunConfig, data)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" not in os.environ and any(o.strip().startswith("data.") for o in overrides):  # other data
+            other = workflow.prepare_data(cfg, progress=not no_progress)
+            check_fits(ck, read_manifest(ck), {t.name: t.num_rows for t in workflow.tables_for(cfg, other.manifest)},
+                       other.train.directory)
         infer_fn = _infer_fn(cfg)
         if "RANK" in os.environ and world > 1:
             out = infer_fn(cfg, str(ck.resolve()), run_dir, progress=not no_progress)

@@ -584,6 +584,8 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     if shard_rows <= 0:
         raise ConfigError(f"shard_rows must be positive, got {shard_rows}")
     out = Path(out_dir)
+    if out.exists() and out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"{out}: not writable (permission denied)")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise ConfigError(f"{out}: exists and is not an embedscale dataset (no {MANIFEST}); choose another --out "
                           f"or remove it")
@@ -667,8 +669,11 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     extra["schema"] = schema.to_dict()
     present = [name for name in SPLITS if sources.get(name)] if not row_split else list(SPLITS)
     out_parent = out.resolve().parent
-    made = _make_parents(out_parent)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out_parent))
+    try:
+        made = _make_parents(out_parent)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out_parent))
+    except OSError as e:  # a read-only place: name the directory asked for
+        raise OSError(e.errno, e.strerror, str(out)) from e
     try:
         writers = {}
         for name in present:
@@ -723,11 +728,15 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 shutil.rmtree(writers[name].dir, ignore_errors=True)
         manifest = writers["train"].manifest
         _publish(staging, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
         for d in reversed(made):
             with contextlib.suppress(OSError):
                 d.rmdir()
+        if isinstance(e, OSError) and e.filename and str(e.filename).startswith(str(staging)):
+            # name the file the user asked for, not the staging copy (a full disk, a size limit)
+            where = out / Path(e.filename).relative_to(staging)
+            raise OSError(e.errno, e.strerror, str(where)) from e
         raise
     if skipped.count:
         warnings.warn(f"{schema.name}: skipped {skipped.count} malformed line(s), first: "
