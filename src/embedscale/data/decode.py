@@ -159,6 +159,7 @@ class Decoder:
         if time_column and eval_from is None:
             raise ConfigError(f"--time-column {time_column} needs --eval-from (the first time of the eval split)")
         self.stats: list[tuple[float, float]] | None = None  # (mean, std) of each standardised column
+        self._not_integers: set[str] = set()  # float columns seen holding a non-integer
         self.standardised = [j for j, c in enumerate(schema.dense) if c.transform == "standardise"]
 
     # -- columns -----------------------------------------------------------------------------
@@ -259,6 +260,7 @@ class Decoder:
             missing = col.is_null().to_numpy(zero_copy_only=False)
             if pa.types.is_integer(col.type) or pa.types.is_boolean(col.type):
                 v = pc.fill_null(col.cast(pa.int64()), 0).to_numpy(zero_copy_only=False)
+                v = v.astype(np.float64) if c.parse == "float" else v  # as the text of the number would read
                 b = np.zeros(len(v), bool)
             else:
                 v = pc.fill_null(col.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False)
@@ -272,8 +274,17 @@ class Decoder:
             v, missing, b = parse_decimal(text)
             why = (lambda v: "is not an integer (at most 18 digits)")
         else:
-            v, missing, b = parse_float(text)
             why = (lambda v: "is not a finite number")
+            b = None
+            if name not in self._not_integers:  # integers (Criteo's counts) decode faster by the integer rules
+                iv, missing, b = parse_decimal(text)
+                if b.any():
+                    self._not_integers.add(name)  # from now on straight to the float parser
+                    b = None
+                else:
+                    v = iv.astype(np.float64)
+            if b is None:
+                v, missing, b = parse_float(text)
         if c.missing != 0 and missing.any():
             v = np.where(missing, c.missing, v)
         return v, b, why, text

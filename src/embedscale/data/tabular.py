@@ -167,7 +167,9 @@ def _csv_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int
 def _has_empty_line(data) -> bool:
     """An empty line (Arrow reads it as a row of empty fields)."""
     buf, n = (data.obj, len(data)) if isinstance(data, memoryview) else (data, len(data))  # views start at 0
-    return bytes(data[:1]) in (b"\n", b"\r") or buf.find(b"\n\n", 0, n) >= 0 or buf.find(b"\n\r\n", 0, n) >= 0
+    if bytes(data[:1]) in (b"\n", b"\r") or buf.find(b"\n\n", 0, n) >= 0:
+        return True
+    return buf.find(b"\r", 0, min(n, 1 << 16)) >= 0 and buf.find(b"\n\r\n", 0, n) >= 0  # CRLF files only
 
 
 def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, split: int, fmt: str) -> Chunk:
@@ -570,11 +572,11 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     unknown = sorted(set(sources) - set(SPLITS))
     if unknown:
         raise ConfigError(f"splits are train, eval, test; got {', '.join(unknown)}")
-    if not sources.get("train") and not vocab_from:
-        raise InputError("no training files given (the vocabulary and table sizes come from them; "
-                         "or pass --vocab-from DATASET)")
     if not any(sources.values()):
         raise InputError("no input files given")
+    if not sources.get("train"):
+        raise InputError("no training files given (PATHS or --train: the dataset itself; its vocabulary and table "
+                         "sizes come from them unless --vocab-from DATASET)")
     if (split_column or time_column) and set(sources) != {"train"}:
         raise ConfigError("a split column or time column routes the rows of one set of files: give no --eval/--test files")
     if split_column and time_column:
