@@ -70,6 +70,14 @@ class Chunk:
     where: str  # the format, for messages
     rows_unit: bool = False  # Parquet: "row N", else "line N"
     split: int = 0  # the split of the file (file-given splits)
+    raw: LineBlock | None = None  # CSV/TSV: the lines (valid while the chunk is decoded), to recount fields
+    num_fields: int = 0
+    sep: str = ""
+
+    def field_count_problem(self, line: int, lines: list[bytes]) -> str | None:
+        """A line Arrow took as a row but has another number of fields (an empty line is one empty row)."""
+        nf = lines[line - self.raw.first_line].rstrip(b"\r").count(self.sep.encode()) + 1
+        return f"expected {self.num_fields} fields, got {nf}" if nf != self.num_fields else None
 
     def at(self, line: int) -> str:
         return f"{self.path}: row {line}" if self.rows_unit else f"{self.path}:{line}"
@@ -164,20 +172,12 @@ def _csv_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int
         yield _csv_chunk(item, names, sep, include, cols, split, schema.format)
 
 
-def _has_empty_line(data) -> bool:
-    """An empty line (Arrow reads it as a row of empty fields)."""
-    buf, n = (data.obj, len(data)) if isinstance(data, memoryview) else (data, len(data))  # views start at 0
-    if bytes(data[:1]) in (b"\n", b"\r") or buf.find(b"\n\n", 0, n) >= 0:
-        return True
-    return buf.find(b"\r", 0, min(n, 1 << 16)) >= 0 and buf.find(b"\n\r\n", 0, n) >= 0  # CRLF files only
-
-
 def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, split: int, fmt: str) -> Chunk:
     try:
         table = read_block_table(block, names, sep, include)
-        if table.num_rows == block.num_lines and (len(names) == 1 or not _has_empty_line(block.data)):
+        if table.num_rows == block.num_lines:
             return Chunk(block.path, table, np.arange(block.first_line, block.first_line + block.num_lines),
-                         [], cols.resolve, fmt, split=split)
+                         [], cols.resolve, fmt, split=split, raw=block, num_fields=len(names), sep=sep)
     except pa.ArrowInvalid:
         pass
     # the slow path: name the lines with the wrong number of fields, parse the others again
@@ -474,7 +474,11 @@ class _Reader:
                         table = table.append_column(name, pa.nulls(table.num_rows))
             dec = self.decoder.decode(table, chunk.resolve, chunk.path)
             if dec.bad.any():
-                problems += [(int(chunk.lines[i]), dec.why(int(i))) for i in np.flatnonzero(dec.bad)]
+                lines = _lines(chunk.raw.data) if chunk.raw is not None else None
+                for i in np.flatnonzero(dec.bad):
+                    line = int(chunk.lines[i])
+                    why = chunk.field_count_problem(line, lines) if lines is not None else None
+                    problems.append((line, why or dec.why(int(i))))
             if raw_dense and self.decoder.standardised:
                 raw = self.decoder.raw_dense(table, chunk.resolve, chunk.path)
         if problems:
