@@ -26,7 +26,7 @@ import torch
 from embedscale.data.criteo import convert_criteo
 from embedscale.data.loader import ShardLoader
 from embedscale.data.schema import Schema
-from embedscale.data.shards import MANIFEST, Manifest, iter_shards
+from embedscale.data.shards import Manifest, iter_shards
 from embedscale.data.tabular import convert
 from embedscale.errors import ConfigError, InputError
 
