@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from embedscale.data.avazu import convert_avazu
-from embedscale.data.shards import MANIFEST, Manifest, iter_shards
+from embedscale.data.shards import Manifest, iter_shards
 from embedscale.errors import InputError
 from embedscale.specs import AVAZU_COLUMNS
 
