@@ -52,7 +52,7 @@ from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _gzip_err
 from embedscale.data.schema import LABEL_VALUES, Schema
 from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
-from embedscale.io import atomic_save_npy
+from embedscale.io import _umask, atomic_save_npy
 
 PARQUET_BATCH_ROWS = 65_536
 
@@ -771,12 +771,6 @@ def _publish(staging: Path, out: Path) -> None:
         else:
             out.rmdir()
     os.replace(staging, out)
-    os.chmod(out, 0o777 & ~_umask())
+    os.chmod(out, 0o777 & ~_umask())  # mkdtemp made it 0700; a dataset directory is as mkdir would make it
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
