@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from embedscale.data.avazu import convert_avazu
-from embedscale.data.shards import MANIFEST, Manifest, iter_shards
+from embedscale.data.shards import Manifest, iter_shards
 from embedscale.errors import InputError
 from embedscale.specs import AVAZU_COLUMNS
 
@@ -115,7 +115,7 @@ def test_malformed_lines(tmp_path, how, message):
     path = write(tmp_path / "bad.csv", rows)
     with pytest.raises(InputError, match=re.escape(f"{path}:152: ") + message):  # line 1 is the header
         convert_avazu(path, tmp_path / "out", progress=False, block_bytes=3000)
-    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert not (tmp_path / "out").exists()
     with pytest.warns(UserWarning, match="skipped 1 malformed"):
         m = convert_avazu(path, tmp_path / "skip", skip_malformed=True, progress=False, block_bytes=3000)
     assert m.rows == 199 and m.extra["skipped"]["examples"][0].startswith(f"{path}:152: ")
@@ -126,3 +126,4 @@ def test_header_is_checked(tmp_path):
                  header=",".join(c for c in AVAZU_COLUMNS if c != "click"))
     with pytest.raises(InputError, match=re.escape(f"{path}:1: header is 'id,hour,")):
         convert_avazu(path, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()  # a rejected input leaves no (empty) output directory behind

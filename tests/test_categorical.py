@@ -53,7 +53,21 @@ def test_hash_encoder_is_key_modulo_rows_per_feature():
 def test_encoder_rejects_bad_config():
     with pytest.raises(ConfigError, match="2 entries for 3 sparse features a..c"):
         CategoricalEncoder(["a", "b", "c"], "hash", table_rows=[5, 5])
-    with pytest.raises(ConfigError, match="b=0"):
-        CategoricalEncoder(["a", "b"], "hash", table_rows=[5, 0])
+    with pytest.raises(ConfigError, match="b=-1"):
+        CategoricalEncoder(["a", "b"], "hash", table_rows=[5, -1])
     with pytest.raises(ConfigError, match="'hash' or 'vocab'"):
         CategoricalEncoder(["a"], "modulo")
+
+
+def test_tables_sized_from_the_data_load_factor_and_cap():
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 50, 2000).astype(np.uint64)  # 50 distinct values at most
+    b = rng.integers(0, 1 << 62, 3000).astype(np.uint64)  # ~3000 distinct: over the cap
+    enc = CategoricalEncoder(["a", "b", "c"], "hash", table_rows=[0, 0, 7], load_factor=0.25, max_rows=1000)
+    assert enc.needs_counts
+    for lo in range(0, 3000, 700):  # several blocks
+        enc.count([a[lo:lo + 700], b[lo:lo + 700], b[lo:lo + 700]])
+    enc.build()
+    assert enc.table_rows == [len(np.unique(a)) * 4, 1000, 7]  # ceil(distinct / 0.25); the cap; as given
+    ids = enc.encode_feature(0, a)
+    assert ids.tolist() == (a % np.uint64(enc.table_rows[0])).astype(np.int64).tolist()

@@ -131,9 +131,14 @@ def test_real_sharding_and_max_rows(real, tmp_path):
     assert m.positives == whole.positives
     for a, b in zip(load(tmp_path / "whole"), load(tmp_path / "sharded")):
         np.testing.assert_array_equal(a, b)
-    cut = convert_criteo(REAL, tmp_path / "cut", max_rows=2500, block_bytes=100_000, progress=False)
+    rows = [s.num_rows for s in whole.sparse]  # sized from all 10k rows; the cut would size from its 2,500
+    cut = convert_criteo(REAL, tmp_path / "cut", max_rows=2500, block_bytes=100_000, progress=False, table_rows=rows)
     assert cut.rows == 2500 and cut.positives == sum(int(r[0]) for r in real[:2500])
     np.testing.assert_array_equal(load(tmp_path / "cut")[2], load(tmp_path / "whole")[2][:2500])
+    auto = convert_criteo(REAL, tmp_path / "auto", max_rows=2500, progress=False)  # sized from the rows it keeps
+    for j, s in enumerate(auto.sparse):
+        distinct = len({r[14 + j] for r in real[:2500]})
+        assert s.num_rows == min(1_000_000, -(-distinct // 0.5)), s.name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,7 +223,8 @@ def test_error_leaves_nothing_half_written(tmp_path):
     out = tmp_path / "fresh"
     with pytest.raises(InputError, match=":481: "):
         convert_criteo(bad, out, shard_rows=50, block_bytes=4096, progress=False)  # shards were due before line 481
-    assert not (out / MANIFEST).exists() and list(out.iterdir()) == []
+    assert not out.exists()  # a rejected input leaves no output directory
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # nor a staging directory
     # a finished dataset in the way stays whole until the new one is complete
     old = convert_criteo(good, tmp_path / "existing", shard_rows=30, progress=False)
     with pytest.raises(InputError):

@@ -71,3 +71,19 @@ def test_parse_label_and_lengths():
     assert bad.tolist() == [False, False, True, True, True, True, False]
     assert labels[~bad].tolist() == [0, 1, 1]
     assert field_lengths(chunked(values)).tolist() == [len(v) for v in values]
+
+
+def test_fnv1a64_against_python_for_one_and_many_widths():
+    def ref(b: bytes) -> int:
+        if not b:
+            return 0
+        h = 0xCBF29CE484222325
+        for c in b:
+            h = ((h ^ c) * 0x100000001B3) % (1 << 64)
+        return h
+
+    for values in ([b"68fd1e64", b"", b"80e26c9b", b"fb936136"],  # one width: the reshaped path
+                   [b"a", b"", b"hello world", b"\xff\x00z", b"12"]):  # several widths
+        arr = pa.array(values, pa.binary())
+        assert fnv1a64(arr).tolist() == [ref(v) for v in values]
+        assert fnv1a64(pa.chunked_array([arr[:2], arr[2:]])).tolist() == [ref(v) for v in values]

@@ -35,6 +35,7 @@ from embedscale.embedding.local import LocalEmbeddingBags  # noqa: E402
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding  # noqa: E402
 from embedscale.embedding.sharded import ShardedEmbedding  # noqa: E402
 from embedscale.errors import ConfigError, InputError  # noqa: E402
+from embedscale.plan.forms import TableForm  # noqa: E402
 from embedscale.train.launch import spawn_local  # noqa: E402
 
 pytestmark = pytest.mark.torchrec
@@ -181,8 +182,9 @@ def test_unsupported_torchrec_tables_are_named():
 
 def test_built_embedding_takes_a_kjt():
     ebc = trained_ebc()
-    emb = build_embedding(table_specs_from_ebc(ebc), None, EmbeddingEnv(device=torch.device("cpu"),
-                                                                         optimizer="sgd", lr=0.1, seed=0))
+    specs = table_specs_from_ebc(ebc)
+    emb = build_embedding(specs, None, EmbeddingEnv(device=torch.device("cpu"), optimizer="sgd", lr=0.1, seed=0),
+                          forms={t.name: TableForm() for t in specs})
     emb.load_state_dict(ebc.state_dict())
     with torch.no_grad():
         assert_same_kt(emb(kjt(7)), ebc(kjt(7)))

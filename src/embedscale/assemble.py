@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -21,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from embedscale.data import avazu, criteo
+from embedscale.data import avazu, criteo, tabular
+from embedscale.data.schema import Schema
 from embedscale.data.profile import AccessProfile
 from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
-from embedscale.plan.forms import config_forms, default_tables
+from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
 from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
 from embedscale.models import build_model
 from embedscale.models.dmt import is_dmt_arch
@@ -52,6 +54,7 @@ class PreparedData:
     eval: Split | None
     manifest: Manifest
     teacher_auc: float = math.nan
+    test: Split | None = None  # a test split given as files or a dataset's test/ (``evaluate --split test``)
 
 
 def _log(msg: str) -> None:
@@ -74,8 +77,9 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     """Make (or reuse from the cache) the shard directories the run reads, and its train/eval split.
 
     ``synthetic`` generates train samples ``[0, N)`` and eval samples ``[N, N+M)`` of one seeded stream;
-    raw ``criteo``/``avazu`` files are converted once and the last ``eval_fraction`` of rows is the eval
-    split (time order, as with real click logs); ``shards`` reads an existing directory.
+    raw ``criteo``/``avazu`` files or any ``table`` described by ``data.schema`` are converted once (with
+    ``data.eval_path``/``data.test_path`` as separate splits encoded with the training vocabulary);
+    ``shards`` reads an existing directory. The splits: ``split_existing``.
     """
     d = cfg.data
     cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
@@ -97,30 +101,77 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
         ev = Manifest.load(dirs["eval"]) if "eval" in dirs else None
         return PreparedData(Split(dirs["train"], 0, m.rows), Split(dirs["eval"], 0, ev.rows) if ev else None, m,
                             float(ev.extra.get("teacher_auc", math.nan)) if ev else math.nan)
-    if d.source in ("criteo", "avazu"):
-        key = _fingerprint({"v": 1, "src": d.source, "file": _file_identity(d.path), "cat": d.categorical,
-                            "rows": d.table_rows, "minf": d.min_frequency, "skip": d.skip_malformed})
+    if d.source in ("criteo", "avazu", "table"):
+        train, ev, test = _files(d.path), _files(d.eval_path), _files(d.test_path)
+        if not train:
+            raise ConfigError(f"data.source is {d.source!r} but data.path names no file")
+        if d.source == "table":
+            if not d.schema:
+                raise ConfigError("data.source is 'table' but data.schema (the schema YAML) is empty")
+            schema = Schema.load(d.schema)
+        else:
+            schema = (criteo if d.source == "criteo" else avazu).schema()
+        key = _fingerprint({"v": 2, "src": d.source, "schema": schema.to_dict(),
+                            "files": [[_file_identity(p) for p in fs] for fs in (train, ev, test)],
+                            "cat": d.categorical, "rows": d.table_rows, "lf": d.load_factor, "cap": d.max_table_rows,
+                            "minf": d.min_frequency, "skip": d.skip_malformed})
         out = cache_root / f"{d.source}-{key}"
         if not (out / MANIFEST).exists():
-            _log(f"converting {d.path} ({d.source}) into {out}")
-            convert = criteo.convert_criteo if d.source == "criteo" else avazu.convert_avazu
-            convert(d.path, out, categorical=d.categorical, table_rows=d.table_rows, min_frequency=d.min_frequency,
-                    shard_rows=d.shard_rows, skip_malformed=d.skip_malformed, progress=progress)
+            _log(f"converting {', '.join(train + ev + test)} ({d.source}) into {out}")
+            tabular.convert(schema, {"train": train, "eval": ev, "test": test}, out, categorical=d.categorical,
+                            table_rows=d.table_rows, min_frequency=d.min_frequency, load_factor=d.load_factor,
+                            max_table_rows=d.max_table_rows, shard_rows=d.shard_rows,
+                            skip_malformed=d.skip_malformed, progress=progress)
         return split_existing(out, d.eval_fraction)
     if d.source == "shards":
         if not d.path:
             raise ConfigError("data.source is 'shards' but data.path is empty")
         return split_existing(Path(d.path), d.eval_fraction)
-    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, shards")
+    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, table, shards")
+
+
+def _files(paths: str) -> list[str]:
+    return [p.strip() for p in (paths or "").split(",") if p.strip()]
 
 
 def split_existing(directory: Path, eval_fraction: float) -> PreparedData:
+    """The train/eval/test splits of a dataset: its ``eval/`` and ``test/`` datasets when it has them
+    (``extra["splits"]``: written from separate files or a split column), else the last ``eval_fraction``
+    of its rows is the eval split (time order, as with real click logs)."""
     if not (0.0 <= eval_fraction < 1.0):
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {eval_fraction}")
     m = Manifest.load(directory)
+    splits = m.extra.get("splits", {})
+    test = None
+    if "test" in splits:
+        tm = Manifest.load(Path(directory) / splits["test"])
+        test = Split(Path(directory) / splits["test"], 0, tm.rows)
+    if "eval" in splits:
+        em = Manifest.load(Path(directory) / splits["eval"])
+        return PreparedData(Split(Path(directory), 0, m.rows), Split(Path(directory) / splits["eval"], 0, em.rows), m,
+                            test=test)
     n_eval = int(round(m.rows * eval_fraction))
     cut = m.rows - n_eval
-    return PreparedData(Split(directory, 0, cut), Split(directory, cut, m.rows) if n_eval else None, m)
+    return PreparedData(Split(directory, 0, cut), Split(directory, cut, m.rows) if n_eval else None, m, test=test)
+
+
+def embedding_memory(tables: list[TableSpec], forms: dict[str, TableForm]) -> str:
+    """One line: the embedding tables' rows and the bytes their values take as stored in their ``forms`` (TT:
+    the cores)."""
+    size = {t.name: table_bytes(t, forms[t.name]) for t in tables}
+    total = sum(size.values())
+    rows = sum(t.num_rows for t in tables)
+    biggest = max(tables, key=lambda t: size[t.name], default=None)
+    return (f"embedding tables: {len(tables)}, {rows:,} rows, {_size(total)} of weights"
+            + (f" (largest {biggest.name}: {biggest.num_rows:,} rows, {_size(size[biggest.name])})"
+               if biggest else "") + "; optimizer state comes on top")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
@@ -139,7 +190,7 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     m = cfg.model
 
     def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests checked, as they were decided
-        config_forms(m, tables)
+        _told(tables, config_forms(m, tables))
         return tables
 
     if not cfg.model.tables:
@@ -166,6 +217,12 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     if missing:
         raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
     return decided([t.spec for t in cfg.model.tables])
+
+
+def _told(tables: list[TableSpec], forms: dict[str, TableForm]) -> None:
+    """Say the embedding memory before anything is built (rank 0 only: every rank builds the same tables)."""
+    if os.environ.get("RANK", "0") == "0":
+        _log(embedding_memory(tables, forms))
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,

@@ -23,6 +23,7 @@ from embedscale.errors import EmbedscaleError
 from embedscale.specs import RunConfig, leaf_fields, load_config
 from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
 from embedscale import workflow
+from embedscale.data.compat import check_fits
 from embedscale.data.loader import ShardLoader
 from embedscale.data.profile import AccessProfile
 from embedscale.data.synthetic import SyntheticGenerator, generate_dataset
@@ -241,8 +242,9 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--data", "data_dir", type=click.Path(file_okay=False), default=None,
               help="Shard directory to evaluate on (default: the eval split of the checkpoint's config).")
-@click.option("--split", "split_name", type=click.Choice(["eval", "train"]), default="eval", show_default=True,
-              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw).")
+@click.option("--split", "split_name", type=click.Choice(["eval", "train", "test"]), default="eval", show_default=True,
+              help="Which split of the checkpoint's data to score (train only when asked: it is what the model saw; "
+                   "test: the test files or the dataset's test/).")
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
@@ -263,7 +265,10 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
             split = data.train
         else:
             data = workflow.prepare_data(cfg)
-            split = data.eval if split_name == "eval" else data.train
+            split = {"eval": data.eval, "train": data.train, "test": data.test}[split_name]
+            if split is None and split_name == "test":
+                raise EmbedscaleError(f"{ck}: the run's data has no test split (data.test_path, or a dataset "
+                                      "written with --test FILES); pass --data DIR to score another dataset")
             if split is None:
                 raise EmbedscaleError(f"{ck}: the run has no eval split (data.eval_fraction "
                                       f"{cfg.data.eval_fraction}, data.eval_samples {cfg.data.eval_samples}); "
@@ -272,8 +277,9 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         assignment = None
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
             assignment = checkpoint_towers(ck)
-        model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device,
-                                  assignment=assignment)
+        tables = workflow.tables_for(cfg, data.manifest)
+        check_fits(ck, manifest, {t.name: t.num_rows for t in tables}, split.directory)
+        model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
         load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
         m = eval_model(model, loader, progress=True)
@@ -325,6 +331,10 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
         set_dotted(data, "dist.mode", "inference")
         cfg = from_dict(RunConfig, data)
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if "RANK" not in os.environ and any(o.strip().startswith("data.") for o in overrides):  # other data
+            other = workflow.prepare_data(cfg, progress=not no_progress)
+            check_fits(ck, read_manifest(ck), {t.name: t.num_rows for t in workflow.tables_for(cfg, other.manifest)},
+                       other.train.directory)
         infer_fn = _infer_fn(cfg)
         if "RANK" in os.environ and world > 1:
             out = infer_fn(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
@@ -352,21 +362,46 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
 
 @main.group()
 def data():
-    """Make datasets: convert raw Criteo/Avazu logs or generate synthetic data into columnar shards."""
+    """Make datasets: your click logs (CSV/TSV, Parquet, JSON lines, libFM/libSVM; Criteo and Avazu presets) or
+    synthetic data into columnar shards. Train, eval and test files stay separate (--train/--eval/--test); eval
+    and test are encoded with the training data's vocabulary, a later file with an existing dataset's
+    (--vocab-from)."""
 
 
 def _common_convert_options(fn):
-    fn = click.option("--no-progress", is_flag=True)(fn)
-    fn = click.option("--shard-rows", type=int, default=1_000_000, show_default=True)(fn)
-    fn = click.option("--skip-malformed", is_flag=True,
-                      help="Skip malformed lines (counted and reported) instead of stopping at the first.")(fn)
-    fn = click.option("--min-frequency", type=int, default=1, show_default=True,
-                      help="vocab mode: values seen fewer times map to the shared out-of-vocabulary row.")(fn)
-    fn = click.option("--table-rows", type=int, default=1_000_000, show_default=True,
-                      help="hash mode: rows (buckets) per table.")(fn)
-    fn = click.option("--categorical", type=click.Choice(["hash", "vocab"]), default="hash", show_default=True)(fn)
-    fn = click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True)(fn)
-    fn = click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))(fn)
+    opts = [
+        click.argument("paths", nargs=-1, type=click.Path(exists=True)),
+        click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True,
+                     help="The dataset directory (the training split; eval and test in its eval/ and test/)."),
+        click.option("--train", "train_files", multiple=True, type=click.Path(exists=True),
+                     help="Training file (repeat for several; PATHS are training files too)."),
+        click.option("--eval", "eval_files", multiple=True, type=click.Path(exists=True),
+                     help="Eval file, encoded with the training vocabulary (repeatable): OUT/eval."),
+        click.option("--test", "test_files", multiple=True, type=click.Path(exists=True),
+                     help="Test file, encoded with the training vocabulary (repeatable): OUT/test."),
+        click.option("--split-column", default=None, help="A column of train/eval/test naming each row's split."),
+        click.option("--time-column", default=None, help="A time column: rows from --eval-from on are eval."),
+        click.option("--eval-from", default=None, help="With --time-column: the first time of the eval split."),
+        click.option("--test-from", default=None, help="With --time-column: the first time of the test split."),
+        click.option("--vocab-from", type=click.Path(exists=True, file_okay=False), default=None,
+                     help="Encode with this dataset's vocabulary and table sizes (unseen values: row 0)."),
+        click.option("--categorical", type=click.Choice(["hash", "vocab"]), default="hash", show_default=True),
+        click.option("--table-rows", multiple=True, metavar="N|FEATURE=N",
+                     help="hash mode: rows per table, for all or one feature (repeatable); default: sized from "
+                          "the data (distinct values / --load-factor, at most --max-table-rows)."),
+        click.option("--load-factor", type=float, default=0.5, show_default=True,
+                     help="hash mode, tables sized from the data: distinct values per row."),
+        click.option("--max-table-rows", type=int, default=1_000_000, show_default=True,
+                     help="hash mode, tables sized from the data: the cap."),
+        click.option("--min-frequency", type=int, default=1, show_default=True,
+                     help="vocab mode: values seen fewer times map to the shared out-of-vocabulary row."),
+        click.option("--skip-malformed", is_flag=True,
+                     help="Skip malformed lines (counted and reported) instead of stopping at the first."),
+        click.option("--shard-rows", type=int, default=1_000_000, show_default=True),
+        click.option("--no-progress", is_flag=True),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
     return fn
 
 
@@ -375,21 +410,60 @@ def _report_manifest(m, out_dir):
     click.echo(f"{out_dir}: {m.rows:,} rows ({m.positives:,} positive), {len(m.shards)} shard(s), "
                f"{len(m.sparse)} sparse features" + (f", {skipped.get('count', 0)} malformed lines skipped"
                                                      if skipped.get("count") else ""))
+    if m.sparse:
+        click.echo("table rows: " + ", ".join(f"{s.name} {s.num_rows:,}" for s in m.sparse[:12])
+                   + (f", ... ({sum(s.num_rows for s in m.sparse):,} in all)" if len(m.sparse) > 12 else ""))
+    for name, sub in m.extra.get("splits", {}).items():
+        sm = type(m).load(Path(out_dir) / sub)
+        click.echo(f"{Path(out_dir) / sub}: {sm.rows:,} {name} rows ({sm.positives:,} positive)")
+
+
+def _table_rows(items) -> int | dict:
+    """--table-rows N | FEATURE=N (repeatable) -> one number or {feature: rows} (0 = from the data)."""
+    rows: dict = {}
+    default = 0
+    for item in items:
+        name, eq, n = item.rpartition("=")
+        try:
+            value = int(n)
+        except ValueError:
+            raise EmbedscaleError(f"--table-rows {item!r}: expected N or FEATURE=N") from None
+        if eq:
+            rows[name] = value
+        else:
+            default = value
+    return {"__default__": default, **rows} if rows else default
+
+
+def _run_convert(schema, paths, out_dir, train_files, eval_files, test_files, split_column, time_column, eval_from,
+                 test_from, vocab_from, categorical, table_rows, load_factor, max_table_rows, min_frequency,
+                 skip_malformed, shard_rows, no_progress):
+    import importlib
+
+    tabular = importlib.import_module("embedscale.data.tabular")
+    sources = {"train": list(paths) + list(train_files), "eval": list(eval_files), "test": list(test_files)}
+    rows = _table_rows(table_rows)
+    if isinstance(rows, dict):
+        default = rows.pop("__default__")
+        rows = {c.name: rows.get(c.name, c.rows or default) for c in schema.sparse} | {
+            k: v for k, v in rows.items() if k not in schema.sparse_names}
+    m = tabular.convert(schema, sources, out_dir, categorical=categorical, table_rows=rows,
+                        min_frequency=min_frequency, load_factor=load_factor, max_table_rows=max_table_rows,
+                        shard_rows=shard_rows, skip_malformed=skip_malformed, progress=not no_progress,
+                        vocab_from=vocab_from, split_column=split_column, time_column=time_column,
+                        eval_from=eval_from, test_from=test_from)
+    _report_manifest(m, out_dir)
 
 
 def _convert_command(fmt: str, doc: str):
     @_common_convert_options
-    def command(paths, out_dir, categorical, table_rows, min_frequency, skip_malformed, shard_rows, no_progress):
+    def command(**kw):
         import importlib
 
-        convert = getattr(importlib.import_module(f"embedscale.data.{fmt}"), f"convert_{fmt}")
         try:
-            m = convert(list(paths), out_dir, categorical=categorical, table_rows=table_rows,
-                        min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
-                        progress=not no_progress)
+            _run_convert(importlib.import_module(f"embedscale.data.{fmt}").schema(), **kw)
         except EmbedscaleError as e:
             _fail(e)
-        _report_manifest(m, out_dir)
 
     command.__doc__ = doc
     return data.command(fmt)(command)
@@ -397,6 +471,56 @@ def _convert_command(fmt: str, doc: str):
 
 _convert_command("criteo", "Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards.")
 _convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
+
+
+@data.command("table")
+@_common_convert_options
+@click.option("--schema", "schema_path", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A YAML schema (format, label, dense, sparse, weight, ...); or the flags below.")
+@click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm"]),
+              default=None, help="The format (default: from the file name); with --schema: instead of its format.")
+@click.option("--label", default="label", show_default=True, help="The label column (name or 0-based position).")
+@click.option("--label-values", type=click.Choice(["01", "-1/1", "bool"]), default="01", show_default=True)
+@click.option("--dense", default="", help="Dense columns, comma-separated (names or positions).")
+@click.option("--sparse", default="", help="Categorical columns, comma-separated (names or positions).")
+@click.option("--multi-hot", multiple=True, metavar="COLUMN:SEP", help="A multi-hot column and its separator.")
+@click.option("--weight", default=None, help="A sample-weight column.")
+@click.option("--header", type=click.Choice(["true", "false", "auto"]), default="true", show_default=True)
+@click.option("--delimiter", default="", help="csv: ',' and tsv: a tab unless given.")
+@click.option("--transform", type=click.Choice(["none", "log1p", "standardise"]), default="none", show_default=True,
+              help="The dense columns' transform (log1p: DLRM's log(1 + max(x, 0))).")
+def data_table(schema_path, fmt, label, label_values, dense, sparse, multi_hot, weight, header, delimiter, transform,
+               **kw):
+    """Read your own click logs, described by a schema (--schema FILE.yaml) or by flags, into shards."""
+    import importlib
+
+    try:
+        Schema = importlib.import_module("embedscale.data.schema").Schema
+        if schema_path:
+            schema = Schema.load(schema_path)
+            if fmt and fmt != schema.format:  # the same columns in another format
+                schema = Schema.from_dict({**schema.to_dict(), "format": fmt, "name": fmt}, f"{schema_path} as {fmt}")
+        else:
+            if fmt is None:
+                first = next(iter(kw["paths"] + kw["train_files"]), "")
+                fmt = _guess_format(first)
+            schema = Schema.from_flags(fmt, label, dense, sparse, multi_hot, weight, header, delimiter, transform,
+                                       label_values)
+        _run_convert(schema, **kw)
+    except EmbedscaleError as e:
+        _fail(e)
+
+
+def _guess_format(path: str) -> str:
+    name = str(path).lower().removesuffix(".gz")
+    for ext, fmt in ((".tsv", "tsv"), (".csv", "csv"), (".parquet", "parquet"), (".jsonl", "jsonl"),
+                     (".json", "jsonl"), (".libfm", "libfm"), (".ffm", "libfm"), (".libsvm", "libsvm"),
+                     (".svm", "libsvm")):
+        if name.endswith(ext):
+            return fmt
+    if Path(path).is_dir():
+        return "parquet"
+    raise EmbedscaleError(f"{path}: cannot tell the format from the name; pass --format or --schema")
 
 
 @data.command("synthetic")

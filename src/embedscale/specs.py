@@ -187,16 +187,21 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | criteo | avazu | shards
-    path: str = ""  # raw file (criteo/avazu) or shard directory (shards)
+    source: str = "synthetic"  # synthetic | criteo | avazu | table (data.schema) | shards
+    path: str = ""  # raw training file(s) (criteo/avazu/table; comma-separated) or shard directory (shards)
+    schema: str = ""  # source table: the schema YAML (embedscale.data.schema)
+    eval_path: str = ""  # raw eval file(s): the eval split instead of eval_fraction (criteo/avazu/table)
+    test_path: str = ""  # raw test file(s): scored by `embedscale evaluate --split test`
     train_samples: int = 1_500_000
     eval_samples: int = 100_000
-    eval_fraction: float = 0.2  # for real files: the last fraction of rows is the eval split
+    eval_fraction: float = 0.2  # without an eval split given (file or dataset's eval/): the last rows
     seed: int = 0
     shard_rows: int = 1_000_000
-    # Raw readers (criteo/avazu): "hash" (hash/modulo to table_rows) or "vocab" (min-frequency vocabulary).
+    # Raw readers (criteo/avazu/table): "hash" (hash/modulo to table_rows) or "vocab" (min-frequency vocabulary).
     categorical: str = "hash"
-    table_rows: int = 1_000_000  # hash buckets per table in hash mode
+    table_rows: int = 0  # hash buckets per table in hash mode; 0 = sized from the data (load factor, cap)
+    load_factor: float = 0.5  # tables sized from the data: distinct values / load_factor rows ...
+    max_table_rows: int = 1_000_000  # ... at most this many
     min_frequency: int = 1  # vocab mode: values seen fewer times share the out-of-vocabulary row 0
     skip_malformed: bool = False
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)

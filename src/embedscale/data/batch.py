@@ -210,19 +210,22 @@ class JaggedFeatures:
 
 @dataclass
 class Batch:
-    """One mini-batch: ``dense [B, num_dense]`` float32, ``sparse`` features, ``labels [B]`` float32."""
+    """One mini-batch: ``dense [B, num_dense]`` float32, ``sparse`` features, ``labels [B]`` float32, and the
+    sample ``weights [B]`` float32 of a weighted dataset (else None)."""
 
     dense: torch.Tensor
     sparse: JaggedFeatures
     labels: torch.Tensor
     global_size: int | None = None  # samples in the global batch this (rank's slice of a) batch belongs to
+    weights: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
 
     def slice_batch(self, start: int, stop: int) -> "Batch":
-        return Batch(self.dense[start:stop], self.sparse.slice_batch(start, stop), self.labels[start:stop])
+        return Batch(self.dense[start:stop], self.sparse.slice_batch(start, stop), self.labels[start:stop],
+                     weights=None if self.weights is None else self.weights[start:stop])
 
     def for_rank(self, rank: int, world_size: int) -> "Batch":
         """This rank's contiguous slice of a global batch (data parallelism); sizes differ by at most one."""
@@ -232,4 +235,5 @@ class Batch:
         return self.slice_batch(start, stop)
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device))
+        return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device), self.global_size,
+                     None if self.weights is None else self.weights.to(device))

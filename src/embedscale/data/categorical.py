@@ -7,6 +7,7 @@ hash of the string; missing: key 0). ``CategoricalEncoder`` maps keys to rows, f
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +50,43 @@ class ValueCounter:
         return self.keys, self.counts
 
 
+class DistinctCounter:
+    """How many distinct keys one feature has, exactly up to ``limit`` (then it stops: memory <= 8 B * limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.keys = np.zeros(0, np.uint64)
+        self._pending: list[np.ndarray] = []
+        self._pending_size = 0
+        self.saturated = False
+
+    def add(self, keys: np.ndarray) -> None:
+        if self.saturated:
+            return
+        u = np.unique(keys)
+        self._pending.append(u)
+        self._pending_size += len(u)
+        if self._pending_size > max(1 << 18, len(self.keys)):
+            self._merge()
+
+    def _merge(self) -> None:
+        if self._pending:
+            self.keys = np.unique(np.concatenate([self.keys] + self._pending))
+            self._pending, self._pending_size = [], 0
+            if len(self.keys) > self.limit:
+                self.saturated, self.keys = True, np.zeros(0, np.uint64)
+
+    def result(self) -> int:
+        """Distinct keys seen, or ``limit + 1`` when there were more than ``limit``."""
+        self._merge()
+        return self.limit + 1 if self.saturated else len(self.keys)
+
+
+def rows_for(distinct: int, load_factor: float, cap: int) -> int:
+    """Hashed table rows for ``distinct`` observed values: ``ceil(distinct / load_factor)``, at most ``cap``."""
+    return max(1, min(int(cap), math.ceil(distinct / load_factor)))
+
+
 class CategoricalEncoder:
     """Keys -> table rows for every sparse feature.
 
@@ -62,37 +100,68 @@ class CategoricalEncoder:
     shared out-of-vocabulary row of all rarer keys (and of keys never seen in pass 1). A missing value
     is key 0, as in the reference, and gets its own row like any other value when frequent enough.
     With ``min_frequency=1`` row 0 is never used and V is the number of distinct values.
+
+    Hash mode sizes a table whose ``table_rows`` entry is 0 from the data: pass 1 counts the feature's
+    distinct keys (``DistinctCounter``, exact up to the cap) and the table gets
+    ``min(max_rows, ceil(distinct / load_factor))`` rows (``rows_for``).
     """
 
-    def __init__(self, names: list[str], mode: str, table_rows: int | Sequence[int] = 1_000_000,
-                 min_frequency: int = 1) -> None:
+    def __init__(self, names: list[str], mode: str, table_rows: int | Sequence[int] = 0,
+                 min_frequency: int = 1, load_factor: float = 0.5, max_rows: int = 1_000_000) -> None:
         if mode not in ("hash", "vocab"):
             raise ConfigError(f"categorical must be 'hash' or 'vocab', got {mode!r}")
         rows = [int(table_rows)] * len(names) if np.isscalar(table_rows) else [int(r) for r in table_rows]
         if len(rows) != len(names):
             raise ConfigError(f"table_rows has {len(rows)} entries for {len(names)} sparse features "
                               f"{names[0]}..{names[-1]}")
-        bad = [f"{n}={r}" for n, r in zip(names, rows) if r <= 0]
+        bad = [f"{n}={r}" for n, r in zip(names, rows) if r < 0]
         if bad:
-            raise ConfigError(f"table_rows must be positive: {', '.join(bad)}")
+            raise ConfigError(f"table_rows must be positive (0 = sized from the data): {', '.join(bad)}")
         if int(min_frequency) < 1:
             raise ConfigError(f"min_frequency must be >= 1, got {min_frequency}")
+        if not (0 < load_factor <= 1e6) or int(max_rows) < 1:
+            raise ConfigError(f"load_factor must be > 0 and max_rows >= 1, got {load_factor} and {max_rows}")
         self.names, self.mode, self.min_frequency = list(names), mode, int(min_frequency)
+        self.load_factor, self.max_rows = float(load_factor), int(max_rows)
         self.table_rows = rows
-        self.counters = [ValueCounter() for _ in names] if mode == "vocab" else None
+        self.sized_from_data = [mode == "hash" and r == 0 for r in rows]
+        if mode == "vocab":
+            self.counters = [ValueCounter() for _ in names]
+        elif any(self.sized_from_data):
+            limit = math.ceil(self.max_rows * self.load_factor)
+            self.counters = [DistinctCounter(limit) if auto else None for auto in self.sized_from_data]
+        else:
+            self.counters = None
         self.vocab: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (sorted keys, their rows, keys by row)
 
     @property
     def needs_counts(self) -> bool:
-        return self.mode == "vocab" and not self.vocab
+        return self.counters is not None
 
-    def count(self, keys: np.ndarray) -> None:
-        """Pass 1 of vocab mode: ``keys [F, N]``."""
+    def count(self, keys) -> None:
+        """Pass 1: ``keys [F, N]`` or a list of F key arrays (multi-hot: every value)."""
         for f, counter in enumerate(self.counters):
-            counter.add(keys[f])
+            if counter is not None:
+                counter.add(keys[f])
+
+    def set_vocab(self, by_row: list[np.ndarray]) -> None:
+        """Take vocabularies built before (``by_row[f][i - 1]`` is the key of row i), e.g. another dataset's."""
+        self.vocab = []
+        for f, keys_by_row in enumerate(by_row):
+            keys_by_row = np.asarray(keys_by_row, np.uint64)
+            order = np.argsort(keys_by_row, kind="stable")
+            self.vocab.append((keys_by_row[order], (order + 1).astype(np.int64), keys_by_row))
+            self.table_rows[f] = len(keys_by_row) + 1
+        self.counters = None
 
     def build(self) -> None:
-        """Close pass 1: fix each feature's vocabulary and row count."""
+        """Close pass 1: fix each feature's vocabulary (vocab) or table rows (hash, sized from the data)."""
+        if self.mode == "hash":
+            for f, counter in enumerate(self.counters):
+                if counter is not None:
+                    self.table_rows[f] = rows_for(counter.result(), self.load_factor, self.max_rows)
+            self.counters = None
+            return
         for f, counter in enumerate(self.counters):
             keys, counts = counter.result()
             keep = counts >= self.min_frequency
@@ -108,9 +177,15 @@ class CategoricalEncoder:
         """``keys [F, N]`` uint64 -> rows ``[F, N]`` int64."""
         if self.mode == "hash":
             return (keys % np.asarray(self.table_rows, np.uint64)[:, None]).view(np.int64)
-        out = np.zeros(keys.shape, np.int64)
-        for f, (k, rows, _) in enumerate(self.vocab):
-            if len(k):
-                pos = np.minimum(np.searchsorted(k, keys[f]), len(k) - 1)
-                out[f] = np.where(k[pos] == keys[f], rows[pos], 0)
-        return out
+        return np.stack([self.encode_feature(f, keys[f]) for f in range(len(self.names))]) if len(self.names) \
+            else np.zeros(keys.shape, np.int64)
+
+    def encode_feature(self, f: int, keys: np.ndarray) -> np.ndarray:
+        """Feature ``f``'s keys (any number) -> its rows, int64."""
+        if self.mode == "hash":
+            return (keys % np.uint64(self.table_rows[f])).view(np.int64)
+        k, rows, _ = self.vocab[f]
+        if not len(k):
+            return np.zeros(len(keys), np.int64)
+        pos = np.minimum(np.searchsorted(k, keys), len(k) - 1)
+        return np.where(k[pos] == keys, rows[pos], 0)

@@ -36,6 +36,7 @@ class _Block:
     labels: np.ndarray
     dense: np.ndarray
     sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values, offsets [n+1])
+    weights: np.ndarray | None = None  # sample weights (weighted datasets)
 
 
 class ShardLoader:
@@ -121,9 +122,11 @@ class ShardLoader:
                     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
                     np.cumsum(lengths, out=offsets[1:])
                     sparse[name] = (values, offsets)
+                w = cols.weights
                 yield _Block(s["file"], a, order, cols.labels[a:b] if order is None else cols.labels,
                              cols.dense[a:b] if order is None else cols.dense,
-                             sparse if order is not None else _slice_sparse(sparse, a, b))
+                             sparse if order is not None else _slice_sparse(sparse, a, b),
+                             None if w is None else (w[a:b] if order is None else w))
             first += n
 
     def _row_batches(self) -> Iterator[list[tuple[_Block, np.ndarray | slice]]]:
@@ -180,8 +183,11 @@ class ShardLoader:
             self._check(pieces, labels, dense, values, flat)
         sparse = JaggedFeatures(self.feature_names, torch.from_numpy(flat),
                                 torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)))
+        weights = None
+        if self.manifest.weighted:
+            weights = torch.from_numpy(np.concatenate([blk.weights[sel] for blk, sel in pieces]).astype(np.float32))
         batch = Batch(torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)), sparse,
-                      torch.from_numpy(labels.astype(np.float32)))
+                      torch.from_numpy(labels.astype(np.float32)), weights=weights)
         return batch.to(self.device) if self.device is not None else batch
 
     def _check(self, pieces, labels, dense, values, flat: np.ndarray) -> None:

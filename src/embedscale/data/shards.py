@@ -7,8 +7,10 @@ A dataset is a directory::
     shard-00001.arrow      ...
 
 Each shard has the columns ``label`` (int8, 0/1), ``dense`` (fixed_size_list<float32>[num_dense],
-already transformed, e.g. log(1+x)), and one column per sparse feature: int64 for one-hot features,
-``list<int64>`` for multi-hot ones. Row ids are already in ``[0, num_rows)`` of their table.
+already transformed, e.g. log(1+x); absent when there are no dense features: Arrow has no list of
+size 0), ``weight`` (float32, only in a dataset with sample weights: ``Manifest.weighted``), and one
+column per sparse feature: int64 for one-hot features, ``list<int64>`` for multi-hot ones. Row ids are
+already in ``[0, num_rows)`` of their table.
 
 Shards are written through a temporary name and renamed; the manifest is written last, so a directory
 without a manifest is an unfinished write and is never read as a dataset.
@@ -49,6 +51,7 @@ class Manifest:
     sparse: list[SparseFeatureInfo]
     shards: list[dict] = field(default_factory=list)  # {"file", "rows", "positives"}
     extra: dict[str, Any] = field(default_factory=dict)
+    weighted: bool = False  # shards carry a ``weight`` column (sample weights)
 
     @property
     def rows(self) -> int:
@@ -76,6 +79,7 @@ class Manifest:
             "sparse": [vars(s) for s in self.sparse],
             "shards": self.shards,
             "extra": self.extra,
+            **({"weighted": True} if self.weighted else {}),
         }
 
     @classmethod
@@ -86,7 +90,8 @@ class Manifest:
             raise FormatError(f"{path}: not an embedscale shard manifest (format={d.get('format')!r})")
         if d.get("version") != VERSION:
             raise FormatError(f"{path}: manifest version {d.get('version')} is not {VERSION}")
-        m = cls(d["dense_names"], [SparseFeatureInfo(**s) for s in d["sparse"]], d["shards"], d.get("extra", {}))
+        m = cls(d["dense_names"], [SparseFeatureInfo(**s) for s in d["sparse"]], d["shards"], d.get("extra", {}),
+                bool(d.get("weighted", False)))
         for s in m.shards:
             check_shard(path, Path(directory) / s["file"], s.get("rows"), m)
         return m
@@ -107,7 +112,7 @@ def check_shard(manifest_path: Path, shard: Path, rows: Any, m: Manifest) -> Non
             n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
     except (pa.ArrowInvalid, OSError) as e:
         raise FormatError(f"{shard}: not a readable Arrow shard ({e})") from None
-    want = arrow_schema(m.num_dense, m.sparse)
+    want = arrow_schema(m.num_dense, m.sparse, m.weighted)
     for f in want:
         i = schema.get_field_index(f.name)
         if i < 0:
@@ -120,8 +125,12 @@ def check_shard(manifest_path: Path, shard: Path, rows: Any, m: Manifest) -> Non
         raise FormatError(f"{manifest_path}: shard {name} is listed with {rows!r} rows but {shard} holds {n}")
 
 
-def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo]) -> pa.Schema:
-    cols = [pa.field("label", pa.int8()), pa.field("dense", pa.list_(pa.float32(), num_dense))]
+def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo], weighted: bool = False) -> pa.Schema:
+    cols = [pa.field("label", pa.int8())]
+    if num_dense:
+        cols.append(pa.field("dense", pa.list_(pa.float32(), num_dense)))
+    if weighted:
+        cols.append(pa.field("weight", pa.float32()))
     for s in sparse:
         cols.append(pa.field(s.name, pa.list_(pa.int64()) if s.multi_hot else pa.int64()))
     return pa.schema(cols)
@@ -130,31 +139,43 @@ def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo]) -> pa.Schema:
 class ShardWriter:
     """Append row blocks; writes a shard every ``shard_rows`` rows and the manifest on ``close()``.
 
-    ``write(labels[N], dense[N, D], sparse)`` where ``sparse[name]`` is an int64 array ``[N]`` for a
-    one-hot feature or a tuple ``(values, lengths)`` for a multi-hot one. Use as a context manager: on
+    ``write(labels[N], dense[N, D], sparse, weights=None)`` where ``sparse[name]`` is an int64 array ``[N]``
+    for a one-hot feature or a tuple ``(values, lengths)`` for a multi-hot one; ``weights[N]`` (>= 0) when
+    the writer is ``weighted``. Zero dense or zero sparse features are fine. Use as a context manager: on
     an exception nothing is left that looks like a finished dataset.
+
+    Example (your own arrays; ``embedscale data table`` does this for files)::
+
+        with ShardWriter("data/mine", ["age"], [SparseFeatureInfo("city", 100)]) as w:
+            w.write(np.array([0, 1]), np.array([[0.3], [0.7]]), {"city": np.array([4, 99])})
     """
 
     def __init__(self, directory: str | os.PathLike, dense_names: list[str], sparse: list[SparseFeatureInfo],
-                 shard_rows: int = 1_000_000, extra: dict | None = None):
+                 shard_rows: int = 1_000_000, extra: dict | None = None, weighted: bool = False):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         if (self.dir / MANIFEST).exists():
             (self.dir / MANIFEST).unlink()  # an old dataset here is being replaced
-        self.manifest = Manifest(list(dense_names), list(sparse), [], dict(extra or {}))
-        self.schema = arrow_schema(len(dense_names), self.manifest.sparse)
+        self.manifest = Manifest(list(dense_names), list(sparse), [], dict(extra or {}), bool(weighted))
+        self.schema = arrow_schema(len(dense_names), self.manifest.sparse, self.manifest.weighted)
         self.shard_rows = int(shard_rows)
         self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
 
-    def write(self, labels: np.ndarray, dense: np.ndarray, sparse: dict[str, Any]) -> None:
+    def write(self, labels: np.ndarray, dense: np.ndarray, sparse: dict[str, Any],
+              weights: np.ndarray | None = None) -> None:
         n = len(labels)
         if n == 0:
             return
         D = self.manifest.num_dense
-        dense = np.ascontiguousarray(dense, dtype=np.float32).reshape(n, D)
-        arrays = [pa.array(np.asarray(labels, dtype=np.int8)),
-                  pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), D)]
+        arrays = [pa.array(np.asarray(labels, dtype=np.int8))]
+        if D:
+            dense = np.ascontiguousarray(dense, dtype=np.float32).reshape(n, D)
+            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), D))
+        if self.manifest.weighted:
+            if weights is None:
+                raise ValueError("a weighted ShardWriter needs weights")
+            arrays.append(pa.array(np.asarray(weights, dtype=np.float32)))
         for s in self.manifest.sparse:
             col = sparse[s.name]
             if s.multi_hot:
@@ -214,6 +235,7 @@ class Columns:
     labels: np.ndarray  # int8 [N]
     dense: np.ndarray  # float32 [N, D]
     sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values int64, lengths int64 [N])
+    weights: np.ndarray | None = None  # float32 [N] (weighted datasets)
 
     @property
     def rows(self) -> int:
@@ -238,12 +260,17 @@ def read_shard(path: str | os.PathLike, num_dense: int) -> Columns:
     n = table.num_rows
     labels = table.column("label").chunk(0).to_numpy() if n else np.zeros(0, np.int8)
     dense = (table.column("dense").chunk(0).flatten().to_numpy().reshape(n, num_dense)
-             if n else np.zeros((0, num_dense), np.float32))
+             if n and num_dense else np.zeros((n, num_dense), np.float32))
+    weights = None
+    if "weight" in table.column_names:
+        weights = table.column("weight").chunk(0).to_numpy() if n else np.zeros(0, np.float32)
     sparse = {}
-    for name in table.column_names[2:]:
+    for name in table.column_names:
+        if name in ("label", "dense", "weight"):
+            continue
         col = table.column(name).chunk(0) if n else None
         sparse[name] = _column_to_jagged(col, n) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    return Columns(labels, dense, sparse)
+    return Columns(labels, dense, sparse, weights)
 
 
 def iter_shards(directory: str | os.PathLike) -> Iterator[Columns]:

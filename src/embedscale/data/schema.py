@@ -1,0 +1,197 @@
+"""What a click log holds, column by column: the schema the tabular reader (``data.tabular``) follows.
+
+A schema names the file format, the label column, the dense and categorical (one-hot or multi-hot)
+columns, an optional sample-weight column and how each is decoded. It is written as YAML (``Schema.load``)
+or built from command-line flags (``Schema.from_flags``); the Criteo and Avazu readers are two fixed
+schemas (``data.criteo.CRITEO``, ``data.avazu.AVAZU``). Example::
+
+    format: csv            # csv | tsv | parquet | jsonl | libfm | libsvm
+    header: true           # csv/tsv: true (every file starts with it) | false | auto (a file's first line
+                           # is a header when it repeats the first file's, or its label is not a label)
+    label: click           # a column name or 0-based position; label_values: 01 | -1/1 | bool
+    dense:                 # parse: float | int; transform: none | log1p (DLRM: log(1 + max(x, 0))) | standardise
+      - {column: price, transform: log1p, missing: 0}
+    sparse:                # key: string (FNV-1a of the bytes) | hex | int; rows: hashed table size
+      - {column: site, rows: 10000}
+      - {column: tags, separator: "|"}   # multi-hot: the values of one field, cut at the separator
+                                         # (a Parquet/JSON list column: multi_hot: true)
+    weight: w              # optional sample weight (>= 0)
+
+libFM (``label field:index:value``) and libSVM (``label index:value``) files have no column names: a
+field is named ``f<field>`` unless ``fields`` names them (libFM: a list of names by field number;
+libSVM: a list of ``{name, first, last}`` index ranges; without it the k-th pair of a line is field k).
+A categorical libFM field's key is its index (its value must be 1); a dense field's value is its value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from embedscale.errors import ConfigError
+
+FORMATS = ("csv", "tsv", "parquet", "jsonl", "libfm", "libsvm")
+LABEL_VALUES = {"01": {b"0": 0, b"1": 1}, "-1/1": {b"-1": 0, b"1": 1, b"+1": 1},
+                "bool": {b"false": 0, b"true": 1, b"False": 0, b"True": 1, b"FALSE": 0, b"TRUE": 1,
+                         b"0": 0, b"1": 1}}
+DENSE_PARSE = ("float", "int", "yymmddhh_hour", "yymmddhh_weekday")
+TRANSFORMS = ("none", "log1p", "standardise")
+KEYS = ("string", "hex", "int")
+
+
+@dataclass
+class DenseColumn:
+    """One dense feature: read from ``column``, named ``name`` (default: the column's name)."""
+
+    column: str | int
+    name: str = ""
+    parse: str = "float"  # float | int (decimal integers only) | yymmddhh_hour | yymmddhh_weekday (Avazu's hour)
+    transform: str = "none"  # none | log1p (DLRM: log(1 + max(x, 0)) in float32) | standardise (train mean, std)
+    missing: float = 0.0  # the value of an empty field, before the transform
+
+
+@dataclass
+class SparseColumn:
+    """One categorical feature: one value per row, or several cut at ``separator`` (multi-hot)."""
+
+    column: str | int
+    name: str = ""
+    key: str = "string"  # string (FNV-1a 64 of the bytes) | hex | int; an empty value is key 0
+    separator: str = ""  # multi-hot when set
+    rows: int = 0  # hashed table rows; 0 = sized from the data (load factor and cap)
+    multi_hot: bool = False  # several values per row: a separator, a Parquet/JSON list, a repeated libFM field
+
+
+@dataclass
+class Schema:
+    format: str = "csv"
+    label: str | int = "label"
+    label_values: str = "01"
+    dense: list[DenseColumn] = field(default_factory=list)
+    sparse: list[SparseColumn] = field(default_factory=list)
+    weight: str | int | None = None
+    header: bool | str = True  # csv/tsv: True | False | "auto"
+    delimiter: str = ""  # csv: ",", tsv: "\t"
+    columns: list[str] = field(default_factory=list)  # csv/tsv: the names (without a header, or the header itself)
+    fields: list[Any] = field(default_factory=list)  # libfm: names by field; libsvm: {name, first, last}
+    name: str = "table"  # the format's name in manifests and progress bars
+    notes: dict = field(default_factory=dict)  # documented choices, copied into the manifest's extra
+
+    # -- building ----------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "schema") -> "Schema":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: a schema is a mapping (format, label, dense, sparse, ...), got "
+                              f"{type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+        d = dict(d)
+        d["dense"] = [_column(DenseColumn, c, f"{where}: dense[{i}]") for i, c in enumerate(d.get("dense") or [])]
+        d["sparse"] = [_column(SparseColumn, c, f"{where}: sparse[{i}]") for i, c in enumerate(d.get("sparse") or [])]
+        s = cls(**d)
+        s.check(where)
+        return s
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Schema":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{p}: schema file not found")
+        try:
+            d = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({e})") from None
+        return cls.from_dict(d or {}, str(p))
+
+    @classmethod
+    def from_flags(cls, fmt: str, label: str, dense: str, sparse: str, multi_hot: tuple[str, ...] = (),
+                   weight: str | None = None, header: str = "true", delimiter: str = "",
+                   transform: str = "none", label_values: str = "01") -> "Schema":
+        """The simple cases on the command line: comma-separated column lists (names or positions)."""
+        d = {"format": fmt, "label": _ref(label), "label_values": label_values, "weight": _ref(weight) if weight else None,
+             "header": {"true": True, "false": False}.get(header, header), "delimiter": delimiter,
+             "dense": [{"column": _ref(c), "transform": transform} for c in _split(dense)],
+             "sparse": [{"column": _ref(c)} for c in _split(sparse)]}
+        for item in multi_hot:
+            col, _, sep = item.rpartition(":")
+            if not col or not sep:
+                raise ConfigError(f"--multi-hot {item!r}: expected COLUMN:SEPARATOR, e.g. tags:|")
+            d["sparse"].append({"column": _ref(col), "separator": sep})
+        return cls.from_dict(d, "flags")
+
+    def check(self, where: str = "schema") -> None:
+        if self.format not in FORMATS:
+            raise ConfigError(f"{where}: format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if self.label_values not in LABEL_VALUES:
+            raise ConfigError(f"{where}: label_values {self.label_values!r} is not one of {', '.join(LABEL_VALUES)}")
+        if self.header not in (True, False, "auto"):
+            raise ConfigError(f"{where}: header must be true, false or auto, got {self.header!r}")
+        for c in self.dense:
+            if c.parse not in DENSE_PARSE:
+                raise ConfigError(f"{where}: dense column {c.column!r}: parse {c.parse!r} is not one of "
+                                  f"{', '.join(DENSE_PARSE)}")
+            if c.transform not in TRANSFORMS:
+                raise ConfigError(f"{where}: dense column {c.column!r}: transform {c.transform!r} is not one of "
+                                  f"{', '.join(TRANSFORMS)}")
+            c.name = c.name or str(c.column if isinstance(c.column, str) else self.column_name(c.column))
+        for c in self.sparse:
+            if c.key not in KEYS:
+                raise ConfigError(f"{where}: sparse column {c.column!r}: key {c.key!r} is not one of {', '.join(KEYS)}")
+            if c.rows < 0:
+                raise ConfigError(f"{where}: sparse column {c.column!r}: rows must be >= 0 (0 = from the data)")
+            c.name = c.name or str(c.column if isinstance(c.column, str) else self.column_name(c.column))
+            c.multi_hot = c.multi_hot or bool(c.separator)
+        names = [c.name for c in self.dense] + [c.name for c in self.sparse]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"{where}: feature name(s) {', '.join(dup)} used twice (give each a distinct name:)")
+        if self.name == "table":
+            self.name = self.format
+
+    def column_name(self, ref: str | int) -> str:
+        """A column's name: names stay, positions are named by ``columns`` (or ``c<position>``)."""
+        if isinstance(ref, str):
+            return ref
+        return self.columns[ref] if ref < len(self.columns) else f"c{ref}"
+
+    @property
+    def sep(self) -> str:
+        return self.delimiter or ("\t" if self.format == "tsv" else ",")
+
+    @property
+    def dense_names(self) -> list[str]:
+        return [c.name for c in self.dense]
+
+    @property
+    def sparse_names(self) -> list[str]:
+        return [c.name for c in self.sparse]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _column(cls, c, where: str):
+    if isinstance(c, (str, int)):
+        c = {"column": c}
+    if not isinstance(c, dict) or "column" not in c:
+        raise ConfigError(f"{where}: expected a column name, a position or a mapping with 'column', got {c!r}")
+    unknown = sorted(set(c) - set(cls.__dataclass_fields__))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    return cls(**c)
+
+
+def _ref(s: str | None) -> str | int | None:
+    if s is None:
+        return None
+    s = s.strip()
+    return int(s) if s.isdigit() else s
+
+
+def _split(s: str | None) -> list[str]:
+    return [x for x in (s or "").split(",") if x.strip()]
