@@ -369,6 +369,11 @@ def test_out_of_range_and_negative_ids_name_feature_table_and_value():
         neg = dict(good, d1=[[-2], [1]] if one_hot else [[], [1, -2]])
         with pytest.raises(InputError, match=r"feature 'd1' \(table 'd'.*negative row id -2"):
             ours(JaggedFeatures.from_lists(neg))
+    two = {k: [v[0] * 2, v[1] * 2] for k, v in good.items()}  # every bag 2 ids long: the fixed-length path
+    with pytest.raises(InputError, match=r"feature 'c2' \(table 'c', 25 rows\): row id 25 at sample 1"):
+        ours(JaggedFeatures.from_lists(dict(two, c2=[[3, 3], [4, 25]])))
+    with pytest.raises(InputError, match=r"feature 'd1' \(table 'd'.*negative row id -2"):
+        ours(JaggedFeatures.from_lists(dict(two, d1=[[-2, 0], [1, 1]])))
     ours.validate = False  # the switch is honoured: the check is skipped (torch's own error remains)
     with pytest.raises(Exception) as e:
         ours(JaggedFeatures.from_lists(dict(good, a=[[1], [10**6]])))

@@ -17,12 +17,19 @@ so the same code runs on every device:
   (``TableSpec.features``). One-hot batches are transposed to sample-major order on the (cheap) ids, so
   the pooled result is directly ``[B, sum of feature dims]``; multi-hot batches are pooled in the
   input's key-major bag order and the ``[F, B, dim]`` result is transposed (cheaper than permuting
-  jagged ids).
+  jagged ids). When every bag holds the same number ``L`` of ids (fixed-length multi-hot), the ids are
+  a ``[F, B * L]`` matrix: the range check, the row shift and the mean factors are per-feature
+  broadcasts and the bags are ``arange(0, n + 1, L)`` (no per-value ``repeat_interleave``).
 * **Fused sparse optimizers** (FBGEMM's "fused" TBE): when ``optimizer`` is ``"sgd"`` or
   ``"rowwise_adagrad"`` the lookup is a custom ``torch.autograd.Function`` whose backward sums the
   gradient per unique looked-up row (sort by row, then a segment sum over the output gradient rows of
   each value's bag, scaled by per-sample weight and ``1/length`` for mean) and updates those rows in
-  place during ``loss.backward()`` (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
+  place during ``loss.backward()``. The backward reads the output gradient in bag order (one transpose
+  of the pooled-size gradient) so a fixed-length bag's values find their bag as ``i // L`` of the sort
+  permutation; when each feature reads a table of its own (the usual case), the rows are sorted table
+  run by table run, in chunks of ``optim.SORT_CHUNK`` values (the same order as one sort, faster); the
+  per-value buffers (rows, sort outputs, weights) are reused across steps
+  (``optim.RowGradientScratch``: no per-step page faults of ``O(n)`` memory) (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
   ever built and the weights never get a ``.grad``; do not call ``backward`` twice through the same
   lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
@@ -163,8 +170,10 @@ def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
         # shift and the mean factors are per-feature broadcasts (no per-value repeat_interleave), and the
         # bags are arange(0, n + 1, L). Same rows, offsets and scales as the jagged path below.
         v2 = values.view(k, B * fixed)
-        if validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
-            on_bad()
+        if validate:
+            lo, hi = torch.aminmax(v2, dim=1)  # one pass for both bounds of every feature
+            if bool(((hi >= limit) | (lo < 0)).any()):
+                on_bad()
         rows = alloc(n, row_dtype)
         rows.copy_(values)
         rows.view(k, B * fixed).add_(shift.unsqueeze(1))

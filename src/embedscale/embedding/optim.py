@@ -153,7 +153,11 @@ def aggregate_row_gradients(
     else:
         w = None
     if values_per_src > 0:  # value i reads bag i // L: no gathered bag index (perm is ours to overwrite)
-        src = perm.div_(values_per_src, rounding_mode="floor") if values_per_src > 1 else perm
+        L = values_per_src
+        if L & (L - 1) == 0:  # a power of two: a shift (integer division is several times slower)
+            src = perm.bitwise_right_shift_(L.bit_length() - 1) if L > 1 else perm
+        else:
+            src = perm.div_(L, rounding_mode="floor")
     else:
         src = perm if src_index is None else src_index.index_select(0, perm)
     grads = F.embedding_bag(src, grad_src.contiguous(), seg, mode="sum", per_sample_weights=w,
