@@ -266,6 +266,9 @@ class _FusedPooledLookup(torch.autograd.Function):
                 fixed = plan.fixed_len if plan.offsets is not None else 0
                 module._fused_update(g, plan.rows, grad_bags, _bag_of_values(plan), plan.scale, fixed,
                                      plan.segments)
+        # The update is applied (a second backward through this lookup is not allowed): drop the plans so
+        # their rows buffer can be reused by the next step even while the caller still holds this graph.
+        ctx.plans = None
         return None, None, None, None, None, None
 
 
@@ -724,6 +727,16 @@ class LocalEmbeddingBags(nn.Module):
             plan.segments = ([B * plan.fixed_len] * plan.key_major if plan.fixed_len
                              else lengths.sum(1).tolist())
         return plan
+
+    def release_buffers(self) -> None:
+        """Free the per-value buffers kept across training steps (they are rebuilt on the next step);
+        they hold about 20 bytes per looked-up value of the largest batch seen (``buffer_bytes``)."""
+        self._scratch.clear()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the per-value buffers kept across training steps (not in :attr:`memory_bytes`)."""
+        return self._scratch.nbytes
 
     def _rows_alloc(self, group: int) -> Callable[[int, torch.dtype], torch.Tensor]:
         """Buffer for a training lookup's flat rows (kept by the autograd graph until the backward),
