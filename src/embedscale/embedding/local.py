@@ -29,9 +29,9 @@ so the same code runs on every device:
   permutation; when each feature reads a table of its own (the usual case), the rows are sorted table
   run by table run, in chunks of ``optim.SORT_CHUNK`` values (the same order as one sort, faster); the
   per-value buffers (rows, sort outputs, weights) are reused across steps
-  (``optim.RowGradientScratch``: no per-step page faults of ``O(n)`` memory) (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
-  ever built and the weights never get a ``.grad``; do not call ``backward`` twice through the same
-  lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
+  (``optim.RowGradientScratch``: no per-step page faults of ``O(n)`` memory; :mod:`embedscale.embedding.optim`
+  documents the exact formulas). No dense ``[rows, dim]`` gradient is ever built and the weights never
+  get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
   data-parallel tables, tests).
 

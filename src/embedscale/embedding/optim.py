@@ -118,7 +118,8 @@ def aggregate_row_gradients(
     keys = rows.to(torch.int32) if num_rows is not None and num_rows <= _INT32_MAX else rows
     chunks = sort_chunks(segments) if segments is not None and n >= 2 * SORT_CHUNK else None
     if chunks is not None and len(chunks) > 1:
-        sorted_rows = scratch.take("keys", n, keys.dtype, keys.device) if scratch is not None else torch.empty_like(keys)
+        sorted_rows = (scratch.take("keys", n, keys.dtype, keys.device) if scratch is not None
+                       else torch.empty_like(keys))
         perm = (scratch.take("perm", n, torch.int64, keys.device) if scratch is not None
                 else torch.empty(n, dtype=torch.int64, device=keys.device))
         start = 0
