@@ -31,7 +31,8 @@ so the same code runs on every device:
   per-value buffers (rows, sort outputs, weights) are reused across steps
   (``optim.RowGradientScratch``: no per-step page faults of ``O(n)`` memory; :mod:`embedscale.embedding.optim`
   documents the exact formulas). No dense ``[rows, dim]`` gradient is ever built and the weights never
-  get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
+  get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update).
+  Dense model parameters keep their own torch optimizer.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
   data-parallel tables, tests).
 
