@@ -369,6 +369,11 @@ def test_out_of_range_and_negative_ids_name_feature_table_and_value():
         neg = dict(good, d1=[[-2], [1]] if one_hot else [[], [1, -2]])
         with pytest.raises(InputError, match=r"feature 'd1' \(table 'd'.*negative row id -2"):
             ours(JaggedFeatures.from_lists(neg))
+    two = {k: [v[0] * 2, v[1] * 2] for k, v in good.items()}  # every bag 2 ids long: the fixed-length path
+    with pytest.raises(InputError, match=r"feature 'c2' \(table 'c', 25 rows\): row id 25 at sample 1"):
+        ours(JaggedFeatures.from_lists(dict(two, c2=[[3, 3], [4, 25]])))
+    with pytest.raises(InputError, match=r"feature 'd1' \(table 'd'.*negative row id -2"):
+        ours(JaggedFeatures.from_lists(dict(two, d1=[[-2, 0], [1, 1]])))
     ours.validate = False  # the switch is honoured: the check is skipped (torch's own error remains)
     with pytest.raises(Exception) as e:
         ours(JaggedFeatures.from_lists(dict(good, a=[[1], [10**6]])))
@@ -452,3 +457,151 @@ def test_state_dict_is_weights_only_loadable_from_bytes():
     buf.seek(0)
     sd = torch.load(buf, weights_only=True)
     assert set(sd) == {"u.weight", "v.weight", "w.weight"} and torch.equal(sd["w.weight"], ours.table_weight("w"))
+
+
+# -- fixed-length multi-hot, chunked sorts, reused buffers (issue 15) -------------------------------
+def float64_step(tables, weights0, jf, grad_out, optimizer, lr, eps=1e-8):
+    """Independent float64 reference of one fused step: per-feature embedding_bag on float64 copies of the
+    initial tables, dense autograd gradients, then the optimizer formula (optim's docstring)."""
+    spec_of = tables_by_feature(tables)
+    W = {t.name: weights0[t.name].double().requires_grad_(True) for t in tables}
+    per_key = split_features(jf)
+    outs = []
+    for t in tables:
+        if t.pooling == "none":
+            continue
+        for f in t.features:
+            v, offs, w, lens = per_key[f]
+            s = w.double() if w is not None else torch.ones(v.numel(), dtype=torch.float64)
+            if spec_of[f].pooling == "mean":
+                s = s / torch.repeat_interleave(lens, lens).clamp(min=1).double()
+            outs.append(F.embedding_bag(v, W[t.name], offs, mode="sum", per_sample_weights=s))
+    out = torch.cat(outs, dim=1)
+    (out * grad_out.double()).sum().backward()
+    after = {}
+    for name, p in W.items():
+        g = p.grad
+        if optimizer == "sgd":
+            after[name] = p.detach() - lr * g
+        else:
+            m = g.pow(2).mean(1, keepdim=True)
+            after[name] = p.detach() - lr * g / (m.sqrt() + eps)
+    return out.detach(), after
+
+
+def fixed_length_features(tables, B, L, gen, *, weighted=False, hot_rows=None):
+    keys = [f for t in tables for f in t.features]
+    spec_of = tables_by_feature(tables)
+    values = torch.cat([torch.randint(0, min(spec_of[k].num_rows, hot_rows or spec_of[k].num_rows), (B * L,),
+                                      generator=gen) for k in keys])
+    w = torch.rand(values.numel(), generator=gen) + 0.5 if weighted else None
+    return JaggedFeatures(keys, values, torch.full((len(keys) * B,), L, dtype=torch.int64), w)
+
+
+ONE_TABLE_PER_FEATURE = [TableSpec("p", 60, 8), TableSpec("q", 45, 8, pooling="mean"), TableSpec("r", 30, 8)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("tables", [ONE_TABLE_PER_FEATURE, MIXED, SAME_DIM], ids=["own_tables", "mixed", "shared"])
+@pytest.mark.parametrize("L", [2, 5])
+def test_fixed_length_multi_hot_step_matches_float64_reference(tables, L, weighted, optimizer):
+    """Every bag L ids long (the [k, B*L] fast path; bag of value i is i // L in the backward): forward and
+    updated rows of one step equal a float64 dense-autograd reference."""
+    gen = torch.Generator().manual_seed(L)
+    ours = LocalEmbeddingBags(tables, optimizer=optimizer, lr=0.3, seed=1)
+    w0 = {t.name: ours.table_weight(t.name).clone() for t in tables}
+    B = 7
+    jf = fixed_length_features(tables, B, L, gen, weighted=weighted, hot_rows=6)  # hot rows: many duplicates
+    grad_out = torch.randn(B, ours.output_dim, generator=gen)
+    out = ours(jf)
+    (out * grad_out).sum().backward()
+    ref_out, ref_after = float64_step(tables, w0, jf, grad_out, optimizer, lr=0.3)
+    torch.testing.assert_close(out.detach().double(), ref_out, rtol=1e-5, atol=1e-6)
+    for t in tables:
+        torch.testing.assert_close(ours.table_weight(t.name).double(), ref_after[t.name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed_length", "jagged"])
+def test_table_chunked_sort_gives_the_same_bits_as_one_sort(monkeypatch, optimizer, fixed):
+    """The backward sorts table runs in chunks (optim.SORT_CHUNK, made small here so a small batch has
+    several chunks): the same order as one sort of all rows, hence bit-identical updates, and the float64
+    reference holds."""
+    tables = [TableSpec(f"t{i}", 40 + 7 * i, 8, pooling="mean" if i % 2 else "sum") for i in range(6)]
+    gen = torch.Generator().manual_seed(3)
+    B = 16
+    jf = (fixed_length_features(tables, B, 4, gen, hot_rows=9) if fixed
+          else random_features(tables, B, gen, max_len=6, hot_rows=9))
+    grad_out = torch.randn(B, 8 * len(tables), generator=gen)
+    chunked = LocalEmbeddingBags(tables, optimizer=optimizer, lr=0.2, seed=2)
+    single = LocalEmbeddingBags(tables, optimizer=optimizer, lr=0.2, seed=2)
+    w0 = {t.name: chunked.table_weight(t.name).clone() for t in tables}
+    calls = []
+    real_sort = torch.sort
+
+    def counting_sort(*a, **k):
+        calls.append(a[0].numel())
+        return real_sort(*a, **k)
+
+    monkeypatch.setattr(optim_mod, "SORT_CHUNK", 8)
+    monkeypatch.setattr(optim_mod.torch, "sort", counting_sort)
+    (chunked(jf) * grad_out).sum().backward()
+    assert len(calls) > 1 and sum(calls) == jf.values.numel()  # several chunks, every value sorted once
+    monkeypatch.setattr(optim_mod, "SORT_CHUNK", 10**9)
+    calls.clear()
+    (single(jf) * grad_out).sum().backward()
+    assert calls == [jf.values.numel()]
+    assert torch.equal(chunked.weights, single.weights)
+    if optimizer == "rowwise_adagrad":
+        assert torch.equal(chunked.momentum, single.momentum)
+    _, ref_after = float64_step(tables, w0, jf, grad_out, optimizer, lr=0.2)
+    for t in tables:
+        torch.testing.assert_close(chunked.table_weight(t.name).double(), ref_after[t.name], rtol=1e-5, atol=1e-6)
+
+
+def test_sort_chunks_merge_whole_runs():
+    sc = optim_mod.sort_chunks
+    assert sc([3, 3, 3]) == [9]  # all under SORT_CHUNK: one chunk
+    big = optim_mod.SORT_CHUNK
+    assert sc([big, 1, big - 1, 5]) == [big, big + 5]  # a short tail joins the last chunk
+    assert sc([2 * big, big // 2, big // 2]) == [2 * big, big]
+    assert sum(sc([7, big, 3, big // 3])) == 7 + big + 3 + big // 3
+
+
+def test_two_lookups_before_one_backward_keep_their_rows():
+    """A training lookup's rows live in a buffer reused across steps; a second lookup taken before the
+    first one's backward must not overwrite them (SGD is linear: the result is both steps' gradients)."""
+    tables = ONE_TABLE_PER_FEATURE
+    gen = torch.Generator().manual_seed(5)
+    ours = LocalEmbeddingBags(tables, optimizer="sgd", lr=0.5, seed=4)
+    w0 = {t.name: ours.table_weight(t.name).clone() for t in tables}
+    B = 5
+    jf1 = fixed_length_features(tables, B, 3, gen, hot_rows=5)
+    jf2 = fixed_length_features(tables, B, 3, gen, hot_rows=5)
+    g1, g2 = torch.randn(B, ours.output_dim, generator=gen), torch.randn(B, ours.output_dim, generator=gen)
+    out1 = ours(jf1)
+    out2 = ours(jf2)  # rows of lookup 1 are still held by its graph
+    ((out1 * g1).sum() + (out2 * g2).sum()).backward()
+    _, a1 = float64_step(tables, w0, jf1, g1, "sgd", lr=0.5)
+    _, a2 = float64_step(tables, w0, jf2, g2, "sgd", lr=0.5)
+    for t in tables:
+        want = a1[t.name] + a2[t.name] - w0[t.name].double()
+        torch.testing.assert_close(ours.table_weight(t.name).double(), want, rtol=1e-5, atol=1e-6)
+    # steady state, as a training loop runs it (the previous step's output still bound while the next
+    # lookup runs): the rows buffer is reused after each backward, and the steps stay correct
+    out = None
+    ptrs = set()
+    for _ in range(3):
+        w0 = {t.name: ours.table_weight(t.name).clone() for t in tables}
+        jf = fixed_length_features(tables, B, 3, gen, hot_rows=5)
+        out = ours(jf)
+        ptrs.add(ours._scratch._bufs["rows0"].data_ptr())
+        assert out.grad_fn.plans[0].rows.data_ptr() == ours._scratch._bufs["rows0"].data_ptr()  # reused
+        (out * g1).sum().backward()
+        _, a = float64_step(tables, w0, jf, g1, "sgd", lr=0.5)
+        for t in tables:
+            torch.testing.assert_close(ours.table_weight(t.name).double(), a[t.name], rtol=1e-5, atol=1e-6)
+    assert len(ptrs) == 1 and ours.buffer_bytes > 0
+    ours.release_buffers()
+    assert ours.buffer_bytes == 0

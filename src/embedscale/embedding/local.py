@@ -17,14 +17,22 @@ so the same code runs on every device:
   (``TableSpec.features``). One-hot batches are transposed to sample-major order on the (cheap) ids, so
   the pooled result is directly ``[B, sum of feature dims]``; multi-hot batches are pooled in the
   input's key-major bag order and the ``[F, B, dim]`` result is transposed (cheaper than permuting
-  jagged ids).
+  jagged ids). When every bag holds the same number ``L`` of ids (fixed-length multi-hot), the ids are
+  a ``[F, B * L]`` matrix: the range check, the row shift and the mean factors are per-feature
+  broadcasts and the bags are ``arange(0, n + 1, L)`` (no per-value ``repeat_interleave``).
 * **Fused sparse optimizers** (FBGEMM's "fused" TBE): when ``optimizer`` is ``"sgd"`` or
   ``"rowwise_adagrad"`` the lookup is a custom ``torch.autograd.Function`` whose backward sums the
   gradient per unique looked-up row (sort by row, then a segment sum over the output gradient rows of
   each value's bag, scaled by per-sample weight and ``1/length`` for mean) and updates those rows in
-  place during ``loss.backward()`` (:mod:`embedscale.embedding.optim` documents the exact formulas). No dense ``[rows, dim]`` gradient is
-  ever built and the weights never get a ``.grad``; do not call ``backward`` twice through the same
-  lookup (each call applies the update). Dense model parameters keep their own torch optimizer.
+  place during ``loss.backward()``. The backward reads the output gradient in bag order (one transpose
+  of the pooled-size gradient) so a fixed-length bag's values find their bag as ``i // L`` of the sort
+  permutation; when each feature reads a table of its own (the usual case), the rows are sorted table
+  run by table run, in chunks of ``optim.SORT_CHUNK`` values (the same order as one sort, faster); the
+  per-value buffers (rows, sort outputs, weights) are reused across steps
+  (``optim.RowGradientScratch``: no per-step page faults of ``O(n)`` memory; :mod:`embedscale.embedding.optim`
+  documents the exact formulas). No dense ``[rows, dim]`` gradient is ever built and the weights never
+  get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update).
+  Dense model parameters keep their own torch optimizer.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
   data-parallel tables, tests).
 
@@ -69,6 +77,7 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.interop import as_jagged, ebc_state_dict, ebc_weight_key, has_ebc_names, keyed_tensor
 from embedscale.embedding.optim import (
     OPTIMIZERS,
+    RowGradientScratch,
     add_rows_,
     aggregate_row_gradients,
     rowwise_adagrad_update_,
@@ -108,6 +117,8 @@ class _BagPlan:
     num_bags: int
     width: int  # output columns of this group per sample (features x dim)
     key_major: int = 1  # k > 1: bags are in key-major order f * B + b (output transposed to [B, k, dim])
+    fixed_len: int = 0  # L > 0: every bag holds exactly L values (value i is in bag i // L); 0 = jagged
+    segments: list[int] | None = None  # values per key when each key's rows are a table of its own, in row order
 
 
 def check_lengths(lengths: torch.Tensor, n: int, names: list[str]) -> None:
@@ -126,7 +137,8 @@ def check_lengths(lengths: torch.Tensor, n: int, names: list[str]) -> None:
 def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None, B: int,
              row_off: torch.Tensor, limit: torch.Tensor, mean: torch.Tensor | None, dim: int, *,
              dtype: torch.dtype, row_dtype: torch.dtype, offsets_dtype: torch.dtype | None = None,
-             validate: bool = True, names: list[str] = (), on_bad=None) -> _BagPlan:
+             validate: bool = True, names: list[str] = (), on_bad=None,
+             alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> _BagPlan:
     """One dim group's key-major ids (``k`` features x ``B`` samples, ``lengths`` ``[k, B]``) as flat rows
     of the group (``row_off[f]`` + id, checked against ``limit[f]``) and bags; shared by the fused local
     lookup and the host parameter server, which must agree value for value.
@@ -135,25 +147,55 @@ def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
     multi-hot ones keep the input's key-major bags ``f * B + b`` (``key_major = k``; the pooled
     ``[k, B, dim]`` is transposed afterwards), with ``1 / length`` folded into ``scale`` for the features
     whose ``mean`` flag is set. ``on_bad()`` raises the error naming the first id outside its table.
+    ``alloc(n, dtype)`` provides the rows' buffer (default ``torch.empty``; a training module passes a
+    buffer reused across steps). The rows are written as a copy of the ids plus a same-dtype shift (a
+    mixed-dtype add into an int32 output is several times slower on CPU).
     """
     k = lengths.shape[0]
     n = values.numel()
     dev = values.device
+    if alloc is None:
+        def alloc(m: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.empty(m, dtype=dt, device=dev)
+    shift = row_off.to(row_dtype)
     if weights is not None:
         weights = weights.to(dtype)
-    one_hot = False
-    if n == k * B and n:
+    fixed = 0  # every bag has this many values (one sync; 0: jagged or empty)
+    if n and k * B and n % (k * B) == 0:
         lo_len, hi_len = torch.aminmax(lengths)
-        one_hot = int(lo_len) == 1 and int(hi_len) == 1
+        lo_len, hi_len = int(lo_len), int(hi_len)
+        if lo_len == hi_len and lo_len * k * B == n:
+            fixed = lo_len
+    one_hot = fixed == 1
+    if fixed > 1:
+        # Fixed-length multi-hot (L ids per bag): the ids are a [k, B * L] matrix, so the check, the row
+        # shift and the mean factors are per-feature broadcasts (no per-value repeat_interleave), and the
+        # bags are arange(0, n + 1, L). Same rows, offsets and scales as the jagged path below.
+        v2 = values.view(k, B * fixed)
+        if validate:
+            lo, hi = torch.aminmax(v2, dim=1)  # one pass for both bounds of every feature
+            if bool(((hi >= limit) | (lo < 0)).any()):
+                on_bad()
+        rows = alloc(n, row_dtype)
+        rows.copy_(values)
+        rows.view(k, B * fixed).add_(shift.unsqueeze(1))
+        offsets = torch.arange(0, n + 1, fixed, dtype=offsets_dtype or row_dtype, device=dev)
+        scale = weights
+        if mean is not None and bool(mean.any()):
+            one = torch.ones((), dtype=dtype, device=dev)
+            inv = torch.where(mean, one / torch.full((), fixed, dtype=dtype, device=dev), one)
+            inv_v = inv.unsqueeze(1).expand(k, B * fixed).reshape(-1)
+            scale = inv_v if scale is None else scale * inv_v
+        return _BagPlan(rows, offsets, scale, k * B, k * dim, k, fixed)
     if one_hot:
         v2 = values.view(k, B)
         # per-feature max and one global min: one vectorised check, one sync
         if validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
             on_bad()
-        rows = torch.empty(n, dtype=row_dtype, device=dev)
-        torch.add(v2.t(), row_off, out=rows.view(B, k))  # shift and transpose in one pass
+        rows = alloc(n, row_dtype)
+        rows.view(B, k).copy_(v2.t()).add_(shift)  # transpose to sample-major, then shift
         scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
-        return _BagPlan(rows, None, scale, k * B, k * dim, 1)
+        return _BagPlan(rows, None, scale, k * B, k * dim, 1, 1)
     if validate:
         check_lengths(lengths, n, list(names))
     lpk = lengths.sum(1)
@@ -161,8 +203,8 @@ def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
         limit_v = torch.repeat_interleave(limit, lpk, output_size=n)
         if bool(((values >= limit_v) | (values < 0)).any()):
             on_bad()
-    rows = torch.empty(n, dtype=row_dtype, device=dev)
-    torch.add(values, torch.repeat_interleave(row_off, lpk, output_size=n), out=rows)
+    rows = alloc(n, row_dtype)
+    rows.copy_(values).add_(torch.repeat_interleave(shift, lpk, output_size=n))
     lengths_flat = lengths.reshape(-1)
     offsets = torch.zeros(k * B + 1, dtype=offsets_dtype or row_dtype, device=dev)
     torch.cumsum(lengths_flat, 0, out=offsets[1:])
@@ -186,18 +228,23 @@ class _KeyPlan:
     missing_sequence: list[str]
 
 
-def _bag_of_values(plan: _BagPlan, batch_size: int) -> torch.Tensor | None:
-    """Row of each value in the sample-major ``[num_bags, dim]`` output gradient (None: value i -> row i)."""
-    if plan.offsets is None:
+def _bag_of_values(plan: _BagPlan) -> torch.Tensor | None:
+    """Bag of each value (an index into the plan's bag order), for jagged bags; None when it follows from
+    the value's position (one value per bag: value i -> bag i; fixed length L: value i -> bag i // L)."""
+    if plan.offsets is None or plan.fixed_len:
         return None
-    lengths = plan.offsets.diff()
-    dev = plan.rows.device
-    if plan.key_major > 1:  # key-major bag f * B + b is output row b * k + f
-        k = plan.key_major
-        ids = (torch.arange(batch_size, device=dev) * k + torch.arange(k, device=dev).unsqueeze(1)).reshape(-1)
-    else:
-        ids = torch.arange(plan.num_bags, device=dev)
-    return torch.repeat_interleave(ids, lengths, output_size=plan.rows.numel())
+    ids = torch.arange(plan.num_bags, device=plan.rows.device)
+    return torch.repeat_interleave(ids, plan.offsets.diff(), output_size=plan.rows.numel())
+
+
+def _grad_in_bag_order(plan: _BagPlan, grad: torch.Tensor, dim: int) -> torch.Tensor:
+    """The ``[B, width]`` output gradient columns of one plan as ``[num_bags, dim]`` rows in bag order:
+    key-major plans transpose it back to bag ``f * B + b`` (one copy of the gradient, the size of the
+    pooled output, instead of a per-value bag index remapped to sample-major rows)."""
+    if plan.key_major > 1:
+        B = grad.shape[0]
+        return grad.reshape(B, plan.key_major, dim).transpose(0, 1).reshape(plan.num_bags, dim)
+    return grad.reshape(plan.num_bags, dim)
 
 
 class _FusedPooledLookup(torch.autograd.Function):
@@ -216,9 +263,14 @@ class _FusedPooledLookup(torch.autograd.Function):
         start = 0
         with torch.no_grad():
             for g, plan in zip(groups, plans):
-                grad_bags = grad_out[:, start:start + plan.width].reshape(plan.num_bags, g.dim)
+                grad_bags = _grad_in_bag_order(plan, grad_out[:, start:start + plan.width], g.dim)
                 start += plan.width
-                module._fused_update(g, plan.rows, grad_bags, _bag_of_values(plan, grad_out.shape[0]), plan.scale)
+                fixed = plan.fixed_len if plan.offsets is not None else 0
+                module._fused_update(g, plan.rows, grad_bags, _bag_of_values(plan), plan.scale, fixed,
+                                     plan.segments)
+        # The update is applied (a second backward through this lookup is not allowed): drop the plans so
+        # their rows buffer can be reused by the next step even while the caller still holds this graph.
+        ctx.plans = None
         return None, None, None, None, None, None
 
 
@@ -373,6 +425,11 @@ class LocalEmbeddingBags(nn.Module):
         self._group_has_mean = [any(tables[self._feature_table[self.feature_names[p]]].pooling == "mean"
                                     for p in g.pooled) for g in groups]
         self._key_plans: dict[tuple[str, ...], _KeyPlan] = {}
+        self._group_one_table_per_feature = []
+        for g in groups:
+            offs = [self._row_offset[self._feature_table[self.feature_names[p]]] for p in g.pooled]
+            self._group_one_table_per_feature.append(all(a < b for a, b in zip(offs, offs[1:])))
+        self._scratch = RowGradientScratch()  # per-value backward buffers reused across steps
         self.register_buffer("_arange", None, persistent=False)
         self.register_buffer("_arange32", None, persistent=False)
         self._row_dtype = [torch.int32 if g.num_rows <= _INT32_MAX else torch.int64 for g in groups]
@@ -661,10 +718,34 @@ class LocalEmbeddingBags(nn.Module):
         """Flat rows of a group's features: :func:`bag_plan`."""
         names = [self.feature_names[p] for p in g.pooled]
         limit = getattr(self, f"_g{g.index}_limit")
-        return bag_plan(values, lengths, weights, B, getattr(self, f"_g{g.index}_row_off"), limit,
+        plan = bag_plan(values, lengths, weights, B, getattr(self, f"_g{g.index}_row_off"), limit,
                         getattr(self, f"_g{g.index}_mean") if self._group_has_mean[g.index] else None, g.dim,
                         dtype=self.dtype, row_dtype=self._row_dtype[g.index], validate=self.validate, names=names,
-                        on_bad=lambda: self._raise_bad_ids(values, lengths, names, limit.tolist()))
+                        on_bad=lambda: self._raise_bad_ids(values, lengths, names, limit.tolist()),
+                        alloc=self._rows_alloc(g.index) if self.optimizer is not None and torch.is_grad_enabled()
+                        else None)
+        if plan.key_major > 1 and self._group_one_table_per_feature[g.index] and self.optimizer is not None:
+            # key-major values: each feature's rows are one table's, tables in row order, so the backward
+            # sorts feature by feature (optim.aggregate_row_gradients ``segments``)
+            plan.segments = ([B * plan.fixed_len] * plan.key_major if plan.fixed_len
+                             else lengths.sum(1).tolist())
+        return plan
+
+    def release_buffers(self) -> None:
+        """Free the per-value buffers kept across training steps (they are rebuilt on the next step);
+        they hold about 20 bytes per looked-up value of the largest batch seen (``buffer_bytes``)."""
+        self._scratch.clear()
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the per-value buffers kept across training steps (not in :attr:`memory_bytes`)."""
+        return self._scratch.nbytes
+
+    def _rows_alloc(self, group: int) -> Callable[[int, torch.dtype], torch.Tensor]:
+        """Buffer for a training lookup's flat rows (kept by the autograd graph until the backward),
+        reused across steps once the previous step's graph is gone (``RowGradientScratch.take_unshared``)."""
+        dev = self.weights.device
+        return lambda n, dt: self._scratch.take_unshared(f"rows{group}", n, dt, dev)
 
     def _pool(self, groups, plans, batch_size, col_perm, weight_of) -> torch.Tensor:
         outs = []
@@ -711,15 +792,19 @@ class LocalEmbeddingBags(nn.Module):
             return _FusedRowLookup.apply(anchor, self, g, rows)
         return self._group_weight(g).index_select(0, rows)
 
-    def _fused_update(self, g: DimGroup, rows, grad_src, src_index, scale) -> None:
+    def _fused_update(self, g: DimGroup, rows, grad_src, src_index, scale, values_per_src: int = 0,
+                      segments: list[int] | None = None) -> None:
         w = self._group_weight(g)
         if self.optimizer == "sgd":
             # -lr rides along as the segment sum's per-sample weight: the sum is already the update
             unique_rows, delta = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows,
-                                                         factor=-self.lr)
+                                                         factor=-self.lr, values_per_src=values_per_src,
+                                                         scratch=self._scratch, segments=segments)
             add_rows_(w, unique_rows, delta)
         else:
-            unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows)
+            unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows,
+                                                         values_per_src=values_per_src, scratch=self._scratch,
+                                                         segments=segments)
             rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps)
 
     # -- checkpoints: per-table tensors ------------------------------------------------------------
