@@ -312,7 +312,7 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
             assignment = checkpoint_towers(ck)
         model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense, device,
-                                  assignment=assignment)
+                                  assignment=assignment, validate=False)  # the ShardLoader checks the ids
         load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
         m = eval_model(model, loader, progress=True)
