@@ -2,7 +2,10 @@
 no traceback, no ``*.tmp`` left behind, and a run's ``config.yaml`` untouched by a command that then fails.
 
 The inputs are made here (tiny Criteo/Avazu-format text, shards, a profile, a plan, runs) by the CLI itself;
-each case damages a copy and runs one ``embedscale`` command as a subprocess.
+each case damages a copy and runs one ``embedscale`` command: in this process through click's ``CliRunner``
+(the same ``main`` the ``embedscale`` script runs: exit code and stderr as the shell sees them, an escaping
+exception is exit 1 and fails the case), or as a subprocess where the process is what is tested (a file size
+limit set before it starts; a launch on several ranks, whose ranks write to the process's own stderr).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import signal
 import stat
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from embedscale.cli import main
 from embedscale.io import atomic_write_text
 from embedscale.specs import AVAZU_COLUMNS
 
@@ -31,9 +37,16 @@ FAST = ["--data-source", "shards", "--train-batch-size", "32", "--train-max-step
         "--train-prefetch", "0", "--no-progress"]
 
 
-def embedscale(*args, preexec_fn=None, timeout=240) -> subprocess.CompletedProcess:
+def embedscale(*args, preexec_fn=None, timeout=600) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in args]
+    if preexec_fn is None and "--nproc" not in argv:
+        r = CliRunner().invoke(main, argv, prog_name="embedscale")
+        err = r.stderr
+        if r.exception is not None and not isinstance(r.exception, SystemExit):  # what the shell would show
+            err += "".join(traceback.format_exception(r.exception))
+        return subprocess.CompletedProcess(["embedscale", *argv], r.exit_code, r.stdout, err)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "embedscale", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "embedscale", *argv], capture_output=True, text=True,
                           env=env, timeout=timeout, preexec_fn=preexec_fn)
 
 

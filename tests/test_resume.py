@@ -66,7 +66,7 @@ def train_on(world: int, cfg: RunConfig, run_dir: Path, resume_from: Path | None
         workflow.train(cfg, run_dir, resume=True, progress=False)
     else:
         spawn_local(_rank, world, to_dict(cfg), str(run_dir), str(resume_from) if resume_from else None,
-                    timeout_s=180)
+                    timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +77,30 @@ def reference(tmp_path_factory, data_dir):
     return checkpoint_state(tmp / "ref")
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, data_dir):
+    """``first_run(a)``: a run directory that trained K steps on world ``a``, trained once per world for the
+    module; every test resumes its own copy."""
+    runs: dict[int, Path] = {}
+
+    def get(a: int, dest: Path) -> Path:
+        if a not in runs:
+            tmp = tmp_path_factory.mktemp(f"resume-first-{a}")
+            train_on(a, cfg_for(tmp, data_dir, K), tmp / "run")
+            runs[a] = tmp / "run"
+        shutil.copytree(runs[a], dest)
+        return dest
+
+    return get
+
+
 def worlds_of(run_dir: Path) -> dict[int, int]:
     return {read_manifest(p)["step"]: read_manifest(p)["world_size"] for p in (run_dir / "checkpoints").iterdir()}
 
 
 @pytest.mark.parametrize("a,b", [(2, 3), (2, 1), (1, 2)])
-def test_resume_on_another_world_size(tmp_path, data_dir, reference, a, b):
-    run = tmp_path / "run"
-    train_on(a, cfg_for(tmp_path, data_dir, K), run)
+def test_resume_on_another_world_size(tmp_path, data_dir, reference, first_run, a, b):
+    run = first_run(a, tmp_path / "run")
     ck = latest_checkpoint(run)
     assert read_manifest(ck)["step"] == K and read_manifest(ck)["world_size"] == a
     first_losses = checkpoint_state(run)[0]

@@ -226,14 +226,16 @@ def _told(tables: list[TableSpec], forms: dict[str, TableForm]) -> None:
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
-          assignment=None):
+          assignment=None, validate: bool = True):
     """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``, in a world of
     one: the tables' forms are the config's requests decided (``plan.forms.config_forms``).
 
     DMT archs (``model.arch: dmt-dlrm | dmt-dcn``): without ``comm`` all towers in this process (one per
     host of ``dist.topology_hosts`` unless ``model.towers`` says otherwise: the same model a distributed
     run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
-    ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``.
+    ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``. ``validate=False``: the
+    embedding does not check ids again (every batch comes from a ``ShardLoader`` that checked them against
+    the data's cardinalities, which ``tables_for`` made sure the tables cover).
     """
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
@@ -243,7 +245,8 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                             seed=t.seed)
         return model, make_dense_optimizer(t, model.dense_parameters())
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
-                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed),
+                                                           lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
+                                                           validate=validate),
                                 forms=config_forms(cfg.model, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     return model, make_dense_optimizer(t, model.dense_parameters())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import json
 import os
 import signal
@@ -18,31 +19,73 @@ from pathlib import Path
 
 import click
 
-from embedscale.calibrate import calibrate as calibrate_costs
 from embedscale.errors import EmbedscaleError
-from embedscale.specs import RunConfig, leaf_fields, load_config
-from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
-from embedscale import workflow
-from embedscale.data.compat import check_fits
-from embedscale.data.loader import ShardLoader
-from embedscale.data.profile import AccessProfile
-from embedscale.data.synthetic import SyntheticGenerator, generate_dataset
 from embedscale.io import read_json
-from embedscale.models.dmt import is_dmt_arch
-from embedscale.plan.api import plan_command, topology_command
-from embedscale.plan.drift import drift_command
-from embedscale.plan.auto import explain_text, load_costs, parse_bytes
-from embedscale.plan.autoplan import auto_plan_command
-from embedscale.plan.forms import decide_forms, tables_from_profile
-from embedscale.plan.plan import Plan
-from embedscale.reorder import reorder_shards
-from embedscale.specs import SyntheticConfig, TableConfig, Topology, from_dict, set_dotted
-from embedscale.towers.command import format_towers_summary, towers_command
-from embedscale.train.checkpoint import read_manifest, resolve_checkpoint
-from embedscale.train.dmt_run import checkpoint_towers, infer_dmt
-from embedscale.train.launch import launch_ranks
-from embedscale.train.ranks import infer_distributed, train_distributed
-from embedscale.train.trainer import evaluate as eval_model, load_model_state
+from embedscale.specs import RunConfig, SyntheticConfig, TableConfig, Topology, from_dict, leaf_fields, load_config
+from embedscale.specs import set_dotted
+from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
+
+
+class _Lazy:
+    """A module (``"pkg.mod"``) or one of its attributes (``"pkg.mod:name"``) imported when first used (called
+    or an attribute read), so that ``embedscale --help`` and ``embedscale data --help`` start without torch and
+    pyarrow: the commands' modules load only when a command runs. Only what a command body calls or reads an
+    attribute of goes through here (no ``isinstance``, no ``except``)."""
+
+    __slots__ = ("_target", "_value")
+
+    def __init__(self, target: str):
+        self._target = target
+        self._value = None
+
+    def _resolve(self):
+        if self._value is None:
+            module, _, attr = self._target.partition(":")
+            value = importlib.import_module(module)
+            self._value = getattr(value, attr) if attr else value
+        return self._value
+
+    def __call__(self, *args, **kwargs):
+        return self._resolve()(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._resolve(), name)
+
+    def __repr__(self) -> str:
+        return f"<lazy {self._target}>"
+
+
+# The modules behind the commands (torch, pyarrow, scipy), by name; see _Lazy.
+plan_command = _Lazy("embedscale.plan.api:plan_command")
+topology_command = _Lazy("embedscale.plan.api:topology_command")
+drift_command = _Lazy("embedscale.plan.drift:drift_command")
+decide_forms = _Lazy("embedscale.plan.forms:decide_forms")
+tables_from_profile = _Lazy("embedscale.plan.forms:tables_from_profile")
+Plan = _Lazy("embedscale.plan.plan:Plan")
+explain_text = _Lazy("embedscale.plan.auto:explain_text")
+load_costs = _Lazy("embedscale.plan.auto:load_costs")
+parse_bytes = _Lazy("embedscale.plan.auto:parse_bytes")
+auto_plan_command = _Lazy("embedscale.plan.autoplan:auto_plan_command")
+calibrate_costs = _Lazy("embedscale.calibrate:calibrate")
+check_fits = _Lazy("embedscale.data.compat:check_fits")
+workflow = _Lazy("embedscale.workflow")
+ShardLoader = _Lazy("embedscale.data.loader:ShardLoader")
+AccessProfile = _Lazy("embedscale.data.profile:AccessProfile")
+SyntheticGenerator = _Lazy("embedscale.data.synthetic:SyntheticGenerator")
+generate_dataset = _Lazy("embedscale.data.synthetic:generate_dataset")
+is_dmt_arch = _Lazy("embedscale.models.dmt:is_dmt_arch")
+reorder_shards = _Lazy("embedscale.reorder:reorder_shards")
+format_towers_summary = _Lazy("embedscale.towers.command:format_towers_summary")
+towers_command = _Lazy("embedscale.towers.command:towers_command")
+read_manifest = _Lazy("embedscale.train.checkpoint:read_manifest")
+resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
+checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
+infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
+launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
+infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
+train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
+eval_model = _Lazy("embedscale.train.trainer:evaluate")
+load_model_state = _Lazy("embedscale.train.trainer:load_model_state")
 
 
 MAIN_JOB_RANKS = 2  # `embedscale run` without a config: the OPER plan on this many local ranks
@@ -279,7 +322,8 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
             assignment = checkpoint_towers(ck)
         tables = workflow.tables_for(cfg, data.manifest)
         check_fits(ck, manifest, {t.name: t.num_rows for t in tables}, split.directory)
-        model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
+        model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment,
+                                  validate=False)  # the ShardLoader checks the ids
         load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
         m = eval_model(model, loader, progress=True)

@@ -45,7 +45,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     tables = tables_for(cfg, data.manifest)
     forms = config_forms(cfg.model, tables)  # a world of one: the config's requests decided (build does the same)
     assignment = _dmt_towers(cfg, tables, run_dir)
-    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment)
+    # the ShardLoaders below check every batch's ids: the embedding need not check them again
+    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)
     t = cfg.train
     train_loader = ShardLoader(data.train.directory, t.batch_size, start=data.train.start, stop=data.train.stop,
                                prefetch=t.prefetch, device=device, drop_last=False)

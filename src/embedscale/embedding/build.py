@@ -62,7 +62,8 @@ class EmbeddingEnv:
         transport, address_map, sync_group: N ranks: the transport the sharded embedding talks through,
             the plan's address map (``address_map_from_plan``) and the process group of its gradient sync.
         pgas: use ``PgasShardedEmbedding`` (``dist.transport: pgas``) with ``max_batch_size`` ids per rank.
-        validate: N ranks: the sharded embedding checks the batch's ids itself (``False`` when the loader did).
+        validate: the embedding checks the batch's ids itself (``False`` when the ``ShardLoader`` did: the
+            sharded embedding, and in one process the local/mixed tables; host tables' server checks its own).
         new_group: N ranks: makes a new process group (the TT core gradients', the host rows' exchange).
         new_share_group: makes the process group of this machine's ranks that share one host server
             (``train.pipeline_server: shared``); ``None``: a server per rank.
@@ -130,13 +131,14 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
             if has_tt:  # TT tables beside the host ones (EL-Rec III with V)
                 device_modules = [MixedEmbedding(rest, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                  init=init, seed=env.seed, tt_lr=env.tt_lr,
-                                                 init_index=[tables.index(x) for x in rest])]
+                                                 init_index=[tables.index(x) for x in rest], validate=env.validate)]
             return PipelinedEmbedding.from_tables(tables, forms, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                   seed=env.seed, init=init, device_modules=device_modules)
         if has_tt:
             return MixedEmbedding(tables, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
-                                  seed=env.seed, tt_lr=env.tt_lr)
-        return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init)
+                                  seed=env.seed, tt_lr=env.tt_lr, validate=env.validate)
+        return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
+                                  validate=env.validate)
     return _distributed(tables, host, rest, tt, plan, env)
 
 

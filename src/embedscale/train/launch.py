@@ -255,7 +255,10 @@ def forward_stderr(src, dst) -> None:
     held: list[bytes] = []  # a traceback being read, held until its last line says whose it is
     partial = b""
     while True:
-        chunk = os.read(src, 65536)
+        try:
+            chunk = os.read(src, 65536)
+        except OSError:  # the pipe closed under us (the launcher exiting after a stop signal): the stream ended
+            chunk = b""
         if not chunk:
             break
         data = partial + chunk
