@@ -34,7 +34,7 @@ from embedscale.plan.plan import Plan
 from embedscale.plan.synthetic_profile import ZipfProfile
 from embedscale.specs import RunConfig, TableConfig, TableSpec, Topology, dump_config, from_dict, to_dict
 from embedscale.train.checkpoint import load_checkpoint
-from embedscale.train.distributed import check_auto_settings
+from embedscale.train.distributed import check_auto_settings, check_forms_kept
 from embedscale.train.launch import spawn_local
 
 from test_distributed_train import ROWS, STEPS, make_data
@@ -389,3 +389,11 @@ def test_train_dist_plan_auto_config_errors():
     with pytest.raises(ConfigError, match=r"dist.device_memory is read by dist.plan auto only; this run's dist.plan "
                                           r"is 'oper'"):
         check_auto_settings(cfg(dist__plan="oper"))
+
+
+def test_a_replan_that_changes_a_checkpointed_form_is_a_named_error():
+    old = {"a": SHARDED, "b": TableForm("host", pipeline_depth=1), "c": TableForm("tt", tt_rank=8)}
+    check_forms_kept(old, {**old, "b": TableForm("host", pipeline_depth=3)}, "runs/r")  # depth: not in checkpoints
+    with pytest.raises(ConfigError, match=r"runs/r: the new plan changes the form of tables its checkpoints hold "
+                                          r"\(b: host -> sharded; c: tt \(rank 8\) -> tt \(rank 16\)\)"):
+        check_forms_kept(old, {"a": SHARDED, "b": SHARDED, "c": TableForm("tt", tt_rank=16)}, "runs/r")

@@ -180,7 +180,10 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
             return Plan.load(plan_dir)
         _log(0, f"re-planning {run_dir} with {d.plan!r} for {world} ranks (was {rec['plan']!r} on "
                 f"{rec['world_size']})")
-    plan = make_run_plan(cfg, data, tables, plan_dir, progress)
+    kept = None  # a re-plan of a run with checkpoints: they re-shard by row id within a table's form only
+    if rec is not None and (plan_dir / "plan.json").exists() and latest_checkpoint(run_dir) is not None:
+        kept = Plan.load(plan_dir).forms
+    plan = make_run_plan(cfg, data, tables, plan_dir, progress, checkpoint_forms=kept)
     atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
                                            "strategy": plan.meta.get("strategy", d.plan)})
     return plan
@@ -235,12 +238,27 @@ def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: P
     return plan
 
 
-def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
+def check_forms_kept(old: Mapping[str, TableForm], new: Mapping[str, TableForm], where: str) -> None:
+    """A re-plan of a run with checkpoints must keep every table's form (kind, TT rank): checkpoints re-shard
+    by row id within a form (exact rows, host rows, TT cores), not from one form into another. A change is a
+    ``ConfigError`` naming the tables (``dist.plan auto`` may choose other forms on another world size)."""
+    changed = [f"{n}: {old[n].describe()} -> {f.describe()}" for n, f in new.items()
+               if n in old and (old[n].kind, old[n].tt_rank) != (f.kind, f.tt_rank)]
+    if changed:
+        raise ConfigError(f"{where}: the new plan changes the form of tables its checkpoints hold "
+                          f"({'; '.join(changed)}); checkpoints re-shard by row id within a form only: resume on "
+                          "the run's world size, give a budget that keeps the forms, or start a new run directory")
+
+
+def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
+                  checkpoint_forms: Mapping[str, TableForm] | None = None):
     """The run's plan: a saved plan (``dist.plan`` is a path) or one made now from the training split's
     access profile with the named strategy (``auto``: :func:`make_auto_run_plan`, every table's form decided
     under the memory budgets). The plan records every table's form (``Plan.forms``); a saved
     plan's forms win over the config's, and an explicit request contradicting them is a ``ConfigError``
-    (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``)."""
+    (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``). ``checkpoint_forms``:
+    the forms of the checkpoints a re-planned run resumes from; the new plan must keep them
+    (:func:`check_forms_kept`), checked before it is saved."""
     d = cfg.dist
     world = d.nproc
     saved = Path(d.plan).exists()
@@ -251,6 +269,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
         prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir)
+        if checkpoint_forms:
+            check_forms_kept(checkpoint_forms, plan.forms, str(plan_dir.parent))
         plan.save(plan_dir)
         return plan
     forms = config_forms(cfg.model, tables)  # what the config asks for
@@ -273,6 +293,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     if any(f.kind == "tt" for f in forms.values()):  # not sharded: a copy on every rank (EL-Rec VI-B)
         plan.meta["replicated_tables"] = replicated_tables_meta(tables, forms)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
+    if checkpoint_forms:
+        check_forms_kept(checkpoint_forms, forms, str(plan_dir.parent))
     plan.save(plan_dir)
     return plan
 
