@@ -273,7 +273,7 @@ class DistConfig:
     """Several ranks: how the embedding rows are placed and moved (issue 4; OPER sections 4-5)."""
 
     nproc: int = 1  # local processes `embedscale train/run` launches (torchrun sets its own)
-    plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ...) or the path of a saved plan
+    plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ..., auto: dist.device_memory below) or the path of a saved plan
     mode: str = "training"  # the plan's mode: training | inference
     extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
     design: str = "retrieve"  # retrieve | send
