@@ -84,6 +84,7 @@ from embedscale.train.metrics import logloss_from_logits, roc_auc
 READY, FAILED = ".ready", ".failed"
 AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
 AUTO_KEYS = ("device_memory", "host_memory", "costs")  # the DistConfig keys only dist.plan auto reads
+EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
 
@@ -225,16 +226,15 @@ def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: P
     """``dist.plan auto``: ``plan.autoplan.make_auto_plan`` from the run's access profile for ``dist.nproc``
     ranks under the per-rank budgets ``dist.device_memory`` / ``dist.host_memory`` (``dist.costs``: measured
     per-row costs, else the documented defaults), with the per-rank batch and ``train.pipeline_depth`` as the
-    host tables' depth (it sizes their device cache; training then runs the depth the plan recorded). The
-    explain report (``explain.txt``, ``explain.json``) is written beside the plan. A budget nothing fits in is
-    a ``plan.auto.BudgetError`` (a ``ConfigError``) saying by how much."""
+    host tables' depth (it sizes their device cache; training then runs the depth the plan recorded). Its
+    explain data is ``plan.meta["auto"]`` (``make_run_plan`` writes the report beside the plan). A budget
+    nothing fits in is a ``plan.auto.BudgetError`` (a ``ConfigError``) saying by how much."""
     d = cfg.dist
     check_auto_settings(cfg)
     plan = make_auto_plan(tables, prof, topo, device_memory=parse_bytes(d.device_memory, "dist.device_memory"),
                           host_memory=parse_bytes(d.host_memory or 0, "dist.host_memory"),
                           costs=load_costs(d.costs or None), batch_size=max(1, cfg.train.batch_size // d.nproc),
                           mode=d.mode, host_depth=max(1, cfg.train.pipeline_depth), requests=cfg.model.tables)
-    write_explain(plan.meta["auto"], plan_dir, png=False)
     return plan
 
 
@@ -271,6 +271,7 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir)
         if checkpoint_forms:
             check_forms_kept(checkpoint_forms, plan.forms, str(plan_dir.parent))
+        write_explain(plan.meta["auto"], plan_dir, png=False)  # explain.txt / explain.json beside the plan
         plan.save(plan_dir)
         return plan
     forms = config_forms(cfg.model, tables)  # what the config asks for
@@ -295,6 +296,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     if checkpoint_forms:
         check_forms_kept(checkpoint_forms, forms, str(plan_dir.parent))
+    for name in EXPLAIN_FILES:  # an earlier auto plan's report would describe another plan
+        (plan_dir / name).unlink(missing_ok=True)
     plan.save(plan_dir)
     return plan
 
