@@ -28,12 +28,13 @@ from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
 from embedscale.plan.auto import BudgetError, Candidate, Costs, load_costs, parse_bytes, search_greedy, search_milp
 from embedscale.plan.autoplan import make_auto_plan
-from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
+from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
 from embedscale.plan.mrc import MissRatioCurve
 from embedscale.plan.plan import Plan
 from embedscale.plan.synthetic_profile import ZipfProfile
-from embedscale.specs import RunConfig, TableConfig, TableSpec, Topology, from_dict, to_dict
+from embedscale.specs import RunConfig, TableConfig, TableSpec, Topology, dump_config, from_dict, to_dict
 from embedscale.train.checkpoint import load_checkpoint
+from embedscale.train.distributed import check_auto_settings, check_forms_kept
 from embedscale.train.launch import spawn_local
 
 from test_distributed_train import ROWS, STEPS, make_data
@@ -272,6 +273,7 @@ def test_auto_plan_trains_on_two_ranks_like_one_process(tmp_path):
     forms = plan.forms
     assert forms["t_C3"] == TableForm("tt", tt_rank=2) and forms["t_C1"].kind == "host"
     assert {forms["t_C2"].kind, forms["t_C4"].kind} == {"sharded"}
+    plan.meta["forms"]["t_C1"]["pipeline_depth"] = 2  # the plan's depth, not train.pipeline_depth (1), runs
     plan.save(tmp_path / "plan")
 
     # one process: the same model, the TT table configured, the host table an ordinary device table (exact)
@@ -284,6 +286,7 @@ def test_auto_plan_trains_on_two_ranks_like_one_process(tmp_path):
                 timeout_s=180)
     got = load_checkpoint(tmp_path / "dist")
     assert got["manifest"]["world_size"] == 2
+    assert json.loads((tmp_path / "dist" / "summary.json").read_text())["pipeline_depth"] == 2
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=0, atol=1e-5)
     weights = {n: e["weight"] for n, e in got["tables"].items()}
     weights.update({k[:-len(".weight")]: v for k, v in got["host"].items() if k.endswith(".weight")})
@@ -309,3 +312,88 @@ def test_auto_plan_with_the_milp_equals_the_greedy_and_rejects_requests():
     with pytest.raises(ConfigError, match=r"auto decides every table's form; tables \['s1'\]"):
         make_auto_plan(specs, ZipfProfile.from_tables(specs), Topology(ranks_per_host=2), device_memory=2**20,
                        host_memory=0, requests=asked)
+
+
+def test_host_pipeline_depth_is_the_largest_host_form_depth():
+    host = lambda k: TableForm("host", pipeline_depth=k)  # noqa: E731
+    assert host_pipeline_depth({"a": SHARDED, "b": TableForm("tt", tt_rank=4)}, 3) == 3  # no host table
+    assert host_pipeline_depth({"a": host(0)}, 0) == 1  # 0 = the run's depth, at least 1
+    assert host_pipeline_depth({"a": host(0), "b": SHARDED}, 2) == 2
+    assert host_pipeline_depth({"a": host(4), "b": host(0)}, 2) == 4  # they disagree: the largest
+    assert host_pipeline_depth({"a": host(1), "b": host(0)}, 3) == 3
+
+
+# -- train --dist-plan auto -------------------------------------------------------------------------------
+
+def _auto_train(tmp_path, data_dir, run_dir, *extra):
+    cfg = _config(tmp_path, data_dir)
+    (tmp_path / "auto.yaml").write_text(dump_config(cfg))
+    return _cli("train", "--config", str(tmp_path / "auto.yaml"), "--nproc", "2", "--run-dir", str(run_dir),
+                "--no-progress", "--json", "--dist-plan", "auto", *extra, cwd=tmp_path)
+
+
+def test_train_dist_plan_auto_plans_trains_and_resumes(tmp_path):
+    data_dir = tmp_path / "data"
+    make_data(data_dir)
+    rd = tmp_path / "run"
+    budget = ("--dist-device-memory", "1300B", "--dist-host-memory", "4KB")
+    p = _auto_train(tmp_path, data_dir, rd, *budget)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["plan"] == "auto" and s["steps"] == STEPS and s["host_tables"] == 1 and s["pipeline_depth"] == 1
+    plan = Plan.load(rd / "plan")
+    assert plan.world_size == 2 and plan.meta["strategy"] == "auto"
+    assert {n: f.kind for n, f in plan.forms.items()} == {"t_C1": "sharded", "t_C2": "sharded", "t_C3": "host",
+                                                        "t_C4": "sharded"}
+    assert sorted(t.name for t in plan.tables) == ["t_C1", "t_C2", "t_C4"]  # the host table gets no rows
+    rep = json.loads((rd / "plan" / "explain.json").read_text())
+    assert rep["device_budget_bytes"] == 1300 and "runner-up" in (rd / "plan" / "explain.txt").read_text()
+    assert json.loads((rd / "run-plan.json").read_text())["plan"] == "auto"
+    mtime = (rd / "plan" / "plan.json").stat().st_mtime_ns
+
+    # resumed: the run's own plan (not re-planned), from the last checkpoint, to more steps
+    p = _auto_train(tmp_path, data_dir, rd, *budget, "--train-max-steps", str(STEPS + 1))  # the epoch ends at 7
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout.strip().splitlines()[-1])
+    assert s["steps"] == STEPS + 1 and "resumed from" in p.stderr
+    assert (rd / "plan" / "plan.json").stat().st_mtime_ns == mtime
+    assert load_checkpoint(rd)["manifest"]["world_size"] == 2
+
+    # too small a budget: a named error saying by how much, exit code 2, no traceback
+    bad = _auto_train(tmp_path, data_dir, tmp_path / "bad", "--dist-device-memory", "400B")
+    assert bad.returncode == 2 and "no plan fits the memory budget: device memory over by" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_train_dist_plan_auto_config_errors():
+    base = {"dist": {"plan": "auto", "nproc": 2, "device_memory": "1MiB"}}
+
+    def cfg(**kw):
+        d = {k: dict(v) for k, v in base.items()}
+        for k, v in kw.items():
+            sect, key = k.split("__")
+            d.setdefault(sect, {})[key] = v
+        return from_dict(RunConfig, d)
+
+    check_auto_settings(cfg())
+    with pytest.raises(ConfigError, match=r"decides every table's form itself; .* model.tt_min_rows 100"):
+        check_auto_settings(cfg(model__tt_min_rows=100))
+    with pytest.raises(ConfigError, match=r"model.host_min_rows 7"):
+        check_auto_settings(cfg(model__host_min_rows=7))
+    with pytest.raises(ConfigError, match=r"needs the device memory per rank: set dist.device_memory"):
+        check_auto_settings(cfg(dist__device_memory=""))
+    with pytest.raises(ConfigError, match=r"dist.host_memory: cannot read '12 parsecs'"):
+        check_auto_settings(cfg(dist__host_memory="12 parsecs"))
+    with pytest.raises(ConfigError, match=r"dist.costs nope.json: no such file"):
+        check_auto_settings(cfg(dist__costs="nope.json"))
+    with pytest.raises(ConfigError, match=r"dist.device_memory is read by dist.plan auto only; this run's dist.plan "
+                                          r"is 'oper'"):
+        check_auto_settings(cfg(dist__plan="oper"))
+
+
+def test_a_replan_that_changes_a_checkpointed_form_is_a_named_error():
+    old = {"a": SHARDED, "b": TableForm("host", pipeline_depth=1), "c": TableForm("tt", tt_rank=8)}
+    check_forms_kept(old, {**old, "b": TableForm("host", pipeline_depth=3)}, "runs/r")  # depth: not in checkpoints
+    with pytest.raises(ConfigError, match=r"runs/r: the new plan changes the form of tables its checkpoints hold "
+                                          r"\(b: host -> sharded; c: tt \(rank 8\) -> tt \(rank 16\)\)"):
+        check_forms_kept(old, {"a": SHARDED, "b": SHARDED, "c": TableForm("tt", tt_rank=16)}, "runs/r")

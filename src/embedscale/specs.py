@@ -268,7 +268,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     prefetch: int = 2
-    pipeline_depth: int = 1  # >1: host-placed tables prefetched this many batches ahead (EL-Rec section V)
+    pipeline_depth: int = 1  # >1: host-placed tables prefetched this many batches ahead (EL-Rec section V); a plan's host form with pipeline_depth > 0 wins
     pipeline_cache: bool = True  # the life-cycle cache that keeps prefetched rows fresh (off: stale, for tests)
     pipeline_server: str = "per-rank"  # several ranks: per-rank (a replica each) | shared (one copy per machine)
 
@@ -278,7 +278,7 @@ class DistConfig:
     """Several ranks: how the embedding rows are placed and moved (issue 4; OPER sections 4-5)."""
 
     nproc: int = 1  # local processes `embedscale train/run` launches (torchrun sets its own)
-    plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ...) or the path of a saved plan
+    plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ..., auto: dist.device_memory below) or the path of a saved plan
     mode: str = "training"  # the plan's mode: training | inference
     extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
     design: str = "retrieve"  # retrieve | send
@@ -288,6 +288,10 @@ class DistConfig:
     backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
     topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)
     replan: bool = False  # resume a run directory under another dist.plan: re-plan it (else a ConfigError)
+    # dist.plan auto (issue 16): every table's form decided under these per-rank budgets (plan.auto.parse_bytes)
+    device_memory: str = ""  # device memory per rank, e.g. 256MiB (required by auto)
+    host_memory: str = ""  # host memory per rank for host-placed tables, e.g. 512MiB (empty: 0, no host tables)
+    costs: str = ""  # per-row costs JSON from `embedscale calibrate` (empty: plan.auto.Costs' documented defaults)
 
 
 @dataclass

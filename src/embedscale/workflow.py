@@ -15,7 +15,7 @@ import torch
 
 from embedscale.data.loader import ShardLoader
 from embedscale.io import atomic_write_json, atomic_write_text
-from embedscale.plan.forms import config_forms, table_bytes
+from embedscale.plan.forms import config_forms, host_pipeline_depth, table_bytes
 from embedscale.specs import RunConfig, TableSpec, dump_config
 from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
@@ -60,7 +60,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
               lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
     if any(f.kind == "host" for f in forms.values()):
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
-                                    pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
+                                    pipeline_depth=host_pipeline_depth(forms, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
     else:
         trainer = Trainer(model, opt, train_loader, eval_loader, run_dir, **kw)
     if resume and trainer.resume():

@@ -97,6 +97,18 @@ class TableForm:
 SHARDED = TableForm()
 
 
+def host_pipeline_depth(forms: Mapping[str, TableForm], default: int) -> int:
+    """The depth the run's host tables are prefetched with (EL-Rec section V): the largest ``pipeline_depth``
+    of their forms, a form's 0 standing for ``default`` (the run's ``train.pipeline_depth``); at least 1.
+
+    One pipeline (``pipeline.PipelinedLoader``) serves every host table of a run, so they share one depth. When
+    the forms disagree (a hand-edited or merged plan; ``--strategy auto`` gives every host table the same
+    depth) the largest wins: no table gets less prefetch than its plan asked for, and a table planned for a
+    smaller depth holds more rows on the device than its plan counted (``(k D_r + (k-1) D_g)`` rows, plan.auto)."""
+    depths = [f.pipeline_depth or int(default) for f in forms.values() if f.kind == "host"]
+    return max([1, *depths]) if depths else max(1, int(default))
+
+
 # -- default tables and the profile by table --------------------------------------------------------------
 
 def default_tables(features: Iterable[tuple[str, int]], dim: int, pooling: str = "sum") -> list[TableSpec]:

@@ -53,7 +53,10 @@ from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
-from embedscale.plan.forms import TableForm, check_plan_sizes, config_forms, forms_for_run, replicated_tables_meta
+from embedscale.plan.auto import load_costs, parse_bytes, write_explain
+from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
+                                   replicated_tables_meta)
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
@@ -79,6 +82,9 @@ from embedscale.train.launch import init_from_env
 from embedscale.train.metrics import logloss_from_logits, roc_auc
 
 READY, FAILED = ".ready", ".failed"
+AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
+AUTO_KEYS = ("device_memory", "host_memory", "costs")  # the DistConfig keys only dist.plan auto reads
+EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
 
@@ -159,6 +165,7 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
     checkpoints by row id). ``dist.plan`` other than the run's is a ``ConfigError`` naming both, unless
     ``dist.replan`` is set. Records ``dist.plan`` and the world size in ``<run dir>/run-plan.json``."""
     plan_dir, d, world = run_dir / "plan", cfg.dist, cfg.dist.nproc
+    check_auto_settings(cfg)
     rec = read_json(run_dir / RUN_PLAN, "run plan record") if (run_dir / RUN_PLAN).exists() else None
     if rec is None and (plan_dir / "plan.json").exists():  # a run directory planned before the record existed
         old = Plan.load(plan_dir)
@@ -174,7 +181,10 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
             return Plan.load(plan_dir)
         _log(0, f"re-planning {run_dir} with {d.plan!r} for {world} ranks (was {rec['plan']!r} on "
                 f"{rec['world_size']})")
-    plan = make_run_plan(cfg, data, tables, plan_dir, progress)
+    kept = None  # a re-plan of a run with checkpoints: they re-shard by row id within a table's form only
+    if rec is not None and (plan_dir / "plan.json").exists() and latest_checkpoint(run_dir) is not None:
+        kept = Plan.load(plan_dir).forms
+    plan = make_run_plan(cfg, data, tables, plan_dir, progress, checkpoint_forms=kept)
     atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
                                            "strategy": plan.meta.get("strategy", d.plan)})
     return plan
@@ -186,14 +196,84 @@ def planned_tables(tables: list, forms: Mapping[str, TableForm]) -> list:
     return [t for t in tables if forms[t.name].kind == "sharded"]
 
 
-def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
+def check_auto_settings(cfg: RunConfig) -> None:
+    """``dist.plan auto`` decides every table's form itself under ``dist.device_memory`` (required) and
+    ``dist.host_memory``: a form requested in the config (``model.tt_min_rows``, ``model.host_min_rows``; a
+    ``model.tables`` entry's compression / placement is refused by ``make_auto_plan``) is a ``ConfigError``,
+    and so are the budgets (and ``dist.costs``) under any other ``dist.plan``, which would ignore them."""
+    d, m = cfg.dist, cfg.model
+    if d.plan != AUTO:
+        given = [f"dist.{k}" for k in AUTO_KEYS if getattr(d, k)]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read by dist.plan auto only; "
+                              f"this run's dist.plan is {d.plan!r}: drop {'it' if len(given) == 1 else 'them'} or "
+                              "plan with --dist-plan auto")
+        return
+    asked = [f"model.{k} {getattr(m, k)}" for k in ("tt_min_rows", "host_min_rows") if getattr(m, k)]
+    if asked:
+        raise ConfigError(f"dist.plan auto decides every table's form itself; the config asks for forms by "
+                          f"{', '.join(asked)}: drop the request or plan with another dist.plan")
+    if not d.device_memory:
+        raise ConfigError("dist.plan auto needs the device memory per rank: set dist.device_memory "
+                          "(--dist-device-memory, e.g. 256MiB)")
+    parse_bytes(d.device_memory, "dist.device_memory")
+    parse_bytes(d.host_memory or 0, "dist.host_memory")
+    if d.costs and not Path(d.costs).is_file():
+        raise ConfigError(f"dist.costs {d.costs}: no such file (write one with embedscale calibrate --out)")
+
+
+def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: Path):
+    """``dist.plan auto``: ``plan.autoplan.make_auto_plan`` from the run's access profile for ``dist.nproc``
+    ranks under the per-rank budgets ``dist.device_memory`` / ``dist.host_memory`` (``dist.costs``: measured
+    per-row costs, else the documented defaults), with the per-rank batch and ``train.pipeline_depth`` as the
+    host tables' depth (it sizes their device cache; training then runs the depth the plan recorded). Its
+    explain data is ``plan.meta["auto"]`` (``make_run_plan`` writes the report beside the plan). A budget
+    nothing fits in is a ``plan.auto.BudgetError`` (a ``ConfigError``) saying by how much."""
+    d = cfg.dist
+    check_auto_settings(cfg)
+    plan = make_auto_plan(tables, prof, topo, device_memory=parse_bytes(d.device_memory, "dist.device_memory"),
+                          host_memory=parse_bytes(d.host_memory or 0, "dist.host_memory"),
+                          costs=load_costs(d.costs or None), batch_size=max(1, cfg.train.batch_size // d.nproc),
+                          mode=d.mode, host_depth=max(1, cfg.train.pipeline_depth), requests=cfg.model.tables)
+    return plan
+
+
+def check_forms_kept(old: Mapping[str, TableForm], new: Mapping[str, TableForm], where: str) -> None:
+    """A re-plan of a run with checkpoints must keep every table's form (kind, TT rank): checkpoints re-shard
+    by row id within a form (exact rows, host rows, TT cores), not from one form into another. A change is a
+    ``ConfigError`` naming the tables (``dist.plan auto`` may choose other forms on another world size)."""
+    changed = [f"{n}: {old[n].describe()} -> {f.describe()}" for n, f in new.items()
+               if n in old and (old[n].kind, old[n].tt_rank) != (f.kind, f.tt_rank)]
+    if changed:
+        raise ConfigError(f"{where}: the new plan changes the form of tables its checkpoints hold "
+                          f"({'; '.join(changed)}); checkpoints re-shard by row id within a form only: resume on "
+                          "the run's world size, give a budget that keeps the forms, or start a new run directory")
+
+
+def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
+                  checkpoint_forms: Mapping[str, TableForm] | None = None):
     """The run's plan: a saved plan (``dist.plan`` is a path) or one made now from the training split's
-    access profile with the named strategy. The plan records every table's form (``Plan.forms``); a saved
+    access profile with the named strategy (``auto``: :func:`make_auto_run_plan`, every table's form decided
+    under the memory budgets). The plan records every table's form (``Plan.forms``); a saved
     plan's forms win over the config's, and an explicit request contradicting them is a ``ConfigError``
-    (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``)."""
+    (``plan.forms.forms_for_run``). Host and TT tables get no rows (``planned_tables``). ``checkpoint_forms``:
+    the forms of the checkpoints a re-planned run resumes from; the new plan must keep them
+    (:func:`check_forms_kept`), checked before it is saved."""
     d = cfg.dist
     world = d.nproc
     saved = Path(d.plan).exists()
+    if d.plan == AUTO and not saved:
+        if world % d.topology_hosts:
+            raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
+        plan_dir.mkdir(parents=True, exist_ok=True)
+        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
+        plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir)
+        if checkpoint_forms:
+            check_forms_kept(checkpoint_forms, plan.forms, str(plan_dir.parent))
+        write_explain(plan.meta["auto"], plan_dir, png=False)  # explain.txt / explain.json beside the plan
+        plan.save(plan_dir)
+        return plan
     forms = config_forms(cfg.model, tables)  # what the config asks for
     if saved:
         plan = Plan.load(d.plan)
@@ -214,6 +294,10 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool):
     if any(f.kind == "tt" for f in forms.values()):  # not sharded: a copy on every rank (EL-Rec VI-B)
         plan.meta["replicated_tables"] = replicated_tables_meta(tables, forms)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
+    if checkpoint_forms:
+        check_forms_kept(checkpoint_forms, forms, str(plan_dir.parent))
+    for name in EXPLAIN_FILES:  # an earlier auto plan's report would describe another plan
+        (plan_dir / name).unlink(missing_ok=True)
     plan.save(plan_dir)
     return plan
 
@@ -280,7 +364,8 @@ class DistributedRun:
                                         start=self.data.train.start, stop=self.data.train.stop,
                                         prefetch=t.prefetch, device=self.device)
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
-            self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, max(1, t.pipeline_depth),
+            self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
+            self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
 
     def _new_group(self):
@@ -348,6 +433,8 @@ class DistributedRun:
                "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
                "host_tables": sum(self.forms[tb.name].kind == "host" for tb in self.all_tables),
                "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
+        if getattr(self, "pipeline_depth", None):  # host tables: the depth they ran (host_pipeline_depth)
+            out["pipeline_depth"] = self.pipeline_depth
         out.update(self.executor_figures())
         return out
 
