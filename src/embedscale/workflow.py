@@ -28,6 +28,7 @@ from embedscale.train.distributed import ensure_run_plan
 from embedscale.train.dmt_run import dmt_checkpoint_fields
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.launch import launch_ranks
+from embedscale.train.loop import LoopConfig
 from embedscale.train.trainer import Trainer, pipelined_trainer
 
 
@@ -53,9 +54,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)
-    kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
-              checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
-              lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
+    kw = dict(config_yaml=config_yaml, progress=progress, checkpoint_fields=fields, loop=LoopConfig.from_train(t))
     if any(tb.placement == "host" for tb in tables):
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=max(1, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)

@@ -35,6 +35,8 @@ __all__ = [
     "InteractionArch",
     "OverArch",
     "SparseArch",
+    "check_dropout",
+    "set_dropout",
     "dense_parameters",
     "init_linear_",
 ]
@@ -90,6 +92,25 @@ def _relu_mlp(in_features: int, layer_sizes: Sequence[int], device: torch.device
         layers.append(nn.ReLU())
         width = size
     return nn.Sequential(*layers)
+
+
+def check_dropout(p: float) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ConfigError(f"train.dropout must be a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+def set_dropout(model: nn.Module, p: float) -> int:
+    """Dropout ``p`` in the hidden layers of every top MLP (``OverArch``) of ``model`` (DLRM, DCN and the DMT
+    models built on them): regularisation for small data sets, the top MLP being where most dense
+    parameters are. Returns how many top MLPs it set; ``p > 0`` on a model without one is a ``ConfigError``."""
+    p = check_dropout(p)
+    arches = [m for m in model.modules() if isinstance(m, OverArch)]
+    if p and not arches:
+        raise ConfigError(f"train.dropout {p}: {type(model).__name__} has no top MLP to apply it to")
+    for m in arches:
+        m.dropout = p
+    return len(arches)
 
 
 def dense_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -331,13 +352,15 @@ class OverArch(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None
+        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         sizes = _check_sizes("OverArch", in_features, layer_sizes)
         self.in_features = in_features
         self.model = _relu_mlp(in_features, sizes, device)
         self.model.append(init_linear_(nn.Linear(sizes[-1] if sizes else in_features, 1, device=device)))
+        self.dropout = check_dropout(dropout)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """
@@ -346,8 +369,19 @@ class OverArch(nn.Module):
 
         Returns:
             torch.Tensor: logits ``[B, 1]``.
+
+        In training mode with ``dropout > 0`` every hidden ReLU's output is dropped with that probability
+        (inverted dropout, Srivastava et al. 2014), applied functionally so the parameter names are the same
+        with and without it (checkpoints load either way).
         """
-        return self.model(features)
+        if not (self.dropout and self.training):
+            return self.model(features)
+        x = features
+        for layer in self.model:
+            x = layer(x)
+            if isinstance(layer, nn.ReLU):
+                x = nn.functional.dropout(x, self.dropout, training=True)
+        return x
 
 
 class DLRM(nn.Module):
