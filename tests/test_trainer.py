@@ -153,3 +153,50 @@ def test_workflow_tt_table_trains(tmp_path, data_dir):
                         TableSpec("t_C4", 5, 4, features=["C4"])]
     s = workflow.train(cfg, tmp_path / "tt", resume=False, progress=False)
     assert s["steps"] == 6 and 0.0 < s["eval_logloss"] < 5.0
+
+
+def test_evaluate_prints_the_figures_of_an_independent_computation(tmp_path, data_dir):
+    """``embedscale evaluate`` prints AUC, logloss, NE and calibration equal to those computed here from the same
+    predictions by brute-force pair counting and the definitions in float64 (not through ``data.metrics``)."""
+    import math
+    import re
+
+    import numpy as np
+
+    from embedscale.data.loader import ShardLoader
+    from embedscale.train.trainer import load_model_state
+
+    cfg = config(tmp_path, data_dir)
+    cfg.train.max_steps = 6
+    rd = tmp_path / "run"
+    workflow.train(cfg, rd, resume=False, progress=False)
+    # the same predictions, scored here
+    data = workflow.prepare_data(cfg, progress=False)
+    model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
+                              torch.device("cpu"))
+    load_model_state(model, rd)
+    model.eval()
+    z, y = [], []
+    with torch.no_grad():
+        for b in ShardLoader(data.eval.directory, 64, start=data.eval.start, stop=data.eval.stop):
+            z.append(model(b.dense, b.sparse).double().numpy())
+            y.append(b.labels.double().numpy())
+    z, y = np.concatenate(z), np.concatenate(y)
+    p = 1.0 / (1.0 + np.exp(-z))
+    pos, neg = z[y == 1], z[y == 0]
+    auc = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (pos.size * neg.size)
+    ll = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    ctr = y.mean()
+    ne = ll / -(ctr * math.log(ctr) + (1 - ctr) * math.log(1 - ctr))
+    cal = p.sum() / y.sum()
+    r = CliRunner().invoke(main, ["evaluate", str(rd)])
+    assert r.exit_code == 0, r.output
+    line = r.output.strip().splitlines()[-1]
+    printed = {k: float(v) for k, v in re.findall(r"(logloss|AUC|NE|calibration) ([0-9.]+)", line)}
+    assert printed.keys() == {"logloss", "AUC", "NE", "calibration"}, line
+    assert abs(printed["AUC"] - auc) < 1e-5 and abs(printed["logloss"] - ll) < 1e-5, (line, auc, ll)
+    assert abs(printed["NE"] - ne) < 1e-5 and abs(printed["calibration"] - cal) < 1e-5, (line, ne, cal)
+    assert f"on {y.size:,} samples" in line
+    got = json.loads(CliRunner().invoke(main, ["evaluate", str(rd), "--json"]).output.strip().splitlines()[-1])
+    assert got["auc"] == pytest.approx(auc, abs=1e-9) and got["logloss"] == pytest.approx(ll, rel=1e-6)
+    assert got["ne"] == pytest.approx(ne, rel=1e-6) and got["calibration"] == pytest.approx(cal, rel=1e-6)
