@@ -25,7 +25,7 @@ from test_distributed_train import config, make_data  # noqa: E402
 from embedscale import workflow  # noqa: E402
 from embedscale.cli import main  # noqa: E402
 from embedscale.errors import ConfigError  # noqa: E402
-from embedscale.train.checkpoint import (best_checkpoint, latest_checkpoint, load_checkpoint, read_best,  # noqa: E402
+from embedscale.train.checkpoint import (best_checkpoint, latest_checkpoint, load_checkpoint,  # noqa: E402
                                          read_manifest, read_shards, resolve_checkpoint, write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, improved, warmup_steps  # noqa: E402
 from embedscale.train.run import RunState  # noqa: E402
@@ -111,7 +111,7 @@ def test_stops_after_patience_and_keeps_the_best(tmp_path):
     assert s["eval_auc"] == pytest.approx(CURVE[16]) and s["early_stopping"]["bad_evals"] == 3
     ck = best_checkpoint(tmp_path)
     assert ck is not None and ck.name == "step-00000010" and read_manifest(ck)["step"] == 10
-    assert read_best(tmp_path / "checkpoints" / "best")["step"] == 10
+    assert read_manifest(tmp_path / "checkpoints" / "best")["early_stopping"]["best_step"] == 10
     assert resolve_checkpoint(tmp_path / "checkpoints" / "best") == ck == resolve_checkpoint(tmp_path, best=True)
     assert latest_checkpoint(tmp_path).name == "step-00000016"  # the last model beside the best
     # earlier bests were removed once beaten (no periodic checkpoints asked for)
@@ -220,3 +220,26 @@ def test_single_process_run_keeps_the_best_checkpoint(tmp_path, data_dir):
     assert got["step"] == s["best"]["step"]
     for k in ("auc", "logloss", "ne", "calibration"):
         assert got[k] == pytest.approx(s["best"][f"eval_{k}"], rel=1e-6), k
+
+
+def test_two_ranks_stop_and_keep_the_best_as_one_process(tmp_path, data_dir):
+    """The loop's decisions on 2 ranks (sharded rows, evaluation gathered on every rank) are those of the single
+    process on the same data: the same evaluations, best step, stop step and best checkpoint."""
+    from test_distributed_train import distributed
+
+    def cfg():
+        c = config(tmp_path, data_dir, plan="row_wise")
+        c.train.epochs, c.train.max_steps, c.train.eval_every = 6, 0, 2
+        c.train.early_stopping_patience, c.train.lr_sparse = 2, 2.0
+        return c
+
+    one = workflow.train(cfg(), tmp_path / "one", resume=False, progress=False)
+    distributed(cfg(), tmp_path / "two", 2)
+    two = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == one["steps"] and two["stopped_early"] == one["stopped_early"]
+    assert two["best"]["step"] == one["best"]["step"]
+    assert two["best"]["eval_auc"] == pytest.approx(one["best"]["eval_auc"], abs=1e-5)
+    rows = [r for r in csv.DictReader((tmp_path / "two" / "metrics.csv").open()) if r["eval_auc"]]
+    assert max(rows, key=lambda r: float(r["eval_auc"]))["step"] == str(two["best"]["step"])
+    ck = best_checkpoint(tmp_path / "two")
+    assert read_manifest(ck)["step"] == two["best"]["step"] and read_manifest(ck)["world_size"] == 2

@@ -6,10 +6,11 @@ checkpoint restores onto any world size, plan or tower sharding), and the dense 
 for; rank 0 writes ``manifest.json`` last, after every rank file is complete, so a directory without a
 manifest is an interrupted write and never read. One process is a world of one.
 
-``checkpoints/best`` (a small JSON file, written atomically by rank 0 once the checkpoint it names is
-complete) points at the step directory of the best evaluation so far (``train.loop``: the monitored eval
-metric); the latest step directory is the last model. ``resolve_checkpoint`` takes the pointer file (or a run
-directory with ``best=True``) wherever a checkpoint is asked for (``embedscale evaluate``, ``infer``).
+``checkpoints/best`` (a relative symbolic link, replaced atomically by rank 0 once the checkpoint it names
+is complete) points at the step directory of the best evaluation so far (``train.loop``: the monitored eval
+metric; its figures are in that manifest's ``early_stopping``); the latest step directory is the last
+model. Being a checkpoint directory itself, it goes wherever one is asked for (``embedscale evaluate``,
+``infer``); ``resolve_checkpoint`` turns it into the step directory.
 
 A rank file holds only tensors, numbers, strings, lists and dicts (read back with
 ``torch.load(..., weights_only=True)``, never pickle):
@@ -46,8 +47,7 @@ from embedscale.io import atomic_open, atomic_write_json, read_json
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
 MANIFEST = "manifest.json"
-BEST = "best"  # checkpoints/best: the pointer to the best evaluation's step directory
-BEST_FORMAT = "embedscale.best-checkpoint"
+BEST = "best"  # checkpoints/best: a symbolic link to the best evaluation's step directory
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -83,47 +83,42 @@ def best_pointer(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints" / BEST
 
 
-def read_best(pointer: str | Path) -> dict:
-    """The ``best`` pointer file: ``step``, ``checkpoint`` (the step directory's name), ``metric``, ``value``
-    and the evaluation's figures; another file is a ``FormatError`` naming it."""
-    p = Path(pointer)
-    d = read_json(p, "best-checkpoint pointer")
-    if not isinstance(d, dict) or d.get("format") != BEST_FORMAT or not isinstance(d.get("checkpoint"), str):
-        raise FormatError(f"{p}: not an embedscale best-checkpoint pointer")
-    return d
-
-
 def best_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint ``checkpoints/best`` points at, or ``None`` without a pointer."""
+    """The step directory ``checkpoints/best`` points at (``run_dir`` a run directory or its ``checkpoints/``),
+    or ``None`` without a pointer; a pointer to an incomplete checkpoint is a ``FormatError``."""
     p = Path(run_dir)
     pointer = p / BEST if p.name == "checkpoints" else best_pointer(p)
-    if not pointer.is_file():
+    if not pointer.is_symlink():
         return None
-    d = read_best(pointer)
-    ck = pointer.parent / d["checkpoint"]
-    if not is_checkpoint(ck):
-        raise FormatError(f"{pointer}: points at {ck}, which is not a complete checkpoint")
-    return ck
+    target = pointer.parent / os.readlink(pointer)
+    if not is_checkpoint(target):
+        raise FormatError(f"{pointer}: points at {target}, which is not a complete checkpoint")
+    return target
 
 
-def write_best(run_dir: str | Path, step: int, metric: str, value: float, figures: dict) -> Path:
-    """Point ``checkpoints/best`` at ``checkpoints/step-N`` (complete already), atomically."""
+def write_best(run_dir: str | Path, step: int) -> Path:
+    """Point ``checkpoints/best`` at ``checkpoints/step-N`` (complete already): a relative symbolic link (the run
+    directory can move), made under a temporary name and renamed over the old one, so a reader sees the old
+    best or the new one, never neither."""
     pointer = best_pointer(run_dir)
-    atomic_write_json(pointer, {"format": BEST_FORMAT, "step": int(step), "checkpoint": step_dir(run_dir, step).name,
-                                "metric": metric, "value": value, "figures": figures})
+    tmp = pointer.with_name(f".{BEST}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(step_dir(run_dir, step).name, tmp)
+    os.replace(tmp, pointer)
     return pointer
 
 
 def resolve_checkpoint(path: str | Path, *, best: bool = False) -> Path:
-    """A checkpoint directory from a checkpoint directory, a ``checkpoints/best`` pointer file, or a run
-    directory (its latest checkpoint; with ``best``, the one its ``checkpoints/best`` points at)."""
+    """A checkpoint directory from a checkpoint directory (``checkpoints/best`` included: the step directory
+    it points at), or a run directory (its latest checkpoint; with ``best``, the one ``checkpoints/best``
+    points at)."""
     p = Path(path)
-    if is_checkpoint(p):
-        return p
-    if p.is_file() and p.name == BEST:
+    if p.is_symlink() and p.name == BEST:
         found = best_checkpoint(p.parent)
         assert found is not None
         return found
+    if is_checkpoint(p):
+        return p
     if p.is_dir():
         found = best_checkpoint(p) if best else latest_checkpoint(p)
         if found is not None:
@@ -276,6 +271,6 @@ def write_manifest(ckpt_dir: Path, world: int, fields: dict) -> Path:
 
 
 __all__ = ["BEST", "FORMAT", "MANIFEST", "VERSION", "assemble_table", "best_checkpoint", "best_pointer",
-           "is_checkpoint", "read_best", "write_best", "latest_checkpoint", "load_checkpoint",
+           "is_checkpoint", "write_best", "latest_checkpoint", "load_checkpoint",
            "merged", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
            "step_dir", "table_pieces", "write_manifest", "write_rank_file"]

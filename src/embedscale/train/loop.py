@@ -164,7 +164,7 @@ class _Checkpoints:
         self.save()
         if run.rank == 0:
             st = run.state
-            write_best(run.run_dir, st.step, self.loop.early_stopping_metric, st.best_value, st.best)
+            write_best(run.run_dir, st.step)
             old = step_dir(run.run_dir, previous)
             if 0 <= previous < st.step and previous not in self.periodic and \
                     (not self.loop.checkpoint_every or previous % self.loop.checkpoint_every) and old.is_dir():
