@@ -200,3 +200,32 @@ def test_evaluate_prints_the_figures_of_an_independent_computation(tmp_path, dat
     got = json.loads(CliRunner().invoke(main, ["evaluate", str(rd), "--json"]).output.strip().splitlines()[-1])
     assert got["auc"] == pytest.approx(auc, abs=1e-9) and got["logloss"] == pytest.approx(ll, rel=1e-6)
     assert got["ne"] == pytest.approx(ne, rel=1e-6) and got["calibration"] == pytest.approx(cal, rel=1e-6)
+
+
+def test_dropout_masks_the_global_batch_whatever_the_ranks():
+    """Top-MLP dropout (``train.dropout``): off in eval mode; in training, the rows a rank holds of a global batch
+    get the mask one process training the whole batch gets (same seed)."""
+    from embedscale.models.dlrm import OverArch, set_dropout, set_dropout_rows
+
+    torch.manual_seed(0)
+    arch = OverArch(6, [64, 32], dropout=0.5)
+    x = torch.rand(10, 6)
+    arch.eval()
+    plain = arch.model(x)
+    assert torch.equal(arch(x), plain)
+    arch.train()
+    torch.manual_seed(1)
+    whole = arch(x)
+    parts = []
+    for off, n in ((0, 4), (4, 6)):  # two "ranks": rows [0, 4) and [4, 10) of the global batch of 10
+        torch.manual_seed(1)
+        set_dropout_rows(arch, 10, off)
+        parts.append(arch(x[off:off + n]))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
+    assert not torch.allclose(whole, plain)
+    set_dropout_rows(arch, None, 0)
+    torch.manual_seed(1)
+    assert torch.equal(arch(x), whole)  # no global rows: the batch is the whole batch
+    with pytest.raises(ConfigError, match="train.dropout"):
+        set_dropout(arch, 1.0)
+    assert set_dropout(torch.nn.Sequential(arch), 0.1) == 1 and arch.dropout == 0.1

@@ -37,6 +37,7 @@ __all__ = [
     "SparseArch",
     "check_dropout",
     "set_dropout",
+    "set_dropout_rows",
     "dense_parameters",
     "init_linear_",
 ]
@@ -111,6 +112,16 @@ def set_dropout(model: nn.Module, p: float) -> int:
     for m in arches:
         m.dropout = p
     return len(arches)
+
+
+def set_dropout_rows(model: nn.Module, global_size: int | None, offset: int) -> None:
+    """The next training batch of ``model`` is rows ``[offset, offset + local)`` of a global batch of
+    ``global_size`` rows (N ranks: each rank's contiguous share); dropout masks are drawn for the global batch
+    (``OverArch.forward``)."""
+    rows = None if not global_size else (int(global_size), int(offset))
+    for m in model.modules():
+        if isinstance(m, OverArch):
+            m.global_rows = rows
 
 
 def dense_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -361,6 +372,7 @@ class OverArch(nn.Module):
         self.model = _relu_mlp(in_features, sizes, device)
         self.model.append(init_linear_(nn.Linear(sizes[-1] if sizes else in_features, 1, device=device)))
         self.dropout = check_dropout(dropout)
+        self.global_rows: tuple[int, int] | None = None  # (global batch size, this rank's first row in it)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """
@@ -372,15 +384,21 @@ class OverArch(nn.Module):
 
         In training mode with ``dropout > 0`` every hidden ReLU's output is dropped with that probability
         (inverted dropout, Srivastava et al. 2014), applied functionally so the parameter names are the same
-        with and without it (checkpoints load either way).
+        with and without it (checkpoints load either way). The mask is drawn for the whole global batch
+        (``global_rows``: its size and where this rank's rows start in it, set by :func:`set_dropout_rows`;
+        default this batch alone) and this rank's rows cut out of it, so N ranks drop what one process
+        training the same global batch drops (same seed: the same random stream on every rank).
         """
         if not (self.dropout and self.training):
             return self.model(features)
+        total, offset = self.global_rows or (features.shape[0], 0)
+        n, keep = features.shape[0], 1.0 - self.dropout
         x = features
         for layer in self.model:
             x = layer(x)
             if isinstance(layer, nn.ReLU):
-                x = nn.functional.dropout(x, self.dropout, training=True)
+                mask = torch.rand(total, x.shape[1], device=x.device)[offset:offset + n] < keep
+                x = x * mask.to(x.dtype) / keep
         return x
 
 

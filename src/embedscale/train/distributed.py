@@ -70,7 +70,7 @@ from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.models import build_model
-from embedscale.models.dlrm import set_dropout
+from embedscale.models.dlrm import set_dropout, set_dropout_rows
 from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
@@ -356,6 +356,7 @@ class DistributedRun:
     def train_step(self, batch) -> float:
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
+        set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.ddp(batch.dense, batch.sparse)
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / batch.global_size
