@@ -244,3 +244,13 @@ def test_two_ranks_stop_and_keep_the_best_as_one_process(tmp_path, data_dir):
     assert max(rows, key=lambda r: float(r["eval_auc"]))["step"] == str(two["best"]["step"])
     ck = best_checkpoint(tmp_path / "two")
     assert read_manifest(ck)["step"] == two["best"]["step"] and read_manifest(ck)["world_size"] == 2
+
+
+def test_an_evaluation_after_a_checkpoint_of_the_same_step_is_saved(tmp_path):
+    """At an epoch's end the periodic checkpoint comes before the epoch's evaluation; the stop decided by that
+    evaluation is written into the step's checkpoint too (a resume must not find a run that has not stopped)."""
+    run = ScriptedRun(tmp_path, {s: 0.9 - 0.01 * s for s in range(100)}, steps_per_epoch=4)
+    s = fit(run, LoopConfig(epochs=10, eval_every=0, checkpoint_every=4, early_stopping_patience=1))
+    assert run.evals == [4, 8] and s["steps"] == 8 and s["stopped_early"]
+    es = read_manifest(latest_checkpoint(tmp_path))["early_stopping"]
+    assert es["stopped"] and es["eval_step"] == 8 and es["best_step"] == 4 and es["bad_evals"] == 1

@@ -146,16 +146,18 @@ class _Checkpoints:
 
     def __init__(self, run: Run, loop: LoopConfig):
         self.run, self.loop = run, loop
-        self.saved_at = -1
+        self.saved: dict | None = None  # the run position (early-stopping state included) last written
         self.periodic: set[int] = set()
 
     def save(self, periodic: bool = False) -> None:
-        step = self.run.state.step
+        """Checkpoint the current step, unless this very position (early-stopping state included) has just
+        been written: an evaluation after a checkpoint of the same step (an epoch's end) rewrites it."""
         if periodic:
-            self.periodic.add(step)
-        if self.saved_at != step:
+            self.periodic.add(self.run.state.step)
+        position = self.run.state.position()
+        if position != self.saved:
             save_checkpoint(self.run)
-            self.saved_at = step
+            self.saved = position
 
     def new_best(self, previous: int) -> None:
         """The run's state has just become the best (``state.best_step`` is this step): checkpoint it, point
