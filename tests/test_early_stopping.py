@@ -192,6 +192,14 @@ def test_improved_and_bad_settings():
         LoopConfig(early_stopping_metric="accuracy")
     with pytest.raises(ConfigError, match="lr_warmup_fraction"):
         LoopConfig(lr_warmup_fraction=1.5)
+    # the config names the key before anything runs
+    from embedscale.specs import load_config
+
+    for key, value in (("train.lr_warmup_fraction", 1.5), ("train.early_stopping_metric", "accuracy"),
+                       ("train.dropout", 1.0), ("train.early_stopping_patience", -1),
+                       ("train.early_stopping_min_delta", -0.1)):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, {key: value})
 
 
 @pytest.fixture(scope="module")

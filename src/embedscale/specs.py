@@ -384,6 +384,8 @@ def validate(obj: Any, path: str = "") -> None:
             raise ConfigError(f"{where}{key}: {v!r} is not a finite number {rng}")
     if isinstance(obj, TrainConfig):
         check_device(obj.device, f"{where}device")
+        if obj.lr_warmup_fraction > 1.0:
+            raise ConfigError(f"{where}lr_warmup_fraction: {obj.lr_warmup_fraction!r} is not in [0, 1]")
     if isinstance(obj, DistConfig) and obj.grad_sync == "alltoall" and (obj.design, obj.transport) != (
             "retrieve", "collective"):
         # caught here, before any rank starts, not as N rank errors under torchrun
@@ -432,7 +434,7 @@ NUMBERS.update({
     DataConfig: {"eval_fraction": (0.0, True, 1.0)},
     SyntheticConfig: {"alpha": (0.0, True, None)},
     TrainConfig: {"lr_dense": (0.0, True, None), "lr_sparse": (0.0, True, None), "lr_tt": (0.0, True, None),
-                  "lr_warmup_fraction": (0.0, True, 1.0 + 1e-12), "early_stopping_patience": (0.0, True, None),
+                  "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0)},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
