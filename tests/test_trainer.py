@@ -167,3 +167,79 @@ def test_workflow_tt_table_trains(tmp_path, data_dir):
     assert sorted(ck["tables"]) == ["t_C1", "t_C2", "t_C4"]  # rows of the plain tables only
     assert sorted(ck["tt"]) == [f"t_C3.{k}{i}" for k in ("core", "state") for i in range(3)]
     assert ck["tt"]["t_C3.core1"].shape[1] == 4  # (m_2, R_1, n_2 * R_2): rank 4 as asked
+
+
+def test_evaluate_prints_the_figures_of_an_independent_computation(tmp_path, data_dir):
+    """``embedscale evaluate`` prints AUC, logloss, NE and calibration equal to those computed here from the same
+    predictions by brute-force pair counting and the definitions in float64 (not through ``data.metrics``)."""
+    import math
+    import re
+
+    import numpy as np
+
+    from embedscale.data.loader import ShardLoader
+    from embedscale.train.trainer import load_model_state
+
+    cfg = config(tmp_path, data_dir)
+    cfg.train.max_steps = 6
+    rd = tmp_path / "run"
+    workflow.train(cfg, rd, resume=False, progress=False)
+    # the same predictions, scored here
+    data = workflow.prepare_data(cfg, progress=False)
+    model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
+                              torch.device("cpu"))
+    load_model_state(model, rd)
+    model.eval()
+    z, y = [], []
+    with torch.no_grad():
+        for b in ShardLoader(data.eval.directory, 64, start=data.eval.start, stop=data.eval.stop):
+            z.append(model(b.dense, b.sparse).double().numpy())
+            y.append(b.labels.double().numpy())
+    z, y = np.concatenate(z), np.concatenate(y)
+    p = 1.0 / (1.0 + np.exp(-z))
+    pos, neg = z[y == 1], z[y == 0]
+    auc = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (pos.size * neg.size)
+    ll = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
+    ctr = y.mean()
+    ne = ll / -(ctr * math.log(ctr) + (1 - ctr) * math.log(1 - ctr))
+    cal = p.sum() / y.sum()
+    r = CliRunner().invoke(main, ["evaluate", str(rd)])
+    assert r.exit_code == 0, r.output
+    line = r.output.strip().splitlines()[-1]
+    printed = {k: float(v) for k, v in re.findall(r"(logloss|AUC|NE|calibration) ([0-9.]+)", line)}
+    assert printed.keys() == {"logloss", "AUC", "NE", "calibration"}, line
+    assert abs(printed["AUC"] - auc) < 1e-5 and abs(printed["logloss"] - ll) < 1e-5, (line, auc, ll)
+    assert abs(printed["NE"] - ne) < 1e-5 and abs(printed["calibration"] - cal) < 1e-5, (line, ne, cal)
+    assert f"on {y.size:,} samples" in line
+    got = json.loads(CliRunner().invoke(main, ["evaluate", str(rd), "--json"]).output.strip().splitlines()[-1])
+    assert got["auc"] == pytest.approx(auc, abs=1e-9) and got["logloss"] == pytest.approx(ll, rel=1e-6)
+    assert got["ne"] == pytest.approx(ne, rel=1e-6) and got["calibration"] == pytest.approx(cal, rel=1e-6)
+
+
+def test_dropout_masks_the_global_batch_whatever_the_ranks():
+    """Top-MLP dropout (``train.dropout``): off in eval mode; in training, the rows a rank holds of a global batch
+    get the mask one process training the whole batch gets (same seed)."""
+    from embedscale.models.dlrm import OverArch, set_dropout, set_dropout_rows
+
+    torch.manual_seed(0)
+    arch = OverArch(6, [64, 32], dropout=0.5)
+    x = torch.rand(10, 6)
+    arch.eval()
+    plain = arch.model(x)
+    assert torch.equal(arch(x), plain)
+    arch.train()
+    torch.manual_seed(1)
+    whole = arch(x)
+    parts = []
+    for off, n in ((0, 4), (4, 6)):  # two "ranks": rows [0, 4) and [4, 10) of the global batch of 10
+        torch.manual_seed(1)
+        set_dropout_rows(arch, 10, off)
+        parts.append(arch(x[off:off + n]))
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=0, atol=1e-6)
+    assert not torch.allclose(whole, plain)
+    set_dropout_rows(arch, None, 0)
+    torch.manual_seed(1)
+    assert torch.equal(arch(x), whole)  # no global rows: the batch is the whole batch
+    with pytest.raises(ConfigError, match="train.dropout"):
+        set_dropout(arch, 1.0)
+    assert set_dropout(torch.nn.Sequential(arch), 0.1) == 1 and arch.dropout == 0.1

@@ -32,6 +32,7 @@ from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init 
 from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
 from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
 from embedscale.models import build_model
+from embedscale.models.dlrm import set_dropout
 from embedscale.models.dmt import is_dmt_arch
 
 
@@ -243,12 +244,14 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
         model = build_model(cfg.model, tables, num_dense, device=device, num_hosts=cfg.dist.topology_hosts, comm=comm,
                             assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
                             seed=t.seed)
+        set_dropout(model, t.dropout)
         return model, make_dense_optimizer(t, model.dense_parameters())
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
                                                            lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
                                                            validate=validate),
                                 forms=config_forms(cfg.model, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
+    set_dropout(model, t.dropout)
     return model, make_dense_optimizer(t, model.dense_parameters())
 
 

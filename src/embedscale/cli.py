@@ -291,8 +291,9 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
-    """Evaluate a checkpoint (a run's checkpoints/step-N, or a run directory: its latest) of any world size in one
-    process: exact logloss and AUC on the run's eval split (``--split train``: its training split; ``--data``:
+    """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its latest) of
+    any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
+    observed CTR) and calibration (predicted over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``:
     another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
     ``--split train`` or ``--data`` says what to score."""
     import yaml
@@ -334,7 +335,8 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     if as_json:
         click.echo(json.dumps(m))
     else:
-        click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  on {m['samples']:,} samples")
+        click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  NE {m['ne']:.5f}  "
+                   f"calibration {m['calibration']:.5f}  on {m['samples']:,} samples")
 
 
 def _infer_fn(cfg):

@@ -28,6 +28,7 @@ from embedscale.train.distributed import ensure_run_plan
 from embedscale.train.dmt_run import dmt_checkpoint_fields
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.launch import launch_ranks
+from embedscale.train.loop import LoopConfig
 from embedscale.train.trainer import Trainer, pipelined_trainer
 
 
@@ -55,9 +56,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)
-    kw = dict(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
-              checkpoint_every=t.checkpoint_every, config_yaml=config_yaml, progress=progress,
-              lr_warmup_steps=t.lr_warmup_steps, checkpoint_fields=fields)
+    kw = dict(config_yaml=config_yaml, progress=progress, checkpoint_fields=fields, loop=LoopConfig.from_train(t))
     if any(f.kind == "host" for f in forms.values()):
         trainer = pipelined_trainer(model, opt, train_loader, eval_loader, run_dir,
                                     pipeline_depth=host_pipeline_depth(forms, t.pipeline_depth), use_cache=t.pipeline_cache, **kw)
@@ -119,6 +118,16 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     return read_json(run_dir / "summary.json", "run summary")
 
 
+def _num(v) -> float:
+    return math.nan if v is None else v
+
+
+def _eval_line(d: dict) -> str:
+    """AUC, logloss, NE and calibration of a summary's last (``eval_*``) or best evaluation."""
+    return (f"AUC {_num(d.get('eval_auc')):.5f}  logloss {_num(d.get('eval_logloss')):.5f}  "
+            f"NE {_num(d.get('eval_ne')):.5f}  calibration {_num(d.get('eval_calibration')):.4f}")
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"run directory      {s.get('run_dir')}",
@@ -128,10 +137,17 @@ def format_summary(s: dict) -> str:
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
         f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",
-        f"eval logloss       {s.get('eval_logloss', math.nan):.5f}",
-        f"eval AUC           {s.get('eval_auc', math.nan):.5f}"
+        f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
         + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
     ]
+    best = s.get("best") or {}
+    if best:
+        lines.append(f"eval (best)        step {best['step']}: " + _eval_line(best)
+                     + (f"   ({best['checkpoint']})" if best.get("checkpoint") else ""))
+    if s.get("stopped_early"):
+        es = s.get("early_stopping") or {}
+        lines.append(f"early stopping     stopped at step {s.get('steps')}: {es.get('patience')} evaluations without a "
+                     f"better {es.get('metric')}")
     if s.get("world_size", 1) > 1:
         if "towers" in s:  # DMT: the tower transform, no plan
             lines.append(f"ranks              {s['world_size']} ({s.get('plan')})")

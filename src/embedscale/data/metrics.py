@@ -1,53 +1,132 @@
-"""Exact click-prediction metrics over a whole split: logloss and ROC AUC (numpy, float64).
+"""Exact click-prediction metrics over a whole split (numpy, float64): logloss, ROC AUC, normalised entropy
+and calibration, each with optional per-sample weights.
 
 They sit with the data because both the synthetic generator (its teacher's AUC, the ceiling) and every run
-(evaluation, ``train.metrics``) score with them.
+(evaluation, ``train.metrics``, ``embedscale evaluate``) score with them.
+
+Definitions (``y`` the 0/1 labels, ``p`` the predicted probabilities, ``w`` the sample weights, 1 when not
+given; every sum is over the split):
+
+- logloss ``= -sum w (y log p + (1 - y) log(1 - p)) / sum w``.
+- normalised entropy (NE, He et al., "Practical lessons from predicting clicks on ads at Facebook", 2014,
+  section 2; TorchRec's ``NEMetric``) ``= logloss / H(ctr)`` with ``ctr = sum w y / sum w`` the base CTR
+  of the same rows and ``H(q) = -(q log q + (1 - q) log(1 - q))``: the logloss relative to always
+  predicting the base rate (below 1 is better than that; natural log in both, so the base cancels).
+- calibration ``= sum w p / sum w y``: predicted over observed clicks (1 is calibrated).
+- ROC AUC: the probability that a random positive scores above a random negative, ties counted 1/2, each
+  pair weighted by the product of its samples' weights.
+
+One-class inputs (no positive or no negative sample, or an empty split) leave AUC and NE undefined: they
+are **NaN by definition**, never an error, so an evaluation on an unlucky batch still reports its logloss.
+Calibration is NaN when there is no positive (observed CTR 0). Weights must be finite and >= 0 with a
+positive sum (``ValueError`` otherwise).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+NAN = float("nan")
 
-def logloss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7) -> float:
-    """Mean binary cross-entropy of probabilities ``probs`` against 0/1 ``labels``."""
-    y = np.asarray(labels, dtype=np.float64)
-    p = np.clip(np.asarray(probs, dtype=np.float64), eps, 1 - eps)
+
+def _weights(w, n: int) -> np.ndarray:
+    if w is None:
+        return np.ones(n, dtype=np.float64)
+    w = np.asarray(w, dtype=np.float64).ravel()
+    if w.size != n:
+        raise ValueError(f"{w.size} sample weights for {n} samples")
+    if n and (not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0):
+        raise ValueError("sample weights must be finite, >= 0 and not all 0")
+    return w
+
+
+def logloss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7, weights=None) -> float:
+    """(Weighted) mean binary cross-entropy of probabilities ``probs`` (clipped to ``[eps, 1 - eps]``) against
+    0/1 ``labels``; NaN for no samples."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.clip(np.asarray(probs, dtype=np.float64).ravel(), eps, 1 - eps)
     if y.size == 0:
-        return float("nan")
-    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
+        return NAN
+    w = _weights(weights, y.size)
+    return float(-np.sum(w * (y * np.log(p) + (1 - y) * np.log1p(-p))) / w.sum())
 
 
-def logloss_from_logits(labels: np.ndarray, logits: np.ndarray) -> float:
-    """Mean binary cross-entropy computed stably from logits."""
-    y = np.asarray(labels, dtype=np.float64)
-    z = np.asarray(logits, dtype=np.float64)
+def logloss_from_logits(labels: np.ndarray, logits: np.ndarray, weights=None) -> float:
+    """(Weighted) mean binary cross-entropy computed stably from logits; NaN for no samples."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    z = np.asarray(logits, dtype=np.float64).ravel()
     if y.size == 0:
-        return float("nan")
-    return float(np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))))
+        return NAN
+    w = _weights(weights, y.size)
+    return float(np.sum(w * (np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z))))) / w.sum())
 
 
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Exact ROC AUC by the rank statistic (Mann-Whitney U), ties given the average rank.
+def base_entropy(labels: np.ndarray, weights=None) -> float:
+    """``H(ctr)`` of the (weighted) base CTR of ``labels``, in nats; 0 for one class, NaN for no samples."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    if y.size == 0:
+        return NAN
+    w = _weights(weights, y.size)
+    q = float(np.sum(w * y) / w.sum())
+    if q <= 0.0 or q >= 1.0:
+        return 0.0
+    return float(-(q * np.log(q) + (1 - q) * np.log1p(-q)))
 
-    Returns NaN when only one class is present.
-    """
+
+def normalized_entropy(labels: np.ndarray, probs: np.ndarray, weights=None, *, logits: bool = False) -> float:
+    """NE: the logloss over the entropy of the base CTR of the same samples (module docstring); ``logits``:
+    ``probs`` are logits. NaN by definition when only one class is present (the base entropy is 0)."""
+    h = base_entropy(labels, weights)
+    if not h > 0:  # 0 (one class) or NaN (empty)
+        return NAN
+    ll = logloss_from_logits(labels, probs, weights) if logits else logloss(labels, probs, weights=weights)
+    return ll / h
+
+
+def calibration(labels: np.ndarray, probs: np.ndarray, weights=None) -> float:
+    """Predicted over observed CTR: ``sum w p / sum w y``; NaN when no sample is positive (or none at all)."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.asarray(probs, dtype=np.float64).ravel()
+    if y.size == 0:
+        return NAN
+    w = _weights(weights, y.size)
+    observed = float(np.sum(w * y))
+    return float(np.sum(w * p) / observed) if observed > 0 else NAN
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray, weights=None) -> float:
+    """Exact (weighted) ROC AUC: sort by score once, and per group of tied scores count the weight of the
+    negatives strictly below it and half of those tied with it (the Mann-Whitney U statistic with ties
+    averaged). NaN by definition when only one class is present."""
     y = np.asarray(labels).astype(bool).ravel()
     s = np.asarray(scores, dtype=np.float64).ravel()
-    n_pos = int(y.sum())
-    n_neg = y.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
+    if s.size != y.size:
+        raise ValueError(f"{s.size} scores for {y.size} labels")
+    w = _weights(weights, y.size)
+    w_pos_total = float(w[y].sum())
+    w_neg_total = float(w[~y].sum())
+    if w_pos_total <= 0 or w_neg_total <= 0:
+        return NAN
     order = np.argsort(s, kind="mergesort")
-    s_sorted = s[order]
-    # average ranks over ties
-    boundaries = np.flatnonzero(np.diff(s_sorted)) + 1
-    starts = np.concatenate(([0], boundaries))
-    ends = np.concatenate((boundaries, [s.size]))
-    avg_rank = (starts + ends + 1) / 2.0  # 1-based average rank of each tie group
-    ranks = np.repeat(avg_rank, ends - starts)
-    rank_sum_pos = ranks[y[order]].sum()
-    return float((rank_sum_pos - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+    s_sorted, y_sorted, w_sorted = s[order], y[order], w[order]
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(s_sorted)) + 1))  # first index of each tie group
+    pos = np.add.reduceat(np.where(y_sorted, w_sorted, 0.0), starts)  # positive weight per tie group
+    neg = np.add.reduceat(np.where(y_sorted, 0.0, w_sorted), starts)  # negative weight per tie group
+    neg_below = np.cumsum(neg) - neg  # negative weight strictly below each group
+    return float(np.sum(pos * (neg_below + 0.5 * neg)) / (w_pos_total * w_neg_total))
 
 
-# -- metrics.csv ------------------------------------------------------------------------------------
+def binary_metrics(labels: np.ndarray, logits: np.ndarray, weights=None) -> dict:
+    """Every figure of an evaluation from the model's logits: ``logloss``, ``auc``, ``ne``, ``calibration``,
+    ``samples`` and ``positive_rate`` (the observed CTR)."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    z = np.asarray(logits, dtype=np.float64).ravel()
+    p = 1.0 / (1.0 + np.exp(-z))
+    w = _weights(weights, y.size)
+    return {"logloss": logloss_from_logits(y, z, weights), "auc": roc_auc(y, z, weights),
+            "ne": normalized_entropy(y, z, weights, logits=True), "calibration": calibration(y, p, weights),
+            "samples": int(y.size), "positive_rate": float(np.sum(w * y) / w.sum()) if y.size else NAN}
+
+
+__all__ = ["base_entropy", "binary_metrics", "calibration", "logloss", "logloss_from_logits", "normalized_entropy",
+           "roc_auc"]

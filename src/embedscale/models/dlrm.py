@@ -35,6 +35,9 @@ __all__ = [
     "InteractionArch",
     "OverArch",
     "SparseArch",
+    "check_dropout",
+    "set_dropout",
+    "set_dropout_rows",
     "dense_parameters",
     "init_linear_",
 ]
@@ -90,6 +93,35 @@ def _relu_mlp(in_features: int, layer_sizes: Sequence[int], device: torch.device
         layers.append(nn.ReLU())
         width = size
     return nn.Sequential(*layers)
+
+
+def check_dropout(p: float) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        raise ConfigError(f"train.dropout must be a number in [0, 1), got {p!r}")
+    return float(p)
+
+
+def set_dropout(model: nn.Module, p: float) -> int:
+    """Dropout ``p`` in the hidden layers of every top MLP (``OverArch``) of ``model`` (DLRM, DCN and the DMT
+    models built on them): regularisation for small data sets, the top MLP being where most dense
+    parameters are. Returns how many top MLPs it set; ``p > 0`` on a model without one is a ``ConfigError``."""
+    p = check_dropout(p)
+    arches = [m for m in model.modules() if isinstance(m, OverArch)]
+    if p and not arches:
+        raise ConfigError(f"train.dropout {p}: {type(model).__name__} has no top MLP to apply it to")
+    for m in arches:
+        m.dropout = p
+    return len(arches)
+
+
+def set_dropout_rows(model: nn.Module, global_size: int | None, offset: int) -> None:
+    """The next training batch of ``model`` is rows ``[offset, offset + local)`` of a global batch of
+    ``global_size`` rows (N ranks: each rank's contiguous share); dropout masks are drawn for the global batch
+    (``OverArch.forward``)."""
+    rows = None if not global_size else (int(global_size), int(offset))
+    for m in model.modules():
+        if isinstance(m, OverArch):
+            m.global_rows = rows
 
 
 def dense_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -331,13 +363,16 @@ class OverArch(nn.Module):
     """
 
     def __init__(
-        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None
+        self, in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None = None,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         sizes = _check_sizes("OverArch", in_features, layer_sizes)
         self.in_features = in_features
         self.model = _relu_mlp(in_features, sizes, device)
         self.model.append(init_linear_(nn.Linear(sizes[-1] if sizes else in_features, 1, device=device)))
+        self.dropout = check_dropout(dropout)
+        self.global_rows: tuple[int, int] | None = None  # (global batch size, this rank's first row in it)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """
@@ -346,8 +381,25 @@ class OverArch(nn.Module):
 
         Returns:
             torch.Tensor: logits ``[B, 1]``.
+
+        In training mode with ``dropout > 0`` every hidden ReLU's output is dropped with that probability
+        (inverted dropout, Srivastava et al. 2014), applied functionally so the parameter names are the same
+        with and without it (checkpoints load either way). The mask is drawn for the whole global batch
+        (``global_rows``: its size and where this rank's rows start in it, set by :func:`set_dropout_rows`;
+        default this batch alone) and this rank's rows cut out of it, so N ranks drop what one process
+        training the same global batch drops (same seed: the same random stream on every rank).
         """
-        return self.model(features)
+        if not (self.dropout and self.training):
+            return self.model(features)
+        total, offset = self.global_rows or (features.shape[0], 0)
+        n, keep = features.shape[0], 1.0 - self.dropout
+        x = features
+        for layer in self.model:
+            x = layer(x)
+            if isinstance(layer, nn.ReLU):
+                mask = torch.rand(total, x.shape[1], device=x.device)[offset:offset + n] < keep
+                x = x * mask.to(x.dtype) / keep
+        return x
 
 
 class DLRM(nn.Module):

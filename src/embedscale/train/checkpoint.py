@@ -6,6 +6,12 @@ checkpoint restores onto any world size, plan or tower sharding), and the dense 
 for; rank 0 writes ``manifest.json`` last, after every rank file is complete, so a directory without a
 manifest is an interrupted write and never read. One process is a world of one.
 
+``checkpoints/best`` (a relative symbolic link, replaced atomically by rank 0 once the checkpoint it names
+is complete) points at the step directory of the best evaluation so far (``train.loop``: the monitored eval
+metric; its figures are in that manifest's ``early_stopping``); the latest step directory is the last
+model. Being a checkpoint directory itself, it goes wherever one is asked for (``embedscale evaluate``,
+``infer``); ``resolve_checkpoint`` turns it into the step directory.
+
 A rank file holds only tensors, numbers, strings, lists and dicts (read back with
 ``torch.load(..., weights_only=True)``, never pickle):
 
@@ -19,7 +25,8 @@ A rank file holds only tensors, numbers, strings, lists and dicts (read back wit
   ``<table>.weight`` / ``.momentum``) and ``tt`` (TT cores and their optimizer state: every rank's copy is
   the same).
 
-The manifest holds the run position (step, epoch, batch_in_epoch, samples), ``kind`` (``plan``: flat
+The manifest holds the run position (step, epoch, batch_in_epoch, samples, and the early-stopping state:
+best step and value, evaluations without improvement, stopped), ``kind`` (``plan``: flat
 model; ``dmt``: tower model), the row-stored tables and their rows, the optimizers, the resolved config
 (``config_yaml``) and the shard file names.
 """
@@ -40,6 +47,7 @@ from embedscale.io import atomic_open, atomic_write_json, read_json
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
 MANIFEST = "manifest.json"
+BEST = "best"  # checkpoints/best: a symbolic link to the best evaluation's step directory
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -70,18 +78,57 @@ def latest_checkpoint(path: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from a checkpoint directory or a run directory (its latest checkpoint)."""
+def best_pointer(run_dir: str | Path) -> Path:
+    """``<run dir>/checkpoints/best``."""
+    return Path(run_dir) / "checkpoints" / BEST
+
+
+def best_checkpoint(run_dir: str | Path) -> Path | None:
+    """The step directory ``checkpoints/best`` points at (``run_dir`` a run directory or its ``checkpoints/``),
+    or ``None`` without a pointer; a pointer to an incomplete checkpoint is a ``FormatError``."""
+    p = Path(run_dir)
+    pointer = p / BEST if p.name == "checkpoints" else best_pointer(p)
+    if not pointer.is_symlink():
+        return None
+    target = pointer.parent / os.readlink(pointer)
+    if not is_checkpoint(target):
+        raise FormatError(f"{pointer}: points at {target}, which is not a complete checkpoint")
+    return target
+
+
+def write_best(run_dir: str | Path, step: int) -> Path:
+    """Point ``checkpoints/best`` at ``checkpoints/step-N`` (complete already): a relative symbolic link (the run
+    directory can move), made under a temporary name and renamed over the old one, so a reader sees the old
+    best or the new one, never neither."""
+    pointer = best_pointer(run_dir)
+    tmp = pointer.with_name(f".{BEST}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(step_dir(run_dir, step).name, tmp)
+    os.replace(tmp, pointer)
+    return pointer
+
+
+def resolve_checkpoint(path: str | Path, *, best: bool = False) -> Path:
+    """A checkpoint directory from a checkpoint directory (``checkpoints/best`` included: the step directory
+    it points at), or a run directory (its latest checkpoint; with ``best``, the one ``checkpoints/best``
+    points at)."""
     p = Path(path)
+    if p.is_symlink() and p.name == BEST:
+        found = best_checkpoint(p.parent)
+        assert found is not None
+        return found
     if is_checkpoint(p):
         return p
     if p.is_dir():
-        found = latest_checkpoint(p)
+        found = best_checkpoint(p) if best else latest_checkpoint(p)
         if found is not None:
             return found
+        if best:
+            raise FormatError(f"{p}: no checkpoints/{BEST} (the run had no evaluation, or kept no best checkpoint)")
         raise FormatError(f"{p}: neither a checkpoint (no {MANIFEST}) nor a run directory with a complete "
                           "checkpoint under checkpoints/step-N/")
-    raise FormatError(f"{p}: not a checkpoint directory (a run's checkpoints/step-N/ or a run directory)")
+    raise FormatError(f"{p}: not a checkpoint directory (a run's checkpoints/step-N/, checkpoints/{BEST} or a run "
+                      "directory)")
 
 
 # -- reading ----------------------------------------------------------------------------------------
@@ -223,6 +270,7 @@ def write_manifest(ckpt_dir: Path, world: int, fields: dict) -> Path:
     return ckpt_dir / MANIFEST
 
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "assemble_table", "is_checkpoint", "latest_checkpoint", "load_checkpoint",
+__all__ = ["BEST", "FORMAT", "MANIFEST", "VERSION", "assemble_table", "best_checkpoint", "best_pointer",
+           "is_checkpoint", "write_best", "latest_checkpoint", "load_checkpoint",
            "merged", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
            "step_dir", "table_pieces", "write_manifest", "write_rank_file"]

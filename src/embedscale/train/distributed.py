@@ -74,12 +74,13 @@ from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.models import build_model
+from embedscale.models.dlrm import set_dropout, set_dropout_rows
 from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
 from embedscale.train.launch import init_from_env
-from embedscale.train.metrics import logloss_from_logits, roc_auc
+from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
 AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
@@ -348,6 +349,7 @@ class DistributedRun:
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
+        set_dropout(self.model, t.dropout)
         self.opt = assemble.make_dense_optimizer(t, self.model.dense_parameters())
         self._names = param_names(self.model, self.opt)
         if inference:
@@ -446,6 +448,7 @@ class DistributedRun:
     def train_step(self, batch) -> float:
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
+        set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.ddp(batch.dense, batch.sparse)
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / batch.global_size
@@ -470,7 +473,7 @@ class DistributedRun:
             ys.append(batch.labels.float())
         self.model.train()
         z, y = gather_logits(zs, ys)
-        return {"logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z), "samples": int(y.size)}
+        return binary_metrics(y, z)
 
     # -- checkpoints (train.checkpoint) ---------------------------------------------------------
     def save(self, ckpt_dir: Path) -> dict:
@@ -571,7 +574,7 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
     if run.rank != 0:
         return None
     out = {"world_size": run.world, "checkpoint": str(checkpoint), "samples": int(y.size),
-           "logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z),
+           **{k: v for k, v in binary_metrics(y, z).items() if k != "samples"},
            "samples_per_s": n / float(t) if float(t) > 0 else math.nan, **extra}
     with atomic_open(rd / "predictions.npy", "wb") as f:
         np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)

@@ -55,6 +55,7 @@ from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_
 from embedscale import assemble
 from embedscale.comm.hierarchical import TowerComm
 from embedscale.data.loader import ShardLoader
+from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
 from embedscale.towers.partitioner import TowerAssignment
 from embedscale.train.distributed import join_run, serve_eval_split
@@ -117,6 +118,7 @@ class DMTRun(DistributedRun):
         gradients summed inside the tower group, the rest over the world (DMT 3.2), dense step."""
         self.model.train()
         self.comm.reset_bytes()
+        set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.model(batch.dense, batch.sparse)
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         self.opt.zero_grad(set_to_none=True)

@@ -1,10 +1,12 @@
 """The one training loop: drives any :class:`~embedscale.train.run.Run` (one process, N ranks, DMT towers).
 
 Per step it does only what every run needs (learning-rate warmup, the run's step, position and loss
-bookkeeping, the progress bar); every ``log_every`` steps a metrics row, every ``eval_every`` an exact
-evaluation, every ``checkpoint_every`` a checkpoint (``checkpoints/step-N/``, with ``metrics.csv`` written
-beside it), and at the end a final evaluation, a checkpoint, ``metrics.csv``, ``curves.png`` and
-``summary.json`` (rank 0). ``metrics.csv`` keeps the rows of earlier attempts up to the step the run was
+bookkeeping, the progress bar); every ``log_every`` steps a metrics row, every ``eval_every`` (and at each
+epoch's end when there are several) an exact evaluation followed by the early-stopping bookkeeping (the
+best evaluation checkpointed and pointed at by ``checkpoints/best``; a stop after ``early_stopping_patience``
+evaluations without improvement), every ``checkpoint_every`` a checkpoint (``checkpoints/step-N/``, with
+``metrics.csv`` written beside it), and at the end a final evaluation, a checkpoint, ``metrics.csv``,
+``curves.png`` and ``summary.json`` (rank 0). ``metrics.csv`` keeps the rows of earlier attempts up to the step the run was
 restored at (:class:`~embedscale.train.metrics.MetricsLog`), so a resumed or restarted run lists every
 step once.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -24,7 +27,11 @@ from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.train.metrics import MetricRow, MetricsLog
 from embedscale.train.plots import plot_curves
+from embedscale.train.checkpoint import best_pointer, step_dir, write_best
 from embedscale.train.run import Run, save_checkpoint
+
+
+MONITORED = {"auc": "max", "logloss": "min", "ne": "min"}  # early_stopping_metric -> direction of improvement
 
 
 @dataclass
@@ -32,8 +39,15 @@ class LoopConfig:
     """When the loop stops, logs, evaluates and checkpoints (``train.*`` of the run config).
 
     epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps (0 = no step limit).
-    eval_every, log_every, checkpoint_every: in steps (0 = only at the end for eval/checkpoint).
-    lr_warmup_steps: linear warmup of the dense optimizer's learning rate (:func:`warm_up_lr`).
+    eval_every, log_every, checkpoint_every: in steps (0 = only at the end for eval/checkpoint); with more than
+        one epoch the eval split is also scored at the end of every epoch.
+    lr_warmup_steps, lr_warmup_fraction: linear warmup of the dense optimizer's learning rate over
+        ``min(lr_warmup_steps, lr_warmup_fraction x the run's steps)`` steps (:func:`warmup_steps`).
+    early_stopping_patience: stop once this many evaluations in a row have not improved the monitored
+        ``early_stopping_metric`` (``auc``, ``logloss`` or ``ne``) by more than ``early_stopping_min_delta``
+        (0 = never stop early).
+    keep_best: keep ``checkpoints/best`` pointing at the checkpoint of the best evaluation (one is written at
+        every improvement; the previous best's directory is removed unless it is a periodic or the last one).
     """
 
     epochs: int = 1
@@ -42,11 +56,54 @@ class LoopConfig:
     log_every: int = 10
     checkpoint_every: int = 0
     lr_warmup_steps: int = 0
+    lr_warmup_fraction: float = 1.0
+    early_stopping_patience: int = 0
+    early_stopping_metric: str = "auc"
+    early_stopping_min_delta: float = 0.0
+    keep_best: bool = True
+
+    def __post_init__(self) -> None:
+        if self.early_stopping_metric not in MONITORED:
+            raise ConfigError(f"train.early_stopping_metric: {self.early_stopping_metric!r} is not one of "
+                              f"{', '.join(MONITORED)}")
+        if self.early_stopping_patience < 0:
+            raise ConfigError(f"train.early_stopping_patience must be >= 0 (0 = off), got "
+                              f"{self.early_stopping_patience}")
+        if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+            raise ConfigError(f"train.lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}")
 
     @classmethod
     def from_train(cls, t) -> "LoopConfig":
         return cls(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
-                   checkpoint_every=t.checkpoint_every, lr_warmup_steps=t.lr_warmup_steps)
+                   checkpoint_every=t.checkpoint_every, lr_warmup_steps=t.lr_warmup_steps,
+                   lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
+                   early_stopping_metric=t.early_stopping_metric,
+                   early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best)
+
+
+def warmup_steps(loop: LoopConfig, total_steps: int) -> int:
+    """The warmup of a run of ``total_steps`` steps: ``lr_warmup_steps``, but at most ``lr_warmup_fraction`` of
+    the run (rounded down, at least 1 step when warmup is on): a fixed 100-step warmup is longer than a
+    whole epoch of a small data set (8,000 rows at batch 1,024 are 8 steps), which would then train at a
+    fraction of its rate throughout. Depends only on the config and the run's length, so a resumed run
+    warms up as the uninterrupted one."""
+    if loop.lr_warmup_steps <= 0:
+        return loop.lr_warmup_steps  # 0: off; negative: warm_up_lr names the error
+    if total_steps <= 0:
+        return loop.lr_warmup_steps
+    return max(1, min(loop.lr_warmup_steps, int(loop.lr_warmup_fraction * total_steps)))
+
+
+def improved(loop: LoopConfig, value: float, best: float | None) -> bool:
+    """Whether an evaluation's ``value`` of the monitored metric beats ``best`` by more than the min delta
+    (a NaN value never does; the first finite one always does)."""
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    if MONITORED[loop.early_stopping_metric] == "max":
+        return value > best + loop.early_stopping_min_delta
+    return value < best - loop.early_stopping_min_delta
 
 
 def warm_up_lr(opt, step: int, warmup_steps: int) -> None:
@@ -79,30 +136,108 @@ def inject_fault(kind: str) -> None:
     os.kill(os.getpid(), 9)
 
 
+def _finite(figures: dict) -> dict:
+    """An evaluation's figures for JSON (NaN -> None)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
+
+
+class _Checkpoints:
+    """The loop's checkpoint writes: at most one per step, and the ``best`` pointer kept (rank 0 writes it)."""
+
+    def __init__(self, run: Run, loop: LoopConfig):
+        self.run, self.loop = run, loop
+        self.saved: dict | None = None  # the run position (early-stopping state included) last written
+        self.periodic: set[int] = set()
+
+    def save(self, periodic: bool = False) -> None:
+        """Checkpoint the current step, unless this very position (early-stopping state included) has just
+        been written: an evaluation after a checkpoint of the same step (an epoch's end) rewrites it."""
+        if periodic:
+            self.periodic.add(self.run.state.step)
+        position = self.run.state.position()
+        if position != self.saved:
+            save_checkpoint(self.run)
+            self.saved = position
+
+    def new_best(self, previous: int) -> None:
+        """The run's state has just become the best (``state.best_step`` is this step): checkpoint it, point
+        ``best`` at it, and remove the previous best's directory unless it is a periodic checkpoint."""
+        run = self.run
+        self.save()
+        if run.rank == 0:
+            st = run.state
+            write_best(run.run_dir, st.step)
+            old = step_dir(run.run_dir, previous)
+            if 0 <= previous < st.step and previous not in self.periodic and \
+                    (not self.loop.checkpoint_every or previous % self.loop.checkpoint_every) and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        run.barrier()
+
+
+def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -> None:
+    """Record an evaluation at the current step and do the early-stopping bookkeeping (every rank: the
+    figures are the same on all of them, so they decide alike)."""
+    st = run.state
+    st.eval_step, st.eval = st.step, _finite(figures)
+    value = figures.get(loop.early_stopping_metric)
+    if improved(loop, value, st.best_value):
+        previous = st.best_step
+        st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
+        st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
+        if loop.keep_best:
+            ckpts.new_best(previous)
+    else:
+        st.bad_evals += 1
+        if loop.early_stopping_patience and st.bad_evals >= loop.early_stopping_patience:
+            st.stopped = True
+
+
+def _nan(v) -> float:
+    return math.nan if v is None else v
+
+
 def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str = "",
         ceiling_auc: float = math.nan, extra: dict | None = None) -> dict | None:
-    """Train ``run`` from its current position to the end (``loop.epochs`` or ``loop.max_steps``); return the
-    summary on rank 0 (``None`` on the others). ``fault_step``: this rank dies at that step (tests).
-    ``extra`` goes into the summary."""
+    """Train ``run`` from its current position to the end (``loop.epochs`` or ``loop.max_steps``, or an early
+    stop); return the summary on rank 0 (``None`` on the others). ``fault_step``: this rank dies at that step
+    (tests). ``extra`` goes into the summary.
+
+    Early stopping and the best checkpoint live here, for every kind of run: after each evaluation the
+    monitored metric (``loop.early_stopping_metric``) is compared with the best so far; an improvement is
+    checkpointed and ``checkpoints/best`` points at it; ``early_stopping_patience`` evaluations in a row
+    without one stop the run. The state is the run's (``RunState``: in every checkpoint's manifest), so a
+    resumed run makes the same decisions. The summary reports the last evaluation (``eval_*``) and the
+    best (``best``)."""
     st = run.state
     metrics = MetricsLog(run.run_dir, enabled=run.rank == 0)
     metrics.restart(st.step)
     total = loop.max_steps or loop.epochs * len(run.train_loader)
+    warmup = warmup_steps(loop, total)
+    ckpts = _Checkpoints(run, loop)
     bar = tqdm(total=total, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}", unit="step",
                disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
     t_start = time.perf_counter()
     train_s, trained = 0.0, 0
     window: list[float] = []
     window_samples, t_window = 0, t_start
-    last_eval: tuple[int, dict] = (-1, {})  # (step, figures) of the latest evaluation
-    done = lambda: bool(loop.max_steps) and st.step >= loop.max_steps  # noqa: E731
+
+    def evaluate_now() -> None:
+        if st.eval_step == st.step:  # scored at this very step already (in this attempt or the restored one)
+            return
+        figures = run.evaluate()
+        m = figures
+        metrics.log_eval(st.step, st.epoch, st.samples, m["logloss"], m["auc"], time.perf_counter() - t_start,
+                         ne=m.get("ne", math.nan), calibration=m.get("calibration", math.nan))
+        _evaluated(run, loop, ckpts, figures)
+
+    done = lambda: st.stopped or (bool(loop.max_steps) and st.step >= loop.max_steps)  # noqa: E731
     while st.epoch < loop.epochs and not done():
         run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
         for batch in run.train_loader:
             if fault_step is not None and st.step == fault_step:
                 inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
             s0 = time.perf_counter()
-            warm_up_lr(run.opt, st.step, loop.lr_warmup_steps)
+            warm_up_lr(run.opt, st.step, warmup)
             try:
                 loss = run.train_step(batch)
             except RuntimeError as e:
@@ -125,40 +260,46 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 metrics.log(MetricRow(st.step, st.epoch, st.samples, mean, samples_per_s=sps, seconds=now - t_start))
                 window, window_samples, t_window = [], 0, now
             if loop.eval_every and st.step % loop.eval_every == 0 and run.eval_loader is not None:
-                last_eval = (st.step, run.evaluate())
-                m = last_eval[1]
-                metrics.log_eval(st.step, st.epoch, st.samples, m["logloss"], m["auc"], time.perf_counter() - t_start)
+                evaluate_now()
             if loop.checkpoint_every and st.step % loop.checkpoint_every == 0:
-                save_checkpoint(run)
+                ckpts.save(periodic=True)
                 metrics.write()
             if done():
                 break
         else:
             st.epoch += 1
             st.batch_in_epoch = 0
+            if loop.epochs > 1 and st.epoch < loop.epochs and run.eval_loader is not None and not done():
+                evaluate_now()  # an epoch's end: where a small data set can next stop early
     bar.close()
-    if last_eval[0] == st.step:  # evaluated at this very step already
-        final = last_eval[1]
-    else:
-        final = run.evaluate() if run.eval_loader is not None else {}
-    if final:
-        metrics.log_eval(st.step, st.epoch, st.samples, final["logloss"], final["auc"], time.perf_counter() - t_start)
-    save_checkpoint(run)
+    if run.eval_loader is not None:
+        evaluate_now()  # the last model's figures (once per step)
+    final = {k: _nan(v) for k, v in st.eval.items()} if st.eval_step == st.step else {}
+    ckpts.save()
     figures = run.figures()  # every rank calls it (collective for N ranks)
     if run.rank != 0:
         return None
     metrics.write()
     last = st.losses[-max(loop.log_every, 1):]
+    best = {}
+    if st.best_step >= 0:
+        best = {"step": st.best_step, "metric": loop.early_stopping_metric, "value": st.best_value,
+                **{f"eval_{k}": v for k, v in st.best.items() if k != "samples"},
+                **({"checkpoint": str(best_pointer(run.run_dir))} if loop.keep_best else {})}
     summary = {
         "world_size": run.world, "steps": st.step, "samples": st.samples,
         "train_samples_per_s": trained / train_s if train_s else math.nan,
         "train_logloss": float(np.mean(last)) if last else math.nan,
         "eval_logloss": final.get("logloss", math.nan), "eval_auc": final.get("auc", math.nan),
-        "eval_samples": final.get("samples", 0), "run_dir": str(run.run_dir), **(extra or {}), **figures,
+        "eval_ne": final.get("ne", math.nan), "eval_calibration": final.get("calibration", math.nan),
+        "eval_samples": final.get("samples", 0), "best": best, "stopped_early": st.stopped,
+        "early_stopping": {"metric": loop.early_stopping_metric, "patience": loop.early_stopping_patience,
+                           "min_delta": loop.early_stopping_min_delta, "bad_evals": st.bad_evals},
+        "lr_warmup_steps": warmup, "run_dir": str(run.run_dir), **(extra or {}), **figures,
     }
     plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc)
     atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
 
 
-__all__ = ["LoopConfig", "fit", "inject_fault", "warm_up_lr"]
+__all__ = ["LoopConfig", "MONITORED", "fit", "improved", "inject_fault", "warm_up_lr", "warmup_steps"]

@@ -1,5 +1,5 @@
 """The one writer of a run's ``metrics.csv`` (rows kept across resumes and restarts), and the exact metrics
-it records (logloss and ROC AUC, ties averaged: ``data.metrics``).
+it records (``data.metrics``: logloss, ROC AUC with ties averaged, normalised entropy, calibration).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from embedscale.data.metrics import logloss, logloss_from_logits, roc_auc  # noqa: F401 (the run's metrics)
+from embedscale.data.metrics import (binary_metrics, calibration, logloss, logloss_from_logits,  # noqa: F401
+                                     normalized_entropy, roc_auc)  # (the run's metrics)
 from embedscale.errors import FormatError
 from embedscale.io import atomic_write_text
 
@@ -27,6 +28,8 @@ class MetricRow:
     eval_auc: float = math.nan
     samples_per_s: float = math.nan
     seconds: float = math.nan
+    eval_ne: float = math.nan  # normalised entropy (data.metrics.normalized_entropy)
+    eval_calibration: float = math.nan  # predicted over observed CTR
 
 
 METRIC_FIELDS = [f.name for f in fields(MetricRow)]
@@ -67,14 +70,17 @@ class MetricsLog:
         if self.enabled:
             self.rows.append(row)
 
-    def log_eval(self, step: int, epoch: int, samples: int, logloss: float, auc: float, seconds: float) -> None:
+    def log_eval(self, step: int, epoch: int, samples: int, logloss: float, auc: float, seconds: float, *,
+                 ne: float = math.nan, calibration: float = math.nan) -> None:
         """An evaluation at ``step``: into that step's training row if it is the last one, else a row of its own."""
         if not self.enabled:
             return
         if self.rows and self.rows[-1].step == step:
-            self.rows[-1].eval_logloss, self.rows[-1].eval_auc = logloss, auc
+            r = self.rows[-1]
+            r.eval_logloss, r.eval_auc, r.eval_ne, r.eval_calibration = logloss, auc, ne, calibration
         else:
-            self.rows.append(MetricRow(step, epoch, samples, eval_logloss=logloss, eval_auc=auc, seconds=seconds))
+            self.rows.append(MetricRow(step, epoch, samples, eval_logloss=logloss, eval_auc=auc, seconds=seconds,
+                                       eval_ne=ne, eval_calibration=calibration))
 
     def write(self) -> None:
         if not self.enabled:

@@ -27,22 +27,44 @@ EMBEDDING_PREFIX = "sparse_arch.embedding."  # model state under it: the tables 
 @dataclass
 class RunState:
     """Where a run is: steps done, the epoch and the batches done in it (the loader skips them on resume),
-    samples seen and every step's loss."""
+    samples seen and every step's loss; and the early-stopping state (``train.loop``): the best evaluation
+    so far (``best_step``, ``best_value`` of the monitored metric, ``best`` = that evaluation's figures),
+    the evaluations since it without improvement (``bad_evals``), whether the run has ``stopped`` early, and
+    the latest evaluation (``eval_step``, its figures ``eval``: a run resumed at that step is not scored again).
+    All of it goes into every checkpoint's manifest, so a resumed run stops where the uninterrupted one would."""
 
     step: int = 0
     epoch: int = 0
     batch_in_epoch: int = 0
     samples: int = 0
     losses: list[float] = field(default_factory=list)
+    best_step: int = -1
+    best_value: float | None = None
+    best: dict = field(default_factory=dict)
+    bad_evals: int = 0
+    stopped: bool = False
+    eval_step: int = -1
+    eval: dict = field(default_factory=dict)
 
     def position(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "samples": self.samples}
+                "samples": self.samples, "early_stopping": {
+                    "best_step": self.best_step, "best_value": self.best_value, "best": dict(self.best),
+                    "bad_evals": self.bad_evals, "stopped": self.stopped, "eval_step": self.eval_step,
+                    "eval": dict(self.eval)}}
 
     def restore(self, manifest: dict, losses: Iterable[float]) -> None:
         self.step, self.epoch = int(manifest["step"]), int(manifest["epoch"])
         self.batch_in_epoch, self.samples = int(manifest["batch_in_epoch"]), int(manifest["samples"])
         self.losses = [float(x) for x in losses]
+        es = manifest.get("early_stopping") or {}  # checkpoints written before early stopping: a fresh state
+        self.best_step = int(es.get("best_step", -1))
+        self.best_value = None if es.get("best_value") is None else float(es["best_value"])
+        self.best = dict(es.get("best") or {})
+        self.bad_evals = int(es.get("bad_evals", 0))
+        self.stopped = bool(es.get("stopped", False))
+        self.eval_step = int(es.get("eval_step", -1))
+        self.eval = dict(es.get("eval") or {})
 
 
 @runtime_checkable
@@ -64,7 +86,9 @@ class Run(Protocol):
         """One step on this rank's part of the global batch; returns the global batch's mean loss."""
 
     def evaluate(self) -> dict:
-        """Exact ``logloss``, ``auc`` and ``samples`` over the whole eval split (collective on N ranks)."""
+        """Exact figures over the whole eval split, the same on every rank (collective on N ranks):
+        ``data.metrics.binary_metrics`` (``logloss``, ``auc``, ``ne``, ``calibration``, ``samples``,
+        ``positive_rate``)."""
 
     def save(self, ckpt_dir: Path) -> dict:
         """Write this rank's file into ``ckpt_dir``; return the manifest fields of this run (kind, tables...)."""

@@ -29,7 +29,7 @@ from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
                                         write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
-from embedscale.train.metrics import MetricRow, MetricsLog, logloss_from_logits, roc_auc
+from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, load_whole_tables,
                                   local_tables, optimizer_groups, optimizer_state, param_names, whole_table_entries)
 
@@ -38,7 +38,8 @@ __all__ = ["Trainer", "evaluate", "warm_up_lr", "MetricRow", "load_tt_state", "l
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> dict:
-    """Exact logloss and AUC of ``model`` over every row of ``loader``."""
+    """Exact figures of ``model`` over every row of ``loader`` (``data.metrics.binary_metrics``: logloss, AUC,
+    normalised entropy, calibration, samples, positive rate)."""
     was_training = model.training
     model.eval()
     logits, labels = [], []
@@ -48,8 +49,7 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
     model.train(was_training)
     z = np.concatenate(logits)
     y = np.concatenate(labels)
-    return {"logloss": logloss_from_logits(y, z), "auc": roc_auc(y, z), "samples": int(y.size),
-            "positive_rate": float(y.mean())}
+    return binary_metrics(y, z)
 
 
 def load_tt_state(tt: nn.Module, state: dict | None, where, *, with_optimizer: bool = True) -> None:
@@ -112,6 +112,8 @@ class Trainer:
         epochs, max_steps, eval_every, log_every, checkpoint_every, lr_warmup_steps: :class:`LoopConfig`.
         config_yaml: the resolved run config, stored in every checkpoint's manifest.
         checkpoint_fields: more manifest fields (``kind: dmt`` and the towers of a DMT model).
+        loop: the whole :class:`LoopConfig` (early stopping, warmup fraction, best checkpoint); given, it
+            replaces the loop arguments above.
     """
 
     rank, world = 0, 1
@@ -119,14 +121,15 @@ class Trainer:
     def __init__(self, model: nn.Module, dense_optimizer: torch.optim.Optimizer, train_loader: ShardLoader,
                  eval_loader: ShardLoader | None, run_dir: str | Path, *, epochs: int = 1, max_steps: int = 0,
                  eval_every: int = 0, log_every: int = 10, checkpoint_every: int = 0, config_yaml: str = "",
-                 progress: bool = True, lr_warmup_steps: int = 0, checkpoint_fields: dict | None = None):
+                 progress: bool = True, lr_warmup_steps: int = 0, checkpoint_fields: dict | None = None,
+                 loop: LoopConfig | None = None):
         self.model = model
         self.opt = dense_optimizer
         self.train_loader = train_loader
         self.eval_loader = eval_loader
         self.run_dir = Path(run_dir)
-        self.loop = LoopConfig(epochs=epochs, max_steps=max_steps, eval_every=eval_every, log_every=log_every,
-                               checkpoint_every=checkpoint_every, lr_warmup_steps=int(lr_warmup_steps))
+        self.loop = loop or LoopConfig(epochs=epochs, max_steps=max_steps, eval_every=eval_every, log_every=log_every,
+                                       checkpoint_every=checkpoint_every, lr_warmup_steps=int(lr_warmup_steps))
         self.config_yaml = config_yaml
         self.progress = progress
         self.fields = {"kind": "plan", **(checkpoint_fields or {})}
