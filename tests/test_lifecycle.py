@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from embedscale.train.launch import KILL_WAIT_S, STOP_GRACE_S, end_run_processes, run_processes
 from embedscale.train.lock import LOCK_NAME, RunDirBusy, RunLock, read_holder
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
@@ -284,3 +285,38 @@ def test_stop_on_signals_raises_in_process_and_restores_handlers():
     assert signal.getsignal(signal.SIGTERM) == before
     with stop_on_signals():
         assert stop_requested() is None  # a new command starts clean
+
+
+_IGNORES_TERM = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank stuck where it cannot act on SIGTERM
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
+    """The 10 s bar by construction: the launcher ends torchrun at once, gives the ranks ``STOP_GRACE_S`` after
+    SIGTERM, then SIGKILLs what is left and waits ``KILL_WAIT_S``. A rank that ignores SIGTERM is gone after
+    that, whatever the load (the waits are deadlines, not sleeps to count on)."""
+    assert STOP_GRACE_S + 2 * KILL_WAIT_S <= 11.0  # the stop budget fits issue 13's 10 s bar (+ polling)
+    torchrun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    rank = subprocess.Popen([sys.executable, "-c", _IGNORES_TERM], start_new_session=True, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert rank.stdout.readline().strip() == "ready"
+        sessions = {rank.pid}
+        assert run_processes(torchrun.pid, sessions) >= {torchrun.pid, rank.pid}
+        t0 = time.monotonic()
+        found = end_run_processes(torchrun, sessions, grace_s=1.0)
+        waited = time.monotonic() - t0
+        assert found >= 2
+        assert rank.wait(timeout=60) == -signal.SIGKILL  # SIGTERM was ignored: the escalation ended it
+        assert torchrun.wait(timeout=60) == -signal.SIGKILL
+        assert waited >= 1.0  # the rank had its grace before SIGKILL
+        assert not run_processes(torchrun.pid, sessions)
+    finally:
+        for p in (rank, torchrun):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
