@@ -18,6 +18,8 @@ from embedscale.data.loader import ShardLoader  # noqa: E402
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo  # noqa: E402
 from embedscale.embedding import local  # noqa: E402
 from embedscale.errors import InputError  # noqa: E402
+from embedscale.pipeline import server  # noqa: E402
+from embedscale.specs import TableConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -37,6 +39,7 @@ def counts(monkeypatch):
 
     monkeypatch.setattr(ShardLoader, "_check", counted_check)
     monkeypatch.setattr(local, "bag_plan", counted_plan)
+    monkeypatch.setattr(server, "bag_plan", counted_plan)  # the host parameter server's reads
     return n
 
 
@@ -47,6 +50,20 @@ def test_single_process_run_checks_ids_once(tmp_path, counts):
     cfg.train.max_steps = 3
     workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
     assert counts["lookups"] > 0 and counts["loader"] >= 3  # the train steps' batches (and the eval's)
+    assert counts["embedding"] == 0, counts
+
+
+def test_single_process_run_with_host_tables_checks_ids_once(tmp_path, counts):
+    """Host tables (EL-Rec V parameter server) beside the device tables: neither checks the loader's ids again."""
+    data = tmp_path / "data"
+    make_data(data)
+    cfg = config(tmp_path, data)
+    cfg.train.max_steps = 3
+    cfg.model.tables = [TableConfig("t_C1", 30, 4, features=["C1"]), TableConfig("t_C2", 9, 4, features=["C2"]),
+                        TableConfig("t_C3", 120, 4, features=["C3"], placement="host"),
+                        TableConfig("t_C4", 5, 4, features=["C4"])]
+    workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
+    assert counts["lookups"] > 0 and counts["loader"] >= 3
     assert counts["embedding"] == 0, counts
 
 

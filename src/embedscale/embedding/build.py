@@ -133,7 +133,8 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
                                                  init=init, seed=env.seed, tt_lr=env.tt_lr,
                                                  init_index=[tables.index(x) for x in rest], validate=env.validate)]
             return PipelinedEmbedding.from_tables(tables, forms, device=env.device, optimizer=env.optimizer, lr=env.lr,
-                                                  seed=env.seed, init=init, device_modules=device_modules)
+                                                  seed=env.seed, init=init, device_modules=device_modules,
+                                                  validate=env.validate)
         if has_tt:
             return MixedEmbedding(tables, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
                                   seed=env.seed, tt_lr=env.tt_lr, validate=env.validate)
@@ -162,13 +163,13 @@ def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
         sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
         module = MixedEmbedding(rest, tt=tt, local=module, device=env.device, optimizer=opt, lr=env.lr,
                                 init=init, seed=env.seed, grad_sync=sync, init_index=[tables.index(x) for x in rest],
-                                tt_lr=env.tt_lr)
+                                tt_lr=env.tt_lr, validate=env.validate)
     if host:  # host rows in a parameter server, data parallel: every rank applies every update (EL-Rec V)
         if env.optimizer not in ("sgd", "rowwise_adagrad"):
             raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {env.optimizer!r}")
         share = env.new_share_group() if env.new_share_group is not None else None
         server = HostParameterServer(host, optimizer=env.optimizer, lr=env.lr, init=init, share_group=share,
-                                     timeout_s=env.timeout_s)
+                                     timeout_s=env.timeout_s, validate=env.validate)
         module = PipelinedEmbedding(tables, server, [module], device=env.device, process_group=_group(env))
     return module
 

@@ -202,14 +202,15 @@ class PipelinedEmbedding(nn.Module):
                     host_device: torch.device | str | None = None, optimizer: str = "rowwise_adagrad",
                     lr: float = 0.01, eps: float = 1e-8, seed: int | None = None, init="uniform",
                     device_modules: Sequence[nn.Module] | None = None, process_group=None,
-                    server_group=None, timeout_s: float = 300.0) -> "PipelinedEmbedding":
+                    server_group=None, timeout_s: float = 300.0, validate: bool = True) -> "PipelinedEmbedding":
         """Tables whose form in ``forms`` (``{table: TableForm}``; a table it does not name is ``sharded``) is
         ``host`` go to a new :class:`HostParameterServer` on ``host_device``; the others, unless
         ``device_modules`` is given, to one ``LocalEmbeddingBags`` on ``device`` (a TT table then needs
         ``device_modules``: a ``MixedEmbedding``). Both are
         initialised with ``init`` and ``seed`` (each as a ``LocalEmbeddingBags`` of its own tables would be).
         ``server_group``: the ranks of this machine that share one copy of the host tables
-        (:mod:`embedscale.pipeline.shared`); ``None``: one server with its own copy per rank."""
+        (:mod:`embedscale.pipeline.shared`); ``None``: one server with its own copy per rank. ``validate``:
+        both check the ids they read (``False`` when the ``ShardLoader`` did)."""
         kind = {t.name: forms[t.name].kind if t.name in forms else "sharded" for t in tables}
         host = [t for t in tables if kind[t.name] == "host"]
         rest = [t for t in tables if kind[t.name] != "host"]
@@ -219,9 +220,10 @@ class PipelinedEmbedding(nn.Module):
                 raise ConfigError(f"PipelinedEmbedding.from_tables: tables {tt} are {[kind[n] for n in tt]}, not "
                                   "stored in a LocalEmbeddingBags: pass device_modules (a MixedEmbedding for TT)")
             device_modules = [LocalEmbeddingBags(rest, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                                 init=init, seed=seed)] if rest else []
+                                                 init=init, seed=seed, validate=validate)] if rest else []
         server = HostParameterServer(host, device=host_device, optimizer=optimizer, lr=lr, eps=eps, init=init,
-                                     seed=seed, share_group=server_group, timeout_s=timeout_s) if host else None
+                                     seed=seed, share_group=server_group, timeout_s=timeout_s,
+                                     validate=validate) if host else None
         return cls(tables, server, device_modules, device=device, process_group=process_group)
 
     # -- attributes ------------------------------------------------------------------------------------
