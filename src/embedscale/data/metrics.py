@@ -40,24 +40,32 @@ def _weights(w, n: int) -> np.ndarray:
     return w
 
 
+def _columns(labels, values, weights) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(y, v, w)`` as flat float64 arrays (``w`` ones when not given); ``None`` for no samples."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    v = np.asarray(values, dtype=np.float64).ravel()
+    if y.size == 0:
+        return None
+    return y, v, _weights(weights, y.size)
+
+
 def logloss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-7, weights=None) -> float:
     """(Weighted) mean binary cross-entropy of probabilities ``probs`` (clipped to ``[eps, 1 - eps]``) against
     0/1 ``labels``; NaN for no samples."""
-    y = np.asarray(labels, dtype=np.float64).ravel()
-    p = np.clip(np.asarray(probs, dtype=np.float64).ravel(), eps, 1 - eps)
-    if y.size == 0:
+    cols = _columns(labels, probs, weights)
+    if cols is None:
         return NAN
-    w = _weights(weights, y.size)
+    y, p, w = cols
+    p = np.clip(p, eps, 1 - eps)
     return float(-np.sum(w * (y * np.log(p) + (1 - y) * np.log1p(-p))) / w.sum())
 
 
 def logloss_from_logits(labels: np.ndarray, logits: np.ndarray, weights=None) -> float:
     """(Weighted) mean binary cross-entropy computed stably from logits; NaN for no samples."""
-    y = np.asarray(labels, dtype=np.float64).ravel()
-    z = np.asarray(logits, dtype=np.float64).ravel()
-    if y.size == 0:
+    cols = _columns(labels, logits, weights)
+    if cols is None:
         return NAN
-    w = _weights(weights, y.size)
+    y, z, w = cols
     return float(np.sum(w * (np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z))))) / w.sum())
 
 
@@ -85,11 +93,10 @@ def normalized_entropy(labels: np.ndarray, probs: np.ndarray, weights=None, *, l
 
 def calibration(labels: np.ndarray, probs: np.ndarray, weights=None) -> float:
     """Predicted over observed CTR: ``sum w p / sum w y``; NaN when no sample is positive (or none at all)."""
-    y = np.asarray(labels, dtype=np.float64).ravel()
-    p = np.asarray(probs, dtype=np.float64).ravel()
-    if y.size == 0:
+    cols = _columns(labels, probs, weights)
+    if cols is None:
         return NAN
-    w = _weights(weights, y.size)
+    y, p, w = cols
     observed = float(np.sum(w * y))
     return float(np.sum(w * p) / observed) if observed > 0 else NAN
 
