@@ -25,8 +25,9 @@ from test_distributed_train import config, make_data  # noqa: E402
 from embedscale import workflow  # noqa: E402
 from embedscale.cli import main  # noqa: E402
 from embedscale.errors import ConfigError  # noqa: E402
-from embedscale.train.checkpoint import (best_checkpoint, latest_checkpoint, load_checkpoint,  # noqa: E402
-                                         read_manifest, read_shards, resolve_checkpoint, write_rank_file)
+from embedscale.train.checkpoint import (best_checkpoint, best_pointer, latest_checkpoint,  # noqa: E402
+                                         load_checkpoint, read_manifest, read_shards, resolve_checkpoint,
+                                         step_dir, write_best, write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, improved, warmup_steps  # noqa: E402
 from embedscale.train.run import RunState  # noqa: E402
 
@@ -262,3 +263,16 @@ def test_an_evaluation_after_a_checkpoint_of_the_same_step_is_saved(tmp_path):
     assert run.evals == [4, 8] and s["steps"] == 8 and s["stopped_early"]
     es = read_manifest(latest_checkpoint(tmp_path))["early_stopping"]
     assert es["stopped"] and es["eval_step"] == 8 and es["best_step"] == 4 and es["bad_evals"] == 1
+
+
+def test_best_pointer_replaces_a_copied_best_directory(tmp_path):
+    """A run directory copied by a tool that follows links holds ``checkpoints/best`` as a real directory (a
+    duplicate of a step directory): the next best is still recorded, as a link again."""
+    for s in (2, 4):
+        step_dir(tmp_path, s).mkdir(parents=True)
+    copied = best_pointer(tmp_path)
+    copied.mkdir()
+    (copied / "rank-00000.pt").write_bytes(b"copy")
+    write_best(tmp_path, 4)
+    assert copied.is_symlink() and copied.readlink().name == step_dir(tmp_path, 4).name
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["best", "step-00000002", "step-00000004"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,10 @@ def write_best(run_dir: str | Path, step: int) -> Path:
     tmp = pointer.with_name(f".{BEST}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     os.symlink(step_dir(run_dir, step).name, tmp)
+    if pointer.is_dir() and not pointer.is_symlink():
+        # a copy of the run made by a tool that follows links (shutil.copytree, cp -L, rsync -L) holds the
+        # best checkpoint's files here instead of the link: a duplicate of a step directory, replaced
+        shutil.rmtree(pointer)
     os.replace(tmp, pointer)
     return pointer
 

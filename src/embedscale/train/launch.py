@@ -44,15 +44,18 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
         return dist.get_rank(), dist.get_world_size()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()) if world == 1 else "29500")
+    # A world of one without torchrun picks a free port of its own and leaves the environment alone: a port
+    # written into os.environ would be inherited by every process started later from this one (a CLI command
+    # run in-process, then a subprocess launch) while this process still listens on it.
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else (free_port() if world == 1 else 29500)
     backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("EMBEDSCALE_BACKEND") != "gloo"
                           else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
     # Under torchrun the store may be the agent's, which outlives a restart: keys of the failed attempt
     # (the dead ranks' addresses) would be read by the new one. A prefix per attempt keeps them apart.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+    store = dist.TCPStore(addr, port, world,
                           is_master=(rank == 0 and not agent_store), timeout=timeout, wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"embedscale/attempt-{attempt}", store), rank=rank,
