@@ -142,10 +142,12 @@ def _finite(figures: dict) -> dict:
 
 
 class _Checkpoints:
-    """The loop's checkpoint writes: at most one per step, and the ``best`` pointer kept (rank 0 writes it)."""
+    """The loop's checkpoint writes: at most one per step, each with ``metrics.csv`` up to it (a restart from
+    any checkpoint, a best one included, finds every row it resumes after), and the ``best`` pointer kept
+    (rank 0 writes it)."""
 
-    def __init__(self, run: Run, loop: LoopConfig):
-        self.run, self.loop = run, loop
+    def __init__(self, run: Run, loop: LoopConfig, metrics):
+        self.run, self.loop, self.metrics = run, loop, metrics
         self.saved: dict | None = None  # the run position (early-stopping state included) last written
         self.periodic: set[int] = set()
 
@@ -158,6 +160,7 @@ class _Checkpoints:
         if position != self.saved:
             save_checkpoint(self.run)
             self.saved = position
+            self.metrics.write()
 
     def new_best(self, previous: int) -> None:
         """The run's state has just become the best (``state.best_step`` is this step): checkpoint it, point
@@ -213,7 +216,7 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     metrics.restart(st.step)
     total = loop.max_steps or loop.epochs * len(run.train_loader)
     warmup = warmup_steps(loop, total)
-    ckpts = _Checkpoints(run, loop)
+    ckpts = _Checkpoints(run, loop, metrics)
     bar = tqdm(total=total, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}", unit="step",
                disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
     t_start = time.perf_counter()
@@ -263,7 +266,6 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 evaluate_now()
             if loop.checkpoint_every and st.step % loop.checkpoint_every == 0:
                 ckpts.save(periodic=True)
-                metrics.write()
             if done():
                 break
         else:
