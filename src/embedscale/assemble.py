@@ -191,7 +191,7 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     m = cfg.model
 
     def decided(tables: list[TableSpec]) -> list[TableSpec]:  # the requests checked, as they were decided
-        _told(tables, config_forms(m, tables))
+        config_forms(m, tables)
         return tables
 
     if not cfg.model.tables:
@@ -220,9 +220,10 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     return decided([t.spec for t in cfg.model.tables])
 
 
-def _told(tables: list[TableSpec], forms: dict[str, TableForm]) -> None:
-    """Say the embedding memory before anything is built (rank 0 only: every rank builds the same tables)."""
-    if os.environ.get("RANK", "0") == "0":
+def say_embedding_memory(tables: list[TableSpec], forms: dict[str, TableForm], rank: int = 0) -> None:
+    """Say the embedding memory once, before training builds the tables in their ``forms`` (rank 0 only:
+    every rank builds the same tables)."""
+    if rank == 0:
         _log(embedding_memory(tables, forms))
 
 

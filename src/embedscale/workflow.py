@@ -20,7 +20,8 @@ from embedscale.specs import RunConfig, TableSpec, dump_config
 from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
-                                 new_run_dir, prepare_data, profile, split_existing, tables_for, tt_lr)
+                                 new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
+                                 tt_lr)
 from embedscale.errors import EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
@@ -45,6 +46,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     device = torch.device(cfg.train.device)
     tables = tables_for(cfg, data.manifest)
     forms = config_forms(cfg.model, tables)  # a world of one: the config's requests decided (build does the same)
+    say_embedding_memory(tables, forms)
     assignment = _dmt_towers(cfg, tables, run_dir)
     # the ShardLoaders below check every batch's ids: the embedding need not check them again
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)

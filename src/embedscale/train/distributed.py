@@ -337,6 +337,8 @@ class DistributedRun:
         if t.pipeline_server not in ("per-rank", "shared"):
             raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
         self.tt_stats: dict[str, int] = {}
+        if not inference:
+            assemble.say_embedding_memory(self.all_tables, self.forms, rank)
         built = build_embedding(self.all_tables, self.plan, EmbeddingEnv(
             device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
             tt_lr=assemble.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
