@@ -425,19 +425,19 @@ def budget_error(names: Sequence[str], cands, choice, dev_budget: float, host_bu
         if left_d <= 0 and left_h <= 0:
             break
         c = cands[i][choice[i]]
-        unplaced.append(f"{names[i]} (smallest: {c.label}, {_mib(c.device_bytes)} device, {_mib(c.host_bytes)} host)")
+        unplaced.append(f"{names[i]} (smallest: {c.label}, {human_bytes(c.device_bytes)} device, {human_bytes(c.host_bytes)} host)")
         left_d -= c.device_bytes
         left_h -= c.host_bytes
     parts = []
     if over_d > 0:
-        parts.append(f"device memory over by {_mib(over_d)} per rank (needs {_mib(d)}, budget {_mib(dev_budget)})")
+        parts.append(f"device memory over by {human_bytes(over_d)} per rank (needs {human_bytes(d)}, budget {human_bytes(dev_budget)})")
     if over_h > 0:
-        parts.append(f"host memory over by {_mib(over_h)} per rank (needs {_mib(h)}, budget {_mib(host_budget)})")
+        parts.append(f"host memory over by {human_bytes(over_h)} per rank (needs {human_bytes(h)}, budget {human_bytes(host_budget)})")
     return BudgetError("no plan fits the memory budget: " + "; ".join(parts) + ". Tables that could not be placed: "
                        + ", ".join(unplaced) + ". Raise --device-memory / --host-memory or add ranks")
 
 
-def _mib(b: float) -> str:
+def human_bytes(b: float) -> str:
     """Bytes for people: B, KiB, MiB or GiB."""
     for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(b) >= f:
@@ -646,7 +646,7 @@ def summarize_choice(res: AutoResult, world: int, costs: Costs) -> dict[str, Any
 def explain_text(rep: Mapping[str, Any]) -> str:
     lines = [f"auto plan: predicted embedding step {rep['predicted_step_seconds'] * 1e3:.3f} ms on the bottleneck rank "
              f"(rank {rep['per_rank']['bottleneck_rank']}); budgets per rank: device "
-             f"{_mib(rep['device_budget_bytes'])}, host {_mib(rep['host_budget_bytes'])}; costs: {rep['costs']['source']}",
+             f"{human_bytes(rep['device_budget_bytes'])}, host {human_bytes(rep['host_budget_bytes'])}; costs: {rep['costs']['source']}",
              "", f"{'table':<16} {'rows':>12} {'hot':>4} {'chosen':>12} {'ms':>9} {'device MiB':>11} {'host MiB':>9}"
              f" {'runner-up':>12} {'ms':>9} {'device MiB':>11}"]
     for e in rep["tables"]:

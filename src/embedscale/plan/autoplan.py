@@ -19,8 +19,8 @@ import numpy as np
 
 from embedscale.errors import ConfigError
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
-from embedscale.plan.auto import (DEFAULT_TT_RANKS, AutoResult, BudgetError, Costs, decide, explain, rank_breakdown,
-                                  summarize_choice, table_stats, write_explain)
+from embedscale.plan.auto import (DEFAULT_TT_RANKS, AutoResult, BudgetError, Costs, decide, explain, human_bytes,
+                                  rank_breakdown, summarize_choice, table_stats, write_explain)
 from embedscale.plan.mrc import probability_histogram
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
@@ -90,7 +90,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
         over = max(per_rank["device_total"]) - device_memory
         if over > 0:
             raise BudgetError(f"no plan fits the memory budget: after placement rank {int(np.argmax(per_rank['device_total']))} "
-                              f"needs {over / 2**20:,.1f} MiB of device memory more than the budget")
+                              f"needs {human_bytes(over)} of device memory more than the budget")
     alts: dict[str, Any] = {}
     if other_budgets:
         for label, f in (("half", 0.5), ("twice", 2.0)):
