@@ -32,7 +32,8 @@ def plot_curves(rows, path: str | Path, title: str = "", ceiling_auc: float | No
     ax_auc.set_ylabel("AUC")
     for ax in (ax_loss, ax_auc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # a run with no logged step or evaluation has nothing to name
+            ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
