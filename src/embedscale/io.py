@@ -13,7 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from embedscale.errors import FormatError
+import yaml
+
+from embedscale.errors import ConfigError, FormatError
 
 
 def _umask() -> int:
@@ -64,6 +66,17 @@ def atomic_save_npy(path: str | os.PathLike, array) -> None:
 
     with atomic_open(path, "wb") as f:
         np.save(f, np.asarray(array), allow_pickle=False)
+
+
+def read_yaml(path: str | os.PathLike, what: str = "file") -> Any:
+    """Read a YAML (or JSON) file a user wrote, with a ``ConfigError`` that names it: missing, or not YAML."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{what} not found: {path}")
+    try:
+        return yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
 
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:

@@ -29,9 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from embedscale.errors import ConfigError
+from embedscale.io import read_yaml
 
 FORMATS = ("csv", "tsv", "parquet", "jsonl", "libfm", "libsvm")
 LABEL_VALUES = {"01": {b"0": 0, b"1": 1}, "-1/1": {b"-1": 0, b"1": 1, b"+1": 1},
@@ -99,14 +98,7 @@ class Schema:
 
     @classmethod
     def load(cls, path: str | Path) -> "Schema":
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{p}: schema file not found")
-        try:
-            d = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{p}: not valid YAML ({e})") from None
-        return cls.from_dict(d or {}, str(p))
+        return cls.from_dict(read_yaml(path, "schema file") or {}, str(path))
 
     @classmethod
     def from_flags(cls, fmt: str, label: str, dense: str, sparse: str, multi_hot: tuple[str, ...] = (),

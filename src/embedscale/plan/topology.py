@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from embedscale.errors import ConfigError
+from embedscale.io import read_yaml
 from embedscale.specs import Topology
 from embedscale.specs import from_dict
 
@@ -217,20 +218,10 @@ def as_link_topology(topo: "Topology | LinkTopology | dict") -> LinkTopology:
 
 def load_topology(path) -> LinkTopology:
     """Read a topology from YAML or JSON (either ``specs.Topology`` fields or a ``LinkTopology`` dict)."""
-    from pathlib import Path
-
-    import yaml
-
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"topology file not found: {p}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML/JSON ({e})") from None
+    data = read_yaml(path, "topology file")  # YAML reads JSON too
     if isinstance(data, dict) and "topology" in data and len(data) == 1:
         data = data["topology"]
     try:
         return as_link_topology(data)
     except ConfigError as e:
-        raise ConfigError(f"{p}: {e}") from None
+        raise ConfigError(f"{path}: {e}") from None
