@@ -29,6 +29,7 @@ from embedscale.data.shards import MANIFEST, Manifest
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
+from embedscale.plan.auto import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
 from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
 from embedscale.models import build_model
@@ -163,16 +164,9 @@ def embedding_memory(tables: list[TableSpec], forms: dict[str, TableForm]) -> st
     total = sum(size.values())
     rows = sum(t.num_rows for t in tables)
     biggest = max(tables, key=lambda t: size[t.name], default=None)
-    return (f"embedding tables: {len(tables)}, {rows:,} rows, {_size(total)} of weights"
-            + (f" (largest {biggest.name}: {biggest.num_rows:,} rows, {_size(size[biggest.name])})"
+    return (f"embedding tables: {len(tables)}, {rows:,} rows, {human_bytes(total)} of weights"
+            + (f" (largest {biggest.name}: {biggest.num_rows:,} rows, {human_bytes(size[biggest.name])})"
                if biggest else "") + "; optimizer state comes on top")
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{int(n)} B"
 
 
 def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
