@@ -2,10 +2,12 @@
 AllReduce, for the gradients of replicated hot rows, on 4 local gloo ranks.
 
 Setup (scaled OPER training): the replicated region is OPER's 5% extra memory of the criteo-kaggle tables
-capped at 1M rows (5% of 8.6M rows = 430k hot rows, dim 16); every rank's mini-batch (4096 / 4 samples x
+capped at 1M rows (5% of 5.57M rows = 278k hot rows, dim 16); every rank's mini-batch (4096 / 4 samples x
 26 features, Zipf(1.1)) touches some of them, with many repeats. Each iteration every rank
 syncs its (rows, gradients) with each method; the figure is iterations per second (median over repeats,
-methods interleaved). Prints one JSON line.
+methods interleaved). The AllGather baseline is at its best: one size exchange, rows and gradients in one
+all_gather. Bytes are what each method counts at its collective calls (``comm.transport``'s convention).
+Prints one JSON line.
 
     .venv/bin/python benchmarks/bench_grad_sync.py [--quick] [--world 4]
 """
