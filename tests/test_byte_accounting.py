@@ -1,7 +1,7 @@
 """The bytes one training step puts on the wire, against values counted by hand, for a small hand plan.
 
 Published figures: the transport's counters (forward ids and rows, backward gradients, count metadata),
-the replica gradient sync's bytes, and what a run reports per step (``train.distributed``:
+the replica gradient sync's bytes, the TT replicas' core gradient sync (``tt_grad_sync_bytes``), and what a run reports per step (``train.distributed``:
 ``embedding_bytes_on_wire_per_step`` and ``grad_sync_bytes_per_step`` in the summary). The reference is
 brute force from this file's own plan: which rank owns a row, and so which distinct rows (retrieve) or
 values and partial bags (send) a rank's batch needs from each peer, times the bytes of an int64 id, of a
@@ -24,6 +24,7 @@ from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
 from embedscale.embedding.address_map import address_map_from_plan
+from embedscale.embedding.compression import replica_grad_sync
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
@@ -147,6 +148,11 @@ def _step_worker(rank, world):
         got["sync"] = int(emb.stats.get("grad_sync_bytes", 0))
         got["sent_total"] = int(tr.counter.sent.sum())
         res[(design, sync)] = got
+    # TT replicas' core gradients (EL-Rec VI-B): one ring all_reduce of the cores flattened together
+    st: dict = {}
+    cores = [torch.full((3, 4), float(rank + 1)), torch.full((5,), 2.0 * (rank + 1))]
+    replica_grad_sync(stats=st)(cores)
+    res["tt"] = (st["tt_grad_sync_bytes"], cores[0][0, 0].item(), cores[1][0].item())
     return res
 
 
@@ -161,6 +167,9 @@ def test_one_step_bytes_equal_the_hand_count(world):
             total = got.pop("sent_total")
             assert got == want[r], (world, case, r, got, want[r])
             assert total == sum(v for k, v in want[r].items() if k not in ("meta", "sync"))
+    ranks = world * (world + 1) // 2  # 1 + 2 + ... + W
+    for r in range(world):  # 12 + 5 float32 values, ring all_reduce: 2 (W - 1) / W x 68 bytes
+        assert results[r]["tt"] == (2 * (world - 1) * ((12 + 5) * 4) // world, float(ranks), 2.0 * ranks)
 
 
 def test_hand_count_at_two_ranks_in_numbers():
