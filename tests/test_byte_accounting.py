@@ -1,8 +1,9 @@
 """The bytes one training step puts on the wire, against values counted by hand, for a small hand plan.
 
 Published figures: the transport's counters (forward ids and rows, backward gradients, count metadata),
-the replica gradient sync's bytes, the TT replicas' core gradient sync (``tt_grad_sync_bytes``), and what a run reports per step (``train.distributed``:
-``embedding_bytes_on_wire_per_step`` and ``grad_sync_bytes_per_step`` in the summary). The reference is
+the replica gradient sync's bytes, the TT replicas' core gradient sync (``tt_grad_sync_bytes``), and what a
+run reports per step (``train.distributed``: ``embedding_bytes_on_wire_per_step`` and
+``grad_sync_bytes_per_step`` in the summary). The reference is
 brute force from this file's own plan: which rank owns a row, and so which distinct rows (retrieve) or
 values and partial bags (send) a rank's batch needs from each peer, times the bytes of an int64 id, of a
 float32 scale and of a ``dim``-float32 row, by ``comm.transport``'s counting convention (bytes a rank
