@@ -3,8 +3,9 @@
 Three ways to sum, over all ranks, the gradients of rows that every rank holds a replica of:
 
 - ``local_aggregated`` (OPER section 5.3, Fig. 5): (1) the union of the unique rows every rank touched
-  (one bitwise-OR AllReduce of a packed bitmap of the replicated rows), (2) each rank aggregates its gradients per unique row locally and
-  zero-pads them to that union, (3) one dense ring AllReduce of the ``[union, dim]`` block.
+  (one bitwise-OR AllReduce of a packed bitmap of the replicated rows), (2) each rank aggregates its
+  gradients per unique row locally and zero-pads them to that union, (3) one dense ring AllReduce of the
+  ``[union, dim]`` block.
 - ``dense``: one AllReduce of the gradient of *every* replicated row (zeros where untouched).
 - ``allgather``: every rank all_gathers everybody's (row, gradient) pairs and reduces them locally: one
   all_gather of the per-rank pair counts, one of the pairs (row id and gradient bytes packed side by side
