@@ -6,10 +6,11 @@ writes into a symmetric heap (PGAS), or hierarchically (DMT's tower transform). 
 the payload bytes it sends to and receives from each peer; those counts are what the cost model's
 communication figures (OPER eq. 3) are checked against.
 
-Counting convention (every byte figure embedscale reports: the transports' counters, the replica gradient
-sync's ``bytes_sent``, the run's ``embedding_bytes_on_wire_per_step`` and ``grad_sync_bytes_per_step``):
-the payload bytes a rank *sends*, counted at the collective call from the tensors handed to it
-(``nbytes`` = numel x element size, ``W`` = the group's size), per kind of collective:
+Counting convention (the transports' counters, the replica and TT gradient syncs' bytes, the run's
+``embedding_bytes_on_wire_per_step`` and ``grad_sync_bytes_per_step``; DMT's cross-host figures add a
+hierarchical link model on top, ``comm.hierarchical``): the payload bytes a rank *sends*, counted at the
+collective call from the tensors handed to it (``nbytes`` = numel x element size, ``W`` = the group's
+size), per kind of collective:
 
 - all_to_all (``Transport.exchange``): the sum of the splits addressed to other ranks (a rank's own split
   stays local and is not communication), per peer in ``ByteCounter.sent``; ``ByteCounter.recv`` counts
