@@ -2,10 +2,12 @@
 AllReduce, for the gradients of replicated hot rows, on 4 local gloo ranks.
 
 Setup (scaled OPER training): the replicated region is OPER's 5% extra memory of the criteo-kaggle tables
-capped at 1M rows (5% of 8.6M rows = 430k hot rows, dim 16); every rank's mini-batch (4096 / 4 samples x
+capped at 1M rows (5% of 5.57M rows = 278k hot rows, dim 16); every rank's mini-batch (4096 / 4 samples x
 26 features, Zipf(1.1)) touches some of them, with many repeats. Each iteration every rank
 syncs its (rows, gradients) with each method; the figure is iterations per second (median over repeats,
-methods interleaved). Prints one JSON line.
+methods interleaved). The AllGather baseline is at its best: one size exchange, rows and gradients in one
+all_gather. Bytes are what each method counts at its collective calls (``comm.transport``'s convention).
+Prints one JSON line.
 
     .venv/bin/python benchmarks/bench_grad_sync.py [--quick] [--world 4]
 """
@@ -52,10 +54,19 @@ def worker(rank, world, cfg):
             times[m].append(time.perf_counter() - t0)
             sent[m] += st["bytes_sent"]
             if s == 0:
-                dense = torch.zeros(cfg["replica_rows"], cfg["dim"])
-                dense[r] = g
+                dense = torch.zeros(cfg["replica_rows"], cfg["dim"], dtype=torch.float64)
+                dense[r] = g.double()
                 check[m] = dense
-    same = all(torch.allclose(check[m], check["local_aggregated"], atol=1e-4) for m in METHODS)
+    # every method against the float64 sum of every rank's step-0 gradients, within float32 summation error
+    # (a bound growing with the summed magnitude: hot rows sum thousands of terms)
+    ref = torch.zeros(cfg["replica_rows"], cfg["dim"], dtype=torch.float64)
+    mag = torch.zeros_like(ref)
+    for q in range(world):
+        rq, gq = make_batch(q, 0, cfg["replica_rows"], cfg["per_rank_ids"], cfg["dim"], cfg["alpha"])
+        ref.index_add_(0, rq, gq.double())
+        mag.index_add_(0, rq, gq.double().abs())
+    tol = 1e-5 * mag + 1e-6
+    same = all(bool(((check[m] - ref).abs() <= tol).all()) for m in METHODS)
     uniq = float(np.mean([torch.unique(b[0]).numel() for b in batches]))
     return {"median_s": {m: float(np.median(times[m][1:])) for m in METHODS},
             "bytes_per_step": {m: sent[m] / cfg["steps"] for m in METHODS}, "same": same, "unique_rows": uniq}

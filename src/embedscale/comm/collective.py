@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from embedscale.comm.transport import Transport, backend_device
+from embedscale.comm.transport import Transport, backend_device, nbytes
 
 
 class CollectiveTransport(Transport):
@@ -51,7 +51,7 @@ class CollectiveTransport(Transport):
             return counts.clone().to(dev)
         recv = torch.empty_like(counts)
         dist.all_to_all_single(recv, counts, group=self.group)
-        self.counter.meta += 2 * (W - 1) * counts.shape[1] * 8
+        self.counter.meta += (W - 1) * nbytes(counts[0])  # sent: one row to each other rank
         return recv.to(dev)
 
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,

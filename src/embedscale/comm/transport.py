@@ -5,6 +5,27 @@ Everything that moves embedding data between ranks goes through a ``Transport``,
 writes into a symmetric heap (PGAS), or hierarchically (DMT's tower transform). Every transport counts
 the payload bytes it sends to and receives from each peer; those counts are what the cost model's
 communication figures (OPER eq. 3) are checked against.
+
+Counting convention (the transports' counters, the replica and TT gradient syncs' bytes, the run's
+``embedding_bytes_on_wire_per_step`` and ``grad_sync_bytes_per_step``; DMT's cross-host figures add a
+hierarchical link model on top, ``comm.hierarchical``): the payload bytes a rank *sends*, counted at the
+collective call from the tensors handed to it (``nbytes`` = numel x element size, ``W`` = the group's
+size), per kind of collective:
+
+- all_to_all (``Transport.exchange``): the sum of the splits addressed to other ranks (a rank's own split
+  stays local and is not communication), per peer in ``ByteCounter.sent``; ``ByteCounter.recv`` counts
+  what arrives from each peer the same way.
+- ring all_reduce of an ``n``-byte buffer: ``2 (W - 1) / W x n`` (a reduce-scatter and an all-gather, each
+  sending ``W - 1`` chunks of ``n / W``; OPER eq. 5), rounded down (:func:`all_reduce_sent`). This is the
+  ring's volume whatever algorithm the backend picks for the buffer.
+- all_gather of an ``n``-byte contribution: ``(W - 1) x n`` (it reaches every other rank;
+  :func:`all_gather_sent`). A contribution padded to the largest rank's counts padded: that is what is sent.
+- the per-peer counts a transport swaps before an exchange are metadata (``ByteCounter.meta``), counted the
+  same way (sent bytes), apart from the payload.
+- one rank (``W = 1``) sends nothing.
+
+:func:`counted_all_reduce` and :func:`counted_all_gather` run the collective and return these bytes, so a
+caller counts exactly the tensor it communicated.
 """
 
 from __future__ import annotations
@@ -13,10 +34,12 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 
 class ByteCounter:
-    """Payload bytes sent to / received from each peer (self excluded), and metadata bytes apart."""
+    """Payload bytes sent to / received from each peer (self excluded), and metadata bytes sent, apart (the
+    module's counting convention)."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -81,10 +104,10 @@ class Transport(ABC):
         for p in range(self.world_size):
             if p == self.rank:
                 continue
-            b = send[p].numel() * send[p].element_size()
+            b = nbytes(send[p])
             total += b
             self.counter.sent[p] += b
-            self.counter.recv[p] += recv[p].numel() * recv[p].element_size()
+            self.counter.recv[p] += nbytes(recv[p])
         self.counter.by_kind[kind] = self.counter.by_kind.get(kind, 0) + total
         self.counter.calls += 1
 
@@ -96,3 +119,33 @@ def backend_device(backend: str) -> torch.device:
     if str(backend).lower() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+# -- the counting convention (module docstring) -------------------------------------------------------
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements (numel x element size)."""
+    return t.numel() * t.element_size()
+
+
+def all_reduce_sent(t: torch.Tensor, world: int) -> int:
+    """Bytes a rank sends in a ring all_reduce of ``t`` over ``world`` ranks: ``2 (W - 1) / W x nbytes``
+    rounded down (OPER eq. 5)."""
+    return 2 * (world - 1) * nbytes(t) // max(world, 1)
+
+
+def all_gather_sent(t: torch.Tensor, world: int) -> int:
+    """Bytes a rank sends in an all_gather of its contribution ``t`` over ``world`` ranks:
+    ``(W - 1) x nbytes``."""
+    return (world - 1) * nbytes(t)
+
+
+def counted_all_reduce(t: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> int:
+    """``dist.all_reduce(t)`` in place; returns the bytes this rank sent (:func:`all_reduce_sent`)."""
+    dist.all_reduce(t, op=op, group=group)
+    return all_reduce_sent(t, dist.get_world_size(group))
+
+
+def counted_all_gather(out: list[torch.Tensor], t: torch.Tensor, group=None) -> int:
+    """``dist.all_gather(out, t)``; returns the bytes this rank sent (:func:`all_gather_sent`)."""
+    dist.all_gather(out, t, group=group)
+    return all_gather_sent(t, dist.get_world_size(group))

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 
+from embedscale.comm.transport import counted_all_reduce
 from embedscale.plan.forms import TT_BYTES_PER_VALUE, TableForm, replicated_tables_meta, table_bytes, tt_shapes
 from embedscale.specs import TableSpec
 
@@ -58,17 +58,17 @@ def replica_grad_sync(group=None, stats: dict | None = None):
     follows then applies the same summed gradient on every rank, so the replicas stay identical. With a loss
     that is the sum over a rank's samples divided by the global batch size (``train.distributed``), the sum
     is exactly the single-process gradient of the global batch. ``stats["tt_grad_sync_bytes"]`` counts the
-    bytes of the buffers this rank contributes.
+    bytes this rank sends (``comm.transport``'s convention: ring all_reduce, ``2 (W - 1) / W x`` the buffer).
     """
     def sync(grads: list) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
+        sent = counted_all_reduce(flat, group)
         off = 0
         for g in grads:
             g.copy_(flat[off:off + g.numel()].view_as(g))
             off += g.numel()
         if stats is not None:
-            stats["tt_grad_sync_bytes"] = stats.get("tt_grad_sync_bytes", 0) + flat.numel() * flat.element_size()
+            stats["tt_grad_sync_bytes"] = stats.get("tt_grad_sync_bytes", 0) + sent
 
     return sync
 
