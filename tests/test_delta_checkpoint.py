@@ -40,7 +40,7 @@ BASES = {1: None, 2: 1, 3: 1, 4: None, 5: 4, 6: 4}  # checkpoint every step, a f
 
 
 def cfg_for(tmp: Path, data_dir: Path, full_every: int, steps: int = STEPS):
-    cfg = config(tmp, data_dir)
+    cfg = config(tmp, data_dir, plan="oper")  # N ranks: OPER's plan (rows split and the hot ones replicated)
     cfg.train.max_steps = steps
     cfg.train.checkpoint_every = 1
     cfg.train.eval_every = 2
