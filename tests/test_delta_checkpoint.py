@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed_train import ROWS, config, distributed, make_data  # noqa: E402
+from test_dmt_workflow import config as dmt_config  # noqa: E402
 
 from embedscale import workflow  # noqa: E402
 from embedscale.cli import main  # noqa: E402
@@ -31,9 +32,10 @@ from embedscale.data.loader import ShardLoader  # noqa: E402
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo  # noqa: E402
 from embedscale.embedding.local import LocalEmbeddingBags  # noqa: E402
 from embedscale.errors import FormatError  # noqa: E402
-from embedscale.specs import TableSpec  # noqa: E402
+from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict  # noqa: E402
 from embedscale.train.checkpoint import (DELTA_VERSION, delta_entry, entry_rows, load_checkpoint,  # noqa: E402
                                          read_manifest, read_shard, step_dir)
+from embedscale.train.launch import spawn_local  # noqa: E402
 
 STEPS, FULL_EVERY = 6, 4
 BASES = {1: None, 2: 1, 3: 1, 4: None, 5: 4, 6: 4}  # checkpoint every step, a full one every 4 steps
@@ -322,3 +324,20 @@ def test_best_checkpoint_retention_keeps_the_base_of_a_delta(tmp_path, data_dir)
     load_checkpoint(tmp_path / "run" / "checkpoints" / "best")
     assert any("delta" in read_manifest(p) for p in found)
     assert sum(ROWS) == sum(read_manifest(found[0])["table_rows"])
+
+
+def _rank(rank, world, cfg_dict, run_dir):
+    from embedscale.train.ranks import train_distributed
+
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+    return True
+
+
+def test_dmt_two_ranks_base_plus_delta_is_the_runs_state(tmp_path, data_dir):
+    """DMT towers (2 ranks, a tower per host): the same bitwise equality, through ``DMTRun.save``."""
+    for fe in (FULL_EVERY, 0):
+        cfg = dmt_config(tmp_path, data_dir, train__checkpoint_every=1, train__eval_every=2,
+                         train__checkpoint_full_every=fe, dist__timeout_s=300)
+        spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / f"full{fe}"), timeout_s=600)
+    assert read_manifest(ckpt(tmp_path / "full0", 1))["kind"] == "dmt"
+    check_schedule_and_state(tmp_path / f"full{FULL_EVERY}", tmp_path / "full0")
