@@ -489,9 +489,9 @@ class DistributedRun:
         for t, spec in enumerate(self.tables):
             sel = np.flatnonzero((gids >= base[t]) & (gids < base[t + 1]))
             idx = torch.from_numpy(sel)
-            entry = delta_entry if delta else (lambda r, w, m, n: table_entry(w, m, r))
-            tables[spec.name] = entry(gids[sel] - base[t], st["weight"][idx],
-                                      st["momentum"][idx] if "momentum" in st else None, spec.num_rows)
+            w, mom = st["weight"][idx], st["momentum"][idx] if "momentum" in st else None
+            tables[spec.name] = (delta_entry(gids[sel] - base[t], w, mom, spec.num_rows) if delta
+                                 else table_entry(w, mom, gids[sel] - base[t]))
         shard = {"rank": self.rank, "world_size": self.world, "tables": tables}
         if self.rank == 0:
             shard.update({"dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
