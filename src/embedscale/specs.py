@@ -272,6 +272,9 @@ class TrainConfig:
     eval_every: int = 100  # steps; 0 = at the end only
     log_every: int = 10
     checkpoint_every: int = 0  # steps; 0 = at the end only
+    # > 0: a full checkpoint every this many steps, deltas (rows updated since the last full one) in between;
+    # 0 = every checkpoint full (train.checkpoint)
+    checkpoint_full_every: int = 0
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3

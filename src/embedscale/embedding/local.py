@@ -433,6 +433,8 @@ class LocalEmbeddingBags(nn.Module):
         self.register_buffer("_arange", None, persistent=False)
         self.register_buffer("_arange32", None, persistent=False)
         self._row_dtype = [torch.int32 if g.num_rows <= _INT32_MAX else torch.int64 for g in groups]
+        # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
+        self.register_buffer("touched", None, persistent=False)
         self.reset_parameters(init, seed)
 
     # -- initialisation, layout, views -----------------------------------------------------------
@@ -491,6 +493,24 @@ class LocalEmbeddingBags(nn.Module):
         t = self._table(name)
         g = self.groups[self._table_group[t]]
         return self._group_momentum(g).narrow(0, self._row_offset[t], self.tables[t].num_rows)
+
+    def track_touched(self) -> None:
+        """Record from now on which rows the fused optimizer updates (one bool per storage row, on the
+        storage's device, set by the update itself: :meth:`table_touched`); called again, forget the rows
+        recorded so far. For delta checkpoints (``train.checkpoint``)."""
+        if self.touched is None:
+            self.touched = torch.zeros(self.groups[-1].state_offset + self.groups[-1].num_rows, dtype=torch.bool,
+                                       device=self.weights.device)
+        else:
+            self.touched.zero_()
+
+    def table_touched(self, name: str) -> torch.Tensor:
+        """``[num_rows]`` bool view: the rows of table ``name`` updated since :meth:`track_touched`."""
+        if self.touched is None:
+            raise ConfigError("table_touched: rows are not tracked (call track_touched first)")
+        t = self._table(name)
+        g = self.groups[self._table_group[t]]
+        return self.touched.narrow(0, g.state_offset + self._row_offset[t], self.tables[t].num_rows)
 
     @property
     def device(self) -> torch.device:
@@ -806,6 +826,8 @@ class LocalEmbeddingBags(nn.Module):
                                                          values_per_src=values_per_src, scratch=self._scratch,
                                                          segments=segments)
             rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps)
+        if self.touched is not None:
+            self.touched.narrow(0, g.state_offset, g.num_rows)[unique_rows] = True
 
     # -- checkpoints: per-table tensors ------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):

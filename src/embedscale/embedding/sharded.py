@@ -157,6 +157,8 @@ class ShardedEmbedding(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(0, device=device))
         self.stats: dict[str, int] = {}
         self._backing: torch.Tensor | None = None  # storage + fetch area (``_pool_table``)
+        # storage rows the optimizer updated since track_touched() (delta checkpoints); None: not tracked
+        self.register_buffer("touched", None, persistent=False)
 
     # -- inputs ---------------------------------------------------------------------------------
     def _check_keys(self, features: JaggedFeatures) -> None:
@@ -270,6 +272,8 @@ class ShardedEmbedding(nn.Module):
             sgd_update_(self.weight, uniq, g, self.lr)
         else:
             rowwise_adagrad_update_(self.weight, self.momentum, uniq, g, self.lr, self.eps)
+        if self.touched is not None:
+            self.touched[uniq] = True
 
     def _apply_partial_bag_grads(self, served, dtype) -> None:
         """Owner side of the send design's backward: for every peer, the rows it asked this rank to pool
@@ -312,13 +316,28 @@ class ShardedEmbedding(nn.Module):
             self._apply_owned(self.num_owned + local.index_select(0, keep), grads.index_select(0, keep))
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def shard_state(self) -> dict:
+    def track_touched(self) -> None:
+        """Record from now on which storage rows the optimizer updates (owned rows and replicas: one bool per
+        storage row, set by the update); called again, forget the rows recorded so far. For delta checkpoints:
+        ``shard_state(touched_only=True)``."""
+        if self.touched is None:
+            self.touched = torch.zeros(self.weight.shape[0], dtype=torch.bool, device=self.weight.device)
+        else:
+            self.touched.zero_()
+
+    def shard_state(self, touched_only: bool = False) -> dict:
         """The rows this rank owns (its owned region, and the replicas it owns), with optimizer state:
-        what a sharded checkpoint stores. Every row of the model is in exactly one rank's shard state."""
+        what a sharded checkpoint stores. Every row of the model is in exactly one rank's shard state.
+        ``touched_only``: only those updated since :meth:`track_touched` (a delta checkpoint's)."""
         rep = self.amap.replica_gids_on(self.rank)
         mine = self.amap.owner[rep] == self.rank
         gids = np.concatenate([self.amap.owned_gids(self.rank), rep[mine]])
         idx = torch.from_numpy(np.concatenate([np.arange(self.num_owned), self.num_owned + np.flatnonzero(mine)]))
+        if touched_only:
+            if self.touched is None:
+                raise ConfigError("shard_state(touched_only=True): rows are not tracked (call track_touched first)")
+            hit = self.touched.index_select(0, idx.to(self.touched.device)).cpu().numpy()
+            gids, idx = gids[hit], idx[torch.from_numpy(hit)]
         st = {"gids": torch.from_numpy(gids), "weight": self.weight[idx.to(self.weight.device)].detach().cpu()}
         if self.optimizer == "rowwise_adagrad":
             st["momentum"] = self.momentum[idx.to(self.momentum.device)].cpu()

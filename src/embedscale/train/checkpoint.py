@@ -28,14 +28,30 @@ A rank file holds only tensors, numbers, strings, lists and dicts (read back wit
 The manifest holds the run position (step, epoch, batch_in_epoch, samples, and the early-stopping state:
 best step and value, evaluations without improvement, stopped), ``kind`` (``plan``: flat
 model; ``dmt``: tower model), the row-stored tables and their rows, the optimizers, the resolved config
-(``config_yaml``) and the shard file names.
+(``config_yaml``), the shard file names and ``id`` (random, new at every write: a delta names its base by it).
+
+Delta checkpoints (``train.checkpoint_full_every`` M > 0; issue 17 part 5). The loop writes a *full*
+checkpoint (the above) when it has none to build on in this process or when the step enters a new multiple
+of M (``step // M`` changed since the last full one), a *delta* otherwise. A delta is the same directory
+(manifest version :data:`DELTA_VERSION`, ``delta: {base, base_step, base_id}``) whose rank files hold, of
+the row-stored tables, only the rows updated since its base (the last full checkpoint, a sibling step
+directory) with their row-wise optimizer state, and everything else whole (dense state and optimizer,
+host tables, TT cores, losses, RNG: the run position). Deltas are cumulative, never chained: restoring
+one reads its base and overlays the delta's rows (:func:`read_shards`), so it is exact, re-shards onto any
+world size like a full checkpoint, and needs only its base. A delta's row ids are stored as int32, or as a
+bitmap over the table (``rows_bitmap``, ``np.packbits``) when that is smaller. A missing, unreadable or
+rewritten base (its ``id`` differs from ``base_id``) is a ``FormatError`` naming both directories; the loop
+never removes a base a delta names (:func:`bases_in_use`). The rows are those the fused sparse optimizers
+updated (``LocalEmbeddingBags`` / ``ShardedEmbedding.track_touched``: one bool per row, set by the update).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +63,7 @@ from embedscale.io import atomic_open, atomic_write_json, read_json
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
+DELTA_VERSION = 3  # a delta checkpoint (rows touched since its base): readers before it reject it by version
 MANIFEST = "manifest.json"
 BEST = "best"  # checkpoints/best: a symbolic link to the best evaluation's step directory
 _STEP = re.compile(r"^step-(\d+)$")
@@ -146,9 +163,59 @@ def read_manifest(ckpt_dir: str | Path) -> dict:
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         raise FormatError(f"{ckpt_dir / MANIFEST}: not an embedscale checkpoint (format {m.get('format')!r})"
                           if isinstance(m, dict) else f"{ckpt_dir / MANIFEST}: not an embedscale checkpoint")
-    if m.get("version") != VERSION:
-        raise FormatError(f"{ckpt_dir / MANIFEST}: checkpoint version {m.get('version')} is not {VERSION}")
+    if m.get("version") not in (VERSION, DELTA_VERSION) or (m.get("version") == DELTA_VERSION) != ("delta" in m):
+        raise FormatError(f"{ckpt_dir / MANIFEST}: checkpoint version {m.get('version')} is not {VERSION} "
+                          f"(full) or {DELTA_VERSION} (delta)")
     return m
+
+
+def is_delta(manifest: dict) -> bool:
+    """Whether a manifest is a delta checkpoint's (rows touched since its base only)."""
+    return "delta" in manifest
+
+
+def delta_base(ckpt_dir: str | Path, manifest: dict) -> Path:
+    """The full checkpoint a delta was written against (a sibling step directory), checked: missing,
+    incomplete, itself a delta, or rewritten since (another ``id``) is a ``FormatError`` naming both."""
+    ckpt_dir = Path(ckpt_dir)
+    d = manifest["delta"]
+    base = ckpt_dir.parent / str(d["base"])
+    what = f"delta checkpoint {ckpt_dir} (step {manifest.get('step')})"
+    if not base.is_dir():
+        raise FormatError(f"{what}: its base {base} is missing (a delta holds only the rows touched since its "
+                          "base full checkpoint; both are needed)")
+    try:
+        bm = read_manifest(base)
+    except FormatError as e:
+        raise FormatError(f"{what}: its base is damaged: {e}") from None
+    if is_delta(bm):
+        raise FormatError(f"{what}: its base {base} is itself a delta checkpoint")
+    if bm.get("id") != d.get("base_id") or bm.get("step") != d.get("base_step"):
+        raise FormatError(f"{what}: its base {base} was rewritten since (step {bm.get('step')}, id {bm.get('id')}; "
+                          f"the delta was written against step {d.get('base_step')}, id {d.get('base_id')})")
+    if bm.get("tables") != manifest.get("tables") or bm.get("table_rows") != manifest.get("table_rows"):
+        raise FormatError(f"{what}: its base {base} has other tables ({bm.get('tables')} / {bm.get('table_rows')})")
+    return base
+
+
+def bases_in_use(run_dir: str | Path) -> set[str]:
+    """Names of the step directories that a complete delta checkpoint of the run names as its base (a
+    directory a retention rule must keep). ``run_dir``: a run directory or its ``checkpoints/``."""
+    d = Path(run_dir)
+    if d.name != "checkpoints":
+        d = d / "checkpoints"
+    out: set[str] = set()
+    if not d.is_dir():
+        return out
+    for p in d.iterdir():
+        if _STEP.match(p.name) and is_checkpoint(p):
+            try:
+                m = json.loads((p / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(m, dict) and isinstance(m.get("delta"), dict):
+                out.add(str(m["delta"].get("base")))
+    return out
 
 
 def read_shard(path: str | Path) -> dict:
@@ -166,7 +233,62 @@ def read_shard(path: str | Path) -> dict:
 
 
 def read_shards(ckpt_dir: str | Path, manifest: dict) -> list[dict]:
-    return [read_shard(Path(ckpt_dir) / name) for name in manifest["shards"]]
+    """The rank files of a checkpoint. A delta's come with its base's rows under them: the base's rank files
+    (their table rows the delta does not hold, nothing else; ranks ``-1, -2, ...``) then the delta's own, so
+    every reader (:func:`table_pieces`, :func:`assemble_table`, :func:`merged`, :func:`rank0`) sees the
+    state at the delta's step, each row once."""
+    shards = [read_shard(Path(ckpt_dir) / name) for name in manifest["shards"]]
+    if not is_delta(manifest):
+        return shards
+    return _overlay(ckpt_dir, manifest, shards)
+
+
+def entry_rows(e: dict) -> np.ndarray:
+    """The row ids (int64) of a rank file's table entry: ``rows`` (int64; int32 in a delta) or a delta's
+    ``rows_bitmap`` over the table's ``bitmap_rows`` rows."""
+    if "rows_bitmap" in e:
+        return np.flatnonzero(np.unpackbits(e["rows_bitmap"].numpy(), count=int(e["bitmap_rows"])))
+    return e["rows"].numpy().astype(np.int64, copy=False)
+
+
+def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[dict]:
+    base = delta_base(ckpt_dir, manifest)
+    bm = read_manifest(base)
+    try:
+        base_shards = [read_shard(base / name) for name in bm["shards"]]
+    except FormatError as e:
+        raise FormatError(f"delta checkpoint {ckpt_dir}: its base is damaged: {e}") from None
+    fresh: dict[str, np.ndarray] = {}
+    for name, n in zip(manifest["tables"], manifest["table_rows"]):
+        mask = np.zeros(int(n), dtype=bool)
+        for sh in delta:
+            e = (sh.get("tables") or {}).get(name)
+            if e is None:
+                continue
+            rows = entry_rows(e)
+            if rows.size and (rows.min() < 0 or rows.max() >= n):
+                raise FormatError(f"{ckpt_dir}: table {name!r} has a saved row {int(rows.max())} outside [0, {n})")
+            mask[rows] = True
+            e["rows"] = torch.from_numpy(rows)
+            e.pop("rows_bitmap", None)
+            e.pop("bitmap_rows", None)
+        fresh[name] = mask
+    out = []
+    for i, sh in enumerate(base_shards):
+        tables = {}
+        for name, e in (sh.get("tables") or {}).items():
+            if name not in fresh:
+                continue
+            rows = entry_rows(e)
+            keep = ~fresh[name][rows]
+            if keep.all():
+                tables[name] = e
+                continue
+            k = torch.from_numpy(np.flatnonzero(keep))
+            tables[name] = {"rows": torch.from_numpy(rows[keep]), "weight": e["weight"][k],
+                            **({"momentum": e["momentum"][k]} if "momentum" in e else {})}
+        out.append({"rank": -1 - i, "tables": tables})
+    return out + delta
 
 
 def rank0(shards: list[dict]) -> dict:
@@ -188,7 +310,7 @@ def table_pieces(shards: list[dict], name: str) -> tuple[np.ndarray, torch.Tenso
         e = (sh.get("tables") or {}).get(name)
         if e is None:
             continue
-        rows.append(e["rows"].numpy())
+        rows.append(entry_rows(e))
         ws.append(e["weight"])
         if "momentum" in e:
             ms.append(e["momentum"])
@@ -267,15 +389,51 @@ def _os_error(e: BaseException) -> OSError | None:
     return None
 
 
-def write_manifest(ckpt_dir: Path, world: int, fields: dict) -> Path:
-    """The manifest (rank 0, after every rank file is written): marks the checkpoint complete."""
-    m = {"format": FORMAT, "version": VERSION, "world_size": world, **fields,
+def write_manifest(ckpt_dir: Path, world: int, fields: dict, delta: dict | None = None) -> Path:
+    """The manifest (rank 0, after every rank file is written): marks the checkpoint complete. ``delta``:
+    the base of a delta checkpoint (:func:`base_ref`)."""
+    m = {"format": FORMAT, "version": VERSION if delta is None else DELTA_VERSION, "world_size": world, **fields,
+         "id": uuid.uuid4().hex, **({"delta": dict(delta)} if delta is not None else {}),
          "shards": [rank_file(r) for r in range(world)]}
     atomic_write_json(ckpt_dir / MANIFEST, m)
     return ckpt_dir / MANIFEST
 
 
-__all__ = ["BEST", "FORMAT", "MANIFEST", "VERSION", "assemble_table", "best_checkpoint", "best_pointer",
-           "is_checkpoint", "write_best", "latest_checkpoint", "load_checkpoint",
+def base_ref(ckpt_dir: Path) -> dict:
+    """What a delta's manifest says of its base, the complete full checkpoint ``ckpt_dir``."""
+    m = read_manifest(ckpt_dir)
+    if is_delta(m):
+        raise FormatError(f"{ckpt_dir}: a delta checkpoint cannot be a base")
+    return {"base": ckpt_dir.name, "base_step": m["step"], "base_id": m["id"]}
+
+
+def delta_entry(rows: np.ndarray | torch.Tensor, weight: torch.Tensor, momentum: torch.Tensor | None,
+                num_rows: int) -> dict:
+    """A delta's table entry: rows ``rows`` (ids in a table of ``num_rows`` rows) with their ``weight`` and
+    row-wise ``momentum``; the ids as int32, or as a bitmap when it is smaller (``num_rows / 8`` bytes
+    against 4 per row; the rows then sorted)."""
+    rows = torch.as_tensor(rows).cpu().numpy().astype(np.int64, copy=False)
+    weight, momentum = weight.detach().cpu(), (momentum.detach().cpu() if momentum is not None else None)
+    if -(-num_rows // 8) < 4 * rows.size:
+        order = np.argsort(rows, kind="stable")
+        if rows.size > 1 and (np.diff(rows) < 0).any():
+            idx = torch.from_numpy(order)
+            rows, weight = rows[order], weight[idx]
+            momentum = momentum[idx] if momentum is not None else None
+        mask = np.zeros(num_rows, dtype=bool)
+        mask[rows] = True
+        e = {"rows_bitmap": torch.from_numpy(np.packbits(mask)), "bitmap_rows": int(num_rows)}
+    else:
+        dt = np.int32 if num_rows <= np.iinfo(np.int32).max else np.int64
+        e = {"rows": torch.from_numpy(rows.astype(dt))}
+    e["weight"] = weight.clone()
+    if momentum is not None:
+        e["momentum"] = momentum.clone()
+    return e
+
+
+__all__ = ["BEST", "DELTA_VERSION", "FORMAT", "MANIFEST", "VERSION", "assemble_table", "base_ref", "bases_in_use",
+           "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows", "is_checkpoint", "is_delta",
+           "write_best", "latest_checkpoint", "load_checkpoint",
            "merged", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
            "step_dir", "table_pieces", "write_manifest", "write_rank_file"]

@@ -59,7 +59,7 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
                                    replicated_tables_meta)
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards,
+from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, merged, rank0, read_manifest, read_shards,
                                         resolve_checkpoint, table_pieces, write_rank_file)
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
@@ -480,18 +480,20 @@ class DistributedRun:
         return binary_metrics(y, z, w)
 
     # -- checkpoints (train.checkpoint) ---------------------------------------------------------
-    def save(self, ckpt_dir: Path) -> dict:
-        """This rank's rows (by table and row id, with their optimizer state); rank 0 the dense state, named
-        optimizer state, losses, host tables and TT cores. Returns the manifest fields."""
-        st = self.embedding.shard_state()
+    def save(self, ckpt_dir: Path, delta: bool = False, track: bool = False) -> dict:
+        """This rank's rows (by table and row id, with their optimizer state; ``delta``: those updated since the
+        last ``track`` save); rank 0 the dense state, named optimizer state, losses, host tables and TT cores.
+        Returns the manifest fields (``Run.save``)."""
+        st = self.embedding.shard_state(touched_only=delta)
         gids = st["gids"].numpy()
         base = self.embedding.amap.table_base
         tables = {}
         for t, spec in enumerate(self.tables):
             sel = np.flatnonzero((gids >= base[t]) & (gids < base[t + 1]))
             idx = torch.from_numpy(sel)
-            tables[spec.name] = table_entry(st["weight"][idx], st["momentum"][idx] if "momentum" in st else None,
-                                            gids[sel] - base[t])
+            w, mom = st["weight"][idx], st["momentum"][idx] if "momentum" in st else None
+            tables[spec.name] = (delta_entry(gids[sel] - base[t], w, mom, spec.num_rows) if delta
+                                 else table_entry(w, mom, gids[sel] - base[t]))
         shard = {"rank": self.rank, "world_size": self.world, "tables": tables}
         if self.rank == 0:
             shard.update({"dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
@@ -502,6 +504,8 @@ class DistributedRun:
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
         write_rank_file(ckpt_dir, self.rank, shard)
+        if track:
+            self.embedding.track_touched()
         return {"kind": "plan", "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
                 "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
                 "tt_tables": [t.name for t in self.all_tables if self.forms[t.name].kind == "tt"],
@@ -509,7 +513,8 @@ class DistributedRun:
                 "plan": self.plan_name, "config_yaml": dump_config(self.cfg)}
 
     def restore(self, ckpt_dir: Path) -> None:
-        """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id)."""
+        """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id);
+        a delta with its base under it (``checkpoint.read_shards``)."""
         ckpt_dir = resolve_checkpoint(ckpt_dir)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != "plan":

@@ -46,8 +46,8 @@ from torch import nn
 
 from embedscale.errors import ConfigError, FormatError
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (assemble_table, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
-                                        write_rank_file)
+from embedscale.train.checkpoint import (assemble_table, delta_entry, merged, rank0, read_manifest, read_shards,
+                                        resolve_checkpoint, write_rank_file)
 from embedscale.train.distributed import DistributedRun
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
@@ -160,15 +160,22 @@ class DMTRun(DistributedRun):
         ids = {id(p) for p in self.model.tower_parameters()}
         return {n for n, p in self.model.named_parameters() if id(p) in ids}
 
-    def save(self, ckpt_dir: Path) -> dict:
-        """This rank's row ranges (by table and row id), its towers' modules (first rank of the tower group),
-        the other dense state (rank 0); optimizer state by parameter name. Returns the manifest fields."""
+    def save(self, ckpt_dir: Path, delta: bool = False, track: bool = False) -> dict:
+        """This rank's row ranges (by table and row id; ``delta``: the rows updated since the last ``track``
+        save), its towers' modules (first rank of the tower group), the other dense state (rank 0); optimizer
+        state by parameter name. Returns the manifest fields (``Run.save``)."""
         pl = self.towers.placement
         tables = {}
         for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
+            w = self.embedding.table_weight(spec.name)[: hi - lo]
             mom = self.embedding.table_momentum(spec.name)[: hi - lo] if self.embedding.momentum is not None else None
-            tables[pl.tables[i].name] = table_entry(self.embedding.table_weight(spec.name)[: hi - lo], mom,
-                                                    np.arange(lo, hi))
+            if delta:
+                r = self.embedding.table_touched(spec.name)[: hi - lo].nonzero().squeeze(1)
+                tables[pl.tables[i].name] = delta_entry(r.cpu() + lo, w.index_select(0, r),
+                                                        mom.index_select(0, r) if mom is not None else None,
+                                                        pl.tables[i].num_rows)
+            else:
+                tables[pl.tables[i].name] = table_entry(w, mom, np.arange(lo, hi))
         tower_names = self._tower_names()
         first_of_group = self.layout.local_index(self.rank) == 0
         keep = (lambda n: (n in tower_names and first_of_group) or (n not in tower_names and self.rank == 0))
@@ -178,6 +185,8 @@ class DMTRun(DistributedRun):
             shard.update({"optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
                           "rng_torch": torch.get_rng_state()})
         write_rank_file(ckpt_dir, self.rank, shard)
+        if track and self.embedding is not None:
+            self.embedding.track_touched()
         return {**dmt_checkpoint_fields(self.cfg, self.assignment, self.world),
                 "topology_hosts": self.layout.num_hosts, "hosts_per_tower": self.layout.hosts_per_tower,
                 "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],

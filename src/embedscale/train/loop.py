@@ -27,7 +27,7 @@ from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.train.metrics import MetricRow, MetricsLog
 from embedscale.train.plots import plot_curves
-from embedscale.train.checkpoint import best_pointer, step_dir, write_best
+from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, step_dir, write_best
 from embedscale.train.run import Run, save_checkpoint
 
 
@@ -47,7 +47,10 @@ class LoopConfig:
         ``early_stopping_metric`` (``auc``, ``logloss`` or ``ne``) by more than ``early_stopping_min_delta``
         (0 = never stop early).
     keep_best: keep ``checkpoints/best`` pointing at the checkpoint of the best evaluation (one is written at
-        every improvement; the previous best's directory is removed unless it is a periodic or the last one).
+        every improvement; the previous best's directory is removed unless it is a periodic or the last one,
+        or the base of a delta).
+    checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
+        of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
     """
 
     epochs: int = 1
@@ -61,6 +64,7 @@ class LoopConfig:
     early_stopping_metric: str = "auc"
     early_stopping_min_delta: float = 0.0
     keep_best: bool = True
+    checkpoint_full_every: int = 0
 
     def __post_init__(self) -> None:
         if self.early_stopping_metric not in MONITORED:
@@ -71,6 +75,9 @@ class LoopConfig:
                               f"{self.early_stopping_patience}")
         if not 0.0 <= self.lr_warmup_fraction <= 1.0:
             raise ConfigError(f"train.lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}")
+        if self.checkpoint_full_every < 0:
+            raise ConfigError(f"train.checkpoint_full_every must be >= 0 (0 = every checkpoint full), got "
+                              f"{self.checkpoint_full_every}")
 
     @classmethod
     def from_train(cls, t) -> "LoopConfig":
@@ -78,7 +85,8 @@ class LoopConfig:
                    checkpoint_every=t.checkpoint_every, lr_warmup_steps=t.lr_warmup_steps,
                    lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
                    early_stopping_metric=t.early_stopping_metric,
-                   early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best)
+                   early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
+                   checkpoint_full_every=t.checkpoint_full_every)
 
 
 def warmup_steps(loop: LoopConfig, total_steps: int) -> int:
@@ -150,15 +158,25 @@ class _Checkpoints:
         self.run, self.loop, self.metrics = run, loop, metrics
         self.saved: dict | None = None  # the run position (early-stopping state included) last written
         self.periodic: set[int] = set()
+        self.base: dict | None = None  # checkpoint_full_every: the full checkpoint deltas build on (base_ref)
 
     def save(self, periodic: bool = False) -> None:
         """Checkpoint the current step, unless this very position (early-stopping state included) has just
-        been written: an evaluation after a checkpoint of the same step (an epoch's end) rewrites it."""
+        been written: an evaluation after a checkpoint of the same step (an epoch's end) rewrites it. With
+        ``checkpoint_full_every`` M: a delta against the last full checkpoint of this process while the step
+        stays in its multiple of M, else a full one (``train.checkpoint``)."""
+        step = self.run.state.step
         if periodic:
-            self.periodic.add(self.run.state.step)
+            self.periodic.add(step)
         position = self.run.state.position()
         if position != self.saved:
-            save_checkpoint(self.run)
+            full_every, base = self.loop.checkpoint_full_every, self.base
+            if full_every and base is not None and base["base_step"] != step and \
+                    step // full_every == base["base_step"] // full_every:
+                save_checkpoint(self.run, base=base)
+            else:
+                d = save_checkpoint(self.run, track=bool(full_every))
+                self.base = base_ref(d) if full_every else None
             self.saved = position
             self.metrics.write()
 
@@ -172,7 +190,8 @@ class _Checkpoints:
             write_best(run.run_dir, st.step)
             old = step_dir(run.run_dir, previous)
             if 0 <= previous < st.step and previous not in self.periodic and \
-                    (not self.loop.checkpoint_every or previous % self.loop.checkpoint_every) and old.is_dir():
+                    (not self.loop.checkpoint_every or previous % self.loop.checkpoint_every) and old.is_dir() \
+                    and old.name != (self.base or {}).get("base") and old.name not in bases_in_use(run.run_dir):
                 shutil.rmtree(old, ignore_errors=True)
         run.barrier()
 

@@ -90,8 +90,11 @@ class Run(Protocol):
         ``data.metrics.binary_metrics`` (``logloss``, ``auc``, ``ne``, ``calibration``, ``samples``,
         ``positive_rate``)."""
 
-    def save(self, ckpt_dir: Path) -> dict:
-        """Write this rank's file into ``ckpt_dir``; return the manifest fields of this run (kind, tables...)."""
+    def save(self, ckpt_dir: Path, delta: bool = False, track: bool = False) -> dict:
+        """Write this rank's file into ``ckpt_dir``; return the manifest fields of this run (kind, tables...).
+        ``delta``: of the row-stored tables only the rows updated since the last ``track`` save (a delta
+        checkpoint, ``train.checkpoint``); ``track``: a full checkpoint after which the updated rows are
+        recorded (from here)."""
 
     def restore(self, ckpt_dir: Path) -> None:
         """Load this rank's part of any checkpoint (any world size or plan) and the run position."""
@@ -106,14 +109,15 @@ class Run(Protocol):
         """The error to raise for a failed step (N ranks: name the ranks that stopped answering)."""
 
 
-def save_checkpoint(run: Run) -> Path:
+def save_checkpoint(run: Run, base: dict | None = None, track: bool = False) -> Path:
     """``checkpoints/step-N/``: every rank writes its file, then rank 0 the manifest (the checkpoint is complete
-    only once every rank file is)."""
+    only once every rank file is). ``base`` (``checkpoint.base_ref``): a delta checkpoint against that full one;
+    ``track``: a full one that deltas will follow (``Run.save``)."""
     d = step_dir(run.run_dir, run.state.step)
-    fields = run.save(d)
+    fields = run.save(d, delta=base is not None, track=track) if base is not None or track else run.save(d)
     run.barrier()
     if run.rank == 0:
-        write_manifest(d, run.world, {**fields, **run.state.position()})
+        write_manifest(d, run.world, {**fields, **run.state.position()}, delta=base)
     run.barrier()
     return d
 

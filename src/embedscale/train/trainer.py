@@ -26,8 +26,8 @@ from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.errors import ConfigError, FormatError
 from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.loop import PipelinedLoader
-from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
-                                        write_rank_file)
+from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, merged, rank0, read_manifest, read_shards,
+                                        resolve_checkpoint, write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
@@ -169,9 +169,11 @@ class Trainer:
     def step_error(self, err: RuntimeError) -> Exception:
         return err
 
-    def save(self, ckpt_dir: Path) -> dict:
-        """A world of one: every row of every table, the dense state and optimizer, host tables, TT cores."""
-        shard = {"rank": 0, "world_size": 1, "tables": whole_table_entries(self._tables),
+    def save(self, ckpt_dir: Path, delta: bool = False, track: bool = False) -> dict:
+        """A world of one: every row of every table (``delta``: the rows updated since the last ``track`` save),
+        the dense state and optimizer, host tables, TT cores (``Run.save``)."""
+        tables = self._touched_entries() if delta else whole_table_entries(self._tables)
+        shard = {"rank": 0, "world_size": 1, "tables": tables,
                  "dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
                  "optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
                  "rng_torch": torch.get_rng_state()}
@@ -180,6 +182,12 @@ class Trainer:
         if self._tt is not None:
             shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
         write_rank_file(ckpt_dir, 0, shard)
+        if track:
+            for m in {id(m): m for m in self._tables.values()}.values():
+                if m.optimizer is None:
+                    raise ConfigError("train.checkpoint_full_every: delta checkpoints need the fused sparse "
+                                      "optimizer (train.sparse_optimizer) on the embedding tables")
+                m.track_touched()
         opt = next(iter(self._tables.values())).optimizer if self._tables else None
         return {**self.fields, "tables": list(self._tables), "table_rows": [m.table_weight(n).shape[0]
                                                                           for n, m in self._tables.items()],
@@ -188,8 +196,20 @@ class Trainer:
                 "host_tables": [s.name for s in self._host.server.tables] if self._host is not None else [],
                 "config_yaml": self.config_yaml}
 
+    def _touched_entries(self) -> dict:
+        """Every table's rows updated since the last ``track`` save, with their optimizer state."""
+        out = {}
+        for name, m in self._tables.items():
+            rows = m.table_touched(name).nonzero().squeeze(1)
+            w = m.table_weight(name)
+            out[name] = delta_entry(rows, w.index_select(0, rows),
+                                    m.table_momentum(name).index_select(0, rows) if m.momentum is not None else None,
+                                    w.shape[0])
+        return out
+
     def restore(self, ckpt_dir: Path) -> None:
-        """Restore a checkpoint of any world size (rows by table and row id) and the run position."""
+        """Restore a checkpoint of any world size (rows by table and row id), a delta included (its base
+        under it), and the run position."""
         ckpt_dir = Path(ckpt_dir)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != self.fields["kind"]:
