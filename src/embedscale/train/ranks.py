@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch.distributed as dist
+
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig
 from embedscale.train.checkpoint import latest_checkpoint, resolve_checkpoint
@@ -30,8 +32,25 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     rd, rank, world = join_run(cfg, run_dir, progress)
     run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
     run.restore(Path(checkpoint))
-    return serve_eval_split(run, rd, checkpoint, warmup,
-                            {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
+    out = serve_eval_split(run, rd, checkpoint, warmup,
+                           {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
+    leave_run(run)
+    return out
+
+
+def leave_run(run) -> None:
+    """A rank's orderly exit after its work succeeded: wait for every rank at a barrier (no peer still reads
+    this rank's PGAS heap or waits in a collective), release the embedding's resources (the PGAS lookup's
+    worker threads and heap mappings), then leave the process group. A rank that exits while its peers'
+    collectives or gloo's threads are still running can abort in C++ ("terminate called without an active
+    exception", seen under load after PGAS inference)."""
+    if dist.is_initialized():
+        dist.barrier()
+    close = getattr(getattr(run, "embedding", None), "close", None)
+    if callable(close):
+        close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
@@ -54,5 +73,7 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
         fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
     if rank != int(os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
         fault_step = None
-    return fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
-               title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
+    out = fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
+              title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
+    leave_run(run)
+    return out
