@@ -316,7 +316,7 @@ class ShardedEmbedding(nn.Module):
         """The rows this rank owns (its owned region, and the replicas it owns), with optimizer state:
         what a sharded checkpoint stores. Every row of the model is in exactly one rank's shard state."""
         rep = self.amap.replica_gids_on(self.rank)
-        mine = self.amap.owner[rep] == self.rank
+        mine = self.amap.owner_of(rep) == self.rank
         gids = np.concatenate([self.amap.owned_gids(self.rank), rep[mine]])
         idx = torch.from_numpy(np.concatenate([np.arange(self.num_owned), self.num_owned + np.flatnonzero(mine)]))
         st = {"gids": torch.from_numpy(gids), "weight": self.weight[idx.to(self.weight.device)].detach().cpu()}
@@ -327,7 +327,7 @@ class ShardedEmbedding(nn.Module):
     def _shard_gids(self, rank: int) -> np.ndarray:
         """Global ids of the rows in ``rank``'s shard state (``shard_state``'s order), from the address map."""
         rep = self.amap.replica_gids_on(rank)
-        return np.concatenate([self.amap.owned_gids(rank), rep[self.amap.owner[rep] == rank]])
+        return np.concatenate([self.amap.owned_gids(rank), rep[self.amap.owner_of(rep) == rank]])
 
     @torch.no_grad()
     def ebc_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -427,7 +427,7 @@ class _Retrieve(torch.autograd.Function):
             rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
             if bool(rep.any()):
                 r_slot = torch.full((R,), -1, dtype=torch.int64, device=dev)
-                r_slot[rinv[rep]] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
+                r_slot[rinv[rep]] = tm.slots(gids.index_select(0, ridx[rep]))
         blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
         fused = training and mod.num_slots and mod.grad_sync == "alltoall" and mod.optimizer is not None
         if fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
@@ -531,7 +531,7 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
     ``(code, key, remote, ridx, runiq, rinv, per_rank)``: packed codes, the codes without the replica bit,
     which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
     rows are one block), each remote value's index among them, and how many rows come from each rank."""
-    code = tm.code.index_select(0, gids)
+    code = tm.codes(gids)
     key = code & tm.KEY_MASK
     remote = (key >> tm.SHIFT) != me
     ridx = remote.nonzero().squeeze(1)
