@@ -334,7 +334,8 @@ class TorchAddressMap:
     REPLICA = 1 << 62
     KEY_MASK = REPLICA - 1
     OFF_MASK = (1 << SHIFT) - 1
-    _TENSORS = ("table_base", "row_code", "lut", "num_owned", "replica_local", "replica_gid", "replica_order")
+    _TENSORS = ("table_base", "row_code", "lut", "src_lut", "slot_lut", "region_slot", "num_owned", "replica_local",
+                "replica_gid", "replica_order")
 
     def __init__(self, amap: AddressMap, rank: int):
         self.amap = amap
@@ -342,18 +343,37 @@ class TorchAddressMap:
         self.table_base = torch.from_numpy(amap.table_base)
         self.row_code = torch.from_numpy(amap.view(rank))
         self.row_shift = amap.shift
+        self.lut = self.src_lut = self.slot_lut = self.region_slot = None
         if amap.row_code.dtype == np.int64:  # the executor's own layout: the gather is the decode
             assert amap.shift == self.SHIFT and amap.flag_bit == 62
-            self.lut = None
         else:  # h = code >> shift = flag << rank_bits | src  ->  add (flag << 62 | src << 40) - (h << shift)
             rank_bits = amap.flag_bit - amap.shift
             h = np.arange(2 << rank_bits, dtype=np.int64)
             flag, src = h >> rank_bits, h & ((1 << rank_bits) - 1)
-            self.lut = torch.from_numpy((flag << 62) | (src << self.SHIFT)) - (torch.from_numpy(h) << amap.shift)
+            self.lut = torch.from_numpy(((flag << 62) | (src << self.SHIFT)) - (h << amap.shift))
+            self.src_lut = torch.from_numpy(src)
+            if amap.num_slots:
+                self._slot_tables(amap, rank, h, rank_bits)
         self.num_owned = torch.from_numpy(amap.num_owned())
         self.replica_local = torch.from_numpy(amap.replica_local[:, rank].astype(np.int64))
         self.replica_gid = torch.from_numpy(amap.replica_gid)
         self.replica_order = torch.from_numpy(amap.replica_order)
+
+    def _slot_tables(self, amap: AddressMap, rank: int, h: np.ndarray, rank_bits: int) -> None:
+        """Slots from codes, for ``decode``: a replicated row's code names the rank this rank reads it from and
+        its offset there, i.e. its place in that rank's replica region; ``region_slot`` lists the regions of
+        the ranks this rank reads replicas from (after a -1 for the rows that are not replicated) and
+        ``slot_lut[h] + offset`` is a code's index there (negative, clamped to the -1, for plain rows)."""
+        parts, slut = [np.full(1, -1, dtype=np.int64)], np.full(h.size, -(1 << 40), dtype=np.int64)
+        pos = 1
+        for f in np.unique(amap.replica_fetch[:, rank]).tolist():
+            held = np.flatnonzero(amap.replica_local[:, f] >= 0)
+            parts.append(held[np.argsort(amap.replica_local[held, f], kind="stable")].astype(np.int64))
+            hf = (1 << rank_bits) | f
+            slut[hf] = pos - int(amap.owned_count[f])
+            pos += held.size
+        self.region_slot = torch.from_numpy(np.concatenate(parts))
+        self.slot_lut = torch.from_numpy(slut)
 
     @property
     def device(self) -> torch.device:
@@ -378,8 +398,7 @@ class TorchAddressMap:
         c = self.row_code.index_select(0, gids)
         if self.lut is None:
             return c
-        c = c.to(torch.int64)
-        return c.add_(self.lut.index_select(0, c >> self.row_shift))
+        return self.lut.index_select(0, c >> self.row_shift).add_(c)  # int64 + int32: no widening pass
 
     def slots(self, gids: torch.Tensor) -> torch.Tensor:
         """Replica slot of each gid, or -1 (binary search among the replicated gids: bytes per slot only)."""
@@ -391,7 +410,16 @@ class TorchAddressMap:
         return torch.where(self.replica_gid.index_select(0, s) == gids, s, torch.full_like(s, -1))
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(src, offset, replica slot or -1)`` of each gid (the slot searched for replicated rows only)."""
+        """``(src, offset, replica slot or -1)`` of each gid."""
+        if self.lut is not None:  # 32-bit layout: small tables indexed by the code's rank and flag bits
+            c = self.row_code.index_select(0, gids)
+            h = c >> self.row_shift
+            src = self.src_lut.index_select(0, h)
+            off = c.bitwise_and_((1 << self.row_shift) - 1).to(torch.int64)
+            if self.region_slot is None:
+                return src, off, torch.full_like(off, -1)
+            pos = self.slot_lut.index_select(0, h).add_(off).clamp_(min=0)
+            return src, off, self.region_slot.index_select(0, pos)
         c = self.codes(gids)
         slot = torch.full_like(c, -1)
         if self.replica_gid.numel():
