@@ -82,10 +82,14 @@ def check(amap: AddressMap, ref, storage, own, W: int) -> None:
         tsrc, toff, tslot = tm.decode(torch.from_numpy(gids))
         np.testing.assert_array_equal(np.stack([tsrc.numpy(), toff.numpy(), tslot.numpy()], 1), want,
                                       err_msg=f"TorchAddressMap.decode rank {r}")
-        code = tm.codes(torch.from_numpy(gids)).numpy()
-        np.testing.assert_array_equal(code & TorchAddressMap.OFF_MASK, want[:, 1])
-        np.testing.assert_array_equal((code & TorchAddressMap.KEY_MASK) >> TorchAddressMap.SHIFT, want[:, 0])
-        np.testing.assert_array_equal((code & TorchAddressMap.REPLICA) != 0, want[:, 2] >= 0)
+        code = tm.codes(torch.from_numpy(gids)).numpy()  # the map's own packing: its instance's constants
+        np.testing.assert_array_equal(code & tm.OFF_MASK, want[:, 1])
+        np.testing.assert_array_equal((code & tm.KEY_MASK) >> tm.SHIFT, want[:, 0])
+        np.testing.assert_array_equal((code & tm.REPLICA) != 0, want[:, 2] >= 0)
+        assert tm.KEY_MASK == tm.REPLICA - 1 and tm.OFF_MASK == (1 << tm.SHIFT) - 1
+        if G:  # codes sort by (source rank, offset): the order of the requests to each peer
+            order = np.lexsort((want[:, 1], want[:, 0]))
+            assert (np.diff(code[order] & tm.KEY_MASK) > 0).all() or G == 1
         np.testing.assert_array_equal(tm.slots(torch.from_numpy(gids[::-1].copy())).numpy(), want[::-1, 2])
         np.testing.assert_array_equal(amap.storage_gids(r), storage[r], err_msg=f"storage of rank {r}")
         assert amap.storage_rows(r) == len(storage[r])
@@ -146,7 +150,9 @@ def test_64_bit_layout_decodes_alike(monkeypatch):
     rng = np.random.default_rng(7)
     tables, owner, replicas, holders, fetch = random_case(rng, 3)
     amap = AddressMap.build(tables, 3, owner, replicas, holders, fetch)
-    assert amap.row_code.dtype == np.int64 and TorchAddressMap(amap, 0).lut is None
+    tm = TorchAddressMap(amap, 0)
+    assert amap.row_code.dtype == np.int64 and tm.src_lut is None
+    assert (tm.SHIFT, tm.REPLICA) == (TorchAddressMap.SHIFT, TorchAddressMap.REPLICA)
     ref, storage, own = reference(tables, 3, owner, [list(r) for r in replicas], holders, fetch)
     check(amap, ref, storage, own, 3)
 

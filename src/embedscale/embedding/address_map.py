@@ -17,7 +17,9 @@ view of it (the rank that claimed the map, see ``view``; the owner's until then)
 (``replica_gid``, ``replica_local``, ``replica_fetch``, ``replica_owner``) answer for every other rank,
 and a gid finds its slot by binary search among the replicated gids. Replicas are the hot head (OPER
 4.3): bytes per slot, not per row. ``TorchAddressMap`` shares ``row_code`` (on the CPU: one copy per
-process, the numpy and the torch map together) and decodes a batch with one gather plus a 3-op unpack.
+process, the numpy and the torch map together) and its codes *are* the executor's packed (rank, offset)
+keys in the map's layout (``TorchAddressMap.SHIFT`` etc. per instance): a batch decodes with one gather of
+4-byte codes and a widening, against an 8-byte gather before (``benchmarks/bench_address_map.py``).
 Range representations (sorted partition bounds, searchsorted decode) were measured and rejected: OPER's
 partitions are ranges of rows sorted by access count, scattered over the id space (a per-row plan), and
 even for row-wise plans a searchsorted decode of a 4096 x 26 batch took 1.65 ms against 0.16 ms for the
@@ -323,18 +325,18 @@ class TorchAddressMap:
     the device copy of ``row_code`` costs 4 bytes per row of all tables (8 when a rank's storage exceeds the
     32-bit layout); designed for GPU, tested on CPU only.
 
-    ``codes(gids)`` gives every gid's ``(src, offset)`` from this rank's point of view packed into one int64
-    (``src << 40 | offset``, bit 62 set when the row is a replica): one gather of the packed row codes plus
-    one lookup of a ``2 * 2**rank_bits``-entry table that moves the rank and flag bits to their places
-    (nothing at all in the 64-bit layout, which is this one). The codes sort by (source rank, offset): the
-    order of the requests to each peer.
+    ``codes(gids)`` gives every gid's ``(src, offset)`` from this rank's point of view packed into one int64,
+    ``src << self.SHIFT | offset`` with ``self.REPLICA`` set when the row is a replica: the packed row codes,
+    gathered and widened (no other pass). The layout is the map's: ``SHIFT``, ``REPLICA``, ``KEY_MASK`` and
+    ``OFF_MASK`` are read from the instance (the class values are the 64-bit layout's, ``src << 40``, bit 62).
+    The codes sort by (source rank, offset): the order of the requests to each peer.
     """
 
-    SHIFT = 40  # offsets below 2**40 rows per rank, ranks below 2**22
+    SHIFT = 40  # the 64-bit layout: offsets below 2**40 rows per rank, ranks below 2**22
     REPLICA = 1 << 62
     KEY_MASK = REPLICA - 1
     OFF_MASK = (1 << SHIFT) - 1
-    _TENSORS = ("table_base", "row_code", "lut", "src_lut", "slot_lut", "region_slot", "num_owned", "replica_local",
+    _TENSORS = ("table_base", "row_code", "src_lut", "slot_lut", "region_slot", "num_owned", "replica_local",
                 "replica_gid", "replica_order")
 
     def __init__(self, amap: AddressMap, rank: int):
@@ -342,16 +344,17 @@ class TorchAddressMap:
         self.rank = rank
         self.table_base = torch.from_numpy(amap.table_base)
         self.row_code = torch.from_numpy(amap.view(rank))
-        self.row_shift = amap.shift
-        self.lut = self.src_lut = self.slot_lut = self.region_slot = None
-        if amap.row_code.dtype == np.int64:  # the executor's own layout: the gather is the decode
-            assert amap.shift == self.SHIFT and amap.flag_bit == 62
-        else:  # h = code >> shift = flag << rank_bits | src  ->  add (flag << 62 | src << 40) - (h << shift)
+        self.SHIFT = amap.shift
+        self.REPLICA = 1 << amap.flag_bit
+        self.KEY_MASK = self.REPLICA - 1
+        self.OFF_MASK = (1 << amap.shift) - 1
+        self.src_lut = self.slot_lut = self.region_slot = None
+        if amap.row_code.dtype == np.int64:
+            assert amap.shift == TorchAddressMap.SHIFT and amap.flag_bit == 62
+        else:  # 32-bit layout: h = code >> shift = flag << rank_bits | src indexes small tables
             rank_bits = amap.flag_bit - amap.shift
             h = np.arange(2 << rank_bits, dtype=np.int64)
-            flag, src = h >> rank_bits, h & ((1 << rank_bits) - 1)
-            self.lut = torch.from_numpy(((flag << 62) | (src << self.SHIFT)) - (h << amap.shift))
-            self.src_lut = torch.from_numpy(src)
+            self.src_lut = torch.from_numpy(h & ((1 << rank_bits) - 1))
             if amap.num_slots:
                 self._slot_tables(amap, rank, h, rank_bits)
         self.num_owned = torch.from_numpy(amap.num_owned())
@@ -394,11 +397,8 @@ class TorchAddressMap:
         return out
 
     def codes(self, gids: torch.Tensor) -> torch.Tensor:
-        """int64 ``src << 40 | offset`` (bit 62: replica) of each gid, from this rank's point of view."""
-        c = self.row_code.index_select(0, gids)
-        if self.lut is None:
-            return c
-        return self.lut.index_select(0, c >> self.row_shift).add_(c)  # int64 + int32: no widening pass
+        """int64 ``src << self.SHIFT | offset`` (``self.REPLICA``: replica) of each gid, as this rank reads it."""
+        return self.row_code.index_select(0, gids).to(torch.int64)
 
     def slots(self, gids: torch.Tensor) -> torch.Tensor:
         """Replica slot of each gid, or -1 (binary search among the replicated gids: bytes per slot only)."""
@@ -411,11 +411,11 @@ class TorchAddressMap:
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(src, offset, replica slot or -1)`` of each gid."""
-        if self.lut is not None:  # 32-bit layout: small tables indexed by the code's rank and flag bits
+        if self.src_lut is not None:  # 32-bit layout: small tables indexed by the code's rank and flag bits
             c = self.row_code.index_select(0, gids)
-            h = c >> self.row_shift
+            h = c >> self.SHIFT
             src = self.src_lut.index_select(0, h)
-            off = c.bitwise_and_((1 << self.row_shift) - 1).to(torch.int64)
+            off = c.bitwise_and_(self.OFF_MASK).to(torch.int64)
             if self.region_slot is None:
                 return src, off, torch.full_like(off, -1)
             pos = self.slot_lut.index_select(0, h).add_(off).clamp_(min=0)

@@ -452,7 +452,8 @@ class _Retrieve(torch.autograd.Function):
         table = mod._pool_table(R)
         if R:
             torch.cat(fetched, out=table[n:n + R])
-        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot)
+        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot,
+                                                 off_mask=tm.OFF_MASK)
         if training:
             ctx.mod = mod
             ctx.saved = (pos.to(dev), n, bag_s, scale, r_slot, per_rank, requests, peer_slots)
@@ -541,13 +542,13 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
 
 def pool_local_and_fetched(table: torch.Tensor, fetch_base: int, key: torch.Tensor, ridx: torch.Tensor,
                            rinv: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int,
-                           one_hot: bool):
+                           one_hot: bool, *, off_mask: int):
     """One ``embedding_bag`` over ``table`` (the storage, then the fetched rows from row ``fetch_base``):
     local values read their storage row, remote ones their fetched row; bags pooled sample-major so the
     output is ``[B * F, D]`` = ``[B, F * D]``. ``key`` and ``rinv`` are overwritten. Returns ``(out, pos,
     bag_s)``: each value's table row and its sample-major bag, in the original value order (for backward)."""
     dev = table.device
-    pos = key.bitwise_and_(TorchAddressMap.OFF_MASK)  # storage row of local values ...
+    pos = key.bitwise_and_(off_mask)  # storage row of local values (the map's OFF_MASK) ...
     pos.index_copy_(0, ridx, rinv.add_(fetch_base))  # ... fetch-area row of remote ones
     pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
     out = F.embedding_bag(pos_s.to(dev), table, offsets_s.to(dev), mode="sum", include_last_offset=True,
