@@ -22,8 +22,8 @@ keys in the map's layout (``TorchAddressMap.SHIFT`` etc. per instance): a batch 
 4-byte codes and a widening, against an 8-byte gather before (``benchmarks/bench_address_map.py``).
 Range representations (sorted partition bounds, searchsorted decode) were measured and rejected: OPER's
 partitions are ranges of rows sorted by access count, scattered over the id space (a per-row plan), and
-even for row-wise plans a searchsorted decode of a 4096 x 26 batch took 1.65 ms against 0.16 ms for the
-gather (``benchmarks/bench_address_map.py``'s notes).
+even for a row-wise plan a searchsorted decode of a 4096 x 26 batch took 1.65 ms against 0.16 ms for the
+gather (a one-off measurement, BENCHMARKS.md "The address map").
 
 The map is built from any plan (OPER, table-wise, row-wise, TorchRec's, hand-written) in O(rows) numpy,
 chunk by chunk (transient memory bounded by the chunk, not the tables), and lives in host memory, as in
