@@ -1,6 +1,7 @@
 """The address map (issue 15 part 8): every global id decodes as a brute-force reference says, for hand maps
 and for the plans of every planner, and the map holds at most 8 bytes per row per rank."""
 
+import copy
 import functools
 
 import numpy as np
@@ -281,3 +282,15 @@ def test_map_of_a_large_oper_style_table_holds_at_most_8_bytes_per_row():
     for w in range(W):
         sel = plain & (src == w)
         np.testing.assert_array_equal(off[sel], np.searchsorted(np.flatnonzero(own == w), g[sel]))
+
+
+def test_a_map_deep_copies():
+    """Modules holding a map may be deep-copied (DMT copies models): the copy decodes alike, on its own codes."""
+    plan = plans()["oper-training-2"]
+    amap = address_map_from_plan(plan, [TableSpec(t.name, t.num_rows, dim=t.dim) for t in plan.tables])
+    TorchAddressMap(amap, 1)
+    twin = copy.deepcopy(amap)
+    assert twin.row_code is not amap.row_code and twin.home == 1
+    g = np.arange(amap.num_rows)
+    for r in range(2):
+        np.testing.assert_array_equal(np.stack(twin.fetch(r, g)), np.stack(amap.fetch(r, g)))

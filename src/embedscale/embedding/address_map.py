@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec
 
 _CHUNK = 1 << 22  # rows per construction / scan step: bounds the transient memory
+_CLAIM = threading.Lock()  # one rank claims a map's shared codes (module-wide: maps stay deep-copyable)
 
 
 def _layout(world_size: int, max_storage: int) -> tuple[np.dtype, int, int]:
@@ -90,7 +91,6 @@ class AddressMap:
     replica_fetch: np.ndarray
     replica_order: np.ndarray
     home: int | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -225,7 +225,7 @@ class AddressMap:
         if S == 0:
             return self.row_code
         codes = self._slot_codes(self.replica_fetch[:, rank].astype(np.int64), np.arange(S))
-        with self._lock:
+        with _CLAIM:
             if self.home is None or self.home == rank:
                 self.row_code[self.replica_gid] = codes
                 self.home = rank
