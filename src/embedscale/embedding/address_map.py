@@ -311,10 +311,6 @@ class AddressMap:
             off[rep] = self.owned_count[f] + self.replica_local[s, f]
         return src, off, slot
 
-    def arrays(self) -> dict[str, np.ndarray]:
-        """Every array the map holds (for memory accounting)."""
-        return {k: v for k, v in vars(self).items() if isinstance(v, np.ndarray)}
-
 
 class TorchAddressMap:
     """Rank ``rank``'s view of the map as torch tensors on the run's device, for per-batch decoding.
