@@ -250,10 +250,10 @@ def test_address_map_follows_the_storage_device():
     amap = AddressMap.build(ts, 1, [np.zeros(t.num_rows, dtype=np.int64) for t in ts], [np.array([1]), [], []])
     emb = ShardedEmbedding(ts, amap, CollectiveTransport(rank=0, world_size=1), 0, optimizer=None)
     assert emb.tmap.device == torch.device("cpu")
-    code = emb.tmap.code.clone()
+    code = emb.tmap.row_code.clone()
     emb.to(torch.device("meta"))
     assert emb._follow_storage() == torch.device("meta")
-    for t in (emb.tmap.code, emb.tmap.slot, emb.tmap.table_base, emb._feature_rows, emb._region_slot):
+    for t in (*emb.tmap.tensors().values(), emb._feature_rows, emb._region_slot):
         assert t.device == torch.device("meta")
-    assert emb.tmap.code.shape == code.shape
+    assert emb.tmap.row_code.shape == code.shape
     assert emb.tmap.to("meta") is emb.tmap  # already there: no copy

@@ -152,11 +152,10 @@ class PgasShardedEmbedding(ShardedEmbedding):
         if any(not self.heap.is_local(p) for p in range(self.world_size)):
             return None
         tm = self.tmap
-        src_all, off_all = tm.src, tm.off  # derived from the packed codes: once, not per table
         per_table = []
         for t in range(len(self.tables)):
             a, b = int(tm.table_base[t]), int(tm.table_base[t + 1])
-            src, off, slot = src_all[a:b], off_all[a:b], tm.slot[a:b]
+            src, off, slot = tm.decode(torch.arange(a, b, device=tm.device))
             if bool((slot >= 0).any()) or not bool((src == src[0]).all()) or \
                     not bool((off - torch.arange(b - a) == off[0]).all()):
                 return None
@@ -230,7 +229,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
                 _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
             a += c
         out, _, _ = pool_local_and_fetched(self._table[:self._cap + R], self._cap, key, ridx, rinv, scale, bag,
-                                           offsets, B, one_hot)
+                                           offsets, B, one_hot, off_mask=tm.OFF_MASK)
         return out.view(B, len(self.feature_names) * self.dim)
 
     def _prepare_send(self, features: JaggedFeatures) -> dict:

@@ -330,7 +330,7 @@ class ShardedEmbedding(nn.Module):
         what a sharded checkpoint stores. Every row of the model is in exactly one rank's shard state.
         ``touched_only``: only those updated since :meth:`track_touched` (a delta checkpoint's)."""
         rep = self.amap.replica_gids_on(self.rank)
-        mine = self.amap.owner[rep] == self.rank
+        mine = self.amap.owner_of(rep) == self.rank
         gids = np.concatenate([self.amap.owned_gids(self.rank), rep[mine]])
         idx = torch.from_numpy(np.concatenate([np.arange(self.num_owned), self.num_owned + np.flatnonzero(mine)]))
         if touched_only:
@@ -346,7 +346,7 @@ class ShardedEmbedding(nn.Module):
     def _shard_gids(self, rank: int) -> np.ndarray:
         """Global ids of the rows in ``rank``'s shard state (``shard_state``'s order), from the address map."""
         rep = self.amap.replica_gids_on(rank)
-        return np.concatenate([self.amap.owned_gids(rank), rep[self.amap.owner[rep] == rank]])
+        return np.concatenate([self.amap.owned_gids(rank), rep[self.amap.owner_of(rep) == rank]])
 
     @torch.no_grad()
     def ebc_state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -446,7 +446,7 @@ class _Retrieve(torch.autograd.Function):
             rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
             if bool(rep.any()):
                 r_slot = torch.full((R,), -1, dtype=torch.int64, device=dev)
-                r_slot[rinv[rep]] = tm.slot.index_select(0, gids.index_select(0, ridx[rep]))
+                r_slot[rinv[rep]] = tm.slots(gids.index_select(0, ridx[rep]))
         blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
         fused = training and mod.num_slots and mod.grad_sync == "alltoall" and mod.optimizer is not None
         if fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
@@ -471,7 +471,8 @@ class _Retrieve(torch.autograd.Function):
         table = mod._pool_table(R)
         if R:
             torch.cat(fetched, out=table[n:n + R])
-        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot)
+        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot,
+                                                 off_mask=tm.OFF_MASK)
         if training:
             ctx.mod = mod
             ctx.saved = (pos.to(dev), n, bag_s, scale, r_slot, per_rank, requests, peer_slots)
@@ -550,7 +551,7 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
     ``(code, key, remote, ridx, runiq, rinv, per_rank)``: packed codes, the codes without the replica bit,
     which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
     rows are one block), each remote value's index among them, and how many rows come from each rank."""
-    code = tm.code.index_select(0, gids)
+    code = tm.codes(gids)
     key = code & tm.KEY_MASK
     remote = (key >> tm.SHIFT) != me
     ridx = remote.nonzero().squeeze(1)
@@ -560,13 +561,13 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
 
 def pool_local_and_fetched(table: torch.Tensor, fetch_base: int, key: torch.Tensor, ridx: torch.Tensor,
                            rinv: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int,
-                           one_hot: bool):
+                           one_hot: bool, *, off_mask: int):
     """One ``embedding_bag`` over ``table`` (the storage, then the fetched rows from row ``fetch_base``):
     local values read their storage row, remote ones their fetched row; bags pooled sample-major so the
     output is ``[B * F, D]`` = ``[B, F * D]``. ``key`` and ``rinv`` are overwritten. Returns ``(out, pos,
     bag_s)``: each value's table row and its sample-major bag, in the original value order (for backward)."""
     dev = table.device
-    pos = key.bitwise_and_(TorchAddressMap.OFF_MASK)  # storage row of local values ...
+    pos = key.bitwise_and_(off_mask)  # storage row of local values (the map's OFF_MASK) ...
     pos.index_copy_(0, ridx, rinv.add_(fetch_base))  # ... fetch-area row of remote ones
     pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
     out = F.embedding_bag(pos_s.to(dev), table, offsets_s.to(dev), mode="sum", include_last_offset=True,
