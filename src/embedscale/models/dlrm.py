@@ -114,17 +114,37 @@ def set_dropout(model: nn.Module, p: float) -> int:
     return len(arches)
 
 
-def dropout_mask(rows: int, cols: int, keep: float, device) -> torch.Tensor:
-    """A bool ``[rows, cols]`` keep-mask, each element True with probability ``keep`` rounded to a multiple of
-    2^-16, from the default generator of ``device``.
+DROPOUT_BLOCK_ROWS = 256  # rows of a global batch whose dropout masks come from one seeded draw
+_MASK_GENERATORS: dict[str, torch.Generator] = {}
 
-    Every 64-bit random word gives four 16-bit uniforms (one draw per four elements: ``torch.rand`` draws one
-    per element, 3x slower on CPU for the top MLP's masks); the stream depends only on ``rows * cols``, so
-    every rank drawing the mask of the same global batch gets the same mask."""
-    n = rows * cols
-    words = torch.randint(-(2 ** 63), 2 ** 63 - 1, ((n + 3) // 4,), dtype=torch.int64, device=device)
+
+def dropout_mask(total: int, offset: int, rows: int, cols: int, keep: float, device) -> torch.Tensor:
+    """Rows ``[offset, offset + rows)`` of a bool ``[total, cols]`` keep-mask of a global batch, each element True
+    with probability ``keep`` rounded to a multiple of 2^-16.
+
+    One seed is drawn from the CPU default generator per mask (every rank draws the same: the ranks' streams
+    are in step), and block ``b`` of ``DROPOUT_BLOCK_ROWS`` rows of the global batch comes from a generator on
+    ``device`` seeded with ``(seed, b)``: a rank draws only the blocks its rows touch, and row ``r``'s mask is
+    the same whatever the world size. Every 64-bit random word gives four 16-bit uniforms (``torch.rand``
+    draws one per element: 3x slower on CPU)."""
+    seed = int(torch.randint(0, 2 ** 62, (1,)))
+    dev = torch.device(device)
+    gen = _MASK_GENERATORS.get(str(dev))
+    if gen is None:
+        gen = _MASK_GENERATORS[str(dev)] = torch.Generator(device=dev)
+    first = offset // DROPOUT_BLOCK_ROWS
+    last = (offset + max(rows, 1) - 1) // DROPOUT_BLOCK_ROWS
+    per = DROPOUT_BLOCK_ROWS * cols
+    parts = []
+    for b in range(first, last + 1):
+        gen.manual_seed((seed + b * 0x9E3779B97F4A7C15) % 2 ** 63)
+        words = torch.randint(-(2 ** 63), 2 ** 63 - 1, ((per + 3) // 4,), dtype=torch.int64, device=dev,
+                              generator=gen)
+        parts.append(words.view(torch.int16)[:per])
+    lo = offset - first * DROPOUT_BLOCK_ROWS
+    u = torch.cat(parts).view(-1, cols)[lo:lo + rows]
     threshold = round(keep * 65536) - 32768  # int16 uniform in [-32768, 32767]: P(v < threshold) = keep (to 2^-16)
-    return (words.view(torch.int16)[:n] < threshold).view(rows, cols)
+    return u < threshold
 
 
 def set_dropout_rows(model: nn.Module, global_size: int | None, offset: int) -> None:
@@ -410,7 +430,7 @@ class OverArch(nn.Module):
         for layer in self.model:
             x = layer(x)
             if isinstance(layer, nn.ReLU):
-                scale = dropout_mask(total, x.shape[1], keep, x.device)[offset:offset + n].to(x.dtype).mul_(1.0 / keep)
+                scale = dropout_mask(total, offset, n, x.shape[1], keep, x.device).to(x.dtype).mul_(1.0 / keep)
                 x = x * scale
         return x
 
