@@ -22,6 +22,7 @@ from embedscale.train.lock import RunLock
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
                                  tt_lr)
+from embedscale.assemble import train_loader as assemble_train_loader
 from embedscale.errors import EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
@@ -51,8 +52,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     # the ShardLoaders below check every batch's ids: the embedding need not check them again
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)
     t = cfg.train
-    train_loader = ShardLoader(data.train.directory, t.batch_size, start=data.train.start, stop=data.train.stop,
-                               prefetch=t.prefetch, device=device, drop_last=False)
+    train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()))
     eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
     fields = None
@@ -67,7 +67,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     if resume and trainer.resume():
         _log(f"resumed from step {trainer.step} in {run_dir / 'checkpoints'}")
     atomic_write_text(run_dir / "config.yaml", config_yaml)
-    extra = {"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
+    extra = {"teacher_auc": data.teacher_auc, "train_rows": None if data.stream else data.train.rows,
              "eval_rows": data.eval.rows if data.eval else 0,
              "embedding_bytes": sum(table_bytes(tb, forms[tb.name]) for tb in tables), "num_tables": len(tables),
              "host_tables": sum(f.kind == "host" for f in forms.values()),

@@ -364,9 +364,8 @@ class DistributedRun:
             warnings.simplefilter("ignore", FutureWarning)
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
-        self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
-                                        start=self.data.train.start, stop=self.data.train.stop,
-                                        prefetch=t.prefetch, device=self.device)
+        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
+                                                  pipelined=self.host_embedding is not None)
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
             self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
@@ -452,6 +451,7 @@ class DistributedRun:
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.ddp(batch.dense, batch.sparse)
+        self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
         loss = loss_sum / batch.global_size
         self.opt.zero_grad(set_to_none=True)

@@ -149,6 +149,7 @@ class Trainer:
     def train_step(self, batch) -> float:
         self.model.train()
         logits = self.model(batch.dense, batch.sparse)
+        self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss = self.loss_fn(logits, batch.labels)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # the embedding module applies its fused sparse update here
