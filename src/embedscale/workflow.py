@@ -139,9 +139,19 @@ def format_summary(s: dict) -> str:
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
         f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",
-        f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
-        + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
+        (f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
+         + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else "")
+         if s.get("eval_samples", 1) else "eval (last)        none (no eval split)"),
     ]
+    pv = s.get("progressive") or {}
+    if pv:
+        lines.append(f"progressive        last {pv['samples']:,} samples, each scored before it was trained on: AUC "
+                     f"{_num(pv.get('auc')):.5f}  logloss {_num(pv.get('logloss')):.5f}  NE {_num(pv.get('ne')):.5f}")
+    st = s.get("stream") or {}
+    if st:
+        pos = st.get("position") or {}
+        lines.append(f"stream             {st.get('shards_read')} shard(s) read from {st.get('directory')}, ended by "
+                     f"{st.get('end') or '-'}; next: shard {pos.get('shard', 0)} row {pos.get('row', 0)}")
     best = s.get("best") or {}
     if best:
         lines.append(f"eval (best)        step {best['step']}: " + _eval_line(best)
