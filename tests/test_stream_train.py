@@ -13,6 +13,7 @@ References, each independent of the stream code under test:
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import threading
@@ -70,10 +71,12 @@ def write_dataset(d):
             w.write(*shard_columns(k))
 
 
-def config(tmp_path, source, path, *, steps=0, window=120, checkpoint_every=0, plan="row_wise") -> RunConfig:
+def config(tmp_path, source, path, *, steps=0, window=120, checkpoint_every=0, plan="row_wise",
+           idle_s=0.0) -> RunConfig:
     return from_dict(RunConfig, {
         "name": "s", "out_dir": str(tmp_path / "runs"),
-        "data": {"source": source, "path": str(path), "eval_fraction": 0.0, "stream_poll_s": 0.05},
+        "data": {"source": source, "path": str(path), "eval_fraction": 0.0, "stream_poll_s": 0.05,
+                 "stream_idle_s": idle_s},
         "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8]},
         "train": {"batch_size": BATCH, "max_steps": steps, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
                   "lr_warmup_steps": 0, "dropout": 0.0, "progressive_window": window, "prefetch": 2,
@@ -162,11 +165,14 @@ def _rank(rank, world, cfg_dict, run_dir):
 def test_two_ranks_on_a_stream_equal_one_process(tmp_path, stream_dir):
     one = tmp_path / "one"
     workflow.train(config(tmp_path, "stream", stream_dir), one, resume=False, progress=False)
+    # the same shards without an END marker: the 2 ranks end when idle, rank 0 deciding for both
+    d = tmp_path / "in"
+    write_stream(d, end=False)
     two = tmp_path / "two"
-    spawn_local(_rank, 2, to_dict(config(tmp_path, "stream", stream_dir)), str(two), timeout_s=600)
+    spawn_local(_rank, 2, to_dict(config(tmp_path, "stream", d, idle_s=1.0)), str(two), timeout_s=600)
     assert load_checkpoint(two)["manifest"]["world_size"] == 2
     same_state(state(two), state(one), atol=1e-5)
-    assert read_json(two / "summary.json", "summary")["stream"]["end"] == "marker"
+    assert read_json(two / "summary.json", "summary")["stream"]["end"] == "idle"
     # progressive validation gathers both ranks' slices: the same window figures as one process
     a, b = rows(two), rows(one)
     assert [r["step"] for r in a] == [r["step"] for r in b]
@@ -243,7 +249,7 @@ def test_end_marker_count_and_rank_rules(tmp_path):
     (d / END).write_text('{"shards": 3}\n')
     with pytest.raises(FormatError, match="3 shards but .*shard-00002.arrow is missing"):
         list(StreamLoader(d, BATCH, prefetch=0))
-    with pytest.raises(ConfigError, match="END marker only"):
+    with pytest.raises(ConfigError, match="follow file"):
         StreamLoader(d, BATCH, rank=0, world_size=2, idle_s=5)
     # ranks slice every global batch as the file loader does
     (d / END).write_text("")
@@ -277,3 +283,34 @@ def test_old_metrics_files_still_read(tmp_path):
                                           "seconds,eval_ne,eval_calibration\n3,0,30,0.5,,,10.0,1.0,,\n")
     (r,) = MetricsLog(tmp_path).read()
     assert r.step == 3 and r.train_loss == 0.5 and math.isnan(r.pv_auc) and math.isnan(r.pv_samples)
+
+
+def test_other_ranks_read_what_rank_0_admitted_not_what_they_see(tmp_path):
+    """With an idle end rank 0 decides: a rank that sees 3 shards reads only the one rank 0 admitted before it
+    ended the stream (rank 0's clock ran out before shard 1 arrived), and ignores records of other attempts."""
+    d = tmp_path / "in"
+    write_stream(d, shards=3, end=False)
+    follow = tmp_path / "follow.json"
+    leader = StreamLoader(d, BATCH, rank=0, world_size=2, idle_s=0.2, poll_s=0.05, prefetch=0,
+                          follow=(follow, "attempt-1"))
+    rank1 = StreamLoader(d, BATCH, rank=1, world_size=2, idle_s=0.2, poll_s=0.05, prefetch=0,
+                         follow=(follow, "attempt-1"))
+    # the leader's record as it would be had shard 1 arrived just after rank 0 gave up on it
+    follow.write_text(json.dumps({"token": "attempt-1", "start": {"shard": 0, "row": 0}, "admitted": 1,
+                                  "ended": 1, "reason": "idle"}))
+    got = [b.global_size for b in rank1]
+    assert sum(got) == SHARD_ROWS and rank1.end_reason == "idle" and rank1.shards_read == 1
+    # a record of another attempt (an earlier one that ended at once) is not this one's: rank 1 waits for the
+    # leader's own record and both take every shard
+    follow.write_text(json.dumps({"token": "attempt-0", "start": {"shard": 0, "row": 0}, "admitted": 0,
+                                  "ended": 0, "reason": "idle"}))
+    follower: list[int] = []
+    t = threading.Thread(target=lambda: follower.extend(b.global_size for b in rank1))
+    t.start()
+    time.sleep(0.3)  # (rank 1 meanwhile looks at the stale record; the outcome does not depend on this)
+    lead = sum(b.global_size for b in leader)
+    t.join(timeout=120)
+    assert lead == 3 * SHARD_ROWS and leader.end_reason == "idle"
+    rec = json.loads(follow.read_text())
+    assert (rec["admitted"], rec["ended"], rec["reason"]) == (3, 3, "idle")
+    assert sum(follower) == lead and rank1.shards_read == 3 and rank1.end_reason == "idle"

@@ -148,10 +148,11 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
 
 
 def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, rank: int = 0, world: int = 1,
-                 pipelined: bool = False):
+                 pipelined: bool = False, follow: tuple[Path, str] | None = None):
     """The training batches of ``data``: a ``ShardLoader`` over the train split, or for a stream a
-    ``StreamLoader`` following its directory (``data.stream_idle_s``, ``data.stream_poll_s``). Ids are
-    checked there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
+    ``StreamLoader`` following its directory (``data.stream_idle_s``, ``data.stream_poll_s``; ``follow``: the
+    ranks' follow file and attempt token, by which rank 0 decides an idle end for all). Ids are checked
+    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
     t = cfg.train
     if data.stream:
         if pipelined:
@@ -159,7 +160,7 @@ def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, ra
                               "fed from a stream yet; place them on the device")
         return StreamLoader(data.train.directory, t.batch_size, rank=rank, world_size=world,
                             idle_s=cfg.data.stream_idle_s, poll_s=cfg.data.stream_poll_s, prefetch=t.prefetch,
-                            device=device)
+                            device=device, follow=follow)
     return ShardLoader(data.train.directory, t.batch_size, rank=rank, world_size=world, start=data.train.start,
                        stop=data.train.stop, prefetch=t.prefetch, device=device, drop_last=False)
 

@@ -16,10 +16,14 @@ half-written shard (a temporary or any name other than ``shard-NNNNN.arrow`` is 
 in number order: shard ``i + 1`` waits for shard ``i``. A finished dataset (``manifest.json``, as
 ``embedscale data`` writes it) is also a stream: its manifest is the schema and the end (its listed shards).
 
-The stream ends at the ``END`` marker, or (``idle_s > 0``, a world of one) when no new shard has arrived for
-``idle_s`` seconds. With several ranks every rank follows the directory on its own and they must agree on
-where it ends: the marker (written after every shard) gives them the same shards; an idle clock would not,
-so N ranks end on the marker only.
+The stream ends at the ``END`` marker, or (``idle_s > 0``) when no new shard has arrived for ``idle_s``
+seconds. Several ranks must agree on where it ends. The marker (written after every shard) gives every rank
+the same shards when each follows the directory on its own; an idle clock would not (rank 0 could give up on
+shard ``i`` a moment before rank 1 sees it arrive). So with an idle end, rank 0 alone watches the directory
+and records in a *follow file* (in the run directory, shared by the ranks) each shard it admits before it
+reads it, or where the stream ended and why; the other ranks read shard ``i`` only once rank 0 admitted it and
+end where it ended (``follow``: the file and this attempt's token; a record of another attempt or start
+position is not theirs).
 
 The loader (:class:`StreamLoader`) cuts global batches across shard boundaries exactly like
 :class:`~embedscale.data.loader.ShardLoader` (every rank gets its contiguous slice of the same global
@@ -200,12 +204,16 @@ class StreamLoader(ShardLoader):
         poll_s: how often the directory is looked at while waiting for the next shard.
         prefetch, device, validate: as :class:`~embedscale.data.loader.ShardLoader`.
 
+        follow: ``(path, token)`` of the follow file by which rank 0 decides for every rank (module
+            docstring); needed with ``idle_s`` on several ranks.
+
     Attributes after a pass: ``end_reason`` (``"marker"``, ``"idle"`` or ``"dataset"``), ``shards_read``.
     """
 
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  idle_s: float = 0.0, poll_s: float = 0.2, prefetch: int = 2,
-                 device: torch.device | str | None = None, validate: bool = True):
+                 device: torch.device | str | None = None, validate: bool = True,
+                 follow: tuple[Path, str] | None = None):
         self.directory = Path(directory)
         self.manifest = read_stream_schema(self.directory)
         if batch_size <= 0:
@@ -216,9 +224,10 @@ class StreamLoader(ShardLoader):
             raise InputError(f"batch_size {batch_size} is smaller than world size {world_size}")
         if idle_s < 0 or poll_s <= 0:
             raise ConfigError(f"data.stream_idle_s must be >= 0 and data.stream_poll_s > 0, got {idle_s}, {poll_s}")
-        if idle_s and world_size > 1:
-            raise ConfigError(f"data.stream_idle_s {idle_s}: several ranks end a stream on its {END} marker only "
-                              "(each rank's idle clock could stop at another shard); set it to 0")
+        if idle_s and world_size > 1 and follow is None:
+            raise ConfigError(f"data.stream_idle_s {idle_s}: several ranks end a stream by idle time only through "
+                              "rank 0's follow file (each rank's own clock could stop at another shard)")
+        self.follow = (Path(follow[0]), str(follow[1])) if follow is not None and world_size > 1 and idle_s else None
         self.batch_size = int(batch_size)
         self.rank, self.world_size = rank, world_size
         self.idle_s, self.poll_s = float(idle_s), float(poll_s)
@@ -275,7 +284,43 @@ class StreamLoader(ShardLoader):
         return n
 
     def _next_shard(self, i: int, since: float) -> Path | None:
-        """Wait for shard ``i``: its path, or ``None`` when the stream has ended (``end_reason`` says why)."""
+        """Shard ``i``'s path once it may be read, or ``None`` when the stream has ended (``end_reason``): the
+        directory's word, or with a follow file rank 0's (the others wait for it)."""
+        if self.follow is None:
+            return self._watch(i, since)
+        if self.rank != 0:
+            return self._admitted(i)
+        path = self._watch(i, since)
+        self._record(admitted=i + 1 if path is not None else i, ended=None if path is not None else i)
+        return path
+
+    def _record(self, admitted: int, ended: int | None) -> None:
+        """Rank 0: the follow file says shards ``< admitted`` may be read, and where the stream ended."""
+        file, token = self.follow
+        atomic_write_json(file, {"token": token, "start": self.start, "admitted": admitted, "ended": ended,
+                                 "reason": self.end_reason if ended is not None else ""})
+
+    def _admitted(self, i: int) -> Path | None:
+        """Ranks other than 0: wait until rank 0 has admitted shard ``i`` or ended the stream before it."""
+        file, token = self.follow
+        while True:
+            try:
+                rec = json.loads(file.read_text())
+            except (FileNotFoundError, ValueError):
+                rec = None
+            if isinstance(rec, dict) and rec.get("token") == token and rec.get("start") == self.start:
+                if rec.get("admitted", 0) > i:
+                    path = self.directory / shard_name(i)
+                    if not path.exists():
+                        raise FormatError(f"{file}: rank 0 admitted {path}, which this rank does not see")
+                    return path
+                if rec.get("ended") is not None and rec["ended"] <= i:
+                    self.end_reason = str(rec.get("reason") or "idle")
+                    return None
+            time.sleep(self.poll_s)
+
+    def _watch(self, i: int, since: float) -> Path | None:
+        """Wait for shard ``i`` in the directory: its path, or ``None`` when the stream has ended."""
         path = self.directory / shard_name(i)
         finished = self.manifest.extra.get("finished_shards")
         while True:
@@ -306,6 +351,8 @@ class StreamLoader(ShardLoader):
         """The rows from the start position on, shard by shard as they arrive (one block per shard)."""
         i, row = self.start["shard"], self.start["row"]
         self.end_reason, self.shards_read = "", 0
+        if self.follow is not None and self.rank == 0:  # this pass's record (the others wait for its start)
+            self._record(admitted=i, ended=None)
         since = time.monotonic()
         while True:
             path = self._next_shard(i, since)

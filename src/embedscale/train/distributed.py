@@ -100,6 +100,9 @@ def _allreduce_sum_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+STREAM_FOLLOW = "stream-follow.json"  # rank 0's record of a stream's admitted shards and its end (data.stream)
+
+
 def shared_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     """A run directory every rank agrees on without talking: given, or named after torchrun's run id."""
     if run_dir:
@@ -365,7 +368,8 @@ class DistributedRun:
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
-                                                  pipelined=self.host_embedding is not None)
+                                                  pipelined=self.host_embedding is not None,
+                                                  follow=self.stream_follow())
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
             self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
@@ -404,6 +408,10 @@ class DistributedRun:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def stream_follow(self) -> tuple[Path, str]:
+        """The follow file by which rank 0 ends a stream for every rank (``data.stream``), and this attempt."""
+        return self.run_dir / STREAM_FOLLOW, attempt_token(self.world)
 
     def step_error(self, err: RuntimeError) -> Exception:
         return _diagnose(self, err)

@@ -106,7 +106,8 @@ class DMTRun(DistributedRun):
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
         self.plan = None
         self.cross_host_bytes_per_step: list[int] = []
-        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world)
+        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
+                                                  follow=self.stream_follow())
         self._names = param_names(self.model, self.opt)
 
     # -- one step -------------------------------------------------------------------------------
