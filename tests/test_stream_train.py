@@ -121,7 +121,13 @@ def stream_dir(tmp_path_factory):
 def test_run_trains_while_a_writer_adds_shards_and_ends_on_the_marker(tmp_path, files_reference):
     d = tmp_path / "in"
     StreamWriter(d, DENSE, SPARSE)  # the schema first: the run starts before any shard exists
-    writer = threading.Thread(target=write_stream, args=(d,), kwargs={"delay_s": 0.2})
+    def produce():
+        try:
+            write_stream(d, delay_s=0.2)
+        finally:  # a failing writer must not leave the run waiting for ever (the shard count then fails it)
+            (d / END).touch()
+
+    writer = threading.Thread(target=produce)
     writer.start()
     try:
         s = workflow.train(config(tmp_path, "stream", d), tmp_path / "run", resume=False, progress=False)
