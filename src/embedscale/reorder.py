@@ -178,7 +178,7 @@ class Reordering:
         ``InputError`` naming feature, table and id.
         """
         if isinstance(x, Batch):
-            return Batch(x.dense, self.apply(x.sparse), x.labels, x.global_size)
+            return Batch(x.dense, self.apply(x.sparse), x.labels, x.global_size, x.weights)
         if isinstance(x, JaggedFeatures):
             pos = [i for i, k in enumerate(x.keys) if k in self.feature_table]
             if not pos:

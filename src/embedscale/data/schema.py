@@ -15,7 +15,7 @@ schemas (``data.criteo.CRITEO``, ``data.avazu.AVAZU``). Example::
       - {column: site, rows: 10000}
       - {column: tags, separator: "|"}   # multi-hot: the values of one field, cut at the separator
                                          # (a Parquet/JSON list column: multi_hot: true)
-    weight: w              # optional sample weight (>= 0)
+    weight: w              # optional sample weight (>= 0): weights the training loss (train.loss) and eval metrics
 
 libFM (``label field:index:value``) and libSVM (``label index:value``) files have no column names: a
 field is named ``f<field>`` unless ``fields`` names them (libFM: a list of names by field number;

@@ -1,8 +1,8 @@
 """The one reader of tabular click logs: a ``Schema`` in, columnar shards out (``convert``).
 
 Formats: CSV/TSV (with or without a header; Arrow's multi-threaded CSV parser cuts whole-line blocks into
-``binary`` columns, ``data.raw``), Parquet (a file or a directory, read with ``pyarrow.dataset``, one
-record batch at a time), JSON lines (Arrow's JSON reader per block of lines) and libFM/libSVM (split in
+``binary`` columns, ``data.raw``), Parquet (a file or a directory of them, read with ``pyarrow.parquet``
+one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines) and libFM/libSVM (split in
 Python, line by line: the slow format). Every format yields Arrow tables that ``data.decode.Decoder``
 turns into labels, dense values and categorical keys; keys become rows through ``CategoricalEncoder``
 and rows are written by ``ShardWriter``. The Criteo and Avazu readers are two schemas of this one.
@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.dataset as pads
+import pyarrow.parquet as pq
 import pyarrow.json as pajson
 
 from embedscale.data.categorical import CategoricalEncoder
@@ -256,8 +256,8 @@ def _parquet_chunks(schema: Schema, path: Path, needed: Callable[[list[str]], li
                     split: int) -> Iterator[Chunk]:
     for file in _parquet_files(path):
         try:
-            frag_ds = pads.dataset(file, format="parquet")
-            names = frag_ds.schema.names
+            pf = pq.ParquetFile(file)
+            names = pf.schema_arrow.names
         except (pa.ArrowInvalid, OSError) as e:
             raise InputError(f"{file}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
 
@@ -273,7 +273,9 @@ def _parquet_chunks(schema: Schema, path: Path, needed: Callable[[list[str]], li
         cols = needed(resolve)
         row = 0
         try:
-            for batch in frag_ds.to_batches(columns=cols, batch_size=PARQUET_BATCH_ROWS, use_threads=True):
+            # row group by row group, as the encoder consumes them: a dataset scanner reads ahead of a slower
+            # consumer without bound (2.3 GiB at peak on 1 GB of Criteo rows, against 1.2 GiB as CSV)
+            for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=cols, use_threads=True):
                 n = batch.num_rows
                 yield Chunk(file, pa.Table.from_batches([batch]), np.arange(row, row + n), [], resolve, "parquet",
                             rows_unit=True, split=split)

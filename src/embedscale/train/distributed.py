@@ -80,6 +80,7 @@ from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
 from embedscale.train.launch import init_from_env
+from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
@@ -460,7 +461,7 @@ class DistributedRun:
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.ddp(batch.dense, batch.sparse)
         self.step_logits = logits.detach()  # scored before the update (progressive validation)
-        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        loss_sum = batch_loss_sum(logits, batch)  # sample weights of a weighted dataset (train.loss)
         loss = loss_sum / batch.global_size
         self.opt.zero_grad(set_to_none=True)
         sync_before = self.embedding.stats.get("grad_sync_bytes", 0) + self.tt_stats.get("tt_grad_sync_bytes", 0)
@@ -477,13 +478,14 @@ class DistributedRun:
     @torch.no_grad()
     def evaluate(self) -> dict:
         self.model.eval()
-        zs, ys = [], []
+        zs, ys, ws = [], [], []
         for batch in self.eval_loader:
             zs.append(self.model(batch.dense, batch.sparse).float())
             ys.append(batch.labels.float())
+            ws.append(batch.weights)
         self.model.train()
-        z, y = gather_logits(zs, ys)
-        return binary_metrics(y, z)
+        z, y, w = gather_logits(zs, ys, ws, weighted_data(self.eval_loader))
+        return binary_metrics(y, z, w)
 
     # -- checkpoints (train.checkpoint) ---------------------------------------------------------
     def save(self, ckpt_dir: Path) -> dict:
@@ -566,7 +568,7 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
     if run.eval_loader is None:
         raise ConfigError("inference needs an eval split (data.eval_samples or data.eval_fraction)")
     run.model.eval()
-    zs, ys, secs, n = [], [], 0.0, 0
+    zs, ys, ws, secs, n = [], [], [], 0.0, 0
     warmup = min(warmup, len(run.eval_loader) - 1)  # the first batches warm caches; time the rest
     with torch.no_grad():
         for i, batch in enumerate(run.eval_loader):
@@ -578,13 +580,14 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
                 n += batch.global_size
             zs.append(z.float().cpu())
             ys.append(batch.labels.float().cpu())
-    z, y = gather_logits(zs, ys)
+            ws.append(batch.weights)
+    z, y, w = gather_logits(zs, ys, ws, weighted_data(run.eval_loader))
     t = torch.tensor([secs])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if run.rank != 0:
         return None
     out = {"world_size": run.world, "checkpoint": str(checkpoint), "samples": int(y.size),
-           **{k: v for k, v in binary_metrics(y, z).items() if k != "samples"},
+           **{k: v for k, v in binary_metrics(y, z, w).items() if k != "samples"},
            "samples_per_s": n / float(t) if float(t) > 0 else math.nan, **extra}
     with atomic_open(rd / "predictions.npy", "wb") as f:
         np.save(f, 1.0 / (1.0 + np.exp(-z)), allow_pickle=False)
@@ -592,11 +595,24 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
     return out
 
 
-def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's logits and labels, concatenated in rank order on every rank (for exact AUC)."""
-    local = torch.stack([torch.cat(zs), torch.cat(ys)], 1).cpu() if zs else torch.zeros(0, 2)
+def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor], ws: list | None = None, weighted: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Every rank's logits, labels and, for a ``weighted`` dataset (every rank says the same: its manifest's),
+    sample weights (else None), concatenated in rank order on every rank (for exact AUC)."""
+    if zs:
+        cols = [torch.cat([z.float().cpu() for z in zs]), torch.cat([y.float().cpu() for y in ys])]
+        if weighted:
+            cols.append(torch.cat([w.float().cpu() for w in ws]))
+        local = torch.stack(cols, 1)
+    else:
+        local = torch.zeros(0, 3 if weighted else 2)
     both = torch.cat(all_gather_var(local))
-    return both[:, 0].numpy(), both[:, 1].numpy()
+    return both[:, 0].numpy(), both[:, 1].numpy(), (both[:, 2].numpy() if weighted else None)
+
+
+def weighted_data(loader) -> bool:
+    """Whether ``loader`` reads a weighted dataset (its manifest has sample weights)."""
+    return bool(getattr(getattr(loader, "manifest", None), "weighted", False))
 
 
 latest_sharded_checkpoint = latest_checkpoint  # one format: every checkpoint is a step directory

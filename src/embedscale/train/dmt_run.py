@@ -49,6 +49,7 @@ from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (assemble_table, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
                                         write_rank_file)
 from embedscale.train.distributed import DistributedRun
+from embedscale.train.loss import batch_loss_sum
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
 from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
@@ -119,7 +120,7 @@ class DMTRun(DistributedRun):
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.model(batch.dense, batch.sparse)
         self.step_logits = logits.detach()  # scored before the update (progressive validation)
-        loss_sum = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum")
+        loss_sum = batch_loss_sum(logits, batch)  # sample weights of a weighted dataset (train.loss)
         self.opt.zero_grad(set_to_none=True)
         (loss_sum / batch.global_size).backward()
         sync_dense_gradients(self.model, self.comm)

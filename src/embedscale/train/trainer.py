@@ -29,6 +29,7 @@ from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.train.checkpoint import (latest_checkpoint, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
                                         write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
+from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, load_whole_tables,
                                   local_tables, optimizer_groups, optimizer_state, param_names, whole_table_entries)
@@ -42,14 +43,16 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
     normalised entropy, calibration, samples, positive rate)."""
     was_training = model.training
     model.eval()
-    logits, labels = [], []
+    logits, labels, weights = [], [], []
     for batch in tqdm(loader, desc="eval", disable=not progress, leave=False, file=sys.stderr):
         logits.append(model(batch.dense, batch.sparse).float().cpu().numpy())
         labels.append(batch.labels.cpu().numpy())
+        if batch.weights is not None:  # a weighted dataset: every figure weighted (data.metrics)
+            weights.append(batch.weights.cpu().numpy())
     model.train(was_training)
     z = np.concatenate(logits)
     y = np.concatenate(labels)
-    return binary_metrics(y, z)
+    return binary_metrics(y, z, np.concatenate(weights) if weights else None)
 
 
 def load_tt_state(tt: nn.Module, state: dict | None, where, *, with_optimizer: bool = True) -> None:
@@ -133,7 +136,6 @@ class Trainer:
         self.config_yaml = config_yaml
         self.progress = progress
         self.fields = {"kind": "plan", **(checkpoint_fields or {})}
-        self.loss_fn = nn.BCEWithLogitsLoss()
         self.state = RunState()
         self.rows: list[MetricRow] = []
         self._tables, self._host, self._tt = _parts(model)
@@ -150,7 +152,7 @@ class Trainer:
         self.model.train()
         logits = self.model(batch.dense, batch.sparse)
         self.step_logits = logits.detach()  # scored before the update (progressive validation)
-        loss = self.loss_fn(logits, batch.labels)
+        loss = batch_loss_sum(logits, batch) / batch.batch_size  # sample weights of a weighted dataset (train.loss)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # the embedding module applies its fused sparse update here
         self.opt.step()
