@@ -320,3 +320,34 @@ def test_other_ranks_read_what_rank_0_admitted_not_what_they_see(tmp_path):
     rec = json.loads(follow.read_text())
     assert (rec["admitted"], rec["ended"], rec["reason"]) == (3, 3, "idle")
     assert sum(follower) == lead and rank1.shards_read == 3 and rank1.end_reason == "idle"
+
+
+def test_weighted_progressive_window_equals_brute_force_and_weight_0_is_nan():
+    """Sample weights (a weighted dataset) weigh the window's figures; a window of weight 0 has none (NaN)."""
+    from embedscale.train.loop import progressive_figures
+    from embedscale.train.metrics import ProgressiveWindow
+
+    class One:  # a world of one (no gather)
+        world = 1
+
+    rng = np.random.default_rng(3)
+    pv = ProgressiveWindow(70)
+    batches = []
+    for size in (40, 40, 40, 25):  # the fewest latest batches holding >= 70: the last 3 (105; the last 2 hold 65)
+        z, y, w = rng.normal(size=size), (rng.random(size) < 0.4).astype(float), rng.random(size) * 2
+        pv.add(torch.from_numpy(z), torch.from_numpy(y), torch.from_numpy(w), size)
+        batches.append((z, y, w))
+    z, y, w = (np.concatenate([b[i] for b in batches[-3:]]) for i in range(3))
+    pos, neg = y == 1, y == 0
+    d = z[pos][:, None] - z[neg][None, :]
+    ww = w[pos][:, None] * w[neg][None, :]
+    auc = float(((d > 0) * ww).sum() + 0.5 * ((d == 0) * ww).sum()) / float(ww.sum())
+    p = 1 / (1 + np.exp(-z))
+    ll = float(np.sum(w * -(y * np.log(p) + (1 - y) * np.log(1 - p))) / w.sum())
+    f = progressive_figures(One(), pv)
+    assert f["samples"] == len(z) == 105
+    assert f["auc"] == pytest.approx(auc, abs=1e-9) and f["logloss"] == pytest.approx(ll, abs=1e-9)
+    zero = ProgressiveWindow(10)
+    zero.add(torch.zeros(10), torch.ones(10), torch.zeros(10), 10)
+    g = progressive_figures(One(), zero)
+    assert math.isnan(g["auc"]) and math.isnan(g["logloss"]) and g["samples"] == 10

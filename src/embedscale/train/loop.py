@@ -225,6 +225,8 @@ def progressive_figures(run: Run, pv: ProgressiveWindow) -> dict:
         z, y, w = both[:, 0], both[:, 1], (both[:, 2] if w is not None else None)
     if not len(z):
         return {}
+    if w is not None and not w.sum() > 0:  # a window of weight 0 (weighted data) has no figures, not an error
+        return {"logloss": math.nan, "auc": math.nan, "ne": math.nan, "calibration": math.nan, "samples": len(z)}
     return binary_metrics(y, z, w)
 
 
