@@ -20,12 +20,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from embedscale.data import avazu, criteo, tabular
+from embedscale.data.loader import ShardLoader
 from embedscale.data.schema import Schema
 from embedscale.data.profile import AccessProfile
-from embedscale.data.shards import MANIFEST, Manifest
+from embedscale.data.shards import MANIFEST, Manifest, read_shard
+from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
@@ -57,6 +60,7 @@ class PreparedData:
     manifest: Manifest
     teacher_auc: float = math.nan
     test: Split | None = None  # a test split given as files or a dataset's test/ (``evaluate --split test``)
+    stream: bool = False  # train is a stream directory (data.stream; ``manifest`` is its schema, no rows known)
 
 
 def _log(msg: str) -> None:
@@ -81,7 +85,9 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     ``synthetic`` generates train samples ``[0, N)`` and eval samples ``[N, N+M)`` of one seeded stream;
     raw ``criteo``/``avazu`` files or any ``table`` described by ``data.schema`` are converted once (with
     ``data.eval_path``/``data.test_path`` as separate splits encoded with the training vocabulary);
-    ``shards`` reads an existing directory. The splits: ``split_existing``.
+    ``shards`` reads an existing directory. The splits: ``split_existing``. ``stream`` follows a directory
+    as shards arrive (``data.stream``): its schema is the manifest, ``data.eval_path`` an optional eval
+    dataset (a shard directory).
     """
     d = cfg.data
     cache_root = Path(cache_root or Path(cfg.out_dir) / "data-cache")
@@ -125,11 +131,38 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
                             max_table_rows=d.max_table_rows, shard_rows=d.shard_rows,
                             skip_malformed=d.skip_malformed, progress=progress)
         return split_existing(out, d.eval_fraction)
+    if d.source == "stream":
+        schema = read_stream_schema(d.path)
+        ev = None
+        if d.eval_path:
+            em = Manifest.load(d.eval_path)
+            if em.sparse_names != schema.sparse_names or em.num_dense != schema.num_dense:
+                raise ConfigError(f"data.eval_path: {d.eval_path} has other features than the stream {d.path}")
+            ev = Split(Path(d.eval_path), 0, em.rows)
+        return PreparedData(Split(Path(d.path), 0, 0), ev, schema, stream=True)
     if d.source == "shards":
         if not d.path:
             raise ConfigError("data.source is 'shards' but data.path is empty")
         return split_existing(Path(d.path), d.eval_fraction)
-    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, table, shards")
+    raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, table, shards, stream")
+
+
+def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, rank: int = 0, world: int = 1,
+                 pipelined: bool = False, follow: tuple[Path, str] | None = None):
+    """The training batches of ``data``: a ``ShardLoader`` over the train split, or for a stream a
+    ``StreamLoader`` following its directory (``data.stream_idle_s``, ``data.stream_poll_s``; ``follow``: the
+    ranks' follow file and attempt token, by which rank 0 decides an idle end for all). Ids are checked
+    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
+    t = cfg.train
+    if data.stream:
+        if pipelined:
+            raise ConfigError("data.source stream: host-placed tables (placement: host, model.host_min_rows) are not "
+                              "fed from a stream yet; place them on the device")
+        return StreamLoader(data.train.directory, t.batch_size, rank=rank, world_size=world,
+                            idle_s=cfg.data.stream_idle_s, poll_s=cfg.data.stream_poll_s, prefetch=t.prefetch,
+                            device=device, follow=follow)
+    return ShardLoader(data.train.directory, t.batch_size, rank=rank, world_size=world, start=data.train.start,
+                       stop=data.train.stop, prefetch=t.prefetch, device=device, drop_last=False)
 
 
 def _files(paths: str) -> list[str]:
@@ -284,10 +317,26 @@ def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | N
     """Per-row access counts of the training data (the planner's input), saved under ``out_dir``.
 
     With ``tables`` the counts are per table (features sharing a table add up); otherwise per feature.
-    For raw files split by ``eval_fraction`` the whole converted file is profiled.
+    For raw files split by ``eval_fraction`` the whole converted file is profiled. A stream: the complete
+    shards present now (none yet: zero counts, the plan balances rows alone).
     """
     f2t = {f: t.name for t in tables for f in t.features} if tables else None
     num_rows = {t.name: t.num_rows for t in tables} if tables else None
+    if data.stream:
+        m = data.manifest
+        f2t = f2t or {f: f for f in m.sparse_names}
+        rows: dict[str, int] = {}
+        for s in m.sparse:
+            rows[f2t[s.name]] = max(rows.get(f2t[s.name], 0), s.num_rows)
+        rows.update(num_rows or {})
+        prof = AccessProfile({t: np.zeros(n, dtype=np.int64) for t, n in rows.items()}, 0, f2t)
+        shards = complete_shards(data.train.directory)
+        if m.extra.get("finished_shards") is not None:
+            shards = shards[:m.extra["finished_shards"]]
+        for path in shards:
+            prof.add(read_shard(path, m.num_dense), source=path)
+        prof.save(out_dir)
+        return prof
     prof = AccessProfile.from_shards(data.train.directory, feature_to_table=f2t, num_rows=num_rows,
                                      progress=progress)
     prof.save(out_dir)

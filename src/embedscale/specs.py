@@ -187,10 +187,12 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synthetic"  # synthetic | criteo | avazu | table (data.schema) | shards
-    path: str = ""  # raw training file(s) (criteo/avazu/table; comma-separated) or shard directory (shards)
+    source: str = "synthetic"  # synthetic | criteo | avazu | table (data.schema) | shards | stream
+    # raw training file(s) (criteo/avazu/table; comma-separated), shard directory (shards) or the directory a
+    # stream's shards arrive in (stream: data.stream, one pass until its END marker or stream_idle_s)
+    path: str = ""
     schema: str = ""  # source table: the schema YAML (embedscale.data.schema)
-    eval_path: str = ""  # raw eval file(s): the eval split instead of eval_fraction (criteo/avazu/table)
+    eval_path: str = ""  # raw eval file(s): the eval split instead of eval_fraction (criteo/avazu/table); stream: a shard directory
     test_path: str = ""  # raw test file(s): scored by `embedscale evaluate --split test`
     train_samples: int = 1_500_000
     eval_samples: int = 100_000
@@ -204,6 +206,10 @@ class DataConfig:
     max_table_rows: int = 1_000_000  # ... at most this many
     min_frequency: int = 1  # vocab mode: values seen fewer times share the out-of-vocabulary row 0
     skip_malformed: bool = False
+    # stream: end when no new shard has arrived for this many seconds (0 = only at the END marker; a world of
+    # one: N ranks end on the marker), and how often the directory is looked at while waiting
+    stream_idle_s: float = 0.0
+    stream_poll_s: float = 0.2
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -281,6 +287,9 @@ class TrainConfig:
     early_stopping_metric: str = "auc"  # auc | logloss | ne
     early_stopping_min_delta: float = 0.0
     keep_best: bool = True  # checkpoints/best points at the best evaluation's checkpoint (written when it improves)
+    # progressive validation (train.loop): AUC/logloss/NE of every batch's pre-update logits over the last
+    # this-many samples, in every logged metrics row (pv_*); 0 = off
+    progressive_window: int = 100_000
     dropout: float = 0.5  # dropout rate in the hidden layers of the top MLP while training (0 = none)
     seed: int = 0
     device: str = "cpu"
@@ -475,7 +484,7 @@ def check_device(name: str, key: str = "train.device") -> None:
 
 
 CHOICES.update({
-    DataConfig: {"source": ("synthetic", "criteo", "avazu", "shards"), "categorical": ("hash", "vocab")},
+    DataConfig: {"source": ("synthetic", "criteo", "avazu", "table", "shards", "stream"), "categorical": ("hash", "vocab")},
     ModelConfig: {"arch": ("dlrm", "dcn", "dmt-dlrm", "dmt-dcn"), "pooling": POOLINGS},
     TrainConfig: {"dense_optimizer": ("sgd", "adagrad", "adam"), "sparse_optimizer": ("sgd", "rowwise_adagrad"),
                   "pipeline_server": ("per-rank", "shared"), "early_stopping_metric": ("auc", "logloss", "ne")},
@@ -484,11 +493,13 @@ CHOICES.update({
                  "grad_sync": ("local_aggregated", "dense", "allgather", "alltoall")},
 })
 NUMBERS.update({
-    DataConfig: {"eval_fraction": (0.0, True, 1.0)},
+    DataConfig: {"eval_fraction": (0.0, True, 1.0), "stream_idle_s": (0.0, True, None),
+                 "stream_poll_s": (0.0, False, None)},
     SyntheticConfig: {"alpha": (0.0, True, None)},
     TrainConfig: {"lr_dense": (0.0, True, None), "lr_sparse": (0.0, True, None), "lr_tt": (0.0, True, None),
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
-                  "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0)},
+                  "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
+                  "progressive_window": (0.0, True, None)},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},

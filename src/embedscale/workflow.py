@@ -22,6 +22,7 @@ from embedscale.train.lock import RunLock
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
                                  tt_lr)
+from embedscale.assemble import train_loader as assemble_train_loader
 from embedscale.errors import EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
@@ -51,8 +52,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     # the ShardLoaders below check every batch's ids: the embedding need not check them again
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)
     t = cfg.train
-    train_loader = ShardLoader(data.train.directory, t.batch_size, start=data.train.start, stop=data.train.stop,
-                               prefetch=t.prefetch, device=device, drop_last=False)
+    train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()))
     eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
                                stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
     fields = None
@@ -67,7 +67,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     if resume and trainer.resume():
         _log(f"resumed from step {trainer.step} in {run_dir / 'checkpoints'}")
     atomic_write_text(run_dir / "config.yaml", config_yaml)
-    extra = {"teacher_auc": data.teacher_auc, "train_rows": data.train.rows,
+    extra = {"teacher_auc": data.teacher_auc, "train_rows": None if data.stream else data.train.rows,
              "eval_rows": data.eval.rows if data.eval else 0,
              "embedding_bytes": sum(table_bytes(tb, forms[tb.name]) for tb in tables), "num_tables": len(tables),
              "host_tables": sum(f.kind == "host" for f in forms.values()),
@@ -139,9 +139,19 @@ def format_summary(s: dict) -> str:
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
         f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",
-        f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
-        + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else ""),
+        (f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
+         + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else "")
+         if s.get("eval_samples", 1) else "eval (last)        none (no eval split)"),
     ]
+    pv = s.get("progressive") or {}
+    if pv:
+        lines.append(f"progressive        last {pv['samples']:,} samples, each scored before it was trained on: AUC "
+                     f"{_num(pv.get('auc')):.5f}  logloss {_num(pv.get('logloss')):.5f}  NE {_num(pv.get('ne')):.5f}")
+    st = s.get("stream") or {}
+    if st:
+        pos = st.get("position") or {}
+        lines.append(f"stream             {st.get('shards_read')} shard(s) read from {st.get('directory')}, ended by "
+                     f"{st.get('end') or '-'}; next: shard {pos.get('shard', 0)} row {pos.get('row', 0)}")
     best = s.get("best") or {}
     if best:
         lines.append(f"eval (best)        step {best['step']}: " + _eval_line(best)

@@ -101,6 +101,9 @@ def _allreduce_sum_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+STREAM_FOLLOW = "stream-follow.json"  # rank 0's record of a stream's admitted shards and its end (data.stream)
+
+
 def shared_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     """A run directory every rank agrees on without talking: given, or named after torchrun's run id."""
     if run_dir:
@@ -365,9 +368,9 @@ class DistributedRun:
             warnings.simplefilter("ignore", FutureWarning)
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
-        self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
-                                        start=self.data.train.start, stop=self.data.train.stop,
-                                        prefetch=t.prefetch, device=self.device)
+        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
+                                                  pipelined=self.host_embedding is not None,
+                                                  follow=self.stream_follow())
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
             self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
@@ -406,6 +409,10 @@ class DistributedRun:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def stream_follow(self) -> tuple[Path, str]:
+        """The follow file by which rank 0 ends a stream for every rank (``data.stream``), and this attempt."""
+        return self.run_dir / STREAM_FOLLOW, attempt_token(self.world)
 
     def step_error(self, err: RuntimeError) -> Exception:
         return _diagnose(self, err)
@@ -453,6 +460,7 @@ class DistributedRun:
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.ddp(batch.dense, batch.sparse)
+        self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss_sum = batch_loss_sum(logits, batch)  # sample weights of a weighted dataset (train.loss)
         loss = loss_sum / batch.global_size
         self.opt.zero_grad(set_to_none=True)

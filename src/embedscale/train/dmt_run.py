@@ -55,7 +55,6 @@ from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_
                                   optimizer_state, param_names, table_entry)
 from embedscale import assemble
 from embedscale.comm.hierarchical import TowerComm
-from embedscale.data.loader import ShardLoader
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
 from embedscale.towers.partitioner import TowerAssignment
@@ -108,9 +107,8 @@ class DMTRun(DistributedRun):
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
         self.plan = None
         self.cross_host_bytes_per_step: list[int] = []
-        self.train_loader = ShardLoader(self.data.train.directory, t.batch_size, rank=rank, world_size=world,
-                                        start=self.data.train.start, stop=self.data.train.stop,
-                                        prefetch=t.prefetch, device=self.device)
+        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
+                                                  follow=self.stream_follow())
         self._names = param_names(self.model, self.opt)
 
     # -- one step -------------------------------------------------------------------------------
@@ -121,6 +119,7 @@ class DMTRun(DistributedRun):
         self.comm.reset_bytes()
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
         logits = self.model(batch.dense, batch.sparse)
+        self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss_sum = batch_loss_sum(logits, batch)  # sample weights of a weighted dataset (train.loss)
         self.opt.zero_grad(set_to_none=True)
         (loss_sum / batch.global_size).backward()

@@ -9,6 +9,12 @@ evaluations without improvement), every ``checkpoint_every`` a checkpoint (``che
 ``curves.png`` and ``summary.json`` (rank 0). ``metrics.csv`` keeps the rows of earlier attempts up to the step the run was
 restored at (:class:`~embedscale.train.metrics.MetricsLog`), so a resumed or restarted run lists every
 step once.
+
+Progressive validation (``progressive_window`` samples, :class:`~embedscale.train.metrics.ProgressiveWindow`):
+every step's batch is scored by the logits of its training forward (``Run.step_logits``, before the update);
+each logged row carries the window's AUC, logloss and NE (``pv_*``; N ranks: every rank's slices gathered).
+A stream source (:class:`~embedscale.data.stream.StreamLoader`) is one pass that ends at its end condition;
+its position (shard, row of the next batch) is the run state's ``stream``, so a checkpoint resumes there.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
+from embedscale.data.metrics import binary_metrics
+from embedscale.data.stream import StreamLoader
+from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
-from embedscale.train.metrics import MetricRow, MetricsLog
+from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
 from embedscale.train.plots import plot_curves
 from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, step_dir, write_best
 from embedscale.train.run import Run, save_checkpoint
@@ -51,6 +61,7 @@ class LoopConfig:
         or the base of a delta).
     checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
         of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
+    progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
     """
 
     epochs: int = 1
@@ -65,6 +76,7 @@ class LoopConfig:
     early_stopping_min_delta: float = 0.0
     keep_best: bool = True
     checkpoint_full_every: int = 0
+    progressive_window: int = 100_000
 
     def __post_init__(self) -> None:
         if self.early_stopping_metric not in MONITORED:
@@ -73,6 +85,8 @@ class LoopConfig:
         if self.early_stopping_patience < 0:
             raise ConfigError(f"train.early_stopping_patience must be >= 0 (0 = off), got "
                               f"{self.early_stopping_patience}")
+        if self.progressive_window < 0:
+            raise ConfigError(f"train.progressive_window must be >= 0 samples (0 = off), got {self.progressive_window}")
         if not 0.0 <= self.lr_warmup_fraction <= 1.0:
             raise ConfigError(f"train.lr_warmup_fraction must be in [0, 1], got {self.lr_warmup_fraction}")
         if self.checkpoint_full_every < 0:
@@ -86,7 +100,7 @@ class LoopConfig:
                    lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
                    early_stopping_metric=t.early_stopping_metric,
                    early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
-                   checkpoint_full_every=t.checkpoint_full_every)
+                   checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window)
 
 
 def warmup_steps(loop: LoopConfig, total_steps: int) -> int:
@@ -218,6 +232,22 @@ def _nan(v) -> float:
     return math.nan if v is None else v
 
 
+def progressive_figures(run: Run, pv: ProgressiveWindow) -> dict:
+    """The progressive window's figures over every rank's slices (collective on N ranks: all of them call it):
+    ``data.metrics.binary_metrics`` of the window's pre-update logits."""
+    z, y, w = pv.arrays()
+    if run.world > 1:  # every rank's slices of the same batches (order-free figures), as evaluation gathers them
+        cols = [z, y] + ([w] if w is not None else [])
+        local = torch.from_numpy(np.stack(cols, 1) if len(z) else np.zeros((0, len(cols))))
+        both = torch.cat(all_gather_var(local)).numpy()
+        z, y, w = both[:, 0], both[:, 1], (both[:, 2] if w is not None else None)
+    if not len(z):
+        return {}
+    if w is not None and not w.sum() > 0:  # a window of weight 0 (weighted data) has no figures, not an error
+        return {"logloss": math.nan, "auc": math.nan, "ne": math.nan, "calibration": math.nan, "samples": len(z)}
+    return binary_metrics(y, z, w)
+
+
 def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str = "",
         ceiling_auc: float = math.nan, extra: dict | None = None) -> dict | None:
     """Train ``run`` from its current position to the end (``loop.epochs`` or ``loop.max_steps``, or an early
@@ -233,10 +263,13 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     st = run.state
     metrics = MetricsLog(run.run_dir, enabled=run.rank == 0)
     metrics.restart(st.step)
-    total = loop.max_steps or loop.epochs * len(run.train_loader)
+    stream = isinstance(run.train_loader, StreamLoader)  # one pass to its end condition, resumed by position
+    total = loop.max_steps or (0 if stream else loop.epochs * len(run.train_loader))
     warmup = warmup_steps(loop, total)
     ckpts = _Checkpoints(run, loop, metrics)
-    bar = tqdm(total=total, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}", unit="step",
+    pv = ProgressiveWindow(loop.progressive_window) if loop.progressive_window else None
+    pv_last: dict = {}
+    bar = tqdm(total=total or None, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}", unit="step",
                disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
     t_start = time.perf_counter()
     train_s, trained = 0.0, 0
@@ -254,7 +287,10 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
 
     done = lambda: st.stopped or (bool(loop.max_steps) and st.step >= loop.max_steps)  # noqa: E731
     while st.epoch < loop.epochs and not done():
-        run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
+        if stream:
+            run.train_loader.seek(st.stream)
+        else:
+            run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
         for batch in run.train_loader:
             if fault_step is not None and st.step == fault_step:
                 inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
@@ -266,6 +302,11 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 raise run.step_error(e) from e
             train_s += time.perf_counter() - s0
             n = batch.global_size or batch.batch_size
+            logits = getattr(run, "step_logits", None)  # optional in the protocol: a run without it has no pv
+            if pv is not None and logits is not None:
+                pv.add(logits, batch.labels, batch.weights, n)
+            if stream:
+                st.stream = dict(batch.stream_position)
             trained += n
             window_samples += n
             st.step += 1
@@ -279,7 +320,13 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 sps = window_samples / max(now - t_window, 1e-9)
                 mean = float(np.mean(window))
                 bar.set_postfix(loss=f"{mean:.4f}", sps=f"{sps:,.0f}")
-                metrics.log(MetricRow(st.step, st.epoch, st.samples, mean, samples_per_s=sps, seconds=now - t_start))
+                row = MetricRow(st.step, st.epoch, st.samples, mean, samples_per_s=sps, seconds=now - t_start)
+                if pv is not None:
+                    pv_last = progressive_figures(run, pv)
+                    if pv_last:
+                        row.pv_logloss, row.pv_auc, row.pv_ne = pv_last["logloss"], pv_last["auc"], pv_last["ne"]
+                        row.pv_samples = pv_last["samples"]
+                metrics.log(row)
                 window, window_samples, t_window = [], 0, now
             if loop.eval_every and st.step % loop.eval_every == 0 and run.eval_loader is not None:
                 evaluate_now()
@@ -290,6 +337,9 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         else:
             st.epoch += 1
             st.batch_in_epoch = 0
+            if stream:  # the stream ended (its END marker or idle): one pass, whatever loop.epochs says
+                st.epoch = max(st.epoch, loop.epochs)
+                break
             if loop.epochs > 1 and st.epoch < loop.epochs and run.eval_loader is not None and not done():
                 evaluate_now()  # an epoch's end: where a small data set can next stop early
     bar.close()
@@ -297,6 +347,8 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         evaluate_now()  # the last model's figures (once per step)
     final = {k: _nan(v) for k, v in st.eval.items()} if st.eval_step == st.step else {}
     ckpts.save()
+    if pv is not None and pv.batches:
+        pv_last = progressive_figures(run, pv)  # the window at the end (collective for N ranks)
     figures = run.figures()  # every rank calls it (collective for N ranks)
     if run.rank != 0:
         return None
@@ -318,6 +370,13 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                            "min_delta": loop.early_stopping_min_delta, "bad_evals": st.bad_evals},
         "lr_warmup_steps": warmup, "run_dir": str(run.run_dir), **(extra or {}), **figures,
     }
+    if pv_last:
+        summary["progressive"] = {"window": loop.progressive_window, **{k: pv_last[k] for k in (
+            "auc", "logloss", "ne", "calibration", "samples")}}
+    if stream:
+        src = run.train_loader
+        summary["stream"] = {"position": dict(st.stream), "end": src.end_reason, "shards_read": src.shards_read,
+                             "directory": str(src.directory)}
     plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc)
     atomic_write_json(run.run_dir / "summary.json", summary)
     return summary

@@ -1,5 +1,6 @@
-"""The one writer of a run's ``metrics.csv`` (rows kept across resumes and restarts), and the exact metrics
-it records (``data.metrics``: logloss, ROC AUC with ties averaged, normalised entropy, calibration).
+"""The one writer of a run's ``metrics.csv`` (rows kept across resumes and restarts), the exact metrics
+it records (``data.metrics``: logloss, ROC AUC with ties averaged, normalised entropy, calibration), and
+the progressive-validation window (:class:`ProgressiveWindow`: every batch scored before it is trained on).
 """
 
 from __future__ import annotations
@@ -7,8 +8,12 @@ from __future__ import annotations
 import csv
 import io
 import math
+from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from embedscale.data.metrics import (binary_metrics, calibration, logloss, logloss_from_logits,  # noqa: F401
                                      normalized_entropy, roc_auc)  # (the run's metrics)
@@ -30,6 +35,12 @@ class MetricRow:
     seconds: float = math.nan
     eval_ne: float = math.nan  # normalised entropy (data.metrics.normalized_entropy)
     eval_calibration: float = math.nan  # predicted over observed CTR
+    # progressive validation (ProgressiveWindow): the window's figures of pre-update logits (rows of older
+    # files: NaN)
+    pv_logloss: float = math.nan
+    pv_auc: float = math.nan
+    pv_ne: float = math.nan
+    pv_samples: float = math.nan  # samples in the window
 
 
 METRIC_FIELDS = [f.name for f in fields(MetricRow)]
@@ -91,3 +102,41 @@ class MetricsLog:
         for r in self.rows:
             w.writerow({k: ("" if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()})
         atomic_write_text(self.path, buf.getvalue())
+
+
+class ProgressiveWindow:
+    """Progressive validation over a sliding window: every batch is scored by the logits of its training
+    forward, before the update it causes, so each sample is scored by a model that has not trained on it
+    (the online-learning estimate of generalisation: Blum, Kalai & Langford, COLT 1999; McMahan et al.,
+    "Ad click prediction: a view from the trenches", KDD 2013, section 5.1).
+
+    ``add(logits, labels, weights, global_size)`` keeps this rank's slice of a global batch (on its device,
+    nothing copied until asked). The window is the most recent global batches that together hold at least
+    ``window`` samples (the fewest such; all of them while fewer have been seen): whole batches, so every rank
+    keeps the same batches, and its figures are order-free (AUC, logloss, NE), so gathering the ranks' slices
+    in any order gives the figures of exactly those batches. ``arrays()`` is this rank's part
+    ``(logits, labels, weights or None)`` as float64 numpy."""
+
+    def __init__(self, window: int):
+        if window <= 0:
+            raise ValueError(f"progressive window must be > 0 samples, got {window}")
+        self.window = int(window)
+        self.batches: deque = deque()
+        self.samples = 0  # global samples in the window
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, global_size: int) -> None:
+        self.batches.append((logits.detach().reshape(-1), labels.detach().reshape(-1),
+                             None if weights is None else weights.detach().reshape(-1), int(global_size)))
+        self.samples += int(global_size)
+        while len(self.batches) > 1 and self.samples - self.batches[0][3] >= self.window:
+            self.samples -= self.batches.popleft()[3]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        if not self.batches:
+            return np.zeros(0), np.zeros(0), None
+        z = torch.cat([b[0] for b in self.batches]).double().cpu().numpy()
+        y = torch.cat([b[1] for b in self.batches]).double().cpu().numpy()
+        w = None
+        if self.batches[0][2] is not None:
+            w = torch.cat([b[2] for b in self.batches]).double().cpu().numpy()
+        return z, y, w

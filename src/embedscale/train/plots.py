@@ -1,4 +1,4 @@
-"""PNG of a run's curves: training loss and eval logloss/AUC over steps."""
+"""PNG of a run's curves: training loss, eval logloss/AUC and the progressive-validation window's over steps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from embedscale.io import atomic_open
 
 
 def plot_curves(rows, path: str | Path, title: str = "", ceiling_auc: float | None = None) -> Path:
-    """Two panels, loss (train and eval) and eval AUC, against the step; written atomically."""
+    """Two panels, loss (train, eval and progressive) and AUC (eval and progressive: each batch scored before
+    it was trained on, over the window; ``train.loop``), against the step; written atomically."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,12 +19,17 @@ def plot_curves(rows, path: str | Path, title: str = "", ceiling_auc: float | No
     fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(10, 3.8))
     tr = [(r.step, r.train_loss) for r in rows if not math.isnan(r.train_loss)]
     ev = [(r.step, r.eval_logloss, r.eval_auc) for r in rows if not math.isnan(r.eval_auc)]
+    pv = [(r.step, r.pv_logloss, r.pv_auc) for r in rows if not math.isnan(r.pv_auc)]
     if tr:
         ax_loss.plot(*zip(*tr), label="train logloss (window mean)")
     if ev:
         s, ll, auc = zip(*ev)
         ax_loss.plot(s, ll, "o-", label="eval logloss")
         ax_auc.plot(s, auc, "o-", color="tab:green", label="eval AUC")
+    if pv:
+        s, ll, auc = zip(*pv)
+        ax_loss.plot(s, ll, color="tab:purple", alpha=0.8, label="progressive logloss (window)")
+        ax_auc.plot(s, auc, color="tab:purple", alpha=0.8, label="progressive AUC (window)")
     if ceiling_auc is not None and not math.isnan(ceiling_auc):
         ax_auc.axhline(ceiling_auc, ls="--", color="gray", label=f"teacher ceiling {ceiling_auc:.4f}")
     ax_loss.set_xlabel("step")

@@ -30,7 +30,8 @@ class RunState:
     samples seen and every step's loss; and the early-stopping state (``train.loop``): the best evaluation
     so far (``best_step``, ``best_value`` of the monitored metric, ``best`` = that evaluation's figures),
     the evaluations since it without improvement (``bad_evals``), whether the run has ``stopped`` early, and
-    the latest evaluation (``eval_step``, its figures ``eval``: a run resumed at that step is not scored again).
+    the latest evaluation (``eval_step``, its figures ``eval``: a run resumed at that step is not scored again);
+    a stream source's position (``stream``: the shard and row its next batch starts at, ``data.stream``).
     All of it goes into every checkpoint's manifest, so a resumed run stops where the uninterrupted one would."""
 
     step: int = 0
@@ -45,13 +46,15 @@ class RunState:
     stopped: bool = False
     eval_step: int = -1
     eval: dict = field(default_factory=dict)
+    stream: dict = field(default_factory=dict)  # a stream source's position: {"shard", "row"} of the next batch
 
     def position(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
                 "samples": self.samples, "early_stopping": {
                     "best_step": self.best_step, "best_value": self.best_value, "best": dict(self.best),
                     "bad_evals": self.bad_evals, "stopped": self.stopped, "eval_step": self.eval_step,
-                    "eval": dict(self.eval)}}
+                    "eval": dict(self.eval)},
+                **({"stream": dict(self.stream)} if self.stream else {})}
 
     def restore(self, manifest: dict, losses: Iterable[float]) -> None:
         self.step, self.epoch = int(manifest["step"]), int(manifest["epoch"])
@@ -65,6 +68,7 @@ class RunState:
         self.stopped = bool(es.get("stopped", False))
         self.eval_step = int(es.get("eval_step", -1))
         self.eval = dict(es.get("eval") or {})
+        self.stream = dict(manifest.get("stream") or {})
 
 
 @runtime_checkable
@@ -73,7 +77,9 @@ class Run(Protocol):
 
     Attributes: ``state`` (:class:`RunState`), ``run_dir``, ``rank``, ``world``, ``train_loader`` (batches
     with ``batch_size``/``global_size``, ``set_epoch(epoch, skip_batches)``), ``eval_loader`` (or ``None``),
-    ``opt`` (the dense optimizer, for the learning-rate warmup), ``progress`` (this rank draws bars).
+    ``opt`` (the dense optimizer, for the learning-rate warmup), ``progress`` (this rank draws bars);
+    optionally ``step_logits``: this rank's logits of the last ``train_step``'s forward, taken before its update
+    (the loop's progressive validation scores them; a run without them has none).
     """
 
     state: RunState

@@ -151,6 +151,7 @@ class Trainer:
     def train_step(self, batch) -> float:
         self.model.train()
         logits = self.model(batch.dense, batch.sparse)
+        self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss = batch_loss_sum(logits, batch) / batch.batch_size  # sample weights of a weighted dataset (train.loss)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()  # the embedding module applies its fused sparse update here
