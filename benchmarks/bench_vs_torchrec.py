@@ -104,7 +104,7 @@ def worker(rank, world, cfg):
         lo, hi = s * B + Bl * rank, s * B + Bl * (rank + 1)
         values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
         lengths = torch.ones(values.numel(), dtype=torch.int64)
-        batches.append({"jf": JaggedFeatures(keys, values, lengths),
+        batches.append({"i": s, "jf": JaggedFeatures(keys, values, lengths),
                         "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
                         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
                         "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
@@ -156,7 +156,9 @@ def worker(rank, world, cfg):
     _log(rank, f"  setup {time.perf_counter() - t_setup:.1f} s; torchrec plan: "
                f"{sorted(set(trh.sharding_types(trec_plan).values()))}")
 
-    def ours_train(b):
+    def ours_train(b, prefetch=False):
+        if prefetch:
+            emb.prefetch(batches[(b["i"] + 1) % nb]["jf"])
         logits = ddp(b["dense"], b["jf"])
         loss = F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum") / B
         ours_opt.zero_grad(set_to_none=True)
@@ -218,8 +220,8 @@ def worker(rank, world, cfg):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             by = torch.tensor(bytes_[name], dtype=torch.float64).mean(0) if bytes_[name] else torch.zeros(0)
             dist.all_reduce(by)  # summed over ranks
-            out[name] = {"median_s": float(t.median()), "times_s": [round(x, 5) for x in t.tolist()],
-                         "bytes": by.tolist()}
+            out[name] = {"median_s": float(t.median()), "p90_s": float(torch.quantile(t, 0.9)) if t.numel() else 0.0,
+                         "times_s": [round(x, 5) for x in t.tolist()], "bytes": by.tolist()}
         return out
 
     a2a = lambda: trh.BYTES["a2a"]  # noqa: E731
@@ -227,11 +229,14 @@ def worker(rank, world, cfg):
     ours_sync = lambda: emb.stats.get("grad_sync_bytes", 0)  # noqa: E731
     res = {"check": check}
     W, S = cfg["warmup"], cfg["steps"]
-    _log(rank, "  training ...")
-    res["train"] = timed({
-        "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
-        "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
-    }, S, W)
+    emb_only = cfg.get("embedding_only", False)
+    if not emb_only:
+        _log(rank, "  training ...")
+        res["train"] = timed({
+            "ours": (lambda b: ours_train(b, cfg.get("prefetch", False)),
+                     [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
+            "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
+        }, S, W)
 
     dmp.eval()
 
@@ -243,16 +248,20 @@ def worker(rank, world, cfg):
         with torch.no_grad():
             dmp(b["dense"], b["kjt"])
 
-    _log(rank, "  inference ...")
     # bytes ours moves: all-to-alls, plus the rows PGAS gets read from peers (counted once, by the reader)
     moved = (lambda: a2a() + int(pgas_tr.counter.recv.sum())) if pgas_tr is not None else a2a  # noqa: E731
-    res["inference"] = timed({"ours": (ours_infer, [moved, calls]), "torchrec": (trec_infer, [a2a, calls])}, S, W)
+    if not emb_only:
+        _log(rank, "  inference ...")
+        res["inference"] = timed({"ours": (ours_infer, [moved, calls]), "torchrec": (trec_infer, [a2a, calls])},
+                                 S, W)
 
     # -- breakdown: the embedding part alone (lookup + comm [+ backward + fused update]) ----------------
     g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
     dmp.train()
 
     def ours_emb_train(b):
+        if cfg.get("prefetch"):  # the next batch's index conversion, its counts and ids ride in this step
+            emb.prefetch(batches[(b["i"] + 1) % nb]["jf"])
         emb(b["jf"]).backward(g)
 
     def trec_emb_train(b):
@@ -267,9 +276,11 @@ def worker(rank, world, cfg):
             trec_inner.sparse_arch(b["kjt"])
 
     _log(rank, "  embedding-only breakdown ...")
-    res["emb_train"] = timed({"ours": (ours_emb_train, []), "torchrec": (trec_emb_train, [])}, S, W)
+    res["emb_train"] = timed({"ours": (ours_emb_train, [a2a, ours_sync, calls]),
+                              "torchrec": (trec_emb_train, [a2a, lambda: trec_dp_hook.bytes, calls])}, S, W)
     dmp.eval()
-    res["emb_infer"] = timed({"ours": (ours_emb_infer, []), "torchrec": (trec_emb_infer, [])}, S, W)
+    res["emb_infer"] = timed({"ours": (ours_emb_infer, [moved, calls]), "torchrec": (trec_emb_infer, [a2a, calls])},
+                             S, W)
 
     res["plans"] = {
         "ours_training": {"replicated_rows": int(amap_tr.num_slots), "rows_per_rank": amap_tr.num_owned().tolist()},
@@ -339,6 +350,68 @@ def summarise(res: list, cfg: dict) -> dict:
     return out
 
 
+def summarise_embedding(res: list, cfg: dict) -> dict:
+    """The embedding-only phases (``--embedding-only``): per phase and side, samples/s at the median, median and
+    p90 step (ms; a step is the slowest rank's), bytes sent and all-to-alls per step; the ratios ours / TorchRec
+    at the median and step by step (paired)."""
+    B = cfg["batch"]
+    r0 = res[0]
+    out = {}
+    for phase in ("emb_train", "emb_infer"):
+        ph = {}
+        for side in ("ours", "torchrec"):
+            x = r0[phase][side]
+            by = x["bytes"]
+            ph[side] = {"samples_per_s": B / x["median_s"], "median_ms": 1e3 * x["median_s"],
+                        "p90_ms": 1e3 * x["p90_s"], "p90_over_median": x["p90_s"] / max(x["median_s"], 1e-12),
+                        "bytes_per_step": float(sum(by[:-1])), "all_to_alls_per_step_per_rank": by[-1] / len(res)}
+        ph["ratio"] = ph["ours"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+        ph["paired_ratio"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
+                                             np.array(r0[phase]["ours"]["times_s"])))
+        out[phase] = ph
+    out["check"] = r0["check"]
+    out["raw_step_times_s"] = {p: {s: r0[p][s]["times_s"] for s in ("ours", "torchrec")}
+                               for p in ("emb_train", "emb_infer")}
+    return out
+
+
+def main_embedding_only(args, base: dict) -> None:
+    """``--embedding-only``: our ``ShardedEmbedding`` step (training: lookup, all-to-alls, backward with a fixed
+    output gradient, fused update; inference: the lookup) against TorchRec's sharded ``EmbeddingBagCollection``
+    step under ``DistributedModelParallel`` (its input distribution, lookup, pooled all-to-all [, backward and
+    fused update]), same tables, data and initial rows, interleaved step by step. One JSON line."""
+    from embedscale.train.launch import spawn_local
+
+    cfg = {**base, **CONFIGS["small"], "embedding_only": True}
+    print(f"vs torchrec, embedding only, {args.world} ranks: {cfg}", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    res = spawn_local(worker, args.world, cfg, timeout_s=3600)
+    r = summarise_embedding(res, cfg)
+    tr, inf = r["emb_train"], r["emb_infer"]
+    print(f"  train {tr['ours']['median_ms']:.2f} ms (p90 {tr['ours']['p90_ms']:.2f}) vs "
+          f"{tr['torchrec']['median_ms']:.2f} ms (p90 {tr['torchrec']['p90_ms']:.2f}): {tr['ratio']:.2f}x "
+          f"(paired {tr['paired_ratio']:.2f}x); inference {inf['ours']['median_ms']:.2f} vs "
+          f"{inf['torchrec']['median_ms']:.2f} ms: {inf['ratio']:.2f}x (paired {inf['paired_ratio']:.2f}x); "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    line = {"benchmark": "vs_torchrec_embedding_only", "figure": tr["ours"]["samples_per_s"],
+            "baseline": tr["torchrec"]["samples_per_s"], "ratio": tr["ratio"], "unit": "samples/s",
+            "median_ms": tr["ours"]["median_ms"], "p90_ms": tr["ours"]["p90_ms"],
+            "baseline_median_ms": tr["torchrec"]["median_ms"], "baseline_p90_ms": tr["torchrec"]["p90_ms"],
+            "paired_ratio": tr["paired_ratio"],
+            "inference": {"figure": inf["ours"]["samples_per_s"], "baseline": inf["torchrec"]["samples_per_s"],
+                          "ratio": inf["ratio"], "paired_ratio": inf["paired_ratio"],
+                          "median_ms": inf["ours"]["median_ms"], "p90_ms": inf["ours"]["p90_ms"],
+                          "baseline_median_ms": inf["torchrec"]["median_ms"],
+                          "baseline_p90_ms": inf["torchrec"]["p90_ms"]},
+            "config": {**base, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                       "torch": torch.__version__, "torchrec": _version("torchrec"),
+                       "fbgemm_gpu": _version("fbgemm-gpu-cpu"),
+                       "command": " ".join([".venv/bin/python", "benchmarks/bench_vs_torchrec.py", *sys.argv[1:]])},
+            "results": r}
+    print(json.dumps(line))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few steps, table1 config only")
@@ -354,6 +427,13 @@ def main():
                     choices=["alltoall", "local_aggregated", "dense", "allgather"],
                     help="our replica-gradient sync (alltoall: in the backward all-to-all, no collective of its own; "
                          "two collectives fewer per step than local_aggregated)")
+    ap.add_argument("--embedding-only", action="store_true",
+                    help="time only the embedding step (ours: ShardedEmbedding; TorchRec: its sharded "
+                         "EmbeddingBagCollection under DMP), training and inference, interleaved; one JSON line, "
+                         "no markdown")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="ours: convert the next batch's ids (OPER 5.1) during the current step "
+                         "(ShardedEmbedding.prefetch), as a pipelined training loop does")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
     ap.add_argument("--from-json", nargs="+", default=None,
@@ -374,7 +454,11 @@ def main():
             "optimizer": args.optimizer, "lr": 0.05, "eps": 1e-8, "dense_lr": 0.05, "extra_memory": 0.05,
             "grad_sync": args.grad_sync, "inference_transport": args.inference_transport,
             "profile_samples": 200_000, "distinct_batches": 8,
-            "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5}
+            "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5,
+            "prefetch": args.prefetch}
+    if args.embedding_only:
+        main_embedding_only(args, base)
+        return
     load_before = os.getloadavg()
     results = {}
     for name in names:
