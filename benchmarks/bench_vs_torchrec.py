@@ -38,6 +38,17 @@ config; inference and every config inside); progress on stderr; writes ``benchma
 
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
         [--grad-sync alltoall|local_aggregated|dense|allgather] [--inference-transport pgas|collective]
+
+``--embedding-only`` times only the embedding steps (issue 15's bar: training at least 1.5x TorchRec's, inference
+at least 3x): ours (``ShardedEmbedding`` under the oper training plan; inference as above) against TorchRec's
+sharded ``EmbeddingBagCollection`` under DMP (its KJT input distribution, lookup, pooled-embedding all-to-all,
+backward with the same fixed output gradient, fused update), small MLPs built only for the equality check,
+interleaved step by step; one JSON line with medians, p90s and the load average. ``--prefetch DEPTH`` adds
+``ShardedEmbedding.prefetch`` (the next DEPTH batches converted ahead on a worker thread, their counts and ids
+riding in the current step's row and gradient all-to-alls) and times our synchronous step beside it (a second
+module, same rows) in the same run:
+
+    .venv/bin/python benchmarks/bench_vs_torchrec.py --embedding-only --max-rows 1000000 [--prefetch 1] [--world 4]
 """
 
 from __future__ import annotations
@@ -156,9 +167,7 @@ def worker(rank, world, cfg):
     _log(rank, f"  setup {time.perf_counter() - t_setup:.1f} s; torchrec plan: "
                f"{sorted(set(trh.sharding_types(trec_plan).values()))}")
 
-    def ours_train(b, prefetch=False):
-        if prefetch:
-            emb.prefetch(batches[(b["i"] + 1) % nb]["jf"])
+    def ours_train(b):
         logits = ddp(b["dense"], b["jf"])
         loss = F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum") / B
         ours_opt.zero_grad(set_to_none=True)
@@ -233,8 +242,7 @@ def worker(rank, world, cfg):
     if not emb_only:
         _log(rank, "  training ...")
         res["train"] = timed({
-            "ours": (lambda b: ours_train(b, cfg.get("prefetch", False)),
-                     [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
+            "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
             "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
         }, S, W)
 
@@ -259,13 +267,33 @@ def worker(rank, world, cfg):
     g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
     dmp.train()
 
+    depth, calls_so_far = cfg.get("prefetch", 0) if emb_only else 0, [0]
+
     def ours_emb_train(b):
-        if cfg.get("prefetch"):  # the next batch's index conversion, its counts and ids ride in this step
-            emb.prefetch(batches[(b["i"] + 1) % nb]["jf"])
+        if depth:  # the batches of the next `depth` steps (converted on the prefetch thread; the next one's
+            # counts and ids ride in this step's exchanges)
+            for a in (range(1, depth + 1) if calls_so_far[0] == 0 else (depth,)):
+                emb.prefetch(batches[(b["i"] + a) % nb]["jf"])
+        calls_so_far[0] += 1
         emb(b["jf"]).backward(g)
 
     def trec_emb_train(b):
         trec_inner.sparse_arch(b["kjt"]).backward(g.view(Bl, len(tables), cfg["dim"]))
+
+    sides = {"ours": (ours_emb_train, [a2a, ours_sync, calls]),
+             "torchrec": (trec_emb_train, [a2a, lambda: trec_dp_hook.bytes, calls])}
+    if depth:
+        # both of ours in the same run: a second module (same plan, rows and updates) steps synchronously
+        emb_sync = ShardedEmbedding(tables, amap_tr, tr, rank, design="retrieve", optimizer=opt_name, lr=lr, eps=eps,
+                                    grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
+        emb_sync.load_state_dict(emb.state_dict())
+        if opt_name == "rowwise_adagrad":
+            emb_sync.momentum.copy_(emb.momentum)
+
+        def ours_sync_emb_train(b):
+            emb_sync(b["jf"]).backward(g)
+
+        sides["ours_sync"] = (ours_sync_emb_train, [a2a, lambda: emb_sync.stats.get("grad_sync_bytes", 0), calls])
 
     def ours_emb_infer(b):
         with torch.no_grad():
@@ -276,8 +304,7 @@ def worker(rank, world, cfg):
             trec_inner.sparse_arch(b["kjt"])
 
     _log(rank, "  embedding-only breakdown ...")
-    res["emb_train"] = timed({"ours": (ours_emb_train, [a2a, ours_sync, calls]),
-                              "torchrec": (trec_emb_train, [a2a, lambda: trec_dp_hook.bytes, calls])}, S, W)
+    res["emb_train"] = timed(sides, S, W)
     dmp.eval()
     res["emb_infer"] = timed({"ours": (ours_emb_infer, [moved, calls]), "torchrec": (trec_emb_infer, [a2a, calls])},
                              S, W)
@@ -368,10 +395,17 @@ def summarise_embedding(res: list, cfg: dict) -> dict:
         ph["ratio"] = ph["ours"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
         ph["paired_ratio"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
                                              np.array(r0[phase]["ours"]["times_s"])))
+        if "ours_sync" in r0[phase]:  # --prefetch: our synchronous step, same run
+            x = r0[phase]["ours_sync"]
+            ph["ours_sync"] = {"samples_per_s": B / x["median_s"], "median_ms": 1e3 * x["median_s"],
+                               "p90_ms": 1e3 * x["p90_s"], "all_to_alls_per_step_per_rank": x["bytes"][-1] / len(res),
+                               "bytes_per_step": float(sum(x["bytes"][:-1]))}
+            ph["ratio_sync"] = ph["ours_sync"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+            ph["paired_ratio_sync"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
+                                                      np.array(x["times_s"])))
         out[phase] = ph
     out["check"] = r0["check"]
-    out["raw_step_times_s"] = {p: {s: r0[p][s]["times_s"] for s in ("ours", "torchrec")}
-                               for p in ("emb_train", "emb_infer")}
+    out["raw_step_times_s"] = {p: {s: v["times_s"] for s, v in r0[p].items()} for p in ("emb_train", "emb_infer")}
     return out
 
 
@@ -389,6 +423,10 @@ def main_embedding_only(args, base: dict) -> None:
     res = spawn_local(worker, args.world, cfg, timeout_s=3600)
     r = summarise_embedding(res, cfg)
     tr, inf = r["emb_train"], r["emb_infer"]
+    if "ours_sync" in tr:
+        print(f"  train, ours without prefetch: {tr['ours_sync']['median_ms']:.2f} ms (p90 "
+              f"{tr['ours_sync']['p90_ms']:.2f}): {tr['ratio_sync']:.2f}x (paired {tr['paired_ratio_sync']:.2f}x)",
+              file=sys.stderr, flush=True)
     print(f"  train {tr['ours']['median_ms']:.2f} ms (p90 {tr['ours']['p90_ms']:.2f}) vs "
           f"{tr['torchrec']['median_ms']:.2f} ms (p90 {tr['torchrec']['p90_ms']:.2f}): {tr['ratio']:.2f}x "
           f"(paired {tr['paired_ratio']:.2f}x); inference {inf['ours']['median_ms']:.2f} vs "
@@ -398,7 +436,10 @@ def main_embedding_only(args, base: dict) -> None:
             "baseline": tr["torchrec"]["samples_per_s"], "ratio": tr["ratio"], "unit": "samples/s",
             "median_ms": tr["ours"]["median_ms"], "p90_ms": tr["ours"]["p90_ms"],
             "baseline_median_ms": tr["torchrec"]["median_ms"], "baseline_p90_ms": tr["torchrec"]["p90_ms"],
-            "paired_ratio": tr["paired_ratio"],
+            "paired_ratio": tr["paired_ratio"], "prefetch": base["prefetch"],
+            "synchronous": ({"figure": tr["ours_sync"]["samples_per_s"], "ratio": tr["ratio_sync"],
+                             "paired_ratio": tr["paired_ratio_sync"], "median_ms": tr["ours_sync"]["median_ms"],
+                             "p90_ms": tr["ours_sync"]["p90_ms"]} if "ours_sync" in tr else None),
             "inference": {"figure": inf["ours"]["samples_per_s"], "baseline": inf["torchrec"]["samples_per_s"],
                           "ratio": inf["ratio"], "paired_ratio": inf["paired_ratio"],
                           "median_ms": inf["ours"]["median_ms"], "p90_ms": inf["ours"]["p90_ms"],
@@ -431,15 +472,18 @@ def main():
                     help="time only the embedding step (ours: ShardedEmbedding; TorchRec: its sharded "
                          "EmbeddingBagCollection under DMP), training and inference, interleaved; one JSON line, "
                          "no markdown")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="ours: convert the next batch's ids (OPER 5.1) during the current step "
-                         "(ShardedEmbedding.prefetch), as a pipelined training loop does")
+    ap.add_argument("--prefetch", type=int, default=0, metavar="DEPTH",
+                    help="with --embedding-only: ours converts the batches of the next DEPTH steps ahead "
+                         "(ShardedEmbedding.prefetch, OPER 5.1 pipelined), as a pipelined training loop does; "
+                         "our synchronous step is timed beside it in the same run")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="render --out from saved JSON lines of earlier runs instead of running (the first is "
                          "the main run; the others are appended as further runs)")
     args = ap.parse_args()
+    if args.prefetch and not args.embedding_only:
+        ap.error("--prefetch times the embedding-only step: add --embedding-only")
     if args.from_json:
         lines = []
         for fn in args.from_json:

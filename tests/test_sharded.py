@@ -295,20 +295,23 @@ def _prefetch_worker(rank, world):
             owner, replicas, holders = plans(world)[name]
             amap = AddressMap.build(ts, world, owner, replicas, holders)
             runs = {}
-            for prefetch in (False, True):
+            for prefetch in (None, "thread", "inline", "two_ahead"):
                 emb = ShardedEmbedding(ts, amap, transport, rank, optimizer=optimizer, lr=LR, eps=EPS, grad_sync=sync)
                 outs, per_step, requests_ok = [], [], []
                 for s in range(PREFETCH_STEPS):
                     b = s % STEPS
-                    if prefetch:
-                        emb.prefetch(parts[(s + 1) % STEPS][rank])
+                    if prefetch == "two_ahead":  # the batches of the next two steps are queued
+                        for a in ((1, 2) if s == 0 else (2,)):
+                            emb.prefetch(parts[(s + a) % STEPS][rank])
+                    elif prefetch:
+                        emb.prefetch(parts[(s + 1) % STEPS][rank], background=prefetch == "thread")
                     n0 = calls["n"]
                     y = emb(parts[b][rank])
                     outs.append(y.detach().clone())
                     ((y * grads[b][lo:hi]).sum() / B).backward()
                     per_step.append(calls["n"] - n0)
                     if prefetch:  # what the peers asked this rank for, next step: the rows it owns of their batch
-                        nxt = emb._queue[0]
+                        nxt = emb._queue[0].conv
                         ok = nxt.state == "ready"
                         for p in range(world):
                             if p == rank:
@@ -349,11 +352,12 @@ def test_prefetched_conversion_is_exact_and_saves_two_all_to_alls():
         res = results[r]
         assert "another batch than the one prefetched" in res["wrong_batch"], res["wrong_batch"]
         for sc in PREFETCH_SCENARIOS:
-            sync_outs, sync_w, sync_calls, _ = res[sc][False]
-            pre_outs, pre_w, pre_calls, requests_ok = res[sc][True]
-            for s in range(PREFETCH_STEPS):
-                assert torch.equal(pre_outs[s], sync_outs[s]), f"rank {r} {sc} step {s}"
-            assert torch.equal(pre_w, sync_w), f"rank {r} {sc}: rows differ after {PREFETCH_STEPS} steps"
-            assert all(requests_ok), f"rank {r} {sc}: prefetched requests {requests_ok}"
+            sync_outs, sync_w, sync_calls, _ = res[sc][None]
             assert sync_calls == [4] * PREFETCH_STEPS, (sc, sync_calls)
-            assert pre_calls == [4] + [2] * (PREFETCH_STEPS - 1), (sc, pre_calls)
+            for how in ("thread", "inline", "two_ahead"):
+                pre_outs, pre_w, pre_calls, requests_ok = res[sc][how]
+                for s in range(PREFETCH_STEPS):
+                    assert torch.equal(pre_outs[s], sync_outs[s]), f"rank {r} {sc} {how} step {s}"
+                assert torch.equal(pre_w, sync_w), f"rank {r} {sc} {how}: rows differ after {PREFETCH_STEPS} steps"
+                assert all(requests_ok), f"rank {r} {sc} {how}: prefetched requests {requests_ok}"
+                assert pre_calls == [4] + [2] * (PREFETCH_STEPS - 1), (sc, how, pre_calls)

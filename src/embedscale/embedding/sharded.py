@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -54,6 +55,7 @@ from embedscale.specs import TableSpec, feature_to_table
 DESIGNS = ("retrieve", "send")
 SYNC_METHODS = (*_SYNC_METHODS, "alltoall")
 _INT32_MAX = 2**31 - 1
+_MAX_AHEAD = 4  # prefetched batches kept at most while none was announced to the peers
 _SHIFT = TorchAddressMap.SHIFT  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
 
 
@@ -160,7 +162,8 @@ class ShardedEmbedding(nn.Module):
         self.anchor = nn.Parameter(torch.zeros(0, device=device))
         self.stats: dict[str, int] = {}
         self._backing: torch.Tensor | None = None  # storage + fetch area (``_pool_table``)
-        self._queue: deque[_Conversion] = deque()  # prefetched conversions, oldest first (``prefetch``)
+        self._queue: deque[_Ahead] = deque()  # prefetched batches, in step order (``prefetch``)
+        self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, made by the first prefetch
         self._pipelined = False  # set by the first ``prefetch``: training row exchanges carry a header
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
 
@@ -254,28 +257,40 @@ class ShardedEmbedding(nn.Module):
             out = _SendBased.apply(self.anchor, self, gids, bag, scale, nbags)
         return out.view(F_, B, self.dim).transpose(0, 1).reshape(B, F_ * self.dim)
 
-    # -- the index conversion of OPER 5.1, synchronously or one batch ahead -------------------------------
-    def prefetch(self, features: JaggedFeatures) -> None:
-        """Convert the batch of the *next* step ahead of time (OPER 5.1 pipelined with the previous step, as
-        TorchRec's ``TrainPipelineSparseDist`` distributes the next batch's input during the current step).
+    # -- the index conversion of OPER 5.1, synchronously or ahead of its step --------------------------
+    def prefetch(self, features: JaggedFeatures, *, background: bool = True) -> None:
+        """Convert an upcoming training batch ahead of its step (OPER 5.1 pipelined with the previous step,
+        as TorchRec's ``TrainPipelineSparseDist`` distributes the next batch's input during the current step).
 
-        Optional; retrieve design. Every rank calls it for the same steps, with the batch its next training
-        ``forward`` will get, before the current step's ``forward`` (a loop that knows the next batch:
-        ``emb.prefetch(next_batch); loss(emb(batch)).backward()``). It checks and decodes the ids, deduplicates
-        the remote rows and sorts them by owner at once; then, over a collective transport, the current step's
-        row exchange tells every owner how many rows it will be asked for, and the current step's gradient
-        exchange carries the requests themselves. So the next training step sends only rows and gradients:
-        two all-to-alls instead of four. Called later (after the current ``forward``), only the conversion is
-        early. Exact: the requests are row addresses, which no update changes; the rows travel in their own
-        step, after the previous update. Called before an inference ``forward``, only the conversion is early.
+        Optional; retrieve design. Call it with every upcoming training batch, in the order of their steps,
+        before the ``forward`` of the step *before* theirs (``emb.prefetch(next_batch); loss(emb(batch))
+        .backward()``; or further ahead); every rank for the same steps. The batch's ids are checked and
+        decoded, its remote rows deduplicated and sorted by owner (with ``background``, on a worker thread,
+        while this rank computes and waits for its peers; the step that needs the result joins it). Then,
+        over a collective transport, the row exchange of the step before the batch's tells every owner how
+        many rows it will be asked for, and that step's gradient exchange carries the requests themselves:
+        a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead of four.
+        Exact: requests are row addresses, which no update changes, and the rows travel in their own step,
+        after the previous update. A ``forward`` of another batch in training, once the peers were told of
+        the prefetched one, is an ``InputError``; inference lookups of other batches leave the queue alone.
         """
         if self.design != "retrieve":
             return
-        self._check_keys(as_jagged(features)[0])
+        jf = as_jagged(features)[0]
+        self._check_keys(jf)
         self._pipelined = True
-        while len(self._queue) >= 2 and self._queue[0].state == "local":
+        while len(self._queue) >= _MAX_AHEAD and self._queue[0].state == "local":
             self._queue.popleft()  # never consumed, never announced: stale
-        self._queue.append(self._convert(as_jagged(features)[0], True))
+        if background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"emb-prefetch-r{self.rank}")
+            self._queue.append(_Ahead(jf, future=self._pool.submit(self._convert_ahead, jf)))
+        else:
+            self._queue.append(_Ahead(jf, conv=self._convert(jf, True)))
+
+    def _convert_ahead(self, features: JaggedFeatures) -> "_Conversion":
+        with torch.no_grad():
+            return self._convert(features, True)
 
     def _take_prefetched(self, features: JaggedFeatures, training: bool):
         """The prefetched conversion of ``features`` (the head of the queue), or ``None`` (convert now)."""
@@ -283,7 +298,7 @@ class ShardedEmbedding(nn.Module):
             return None
         head = self._queue[0]
         if _same_batch(head.features, features):
-            return self._queue.popleft()
+            return self._queue.popleft().conv
         if not training:  # an evaluation between training steps: the queue waits for its batch
             return None
         if head.state != "local":  # the peers already sent or expect this batch's requests
@@ -545,6 +560,26 @@ class _Conversion:
                             dtype=torch.int64)
 
 
+class _Ahead:
+    """A prefetched batch and its conversion, computed on the prefetch thread until first needed."""
+
+    __slots__ = ("features", "_future", "_conv")
+
+    def __init__(self, features: JaggedFeatures, future=None, conv: _Conversion | None = None):
+        self.features, self._future, self._conv = features, future, conv
+
+    @property
+    def conv(self) -> _Conversion:
+        if self._conv is None:
+            self._conv = self._future.result()  # joins the prefetch thread (re-raises its InputError)
+            self._future = None
+        return self._conv
+
+    @property
+    def state(self) -> str:
+        return "local" if self._conv is None else self._conv.state
+
+
 def _same_batch(a: JaggedFeatures, b: JaggedFeatures) -> bool:
     """``b`` is the batch ``a`` (the same object, or equal keys, lengths, values and weights)."""
     if a is b:
@@ -661,7 +696,7 @@ class _Retrieve(torch.autograd.Function):
         table = mod._pool_table(R)
         if training and mod._pipelined and collective and W > 1:
             # the row exchange carries a header: how many rows each rank will request next step
-            nxt = mod._queue[0] if mod._queue and mod._queue[0].state == "local" else None
+            nxt = mod._queue[0].conv if mod._queue and mod._queue[0].state == "local" else None
             hdr = nxt.announce(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
             wt = mod.weight.dtype
             got = _exchange_packed(tr, [[hdr[p].to(dev), replies[p]] for p in range(W)],
