@@ -15,6 +15,14 @@ on this same code (OPER section 8):
     (bag, owner); the requester adds the partials. Backward: the partial bags' gradients go back to the
     owners, which expand them to rows and apply the optimizer.
 
+Per-step costs beyond the pooling kernel (issue 15): a training step of the retrieve design makes four
+all-to-alls (request counts, ids, rows, gradients) and sums each row's gradients once (one sort of the batch's
+values; an owner adds its peers' per-row sums to its own without sorting again, and updates owned and
+replica rows in one fused call). ``ShardedEmbedding.prefetch`` pipelines OPER 5.1's index conversion with the
+previous step, as TorchRec's ``TrainPipelineSparseDist`` does its input distribution: the next batch is
+converted on a worker thread, its request counts ride in the current step's row all-to-all and its ids in
+the current gradient all-to-all, so a prefetched step makes two all-to-alls; the results are the same bits.
+
 Replicated rows (data parallel, OPER 4.3) are read locally where held; their gradients are summed over
 all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3; or, for few ranks,
 ``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
