@@ -9,6 +9,10 @@ own time; with ``--prefetch`` the next batch's index conversion runs through ``S
 as a pipelined loop would. A diagnostic, not a speed claim (``bench_vs_torchrec.py`` makes those).
 
     .venv/bin/python benchmarks/profile_sharded_step.py [--world 2] [--steps 40] [--prefetch] [--top 25]
+
+``--ab OTHER/src/embedscale/embedding/sharded.py`` instead times that file's step (an older checkout's) against
+this one's synchronous and prefetched steps, interleaved in the same ranks on the same rows and batches, and
+prints one JSON line (medians, p90s, load, whether all three end with the same rows).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
 import sys
 import time
@@ -70,6 +76,9 @@ def worker(rank, world, cfg):
 
     dist.all_to_all_single = counted
 
+    if cfg.get("ab"):
+        return _ab(rank, emb, cfg, tables, address_map_from_plan(plan, tables), tr, batches, g)
+
     def step(s):
         if cfg["prefetch"]:
             emb.prefetch(batches[(s + 1) % nb])
@@ -94,6 +103,46 @@ def worker(rank, world, cfg):
             "profile": buf.getvalue()}
 
 
+def _ab(rank, emb, cfg, tables, amap, tr, batches, g):
+    """``--ab FILE``: the step of another ``sharded.py`` (e.g. an older checkout's
+    ``src/embedscale/embedding/sharded.py``, loaded as its own module) against this one's synchronous and
+    prefetched steps, same ranks, rows and batches, interleaved step by step (order rotated every step);
+    per variant the median and p90 of the slowest rank's step."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from embedscale.embedding.sharded import ShardedEmbedding
+
+    spec = importlib.util.spec_from_file_location("other_sharded", cfg["ab"])
+    other = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(other)
+    kw = dict(optimizer="rowwise_adagrad", lr=0.05, grad_sync="alltoall", seed=0)
+    mods = {"other": other.ShardedEmbedding(tables, amap, tr, rank, **kw),
+            "this_sync": emb, "this_prefetch": ShardedEmbedding(tables, amap, tr, rank, **kw)}
+    nb = len(batches)
+    times = {k: [] for k in mods}
+    names = list(mods)
+    for s in range(5 + cfg["steps"]):
+        order = names[s % 3:] + names[:s % 3]
+        for k in order:
+            if k == "this_prefetch":
+                mods[k].prefetch(batches[(s + 1) % nb])
+            dist.barrier()
+            t0 = time.perf_counter()
+            mods[k](batches[s % nb]).backward(g)
+            dt = time.perf_counter() - t0
+            if s >= 5:
+                times[k].append(dt)
+    out = {}
+    for k in names:
+        t = torch.tensor(times[k], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[k] = (1e3 * float(t.median()), 1e3 * float(torch.quantile(t, 0.9)))
+    same = all(torch.equal(mods["other"].weight, m.weight) for m in (mods["this_sync"], mods["this_prefetch"]))
+    return {"rank": rank, "ab": out, "same_rows": same}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -102,12 +151,24 @@ def main():
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prefetch", action="store_true")
+    ap.add_argument("--ab", default=None, metavar="SHARDED_PY",
+                    help="time another sharded.py's step against this one's (synchronous and prefetched), "
+                         "interleaved")
     args = ap.parse_args()
     from embedscale.train.launch import spawn_local
 
     cfg = {"max_rows": args.max_rows, "batch": args.batch, "steps": args.steps, "top": args.top,
-           "prefetch": args.prefetch}
+           "prefetch": args.prefetch, "ab": args.ab}
+    load = os.getloadavg()
     res = spawn_local(worker, args.world, cfg, timeout_s=1800)
+    if args.ab:
+        r0 = res[0]
+        print(json.dumps({"benchmark": "sharded_step_ab", "other": args.ab, "world": args.world,
+                          "median_p90_ms": r0["ab"], "same_rows": all(r["same_rows"] for r in res),
+                          "speedup_sync": r0["ab"]["other"][0] / r0["ab"]["this_sync"][0],
+                          "speedup_prefetch": r0["ab"]["other"][0] / r0["ab"]["this_prefetch"][0],
+                          "loadavg_before": load, "loadavg_after": os.getloadavg(), "steps": args.steps}))
+        return
     for r in sorted(res, key=lambda r: r["rank"]):
         print(f"== rank {r['rank']}: step median {r['median_ms']:.2f} ms, p90 {r['p90_ms']:.2f} ms; "
               f"{r['a2a_per_step']:.1f} all_to_all_single per step, {r['a2a_ms_per_step']:.2f} ms in them")
