@@ -38,6 +38,17 @@ config; inference and every config inside); progress on stderr; writes ``benchma
 
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
         [--grad-sync alltoall|local_aggregated|dense|allgather] [--inference-transport pgas|collective]
+
+``--embedding-only`` times only the embedding steps (issue 15's bar: training at least 1.5x TorchRec's, inference
+at least 3x): ours (``ShardedEmbedding`` under the oper training plan; inference as above) against TorchRec's
+sharded ``EmbeddingBagCollection`` under DMP (its KJT input distribution, lookup, pooled-embedding all-to-all,
+backward with the same fixed output gradient, fused update), small MLPs built only for the equality check,
+interleaved step by step; one JSON line with medians, p90s and the load average. ``--prefetch DEPTH`` adds
+``ShardedEmbedding.prefetch`` (the next DEPTH batches converted ahead on a worker thread, their counts and ids
+riding in the current step's row and gradient all-to-alls) and times our synchronous step beside it (a second
+module, same rows) in the same run:
+
+    .venv/bin/python benchmarks/bench_vs_torchrec.py --embedding-only --max-rows 1000000 [--prefetch 1] [--world 4]
 """
 
 from __future__ import annotations
@@ -104,7 +115,7 @@ def worker(rank, world, cfg):
         lo, hi = s * B + Bl * rank, s * B + Bl * (rank + 1)
         values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
         lengths = torch.ones(values.numel(), dtype=torch.int64)
-        batches.append({"jf": JaggedFeatures(keys, values, lengths),
+        batches.append({"i": s, "jf": JaggedFeatures(keys, values, lengths),
                         "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
                         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
                         "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
@@ -218,8 +229,8 @@ def worker(rank, world, cfg):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             by = torch.tensor(bytes_[name], dtype=torch.float64).mean(0) if bytes_[name] else torch.zeros(0)
             dist.all_reduce(by)  # summed over ranks
-            out[name] = {"median_s": float(t.median()), "times_s": [round(x, 5) for x in t.tolist()],
-                         "bytes": by.tolist()}
+            out[name] = {"median_s": float(t.median()), "p90_s": float(torch.quantile(t, 0.9)) if t.numel() else 0.0,
+                         "times_s": [round(x, 5) for x in t.tolist()], "bytes": by.tolist()}
         return out
 
     a2a = lambda: trh.BYTES["a2a"]  # noqa: E731
@@ -227,11 +238,13 @@ def worker(rank, world, cfg):
     ours_sync = lambda: emb.stats.get("grad_sync_bytes", 0)  # noqa: E731
     res = {"check": check}
     W, S = cfg["warmup"], cfg["steps"]
-    _log(rank, "  training ...")
-    res["train"] = timed({
-        "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
-        "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
-    }, S, W)
+    emb_only = cfg.get("embedding_only", False)
+    if not emb_only:
+        _log(rank, "  training ...")
+        res["train"] = timed({
+            "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
+            "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
+        }, S, W)
 
     dmp.eval()
 
@@ -243,20 +256,44 @@ def worker(rank, world, cfg):
         with torch.no_grad():
             dmp(b["dense"], b["kjt"])
 
-    _log(rank, "  inference ...")
     # bytes ours moves: all-to-alls, plus the rows PGAS gets read from peers (counted once, by the reader)
     moved = (lambda: a2a() + int(pgas_tr.counter.recv.sum())) if pgas_tr is not None else a2a  # noqa: E731
-    res["inference"] = timed({"ours": (ours_infer, [moved, calls]), "torchrec": (trec_infer, [a2a, calls])}, S, W)
+    if not emb_only:
+        _log(rank, "  inference ...")
+        res["inference"] = timed({"ours": (ours_infer, [moved, calls]), "torchrec": (trec_infer, [a2a, calls])},
+                                 S, W)
 
     # -- breakdown: the embedding part alone (lookup + comm [+ backward + fused update]) ----------------
     g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
     dmp.train()
 
+    depth, calls_so_far = cfg.get("prefetch", 0) if emb_only else 0, [0]
+
     def ours_emb_train(b):
+        if depth:  # the batches of the next `depth` steps (converted on the prefetch thread; the next one's
+            # counts and ids ride in this step's exchanges)
+            for a in (range(1, depth + 1) if calls_so_far[0] == 0 else (depth,)):
+                emb.prefetch(batches[(b["i"] + a) % nb]["jf"])
+        calls_so_far[0] += 1
         emb(b["jf"]).backward(g)
 
     def trec_emb_train(b):
         trec_inner.sparse_arch(b["kjt"]).backward(g.view(Bl, len(tables), cfg["dim"]))
+
+    sides = {"ours": (ours_emb_train, [a2a, ours_sync, calls]),
+             "torchrec": (trec_emb_train, [a2a, lambda: trec_dp_hook.bytes, calls])}
+    if depth:
+        # both of ours in the same run: a second module (same plan, rows and updates) steps synchronously
+        emb_sync = ShardedEmbedding(tables, amap_tr, tr, rank, design="retrieve", optimizer=opt_name, lr=lr, eps=eps,
+                                    grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
+        emb_sync.load_state_dict(emb.state_dict())
+        if opt_name == "rowwise_adagrad":
+            emb_sync.momentum.copy_(emb.momentum)
+
+        def ours_sync_emb_train(b):
+            emb_sync(b["jf"]).backward(g)
+
+        sides["ours_sync"] = (ours_sync_emb_train, [a2a, lambda: emb_sync.stats.get("grad_sync_bytes", 0), calls])
 
     def ours_emb_infer(b):
         with torch.no_grad():
@@ -267,9 +304,10 @@ def worker(rank, world, cfg):
             trec_inner.sparse_arch(b["kjt"])
 
     _log(rank, "  embedding-only breakdown ...")
-    res["emb_train"] = timed({"ours": (ours_emb_train, []), "torchrec": (trec_emb_train, [])}, S, W)
+    res["emb_train"] = timed(sides, S, W)
     dmp.eval()
-    res["emb_infer"] = timed({"ours": (ours_emb_infer, []), "torchrec": (trec_emb_infer, [])}, S, W)
+    res["emb_infer"] = timed({"ours": (ours_emb_infer, [moved, calls]), "torchrec": (trec_emb_infer, [a2a, calls])},
+                             S, W)
 
     res["plans"] = {
         "ours_training": {"replicated_rows": int(amap_tr.num_slots), "rows_per_rank": amap_tr.num_owned().tolist()},
@@ -339,6 +377,82 @@ def summarise(res: list, cfg: dict) -> dict:
     return out
 
 
+def summarise_embedding(res: list, cfg: dict) -> dict:
+    """The embedding-only phases (``--embedding-only``): per phase and side, samples/s at the median, median and
+    p90 step (ms; a step is the slowest rank's), bytes sent and all-to-alls per step; the ratios ours / TorchRec
+    at the median and step by step (paired)."""
+    B = cfg["batch"]
+    r0 = res[0]
+    out = {}
+    for phase in ("emb_train", "emb_infer"):
+        ph = {}
+        for side in ("ours", "torchrec"):
+            x = r0[phase][side]
+            by = x["bytes"]
+            ph[side] = {"samples_per_s": B / x["median_s"], "median_ms": 1e3 * x["median_s"],
+                        "p90_ms": 1e3 * x["p90_s"], "p90_over_median": x["p90_s"] / max(x["median_s"], 1e-12),
+                        "bytes_per_step": float(sum(by[:-1])), "all_to_alls_per_step_per_rank": by[-1] / len(res)}
+        ph["ratio"] = ph["ours"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+        ph["paired_ratio"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
+                                             np.array(r0[phase]["ours"]["times_s"])))
+        if "ours_sync" in r0[phase]:  # --prefetch: our synchronous step, same run
+            x = r0[phase]["ours_sync"]
+            ph["ours_sync"] = {"samples_per_s": B / x["median_s"], "median_ms": 1e3 * x["median_s"],
+                               "p90_ms": 1e3 * x["p90_s"], "all_to_alls_per_step_per_rank": x["bytes"][-1] / len(res),
+                               "bytes_per_step": float(sum(x["bytes"][:-1]))}
+            ph["ratio_sync"] = ph["ours_sync"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+            ph["paired_ratio_sync"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
+                                                      np.array(x["times_s"])))
+        out[phase] = ph
+    out["check"] = r0["check"]
+    out["raw_step_times_s"] = {p: {s: v["times_s"] for s, v in r0[p].items()} for p in ("emb_train", "emb_infer")}
+    return out
+
+
+def main_embedding_only(args, base: dict) -> None:
+    """``--embedding-only``: our ``ShardedEmbedding`` step (training: lookup, all-to-alls, backward with a fixed
+    output gradient, fused update; inference: the lookup) against TorchRec's sharded ``EmbeddingBagCollection``
+    step under ``DistributedModelParallel`` (its input distribution, lookup, pooled all-to-all [, backward and
+    fused update]), same tables, data and initial rows, interleaved step by step. One JSON line."""
+    from embedscale.train.launch import spawn_local
+
+    cfg = {**base, **CONFIGS["small"], "embedding_only": True}
+    print(f"vs torchrec, embedding only, {args.world} ranks: {cfg}", file=sys.stderr, flush=True)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    res = spawn_local(worker, args.world, cfg, timeout_s=3600)
+    r = summarise_embedding(res, cfg)
+    tr, inf = r["emb_train"], r["emb_infer"]
+    if "ours_sync" in tr:
+        print(f"  train, ours without prefetch: {tr['ours_sync']['median_ms']:.2f} ms (p90 "
+              f"{tr['ours_sync']['p90_ms']:.2f}): {tr['ratio_sync']:.2f}x (paired {tr['paired_ratio_sync']:.2f}x)",
+              file=sys.stderr, flush=True)
+    print(f"  train {tr['ours']['median_ms']:.2f} ms (p90 {tr['ours']['p90_ms']:.2f}) vs "
+          f"{tr['torchrec']['median_ms']:.2f} ms (p90 {tr['torchrec']['p90_ms']:.2f}): {tr['ratio']:.2f}x "
+          f"(paired {tr['paired_ratio']:.2f}x); inference {inf['ours']['median_ms']:.2f} vs "
+          f"{inf['torchrec']['median_ms']:.2f} ms: {inf['ratio']:.2f}x (paired {inf['paired_ratio']:.2f}x); "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    line = {"benchmark": "vs_torchrec_embedding_only", "figure": tr["ours"]["samples_per_s"],
+            "baseline": tr["torchrec"]["samples_per_s"], "ratio": tr["ratio"], "unit": "samples/s",
+            "median_ms": tr["ours"]["median_ms"], "p90_ms": tr["ours"]["p90_ms"],
+            "baseline_median_ms": tr["torchrec"]["median_ms"], "baseline_p90_ms": tr["torchrec"]["p90_ms"],
+            "paired_ratio": tr["paired_ratio"], "prefetch": base["prefetch"],
+            "synchronous": ({"figure": tr["ours_sync"]["samples_per_s"], "ratio": tr["ratio_sync"],
+                             "paired_ratio": tr["paired_ratio_sync"], "median_ms": tr["ours_sync"]["median_ms"],
+                             "p90_ms": tr["ours_sync"]["p90_ms"]} if "ours_sync" in tr else None),
+            "inference": {"figure": inf["ours"]["samples_per_s"], "baseline": inf["torchrec"]["samples_per_s"],
+                          "ratio": inf["ratio"], "paired_ratio": inf["paired_ratio"],
+                          "median_ms": inf["ours"]["median_ms"], "p90_ms": inf["ours"]["p90_ms"],
+                          "baseline_median_ms": inf["torchrec"]["median_ms"],
+                          "baseline_p90_ms": inf["torchrec"]["p90_ms"]},
+            "config": {**base, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+                       "torch": torch.__version__, "torchrec": _version("torchrec"),
+                       "fbgemm_gpu": _version("fbgemm-gpu-cpu"),
+                       "command": " ".join([".venv/bin/python", "benchmarks/bench_vs_torchrec.py", *sys.argv[1:]])},
+            "results": r}
+    print(json.dumps(line))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few steps, table1 config only")
@@ -354,12 +468,22 @@ def main():
                     choices=["alltoall", "local_aggregated", "dense", "allgather"],
                     help="our replica-gradient sync (alltoall: in the backward all-to-all, no collective of its own; "
                          "two collectives fewer per step than local_aggregated)")
+    ap.add_argument("--embedding-only", action="store_true",
+                    help="time only the embedding step (ours: ShardedEmbedding; TorchRec: its sharded "
+                         "EmbeddingBagCollection under DMP), training and inference, interleaved; one JSON line, "
+                         "no markdown")
+    ap.add_argument("--prefetch", type=int, default=0, metavar="DEPTH",
+                    help="with --embedding-only: ours converts the batches of the next DEPTH steps ahead "
+                         "(ShardedEmbedding.prefetch, OPER 5.1 pipelined), as a pipelined training loop does; "
+                         "our synchronous step is timed beside it in the same run")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="render --out from saved JSON lines of earlier runs instead of running (the first is "
                          "the main run; the others are appended as further runs)")
     args = ap.parse_args()
+    if args.prefetch and not args.embedding_only:
+        ap.error("--prefetch times the embedding-only step: add --embedding-only")
     if args.from_json:
         lines = []
         for fn in args.from_json:
@@ -374,7 +498,11 @@ def main():
             "optimizer": args.optimizer, "lr": 0.05, "eps": 1e-8, "dense_lr": 0.05, "extra_memory": 0.05,
             "grad_sync": args.grad_sync, "inference_transport": args.inference_transport,
             "profile_samples": 200_000, "distinct_batches": 8,
-            "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5}
+            "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5,
+            "prefetch": args.prefetch}
+    if args.embedding_only:
+        main_embedding_only(args, base)
+        return
     load_before = os.getloadavg()
     results = {}
     for name in names:

@@ -257,3 +257,107 @@ def test_address_map_follows_the_storage_device():
         assert t.device == torch.device("meta")
     assert emb.tmap.row_code.shape == code.shape
     assert emb.tmap.to("meta") is emb.tmap  # already there: no copy
+
+
+PREFETCH_SCENARIOS = [("row_wise", "sgd", "local_aggregated"), ("oper_replicas", "rowwise_adagrad", "local_aggregated"),
+                      ("oper_replicas", "rowwise_adagrad", "alltoall"), ("partial_replicas", "sgd", "alltoall")]
+PREFETCH_STEPS = 6
+
+
+def _global_gids(jf: JaggedFeatures, amap: AddressMap) -> np.ndarray:
+    """Every value's global row id, brute force (feature by feature)."""
+    table_of = {f: i for i, t in enumerate(tables()) for f in t.features}
+    out = []
+    for k, (v, _l) in jf.to_dict().items():
+        out.append(amap.table_base[table_of[k]] + v.numpy())
+    return np.concatenate(out)
+
+
+def _prefetch_worker(rank, world):
+    import torch.distributed as dist
+
+    ts = tables()
+    transport = CollectiveTransport()
+    parts = [[jf.slice_batch(B * r // world, B * (r + 1) // world) for r in range(world)] for jf, _ in batches()]
+    grads = [c for _, c in batches()]
+    lo, hi = B * rank // world, B * (rank + 1) // world
+    calls = {"n": 0}
+    real = dist.all_to_all_single
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    dist.all_to_all_single = counted
+    out = {}
+    try:
+        for name, optimizer, sync in PREFETCH_SCENARIOS:
+            owner, replicas, holders = plans(world)[name]
+            amap = AddressMap.build(ts, world, owner, replicas, holders)
+            runs = {}
+            for prefetch in (None, "thread", "inline", "two_ahead"):
+                emb = ShardedEmbedding(ts, amap, transport, rank, optimizer=optimizer, lr=LR, eps=EPS, grad_sync=sync)
+                outs, per_step, requests_ok = [], [], []
+                for s in range(PREFETCH_STEPS):
+                    b = s % STEPS
+                    if prefetch == "two_ahead":  # the batches of the next two steps are queued
+                        for a in ((1, 2) if s == 0 else (2,)):
+                            emb.prefetch(parts[(s + a) % STEPS][rank])
+                    elif prefetch:
+                        emb.prefetch(parts[(s + 1) % STEPS][rank], background=prefetch == "thread")
+                    n0 = calls["n"]
+                    y = emb(parts[b][rank])
+                    outs.append(y.detach().clone())
+                    ((y * grads[b][lo:hi]).sum() / B).backward()
+                    per_step.append(calls["n"] - n0)
+                    if prefetch:  # what the peers asked this rank for, next step: the rows it owns of their batch
+                        nxt = emb._queue[0].conv
+                        ok = nxt.state == "ready"
+                        for p in range(world):
+                            if p == rank:
+                                continue
+                            src, off, _ = amap.fetch(p, _global_gids(parts[(s + 1) % STEPS][p], amap))
+                            want = np.unique(off[src == rank])
+                            ok = ok and np.array_equal(nxt.requests[p].numpy(), want)
+                        requests_ok.append(ok)
+                    with torch.no_grad():  # an evaluation between steps, on another batch: the queue waits
+                        emb(parts[(s + 2) % STEPS][rank])
+                runs[prefetch] = (outs, emb.weight.clone(), per_step, requests_ok)
+            out[(name, optimizer, sync)] = runs
+        # prefetch(next) must be followed by forward(next): another batch is an error, on every rank
+        owner, replicas, holders = plans(world)["oper_replicas"]
+        emb = ShardedEmbedding(ts, AddressMap.build(ts, world, owner, replicas, holders), transport, rank)
+        emb.prefetch(parts[1][rank])
+        emb(parts[0][rank]).sum().backward()
+        try:
+            emb(parts[2][rank])
+            out["wrong_batch"] = "no error"
+        except InputError as e:
+            out["wrong_batch"] = str(e)
+    finally:
+        dist.all_to_all_single = real
+    return out
+
+
+def test_prefetched_conversion_is_exact_and_saves_two_all_to_alls():
+    """``prefetch`` (the next batch's conversion, its counts in this step's row exchange and its ids in this
+    step's gradient exchange) gives bit for bit the outputs and rows of the synchronous step over 6 steps on
+    2 ranks (with an evaluation on another batch between steps), the requests each owner receives are the
+    rows it owns of the peers' next batches (brute force from the address map), and a steady-state step makes
+    two all-to-alls instead of four (one more with a local-aggregated replica AllReduce: none here, it is
+    an all_reduce)."""
+    world = 2
+    results = spawn_local(_prefetch_worker, world, timeout_s=600)
+    for r in range(world):
+        res = results[r]
+        assert "another batch than the one prefetched" in res["wrong_batch"], res["wrong_batch"]
+        for sc in PREFETCH_SCENARIOS:
+            sync_outs, sync_w, sync_calls, _ = res[sc][None]
+            assert sync_calls == [4] * PREFETCH_STEPS, (sc, sync_calls)
+            for how in ("thread", "inline", "two_ahead"):
+                pre_outs, pre_w, pre_calls, requests_ok = res[sc][how]
+                for s in range(PREFETCH_STEPS):
+                    assert torch.equal(pre_outs[s], sync_outs[s]), f"rank {r} {sc} {how} step {s}"
+                assert torch.equal(pre_w, sync_w), f"rank {r} {sc} {how}: rows differ after {PREFETCH_STEPS} steps"
+                assert all(requests_ok), f"rank {r} {sc} {how}: prefetched requests {requests_ok}"
+                assert pre_calls == [4] + [2] * (PREFETCH_STEPS - 1), (sc, how, pre_calls)

@@ -15,6 +15,14 @@ on this same code (OPER section 8):
     (bag, owner); the requester adds the partials. Backward: the partial bags' gradients go back to the
     owners, which expand them to rows and apply the optimizer.
 
+Per-step costs beyond the pooling kernel (issue 15): a training step of the retrieve design makes four
+all-to-alls (request counts, ids, rows, gradients) and sums each row's gradients once (one sort of the batch's
+values; an owner adds its peers' per-row sums to its own without sorting again, and updates owned and
+replica rows in one fused call). ``ShardedEmbedding.prefetch`` pipelines OPER 5.1's index conversion with the
+previous step, as TorchRec's ``TrainPipelineSparseDist`` does its input distribution: the next batch is
+converted on a worker thread, its request counts ride in the current step's row all-to-all and its ids in
+the current gradient all-to-all, so a prefetched step makes two all-to-alls; the results are the same bits.
+
 Replicated rows (data parallel, OPER 4.3) are read locally where held; their gradients are summed over
 all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3; or, for few ranks,
 ``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
@@ -31,6 +39,10 @@ batch size, and sums (not averages) dense gradients over ranks; ``train.distribu
 """
 
 from __future__ import annotations
+
+import math
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -51,6 +63,7 @@ from embedscale.specs import TableSpec, feature_to_table
 DESIGNS = ("retrieve", "send")
 SYNC_METHODS = (*_SYNC_METHODS, "alltoall")
 _INT32_MAX = 2**31 - 1
+_MAX_AHEAD = 4  # prefetched batches kept at most while none was announced to the peers
 _SHIFT = TorchAddressMap.SHIFT  # (rank << 40) | offset packs a (rank, offset) pair into one sortable int64
 
 
@@ -159,6 +172,10 @@ class ShardedEmbedding(nn.Module):
         self._backing: torch.Tensor | None = None  # storage + fetch area (``_pool_table``)
         # storage rows the optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
+        self._queue: deque[_Ahead] = deque()  # prefetched batches, in step order (``prefetch``)
+        self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, made by the first prefetch
+        self._pipelined = False  # set by the first ``prefetch``: training row exchanges carry a header
+        self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
 
     # -- inputs ---------------------------------------------------------------------------------
     def _check_keys(self, features: JaggedFeatures) -> None:
@@ -239,13 +256,85 @@ class ShardedEmbedding(nn.Module):
             return self._keyed_forward(features)
         F_ = len(self.feature_names)
         if self.design == "retrieve":
-            gids, bag, scale, nbags, B, offsets, one_hot = self._inputs(features, ones=False)
-            out = _Retrieve.apply(self.anchor, self, gids, bag, scale, B, offsets, one_hot, torch.is_grad_enabled())
-            return out.view(B, F_ * self.dim)  # pooled sample-major: no transpose
+            training = torch.is_grad_enabled()
+            conv = self._take_prefetched(features, training)
+            if conv is None:
+                conv = self._convert(features, training)
+            out = _Retrieve.apply(self.anchor, self, conv, training)
+            return out.view(conv.B, F_ * self.dim)  # pooled sample-major: no transpose
         else:
             gids, bag, scale, nbags, B = self._prepare(features)
             out = _SendBased.apply(self.anchor, self, gids, bag, scale, nbags)
         return out.view(F_, B, self.dim).transpose(0, 1).reshape(B, F_ * self.dim)
+
+    # -- the index conversion of OPER 5.1, synchronously or ahead of its step --------------------------
+    def prefetch(self, features: JaggedFeatures, *, background: bool = True) -> None:
+        """Convert an upcoming training batch ahead of its step (OPER 5.1 pipelined with the previous step,
+        as TorchRec's ``TrainPipelineSparseDist`` distributes the next batch's input during the current step).
+
+        Optional; retrieve design. Call it with every upcoming training batch, in the order of their steps,
+        before the ``forward`` of the step *before* theirs (``emb.prefetch(next_batch); loss(emb(batch))
+        .backward()``; or further ahead); every rank for the same steps. The batch's ids are checked and
+        decoded, its remote rows deduplicated and sorted by owner (with ``background``, on a worker thread,
+        while this rank computes and waits for its peers; the step that needs the result joins it). Then,
+        over a collective transport, the row exchange of the step before the batch's tells every owner how
+        many rows it will be asked for, and that step's gradient exchange carries the requests themselves:
+        a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead of four.
+        Exact: requests are row addresses, which no update changes, and the rows travel in their own step,
+        after the previous update. A ``forward`` of another batch in training, once the peers were told of
+        the prefetched one, is an ``InputError``; inference lookups of other batches leave the queue alone.
+        """
+        if self.design != "retrieve":
+            return
+        jf = as_jagged(features)[0]
+        self._check_keys(jf)
+        self._pipelined = True
+        while len(self._queue) >= _MAX_AHEAD and self._queue[0].state == "local":
+            self._queue.popleft()  # never consumed, never announced: stale
+        if background:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"emb-prefetch-r{self.rank}")
+            self._queue.append(_Ahead(jf, future=self._pool.submit(self._convert_ahead, jf)))
+        else:
+            self._queue.append(_Ahead(jf, conv=self._convert(jf, True)))
+
+    def _convert_ahead(self, features: JaggedFeatures) -> "_Conversion":
+        with torch.no_grad():
+            return self._convert(features, True)
+
+    def _take_prefetched(self, features: JaggedFeatures, training: bool):
+        """The prefetched conversion of ``features`` (the head of the queue), or ``None`` (convert now)."""
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        if _same_batch(head.features, features):
+            return self._queue.popleft().conv
+        if not training:  # an evaluation between training steps: the queue waits for its batch
+            return None
+        if head.state != "local":  # the peers already sent or expect this batch's requests
+            raise InputError(f"sharded embedding (rank {self.rank}): forward got another batch than the one "
+                             "prefetched for this step; prefetch(next) must be followed by forward(next)")
+        return None  # a batch of a later step (the first prefetch of a loop): it waits
+
+    def _convert(self, features: JaggedFeatures, training: bool) -> "_Conversion":
+        """A batch's flat lookups (``_inputs``) and remote rows (``remote_rows``), with what the retrieve
+        design's training step needs of them (replica slots of fetched rows; with ``grad_sync="alltoall"``
+        the replicas the batch reads)."""
+        gids, bag, scale, _nbags, B, offsets, one_hot = self._inputs(features, ones=False)
+        tm, W, me = self.tmap, self.world_size, self.rank
+        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W)
+        R = runiq.numel()
+        r_slot = None
+        if training and self.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
+            rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
+            if bool(rep.any()):
+                r_slot = torch.full((R,), -1, dtype=torch.int64, device=gids.device)
+                r_slot[rinv[rep]] = tm.slots(gids.index_select(0, ridx[rep]))
+        fused = bool(training and self.num_slots and self.grad_sync == "alltoall" and self.optimizer is not None)
+        t_slots = _touched_replicas(self, key, remote, r_slot) if fused else None
+        blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
+        return _Conversion(features, bag, scale, B, offsets, one_hot, key, ridx, rinv, per_rank, r_slot, t_slots,
+                           blocks, fused)
 
     def _pool_table(self, extra: int) -> torch.Tensor:
         """The storage with room for ``extra`` fetched rows right after it, as one tensor whose head *is*
@@ -268,12 +357,55 @@ class ShardedEmbedding(nn.Module):
         if self.optimizer is None or rows.numel() == 0:
             return
         uniq, g = aggregate_row_gradients(rows, grads, num_rows=self.weight.shape[0])
+        self._update(uniq, g)
+
+    def _update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Fused optimizer on *unique* storage rows, each with its summed gradient."""
+        if self.optimizer is None or rows.numel() == 0:
+            return
         if self.optimizer == "sgd":
-            sgd_update_(self.weight, uniq, g, self.lr)
+            sgd_update_(self.weight, rows, grads, self.lr)
         else:
-            rowwise_adagrad_update_(self.weight, self.momentum, uniq, g, self.lr, self.eps)
-        if self.touched is not None:
-            self.touched[uniq] = True
+            rowwise_adagrad_update_(self.weight, self.momentum, rows, grads, self.lr, self.eps)
+        if self.touched is not None:  # delta checkpoints: the rows updated since track_touched()
+            self.touched[rows] = True
+
+    def _merge_row_grads(self, rows: torch.Tensor, grads: torch.Tensor, more: list) -> tuple:
+        """Sum per storage row: ``rows`` (unique, with ``grads``) first, then each ``(rows_q, grads_q)`` of
+        ``more`` in order (each ``rows_q`` unique), without sorting: a row's sum is ``grads + grads_q0 +
+        grads_q1 ...`` in that order, the association of summing the concatenation in order. A persistent
+        row -> slot table (storage-sized, -1 outside this call) finds each row's slot. Returns unique rows
+        and their sums (rows in first-seen order)."""
+        more = [(r, g) for r, g in more if r.numel()]
+        if not more:
+            return rows, grads
+        dev = rows.device
+        n = self.weight.shape[0]
+        if self._slot_of is None or self._slot_of.numel() < n or self._slot_of.device != dev:
+            self._slot_of = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        slot_of = self._slot_of
+        k = rows.numel()
+        slot_of.index_copy_(0, rows, torch.arange(k, device=dev))
+        all_rows, places = [rows], []
+        for r, _g in more:
+            s = slot_of.index_select(0, r)
+            new = s < 0
+            m = int(new.sum())
+            if m:
+                nr = r[new]
+                ns = torch.arange(k, k + m, device=dev)
+                slot_of.index_copy_(0, nr, ns)
+                s = s.masked_scatter(new, ns)
+                all_rows.append(nr)
+                k += m
+            places.append(s)
+        out = grads.new_zeros((k, grads.shape[1]))
+        out[:rows.numel()] = grads
+        for s, (_r, g) in zip(places, more):
+            out.index_add_(0, s, g.to(out.dtype))
+        all_rows = torch.cat(all_rows)
+        slot_of.index_fill_(0, all_rows, -1)
+        return all_rows, out
 
     def _apply_partial_bag_grads(self, served, dtype) -> None:
         """Owner side of the send design's backward: for every peer, the rows it asked this rank to pool
@@ -310,10 +442,14 @@ class ShardedEmbedding(nn.Module):
 
     def _apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply the summed gradients of replica ``slots`` (unique) to the ones this rank holds."""
+        rows, g = self._replica_rows(slots, grads)
+        self._update(rows, g)
+
+    def _replica_rows(self, slots: torch.Tensor, grads: torch.Tensor) -> tuple:
+        """The storage rows of the replica ``slots`` (unique) this rank holds, with their gradients."""
         local = self.tmap.replica_local.to(slots.device).index_select(0, slots)
         keep = (local >= 0).nonzero().squeeze(1)
-        if keep.numel():
-            self._apply_owned(self.num_owned + local.index_select(0, keep), grads.index_select(0, keep))
+        return self.num_owned + local.index_select(0, keep), grads.index_select(0, keep)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def track_touched(self) -> None:
@@ -423,6 +559,116 @@ def _split_by_rank(src: torch.Tensor, W: int) -> list[int]:
     return torch.bincount(src, minlength=W).tolist()
 
 
+class _Conversion:
+    """One batch's index conversion (OPER 5.1) for the retrieve design, and how far its requests went.
+
+    ``state``: ``local`` (converted here only), ``counted`` (every owner knows how many rows it will be
+    asked for: they rode in the previous step's row exchange), ``ready`` (the owners hold the requests
+    themselves, ``requests`` and ``peer_slots`` here: they rode in the previous step's gradient exchange)."""
+
+    __slots__ = ("features", "bag", "scale", "B", "offsets", "one_hot", "key", "ridx", "rinv", "per_rank",
+                 "r_slot", "t_slots", "blocks", "fused", "state", "recv_counts", "requests", "peer_slots")
+
+    def __init__(self, features, bag, scale, B, offsets, one_hot, key, ridx, rinv, per_rank, r_slot, t_slots,
+                 blocks, fused):
+        self.features, self.bag, self.scale, self.B, self.offsets = features, bag, scale, B, offsets
+        self.one_hot, self.key, self.ridx, self.rinv, self.per_rank = one_hot, key, ridx, rinv, per_rank
+        self.r_slot, self.t_slots, self.blocks, self.fused = r_slot, t_slots, blocks, fused
+        self.state = "local"
+        self.recv_counts = None  # per peer: (rows it will request from here, replica slots it will send)
+        self.requests = None
+        self.peer_slots = None
+
+    def announce(self, me: int, W: int) -> torch.Tensor:
+        """The header this rank sends each peer about this batch: ``[rows it will request + 1, replica slots]``
+        (``[0, 0]``: no batch prefetched)."""
+        t = self.t_slots.numel() if self.fused else 0
+        return torch.tensor([[c + 1, t] if p != me else [0, 0] for p, c in enumerate(self.per_rank)],
+                            dtype=torch.int64)
+
+
+class _Ahead:
+    """A prefetched batch and its conversion, computed on the prefetch thread until first needed."""
+
+    __slots__ = ("features", "_future", "_conv")
+
+    def __init__(self, features: JaggedFeatures, future=None, conv: _Conversion | None = None):
+        self.features, self._future, self._conv = features, future, conv
+
+    @property
+    def conv(self) -> _Conversion:
+        if self._conv is None:
+            self._conv = self._future.result()  # joins the prefetch thread (re-raises its InputError)
+            self._future = None
+        return self._conv
+
+    @property
+    def state(self) -> str:
+        return "local" if self._conv is None else self._conv.state
+
+
+def _same_batch(a: JaggedFeatures, b: JaggedFeatures) -> bool:
+    """``b`` is the batch ``a`` (the same object, or equal keys, lengths, values and weights)."""
+    if a is b:
+        return True
+    if a.keys != b.keys or a.values.shape != b.values.shape or a.lengths.shape != b.lengths.shape or \
+            (a.weights is None) != (b.weights is None):
+        return False
+    return bool(torch.equal(a.values, b.values.to(a.values.device))) and \
+        bool(torch.equal(a.lengths, b.lengths.to(a.lengths.device))) and \
+        (a.weights is None or bool(torch.equal(a.weights, b.weights.to(a.weights.device))))
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, tail: tuple = ()) -> torch.Tensor:
+    if buf.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+        buf = buf.clone()  # a view as a wider type needs an aligned start
+    return buf.view(dtype).view(-1, *tail)
+
+
+def _exchange_packed(tr: Transport, parts: list, recv_parts: list, kinds: list, me: int) -> list:
+    """One all-to-all of several tensors per peer, sent as bytes: ``parts[p]`` the tensors for rank ``p``,
+    ``recv_parts[p]`` the ``(dtype, tail, rows)`` of each tensor expected from rank ``p`` (both sides know
+    them), ``kinds`` each tensor's label in the byte counter (``meta``: counted as metadata, as
+    ``exchange_counts`` counts). Returns, per peer, the list of received tensors (``None`` for this rank)."""
+    W = len(parts)
+    send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
+            for p, ts in enumerate(parts)]
+    sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
+             for rp in recv_parts]
+    main = next(k for k in kinds if k != "meta")
+    got = tr.exchange(send, recv_counts=[sum(sz) if p != me else 0 for p, sz in enumerate(sizes)], kind=main)
+    c = tr.counter
+    for p in range(W):  # count every part under its own kind
+        if p == me:
+            continue
+        for i, (t, k) in enumerate(zip(parts[p], kinds)):
+            b_out, b_in = t.numel() * t.element_size(), sizes[p][i]
+            if k == main:
+                continue
+            c.by_kind[main] -= b_out
+            if k == "meta":
+                c.sent[p] -= b_out
+                c.recv[p] -= b_in
+                c.meta += b_out + b_in
+            else:
+                c.by_kind[k] = c.by_kind.get(k, 0) + b_out
+    out = []
+    for p in range(W):
+        if p == me:
+            out.append(None)
+            continue
+        pieces, a = [], 0
+        for (dt, tail, _rows), b in zip(recv_parts[p], sizes[p]):
+            pieces.append(_from_bytes(got[p][a:a + b], dt, tail))
+            a += b
+        out.append(pieces)
+    return out
+
+
 class _Retrieve(torch.autograd.Function):
     """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally.
 
@@ -431,60 +677,91 @@ class _Retrieve(torch.autograd.Function):
     fetched blocks land in that order in a fetch area right after the rank's own storage
     (``ShardedEmbedding._pool_table``, OPER 5.2). Local values index the storage directly, remote ones the
     fetch area, and one ``embedding_bag`` pools them all, each bag in its values' order. Backward sums the
-    gradients per storage or fetch-area row in batch order (``aggregate_row_gradients``): local rows go to the
-    fused optimizer, fetched rows back to their owners (replicas through ``grad_sync``).
+    gradients per storage or fetch-area row in batch order (``aggregate_row_gradients``, the one sort of the
+    step): fetched rows go back to their owners (replicas through ``grad_sync``), and each owner adds the
+    peers' sums to its own (``_merge_row_grads``, no second sort) and applies the fused optimizer once.
+
+    All-to-alls per training step: requests (a count exchange, then the ids), rows, gradients: four. With
+    ``ShardedEmbedding.prefetch`` the next batch's counts ride in the row exchange and its ids in the
+    gradient exchange: two.
     """
 
     @staticmethod
-    def forward(ctx, anchor, mod: ShardedEmbedding, gids, bag, scale, B, offsets, one_hot, training):
-        W, me, tr, tm = mod.world_size, mod.rank, mod.transport, mod.tmap
+    def forward(ctx, anchor, mod: ShardedEmbedding, conv: _Conversion, training):
+        W, me, tr = mod.world_size, mod.rank, mod.transport
         dev = mod.weight.device
-        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W)
-        R = runiq.numel()
-        r_slot = None
-        if training and mod.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
-            rep = (code.index_select(0, ridx) & tm.REPLICA) != 0
-            if bool(rep.any()):
-                r_slot = torch.full((R,), -1, dtype=torch.int64, device=dev)
-                r_slot[rinv[rep]] = tm.slots(gids.index_select(0, ridx[rep]))
-        blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
-        fused = training and mod.num_slots and mod.grad_sync == "alltoall" and mod.optimizer is not None
-        if fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
-            t_slots = _touched_replicas(mod, key, remote, r_slot)
+        per_rank, blocks, fused = conv.per_rank, conv.blocks, conv.fused and training
+        R = sum(per_rank)
+        collective = hasattr(tr, "exchange_counts")
+        if conv.state == "ready":  # the requests rode in the previous step's gradient exchange
+            requests, peer_slots = conv.requests, conv.peer_slots
+        elif conv.state == "counted":  # their counts rode in the previous step's row exchange
+            rc = conv.recv_counts  # as announced: with the replica slots when the conversion was fused
+            got = tr.exchange([torch.cat([b, conv.t_slots]) if conv.fused else b for b in blocks],
+                              recv_counts=[a + b if p != me else 0 for p, (a, b) in enumerate(rc)], kind="ids")
+            requests = [x[:a] for x, (a, _b) in zip(got, rc)]
+            peer_slots = [x[a:] for x, (a, _b) in zip(got, rc)] if fused else None
+        elif fused:  # grad_sync "alltoall": the replica rows this batch read travel with the requests
+            t_slots = conv.t_slots
             cnt = tr.exchange_counts(torch.tensor([[c, t_slots.numel()] if p != me else [0, 0]
                                                    for p, c in enumerate(per_rank)], dtype=torch.int64, device=dev))
             got = tr.exchange([torch.cat([b, t_slots]) if p != me else b for p, b in enumerate(blocks)],
                               recv_counts=cnt.sum(1).tolist(), kind="ids")
             requests = [x[:c] for x, c in zip(got, cnt[:, 0].tolist())]
             peer_slots = [x[c:] for x, c in zip(got, cnt[:, 0].tolist())]
-            peer_slots[me] = t_slots
-            mod.stats["grad_sync_alltoall_bytes"] = mod.stats.get("grad_sync_alltoall_bytes", 0) + \
-                (W - 1) * t_slots.numel() * (8 + mod.dim * mod.weight.element_size())
         else:
             requests = tr.exchange(blocks, kind="ids")
             peer_slots = None
+        if fused:
+            peer_slots[me] = conv.t_slots
+            mod.stats["grad_sync_alltoall_bytes"] = mod.stats.get("grad_sync_alltoall_bytes", 0) + \
+                (W - 1) * conv.t_slots.numel() * (8 + mod.dim * mod.weight.element_size())
         replies = [mod.weight.index_select(0, r.to(dev)) if p != me else mod.weight[:0]
                    for p, r in enumerate(requests)]
-        fetched = tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
-                              kind="rows")
+        nxt = None
         n = mod.weight.shape[0]
         table = mod._pool_table(R)
+        if training and mod._pipelined and collective and W > 1:
+            # the row exchange carries a header: how many rows each rank will request next step
+            nxt = mod._queue[0].conv if mod._queue and mod._queue[0].state == "local" else None
+            hdr = nxt.announce(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
+            wt = mod.weight.dtype
+            got = _exchange_packed(tr, [[hdr[p].to(dev), replies[p]] for p in range(W)],
+                                   [[(torch.int64, (), 2), (wt, (mod.dim,), c)] for c in per_rank],
+                                   ["meta", "rows"], me)
+            fetched = [x[1] if x is not None else mod.weight[:0] for x in got]
+            heads = torch.stack([x[0] for p, x in enumerate(got) if p != me]).view(-1, 2).tolist()
+            announced = [h[0] > 0 for h in heads]
+            if any(a != (nxt is not None) for a in announced):
+                raise InputError(f"sharded embedding (rank {me}): ranks disagree on prefetching the next batch; "
+                                 "every rank calls prefetch for the same steps")
+            if nxt is not None:
+                peers = [p for p in range(W) if p != me]
+                rc = [(0, 0)] * W
+                for p, h in zip(peers, heads):
+                    rc[p] = (h[0] - 1, h[1])
+                nxt.recv_counts = rc
+                nxt.state = "counted"
+        else:
+            fetched = tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
+                                  kind="rows")
         if R:
             torch.cat(fetched, out=table[n:n + R])
-        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, key, ridx, rinv, scale, bag, offsets, B, one_hot,
-                                                 off_mask=tm.OFF_MASK)
+        out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, conv.key, conv.ridx, conv.rinv, conv.scale,
+                                                 conv.bag, conv.offsets, conv.B, conv.one_hot,
+                                                 off_mask=mod.tmap.OFF_MASK)
         if training:
             ctx.mod = mod
-            ctx.saved = (pos.to(dev), n, bag_s, scale, r_slot, per_rank, requests, peer_slots)
+            ctx.saved = (pos.to(dev), n, bag_s, conv.scale, conv.r_slot, per_rank, requests, peer_slots, nxt)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         mod: ShardedEmbedding = ctx.mod
-        pos, n, bag, scale, r_slot, per_rank, requests, peer_slots = ctx.saved
+        pos, n, bag, scale, r_slot, per_rank, requests, peer_slots, nxt = ctx.saved
         ctx.saved = None
         dev = grad_out.device
-        me = mod.rank
+        me, W = mod.rank, mod.world_size
         # one gradient per storage / fetch-area row, its values summed in batch order
         # (values in feature-major order, as single-process lookups and the PGAS design sum them)
         rows, g = aggregate_row_gradients(pos, grad_out, src_index=bag.to(dev),
@@ -513,37 +790,50 @@ class _Retrieve(torch.autograd.Function):
             slots, rep_g = torch.cat(slots), torch.cat(rep_g)
         if peer_slots is not None:  # grad_sync "alltoall": they ride behind each peer's block
             blocks = [torch.cat([b, rep_g]) if p != me else b for p, b in enumerate(blocks)]
-            got = mod.transport.exchange(blocks, recv_counts=[r.numel() + s.numel() if p != me else 0
-                                                              for p, (r, s) in enumerate(zip(requests, peer_slots))],
-                                         kind="grads")
-            recv = [x[:r.numel()] for x, r in zip(got, requests)]
-            peer_g = [rep_g if p == me else x[r.numel():] for p, (x, r) in enumerate(zip(got, requests))]
+        g_counts = [r.numel() + (peer_slots[p].numel() if peer_slots is not None else 0) if p != me else 0
+                    for p, r in enumerate(requests)]
+        if nxt is not None and nxt.state == "counted":
+            # the next batch's requests ride behind the gradients (their counts rode in the row exchange)
+            ids = [torch.cat([b, nxt.t_slots]) if nxt.fused else b for b in nxt.blocks]
+            rc = nxt.recv_counts
+            got = _exchange_packed(mod.transport, [[blocks[p], ids[p]] for p in range(W)],
+                                   [[(g.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
+                                    for p, (a, b) in enumerate(rc)], ["grads", "ids"], me)
+            nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
+            nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
+            nxt.state = "ready"
+            got = [send[:0] if x is None else x[0] for x in got]
         else:
-            recv = mod.transport.exchange(blocks, recv_counts=[r.numel() for r in requests], kind="grads")
-        # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead)
+            got = mod.transport.exchange(blocks, recv_counts=g_counts, kind="grads")
+        recv = [x[:r.numel()] for x, r in zip(got, requests)]
+        if peer_slots is not None:
+            peer_g = [rep_g if p == me else x[r.numel():] for p, (x, r) in enumerate(zip(got, requests))]
+        # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead),
+        # each peer's rows unique and already summed there: added to this rank's sums, no second sort
         all_own = bool(own_l.all())
-        rows_all = [rows_l if all_own else rows_l[own_l]]
-        grads_all = [g_l if all_own else g_l[own_l]]
+        rows_o = rows_l if all_own else rows_l[own_l]
+        g_o = g_l if all_own else g_l[own_l]
+        more = []
         for p, (r, gr) in enumerate(zip(requests, recv)):
             if p == me or r.numel() == 0:
                 continue
             r = r.to(dev)
             owned = r < mod.num_owned
             if bool(owned.all()):
-                rows_all.append(r)
-                grads_all.append(gr)
+                more.append((r, gr))
             else:
                 sel = owned.nonzero().squeeze(1)
-                rows_all.append(r.index_select(0, sel))
-                grads_all.append(gr.index_select(0, sel))
-        mod._apply_owned(torch.cat(rows_all), torch.cat(grads_all))
+                more.append((r.index_select(0, sel), gr.index_select(0, sel)))
+        upd_rows, upd_g = mod._merge_row_grads(rows_o, g_o, more)
         if peer_slots is not None:  # every rank's contributions, summed in rank order: the same bits everywhere
             uslots, gsum = aggregate_row_gradients(torch.cat([x.to(dev) for x in peer_slots]), torch.cat(peer_g),
                                                    num_rows=mod.num_slots)
-            mod._apply_replicas(uslots, gsum)
-        elif mod.num_slots:
+            rr, rg = mod._replica_rows(uslots, gsum)  # disjoint from the owned rows: one update for both
+            upd_rows, upd_g = torch.cat([upd_rows, rr]), torch.cat([upd_g, rg.to(upd_g.dtype)])
+        mod._update(upd_rows, upd_g)
+        if peer_slots is None and mod.num_slots:
             mod._sync_and_apply_replicas(slots, rep_g)
-        return torch.zeros_like(mod.anchor), None, None, None, None, None, None, None, None
+        return torch.zeros_like(mod.anchor), None, None, None
 
 
 def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
