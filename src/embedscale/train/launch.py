@@ -38,10 +38,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_JOINED_HERE = False  # init_from_env made the default process group (leave_group may destroy it)
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the default process group from torchrun's environment; returns ``(rank, world_size)``."""
+    global _JOINED_HERE
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    _JOINED_HERE = True
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     # A world of one without torchrun picks a free port of its own and leaves the environment alone: a port
@@ -61,6 +66,21 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     dist.init_process_group(backend, store=dist.PrefixStore(f"embedscale/attempt-{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
     return rank, world
+
+
+def leave_group(before_destroy=None) -> None:
+    """A rank's orderly exit from the group ``init_from_env`` joined: a barrier (no peer still waits in a
+    collective or reads this rank's memory), ``before_destroy()``, then the group destroyed. A group someone else
+    made (a test's ``spawn_local`` worker, a caller's ``init_process_group``) is left to its maker after the
+    barrier."""
+    global _JOINED_HERE
+    if dist.is_initialized():
+        dist.barrier()
+    if before_destroy is not None:
+        before_destroy()
+    if dist.is_initialized() and _JOINED_HERE:
+        dist.destroy_process_group()
+        _JOINED_HERE = False
 
 
 class RankFailed(RuntimeError):

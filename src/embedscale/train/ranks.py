@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import torch.distributed as dist
 
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig
 from embedscale.train.checkpoint import latest_checkpoint, resolve_checkpoint
 from embedscale.train.distributed import DistributedRun, _log, join_run, serve_eval_split
 from embedscale.train.dmt_run import DMTRun, infer_dmt
+from embedscale.train.launch import leave_group
 from embedscale.train.loop import LoopConfig, fit
 
 
@@ -39,18 +39,12 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
 
 
 def leave_run(run) -> None:
-    """A rank's orderly exit after its work succeeded: wait for every rank at a barrier (no peer still reads
-    this rank's PGAS heap or waits in a collective), release the embedding's resources (the PGAS lookup's
-    worker threads and heap mappings), then leave the process group. A rank that exits while its peers'
-    collectives or gloo's threads are still running can abort in C++ ("terminate called without an active
-    exception", seen under load after PGAS inference)."""
-    if dist.is_initialized():
-        dist.barrier()
+    """A rank's orderly exit after its work succeeded (``launch.leave_group``): every rank at a barrier, the
+    embedding's resources released (the PGAS lookup's worker threads and heap mappings), then the process group
+    left. A rank that exits while its peers' collectives or gloo's threads are still running can abort in C++
+    ("terminate called without an active exception", seen under load after PGAS inference)."""
     close = getattr(getattr(run, "embedding", None), "close", None)
-    if callable(close):
-        close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    leave_group(close if callable(close) else None)
 
 
 def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: bool = True,
