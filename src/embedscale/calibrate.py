@@ -1,8 +1,10 @@
 """``embedscale calibrate``: measure on this machine the per-row costs ``plan --strategy auto`` reads.
 
 Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
-untested there) it times, the least of ``repeats`` after a warm-up (the cost without interference: on a shared
-machine other processes only add to a step; the load average is recorded in ``notes``), on a power-law batch of ``batch`` one-hot
+untested there) with ``threads`` intra-op threads (default 1: what each of ``embedscale train --nproc 2``'s
+ranks runs with on this machine, ``train.launch``) it times, the median of ``repeats`` after a warm-up (what a
+training step pays on the machine as it is, other processes' load included: a training run's throughput is a
+mean over its steps; the load average is recorded in ``notes``), on a power-law batch of ``batch`` one-hot
 lookups into a table of ``rows`` rows of dim ``dim``:
 
 * ``exact_lookup_s``: a fused :class:`~embedscale.embedding.local.LocalEmbeddingBags` step (lookup, backward,
@@ -12,6 +14,14 @@ lookups into a table of ``rows`` rows of dim ``dim``:
 * ``host_row_s``: a :class:`~embedscale.pipeline.PipelinedEmbedding` step of a host table (EL-Rec V: the
   parameter server reads the batch's distinct rows, the trainer pools them, the update goes back to the
   server), minus the exact step, per distinct row of the batch;
+* ``dense_flops_per_s``: the dense model's FLOP rate, from a step (forward, backward, Adagrad update) of the
+  MLPs of ``dense`` (:class:`~embedscale.plan.step.DenseModel`: the bottom MLP and the top MLP at the
+  interaction's width) on ``batch`` samples, FLOPs counted by ``DenseModel.train_flops``;
+* ``step_overhead_s`` and ``table_overhead_s``: a real :class:`~embedscale.models.dlrm.DLRM` training step
+  (``dense``'s sizes, exact tables of ``rows // 16`` rows, Adagrad on the dense parameters) at the full feature
+  count and at a quarter of it; what the step takes beyond the dense FLOPs at the measured rate and the
+  lookups at ``exact_lookup_s`` is ``step_overhead_s + features * table_overhead_s`` (two equations, two
+  unknowns; clipped at 0 and recorded in ``notes`` when a noisy machine makes one negative);
 * with ``links=True``, the link bandwidth, latency and all-reduce bandwidth of two local ranks
   (:func:`embedscale.plan.measure.measure_topology`); otherwise the planner takes them from its topology.
 
@@ -28,14 +38,19 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from torch import nn
+
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.tt import TTEmbeddingBag
 from embedscale.errors import ConfigError
+from embedscale.models.dcn import DCN
+from embedscale.models.dlrm import DLRM, DenseArch, OverArch
 from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.plan.auto import DEFAULT_TT_RANKS, Costs
 from embedscale.plan.forms import TableForm
 from embedscale.plan.measure import measure_topology
+from embedscale.plan.step import DenseModel
 from embedscale.plan.topology import SAME_HOST
 from embedscale.specs import TableSpec
 
@@ -47,7 +62,7 @@ def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.n
     return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
 
 
-def _least_step(step, batches: Sequence, repeats: int) -> float:
+def _median_step(step, batches: Sequence, repeats: int) -> float:
     for b in batches[:2]:  # warm-up
         step(b)
     times = []
@@ -55,16 +70,83 @@ def _least_step(step, batches: Sequence, repeats: int) -> float:
         t0 = time.perf_counter()
         step(batches[i % len(batches)])
         times.append(time.perf_counter() - t0)
-    return float(np.min(times))
+    return float(np.median(times))
+
+
+def _dense_rate(dense: DenseModel, batch: int, repeats: int, dev: torch.device, seed: int) -> float:
+    """FLOP rate of the MLPs of ``dense`` training on ``batch`` samples (module docstring)."""
+    torch.manual_seed(seed)
+    bottom = DenseArch(dense.dense_in, list(dense.bottom_mlp) + [dense.embedding_dim], device=dev)
+    top = OverArch(dense.interaction_width(), list(dense.top_mlp), device=dev)
+    opt = torch.optim.Adagrad(list(bottom.parameters()) + list(top.parameters()), lr=1e-3)
+    xs = [(torch.randn(batch, dense.dense_in, device=dev), torch.randn(batch, dense.interaction_width(), device=dev))
+          for _ in range(2)]
+
+    def step(x):
+        opt.zero_grad(set_to_none=True)
+        (bottom(x[0]).sum() + top(x[1]).sum()).backward()
+        opt.step()
+
+    mlp = DenseModel(arch="dlrm", dense_in=dense.dense_in, num_features=dense.num_features,
+                     embedding_dim=dense.embedding_dim, bottom_mlp=dense.bottom_mlp, top_mlp=dense.top_mlp)
+    flops = mlp.train_flops(batch) - 3.0 * batch * 2.0 * (dense.num_features + 1) ** 2 * dense.embedding_dim
+    return flops / _median_step(step, xs, repeats)
+
+
+def _model_step(dense: DenseModel, features: int, rows: int, batch: int, repeats: int, dev: torch.device,
+                alpha: float, seed: int) -> tuple[float, DenseModel]:
+    """Seconds of a real training step of ``dense``'s arch with ``features`` exact tables of ``rows`` rows."""
+    rng = np.random.default_rng(seed)
+    d = DenseModel(**{**dense.to_dict(), "num_features": features, "bottom_mlp": dense.bottom_mlp,
+                      "top_mlp": dense.top_mlp})
+    names = [f"f{i}" for i in range(features)]
+    emb = LocalEmbeddingBags([TableSpec(n, rows, d.embedding_dim) for n in names], device=dev,
+                             optimizer="rowwise_adagrad", lr=0.01, seed=seed, validate=False)
+    torch.manual_seed(seed)
+    kw = dict(bottom_mlp=list(d.bottom_mlp), top_mlp=list(d.top_mlp), device=dev)
+    model = (DLRM(d.dense_in, emb, d.embedding_dim, **kw) if d.arch == "dlrm"
+             else DCN(d.dense_in, emb, d.embedding_dim, cross_layers=d.cross_layers, cross_low_rank=d.cross_low_rank, **kw))
+    opt = torch.optim.Adagrad(list(model.dense_parameters()), lr=1e-3)
+    loss_fn = nn.BCEWithLogitsLoss()
+    batches = []
+    for _ in range(2):
+        ids = torch.from_numpy(np.stack([_zipf_ids(rng, rows, batch, alpha) for _ in names], 1)).to(dev)
+        batches.append((torch.randn(batch, d.dense_in, device=dev), JaggedFeatures.from_dense(names, ids),
+                        torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32)).to(dev)))
+
+    def step(b):
+        loss = loss_fn(model(b[0], b[1]), b[2])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return _median_step(step, batches, repeats), d
 
 
 def calibrate(*, device: str | torch.device | None = None, rows: int = 1 << 20, dim: int = 16, batch: int = 4096,
               tt_ranks: Sequence[int] = DEFAULT_TT_RANKS, repeats: int = 7, alpha: float = 1.1, links: bool = False,
-              seed: int = 0) -> Costs:
-    """Measure the per-row costs (module docstring) and return them as :class:`Costs`."""
+              seed: int = 0, dense: DenseModel | None = None, threads: int | None = 1) -> Costs:
+    """Measure the costs (module docstring) and return them as :class:`Costs`. ``dense``: the dense model
+    (default: DLRM of ``ModelConfig``'s default sizes, 26 features of dim ``dim``); ``threads``: torch's
+    intra-op threads while measuring (None: leave as is; restored afterwards)."""
     if rows < 8 or dim < 1 or batch < 1 or repeats < 1:
         raise ConfigError(f"calibrate: rows >= 8, dim, batch and repeats >= 1 needed; got rows={rows}, dim={dim}, "
                           f"batch={batch}, repeats={repeats}")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"calibrate: threads must be >= 1, got {threads}")
+    dense = dense or DenseModel(embedding_dim=dim)
+    if dense.embedding_dim != dim:
+        raise ConfigError(f"calibrate: the dense model's embedding_dim {dense.embedding_dim} is not --dim {dim}")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        return _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, dense)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, dense: DenseModel) -> Costs:
     dev = torch.device(device) if device is not None else torch.get_default_device()
     rng = np.random.default_rng(seed)
     ids = [torch.from_numpy(_zipf_ids(rng, rows, batch, alpha)).to(dev) for _ in range(4)]
@@ -77,24 +159,43 @@ def calibrate(*, device: str | torch.device | None = None, rows: int = 1 << 20, 
     def exact_step(jf):
         exact(jf).sum().backward()
 
-    t_exact = _least_step(exact_step, jfs, repeats)
+    t_exact = _median_step(exact_step, jfs, repeats)
     del exact
     offsets = torch.arange(batch, device=dev)
     tt_s = {}
     for r in tt_ranks:
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
-        tt_s[int(r)] = _least_step(lambda b: tt(b, offsets).sum().backward(), ids, repeats) / batch
+        tt_s[int(r)] = _median_step(lambda b: tt(b, offsets).sum().backward(), ids, repeats) / batch
         del tt
     host = PipelinedEmbedding.from_tables([TableSpec("t", rows, dim)], {"t": TableForm("host")}, device=dev,
                                           optimizer="rowwise_adagrad", lr=0.01, seed=seed)
-    t_host = _least_step(lambda jf: host(jf).sum().backward(), jfs, repeats)
+    t_host = _median_step(lambda jf: host(jf).sum().backward(), jfs, repeats)
     del host
-    costs = Costs(exact_lookup_s=t_exact / batch, tt_lookup_s=tt_s,
+    rate = _dense_rate(dense, batch, repeats, dev, seed)
+    exact_s = t_exact / batch
+    small_rows = max(8, rows // 16)
+    f_hi = dense.num_features
+    f_lo = max(1, f_hi // 4)
+    resid = {}
+    for f in sorted({f_lo, f_hi}):
+        t, d = _model_step(dense, f, small_rows, batch, repeats, dev, alpha, seed)
+        resid[f] = (t, t - d.train_flops(batch) / rate - f * batch * exact_s)
+    if f_hi > f_lo:
+        per_table = (resid[f_hi][1] - resid[f_lo][1]) / (f_hi - f_lo)
+    else:
+        per_table = 0.0
+    step_over = resid[f_hi][1] - f_hi * max(per_table, 0.0)
+    costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s,
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
+                  dense_flops_per_s=rate, step_overhead_s=max(step_over, 0.0), table_overhead_s=max(per_table, 0.0),
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
-                         "repeats": repeats, "distinct_rows_per_batch": distinct, "links_measured": False,
-                         "exact_step_s": t_exact, "host_step_s": t_host, "load_average": list(os.getloadavg())})
+                         "repeats": repeats, "statistic": "median", "threads": torch.get_num_threads(),
+                         "distinct_rows_per_batch": distinct, "links_measured": False,
+                         "exact_step_s": t_exact, "host_step_s": t_host, "dense_model": dense.to_dict(),
+                         "model_step_s": {str(f): v[0] for f, v in resid.items()},
+                         "model_step_residual_s": {str(f): v[1] for f, v in resid.items()},
+                         "load_average": list(os.getloadavg())})
     if links:
         topo = measure_topology(ranks_per_host=2, device=str(dev))
         same = topo.link_class() == SAME_HOST
