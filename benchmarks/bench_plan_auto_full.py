@@ -14,17 +14,18 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
   the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
 * TorchRec's ``EmbeddingShardingPlanner`` asked for the same budget (``plan.torchrec_plan``, its CPU topology:
-  DDR capacity = the device budget, and again = device + host budget); what it answers is reported (it has
-  no TT form and, on CPU, no host cache).
+  DDR capacity = the device budget, and again = device + host budget; and a GPU topology of HBM = the device
+  budget and DDR = the host budget, where it may choose UVM caching); what it answers is reported (it has no
+  TT form; on CPU no host cache). Not trained: it answers no plan.
 
 Every plan is trained ``--steps`` steps ``--repeats`` times, in turns (A B C D A B C D ...), and its measured
 step (global batch / train samples per second; the loop's timer covers the train steps only) is compared with
 the step the planner's cost model predicts for it (``plan.autoplan.predict_plan_forms``, the model the auto
 search optimises). The machine is shared and its load moves by several times within minutes, so the costs are
-measured again before every round of runs, by two ``embedscale calibrate`` processes at once (the two ranks
-compete for the cores as they do), and each round's plans are predicted with them: ``prediction_error`` is the
-median over rounds of the prediction against the median measured step (``prediction_error_setup_costs``: with
-the costs measured once before planning). Prints one JSON
+measured again just before every run (``--calibrate-procs`` ``embedscale calibrate`` processes at once, their
+figures averaged; 1 by default) and the run is predicted with them: ``prediction_error`` is the median of a plan's
+predictions against its median measured step, ``prediction_error_each_run`` run by run
+(``prediction_error_setup_costs``: with the costs measured once, before planning). Prints one JSON
 line: figure = auto's train samples/s (median), baseline = the best hand-made plan's, ratio, and per plan the
 runs, the predicted and measured step and the prediction's error; the load average before and after.
 """
@@ -84,11 +85,12 @@ def _mixtures(tables, host_budget: float, n_big: int) -> dict[str, tuple[list[st
     return dict(list(out.items())[:n_big])
 
 
-def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path, n: int = 2) -> Path:
+def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path, n: int = 1) -> Path:
     """``n`` ``embedscale calibrate`` processes at once (as many as the run has ranks: they compete for the cores
     as the ranks do), their figures averaged, the links taken from ``links_from``; written to ``work / out``."""
     procs = [subprocess.Popen([sys.executable, "-m", "embedscale", "calibrate", "--rows", "1000000", "--batch",
-                               str(per_rank), "--tt-ranks", "8,16,32,64", "--out", f"{out}.{i}.json"], cwd=work,
+                               str(per_rank), "--tt-ranks", "8,16,32,64", "--repeats", "5", "--out", f"{out}.{i}.json"],
+                              cwd=work,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(n)]
     for p in procs:
         _, err = p.communicate()
@@ -121,6 +123,41 @@ def ask_torchrec(tables, profile_dir: Path, batch: int, cap_bytes: int) -> dict:
             "fits_device_budget": bool(np.max(mem) * 17 / 16 <= cap_bytes)}
 
 
+def ask_torchrec_uvm(tables, profile_dir: Path, batch: int, hbm: int, ddr: int) -> dict:
+    """TorchRec's planner on a GPU topology (``hbm`` device and ``ddr`` host bytes per rank), where it may choose
+    its UVM-caching kernels (rows in host memory behind a device cache): the closest TorchRec comes to the
+    budget's question. Planning only; nothing runs on a GPU."""
+    import logging
+    import warnings
+
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.planner.types import Topology as TRTopology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    prof = table_profile(resolve_profile(str(profile_dir), tables), tables)
+    samples = prof.samples() if callable(getattr(prof, "samples", None)) else prof.samples
+    cons = {t.name: ParameterConstraints(pooling_factors=[max(float(np.sum(prof.counts(t.name))) / samples, 1e-6)])
+            for t in tables}
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows,
+                                                            feature_names=list(t.features)) for t in tables],
+                                 device=torch.device("meta"))
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            topo = TRTopology(world_size=2, compute_device="cuda", local_world_size=2, hbm_cap=hbm, ddr_cap=ddr)
+            sharding = EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=cons).plan(
+                ebc, [EmbeddingBagCollectionSharder()])
+    except Exception as e:
+        return {"answer": "error", "error": f"{type(e).__name__}: {str(e)[:900]}"}
+    per = sharding.plan.get("") or next(iter(sharding.plan.values()))
+    return {"answer": "plan", "tables": {k: [v.sharding_type, v.compute_kernel] for k, v in per.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/bench_auto_full")
@@ -133,6 +170,9 @@ def main() -> None:
     ap.add_argument("--host-memory", default="512MiB")
     ap.add_argument("--depth", type=int, default=2, help="Pipeline depth of host tables (hand-made plans and auto).")
     ap.add_argument("--mixtures", type=int, default=2)
+    ap.add_argument("--calibrate-procs", type=int, default=1,
+                    help="embedscale calibrate processes run at once before every run (their figures averaged).")
+    ap.add_argument("--torchrec-only", action="store_true", help="Plan and ask TorchRec; train nothing.")
     ap.add_argument("--plans", default="", help="Comma-separated subset of plans to train (default: all).")
     args = ap.parse_args()
     work = Path(args.work)
@@ -194,21 +234,23 @@ def main() -> None:
             f"device {mem[name]['device_bytes'] / 2**20:.1f} MiB host {mem[name]['host_bytes'] / 2**20:.1f} MiB")
     torchrec = {f"ddr_{label}": ask_torchrec(tables, work / "profile", per_rank, cap)
                 for label, cap in (("device_budget", dev_b), ("device_plus_host_budget", dev_b + host_b))}
+    torchrec["gpu_topology_uvm_caching"] = ask_torchrec_uvm(tables, work / "profile", per_rank, dev_b, host_b)
     log(f"torchrec: {json.dumps(torchrec)[:800]}")
+    if args.torchrec_only:
+        print(json.dumps(torchrec))
+        return
     names = [n for n in plans if not args.plans or n in args.plans.split(",")]
     sps: dict[str, list[float]] = {k: [] for k in names}
     pred_rounds: dict[str, list[float]] = {k: [] for k in names}
     load_runs = os.getloadavg()
     for rep in range(args.repeats):
-        # the costs again, just before this round, as the round's load makes them (2 processes: 2 ranks)
-        rc = load_costs(calibrate_concurrently(work, f"costs-round{rep}", per_rank, work / "costs.json"))
         for name in names:
+            # the costs again, just before this run, as the machine's load makes them
+            rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
+                                                   n=args.calibrate_procs))
             p = predict_plan_forms(tables, work / "profile", topo, Plan.load(work / plans[name]).forms, costs=rc,
                                    batch_size=per_rank, dense=dense, host_depth=args.depth)
             pred_rounds[name].append(p["step_seconds"])
-        log(f"round {rep} costs: dense {rc.dense_flops_per_s / 1e9:.1f} GFLOP/s, table {rc.table_overhead_s * 1e6:.0f} us;"
-            " predicted " + ", ".join(f"{k} {v[-1] * 1e3:.0f} ms" for k, v in pred_rounds.items()))
-        for name in names:
             rd = work / "runs" / f"{name}-{rep}"
             shutil.rmtree(rd, ignore_errors=True)
             depth = host_pipeline_depth(Plan.load(work / plans[name]).forms, args.depth)
@@ -219,7 +261,9 @@ def main() -> None:
                 "--no-progress", cwd=work)
             s = json.loads((rd / "summary.json").read_text())
             sps[name].append(float(s["train_samples_per_s"]))
-            log(f"{name} run {rep}: {sps[name][-1]:,.0f} samples/s ({time.perf_counter() - t:.0f} s wall); "
+            log(f"{name} run {rep}: {sps[name][-1]:,.0f} samples/s = {args.batch / sps[name][-1] * 1e3:.0f} ms/step "
+                f"(predicted {pred_rounds[name][-1] * 1e3:.0f} ms: dense {rc.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
+                f"table {rc.table_overhead_s * 1e6:.0f} us; {time.perf_counter() - t:.0f} s wall); "
                 f"load {os.getloadavg()[0]:.1f}")
             shutil.rmtree(rd / "checkpoints", ignore_errors=True)
     med = {k: float(np.median(v)) for k, v in sps.items()}

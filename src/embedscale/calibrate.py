@@ -2,10 +2,11 @@
 
 Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
 untested there) with ``threads`` intra-op threads (default 1: what each of ``embedscale train --nproc 2``'s
-ranks runs with on this machine, ``train.launch``) it times, the median of ``repeats`` after a warm-up (what a
-training step pays on the machine as it is, other processes' load included: a training run's throughput is a
-mean over its steps; the load average is recorded in ``notes``), on a power-law batch of ``batch`` one-hot
-lookups into a table of ``rows`` rows of dim ``dim``:
+ranks runs with on this machine, ``train.launch``) it times every step below in turns, ``repeats`` rounds after
+a warm-up, and takes each one's median (what a training step pays on the machine as it is, other processes'
+load included: a training run's throughput is a mean over its steps; in turns, so all steps see the same load
+and the overheads, which are differences, are not the load's drift; the load average is recorded in
+``notes``), on a power-law batch of ``batch`` one-hot lookups into a table of ``rows`` rows of dim ``dim``:
 
 * ``exact_lookup_s``: a fused :class:`~embedscale.embedding.local.LocalEmbeddingBags` step (lookup, backward,
   row-wise Adagrad update in place), per lookup;
@@ -62,19 +63,24 @@ def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.n
     return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
 
 
-def _median_step(step, batches: Sequence, repeats: int) -> float:
-    for b in batches[:2]:  # warm-up
-        step(b)
-    times = []
+def _interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
+    """``steps``: name -> ``(step, batches)``. Every step warmed up, then timed in turns (one of each per round,
+    ``repeats`` rounds): the steps see the same load, so their differences (the overheads below) are not the
+    load's drift. Returns the median seconds of each."""
+    for step, batches in steps.values():
+        for b in batches[:2]:
+            step(b)
+    times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(repeats):
-        t0 = time.perf_counter()
-        step(batches[i % len(batches)])
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+        for name, (step, batches) in steps.items():
+            t0 = time.perf_counter()
+            step(batches[i % len(batches)])
+            times[name].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _dense_rate(dense: DenseModel, batch: int, repeats: int, dev: torch.device, seed: int) -> float:
-    """FLOP rate of the MLPs of ``dense`` training on ``batch`` samples (module docstring)."""
+def _mlp_step(dense: DenseModel, batch: int, dev: torch.device, seed: int):
+    """A training step of the MLPs of ``dense`` on ``batch`` samples, and its FLOPs (module docstring)."""
     torch.manual_seed(seed)
     bottom = DenseArch(dense.dense_in, list(dense.bottom_mlp) + [dense.embedding_dim], device=dev)
     top = OverArch(dense.interaction_width(), list(dense.top_mlp), device=dev)
@@ -90,12 +96,11 @@ def _dense_rate(dense: DenseModel, batch: int, repeats: int, dev: torch.device, 
     mlp = DenseModel(arch="dlrm", dense_in=dense.dense_in, num_features=dense.num_features,
                      embedding_dim=dense.embedding_dim, bottom_mlp=dense.bottom_mlp, top_mlp=dense.top_mlp)
     flops = mlp.train_flops(batch) - 3.0 * batch * 2.0 * (dense.num_features + 1) ** 2 * dense.embedding_dim
-    return flops / _median_step(step, xs, repeats)
+    return (step, xs), flops
 
 
-def _model_step(dense: DenseModel, features: int, rows: int, batch: int, repeats: int, dev: torch.device,
-                alpha: float, seed: int) -> tuple[float, DenseModel]:
-    """Seconds of a real training step of ``dense``'s arch with ``features`` exact tables of ``rows`` rows."""
+def _model_step(dense: DenseModel, features: int, rows: int, batch: int, dev: torch.device, alpha: float, seed: int):
+    """A real training step of ``dense``'s arch with ``features`` exact tables of ``rows`` rows, and that model."""
     rng = np.random.default_rng(seed)
     d = DenseModel(**{**dense.to_dict(), "num_features": features, "bottom_mlp": dense.bottom_mlp,
                       "top_mlp": dense.top_mlp})
@@ -120,7 +125,7 @@ def _model_step(dense: DenseModel, features: int, rows: int, batch: int, repeats
         loss.backward()
         opt.step()
 
-    return _median_step(step, batches, repeats), d
+    return (step, batches), d
 
 
 def calibrate(*, device: str | torch.device | None = None, rows: int = 1 << 20, dim: int = 16, batch: int = 4096,
@@ -152,45 +157,39 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     ids = [torch.from_numpy(_zipf_ids(rng, rows, batch, alpha)).to(dev) for _ in range(4)]
     distinct = float(np.mean([torch.unique(b).numel() for b in ids]))
     jfs = [JaggedFeatures.from_dense(["t"], b.view(-1, 1)) for b in ids]
-    table = TableSpec("t", rows, dim)
-
-    exact = LocalEmbeddingBags([table], device=dev, optimizer="rowwise_adagrad", lr=0.01, seed=seed, validate=False)
-
-    def exact_step(jf):
-        exact(jf).sum().backward()
-
-    t_exact = _median_step(exact_step, jfs, repeats)
-    del exact
     offsets = torch.arange(batch, device=dev)
-    tt_s = {}
+    steps: dict = {}
+    exact = LocalEmbeddingBags([TableSpec("t", rows, dim)], device=dev, optimizer="rowwise_adagrad", lr=0.01,
+                               seed=seed, validate=False)
+    steps["exact"] = (lambda jf: exact(jf).sum().backward(), jfs)
     for r in tt_ranks:
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
-        tt_s[int(r)] = _median_step(lambda b: tt(b, offsets).sum().backward(), ids, repeats) / batch
-        del tt
+        steps[f"tt-{int(r)}"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(tt), ids)
     host = PipelinedEmbedding.from_tables([TableSpec("t", rows, dim)], {"t": TableForm("host")}, device=dev,
                                           optimizer="rowwise_adagrad", lr=0.01, seed=seed)
-    t_host = _median_step(lambda jf: host(jf).sum().backward(), jfs, repeats)
-    del host
-    rate = _dense_rate(dense, batch, repeats, dev, seed)
-    exact_s = t_exact / batch
+    steps["host"] = (lambda jf: host(jf).sum().backward(), jfs)
+    steps["mlp"], mlp_flops = _mlp_step(dense, batch, dev, seed)
     small_rows = max(8, rows // 16)
     f_hi = dense.num_features
     f_lo = max(1, f_hi // 4)
-    resid = {}
+    models = {}
     for f in sorted({f_lo, f_hi}):
-        t, d = _model_step(dense, f, small_rows, batch, repeats, dev, alpha, seed)
-        resid[f] = (t, t - d.train_flops(batch) / rate - f * batch * exact_s)
-    if f_hi > f_lo:
-        per_table = (resid[f_hi][1] - resid[f_lo][1]) / (f_hi - f_lo)
-    else:
-        per_table = 0.0
+        steps[f"model-{f}"], models[f] = _model_step(dense, f, small_rows, batch, dev, alpha, seed)
+    t = _interleaved_medians(steps, repeats)
+    t_exact, t_host = t["exact"], t["host"]
+    tt_s = {int(r): t[f"tt-{int(r)}"] / batch for r in tt_ranks}
+    rate = mlp_flops / t["mlp"]
+    exact_s = t_exact / batch
+    resid = {f: (t[f"model-{f}"], t[f"model-{f}"] - d.train_flops(batch) / rate - f * batch * exact_s)
+             for f, d in models.items()}
+    per_table = (resid[f_hi][1] - resid[f_lo][1]) / (f_hi - f_lo) if f_hi > f_lo else 0.0
     step_over = resid[f_hi][1] - f_hi * max(per_table, 0.0)
     costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s,
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   dense_flops_per_s=rate, step_overhead_s=max(step_over, 0.0), table_overhead_s=max(per_table, 0.0),
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
-                         "repeats": repeats, "statistic": "median", "threads": torch.get_num_threads(),
+                         "repeats": repeats, "statistic": "median, interleaved", "threads": torch.get_num_threads(),
                          "distinct_rows_per_batch": distinct, "links_measured": False,
                          "exact_step_s": t_exact, "host_step_s": t_host, "dense_model": dense.to_dict(),
                          "model_step_s": {str(f): v[0] for f, v in resid.items()},
