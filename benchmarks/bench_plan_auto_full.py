@@ -89,7 +89,7 @@ def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path
     """``n`` ``embedscale calibrate`` processes at once (as many as the run has ranks: they compete for the cores
     as the ranks do), their figures averaged, the links taken from ``links_from``; written to ``work / out``."""
     procs = [subprocess.Popen([sys.executable, "-m", "embedscale", "calibrate", "--rows", "1000000", "--batch",
-                               str(per_rank), "--tt-ranks", "8,16,32,64", "--repeats", "5", "--out", f"{out}.{i}.json"],
+                               str(per_rank), "--tt-ranks", "8,16,32,64", "--repeats", "15", "--out", f"{out}.{i}.json"],
                               cwd=work,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(n)]
     for p in procs:
@@ -189,7 +189,7 @@ def main() -> None:
         _es("profile", "data", "--out", "profile", cwd=work)
     if not (work / "costs.json").exists():
         _es("calibrate", "--rows", "1000000", "--batch", str(per_rank), "--tt-ranks", "8,16,32,64", "--links",
-            "--out", "costs.json", cwd=work)
+            "--repeats", "15", "--out", "costs.json", cwd=work)
     costs = load_costs(work / "costs.json")
     log(f"setup {time.perf_counter() - t0:.0f} s; costs: dense {costs.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
         f"step {costs.step_overhead_s * 1e3:.2f} ms, table {costs.table_overhead_s * 1e6:.0f} us, "

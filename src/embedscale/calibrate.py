@@ -3,8 +3,8 @@
 Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
 untested there) with ``threads`` intra-op threads (default 1: what each of ``embedscale train --nproc 2``'s
 ranks runs with on this machine, ``train.launch``) it times every step below in turns, ``repeats`` rounds after
-a warm-up, and takes each one's median (what a training step pays on the machine as it is, other processes'
-load included: a training run's throughput is a mean over its steps; in turns, so all steps see the same load
+a warm-up, and takes each one's mean (what a training step pays on the machine as it is, other processes'
+load included: a training run's throughput is its batch over the mean step; in turns, so all steps see the same load
 and the overheads, which are differences, are not the load's drift; the load average is recorded in
 ``notes``), on a power-law batch of ``batch`` one-hot lookups into a table of ``rows`` rows of dim ``dim``:
 
@@ -22,7 +22,8 @@ and the overheads, which are differences, are not the load's drift; the load ave
   (``dense``'s sizes, exact tables of ``rows // 16`` rows, Adagrad on the dense parameters) at the full feature
   count and at a quarter of it; what the step takes beyond the dense FLOPs at the measured rate and the
   lookups at ``exact_lookup_s`` is ``step_overhead_s + features * table_overhead_s`` (two equations, two
-  unknowns; clipped at 0 and recorded in ``notes`` when a noisy machine makes one negative);
+  unknowns; when a noisy machine makes one negative it is 0 and the other keeps their sum at the full feature
+  count; the residuals are in ``notes``);
 * with ``links=True``, the link bandwidth, latency and all-reduce bandwidth of two local ranks
   (:func:`embedscale.plan.measure.measure_topology`); otherwise the planner takes them from its topology.
 
@@ -63,10 +64,11 @@ def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.n
     return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
 
 
-def _interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
+def _interleaved_means(steps: dict, repeats: int) -> dict[str, float]:
     """``steps``: name -> ``(step, batches)``. Every step warmed up, then timed in turns (one of each per round,
     ``repeats`` rounds): the steps see the same load, so their differences (the overheads below) are not the
-    load's drift. Returns the median seconds of each."""
+    load's drift. Returns the mean seconds of each (a training run's throughput is its batch over the mean step,
+    so the mean, not the median, is what a step pays on a loaded machine)."""
     for step, batches in steps.values():
         for b in batches[:2]:
             step(b)
@@ -76,7 +78,7 @@ def _interleaved_medians(steps: dict, repeats: int) -> dict[str, float]:
             t0 = time.perf_counter()
             step(batches[i % len(batches)])
             times[name].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+    return {k: float(np.mean(v)) for k, v in times.items()}
 
 
 def _mlp_step(dense: DenseModel, batch: int, dev: torch.device, seed: int):
@@ -176,20 +178,22 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     models = {}
     for f in sorted({f_lo, f_hi}):
         steps[f"model-{f}"], models[f] = _model_step(dense, f, small_rows, batch, dev, alpha, seed)
-    t = _interleaved_medians(steps, repeats)
+    t = _interleaved_means(steps, repeats)
     t_exact, t_host = t["exact"], t["host"]
     tt_s = {int(r): t[f"tt-{int(r)}"] / batch for r in tt_ranks}
     rate = mlp_flops / t["mlp"]
     exact_s = t_exact / batch
     resid = {f: (t[f"model-{f}"], t[f"model-{f}"] - d.train_flops(batch) / rate - f * batch * exact_s)
              for f, d in models.items()}
-    per_table = (resid[f_hi][1] - resid[f_lo][1]) / (f_hi - f_lo) if f_hi > f_lo else 0.0
-    step_over = resid[f_hi][1] - f_hi * max(per_table, 0.0)
+    per_table = max(0.0, (resid[f_hi][1] - resid[f_lo][1]) / (f_hi - f_lo)) if f_hi > f_lo else 0.0
+    step_over = resid[f_hi][1] - f_hi * per_table
+    if step_over < 0:  # noise made the two unknowns' split negative: keep their sum at the full feature count
+        per_table, step_over = max(0.0, resid[f_hi][1]) / f_hi, 0.0
     costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s,
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
-                  dense_flops_per_s=rate, step_overhead_s=max(step_over, 0.0), table_overhead_s=max(per_table, 0.0),
+                  dense_flops_per_s=rate, step_overhead_s=step_over, table_overhead_s=per_table,
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
-                         "repeats": repeats, "statistic": "median, interleaved", "threads": torch.get_num_threads(),
+                         "repeats": repeats, "statistic": "mean, interleaved", "threads": torch.get_num_threads(),
                          "distinct_rows_per_batch": distinct, "links_measured": False,
                          "exact_step_s": t_exact, "host_step_s": t_host, "dense_model": dense.to_dict(),
                          "model_step_s": {str(f): v[0] for f, v in resid.items()},
