@@ -3,10 +3,10 @@
 Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
 untested there) with ``threads`` intra-op threads (default 1: what each of ``embedscale train --nproc 2``'s
 ranks runs with on this machine, ``train.launch``) it times every step below in turns, ``repeats`` rounds after
-a warm-up, and takes each one's mean (what a training step pays on the machine as it is, other processes'
-load included: a training run's throughput is its batch over the mean step; in turns, so all steps see the same load
-and the overheads, which are differences, are not the load's drift; the load average is recorded in
-``notes``), on a power-law batch of ``batch`` one-hot lookups into a table of ``rows`` rows of dim ``dim``:
+a warm-up, each round a block of back-to-back steps of at least 50 ms, and takes each one's median block (what
+a training step pays on the machine as it is, other processes' load included, preemptions weighed as a
+training step of that length weighs them; in turns, so all steps see the same load and the overheads, which
+are differences, are not the load's drift; the load average is recorded in ``notes``), on a power-law batch of ``batch`` one-hot lookups into a table of ``rows`` rows of dim ``dim``:
 
 * ``exact_lookup_s``: a fused :class:`~embedscale.embedding.local.LocalEmbeddingBags` step (lookup, backward,
   row-wise Adagrad update in place), per lookup;
@@ -64,21 +64,27 @@ def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.n
     return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
 
 
-def _interleaved_means(steps: dict, repeats: int) -> dict[str, float]:
-    """``steps``: name -> ``(step, batches)``. Every step warmed up, then timed in turns (one of each per round,
-    ``repeats`` rounds): the steps see the same load, so their differences (the overheads below) are not the
-    load's drift. Returns the mean seconds of each (a training run's throughput is its batch over the mean step,
-    so the mean, not the median, is what a step pays on a loaded machine)."""
-    for step, batches in steps.values():
-        for b in batches[:2]:
-            step(b)
+def _interleaved_blocks(steps: dict, repeats: int, block_s: float = 0.05) -> dict[str, float]:
+    """``steps``: name -> ``(step, batches)``. Every step warmed up, then timed in turns, ``repeats`` rounds of
+    one block each: a block runs a step back to back for at least ``block_s`` seconds (as its warm-up timed
+    it), so a preemption costs a short step what it costs a training step of that length, not a whole
+    scheduler slice. In turns, all steps see the same load, so their differences (the overheads below) are
+    not the load's drift. Returns each step's median over rounds of its block's mean seconds per step."""
+    reps = {}
+    for name, (step, batches) in steps.items():
+        step(batches[0])
+        t0 = time.perf_counter()
+        step(batches[1 % len(batches)])
+        reps[name] = max(1, min(1000, int(np.ceil(block_s / max(time.perf_counter() - t0, 1e-6)))))
     times: dict[str, list[float]] = {k: [] for k in steps}
     for i in range(repeats):
         for name, (step, batches) in steps.items():
+            k = reps[name]
             t0 = time.perf_counter()
-            step(batches[i % len(batches)])
-            times[name].append(time.perf_counter() - t0)
-    return {k: float(np.mean(v)) for k, v in times.items()}
+            for j in range(k):
+                step(batches[(i * k + j) % len(batches)])
+            times[name].append((time.perf_counter() - t0) / k)
+    return {k: float(np.median(v)) for k, v in times.items()}
 
 
 def _mlp_step(dense: DenseModel, batch: int, dev: torch.device, seed: int):
@@ -178,7 +184,7 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     models = {}
     for f in sorted({f_lo, f_hi}):
         steps[f"model-{f}"], models[f] = _model_step(dense, f, small_rows, batch, dev, alpha, seed)
-    t = _interleaved_means(steps, repeats)
+    t = _interleaved_blocks(steps, repeats)
     t_exact, t_host = t["exact"], t["host"]
     tt_s = {int(r): t[f"tt-{int(r)}"] / batch for r in tt_ranks}
     rate = mlp_flops / t["mlp"]
@@ -193,7 +199,7 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   dense_flops_per_s=rate, step_overhead_s=step_over, table_overhead_s=per_table,
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
-                         "repeats": repeats, "statistic": "mean, interleaved", "threads": torch.get_num_threads(),
+                         "repeats": repeats, "statistic": "median of 50 ms blocks, interleaved", "threads": torch.get_num_threads(),
                          "distinct_rows_per_batch": distinct, "links_measured": False,
                          "exact_step_s": t_exact, "host_step_s": t_host, "dense_model": dense.to_dict(),
                          "model_step_s": {str(f): v[0] for f, v in resid.items()},
