@@ -24,7 +24,7 @@ from embedscale.plan.auto import (DEFAULT_TT_RANKS, AutoResult, BudgetError, Cos
 from embedscale.plan.mrc import probability_histogram
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
-from embedscale.plan.step import DenseModel, fixed_terms, predict_forms
+from embedscale.plan.step import DenseModel, default_dense, fixed_terms, predict_forms
 from embedscale.plan.synthetic_profile import ZipfProfile
 
 
@@ -61,7 +61,8 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
                    dense: DenseModel | None = None) -> Plan:
     """The auto plan of ``tables`` (see the module docstring). ``device_memory`` / ``host_memory``: bytes per
     rank. ``dense``: the dense model, for the whole step's prediction (:mod:`embedscale.plan.step`; default:
-    DLRM of ``ModelConfig``'s default sizes over the tables' features). ``requests``: the ``specs.TableConfig`` entries the tables came from (a table that asks for a form
+    DLRM of ``ModelConfig``'s default sizes over the tables' features). ``requests``: the ``specs.TableConfig``
+    entries the tables came from (a table that asks for a form
     is a ``ConfigError``: auto decides every form). Raises :class:`~embedscale.plan.auto.BudgetError` when
     nothing fits."""
     t0 = time.perf_counter()
@@ -94,9 +95,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
         if over > 0:
             raise BudgetError(f"no plan fits the memory budget: after placement rank {int(np.argmax(per_rank['device_total']))} "
                               f"needs {human_bytes(over)} of device memory more than the budget")
-    if dense is None:
-        dense = DenseModel(num_features=sum(len(getattr(t, "features", None) or [t.name]) for t in tables),
-                           embedding_dim=int(tables[0].dim))
+    dense = dense or default_dense(tables)
     fixed = fixed_terms(dense, batch_size, world, len(tables), costs)
     alts: dict[str, Any] = {}
     if other_budgets:
@@ -183,7 +182,5 @@ def predict_plan_forms(tables, profile, topology, forms, *, costs: Costs | None 
     samples = getattr(prof, "samples", None)
     samples = samples() if callable(samples) else samples
     stats = _table_stats(tables, prof, samples, batch_size, topo.world_size, hot_touch, tt_min_rows, bins)
-    if dense is None:
-        dense = DenseModel(num_features=sum(len(getattr(t, "features", None) or [t.name]) for t in tables),
-                           embedding_dim=int(tables[0].dim))
+    dense = dense or default_dense(tables)
     return predict_forms(stats, forms, dense, batch_size, topo.world_size, costs, host_depth=host_depth)

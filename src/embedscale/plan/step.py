@@ -117,6 +117,12 @@ class DenseModel:
         return d
 
 
+def default_dense(tables) -> DenseModel:
+    """DLRM of ``ModelConfig``'s default sizes over ``tables``' features (dim of the first table)."""
+    return DenseModel(num_features=sum(len(getattr(t, "features", None) or [t.name]) for t in tables),
+                      embedding_dim=int(tables[0].dim))
+
+
 def fixed_terms(dense: DenseModel, batch_size: int, world: int, num_tables: int, costs: Costs) -> dict[str, float]:
     """The seconds of a step every plan pays (module docstring): ``dense`` (forward, backward, update),
     ``dense_sync`` (the gradients' and the loss's all-reduce, several ranks), ``tables`` (per-table overhead)
