@@ -26,8 +26,10 @@ from embedscale.calibrate import calibrate
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
-from embedscale.plan.auto import BudgetError, Candidate, Costs, load_costs, parse_bytes, search_greedy, search_milp
-from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, load_costs, parse_bytes, search_greedy,
+                                  search_milp, tt_core_bytes)
+from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
+from embedscale.plan.step import DenseModel, predict_forms
 from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
 from embedscale.plan.mrc import MissRatioCurve
 from embedscale.plan.plan import Plan
@@ -212,11 +214,101 @@ def test_costs_file_round_trip_and_errors(tmp_path):
         parse_bytes("lots", "--device-memory")
 
 
+def test_costs_files_without_the_step_terms_load_with_their_defaults(tmp_path):
+    d = Costs(exact_lookup_s=1e-8, dense_flops_per_s=3e10, step_overhead_s=1e-3, table_overhead_s=2e-5).to_dict()
+    c = Costs.from_dict(d)
+    assert (c.dense_flops_per_s, c.step_overhead_s, c.table_overhead_s) == (3e10, 1e-3, 2e-5)
+    old = {k: v for k, v in d.items() if k not in ("dense_flops_per_s", "step_overhead_s", "table_overhead_s")}
+    assert Costs.from_dict(old).dense_flops_per_s == Costs().dense_flops_per_s
+    with pytest.raises(ConfigError, match="where.*step_overhead_s"):
+        Costs.from_dict({**d, "step_overhead_s": -1.0}, "where")
+    with pytest.raises(ConfigError, match="dense_flops_per_s"):
+        Costs.from_dict({**d, "dense_flops_per_s": 0})
+
+
 def test_calibrate_measures_every_cost():
     c = calibrate(device="cpu", rows=2000, dim=4, batch=256, tt_ranks=(2, 4), repeats=1)
     assert c.source == "measured" and sorted(c.tt_lookup_s) == [2, 4]
     assert c.exact_lookup_s > 0 and c.host_row_s > 0 and all(v > 0 for v in c.tt_lookup_s.values())
     assert 0 < c.notes["distinct_rows_per_batch"] <= 256
+    assert c.dense_flops_per_s > 1e6 and c.step_overhead_s >= 0 and c.table_overhead_s >= 0
+    assert c.notes["threads"] == 1 and set(c.notes["model_step_s"]) == {"6", "26"}  # 26 features and a quarter
+    assert torch.get_num_threads() >= 1  # restored
+
+
+# -- the predicted step: a hand computation from the calibrated constants ------------------------------------
+
+def test_dense_model_flops_and_parameters_by_hand():
+    """DLRM 3 -> [4] -> 2 (bottom), 2 features of dim 2: interaction width 2 + 3*2/2 = 5, top 5 -> [5] -> 1."""
+    m = DenseModel(dense_in=3, num_features=2, embedding_dim=2, bottom_mlp=(4,), top_mlp=(5,))
+    assert m.linear_layers() == [(3, 4), (4, 2), (5, 5), (5, 1)]
+    assert m.parameters() == (12 + 4) + (8 + 2) + (25 + 5) + (5 + 1)
+    assert m.forward_flops_per_sample() == 2 * (12 + 8 + 25 + 5) + 2 * 3 * 3 * 2
+    assert m.train_flops(8) == 3 * 8 * 136 + 6 * 62
+    dcn = DenseModel(arch="dcn", dense_in=3, num_features=2, embedding_dim=2, bottom_mlp=(4,), top_mlp=(5,),
+                     cross_layers=2, cross_low_rank=0)
+    assert dcn.linear_layers() == [(3, 4), (4, 2), (6, 6), (6, 6), (6, 5), (5, 1)]
+    with pytest.raises(ConfigError, match="dlrm and dcn"):
+        DenseModel(arch="dmt")
+
+
+def test_predicted_step_equals_a_hand_computation_from_the_calibrated_constants():
+    """Three tables (sharded, TT rank 4, host at depth 2) on 2 ranks: the step ``predict_forms`` gives equals the
+    module docstrings' formulas evaluated by hand from the constants of a costs file."""
+    costs = Costs(exact_lookup_s=100e-9, tt_lookup_s={4: 300e-9, 8: 500e-9}, host_row_s=200e-9,
+                  link_bandwidth_gbs=2.0, link_latency_us=50.0, allreduce_gbs=1.0, dense_flops_per_s=1e9,
+                  step_overhead_s=2e-3, table_overhead_s=1e-4, source="measured")
+    mrc = MissRatioCurve.from_counts(np.ones(10), 1.0, bins=0)  # not read by the formulas below
+    # lookups per rank batch L, distinct rows of a rank's batch D_r and of the global batch D_g
+    st = [TableStats("a", 1000, 4, "sum", 64.0, 40.0, 70.0, False, mrc),
+          TableStats("b", 50_000, 4, "sum", 64.0, 60.0, 110.0, False, mrc),
+          TableStats("c", 20_000, 4, "sum", 64.0, 50.0, 90.0, False, mrc)]
+    forms = {"a": SHARDED, "b": TableForm("tt", tt_rank=4), "c": TableForm("host", pipeline_depth=2)}
+    dense = DenseModel(dense_in=3, num_features=3, embedding_dim=4, bottom_mlp=(8,), top_mlp=(6,))
+    got = predict_forms(st, forms, dense, 32, 2, costs)
+    rb, half = 16, 0.5  # row bytes (dim 4, float32); (M - 1) / M
+    sharded = 64 * 100e-9 + 2 * 40 * half * rb / 2e9
+    cores = tt_core_bytes(50_000, 4, 4)
+    tt = 64 * 300e-9 + cores * 2 * half / 1e9
+    host = 64 * 100e-9 + (50 + 90) * 200e-9 + 2 * 90 * half * rb / 2e9
+    latency = (2 + 1 + 2) * 50e-6  # sharded all-to-all twice, one TT all-reduce, two host all-gathers
+    width = 4 + 4 * 3 // 2  # D + (F + 1) F / 2
+    layers = [(3, 8), (8, 4), (width, 6), (6, 1)]
+    params = sum(i * o + o for i, o in layers)
+    flops = 3 * 32 * (2 * sum(i * o for i, o in layers) + 2 * 4 * 4 * 4) + 6 * params
+    dense_s = flops / 1e9
+    sync = 2 * half * 4 * params / 1e9 + 2 * 50e-6
+    want = sharded + tt + host + latency + dense_s + sync + 3 * 1e-4 + 2e-3
+    assert got["step_seconds"] == pytest.approx(want, rel=1e-9)
+    assert got["parts"]["dense"] == pytest.approx(dense_s, rel=1e-12)
+    assert got["forms"] == {"a": "sharded", "b": "tt-4", "c": "host-2"}
+    k = 2  # host device bytes: k D_r + (k - 1) D_g rows with their state
+    assert got["device_bytes"] == pytest.approx(1000 * 20 / 2 + cores + (k * 50 + 90) * 20)
+    assert got["host_bytes"] == pytest.approx(20_000 * 20)
+    # a host form of depth 0 takes the run's depth; one rank pays no exchange and no dense sync
+    one = predict_forms(st, {**forms, "c": TableForm("host")}, dense, 32, 1, costs, host_depth=2)
+    assert one["forms"]["c"] == "host-2" and one["parts"]["dense_sync"] == 0 and one["parts"]["exchange_latency"] == 0
+
+
+def test_the_auto_plan_reports_the_whole_step_and_ranks_hand_plans_by_the_same_model(tmp_path):
+    tabs = [TableSpec(f"t{i}", n, 8) for i, n in enumerate([50, 400, 200_000, 300_000])]
+    prof = ZipfProfile.from_tables(tabs, alpha=1.05, samples=100_000)
+    costs = Costs(dense_flops_per_s=5e9, step_overhead_s=1e-3, table_overhead_s=1e-4, source="measured")
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=4 * 2**20, host_memory=16 * 2**20,
+                          costs=costs, batch_size=256, other_budgets=False)
+    rep = plan.meta["auto"]
+    parts = rep["predicted_step_parts"]
+    assert rep["predicted_step_seconds"] == pytest.approx(sum(parts.values()))
+    assert parts["embedding"] == pytest.approx(rep["per_rank"]["predicted_step_seconds"])
+    assert parts["dense"] == pytest.approx(DenseModel(num_features=4, embedding_dim=8).train_flops(256) / 5e9)
+    # the auto plan's forms, costed by predict_plan_forms, agree with its own report up to OPER's placement
+    p = predict_plan_forms(tabs, prof, Topology(ranks_per_host=2), plan.forms, costs=costs, batch_size=256)
+    assert p["step_seconds"] == pytest.approx(rep["predicted_step_seconds"], rel=0.05)
+    # every table TT of rank 32 (EL-Rec's rule, taken to all large tables) is never predicted faster than auto
+    hand = predict_plan_forms(tabs, prof, Topology(ranks_per_host=2),
+                              {t.name: TableForm("tt", tt_rank=32) for t in tabs if t.num_rows >= 100_000},
+                              costs=costs, batch_size=256)
+    assert hand["step_seconds"] >= p["step_seconds"] * (1 - 1e-9)
 
 
 def _cli(*args, cwd):

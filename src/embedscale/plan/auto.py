@@ -74,7 +74,8 @@ class Costs:
 
     The defaults are assumptions, not measurements (``source: "default"``): exact lookup+update 50 ns per
     lookup, TT lookup+update ``50 ns * (1 + (R/8)^2 / 4)`` per lookup, a host parameter-server row 400 ns,
-    links 10 GB/s and 20 us, all-reduce 10 GB/s.
+    links 10 GB/s and 20 us, all-reduce 10 GB/s, dense model 20 GFLOP/s, 5 ms per step and 50 us per table
+    of fixed overheads. A costs file written before a field existed gets that field's default.
 
     Attributes:
         exact_lookup_s: seconds per lookup of an exact table (fused ``LocalEmbeddingBags``: forward, backward,
@@ -84,6 +85,10 @@ class Costs:
         host_row_s: seconds per distinct row of a batch served by the host parameter server (read, move to the
             device, apply the update).
         link_bandwidth_gbs, link_latency_us, allreduce_gbs: the rank-to-rank link.
+        dense_flops_per_s: FLOP rate of the dense model's forward, backward and update (an MLP of the model's
+            sizes at the calibration's batch; :mod:`embedscale.plan.step` turns layer sizes into FLOPs).
+        step_overhead_s, table_overhead_s: the fixed seconds of a training step, and per table and step,
+            beyond the lookups and the dense FLOPs (the residual of a real DLRM step at two feature counts).
         source: ``measured`` or ``default``; notes: what the calibration ran.
     """
 
@@ -93,6 +98,9 @@ class Costs:
     link_bandwidth_gbs: float = 10.0
     link_latency_us: float = 20.0
     allreduce_gbs: float = 10.0
+    dense_flops_per_s: float = 20e9
+    step_overhead_s: float = 5e-3
+    table_overhead_s: float = 50e-6
     source: str = "default"
     notes: dict = field(default_factory=dict)
 
@@ -133,12 +141,14 @@ class Costs:
             out = cls(**kw)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: {e}") from None
-        for name in ("exact_lookup_s", "host_row_s", "link_bandwidth_gbs", "allreduce_gbs"):
+        for name in ("exact_lookup_s", "host_row_s", "link_bandwidth_gbs", "allreduce_gbs", "dense_flops_per_s"):
             v = float(getattr(out, name))
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a positive number, got {v}")
-        if not (float(out.link_latency_us) >= 0 and math.isfinite(float(out.link_latency_us))):
-            raise ConfigError(f"{where}: link_latency_us must be a number >= 0, got {out.link_latency_us}")
+        for name in ("link_latency_us", "step_overhead_s", "table_overhead_s"):
+            v = float(getattr(out, name))
+            if not (v >= 0 and math.isfinite(v)):
+                raise ConfigError(f"{where}: {name} must be a number >= 0, got {v}")
         if any(not (v > 0 and math.isfinite(v)) for v in out.tt_lookup_s.values()):
             raise ConfigError(f"{where}: tt_lookup_s must hold positive numbers, got {out.tt_lookup_s}")
         return out
@@ -216,8 +226,10 @@ def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: in
 
 
 def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
-               host_depth: int = 1, forms: Sequence[str] = ("replicated", "sharded", "tt", "host")) -> list[Candidate]:
-    """Every form ``s`` may take, costed per rank (module docstring's model)."""
+               host_depth: int = 1, forms: Sequence[str] = ("replicated", "sharded", "tt", "host"),
+               keep_larger: bool = False) -> list[Candidate]:
+    """Every form ``s`` may take, costed per rank (module docstring's model). ``keep_larger``: cost TT ranks whose
+    cores outweigh the table too (a hand-made plan may choose them; the search never does)."""
     m = world
     frac = (m - 1) / m
     rb = s.row_bytes
@@ -234,7 +246,7 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
     if "tt" in forms and not s.hot and s.pooling != "none":
         for r in tt_rank_list:
             cb = tt_core_bytes(s.num_rows, s.dim, int(r))
-            if cb >= full:  # a TT table larger than the table itself is never worth it
+            if cb >= full and not keep_larger:  # a TT table larger than the table itself is never worth it
                 continue
             out.append(Candidate(f"tt-{r}", TableForm("tt", tt_rank=int(r)),
                                  s.lookups_rank * costs.tt(int(r)) + cb * 2 * frac / ar,
@@ -606,9 +618,12 @@ def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str,
             "predicted_step_seconds": float(secs.max())}
 
 
-def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternatives: Mapping[str, Any]) -> dict:
+def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternatives: Mapping[str, Any], *,
+            fixed: Mapping[str, float] | None = None, dense: Mapping[str, Any] | None = None) -> dict:
     """The explain report's data: per table the form chosen, the runner-up and its cost, the per-rank memory
-    stack, the predicted step time, and the plans at other budgets (``alternatives``)."""
+    stack, the predicted step time, and the plans at other budgets (``alternatives``). ``fixed``: the seconds
+    every plan pays beyond its tables (:func:`embedscale.plan.step.fixed_terms`: dense model, its all-reduce,
+    overheads), added to the embedding part for the whole step's prediction."""
     tables = []
     for i, n in enumerate(res.names):
         c, s, ru = res.chosen(i), res.stats[i], res.runner_up(i)
@@ -622,13 +637,21 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
                           "lru_curve": s.mrc.curve(sorted({int(x) for x in np.geomspace(
                               max(1.0, s.distinct_rank / 16), max(2.0, min(s.num_rows, 64 * s.distinct_rank)), 7)}))}
         tables.append(e)
+    fixed = {k: float(v) for k, v in (fixed or {}).items()}
+    emb = float(per_rank["predicted_step_seconds"])
     return {"strategy": "auto", "search": res.search, "search_seconds": res.search_seconds,
             "device_budget_bytes": res.dev_budget, "host_budget_bytes": res.host_budget,
-            "predicted_step_seconds": per_rank["predicted_step_seconds"],
+            "predicted_step_seconds": emb + sum(fixed.values()),
+            "predicted_embedding_step_seconds": emb,
+            "predicted_step_parts": {"embedding": emb, **fixed},
             "predicted_step_seconds_symmetric": res.predicted_seconds(),
+            "dense_model": dict(dense or {}),
             "costs": costs.to_dict(), "tables": tables, "per_rank": dict(per_rank),
             "other_budgets": dict(alternatives),
-            "notes": ["predicted time is the embedding part of a step (lookups, updates, communication); the "
+            "notes": ["predicted step = the embedding part on the bottleneck rank (lookups, updates, communication) "
+                      "+ the dense model's FLOPs at the calibrated rate + its all-reduce + fixed overheads "
+                      "(embedscale.plan.step)" if fixed else
+                      "predicted time is the embedding part of a step (lookups, updates, communication); the "
                       "dense model is not modelled",
                       "costs are " + ("measured by embedscale calibrate" if costs.source == "measured"
                                       else "the documented defaults (run embedscale calibrate to measure them)")]}
@@ -644,9 +667,11 @@ def summarize_choice(res: AutoResult, world: int, costs: Costs) -> dict[str, Any
 
 
 def explain_text(rep: Mapping[str, Any]) -> str:
-    lines = [f"auto plan: predicted embedding step {rep['predicted_step_seconds'] * 1e3:.3f} ms on the bottleneck rank "
+    parts = rep.get("predicted_step_parts") or {}
+    lines = [f"auto plan: predicted step {rep['predicted_step_seconds'] * 1e3:.3f} ms on the bottleneck rank "
              f"(rank {rep['per_rank']['bottleneck_rank']}); budgets per rank: device "
              f"{human_bytes(rep['device_budget_bytes'])}, host {human_bytes(rep['host_budget_bytes'])}; costs: {rep['costs']['source']}",
+             "step parts (ms): " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in parts.items()),
              "", f"{'table':<16} {'rows':>12} {'hot':>4} {'chosen':>12} {'ms':>9} {'device MiB':>11} {'host MiB':>9}"
              f" {'runner-up':>12} {'ms':>9} {'device MiB':>11}"]
     for e in rep["tables"]:

@@ -24,6 +24,7 @@ from embedscale.plan.auto import (DEFAULT_TT_RANKS, AutoResult, BudgetError, Cos
 from embedscale.plan.mrc import probability_histogram
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
+from embedscale.plan.step import DenseModel, default_dense, fixed_terms, predict_forms
 from embedscale.plan.synthetic_profile import ZipfProfile
 
 
@@ -56,9 +57,12 @@ def _replicate(plan: Plan, names: Sequence[str]) -> Plan:
 def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memory: float, costs: Costs | None = None,
                    batch_size: int = 2048, mode: str = "training", tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
                    host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
-                   other_budgets: bool = True, bins: int = 2048, requests: Sequence = ()) -> Plan:
+                   other_budgets: bool = True, bins: int = 2048, requests: Sequence = (),
+                   dense: DenseModel | None = None) -> Plan:
     """The auto plan of ``tables`` (see the module docstring). ``device_memory`` / ``host_memory``: bytes per
-    rank. ``requests``: the ``specs.TableConfig`` entries the tables came from (a table that asks for a form
+    rank. ``dense``: the dense model, for the whole step's prediction (:mod:`embedscale.plan.step`; default:
+    DLRM of ``ModelConfig``'s default sizes over the tables' features). ``requests``: the ``specs.TableConfig``
+    entries the tables came from (a table that asks for a form
     is a ``ConfigError``: auto decides every form). Raises :class:`~embedscale.plan.auto.BudgetError` when
     nothing fits."""
     t0 = time.perf_counter()
@@ -91,15 +95,18 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
         if over > 0:
             raise BudgetError(f"no plan fits the memory budget: after placement rank {int(np.argmax(per_rank['device_total']))} "
                               f"needs {human_bytes(over)} of device memory more than the budget")
+    dense = dense or default_dense(tables)
+    fixed = fixed_terms(dense, batch_size, world, len(tables), costs)
     alts: dict[str, Any] = {}
     if other_budgets:
         for label, f in (("half", 0.5), ("twice", 2.0)):
             try:
                 alt = decide(tables, prof.counts, samples, world, device_memory * f, host_memory * f, **kw)
                 alts[label] = summarize_choice(alt, world, costs)
+                alts[label]["predicted_step_seconds"] += sum(fixed.values())
             except BudgetError as e:
                 alts[label] = {"error": str(e)}
-    rep = explain(res, per_rank, costs, alts)
+    rep = explain(res, per_rank, costs, alts, fixed=fixed, dense=dense.to_dict())
     rep["plan_seconds"] = time.perf_counter() - t0
     plan.meta["strategy"] = "auto"
     plan.meta["capacity_bytes"] = float(device_memory)  # the rows the plan places are part of the device budget
@@ -158,3 +165,22 @@ def auto_plan_command(tables, profile, topology, out_dir, *, device_memory: floa
     if json_output:
         sys.stdout.write(json.dumps(rep, default=float) + "\n")
     return rep
+
+
+def predict_plan_forms(tables, profile, topology, forms, *, costs: Costs | None = None, batch_size: int = 2048,
+                       dense: DenseModel | None = None, host_depth: int = 1, hot_touch: float = 0.01,
+                       tt_min_rows: int = 10_000, bins: int = 2048) -> dict:
+    """The predicted step (:func:`embedscale.plan.step.predict_forms`) of any plan of ``tables`` given by its forms
+    (``{table: TableForm}``, e.g. a hand-made plan's ``Plan.forms`` or ``plan.forms.decide_forms``), by the cost
+    model ``--strategy auto`` optimises: hand-made plans and the auto plan are predicted alike."""
+    tables = list(tables)
+    costs = costs or Costs()
+    topo = resolve_topology(topology)
+    if not costs.notes.get("links_measured"):
+        costs = with_topology_links(costs, topo)
+    prof = table_profile(resolve_profile(profile, tables), tables)
+    samples = getattr(prof, "samples", None)
+    samples = samples() if callable(samples) else samples
+    stats = _table_stats(tables, prof, samples, batch_size, topo.world_size, hot_touch, tt_min_rows, bins)
+    dense = dense or default_dense(tables)
+    return predict_forms(stats, forms, dense, batch_size, topo.world_size, costs, host_depth=host_depth)

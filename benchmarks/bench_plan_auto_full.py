@@ -1,0 +1,293 @@
+"""Issue 16's bar at full size: the auto plan against the plans a user makes by hand, same budget, same run.
+
+    nice -n 15 .venv/bin/python benchmarks/bench_plan_auto_full.py --work /tmp/bench_auto_full \\
+        [--max-rows 0] [--steps 30] [--repeats 3] [--batch 2048]
+
+2 gloo ranks, synthetic criteo-kaggle at full size (26 tables, 33.76M rows, dim 16, row-wise Adagrad; about
+1.1 GB of rows and state per rank if sharded exact), DLRM of the default sizes, device budget 256 MiB and host
+budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the same profile:
+
+* ``auto``: ``--strategy auto`` with costs measured by ``embedscale calibrate`` in this run (at the per-rank
+  batch, one thread as each rank runs, links measured on 2 local ranks);
+* ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper);
+* ``mix_tt3_host2`` / ``mix_tt4_host1``: the mixtures of the two rules a user would try: the largest tables
+  TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
+  the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
+* TorchRec's ``EmbeddingShardingPlanner`` asked for the same budget (``plan.torchrec_plan``, its CPU topology:
+  DDR capacity = the device budget, and again = device + host budget; and a GPU topology of HBM = the device
+  budget and DDR = the host budget, where it may choose UVM caching); what it answers is reported (it has no
+  TT form; on CPU no host cache). Not trained: it answers no plan.
+
+Every plan is trained ``--steps`` steps ``--repeats`` times, in turns (A B C D A B C D ...), and its measured
+step (global batch / train samples per second; the loop's timer covers the train steps only) is compared with
+the step the planner's cost model predicts for it (``plan.autoplan.predict_plan_forms``, the model the auto
+search optimises). The machine is shared and its load moves by several times within minutes, so the costs are
+measured again just before every run (``--calibrate-procs`` ``embedscale calibrate`` processes at once, their
+figures averaged; 1 by default) and the run is predicted with them: ``prediction_error`` is the median of a plan's
+predictions against its median measured step, ``prediction_error_each_run`` run by run
+(``prediction_error_setup_costs``: with the costs measured once, before planning). Prints one JSON
+line: figure = auto's train samples/s (median), baseline = the best hand-made plan's, ratio, and per plan the
+runs, the predicted and measured step and the prediction's error; the load average before and after.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from _plan_common import emit, log
+from embedscale.data.profile import AccessProfile
+from embedscale.plan.api import resolve_profile
+from embedscale.plan.auto import load_costs, parse_bytes
+from embedscale.plan.autoplan import predict_plan_forms
+from embedscale.plan.forms import host_pipeline_depth, table_profile, tables_from_profile
+from embedscale.plan.plan import Plan
+from embedscale.plan.step import DenseModel
+from embedscale.plan.torchrec_plan import plan_torchrec
+from embedscale.specs import Topology
+
+
+def _es(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "embedscale", *args], cwd=cwd, capture_output=True, text=True)
+    if p.returncode and check:
+        raise SystemExit(f"embedscale {' '.join(args)} failed:\n{p.stderr[-3000:]}")
+    return p
+
+
+def _mixture_yaml(path: Path, tables, tt: list[str], host: list[str], rank: int) -> None:
+    lines = ["tables:"]
+    for t in tables:
+        lines.append(f"  - {{name: {t.name}, num_rows: {t.num_rows}, dim: {t.dim}, features: [{t.features[0]}]"
+                     + (f", compression: tt, tt_rank: {rank}" if t.name in tt else "")
+                     + (", placement: host" if t.name in host else "") + "}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _mixtures(tables, host_budget: float, n_big: int) -> dict[str, tuple[list[str], list[str]]]:
+    """Largest tables TT until the remaining large ones (>= 1M rows) fit the host budget, and one more TT."""
+    big = sorted([t for t in tables if t.num_rows >= 1_000_000], key=lambda t: -t.num_rows)
+    row = 4 * big[0].dim + 4  # a host row and its row-wise Adagrad state, as the planner counts it
+    out = {}
+    for k in range(len(big) + 1):
+        rest = big[k:]
+        if sum(t.num_rows * row for t in rest) <= host_budget:
+            out[f"mix_tt{k}_host{len(rest)}"] = ([t.name for t in big[:k]], [t.name for t in rest])
+            if k + 1 < len(big):
+                out[f"mix_tt{k + 1}_host{len(big) - k - 1}"] = ([t.name for t in big[:k + 1]],
+                                                                [t.name for t in big[k + 1:]])
+            break
+    return dict(list(out.items())[:n_big])
+
+
+def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path, n: int = 1) -> Path:
+    """``n`` ``embedscale calibrate`` processes at once (as many as the run has ranks: they compete for the cores
+    as the ranks do), their figures averaged, the links taken from ``links_from``; written to ``work / out``."""
+    procs = [subprocess.Popen([sys.executable, "-m", "embedscale", "calibrate", "--rows", "1000000", "--batch",
+                               str(per_rank), "--tt-ranks", "8,16,32,64", "--repeats", "15", "--out", f"{out}.{i}.json"],
+                              cwd=work,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(n)]
+    for p in procs:
+        _, err = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"embedscale calibrate failed:\n{err[-3000:]}")
+    parts = [json.loads((work / f"{out}.{i}.json").read_text()) for i in range(n)]
+    links = json.loads(links_from.read_text())
+    merged = dict(parts[0])
+    for k in ("exact_lookup_s", "host_row_s", "dense_flops_per_s", "step_overhead_s", "table_overhead_s"):
+        merged[k] = float(np.mean([q[k] for q in parts]))
+    merged["tt_lookup_s"] = {r: float(np.mean([q["tt_lookup_s"][r] for q in parts])) for r in parts[0]["tt_lookup_s"]}
+    for k in ("link_bandwidth_gbs", "link_latency_us", "allreduce_gbs"):
+        merged[k] = links[k]
+    merged["notes"] = {**parts[0]["notes"], "links_measured": bool(links["notes"].get("links_measured")),
+                       "concurrent_processes": n, "processes": [q["notes"] for q in parts]}
+    (work / f"{out}.json").write_text(json.dumps(merged))
+    return work / f"{out}.json"
+
+
+def ask_torchrec(tables, profile_dir: Path, batch: int, cap_bytes: int) -> dict:
+    try:
+        prof = table_profile(resolve_profile(str(profile_dir), tables), tables)
+        plan = plan_torchrec(tables, prof, Topology(num_hosts=1, ranks_per_host=2),
+                             batch_size=batch, memory_per_rank=cap_bytes)
+    except Exception as e:  # its answer, whatever it is
+        return {"answer": "error", "error": f"{type(e).__name__}: {str(e)[:600]}"}
+    mem = plan.memory_per_rank()
+    return {"answer": "plan", "sharding_types": plan.meta.get("torchrec_sharding_types"),
+            "max_rows_bytes_per_rank": float(np.max(mem)),
+            "fits_device_budget": bool(np.max(mem) * 17 / 16 <= cap_bytes)}
+
+
+def ask_torchrec_uvm(tables, profile_dir: Path, batch: int, hbm: int, ddr: int) -> dict:
+    """TorchRec's planner on a GPU topology (``hbm`` device and ``ddr`` host bytes per rank), where it may choose
+    its UVM-caching kernels (rows in host memory behind a device cache): the closest TorchRec comes to the
+    budget's question. Planning only; nothing runs on a GPU."""
+    import logging
+    import warnings
+
+    import torch
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.planner.types import Topology as TRTopology
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    prof = table_profile(resolve_profile(str(profile_dir), tables), tables)
+    samples = prof.samples() if callable(getattr(prof, "samples", None)) else prof.samples
+    cons = {t.name: ParameterConstraints(pooling_factors=[max(float(np.sum(prof.counts(t.name))) / samples, 1e-6)])
+            for t in tables}
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows,
+                                                            feature_names=list(t.features)) for t in tables],
+                                 device=torch.device("meta"))
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            topo = TRTopology(world_size=2, compute_device="cuda", local_world_size=2, hbm_cap=hbm, ddr_cap=ddr)
+            sharding = EmbeddingShardingPlanner(topology=topo, batch_size=batch, constraints=cons).plan(
+                ebc, [EmbeddingBagCollectionSharder()])
+    except Exception as e:
+        return {"answer": "error", "error": f"{type(e).__name__}: {str(e)[:900]}"}
+    per = sharding.plan.get("") or next(iter(sharding.plan.values()))
+    return {"answer": "plan", "tables": {k: [v.sharding_type, v.compute_kernel] for k, v in per.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", default="/tmp/bench_auto_full")
+    ap.add_argument("--max-rows", type=int, default=0, help="Cap every table's rows (0 = full size).")
+    ap.add_argument("--samples", type=int, default=400_000)
+    ap.add_argument("--batch", type=int, default=2048, help="Global batch (2 ranks).")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device-memory", default="256MiB")
+    ap.add_argument("--host-memory", default="512MiB")
+    ap.add_argument("--depth", type=int, default=2, help="Pipeline depth of host tables (hand-made plans and auto).")
+    ap.add_argument("--mixtures", type=int, default=2)
+    ap.add_argument("--calibrate-procs", type=int, default=1,
+                    help="embedscale calibrate processes run at once before every run (their figures averaged).")
+    ap.add_argument("--torchrec-only", action="store_true", help="Plan and ask TorchRec; train nothing.")
+    ap.add_argument("--plans", default="", help="Comma-separated subset of plans to train (default: all).")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    per_rank = args.batch // 2
+    dev_b, host_b = parse_bytes(args.device_memory), parse_bytes(args.host_memory)
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    if not (work / "data" / "manifest.json").exists():
+        cap = ["--max-rows", str(args.max_rows)] if args.max_rows else []
+        _es("data", "synthetic", "--preset", "criteo-kaggle", *cap, "--samples", str(args.samples), "--out", "data",
+            "--no-progress", cwd=work)
+    if not (work / "profile").exists():
+        _es("profile", "data", "--out", "profile", cwd=work)
+    if not (work / "costs.json").exists():
+        _es("calibrate", "--rows", "1000000", "--batch", str(per_rank), "--tt-ranks", "8,16,32,64", "--links",
+            "--repeats", "15", "--out", "costs.json", cwd=work)
+    costs = load_costs(work / "costs.json")
+    log(f"setup {time.perf_counter() - t0:.0f} s; costs: dense {costs.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
+        f"step {costs.step_overhead_s * 1e3:.2f} ms, table {costs.table_overhead_s * 1e6:.0f} us, "
+        f"exact {costs.exact_lookup_s * 1e9:.0f} ns, host {costs.host_row_s * 1e9:.0f} ns, "
+        f"link {costs.link_bandwidth_gbs:.2f} GB/s {costs.link_latency_us:.0f} us")
+    common = ["--profile", "profile", "--batch-size", str(per_rank), "--json"]
+    plans: dict[str, str] = {}
+    if not (work / "plans-auto" / "auto" / "plan.json").exists():
+        _es("plan", *common, "--strategy", "auto", "--device-memory", args.device_memory, "--host-memory",
+            args.host_memory, "--costs", "costs.json", "--host-depth", str(args.depth), "--tt-ranks", "8,16,32,64",
+            "--out", "plans-auto", cwd=work)
+    plans["auto"] = "plans-auto/auto"
+    if not (work / "plans-elrec" / "oper" / "plan.json").exists():
+        _es("plan", *common, "--strategy", "oper", "--tt-min-rows", "1000000", "--tt-rank", "32", "--out",
+            "plans-elrec", cwd=work)
+    plans["elrec_rule"] = "plans-elrec/oper"
+    tables = tables_from_profile(AccessProfile.load(work / "profile"), 16)
+    for name, (tt, host) in _mixtures(tables, host_b, args.mixtures).items():
+        d = work / f"plans-{name}"
+        if not (d / "oper" / "plan.json").exists():
+            _mixture_yaml(work / f"{name}.yaml", tables, tt, host, 32)
+            _es("plan", *common, "--tables", f"{name}.yaml", "--strategy", "oper", "--out", d.name, cwd=work)
+        plans[name] = f"{d.name}/oper"
+    topo = Topology(num_hosts=1, ranks_per_host=2)
+    dense = DenseModel(num_features=len(tables), embedding_dim=16)
+    predicted, forms_of, mem = {}, {}, {}
+    for name, d in plans.items():
+        plan = Plan.load(work / d)
+        forms = plan.forms
+        forms_of[name] = {k: (f.kind if f.kind != "tt" else f"tt-{f.tt_rank}") for k, f in forms.items()
+                          if f.kind != "sharded"}
+        if name == "auto":
+            rep = json.loads((work / d / "explain.json").read_text())
+            predicted[name] = rep["predicted_step_seconds"]
+            mem[name] = {"device_bytes": max(rep["per_rank"]["device_total"]), "host_bytes": max(rep["per_rank"]["host_bytes"])}
+        else:
+            p = predict_plan_forms(tables, work / "profile", topo, forms, costs=costs, batch_size=per_rank,
+                                   dense=dense, host_depth=args.depth)
+            predicted[name] = p["step_seconds"]
+            mem[name] = {"device_bytes": p["device_bytes"], "host_bytes": p["host_bytes"]}
+        log(f"{name}: predicted step {predicted[name] * 1e3:.1f} ms; forms {forms_of[name]}; "
+            f"device {mem[name]['device_bytes'] / 2**20:.1f} MiB host {mem[name]['host_bytes'] / 2**20:.1f} MiB")
+    torchrec = {f"ddr_{label}": ask_torchrec(tables, work / "profile", per_rank, cap)
+                for label, cap in (("device_budget", dev_b), ("device_plus_host_budget", dev_b + host_b))}
+    torchrec["gpu_topology_uvm_caching"] = ask_torchrec_uvm(tables, work / "profile", per_rank, dev_b, host_b)
+    log(f"torchrec: {json.dumps(torchrec)[:800]}")
+    if args.torchrec_only:
+        print(json.dumps(torchrec))
+        return
+    names = [n for n in plans if not args.plans or n in args.plans.split(",")]
+    sps: dict[str, list[float]] = {k: [] for k in names}
+    pred_rounds: dict[str, list[float]] = {k: [] for k in names}
+    load_runs = os.getloadavg()
+    for rep in range(args.repeats):
+        for name in names:
+            # the costs again, just before this run, as the machine's load makes them
+            rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
+                                                   n=args.calibrate_procs))
+            p = predict_plan_forms(tables, work / "profile", topo, Plan.load(work / plans[name]).forms, costs=rc,
+                                   batch_size=per_rank, dense=dense, host_depth=args.depth)
+            pred_rounds[name].append(p["step_seconds"])
+            rd = work / "runs" / f"{name}-{rep}"
+            shutil.rmtree(rd, ignore_errors=True)
+            depth = host_pipeline_depth(Plan.load(work / plans[name]).forms, args.depth)
+            t = time.perf_counter()
+            _es("train", "--data-source", "shards", "--data-path", "data", "--train-batch-size", str(args.batch),
+                "--train-max-steps", str(args.steps), "--train-eval-every", "0", "--nproc", "2", "--dist-plan",
+                plans[name], "--train-pipeline-depth", str(max(depth, args.depth)), "--run-dir", str(rd),
+                "--no-progress", cwd=work)
+            s = json.loads((rd / "summary.json").read_text())
+            sps[name].append(float(s["train_samples_per_s"]))
+            log(f"{name} run {rep}: {sps[name][-1]:,.0f} samples/s = {args.batch / sps[name][-1] * 1e3:.0f} ms/step "
+                f"(predicted {pred_rounds[name][-1] * 1e3:.0f} ms: dense {rc.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
+                f"table {rc.table_overhead_s * 1e6:.0f} us; {time.perf_counter() - t:.0f} s wall); "
+                f"load {os.getloadavg()[0]:.1f}")
+            shutil.rmtree(rd / "checkpoints", ignore_errors=True)
+    med = {k: float(np.median(v)) for k, v in sps.items()}
+    measured = {k: args.batch / v for k, v in med.items()}
+    err = {k: (predicted[k] - measured[k]) / measured[k] for k in med}
+    pred_r = {k: float(np.median(v)) for k, v in pred_rounds.items()}
+    err_r = {k: (pred_r[k] - measured[k]) / measured[k] for k in med}
+    err_each = {k: [pv / (args.batch / m) - 1 for pv, m in zip(pred_rounds[k], sps[k])] for k in med}
+    hand = {k: v for k, v in med.items() if k != "auto"}
+    best = max(hand, key=hand.get) if hand else None
+    a = med.get("auto", float("nan"))
+    b = hand[best] if best else float("nan")
+    emit("plan_auto_full_2ranks", a, b, f"train samples/s (median of {args.repeats}, interleaved)",
+         {"data": "synthetic criteo-kaggle" + (f" capped at {args.max_rows} rows" if args.max_rows else ", full size"),
+          "rows": sum(t.num_rows for t in tables), "dim": 16, "ranks": 2, "global_batch": args.batch,
+          "steps": args.steps, "budget": f"{args.device_memory} device / {args.host_memory} host per rank",
+          "pipeline_depth": args.depth, "model": "DLRM 512-256-64 / 512-256"},
+         best_hand_plan=best, runs=sps, median_samples_per_s=med, predicted_step_s=predicted, measured_step_s=measured,
+         prediction_error_setup_costs=err, predicted_step_s_round_costs=pred_rounds,
+         prediction_error=err_r, prediction_error_each_run=err_each,
+         within_20pct={k: abs(v) <= 0.2 for k, v in err_r.items()}, forms=forms_of, memory=mem,
+         costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
+         load_average_after=os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The predicted time of a whole training step of a plan: embedding, dense model and fixed overheads (numpy only).
+
+Issue 16, bar "predicted step time within 20% of measured". :mod:`embedscale.plan.auto` costs every table's
+form (lookups, updates, the rows and gradients it moves: the part of a step the search can change); a step
+also pays, whatever the forms:
+
+* the dense model's forward and backward (:class:`DenseModel`: FLOPs from the model's layer sizes, DLRM's
+  bottom MLP, dot interaction and top MLP, or DCN-v2's cross layers; divided by the FLOP rate
+  ``Costs.dense_flops_per_s`` that ``embedscale calibrate`` measures on the machine);
+* with several ranks, the dense gradients' all-reduce (DDP: ``2 (M-1)/M`` of the parameter bytes over the
+  all-reduce bandwidth, plus one latency) and the loss's all-reduce (one latency);
+* a fixed overhead per step (``Costs.step_overhead_s``: the Python of a step, the loss, the dense optimizer's
+  bookkeeping) and one per table (``Costs.table_overhead_s``: splitting the batch's ids by feature, pooling,
+  concatenating), both measured by ``embedscale calibrate`` as the residual of a real DLRM step at two
+  feature counts.
+
+With ``B`` the samples per rank batch and ``T`` the tables:
+
+    step = embedding (auto's per-table seconds, the exchange latencies)
+         + B * flops_per_sample / dense_flops_per_s
+         + T * table_overhead_s + step_overhead_s
+         + [M > 1] (2 (M-1)/M * 4 P / allreduce_bw + 2 latency)
+
+:func:`predict_forms` costs any assignment of forms (a hand-made plan's: EL-Rec's rule, a mixture of rules)
+with the very model the auto search optimises, so hand-made plans and the auto plan are predicted alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from embedscale.errors import ConfigError
+from embedscale.plan.auto import Candidate, Costs, TableStats, candidates
+from embedscale.plan.forms import TableForm
+
+#: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
+OPTIMIZER_FLOPS_PER_PARAM = 6
+
+
+@dataclass(frozen=True)
+class DenseModel:
+    """The dense side of a model, for its FLOPs and parameters: ``ModelConfig``'s sizes and the features.
+
+    ``bottom_mlp`` / ``top_mlp`` are hidden widths as in ``ModelConfig`` (the bottom MLP's last layer of width
+    ``embedding_dim`` and the top MLP's logit layer are implied, as in ``models.dlrm``)."""
+
+    arch: str = "dlrm"
+    dense_in: int = 13
+    num_features: int = 26
+    embedding_dim: int = 16
+    bottom_mlp: tuple[int, ...] = (512, 256, 64)
+    top_mlp: tuple[int, ...] = (512, 256)
+    cross_layers: int = 3
+    cross_low_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("dlrm", "dcn"):
+            raise ConfigError(f"the step model knows the archs dlrm and dcn, not {self.arch!r}")
+        for name in ("dense_in", "num_features", "embedding_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"dense model: {name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(cls, model, num_features: int, dense_in: int = 13) -> "DenseModel":
+        """From a ``specs.ModelConfig`` (or any object with its fields) and the number of sparse features."""
+        arch = str(getattr(model, "arch", "dlrm"))
+        arch = {"dmt-dlrm": "dlrm", "dmt-dcn": "dcn"}.get(arch, arch)
+        return cls(arch=arch, dense_in=int(dense_in), num_features=int(num_features),
+                   embedding_dim=int(model.embedding_dim), bottom_mlp=tuple(int(x) for x in model.bottom_mlp),
+                   top_mlp=tuple(int(x) for x in model.top_mlp), cross_layers=int(getattr(model, "cross_layers", 3)),
+                   cross_low_rank=int(getattr(model, "cross_low_rank", 0)))
+
+    def interaction_width(self) -> int:
+        """Width of the top MLP's input: DLRM ``D + (F + 1) F / 2`` (``InteractionArch.output_dim``), DCN
+        ``(F + 1) D`` (the cross network keeps its width)."""
+        f, d = self.num_features, self.embedding_dim
+        return d + (f + 1) * f // 2 if self.arch == "dlrm" else (f + 1) * d
+
+    def linear_layers(self) -> list[tuple[int, int]]:
+        """``(in, out)`` of every linear layer: bottom MLP, (DCN) cross layers, top MLP."""
+        out = []
+        w = self.dense_in
+        for s in list(self.bottom_mlp) + [self.embedding_dim]:
+            out.append((w, s))
+            w = s
+        if self.arch == "dcn":
+            x = self.interaction_width()
+            for _ in range(self.cross_layers):
+                out += [(x, self.cross_low_rank), (self.cross_low_rank, x)] if self.cross_low_rank else [(x, x)]
+        w = self.interaction_width()
+        for s in list(self.top_mlp) + [1]:
+            out.append((w, s))
+            w = s
+        return out
+
+    def parameters(self) -> int:
+        """Dense parameters (weights and biases)."""
+        return sum(i * o + o for i, o in self.linear_layers())
+
+    def forward_flops_per_sample(self) -> float:
+        """Multiply-adds times two of one sample's forward: the linear layers and DLRM's dot interaction
+        (a ``(F+1) x (F+1)`` Gram matrix of ``D``-vectors)."""
+        f = 2.0 * sum(i * o for i, o in self.linear_layers())
+        if self.arch == "dlrm":
+            f += 2.0 * (self.num_features + 1) ** 2 * self.embedding_dim
+        return f
+
+    def train_flops(self, samples: float) -> float:
+        """FLOPs of a training step over ``samples``: forward, backward (twice the forward: gradients of the
+        inputs and of the weights) and the optimizer's update of every parameter."""
+        return 3.0 * samples * self.forward_flops_per_sample() + OPTIMIZER_FLOPS_PER_PARAM * self.parameters()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["bottom_mlp"], d["top_mlp"] = list(self.bottom_mlp), list(self.top_mlp)
+        return d
+
+
+def default_dense(tables) -> DenseModel:
+    """DLRM of ``ModelConfig``'s default sizes over ``tables``' features (dim of the first table)."""
+    return DenseModel(num_features=sum(len(getattr(t, "features", None) or [t.name]) for t in tables),
+                      embedding_dim=int(tables[0].dim))
+
+
+def fixed_terms(dense: DenseModel, batch_size: int, world: int, num_tables: int, costs: Costs) -> dict[str, float]:
+    """The seconds of a step every plan pays (module docstring): ``dense`` (forward, backward, update),
+    ``dense_sync`` (the gradients' and the loss's all-reduce, several ranks), ``tables`` (per-table overhead)
+    and ``step`` (the fixed overhead). ``batch_size``: samples per rank batch."""
+    m = int(world)
+    out = {"dense": dense.train_flops(batch_size) / costs.dense_flops_per_s,
+           "dense_sync": 0.0,
+           "tables": num_tables * costs.table_overhead_s,
+           "step": costs.step_overhead_s}
+    if m > 1:
+        out["dense_sync"] = (2 * (m - 1) / m * 4 * dense.parameters() / (costs.allreduce_gbs * 1e9)
+                             + 2 * costs.link_latency_us * 1e-6)
+    return out
+
+
+def form_label(form: TableForm, host_depth: int = 1) -> str:
+    """The candidate label of ``form`` (``sharded``, ``tt-R``, ``host-k``; a host form of depth 0 takes the
+    run's ``host_depth``); ``replicated`` is a placement, not a form, so a sharded form is labelled ``sharded``."""
+    if form.kind == "tt":
+        return f"tt-{int(form.tt_rank)}"
+    if form.kind == "host":
+        return f"host-{max(1, int(form.pipeline_depth or host_depth))}"
+    return "sharded"
+
+
+def candidate_of(s: TableStats, form: TableForm, world: int, costs: Costs, host_depth: int = 1) -> Candidate:
+    """The costed candidate of table ``s`` in ``form`` (any TT rank or host depth, hot tables too: a hand-made
+    plan may choose what the search would not). ``host_depth``: the run's pipeline depth, for host forms of
+    depth 0."""
+    label = form_label(form, host_depth)
+    if form.kind == "tt":
+        cs = candidates(replace(s, hot=False, pooling=s.pooling if s.pooling != "none" else "sum"), world, costs,
+                        tt_rank_list=[int(form.tt_rank)], forms=("tt",), keep_larger=True)
+    elif form.kind == "host":
+        cs = candidates(s, world, costs, host_depth=int(label.split("-")[1]), forms=("host",))
+    else:
+        cs = candidates(s, world, costs, forms=("sharded",))
+    for c in cs:
+        if c.label == label:
+            return c
+    raise ConfigError(f"table {s.name!r}: cannot cost form {form.to_dict()}")
+
+
+def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> float:
+    """The latency a step pays once per exchange (see :func:`embedscale.plan.auto.exchange_latency`)."""
+    if world <= 1:
+        return 0.0
+    kinds = {lb.split("-")[0] for lb in labels}
+    n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
+    return n * costs.link_latency_us * 1e-6
+
+
+def predict_step(cands: Sequence[Candidate], dense: DenseModel, batch_size: int, world: int,
+                 costs: Costs) -> dict[str, Any]:
+    """The predicted step of tables costed as ``cands`` (one per table): its seconds by part and in total."""
+    emb = float(sum(c.seconds for c in cands))
+    lat = exchange_latency_of([c.label for c in cands], world, costs)
+    parts = {"embedding": emb, "exchange_latency": lat, **fixed_terms(dense, batch_size, world, len(cands), costs)}
+    return {"step_seconds": float(sum(parts.values())), "parts": parts,
+            "device_bytes": float(sum(c.device_bytes for c in cands)),
+            "host_bytes": float(sum(c.host_bytes for c in cands)),
+            "forms": {}}
+
+
+def predict_forms(stats: Sequence[TableStats], forms: Mapping[str, TableForm], dense: DenseModel, batch_size: int,
+                  world: int, costs: Costs, host_depth: int = 1) -> dict[str, Any]:
+    """The predicted step of a plan given by its forms (every table of ``stats``; a table ``forms`` leaves out is
+    sharded), with the device and host bytes per rank, by the model the auto search optimises (sharded rows
+    spread evenly). ``host_depth``: the run's pipeline depth (host forms of depth 0)."""
+    cands = [candidate_of(s, forms.get(s.name, TableForm()), world, costs, host_depth) for s in stats]
+    out = predict_step(cands, dense, batch_size, world, costs)
+    out["forms"] = {s.name: c.label for s, c in zip(stats, cands)}
+    return out
