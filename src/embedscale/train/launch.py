@@ -10,6 +10,7 @@ them (and only then itself) on SIGINT/SIGTERM.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import io
@@ -65,7 +66,20 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"embedscale/attempt-{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
+    atexit.register(_destroy_at_exit)
     return rank, world
+
+
+def _destroy_at_exit() -> None:
+    """Destroy the group this process joined while the interpreter is still whole: gloo's worker threads hold
+    work objects with tensors, and destroying them during interpreter finalization aborts the process ("terminate
+    called without an active exception", SIGABRT: PyTorch issue 190489). Every path that returns without
+    ``leave_group`` (DMT serving, an error already reported) ends here."""
+    global _JOINED_HERE
+    if _JOINED_HERE and dist.is_initialized():
+        _JOINED_HERE = False
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def leave_group(before_destroy=None) -> None:
