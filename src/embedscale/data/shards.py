@@ -136,6 +136,31 @@ def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo], weighted: bool
     return pa.schema(cols)
 
 
+def record_batch(manifest: "Manifest", schema: pa.Schema, n: int, labels, dense, sparse: dict[str, Any],
+                 weights, writer: str, error: type = ValueError) -> pa.RecordBatch:
+    """``n`` rows in the shard layout of ``manifest`` (label, dense list, weight, one column per sparse feature):
+    what ``ShardWriter`` and ``data.stream.StreamWriter`` (``writer`` names it in the error) write."""
+    D = manifest.num_dense
+    arrays = [pa.array(np.asarray(labels, dtype=np.int8))]
+    if D:
+        flat = np.ascontiguousarray(dense, dtype=np.float32).reshape(n * D)
+        arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), D))
+    if manifest.weighted:
+        if weights is None:
+            raise error(f"a weighted {writer} needs weights")
+        arrays.append(pa.array(np.asarray(weights, dtype=np.float32)))
+    for s in manifest.sparse:
+        col = sparse[s.name]
+        if s.multi_hot:
+            values, lengths = col
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            np.cumsum(lengths, out=offsets[1:])
+            arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, np.int64))))
+        else:
+            arrays.append(pa.array(np.asarray(col, dtype=np.int64)))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
 class ShardWriter:
     """Append row blocks; writes a shard every ``shard_rows`` rows and the manifest on ``close()``.
 
@@ -167,25 +192,7 @@ class ShardWriter:
         n = len(labels)
         if n == 0:
             return
-        D = self.manifest.num_dense
-        arrays = [pa.array(np.asarray(labels, dtype=np.int8))]
-        if D:
-            dense = np.ascontiguousarray(dense, dtype=np.float32).reshape(n, D)
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(dense.reshape(-1)), D))
-        if self.manifest.weighted:
-            if weights is None:
-                raise ValueError("a weighted ShardWriter needs weights")
-            arrays.append(pa.array(np.asarray(weights, dtype=np.float32)))
-        for s in self.manifest.sparse:
-            col = sparse[s.name]
-            if s.multi_hot:
-                values, lengths = col
-                offsets = np.zeros(n + 1, dtype=np.int32)
-                np.cumsum(lengths, out=offsets[1:])
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, np.int64))))
-            else:
-                arrays.append(pa.array(np.asarray(col, dtype=np.int64)))
-        rb = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        rb = record_batch(self.manifest, self.schema, n, labels, dense, sparse, weights, "ShardWriter")
         # split across shard boundaries
         while rb.num_rows:
             room = self.shard_rows - self._pending_rows

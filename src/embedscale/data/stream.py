@@ -49,7 +49,7 @@ import pyarrow.ipc as ipc
 import torch
 
 from embedscale.data.loader import ShardLoader, _Block, _prefetched, _sel_len, _slice_sparse
-from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard
+from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
 
@@ -141,25 +141,9 @@ class StreamWriter:
                     ) -> Path:
         """One shard (columns as ``ShardWriter.write`` takes them), written under a temporary name and renamed."""
         n = len(labels)
-        D = self.manifest.num_dense
-        arrays = [pa.array(np.asarray(labels, dtype=np.int8))]
-        if D:
-            flat = np.ascontiguousarray(dense, dtype=np.float32).reshape(n * D)
-            arrays.append(pa.FixedSizeListArray.from_arrays(pa.array(flat), D))
-        if self.manifest.weighted:
-            if weights is None:
-                raise ConfigError("a weighted StreamWriter needs weights")
-            arrays.append(pa.array(np.asarray(weights, dtype=np.float32)))
-        for s in self.manifest.sparse:
-            col = sparse[s.name]
-            if s.multi_hot:
-                values, lengths = col
-                offsets = np.zeros(n + 1, dtype=np.int32)
-                np.cumsum(lengths, out=offsets[1:])
-                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, np.int64))))
-            else:
-                arrays.append(pa.array(np.asarray(col, dtype=np.int64)))
-        table = pa.Table.from_batches([pa.RecordBatch.from_arrays(arrays, schema=self.schema)])
+        rb = record_batch(self.manifest, self.schema, n, labels, dense, sparse, weights, "StreamWriter",
+                          ConfigError)
+        table = pa.Table.from_batches([rb])
         name = shard_name(self.shards)
         tmp = self.dir / f".{name}.tmp"
         try:
