@@ -39,6 +39,16 @@ class _Block:
     weights: np.ndarray | None = None  # sample weights (weighted datasets)
 
 
+def check_batching(batch_size: int, rank: int, world_size: int) -> None:
+    """A loader's batch size and rank, checked (every loader: shards and streams)."""
+    if batch_size <= 0:
+        raise InputError(f"batch_size must be positive, got {batch_size}")
+    if not (0 <= rank < world_size):
+        raise InputError(f"rank {rank} outside world size {world_size}")
+    if batch_size < world_size:
+        raise InputError(f"batch_size {batch_size} is smaller than world size {world_size}")
+
+
 class ShardLoader:
     """Iterate ``Batch``es over a shard directory.
 
@@ -72,12 +82,7 @@ class ShardLoader:
             raise InputError(f"{self.directory}: row range [{start}, {stop}) outside the dataset's {total} rows")
         if stop == start:
             raise InputError(f"{self.directory}: empty input (row range [{start}, {stop}) has no rows)")
-        if batch_size <= 0:
-            raise InputError(f"batch_size must be positive, got {batch_size}")
-        if not (0 <= rank < world_size):
-            raise InputError(f"rank {rank} outside world size {world_size}")
-        if batch_size < world_size:
-            raise InputError(f"batch_size {batch_size} is smaller than world size {world_size}")
+        check_batching(batch_size, rank, world_size)
         self.batch_size = int(batch_size)
         self.rank, self.world_size = rank, world_size
         self.start, self.stop = int(start), int(stop)

@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from embedscale.data.loader import ShardLoader, _Block, _prefetched, _sel_len, _slice_sparse
+from embedscale.data.loader import ShardLoader, check_batching, _Block, _prefetched, _sel_len, _slice_sparse
 from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
@@ -200,12 +200,7 @@ class StreamLoader(ShardLoader):
                  follow: tuple[Path, str] | None = None):
         self.directory = Path(directory)
         self.manifest = read_stream_schema(self.directory)
-        if batch_size <= 0:
-            raise InputError(f"batch_size must be positive, got {batch_size}")
-        if not (0 <= rank < world_size):
-            raise InputError(f"rank {rank} outside world size {world_size}")
-        if batch_size < world_size:
-            raise InputError(f"batch_size {batch_size} is smaller than world size {world_size}")
+        check_batching(batch_size, rank, world_size)
         if idle_s < 0 or poll_s <= 0:
             raise ConfigError(f"data.stream_idle_s must be >= 0 and data.stream_poll_s > 0, got {idle_s}, {poll_s}")
         if idle_s and world_size > 1 and follow is None:
