@@ -50,7 +50,7 @@ import torch
 
 from embedscale.data.loader import ShardLoader, check_batching, _Block, _prefetched, _sel_len, _slice_sparse
 from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
-from embedscale.errors import ConfigError, FormatError, InputError
+from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
 
 SCHEMA = "stream.json"
