@@ -372,6 +372,7 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                 n = end_run_processes(proc, sessions)
                 removed = remove_orphan_temps(run_dir) if run_dir is not None else []
                 where = f"; {run_dir} keeps its last complete checkpoint" if run_dir is not None else ""
+                relay.join(timeout=5)  # the ranks' last words ("rank 0: stopped by ...") come before the launcher's
                 raise Stopped(received[0], f"ended the run's {n} process(es){where}"
                               + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
             run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
