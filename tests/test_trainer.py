@@ -243,3 +243,37 @@ def test_dropout_masks_the_global_batch_whatever_the_ranks():
     with pytest.raises(ConfigError, match="train.dropout"):
         set_dropout(arch, 1.0)
     assert set_dropout(torch.nn.Sequential(arch), 0.1) == 1 and arch.dropout == 0.1
+
+
+@pytest.mark.parametrize("p", [0.5, 0.1, 0.3])
+def test_dropout_rate_scale_and_gradient_against_the_definition(p):
+    """Inverted dropout (Srivastava et al. 2014): an element is dropped with probability p (the mask's resolution is
+    2^-8 or 2^-16), kept ones are scaled by 1 / P(keep); the fused ReLU + mask node's output and input gradient
+    equal ``relu(h) * mask / keep`` computed by autograd in float64."""
+    from embedscale.models.dlrm import OverArch, dropout_mask, quantized_keep
+
+    keep = 1.0 - p
+    assert abs(quantized_keep(keep) - keep) <= 2 ** -17
+    torch.manual_seed(3)
+    m = dropout_mask(4096, 0, 4096, 64, keep, "cpu")
+    assert abs(m.float().mean().item() - quantized_keep(keep)) < 4 * (keep * p / m.numel()) ** 0.5 + 1e-3
+    torch.manual_seed(3)
+    mf = dropout_mask(4096, 0, 4096, 64, keep, "cpu", torch.float32)
+    assert torch.equal(mf, m.float())
+
+    torch.manual_seed(0)
+    arch = OverArch(5, [7], dropout=p).train()
+    x = torch.randn(300, 5)
+    torch.manual_seed(9)
+    out = arch(x)
+    out.sum().backward()
+    got_w = arch.model[0].weight.grad.clone()
+    torch.manual_seed(9)
+    mask = dropout_mask(300, 0, 300, 7, keep, "cpu").double()
+    lin0, lin1 = arch.model[0], arch.model[2]
+    w0, b0 = lin0.weight.detach().double().requires_grad_(), lin0.bias.detach().double()
+    h = torch.relu(x.double() @ w0.t() + b0) * mask / quantized_keep(keep)
+    ref = h @ lin1.weight.detach().double().t() + lin1.bias.detach().double()
+    ref.sum().backward()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_w.double(), w0.grad, rtol=1e-4, atol=1e-5)
