@@ -101,7 +101,11 @@ class RankFailed(RuntimeError):
     """A rank of a local multi-process run raised; the message names the rank and its traceback."""
 
 
-def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
+            env: dict | None = None) -> None:
+    if env is not None:  # the caller's environment at the call (a forkserver child starts with the server's)
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     # this launch's id (the same on its ranks, new for every launch): a run's ready/failed markers name their
@@ -124,17 +128,34 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
                 pass
 
 
+# What a forkserver imports once, before it forks the ranks of every spawn_local call: a spawned rank imports torch
+# and embedscale anew (about 2 s of CPU each); a forked one has them already. The server never runs an op, so no
+# OpenMP pool or CUDA context is forked.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "embedscale.workflow"]
+
+
+def _rank_context():
+    """A ``forkserver`` context preloading :data:`FORKSERVER_PRELOAD` (``spawn`` where the platform lacks it)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo processes; return per-rank results.
 
-    ``fn`` must be importable (module level). Results travel by value through a queue as ``torch.save``
+    ``fn`` must be importable (module level). The ranks are forked by a forkserver that has imported torch and
+    embedscale once (:data:`FORKSERVER_PRELOAD`) and see this process's environment as it is at the call. Results travel by value through a queue as ``torch.save``
     bytes read back with ``weights_only=True``: tensors, numbers, strings, lists, tuples and dicts.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s), daemon=False)
-             for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, timeout_s, env),
+                         daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
