@@ -298,6 +298,19 @@ class AddressMap:
         """Global id of every row of rank ``rank``'s flat storage (owned, then replicas)."""
         return np.concatenate([self.owned_gids(rank), self.replica_gids_on(rank)])
 
+    def holders_of(self, gids) -> np.ndarray:
+        """bool ``[len(gids), W]``: the ranks whose storage holds each global id (its owner; a replicated
+        row's holders, the owner among them). A row is in rank ``q``'s ``storage_gids(q)`` iff
+        ``holders_of(row)[q]``."""
+        gids = np.asarray(gids, dtype=np.int64)
+        out = np.zeros((gids.size, self.world_size), dtype=bool)
+        out[np.arange(gids.size), self.owner_of(gids)] = True
+        slot = self.slot_of(gids)
+        rep = np.flatnonzero(slot >= 0)
+        if rep.size:
+            out[rep] = self.replica_local[slot[rep]] >= 0
+        return out
+
     def fetch(self, rank: int, gids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each global id: (rank it is read from, offset in that rank's storage, replica slot or -1)."""
         gids = np.asarray(gids, dtype=np.int64)
