@@ -247,3 +247,85 @@ class _NoTransport:
 
     def exchange(self, *a, **k):  # pragma: no cover - never called
         raise AssertionError("no exchange expected")
+
+
+# -- the drift monitor in an N-rank run (train.replan_every) ----------------------------------------------------
+
+DRIFT_B, DRIFT_STEPS, EVERY = 64, 7, 4
+
+
+def drift_data(path):
+    """A dataset of a DriftingStream's batches in step order (row ids = the stream's id indices; the hot set
+    of 8 rows per table rotates every 4 steps), its last fifth the eval split."""
+    from embedscale.data.drift_stream import DriftConfig, DriftingStream
+    from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+
+    cfg = DriftConfig(tables=("C1", "C2", "C3"), initial_ids=200, new_ids_per_step=0, hot_ids=8, hot_share=0.9,
+                      rotate_every=EVERY, batch_size=DRIFT_B, num_dense=3)
+    s = DriftingStream(cfg, seed=5)
+    steps = 10  # 8 training steps' rows, then 2 of eval
+    with ShardWriter(path, ["I1", "I2", "I3"], [SparseFeatureInfo(t, 200) for t in cfg.tables],
+                     shard_rows=2 * DRIFT_B) as w:
+        for step in range(steps):
+            cols = s.batch(step)
+            w.write(cols.labels, cols.dense, s.batch_indices(step))
+
+
+def drift_config(tmp, data_dir, **train):
+    from embedscale.specs import RunConfig, from_dict
+
+    return from_dict(RunConfig, {
+        "name": "drift", "out_dir": str(tmp / "runs"),
+        "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8]},
+        "train": {"batch_size": DRIFT_B, "max_steps": DRIFT_STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
+                  "eval_every": 0, "checkpoint_every": EVERY, "sparse_optimizer": "rowwise_adagrad",
+                  "dense_optimizer": "adagrad", "prefetch": 0, **train},
+        "dist": {"plan": "oper", "timeout_s": 300}})
+
+
+def _drift_rank(rank, world, cfg_dict, run_dir, resume_from):
+    from embedscale.specs import RunConfig, from_dict
+    from embedscale.train.ranks import train_distributed
+
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False, resume_from=resume_from)
+    return True
+
+
+def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
+    """On a drifting stream a 2-rank run with train.replan_every re-plans at step 4 (replans.csv, summary) and
+    its losses, rows and dense state equal those of the run restarted from its step-4 checkpoint under the
+    new plan."""
+    import json
+
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import load_checkpoint, step_dir
+    from embedscale.train.replan import read_replans
+
+    data = tmp_path / "data"
+    drift_data(data)
+    live = tmp_path / "live"
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0)
+    spawn_local(_drift_rank, W, to_dict(cfg), str(live), None, timeout_s=600)
+    rows = read_replans(live)
+    assert [int(r["step"]) for r in rows] == [EVERY], rows
+    rec = rows[0]
+    assert int(rec["rows_moved"]) > 0 and int(rec["bytes"]) > 0 and float(rec["gain"]) > 0
+    assert float(rec["balance_after"]) <= float(rec["balance_before"])
+    summary = json.loads((live / "summary.json").read_text())
+    assert summary["replan_checks"] == 1 and [r["step"] for r in summary["replans"]] == [EVERY]
+    new_plan = live / "replans" / f"step-{EVERY}"
+    assert (new_plan / "plan.json").exists()
+    # the reference: restarted from the step-4 checkpoint under the new plan, no monitor
+    ref = tmp_path / "restart"
+    rcfg = drift_config(tmp_path, data, replan_every=0)
+    rcfg.dist.plan = str(new_plan)
+    spawn_local(_drift_rank, W, to_dict(rcfg), str(ref), str(step_dir(live, EVERY)), timeout_s=600)
+    a, b = load_checkpoint(live), load_checkpoint(ref)
+    assert a["step"] == b["step"] == DRIFT_STEPS
+    assert a["losses"] == b["losses"]
+    for name in a["tables"]:
+        assert torch.equal(a["tables"][name]["weight"], b["tables"][name]["weight"]), name
+        assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
+    for k in a["dense"]:
+        assert torch.equal(a["dense"][k], b["dense"][k]), k
