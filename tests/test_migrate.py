@@ -329,3 +329,29 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
         assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
     for k in a["dense"]:
         assert torch.equal(a["dense"][k], b["dense"][k]), k
+
+
+def test_drift_and_plan_returns_the_fresh_plan_and_balances():
+    """``plan.drift.drift_and_plan``: the fresh plan whose cost the report gives, each plan's max / mean
+    per-rank cost on the new profile (against ``plan.cost.evaluate``), and the re-plan rule at the threshold."""
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.cost import evaluate
+    from embedscale.plan.drift import drift, drift_and_plan
+    from embedscale.specs import Topology
+
+    ts = [TableSpec("a", 300, 4, features=["a"]), TableSpec("b", 200, 4, features=["b"])]
+    rng = np.random.default_rng(0)
+    old = AccessProfile({"a": rng.zipf(1.3, 300).astype(float), "b": rng.zipf(1.3, 200).astype(float)}, 1000)
+    new = AccessProfile({"a": old.tables["a"][::-1].copy(), "b": np.roll(old.tables["b"], 77)}, 1000)
+    topo = Topology(ranks_per_host=4)
+    plan = make_plan("oper", ts, old, topo, batch_size=64)
+    rep, fresh = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.0)
+    assert rep == {**drift(plan, new, topo, batch_size=64, min_gain=0.0), "replan_seconds": rep["replan_seconds"]}
+    for key, p in (("after", plan), ("replanned", fresh)):
+        tot = evaluate(p, new, topo, mode="training", batch_size=64).total_per_rank
+        assert rep[key]["balance"] == pytest.approx(tot.max() / tot.mean(), rel=1e-12), key
+    assert rep["replan"] == (rep["replan_gain"] > 0.0 or rep["after"]["dob_lookup"] < 0.9
+                             or rep["after"]["dob_comm"] < 0.9)
+    high, _ = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.999, dob_floor=0.0)
+    assert high["replan"] is False and "keep the plan" in high["reason"]

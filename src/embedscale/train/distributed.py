@@ -155,6 +155,10 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str =
         data = assemble.prepare_data(cfg, progress=progress)
         tables = assemble.tables_for(cfg, data.manifest)
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
+            if cfg.train.replan_every:
+                raise ConfigError(f"train.replan_every {cfg.train.replan_every}: live re-planning moves the rows of "
+                                  f"a plan; model.arch {cfg.model.arch!r} places its tables by towers: set "
+                                  "train.replan_every 0")
             prepare_towers(cfg, tables, run_dir)
         else:
             ensure_run_plan(cfg, data, tables, run_dir, progress)
