@@ -233,6 +233,16 @@ def test_bytes_against_hand_count():
     assert row_bytes(emb_sgd) == 16
 
 
+def test_holders_of_is_storage_membership():
+    """``AddressMap.holders_of`` (owners, replicas on every rank, a replica held by its owner alone) against
+    each rank's ``storage_gids``, row by row."""
+    for amap in maps():
+        h = amap.holders_of(np.arange(amap.num_rows))
+        for q in range(W):
+            held = set(amap.storage_gids(q).tolist())
+            assert h[:, q].tolist() == [g in held for g in range(amap.num_rows)]
+
+
 def test_routes_refuse_other_tables_and_world():
     ts = [TableSpec("t", 8, 4, features=["f"])]
     p1 = AddressMap.build(ts, 2, [np.zeros(8, np.int64)])

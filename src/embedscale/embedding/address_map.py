@@ -303,12 +303,13 @@ class AddressMap:
         row's holders, the owner among them). A row is in rank ``q``'s ``storage_gids(q)`` iff
         ``holders_of(row)[q]``."""
         gids = np.asarray(gids, dtype=np.int64)
+        rep, src, _ = self._unpack(self.row_code[gids])
         out = np.zeros((gids.size, self.world_size), dtype=bool)
-        out[np.arange(gids.size), self.owner_of(gids)] = True
-        slot = self.slot_of(gids)
-        rep = np.flatnonzero(slot >= 0)
-        if rep.size:
-            out[rep] = self.replica_local[slot[rep]] >= 0
+        plain = np.flatnonzero(~rep)
+        out[plain, src[plain]] = True
+        r = np.flatnonzero(rep)
+        if r.size:  # a replicated row: its holders (the owner among them), by its slot
+            out[r] = self.replica_local[self.slot_of(gids[r])] >= 0
         return out
 
     def fetch(self, rank: int, gids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
