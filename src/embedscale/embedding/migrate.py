@@ -135,7 +135,7 @@ def migration_routes(old: AddressMap, new: AddressMap, rank: int) -> MigrationRo
     if not 0 <= rank < W:
         raise ConfigError(f"migration: rank {rank} outside world size {W}")
     # receiving side: what the new storage needs that the old one lacks, from each row's P1 owner
-    need = np.sort(new.storage_gids(rank))
+    need = np.sort(new.storage_gids(rank), kind="stable")  # two sorted runs (owned rows, replicas): a merge
     have, have_rows = _storage_index(old, rank)
     pos = np.clip(np.searchsorted(have, need), 0, max(have.size - 1, 0))
     kept = have[pos] == need if have.size else np.zeros(need.size, bool)
