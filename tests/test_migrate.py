@@ -305,7 +305,7 @@ def _drift_rank(rank, world, cfg_dict, run_dir, resume_from):
 def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     """On a drifting stream a 2-rank run with train.replan_every re-plans at step 4 (replans.csv, summary) and
     its losses, rows and dense state equal those of the run restarted from its step-4 checkpoint under the
-    new plan."""
+    new plan; its last checkpoint, a delta on the step-4 one, holds the same state as the restart's full one."""
     import json
 
     from embedscale.specs import to_dict
@@ -315,8 +315,10 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     data = tmp_path / "data"
     drift_data(data)
     live = tmp_path / "live"
-    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0)
+    # full checkpoint at step 4 (before the re-plan), a delta at step 7: the rows tracked across the migration
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, checkpoint_full_every=2 * EVERY)
     spawn_local(_drift_rank, W, to_dict(cfg), str(live), None, timeout_s=600)
+    assert read_manifest(step_dir(live, DRIFT_STEPS))["delta"]["base_step"] == EVERY
     rows = read_replans(live)
     assert [int(r["step"]) for r in rows] == [EVERY], rows
     rec = rows[0]
