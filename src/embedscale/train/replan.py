@@ -39,7 +39,7 @@ from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.build import build_sharded
 from embedscale.embedding.migrate import migrate
-from embedscale.errors import ConfigError
+from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_text
 from embedscale.plan.drift import drift_and_plan
 from embedscale.plan.plan import Plan
@@ -82,15 +82,21 @@ class DriftMonitor:
         self.checks += 1
         t0 = time.perf_counter()
         total = self.profile.all_reduce()  # every rank's slices: the global batches' rows
-        flag = torch.zeros(1, dtype=torch.int64)
-        report = None
+        flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
+        report, failure = None, None
         if run.rank == 0:
-            report, fresh = self._check(run, total)
-            if report["replan"]:
-                fresh.save(run.run_dir / "replans" / f"step-{step}")
-                fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
-                flag[0] = 1
+            try:
+                report, fresh = self._check(run, total)
+                if report["replan"]:
+                    fresh.save(run.run_dir / "replans" / f"step-{step}")
+                    fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
+                    flag[0] = 1
+            except EmbedscaleError as e:  # every rank stops with it, none waits for a verdict
+                failure, flag[0] = e, -1
         dist.broadcast(flag, 0, group=run.monitor_group)
+        if int(flag[0]) < 0:
+            raise failure or EmbedscaleError(f"rank {run.rank}: rank 0's re-plan check at step {step} failed "
+                                             "(its error says why)")
         if not int(flag[0]):
             return None
         new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
