@@ -252,6 +252,25 @@ def test_routes_refuse_other_tables_and_world():
         migration_routes(p1, AddressMap.build([TableSpec("t", 9, 4, features=["f"])], 2, [np.zeros(9, np.int64)]), 0)
 
 
+def test_migrate_refuses_modules_that_differ():
+    """Another optimizer, another world size, or a prefetched batch pending: a named error, nothing moved."""
+    from embedscale.embedding.migrate import check_compatible
+    from embedscale.errors import EmbedscaleError
+
+    ts = [TableSpec("t", 8, 4, features=["f"])]
+    p1 = AddressMap.build(ts, 2, [np.array([0, 0, 0, 0, 1, 1, 1, 1])])
+    p2 = AddressMap.build(ts, 2, [np.array([0, 1, 0, 1, 0, 1, 0, 1])])
+    old = ShardedEmbedding(ts, p1, _NoTransport(), 0, optimizer="rowwise_adagrad")
+    with pytest.raises(ConfigError, match="optimizer"):
+        migrate(old, ShardedEmbedding(ts, p2, _NoTransport(), 0, optimizer="sgd"))
+    with pytest.raises(ConfigError, match="4 ranks"):
+        migrate(old, ShardedEmbedding(ts, AddressMap.build(ts, 4, [np.zeros(8, np.int64)]), _NoTransport(), 0,
+                                      optimizer="rowwise_adagrad"))
+    old.prefetch(JaggedFeatures(["f"], torch.tensor([1, 2]), torch.tensor([1, 1])), background=False)
+    with pytest.raises(EmbedscaleError, match="prefetched"):
+        check_compatible(old, ShardedEmbedding(ts, p2, _NoTransport(), 0, optimizer="rowwise_adagrad"))
+
+
 class _NoTransport:
     """A transport stand-in for modules that never look anything up."""
 
