@@ -281,6 +281,11 @@ class TrainConfig:
     # > 0: a full checkpoint every this many steps, deltas (rows updated since the last full one) in between;
     # 0 = every checkpoint full (train.checkpoint)
     checkpoint_full_every: int = 0
+    # live re-planning (N ranks, train.replan): every this many steps the ranks' rolling access profile is summed,
+    # the running plan and a fresh one are costed (plan.drift) and, when the fresh plan's predicted bottleneck is
+    # lower by more than replan_min_gain, the rows migrate to it between two steps; 0 = off
+    replan_every: int = 0
+    replan_min_gain: float = 0.05
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3
@@ -499,7 +504,8 @@ NUMBERS.update({
     TrainConfig: {"lr_dense": (0.0, True, None), "lr_sparse": (0.0, True, None), "lr_tt": (0.0, True, None),
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
-                  "progressive_window": (0.0, True, None)},
+                  "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
+                  "replan_min_gain": (0.0, True, None)},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},

@@ -21,8 +21,8 @@ one flat tensor through a given process group, when the drift monitor asks (not 
 :meth:`RollingProfile.to_access_profile` gives an :class:`embedscale.data.profile.AccessProfile` of
 float64 expected counts, the format ``plan/`` plans from.
 
-Not yet used by ``train``: the run loop does not feed it yet (a later session wires it with the drift
-monitor of issue 17 part 4).
+Used by the drift monitor of an N-rank run (``train.replan``, ``train.replan_every``): each rank updates
+its own per batch, and the monitor sums them every ``replan_every`` steps.
 """
 
 from __future__ import annotations

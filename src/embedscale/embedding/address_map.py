@@ -298,6 +298,20 @@ class AddressMap:
         """Global id of every row of rank ``rank``'s flat storage (owned, then replicas)."""
         return np.concatenate([self.owned_gids(rank), self.replica_gids_on(rank)])
 
+    def holders_of(self, gids) -> np.ndarray:
+        """bool ``[len(gids), W]``: the ranks whose storage holds each global id (its owner; a replicated
+        row's holders, the owner among them). A row is in rank ``q``'s ``storage_gids(q)`` iff
+        ``holders_of(row)[q]``."""
+        gids = np.asarray(gids, dtype=np.int64)
+        rep, src, _ = self._unpack(self.row_code[gids])
+        out = np.zeros((gids.size, self.world_size), dtype=bool)
+        plain = np.flatnonzero(~rep)
+        out[plain, src[plain]] = True
+        r = np.flatnonzero(rep)
+        if r.size:  # a replicated row: its holders (the owner among them), by its slot
+            out[r] = self.replica_local[self.slot_of(gids[r])] >= 0
+        return out
+
     def fetch(self, rank: int, gids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For each global id: (rank it is read from, offset in that rank's storage, replica slot or -1)."""
         gids = np.asarray(gids, dtype=np.int64)

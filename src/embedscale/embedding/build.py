@@ -151,13 +151,7 @@ def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
     if env.transport is None or env.address_map is None:
         raise ConfigError("build_embedding: several ranks need env.transport and env.address_map")
     opt = None if env.inference else env.optimizer
-    cls, extra = ShardedEmbedding, {}
-    if env.pgas:
-        cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
-    module: nn.Module = cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
-                            optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra, validate=env.validate,
-                            sync_group=env.sync_group, seed=env.seed, device=env.device,
-                            init_index=[tables.index(tb) for tb in sharded_tables])
+    module: nn.Module = build_sharded(tables, sharded_tables, env)
     init = hash_init(env.seed, tables)
     if has_tt:  # TT replicas beside the sharded tables, their core gradients summed over the ranks (EL-Rec VI-B)
         sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
@@ -172,6 +166,20 @@ def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
                                      timeout_s=env.timeout_s, validate=env.validate)
         module = PipelinedEmbedding(tables, server, [module], device=env.device, process_group=_group(env))
     return module
+
+
+def build_sharded(tables: list[TableSpec], sharded_tables: list[TableSpec], env: EmbeddingEnv) -> ShardedEmbedding:
+    """The sharded rows of ``sharded_tables`` (a subset of ``tables``, whose indices seed their rows) placed by
+    ``env.address_map``: a ``ShardedEmbedding``, or a ``PgasShardedEmbedding`` with ``env.pgas``. The part of
+    ``build_embedding`` a live re-plan rebuilds for the new plan's map (``embedding.migrate``)."""
+    opt = None if env.inference else env.optimizer
+    cls, extra = ShardedEmbedding, {}
+    if env.pgas:
+        cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
+    return cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
+               optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra, validate=env.validate,
+               sync_group=env.sync_group, seed=env.seed, device=env.device,
+               init_index=[tables.index(tb) for tb in sharded_tables])
 
 
 def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *,

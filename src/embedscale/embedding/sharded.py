@@ -543,10 +543,12 @@ class ShardedEmbedding(nn.Module):
     def load_rows(self, gids: np.ndarray, weight: torch.Tensor, momentum: torch.Tensor | None = None) -> int:
         """Fill every storage row (owned or replica) whose global id is in ``gids``; returns rows filled."""
         mine = self.amap.storage_gids(self.rank)
-        order = np.argsort(gids)
-        pos = np.searchsorted(gids, mine, sorter=order)
+        gids = np.asarray(gids)
+        order = np.argsort(gids, kind="stable")  # runs of sorted ids (a shard's, a table's) merge in O(n)
+        sorted_gids = gids[order]
+        pos = np.searchsorted(sorted_gids, mine)
         pos = np.clip(pos, 0, max(len(gids) - 1, 0))
-        hit = (gids[order[pos]] == mine) if len(gids) else np.zeros(len(mine), bool)
+        hit = (sorted_gids[pos] == mine) if len(gids) else np.zeros(len(mine), bool)
         dst = torch.from_numpy(np.flatnonzero(hit))
         src = torch.from_numpy(order[pos[hit]])
         self.weight[dst] = weight[src].to(self.weight)

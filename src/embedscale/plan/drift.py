@@ -64,10 +64,19 @@ def _holder_counts(plan: Plan, t: int) -> np.ndarray:
     return out
 
 
-def drift(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | None = None,
-          batch_size: int | None = None, strategy: str | None = None, min_gain: float = 0.05,
-          dob_floor: float = 0.9, replan: bool = True, **opts) -> dict[str, Any]:
-    """Evaluate ``plan`` on ``new_profile`` and decide whether to re-plan (OPER section 8).
+def drift(plan: Plan, new_profile, topology, **kw) -> dict[str, Any]:
+    """Evaluate ``plan`` on ``new_profile`` and decide whether to re-plan (OPER section 8): the report of
+    :func:`drift_and_plan` (its arguments)."""
+    return drift_and_plan(plan, new_profile, topology, **kw)[0]
+
+
+def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | None = None,
+                   batch_size: int | None = None, strategy: str | None = None, min_gain: float = 0.05,
+                   dob_floor: float = 0.9, replan: bool = True, **opts) -> tuple[dict[str, Any], Plan | None]:
+    """Evaluate ``plan`` on ``new_profile`` and decide whether to re-plan (OPER section 8): ``(report, fresh
+    plan)`` (``None`` without ``replan``). The live re-plan of a run (``train.replan``) migrates to the fresh
+    plan when ``report["replan"]``; ``report["after"]["balance"]`` / ``["replanned"]["balance"]`` are the
+    running and the fresh plan's max / mean per-rank cost on the new profile.
 
     Args:
         plan: the plan in use.
@@ -128,14 +137,18 @@ def drift(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | No
             else f"re-planning gains only {gain:.1%} (< {min_gain:.0%}); keep the plan"
         )
     else:
+        fresh = None
         out["replan"] = bool(degraded)
         out["reason"] = f"balance fell below {dob_floor}" if degraded else "balance holds"
-    return out
+    return out, fresh
 
 
 def _figures(c) -> dict[str, float]:
+    total = c.total_per_rank
+    mean = float(total.mean()) if total.size else 0.0
     return {"dob_memory": c.dob_memory, "dob_lookup": c.dob_lookup, "dob_comm": c.dob_comm,
-            "comm_mean": c.comm_mean, "max_rank_cost": c.max_rank_cost}
+            "comm_mean": c.comm_mean, "max_rank_cost": c.max_rank_cost,
+            "balance": c.max_rank_cost / mean if mean > 0 else 1.0}
 
 
 def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:

@@ -66,6 +66,7 @@ from embedscale.train.run import (RunState, dense_state, load_dense_state, load_
 from embedscale.train.trainer import load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
+from embedscale.train.replan import DriftMonitor
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data.profile import AccessProfile
@@ -154,6 +155,10 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str =
         data = assemble.prepare_data(cfg, progress=progress)
         tables = assemble.tables_for(cfg, data.manifest)
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
+            if cfg.train.replan_every:
+                raise ConfigError(f"train.replan_every {cfg.train.replan_every}: live re-planning moves the rows of "
+                                  f"a plan; model.arch {cfg.model.arch!r} places its tables by towers: set "
+                                  "train.replan_every 0")
             prepare_towers(cfg, tables, run_dir)
         else:
             ensure_run_plan(cfg, data, tables, run_dir, progress)
@@ -343,14 +348,15 @@ class DistributedRun:
         self.tt_stats: dict[str, int] = {}
         if not inference:
             assemble.say_embedding_memory(self.all_tables, self.forms, rank)
-        built = build_embedding(self.all_tables, self.plan, EmbeddingEnv(
+        self.embedding_env = EmbeddingEnv(
             device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
             tt_lr=assemble.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
             grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
             pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
             new_group=self._new_group,
             new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
-            stats=self.tt_stats), forms=self.forms)
+            stats=self.tt_stats)
+        built = build_embedding(self.all_tables, self.plan, self.embedding_env, forms=self.forms)
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
@@ -358,6 +364,7 @@ class DistributedRun:
         set_dropout(self.model, t.dropout)
         self.opt = assemble.make_dense_optimizer(t, self.model.dense_parameters())
         self._names = param_names(self.model, self.opt)
+        self.monitor = None  # train.replan_every: the drift monitor (train.replan), made with the loaders
         if inference:
             return
         emb = self.host_embedding or device_module  # rank-local rows and TT replicas (own sync): never DDP's
@@ -375,6 +382,18 @@ class DistributedRun:
             self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
+        if t.replan_every:
+            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
+
+    def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
+        """Look up through ``new`` (the sharded module a live re-plan migrated the rows into, ``train.replan``)
+        wherever the model held the old one, and run under ``plan`` from now on."""
+        old = self.embedding
+        for parent in self.model.modules():
+            for name, child in list(parent.named_children()):
+                if child is old:
+                    setattr(parent, name, new)
+        self.embedding, self.plan = new, plan
 
     def _new_group(self):
         """A process group of every rank (the TT core gradients', the host rows' exchange)."""
@@ -451,11 +470,16 @@ class DistributedRun:
         return out
 
     def executor_figures(self) -> dict:
-        """The plan's figures (``plan_figures``, rank 0)."""
-        return plan_figures(self) if self.rank == 0 else {}
+        """The plan's figures (``plan_figures``, rank 0) and the drift monitor's re-plans (``train.replan``)."""
+        if self.rank != 0:
+            return {}
+        return {**plan_figures(self), **(self.monitor.figures() if self.monitor is not None else {})}
 
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
+        if self.monitor is not None:  # between two steps: maybe re-plan and migrate (train.replan)
+            self.monitor.maybe_replan(self)
+            self.monitor.observe(batch.sparse, batch.batch_size)
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)

@@ -1,0 +1,163 @@
+"""The drift monitor of an N-rank run: live re-planning and row migration between two steps (issue 17 part 4).
+
+OPER plans once from a profile of the whole dataset (section 3) and names re-planning under input drift as
+future work (section 8). With ``train.replan_every`` N > 0 a ``DistributedRun`` keeps a
+:class:`~embedscale.data.rolling_profile.RollingProfile` of the rows its batches read (each rank its own
+slice, decayed with a half-life of N steps) and, before the step that follows every N-th, checks its plan:
+
+1. the ranks' profiles are summed (one ``all_reduce``); rank 0 costs the running plan and a fresh plan (the
+   run's strategy, ``oper`` for hand-made or ``auto`` plans) on the summed profile with the section 3.2
+   model (``plan.drift.drift_and_plan``), for the run's topology and per-rank batch;
+2. when the fresh plan's predicted bottleneck (``max_rank_cost``) is lower by more than
+   ``train.replan_min_gain`` (default 5%), or a degree of balance fell below 0.9, every rank loads the
+   fresh plan (rank 0 saves it: ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues
+   under it), builds the sharded module for its address map (``embedding.build.build_sharded``) and moves
+   the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all); the
+   model then looks up through the new module;
+3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
+   bytes moved summed over the ranks, the slowest rank's seconds, the predicted gain and the max / mean
+   per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
+
+A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
+plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
+plan (tests/test_migrate.py). The rolling profile is not checkpointed: after a resume it starts empty.
+Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
+Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from embedscale.data.rolling_profile import RollingProfile
+from embedscale.embedding.address_map import address_map_from_plan
+from embedscale.embedding.build import build_sharded
+from embedscale.embedding.migrate import migrate
+from embedscale.errors import ConfigError, EmbedscaleError
+from embedscale.io import atomic_write_text
+from embedscale.plan.drift import drift_and_plan
+from embedscale.plan.plan import Plan
+from embedscale.specs import Topology
+
+REPLANS_CSV = "replans.csv"
+COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "replicas_added", "replicas_dropped",
+           "balance_before", "balance_after", "strategy"]
+
+
+class DriftMonitor:
+    """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
+
+    def __init__(self, run, every: int, min_gain: float):
+        if run.host_embedding is not None:
+            raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
+                              "supported yet; set train.replan_every 0")
+        self.every, self.min_gain = int(every), float(min_gain)
+        self.decay = 0.5 ** (1.0 / self.every)  # an access weighs half after one monitoring period
+        self.profile = RollingProfile({t.name: t.num_rows for t in run.tables}, decay=self.decay, device=run.device)
+        self._features = {t.name: list(t.features) for t in run.tables}
+        self.records: list[dict] = []
+        self.checks = 0
+        self._checked_at = -1
+
+    @torch.no_grad()
+    def observe(self, sparse, samples: int) -> None:
+        """Count the rows this rank's slice of a batch reads (one decay step)."""
+        parts = sparse.to_dict()
+        rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
+        self.profile.update(rows, steps=1, samples=samples)
+
+    def maybe_replan(self, run) -> dict | None:
+        """Every ``replan_every`` steps (collective: every rank calls it before each step): check, and migrate
+        when the fresh plan gains enough. Returns the re-plan's record, else ``None``."""
+        step = run.state.step
+        if step == 0 or step % self.every or step == self._checked_at or self.profile.steps == 0:
+            return None
+        self._checked_at = step
+        self.checks += 1
+        t0 = time.perf_counter()
+        total = self.profile.all_reduce()  # every rank's slices: the global batches' rows
+        flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
+        report, failure = None, None
+        if run.rank == 0:
+            try:
+                report, fresh = self._check(run, total)
+                if report["replan"]:
+                    fresh.save(run.run_dir / "replans" / f"step-{step}")
+                    fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
+                    flag[0] = 1
+            except EmbedscaleError as e:  # every rank stops with it, none waits for a verdict
+                failure, flag[0] = e, -1
+        dist.broadcast(flag, 0, group=run.monitor_group)
+        if int(flag[0]) < 0:
+            raise failure or EmbedscaleError(f"rank {run.rank}: rank 0's re-plan check at step {step} failed "
+                                             "(its error says why)")
+        if not int(flag[0]):
+            return None
+        new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
+        amap = address_map_from_plan(new_plan, run.tables)
+        new = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
+        mig = migrate(run.embedding, new)
+        run.swap_sharded(new, new_plan)
+        figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped],
+                            dtype=torch.float64)
+        dist.all_reduce(figs, group=run.monitor_group)
+        secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=run.monitor_group)
+        if run.rank != 0:
+            return None
+        rec = {"step": step, "reason": report["reason"], "gain": round(float(report["replan_gain"]), 6),
+               "rows_moved": int(figs[0]), "bytes": int(figs[1]), "seconds": round(float(secs[0]), 6),
+               "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
+               "balance_before": round(float(report["after"]["balance"]), 6),
+               "balance_after": round(float(report["replanned"]["balance"]), 6),
+               "strategy": report["replan_strategy"]}
+        self.records.append(rec)
+        write_replans(run.run_dir, rec)
+        return rec
+
+    def _check(self, run, total: RollingProfile):
+        """Rank 0: the running plan and a fresh one costed on the summed profile (``plan.drift``)."""
+        d, world = run.cfg.dist, run.world
+        prof = total.to_access_profile()
+        topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
+        plan = run.plan
+        report, fresh = drift_and_plan(plan, prof, topo, old_profile=None if plan.part_counts is not None else prof,
+                                       mode=d.mode, batch_size=max(1, run.cfg.train.batch_size // world),
+                                       min_gain=self.min_gain, extra_memory=d.extra_memory)
+        if fresh is not None:  # the same forms as the running plan (TT, host tables beside the placed ones)
+            for key in ("forms", "replicated_tables", "topology"):
+                if key in plan.meta:
+                    fresh.meta[key] = plan.meta[key]
+            fresh.meta["replanned_at_step"] = run.state.step
+        return report, fresh
+
+    def figures(self) -> dict:
+        return {"replan_every": self.every, "replan_checks": self.checks, "replans": list(self.records)}
+
+
+def read_replans(run_dir) -> list[dict]:
+    """The rows of ``<run dir>/replans.csv`` (empty without one)."""
+    path = run_dir / REPLANS_CSV
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_replans(run_dir, rec: dict) -> None:
+    """Add ``rec`` to ``replans.csv`` (rewritten atomically; rows of earlier attempts at or after its step go:
+    a resumed run re-plans them again)."""
+    rows = [r for r in read_replans(run_dir) if int(r["step"]) < rec["step"]] + [rec]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: r.get(k, "") for k in COLUMNS})
+    atomic_write_text(run_dir / REPLANS_CSV, buf.getvalue())
+

@@ -1,0 +1,388 @@
+"""Live row migration between two plans (issue 17 part 4; ``embedding.migrate``).
+
+The reference for "the module after migrating to P2" is the existing re-shard path: train k steps under P1,
+write a checkpoint (every rank's ``shard_state`` in the one checkpoint format), build the P2 module and load
+the checkpoint's rows into it (``DistributedRun.restore``'s way: ``read_shards``, ``table_pieces``,
+``load_rows``), train m more steps. Migrating instead must give the same bits: every step's pooled outputs and
+losses, every row and the row-wise optimizer state, on 2 gloo ranks, for both transports (collective
+all-to-all and the PGAS heap), both designs, with replicas that appear and disappear and owners that change.
+The bytes a migration sends are checked against a brute-force count over the rows and a hand count.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from embedscale.comm.collective import CollectiveTransport
+from embedscale.comm.pgas import PgasTransport, heap_segments
+from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.address_map import AddressMap
+from embedscale.embedding.migrate import migrate, migration_routes, row_bytes
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.embedding.sharded import ShardedEmbedding
+from embedscale.errors import ConfigError
+from embedscale.specs import TableSpec
+from embedscale.train.checkpoint import read_manifest, read_shards, table_pieces, write_manifest, write_rank_file
+from embedscale.train.launch import spawn_local
+from embedscale.train.run import table_entry
+
+DIM, B, K, M, LR, EPS, W = 4, 20, 3, 3, 0.3, 1e-8, 2
+KEYS, ROWS = ["f0", "f1", "f2", "f3"], [40, 7, 7, 90]
+
+
+def tables():
+    return [TableSpec("t0", 40, DIM, features=["f0"]), TableSpec("t1", 7, DIM, features=["f1", "f2"], pooling="mean"),
+            TableSpec("t2", 90, DIM, features=["f3"])]
+
+
+def maps():
+    """P1 and P2: rows scattered over the ranks by two seeds (most owners differ), and replicas that stay
+    (t0 rows 1-2, t2 rows 5-6), disappear (t0 row 0, t1 row 3, t2 rows 7-8) and appear (t0 row 3, t2 rows
+    10-11); t2 row 9 a replica held by its owner alone under P1."""
+    ts = tables()
+    r1, r2 = np.random.default_rng(7), np.random.default_rng(11)
+    holders = np.ones((9, W), bool)
+    holders[8] = False  # the owner is added by AddressMap.build
+    p1 = AddressMap.build(ts, W, [r1.integers(0, W, t.num_rows) for t in ts],
+                          [np.array([0, 1, 2]), np.array([3]), np.array([5, 6, 7, 8, 9])], holders)
+    p2 = AddressMap.build(ts, W, [r2.integers(0, W, t.num_rows) for t in ts],
+                          [np.array([1, 2, 3]), np.zeros(0, np.int64), np.array([5, 6, 10, 11])])
+    return p1, p2
+
+
+def batches(n):
+    """Skewed multi-hot global batches (hot rows 0-8), empty bags, per-sample weights, regression targets."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        vals, lens = [], []
+        for rows in ROWS:
+            c = torch.randint(0, 4, (B,), generator=g)
+            vals.append((torch.rand(int(c.sum()), generator=g) ** 3 * rows).long())
+            lens.append(c)
+        values = torch.cat(vals)
+        out.append((JaggedFeatures(KEYS, values, torch.cat(lens), torch.rand(values.numel(), generator=g) + 0.5),
+                    torch.randn(B, 4 * DIM, generator=g)))
+    return out
+
+
+def _module(kind, amap, transport, rank, design, optimizer):
+    kw = dict(design=design, optimizer=optimizer, lr=LR, eps=EPS)
+    if kind == "pgas":
+        return PgasShardedEmbedding(tables(), amap, transport, rank, max_batch_size=-(-B // W), chunk_bags=7, **kw)
+    return ShardedEmbedding(tables(), amap, transport, rank, **kw)
+
+
+def _train(emb, rank, steps):
+    """Steps of a squared loss (its gradient depends on the rows): per step the pooled output and the loss."""
+    outs, losses = [], []
+    lo, hi = B * rank // W, B * (rank + 1) // W
+    for jf, c in steps:
+        out = emb(jf.slice_batch(lo, hi))
+        loss = ((out - c[lo:hi]) ** 2).sum() / B
+        loss.backward()
+        outs.append(out.detach().clone())
+        losses.append(loss.detach().clone())
+    return outs, losses
+
+
+def _state(emb, rank):
+    return {"gids": torch.from_numpy(emb.amap.storage_gids(rank)), "weight": emb.weight.detach().clone(),
+            "momentum": emb.momentum.clone() if emb.optimizer == "rowwise_adagrad" else torch.zeros(0)}
+
+
+def _checkpoint_reshard(old, new, rank, ckpt):
+    """The existing re-shard path: old's rows written as a checkpoint (``DistributedRun.save``), read back
+    into ``new`` by table and row id (``DistributedRun.restore``)."""
+    st = old.shard_state()
+    gids, base = st["gids"].numpy(), old.amap.table_base
+    entries = {}
+    for t, spec in enumerate(old.tables):
+        sel = torch.from_numpy(np.flatnonzero((gids >= base[t]) & (gids < base[t + 1])))
+        entries[spec.name] = table_entry(st["weight"][sel], st["momentum"][sel] if "momentum" in st else None,
+                                         gids[sel.numpy()] - base[t])
+    write_rank_file(ckpt, rank, {"rank": rank, "world_size": W, "tables": entries})
+    dist.barrier()
+    if rank == 0:
+        write_manifest(ckpt, W, {"kind": "plan", "tables": [t.name for t in old.tables]})
+    dist.barrier()
+    shards = read_shards(ckpt, read_manifest(ckpt))
+    g, ws, ms = [], [], []
+    for t, spec in enumerate(new.tables):
+        r, w, m = table_pieces(shards, spec.name)
+        g.append(r + base[t])
+        ws.append(w)
+        ms.append(m)
+    mom = torch.cat(ms) if new.optimizer == "rowwise_adagrad" else None
+    assert new.load_rows(np.concatenate(g), torch.cat(ws), mom) == new.weight.shape[0]
+    if hasattr(old, "close"):
+        old.close()
+
+
+def _worker(rank, world, job, tmp, scenarios):
+    p1, p2 = maps()
+    ct = CollectiveTransport()
+    pt = PgasTransport(job_id=job, slot_bytes=256)  # small ring slots: the migration streams in rounds
+    steps = batches(K + M)
+    res = {}
+    for kind, design, optimizer in scenarios:
+        tr = pt if kind == "pgas" else ct
+        # migrated: k steps under P1, migrate, m steps under P2
+        a = _module(kind, p1, tr, rank, design, optimizer)
+        a.track_touched()
+        outs_a, loss_a = _train(a, rank, steps[:K])
+        a2 = _module(kind, p2, tr, rank, design, optimizer)
+        was = dict(zip(p1.storage_gids(rank).tolist(), a.touched.tolist()))  # row -> updated since tracking
+        mig = migrate(a, a2)
+        after = _state(a2, rank)
+        touched = [bool(t) for t in a2.touched.tolist()]
+        want = [was.get(g, True) for g in p2.storage_gids(rank).tolist()]  # kept: its bit; received: updated
+        o, lo = _train(a2, rank, steps[K:])
+        # reference: k steps under P1, a checkpoint, the P2 module built from it, m steps
+        b = _module(kind, p1, tr, rank, design, optimizer)
+        outs_b, loss_b = _train(b, rank, steps[:K])
+        b2 = _module(kind, p2, tr, rank, design, optimizer)
+        _checkpoint_reshard(b, b2, rank, tmp / f"ckpt-{kind}-{design}-{optimizer}")
+        ref_after = _state(b2, rank)
+        ob, lb = _train(b2, rank, steps[K:])
+        res[(kind, design, optimizer)] = {
+            "migrated": (outs_a + o, loss_a + lo, _state(a2, rank), after),
+            "reference": (outs_b + ob, loss_b + lb, _state(b2, rank), ref_after),
+            "migration": mig.to_dict(), "touched": (touched, want)}
+        for m in (a2, b2):
+            if hasattr(m, "close"):
+                m.close()
+    dist.barrier()
+    return res
+
+
+SCENARIOS = [("collective", "retrieve", "rowwise_adagrad"), ("collective", "send", "rowwise_adagrad"),
+             ("collective", "retrieve", "sgd"), ("pgas", "retrieve", "rowwise_adagrad"),
+             ("pgas", "send", "rowwise_adagrad")]
+
+
+def brute_force_moves(old: AddressMap, new: AddressMap) -> np.ndarray:
+    """``[W, W]`` rows rank p sends rank q: row by row, who holds it under each plan (Python sets)."""
+    held_old = [set(old.storage_gids(q).tolist()) for q in range(W)]
+    held_new = [set(new.storage_gids(q).tolist()) for q in range(W)]
+    out = np.zeros((W, W), np.int64)
+    for g in range(old.num_rows):
+        src = int(old.owner_of(np.array([g]))[0])
+        for q in range(W):
+            if g in held_new[q] and g not in held_old[q]:
+                out[src, q] += 1
+    return out
+
+
+def test_migrate_equals_checkpoint_reshard(tmp_path):
+    """Train k steps under P1, migrate to P2, train m steps == train k steps, checkpoint, restore under P2,
+    train m steps: bitwise (outputs, losses, rows, row-wise state) for both transports and designs."""
+    job = f"m{uuid.uuid4().hex[:10]}"
+    results = spawn_local(_worker, W, job, tmp_path, SCENARIOS, timeout_s=300)
+    assert heap_segments(job) == [], "heap segments left after a normal exit"
+    p1, p2 = maps()
+    moves = brute_force_moves(p1, p2)
+    assert moves.sum() > 0 and moves[0, 1] > 0 and moves[1, 0] > 0  # rows move both ways
+    for sc in SCENARIOS:
+        for r in range(W):
+            res = results[r][sc]
+            (ao, al, ast, a0), (bo, bl, bst, b0) = res["migrated"], res["reference"]
+            for name in ("gids", "weight", "momentum"):
+                assert torch.equal(a0[name], b0[name]), f"{sc} rank {r}: {name} right after the migration"
+                assert torch.equal(ast[name], bst[name]), f"{sc} rank {r}: {name} after {M} more steps"
+            for s in range(K + M):
+                assert torch.equal(ao[s], bo[s]), f"{sc} rank {r} step {s}: pooled output"
+                assert torch.equal(al[s], bl[s]), f"{sc} rank {r} step {s}: loss"
+            mig = res["migration"]
+            rb = DIM * 4 + (4 if sc[2] == "rowwise_adagrad" else 0)
+            assert mig["row_bytes"] == rb
+            assert mig["rows_sent"] == moves[r].sum() and mig["rows_received"] == moves[:, r].sum(), (sc, r, mig)
+            assert mig["bytes_sent"] == mig["bytes_planned"] == moves[r].sum() * rb, (sc, r, mig)
+            assert mig["sent_per_peer"] == (moves[r] * rb).tolist()
+            assert mig["rows_kept"] + mig["rows_received"] == p2.storage_rows(r)
+            assert mig["replicas_added"] > 0 and mig["replicas_dropped"] > 0
+            # delta tracking: a kept row keeps its bit, a received row counts as updated
+            got, want = res["touched"]
+            assert got == want and sum(want) < len(want), (sc, r)
+
+
+def test_bytes_against_hand_count():
+    """One table of 8 rows, dim 4, float32 on 2 ranks. P1: rows 0-3 on rank 0, 4-7 on rank 1, row 0
+    replicated on both. P2: rows 0-2 and 6 on rank 0 (row 6 moves 1 -> 0), rows 3-5, 7 on rank 1 (row 3
+    moves 0 -> 1), row 0 no longer replicated (dropped on rank 1), row 5 replicated (appears on rank 0).
+    Rank 0 sends row 3: 1 row; rank 1 sends rows 5 and 6: 2 rows. A row is 16 weight bytes + 4 of
+    row-wise Adagrad state = 20 bytes: rank 0 sends 20 bytes, rank 1 40."""
+    ts = [TableSpec("t", 8, 4, features=["f"])]
+    p1 = AddressMap.build(ts, 2, [np.array([0, 0, 0, 0, 1, 1, 1, 1])], [np.array([0])])
+    p2 = AddressMap.build(ts, 2, [np.array([0, 0, 0, 1, 1, 1, 0, 1])], [np.array([5])])
+    r0, r1 = migration_routes(p1, p2, 0), migration_routes(p1, p2, 1)
+    assert [g.tolist() for g in r0.send_gids] == [[], [3]] and [g.tolist() for g in r1.send_gids] == [[5, 6], []]
+    assert [g.tolist() for g in r0.recv_gids] == [[], [5, 6]] and [g.tolist() for g in r1.recv_gids] == [[3], []]
+    assert r0.keep_gids.tolist() == [0, 1, 2] and r1.keep_gids.tolist() == [4, 5, 7]
+    # rows 0-2 at rank 0's storage rows: owned region 1, 2, 3 (row 0 is a replica, after the owned rows)
+    assert r0.keep_rows.tolist() == [3, 0, 1]
+    emb = ShardedEmbedding(ts, p1, _NoTransport(), 0, optimizer="rowwise_adagrad")
+    assert row_bytes(emb) == 20
+    assert (r0.rows_sent * row_bytes(emb), r1.rows_sent * row_bytes(emb)) == (20, 40)
+    emb_sgd = ShardedEmbedding(ts, p1, _NoTransport(), 0, optimizer="sgd")
+    assert row_bytes(emb_sgd) == 16
+
+
+def test_holders_of_is_storage_membership():
+    """``AddressMap.holders_of`` (owners, replicas on every rank, a replica held by its owner alone) against
+    each rank's ``storage_gids``, row by row."""
+    for amap in maps():
+        h = amap.holders_of(np.arange(amap.num_rows))
+        for q in range(W):
+            held = set(amap.storage_gids(q).tolist())
+            assert h[:, q].tolist() == [g in held for g in range(amap.num_rows)]
+
+
+def test_routes_refuse_other_tables_and_world():
+    ts = [TableSpec("t", 8, 4, features=["f"])]
+    p1 = AddressMap.build(ts, 2, [np.zeros(8, np.int64)])
+    with pytest.raises(ConfigError, match="4 ranks"):
+        migration_routes(p1, AddressMap.build(ts, 4, [np.zeros(8, np.int64)]), 0)
+    with pytest.raises(ConfigError, match="tables"):
+        migration_routes(p1, AddressMap.build([TableSpec("t", 9, 4, features=["f"])], 2, [np.zeros(9, np.int64)]), 0)
+
+
+def test_migrate_refuses_modules_that_differ():
+    """Another optimizer, another world size, or a prefetched batch pending: a named error, nothing moved."""
+    from embedscale.embedding.migrate import check_compatible
+    from embedscale.errors import EmbedscaleError
+
+    ts = [TableSpec("t", 8, 4, features=["f"])]
+    p1 = AddressMap.build(ts, 2, [np.array([0, 0, 0, 0, 1, 1, 1, 1])])
+    p2 = AddressMap.build(ts, 2, [np.array([0, 1, 0, 1, 0, 1, 0, 1])])
+    old = ShardedEmbedding(ts, p1, _NoTransport(), 0, optimizer="rowwise_adagrad")
+    with pytest.raises(ConfigError, match="optimizer"):
+        migrate(old, ShardedEmbedding(ts, p2, _NoTransport(), 0, optimizer="sgd"))
+    with pytest.raises(ConfigError, match="4 ranks"):
+        migrate(old, ShardedEmbedding(ts, AddressMap.build(ts, 4, [np.zeros(8, np.int64)]), _NoTransport(), 0,
+                                      optimizer="rowwise_adagrad"))
+    old.prefetch(JaggedFeatures(["f"], torch.tensor([1, 2]), torch.tensor([1, 1])), background=False)
+    with pytest.raises(EmbedscaleError, match="prefetched"):
+        check_compatible(old, ShardedEmbedding(ts, p2, _NoTransport(), 0, optimizer="rowwise_adagrad"))
+
+
+class _NoTransport:
+    """A transport stand-in for modules that never look anything up."""
+
+    def exchange(self, *a, **k):  # pragma: no cover - never called
+        raise AssertionError("no exchange expected")
+
+
+# -- the drift monitor in an N-rank run (train.replan_every) ----------------------------------------------------
+
+DRIFT_B, DRIFT_STEPS, EVERY = 64, 7, 4
+
+
+def drift_data(path):
+    """A dataset of a DriftingStream's batches in step order (row ids = the stream's id indices; the hot set
+    of 8 rows per table rotates every 4 steps), its last fifth the eval split."""
+    from embedscale.data.drift_stream import DriftConfig, DriftingStream
+    from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+
+    cfg = DriftConfig(tables=("C1", "C2", "C3"), initial_ids=200, new_ids_per_step=0, hot_ids=8, hot_share=0.9,
+                      rotate_every=EVERY, batch_size=DRIFT_B, num_dense=3)
+    s = DriftingStream(cfg, seed=5)
+    steps = 10  # 8 training steps' rows, then 2 of eval
+    with ShardWriter(path, ["I1", "I2", "I3"], [SparseFeatureInfo(t, 200) for t in cfg.tables],
+                     shard_rows=2 * DRIFT_B) as w:
+        for step in range(steps):
+            cols = s.batch(step)
+            w.write(cols.labels, cols.dense, s.batch_indices(step))
+
+
+def drift_config(tmp, data_dir, **train):
+    from embedscale.specs import RunConfig, from_dict
+
+    return from_dict(RunConfig, {
+        "name": "drift", "out_dir": str(tmp / "runs"),
+        "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8]},
+        "train": {"batch_size": DRIFT_B, "max_steps": DRIFT_STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
+                  "eval_every": 0, "checkpoint_every": EVERY, "sparse_optimizer": "rowwise_adagrad",
+                  "dense_optimizer": "adagrad", "prefetch": 0, **train},
+        "dist": {"plan": "oper", "timeout_s": 300}})
+
+
+def _drift_rank(rank, world, cfg_dict, run_dir, resume_from):
+    from embedscale.specs import RunConfig, from_dict
+    from embedscale.train.ranks import train_distributed
+
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False, resume_from=resume_from)
+    return True
+
+
+def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
+    """On a drifting stream a 2-rank run with train.replan_every re-plans at step 4 (replans.csv, summary) and
+    its losses, rows and dense state equal those of the run restarted from its step-4 checkpoint under the
+    new plan; its last checkpoint, a delta on the step-4 one, holds the same state as the restart's full one."""
+    import json
+
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import load_checkpoint, step_dir
+    from embedscale.train.replan import read_replans
+
+    data = tmp_path / "data"
+    drift_data(data)
+    live = tmp_path / "live"
+    # full checkpoint at step 4 (before the re-plan), a delta at step 7: the rows tracked across the migration
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, checkpoint_full_every=2 * EVERY)
+    spawn_local(_drift_rank, W, to_dict(cfg), str(live), None, timeout_s=600)
+    assert read_manifest(step_dir(live, DRIFT_STEPS))["delta"]["base_step"] == EVERY
+    rows = read_replans(live)
+    assert [int(r["step"]) for r in rows] == [EVERY], rows
+    rec = rows[0]
+    assert int(rec["rows_moved"]) > 0 and int(rec["bytes"]) > 0 and float(rec["gain"]) > 0
+    assert float(rec["balance_after"]) <= float(rec["balance_before"])
+    summary = json.loads((live / "summary.json").read_text())
+    assert summary["replan_checks"] == 1 and [r["step"] for r in summary["replans"]] == [EVERY]
+    new_plan = live / "replans" / f"step-{EVERY}"
+    assert (new_plan / "plan.json").exists()
+    # the reference: restarted from the step-4 checkpoint under the new plan, no monitor
+    ref = tmp_path / "restart"
+    rcfg = drift_config(tmp_path, data, replan_every=0)
+    rcfg.dist.plan = str(new_plan)
+    spawn_local(_drift_rank, W, to_dict(rcfg), str(ref), str(step_dir(live, EVERY)), timeout_s=600)
+    a, b = load_checkpoint(live), load_checkpoint(ref)
+    assert a["step"] == b["step"] == DRIFT_STEPS
+    assert a["losses"] == b["losses"]
+    for name in a["tables"]:
+        assert torch.equal(a["tables"][name]["weight"], b["tables"][name]["weight"]), name
+        assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
+    for k in a["dense"]:
+        assert torch.equal(a["dense"][k], b["dense"][k]), k
+
+
+def test_drift_and_plan_returns_the_fresh_plan_and_balances():
+    """``plan.drift.drift_and_plan``: the fresh plan whose cost the report gives, each plan's max / mean
+    per-rank cost on the new profile (against ``plan.cost.evaluate``), and the re-plan rule at the threshold."""
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.cost import evaluate
+    from embedscale.plan.drift import drift, drift_and_plan
+    from embedscale.specs import Topology
+
+    ts = [TableSpec("a", 300, 4, features=["a"]), TableSpec("b", 200, 4, features=["b"])]
+    rng = np.random.default_rng(0)
+    old = AccessProfile({"a": rng.zipf(1.3, 300).astype(float), "b": rng.zipf(1.3, 200).astype(float)}, 1000)
+    new = AccessProfile({"a": old.tables["a"][::-1].copy(), "b": np.roll(old.tables["b"], 77)}, 1000)
+    topo = Topology(ranks_per_host=4)
+    plan = make_plan("oper", ts, old, topo, batch_size=64)
+    rep, fresh = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.0)
+    assert rep == {**drift(plan, new, topo, batch_size=64, min_gain=0.0), "replan_seconds": rep["replan_seconds"]}
+    for key, p in (("after", plan), ("replanned", fresh)):
+        tot = evaluate(p, new, topo, mode="training", batch_size=64).total_per_rank
+        assert rep[key]["balance"] == pytest.approx(tot.max() / tot.mean(), rel=1e-12), key
+    assert rep["replan"] == (rep["replan_gain"] > 0.0 or rep["after"]["dob_lookup"] < 0.9
+                             or rep["after"]["dob_comm"] < 0.9)
+    high, _ = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.999, dob_floor=0.0)
+    assert high["replan"] is False and "keep the plan" in high["reason"]
