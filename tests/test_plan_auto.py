@@ -440,6 +440,10 @@ def test_train_dist_plan_auto_plans_trains_and_resumes(tmp_path):
     assert sorted(t.name for t in plan.tables) == ["t_C1", "t_C2", "t_C4"]  # the host table gets no rows
     rep = json.loads((rd / "plan" / "explain.json").read_text())
     assert rep["device_budget_bytes"] == 1300 and "runner-up" in (rd / "plan" / "explain.txt").read_text()
+    # the step prediction used the run's own dense model (_config's sizes, make_data's 3 dense inputs), not a default
+    dm = rep["dense_model"]
+    assert (dm["arch"], dm["dense_in"], dm["num_features"], dm["embedding_dim"], dm["bottom_mlp"], dm["top_mlp"]) == \
+        ("dlrm", 3, 4, 4, [8], [8]), dm
     assert json.loads((rd / "run-plan.json").read_text())["plan"] == "auto"
     mtime = (rd / "plan" / "plan.json").stat().st_mtime_ns
 

@@ -55,6 +55,7 @@ from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
 from embedscale.plan.auto import load_costs, parse_bytes, write_explain
 from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.step import DenseModel
 from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
                                    replicated_tables_meta)
 from embedscale.plan.plan import Plan
@@ -232,11 +233,12 @@ def check_auto_settings(cfg: RunConfig) -> None:
         raise ConfigError(f"dist.costs {d.costs}: no such file (write one with embedscale calibrate --out)")
 
 
-def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: Path):
+def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: Path, num_dense: int):
     """``dist.plan auto``: ``plan.autoplan.make_auto_plan`` from the run's access profile for ``dist.nproc``
     ranks under the per-rank budgets ``dist.device_memory`` / ``dist.host_memory`` (``dist.costs``: measured
     per-row costs, else the documented defaults), with the per-rank batch and ``train.pipeline_depth`` as the
-    host tables' depth (it sizes their device cache; training then runs the depth the plan recorded). Its
+    host tables' depth (it sizes their device cache; training then runs the depth the plan recorded), and the
+    run's own dense model (``model`` sizes, ``num_dense`` inputs) in the whole step's prediction. Its
     explain data is ``plan.meta["auto"]`` (``make_run_plan`` writes the report beside the plan). A budget
     nothing fits in is a ``plan.auto.BudgetError`` (a ``ConfigError``) saying by how much."""
     d = cfg.dist
@@ -244,7 +246,9 @@ def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: P
     plan = make_auto_plan(tables, prof, topo, device_memory=parse_bytes(d.device_memory, "dist.device_memory"),
                           host_memory=parse_bytes(d.host_memory or 0, "dist.host_memory"),
                           costs=load_costs(d.costs or None), batch_size=max(1, cfg.train.batch_size // d.nproc),
-                          mode=d.mode, host_depth=max(1, cfg.train.pipeline_depth), requests=cfg.model.tables)
+                          mode=d.mode, host_depth=max(1, cfg.train.pipeline_depth), requests=cfg.model.tables,
+                          dense=DenseModel.from_config(cfg.model, sum(len(t.features or [t.name]) for t in tables),
+                                                      num_dense))
     return plan
 
 
@@ -278,7 +282,7 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
         plan_dir.mkdir(parents=True, exist_ok=True)
         prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
-        plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir)
+        plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
         if checkpoint_forms:
             check_forms_kept(checkpoint_forms, plan.forms, str(plan_dir.parent))
         write_explain(plan.meta["auto"], plan_dir, png=False)  # explain.txt / explain.json beside the plan
