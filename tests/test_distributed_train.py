@@ -9,6 +9,8 @@ exactly as the single-process run does (re-sharding).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -123,10 +125,27 @@ def test_n_rank_training_equals_single_process(tmp_path, data_dir, reference, wo
     cfg = config(tmp_path, data_dir, design=design, plan=str(plan_dir))
     losses, w, dense = distributed(cfg, tmp_path / "dist", world)
     assert len(losses) == STEPS
+    # dist.input_pipeline (on by default): a retrieve run converts every step's ids but the first during the step
+    # before (ShardedEmbedding.prefetch); the send design has no such pipeline
+    summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert summary.get("input_pipelined_steps", 0) == (STEPS - 1 if design == "retrieve" else 0), summary
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
     for k, v in ref_dense.items():
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_input_pipeline_off_gives_the_same_run(tmp_path, data_dir, reference):
+    """``dist.input_pipeline false``: every step converts its own ids (four all-to-alls); same losses and rows."""
+    ref_losses, ref_w, _ = reference
+    plan_dir = tmp_path / "plan"
+    hand_plan("replicas", 2).save(plan_dir)
+    cfg = config(tmp_path, data_dir, plan=str(plan_dir))
+    cfg.dist.input_pipeline = False
+    losses, w, _ = distributed(cfg, tmp_path / "dist", 2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
+    assert "input_pipelined_steps" not in json.loads((tmp_path / "dist" / "summary.json").read_text())
 
 
 def test_resharding_2_to_4_ranks_continues_exactly(tmp_path, data_dir, reference):

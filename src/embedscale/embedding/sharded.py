@@ -308,6 +308,8 @@ class ShardedEmbedding(nn.Module):
             return None
         head = self._queue[0]
         if _same_batch(head.features, features):
+            if training:
+                self.stats["prefetched_steps"] = self.stats.get("prefetched_steps", 0) + 1
             return self._queue.popleft().conv
         if not training:  # an evaluation between training steps: the queue waits for its batch
             return None

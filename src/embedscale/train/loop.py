@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -248,6 +249,20 @@ def progressive_figures(run: Run, pv: ProgressiveWindow) -> dict:
     return binary_metrics(y, z, w)
 
 
+_END = object()
+
+
+def _with_next(batches: Iterable) -> Iterator[tuple[Any, Any]]:
+    """``(batch, the batch after it or None)`` for every batch: the loop hands the next step's batch to a run
+    that converts its input ahead (``Run.prefetch_batch``)."""
+    it = iter(batches)
+    cur = next(it, _END)
+    while cur is not _END:
+        nxt = next(it, _END)
+        yield cur, (None if nxt is _END else nxt)
+        cur = nxt
+
+
 def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str = "",
         ceiling_auc: float = math.nan, extra: dict | None = None) -> dict | None:
     """Train ``run`` from its current position to the end (``loop.epochs`` or ``loop.max_steps``, or an early
@@ -291,7 +306,10 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
             run.train_loader.seek(st.stream)
         else:
             run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
-        for batch in run.train_loader:
+        ahead = None if stream else getattr(run, "prefetch_batch", None)  # a stream's next batch may be minutes away
+        for batch, upcoming in _with_next(run.train_loader):
+            if ahead is not None and upcoming is not None and not (loop.max_steps and st.step + 1 >= loop.max_steps):
+                ahead(upcoming)
             if fault_step is not None and st.step == fault_step:
                 inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
             s0 = time.perf_counter()
