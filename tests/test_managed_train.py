@@ -29,7 +29,7 @@ from embedscale.embedding.managed_lookup import managed_of
 from embedscale.errors import ConfigError, InputError
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, load_config, to_dict
-from embedscale.train.checkpoint import load_checkpoint
+from embedscale.train.checkpoint import load_checkpoint, step_dir
 from embedscale.train.launch import spawn_local
 from embedscale.train.loop import LoopConfig
 from embedscale.train.trainer import Trainer
@@ -213,15 +213,13 @@ def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, 
     for k, v in ref_managed.items():
         assert torch.equal(managed[k], v), k
     # the 2-rank checkpoint of step 4 resumed in one process continues as the uninterrupted run
-    one = tmp_path / "one"
-    workflow.train(config(tmp_path, data_dir), one, resume=False, progress=False)  # a run dir of its own
     trainer_cfg = config(tmp_path, data_dir)
     data = assemble.prepare_data(trainer_cfg, progress=False)
     tables = assemble.tables_for(trainer_cfg, data.manifest)
     model, opt = assemble.build(trainer_cfg, tables, data.manifest.num_dense, torch.device("cpu"), validate=False)
     tr = Trainer(model, opt, assemble.train_loader(trainer_cfg, data, torch.device("cpu")), None, tmp_path / "cont",
                  progress=False, loop=LoopConfig.from_train(trainer_cfg.train))
-    assert tr.resume(tmp_path / "two" / "checkpoints" / "step-4")
+    assert tr.resume(step_dir(tmp_path / "two", 4))
     assert managed_of(model).ids["t_user"].step == 4
     tr.fit()
     np.testing.assert_allclose(tr.losses, ref_losses, rtol=0, atol=1e-5)
