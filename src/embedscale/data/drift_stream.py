@@ -3,8 +3,9 @@
 What this module owns: :class:`DriftingStream`, the input of the online-training tests and benchmarks
 (managed ids, rolling profile, re-planning). :mod:`embedscale.data.synthetic` draws a fixed power law
 over a fixed table; here the input moves, as click logs do (new users and items every day, a hot set
-that moves within hours; OPER section 8 names re-planning under such drift as future work). Not yet
-used by ``train``: ``data.source = stream`` and the shard writer come with the stream loader.
+that moves within hours; OPER section 8 names re-planning under such drift as future work).
+:func:`write_drift_dataset` writes batches as shards of raw 64-bit ids, the input of managed tables in
+training (``specs.ManagedConfig``).
 
 Definitions, per table (every table follows them with its own random streams):
 

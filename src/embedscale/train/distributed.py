@@ -467,6 +467,8 @@ class DistributedRun:
                "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
         if getattr(self, "pipeline_depth", None):  # host tables: the depth they ran (host_pipeline_depth)
             out["pipeline_depth"] = self.pipeline_depth
+        if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (same on every rank)
+            out["managed"] = self.managed.counters()
         out.update(self.executor_figures())
         return out
 

@@ -166,7 +166,7 @@ class Trainer:
         return evaluate(self.model, self.eval_loader, progress=self.progress)
 
     def figures(self) -> dict:
-        return {}
+        return {"managed": self._managed.counters()} if self._managed is not None else {}
 
     def barrier(self) -> None:
         pass
