@@ -13,7 +13,8 @@ The figure is the progressive AUC (``pv_auc``: every batch scored by the trainin
 over the last ``--window`` samples) at the end of the run, and its mean over the logged windows of the
 second half (a stream's learning is judged while it runs). Per seed both runs, alternating which goes first;
 median and p90 over seeds of the figure and of the per-seed difference. The teacher's own AUC over the
-same final window is the ceiling. Prints one JSON line with the load average. Memory: the managed mapping
+same final window is the ceiling. Seconds per run are reported too (1 torch thread, ``--threads``). Prints
+one JSON line with the load average. Memory: the managed mapping
 adds per row an id, a flag, a last step and a count (25 bytes) and up to ``4 x rows`` pending ids (24 bytes
 each) beside the ``rows x dim x 4`` bytes of weights both models hold.
 
@@ -31,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from embedscale import workflow
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
@@ -98,7 +100,10 @@ def main():
     ap.add_argument("--admit-after", type=int, default=2)
     ap.add_argument("--policy", default="lfu")
     ap.add_argument("--ttl", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both models (1: robust under "
+                    "load; the mapping's small tensor ops slow down 20-40x with 2 contended threads)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.seeds, args.steps, args.window = 1, 60, 10_240
     dcfg = DriftConfig(tables=("user", "item"), initial_ids=args.initial_ids, new_ids_per_step=args.new_ids,

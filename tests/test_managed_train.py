@@ -205,6 +205,10 @@ def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, 
     cfg.dist.plan = str(plan_dir)
     spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "two"), timeout_s=600)
     assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
+    summary = __import__("json").loads((tmp_path / "two" / "summary.json").read_text())
+    # per step every rank sends its ids (int64, 2 features x 20 per rank, padded) and counts to the other:
+    # (W - 1) x (2 counts + 40 ids) x 8 bytes, plus the one-int size exchange (W - 1) x 8
+    assert summary["managed_gather_bytes_per_step"] == (2 + 2 * BATCH // 2) * 8 + 8
     losses, w, dense, managed = state(tmp_path / "two")
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
@@ -264,9 +268,13 @@ def test_managed_tt_or_dmt_table_is_refused(tmp_path, data_dir):
     with pytest.raises(ConfigError, match=r"t_user.*form 'tt'"):
         assemble.managed_for(cfg, tables)
     cfg = config(tmp_path, data_dir)
-    cfg.model.arch = "dmt-dlrm"
-    with pytest.raises(ConfigError, match="DMT"):
+    cfg.train.replan_every = 5
+    with pytest.raises(ConfigError, match="replan_every"):
         assemble.managed_for(cfg, tables)
+    cfg = config(tmp_path, data_dir)
+    cfg.model.arch = "dmt-dlrm"
+    with pytest.raises(ConfigError, match="DMT"):  # before any batch is read
+        workflow.train(cfg, tmp_path / "dmt", resume=False, progress=False)
 
 
 def test_loader_passes_raw_ids_of_managed_features_only(tmp_path, data_dir):

@@ -31,7 +31,8 @@ from embedscale.data.shards import MANIFEST, Manifest, read_shard
 from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
-from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts, hash_init  # noqa: F401 (hash_init: re-exported)
+from embedscale.embedding.build import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
+                                        hash_init)  # hash_init: re-exported
 from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.plan.auto import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
@@ -173,8 +174,9 @@ def managed_for(cfg: RunConfig, tables: list[TableSpec], forms: dict[str, TableF
 
 def raw_id_features(cfg: RunConfig, tables: list[TableSpec]) -> frozenset[str]:
     """The features whose values are raw 64-bit ids: those of the managed tables (the loaders do not check them
-    against the table's rows; the run maps them, ``embedding.managed_lookup``)."""
-    managed = managed_tables(cfg.model, tables)
+    against the table's rows; the run maps them, ``embedding.managed_lookup``). What cannot be managed is a
+    ``ConfigError`` here already (:func:`managed_for`), before a loader or a profile reads the data."""
+    managed = managed_for(cfg, tables)
     return frozenset(f for t in tables if t.name in managed for f in t.features)
 
 

@@ -469,6 +469,9 @@ class DistributedRun:
             out["pipeline_depth"] = self.pipeline_depth
         if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (same on every rank)
             out["managed"] = self.managed.counters()
+            # the ids' all_gather (sizes and ids, padded to the largest rank's; grad_sync.all_gather_var's count)
+            sent = self.managed.stats.get("bytes_sent", 0)
+            out["managed_gather_bytes_per_step"] = sent / max(len(self.bytes_per_step), 1)
         out.update(self.executor_figures())
         return out
 
