@@ -25,10 +25,13 @@ from embedscale.data.batch import Batch, JaggedFeatures
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
 from embedscale.data.loader import ShardLoader
 from embedscale.embedding.init import uniform_rows
-from embedscale.embedding.managed_lookup import managed_of
+from embedscale.data.shards import SparseFeatureInfo
+from embedscale.data.stream import StreamWriter
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.managed_lookup import ManagedLookup, managed_of
 from embedscale.errors import ConfigError, InputError
 from embedscale.plan.plan import Plan
-from embedscale.specs import RunConfig, TableSpec, from_dict, load_config, to_dict
+from embedscale.specs import ManagedConfig, RunConfig, TableSpec, from_dict, load_config, to_dict
 from embedscale.train.checkpoint import load_checkpoint, step_dir
 from embedscale.train.launch import spawn_local
 from embedscale.train.loop import LoopConfig
@@ -290,3 +293,43 @@ def test_loader_passes_raw_ids_of_managed_features_only(tmp_path, data_dir):
     cfg = config(tmp_path, data_dir, managed={})
     with pytest.raises(InputError, match="outside its table"):
         workflow.train(cfg, tmp_path / "unmanaged", resume=False, progress=False)
+
+
+def test_a_stream_source_trains_managed_tables_as_the_shards_do(tmp_path, data_dir, single):
+    """The same 8 batches of raw ids arriving as a stream (``data.source: stream``) train exactly as from shards."""
+    run_dir, _ = single
+    want = state(run_dir)
+    src = ShardLoader(data_dir, BATCH, stop=STEPS * BATCH, prefetch=0, raw_ids=set(TABLES))
+    w = StreamWriter(tmp_path / "stream", ["I1", "I2"], [SparseFeatureInfo(t, ROWS) for t in TABLES])
+    for b in src:
+        vals = b.sparse.to_dict()
+        w.write_shard(b.labels.numpy().astype(np.int8), b.dense.numpy(), {t: vals[t][0].numpy() for t in TABLES})
+    w.end()
+    cfg = config(tmp_path, data_dir)
+    cfg.data.source, cfg.data.path = "stream", str(tmp_path / "stream")
+    workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
+    losses, weights, _, managed = state(tmp_path / "run")
+    np.testing.assert_allclose(losses, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights, want[1], rtol=0, atol=0)
+
+
+def test_a_table_of_two_features_maps_them_in_table_feature_order():
+    """One managed table read by two features: its batch is feature ``a``'s ids then ``b``'s (the table's
+    feature order, whatever the batch's key order), as the dict reference assigns them."""
+    tables = [TableSpec("t", 6, 4, features=["a", "b"]), TableSpec("u", 5, 4, features=["c"])]
+    emb = LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=0.1)
+    lookup = ManagedLookup(tables, {"t": ManagedConfig(admit_after=1, policy="lru")}, emb, seed=0,
+                           device=torch.device("cpu"))
+    ref = Reference(6, 1, "lru")
+    rng = np.random.default_rng(0)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=9, dtype=np.int64)
+    for step in range(12):
+        a, b = pool[rng.integers(0, 9, 3)], pool[rng.integers(0, 9, 3)]
+        c = rng.integers(0, 5, 3)
+        feats = JaggedFeatures(["c", "b", "a"], torch.from_numpy(np.concatenate([c, b, a])),
+                               torch.ones(9, dtype=torch.int64))
+        out = lookup.map(feats, training=True).to_dict()
+        rows, _, _ = ref.assign(a.tolist() + b.tolist())
+        assert out["a"][0].tolist() + out["b"][0].tolist() == rows, step
+        assert out["c"][0].tolist() == c.tolist()  # an unmanaged feature passes through
+    assert lookup.ids["t"].mapping() == ref.row_of
