@@ -98,7 +98,7 @@ def main():
     ap.add_argument("--lr-sparse", type=float, default=0.05)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--admit-after", type=int, default=2)
-    ap.add_argument("--policy", default="lfu")
+    ap.add_argument("--policy", default="lru")
     ap.add_argument("--ttl", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both models (1: robust under "
                     "load; the mapping's small tensor ops slow down 20-40x with 2 contended threads)")
