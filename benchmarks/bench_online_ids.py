@@ -38,7 +38,7 @@ from embedscale import workflow
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
 from embedscale.data.metrics import binary_metrics
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
-from embedscale.specs import from_dict, RunConfig, to_dict
+from embedscale.specs import RunConfig, from_dict
 from embedscale.train.metrics import MetricsLog
 
 

@@ -14,11 +14,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from embedscale import assemble, workflow
 from embedscale.data.batch import Batch, JaggedFeatures
@@ -208,7 +209,7 @@ def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, 
     cfg.dist.plan = str(plan_dir)
     spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "two"), timeout_s=600)
     assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
-    summary = __import__("json").loads((tmp_path / "two" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     # per step every rank sends its ids (int64, 2 features x 20 per rank, padded) and counts to the other:
     # (W - 1) x (2 counts + 40 ids) x 8 bytes, plus the one-int size exchange (W - 1) x 8
     assert summary["managed_gather_bytes_per_step"] == (2 + 2 * BATCH // 2) * 8 + 8
@@ -247,7 +248,6 @@ def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, 
 ])
 def test_bad_managed_config_is_a_named_error(tmp_path, managed, words):
     p = tmp_path / "c.yaml"
-    import yaml
     p.write_text(yaml.safe_dump({"model": {"tables": [{"name": "a", "num_rows": 10, "managed": managed}]}}))
     with pytest.raises(ConfigError) as e:
         load_config(p)
