@@ -31,10 +31,13 @@ from embedscale.data.shards import MANIFEST, Manifest, read_shard
 from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError
-from embedscale.embedding.build import EmbeddingEnv, build_embedding, hash_init  # noqa: F401 (hash_init: re-exported)
+from embedscale.embedding.build import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
+                                        hash_init)  # hash_init: re-exported
+from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.plan.auto import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
-from embedscale.specs import RunConfig, TableConfig, TableSpec, feature_to_table, to_dict
+from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
+                              to_dict)
 from embedscale.models import build_model
 from embedscale.models.dlrm import set_dropout
 from embedscale.models.dmt import is_dmt_arch
@@ -147,6 +150,49 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     raise ConfigError(f"data.source {d.source!r} is not one of synthetic, criteo, avazu, table, shards, stream")
 
 
+def managed_for(cfg: RunConfig, tables: list[TableSpec], forms: dict[str, TableForm] | None = None
+                ) -> dict[str, ManagedConfig]:
+    """The run's managed tables (``specs.managed_tables``: ``model.managed``, a table's ``managed``) and their
+    settings; a ``ConfigError`` for what cannot be managed yet: a TT or host table (``forms``: the run's, else
+    the config's), DMT towers, live re-planning."""
+    managed = managed_tables(cfg.model, tables)
+    if not managed:
+        return managed
+    if is_dmt_arch(cfg.model.arch):
+        raise ConfigError(f"managed tables {sorted(managed)}: model.arch {cfg.model.arch!r} (DMT towers) does not map "
+                          "managed ids yet; use dlrm or dcn")
+    if cfg.train.replan_every:
+        raise ConfigError(f"managed tables {sorted(managed)}: train.replan_every (live re-planning) does not move "
+                          "managed tables' mappings yet; set it to 0")
+    forms = forms if forms is not None else config_forms(cfg.model, tables)
+    for name in managed:
+        if forms[name].kind not in ("sharded",):
+            raise ConfigError(f"table {name!r}: managed tables must be plain device rows, not form "
+                              f"{forms[name].kind!r} (compression/placement, model.tt_min_rows/host_min_rows)")
+    return managed
+
+
+def raw_id_features(cfg: RunConfig, tables: list[TableSpec]) -> frozenset[str]:
+    """The features whose values are raw 64-bit ids: those of the managed tables (the loaders do not check them
+    against the table's rows; the run maps them, ``embedding.managed_lookup``). What cannot be managed is a
+    ``ConfigError`` here already (:func:`managed_for`), before a loader or a profile reads the data."""
+    managed = managed_for(cfg, tables)
+    return frozenset(f for t in tables if t.name in managed for f in t.features)
+
+
+def install_managed(cfg: RunConfig, tables: list[TableSpec], embedding, forms: dict[str, TableForm] | None = None,
+                    group=None) -> ManagedLookup | None:
+    """Map the managed tables' raw ids before every lookup of ``embedding`` (the model's embedding module, as
+    ``build_embedding`` made it): a ``ManagedLookup`` on its rows module (``group``: N ranks)."""
+    managed = managed_for(cfg, tables, forms)
+    if not managed:
+        return None
+    rows = embedding_parts(embedding)[0]
+    lookup = ManagedLookup(tables, managed, rows, seed=cfg.train.seed, device=torch.device(cfg.train.device),
+                           group=group)
+    return install(embedding, lookup)
+
+
 def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, rank: int = 0, world: int = 1,
                  pipelined: bool = False, follow: tuple[Path, str] | None = None):
     """The training batches of ``data``: a ``ShardLoader`` over the train split, or for a stream a
@@ -154,15 +200,24 @@ def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, ra
     ranks' follow file and attempt token, by which rank 0 decides an idle end for all). Ids are checked
     there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
     t = cfg.train
+    raw = raw_id_features(cfg, tables_for(cfg, data.manifest))
     if data.stream:
         if pipelined:
             raise ConfigError("data.source stream: host-placed tables (placement: host, model.host_min_rows) are not "
                               "fed from a stream yet; place them on the device")
         return StreamLoader(data.train.directory, t.batch_size, rank=rank, world_size=world,
                             idle_s=cfg.data.stream_idle_s, poll_s=cfg.data.stream_poll_s, prefetch=t.prefetch,
-                            device=device, follow=follow)
+                            device=device, follow=follow, raw_ids=raw)
     return ShardLoader(data.train.directory, t.batch_size, rank=rank, world_size=world, start=data.train.start,
-                       stop=data.train.stop, prefetch=t.prefetch, device=device, drop_last=False)
+                       stop=data.train.stop, prefetch=t.prefetch, device=device, drop_last=False, raw_ids=raw)
+
+
+def eval_loader(cfg: RunConfig, split: Split, device: torch.device, *, rank: int = 0, world: int = 1,
+                batch_size: int = 0, manifest: Manifest | None = None) -> ShardLoader:
+    """The loader of an eval or test split (ids checked, the managed tables' raw ids excepted)."""
+    raw = raw_id_features(cfg, tables_for(cfg, manifest or Manifest.load(split.directory)))
+    return ShardLoader(split.directory, batch_size or max(cfg.train.batch_size, 8192), rank=rank, world_size=world,
+                       start=split.start, stop=split.stop, prefetch=cfg.train.prefetch, device=device, raw_ids=raw)
 
 
 def _files(paths: str) -> list[str]:
@@ -237,7 +292,7 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
             if f not in rows:
                 raise ConfigError(f"model.tables: table {t.name!r} reads feature {f!r}, which the data does not "
                                   f"have (features: {', '.join(rows)})")
-            if rows[f] > t.num_rows:
+            if rows[f] > t.num_rows and not (t.managed.enabled or m.managed.enabled):  # managed: raw ids
                 raise ConfigError(f"model.tables: table {t.name!r} has {t.num_rows} rows but feature {f!r} "
                                   f"has ids up to {rows[f] - 1}")
             seen.add(f)
@@ -278,6 +333,7 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                                                            lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
                                                            validate=validate),
                                 forms=config_forms(cfg.model, tables))
+    install_managed(cfg, tables, embedding)  # managed tables: raw ids mapped to rows before every lookup
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     set_dropout(model, t.dropout)
     return model, make_dense_optimizer(t, model.dense_parameters())
@@ -313,16 +369,18 @@ def new_run_dir(cfg: RunConfig) -> Path:
     return path
 
 
-def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True):
+def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True,
+            raw_ids=()):
     """Per-row access counts of the training data (the planner's input), saved under ``out_dir``.
 
     With ``tables`` the counts are per table (features sharing a table add up); otherwise per feature.
     For raw files split by ``eval_fraction`` the whole converted file is profiled. A stream: the complete
-    shards present now (none yet: zero counts, the plan balances rows alone).
+    shards present now (none yet: zero counts, the plan balances rows alone). ``raw_ids``: features holding
+    raw ids (managed tables, :func:`raw_id_features`): not counted (their rows are assigned while training).
     """
     f2t = {f: t.name for t in tables for f in t.features} if tables else None
     num_rows = {t.name: t.num_rows for t in tables} if tables else None
-    if data.stream:
+    if raw_ids or data.stream:
         m = data.manifest
         f2t = f2t or {f: f for f in m.sparse_names}
         rows: dict[str, int] = {}
@@ -330,11 +388,16 @@ def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | N
             rows[f2t[s.name]] = max(rows.get(f2t[s.name], 0), s.num_rows)
         rows.update(num_rows or {})
         prof = AccessProfile({t: np.zeros(n, dtype=np.int64) for t, n in rows.items()}, 0, f2t)
-        shards = complete_shards(data.train.directory)
-        if m.extra.get("finished_shards") is not None:
-            shards = shards[:m.extra["finished_shards"]]
+        if data.stream:
+            shards = complete_shards(data.train.directory)
+            if m.extra.get("finished_shards") is not None:
+                shards = shards[:m.extra["finished_shards"]]
+        else:
+            shards = [data.train.directory / s["file"] for s in m.shards]
         for path in shards:
-            prof.add(read_shard(path, m.num_dense), source=path)
+            cols = read_shard(path, m.num_dense)
+            cols.sparse = {f: v for f, v in cols.sparse.items() if f not in raw_ids}
+            prof.add(cols, source=path)
         prof.save(out_dir)
         return prof
     prof = AccessProfile.from_shards(data.train.directory, feature_to_table=f2t, num_rows=num_rows,

@@ -326,7 +326,8 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment,
                                   validate=False)  # the ShardLoader checks the ids
         load_model_state(model, ck)
-        loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device)
+        loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device,
+                             raw_ids=workflow.raw_id_features(cfg, tables))  # managed tables' raw ids
         m = eval_model(model, loader, progress=True)
     except EmbedscaleError as e:
         _fail(e)

@@ -88,6 +88,50 @@ class TableSpec:
 FACT_FIELDS = tuple(f.name for f in dataclasses.fields(TableSpec))
 COMPRESSIONS = ("none", "tt")
 PLACEMENTS = ("device", "host")
+MANAGED_POLICIES = ("lru", "lfu", "ttl")  # embedding.managed.POLICIES
+
+
+@dataclass
+class ManagedConfig:
+    """A *managed* table (issue 17 part 2): its features carry raw 64-bit ids (any int64, negative included),
+    mapped to the table's rows by ``embedding.managed.ManagedIdTable`` while training (row 0: the default row
+    of ids without a row of their own).
+
+    admit_after: k, the sightings an id needs before it gets its own row (>= 1; 0 = the table is not managed).
+    policy: eviction when no row is free: ``lru``, ``lfu``, or ``ttl`` (rows idle more than ``ttl`` steps freed).
+    ttl: steps, for ``policy: ttl`` only (>= 1).
+    pending_capacity: ids seen but not yet admitted that are remembered (0 = 4 x the table's rows).
+    """
+
+    admit_after: int = 0
+    policy: str = "lru"
+    ttl: int = 0
+    pending_capacity: int = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.admit_after > 0
+
+
+def check_managed(m: "ManagedConfig", where: str) -> None:
+    """A ``managed`` entry's fields, each error naming ``where`` (the table or ``model.managed``) and the key."""
+    if m.admit_after < 0:
+        raise ConfigError(f"{where}.admit_after: {m.admit_after} must be >= 1 (0 = not managed)")
+    if m.policy not in MANAGED_POLICIES:
+        raise ConfigError(f"{where}.policy: {m.policy!r} is not one of {', '.join(MANAGED_POLICIES)}")
+    if m.ttl < 0:
+        raise ConfigError(f"{where}.ttl: {m.ttl} must be >= 1 steps (policy ttl) or 0")
+    if m.pending_capacity < 0:
+        raise ConfigError(f"{where}.pending_capacity: {m.pending_capacity} must be >= 0 (0 = 4 x rows)")
+    if not m.enabled:
+        if m.policy != "lru" or m.ttl or m.pending_capacity:
+            raise ConfigError(f"{where}.admit_after: 0 (not managed) but policy/ttl/pending_capacity are set; "
+                              "give admit_after >= 1 to manage the table")
+        return
+    if m.policy == "ttl" and m.ttl < 1:
+        raise ConfigError(f"{where}.ttl: policy 'ttl' needs ttl >= 1 steps, got {m.ttl}")
+    if m.policy != "ttl" and m.ttl:
+        raise ConfigError(f"{where}.ttl: {m.ttl} is given but the policy is {m.policy!r} (ttl is for policy 'ttl')")
 
 
 @dataclass
@@ -104,6 +148,8 @@ class TableConfig:
         compression: ``none`` or ``tt``.
         tt_rank: TT rank when ``compression == "tt"``.
         placement: ``device`` or ``host``.
+        managed: raw 64-bit ids mapped to the rows while training (:class:`ManagedConfig`; ``admit_after: 0``,
+            the default, follows ``model.managed``). Not a form: what the table's features carry.
     """
 
     name: str
@@ -115,6 +161,7 @@ class TableConfig:
     compression: str = "none"
     tt_rank: int = 32
     placement: str = "device"
+    managed: ManagedConfig = field(default_factory=ManagedConfig)
 
     def __post_init__(self) -> None:
         self.features = self.spec.features  # the facts checked, the default feature filled in
@@ -124,12 +171,32 @@ class TableConfig:
             raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
         if self.compression == "tt" and self.tt_rank <= 0:
             raise ConfigError(f"table {self.name!r}: tt_rank must be positive, got {self.tt_rank}")
+        if isinstance(self.managed, dict):  # built by hand (from_dict builds the dataclass)
+            self.managed = from_dict(ManagedConfig, self.managed, f"table {self.name!r}: managed")
+        check_managed(self.managed, f"table {self.name!r}: managed")
 
     @property
     def spec(self) -> TableSpec:
         """The table's facts."""
         facts = {k: getattr(self, k) for k in FACT_FIELDS}
         return TableSpec(**{**facts, "features": list(self.features)})
+
+
+def managed_tables(model: "ModelConfig", tables: list[TableSpec]) -> dict[str, ManagedConfig]:
+    """The managed tables among ``tables`` (the model's, facts) and their settings: a ``model.tables`` entry's own
+    ``managed`` (``admit_after >= 1``), else ``model.managed`` when it is on; a managed table needs at least 2
+    rows (row 0 is the default row)."""
+    own = {t.name: t.managed for t in model.tables if isinstance(t, TableConfig) and t.managed.enabled}
+    out = {}
+    for t in tables:
+        m = own.get(t.name) or (model.managed if model.managed.enabled else None)
+        if m is None:
+            continue
+        if t.num_rows < 2:
+            raise ConfigError(f"table {t.name!r}: managed tables need num_rows >= 2 (row 0 is the default row), "
+                              f"got {t.num_rows}")
+        out[t.name] = m
+    return out
 
 
 def feature_to_table(tables: list[TableSpec]) -> dict[str, int]:
@@ -251,6 +318,9 @@ class ModelConfig:
     hosts_per_tower: int = 1  # K: hosts of one tower group (DMT 3.1.3)
     tower_sharding: str = "table"  # table | row: tables inside a tower group (DMT 3.1.3, 4)
     tower_permute: str = "auto"  # auto | embeddings | ids (steps b and c swapped, DMT 3.1.3)
+    # every table managed (raw 64-bit ids mapped to rows while training, issue 17): admit_after k >= 1 turns it on;
+    # a model.tables entry's own managed (admit_after >= 1) wins for that table (specs.ManagedConfig)
+    managed: ManagedConfig = field(default_factory=ManagedConfig)
 
 
 @dataclass
@@ -452,6 +522,8 @@ def validate(obj: Any, path: str = "") -> None:
         if bad:
             rng = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high is not None else "")
             raise ConfigError(f"{where}{key}: {v!r} is not a finite number {rng}")
+    if isinstance(obj, ModelConfig):
+        check_managed(obj.managed, f"{where}managed")
     if isinstance(obj, TrainConfig):
         check_device(obj.device, f"{where}device")
         if obj.lr_warmup_fraction > 1.0:

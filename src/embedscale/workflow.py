@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-from embedscale.data.loader import ShardLoader
 from embedscale.io import atomic_write_json, atomic_write_text
 from embedscale.plan.forms import config_forms, host_pipeline_depth, table_bytes
 from embedscale.specs import RunConfig, TableSpec, dump_config
@@ -22,6 +21,7 @@ from embedscale.train.lock import RunLock
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
                                  tt_lr)
+from embedscale.assemble import eval_loader as assemble_eval_loader, raw_id_features
 from embedscale.assemble import train_loader as assemble_train_loader
 from embedscale.errors import EmbedscaleError
 from embedscale.io import read_json
@@ -53,8 +53,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)
     t = cfg.train
     train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()))
-    eval_loader = (ShardLoader(data.eval.directory, max(t.batch_size, 8192), start=data.eval.start,
-                               stop=data.eval.stop, prefetch=t.prefetch, device=device) if data.eval else None)
+    eval_loader = assemble_eval_loader(cfg, data.eval, device) if data.eval else None
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)
@@ -90,7 +89,7 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
     with RunLock(run_dir):  # this process holds the run for as long as it runs (train.lock)
         data = prepare_data(cfg, progress=progress)
         tables = tables_for(cfg, data.manifest)
-        prof = profile(data, run_dir / "profile", tables, progress=progress)
+        prof = profile(data, run_dir / "profile", tables, progress=progress, raw_ids=raw_id_features(cfg, tables))
         if cfg.dist.nproc > 1:
             summary = _run_distributed(cfg, run_dir, data, tables, progress)
         else:

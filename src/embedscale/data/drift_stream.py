@@ -3,8 +3,9 @@
 What this module owns: :class:`DriftingStream`, the input of the online-training tests and benchmarks
 (managed ids, rolling profile, re-planning). :mod:`embedscale.data.synthetic` draws a fixed power law
 over a fixed table; here the input moves, as click logs do (new users and items every day, a hot set
-that moves within hours; OPER section 8 names re-planning under such drift as future work). Not yet
-used by ``train``: ``data.source = stream`` and the shard writer come with the stream loader.
+that moves within hours; OPER section 8 names re-planning under such drift as future work).
+:func:`write_drift_dataset` writes batches as shards of raw 64-bit ids, the input of managed tables in
+training (``specs.ManagedConfig``).
 
 Definitions, per table (every table follows them with its own random streams):
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from embedscale.data.shards import Columns
+from embedscale.data.shards import Columns, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.data.synthetic import (LOGIT_STD, POSITIVE_RATE, SHARE_DENSE, SHARE_ROW, _mix,
                                        _splitmix64_int)
 from embedscale.errors import ConfigError
@@ -201,3 +202,23 @@ class DriftingStream:
         """Batch ``step``: labels int8 ``[B]``, dense float32 ``[B, num_dense]``, per table
         ``(raw ids int64 [B], lengths of ones)``."""
         return self.batch_with_probability(step)[0]
+
+
+def write_drift_dataset(stream: DriftingStream, directory, steps: int, *, num_rows: int, first_step: int = 0,
+                        shard_rows: int = 1_000_000) -> Manifest:
+    """Batches ``first_step .. first_step + steps - 1`` of ``stream`` as a shard dataset (``data.shards``) whose
+    sparse features (one per table) hold the *raw* 64-bit ids (int64), for managed tables (``specs.ManagedConfig``:
+    ids are mapped to rows while training). ``num_rows``: the rows the manifest gives every feature (what a
+    model's default tables get); a loader checks these ids only for a table that is not managed."""
+    if int(steps) < 1 or int(num_rows) < 2:
+        raise ConfigError(f"drift dataset: steps ({steps}) must be >= 1 and num_rows ({num_rows}) >= 2")
+    cfg = stream.cfg
+    dense_names = [f"I{i + 1}" for i in range(cfg.num_dense)]
+    sparse = [SparseFeatureInfo(name, int(num_rows)) for name in cfg.tables]
+    extra = {"generator": "drift_stream", "raw_ids": list(cfg.tables), "seed": stream.seed,
+             "first_step": int(first_step), "steps": int(steps)}
+    with ShardWriter(directory, dense_names, sparse, shard_rows=shard_rows, extra=extra) as w:
+        for s in range(int(first_step), int(first_step) + int(steps)):
+            cols = stream.batch(s)
+            w.write(cols.labels, cols.dense, {name: cols.sparse[name][0] for name in cfg.tables})
+    return w.manifest

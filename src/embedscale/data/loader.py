@@ -7,7 +7,7 @@ all ranks see the same global batch sequence). ``skip_batches`` fast-forwards wi
 which is how a resumed run continues exactly where its checkpoint stopped.
 
 Every batch is checked before it leaves the loader: dense values finite, labels 0 or 1, row ids inside
-their table. A failure names the shard file, the row in it, and the feature.
+their table (except the ``raw_ids`` features: a managed table's raw 64-bit ids, any int64). A failure names the shard file, the row in it, and the feature.
 """
 
 from __future__ import annotations
@@ -39,6 +39,16 @@ class _Block:
     weights: np.ndarray | None = None  # sample weights (weighted datasets)
 
 
+def check_raw_ids(raw_ids, features: list[str], where) -> frozenset[str]:
+    """The raw-id features a loader leaves unchecked, each one a feature of the data (else an ``InputError``)."""
+    raw = frozenset(raw_ids)
+    unknown = sorted(raw - set(features))
+    if unknown:
+        raise InputError(f"{where}: raw-id (managed) features {unknown} are not in the data (features: "
+                         f"{', '.join(features)})")
+    return raw
+
+
 def check_batching(batch_size: int, rank: int, world_size: int) -> None:
     """A loader's batch size and rank, checked (every loader: shards and streams)."""
     if batch_size <= 0:
@@ -62,6 +72,8 @@ class ShardLoader:
         prefetch: batches prepared ahead on a background thread (0 = synchronous).
         device: where tensors go.
         validate: check dense, labels and row ids of every batch.
+        raw_ids: features whose values are raw 64-bit ids (the features of managed tables, ``specs.ManagedConfig``):
+            any int64 passes; the others' ids must lie in ``[0, num_rows)`` of their table.
 
     Example::
 
@@ -73,7 +85,7 @@ class ShardLoader:
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  start: int = 0, stop: int | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, prefetch: int = 2, device: torch.device | str | None = None,
-                 validate: bool = True):
+                 validate: bool = True, raw_ids=()):
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         total = self.manifest.rows
@@ -95,6 +107,7 @@ class ShardLoader:
         self.skip_batches = 0
         self.feature_names = self.manifest.sparse_names
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
+        self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
 
     @property
     def rows(self) -> int:
@@ -213,6 +226,8 @@ class ShardLoader:
         counts = [sum(v.size for v in values[f * P:(f + 1) * P]) for f in range(len(self.feature_names))]
         bounds = np.repeat(np.array([self._num_rows[n] for n in self.feature_names], dtype=np.int64), counts)
         bad = (flat < 0) | (flat >= bounds)
+        if self.raw_ids:  # managed tables' features: raw 64-bit ids, mapped to rows by the run (any value)
+            bad &= np.repeat(np.array([n not in self.raw_ids for n in self.feature_names]), counts)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             f = int(np.searchsorted(np.cumsum(counts), i, side="right"))

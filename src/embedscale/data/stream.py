@@ -48,7 +48,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from embedscale.data.loader import ShardLoader, check_batching, _Block, _prefetched, _sel_len, _slice_sparse
+from embedscale.data.loader import ShardLoader, check_batching, check_raw_ids, _Block, _prefetched, _sel_len, _slice_sparse
 from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
 from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
@@ -186,7 +186,7 @@ class StreamLoader(ShardLoader):
         idle_s: end when no new shard has arrived for this many seconds (0 = only at the ``END`` marker;
             a world of one only, see the module docstring).
         poll_s: how often the directory is looked at while waiting for the next shard.
-        prefetch, device, validate: as :class:`~embedscale.data.loader.ShardLoader`.
+        prefetch, device, validate, raw_ids: as :class:`~embedscale.data.loader.ShardLoader`.
 
         follow: ``(path, token)`` of the follow file by which rank 0 decides for every rank (module
             docstring); needed with ``idle_s`` on several ranks.
@@ -197,7 +197,7 @@ class StreamLoader(ShardLoader):
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  idle_s: float = 0.0, poll_s: float = 0.2, prefetch: int = 2,
                  device: torch.device | str | None = None, validate: bool = True,
-                 follow: tuple[Path, str] | None = None):
+                 follow: tuple[Path, str] | None = None, raw_ids=()):
         self.directory = Path(directory)
         self.manifest = read_stream_schema(self.directory)
         check_batching(batch_size, rank, world_size)
@@ -215,6 +215,7 @@ class StreamLoader(ShardLoader):
         self.epoch, self.skip_batches = 0, 0
         self.feature_names = self.manifest.sparse_names
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
+        self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
         self._want = arrow_schema(self.manifest.num_dense, self.manifest.sparse, self.manifest.weighted)
         self.start = {"shard": 0, "row": 0}
         self.end_reason = ""

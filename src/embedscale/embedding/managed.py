@@ -7,8 +7,9 @@ embedding tables do the same; OPER section 8 names adapting to new ids as future
 
 What this module owns: the mapping of one table (:class:`ManagedIdTable`) and of several
 (:class:`ManagedIds`), and :func:`reset_rows`, which re-initialises rows and their optimizer state in a
-``LocalEmbeddingBags``-like ``[rows, dim]`` weight and ``[rows]`` row-wise state. Not yet used by
-``train``: the run loop, the checkpoint and the sharding of the mapping come later.
+``LocalEmbeddingBags``-like ``[rows, dim]`` weight and ``[rows]`` row-wise state. A run uses them through
+:mod:`embedscale.embedding.managed_lookup` (managed tables, ``specs.ManagedConfig``; the mapping replicated on
+N ranks, in the checkpoint); the mapping sharded with the rows comes later.
 
 Layout. A table of ``num_rows`` rows keeps row 0 as the *default row*, shared by every id that has no
 row of its own; rows ``1 .. num_rows - 1`` are given to ids. Everything is a tensor on the table's

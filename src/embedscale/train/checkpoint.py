@@ -22,8 +22,9 @@ A rank file holds only tensors, numbers, strings, lists and dicts (read back wit
 - ``optimizer``: the dense optimizer's state *by parameter name* (positions differ between a sharded and a
   single-process model), and on rank 0 ``optimizer_groups`` (learning rates, warmup base rates);
 - rank 0 only: ``losses`` (every step's loss), ``rng_torch``, ``host`` (host parameter-server tables:
-  ``<table>.weight`` / ``.momentum``) and ``tt`` (TT cores and their optimizer state: every rank's copy is
-  the same).
+  ``<table>.weight`` / ``.momentum``), ``tt`` (TT cores and their optimizer state: every rank's copy is
+  the same) and ``managed`` (the managed tables' id mappings, ``<table>.<key>`` tensors of
+  ``ManagedIdTable.state_dict``: every rank's copy is the same; whole in a delta too).
 
 The manifest holds the run position (step, epoch, batch_in_epoch, samples, and the early-stopping state:
 best step and value, evaluations without improvement, stopped), ``kind`` (``plan``: flat
@@ -291,6 +292,19 @@ def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[di
     return out + delta
 
 
+MANAGED = "managed"  # rank 0's entry: the managed tables' id mappings (embedding.managed_lookup), one copy
+
+
+def load_managed(lookup, r0: dict, where) -> None:
+    """Restore the managed tables' id mappings from rank 0's file (``MANAGED``: written once, by rank 0, read on any
+    world size: every rank holds the whole mapping); a checkpoint without them is a ``FormatError``."""
+    state = r0.get(MANAGED)
+    if not state:
+        raise FormatError(f"{where}: no id mappings of managed tables in the checkpoint; this model manages "
+                          f"{sorted(lookup.specs)}")
+    lookup.load_state_dict(state, where)
+
+
 def rank0(shards: list[dict]) -> dict:
     return next(sh for sh in shards if sh["rank"] == 0)
 
@@ -345,8 +359,8 @@ def assemble_table(shards: list[dict], name: str, num_rows: int, where: Any) -> 
 def load_checkpoint(path: str | Path) -> dict:
     """A whole checkpoint in one process (tools, tests, ``embedscale evaluate``): ``manifest``, ``step``,
     ``epoch``, ``batch_in_epoch``, ``samples``, ``config_yaml``, ``losses``, ``tables`` (``{name: {"weight",
-    "momentum"}}`` whole), ``dense``, ``optimizer`` (by parameter name), ``optimizer_groups``, ``host``, ``tt``.
-    ``path`` is a checkpoint or a run directory (its latest checkpoint)."""
+    "momentum"}}`` whole), ``dense``, ``optimizer`` (by parameter name), ``optimizer_groups``, ``host``, ``tt``,
+    ``managed`` (the managed tables' id mappings; ``{}`` without). ``path`` is a checkpoint or a run directory (its latest checkpoint)."""
     ckpt = resolve_checkpoint(path)
     m = read_manifest(ckpt)
     shards = read_shards(ckpt, m)
@@ -359,7 +373,7 @@ def load_checkpoint(path: str | Path) -> dict:
             "batch_in_epoch": m["batch_in_epoch"], "samples": m["samples"], "config_yaml": m.get("config_yaml", ""),
             "losses": [float(x) for x in r0.get("losses", [])], "tables": tables, "dense": merged(shards, "dense"),
             "optimizer": merged(shards, "optimizer"), "optimizer_groups": r0.get("optimizer_groups", []),
-            "host": r0.get("host", {}), "tt": r0.get("tt", {})}
+            "host": r0.get("host", {}), "tt": r0.get("tt", {}), MANAGED: r0.get(MANAGED, {})}
 
 
 # -- writing ----------------------------------------------------------------------------------------

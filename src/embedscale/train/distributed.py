@@ -47,7 +47,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import assemble
-from embedscale.data.loader import ShardLoader
 from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
@@ -60,8 +59,8 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
                                    replicated_tables_meta)
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, merged, rank0, read_manifest, read_shards,
-                                        resolve_checkpoint, table_pieces, write_rank_file)
+from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
+                                        read_manifest, read_shards, resolve_checkpoint, table_pieces, write_rank_file)
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
@@ -281,7 +280,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
         plan_dir.mkdir(parents=True, exist_ok=True)
-        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress,
+                                raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
         if checkpoint_forms:
@@ -302,7 +302,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
     if not saved:
         if world % d.topology_hosts:
             raise ConfigError(f"dist.topology_hosts {d.topology_hosts} does not divide {world} ranks")
-        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress)
+        prof = assemble.profile(data, plan_dir.parent / "profile", tables, progress=progress,
+                                raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, forms=forms, mode=d.mode, extra_memory=d.extra_memory,
                          batch_size=max(1, cfg.train.batch_size // world))
@@ -363,6 +364,8 @@ class DistributedRun:
             stats=self.tt_stats)
         built = build_embedding(self.all_tables, self.plan, self.embedding_env, forms=self.forms)
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
+        # managed tables: raw ids mapped to rows before every lookup, the mapping replicated (embedding.managed_lookup)
+        self.managed = assemble.install_managed(cfg, self.all_tables, built, self.forms, group=self._new_group())
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
@@ -433,9 +436,7 @@ class DistributedRun:
         self.bytes_per_step: list[int] = []
         self.sync_bytes_per_step: list[int] = []
         ev = self.data.eval
-        self.eval_loader = ShardLoader(ev.directory, max(t.batch_size, 8192), rank=rank, world_size=world,
-                                       start=ev.start, stop=ev.stop, prefetch=t.prefetch,
-                                       device=self.device) if ev else None
+        self.eval_loader = assemble.eval_loader(cfg, ev, self.device, rank=rank, world=world) if ev else None
 
     # the position, as attributes
     step = property(lambda self: self.state.step)
@@ -485,6 +486,11 @@ class DistributedRun:
             out["input_pipelined_steps"] = int(self.embedding.stats.get("prefetched_steps", 0))
         if getattr(self, "pipeline_depth", None):  # host tables: the depth they ran (host_pipeline_depth)
             out["pipeline_depth"] = self.pipeline_depth
+        if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (same on every rank)
+            out["managed"] = self.managed.counters()
+            # the ids' all_gather (sizes and ids, padded to the largest rank's; grad_sync.all_gather_var's count)
+            sent = self.managed.stats.get("bytes_sent", 0)
+            out["managed_gather_bytes_per_step"] = sent / max(len(self.bytes_per_step), 1)
         out.update(self.executor_figures())
         return out
 
@@ -554,6 +560,8 @@ class DistributedRun:
                 shard["host"] = {k: v.detach().cpu() for k, v in self.host_embedding.host_state().items()}
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
+            if getattr(self, "managed", None) is not None:  # the id mappings: identical on every rank
+                shard[MANAGED] = self.managed.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
         if track:
             self.embedding.track_touched()
@@ -604,6 +612,8 @@ class DistributedRun:
             load_tt_state(self.tt_embedding.tt, r0.get("tt"), ckpt_dir, with_optimizer=not self.inference)
         if not self.inference:
             load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
+        if getattr(self, "managed", None) is not None:
+            load_managed(self.managed, r0, ckpt_dir)
         if "rng_torch" in r0:
             torch.set_rng_state(r0["rng_torch"])
         self.state.restore(m, r0.get("losses", []))

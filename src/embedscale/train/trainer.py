@@ -26,8 +26,9 @@ from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.errors import ConfigError, FormatError
 from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.loop import PipelinedLoader
-from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, merged, rank0, read_manifest, read_shards,
-                                        resolve_checkpoint, write_rank_file)
+from embedscale.embedding.managed_lookup import managed_of
+from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
+                                        read_manifest, read_shards, resolve_checkpoint, write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
@@ -100,6 +101,8 @@ def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
         host.load_host_state(rank0(shards).get("host") or {})
     if tt is not None:
         load_tt_state(tt, rank0(shards).get("tt"), ckpt, with_optimizer=False)
+    if managed_of(model) is not None:
+        load_managed(managed_of(model), rank0(shards), ckpt)
     load_dense_state(model, merged(shards, "dense"), ckpt)
     return m
 
@@ -139,6 +142,7 @@ class Trainer:
         self.state = RunState()
         self.rows: list[MetricRow] = []
         self._tables, self._host, self._tt = _parts(model)
+        self._managed = managed_of(model)  # managed tables' id mappings (embedding.managed_lookup), or None
         self._names = param_names(model, dense_optimizer)
 
     # the position, as attributes (tests and callers read them)
@@ -162,7 +166,7 @@ class Trainer:
         return evaluate(self.model, self.eval_loader, progress=self.progress)
 
     def figures(self) -> dict:
-        return {}
+        return {"managed": self._managed.counters()} if self._managed is not None else {}
 
     def barrier(self) -> None:
         pass
@@ -182,6 +186,8 @@ class Trainer:
             shard["host"] = {k: v.detach().cpu() for k, v in self._host.host_state().items()}
         if self._tt is not None:
             shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
+        if self._managed is not None:
+            shard[MANAGED] = self._managed.state_dict()
         write_rank_file(ckpt_dir, 0, shard)
         if track:
             for m in {id(m): m for m in self._tables.values()}.values():
@@ -228,6 +234,8 @@ class Trainer:
             load_tt_state(self._tt, r0.get("tt"), ckpt_dir)
         load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
         load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
+        if self._managed is not None:
+            load_managed(self._managed, r0, ckpt_dir)
         if "rng_torch" in r0:
             torch.set_rng_state(r0["rng_torch"])
         self.state.restore(m, r0.get("losses", []))

@@ -1,0 +1,153 @@
+"""Managed ids against hashing, on a drifting stream with new ids: progressive AUC (issue 17 part 2).
+
+Input: a ``DriftingStream`` (``data.drift_stream``): two tables (``user``, ``item``) whose universe grows by
+``--new-ids`` ids per step, a hot set rotating every ``--rotate`` steps, labels from the stream's teacher.
+Both models have the same tables of ``--rows`` rows each (the same embedding memory) and see the same batches:
+
+* ours: a *managed* table (``model.managed``: ``admit_after`` k, ``lru``/``lfu``/``ttl``): raw ids admitted
+  to rows after k sightings, the rows of stale ids taken back (``embedding.managed_lookup``);
+* baseline at its best: the raw 64-bit ids hashed into the table (``id mod rows``; the stream's ids are
+  already splitmix64-scattered, so this is a uniform hash), the way a fixed table takes a growing vocabulary.
+
+The figure is the progressive AUC (``pv_auc``: every batch scored by the training forward before its update,
+over the last ``--window`` samples) at the end of the run, and its mean over the logged windows of the
+second half (a stream's learning is judged while it runs). Per seed both runs, alternating which goes first;
+median and p90 over seeds of the figure and of the per-seed difference. The teacher's own AUC over the
+same final window is the ceiling. Seconds per run are reported too (1 torch thread, ``--threads``). Prints
+one JSON line with the load average. Memory: the managed mapping
+adds per row an id, a flag, a last step and a count (25 bytes) and up to ``4 x rows`` pending ids (24 bytes
+each) beside the ``rows x dim x 4`` bytes of weights both models hold.
+
+    .venv/bin/python benchmarks/bench_online_ids.py [--quick] [--seeds 3] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from embedscale import workflow
+from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
+from embedscale.data.metrics import binary_metrics
+from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+from embedscale.specs import RunConfig, from_dict
+from embedscale.train.metrics import MetricsLog
+
+
+def write_hashed(stream: DriftingStream, directory: Path, steps: int, rows: int) -> None:
+    """The same batches with every raw id hashed into ``rows`` rows (``id mod rows`` as unsigned 64-bit)."""
+    cfg = stream.cfg
+    sparse = [SparseFeatureInfo(t, rows) for t in cfg.tables]
+    with ShardWriter(directory, [f"I{i + 1}" for i in range(cfg.num_dense)], sparse, shard_rows=1 << 20) as w:
+        for s in range(steps):
+            cols = stream.batch(s)
+            w.write(cols.labels, cols.dense,
+                    {t: (cols.sparse[t][0].view(np.uint64) % np.uint64(rows)).astype(np.int64) for t in cfg.tables})
+
+
+def teacher_auc(stream: DriftingStream, steps: int, window: int) -> float:
+    """The teacher's AUC over the last ``window`` samples (its probabilities as scores)."""
+    ys, zs = [], []
+    B = stream.cfg.batch_size
+    for s in range(steps - max(1, window // B), steps):
+        cols, p = stream.batch_with_probability(s)
+        ys.append(cols.labels.astype(np.float64))
+        zs.append(np.log(p / (1 - p)))
+    return binary_metrics(np.concatenate(ys), np.concatenate(zs))["auc"]
+
+
+def run(directory: Path, out: Path, args, managed: dict) -> dict:
+    cfg = from_dict(RunConfig, {
+        "name": "online", "out_dir": str(out),
+        "data": {"source": "shards", "path": str(directory), "eval_fraction": 0.0},
+        "model": {"embedding_dim": args.dim, "bottom_mlp": [32, args.dim], "top_mlp": [64, 32], "managed": managed},
+        "train": {"batch_size": args.batch, "log_every": args.log_every, "progressive_window": args.window,
+                  "lr_sparse": args.lr_sparse, "lr_dense": 0.01, "lr_warmup_steps": 20, "dropout": 0.0,
+                  "eval_every": 0, "prefetch": 2},
+    })
+    t0 = time.perf_counter()
+    s = workflow.train(cfg, out, resume=False, progress=False)
+    secs = time.perf_counter() - t0
+    rows = [r for r in MetricsLog(out).read() if np.isfinite(getattr(r, "pv_auc", np.nan))]
+    half = [r.pv_auc for r in rows if r.step > args.steps // 2]
+    return {"final": s["progressive"]["auc"], "second_half_mean": float(np.mean(half)), "seconds": secs,
+            "managed": s.get("managed", {})}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a small run (CI-sized)")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--rows", type=int, default=4096, help="rows per table, both models")
+    ap.add_argument("--initial-ids", type=int, default=20_000)
+    ap.add_argument("--new-ids", type=int, default=64, help="new ids per table per step")
+    ap.add_argument("--hot-ids", type=int, default=2_000)
+    ap.add_argument("--rotate", type=int, default=50)
+    ap.add_argument("--window", type=int, default=25_600)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--lr-sparse", type=float, default=0.05)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--admit-after", type=int, default=2)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--ttl", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both models (1: robust under "
+                    "load; the mapping's small tensor ops slow down 20-40x with 2 contended threads)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.seeds, args.steps, args.window = 1, 60, 10_240
+    dcfg = DriftConfig(tables=("user", "item"), initial_ids=args.initial_ids, new_ids_per_step=args.new_ids,
+                       hot_ids=args.hot_ids, hot_share=0.8, rotate_every=args.rotate, batch_size=args.batch,
+                       num_dense=4)
+    managed = {"admit_after": args.admit_after, "policy": args.policy, **({"ttl": args.ttl} if args.ttl else {})}
+    res = {"managed": [], "hashed": [], "teacher": []}
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench_online_ids-") as tmp:
+        tmp = Path(tmp)
+        for seed in range(args.seeds):
+            stream = DriftingStream(dcfg, seed=seed)
+            raw, hashed = tmp / f"raw-{seed}", tmp / f"hashed-{seed}"
+            write_drift_dataset(stream, raw, args.steps, num_rows=args.rows)
+            write_hashed(stream, hashed, args.steps, args.rows)
+            order = [("managed", raw, managed), ("hashed", hashed, {})]
+            for name, d, m in (order if seed % 2 == 0 else order[::-1]):  # interleaved: alternate who goes first
+                res[name].append(run(d, tmp / f"{name}-{seed}", args, m))
+                print(f"seed {seed} {name}: {res[name][-1]}", file=sys.stderr, flush=True)
+            res["teacher"].append(teacher_auc(stream, args.steps, args.window))
+    load1 = os.getloadavg()[0]
+    fig = [r["final"] for r in res["managed"]]
+    base = [r["final"] for r in res["hashed"]]
+    diff = [a - b for a, b in zip(fig, base)]
+    half_m = [r["second_half_mean"] for r in res["managed"]]
+    half_h = [r["second_half_mean"] for r in res["hashed"]]
+    out = {
+        "benchmark": "online_ids", "figure": "progressive AUC at the end (managed ids)",
+        "value": float(np.median(fig)), "baseline": float(np.median(base)),
+        "ratio": float(np.median(fig) / np.median(base)),
+        "median_diff": float(np.median(diff)), "p90_diff": float(np.percentile(diff, 90)),
+        "min_diff": float(np.min(diff)),
+        "p90": {"managed": float(np.percentile(fig, 90)), "hashed": float(np.percentile(base, 90))},
+        "second_half_mean_pv_auc": {"managed": float(np.median(half_m)), "hashed": float(np.median(half_h))},
+        "teacher_auc": float(np.median(res["teacher"])),
+        "seconds_per_run": {"managed": float(np.median([r["seconds"] for r in res["managed"]])),
+                            "hashed": float(np.median([r["seconds"] for r in res["hashed"]]))},
+        "managed_counters": res["managed"][0]["managed"],
+        "per_seed": {"managed": fig, "hashed": base},
+        "load_average": [round(load0, 2), round(load1, 2)],
+        "config": {**vars(args), "drift": {k: v for k, v in vars(dcfg).items()}, "managed": managed},
+    }
+    sys.stdout.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()

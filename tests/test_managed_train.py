@@ -1,0 +1,335 @@
+"""Managed tables in training (issue 17 part 2) against independent references.
+
+* One process: ``workflow.train`` with ``model.managed`` equals the same loop (``Trainer``, ``fit``) over an
+  ordinary table whose batches were mapped by the plain-Python dict implementation of the rules
+  (``test_managed_ids.Reference``), the rows it reports reset to their initial values
+  (``embedding.init.uniform_rows``) with zero Adagrad state: same losses, same rows, same mapping.
+* 2 ranks (a plan with replicated rows of a managed table) equal one process (losses, rows, dense state
+  within 1e-5; the mapping equal); the 2-rank run's mid-run checkpoint resumed in one process continues as
+  the uninterrupted run (the mapping written once by rank 0, read on another world size).
+* A resume after a stop equals the uninterrupted run.
+* Bad managed configs are errors naming table and key; the loader accepts any raw id of a managed table's
+  feature and still rejects out-of-range ids of an unmanaged one.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from embedscale import assemble, workflow
+from embedscale.data.batch import Batch, JaggedFeatures
+from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
+from embedscale.data.loader import ShardLoader
+from embedscale.embedding.init import uniform_rows
+from embedscale.data.shards import SparseFeatureInfo
+from embedscale.data.stream import StreamWriter
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.managed_lookup import ManagedLookup, managed_of
+from embedscale.errors import ConfigError, InputError
+from embedscale.plan.plan import Plan
+from embedscale.specs import ManagedConfig, RunConfig, TableSpec, from_dict, load_config, to_dict
+from embedscale.train.checkpoint import load_checkpoint, step_dir
+from embedscale.train.launch import spawn_local
+from embedscale.train.loop import LoopConfig
+from embedscale.train.trainer import Trainer
+
+from test_managed_ids import Reference  # the dict implementation of embedding/managed.py's rules
+
+ROWS = 12
+TABLES = ("user", "item")
+BATCH = 40
+STEPS = 8
+MANAGED = {"admit_after": 2, "policy": "lfu"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("drift")
+    stream = DriftingStream(DriftConfig(tables=TABLES, initial_ids=120, new_ids_per_step=4, hot_ids=10,
+                                        hot_share=0.7, rotate_every=3, batch_size=BATCH, num_dense=2), seed=3)
+    write_drift_dataset(stream, d, 10, num_rows=ROWS, shard_rows=130)  # 400 rows: 320 train, 80 eval
+    return d
+
+
+def config(tmp_path, data_dir, managed=MANAGED, **train) -> RunConfig:
+    return from_dict(RunConfig, {
+        "name": "m", "out_dir": str(tmp_path / "runs"),
+        "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "managed": managed},
+        "train": {"batch_size": BATCH, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "log_every": 1,
+                  "lr_warmup_steps": 0, "prefetch": 0, "dropout": 0.0, **train},
+        "dist": {"timeout_s": 300},
+    })
+
+
+def state(run_dir):
+    ck = load_checkpoint(run_dir)
+    w = torch.cat([ck["tables"][f"t_{t}"]["weight"] for t in TABLES])
+    return ck["losses"], w, ck["dense"], ck["managed"]
+
+
+def mapping_of(managed_state: dict, table: str) -> dict[int, int]:
+    used = managed_state[f"t_{table}.row_used"]
+    rows = torch.nonzero(used).squeeze(1)
+    return dict(zip(managed_state[f"t_{table}.row_id"][rows].tolist(), rows.tolist()))
+
+
+# -- the reference: an ordinary table, batches mapped by the dict implementation ---------------------------
+class MappedLoader:
+    """A ShardLoader's batches with every sparse feature's raw ids mapped by ``Reference`` (``assign`` while
+    training, which also resets the rows it reports in ``model``; the mapping as it stands for evaluation)."""
+
+    def __init__(self, inner: ShardLoader, refs: dict, model, tables: list[TableSpec], seed: int, train: bool):
+        self.inner, self.refs, self.model, self.tables, self.seed, self.train = inner, refs, model, tables, seed, train
+        self.admissions = 0
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch, skip_batches=0):
+        self.inner.set_epoch(epoch, skip_batches)
+
+    def __iter__(self):
+        emb = self.model.sparse_arch.embedding
+        for b in self.inner:
+            vals = b.sparse.to_dict()
+            out = []
+            for i, key in enumerate(b.sparse.keys):
+                ids = vals[key][0].tolist()
+                ref = self.refs[key]
+                if self.train:
+                    rows, admitted, evicted = ref.assign(ids)
+                    reset = sorted({r for _, r in admitted + evicted})
+                    self.admissions += len(admitted)
+                    if reset:
+                        name = f"t_{key}"
+                        t = [s.name for s in self.tables].index(name)
+                        with torch.no_grad():
+                            emb.table_weight(name)[reset] = torch.from_numpy(
+                                uniform_rows(self.seed, t, np.array(reset), 4, ROWS))
+                            emb.table_momentum(name)[reset] = 0
+                else:
+                    rows = [ref.row_of.get(x, 0) for x in ids]
+                out.append(torch.tensor(rows, dtype=torch.int64))
+            sparse = JaggedFeatures(b.sparse.keys, torch.cat(out), b.sparse.lengths)
+            yield Batch(b.dense, sparse, b.labels, weights=b.weights)
+
+
+def reference_run(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir, managed={})  # an ordinary model: the same tables, the same initial rows
+    data = assemble.prepare_data(cfg, progress=False)
+    tables = assemble.tables_for(cfg, data.manifest)
+    model, opt = assemble.build(cfg, tables, data.manifest.num_dense, torch.device("cpu"), validate=True)
+    raw = frozenset(TABLES)
+    refs = {t: Reference(ROWS, MANAGED["admit_after"], MANAGED["policy"]) for t in TABLES}
+    train = MappedLoader(ShardLoader(data.train.directory, BATCH, stop=data.train.stop, prefetch=0, raw_ids=raw),
+                         refs, model, tables, cfg.train.seed, True)
+    ev = MappedLoader(ShardLoader(data.eval.directory, 8192, start=data.eval.start, stop=data.eval.stop, prefetch=0,
+                                  raw_ids=raw), refs, model, tables, cfg.train.seed, False)
+    tr = Trainer(model, opt, train, ev, tmp_path / "reference", progress=False, loop=LoopConfig.from_train(cfg.train))
+    summary = tr.fit()
+    w = torch.cat([model.sparse_arch.embedding.table_weight(f"t_{t}").detach().clone() for t in TABLES])
+    return tr.losses, w, summary, refs, train.admissions
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_dir):
+    """The managed single-process run (checkpoints every 4 steps), trained once for the module."""
+    tmp = tmp_path_factory.mktemp("single")
+    summary = workflow.train(config(tmp, data_dir, checkpoint_every=4), tmp / "run", resume=False, progress=False)
+    return tmp / "run", summary
+
+
+def test_single_process_equals_dict_reference(tmp_path, data_dir, single):
+    run_dir, summary = single
+    losses, w, _, managed = state(run_dir)
+    ref_losses, ref_w, ref_summary, refs, admissions = reference_run(tmp_path, data_dir)
+    assert len(losses) == STEPS
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-6)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-6)
+    for t in TABLES:
+        assert mapping_of(managed, t) == refs[t].row_of
+        counters = dict(zip(("lookups", "hits", "collisions", "admissions", "evictions", "pending_dropped"),
+                            managed[f"t_{t}.counters"].tolist()))
+        assert counters == refs[t].counters
+        assert counters["evictions"] > 0  # the run did evict (the rows are fewer than the hot ids + new ones)
+    assert admissions > 2 * (ROWS - 1)
+    assert summary["eval_auc"] == pytest.approx(ref_summary["eval_auc"], abs=1e-9)  # eval maps with rows_of
+
+
+def test_resume_after_a_stop_equals_the_uninterrupted_run(tmp_path, data_dir, single):
+    run_dir, _ = single
+    want = state(run_dir)
+    rd = tmp_path / "stopped"
+    workflow.train(config(tmp_path, data_dir, max_steps=3), rd, resume=False, progress=False)
+    got_mid = load_checkpoint(rd)["managed"]
+    assert got_mid and int(got_mid["t_user.step"]) == 3
+    workflow.train(config(tmp_path, data_dir), rd, resume=True, progress=False)
+    losses, w, dense, managed = state(rd)
+    np.testing.assert_allclose(losses, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(w, want[1], rtol=0, atol=0)
+    for k, v in want[3].items():
+        assert torch.equal(managed[k], v), k
+
+
+# -- 2 ranks ----------------------------------------------------------------------------------------
+def replicated_plan(world: int) -> Plan:
+    """Table t_user: rows 0-3 replicated on every rank (the default row among them), the rest split; t_item
+    split row-wise. Resets then hit replicas and owned rows on both ranks."""
+    ts = [TableSpec(f"t_{t}", ROWS, 4, features=[t]) for t in TABLES]
+    pt, ps, pe, own, hold = [0], [0], [4], [0], [np.ones(world, bool)]
+    for t in range(2):
+        lo = 4 if t == 0 else 0
+        cuts = np.linspace(lo, ROWS, world + 1).astype(int)
+        for r in range(world):
+            h = np.zeros(world, bool)
+            h[(r + t) % world] = True
+            pt.append(t), ps.append(cuts[r]), pe.append(cuts[r + 1]), own.append((r + t) % world), hold.append(h)
+    return Plan(ts, world, [None, None], pt, ps, pe, owner=own, holders=np.array(hold), meta={"strategy": "hand"})
+
+
+def _rank(rank, world, cfg_dict, run_dir):
+    from embedscale.train.ranks import train_distributed
+
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+    return True
+
+
+def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, data_dir, single):
+    run_dir, _ = single
+    ref_losses, ref_w, ref_dense, ref_managed = state(run_dir)
+    plan_dir = tmp_path / "plan"
+    replicated_plan(2).save(plan_dir)
+    cfg = config(tmp_path, data_dir, checkpoint_every=4)
+    cfg.dist.plan = str(plan_dir)
+    spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "two"), timeout_s=600)
+    assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    # per step every rank sends its ids (int64, 2 features x 20 per rank, padded) and counts to the other:
+    # (W - 1) x (2 counts + 40 ids) x 8 bytes, plus the one-int size exchange (W - 1) x 8
+    assert summary["managed_gather_bytes_per_step"] == (2 + 2 * BATCH // 2) * 8 + 8
+    losses, w, dense, managed = state(tmp_path / "two")
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
+    for k, v in ref_dense.items():
+        torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    for k, v in ref_managed.items():
+        assert torch.equal(managed[k], v), k
+    # the 2-rank checkpoint of step 4 resumed in one process continues as the uninterrupted run
+    trainer_cfg = config(tmp_path, data_dir)
+    data = assemble.prepare_data(trainer_cfg, progress=False)
+    tables = assemble.tables_for(trainer_cfg, data.manifest)
+    model, opt = assemble.build(trainer_cfg, tables, data.manifest.num_dense, torch.device("cpu"), validate=False)
+    tr = Trainer(model, opt, assemble.train_loader(trainer_cfg, data, torch.device("cpu")), None, tmp_path / "cont",
+                 progress=False, loop=LoopConfig.from_train(trainer_cfg.train))
+    assert tr.resume(step_dir(tmp_path / "two", 4))
+    assert managed_of(model).ids["t_user"].step == 4
+    tr.fit()
+    np.testing.assert_allclose(tr.losses, ref_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.cat([model.sparse_arch.embedding.table_weight(f"t_{t}").detach()
+                                          for t in TABLES]), ref_w, rtol=0, atol=1e-5)
+
+
+# -- bad input ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("managed,words", [
+    ({"admit_after": 2, "policy": "fifo"}, ["table 'a'", "managed.policy", "fifo"]),
+    ({"admit_after": 1, "policy": "ttl"}, ["table 'a'", "managed.ttl", "ttl >= 1"]),
+    ({"admit_after": 1, "policy": "lru", "ttl": 5}, ["table 'a'", "managed.ttl", "lru"]),
+    ({"admit_after": -1}, ["table 'a'", "managed.admit_after"]),
+    ({"policy": "lfu"}, ["table 'a'", "managed.admit_after", "not managed"]),
+    ({"admit_after": 1, "pending_capacity": -3}, ["table 'a'", "managed.pending_capacity"]),
+    ({"admit_after": "two"}, ["managed.admit_after", "integer"]),
+    ({"admit_after": 1, "evict": "lru"}, ["managed.evict"]),
+])
+def test_bad_managed_config_is_a_named_error(tmp_path, managed, words):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"model": {"tables": [{"name": "a", "num_rows": 10, "managed": managed}]}}))
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_model_managed_is_checked_and_cli_flags(tmp_path):
+    with pytest.raises(ConfigError, match=r"model\.managed\.policy: 'x'"):
+        load_config(None, {"model.managed.admit_after": 1, "model.managed.policy": "x"})
+    cfg = load_config(None, {"model.managed.admit_after": 3, "model.managed.policy": "ttl", "model.managed.ttl": 9})
+    spec = [TableSpec("t_a", 10, features=["a"]), TableSpec("t_b", 1, features=["b"])]
+    with pytest.raises(ConfigError, match="t_b.*num_rows >= 2"):
+        assemble.managed_tables(cfg.model, spec)
+
+
+def test_managed_tt_or_dmt_table_is_refused(tmp_path, data_dir):
+    cfg = config(tmp_path, data_dir)
+    cfg.model.tt_min_rows = 5
+    tables = [TableSpec(f"t_{t}", ROWS, 4, features=[t]) for t in TABLES]
+    with pytest.raises(ConfigError, match=r"t_user.*form 'tt'"):
+        assemble.managed_for(cfg, tables)
+    cfg = config(tmp_path, data_dir)
+    cfg.train.replan_every = 5
+    with pytest.raises(ConfigError, match="replan_every"):
+        assemble.managed_for(cfg, tables)
+    cfg = config(tmp_path, data_dir)
+    cfg.model.arch = "dmt-dlrm"
+    with pytest.raises(ConfigError, match="DMT"):  # before any batch is read
+        workflow.train(cfg, tmp_path / "dmt", resume=False, progress=False)
+
+
+def test_loader_passes_raw_ids_of_managed_features_only(tmp_path, data_dir):
+    # the drift data's ids are raw 64-bit values (negative ones among them), far outside ROWS
+    loader = ShardLoader(data_dir, 400, prefetch=0, raw_ids={"user", "item"})
+    (b,) = list(loader)
+    assert (b.sparse.values < 0).any() and (b.sparse.values >= ROWS).any()
+    with pytest.raises(InputError, match=r"feature item: row id .* outside its table \[0, 12\)"):
+        list(ShardLoader(data_dir, 400, prefetch=0, raw_ids={"user"}))
+    with pytest.raises(InputError, match="not in the data"):
+        ShardLoader(data_dir, 400, prefetch=0, raw_ids={"nope"})
+    # an unmanaged run over raw ids: the loader rejects them, naming the feature
+    cfg = config(tmp_path, data_dir, managed={})
+    with pytest.raises(InputError, match="outside its table"):
+        workflow.train(cfg, tmp_path / "unmanaged", resume=False, progress=False)
+
+
+def test_a_stream_source_trains_managed_tables_as_the_shards_do(tmp_path, data_dir, single):
+    """The same 8 batches of raw ids arriving as a stream (``data.source: stream``) train exactly as from shards."""
+    run_dir, _ = single
+    want = state(run_dir)
+    src = ShardLoader(data_dir, BATCH, stop=STEPS * BATCH, prefetch=0, raw_ids=set(TABLES))
+    w = StreamWriter(tmp_path / "stream", ["I1", "I2"], [SparseFeatureInfo(t, ROWS) for t in TABLES])
+    for b in src:
+        vals = b.sparse.to_dict()
+        w.write_shard(b.labels.numpy().astype(np.int8), b.dense.numpy(), {t: vals[t][0].numpy() for t in TABLES})
+    w.end()
+    cfg = config(tmp_path, data_dir)
+    cfg.data.source, cfg.data.path = "stream", str(tmp_path / "stream")
+    workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
+    losses, weights, _, managed = state(tmp_path / "run")
+    np.testing.assert_allclose(losses, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(weights, want[1], rtol=0, atol=0)
+
+
+def test_a_table_of_two_features_maps_them_in_table_feature_order():
+    """One managed table read by two features: its batch is feature ``a``'s ids then ``b``'s (the table's
+    feature order, whatever the batch's key order), as the dict reference assigns them."""
+    tables = [TableSpec("t", 6, 4, features=["a", "b"]), TableSpec("u", 5, 4, features=["c"])]
+    emb = LocalEmbeddingBags(tables, optimizer="rowwise_adagrad", lr=0.1)
+    lookup = ManagedLookup(tables, {"t": ManagedConfig(admit_after=1, policy="lru")}, emb, seed=0,
+                           device=torch.device("cpu"))
+    ref = Reference(6, 1, "lru")
+    rng = np.random.default_rng(0)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=9, dtype=np.int64)
+    for step in range(12):
+        a, b = pool[rng.integers(0, 9, 3)], pool[rng.integers(0, 9, 3)]
+        c = rng.integers(0, 5, 3)
+        feats = JaggedFeatures(["c", "b", "a"], torch.from_numpy(np.concatenate([c, b, a])),
+                               torch.ones(9, dtype=torch.int64))
+        out = lookup.map(feats, training=True).to_dict()
+        rows, _, _ = ref.assign(a.tolist() + b.tolist())
+        assert out["a"][0].tolist() + out["b"][0].tolist() == rows, step
+        assert out["c"][0].tolist() == c.tolist()  # an unmanaged feature passes through
+    assert lookup.ids["t"].mapping() == ref.row_of
