@@ -396,6 +396,7 @@ class DistributedRun:
         # the sharded rows are the model's whole embedding (a TT / host mixture looks up a selection of the
         # features), and not with the drift monitor (a migration needs no batch in flight)
         self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
+                                   and self.managed is None  # (managed: raw ids become rows at their own step)
                                    and isinstance(self.embedding, ShardedEmbedding) and emb is self.embedding)
 
     def prefetch_batch(self, batch) -> None:

@@ -306,8 +306,11 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
             run.train_loader.seek(st.stream)
         else:
             run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
-        ahead = None if stream else getattr(run, "prefetch_batch", None)  # a stream's next batch may be minutes away
-        for batch, upcoming in _with_next(run.train_loader):
+        # the next batch is read a step early only for a run that asks for it (a loader may act as it yields,
+        # e.g. a reference mapping ids); never from a stream, whose next batch may be minutes away
+        ahead = getattr(run, "prefetch_batch", None) if getattr(run, "input_pipeline", False) and not stream else None
+        batches = _with_next(run.train_loader) if ahead is not None else ((b, None) for b in run.train_loader)
+        for batch, upcoming in batches:
             if ahead is not None and upcoming is not None and not (loop.max_steps and st.step + 1 >= loop.max_steps):
                 ahead(upcoming)
             if fault_step is not None and st.step == fault_step:
