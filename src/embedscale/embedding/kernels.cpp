@@ -1,0 +1,228 @@
+// Fused CPU backward + sparse optimizer of LocalEmbeddingBags' pooled lookup (embedscale, issue 15).
+//
+// One call does, for every feature (= one table) of a dim group, in parallel over features:
+//   1. walk the feature's bags in batch order; every value i of bag b adds
+//      w_i * grad_out[b, feature columns] to the accumulator of its row (w_i = per-value scale, times -lr
+//      for SGD), the accumulator slot of a row found through a dense row -> slot map (no sort);
+//   2. apply the optimizer once per distinct row (FBGEMM EXACT_SGD / EXACT_ROWWISE_ADAGRAD semantics:
+//      duplicates summed first), then reset the row's slot.
+// Each row's contributions are summed in batch order, with a fused multiply-add per element: the order
+// and rounding of the PyTorch path (a stable sort by row, then embedding_bag's weighted segment sum).
+// Features must read disjoint row ranges (one table each), so threads never write the same row.
+// The formulas are those of embedscale.embedding.optim (its module docstring).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Args {
+  float* weight;        // [R, D]
+  float* momentum;      // [R] or nullptr (SGD)
+  bool* touched;        // [R] or nullptr
+  int32_t* slot;        // [R], every entry -1 between calls
+  const float* grad;    // grad_out[b, col0 + f * D + d] = grad[b * ldg + f * D + d]
+  int64_t ldg;
+  const float* scale;   // [n] per-value factor or nullptr
+  int64_t B, k, D;
+  bool adagrad;
+  float lr, eps;
+};
+
+struct Scratch {
+  std::vector<float> acc;
+  std::vector<int64_t> uniq;
+};
+
+template <int DIM>
+inline void axpy(float* __restrict dst, const float* __restrict g, float w, int64_t D) {
+  const int64_t n = DIM > 0 ? DIM : D;
+  for (int64_t d = 0; d < n; ++d) dst[d] = std::fma(w, g[d], dst[d]);
+}
+
+template <int DIM>
+inline void assign(float* __restrict dst, const float* __restrict g, float w, int64_t D) {
+  const int64_t n = DIM > 0 ? DIM : D;
+  for (int64_t d = 0; d < n; ++d) dst[d] = w * g[d];
+}
+
+// sum of g[d]^2 in the order of PyTorch's CPU sum over a contiguous row (g.pow(2).mean(1) of the
+// PyTorch path): for 16 elements, the two 8-lane vectors added lane by lane, then the lanes in order;
+// otherwise in element order (a last-bit difference from the PyTorch path is then possible).
+template <int DIM>
+inline float sum_of_squares(const float* g, int64_t D) {
+  if (DIM == 16) {
+    float lanes[8];
+    for (int j = 0; j < 8; ++j) {
+      const float a = g[j] * g[j];
+      const float b = g[j + 8] * g[j + 8];
+      lanes[j] = a + b;
+    }
+    float s = 0.f;
+    for (int j = 0; j < 8; ++j) s += lanes[j];
+    return s;
+  }
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float sq = g[d] * g[d];
+    s += sq;
+  }
+  return s;
+}
+
+// One feature: values [begin(b), end(b)) of each bag b; one_hot: value b * k + f.
+template <int DIM, typename RowT, typename OffT>
+void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t f, float factor,
+                  Scratch& s) {
+  const int64_t D = DIM > 0 ? DIM : a.D;
+  int64_t nvals;
+  if (offsets) {
+    nvals = static_cast<int64_t>(offsets[(f + 1) * a.B] - offsets[f * a.B]);
+  } else {
+    nvals = a.B;
+  }
+  if (nvals == 0) return;
+  if (static_cast<int64_t>(s.uniq.size()) < nvals) {
+    s.uniq.resize(nvals);
+    s.acc.resize(nvals * D);
+  }
+  float* acc = s.acc.data();
+  int64_t* uniq = s.uniq.data();
+  int32_t* slot = a.slot;
+  int64_t nu = 0;
+  const float* gcol = a.grad + f * D;
+  for (int64_t b = 0; b < a.B; ++b) {
+    int64_t begin, end;
+    if (offsets) {
+      begin = offsets[f * a.B + b];
+      end = offsets[f * a.B + b + 1];
+    } else {
+      begin = b * a.k + f;
+      end = begin + 1;
+    }
+    const float* g = gcol + b * a.ldg;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = static_cast<int64_t>(rows[i]);
+      const float w = a.scale ? a.scale[i] * factor : factor;
+      int32_t sl = slot[r];
+      if (sl < 0) {
+        sl = static_cast<int32_t>(nu);
+        slot[r] = sl;
+        uniq[nu++] = r;
+        assign<DIM>(acc + sl * D, g, w, D);
+      } else {
+        axpy<DIM>(acc + sl * D, g, w, D);
+      }
+    }
+  }
+  for (int64_t u = 0; u < nu; ++u) {
+    const int64_t r = uniq[u];
+    slot[r] = -1;
+    const float* gr = acc + u * D;
+    float* wr = a.weight + r * D;
+    if (a.adagrad) {
+      const float sq = sum_of_squares<DIM>(gr, D);
+      const float m = a.momentum[r] + sq / static_cast<float>(D);
+      a.momentum[r] = m;
+      const float mult = (1.0f / (std::sqrt(m) + a.eps)) * (-a.lr);
+      for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * mult;
+    } else {
+      for (int64_t d = 0; d < D; ++d) wr[d] += gr[d];
+    }
+    if (a.touched) a.touched[r] = true;
+  }
+}
+
+template <int DIM, typename RowT, typename OffT>
+void run(const Args& a, const RowT* rows, const OffT* offsets) {
+  const float factor = a.adagrad ? 1.0f : -a.lr;
+  at::parallel_for(0, a.k, 1, [&](int64_t lo, int64_t hi) {
+    thread_local Scratch s;
+    for (int64_t f = lo; f < hi; ++f) feature_step<DIM, RowT, OffT>(a, rows, offsets, f, factor, s);
+  });
+}
+
+template <typename RowT, typename OffT>
+void dispatch_dim(const Args& a, const RowT* rows, const OffT* offsets) {
+  switch (a.D) {
+    case 16: run<16, RowT, OffT>(a, rows, offsets); break;
+    case 32: run<32, RowT, OffT>(a, rows, offsets); break;
+    case 64: run<64, RowT, OffT>(a, rows, offsets); break;
+    case 128: run<128, RowT, OffT>(a, rows, offsets); break;
+    default: run<0, RowT, OffT>(a, rows, offsets);
+  }
+}
+
+template <typename RowT>
+void dispatch_offsets(const Args& a, const RowT* rows, const c10::optional<at::Tensor>& offsets) {
+  if (!offsets.has_value()) {
+    dispatch_dim<RowT, int32_t>(a, rows, nullptr);
+  } else if (offsets->scalar_type() == at::kInt) {
+    dispatch_dim<RowT, int32_t>(a, rows, offsets->data_ptr<int32_t>());
+  } else {
+    dispatch_dim<RowT, int64_t>(a, rows, offsets->data_ptr<int64_t>());
+  }
+}
+
+}  // namespace
+
+// weight [R, D] float32 contiguous (updated in place); momentum [R] float32 or None (SGD);
+// slot [R] int32, all -1 (left all -1); rows [n] int32/int64 flat rows of the group;
+// offsets [k * B + 1] int32/int64 (key-major bags f * B + b) or None (one-hot: value b * k + f);
+// scale [n] float32 or None; grad [B, >= k * D] float32 with unit column stride (the group's columns,
+// feature f at columns f * D ...); touched [R] bool or None.
+void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, at::Tensor slot,
+                         at::Tensor rows, c10::optional<at::Tensor> offsets, c10::optional<at::Tensor> scale,
+                         at::Tensor grad, c10::optional<at::Tensor> touched, int64_t k, double lr,
+                         double eps) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.dim() == 2,
+              "fused_pooled_update: weight must be a contiguous float32 CPU matrix");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat && grad.dim() == 2 && grad.stride(1) == 1,
+              "fused_pooled_update: grad must be float32 [B, cols] with unit column stride");
+  TORCH_CHECK(slot.scalar_type() == at::kInt && slot.is_contiguous() && slot.numel() >= weight.size(0),
+              "fused_pooled_update: slot must be int32 [num_rows]");
+  TORCH_CHECK(rows.is_contiguous() && (rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong),
+              "fused_pooled_update: rows must be contiguous int32/int64");
+  Args a;
+  a.weight = weight.data_ptr<float>();
+  a.momentum = nullptr;
+  if (momentum.has_value()) {
+    TORCH_CHECK(momentum->scalar_type() == at::kFloat && momentum->is_contiguous(), "momentum: float32");
+    a.momentum = momentum->data_ptr<float>();
+  }
+  a.touched = touched.has_value() ? touched->data_ptr<bool>() : nullptr;
+  a.slot = slot.data_ptr<int32_t>();
+  a.grad = grad.data_ptr<float>();
+  a.ldg = grad.stride(0);
+  a.B = grad.size(0);
+  a.k = k;
+  a.D = weight.size(1);
+  TORCH_CHECK(grad.size(1) >= k * a.D, "fused_pooled_update: grad has too few columns");
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->is_contiguous() && offsets->numel() == k * a.B + 1, "offsets: [k * B + 1]");
+  } else {
+    TORCH_CHECK(rows.numel() == k * a.B, "one-hot rows: [B * k]");
+  }
+  a.scale = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == rows.numel(),
+                "scale: float32 [n]");
+    a.scale = scale->data_ptr<float>();
+  }
+  a.adagrad = a.momentum != nullptr;
+  a.lr = static_cast<float>(lr);
+  a.eps = static_cast<float>(eps);
+  if (rows.scalar_type() == at::kInt) {
+    dispatch_offsets<int32_t>(a, rows.data_ptr<int32_t>(), offsets);
+  } else {
+    dispatch_offsets<int64_t>(a, rows.data_ptr<int64_t>(), offsets);
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_pooled_update", &fused_pooled_update, "backward + SGD / row-wise Adagrad of a pooled lookup");
+}
