@@ -19,6 +19,8 @@
 
 namespace {
 
+constexpr int64_t MAX_DIM = 1024;
+
 struct Args {
   float* weight;        // [R, D]
   float* momentum;      // [R] or nullptr (SGD)
@@ -49,28 +51,22 @@ inline void assign(float* __restrict dst, const float* __restrict g, float w, in
   for (int64_t d = 0; d < n; ++d) dst[d] = w * g[d];
 }
 
-// sum of g[d]^2 in the order of PyTorch's CPU sum over a contiguous row (g.pow(2).mean(1) of the
-// PyTorch path): for 16 elements, the two 8-lane vectors added lane by lane, then the lanes in order;
-// otherwise in element order (a last-bit difference from the PyTorch path is then possible).
+// sum of g[d]^2 in the fixed order of optim.row_mean_squares (the PyTorch path): the squares folded in
+// halves (j += j + h, h = width / 2; an odd width's last element added to element 0) down to one.
 template <int DIM>
 inline float sum_of_squares(const float* g, int64_t D) {
-  if (DIM == 16) {
-    float lanes[8];
-    for (int j = 0; j < 8; ++j) {
-      const float a = g[j] * g[j];
-      const float b = g[j + 8] * g[j + 8];
-      lanes[j] = a + b;
-    }
-    float s = 0.f;
-    for (int j = 0; j < 8; ++j) s += lanes[j];
-    return s;
+  constexpr int64_t CAP = DIM > 0 ? DIM : MAX_DIM;
+  float buf[CAP];
+  const int64_t n = DIM > 0 ? DIM : D;
+  for (int64_t d = 0; d < n; ++d) buf[d] = g[d] * g[d];
+  int64_t w = n;
+  while (w > 1) {
+    const int64_t h = w / 2;
+    for (int64_t j = 0; j < h; ++j) buf[j] = buf[j] + buf[j + h];
+    if (w % 2) buf[0] = buf[0] + buf[2 * h];
+    w = h;
   }
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) {
-    const float sq = g[d] * g[d];
-    s += sq;
-  }
-  return s;
+  return buf[0];
 }
 
 // One feature: values [begin(b), end(b)) of each bag b; one_hot: value b * k + f.
@@ -85,10 +81,9 @@ void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t 
     nvals = a.B;
   }
   if (nvals == 0) return;
-  if (static_cast<int64_t>(s.uniq.size()) < nvals) {
-    s.uniq.resize(nvals);
-    s.acc.resize(nvals * D);
-  }
+  // grown, never shrunk: no allocation per step once the largest feature was seen (at every dim)
+  if (static_cast<int64_t>(s.uniq.size()) < nvals) s.uniq.resize(nvals);
+  if (static_cast<int64_t>(s.acc.size()) < nvals * D) s.acc.resize(nvals * D);
   float* acc = s.acc.data();
   int64_t* uniq = s.uniq.data();
   int32_t* slot = a.slot;
@@ -127,7 +122,7 @@ void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t 
       const float sq = sum_of_squares<DIM>(gr, D);
       const float m = a.momentum[r] + sq / static_cast<float>(D);
       a.momentum[r] = m;
-      const float mult = (1.0f / (std::sqrt(m) + a.eps)) * (-a.lr);
+      const float mult = (1.0f / (std::sqrt(m) + a.eps)) * (-a.lr);  // std::sqrt: correctly rounded
       for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * mult;
     } else {
       for (int64_t d = 0; d < D; ++d) wr[d] += gr[d];
@@ -202,6 +197,7 @@ void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, 
   a.k = k;
   a.D = weight.size(1);
   TORCH_CHECK(grad.size(1) >= k * a.D, "fused_pooled_update: grad has too few columns");
+  TORCH_CHECK(a.D >= 1 && a.D <= MAX_DIM, "fused_pooled_update: dim must be in [1, ", MAX_DIM, "]");
   if (offsets.has_value()) {
     TORCH_CHECK(offsets->is_contiguous() && offsets->numel() == k * a.B + 1, "offsets: [k * B + 1]");
   } else {

@@ -38,8 +38,16 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-march=native", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
+MAX_DIM = 1024
+"""Largest row width the kernel takes (``MAX_DIM`` in ``kernels.cpp``)."""
 
 _state: dict[str, object] = {}
+
+
+def takes(weights: torch.Tensor) -> bool:
+    """The kernel can update this storage: float32 in host memory (the kernel is CPU code; every other
+    device and dtype keeps the PyTorch path)."""
+    return weights.device.type == "cpu" and weights.dtype == torch.float32
 
 
 def cache_root() -> Path:

@@ -443,8 +443,8 @@ class LocalEmbeddingBags(nn.Module):
         # The fused C++ CPU kernel (embedding.kernels) for the backward + update of pooled lookups: loaded
         # (never compiled) when the rule of _kernel_applies can hold; None keeps the PyTorch path.
         self.cpu_kernel = cpu_kernel
-        self._ops = (kernels.fused_ops() if cpu_kernel and optimizer is not None and dtype == torch.float32
-                     and device.type == "cpu" else None)
+        self._ops = (kernels.fused_ops() if cpu_kernel and optimizer is not None and kernels.takes(self.weights)
+                     else None)
         self._kernel_slots: dict[int, torch.Tensor] = {}  # per dim group: int32 row -> slot map, all -1
         # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
@@ -786,10 +786,10 @@ class LocalEmbeddingBags(nn.Module):
     def _kernel_applies(self, g: DimGroup, plan: _BagPlan) -> bool:
         """The rule that picks the C++ kernel for a pooled lookup's backward, else the PyTorch ops: the
         kernel is built and enabled (``cpu_kernel``), the storage is float32 on the CPU (checked when it
-        was loaded, and again here: the module may have been moved), and each feature of the plan reads a
+        was loaded, and again here: the module may have been moved), ``dim`` <= ``kernels.MAX_DIM``, and each feature of the plan reads a
         table of its own (features may update in parallel); lookups from :meth:`forward` only."""
-        return (self._ops is not None and self.cpu_kernel and plan.disjoint and self.weights.device.type == "cpu"
-                and self.weights.dtype == torch.float32)
+        return (self._ops is not None and self.cpu_kernel and plan.disjoint and kernels.takes(self.weights)
+                and g.dim <= kernels.MAX_DIM)
 
     def _kernel_update(self, g: DimGroup, plan: _BagPlan, grad: torch.Tensor) -> None:
         """Backward + optimizer update of one plan by the C++ kernel (``kernels.cpp``); ``grad`` is the
