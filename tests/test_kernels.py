@@ -159,6 +159,16 @@ def test_shared_table_falls_back_to_pytorch(monkeypatch):
     assert len(calls) == 1
 
 
+@built
+def test_unvalidated_id_of_a_neighbouring_table_is_refused_not_raced():
+    """With validation off, an id past its table reads the next table's row (the PyTorch path's documented
+    behaviour); the kernel, whose threads own one table each, refuses to update it (a clear error)."""
+    mod = LocalEmbeddingBags([TableSpec("a", 5, 4), TableSpec("b", 5, 4)], optimizer="sgd", seed=0, validate=False)
+    jf = JaggedFeatures.from_dense(["a", "b"], torch.tensor([[1, 2], [7, 3]]))  # a's id 7 is b's row 2
+    with pytest.raises(RuntimeError, match="outside their feature's table"):
+        mod(jf).sum().backward()
+
+
 def test_missing_build_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("EMBEDSCALE_KERNELS_DIR", str(tmp_path))
     monkeypatch.setattr(kernels, "_state", {})

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -29,6 +30,8 @@ struct Args {
   const float* grad;    // grad_out[b, col0 + f * D + d] = grad[b * ldg + f * D + d]
   int64_t ldg;
   const float* scale;   // [n] per-value factor or nullptr
+  const int64_t* row_lo;  // [k] first row of feature f's table
+  const int64_t* row_hi;  // [k] one past its last row
   int64_t B, k, D;
   bool adagrad;
   float lr, eps;
@@ -70,9 +73,11 @@ inline float sum_of_squares(const float* g, int64_t D) {
 }
 
 // One feature: values [begin(b), end(b)) of each bag b; one_hot: value b * k + f.
+// Returns the number of values whose row lies outside the feature's table (skipped: they would race with
+// another feature's update; only possible with the module's id validation turned off).
 template <int DIM, typename RowT, typename OffT>
-void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t f, float factor,
-                  Scratch& s) {
+int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t f, float factor,
+                     Scratch& s) {
   const int64_t D = DIM > 0 ? DIM : a.D;
   int64_t nvals;
   if (offsets) {
@@ -80,7 +85,9 @@ void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t 
   } else {
     nvals = a.B;
   }
-  if (nvals == 0) return;
+  if (nvals == 0) return 0;
+  const int64_t lo = a.row_lo[f], hi = a.row_hi[f];
+  int64_t bad = 0;
   // grown, never shrunk: no allocation per step once the largest feature was seen (at every dim)
   if (static_cast<int64_t>(s.uniq.size()) < nvals) s.uniq.resize(nvals);
   if (static_cast<int64_t>(s.acc.size()) < nvals * D) s.acc.resize(nvals * D);
@@ -101,6 +108,10 @@ void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t 
     const float* g = gcol + b * a.ldg;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = static_cast<int64_t>(rows[i]);
+      if (r < lo || r >= hi) {
+        ++bad;
+        continue;
+      }
       const float w = a.scale ? a.scale[i] * factor : factor;
       int32_t sl = slot[r];
       if (sl < 0) {
@@ -129,15 +140,19 @@ void feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64_t 
     }
     if (a.touched) a.touched[r] = true;
   }
+  return bad;
 }
 
 template <int DIM, typename RowT, typename OffT>
 void run(const Args& a, const RowT* rows, const OffT* offsets) {
   const float factor = a.adagrad ? 1.0f : -a.lr;
+  std::atomic<int64_t> bad{0};
   at::parallel_for(0, a.k, 1, [&](int64_t lo, int64_t hi) {
     thread_local Scratch s;
-    for (int64_t f = lo; f < hi; ++f) feature_step<DIM, RowT, OffT>(a, rows, offsets, f, factor, s);
+    for (int64_t f = lo; f < hi; ++f) bad += feature_step<DIM, RowT, OffT>(a, rows, offsets, f, factor, s);
   });
+  TORCH_CHECK(bad.load() == 0, "fused_pooled_update: ", bad.load(),
+              " looked-up rows lie outside their feature's table (ids not validated?); they were not updated");
 }
 
 template <typename RowT, typename OffT>
@@ -168,11 +183,16 @@ void dispatch_offsets(const Args& a, const RowT* rows, const c10::optional<at::T
 // slot [R] int32, all -1 (left all -1); rows [n] int32/int64 flat rows of the group;
 // offsets [k * B + 1] int32/int64 (key-major bags f * B + b) or None (one-hot: value b * k + f);
 // scale [n] float32 or None; grad [B, >= k * D] float32 with unit column stride (the group's columns,
-// feature f at columns f * D ...); touched [R] bool or None.
+// feature f at columns f * D ...); touched [R] bool or None; row_lo, row_hi [k] int64: the rows of feature
+// f's table (the k features' ranges must not overlap).
 void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, at::Tensor slot,
                          at::Tensor rows, c10::optional<at::Tensor> offsets, c10::optional<at::Tensor> scale,
-                         at::Tensor grad, c10::optional<at::Tensor> touched, int64_t k, double lr,
-                         double eps) {
+                         at::Tensor grad, c10::optional<at::Tensor> touched, at::Tensor row_lo,
+                         at::Tensor row_hi, double lr, double eps) {
+  const int64_t k = row_lo.numel();
+  TORCH_CHECK(row_lo.scalar_type() == at::kLong && row_hi.scalar_type() == at::kLong && row_lo.is_contiguous() &&
+                  row_hi.is_contiguous() && row_hi.numel() == k,
+              "fused_pooled_update: row_lo, row_hi: int64 [k]");
   TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
                   weight.dim() == 2,
               "fused_pooled_update: weight must be a contiguous float32 CPU matrix");
@@ -208,6 +228,12 @@ void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, 
     TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == rows.numel(),
                 "scale: float32 [n]");
     a.scale = scale->data_ptr<float>();
+  }
+  a.row_lo = row_lo.data_ptr<int64_t>();
+  a.row_hi = row_hi.data_ptr<int64_t>();
+  for (int64_t f = 0; f < k; ++f) {
+    TORCH_CHECK(a.row_lo[f] >= 0 && a.row_lo[f] <= a.row_hi[f] && a.row_hi[f] <= weight.size(0),
+                "fused_pooled_update: feature ", f, " rows [", a.row_lo[f], ", ", a.row_hi[f], ") outside the storage");
   }
   a.adagrad = a.momentum != nullptr;
   a.lr = static_cast<float>(lr);

@@ -446,6 +446,7 @@ class LocalEmbeddingBags(nn.Module):
         self._ops = (kernels.fused_ops() if cpu_kernel and optimizer is not None and kernels.takes(self.weights)
                      else None)
         self._kernel_slots: dict[int, torch.Tensor] = {}  # per dim group: int32 row -> slot map, all -1
+        self._kernel_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: features' row ranges
         # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
         self.reset_parameters(init, seed)
@@ -796,7 +797,8 @@ class LocalEmbeddingBags(nn.Module):
         ``[B, width]`` output gradient of the plan's columns."""
         slot = self._kernel_slots.get(g.index)
         if slot is None:
-            slot = self._kernel_slots[g.index] = torch.full((g.num_rows,), -1, dtype=torch.int32)
+            slot = self._kernel_slots[g.index] = torch.full((g.num_rows,), -1, dtype=torch.int32,
+                                                                   device=self.weights.device)
         if grad.dtype != torch.float32:
             grad = grad.float()
         if grad.stride(1) != 1:
@@ -804,8 +806,12 @@ class LocalEmbeddingBags(nn.Module):
         scale = plan.scale.contiguous() if plan.scale is not None else None
         touched = self.touched.narrow(0, g.state_offset, g.num_rows) if self.touched is not None else None
         momentum = self._group_momentum(g) if self.optimizer == "rowwise_adagrad" else None
+        row_lo = getattr(self, f"_g{g.index}_row_off")
+        bounds = self._kernel_bounds.get(g.index)
+        if bounds is None or bounds[0] is not row_lo:  # cached per group (the buffers may be moved)
+            bounds = self._kernel_bounds[g.index] = (row_lo, row_lo + getattr(self, f"_g{g.index}_limit"))
         self._ops.fused_pooled_update(self._group_weight(g), momentum, slot, plan.rows, plan.offsets, scale,
-                                      grad, touched, plan.width // g.dim, self.lr, self.eps)
+                                      grad, touched, bounds[0], bounds[1], self.lr, self.eps)
 
     def _rows_alloc(self, group: int) -> Callable[[int, torch.dtype], torch.Tensor]:
         """Buffer for a training lookup's flat rows (kept by the autograd graph until the backward),
