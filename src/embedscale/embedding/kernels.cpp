@@ -21,6 +21,8 @@
 namespace {
 
 constexpr int64_t MAX_DIM = 1024;
+constexpr int64_t PREFETCH = 16;      // values ahead whose slot is prefetched
+constexpr int64_t PREFETCH_ROWS = 4;  // rows ahead whose weights are prefetched in the update
 
 struct Args {
   float* weight;        // [R, D]
@@ -87,6 +89,7 @@ int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64
   }
   if (nvals == 0) return 0;
   const int64_t lo = a.row_lo[f], hi = a.row_hi[f];
+  const int64_t vend = offsets ? static_cast<int64_t>(offsets[(f + 1) * a.B]) : 0;
   int64_t bad = 0;
   // grown, never shrunk: no allocation per step once the largest feature was seen (at every dim)
   if (static_cast<int64_t>(s.uniq.size()) < nvals) s.uniq.resize(nvals);
@@ -106,7 +109,10 @@ int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64
       end = begin + 1;
     }
     const float* g = gcol + b * a.ldg;
+    if (!offsets && b + PREFETCH < a.B) __builtin_prefetch(slot + rows[(b + PREFETCH) * a.k + f]);
     for (int64_t i = begin; i < end; ++i) {
+      // the slot of a value PREFETCH ahead: a cold table's slots are cache misses (prefetch never faults)
+      if (offsets && i + PREFETCH < vend) __builtin_prefetch(slot + rows[i + PREFETCH]);
       const int64_t r = static_cast<int64_t>(rows[i]);
       if (r < lo || r >= hi) {
         ++bad;
@@ -126,6 +132,10 @@ int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64
   }
   for (int64_t u = 0; u < nu; ++u) {
     const int64_t r = uniq[u];
+    if (u + PREFETCH_ROWS < nu) {
+      __builtin_prefetch(a.weight + uniq[u + PREFETCH_ROWS] * D, 1);
+      if (a.momentum) __builtin_prefetch(a.momentum + uniq[u + PREFETCH_ROWS], 1);
+    }
     slot[r] = -1;
     const float* gr = acc + u * D;
     float* wr = a.weight + r * D;
