@@ -187,7 +187,111 @@ void dispatch_offsets(const Args& a, const RowT* rows, const c10::optional<at::T
   }
 }
 
+// Forward of one feature: out[b, f * D + d] = sum over the bag's values of w_i * weight[row_i, d], summed in
+// value order with a fused multiply-add from 0 (w_i = scale or 1): embedding_bag's sum, written straight into
+// the sample-major output (no [k, B, D] -> [B, k * D] transpose).
+template <int DIM, typename RowT, typename OffT>
+void feature_forward(const float* weight, const RowT* rows, const OffT* offsets, const float* scale, float* out,
+                     int64_t ldo, int64_t B, int64_t k, int64_t D_, int64_t f) {
+  const int64_t D = DIM > 0 ? DIM : D_;
+  float acc[DIM > 0 ? DIM : MAX_DIM];
+  const int64_t vend = offsets ? static_cast<int64_t>(offsets[(f + 1) * B]) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t begin, end;
+    if (offsets) {
+      begin = offsets[f * B + b];
+      end = offsets[f * B + b + 1];
+    } else {
+      begin = b * k + f;
+      end = begin + 1;
+      if (b + PREFETCH < B) __builtin_prefetch(weight + static_cast<int64_t>(rows[(b + PREFETCH) * k + f]) * D);
+    }
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+    for (int64_t i = begin; i < end; ++i) {
+      if (offsets && i + PREFETCH < vend) __builtin_prefetch(weight + static_cast<int64_t>(rows[i + PREFETCH]) * D);
+      const float* x = weight + static_cast<int64_t>(rows[i]) * D;
+      const float w = scale ? scale[i] : 1.0f;
+      for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(w, x[d], acc[d]);
+    }
+    float* o = out + b * ldo + f * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = acc[d];
+  }
+}
+
+template <int DIM, typename RowT, typename OffT>
+void forward_all(const float* weight, const RowT* rows, const OffT* offsets, const float* scale, float* out,
+                 int64_t ldo, int64_t B, int64_t k, int64_t D) {
+  at::parallel_for(0, k, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t f = lo; f < hi; ++f)
+      feature_forward<DIM, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D, f);
+  });
+}
+
+template <typename RowT, typename OffT>
+void forward_dim(const float* weight, const RowT* rows, const OffT* offsets, const float* scale, float* out,
+                 int64_t ldo, int64_t B, int64_t k, int64_t D) {
+  switch (D) {
+    case 16: forward_all<16, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
+    case 32: forward_all<32, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
+    case 64: forward_all<64, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
+    case 128: forward_all<128, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
+    default: forward_all<0, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D);
+  }
+}
+
+template <typename RowT>
+void forward_offsets(const float* weight, const RowT* rows, const c10::optional<at::Tensor>& offsets,
+                     const float* scale, float* out, int64_t ldo, int64_t B, int64_t k, int64_t D) {
+  if (!offsets.has_value()) {
+    forward_dim<RowT, int32_t>(weight, rows, nullptr, scale, out, ldo, B, k, D);
+  } else if (offsets->scalar_type() == at::kInt) {
+    forward_dim<RowT, int32_t>(weight, rows, offsets->data_ptr<int32_t>(), scale, out, ldo, B, k, D);
+  } else {
+    forward_dim<RowT, int64_t>(weight, rows, offsets->data_ptr<int64_t>(), scale, out, ldo, B, k, D);
+  }
+}
+
 }  // namespace
+
+// Pooled forward: returns [B, k * D] (feature f at columns f * D ...), B = number of samples. Same inputs
+// as fused_pooled_update. check_rows: raise on a row outside the storage (as embedding_bag does); the caller
+// may skip it when it validated the ids.
+at::Tensor fused_pooled_forward(at::Tensor weight, at::Tensor rows, c10::optional<at::Tensor> offsets,
+                                c10::optional<at::Tensor> scale, int64_t B, int64_t k, bool check_rows) {
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.dim() == 2,
+              "fused_pooled_forward: weight must be a contiguous float32 CPU matrix");
+  TORCH_CHECK(rows.is_contiguous() && (rows.scalar_type() == at::kInt || rows.scalar_type() == at::kLong),
+              "fused_pooled_forward: rows must be contiguous int32/int64");
+  const int64_t D = weight.size(1);
+  TORCH_CHECK(D >= 1 && D <= MAX_DIM, "fused_pooled_forward: dim must be in [1, ", MAX_DIM, "]");
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->is_contiguous() && offsets->numel() == k * B + 1, "offsets: [k * B + 1]");
+  } else {
+    TORCH_CHECK(rows.numel() == k * B, "one-hot rows: [B * k]");
+  }
+  const float* sc = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == rows.numel(),
+                "scale: float32 [n]");
+    sc = scale->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({B, k * D}, weight.options());
+  if (check_rows && rows.numel() > 0) {
+    // embedding_bag raises on a row outside the storage; so does this (one pass, before any read)
+    const auto mm = at::aminmax(rows);
+    TORCH_CHECK(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < weight.size(0),
+                "fused_pooled_forward: a row lies outside the storage of ", weight.size(0), " rows");
+  }
+  if (rows.scalar_type() == at::kInt) {
+    forward_offsets<int32_t>(weight.data_ptr<float>(), rows.data_ptr<int32_t>(), offsets, sc,
+                             out.data_ptr<float>(), k * D, B, k, D);
+  } else {
+    forward_offsets<int64_t>(weight.data_ptr<float>(), rows.data_ptr<int64_t>(), offsets, sc,
+                             out.data_ptr<float>(), k * D, B, k, D);
+  }
+  return out;
+}
 
 // weight [R, D] float32 contiguous (updated in place); momentum [R] float32 or None (SGD);
 // slot [R] int32, all -1 (left all -1); rows [n] int32/int64 flat rows of the group;
@@ -257,4 +361,5 @@ void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_pooled_update", &fused_pooled_update, "backward + SGD / row-wise Adagrad of a pooled lookup");
+  m.def("fused_pooled_forward", &fused_pooled_forward, "sum-pooled lookup into a sample-major [B, k * D]");
 }

@@ -15,7 +15,8 @@ The extension is compiled ONCE, outside training and the test suite, by the inst
 else ``<venv>/var/embedscale-kernels``, in a directory named after a hash of the source and compiler flags,
 so a changed source is never loaded stale. At run time :func:`fused_ops` only *loads* a finished build;
 when there is none (no compiler, not built yet, another build) it returns ``None`` after logging one line,
-and the callers keep the pure PyTorch path: training never compiles.
+and the callers keep the pure PyTorch path: training never compiles. ``EMBEDSCALE_NO_KERNELS=1`` keeps the
+PyTorch path on purpose; ``LocalEmbeddingBags(cpu_kernel=False)`` does so for one module.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def fused_ops() -> ModuleType | None:
     if "ops" in _state:
         return _state["ops"]  # type: ignore[return-value]
     ops = None
-    path = library_path()
-    if os.environ.get("EMBEDSCALE_NO_KERNELS"):
+    path = library_path() if SOURCE.exists() else None
+    if path is None:
+        log.warning("fused CPU kernel source %s is not installed: the embedding step uses PyTorch ops", SOURCE)
+    elif os.environ.get("EMBEDSCALE_NO_KERNELS"):
         log.info("fused CPU kernel disabled (EMBEDSCALE_NO_KERNELS): the embedding step uses PyTorch ops")
     elif not path.exists():
         log.warning("fused CPU kernel not built (%s missing; run `python -m embedscale.embedding.kernels "

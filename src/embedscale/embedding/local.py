@@ -823,6 +823,11 @@ class LocalEmbeddingBags(nn.Module):
         outs = []
         for g, plan in zip(groups, plans):
             w = weight_of(g)
+            if self._kernel_applies(g, plan):  # straight into the sample-major [B, width], no transpose
+                scale = plan.scale.contiguous() if plan.scale is not None else None
+                outs.append(self._ops.fused_pooled_forward(w, plan.rows, plan.offsets, scale, batch_size,
+                                                           plan.width // g.dim, not self.validate))
+                continue
             # embedding_bag is also the fastest one-hot gather on CPU (faster than index_select).
             offsets = plan.offsets
             if offsets is None:
