@@ -33,6 +33,14 @@ so the same code runs on every device:
   documents the exact formulas). No dense ``[rows, dim]`` gradient is ever built and the weights never
   get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update).
   Dense model parameters keep their own torch optimizer.
+* **The C++ CPU kernel** (:mod:`embedscale.embedding.kernels`, ``kernels.cpp``): when it is built and the
+  rule of ``_kernel_applies`` holds (float32 storage on the CPU, ``dim`` <= 1024, each feature of the group
+  reading a table of its own, ``cpu_kernel=True``), the pooled forward writes the sample-major output
+  directly and the backward + optimizer update is one OpenMP pass over the features: each value's output
+  gradient is accumulated into its row through a row -> slot map (no sort), then SGD / row-wise Adagrad is
+  applied once per distinct row. Same bits as the PyTorch ops (same per-row summation order, same
+  rounding); every other case (CUDA, other dtypes, shared tables, sequences, :meth:`lookup_bags`,
+  :meth:`apply_row_gradients`, no build) uses the PyTorch ops above. :attr:`uses_cpu_kernel` tells which.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
   data-parallel tables, tests).
 
@@ -311,6 +319,8 @@ class LocalEmbeddingBags(nn.Module):
         seed: seed of the initialisation (a ``torch.Generator`` on ``device``); ``None`` uses the
             global RNG.
         validate: check every lookup's ids (one vectorised min/max per call); see the module docstring.
+        cpu_kernel: use the fused C++ CPU kernel where it applies (module docstring); ``False`` keeps the
+            PyTorch ops (same results, for comparisons).
 
     Attributes:
         feature_names: pooled features in output order; ``forward`` returns ``[B, sum(feature_dims)]``.
