@@ -26,8 +26,10 @@ largest error/bound ratio are reported per method.
 Methods are timed step by step, interleaved (``--steps`` steps each, order rotating); each figure is
 batch / median step time; ``p90`` is batch / 90th-percentile step time and ``spread`` = p90 / median step
 time; ``ratio_cpu_time`` is the same ratio of median process CPU times (all threads; less sensitive to a
-loaded machine's scheduling, blind to threads waiting on each other). Prints one JSON line per case on stdout (figure, baseline, ratio, median and p90 per method, load
-average at the case's start and end, config); progress goes to stderr.
+loaded machine's scheduling, blind to threads waiting on each other); ``ratio_over_pytorch_path`` is
+ours_pytorch's median step time over ours'. Prints one JSON line per case on stdout (figure, baseline,
+ratio, median and p90 per method, load average at the case's start and end, config); progress goes to
+stderr.
 
     .venv/bin/python benchmarks/bench_local_embedding.py [--quick] [--pooling 4 16] [--optimizers sgd]
 """

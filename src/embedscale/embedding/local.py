@@ -795,10 +795,11 @@ class LocalEmbeddingBags(nn.Module):
         return self._ops is not None and self.cpu_kernel
 
     def _kernel_applies(self, g: DimGroup, plan: _BagPlan) -> bool:
-        """The rule that picks the C++ kernel for a pooled lookup's backward, else the PyTorch ops: the
-        kernel is built and enabled (``cpu_kernel``), the storage is float32 on the CPU (checked when it
-        was loaded, and again here: the module may have been moved), ``dim`` <= ``kernels.MAX_DIM``, and each feature of the plan reads a
-        table of its own (features may update in parallel); lookups from :meth:`forward` only."""
+        """The rule that picks the C++ kernel for a pooled lookup's forward and backward, else the PyTorch
+        ops: the kernel is built and enabled (``cpu_kernel``), the storage is float32 on the CPU (checked
+        when it was loaded, and again here: the module may have been moved), ``dim`` <= ``kernels.MAX_DIM``,
+        and each feature of the plan reads a table of its own (features update in parallel); lookups from
+        :meth:`forward` only."""
         return (self._ops is not None and self.cpu_kernel and plan.disjoint and kernels.takes(self.weights)
                 and g.dim <= kernels.MAX_DIM)
 
@@ -807,8 +808,8 @@ class LocalEmbeddingBags(nn.Module):
         ``[B, width]`` output gradient of the plan's columns."""
         slot = self._kernel_slots.get(g.index)
         if slot is None:
-            slot = self._kernel_slots[g.index] = torch.full((g.num_rows,), -1, dtype=torch.int32,
-                                                                   device=self.weights.device)
+            slot = torch.full((g.num_rows,), -1, dtype=torch.int32, device=self.weights.device)
+            self._kernel_slots[g.index] = slot
         if grad.dtype != torch.float32:
             grad = grad.float()
         if grad.stride(1) != 1:
