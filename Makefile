@@ -3,8 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 
-.PHONY: run test torchrec clean
+.PHONY: run test torchrec kernels clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,14 +18,22 @@ $(VENV)/.torchrec: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	touch $(VENV)/.torchrec
 
-run: $(STAMP)
+# The fused C++ CPU embedding kernel (src/embedscale/embedding/kernels.cpp), compiled once here into
+# .venv/var/embedscale-kernels, never during training or tests (without a build the PyTorch path runs).
+$(KERNELS): $(STAMP) src/embedscale/embedding/kernels.cpp src/embedscale/embedding/kernels.py
+	$(BIN)/python -m embedscale.embedding.kernels --build || echo "warning: fused CPU kernel not built; the PyTorch path is used"
+	touch $(KERNELS)
+
+run: $(STAMP) $(KERNELS)
 	$(BIN)/embedscale run
 
-test: $(VENV)/.torchrec
+test: $(VENV)/.torchrec $(KERNELS)
 	$(BIN)/pytest -q tests
 
 # Optional: TorchRec as baseline and interop partner (its own deps pull a GPU fbgemm, hence --no-deps).
 torchrec: $(VENV)/.torchrec
+
+kernels: $(KERNELS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -13,6 +13,8 @@ rowwise_adagrad). Measured in the same run, same threads (``--threads``, default
   ``ComputeDevice.CPU``) with ``OptimType.EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` (same lr and eps) and
   ``PoolingMode.SUM`` / ``MEAN``, given preallocated ``indices``/``offsets`` (its best form: no input
   conversion in the timed step);
+* ours_pytorch: the same module with ``cpu_kernel=False`` (the pure PyTorch path), timed too when the fused
+  C++ kernel (``embedding/kernels.cpp``) is built, so ours (which then uses it) is compared with both;
 * ``--per-table`` adds 26 ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.SGD`` (SGD cases only).
 
 Agreement, never a reason to refuse to measure: after one step from the same weights, each method's pooled
@@ -23,8 +25,11 @@ largest error/bound ratio are reported per method.
 
 Methods are timed step by step, interleaved (``--steps`` steps each, order rotating); each figure is
 batch / median step time; ``p90`` is batch / 90th-percentile step time and ``spread`` = p90 / median step
-time. Prints one JSON line per case on stdout (figure, baseline, ratio, median and p90 per method, load
-average at the case's start and end, config); progress goes to stderr.
+time; ``ratio_cpu_time`` is the same ratio of median process CPU times (all threads; less sensitive to a
+loaded machine's scheduling, blind to threads waiting on each other); ``ratio_over_pytorch_path`` is
+ours_pytorch's median step time over ours'. Prints one JSON line per case on stdout (figure, baseline,
+ratio, median and p90 per method, load average at the case's start and end, config); progress goes to
+stderr.
 
     .venv/bin/python benchmarks/bench_local_embedding.py [--quick] [--pooling 4 16] [--optimizers sgd]
 """
@@ -151,6 +156,20 @@ def run_case(args, rows: list[int], L: int, mode: str, optimizer: str, tbe_mod) 
 
     methods["ours"] = step_ours
     rows_of = {"ours": lambda: [ours.table_weight(n_) for n_ in names]}
+    kernel = ours.uses_cpu_kernel
+    if kernel and not args.no_pytorch_path:
+        # the same module without the C++ kernel: the pure PyTorch path, from the same weights
+        ours_pt = LocalEmbeddingBags([TableSpec(n_, n, D, pooling=mode) for n_, n in zip(names, rows)],
+                                     optimizer=optimizer, lr=args.lr, eps=args.eps, seed=args.seed,
+                                     cpu_kernel=False)
+
+        def step_ours_pt(i: int) -> torch.Tensor:
+            out = ours_pt(jfs[i % num_batches])
+            (out * grad_out).sum().backward()
+            return out
+
+        methods["ours_pytorch"] = step_ours_pt
+        rows_of["ours_pytorch"] = lambda: [ours_pt.table_weight(n_) for n_ in names]
 
     tbe = None
     if tbe_mod is not None:
@@ -202,16 +221,20 @@ def run_case(args, rows: list[int], L: int, mode: str, optimizer: str, tbe_mod) 
         for i in range(1, 3):
             fn(i)
     times: dict[str, list[float]] = {k: [] for k in methods}
+    cpu: dict[str, list[float]] = {k: [] for k in methods}
     order = list(methods)
     for i in range(args.steps):
         for name in order[i % len(order):] + order[:i % len(order)]:
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             methods[name](i)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
     p90 = {k: percentile(v, 0.9) for k, v in times.items()}
     stats = {k: {"median": round(B / med[k]), "p90": round(B / p90[k]), "best": round(B / min(v)),
-                 "spread_p90_over_p50": round(p90[k] / med[k], 3)} for k, v in times.items()}
+                 "spread_p90_over_p50": round(p90[k] / med[k], 3),
+                 "cpu_ms_median": round(1e3 * statistics.median(cpu[k]), 3)} for k, v in times.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
     base_name = "fbgemm" if "fbgemm" in methods else ("per_table" if "per_table" in methods else None)
     result = {
         "benchmark": "local_embedding_train_step",
@@ -220,6 +243,9 @@ def run_case(args, rows: list[int], L: int, mode: str, optimizer: str, tbe_mod) 
         "baseline": stats[base_name]["median"] if base_name else None,
         "ratio": round(med[base_name] / med["ours"], 3) if base_name else None,
         "ratio_p90": round(p90[base_name] / p90["ours"], 3) if base_name else None,
+        "ratio_cpu_time": round(cpu_med[base_name] / cpu_med["ours"], 3) if base_name else None,
+        "ratio_over_pytorch_path": round(med["ours_pytorch"] / med["ours"], 3) if "ours_pytorch" in med else None,
+        "ours_path": "C++ kernel (embedding/kernels.cpp)" if kernel else "PyTorch ops",
         "unit": "samples/s",
         "baseline_name": {"fbgemm": f"fbgemm_gpu SplitTableBatchedEmbeddingBagsCodegen CPU "
                                     f"{'EXACT_SGD' if optimizer == 'sgd' else 'EXACT_ROWWISE_ADAGRAD'} "
@@ -256,6 +282,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per method and case (default 50)")
+    ap.add_argument("--no-pytorch-path", action="store_true",
+                    help="do not also time ours without the C++ kernel (when the kernel is built)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

@@ -33,6 +33,14 @@ so the same code runs on every device:
   documents the exact formulas). No dense ``[rows, dim]`` gradient is ever built and the weights never
   get a ``.grad``; do not call ``backward`` twice through the same lookup (each call applies the update).
   Dense model parameters keep their own torch optimizer.
+* **The C++ CPU kernel** (:mod:`embedscale.embedding.kernels`, ``kernels.cpp``): when it is built and the
+  rule of ``_kernel_applies`` holds (float32 storage on the CPU, ``dim`` <= 1024, each feature of the group
+  reading a table of its own, ``cpu_kernel=True``), the pooled forward writes the sample-major output
+  directly and the backward + optimizer update is one OpenMP pass over the features: each value's output
+  gradient is accumulated into its row through a row -> slot map (no sort), then SGD / row-wise Adagrad is
+  applied once per distinct row. Same bits as the PyTorch ops (same per-row summation order, same
+  rounding); every other case (CUDA, other dtypes, shared tables, sequences, :meth:`lookup_bags`,
+  :meth:`apply_row_gradients`, no build) uses the PyTorch ops above. :attr:`uses_cpu_kernel` tells which.
 * ``optimizer=None``: ``weights`` is a regular ``nn.Parameter`` with dense autograd gradients (small
   data-parallel tables, tests).
 
@@ -74,6 +82,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding import kernels
 from embedscale.embedding.interop import as_jagged, ebc_state_dict, ebc_weight_key, has_ebc_names, keyed_tensor
 from embedscale.embedding.optim import (
     OPTIMIZERS,
@@ -119,6 +128,7 @@ class _BagPlan:
     key_major: int = 1  # k > 1: bags are in key-major order f * B + b (output transposed to [B, k, dim])
     fixed_len: int = 0  # L > 0: every bag holds exactly L values (value i is in bag i // L); 0 = jagged
     segments: list[int] | None = None  # values per key when each key's rows are a table of its own, in row order
+    disjoint: bool = False  # each of the plan's features reads a table of its own (the C++ kernel's condition)
 
 
 def check_lengths(lengths: torch.Tensor, n: int, names: list[str]) -> None:
@@ -263,6 +273,10 @@ class _FusedPooledLookup(torch.autograd.Function):
         start = 0
         with torch.no_grad():
             for g, plan in zip(groups, plans):
+                if module._kernel_applies(g, plan):
+                    module._kernel_update(g, plan, grad_out[:, start:start + plan.width])
+                    start += plan.width
+                    continue
                 grad_bags = _grad_in_bag_order(plan, grad_out[:, start:start + plan.width], g.dim)
                 start += plan.width
                 fixed = plan.fixed_len if plan.offsets is not None else 0
@@ -305,6 +319,8 @@ class LocalEmbeddingBags(nn.Module):
         seed: seed of the initialisation (a ``torch.Generator`` on ``device``); ``None`` uses the
             global RNG.
         validate: check every lookup's ids (one vectorised min/max per call); see the module docstring.
+        cpu_kernel: use the fused C++ CPU kernel where it applies (module docstring); ``False`` keeps the
+            PyTorch ops (same results, for comparisons).
 
     Attributes:
         feature_names: pooled features in output order; ``forward`` returns ``[B, sum(feature_dims)]``.
@@ -325,6 +341,7 @@ class LocalEmbeddingBags(nn.Module):
         init: str | Callable[[TableSpec, torch.Tensor], None] = "uniform",
         seed: int | None = None,
         validate: bool = True,
+        cpu_kernel: bool = True,
     ) -> None:
         super().__init__()
         if not tables:
@@ -433,6 +450,13 @@ class LocalEmbeddingBags(nn.Module):
         self.register_buffer("_arange", None, persistent=False)
         self.register_buffer("_arange32", None, persistent=False)
         self._row_dtype = [torch.int32 if g.num_rows <= _INT32_MAX else torch.int64 for g in groups]
+        # The fused C++ CPU kernel (embedding.kernels) for the backward + update of pooled lookups: loaded
+        # (never compiled) when the rule of _kernel_applies can hold; None keeps the PyTorch path.
+        self.cpu_kernel = cpu_kernel
+        self._ops = (kernels.fused_ops() if cpu_kernel and optimizer is not None and kernels.takes(self.weights)
+                     else None)
+        self._kernel_slots: dict[int, torch.Tensor] = {}  # per dim group: int32 row -> slot map, all -1
+        self._kernel_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: features' row ranges
         # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
         self.reset_parameters(init, seed)
@@ -744,6 +768,7 @@ class LocalEmbeddingBags(nn.Module):
                         on_bad=lambda: self._raise_bad_ids(values, lengths, names, limit.tolist()),
                         alloc=self._rows_alloc(g.index) if self.optimizer is not None and torch.is_grad_enabled()
                         else None)
+        plan.disjoint = self._group_one_table_per_feature[g.index]
         if plan.key_major > 1 and self._group_one_table_per_feature[g.index] and self.optimizer is not None:
             # key-major values: each feature's rows are one table's, tables in row order, so the backward
             # sorts feature by feature (optim.aggregate_row_gradients ``segments``)
@@ -755,11 +780,49 @@ class LocalEmbeddingBags(nn.Module):
         """Free the per-value buffers kept across training steps (they are rebuilt on the next step);
         they hold about 20 bytes per looked-up value of the largest batch seen (``buffer_bytes``)."""
         self._scratch.clear()
+        self._kernel_slots.clear()
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of the per-value buffers kept across training steps (not in :attr:`memory_bytes`)."""
-        return self._scratch.nbytes
+        """Bytes of the buffers kept across training steps (not in :attr:`memory_bytes`): the per-value
+        buffers of the PyTorch path, and the C++ kernel's row -> slot map (4 bytes per row of a group it
+        updated)."""
+        return self._scratch.nbytes + sum(s.numel() * s.element_size() for s in self._kernel_slots.values())
+
+    @property
+    def uses_cpu_kernel(self) -> bool:
+        """The fused C++ kernel is loaded and enabled (``cpu_kernel``) for this module's pooled lookups."""
+        return self._ops is not None and self.cpu_kernel
+
+    def _kernel_applies(self, g: DimGroup, plan: _BagPlan) -> bool:
+        """The rule that picks the C++ kernel for a pooled lookup's forward and backward, else the PyTorch
+        ops: the kernel is built and enabled (``cpu_kernel``), the storage is float32 on the CPU (checked
+        when it was loaded, and again here: the module may have been moved), ``dim`` <= ``kernels.MAX_DIM``,
+        and each feature of the plan reads a table of its own (features update in parallel); lookups from
+        :meth:`forward` only."""
+        return (self._ops is not None and self.cpu_kernel and plan.disjoint and kernels.takes(self.weights)
+                and g.dim <= kernels.MAX_DIM)
+
+    def _kernel_update(self, g: DimGroup, plan: _BagPlan, grad: torch.Tensor) -> None:
+        """Backward + optimizer update of one plan by the C++ kernel (``kernels.cpp``); ``grad`` is the
+        ``[B, width]`` output gradient of the plan's columns."""
+        slot = self._kernel_slots.get(g.index)
+        if slot is None:
+            slot = torch.full((g.num_rows,), -1, dtype=torch.int32, device=self.weights.device)
+            self._kernel_slots[g.index] = slot
+        if grad.dtype != torch.float32:
+            grad = grad.float()
+        if grad.stride(1) != 1:
+            grad = grad.contiguous()
+        scale = plan.scale.contiguous() if plan.scale is not None else None
+        touched = self.touched.narrow(0, g.state_offset, g.num_rows) if self.touched is not None else None
+        momentum = self._group_momentum(g) if self.optimizer == "rowwise_adagrad" else None
+        row_lo = getattr(self, f"_g{g.index}_row_off")
+        bounds = self._kernel_bounds.get(g.index)
+        if bounds is None or bounds[0] is not row_lo:  # cached per group (the buffers may be moved)
+            bounds = self._kernel_bounds[g.index] = (row_lo, row_lo + getattr(self, f"_g{g.index}_limit"))
+        self._ops.fused_pooled_update(self._group_weight(g), momentum, slot, plan.rows, plan.offsets, scale,
+                                      grad, touched, bounds[0], bounds[1], self.lr, self.eps)
 
     def _rows_alloc(self, group: int) -> Callable[[int, torch.dtype], torch.Tensor]:
         """Buffer for a training lookup's flat rows (kept by the autograd graph until the backward),
@@ -771,6 +834,11 @@ class LocalEmbeddingBags(nn.Module):
         outs = []
         for g, plan in zip(groups, plans):
             w = weight_of(g)
+            if self._kernel_applies(g, plan):  # straight into the sample-major [B, width], no transpose
+                scale = plan.scale.contiguous() if plan.scale is not None else None
+                outs.append(self._ops.fused_pooled_forward(w, plan.rows, plan.offsets, scale, batch_size,
+                                                           plan.width // g.dim, not self.validate))
+                continue
             # embedding_bag is also the fastest one-hot gather on CPU (faster than index_select).
             offsets = plan.offsets
             if offsets is None:

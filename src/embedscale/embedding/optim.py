@@ -20,6 +20,10 @@ Supported optimizers (the names follow ``fbgemm_gpu``'s ``OptimType``):
         m[r] += mean(g[r] ** 2)                 # mean over the dim elements of the row
         w[r] -= lr * g[r] / (sqrt(m[r]) + eps)
 
+    computed in float32 as ``w[r] += g[r] * (-lr * (1 / (sqrt(m[r]) + eps)))`` with a correctly rounded
+    sqrt and the mean summed in a fixed order (:func:`row_mean_squares`): the C++ kernel
+    (``kernels.cpp``) gives the same bits.
+
     "Exact" means duplicates are summed *before* the state update (not one update per occurrence).
 
 The functions here are shared by :class:`embedscale.embedding.local.LocalEmbeddingBags` (its autograd
@@ -239,7 +243,31 @@ def rowwise_adagrad_update_(
     if unique_rows.numel() == 0:
         return
     g = grads.to(torch.float32)
-    m = momentum.index_select(0, unique_rows).add_(g.pow(2).mean(1))
+    m = momentum.index_select(0, unique_rows).add_(row_mean_squares(g))
     momentum.index_copy_(0, unique_rows, m)
-    multiplier = m.sqrt_().add_(eps).reciprocal_().mul_(-lr)
-    add_rows_(weight, unique_rows, g * multiplier.unsqueeze(1))
+    add_rows_(weight, unique_rows, g * rowwise_adagrad_multiplier(m, lr, eps).unsqueeze(1))
+
+
+def rowwise_adagrad_multiplier(m: torch.Tensor, lr: float, eps: float) -> torch.Tensor:
+    """``-lr / (sqrt(m) + eps)`` of the updated float32 state ``m``, as ``-lr * (1 / (sqrt(m) + eps))`` with
+    a correctly rounded sqrt (taken in float64, then rounded; torch's vectorised float32 sqrt is not
+    correctly rounded), so the C++ kernel's ``std::sqrt`` gives the same bits. ``m`` is not modified."""
+    return m.double().sqrt_().to(torch.float32).add_(eps).reciprocal_().mul_(-lr)
+
+
+def row_mean_squares(g: torch.Tensor) -> torch.Tensor:
+    """``mean(g ** 2, dim=1)`` of a float32 ``[u, dim]`` matrix, summed in a fixed order: the squares
+    are folded in halves (column ``j`` += column ``j + h``, ``h = width // 2``; an odd width's last column
+    is added to column 0) until one column remains, then divided by ``dim``. torch's own reduction order
+    depends on the CPU's vector width; this one is the C++ kernel's (``kernels.cpp``), so both paths give
+    the same bits, and costs ``log2(dim)`` elementwise adds."""
+    D = g.shape[1]
+    s = g * g
+    while s.shape[1] > 1:
+        w = s.shape[1]
+        h = w // 2
+        t = s[:, :h] + s[:, h:2 * h]
+        if w % 2:
+            t[:, :1] += s[:, 2 * h:]
+        s = t
+    return s[:, 0] / D

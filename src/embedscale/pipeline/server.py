@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags, bag_plan
-from embedscale.embedding.optim import add_rows_, rowwise_adagrad_update_
+from embedscale.embedding.optim import add_rows_, row_mean_squares, rowwise_adagrad_multiplier, rowwise_adagrad_update_
 from embedscale.errors import ConfigError, InputError
 from embedscale.pipeline.queues import GradientBatch, HostRows
 from embedscale.pipeline.shared import SharedHostStorage
@@ -105,8 +105,8 @@ def apply_buffer_updates_(optimizer: str, weight: torch.Tensor, momentum: torch.
         weight.add_(updates.to(weight.dtype))
     else:
         g = updates.to(torch.float32)
-        momentum.add_(g.pow(2).mean(1))
-        multiplier = momentum.sqrt().add_(eps).reciprocal_().mul_(-lr)
+        momentum.add_(row_mean_squares(g))
+        multiplier = rowwise_adagrad_multiplier(momentum, lr, eps)
         weight.add_((g * multiplier.unsqueeze(1)).to(weight.dtype))
 
 

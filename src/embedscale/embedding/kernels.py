@@ -1,0 +1,145 @@
+"""The fused C++ CPU kernel of the embedding training step: build once, load at run time, or fall back.
+
+``kernels.cpp`` holds the backward + sparse optimizer update of :class:`embedscale.embedding.local.LocalEmbeddingBags`'
+pooled lookup in one OpenMP pass over the features (tables): every looked-up value's output gradient is
+accumulated into its row through a dense row -> slot map (no sort), then SGD or row-wise Adagrad is applied
+once per distinct row (FBGEMM ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD``: duplicates summed first; the
+formulas of :mod:`embedscale.embedding.optim`). Each row's contributions are summed in batch order, as the
+PyTorch path (stable sort by row, then a weighted segment sum) does.
+
+The extension is compiled ONCE, outside training and the test suite, by the install step::
+
+    python -m embedscale.embedding.kernels --build
+
+(``make`` runs it). It is cached under ``$EMBEDSCALE_KERNELS_DIR``, else ``$TORCH_EXTENSIONS_DIR/embedscale``,
+else ``<venv>/var/embedscale-kernels``, in a directory named after a hash of the source and compiler flags,
+so a changed source is never loaded stale. At run time :func:`fused_ops` only *loads* a finished build;
+when there is none (no compiler, not built yet, another build) it returns ``None`` after logging one line,
+and the callers keep the pure PyTorch path: training never compiles. ``EMBEDSCALE_NO_KERNELS=1`` keeps the
+PyTorch path on purpose; ``LocalEmbeddingBags(cpu_kernel=False)`` does so for one module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("kernels.cpp")
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-march=native", "-ffp-contract=off"]
+LDFLAGS = ["-fopenmp"]
+MAX_DIM = 1024
+"""Largest row width the kernel takes (``MAX_DIM`` in ``kernels.cpp``)."""
+
+_state: dict[str, object] = {}
+
+
+def takes(weights: torch.Tensor) -> bool:
+    """The kernel can update this storage: float32 in host memory (the kernel is CPU code; every other
+    device and dtype keeps the PyTorch path)."""
+    return weights.device.type == "cpu" and weights.dtype == torch.float32
+
+
+def cache_root() -> Path:
+    """Where builds are cached (see the module docstring)."""
+    env = os.environ.get("EMBEDSCALE_KERNELS_DIR")
+    if env:
+        return Path(env)
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env) / "embedscale"
+    return Path(sys.prefix) / "var" / "embedscale-kernels"
+
+
+def build_name() -> str:
+    """Module name of the current source: a hash of the source, flags and torch version."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    h.update(torch.__version__.encode())
+    return f"embedscale_kernels_{h.hexdigest()[:16]}"
+
+
+def library_path() -> Path:
+    name = build_name()
+    return cache_root() / name / f"{name}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension (minutes on a loaded machine); returns the shared library's path."""
+    from torch.utils.cpp_extension import load  # heavy import, only for the build step
+
+    name = build_name()
+    directory = cache_root() / name
+    directory.mkdir(parents=True, exist_ok=True)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+         build_directory=str(directory), verbose=verbose)
+    path = directory / f"{name}.so"
+    if not path.exists():  # pragma: no cover - load() raises on a failed build
+        raise RuntimeError(f"build of {SOURCE} produced no {path}")
+    return path
+
+
+def _import(path: Path, name: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def fused_ops() -> ModuleType | None:
+    """The loaded extension, or ``None`` (logged once) when no build of the current source exists."""
+    if "ops" in _state:
+        return _state["ops"]  # type: ignore[return-value]
+    ops = None
+    path = library_path() if SOURCE.exists() else None
+    if path is None:
+        log.warning("fused CPU kernel source %s is not installed: the embedding step uses PyTorch ops", SOURCE)
+    elif os.environ.get("EMBEDSCALE_NO_KERNELS"):
+        log.info("fused CPU kernel disabled (EMBEDSCALE_NO_KERNELS): the embedding step uses PyTorch ops")
+    elif not path.exists():
+        log.warning("fused CPU kernel not built (%s missing; run `python -m embedscale.embedding.kernels "
+                    "--build`): the embedding step uses PyTorch ops", path)
+    else:
+        try:
+            ops = _import(path, path.stem)
+        except (ImportError, OSError) as e:
+            log.warning("fused CPU kernel %s does not load (%s): the embedding step uses PyTorch ops", path, e)
+    _state["ops"] = ops
+    return ops
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m embedscale.embedding.kernels",
+                                 description="Build or locate the fused C++ CPU embedding kernel.")
+    ap.add_argument("--build", action="store_true", help="compile the extension if no build of this source exists")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    path = library_path()
+    if args.build and not path.exists():
+        t0 = time.monotonic()
+        try:
+            path = build(verbose=args.verbose)
+        except Exception as e:  # compiler missing or failing: say so, the PyTorch path remains
+            print(f"error: building {SOURCE.name} failed ({type(e).__name__}: {e}); "
+                  f"the embedding step will use PyTorch ops", file=sys.stderr)
+            return 2
+        print(f"built {path} in {time.monotonic() - t0:.0f} s")
+        return 0
+    print(f"{path} {'exists' if path.exists() else 'is not built'}")
+    return 0 if path.exists() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
