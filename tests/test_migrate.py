@@ -386,3 +386,33 @@ def test_drift_and_plan_returns_the_fresh_plan_and_balances():
                              or rep["after"]["dob_comm"] < 0.9)
     high, _ = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.999, dob_floor=0.0)
     assert high["replan"] is False and "keep the plan" in high["reason"]
+
+
+def test_one_process_refuses_replan_every(tmp_path):
+    """``train.replan_every`` in a run of one process (nothing to re-plan between ranks) is a ConfigError naming
+    the key, from ``workflow.train``, ``workflow.run_main`` and the ``train`` command (exit 2, ``error: ...``),
+    before anything is written; the same config with ``train.replan_every 0`` trains."""
+    from click.testing import CliRunner
+
+    from embedscale import workflow
+    from embedscale.cli import main
+    from embedscale.specs import dump_config
+
+    data = tmp_path / "data"
+    drift_data(data)
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, max_steps=2, checkpoint_every=0)
+    cfg.dist.nproc = 1
+    run = tmp_path / "one"
+    with pytest.raises(ConfigError, match=r"train\.replan_every 4"):
+        workflow.train(cfg, run)
+    assert not run.exists()
+    with pytest.raises(ConfigError, match=r"train\.replan_every 4"):
+        workflow.run_main(cfg, progress=False)
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "cfg.yaml"), "--no-progress", "--run-dir",
+                                  str(run)])
+    assert r.exit_code == 2 and "error: train.replan_every 4" in r.output and "Traceback" not in r.output, r.output
+    assert not run.exists()
+    cfg.train.replan_every = 0
+    assert workflow.train(cfg, run, progress=False)["steps"] == 2
