@@ -416,3 +416,53 @@ def test_one_process_refuses_replan_every(tmp_path):
     assert not run.exists()
     cfg.train.replan_every = 0
     assert workflow.train(cfg, run, progress=False)["steps"] == 2
+
+
+def test_incremental_plan_moves_few_rows_and_balances():
+    """``plan.incremental``: a hot set that lands on one rank under the running plan. The incremental plan keeps
+    every other row where it was (owners compared row by row), takes the fresh plan's replicas, moves at most
+    ``max_moves`` rows, and balances the lookups (DoB from a brute-force per-row count of eq. 2, checked
+    against ``plan.cost.evaluate``), while the plan from scratch moves a large part of the tables."""
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.cost import dob, evaluate
+    from embedscale.plan.drift import rows_moved
+    from embedscale.plan.incremental import incremental_plan, row_placement
+    from embedscale.specs import Topology
+
+    ts = [TableSpec("a", 3000, 8, features=["a"]), TableSpec("b", 2000, 8, features=["b"])]
+    rng = np.random.default_rng(0)
+    old = AccessProfile({"a": rng.poisson(5, 3000).astype(float), "b": rng.poisson(5, 2000).astype(float)}, 10_000)
+    topo, bs = Topology(ranks_per_host=4), 64
+    plan = make_plan("oper", ts, old, topo, batch_size=bs)
+    new_counts = {t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}
+    own_a = plan.owner("a", np.arange(3000))
+    hot = np.flatnonzero(own_a == 0)[:12]  # every hot row on rank 0
+    new_counts["a"][hot] += np.linspace(300, 3000, hot.size)
+    new = AccessProfile(new_counts, 10_000)
+    assert evaluate(plan, new, topo, batch_size=bs).dob_lookup < 0.8
+    fresh = make_plan("oper", ts, new, topo, batch_size=bs)
+    inc, changed = incremental_plan(plan, fresh, new, batch_size=bs, max_moves=200)
+    inc.validate()
+    moved_rows, n_rep = 0, 0
+    for t, tab in enumerate(ts):
+        o_old, o_new = plan.owner(tab.name, np.arange(tab.num_rows)), inc.owner(tab.name, np.arange(tab.num_rows))
+        f_own, f_mask = row_placement(fresh, t)
+        _, i_mask = row_placement(inc, t)
+        rep = np.array([bin(int(m)).count("1") > 1 for m in f_mask])
+        assert np.array_equal(i_mask[rep], f_mask[rep]), tab.name  # the fresh plan's replicas, row by row
+        assert not any(bin(int(m)).count("1") > 1 for m in i_mask[~rep]), tab.name  # and no others
+        n_rep += int(rep.sum())
+        moved_rows += int(np.count_nonzero(o_old != o_new))
+    # at most max_moves rebalancing moves, plus replicated rows whose old owner is not among their holders
+    assert moved_rows == changed <= 200 + n_rep, (changed, n_rep)
+    # eq. 2 by brute force: every rank reads every row from its fetch rank, A_k = B c_k / samples times S_k
+    load = np.zeros(4)
+    for tab in ts:
+        a_k = bs * new.tables[tab.name] / new.samples * tab.row_bytes
+        for i in range(4):
+            load += np.bincount(inc.fetch_rank(tab.name, np.arange(tab.num_rows), i), weights=a_k, minlength=4)
+    cost = evaluate(inc, new, topo, batch_size=bs, part_counts=inc.part_counts)
+    np.testing.assert_allclose(cost.lookup_bytes_per_rank, load, rtol=1e-9)
+    assert dob(load) >= 0.95, load
+    assert rows_moved(plan, inc)["rows_moved"] == changed < rows_moved(plan, fresh)["rows_moved"] / 10
