@@ -5,13 +5,18 @@ future work (section 8). With ``train.replan_every`` N > 0 a ``DistributedRun`` 
 :class:`~embedscale.data.rolling_profile.RollingProfile` of the rows its batches read (each rank its own
 slice, decayed with a half-life of N steps) and, before the step that follows every N-th, checks its plan:
 
-1. the ranks' profiles are summed (one ``all_reduce``); rank 0 costs the running plan and a fresh plan (the
-   run's strategy, ``oper`` for hand-made or ``auto`` plans) on the summed profile with the section 3.2
-   model (``plan.drift.drift_and_plan``), for the run's topology and per-rank batch;
-2. when the fresh plan's predicted bottleneck (``max_rank_cost``) is lower by more than
-   ``train.replan_min_gain`` (default 5%), or a degree of balance fell below 0.9, every rank loads the
-   fresh plan (rank 0 saves it: ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues
-   under it), builds the sharded module for its address map (``embedding.build.build_sharded``) and moves
+1. the ranks' profiles are summed (one ``all_reduce``); rank 0 costs the running plan on the summed profile
+   with the section 3.2 model (``plan.drift``): while its bottleneck cost (``max_rank_cost``) is within
+   ``train.replan_min_gain`` of its cost on the profile it was made for and its degrees of balance stay at
+   0.9 or more, the plan is kept without further search (with ``replan_min_gain`` 0 every check plans);
+   else rank 0 makes a fresh plan (the run's strategy, ``oper`` for hand-made or ``auto`` plans) and the
+   incremental one (``plan.incremental``: the running placement, the fresh plan's replicas, the fewest row
+   moves that balance the lookups), for the run's topology and per-rank batch, and takes the incremental
+   plan when its predicted bottleneck is within 2% of the fresh plan's (a plan from scratch re-sorts every
+   row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
+2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
+   5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the sharded module for its address map (``embedding.build.build_sharded``) and moves
    the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all); the
    model then looks up through the new module;
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
@@ -135,9 +140,15 @@ class DriftMonitor:
         prof = total.to_access_profile()
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = run.plan
-        report, fresh = drift_and_plan(plan, prof, topo, old_profile=None if plan.part_counts is not None else prof,
-                                       mode=d.mode, batch_size=max(1, run.cfg.train.batch_size // world),
-                                       min_gain=self.min_gain, extra_memory=d.extra_memory)
+        kw = dict(old_profile=None if plan.part_counts is not None else prof, mode=d.mode,
+                  batch_size=max(1, run.cfg.train.batch_size // world), min_gain=self.min_gain)
+        if self.min_gain > 0:  # the running plan holds: no fresh plan (OPER's search is most of a check's time)
+            report, _ = drift_and_plan(plan, prof, topo, replan=False, dob_floor=DOB_FLOOR, **kw)
+            if not report["replan"] and report["max_rank_cost_ratio"] <= 1 + self.min_gain:
+                report["reason"] = (f"the plan's bottleneck cost moved by {report['max_rank_cost_ratio'] - 1:+.1%} "
+                                    f"(<= {self.min_gain:.0%}) and its balance holds: keep the plan")
+                return report, None
+        report, fresh = drift_and_plan(plan, prof, topo, extra_memory=d.extra_memory, dob_floor=DOB_FLOOR, **kw)
         if fresh is not None and self.incremental:
             fresh = self._prefer_incremental(plan, fresh, prof, topo, report, d.mode,
                                              max(1, run.cfg.train.batch_size // world))
