@@ -308,7 +308,7 @@ def main():
     ap.add_argument("--worlds", default="2")
     ap.add_argument("--windows", type=int, default=5)
     ap.add_argument("--rotate", type=int, default=200)
-    ap.add_argument("--every", type=int, default=20, help="train.replan_every")
+    ap.add_argument("--every", type=int, default=10, help="train.replan_every")
     ap.add_argument("--min-gain", type=float, default=0.05, help="train.replan_min_gain")
     ap.add_argument("--initial-ids", type=int, default=20_000)
     ap.add_argument("--new-ids", type=int, default=4)
