@@ -187,6 +187,11 @@ def lookup_bytes(plan: Plan, prof: AccessProfile, world: int, batch: int, steps:
     return c.lookup_bytes_per_rank * steps
 
 
+def replica_rows(plan: Plan) -> int:
+    """Extra copies a plan stores (rows times holders beyond the owner)."""
+    return int(((plan.holders.sum(axis=1) - 1) * plan.part_rows).sum())
+
+
 def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     root = root / f"w{world}"
     K, steps, W = a.rotate, a.steps, a.steps // a.rotate
@@ -248,6 +253,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                                                                           / step["hindsight"][sl])), 4),
             "ratio_online_with_checks_hindsight_mean": round(float(on_total.mean()
                                                                   / step["hindsight"][sl].mean()), 4),
+            "replica_rows": {"static": replica_rows(hind[0]), "online_at_end": replica_rows(end_plan),
+                             "hindsight": replica_rows(hind[w])},
             "replans": sum(a0 <= int(r["step"]) < b0 for r in replans)})
     med_online = float(np.median(step["online"][K:]))
     migs = [{"step": int(r["step"]), "migrate_s": float(r["migrate_seconds"]), "pause_s": float(r["seconds"]),
@@ -277,6 +284,9 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
         "dob_lookup_mean": {"static": round(float(np.mean(static_dobs)), 4),
                             "online_as_run": round(float(np.mean(online_dobs)), 4)},
         "step_median_after_window0": {n: q(step[n][K:]) for n in RUNS},
+        "window0_paired_median": {  # every run holds the same plan in window 0: the order / run effect alone
+            "online_hindsight": round(float(np.median(step["online"][1:K] / step["hindsight"][1:K])), 4),
+            "static_hindsight": round(float(np.median(step["static"][1:K] / step["hindsight"][1:K])), 4)},
         "ratio_online_hindsight_after_window0": {
             "paired_median": round(float(np.median(step["online"][K:] / step["hindsight"][K:])), 4),
             "median": round(float(np.median(step["online"][K:]) / np.median(step["hindsight"][K:])), 4),
