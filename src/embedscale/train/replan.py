@@ -16,9 +16,10 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
    5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
-   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the sharded module for its address map (``embedding.build.build_sharded``) and moves
-   the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all); the
-   model then looks up through the new module;
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the
+   sharded module for its address map (``embedding.build.build_sharded``) and moves the rows and their
+   row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all, :func:`move_to_plan`);
+   the model then looks up through the new module;
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
    bytes moved summed over the ranks, the slowest rank's seconds (all of it; the check: profile sum, plans
    and verdict; the migration: build, move, swap), the predicted gain and the max / mean
@@ -169,8 +170,8 @@ class DriftMonitor:
         after = report["after"]["max_rank_cost"]
         gain = 1.0 - cost.max_rank_cost / after if after > 0 else 0.0
         balanced = cost.dob_lookup >= DOB_FLOOR and cost.dob_comm >= DOB_FLOOR
-        if not (cost.fits_memory and cost.max_rank_cost <= report["replanned"]["max_rank_cost"] * (1 + INCREMENTAL_SLACK)
-                and (gain > self.min_gain or (report["replan"] and balanced))):
+        close = cost.max_rank_cost <= report["replanned"]["max_rank_cost"] * (1 + INCREMENTAL_SLACK)
+        if not (cost.fits_memory and close and (gain > self.min_gain or (report["replan"] and balanced))):
             return fresh
         tot = cost.total_per_rank
         report["fresh"] = {"replanned": report["replanned"], "replan_gain": report["replan_gain"],
