@@ -466,3 +466,44 @@ def test_incremental_plan_moves_few_rows_and_balances():
     np.testing.assert_allclose(cost.lookup_bytes_per_rank, load, rtol=1e-9)
     assert dob(load) >= 0.95, load
     assert rows_moved(plan, inc)["rows_moved"] == changed < rows_moved(plan, fresh)["rows_moved"] / 10
+
+
+def test_monitor_check_keeps_a_plan_that_holds_and_prefers_the_incremental_one():
+    """Rank 0's check (``DriftMonitor._check``, no collectives): on the profile the plan was made for it keeps
+    the plan without a search (no fresh plan); on a profile whose hot rows all sit on rank 0 it re-plans with
+    the incremental plan, which moves a small fraction of the rows the plan from scratch would move."""
+    from types import SimpleNamespace
+
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.drift import rows_moved
+    from embedscale.specs import DistConfig, Topology
+    from embedscale.train.replan import DriftMonitor
+
+    class _Total:  # stands in for the summed RollingProfile
+        def __init__(self, prof):
+            self.prof = prof
+
+        def to_access_profile(self):
+            return self.prof
+
+    ts = [TableSpec("a", 3000, 8, features=["a"]), TableSpec("b", 2000, 8, features=["b"])]
+    rng = np.random.default_rng(1)
+    old = AccessProfile({t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}, 10_000)
+    W, B = 2, 128
+    plan = make_plan("oper", ts, old, Topology(ranks_per_host=W), batch_size=B // W)
+    run = SimpleNamespace(cfg=SimpleNamespace(dist=DistConfig(), train=SimpleNamespace(batch_size=B)), world=W,
+                          plan=plan, state=SimpleNamespace(step=10))
+    mon = DriftMonitor.__new__(DriftMonitor)
+    mon.min_gain, mon.incremental = 0.05, True
+    report, fresh = mon._check(run, _Total(old))
+    assert fresh is None and report["replan"] is False and "keep the plan" in report["reason"]
+    counts = {t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}
+    hot = np.flatnonzero(plan.owner("a", np.arange(3000)) == 0)[:16]
+    counts["a"][hot] += 2000.0
+    new = AccessProfile(counts, 10_000)
+    report, inc = mon._check(run, _Total(new))
+    assert report["replan"] is True and report["replan_strategy"].endswith("+incremental"), report["reason"]
+    assert inc.meta.get("incremental") and report["rows_moved"] == rows_moved(plan, inc)["rows_moved"]
+    assert report["rows_moved"] < report["fresh"]["rows_moved"] / 10, (report["rows_moved"], report["fresh"])
+    assert report["replanned"]["max_rank_cost"] < report["after"]["max_rank_cost"]
