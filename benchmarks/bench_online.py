@@ -134,6 +134,15 @@ def worker(rank, world, job):
     ckpt = {}
     online = runs["online"]
     online.monitor.incremental = not job["fresh_plans"]
+    observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
+    observe = online.monitor.observe
+
+    def timed_observe(sparse, samples):
+        t0 = time.perf_counter()
+        observe(sparse, samples)
+        observe_s.append(time.perf_counter() - t0)
+
+    online.monitor.observe = timed_observe
     it = iter(online.train_loader)
     for s in range(steps):
         batch = next(it)
@@ -173,7 +182,7 @@ def worker(rank, world, job):
     dist.barrier()
     return {"step_s": {n: torch.from_numpy(v) for n, v in step_s.items()}, "check_s": torch.from_numpy(check_s),
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
-            "checks": online.monitor.checks, "ckpt": ckpt}
+            "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
 
 
 def q(v) -> dict:
@@ -293,6 +302,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "mean_with_checks_and_migrations": round(float((step["online"][K:] + check[K:]).mean()
                                                            / step["hindsight"][K:].mean()), 4)},
         "migrations": migs, "checks": res[0]["checks"],
+        "observe_s_rank_max": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)),
         "check_s_without_replan": q([c for s, c in enumerate(check) if s and s % a.every == 0 and s not in
                                      {m["step"] for m in migs}] or [0.0]),
         "check_s_total": round(float(check.sum()), 4),
