@@ -8,7 +8,8 @@ built in every rank process, the same model and seed, each under its own plan:
 
 * ``static``: the OPER plan of window 0's true profile (the shards present when the run starts), kept;
 * ``online``: starts from the same plan, with the drift monitor on (``train.replan_every``, ``train.replan``):
-  rolling profile, a check every N steps, a live migration when the fresh plan gains enough;
+  rolling profile, a check every N steps, a live migration when re-planning gains enough (to the incremental
+  plan, ``plan.incremental``; ``--fresh-plans``: to OPER's plan from scratch);
 * ``hindsight``: at the first step of every window, moved (``train.replan.move_to_plan``, untimed: an oracle)
   to the OPER plan of that window's true profile.
 
@@ -16,7 +17,8 @@ Every step every run trains on the same batch, in an order rotated step by step 
 machine is under hits all three alike); each timed step starts after a barrier; a step's time is the slowest
 rank's. The online run's check and migration are timed apart from its step (``maybe_replan`` is called first).
 
-Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one):
+Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one; its
+paired step ratios, ``window0_paired_median``, are the comparison's own noise and overhead):
 
 1. lookup DoB (``plan.cost``: min / max over ranks of eq. 2's lookup) on each window's true access profile:
    the static plan's; the online run's as it ran (each plan it held, on the steps it held it, summed per
