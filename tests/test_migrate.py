@@ -386,3 +386,124 @@ def test_drift_and_plan_returns_the_fresh_plan_and_balances():
                              or rep["after"]["dob_comm"] < 0.9)
     high, _ = drift_and_plan(plan, new, topo, batch_size=64, min_gain=0.999, dob_floor=0.0)
     assert high["replan"] is False and "keep the plan" in high["reason"]
+
+
+def test_one_process_refuses_replan_every(tmp_path):
+    """``train.replan_every`` in a run of one process (nothing to re-plan between ranks) is a ConfigError naming
+    the key, from ``workflow.train``, ``workflow.run_main`` and the ``train`` command (exit 2, ``error: ...``),
+    before anything is written; the same config with ``train.replan_every 0`` trains."""
+    from click.testing import CliRunner
+
+    from embedscale import workflow
+    from embedscale.cli import main
+    from embedscale.specs import dump_config
+
+    data = tmp_path / "data"
+    drift_data(data)
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, max_steps=2, checkpoint_every=0)
+    cfg.dist.nproc = 1
+    run = tmp_path / "one"
+    with pytest.raises(ConfigError, match=r"train\.replan_every 4"):
+        workflow.train(cfg, run)
+    assert not run.exists()
+    with pytest.raises(ConfigError, match=r"train\.replan_every 4"):
+        workflow.run_main(cfg, progress=False)
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "cfg.yaml").write_text(dump_config(cfg))
+    r = CliRunner().invoke(main, ["train", "--config", str(tmp_path / "cfg.yaml"), "--no-progress", "--run-dir",
+                                  str(run)])
+    assert r.exit_code == 2 and "error: train.replan_every 4" in r.output and "Traceback" not in r.output, r.output
+    assert not run.exists()
+    cfg.train.replan_every = 0
+    assert workflow.train(cfg, run, progress=False)["steps"] == 2
+
+
+def test_incremental_plan_moves_few_rows_and_balances():
+    """``plan.incremental``: a hot set that lands on one rank under the running plan. The incremental plan keeps
+    every other row where it was (owners compared row by row), takes the fresh plan's replicas, moves at most
+    ``max_moves`` rows, and balances the lookups (DoB from a brute-force per-row count of eq. 2, checked
+    against ``plan.cost.evaluate``), while the plan from scratch moves a large part of the tables."""
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.cost import dob, evaluate
+    from embedscale.plan.drift import rows_moved
+    from embedscale.plan.incremental import incremental_plan, row_placement
+    from embedscale.specs import Topology
+
+    ts = [TableSpec("a", 3000, 8, features=["a"]), TableSpec("b", 2000, 8, features=["b"])]
+    rng = np.random.default_rng(0)
+    old = AccessProfile({"a": rng.poisson(5, 3000).astype(float), "b": rng.poisson(5, 2000).astype(float)}, 10_000)
+    topo, bs = Topology(ranks_per_host=4), 64
+    plan = make_plan("oper", ts, old, topo, batch_size=bs)
+    new_counts = {t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}
+    own_a = plan.owner("a", np.arange(3000))
+    hot = np.flatnonzero(own_a == 0)[:12]  # every hot row on rank 0
+    new_counts["a"][hot] += np.linspace(300, 3000, hot.size)
+    new = AccessProfile(new_counts, 10_000)
+    assert evaluate(plan, new, topo, batch_size=bs).dob_lookup < 0.8
+    fresh = make_plan("oper", ts, new, topo, batch_size=bs)
+    inc, changed = incremental_plan(plan, fresh, new, batch_size=bs, max_moves=200)
+    inc.validate()
+    moved_rows, n_rep = 0, 0
+    for t, tab in enumerate(ts):
+        o_old, o_new = plan.owner(tab.name, np.arange(tab.num_rows)), inc.owner(tab.name, np.arange(tab.num_rows))
+        f_own, f_mask = row_placement(fresh, t)
+        _, i_mask = row_placement(inc, t)
+        rep = np.array([bin(int(m)).count("1") > 1 for m in f_mask])
+        assert np.array_equal(i_mask[rep], f_mask[rep]), tab.name  # the fresh plan's replicas, row by row
+        assert not any(bin(int(m)).count("1") > 1 for m in i_mask[~rep]), tab.name  # and no others
+        n_rep += int(rep.sum())
+        moved_rows += int(np.count_nonzero(o_old != o_new))
+    # at most max_moves rebalancing moves, plus replicated rows whose old owner is not among their holders
+    assert moved_rows == changed <= 200 + n_rep, (changed, n_rep)
+    # eq. 2 by brute force: every rank reads every row from its fetch rank, A_k = B c_k / samples times S_k
+    load = np.zeros(4)
+    for tab in ts:
+        a_k = bs * new.tables[tab.name] / new.samples * tab.row_bytes
+        for i in range(4):
+            load += np.bincount(inc.fetch_rank(tab.name, np.arange(tab.num_rows), i), weights=a_k, minlength=4)
+    cost = evaluate(inc, new, topo, batch_size=bs, part_counts=inc.part_counts)
+    np.testing.assert_allclose(cost.lookup_bytes_per_rank, load, rtol=1e-9)
+    assert dob(load) >= 0.95, load
+    assert rows_moved(plan, inc)["rows_moved"] == changed < rows_moved(plan, fresh)["rows_moved"] / 10
+
+
+def test_monitor_check_keeps_a_plan_that_holds_and_prefers_the_incremental_one():
+    """Rank 0's check (``DriftMonitor._check``, no collectives): on the profile the plan was made for it keeps
+    the plan without a search (no fresh plan); on a profile whose hot rows all sit on rank 0 it re-plans with
+    the incremental plan, which moves a small fraction of the rows the plan from scratch would move."""
+    from types import SimpleNamespace
+
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.plan.drift import rows_moved
+    from embedscale.specs import DistConfig, Topology
+    from embedscale.train.replan import DriftMonitor
+
+    class _Total:  # stands in for the summed RollingProfile
+        def __init__(self, prof):
+            self.prof = prof
+
+        def to_access_profile(self):
+            return self.prof
+
+    ts = [TableSpec("a", 3000, 8, features=["a"]), TableSpec("b", 2000, 8, features=["b"])]
+    rng = np.random.default_rng(1)
+    old = AccessProfile({t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}, 10_000)
+    W, B = 2, 128
+    plan = make_plan("oper", ts, old, Topology(ranks_per_host=W), batch_size=B // W)
+    run = SimpleNamespace(cfg=SimpleNamespace(dist=DistConfig(), train=SimpleNamespace(batch_size=B)), world=W,
+                          plan=plan, state=SimpleNamespace(step=10))
+    mon = DriftMonitor.__new__(DriftMonitor)
+    mon.min_gain, mon.incremental = 0.05, True
+    report, fresh = mon._check(run, _Total(old))
+    assert fresh is None and report["replan"] is False and "keep the plan" in report["reason"]
+    counts = {t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}
+    hot = np.flatnonzero(plan.owner("a", np.arange(3000)) == 0)[:16]
+    counts["a"][hot] += 2000.0
+    new = AccessProfile(counts, 10_000)
+    report, inc = mon._check(run, _Total(new))
+    assert report["replan"] is True and report["replan_strategy"].endswith("+incremental"), report["reason"]
+    assert inc.meta.get("incremental") and report["rows_moved"] == rows_moved(plan, inc)["rows_moved"]
+    assert report["rows_moved"] < report["fresh"]["rows_moved"] / 10, (report["rows_moved"], report["fresh"])
+    assert report["replanned"]["max_rank_cost"] < report["after"]["max_rank_cost"]

@@ -245,6 +245,7 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
         elif cfg.dist.nproc > 1:
             s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
         else:
+            workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
                 s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
@@ -388,6 +389,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
         else:
+            workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
                 if nproc > 1:

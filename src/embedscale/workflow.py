@@ -23,7 +23,7 @@ from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, ma
                                  tt_lr)
 from embedscale.assemble import eval_loader as assemble_eval_loader, raw_id_features
 from embedscale.assemble import train_loader as assemble_train_loader
-from embedscale.errors import EmbedscaleError
+from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.train.distributed import ensure_run_plan
@@ -34,12 +34,22 @@ from embedscale.train.loop import LoopConfig
 from embedscale.train.trainer import Trainer, pipelined_trainer
 
 
+def check_one_process(cfg: RunConfig) -> None:
+    """What a run of one process cannot do, refused by name before anything is written: ``train.replan_every``
+    (the drift monitor re-plans the rows of an N-rank run, ``train.replan``; one process has no plan to change)."""
+    if cfg.train.replan_every:
+        raise ConfigError(f"train.replan_every {cfg.train.replan_every}: live re-planning moves rows between the "
+                          "ranks of a planned run; this run has one process (dist.nproc 1): set "
+                          "train.replan_every 0, or dist.nproc 2 or more")
+
+
 def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
           progress: bool = True) -> dict:
     """Train and evaluate as ``cfg`` says in one process, writing config, metrics, plot and checkpoints into
     ``run_dir``; with ``resume`` it continues from the run directory's latest checkpoint, whatever world size
     wrote it (``train.checkpoint``: rows by table and row id). ``config.yaml`` is written once the inputs
     (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was."""
+    check_one_process(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = dump_config(cfg)
@@ -84,6 +94,8 @@ def _dmt_towers(cfg: RunConfig, tables: list[TableSpec], run_dir: Path):
 def run_main(cfg: RunConfig, progress: bool = True) -> dict:
     """The README's main job: data, profile, plan, train (on ``dist.nproc`` local ranks), evaluate, summary."""
     t0 = time.perf_counter()
+    if cfg.dist.nproc <= 1:
+        check_one_process(cfg)
     run_dir = new_run_dir(cfg)
     _log(f"run directory: {run_dir}")
     with RunLock(run_dir):  # this process holds the run for as long as it runs (train.lock)

@@ -5,17 +5,24 @@ future work (section 8). With ``train.replan_every`` N > 0 a ``DistributedRun`` 
 :class:`~embedscale.data.rolling_profile.RollingProfile` of the rows its batches read (each rank its own
 slice, decayed with a half-life of N steps) and, before the step that follows every N-th, checks its plan:
 
-1. the ranks' profiles are summed (one ``all_reduce``); rank 0 costs the running plan and a fresh plan (the
-   run's strategy, ``oper`` for hand-made or ``auto`` plans) on the summed profile with the section 3.2
-   model (``plan.drift.drift_and_plan``), for the run's topology and per-rank batch;
-2. when the fresh plan's predicted bottleneck (``max_rank_cost``) is lower by more than
-   ``train.replan_min_gain`` (default 5%), or a degree of balance fell below 0.9, every rank loads the
-   fresh plan (rank 0 saves it: ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues
-   under it), builds the sharded module for its address map (``embedding.build.build_sharded``) and moves
-   the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all); the
-   model then looks up through the new module;
+1. the ranks' profiles are summed (one ``all_reduce``); rank 0 costs the running plan on the summed profile
+   with the section 3.2 model (``plan.drift``): while its bottleneck cost (``max_rank_cost``) is within
+   ``train.replan_min_gain`` of its cost on the profile it was made for and its degrees of balance stay at
+   0.9 or more, the plan is kept without further search (with ``replan_min_gain`` 0 every check plans);
+   else rank 0 makes a fresh plan (the run's strategy, ``oper`` for hand-made or ``auto`` plans) and the
+   incremental one (``plan.incremental``: the running placement, the fresh plan's replicas, the fewest row
+   moves that balance the lookups), for the run's topology and per-rank batch, and takes the incremental
+   plan when its predicted bottleneck is within 2% of the fresh plan's (a plan from scratch re-sorts every
+   row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
+2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
+   5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the
+   sharded module for its address map (``embedding.build.build_sharded``) and moves the rows and their
+   row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all, :func:`move_to_plan`);
+   the model then looks up through the new module;
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
-   bytes moved summed over the ranks, the slowest rank's seconds, the predicted gain and the max / mean
+   bytes moved summed over the ranks, the slowest rank's seconds (all of it; the check: profile sum, plans
+   and verdict; the migration: build, move, swap), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
 A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
@@ -41,28 +48,33 @@ from embedscale.embedding.build import build_sharded
 from embedscale.embedding.migrate import migrate
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_text
-from embedscale.plan.drift import drift_and_plan
+from embedscale.plan.cost import evaluate
+from embedscale.plan.drift import drift_and_plan, rows_moved
+from embedscale.plan.incremental import incremental_plan
 from embedscale.plan.plan import Plan
 from embedscale.specs import Topology
 
 REPLANS_CSV = "replans.csv"
-COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "replicas_added", "replicas_dropped",
-           "balance_before", "balance_after", "strategy"]
+DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
+INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
+COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
+           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy"]
 
 
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float):
+    def __init__(self, run, every: int, min_gain: float, incremental: bool = True):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
-        self.every, self.min_gain = int(every), float(min_gain)
+        self.every, self.min_gain, self.incremental = int(every), float(min_gain), bool(incremental)
         self.decay = 0.5 ** (1.0 / self.every)  # an access weighs half after one monitoring period
         self.profile = RollingProfile({t.name: t.num_rows for t in run.tables}, decay=self.decay, device=run.device)
         self._features = {t.name: list(t.features) for t in run.tables}
         self.records: list[dict] = []
         self.checks = 0
+        self.check_seconds: list[float] = []  # this rank's seconds of every check (profile sum, plans, verdict)
         self._checked_at = -1
 
     @torch.no_grad()
@@ -98,21 +110,23 @@ class DriftMonitor:
             raise failure or EmbedscaleError(f"rank {run.rank}: rank 0's re-plan check at step {step} failed "
                                              "(its error says why)")
         if not int(flag[0]):
+            self.check_seconds.append(time.perf_counter() - t0)
             return None
         new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
-        amap = address_map_from_plan(new_plan, run.tables)
-        new = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
-        mig = migrate(run.embedding, new)
-        run.swap_sharded(new, new_plan)
+        t1 = time.perf_counter()
+        mig = move_to_plan(run, new_plan)
+        t2 = time.perf_counter()
+        self.check_seconds.append(t1 - t0)
         figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped],
                             dtype=torch.float64)
         dist.all_reduce(figs, group=run.monitor_group)
-        secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        secs = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=run.monitor_group)
         if run.rank != 0:
             return None
         rec = {"step": step, "reason": report["reason"], "gain": round(float(report["replan_gain"]), 6),
                "rows_moved": int(figs[0]), "bytes": int(figs[1]), "seconds": round(float(secs[0]), 6),
+               "check_seconds": round(float(secs[1]), 6), "migrate_seconds": round(float(secs[2]), 6),
                "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
                "balance_before": round(float(report["after"]["balance"]), 6),
                "balance_after": round(float(report["replanned"]["balance"]), 6),
@@ -127,9 +141,18 @@ class DriftMonitor:
         prof = total.to_access_profile()
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = run.plan
-        report, fresh = drift_and_plan(plan, prof, topo, old_profile=None if plan.part_counts is not None else prof,
-                                       mode=d.mode, batch_size=max(1, run.cfg.train.batch_size // world),
-                                       min_gain=self.min_gain, extra_memory=d.extra_memory)
+        kw = dict(old_profile=None if plan.part_counts is not None else prof, mode=d.mode,
+                  batch_size=max(1, run.cfg.train.batch_size // world), min_gain=self.min_gain)
+        if self.min_gain > 0:  # the running plan holds: no fresh plan (OPER's search is most of a check's time)
+            report, _ = drift_and_plan(plan, prof, topo, replan=False, dob_floor=DOB_FLOOR, **kw)
+            if not report["replan"] and report["max_rank_cost_ratio"] <= 1 + self.min_gain:
+                report["reason"] = (f"the plan's bottleneck cost moved by {report['max_rank_cost_ratio'] - 1:+.1%} "
+                                    f"(<= {self.min_gain:.0%}) and its balance holds: keep the plan")
+                return report, None
+        report, fresh = drift_and_plan(plan, prof, topo, extra_memory=d.extra_memory, dob_floor=DOB_FLOOR, **kw)
+        if fresh is not None and self.incremental:
+            fresh = self._prefer_incremental(plan, fresh, prof, topo, report, d.mode,
+                                             max(1, run.cfg.train.batch_size // world))
         if fresh is not None:  # the same forms as the running plan (TT, host tables beside the placed ones)
             for key in ("forms", "replicated_tables", "topology"):
                 if key in plan.meta:
@@ -137,8 +160,47 @@ class DriftMonitor:
             fresh.meta["replanned_at_step"] = run.state.step
         return report, fresh
 
+    def _prefer_incremental(self, plan: Plan, fresh: Plan, prof, topo, report: dict, mode: str, batch: int) -> Plan:
+        """The incremental plan (``plan.incremental``: the running placement, the fresh plan's replicas, the
+        fewest row moves that balance the lookups) instead of the fresh one when it passes the same re-plan
+        rule and its bottleneck cost is within :data:`INCREMENTAL_SLACK` of the fresh plan's; ``report`` is
+        updated to describe the plan chosen."""
+        inc, _ = incremental_plan(plan, fresh, prof, batch_size=batch)
+        cost = evaluate(inc, prof, topo, mode=mode, batch_size=batch, part_counts=inc.part_counts)
+        after = report["after"]["max_rank_cost"]
+        gain = 1.0 - cost.max_rank_cost / after if after > 0 else 0.0
+        balanced = cost.dob_lookup >= DOB_FLOOR and cost.dob_comm >= DOB_FLOOR
+        close = cost.max_rank_cost <= report["replanned"]["max_rank_cost"] * (1 + INCREMENTAL_SLACK)
+        if not (cost.fits_memory and close and (gain > self.min_gain or (report["replan"] and balanced))):
+            return fresh
+        tot = cost.total_per_rank
+        report["fresh"] = {"replanned": report["replanned"], "replan_gain": report["replan_gain"],
+                           "rows_moved": report["rows_moved"]}
+        report["replanned"] = {"dob_memory": cost.dob_memory, "dob_lookup": cost.dob_lookup,
+                               "dob_comm": cost.dob_comm, "comm_mean": cost.comm_mean,
+                               "max_rank_cost": cost.max_rank_cost,
+                               "balance": cost.max_rank_cost / float(tot.mean()) if tot.mean() > 0 else 1.0}
+        report.update(rows_moved(plan, inc))
+        report["replan_gain"], report["replan"] = gain, True
+        report["replan_strategy"] = f"{report['replan_strategy']}+incremental"
+        report["reason"] = (f"incremental re-plan lowers the bottleneck cost by {gain:.1%}" if gain > self.min_gain
+                            else f"balance fell below {DOB_FLOOR}; the incremental plan restores it")
+        return inc
+
     def figures(self) -> dict:
-        return {"replan_every": self.every, "replan_checks": self.checks, "replans": list(self.records)}
+        return {"replan_every": self.every, "replan_checks": self.checks,
+                "replan_check_seconds": round(sum(self.check_seconds), 6), "replans": list(self.records)}
+
+
+def move_to_plan(run, plan: Plan):
+    """Collective (every rank): build the sharded module of ``plan`` (its address map over the run's sharded
+    tables), move the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``) and look
+    up through it from now on (``run.swap_sharded``). Returns this rank's ``Migration``."""
+    amap = address_map_from_plan(plan, run.tables)
+    new = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
+    mig = migrate(run.embedding, new)
+    run.swap_sharded(new, plan)
+    return mig
 
 
 def read_replans(run_dir) -> list[dict]:

@@ -1,0 +1,362 @@
+"""Online training on a drifting stream (issue 17, the benchmark bars): a static plan, the drift monitor's live
+re-plans (``train.replan_every``) and a plan made with hindsight for every window, in the same run.
+
+Input: a :class:`~embedscale.data.drift_stream.DriftingStream` whose hot set rotates every ``--rotate`` steps
+(200), written as a shard dataset in step order (row ids = the stream's id indices, new ids arriving every
+step), so global batch ``s`` of the loader is the stream's step ``s``. Three :class:`DistributedRun` s are
+built in every rank process, the same model and seed, each under its own plan:
+
+* ``static``: the OPER plan of window 0's true profile (the shards present when the run starts), kept;
+* ``online``: starts from the same plan, with the drift monitor on (``train.replan_every``, ``train.replan``):
+  rolling profile, a check every N steps, a live migration when re-planning gains enough (to the incremental
+  plan, ``plan.incremental``; ``--fresh-plans``: to OPER's plan from scratch);
+* ``hindsight``: at the first step of every window, moved (``train.replan.move_to_plan``, untimed: an oracle)
+  to the OPER plan of that window's true profile.
+
+Every step every run trains on the same batch, in an order rotated step by step (interleaved: the load the
+machine is under hits all three alike); each timed step starts after a barrier; a step's time is the slowest
+rank's. The online run's check and migration are timed apart from its step (``maybe_replan`` is called first).
+
+Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one; its
+paired step ratios, ``window0_paired_median``, are the comparison's own noise and overhead):
+
+1. lookup DoB (``plan.cost``: min / max over ranks of eq. 2's lookup) on each window's true access profile:
+   the static plan's; the online run's as it ran (each plan it held, on the steps it held it, summed per
+   rank: its lag after a rotation counts) and the plan it held at the window's end; the hindsight plan's.
+   Bar: static < 0.8 while online >= 0.95.
+2. step time per window, median (p90) of the slowest rank, online against hindsight (and static): the
+   median of the per-step ratios (each step's runs ran back to back: the load drifts less within a pair)
+   and the ratio of medians; also online's mean with its checks and migrations spread over the steps.
+   Bar: within 10% (on the paired median).
+3. each migration (build the new module, move rows and row-wise state, swap) against the median online
+   step; the whole re-plan pause (profile sum, rank 0's two plans, the migration) reported beside it.
+   Bar: < 2 steps.
+4. the online run's delta checkpoint (``train.checkpoint``): a full one at the start of window 1, a delta
+   at the end of it (across its migrations); its rank files' bytes against the touched rows' bytes
+   (distinct row ids of those steps, counted from the stream, times weight + row-wise state) plus the
+   dense part (dense state and its optimizer state). Bar: <= 1.1x.
+
+    nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from embedscale.assemble import prepare_data, tables_for
+from embedscale.data.drift_stream import DriftConfig, DriftingStream
+from embedscale.data.profile import AccessProfile
+from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+from embedscale.plan.api import make_plan
+from embedscale.plan.cost import dob, evaluate
+from embedscale.plan.forms import config_forms
+from embedscale.plan.plan import Plan
+from embedscale.specs import RunConfig, Topology, from_dict, to_dict
+from embedscale.train.checkpoint import base_ref, read_manifest
+from embedscale.train.distributed import DistributedRun
+from embedscale.train.launch import spawn_local
+from embedscale.train.replan import move_to_plan
+from embedscale.train.run import dense_state, optimizer_state, save_checkpoint
+
+RUNS = ("static", "online", "hindsight")
+TABLES = ("C1", "C2", "C3", "C4")
+DENSE = 4
+
+
+def stream_config(a) -> DriftConfig:
+    return DriftConfig(tables=TABLES, initial_ids=a.initial_ids, new_ids_per_step=a.new_ids, hot_ids=a.hot_ids,
+                       hot_share=a.hot_share, rotate_every=a.rotate, batch_size=a.batch, num_dense=DENSE)
+
+
+def write_stream(path: Path, stream: DriftingStream, steps: int) -> dict[str, np.ndarray]:
+    """The stream's first ``steps`` batches as a shard dataset (row ids = id indices); returns per table the
+    ``[steps, batch]`` row ids (the true profile of any step range)."""
+    rows = stream.universe_size(steps)
+    idx = {t: [] for t in TABLES}
+    with ShardWriter(path, [f"I{i}" for i in range(DENSE)], [SparseFeatureInfo(t, rows) for t in TABLES],
+                     shard_rows=50 * stream.cfg.batch_size) as w:
+        for s in range(steps):
+            cols = stream.batch(s)
+            ind = stream.batch_indices(s)
+            w.write(cols.labels, cols.dense, ind)
+            for t in TABLES:
+                idx[t].append(ind[t])
+    return {t: np.stack(v) for t, v in idx.items()}
+
+
+def profile_of(idx: dict[str, np.ndarray], tables, a: int, b: int) -> AccessProfile:
+    """The true access profile of steps ``[a, b)``, by table name (the run's tables read one feature each)."""
+    counts = {}
+    for spec in tables:
+        (feat,) = spec.features
+        counts[spec.name] = np.bincount(idx[feat][a:b].reshape(-1), minlength=spec.num_rows).astype(np.float64)
+    return AccessProfile(counts, int(idx[TABLES[0]][a:b].size))
+
+
+def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
+    return from_dict(RunConfig, {
+        "name": name, "out_dir": str(root / "runs"),
+        "data": {"source": "shards", "path": str(data), "eval_fraction": 0.0},
+        "model": {"embedding_dim": a.dim, "bottom_mlp": [32], "top_mlp": [32]},
+        "train": {"batch_size": a.batch, "max_steps": a.steps, "lr_dense": 0.05, "lr_sparse": 0.05, "log_every": 0,
+                  "eval_every": 0, "checkpoint_every": 0, "sparse_optimizer": "rowwise_adagrad",
+                  "dense_optimizer": "adagrad", "prefetch": 0, "seed": 0,
+                  "replan_every": a.every if name == "online" else 0, "replan_min_gain": a.min_gain},
+        "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800}})
+
+
+def plan_for(tables, forms, prof, world: int, batch: int) -> Plan:
+    plan = make_plan("oper", tables, prof, Topology(ranks_per_host=world), forms=forms, mode="training",
+                     extra_memory=0.05, batch_size=max(1, batch // world))
+    plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
+    return plan
+
+
+def worker(rank, world, job):
+    torch.set_num_threads(1)
+    root, K, steps = Path(job["root"]), job["rotate"], job["steps"]
+    runs = {n: DistributedRun(from_dict(RunConfig, job["cfg"][n]), root / n, rank, world, progress=False)
+            for n in RUNS}
+    hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
+    step_s = {n: np.zeros(steps) for n in RUNS}
+    check_s = np.zeros(steps)
+    losses = {n: [] for n in RUNS}
+    full_at, delta_at = K, 2 * K  # full checkpoint before step K, delta after step 2K - 1 (window 1)
+    ckpt = {}
+    online = runs["online"]
+    online.monitor.incremental = not job["fresh_plans"]
+    observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
+    observe = online.monitor.observe
+
+    def timed_observe(sparse, samples):
+        t0 = time.perf_counter()
+        observe(sparse, samples)
+        observe_s.append(time.perf_counter() - t0)
+
+    online.monitor.observe = timed_observe
+    it = iter(online.train_loader)
+    for s in range(steps):
+        batch = next(it)
+        if s == 0 and rank == 0:  # the loader's global batch 0 is the stream's step 0 (rank 0's slice)
+            (feat,) = online.tables[0].features
+            got = batch.sparse.to_dict()[feat][0].cpu().numpy()
+            assert np.array_equal(got, np.asarray(job["first_ids"])[:got.size]), "loader order != stream order"
+        if s and s % K == 0:  # the oracle moves to this window's true plan at its first step (untimed)
+            move_to_plan(runs["hindsight"], hind_plans[s // K])
+        if s == full_at:
+            online.state.step = s
+            ckpt["full"] = str(save_checkpoint(online, track=True))
+        for n in RUNS[s % 3:] + RUNS[:s % 3]:
+            run = runs[n]
+            run.state.step = s
+            dist.barrier()
+            if n == "online":
+                t0 = time.perf_counter()
+                run.monitor.maybe_replan(run)  # train_step's own call then returns at once (already checked)
+                check_s[s] = time.perf_counter() - t0
+                dist.barrier()
+            t0 = time.perf_counter()
+            loss = run.train_step(batch)
+            step_s[n][s] = time.perf_counter() - t0
+            losses[n].append(loss)
+            run.state.losses.append(loss)
+            run.state.step, run.state.samples = s + 1, run.state.samples + batch.global_size
+        if s + 1 == delta_at and "full" in ckpt:
+            d = save_checkpoint(online, base=base_ref(Path(ckpt["full"])))
+            ckpt["delta"] = str(d)
+            ckpt["delta_rows"] = int(online.embedding.shard_state(touched_only=True)["gids"].numel())
+            if rank == 0:
+                tensors = list(dense_state(online.model).values())
+                for st in optimizer_state(online.opt, online._names).values():
+                    tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
+                ckpt["dense_bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
+    dist.barrier()
+    return {"step_s": {n: torch.from_numpy(v) for n, v in step_s.items()}, "check_s": torch.from_numpy(check_s),
+            "losses": losses, "replans": online.monitor.records if rank == 0 else [],
+            "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
+
+
+def q(v) -> dict:
+    v = np.asarray(v, dtype=np.float64)
+    return {"median_s": round(float(np.median(v)), 6), "p90_s": round(float(np.percentile(v, 90)), 6)}
+
+
+def lookup_bytes(plan: Plan, prof: AccessProfile, world: int, batch: int, steps: int) -> np.ndarray:
+    """Lookup bytes per rank over ``steps`` steps of ``prof`` (eq. 2 per iteration, times the steps)."""
+    c = evaluate(plan, prof, Topology(ranks_per_host=world), mode="training", batch_size=max(1, batch // world))
+    return c.lookup_bytes_per_rank * steps
+
+
+def replica_rows(plan: Plan) -> int:
+    """Extra copies a plan stores (rows times holders beyond the owner)."""
+    return int(((plan.holders.sum(axis=1) - 1) * plan.part_rows).sum())
+
+
+def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
+    root = root / f"w{world}"
+    K, steps, W = a.rotate, a.steps, a.steps // a.rotate
+    tmp_cfg = run_config(a, root, data, "static", world)
+    prepared = prepare_data(tmp_cfg, progress=False)
+    tables = tables_for(tmp_cfg, prepared.manifest)
+    forms = config_forms(tmp_cfg.model, tables)
+    wprof = [profile_of(idx, tables, w * K, (w + 1) * K) for w in range(W)]
+    t0 = time.perf_counter()
+    hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
+    plan_s = (time.perf_counter() - t0) / W
+    cfgs = {}
+    for n in RUNS:
+        hind[0].save(root / n / "plan")  # every run starts from window 0's plan (the static plan)
+        cfgs[n] = to_dict(run_config(a, root, data, n, world))
+    for w in range(1, W):
+        hind[w].save(root / "hindsight-plans" / f"w{w}")
+    job = {"root": str(root), "rotate": K, "steps": steps, "cfg": cfgs,
+           "hindsight": {str(w): str(root / "hindsight-plans" / f"w{w}") for w in range(1, W)},
+           "first_ids": idx[tables[0].features[0]][0].tolist(), "fresh_plans": a.fresh_plans}
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    res = spawn_local(worker, world, job, timeout_s=3600)
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()[0]
+    step = {n: np.max(np.stack([r["step_s"][n].numpy() for r in res]), axis=0) for n in RUNS}
+    check = np.max(np.stack([r["check_s"].numpy() for r in res]), axis=0)
+    replans = res[0]["replans"]
+    # the online run's plan timeline: (first step, plan)
+    timeline = [(0, hind[0])] + [(int(r["step"]), Plan.load(root / "online" / "replans" / f"step-{r['step']}"))
+                                 for r in replans]
+    windows = []
+    for w in range(1, W):
+        a0, b0 = w * K, (w + 1) * K
+        held = np.zeros(world)
+        for i, (start, plan) in enumerate(timeline):
+            stop = timeline[i + 1][0] if i + 1 < len(timeline) else steps
+            lo, hi = max(start, a0), min(stop, b0)
+            if lo < hi:
+                held += lookup_bytes(plan, profile_of(idx, tables, lo, hi), world, a.batch, hi - lo)
+        end_plan = [p for st, p in timeline if st < b0][-1]
+        topo = Topology(ranks_per_host=world)
+        ev = lambda p: evaluate(p, wprof[w], topo, mode="training", batch_size=max(1, a.batch // world))  # noqa: E731
+        sl = slice(a0, b0)
+        on_total = step["online"][sl] + check[sl]
+        windows.append({
+            "window": w,
+            "dob_lookup": {"static": round(ev(hind[0]).dob_lookup, 4), "online_as_run": round(dob(held), 4),
+                           "online_at_end": round(ev(end_plan).dob_lookup, 4),
+                           "hindsight": round(ev(hind[w]).dob_lookup, 4)},
+            "step": {n: q(step[n][sl]) for n in RUNS},
+            "online_mean_with_checks_s": round(float(on_total.mean()), 6),
+            "hindsight_mean_s": round(float(step["hindsight"][sl].mean()), 6),
+            "ratio_online_hindsight_median": round(float(np.median(step["online"][sl])
+                                                         / np.median(step["hindsight"][sl])), 4),
+            "ratio_online_hindsight_paired_median": round(float(np.median(step["online"][sl]
+                                                                          / step["hindsight"][sl])), 4),
+            "ratio_static_hindsight_paired_median": round(float(np.median(step["static"][sl]
+                                                                          / step["hindsight"][sl])), 4),
+            "ratio_online_with_checks_hindsight_mean": round(float(on_total.mean()
+                                                                  / step["hindsight"][sl].mean()), 4),
+            "replica_rows": {"static": replica_rows(hind[0]), "online_at_end": replica_rows(end_plan),
+                             "hindsight": replica_rows(hind[w])},
+            "replans": sum(a0 <= int(r["step"]) < b0 for r in replans)})
+    med_online = float(np.median(step["online"][K:]))
+    migs = [{"step": int(r["step"]), "migrate_s": float(r["migrate_seconds"]), "pause_s": float(r["seconds"]),
+             "rows_moved": int(r["rows_moved"]), "bytes": int(r["bytes"]),
+             "migrate_in_steps": round(float(r["migrate_seconds"]) / med_online, 3),
+             "pause_in_steps": round(float(r["seconds"]) / med_online, 3)} for r in replans]
+    ck = res[0]["ckpt"]
+    delta_bytes = sum(f.stat().st_size for f in Path(ck["delta"]).glob("rank-*.pt"))
+    full_bytes = sum(f.stat().st_size for f in Path(ck["full"]).glob("rank-*.pt"))
+    d_step, f_step = read_manifest(Path(ck["delta"]))["step"], read_manifest(Path(ck["full"]))["step"]
+    touched = sum(int(np.unique(idx[t.features[0]][f_step:d_step]).size) for t in tables)
+    row_bytes = a.dim * 4 + 4  # float32 weight + row-wise Adagrad state
+    ref = touched * row_bytes + ck["dense_bytes"]
+    static_dobs = [x["dob_lookup"]["static"] for x in windows]
+    online_dobs = [x["dob_lookup"]["online_as_run"] for x in windows]
+    ratios = [x["ratio_online_hindsight_paired_median"] for x in windows]
+    return {
+        "figure": "online training on a drifting stream: lookup DoB, step time, migration, delta checkpoint",
+        "world": world,
+        "bars": {
+            "dob_static_below_0.8": all(d < 0.8 for d in static_dobs),
+            "dob_online_at_least_0.95": all(d >= 0.95 for d in online_dobs),
+            "step_online_within_10pct_of_hindsight": all(r <= 1.10 for r in ratios),
+            "migration_below_2_steps": all(m["migrate_in_steps"] < 2 for m in migs),
+            "delta_at_most_1.1x": delta_bytes / ref <= 1.10},
+        "windows": windows,
+        "dob_lookup_mean": {"static": round(float(np.mean(static_dobs)), 4),
+                            "online_as_run": round(float(np.mean(online_dobs)), 4)},
+        "step_median_after_window0": {n: q(step[n][K:]) for n in RUNS},
+        "window0_paired_median": {  # every run holds the same plan in window 0: the order / run effect alone
+            "online_hindsight": round(float(np.median(step["online"][1:K] / step["hindsight"][1:K])), 4),
+            "static_hindsight": round(float(np.median(step["static"][1:K] / step["hindsight"][1:K])), 4)},
+        "ratio_online_hindsight_after_window0": {
+            "paired_median": round(float(np.median(step["online"][K:] / step["hindsight"][K:])), 4),
+            "median": round(float(np.median(step["online"][K:]) / np.median(step["hindsight"][K:])), 4),
+            "mean_with_checks_and_migrations": round(float((step["online"][K:] + check[K:]).mean()
+                                                           / step["hindsight"][K:].mean()), 4)},
+        "migrations": migs, "checks": res[0]["checks"],
+        "observe_s_rank_max": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)),
+        "check_s_without_replan": q([c for s, c in enumerate(check) if s and s % a.every == 0 and s not in
+                                     {m["step"] for m in migs}] or [0.0]),
+        "check_s_total": round(float(check.sum()), 4),
+        "oper_plan_s_parent": round(plan_s, 4),
+        "delta_checkpoint": {"full_step": f_step, "delta_step": d_step, "delta_bytes": delta_bytes,
+                             "full_bytes": full_bytes, "touched_rows": touched,
+                             "delta_rows_saved": sum(r["ckpt"]["delta_rows"] for r in res),
+                             "row_bytes": row_bytes, "dense_bytes": ck["dense_bytes"],
+                             "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4)},
+        "final_loss": {n: round(float(np.mean(res[0]["losses"][n][-K:])), 5) for n in RUNS},
+        "wall_s": round(wall, 1), "load_average": [round(load0, 2), round(load1, 2)],
+        "config": {"world": world, "steps": steps, "rotate_every": K, "tables": len(TABLES),
+                   "rows_per_table": stream.universe_size(steps), "initial_ids": a.initial_ids,
+                   "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share,
+                   "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
+                   "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
+                   "online_plans": "oper from scratch" if a.fresh_plans else "incremental (plan.incremental)"}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="3 windows of 40 steps (a smoke run, not the bars)")
+    ap.add_argument("--worlds", default="2")
+    ap.add_argument("--windows", type=int, default=5)
+    ap.add_argument("--rotate", type=int, default=200)
+    ap.add_argument("--every", type=int, default=10, help="train.replan_every")
+    ap.add_argument("--min-gain", type=float, default=0.05, help="train.replan_min_gain")
+    ap.add_argument("--initial-ids", type=int, default=20_000)
+    ap.add_argument("--new-ids", type=int, default=4)
+    ap.add_argument("--hot-ids", type=int, default=8)
+    ap.add_argument("--hot-share", type=float, default=0.8)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--fresh-plans", action="store_true",
+                    help="the monitor migrates to OPER's plans from scratch (no incremental plan)")
+    ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
+    a = ap.parse_args()
+    if a.quick:
+        a.windows, a.rotate, a.every, a.batch = 3, 40, 10, 256
+    a.steps = a.windows * a.rotate
+    root = Path(a.root) if a.root else Path(tempfile.mkdtemp(prefix="bench-online-"))
+    try:
+        stream = DriftingStream(stream_config(a), seed=0)
+        data = root / "data"
+        idx = write_stream(data, stream, a.steps)
+        for world in (int(x) for x in a.worlds.split(",")):
+            sys.stdout.write(json.dumps(one_world(a, world, root, data, idx, stream)) + "\n")
+            sys.stdout.flush()
+    finally:
+        if not a.root:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
