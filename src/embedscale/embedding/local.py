@@ -453,8 +453,9 @@ class LocalEmbeddingBags(nn.Module):
         # The fused C++ CPU kernel (embedding.kernels) for the backward + update of pooled lookups: loaded
         # (never compiled) when the rule of _kernel_applies can hold; None keeps the PyTorch path.
         self.cpu_kernel = cpu_kernel
-        self._ops = (kernels.fused_ops() if cpu_kernel and optimizer is not None and kernels.takes(self.weights)
-                     else None)
+        # a flag, not the extension module itself: a module object cannot be deep-copied (copy.deepcopy(model))
+        self._kernel_loaded = bool(cpu_kernel and optimizer is not None and kernels.takes(self.weights)
+                                   and kernels.fused_ops() is not None)
         self._kernel_slots: dict[int, torch.Tensor] = {}  # per dim group: int32 row -> slot map, all -1
         self._kernel_bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per group: features' row ranges
         # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
@@ -788,6 +789,11 @@ class LocalEmbeddingBags(nn.Module):
         buffers of the PyTorch path, and the C++ kernel's row -> slot map (4 bytes per row of a group it
         updated)."""
         return self._scratch.nbytes + sum(s.numel() * s.element_size() for s in self._kernel_slots.values())
+
+    @property
+    def _ops(self):
+        """The loaded extension (:func:`kernels.fused_ops`, cached there) when this module may use it, else None."""
+        return kernels.fused_ops() if self._kernel_loaded else None
 
     @property
     def uses_cpu_kernel(self) -> bool:
