@@ -14,6 +14,15 @@ same run, interleaved step by step in a fresh random order, each on the same bat
   Algorithm 1's batched GEMM as is): what reuse alone gives here;
 * ``uncompressed``: ``LocalEmbeddingBags`` with fused SGD over the full ``rows x dim`` table.
 
+The TT-Rec baseline at its best (issue 15 part 5): it runs the same kernels as Eff-TT (``index_select``,
+``bmm``, ``embedding_bag``), the same core layout, optimizer and thread count, its buffers as TT-Rec's design
+needs them; what differs is TT-Rec's algorithm: one slice-product chain per occurrence (no batch-level
+reuse), the chain recomputed in backward, per-occurrence core gradients summed into dense core-shaped
+gradients before the update. Not modelled: TT-Rec's optional cache of the most frequent rows kept
+uncompressed (TT-Rec section 4), which EL-Rec's comparison does not use either (EL-Rec VI: "the compressed
+embedding table API of TT-Rec"). The ratios depend on the batch's reuse (distinct rows and prefixes per
+batch, reported as ``reuse_levels_median``): Zipf 1.2 over 10M rows at batch 4096 repeats a lot.
+
 Forward is timed without autograd; backward is ``loss.backward()`` after a forward with autograd (the
 gradient aggregation and the fused update of the cores). Figures are medians over all timed steps.
 Before timing, Eff-TT's output and one SGD step are checked against the TT-Rec reference.
