@@ -204,10 +204,12 @@ def write_markdown(out: dict, path: Path) -> None:
     repeats = c["repeats"]
     lines = ["# Pipelined host-table training (EL-Rec section V, Fig. 16)", "", f"Command: `{command}`", "",
              f"DLRM (bottom {config['bottom_mlp']}, top {config['top_mlp']}, dim {config['dim']}), batch "
-             f"{config['batch_size']}, {config['batches']} batches per run, {repeats} rounds (the variants of a round in a rotated order); host tables "
-             f"{config['host_tables']} ({config['host_rows']:,} rows, {config['host_pooling_factor']} ids per sample), "
-             f"{config['device_tables']} one-hot device tables; row-wise Adagrad; a trainer thread, a server thread and, at depth >= 2, a cache-patcher thread. "
-             f"Figure: {res['best_pipelined']} vs the best sequential run ({res['best_seq']}) = **{res['ratio']:.3f}x** "
+             f"{config['batch_size']}, {config['batches']} batches per run, {repeats} rounds (the variants of a "
+             f"round in a rotated order); host tables {config['host_tables']} ({config['host_rows']:,} rows, "
+             f"{config['host_pooling_factor']} ids per sample), {config['device_tables']} one-hot device tables; "
+             "row-wise Adagrad; a trainer thread, a server thread and, at depth >= 2, a cache-patcher thread. "
+             f"Figure: {res['best_pipelined']} vs the best sequential run ({res['best_seq']}) = "
+             f"**{res['ratio']:.3f}x** "
              "(EL-Rec Fig. 16: 1.30x, against sequential training on the same GPU).", ""]
     lines += table(res)
     if onehot is not None:

@@ -51,7 +51,8 @@ def test_float_codecs_round_trip_within_half_an_ulp(prec, unit):
             err = (y.double() - ref).abs()
             assert bool((err <= unit * ref.abs()).all()), float((err / ref.abs()).max())  # round to nearest
             assert float(err.max()) > 0  # the codec really ran
-        assert all(t.dtype == torch.uint8 and t.numel() == 2 * x.numel() for t, x in zip(inner.seen, send))  # 2 bytes a value
+        # 2 bytes a value on the wire
+        assert all(t.dtype == torch.uint8 and t.numel() == 2 * x.numel() for t, x in zip(inner.seen, send))
     assert inner.counter.by_kind["flat_a2a"] == 160 * 2 and inner.counter.by_kind["flat_a2a_grad"] == 160 * 2
 
 
