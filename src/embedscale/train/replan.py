@@ -16,13 +16,13 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
    5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
-   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the
-   sharded module for its address map (``embedding.build.build_sharded``) and moves the rows and their
-   row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all, :func:`move_to_plan`);
-   the model then looks up through the new module;
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it) and moves the
+   rows and their row-wise optimizer state onto it (:func:`move_to_plan`: one all-to-all; in place, the
+   running module's map edited and only what moves written, ``embedding.migrate.migrate_in_place``);
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
-   bytes moved summed over the ranks, the slowest rank's seconds (all of it; the check: profile sum, plans
-   and verdict; the migration: build, move, swap), the predicted gain and the max / mean
+   bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally),
+   the slowest rank's seconds (all of it; the check: profile sum, plans
+   and verdict; the migration: edit, move, swap), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
 A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
@@ -45,7 +45,8 @@ import torch.distributed as dist
 from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.build import build_sharded
-from embedscale.embedding.migrate import migrate
+from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
@@ -58,7 +59,7 @@ REPLANS_CSV = "replans.csv"
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
-           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy"]
+           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written"]
 
 
 class DriftMonitor:
@@ -117,8 +118,8 @@ class DriftMonitor:
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
         self.check_seconds.append(t1 - t0)
-        figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped],
-                            dtype=torch.float64)
+        figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped,
+                             mig.rows_written], dtype=torch.float64)
         dist.all_reduce(figs, group=run.monitor_group)
         secs = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=run.monitor_group)
@@ -130,7 +131,7 @@ class DriftMonitor:
                "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
                "balance_before": round(float(report["after"]["balance"]), 6),
                "balance_after": round(float(report["replanned"]["balance"]), 6),
-               "strategy": report["replan_strategy"]}
+               "strategy": report["replan_strategy"], "rows_written": int(figs[4])}
         self.records.append(rec)
         write_replans(run.run_dir, rec)
         return rec
@@ -193,13 +194,19 @@ class DriftMonitor:
 
 
 def move_to_plan(run, plan: Plan):
-    """Collective (every rank): build the sharded module of ``plan`` (its address map over the run's sharded
-    tables), move the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``) and look
-    up through it from now on (``run.swap_sharded``). Returns this rank's ``Migration``."""
-    amap = address_map_from_plan(plan, run.tables)
-    new = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
-    mig = migrate(run.embedding, new)
-    run.swap_sharded(new, plan)
+    """Collective (every rank): move the run's sharded rows and their row-wise optimizer state onto ``plan``
+    and run under it from now on (``run.swap_sharded``). A ``ShardedEmbedding`` moves in place
+    (``embedding.migrate.migrate_in_place``: its map edited, only the rows that change holder or place
+    written); a ``PgasShardedEmbedding`` (its heap sized when built) into the sharded module built for the
+    plan's address map (``embedding.migrate.migrate``). Returns this rank's ``Migration``."""
+    emb = run.embedding
+    if isinstance(emb, PgasShardedEmbedding):
+        amap = address_map_from_plan(plan, run.tables)
+        emb = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
+        mig = migrate(run.embedding, emb)
+    else:
+        mig = migrate_in_place(emb, Placement.of_plan(plan, run.tables))
+    run.swap_sharded(emb, plan)
     return mig
 
 
