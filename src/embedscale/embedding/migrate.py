@@ -28,8 +28,9 @@ In place (:func:`migrate_in_place`, what ``train.replan`` runs): the cost follow
 1. The running map is *edited* into P2's (:func:`edit_map`): one vectorised pass over its packed codes finds
    the rows whose place in an owned region changes (owner changed, replicated or no longer), a handful of
    array operations per rank (O(ranks) Python) gives the arrivals the offsets the leavers freed (then new
-   ones at the end of the owned region, with headroom: :data:`HEADROOM`), and only those rows' codes and the
-   replicas' (P2's slots, so replica gradients sync as under P2) are rewritten. Every staying row keeps its
+   ones at the end of the owned region, which takes the head of the replica region), and only those rows'
+   codes and the replicas' (P2's slot numbers, so replica gradients sum as under P2; a replica a rank keeps
+   stays in its storage row, the replica region compacted) are rewritten. Every staying row keeps its
    offset: the owned region may have free rows and leave global id order (``AddressMap.free``).
 2. The routes come from that difference alone (:func:`in_place_routes`: the changed rows and the replicated
    ones of either plan, O(k + slots)), never from a scan of both maps' storages.
@@ -62,7 +63,6 @@ from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError, EmbedscaleError
 
 KIND = "migrate"  # the transport counter's label for migrated rows
-HEADROOM = 1 / 32  # an owned region that must grow grows by its deficit plus max(deficit, this x its size)
 
 
 @dataclass
@@ -373,9 +373,10 @@ def edit_map(old: AddressMap, target: Placement) -> MapEdit:
 
     Deterministic from ``old`` and ``target`` alone, so every rank edits its copy of the map the same way:
     per rank, arriving rows (global id order) take the offsets freed by the rows that left and the map's
-    free rows (ascending), then new offsets at the end of the owned region, which grows by the deficit plus
-    ``max(deficit, HEADROOM x size)`` (free rows until later arrivals take them). The replicas are
-    ``target``'s slots, laid out after the owned region as ``AddressMap.build`` lays them out."""
+    free rows (ascending), then new offsets at the end of the owned region, which grows by the deficit into
+    the head of the replica region (those replicas move to its end, not the whole region). The replicas are
+    ``target``'s slots (its numbering: replica gradients sum by slot as under a map built for it), each
+    rank's replica region after its owned region, kept replicas in place (:func:`_replica_layout`)."""
     W = old.world_size
     if target.world_size != W:
         raise ConfigError(f"migration: the new plan is for {target.world_size} ranks, the running one for {W}; "
@@ -386,10 +387,7 @@ def edit_map(old: AddressMap, target: Placement) -> MapEdit:
     gids_s = target.replica_gid.astype(np.int64)
     S = gids_s.size
     rep_own = target.owner[gids_s].astype(np.int32)
-    holders = target.holders
-    local = np.where(holders, np.cumsum(holders, axis=0, dtype=np.int64) - 1, -1).astype(
-        np.int32 if S < 2**31 else np.int64)
-    held = holders.sum(0).astype(np.int64)
+    held = target.holders.sum(0).astype(np.int64)
     # one pass over the codes: a row's key is its owner when plain, W when replicated (the code's high bits)
     old_key = np.minimum(old.row_code >> old.shift, W).astype(np.int32)
     new_key = target.owner.astype(np.int32)
@@ -408,11 +406,11 @@ def edit_map(old: AddressMap, target: Placement) -> MapEdit:
             new_off[arr] = pool[:arr.size]
             new_free.append(pool[arr.size:])
             continue
-        deficit = arr.size - pool.size
-        grow = deficit + max(deficit, int(size[r] * HEADROOM))
+        deficit = arr.size - pool.size  # the region grows into the replica region's head (_replica_layout)
         new_off[arr] = np.concatenate([pool, size[r] + np.arange(deficit, dtype=np.int64)])
-        new_free.append(size[r] + np.arange(deficit, grow, dtype=np.int64))
-        size[r] += grow
+        new_free.append(np.zeros(0, dtype=np.int64))
+        size[r] += deficit
+    local = _replica_layout(old, gids_s, target.holders, size - old.owned_count)
     code, shift, flag_bit, widened = old.row_code.copy(), old.shift, old.flag_bit, False
     if code.dtype == np.int32 and int((size + held).max()) > 1 << shift:  # 32-bit offsets overflow: widen
         _rep, src, off = old._unpack(code)
@@ -425,6 +423,44 @@ def edit_map(old: AddressMap, target: Placement) -> MapEdit:
     if S:  # replicated rows: the owner's view until a rank claims the map (AddressMap.view)
         code[gids_s] = new._slot_codes(rep_own.astype(np.int64), np.arange(S))
     return MapEdit(old, new, changed, k_old, k_new, widened)
+
+
+def _replica_layout(old: AddressMap, gids: np.ndarray, holders: np.ndarray, grown: np.ndarray) -> np.ndarray:
+    """``[S, W]`` place of each new replica slot in each holder's replica region (-1: not held), the region
+    dense: a replica a rank keeps stays at its storage row while that is inside the new region (which
+    starts ``grown[w]`` rows later when the owned region grew); the new ones and those outside take the
+    places left free, in slot order. So the rows that move are about the replicas added and dropped, plus
+    the ``grown[w]`` the owned region took from the region's head (rotated to its end), never the whole
+    region. O(slots) array work per rank."""
+    S, W = holders.shape
+    local = np.full((S, W), -1, dtype=np.int32 if S < 2**31 else np.int64)
+    for w in range(W):
+        held_old = np.flatnonzero(old.replica_local[:, w] >= 0)
+        og, oi = old.replica_gid[held_old], old.replica_local[held_old, w].astype(np.int64)
+        order = np.argsort(og, kind="stable")
+        og, oi = og[order], oi[order]
+        slots = np.flatnonzero(holders[:, w])
+        g = gids[slots]
+        at = np.full(slots.size, -1, dtype=np.int64)
+        if og.size:
+            pos = np.minimum(np.searchsorted(og, g), og.size - 1)
+            hit = og[pos] == g
+            at[hit] = oi[pos[hit]] - int(grown[w])
+        n = slots.size
+        stay = (at >= 0) & (at < n)
+        used = np.zeros(n, dtype=bool)
+        used[at[stay]] = True
+        need = np.flatnonzero(~stay)
+        at[need] = np.flatnonzero(~used)
+        local[slots, w] = at
+    return local
+
+
+def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
+    """Sorted distinct values of ``arrays`` (one sort; numpy's hash-based ``unique`` was slower here)."""
+    c = np.concatenate([np.asarray(a, dtype=np.int64) for a in arrays])
+    c.sort()
+    return c[np.r_[True, c[1:] != c[:-1]]] if c.size else c
 
 
 def _rows_on(amap: AddressMap, gids: np.ndarray, rank: int) -> np.ndarray:
@@ -478,7 +514,7 @@ def in_place_routes(edit: MapEdit, rank: int) -> InPlaceRoutes:
     old, new, W = edit.old, edit.new, edit.old.world_size
     if not 0 <= rank < W:
         raise ConfigError(f"migration: rank {rank} outside world size {W}")
-    cand = np.union1d(edit.changed, np.union1d(old.replica_gid, new.replica_gid))
+    cand = _sorted_union(edit.changed, old.replica_gid, new.replica_gid)
     h_old, h_new = old.holders_of(cand), new.holders_of(cand)
     src = old.owner_of(cand)
     moves = h_new & ~h_old
