@@ -281,6 +281,9 @@ def test_edited_map_is_the_new_plan_and_routes_are_the_whole_map_routes():
                 assert after[a.recv_rows[q]].tolist() == a.recv_gids[q].tolist()
                 assert before[a.send_rows[q]].tolist() == a.send_gids[q].tolist()
             assert before[a.local_src].tolist() == after[a.local_dst].tolist()
+            pb = {x: q for q, x in enumerate(before.tolist()) if x >= 0}
+            pa = {x: q for q, x in enumerate(after.tolist()) if x >= 0}
+            assert {x for x in pb if x in pa and pb[x] != pa[x]} == set(before[a.local_src].tolist())  # every one
         changed = {x for x in g.tolist() if (cur.slot_of([x])[0] >= 0, cur.owner_of([x])[0])
                    != (target.slot_of([x])[0] >= 0, target.owner_of([x])[0])
                    and not (cur.slot_of([x])[0] >= 0 and target.slot_of([x])[0] >= 0)}

@@ -324,7 +324,7 @@ class Placement:
             parts.append(base[t] + r)
         gids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         S = gids.size
-        if np.unique(gids).size != S:
+        if _sorted_union(gids).size != S:
             raise ConfigError("placement: a row is listed as replicated twice")
         own = owner[gids].astype(np.int32)
         holders = np.ones((S, W), dtype=bool) if replica_holders is None else np.array(replica_holders, bool)
@@ -365,6 +365,7 @@ class MapEdit:
     old_key: np.ndarray
     new_key: np.ndarray
     widened: bool = False
+    replicas_moved: np.ndarray | None = None  # replicated rows (either map) whose holders, places or fetch ranks change
 
 
 def edit_map(old: AddressMap, target: Placement) -> MapEdit:
@@ -422,7 +423,29 @@ def edit_map(old: AddressMap, target: Placement) -> MapEdit:
                      home=None, free=new_free)
     if S:  # replicated rows: the owner's view until a rank claims the map (AddressMap.view)
         code[gids_s] = new._slot_codes(rep_own.astype(np.int64), np.arange(S))
-    return MapEdit(old, new, changed, k_old, k_new, widened)
+    return MapEdit(old, new, changed, k_old, k_new, widened, _replicas_moved(old, new, widened))
+
+
+def _replicas_moved(old: AddressMap, new: AddressMap, widened: bool) -> np.ndarray:
+    """Global ids (ascending) of the rows replicated under either map except those replicated under both
+    with the same holders, the same storage row on every holder and the same fetch ranks: those need no
+    route, no local move and keep their codes. One sort-based match of the two slot lists."""
+    og, ng = old.replica_gid, new.replica_gid
+    if not og.size or not ng.size or widened:
+        return _sorted_union(og, ng)
+    o_sorted = og[old.replica_order]
+    pos = np.minimum(np.searchsorted(o_sorted, ng), og.size - 1)
+    hit = o_sorted[pos] == ng
+    s_n = np.flatnonzero(hit)
+    s_o = old.replica_order[pos[hit]]
+    lo, ln = old.replica_local[s_o].astype(np.int64), new.replica_local[s_n].astype(np.int64)
+    same = ((lo >= 0) == (ln >= 0)).all(1) & (old.replica_fetch[s_o] == new.replica_fetch[s_n]).all(1) & \
+        np.where(ln >= 0, (old.owned_count[None, :] + lo) == (new.owned_count[None, :] + ln), True).all(1)
+    kept = np.zeros(ng.size, dtype=bool)
+    kept[s_n[same]] = True
+    still = np.zeros(og.size, dtype=bool)
+    still[s_o[same]] = True
+    return _sorted_union(ng[~kept], og[~still])
 
 
 def _replica_layout(old: AddressMap, gids: np.ndarray, holders: np.ndarray, grown: np.ndarray) -> np.ndarray:
@@ -463,6 +486,17 @@ def _sorted_union(*arrays: np.ndarray) -> np.ndarray:
     return c[np.r_[True, c[1:] != c[:-1]]] if c.size else c
 
 
+def _count_missing(a: np.ndarray, b: np.ndarray) -> int:
+    """How many of the distinct values ``a`` are not in ``b`` (a sort and a binary search)."""
+    if not a.size:
+        return 0
+    if not b.size:
+        return int(a.size)
+    b = np.sort(b)
+    pos = np.minimum(np.searchsorted(b, a), b.size - 1)
+    return int((b[pos] != a).sum())
+
+
 def _rows_on(amap: AddressMap, gids: np.ndarray, rank: int) -> np.ndarray:
     """Storage row on ``rank`` of each of ``gids`` (all held there under ``amap``)."""
     slot = amap.slot_of(gids)
@@ -483,7 +517,7 @@ class InPlaceRoutes:
         local_src, local_dst: rows held before and after whose storage row changes: from, to.
         dropped_rows: storage rows (before) of the rows this rank no longer holds.
         rows_kept: rows held before and after (in place or moved locally).
-        candidates: the global ids looked at (changed rows, either map's replicas): no other row's code changed.
+        candidates: the global ids looked at (changed rows, replicas that move): no other row's code changed.
     """
 
     rank: int
@@ -508,13 +542,15 @@ class InPlaceRoutes:
 
 def in_place_routes(edit: MapEdit, rank: int) -> InPlaceRoutes:
     """Rank ``rank``'s routes from the maps' difference alone (module docstring, step 2): the rows whose
-    holder set or place may change are the changed rows and the replicated rows of either map; the rest stay
-    where they are on every rank. The same sends and receives as :func:`migration_routes` (tested), in
+    holder set or place may change are the changed rows and the replicated rows whose holders, places or
+    fetch ranks change (``MapEdit.replicas_moved``); the rest stay where they are on every rank. The same sends and receives as :func:`migration_routes` (tested), in
     O((changed + slots) x ranks)."""
     old, new, W = edit.old, edit.new, edit.old.world_size
     if not 0 <= rank < W:
         raise ConfigError(f"migration: rank {rank} outside world size {W}")
-    cand = _sorted_union(edit.changed, old.replica_gid, new.replica_gid)
+    moved = edit.replicas_moved if edit.replicas_moved is not None else _sorted_union(old.replica_gid,
+                                                                                     new.replica_gid)
+    cand = _sorted_union(edit.changed, moved)
     h_old, h_new = old.holders_of(cand), new.holders_of(cand)
     src = old.owner_of(cand)
     moves = h_new & ~h_old
@@ -600,8 +636,7 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
     received = routes.rows_received
     return Migration(rank=me, rows_kept=routes.rows_kept, rows_sent=routes.rows_sent, rows_received=received,
                      row_bytes=rb, bytes_sent=int(sent.sum()), bytes_planned=routes.rows_sent * rb,
-                     replicas_added=int(np.setdiff1d(new_rep, old_rep).size),
-                     replicas_dropped=int(np.setdiff1d(old_rep, new_rep).size),
+                     replicas_added=_count_missing(new_rep, old_rep), replicas_dropped=_count_missing(old_rep, new_rep),
                      seconds=time.perf_counter() - t0, sent_per_peer=[int(x) for x in sent], in_place=True,
                      rows_written=received + int(routes.local_src.size), local_moves=int(routes.local_src.size),
                      codes_changed=codes, storage_rows=int(module.weight.shape[0]),
