@@ -477,6 +477,37 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
         assert torch.equal(a["dense"][k], b["dense"][k]), k
 
 
+def test_resume_restores_the_rolling_profile_and_replans_alike(tmp_path):
+    """A 2-rank run with train.replan_every 4 re-plans at step 4; the same run resumed from its step-4
+    checkpoint (written before the step-4 check) restores every rank's rolling profile from the rank files,
+    so it checks at step 4 too (an empty profile would skip that check) and decides as the uninterrupted
+    run: the same checks, re-plans (replans.csv) and plans, array for array."""
+    import json
+
+    from embedscale.plan.plan import Plan
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import step_dir
+    from embedscale.train.replan import read_replans
+
+    data = tmp_path / "data"
+    drift_data(data)
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, max_steps=2 * EVERY + 1)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    spawn_local(_drift_rank, W, to_dict(cfg), str(whole), None, timeout_s=600)
+    spawn_local(_drift_rank, W, to_dict(cfg), str(resumed), str(step_dir(whole, EVERY)), timeout_s=600)
+    keys = ("step", "reason", "gain", "rows_moved", "bytes", "rows_written", "balance_before", "balance_after")
+    ra, rb = ([{k: r[k] for k in keys} for r in read_replans(rd)] for rd in (whole, resumed))
+    assert ra == rb and [int(r["step"]) for r in ra][:1] == [EVERY], (ra, rb)
+    summary = [json.loads((rd / "summary.json").read_text()) for rd in (whole, resumed)]
+    assert summary[0]["replan_checks"] == summary[1]["replan_checks"] >= 1
+    for step in (int(r["step"]) for r in ra):
+        a, b = Plan.load(whole / "replans" / f"step-{step}"), Plan.load(resumed / "replans" / f"step-{step}")
+        for name in ("part_table", "part_start", "part_stop", "owner_of_part", "holders", "fetch"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (step, name)
+        for t in range(len(a.tables)):
+            assert np.array_equal(a.order(t), b.order(t)), (step, t)
+
+
 def test_drift_and_plan_returns_the_fresh_plan_and_balances():
     """``plan.drift.drift_and_plan``: the fresh plan whose cost the report gives, each plan's max / mean
     per-rank cost on the new profile (against ``plan.cost.evaluate``), and the re-plan rule at the threshold."""

@@ -66,6 +66,7 @@ from embedscale.train.run import (RunState, dense_state, load_dense_state, load_
 from embedscale.train.trainer import load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
+from embedscale.train.replan import CHECKPOINT_KEY as ROLLING_PROFILE
 from embedscale.train.replan import DriftMonitor
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
@@ -563,6 +564,8 @@ class DistributedRun:
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
             if getattr(self, "managed", None) is not None:  # the id mappings: identical on every rank
                 shard[MANAGED] = self.managed.state_dict()
+        if getattr(self, "monitor", None) is not None:  # this rank's rolling profile (train.replan)
+            shard[ROLLING_PROFILE] = self.monitor.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
         if track:
             self.embedding.track_touched()
@@ -615,6 +618,8 @@ class DistributedRun:
             load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if getattr(self, "managed", None) is not None:
             load_managed(self.managed, r0, ckpt_dir)
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.restore(shards, self.rank, self.world)
         if "rng_torch" in r0:
             torch.set_rng_state(r0["rng_torch"])
         self.state.restore(m, r0.get("losses", []))

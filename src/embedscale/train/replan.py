@@ -27,7 +27,9 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 
 A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
 plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
-plan (tests/test_migrate.py). The rolling profile is not checkpointed: after a resume it starts empty.
+plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every checkpoint
+(:data:`CHECKPOINT_KEY`, full and delta) and restored on resume (:meth:`DriftMonitor.restore`: the same world
+size bit for bit, another one as the same sum), so a resumed run checks and re-plans as the uninterrupted one.
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
@@ -56,6 +58,7 @@ from embedscale.plan.plan import Plan
 from embedscale.specs import Topology
 
 REPLANS_CSV = "replans.csv"
+CHECKPOINT_KEY = "rolling_profile"  # a rank file's entry: that rank's rolling profile (DriftMonitor.state_dict)
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
@@ -187,6 +190,29 @@ class DriftMonitor:
         report["reason"] = (f"incremental re-plan lowers the bottleneck cost by {gain:.1%}" if gain > self.min_gain
                             else f"balance fell below {DOB_FLOOR}; the incremental plan restores it")
         return inc
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's rolling profile (``RollingProfile.state_dict``), for its rank file of a checkpoint
+        (``DistributedRun.save``: key :data:`CHECKPOINT_KEY`)."""
+        return {k: v.cpu() for k, v in self.profile.state_dict().items()}
+
+    def restore(self, shards: list[dict], rank: int, world: int) -> None:
+        """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
+        it empty). Written by ``world`` ranks: each rank takes its own, bit for bit; by another number of ranks:
+        rank 0 takes their sum and the others start empty, so the monitor's sum over the ranks (what it plans
+        from) is the saved one."""
+        states = sorted(((sh["rank"], sh[CHECKPOINT_KEY]) for sh in shards
+                         if sh.get("rank", -1) >= 0 and sh.get(CHECKPOINT_KEY) is not None), key=lambda x: x[0])
+        if not states:
+            return
+        if [r for r, _ in states] == list(range(world)):
+            self.profile.load_state_dict(states[rank][1])
+        elif rank == 0:
+            self.profile.load_state_dict(states[0][1])
+            for _r, st in states[1:]:
+                self.profile.add_state(st)
+        self._checked_at = -1
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks,
