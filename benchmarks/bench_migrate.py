@@ -116,8 +116,8 @@ def worker(rank, world, cfg):
     p1 = AddressMap.build(ts, W, o1, r1)
     tr = CollectiveTransport()
     kw = dict(optimizer="rowwise_adagrad", lr=0.1)
-    batch = JaggedFeatures([f"f{i}" for i in range(TABLES)], torch.arange(TABLES * 4) % 7, torch.ones(TABLES * 4,
-                                                                                                       dtype=torch.int64))
+    batch = JaggedFeatures([f"f{i}" for i in range(TABLES)], torch.arange(TABLES * 4) % 7,
+                           torch.ones(TABLES * 4, dtype=torch.int64))
 
     def running():  # the P1 module as a run has it: rows and state not the initial ones, its pooling table made
         m = ShardedEmbedding(ts, p1, tr, rank, **kw)

@@ -35,7 +35,9 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
 4. the online run's delta checkpoint (``train.checkpoint``): a full one at the start of window 1, a delta
    at the end of it (across its migrations); its rank files' bytes against the touched rows' bytes
    (distinct row ids of those steps, counted from the stream, times weight + row-wise state) plus the
-   dense part (dense state and its optimizer state). Bar: <= 1.1x.
+   dense part (dense state and its optimizer state). Bar: <= 1.1x. Each rank file also holds that rank's
+   rolling profile (8 bytes a row of every table, ``train.replan``): ``ratio_profile_as_dense`` counts it
+   with the dense part.
 
     nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
 
@@ -180,6 +182,7 @@ def worker(rank, world, job):
             d = save_checkpoint(online, base=base_ref(Path(ckpt["full"])))
             ckpt["delta"] = str(d)
             ckpt["delta_rows"] = int(online.embedding.shard_state(touched_only=True)["gids"].numel())
+            ckpt["profile_bytes"] = int(sum(t.numel() * t.element_size() for t in online.monitor.state_dict().values()))
             if rank == 0:
                 tensors = list(dense_state(online.model).values())
                 for st in optimizer_state(online.opt, online._names).values():
@@ -327,7 +330,10 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                              "full_bytes": full_bytes, "touched_rows": touched,
                              "delta_rows_saved": sum(r["ckpt"]["delta_rows"] for r in res),
                              "row_bytes": row_bytes, "dense_bytes": ck["dense_bytes"],
-                             "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4)},
+                             "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4),
+                             "rolling_profile_bytes": sum(r["ckpt"].get("profile_bytes", 0) for r in res),
+                             "ratio_profile_as_dense": round(delta_bytes / (ref + sum(r["ckpt"].get("profile_bytes", 0)
+                                                                                      for r in res)), 4)},
         "final_loss": {n: round(float(np.mean(res[0]["losses"][n][-K:])), 5) for n in RUNS},
         "wall_s": round(wall, 1), "load_average": [round(load0, 2), round(load1, 2)],
         "config": {"world": world, "steps": steps, "rotate_every": K, "tables": len(TABLES),

@@ -128,7 +128,8 @@ def test_state_restores_bit_for_bit_and_adds_across_ranks():
 
 def test_monitor_restores_its_profile_on_any_world_size():
     """``DriftMonitor.restore`` (no collectives): rank files of the same world size give every rank its own
-    profile; of 2 ranks read by 3, rank 0 gets their sum and ranks 1-2 start empty (the monitor sums them)."""
+    profile; of 2 ranks read by 3, rank 0 gets their sum and ranks 1-2 start empty (the monitor sums them); a
+    delta (rank files without profiles) gives its base's."""
     from embedscale.train.replan import CHECKPOINT_KEY, DriftMonitor
 
     b1, s1 = stream(5)
@@ -139,6 +140,7 @@ def test_monitor_restores_its_profile_on_any_world_size():
         feed(p, bs, s1)
         saved.append(p)
     shards = [{"rank": r, CHECKPOINT_KEY: p.state_dict()} for r, p in enumerate(saved)]
+    base = [{"rank": -1 - r, CHECKPOINT_KEY: p.state_dict()} for r, p in enumerate(saved)]
     shards.append({"rank": -1, CHECKPOINT_KEY: RollingProfile(ROWS, 0.9).state_dict()})  # a delta's base: ignored
 
     def monitor():
@@ -160,6 +162,11 @@ def test_monitor_restores_its_profile_on_any_world_size():
         np.testing.assert_allclose(sum(p.counts(n) for p in got).numpy(),
                                    (saved[0].counts(n) + saved[1].counts(n)).numpy(), rtol=1e-12, atol=0)
         assert not got[1].counts(n).any() and not got[2].counts(n).any()
+    for r in range(2):  # a delta (no profiles of its own): its base's rank files' (ranks -1, -2)
+        m = monitor()
+        m.restore(base + [{"rank": 0}, {"rank": 1}], r, 2)
+        for n in ROWS:
+            assert torch.equal(m.profile.counts(n), saved[r].counts(n))
     m = monitor()
     m.restore([{"rank": 0}], 0, 1)  # a checkpoint without profiles: it stays empty
     assert m.profile.steps == 0

@@ -543,8 +543,8 @@ class InPlaceRoutes:
 def in_place_routes(edit: MapEdit, rank: int) -> InPlaceRoutes:
     """Rank ``rank``'s routes from the maps' difference alone (module docstring, step 2): the rows whose
     holder set or place may change are the changed rows and the replicated rows whose holders, places or
-    fetch ranks change (``MapEdit.replicas_moved``); the rest stay where they are on every rank. The same sends and receives as :func:`migration_routes` (tested), in
-    O((changed + slots) x ranks)."""
+    fetch ranks change (``MapEdit.replicas_moved``); the rest stay where they are on every rank. The same
+    sends and receives as :func:`migration_routes` (tested), in O((changed + replicas that move) x ranks)."""
     old, new, W = edit.old, edit.new, edit.old.world_size
     if not 0 <= rank < W:
         raise ConfigError(f"migration: rank {rank} outside world size {W}")

@@ -59,14 +59,14 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
                                    replicated_tables_meta)
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
-                                        read_manifest, read_shards, resolve_checkpoint, table_pieces, write_rank_file)
+from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
+                                        merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
+                                        write_rank_file)
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
-from embedscale.train.replan import CHECKPOINT_KEY as ROLLING_PROFILE
 from embedscale.train.replan import DriftMonitor
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
@@ -564,7 +564,7 @@ class DistributedRun:
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
             if getattr(self, "managed", None) is not None:  # the id mappings: identical on every rank
                 shard[MANAGED] = self.managed.state_dict()
-        if getattr(self, "monitor", None) is not None:  # this rank's rolling profile (train.replan)
+        if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
             shard[ROLLING_PROFILE] = self.monitor.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
         if track:

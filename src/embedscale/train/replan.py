@@ -27,9 +27,11 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 
 A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
 plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
-plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every checkpoint
-(:data:`CHECKPOINT_KEY`, full and delta) and restored on resume (:meth:`DriftMonitor.restore`: the same world
-size bit for bit, another one as the same sum), so a resumed run checks and re-plans as the uninterrupted one.
+plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every full checkpoint
+(:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
+bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
+uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
+between them).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
@@ -56,9 +58,10 @@ from embedscale.plan.drift import drift_and_plan, rows_moved
 from embedscale.plan.incremental import incremental_plan
 from embedscale.plan.plan import Plan
 from embedscale.specs import Topology
+from embedscale.train.checkpoint import ROLLING_PROFILE
 
 REPLANS_CSV = "replans.csv"
-CHECKPOINT_KEY = "rolling_profile"  # a rank file's entry: that rank's rolling profile (DriftMonitor.state_dict)
+CHECKPOINT_KEY = ROLLING_PROFILE  # a full checkpoint's rank file entry: that rank's profile (DriftMonitor.state_dict)
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
@@ -201,9 +204,13 @@ class DriftMonitor:
         """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
         it empty). Written by ``world`` ranks: each rank takes its own, bit for bit; by another number of ranks:
         rank 0 takes their sum and the others start empty, so the monitor's sum over the ranks (what it plans
-        from) is the saved one."""
+        from) is the saved one. Delta checkpoints carry none (8 bytes a row per rank would be most of a small
+        delta): a delta's base's profiles are taken, which lack the steps since the base."""
         states = sorted(((sh["rank"], sh[CHECKPOINT_KEY]) for sh in shards
                          if sh.get("rank", -1) >= 0 and sh.get(CHECKPOINT_KEY) is not None), key=lambda x: x[0])
+        if not states:  # a delta: its base's rank files (ranks -1, -2, ... for the base's 0, 1, ...)
+            states = sorted(((-1 - sh["rank"], sh[CHECKPOINT_KEY]) for sh in shards
+                             if sh.get("rank", 0) < 0 and sh.get(CHECKPOINT_KEY) is not None), key=lambda x: x[0])
         if not states:
             return
         if [r for r, _ in states] == list(range(world)):
