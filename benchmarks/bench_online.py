@@ -28,15 +28,20 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
    median of the per-step ratios (each step's runs ran back to back: the load drifts less within a pair)
    and the ratio of medians; also online's mean with its checks and migrations spread over the steps.
    Bar: within 10% (on the paired median).
-3. each migration (build the new module, move rows and row-wise state, swap) against the median online
-   step; the whole re-plan pause (profile sum, rank 0's two plans, the migration) reported beside it.
+3. each migration (``train.replan.move_to_plan``: the map edited, rows and row-wise state moved in place)
+   against the median online step; the whole re-plan pause (profile sum, rank 0's two plans, the migration)
+   reported beside it.
    Bar: < 2 steps.
 4. the online run's delta checkpoint (``train.checkpoint``): a full one at the start of window 1, a delta
    at the end of it (across its migrations); its rank files' bytes against the touched rows' bytes
    (distinct row ids of those steps, counted from the stream, times weight + row-wise state) plus the
-   dense part (dense state and its optimizer state). Bar: <= 1.1x.
+   dense part (dense state and its optimizer state). Bar: <= 1.1x. (A full checkpoint's rank files also
+   hold every rank's rolling profile, 8 bytes a row of every table, ``train.replan``; deltas do not.)
 
     nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
+
+``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
+(``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
 """
 
 from __future__ import annotations
@@ -176,6 +181,7 @@ def worker(rank, world, job):
             d = save_checkpoint(online, base=base_ref(Path(ckpt["full"])))
             ckpt["delta"] = str(d)
             ckpt["delta_rows"] = int(online.embedding.shard_state(touched_only=True)["gids"].numel())
+            ckpt["profile_bytes"] = int(sum(t.numel() * t.element_size() for t in online.monitor.state_dict().values()))
             if rank == 0:
                 tensors = list(dense_state(online.model).values())
                 for st in optimizer_state(online.opt, online._names).values():
@@ -211,6 +217,16 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     tables = tables_for(tmp_cfg, prepared.manifest)
     forms = config_forms(tmp_cfg.model, tables)
     wprof = [profile_of(idx, tables, w * K, (w + 1) * K) for w in range(W)]
+    if a.dob_only:  # planning only: the static plan's lookup DoB on every window (no training)
+        static = plan_for(tables, forms, wprof[0], world, a.batch)
+        topo = Topology(ranks_per_host=world)
+        dobs = [round(evaluate(static, wprof[w], topo, mode="training", batch_size=max(1, a.batch // world))
+                      .dob_lookup, 4) for w in range(W)]
+        return {"figure": "the static plan's lookup DoB per window (planning only)", "world": world,
+                "dob_lookup_static": dobs, "mean_after_window0": round(float(np.mean(dobs[1:])), 4),
+                "config": {"windows": W, "rotate_every": K, "initial_ids": a.initial_ids, "hot_ids": a.hot_ids,
+                           "hot_share": a.hot_share, "new_ids_per_step": a.new_ids, "batch_global": a.batch,
+                           "tables": len(TABLES), "rows_per_table": stream.universe_size(steps)}}
     t0 = time.perf_counter()
     hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
     plan_s = (time.perf_counter() - t0) / W
@@ -313,7 +329,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                              "full_bytes": full_bytes, "touched_rows": touched,
                              "delta_rows_saved": sum(r["ckpt"]["delta_rows"] for r in res),
                              "row_bytes": row_bytes, "dense_bytes": ck["dense_bytes"],
-                             "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4)},
+                             "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4),
+                             "rolling_profile_bytes_in_full": sum(r["ckpt"].get("profile_bytes", 0) for r in res)},
         "final_loss": {n: round(float(np.mean(res[0]["losses"][n][-K:])), 5) for n in RUNS},
         "wall_s": round(wall, 1), "load_average": [round(load0, 2), round(load1, 2)],
         "config": {"world": world, "steps": steps, "rotate_every": K, "tables": len(TABLES),
@@ -341,6 +358,8 @@ def main():
     ap.add_argument("--fresh-plans", action="store_true",
                     help="the monitor migrates to OPER's plans from scratch (no incremental plan)")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
+    ap.add_argument("--dob-only", action="store_true",
+                    help="plan only: the static plan's lookup DoB on every window, no training (bar 1's premise)")
     a = ap.parse_args()
     if a.quick:
         a.windows, a.rotate, a.every, a.batch = 3, 40, 10, 256

@@ -6,7 +6,10 @@ the checkpoint's rows into it (``DistributedRun.restore``'s way: ``read_shards``
 ``load_rows``), train m more steps. Migrating instead must give the same bits: every step's pooled outputs and
 losses, every row and the row-wise optimizer state, on 2 gloo ranks, for both transports (collective
 all-to-all and the PGAS heap), both designs, with replicas that appear and disappear and owners that change.
-The bytes a migration sends are checked against a brute-force count over the rows and a hand count.
+The collective-transport module migrates in place (``migrate_in_place``: its map edited, its storage kept, its
+rows compared by global id); the PGAS one into a freshly built P2 module (``migrate``). The bytes a migration
+sends are checked against a brute-force count over the rows and a hand count; the in-place routes against the
+whole-map ones (``migration_routes``), and what an in-place migration writes against a hand count.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, heap_segments
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
-from embedscale.embedding.migrate import migrate, migration_routes, row_bytes
+from embedscale.embedding.migrate import (Placement, edit_map, in_place_routes, migrate, migrate_in_place,
+                                         migration_routes, row_bytes)
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError
@@ -92,8 +96,17 @@ def _train(emb, rank, steps):
 
 
 def _state(emb, rank):
-    return {"gids": torch.from_numpy(emb.amap.storage_gids(rank)), "weight": emb.weight.detach().clone(),
-            "momentum": emb.momentum.clone() if emb.optimizer == "rowwise_adagrad" else torch.zeros(0)}
+    """The rows this rank holds by global id (ascending; an edited map's free rows left out) and their state."""
+    gids = emb.amap.storage_gids(rank)
+    idx = np.flatnonzero(gids >= 0)
+    idx = torch.from_numpy(idx[np.argsort(gids[idx], kind="stable")])
+    return {"gids": torch.from_numpy(gids)[idx], "weight": emb.weight.detach()[idx].clone(),
+            "momentum": emb.momentum[idx].clone() if emb.optimizer == "rowwise_adagrad" else torch.zeros(0)}
+
+
+def _touched_by_gid(emb, rank) -> dict:
+    gids = emb.amap.storage_gids(rank)
+    return {int(g): bool(t) for g, t in zip(gids.tolist(), emb.touched.tolist()) if g >= 0}
 
 
 def _checkpoint_reshard(old, new, rank, ckpt):
@@ -136,12 +149,17 @@ def _worker(rank, world, job, tmp, scenarios):
         a = _module(kind, p1, tr, rank, design, optimizer)
         a.track_touched()
         outs_a, loss_a = _train(a, rank, steps[:K])
-        a2 = _module(kind, p2, tr, rank, design, optimizer)
-        was = dict(zip(p1.storage_gids(rank).tolist(), a.touched.tolist()))  # row -> updated since tracking
-        mig = migrate(a, a2)
+        was = _touched_by_gid(a, rank)  # row -> updated since tracking
+        if kind == "pgas":  # the heap is sized when built: a new module, filled
+            a2 = _module(kind, p2, tr, rank, design, optimizer)
+            mig = migrate(a, a2)
+        else:  # in place: the running module's map edited, its storage kept
+            a2 = a
+            mig = migrate_in_place(a, p2)
         after = _state(a2, rank)
-        touched = [bool(t) for t in a2.touched.tolist()]
-        want = [was.get(g, True) for g in p2.storage_gids(rank).tolist()]  # kept: its bit; received: updated
+        now = _touched_by_gid(a2, rank)
+        touched = [now[g] for g in sorted(p2.storage_gids(rank).tolist())]
+        want = [was.get(g, True) for g in sorted(p2.storage_gids(rank).tolist())]  # kept: its bit; received: updated
         o, lo = _train(a2, rank, steps[K:])
         # reference: k steps under P1, a checkpoint, the P2 module built from it, m steps
         b = _module(kind, p1, tr, rank, design, optimizer)
@@ -199,6 +217,7 @@ def test_migrate_equals_checkpoint_reshard(tmp_path):
                 assert torch.equal(ao[s], bo[s]), f"{sc} rank {r} step {s}: pooled output"
                 assert torch.equal(al[s], bl[s]), f"{sc} rank {r} step {s}: loss"
             mig = res["migration"]
+            assert mig["in_place"] == (sc[0] == "collective")
             rb = DIM * 4 + (4 if sc[2] == "rowwise_adagrad" else 0)
             assert mig["row_bytes"] == rb
             assert mig["rows_sent"] == moves[r].sum() and mig["rows_received"] == moves[:, r].sum(), (sc, r, mig)
@@ -231,6 +250,102 @@ def test_bytes_against_hand_count():
     assert (r0.rows_sent * row_bytes(emb), r1.rows_sent * row_bytes(emb)) == (20, 40)
     emb_sgd = ShardedEmbedding(ts, p1, _NoTransport(), 0, optimizer="sgd")
     assert row_bytes(emb_sgd) == 16
+
+
+def test_edited_map_is_the_new_plan_and_routes_are_the_whole_map_routes():
+    """``edit_map`` turns P1's map into one that decodes as P2's (every row's owner, holders and the rank each
+    rank reads it from, brute force over all rows) while every row that stays plain on its rank keeps its
+    storage row; ``in_place_routes`` (from the changed rows and the replicas alone) sends and receives exactly
+    what ``migration_routes`` (both whole maps) does; and so on for a second edit back to P1."""
+    p1, p2 = maps()
+    g = np.arange(p1.num_rows)
+    cur = p1
+    for target in (p2, p1):
+        e = edit_map(cur, Placement.of_map(target))
+        new = e.new
+        assert np.array_equal(new.owner_of(g), target.owner_of(g))
+        assert np.array_equal(new.holders_of(g), target.holders_of(g))
+        for r in range(W):
+            assert np.array_equal(new.fetch(r, g)[0], target.fetch(r, g)[0])
+            before, after = cur.storage_gids(r), new.storage_gids(r)
+            assert sorted(after[after >= 0].tolist()) == sorted(target.storage_gids(r).tolist())
+            stay = [q for q, x in enumerate(before[:cur.num_owned()[r]]) if x >= 0 and new.holders_of([x])[0, r]
+                    and new.slot_of([x])[0] < 0]
+            assert stay and all(after[q] == before[q] for q in stay), r  # a plain row that stays keeps its row
+            a, b = in_place_routes(e, r), migration_routes(cur, target, r)
+            assert [x.tolist() for x in a.send_gids] == [x.tolist() for x in b.send_gids], r
+            assert [x.tolist() for x in a.recv_gids] == [x.tolist() for x in b.recv_gids], r
+            assert a.rows_kept == b.keep_gids.size
+            # the rows a route writes are where the new map puts them, the rows it reads where the old one had them
+            for q in range(W):
+                assert after[a.recv_rows[q]].tolist() == a.recv_gids[q].tolist()
+                assert before[a.send_rows[q]].tolist() == a.send_gids[q].tolist()
+            assert before[a.local_src].tolist() == after[a.local_dst].tolist()
+            pb = {x: q for q, x in enumerate(before.tolist()) if x >= 0}
+            pa = {x: q for q, x in enumerate(after.tolist()) if x >= 0}
+            assert {x for x in pb if x in pa and pb[x] != pa[x]} == set(before[a.local_src].tolist())  # every one
+        changed = {x for x in g.tolist() if (cur.slot_of([x])[0] >= 0, cur.owner_of([x])[0])
+                   != (target.slot_of([x])[0] >= 0, target.owner_of([x])[0])
+                   and not (cur.slot_of([x])[0] >= 0 and target.slot_of([x])[0] >= 0)}
+        assert set(e.changed.tolist()) == changed  # the rows whose owned region changes, by brute force
+        cur = new
+
+
+def _hand_worker(rank, world):
+    """One table of 1,000 rows (module docstring of the test below); rows and state set from the global id."""
+    ts = [TableSpec("t", 1000, 4, features=["f"])]
+    o1 = np.repeat([0, 1], 500)
+    p1 = AddressMap.build(ts, 2, [o1], [np.array([0, 1])])
+    o2 = o1.copy()
+    o2[[10, 11]], o2[600] = 1, 0
+    emb = ShardedEmbedding(ts, p1, CollectiveTransport(), rank, optimizer="rowwise_adagrad")
+    with torch.no_grad():  # one lookup: the pooling table gets its spare rows after the storage
+        emb(JaggedFeatures(["f"], torch.tensor([3, 700]), torch.tensor([1, 1])))
+        gids = torch.from_numpy(p1.storage_gids(rank))
+        emb.weight.copy_(gids[:, None].float() + torch.arange(4.0) / 10)
+        emb.momentum.copy_(gids.float() / 1000)
+    w0, ptr = emb.weight.clone(), emb.weight.data_ptr()
+    mig = migrate_in_place(emb, Placement.of_arrays(ts, 2, [o2], [np.array([1, 2])]))
+    return {"mig": mig.to_dict(), "before": w0, "after": emb.weight.clone(), "momentum": emb.momentum.clone(),
+            "gids": torch.from_numpy(emb.amap.storage_gids(rank)), "same_ptr": emb.weight.data_ptr() == ptr}
+
+
+def test_in_place_migration_writes_only_what_moves():
+    """One table of 1,000 rows on 2 ranks. P1: rows 0-499 on rank 0, 500-999 on rank 1, rows 0-1 replicated.
+    P2: rows 10 and 11 move to rank 1, row 600 to rank 0, row 0 stops being a replica (rank 0 keeps it),
+    row 2 becomes one, row 1 stays one. By hand:
+
+    * rank 0 (storage: rows 2-499 at 0-497, replicas 0, 1 at 498, 499): rows 2, 10, 11 leave its owned region
+      (offsets 0, 8, 9 free); rows 0 and 600 arrive there, in id order at 0 and 8; replica 1 stays at 499,
+      new replica 2 takes row 0's place, 498. Sends rows 2, 10, 11 (3); receives row 600 (1); moves rows 0
+      (498 -> 0) and 2 (0 -> 498) locally: 3 rows written, at storage rows 0, 8, 498; codes changed: rows 0,
+      2, 10, 11, 600 (5).
+    * rank 1 (rows 500-999 at 0-499, replicas 0, 1 at 500, 501): row 600 leaves (offset 100); rows 10, 11
+      arrive, at 100 and, one row short, at 500: the owned region grows by one into the replica region's
+      head (replica 0's row, dropped), replica 1 stays at 501 and new replica 2 comes at 502. Sends row 600
+      (1), receives rows 2, 10, 11 (3), moves nothing locally: 3 rows written, at 100, 500, 502; codes
+      changed: rows 0, 2, 10, 11, 600 (5; row 1's code, rank 1 offset 501, is the same).
+
+    Every other storage row keeps its bits and the storage stays the same tensor (rank 1 grows into the
+    pooling table's spare rows); every row held holds its own value and row-wise state."""
+    res = spawn_local(_hand_worker, 2, timeout_s=300)
+    want = {0: dict(sent=3, recv=1, local=2, written=[0, 8, 498], codes=5, rows=500),
+            1: dict(sent=1, recv=3, local=0, written=[100, 500, 502], codes=5, rows=503)}
+    for r in range(2):
+        m, w = res[r]["mig"], want[r]
+        assert (m["rows_sent"], m["rows_received"], m["local_moves"]) == (w["sent"], w["recv"], w["local"]), m
+        assert m["rows_written"] == w["recv"] + w["local"] == len(w["written"])
+        assert m["codes_changed"] == w["codes"] and m["storage_rows"] == w["rows"], m
+        assert m["in_place"] and not m["storage_grew"] and res[r]["same_ptr"]
+        before, after, gids = res[r]["before"], res[r]["after"], res[r]["gids"]
+        n = min(before.shape[0], after.shape[0])
+        untouched = torch.ones(n, dtype=torch.bool)
+        untouched[[x for x in w["written"] if x < n]] = False
+        assert torch.equal(after[:n][untouched], before[:n][untouched])
+        live = gids >= 0
+        assert torch.equal(after[live], gids[live][:, None].float() + torch.arange(4.0) / 10)
+        assert torch.equal(res[r]["momentum"][live], gids[live].float() / 1000)
+        assert int((~live).sum()) == (1 if r == 0 else 0)  # free rows: rank 0's offset 9
 
 
 def test_holders_of_is_storage_membership():
@@ -360,6 +475,37 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
         assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
     for k in a["dense"]:
         assert torch.equal(a["dense"][k], b["dense"][k]), k
+
+
+def test_resume_restores_the_rolling_profile_and_replans_alike(tmp_path):
+    """A 2-rank run with train.replan_every 4 re-plans at step 4; the same run resumed from its step-4
+    checkpoint (written before the step-4 check) restores every rank's rolling profile from the rank files,
+    so it checks at step 4 too (an empty profile would skip that check) and decides as the uninterrupted
+    run: the same checks, re-plans (replans.csv) and plans, array for array."""
+    import json
+
+    from embedscale.plan.plan import Plan
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import step_dir
+    from embedscale.train.replan import read_replans
+
+    data = tmp_path / "data"
+    drift_data(data)
+    cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, max_steps=2 * EVERY + 1)
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    spawn_local(_drift_rank, W, to_dict(cfg), str(whole), None, timeout_s=600)
+    spawn_local(_drift_rank, W, to_dict(cfg), str(resumed), str(step_dir(whole, EVERY)), timeout_s=600)
+    keys = ("step", "reason", "gain", "rows_moved", "bytes", "rows_written", "balance_before", "balance_after")
+    ra, rb = ([{k: r[k] for k in keys} for r in read_replans(rd)] for rd in (whole, resumed))
+    assert ra == rb and [int(r["step"]) for r in ra][:1] == [EVERY], (ra, rb)
+    summary = [json.loads((rd / "summary.json").read_text()) for rd in (whole, resumed)]
+    assert summary[0]["replan_checks"] == summary[1]["replan_checks"] >= 1
+    for step in (int(r["step"]) for r in ra):
+        a, b = Plan.load(whole / "replans" / f"step-{step}"), Plan.load(resumed / "replans" / f"step-{step}")
+        for name in ("part_table", "part_start", "part_stop", "owner_of_part", "holders", "fetch"):
+            assert np.array_equal(getattr(a, name), getattr(b, name)), (step, name)
+        for t in range(len(a.tables)):
+            assert np.array_equal(a.order(t), b.order(t)), (step, t)
 
 
 def test_drift_and_plan_returns_the_fresh_plan_and_balances():

@@ -94,6 +94,84 @@ def test_state_round_trip_and_errors():
         RollingProfile(ROWS, 0.0)
 
 
+def test_state_restores_bit_for_bit_and_adds_across_ranks():
+    """A profile restored from its state continues with the same bits as the saved one (the stored values and
+    the scale travel); ``add_state`` gives two ranks' sum on one (what a checkpoint restored on another world
+    size hands rank 0), against the float64 reference of both streams added."""
+    b1, s1 = stream(3)
+    b2, _ = stream(4)
+    a, b = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)
+    feed(a, b1[:25], s1[:25])
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf, weights_only=True))
+    assert a._scale != 1.0  # the lazy scale is part of the state
+    feed(a, b1[25:], s1[25:])
+    feed(b, b1[25:], s1[25:])
+    for n in ROWS:
+        assert torch.equal(a.counts(n), b.counts(n)), n
+    assert a.samples == b.samples and a.steps == b.steps
+    r1, r2 = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)
+    feed(r1, b1, s1)
+    feed(r2, b2, s1)  # the same steps: two ranks' slices of the same batches
+    r1.add_state(r2.state_dict())
+    (w1, n1), (w2, n2) = reference(b1, s1, 0.8), reference(b2, s1, 0.8)
+    for n in ROWS:
+        np.testing.assert_allclose(r1.counts(n).numpy(), w1[n] + w2[n], rtol=1e-12, atol=0)
+    assert r1.samples == pytest.approx(n1 + n2, rel=1e-12)
+    short = RollingProfile(ROWS, 0.8)
+    feed(short, b2[:3], s1[:3])
+    with pytest.raises(FormatError, match="steps"):
+        r1.add_state(short.state_dict())
+
+
+def test_monitor_restores_its_profile_on_any_world_size():
+    """``DriftMonitor.restore`` (no collectives): rank files of the same world size give every rank its own
+    profile; of 2 ranks read by 3, rank 0 gets their sum and ranks 1-2 start empty (the monitor sums them); a
+    delta (rank files without profiles) gives its base's."""
+    from embedscale.train.replan import CHECKPOINT_KEY, DriftMonitor
+
+    b1, s1 = stream(5)
+    b2, _ = stream(6)
+    saved = []
+    for bs in (b1, b2):
+        p = RollingProfile(ROWS, 0.9)
+        feed(p, bs, s1)
+        saved.append(p)
+    shards = [{"rank": r, CHECKPOINT_KEY: p.state_dict()} for r, p in enumerate(saved)]
+    base = [{"rank": -1 - r, CHECKPOINT_KEY: p.state_dict()} for r, p in enumerate(saved)]
+    shards.append({"rank": -1, CHECKPOINT_KEY: RollingProfile(ROWS, 0.9).state_dict()})  # a delta's base: ignored
+
+    def monitor():
+        m = DriftMonitor.__new__(DriftMonitor)
+        m.profile, m._checked_at = RollingProfile(ROWS, 0.9), 7
+        return m
+
+    for r in range(2):
+        m = monitor()
+        m.restore(shards, r, 2)
+        for n in ROWS:
+            assert torch.equal(m.profile.counts(n), saved[r].counts(n))
+    got = []
+    for r in range(3):
+        m = monitor()
+        m.restore(shards, r, 3)
+        got.append(m.profile)
+    for n in ROWS:
+        np.testing.assert_allclose(sum(p.counts(n) for p in got).numpy(),
+                                   (saved[0].counts(n) + saved[1].counts(n)).numpy(), rtol=1e-12, atol=0)
+        assert not got[1].counts(n).any() and not got[2].counts(n).any()
+    for r in range(2):  # a delta (no profiles of its own): its base's rank files' (ranks -1, -2)
+        m = monitor()
+        m.restore(base + [{"rank": 0}, {"rank": 1}], r, 2)
+        for n in ROWS:
+            assert torch.equal(m.profile.counts(n), saved[r].counts(n))
+    m = monitor()
+    m.restore([{"rank": 0}], 0, 1)  # a checkpoint without profiles: it stays empty
+    assert m.profile.steps == 0
+
+
 def test_to_access_profile_plans():
     batches, steps = stream(2)
     prof = RollingProfile(ROWS, 0.95)

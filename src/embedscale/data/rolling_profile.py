@@ -165,25 +165,44 @@ class RollingProfile:
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors only (``torch.load(..., weights_only=True)``): the decayed counts by table."""
-        out = {f"counts.{n}": self.counts(n) for n in self.table_names}
-        out["meta"] = torch.tensor([self.decay, float(self.steps), self.samples], dtype=torch.float64)
+        """Tensors only (``torch.load(..., weights_only=True)``): the stored (scaled) counts by table and
+        ``meta = [decay, steps, stored samples, scale]``, so a restored profile continues bit for bit as the
+        saved one would have (a checkpoint's, ``train.replan``)."""
+        out = {f"stored.{n}": c.clone() for n, c in self._counts.items()}
+        out["meta"] = torch.tensor([self.decay, float(self.steps), self._samples, self._scale], dtype=torch.float64)
         return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        """A :meth:`state_dict` (or an older one: decayed ``counts.<table>`` and a 3-entry ``meta``)."""
         if "meta" not in state:
             raise FormatError("rolling profile state: 'meta' is missing")
-        decay, steps, samples = state["meta"].tolist()
+        meta = state["meta"].tolist()
+        decay, steps, samples, scale = meta if len(meta) == 4 else (*meta, 1.0)
         if decay != self.decay:
             raise FormatError(f"rolling profile state: decay {decay} differs from this profile's {self.decay}")
+        prefix = "stored" if len(meta) == 4 else "counts"
         for n, c in self._counts.items():
-            key = f"counts.{n}"
+            key = f"{prefix}.{n}"
             if key not in state or tuple(state[key].shape) != tuple(c.shape):
                 got = tuple(state[key].shape) if key in state else "missing"
                 raise FormatError(f"rolling profile state: table {n!r}: {got}, expected {tuple(c.shape)}")
         for n, c in self._counts.items():
-            c.copy_(state[f"counts.{n}"])
-        self._scale = 1.0
+            c.copy_(state[f"{prefix}.{n}"])
+        self._scale = float(scale)
         self.steps = int(steps)
         self._samples = float(samples)
+
+    @torch.no_grad()
+    def add_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Add another rank's profile (a :meth:`state_dict` of the same tables, decay and steps) to this one:
+        the sum the monitor's :meth:`all_reduce` would take, kept on one rank (a checkpoint restored on another
+        world size)."""
+        other = RollingProfile({n: c.numel() for n, c in self._counts.items()}, self.decay, self.device,
+                               next(iter(self._counts.values())).dtype)
+        other.load_state_dict(state)
+        if other.steps != self.steps:
+            raise FormatError(f"rolling profile state: {other.steps} steps, this profile {self.steps}")
+        for n, c in self._counts.items():
+            c.add_(other.counts(n).to(c.device), alpha=self._scale)
+        self._samples += other.samples * self._scale
 

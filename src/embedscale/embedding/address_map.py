@@ -76,6 +76,10 @@ class AddressMap:
         replica_fetch: ``[S, W]``: the rank ``w`` reads slot ``s`` from.
         replica_order: int64 ``[S]`` slots by increasing global id (binary search gid -> slot).
         home: the rank whose view the replicated rows' codes hold (None: the owner's).
+        free: per rank, the offsets of its owned region no row uses (a map edited in place by a live
+            migration, ``embedding.migrate.edit_map``: its owned region keeps every staying row where it
+            was, so it may have free rows and be out of global id order); ``None``: a map from :meth:`build`
+            (owned region dense, in global id order).
     """
 
     world_size: int
@@ -91,6 +95,7 @@ class AddressMap:
     replica_fetch: np.ndarray
     replica_order: np.ndarray
     home: int | None = None
+    free: list[np.ndarray] | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -244,7 +249,7 @@ class AddressMap:
         return int(self.replica_gid.size)
 
     def num_owned(self) -> np.ndarray:
-        """Rows of each rank's owned region (owned and not replicated)."""
+        """Rows of each rank's owned region (owned and not replicated; with :attr:`free` rows, those too)."""
         return self.owned_count.copy()
 
     def num_replicas_held(self) -> np.ndarray:
@@ -289,14 +294,25 @@ class AddressMap:
             out.append(lo + np.flatnonzero((c >> self.shift) == rank))  # replicated rows: flag above the rank
         return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 
+    def owned_rows(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(gids, offsets)`` of rank ``rank``'s owned region: its rows in global id order and where each sits
+        (``arange`` for a map from :meth:`build`; any free rows of an edited map are in neither)."""
+        gids = self.owned_gids(rank)
+        return gids, (self.row_code[gids] & ((1 << self.shift) - 1)).astype(np.int64)
+
     def replica_gids_on(self, rank: int) -> np.ndarray:
         """Global ids of the replicas rank ``rank`` holds, in its replica-region order."""
         held = np.flatnonzero(self.replica_local[:, rank] >= 0)
         return self.replica_gid[held[np.argsort(self.replica_local[held, rank])]]
 
     def storage_gids(self, rank: int) -> np.ndarray:
-        """Global id of every row of rank ``rank``'s flat storage (owned, then replicas)."""
-        return np.concatenate([self.owned_gids(rank), self.replica_gids_on(rank)])
+        """Global id of every row of rank ``rank``'s flat storage (owned, then replicas); -1 at a free row."""
+        if self.free is None:
+            return np.concatenate([self.owned_gids(rank), self.replica_gids_on(rank)])
+        gids, off = self.owned_rows(rank)
+        owned = np.full(int(self.owned_count[rank]), -1, dtype=np.int64)
+        owned[off] = gids
+        return np.concatenate([owned, self.replica_gids_on(rank)])
 
     def holders_of(self, gids) -> np.ndarray:
         """bool ``[len(gids), W]``: the ranks whose storage holds each global id (its owner; a replicated
@@ -446,6 +462,12 @@ def address_map_from_plan(plan, tables: list[TableSpec]) -> AddressMap:
     executor lays rows out its own way (owned region, then replicas); placement is the plan's. The
     per-table owner arrays it passes to ``AddressMap.build`` take the smallest integer type of the ranks.
     """
+    return AddressMap.build(tables, plan.world_size, *plan_placement(plan, tables))
+
+
+def plan_placement(plan, tables: list[TableSpec]) -> tuple[list, list, np.ndarray, np.ndarray]:
+    """What :func:`address_map_from_plan` builds from: ``(owners, replicas, replica_holders, replica_fetch)``,
+    the arguments of ``AddressMap.build`` (``embedding.migrate.edit_map`` edits a running map with them)."""
     if plan.table_names != [t.name for t in tables]:
         raise ConfigError(f"plan tables {plan.table_names} differ from the model's {[t.name for t in tables]}")
     for pt, spec in zip(plan.tables, tables):
@@ -476,4 +498,4 @@ def address_map_from_plan(plan, tables: list[TableSpec]) -> AddressMap:
             replicas.append(np.zeros(0, dtype=np.int64))
     H = np.concatenate(holders) if holders else np.zeros((0, W), bool)
     Fm = np.concatenate(fetch) if fetch else np.zeros((0, W), np.int32)
-    return AddressMap.build(tables, W, owners, replicas, H, Fm)
+    return owners, replicas, H, Fm

@@ -469,8 +469,9 @@ class ShardedEmbedding(nn.Module):
         ``touched_only``: only those updated since :meth:`track_touched` (a delta checkpoint's)."""
         rep = self.amap.replica_gids_on(self.rank)
         mine = self.amap.owner_of(rep) == self.rank
-        gids = np.concatenate([self.amap.owned_gids(self.rank), rep[mine]])
-        idx = torch.from_numpy(np.concatenate([np.arange(self.num_owned), self.num_owned + np.flatnonzero(mine)]))
+        owned, off = self.amap.owned_rows(self.rank)  # off: arange unless a live migration edited the map
+        gids = np.concatenate([owned, rep[mine]])
+        idx = torch.from_numpy(np.concatenate([off, self.num_owned + np.flatnonzero(mine)]))
         if touched_only:
             if self.touched is None:
                 raise ConfigError("shard_state(touched_only=True): rows are not tracked (call track_touched first)")
@@ -480,6 +481,32 @@ class ShardedEmbedding(nn.Module):
         if self.optimizer == "rowwise_adagrad":
             st["momentum"] = self.momentum[idx.to(self.momentum.device)].cpu()
         return st
+
+    @torch.no_grad()
+    def adopt_address_map(self, amap: AddressMap) -> None:
+        """Run under ``amap`` from now on: the running map as a live migration edited it
+        (``embedding.migrate.migrate_in_place``, which writes the rows that move itself). The storage takes
+        ``amap``'s size for this rank and every row keeps its place: a shorter storage is a view of the same
+        memory, a longer one grows into the pooling table's spare rows when there are enough (no copy), else
+        once into a new tensor with a quarter more room (amortised over migrations); the row-wise state and
+        the updated-rows flags follow the same way. Rows past the old size start at zero."""
+        if amap.world_size != self.world_size or amap.table_names != self.amap.table_names:
+            raise ConfigError("sharded embedding: adopt_address_map needs a map of the same tables and world size")
+        n, dev, me = amap.storage_rows(self.rank), self.weight.device, self.rank
+        self.amap = amap
+        self.tmap = TorchAddressMap(amap, me).to(dev)
+        self.num_owned = int(amap.num_owned()[me])
+        self.num_slots = amap.num_slots
+        region = np.full(int(amap.num_replicas_held()[me]), -1, dtype=np.int64)
+        if self.num_slots:
+            held = np.flatnonzero(amap.replica_local[:, me] >= 0)
+            region[amap.replica_local[held, me]] = held
+        self._region_slot = torch.from_numpy(region).to(dev)
+        self.weight, self._backing = _resized(self.weight, n, self._backing)
+        if self.optimizer == "rowwise_adagrad":
+            self.momentum, self._momentum_room = _resized(self.momentum, n, getattr(self, "_momentum_room", None))
+        if self.touched is not None:
+            self.touched, self._touched_room = _resized(self.touched, n, getattr(self, "_touched_room", None))
 
     def _shard_gids(self, rank: int) -> np.ndarray:
         """Global ids of the rows in ``rank``'s shard state (``shard_state``'s order), from the address map."""
@@ -557,6 +584,22 @@ class ShardedEmbedding(nn.Module):
         if momentum is not None and self.optimizer == "rowwise_adagrad":
             self.momentum[dst] = momentum[src].to(self.momentum)
         return int(hit.sum())
+
+
+def _resized(t: torch.Tensor, n: int, room: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``t`` (a storage-sized tensor, rows first) as ``n`` rows, its rows in place: a view of ``room`` (the
+    tensor ``t`` heads, with spare rows after it) when that holds ``n`` rows, else a new tensor with a quarter
+    more room, ``t`` copied once. Returns ``(the n rows, the room they head)``; rows past ``len(t)`` are zero."""
+    old = t.shape[0]
+    if n <= old:
+        return t[:n], room
+    if room is None or room.data_ptr() != t.data_ptr() or room.shape[0] < n or room.dtype != t.dtype or \
+            room.device != t.device or room.shape[1:] != t.shape[1:]:
+        spare = room.shape[0] - old if room is not None and room.data_ptr() == t.data_ptr() else 0
+        room = torch.empty((n + max(n // 4, spare), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        room[:old].copy_(t)
+    room[old:n].zero_()
+    return room[:n], room
 
 
 def _split_by_rank(src: torch.Tensor, W: int) -> list[int]:

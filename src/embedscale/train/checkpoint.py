@@ -288,10 +288,14 @@ def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[di
             k = torch.from_numpy(np.flatnonzero(keep))
             tables[name] = {"rows": torch.from_numpy(rows[keep]), "weight": e["weight"][k],
                             **({"momentum": e["momentum"][k]} if "momentum" in e else {})}
-        out.append({"rank": -1 - i, "tables": tables})
+        base_rank = {"rank": -1 - i, "tables": tables}
+        if sh.get(ROLLING_PROFILE) is not None:  # deltas carry none: the base's, for train.replan to fall back on
+            base_rank[ROLLING_PROFILE] = sh[ROLLING_PROFILE]
+        out.append(base_rank)
     return out + delta
 
 
+ROLLING_PROFILE = "rolling_profile"  # a full checkpoint's rank file: that rank's rolling profile (train.replan)
 MANAGED = "managed"  # rank 0's entry: the managed tables' id mappings (embedding.managed_lookup), one copy
 
 

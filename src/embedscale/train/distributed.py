@@ -59,8 +59,9 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
                                    replicated_tables_meta)
 from embedscale.plan.plan import Plan
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
-                                        read_manifest, read_shards, resolve_checkpoint, table_pieces, write_rank_file)
+from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
+                                        merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
+                                        write_rank_file)
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_tt_state
@@ -563,6 +564,8 @@ class DistributedRun:
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
             if getattr(self, "managed", None) is not None:  # the id mappings: identical on every rank
                 shard[MANAGED] = self.managed.state_dict()
+        if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
+            shard[ROLLING_PROFILE] = self.monitor.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
         if track:
             self.embedding.track_touched()
@@ -615,6 +618,8 @@ class DistributedRun:
             load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if getattr(self, "managed", None) is not None:
             load_managed(self.managed, r0, ckpt_dir)
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.restore(shards, self.rank, self.world)
         if "rng_torch" in r0:
             torch.set_rng_state(r0["rng_torch"])
         self.state.restore(m, r0.get("losses", []))

@@ -16,18 +16,22 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
    5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
-   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it), builds the
-   sharded module for its address map (``embedding.build.build_sharded``) and moves the rows and their
-   row-wise optimizer state into it (``embedding.migrate.migrate``: one all-to-all, :func:`move_to_plan`);
-   the model then looks up through the new module;
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it) and moves the
+   rows and their row-wise optimizer state onto it (:func:`move_to_plan`: one all-to-all; in place, the
+   running module's map edited and only what moves written, ``embedding.migrate.migrate_in_place``);
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
-   bytes moved summed over the ranks, the slowest rank's seconds (all of it; the check: profile sum, plans
-   and verdict; the migration: build, move, swap), the predicted gain and the max / mean
+   bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally),
+   the slowest rank's seconds (all of it; the check: profile sum, plans
+   and verdict; the migration: edit, move, swap), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
 A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
 plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
-plan (tests/test_migrate.py). The rolling profile is not checkpointed: after a resume it starts empty.
+plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every full checkpoint
+(:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
+bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
+uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
+between them).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
@@ -45,7 +49,8 @@ import torch.distributed as dist
 from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.build import build_sharded
-from embedscale.embedding.migrate import migrate
+from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
@@ -53,12 +58,14 @@ from embedscale.plan.drift import drift_and_plan, rows_moved
 from embedscale.plan.incremental import incremental_plan
 from embedscale.plan.plan import Plan
 from embedscale.specs import Topology
+from embedscale.train.checkpoint import ROLLING_PROFILE
 
 REPLANS_CSV = "replans.csv"
+CHECKPOINT_KEY = ROLLING_PROFILE  # a full checkpoint's rank file entry: that rank's profile (DriftMonitor.state_dict)
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
-           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy"]
+           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written"]
 
 
 class DriftMonitor:
@@ -117,8 +124,8 @@ class DriftMonitor:
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
         self.check_seconds.append(t1 - t0)
-        figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped],
-                            dtype=torch.float64)
+        figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped,
+                             mig.rows_written], dtype=torch.float64)
         dist.all_reduce(figs, group=run.monitor_group)
         secs = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=run.monitor_group)
@@ -130,7 +137,7 @@ class DriftMonitor:
                "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
                "balance_before": round(float(report["after"]["balance"]), 6),
                "balance_after": round(float(report["replanned"]["balance"]), 6),
-               "strategy": report["replan_strategy"]}
+               "strategy": report["replan_strategy"], "rows_written": int(figs[4])}
         self.records.append(rec)
         write_replans(run.run_dir, rec)
         return rec
@@ -187,19 +194,52 @@ class DriftMonitor:
                             else f"balance fell below {DOB_FLOOR}; the incremental plan restores it")
         return inc
 
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's rolling profile (``RollingProfile.state_dict``), for its rank file of a checkpoint
+        (``DistributedRun.save``: key :data:`CHECKPOINT_KEY`)."""
+        return {k: v.cpu() for k, v in self.profile.state_dict().items()}
+
+    def restore(self, shards: list[dict], rank: int, world: int) -> None:
+        """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
+        it empty). Written by ``world`` ranks: each rank takes its own, bit for bit; by another number of ranks:
+        rank 0 takes their sum and the others start empty, so the monitor's sum over the ranks (what it plans
+        from) is the saved one. Delta checkpoints carry none (8 bytes a row per rank would be most of a small
+        delta): a delta's base's profiles are taken, which lack the steps since the base."""
+        states = sorted(((sh["rank"], sh[CHECKPOINT_KEY]) for sh in shards
+                         if sh.get("rank", -1) >= 0 and sh.get(CHECKPOINT_KEY) is not None), key=lambda x: x[0])
+        if not states:  # a delta: its base's rank files (ranks -1, -2, ... for the base's 0, 1, ...)
+            states = sorted(((-1 - sh["rank"], sh[CHECKPOINT_KEY]) for sh in shards
+                             if sh.get("rank", 0) < 0 and sh.get(CHECKPOINT_KEY) is not None), key=lambda x: x[0])
+        if not states:
+            return
+        if [r for r, _ in states] == list(range(world)):
+            self.profile.load_state_dict(states[rank][1])
+        elif rank == 0:
+            self.profile.load_state_dict(states[0][1])
+            for _r, st in states[1:]:
+                self.profile.add_state(st)
+        self._checked_at = -1
+
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks,
                 "replan_check_seconds": round(sum(self.check_seconds), 6), "replans": list(self.records)}
 
 
 def move_to_plan(run, plan: Plan):
-    """Collective (every rank): build the sharded module of ``plan`` (its address map over the run's sharded
-    tables), move the rows and their row-wise optimizer state into it (``embedding.migrate.migrate``) and look
-    up through it from now on (``run.swap_sharded``). Returns this rank's ``Migration``."""
-    amap = address_map_from_plan(plan, run.tables)
-    new = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
-    mig = migrate(run.embedding, new)
-    run.swap_sharded(new, plan)
+    """Collective (every rank): move the run's sharded rows and their row-wise optimizer state onto ``plan``
+    and run under it from now on (``run.swap_sharded``). A ``ShardedEmbedding`` moves in place
+    (``embedding.migrate.migrate_in_place``: its map edited, only the rows that change holder or place
+    written); a ``PgasShardedEmbedding`` (its heap sized when built) into the sharded module built for the
+    plan's address map (``embedding.migrate.migrate``). Returns this rank's ``Migration``."""
+    emb = run.embedding
+    if isinstance(emb, PgasShardedEmbedding):
+        amap = address_map_from_plan(plan, run.tables)
+        emb = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
+        mig = migrate(run.embedding, emb)
+    else:
+        mig = migrate_in_place(emb, Placement.of_plan(plan, run.tables))
+    run.swap_sharded(emb, plan)
     return mig
 
 
