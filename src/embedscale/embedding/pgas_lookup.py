@@ -229,7 +229,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
                 _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
             a += c
         out, _, _ = pool_local_and_fetched(self._table[:self._cap + R], self._cap, key, ridx, rinv, scale, bag,
-                                           offsets, B, one_hot, off_mask=tm.OFF_MASK)
+                                           offsets, B, one_hot, off_mask=tm.OFF_MASK, ops=self._kernel_ops())
         return out.view(B, len(self.feature_names) * self.dim)
 
     def _prepare_send(self, features: JaggedFeatures) -> dict:
