@@ -506,6 +506,88 @@ void fused_pooled_update(at::Tensor weight, c10::optional<at::Tensor> momentum, 
   }
 }
 
+// Sharded step, index conversion (OPER 5.1), part 1: global row ids of a batch's feature-major values,
+// gids[i] = base[f] + values[i] for the per_feature[f] values of feature f; with validate, the first value
+// outside [0, rows[f]) is returned (gids left partly written), else -1.
+int64_t sharded_feature_gids(at::Tensor values, at::Tensor per_feature, at::Tensor base, at::Tensor rows,
+                             bool validate, at::Tensor gids) {
+  TORCH_CHECK(values.scalar_type() == at::kLong && values.is_contiguous() && gids.scalar_type() == at::kLong &&
+                  gids.is_contiguous() && gids.numel() >= values.numel(),
+              "sharded_feature_gids: values, gids: int64");
+  TORCH_CHECK(per_feature.scalar_type() == at::kLong && base.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong && per_feature.is_contiguous() && base.is_contiguous() &&
+                  rows.is_contiguous() && base.numel() == per_feature.numel() && rows.numel() == per_feature.numel(),
+              "sharded_feature_gids: per_feature, base, rows: int64 [F]");
+  const int64_t F = per_feature.numel(), n = values.numel();
+  const int64_t* v = values.data_ptr<int64_t>();
+  const int64_t* pf = per_feature.data_ptr<int64_t>();
+  const int64_t* bs = base.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  int64_t* g = gids.data_ptr<int64_t>();
+  int64_t i = 0;
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t end = i + pf[f], b = bs[f], r = rw[f];
+    TORCH_CHECK(end <= n, "sharded_feature_gids: per_feature sums past the values");
+    if (validate) {
+      for (; i < end; ++i) {
+        const int64_t x = v[i];
+        if (x < 0 || x >= r) return i;
+        g[i] = b + x;
+      }
+    } else {
+      for (; i < end; ++i) g[i] = b + v[i];
+    }
+  }
+  TORCH_CHECK(i == n, "sharded_feature_gids: per_feature sums to ", i, ", not to the ", n, " values");
+  return -1;
+}
+
+// Part 2: each gid's packed code (row_code: int32 or int64, as the address map keeps it), its key (the code
+// without the replica bit), whether it is read from another rank than me, and the positions of those values.
+// Returns their number.
+int64_t sharded_remote_split(at::Tensor gids, at::Tensor row_code, int64_t shift, int64_t key_mask, int64_t me,
+                             at::Tensor code, at::Tensor key, at::Tensor remote, at::Tensor ridx) {
+  const int64_t n = gids.numel();
+  TORCH_CHECK(gids.scalar_type() == at::kLong && gids.is_contiguous(), "sharded_remote_split: gids: int64");
+  TORCH_CHECK(code.scalar_type() == at::kLong && key.scalar_type() == at::kLong && ridx.scalar_type() == at::kLong &&
+                  remote.scalar_type() == at::kBool && code.is_contiguous() && key.is_contiguous() &&
+                  ridx.is_contiguous() && remote.is_contiguous() && code.numel() >= n && key.numel() >= n &&
+                  ridx.numel() >= n && remote.numel() >= n,
+              "sharded_remote_split: outputs: int64 code, key, ridx and bool remote of [n]");
+  TORCH_CHECK(row_code.is_contiguous() && (row_code.scalar_type() == at::kInt || row_code.scalar_type() == at::kLong),
+              "sharded_remote_split: row_code: int32 / int64");
+  const int64_t G = row_code.numel();
+  const int64_t* g = gids.data_ptr<int64_t>();
+  int64_t* c = code.data_ptr<int64_t>();
+  int64_t* k = key.data_ptr<int64_t>();
+  bool* rm = remote.data_ptr<bool>();
+  int64_t* ri = ridx.data_ptr<int64_t>();
+  int64_t nr = 0;
+  auto go = [&](const auto* rc) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + PREFETCH < n) {
+        const int64_t q = g[i + PREFETCH];
+        if (q >= 0 && q < G) __builtin_prefetch(rc + q);
+      }
+      const int64_t x = g[i];
+      TORCH_CHECK(x >= 0 && x < G, "sharded_remote_split: gid ", x, " outside the map's ", G, " rows");
+      const int64_t cc = static_cast<int64_t>(rc[x]);
+      const int64_t kk = cc & key_mask;
+      c[i] = cc;
+      k[i] = kk;
+      const bool r = (kk >> shift) != me;
+      rm[i] = r;
+      if (r) ri[nr++] = i;
+    }
+  };
+  if (row_code.scalar_type() == at::kInt) {
+    go(row_code.data_ptr<int32_t>());
+  } else {
+    go(row_code.data_ptr<int64_t>());
+  }
+  return nr;
+}
+
 // Sharded step, backward: per-row gradient sums of a pooled lookup over [storage | fetch area] (see row_sums).
 // pos [nv] int64 table rows of the values (feature-major bags f * B + b); offsets [k * B + 1] int64 or None
 // (one value per bag); scale [nv] float32 or None; grad [B, >= k * D] float32, unit column stride; n storage
@@ -614,8 +696,16 @@ int64_t sharded_apply_row_grads(at::Tensor weight, c10::optional<at::Tensor> mom
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_pooled_update", &fused_pooled_update, "backward + SGD / row-wise Adagrad of a pooled lookup");
-  m.def("fused_pooled_forward", &fused_pooled_forward, "sum-pooled lookup into a sample-major [B, k * D]");
-  m.def("sharded_row_grad_sums", &sharded_row_grad_sums, "per-row gradient sums over [storage | fetch area]");
-  m.def("sharded_apply_row_grads", &sharded_apply_row_grads, "per-row sums of gradient lists + optimizer update");
+  m.def("fused_pooled_update", &fused_pooled_update, "backward + SGD / row-wise Adagrad of a pooled lookup",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fused_pooled_forward", &fused_pooled_forward, "sum-pooled lookup into a sample-major [B, k * D]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_feature_gids", &sharded_feature_gids, "global row ids of feature-major values, checked",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_remote_split", &sharded_remote_split, "codes, keys and remote values of a batch's gids",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_row_grad_sums", &sharded_row_grad_sums, "per-row gradient sums over [storage | fetch area]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_apply_row_grads", &sharded_apply_row_grads, "per-row sums of gradient lists + optimizer update",
+        py::call_guard<py::gil_scoped_release>());
 }

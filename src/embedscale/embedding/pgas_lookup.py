@@ -216,7 +216,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
         ``None`` when the batch's unique remote rows overflow the fetch area (the general path takes it)."""
         gids, bag, scale, _, B, offsets, one_hot = self._inputs(features, ones=False)
         tm, me, W, dev = self.tmap, self.rank, self.world_size, self.weight.device
-        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W)
+        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W, ops=self._kernel_ops())
         R = runiq.numel()
         if R > self.fetch_rows:
             return None

@@ -225,16 +225,24 @@ class ShardedEmbedding(nn.Module):
         values = features.values.to(dev)
         n = values.numel()
         per_feature = lengths.view(F_, B).sum(1) if B else torch.zeros(F_, dtype=torch.int64, device=dev)
-        if self.validate and n:
+        base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
+        ops = self._kernel_ops() if values.dtype == torch.int64 and n else None
+        if ops is not None:  # the C++ kernel: check and offset every value in one pass
+            gids = torch.empty_like(values)
+            i = ops.sharded_feature_gids(values, per_feature, base, self._feature_rows, bool(self.validate), gids)
+            bad = None if i < 0 else torch.arange(n, device=dev) == i
+        elif self.validate and n:
             rows = torch.repeat_interleave(self._feature_rows, per_feature, output_size=n)
             bad = (values < 0) | (values >= rows)
-            if bool(bad.any()):  # one scalar read per step; the details only on the error path
-                i = int(torch.nonzero(bad)[0])
-                f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
-                raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
-                                 f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
-        base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
-        gids = torch.repeat_interleave(base, per_feature, output_size=n) + values
+        else:
+            bad = None
+        if bad is not None and bool(bad.any()):  # one scalar read per step; the details only on the error path
+            i = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
+            raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
+                             f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
+        if ops is None:
+            gids = torch.repeat_interleave(base, per_feature, output_size=n) + values
         one_hot = n == F_ * B and bool((lengths == 1).all())
         bag = torch.arange(n, device=dev) if one_hot else \
             torch.repeat_interleave(torch.arange(F_ * B, device=dev), lengths, output_size=n)
@@ -334,7 +342,7 @@ class ShardedEmbedding(nn.Module):
         the replicas the batch reads)."""
         gids, bag, scale, _nbags, B, offsets, one_hot = self._inputs(features, ones=False)
         tm, W, me = self.tmap, self.world_size, self.rank
-        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W)
+        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W, ops=self._kernel_ops())
         R = runiq.numel()
         r_slot = None
         if training and self.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
@@ -924,15 +932,23 @@ class _Retrieve(torch.autograd.Function):
         return torch.zeros_like(mod.anchor), None, None, None
 
 
-def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
+def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int, ops=None):
     """Decode a batch's global ids on rank ``me`` and deduplicate the values read from other ranks (OPER 5.1):
     ``(code, key, remote, ridx, runiq, rinv, per_rank)``: packed codes, the codes without the replica bit,
     which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
-    rows are one block), each remote value's index among them, and how many rows come from each rank."""
-    code = tm.codes(gids)
-    key = code & tm.KEY_MASK
-    remote = (key >> tm.SHIFT) != me
-    ridx = remote.nonzero().squeeze(1)
+    rows are one block), each remote value's index among them, and how many rows come from each rank.
+    With ``ops`` (the C++ kernel; CPU ids) the codes, keys and remote values come from one pass."""
+    if ops is not None and gids.device.type == "cpu" and gids.dtype == torch.int64:
+        n = gids.numel()
+        code, key = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
+        ridx = ridx[:ops.sharded_remote_split(gids.contiguous(), tm.row_code, tm.SHIFT, tm.KEY_MASK, me, code, key,
+                                              remote, ridx)]
+    else:
+        code = tm.codes(gids)
+        key = code & tm.KEY_MASK
+        remote = (key >> tm.SHIFT) != me
+        ridx = remote.nonzero().squeeze(1)
     runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
     return code, key, remote, ridx, runiq, rinv, _split_by_rank(runiq >> tm.SHIFT, W)
 
