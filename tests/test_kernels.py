@@ -243,3 +243,37 @@ def test_sharded_row_sums_and_update_match_float64_brute_force(one_hot, weighted
         ops.sharded_apply_row_grads(w, m, touched, slot, [torch.tensor([1, n])], [torch.zeros(2, D)],
                                     [torch.empty(0, dtype=torch.int64)], [n], LR, EPS)
     assert bool((slot == -1).all()) and torch.equal(w[1], w_ref[1].float())
+
+
+@built
+def test_sharded_conversion_kernels_match_torch():
+    """The index conversion's kernels against torch's ops: the sorted unique remote keys and their inverse
+    (``torch.unique``), the remote split of packed codes, the replica slots read locally (ascending), and the
+    id check naming the first bad value."""
+    ops = kernels.fused_ops()
+    gen = torch.Generator().manual_seed(2)
+    shift, me = 20, 1
+    code_tab = (torch.randint(0, 3, (500,), generator=gen) << shift) | torch.randint(0, 300, (500,), generator=gen)
+    gids = torch.randint(0, 500, (4000,), generator=gen) ** 2 // 500  # skewed: many repeats
+    n = gids.numel()
+    code, key = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
+    nr = ops.sharded_remote_split(gids, code_tab.to(torch.int32), shift, (1 << 30) - 1, me, code, key, remote, ridx)
+    want_key = code_tab[gids]
+    assert torch.equal(key, want_key) and torch.equal(remote, (want_key >> shift) != me)
+    assert torch.equal(ridx[:nr], ((want_key >> shift) != me).nonzero().squeeze(1))
+    for sel in (ridx[:nr], ridx[:0], ridx[:1]):
+        runiq, rinv = ops.sharded_remote_unique(key, sel)
+        u, inv = torch.unique(key[sel], sorted=True, return_inverse=True)
+        assert torch.equal(runiq, u) and torch.equal(rinv, inv)
+    num_owned, region_slot = 250, torch.arange(50) * 3 + 7  # storage rows 250.. hold replica slots
+    slots = ops.sharded_local_replicas(key, remote, num_owned, (1 << shift) - 1, region_slot)
+    off = key & ((1 << shift) - 1)
+    held = torch.unique(off[(~remote) & (off >= num_owned)]) - num_owned
+    assert torch.equal(slots, region_slot[held])
+    values = torch.tensor([0, 4, 2, 9, 1])
+    gids_out = torch.empty(5, dtype=torch.int64)
+    per, base, rows = torch.tensor([2, 3]), torch.tensor([0, 5]), torch.tensor([5, 9])
+    assert ops.sharded_feature_gids(values, per, base, rows, True, gids_out) == 3  # 9 is past the second table
+    assert ops.sharded_feature_gids(values, per, base, rows, False, gids_out) == -1
+    assert gids_out.tolist() == [0, 4, 7, 14, 6]

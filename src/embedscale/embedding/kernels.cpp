@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -588,6 +589,86 @@ int64_t sharded_remote_split(at::Tensor gids, at::Tensor row_code, int64_t shift
   return nr;
 }
 
+// Part 3: the unique remote keys, ascending, and each remote value's index among them: the result of
+// torch.unique(key[ridx], sorted=True, return_inverse=True), from a hash table (first-seen ids) and a sort of
+// the unique keys only (a batch's remote values repeat: the skew of the data).
+std::tuple<at::Tensor, at::Tensor> sharded_remote_unique(at::Tensor key, at::Tensor ridx) {
+  TORCH_CHECK(key.scalar_type() == at::kLong && key.is_contiguous() && ridx.scalar_type() == at::kLong &&
+                  ridx.is_contiguous(),
+              "sharded_remote_unique: key, ridx: int64");
+  const int64_t n = ridx.numel(), nk = key.numel();
+  const int64_t* k = key.data_ptr<int64_t>();
+  const int64_t* ri = ridx.data_ptr<int64_t>();
+  int bits = 4;
+  while ((int64_t{1} << bits) < 2 * n) ++bits;
+  const uint64_t mask = (uint64_t{1} << bits) - 1;
+  thread_local std::vector<int64_t> tkeys;
+  thread_local std::vector<int32_t> tids, inv;
+  thread_local std::vector<std::pair<int64_t, int32_t>> uniq;
+  tkeys.resize(mask + 1);
+  tids.assign(mask + 1, -1);
+  inv.resize(n);
+  uniq.clear();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = ri[i];
+    TORCH_CHECK(j >= 0 && j < nk, "sharded_remote_unique: index ", j, " outside the ", nk, " keys");
+    const int64_t x = k[j];
+    uint64_t h = (static_cast<uint64_t>(x) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+    while (tids[h] >= 0 && tkeys[h] != x) h = (h + 1) & mask;
+    if (tids[h] < 0) {
+      tids[h] = static_cast<int32_t>(uniq.size());
+      tkeys[h] = x;
+      uniq.emplace_back(x, tids[h]);
+    }
+    inv[i] = tids[h];
+  }
+  std::sort(uniq.begin(), uniq.end());
+  const int64_t U = static_cast<int64_t>(uniq.size());
+  at::Tensor runiq = at::empty({U}, key.options());
+  at::Tensor rinv = at::empty({n}, key.options());
+  int64_t* ru = runiq.data_ptr<int64_t>();
+  thread_local std::vector<int64_t> rank;
+  rank.resize(U);
+  for (int64_t u = 0; u < U; ++u) {
+    ru[u] = uniq[u].first;
+    rank[uniq[u].second] = u;
+  }
+  int64_t* rv = rinv.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) rv[i] = rank[inv[i]];
+  return {runiq, rinv};
+}
+
+// Part 4: the replica slots a batch's local values read, in ascending storage row (held replicas are the
+// storage rows from num_owned on; region_slot maps them to slots).
+at::Tensor sharded_local_replicas(at::Tensor key, at::Tensor remote, int64_t num_owned, int64_t off_mask,
+                                  at::Tensor region_slot) {
+  TORCH_CHECK(key.scalar_type() == at::kLong && key.is_contiguous() && remote.scalar_type() == at::kBool &&
+                  remote.is_contiguous() && remote.numel() == key.numel(),
+              "sharded_local_replicas: key int64, remote bool, [n]");
+  TORCH_CHECK(region_slot.scalar_type() == at::kLong && region_slot.is_contiguous(),
+              "sharded_local_replicas: region_slot: int64");
+  const int64_t n = key.numel(), held = region_slot.numel();
+  const int64_t* k = key.data_ptr<int64_t>();
+  const bool* rm = remote.data_ptr<bool>();
+  thread_local std::vector<uint8_t> flag;
+  flag.assign(held, 0);
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (rm[i]) continue;
+    const int64_t off = k[i] & off_mask;
+    if (off < num_owned) continue;
+    TORCH_CHECK(off - num_owned < held, "sharded_local_replicas: storage row ", off, " past the held replicas");
+    count += !flag[off - num_owned];
+    flag[off - num_owned] = 1;
+  }
+  at::Tensor out = at::empty({count}, region_slot.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t* rs = region_slot.data_ptr<int64_t>();
+  for (int64_t j = 0, c = 0; j < held; ++j)
+    if (flag[j]) o[c++] = rs[j];
+  return out;
+}
+
 // Sharded step, backward: per-row gradient sums of a pooled lookup over [storage | fetch area] (see row_sums).
 // pos [nv] int64 table rows of the values (feature-major bags f * B + b); offsets [k * B + 1] int64 or None
 // (one value per bag); scale [nv] float32 or None; grad [B, >= k * D] float32, unit column stride; n storage
@@ -703,6 +784,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sharded_feature_gids", &sharded_feature_gids, "global row ids of feature-major values, checked",
         py::call_guard<py::gil_scoped_release>());
   m.def("sharded_remote_split", &sharded_remote_split, "codes, keys and remote values of a batch's gids",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_remote_unique", &sharded_remote_unique, "sorted unique remote keys and the inverse",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("sharded_local_replicas", &sharded_local_replicas, "replica slots read by local values, ascending",
         py::call_guard<py::gil_scoped_release>());
   m.def("sharded_row_grad_sums", &sharded_row_grad_sums, "per-row gradient sums over [storage | fetch area]",
         py::call_guard<py::gil_scoped_release>());

@@ -944,12 +944,13 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int, ops=No
         remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
         ridx = ridx[:ops.sharded_remote_split(gids.contiguous(), tm.row_code, tm.SHIFT, tm.KEY_MASK, me, code, key,
                                               remote, ridx)]
+        runiq, rinv = ops.sharded_remote_unique(key, ridx)  # hashed, then the unique keys sorted: the same
     else:
         code = tm.codes(gids)
         key = code & tm.KEY_MASK
         remote = (key >> tm.SHIFT) != me
         ridx = remote.nonzero().squeeze(1)
-    runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
     return code, key, remote, ridx, runiq, rinv, _split_by_rank(runiq >> tm.SHIFT, W)
 
 
@@ -998,12 +999,17 @@ def sample_major(pos: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Ten
 def _touched_replicas(mod: ShardedEmbedding, key: torch.Tensor, remote: torch.Tensor, r_slot) -> torch.Tensor:
     """Replica slots a batch reads: the held replica rows its local values read (ascending storage row),
     then the replicas it fetched (request order), the order backward lists their gradients in."""
-    off = key & mod.tmap.OFF_MASK
     held = int(mod.weight.shape[0]) - mod.num_owned
-    sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
-    flag = torch.zeros(held, dtype=torch.bool, device=key.device)
-    flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
-    out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
+    ops = mod._kernel_ops()
+    if ops is not None and key.device.type == "cpu":  # one pass, a flag per held replica
+        out = [ops.sharded_local_replicas(key, remote, mod.num_owned, mod.tmap.OFF_MASK,
+                                          mod._region_slot[:held].contiguous())]
+    else:
+        off = key & mod.tmap.OFF_MASK
+        sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
+        flag = torch.zeros(held, dtype=torch.bool, device=key.device)
+        flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
+        out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
     if r_slot is not None:
         out.append(r_slot[r_slot >= 0])
     return torch.cat(out)
