@@ -46,7 +46,9 @@ backward with the same fixed output gradient, fused update), small MLPs built on
 interleaved step by step; one JSON line with medians, p90s and the load average. ``--prefetch DEPTH`` adds
 ``ShardedEmbedding.prefetch`` (the next DEPTH batches converted ahead on a worker thread, their counts and ids
 riding in the current step's row and gradient all-to-alls) and times our synchronous step beside it (a second
-module, same rows) in the same run:
+module, same rows) in the same run. Our side runs the C++ CPU kernel (``embedding/kernels.cpp``: pooling,
+per-row gradient sums, fused update, id decode) when built (the JSON line's ``cpu_kernel``);
+``--no-cpu-kernel`` times its PyTorch ops instead:
 
     .venv/bin/python benchmarks/bench_vs_torchrec.py --embedding-only --max-rows 1000000 [--prefetch 1] [--world 4]
 """
@@ -315,6 +317,7 @@ def worker(rank, world, cfg):
                            "rows_per_rank": amap_inf.num_owned().tolist()},
         "torchrec": _count_types(trh.sharding_types(trec_plan)),
     }
+    res["cpu_kernel"] = {"training": emb._kernel_ops() is not None, "inference": emb_inf._kernel_ops() is not None}
     res["storage_rows"] = {"ours_training": int(emb.weight.shape[0]), "ours_inference": int(emb_inf.weight.shape[0]),
                            "torchrec": _torchrec_local_rows(dmp)}
     if pgas_tr is not None:
@@ -405,6 +408,7 @@ def summarise_embedding(res: list, cfg: dict) -> dict:
                                                       np.array(x["times_s"])))
         out[phase] = ph
     out["check"] = r0["check"]
+    out["cpu_kernel"] = r0.get("cpu_kernel")
     out["raw_step_times_s"] = {p: {s: v["times_s"] for s, v in r0[p].items()} for p in ("emb_train", "emb_infer")}
     return out
 
@@ -445,6 +449,7 @@ def main_embedding_only(args, base: dict) -> None:
                           "median_ms": inf["ours"]["median_ms"], "p90_ms": inf["ours"]["p90_ms"],
                           "baseline_median_ms": inf["torchrec"]["median_ms"],
                           "baseline_p90_ms": inf["torchrec"]["p90_ms"]},
+            "cpu_kernel": r["cpu_kernel"],
             "config": {**base, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                        "torch": torch.__version__, "torchrec": _version("torchrec"),
                        "fbgemm_gpu": _version("fbgemm-gpu-cpu"),
@@ -476,6 +481,8 @@ def main():
                     help="with --embedding-only: ours converts the batches of the next DEPTH steps ahead "
                          "(ShardedEmbedding.prefetch, OPER 5.1 pipelined), as a pipelined training loop does; "
                          "our synchronous step is timed beside it in the same run")
+    ap.add_argument("--no-cpu-kernel", action="store_true",
+                    help="our side on its PyTorch ops (EMBEDSCALE_NO_KERNELS=1), not the C++ CPU kernel")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
     ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
     ap.add_argument("--from-json", nargs="+", default=None,
@@ -484,6 +491,8 @@ def main():
     args = ap.parse_args()
     if args.prefetch and not args.embedding_only:
         ap.error("--prefetch times the embedding-only step: add --embedding-only")
+    if args.no_cpu_kernel:  # the ranks inherit the environment
+        os.environ["EMBEDSCALE_NO_KERNELS"] = "1"
     if args.from_json:
         lines = []
         for fn in args.from_json:

@@ -12,7 +12,9 @@ as a pipelined loop would. A diagnostic, not a speed claim (``bench_vs_torchrec.
 
 ``--ab OTHER/src/embedscale/embedding/sharded.py`` instead times that file's step (an older checkout's) against
 this one's synchronous and prefetched steps, interleaved in the same ranks on the same rows and batches, and
-prints one JSON line (medians, p90s, load, whether all three end with the same rows).
+prints one JSON line (medians, p90s, load, whether all three end with the same rows). ``--kernel-ab`` times this
+checkout's step on its PyTorch ops (``cpu_kernel = False``) against the same step on the C++ CPU kernel
+(``embedding/kernels.cpp``), synchronous and prefetched, the same way.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def worker(rank, world, cfg):
 
     dist.all_to_all_single = counted
 
-    if cfg.get("ab"):
+    if cfg.get("ab") or cfg.get("kernel_ab"):
         return _ab(rank, emb, cfg, tables, address_map_from_plan(plan, tables), tr, batches, g)
 
     def step(s):
@@ -100,7 +102,7 @@ def worker(rank, world, cfg):
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(cfg["top"])
     return {"rank": rank, "median_ms": 1e3 * float(np.median(times)), "p90_ms": 1e3 * float(np.quantile(times, 0.9)),
             "a2a_per_step": calls["n"] / cfg["steps"], "a2a_ms_per_step": 1e3 * calls["s"] / cfg["steps"],
-            "profile": buf.getvalue()}
+            "profile": buf.getvalue(), "kernel": emb._kernel_ops() is not None}
 
 
 def _ab(rank, emb, cfg, tables, amap, tr, batches, g):
@@ -114,12 +116,16 @@ def _ab(rank, emb, cfg, tables, amap, tr, batches, g):
 
     from embedscale.embedding.sharded import ShardedEmbedding
 
-    spec = importlib.util.spec_from_file_location("other_sharded", cfg["ab"])
-    other = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(other)
     kw = dict(optimizer="rowwise_adagrad", lr=0.05, grad_sync="alltoall", seed=0)
-    mods = {"other": other.ShardedEmbedding(tables, amap, tr, rank, **kw),
-            "this_sync": emb, "this_prefetch": ShardedEmbedding(tables, amap, tr, rank, **kw)}
+    if cfg.get("kernel_ab"):  # this checkout's PyTorch ops as "other"
+        other_mod = ShardedEmbedding(tables, amap, tr, rank, **kw)
+        other_mod.cpu_kernel = False
+    else:
+        spec = importlib.util.spec_from_file_location("other_sharded", cfg["ab"])
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        other_mod = other.ShardedEmbedding(tables, amap, tr, rank, **kw)
+    mods = {"other": other_mod, "this_sync": emb, "this_prefetch": ShardedEmbedding(tables, amap, tr, rank, **kw)}
     nb = len(batches)
     times = {k: [] for k in mods}
     names = list(mods)
@@ -140,7 +146,7 @@ def _ab(rank, emb, cfg, tables, amap, tr, batches, g):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[k] = (1e3 * float(t.median()), 1e3 * float(torch.quantile(t, 0.9)))
     same = all(torch.equal(mods["other"].weight, m.weight) for m in (mods["this_sync"], mods["this_prefetch"]))
-    return {"rank": rank, "ab": out, "same_rows": same}
+    return {"rank": rank, "ab": out, "same_rows": same, "kernel": emb._kernel_ops() is not None}
 
 
 def main():
@@ -154,23 +160,28 @@ def main():
     ap.add_argument("--ab", default=None, metavar="SHARDED_PY",
                     help="time another sharded.py's step against this one's (synchronous and prefetched), "
                          "interleaved")
+    ap.add_argument("--kernel-ab", action="store_true",
+                    help="time this step on its PyTorch ops against the C++ CPU kernel (synchronous and "
+                         "prefetched), interleaved")
     args = ap.parse_args()
     from embedscale.train.launch import spawn_local
 
     cfg = {"max_rows": args.max_rows, "batch": args.batch, "steps": args.steps, "top": args.top,
-           "prefetch": args.prefetch, "ab": args.ab}
+           "prefetch": args.prefetch, "ab": args.ab, "kernel_ab": args.kernel_ab}
     load = os.getloadavg()
     res = spawn_local(worker, args.world, cfg, timeout_s=1800)
-    if args.ab:
+    if args.ab or args.kernel_ab:
         r0 = res[0]
-        print(json.dumps({"benchmark": "sharded_step_ab", "other": args.ab, "world": args.world,
+        print(json.dumps({"benchmark": "sharded_step_ab",
+                          "other": args.ab or "this checkout, PyTorch ops (cpu_kernel=False)",
+                          "kernel": r0["kernel"], "world": args.world,
                           "median_p90_ms": r0["ab"], "same_rows": all(r["same_rows"] for r in res),
                           "speedup_sync": r0["ab"]["other"][0] / r0["ab"]["this_sync"][0],
                           "speedup_prefetch": r0["ab"]["other"][0] / r0["ab"]["this_prefetch"][0],
                           "loadavg_before": load, "loadavg_after": os.getloadavg(), "steps": args.steps}))
         return
     for r in sorted(res, key=lambda r: r["rank"]):
-        print(f"== rank {r['rank']}: step median {r['median_ms']:.2f} ms, p90 {r['p90_ms']:.2f} ms; "
+        print(f"== rank {r['rank']} (C++ kernel: {r['kernel']}): step median {r['median_ms']:.2f} ms, p90 {r['p90_ms']:.2f} ms; "
               f"{r['a2a_per_step']:.1f} all_to_all_single per step, {r['a2a_ms_per_step']:.2f} ms in them")
         print(r["profile"])
 

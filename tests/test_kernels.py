@@ -189,3 +189,91 @@ def test_row_mean_squares_is_the_mean_of_squares():
     for D in (1, 2, 5, 13):
         torch.testing.assert_close(row_mean_squares(g[:, :D].contiguous()).double(),
                                    g[:, :D].double().pow(2).mean(1), rtol=1e-6, atol=0)
+
+
+@built
+@pytest.mark.parametrize("one_hot,weighted", [(True, False), (False, True)])
+def test_sharded_row_sums_and_update_match_float64_brute_force(one_hot, weighted):
+    """The sharded step's kernels (``sharded_row_grad_sums``, ``sharded_apply_row_grads``) against a float64
+    sum value by value: every storage row read gets its sum (first-seen order), every fetch-area row its own;
+    the update applies row-wise Adagrad to each distinct row of the lists, skipping rows past a list's limit
+    and map entries < 0; the slot map is all -1 afterwards."""
+    ops = kernels.fused_ops()
+    gen = torch.Generator().manual_seed(1)
+    F_, B, D, n, R = 3, 40, 16, 30, 12
+    lengths = torch.ones(F_ * B, dtype=torch.int64) if one_hot else torch.randint(0, 4, (F_ * B,), generator=gen)
+    offsets = torch.zeros(F_ * B + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    nv = int(offsets[-1])
+    pos = torch.randint(0, n + R, (nv,), generator=gen)
+    pos[:R] = n + torch.arange(R)  # every fetch-area row is read
+    scale = torch.rand(nv, generator=gen) + 0.5 if weighted else None
+    grad = torch.randn(B, F_ * D, generator=gen)
+    slot = torch.full((n,), -1, dtype=torch.int32)
+    urows, ugrads, fetched = torch.empty(nv, dtype=torch.int64), torch.empty(nv, D), torch.empty(R, D)
+    u = ops.sharded_row_grad_sums(pos, None if one_hot else offsets, scale, grad, B, F_, n, slot, urows, ugrads,
+                                  fetched)
+    ref = torch.zeros(n + R, D, dtype=torch.float64)
+    bag = torch.repeat_interleave(torch.arange(F_ * B), lengths)
+    for i in range(nv):
+        f, b = int(bag[i]) // B, int(bag[i]) % B
+        ref[pos[i]] += (1.0 if scale is None else float(scale[i])) * grad[b, f * D:(f + 1) * D].double()
+    seen = list(dict.fromkeys(int(p) for p in pos if p < n))
+    assert urows[:u].tolist() == seen and bool((slot == -1).all())
+    torch.testing.assert_close(ugrads[:u].double(), ref[seen], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fetched.double(), ref[n:], rtol=1e-5, atol=1e-5)
+
+    w0, m0 = torch.randn(n, D, generator=gen), torch.rand(n, generator=gen)
+    w, m, touched = w0.clone(), m0.clone(), torch.zeros(n, dtype=torch.bool)
+    r1, g1 = torch.tensor([3, 7, 25, 3]), torch.randn(4, D, generator=gen)  # 25 >= limit 20: skipped
+    s2, g2 = torch.tensor([0, 1, 2]), torch.randn(3, D, generator=gen)  # through a map: slot 1 has no row
+    rmap = torch.tensor([7, -1, 28])
+    ops.sharded_apply_row_grads(w, m, touched, slot, [r1, s2], [g1, g2], [torch.empty(0, dtype=torch.int64), rmap],
+                                [20, n], LR, EPS)
+    G = torch.zeros(n, D, dtype=torch.float64)
+    for r, g in [(3, g1[0]), (7, g1[1]), (3, g1[3]), (7, g2[0]), (28, g2[2])]:
+        G[r] += g.double()
+    hit = G.abs().sum(1) > 0
+    m_ref = torch.where(hit, m0.double() + G.pow(2).mean(1), m0.double())
+    w_ref = torch.where(hit.unsqueeze(1), w0.double() - LR * G / (m_ref.sqrt() + EPS).unsqueeze(1), w0.double())
+    torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(m.double(), m_ref, rtol=1e-5, atol=1e-7)
+    assert touched.nonzero().squeeze(1).tolist() == [3, 7, 28] and bool((slot == -1).all())
+    with pytest.raises(RuntimeError, match="outside the storage"):  # checked before any row is touched
+        ops.sharded_apply_row_grads(w, m, touched, slot, [torch.tensor([1, n])], [torch.zeros(2, D)],
+                                    [torch.empty(0, dtype=torch.int64)], [n], LR, EPS)
+    assert bool((slot == -1).all()) and torch.equal(w[1], w_ref[1].float())
+
+
+@built
+def test_sharded_conversion_kernels_match_torch():
+    """The index conversion's kernels against torch's ops: the sorted unique remote keys and their inverse
+    (``torch.unique``), the remote split of packed codes, the replica slots read locally (ascending), and the
+    id check naming the first bad value."""
+    ops = kernels.fused_ops()
+    gen = torch.Generator().manual_seed(2)
+    shift, me = 20, 1
+    code_tab = (torch.randint(0, 3, (500,), generator=gen) << shift) | torch.randint(0, 300, (500,), generator=gen)
+    gids = torch.randint(0, 500, (4000,), generator=gen) ** 2 // 500  # skewed: many repeats
+    n = gids.numel()
+    code, key = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+    remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
+    nr = ops.sharded_remote_split(gids, code_tab.to(torch.int32), shift, (1 << 30) - 1, me, code, key, remote, ridx)
+    want_key = code_tab[gids]
+    assert torch.equal(key, want_key) and torch.equal(remote, (want_key >> shift) != me)
+    assert torch.equal(ridx[:nr], ((want_key >> shift) != me).nonzero().squeeze(1))
+    for sel in (ridx[:nr], ridx[:0], ridx[:1]):
+        runiq, rinv = ops.sharded_remote_unique(key, sel)
+        u, inv = torch.unique(key[sel], sorted=True, return_inverse=True)
+        assert torch.equal(runiq, u) and torch.equal(rinv, inv)
+    num_owned, region_slot = 250, torch.arange(50) * 3 + 7  # storage rows 250.. hold replica slots
+    slots = ops.sharded_local_replicas(key, remote, num_owned, (1 << shift) - 1, region_slot)
+    off = key & ((1 << shift) - 1)
+    held = torch.unique(off[(~remote) & (off >= num_owned)]) - num_owned
+    assert torch.equal(slots, region_slot[held])
+    values = torch.tensor([0, 4, 2, 9, 1])
+    gids_out = torch.empty(5, dtype=torch.int64)
+    per, base, rows = torch.tensor([2, 3]), torch.tensor([0, 5]), torch.tensor([5, 9])
+    assert ops.sharded_feature_gids(values, per, base, rows, True, gids_out) == 3  # 9 is past the second table
+    assert ops.sharded_feature_gids(values, per, base, rows, False, gids_out) == -1
+    assert gids_out.tolist() == [0, 4, 7, 14, 6]

@@ -7,6 +7,15 @@ once per distinct row (FBGEMM ``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD``: duplica
 formulas of :mod:`embedscale.embedding.optim`). Each row's contributions are summed in batch order, as the
 PyTorch path (stable sort by row, then a weighted segment sum) does.
 
+The same extension serves the sharded step of :class:`embedscale.embedding.sharded.ShardedEmbedding` (retrieve
+design, OPER 5.1-5.2; its inference lookups and those of ``PgasShardedEmbedding`` too): the index conversion's
+id check + global row ids (``sharded_feature_gids``) and code decode + remote split (``sharded_remote_split``)
+in one pass each, the pooling over ``[storage | fetch area]`` (``fused_pooled_forward`` over the feature-major
+values, written sample-major), the per-row gradient sums of backward (``sharded_row_grad_sums``: a row -> slot
+map, no sort) and the owner's merge of its own and its peers' sums with the optimizer update
+(``sharded_apply_row_grads``). Each gives the bits of the PyTorch ops it replaces (same order of additions,
+same rounding); the calls release the GIL, so the prefetch thread's conversion runs beside the step.
+
 The extension is compiled ONCE, outside training and the test suite, by the install step::
 
     python -m embedscale.embedding.kernels --build

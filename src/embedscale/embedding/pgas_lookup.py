@@ -216,7 +216,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
         ``None`` when the batch's unique remote rows overflow the fetch area (the general path takes it)."""
         gids, bag, scale, _, B, offsets, one_hot = self._inputs(features, ones=False)
         tm, me, W, dev = self.tmap, self.rank, self.world_size, self.weight.device
-        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W)
+        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W, ops=self._kernel_ops())
         R = runiq.numel()
         if R > self.fetch_rows:
             return None
@@ -229,7 +229,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
                 _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
             a += c
         out, _, _ = pool_local_and_fetched(self._table[:self._cap + R], self._cap, key, ridx, rinv, scale, bag,
-                                           offsets, B, one_hot, off_mask=tm.OFF_MASK)
+                                           offsets, B, one_hot, off_mask=tm.OFF_MASK, ops=self._kernel_ops())
         return out.view(B, len(self.feature_names) * self.dim)
 
     def _prepare_send(self, features: JaggedFeatures) -> dict:

@@ -51,12 +51,14 @@ from torch import nn
 
 from embedscale.comm.transport import Transport
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding import kernels
 from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
 from embedscale.embedding.grad_sync import sync_replica_grads
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.interop import as_jagged, ebc_weight_key, has_ebc_names, keyed_tensor
-from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
+from embedscale.embedding.optim import (RowGradientScratch, aggregate_row_gradients, rowwise_adagrad_update_,
+                                        sgd_update_)
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
@@ -96,7 +98,13 @@ class ShardedEmbedding(nn.Module):
     ``load_state_dict`` takes an EBC's state dict (``embedding_bags.<table>.weight``, whole tables: each rank
     keeps its rows) and :meth:`ebc_state_dict` gathers the tables back under those names
     (:mod:`embedscale.embedding.interop`).
+
+    On the CPU with float32 storage the step's pooling, per-row gradient sums and fused updates run in the C++
+    kernel (:mod:`embedscale.embedding.kernels`, when built; the same bits as the PyTorch ops, which every
+    other device and dtype uses); ``cpu_kernel = False`` on an instance keeps the PyTorch ops.
     """
+
+    cpu_kernel = True  # use the C++ CPU kernel where it applies (``_kernel_ops``)
 
     def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: Transport, rank: int, *,
                  design: str = "retrieve", optimizer: str | None = "sgd", lr: float = 0.01, eps: float = 1e-8,
@@ -176,6 +184,8 @@ class ShardedEmbedding(nn.Module):
         self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, made by the first prefetch
         self._pipelined = False  # set by the first ``prefetch``: training row exchanges carry a header
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
+        self._kslot: torch.Tensor | None = None  # the C++ kernel's int32 storage row -> slot map, all -1
+        self._kscratch = RowGradientScratch()  # the C++ kernel's per-row gradient sums, kept across steps
 
     # -- inputs ---------------------------------------------------------------------------------
     def _check_keys(self, features: JaggedFeatures) -> None:
@@ -215,16 +225,24 @@ class ShardedEmbedding(nn.Module):
         values = features.values.to(dev)
         n = values.numel()
         per_feature = lengths.view(F_, B).sum(1) if B else torch.zeros(F_, dtype=torch.int64, device=dev)
-        if self.validate and n:
+        base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
+        ops = self._kernel_ops() if values.dtype == torch.int64 and n else None
+        if ops is not None:  # the C++ kernel: check and offset every value in one pass
+            gids = torch.empty_like(values)
+            i = ops.sharded_feature_gids(values, per_feature, base, self._feature_rows, bool(self.validate), gids)
+            bad = None if i < 0 else torch.arange(n, device=dev) == i
+        elif self.validate and n:
             rows = torch.repeat_interleave(self._feature_rows, per_feature, output_size=n)
             bad = (values < 0) | (values >= rows)
-            if bool(bad.any()):  # one scalar read per step; the details only on the error path
-                i = int(torch.nonzero(bad)[0])
-                f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
-                raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
-                                 f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
-        base = self.tmap.table_base.index_select(0, self._feature_table)  # each feature's table's first gid
-        gids = torch.repeat_interleave(base, per_feature, output_size=n) + values
+        else:
+            bad = None
+        if bad is not None and bool(bad.any()):  # one scalar read per step; the details only on the error path
+            i = int(torch.nonzero(bad)[0])
+            f = int(torch.searchsorted(torch.cumsum(per_feature, 0), i, right=True))
+            raise InputError(f"feature {self.feature_names[f]}: row id {int(values[i])} outside table "
+                             f"{self.tables[int(self._feature_table[f])].name!r} [0, {int(self._feature_rows[f])})")
+        if ops is None:
+            gids = torch.repeat_interleave(base, per_feature, output_size=n) + values
         one_hot = n == F_ * B and bool((lengths == 1).all())
         bag = torch.arange(n, device=dev) if one_hot else \
             torch.repeat_interleave(torch.arange(F_ * B, device=dev), lengths, output_size=n)
@@ -324,7 +342,7 @@ class ShardedEmbedding(nn.Module):
         the replicas the batch reads)."""
         gids, bag, scale, _nbags, B, offsets, one_hot = self._inputs(features, ones=False)
         tm, W, me = self.tmap, self.world_size, self.rank
-        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W)
+        code, key, remote, ridx, runiq, rinv, per_rank = remote_rows(tm, gids, me, W, ops=self._kernel_ops())
         R = runiq.numel()
         r_slot = None
         if training and self.num_slots:  # fetched rows that are replicas (held elsewhere, not here)
@@ -353,10 +371,64 @@ class ShardedEmbedding(nn.Module):
             self.weight = back[:n]  # the registered buffer, now the head of the pooling table
         return back
 
+    # -- the C++ CPU kernel (embedding/kernels.cpp): same bits as the PyTorch ops ------------------
+    def _kernel_ops(self):
+        """The loaded C++ kernel when it applies to this module (``cpu_kernel``, float32 storage on the CPU,
+        ``dim`` <= ``kernels.MAX_DIM``, built), else ``None``: the PyTorch ops."""
+        if not self.cpu_kernel or self.dim > kernels.MAX_DIM or not kernels.takes(self.weight):
+            return None
+        return kernels.fused_ops()
+
+    def _kernel_slot(self, n: int) -> torch.Tensor:
+        """The kernel's row -> slot map over ``n`` storage rows (int32, all -1 between calls; 4 bytes a row)."""
+        if self._kslot is None or self._kslot.numel() < n or self._kslot.device != self.weight.device:
+            self._kslot = torch.full((n,), -1, dtype=torch.int32, device=self.weight.device)
+        return self._kslot
+
+    def _kernel_row_sums(self, pos: torch.Tensor, kern: tuple, scale, grad_out: torch.Tensor, n: int, R: int):
+        """Backward of a kernel-pooled lookup over ``[storage (n rows) | fetch area (R rows)]``: ``(rows_l,
+        g_l, g_r)``, the storage rows read (first-seen order) with their gradient sums, and the sum of every
+        fetch-area row; each sum over its values in batch order, as ``aggregate_row_gradients`` (one pass, a
+        row -> slot map, no sort). ``rows_l`` and ``g_l`` are views of buffers reused by the next step."""
+        offsets, one_hot, B = kern
+        nv = pos.numel()
+        g = grad_out if grad_out.dtype == torch.float32 and grad_out.stride(1) == 1 else \
+            grad_out.to(torch.float32).contiguous()
+        urows = self._kscratch.take("urows", nv, torch.int64, pos.device)
+        ugrads = self._kscratch.take("ugrads", nv * self.dim, torch.float32, pos.device).view(nv, self.dim)
+        fetched = torch.empty((R, self.dim), dtype=torch.float32, device=pos.device)
+        u = kernels.fused_ops().sharded_row_grad_sums(
+            pos, None if one_hot else offsets, None if scale is None else scale.contiguous(), g, B,
+            len(self.feature_names), n, self._kernel_slot(n), urows, ugrads, fetched)
+        return urows[:u], ugrads[:u], fetched
+
+    def _kernel_apply(self, lists: list) -> None:
+        """The fused optimizer by the C++ kernel: ``lists`` of ``(rows, grads, map or None, limit)``, summed per
+        storage row in list order (a row's contributions added in that order, from zero: the association of
+        ``_merge_row_grads`` and ``aggregate_row_gradients``), then one update per row. ``rows`` index ``map``
+        when given (entries < 0 skipped); storage rows >= ``limit`` are skipped."""
+        w = self.weight
+        n = w.shape[0]
+        none = w.new_empty(0, dtype=torch.int64)
+        rows = [r.to(torch.int64).contiguous() for r, _g, _m, _l in lists]
+        grads = [g.to(torch.float32).contiguous() for _r, g, _m, _l in lists]
+        maps = [none if m is None else m for _r, _g, m, _l in lists]
+        kernels.fused_ops().sharded_apply_row_grads(
+            w, self.momentum if self.optimizer == "rowwise_adagrad" else None, self.touched, self._kernel_slot(n),
+            rows, grads, maps, [int(lim) for _r, _g, _m, lim in lists], self.lr, self.eps)
+
+    def _replica_row_map(self, dev) -> torch.Tensor:
+        """Replica slot -> this rank's storage row, or -1 where it holds no copy."""
+        local = self.tmap.replica_local.to(dev)
+        return torch.where(local >= 0, local + self.num_owned, torch.full_like(local, -1))
+
     # -- updates ----------------------------------------------------------------------------------
     def _apply_owned(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Fused optimizer on storage rows (repeats allowed: summed first, as FBGEMM's exact optimizers)."""
         if self.optimizer is None or rows.numel() == 0:
+            return
+        if self._kernel_ops() is not None:  # repeats summed in order, as the stable sort below sums them
+            self._kernel_apply([(rows, grads, None, self.weight.shape[0])])
             return
         uniq, g = aggregate_row_gradients(rows, grads, num_rows=self.weight.shape[0])
         self._update(uniq, g)
@@ -364,6 +436,9 @@ class ShardedEmbedding(nn.Module):
     def _update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Fused optimizer on *unique* storage rows, each with its summed gradient."""
         if self.optimizer is None or rows.numel() == 0:
+            return
+        if self._kernel_ops() is not None:
+            self._kernel_apply([(rows, grads, None, self.weight.shape[0])])
             return
         if self.optimizer == "sgd":
             sgd_update_(self.weight, rows, grads, self.lr)
@@ -796,27 +871,31 @@ class _Retrieve(torch.autograd.Function):
             torch.cat(fetched, out=table[n:n + R])
         out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, conv.key, conv.ridx, conv.rinv, conv.scale,
                                                  conv.bag, conv.offsets, conv.B, conv.one_hot,
-                                                 off_mask=mod.tmap.OFF_MASK)
+                                                 off_mask=mod.tmap.OFF_MASK, ops=mod._kernel_ops())
         if training:
             ctx.mod = mod
-            ctx.saved = (pos.to(dev), n, bag_s, conv.scale, conv.r_slot, per_rank, requests, peer_slots, nxt)
+            kern = (conv.offsets, conv.one_hot, conv.B) if bag_s is None else None  # pooled by the C++ kernel
+            ctx.saved = (pos.to(dev), n, bag_s, conv.scale, conv.r_slot, per_rank, requests, peer_slots, nxt, kern)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         mod: ShardedEmbedding = ctx.mod
-        pos, n, bag, scale, r_slot, per_rank, requests, peer_slots, nxt = ctx.saved
+        pos, n, bag, scale, r_slot, per_rank, requests, peer_slots, nxt, kern = ctx.saved
         ctx.saved = None
         dev = grad_out.device
         me, W = mod.rank, mod.world_size
         # one gradient per storage / fetch-area row, its values summed in batch order
         # (values in feature-major order, as single-process lookups and the PGAS design sum them)
-        rows, g = aggregate_row_gradients(pos, grad_out, src_index=bag.to(dev),
-                                          scale=None if scale is None else scale.to(dev),
-                                          num_rows=n + sum(per_rank))
-        k = int(torch.searchsorted(rows, n))
-        rows_l, g_l = rows[:k], g[:k]
-        g_r = g[k:]  # every fetched row was read: rows[k:] == n + arange(R), in request order
+        if kern is not None:  # the C++ kernel: one pass, no sort; storage rows in first-seen order
+            rows_l, g_l, g_r = mod._kernel_row_sums(pos, kern, scale, grad_out, n, sum(per_rank))
+        else:
+            rows, g = aggregate_row_gradients(pos, grad_out, src_index=bag.to(dev),
+                                              scale=None if scale is None else scale.to(dev),
+                                              num_rows=n + sum(per_rank))
+            k = int(torch.searchsorted(rows, n))
+            rows_l, g_l = rows[:k], g[:k]
+            g_r = g[k:]  # every fetched row was read: rows[k:] == n + arange(R), in request order
         if r_slot is not None:
             r_rep = (r_slot >= 0).to(dev)
             send = g_r.masked_fill(r_rep.unsqueeze(1), 0.0)
@@ -828,6 +907,8 @@ class _Retrieve(torch.autograd.Function):
         rep_g = None
         if mod.num_slots:  # gradients of the replica rows read here, in _touched_replicas' order
             lrep = (~own_l).nonzero().squeeze(1)
+            if kern is not None and lrep.numel() > 1:  # ascending storage rows, as _touched_replicas lists them
+                lrep = lrep.index_select(0, torch.argsort(rows_l.index_select(0, lrep)))
             slots = [mod._region_slot.to(dev).index_select(0, rows_l.index_select(0, lrep) - mod.num_owned)]
             rep_g = [g_l.index_select(0, lrep)]
             if r_slot is not None:
@@ -844,7 +925,7 @@ class _Retrieve(torch.autograd.Function):
             ids = [torch.cat([b, nxt.t_slots]) if nxt.fused else b for b in nxt.blocks]
             rc = nxt.recv_counts
             got = _exchange_packed(mod.transport, [[blocks[p], ids[p]] for p in range(W)],
-                                   [[(g.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
+                                   [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
                                     for p, (a, b) in enumerate(rc)], ["grads", "ids"], me)
             nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
             nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
@@ -857,6 +938,17 @@ class _Retrieve(torch.autograd.Function):
             peer_g = [rep_g if p == me else x[r.numel():] for p, (x, r) in enumerate(zip(got, requests))]
         # owner side: own rows read here, plus the rows peers read from here (replicas are synced instead),
         # each peer's rows unique and already summed there: added to this rank's sums, no second sort
+        if kern is not None and mod.optimizer is not None:  # the C++ kernel: merge and update in one call
+            lists = [(rows_l, g_l, None, mod.num_owned)]
+            lists += [(r.to(dev), gr, None, mod.num_owned) for p, (r, gr) in enumerate(zip(requests, recv))
+                      if p != me and r.numel()]
+            if peer_slots is not None:  # replica rows: every rank's sums in rank order, this rank's included
+                rmap = mod._replica_row_map(dev)
+                lists += [(peer_slots[p].to(dev), peer_g[p], rmap, n) for p in range(W)]
+            mod._kernel_apply(lists)
+            if peer_slots is None and mod.num_slots:
+                mod._sync_and_apply_replicas(slots, rep_g)
+            return torch.zeros_like(mod.anchor), None, None, None
         all_own = bool(own_l.all())
         rows_o = rows_l if all_own else rows_l[own_l]
         g_o = g_l if all_own else g_l[own_l]
@@ -883,29 +975,44 @@ class _Retrieve(torch.autograd.Function):
         return torch.zeros_like(mod.anchor), None, None, None
 
 
-def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int):
+def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int, ops=None):
     """Decode a batch's global ids on rank ``me`` and deduplicate the values read from other ranks (OPER 5.1):
     ``(code, key, remote, ridx, runiq, rinv, per_rank)``: packed codes, the codes without the replica bit,
     which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
-    rows are one block), each remote value's index among them, and how many rows come from each rank."""
-    code = tm.codes(gids)
-    key = code & tm.KEY_MASK
-    remote = (key >> tm.SHIFT) != me
-    ridx = remote.nonzero().squeeze(1)
-    runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
+    rows are one block), each remote value's index among them, and how many rows come from each rank.
+    With ``ops`` (the C++ kernel; CPU ids) the codes, keys and remote values come from one pass."""
+    if ops is not None and gids.device.type == "cpu" and gids.dtype == torch.int64:
+        n = gids.numel()
+        code, key = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
+        remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
+        ridx = ridx[:ops.sharded_remote_split(gids.contiguous(), tm.row_code, tm.SHIFT, tm.KEY_MASK, me, code, key,
+                                              remote, ridx)]
+        runiq, rinv = ops.sharded_remote_unique(key, ridx)  # hashed, then the unique keys sorted: the same
+    else:
+        code = tm.codes(gids)
+        key = code & tm.KEY_MASK
+        remote = (key >> tm.SHIFT) != me
+        ridx = remote.nonzero().squeeze(1)
+        runiq, rinv = torch.unique(key.index_select(0, ridx), sorted=True, return_inverse=True)
     return code, key, remote, ridx, runiq, rinv, _split_by_rank(runiq >> tm.SHIFT, W)
 
 
 def pool_local_and_fetched(table: torch.Tensor, fetch_base: int, key: torch.Tensor, ridx: torch.Tensor,
                            rinv: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Tensor, B: int,
-                           one_hot: bool, *, off_mask: int):
+                           one_hot: bool, *, off_mask: int, ops=None):
     """One ``embedding_bag`` over ``table`` (the storage, then the fetched rows from row ``fetch_base``):
     local values read their storage row, remote ones their fetched row; bags pooled sample-major so the
     output is ``[B * F, D]`` = ``[B, F * D]``. ``key`` and ``rinv`` are overwritten. Returns ``(out, pos,
-    bag_s)``: each value's table row and its sample-major bag, in the original value order (for backward)."""
+    bag_s)``: each value's table row and its sample-major bag, in the original value order (for backward).
+    With ``ops`` (the C++ kernel, ``kernels.fused_ops()``; float32 CPU table) the kernel pools the
+    feature-major values straight into the sample-major output, the same bits, and ``bag_s`` is ``None``."""
     dev = table.device
     pos = key.bitwise_and_(off_mask)  # storage row of local values (the map's OFF_MASK) ...
     pos.index_copy_(0, ridx, rinv.add_(fetch_base))  # ... fetch-area row of remote ones
+    if ops is not None and B:
+        out = ops.fused_pooled_forward(table, pos, offsets, None if scale is None else scale.contiguous(), B,
+                                       (offsets.numel() - 1) // B, False)
+        return out, pos, None
     pos_s, scale_s, offsets_s, bag_s = sample_major(pos, scale, bag, offsets, B, one_hot)
     out = F.embedding_bag(pos_s.to(dev), table, offsets_s.to(dev), mode="sum", include_last_offset=True,
                           per_sample_weights=None if scale_s is None else scale_s.to(device=dev, dtype=table.dtype))
@@ -935,12 +1042,17 @@ def sample_major(pos: torch.Tensor, scale, bag: torch.Tensor, offsets: torch.Ten
 def _touched_replicas(mod: ShardedEmbedding, key: torch.Tensor, remote: torch.Tensor, r_slot) -> torch.Tensor:
     """Replica slots a batch reads: the held replica rows its local values read (ascending storage row),
     then the replicas it fetched (request order), the order backward lists their gradients in."""
-    off = key & mod.tmap.OFF_MASK
     held = int(mod.weight.shape[0]) - mod.num_owned
-    sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
-    flag = torch.zeros(held, dtype=torch.bool, device=key.device)
-    flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
-    out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
+    ops = mod._kernel_ops()
+    if ops is not None and key.device.type == "cpu":  # one pass, a flag per held replica
+        out = [ops.sharded_local_replicas(key, remote, mod.num_owned, mod.tmap.OFF_MASK,
+                                          mod._region_slot[:held].contiguous())]
+    else:
+        off = key & mod.tmap.OFF_MASK
+        sel = ((~remote) & (off >= mod.num_owned)).nonzero().squeeze(1)
+        flag = torch.zeros(held, dtype=torch.bool, device=key.device)
+        flag.index_fill_(0, off.index_select(0, sel) - mod.num_owned, True)
+        out = [mod._region_slot.index_select(0, flag.nonzero().squeeze(1))]
     if r_slot is not None:
         out.append(r_slot[r_slot >= 0])
     return torch.cat(out)
