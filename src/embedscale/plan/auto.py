@@ -96,7 +96,8 @@ class Costs:
             owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
             their loader threads sharing the cores): fitted by ``embedscale calibrate --ranks N`` from N-rank
             steps of plans of each form (:func:`embedscale.plan.step.fit_executor_overheads`); empty = not
-            measured (0). Any sign: a fit on a noisy machine may give a form a negative share.
+            measured (0); never negative (the fit's non-negative least squares; a costs file with a negative one
+            is an error).
         source: ``measured`` or ``default``; notes: what the calibration ran.
     """
 
@@ -175,8 +176,8 @@ class Costs:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: executor_overhead_s / executor_world: {e}") from None
         bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host"})
-        if bad or any(not math.isfinite(v) for v in out.executor_overhead_s.values()):
-            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host to finite seconds, got "
+        if bad or any(not (math.isfinite(v) and v >= 0) for v in out.executor_overhead_s.values()):
+            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host to seconds >= 0, got "
                               f"{out.executor_overhead_s}")
         if out.executor_world < 0 or (out.executor_overhead_s and out.executor_world < 2):
             raise ConfigError(f"{where}: executor_world must be the ranks the executor overheads were measured on "

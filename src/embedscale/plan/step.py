@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto import Candidate, Costs, TableStats, candidates
@@ -234,9 +235,13 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
 
     ``runs``: one entry per plan timed, ``{"tables": {kind: count}, "measured_s": s, "predicted_s": s}`` with
     ``predicted_s`` this module's prediction of that plan *without* executor overheads. The residual of a plan
-    is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`); least squares over
-    the plans (exact with one plan per kind and as many plans as kinds) gives the overheads. A kind no plan
-    holds is left out (not measured). numpy only."""
+    is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`); non-negative least
+    squares over the plans (exact with one plan per kind, as many plans as kinds and residuals that allow it)
+    gives the overheads. Non-negative: they are work the executor adds. A negative residual says the
+    single-process figures overestimate this machine as it is (a load that fell between the two timings), not
+    that a form's executor saves time; a negative overhead would also be a gain the search could take once per
+    table of that form (a fit on a shared machine once gave host tables -21 ms each, and the search put 22
+    tables on the host for a predicted step below zero). A kind no plan holds is left out (not measured)."""
     runs = list(runs)
     kinds = [k for k in ("sharded", "tt", "host") if any(int(r["tables"].get(k, 0)) for r in runs)]
     if not runs or not kinds:
@@ -245,5 +250,5 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
     y = np.array([float(r["measured_s"]) - float(r["predicted_s"]) for r in runs])
     if np.linalg.matrix_rank(a) < len(kinds):
         raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
-    x, *_ = np.linalg.lstsq(a, y, rcond=None)
+    x, _ = nnls(a, y)
     return {k: float(v) for k, v in zip(kinds, x)}
