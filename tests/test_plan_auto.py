@@ -30,7 +30,7 @@ from embedscale.pipeline.cache import LifeCycleCache
 from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, candidates, load_costs, parse_bytes,
                                   search_greedy, search_milp, tt_core_bytes)
 from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
-from embedscale.plan.step import DenseModel, fit_executor_overheads, form_counts, predict_forms
+from embedscale.plan.step import DenseModel, fit_executor, fit_executor_overheads, form_counts, predict_forms
 from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
 from embedscale.plan.mrc import MissRatioCurve
 from embedscale.plan.plan import Plan
@@ -353,6 +353,12 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
     synth = [{"tables": r["tables"], "predicted_s": r["predicted_s"],
               "measured_s": r["predicted_s"] + sum(n * known[k] for k, n in r["tables"].items())} for r in runs]
     assert fit_executor_overheads(synth) == pytest.approx(known, rel=1e-9)
+    # the scale first: steps measured at 0.55x every prediction are the costs' figures scaled, no overhead
+    scale, none = fit_executor([{**r, "measured_s": 0.55 * r["predicted_s"]} for r in runs])
+    assert scale == pytest.approx(0.55) and none == pytest.approx({"sharded": 0, "tt": 0, "host": 0}, abs=1e-12)
+    for k, f in plans.items():  # every term of the model is linear in the figures Costs.scaled scales
+        assert predict_forms(st, f, dense, 32, 2, costs.scaled(0.55))["step_seconds"] == pytest.approx(
+            0.55 * predict_forms(st, f, dense, 32, 2, costs)["step_seconds"], rel=1e-12)
     # never negative: a plan measured below its prediction gives its form no gain the search could take per table
     lower = [{**r, "measured_s": r["predicted_s"] - 4e-3} if r["tables"]["host"] else r for r in synth]
     got = fit_executor_overheads(lower)
@@ -377,7 +383,8 @@ def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(t
     for k, run in runs.items():
         p = predict_plan_forms(tables, tmp_path / "profile", Topology(ranks_per_host=2), plan_forms(tables, k, 3, 4, 2),
                                costs=c, batch_size=32, dense=DenseModel(num_features=26, embedding_dim=4), host_depth=2)
-        want = run["predicted_s"] + sum(n * c.executor_overhead_s[f] for f, n in run["tables"].items())
+        want = c.notes["executor"]["scale"] * run["predicted_s"] + sum(n * c.executor_overhead_s[f]
+                                                                      for f, n in run["tables"].items())
         assert p["step_seconds"] == pytest.approx(want, rel=1e-6)
         if min(c.executor_overhead_s.values()) > 0:
             assert p["step_seconds"] == pytest.approx(run["measured_s"], rel=1e-6)

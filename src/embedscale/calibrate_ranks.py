@@ -15,8 +15,10 @@ their timer: train steps only) under three plans made by ``embedscale plan``:
 
 ``repeats`` rounds in turns (every plan sees the same load), ``steps`` steps each; a plan's measured step is
 its median. Each plan is predicted by :func:`embedscale.plan.autoplan.predict_plan_forms` with the
-single-process ``costs`` measured in the same command, and :func:`embedscale.plan.step.fit_executor_overheads`
-solves the three residuals for seconds per table and step of each form kind (``Costs.executor_overhead_s``,
+single-process ``costs`` measured in the same command, and :func:`embedscale.plan.step.fit_executor` fits
+first one scale of the whole prediction (the single-process figures saw one process's share of a shared
+machine, the N ranks get N shares; the costs' time figures are scaled by it, :meth:`Costs.scaled`), then the
+residuals as non-negative seconds per table and step of each form kind (``Costs.executor_overhead_s``,
 ``executor_world = N``). The planner adds them to every candidate on several ranks (the search weighs them) and
 the predicted step reports them as its ``executor`` part. The fit also absorbs whatever bias the
 single-process figures of the same command carry on the machine as it is (the overheads are differences),
@@ -47,7 +49,7 @@ from embedscale.plan.api import plan_command
 from embedscale.plan.auto import Costs
 from embedscale.plan.autoplan import predict_plan_forms
 from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
-from embedscale.plan.step import DenseModel, form_counts, fit_executor_overheads
+from embedscale.plan.step import DenseModel, fit_executor, form_counts
 from embedscale.specs import SyntheticConfig, Topology
 
 PLANS = ("sharded", "tt", "host")  # the plans timed, one per form kind
@@ -144,13 +146,14 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
         runs[k] = {"tables": form_counts(list(p["forms"].values())),
                    "measured_s": float(np.median([global_batch / v for v in sps[k]])),
                    "predicted_s": float(p["step_seconds"]), "steps_s": [global_batch / v for v in sps[k]]}
-    over = fit_executor_overheads(list(runs.values()))
-    out = Costs(**{**base.__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
+    scale, over = fit_executor(list(runs.values()))
+    out = Costs(**{**base.scaled(scale).__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
                    "notes": {**costs.notes, "executor": {
+                       "scale": scale, "single_process_costs": {k: v for k, v in base.to_dict().items() if k != "notes"},
                        "ranks": ranks, "batch_per_rank": batch, "rows_cap": rows, "steps": steps, "repeats": repeats,
                        "tt_rank": tt_rank, "host_depth": host_depth, "big_tables": big, "plans": runs,
                        "statistic": "median over rounds of the loop's train-step timer (train_samples_per_s)",
                        "load_average": load, "seconds": time.perf_counter() - t0}}})
-    say(f"calibrate --ranks {ranks}: executor overhead per table and step: "
+    say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items()))
     return out

@@ -115,6 +115,19 @@ class Costs:
     source: str = "default"
     notes: dict = field(default_factory=dict)
 
+    def scaled(self, s: float) -> "Costs":
+        """These costs with every time figure multiplied by ``s`` (rates and bandwidths divided by it; the
+        executor overheads, fitted after scaling, kept): every term of the cost model is linear in them, so every
+        prediction, without executor overheads, is ``s`` times this one's."""
+        if not (s > 0 and math.isfinite(s)):
+            raise ConfigError(f"costs: scale must be a positive number, got {s}")
+        return Costs(**{**self.__dict__, "exact_lookup_s": self.exact_lookup_s * s,
+                        "tt_lookup_s": {r: v * s for r, v in self.tt_lookup_s.items()},
+                        "host_row_s": self.host_row_s * s, "link_bandwidth_gbs": self.link_bandwidth_gbs / s,
+                        "link_latency_us": self.link_latency_us * s, "allreduce_gbs": self.allreduce_gbs / s,
+                        "dense_flops_per_s": self.dense_flops_per_s / s, "step_overhead_s": self.step_overhead_s * s,
+                        "table_overhead_s": self.table_overhead_s * s, "notes": dict(self.notes)})
+
     def executor_overhead(self, label: str, world: int) -> float:
         """Seconds per step a table of candidate ``label`` (``sharded``, ``replicated``, ``tt-R``, ``host-k``)
         costs the distributed executor beyond the single-process costs above (``executor_overhead_s`` by form

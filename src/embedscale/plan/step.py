@@ -26,8 +26,9 @@ The last term is the distributed executor's own work that a single-process calib
 ids by owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and their
 loader threads sharing the cores): ``embedscale calibrate --ranks N`` times real N-rank training steps of a plan
 of every form (all tables sharded; the largest ones TT; the largest ones on the host) and
-:func:`fit_executor_overheads` solves the plans' residuals against this module's prediction for seconds per
-table and step of each form (``Costs.executor_overhead_s``). It is part of every candidate's seconds
+:func:`fit_executor` fits one scale of this module's prediction (the figures of one calibration process
+against N ranks' share of a shared machine; applied to the costs' figures, :meth:`Costs.scaled`) and the
+plans' remaining residuals as seconds per table and step of each form (``Costs.executor_overhead_s``, >= 0). It is part of every candidate's seconds
 (:func:`embedscale.plan.auto.candidates`), so the auto search weighs it too.
 
 :func:`predict_forms` costs any assignment of forms (a hand-made plan's: EL-Rec's rule, a mixture of rules)
@@ -252,3 +253,24 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
         raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
     x, _ = nnls(a, y)
     return {k: float(v) for k, v in zip(kinds, x)}
+
+
+def fit_executor(runs: Sequence[Mapping[str, Any]]) -> tuple[float, dict[str, float]]:
+    """The scale of the single-process prediction and the executor's overheads per table of each form kind, from
+    real N-rank steps of plans (``runs`` as :func:`fit_executor_overheads` reads them).
+
+    Measured on a shared machine, the single-process figures and the ranks' steps see different shares of the
+    cores: N rank processes get N shares where one calibration process got one, and the load moves between the
+    two timings (at load 11 the single-process figures predicted 0.53-0.57x of every plan's measured 2-rank step,
+    all three forms alike). So first the scale ``s`` of the whole prediction, least squares through the origin
+    over the plans (``s = sum m p / sum p^2``), then the per-form overheads (:func:`fit_executor_overheads`, non
+    negative) of the residuals ``m - s p``: what a form costs beyond the common scale. The scale is applied to
+    the time figures themselves (:meth:`Costs.scaled`: every term of the model is linear in them), so the search,
+    which a common scale does not change, and the prediction read one set of figures."""
+    runs = list(runs)
+    p = np.array([float(r["predicted_s"]) for r in runs])
+    m = np.array([float(r["measured_s"]) for r in runs])
+    if not runs or not np.all(p > 0) or not np.all(m > 0):
+        raise ConfigError(f"fit_executor: positive predicted and measured steps needed, got {p.tolist()} / {m.tolist()}")
+    scale = float(m @ p / (p @ p))
+    return scale, fit_executor_overheads([{**r, "predicted_s": scale * float(r["predicted_s"])} for r in runs])
