@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from _plan_common import emit, log
+from embedscale.calibrate_ranks import refit
 from embedscale.data.profile import AccessProfile
 from embedscale.plan.api import resolve_profile
 from embedscale.plan.auto import Costs, load_costs, parse_bytes
@@ -163,6 +164,28 @@ def ask_torchrec_uvm(tables, profile_dir: Path, batch: int, hbm: int, ddr: int) 
     return {"answer": "plan", "tables": {k: [v.sharding_type, v.compute_kernel] for k, v in per.items()}}
 
 
+def predict_only(result: Path, work: Path, plans, tables, topo, dense, costs, per_rank: int, depth: int) -> None:
+    """The plans of an earlier run predicted by ``costs`` fitted again (:func:`embedscale.calibrate_ranks.refit`)
+    against that run's measured steps; one JSON line."""
+    old = json.loads(result.read_text().strip().splitlines()[-1])
+    rc = refit(costs)
+    pred = {name: predict_plan_forms(tables, work / "profile", topo, Plan.load(work / d).forms, costs=rc,
+                                     batch_size=per_rank, dense=dense, host_depth=depth)
+            for name, d in plans.items()}
+    measured = old["measured_step_s"]
+    err = {k: pred[k]["step_seconds"] / measured[k] - 1 for k in measured}
+    log("refit: scale %.3f, overheads %s" % (rc.notes["executor"]["scale"], rc.executor_overhead_s))
+    for k in measured:
+        log(f"{k}: predicted {pred[k]['step_seconds'] * 1e3:.1f} ms, measured {measured[k] * 1e3:.1f} ms, "
+            f"error {err[k]:+.1%}")
+    print(json.dumps({"benchmark": "plan_auto_full_2ranks_prediction", "result_of": str(result),
+                      "scale": rc.notes["executor"]["scale"], "executor_overhead_s": rc.executor_overhead_s,
+                      "predicted_step_s": {k: v["step_seconds"] for k, v in pred.items()},
+                      "measured_step_s": measured, "prediction_error": err,
+                      "within_20pct": {k: abs(v) <= 0.2 for k, v in err.items()},
+                      "parts": {k: v["parts"] for k, v in pred.items()}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/bench_auto_full")
@@ -182,6 +205,10 @@ def main() -> None:
     ap.add_argument("--rank-repeats", type=int, default=2, help="calibrate --ranks 2: rounds of its three plans.")
     ap.add_argument("--torchrec-only", action="store_true", help="Plan and ask TorchRec; train nothing.")
     ap.add_argument("--plans", default="", help="Comma-separated subset of plans to train (default: all).")
+    ap.add_argument("--predict-only", default=None,
+                    help="A result line of an earlier run (JSON file): train nothing; predict its plans with "
+                         "WORK/costs.json fitted again by the current model (calibrate_ranks.refit) and compare "
+                         "with that run's measured steps.")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -227,6 +254,8 @@ def main() -> None:
         plans[name] = f"{d.name}/oper"
     topo = Topology(num_hosts=1, ranks_per_host=2)
     dense = DenseModel(num_features=len(tables), embedding_dim=16)
+    if args.predict_only:
+        return predict_only(Path(args.predict_only), work, plans, tables, topo, dense, costs, per_rank, args.depth)
     predicted, predicted_single, forms_of, mem = {}, {}, {}, {}
     for name, d in plans.items():
         plan = Plan.load(work / d)

@@ -23,7 +23,7 @@ import torch
 
 from embedscale import workflow
 from embedscale.calibrate import calibrate
-from embedscale.calibrate_ranks import calibrate_ranks, plan_forms
+from embedscale.calibrate_ranks import calibrate_ranks, plan_forms, refit
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
@@ -359,6 +359,12 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
     for k, f in plans.items():  # every term of the model is linear in the figures Costs.scaled scales
         assert predict_forms(st, f, dense, 32, 2, costs.scaled(0.55))["step_seconds"] == pytest.approx(
             0.55 * predict_forms(st, f, dense, 32, 2, costs)["step_seconds"], rel=1e-12)
+    # a recorded calibration read again by the model (calibrate_ranks.refit): the same fit from its notes
+    rec = Costs(**{**costs.__dict__, "notes": {"executor": {"ranks": 2, "plans": {
+        k: {**r, "measured_s": 0.55 * r["predicted_s"]} for k, r in zip(plans, runs)}}}})
+    again = refit(rec)
+    assert again.notes["executor"]["scale"] == pytest.approx(0.55) and again.executor_world == 2
+    assert again.exact_lookup_s == pytest.approx(0.55 * costs.exact_lookup_s)
     # never negative: a plan measured below its prediction gives its form no gain the search could take per table
     lower = [{**r, "measured_s": r["predicted_s"] - 4e-3} if r["tables"]["host"] else r for r in synth]
     got = fit_executor_overheads(lower)

@@ -157,3 +157,20 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
     say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items()))
     return out
+
+
+def refit(costs: Costs) -> Costs:
+    """``costs`` of ``calibrate --ranks`` fitted again, by the current :func:`~embedscale.plan.step.fit_executor`,
+    from the timings it recorded (``notes["executor"]["plans"]``: each plan's measured step and its prediction by
+    the single-process figures, ``notes["executor"]["single_process_costs"]`` or, in a file written before that
+    note, the file's own figures): a recorded calibration read by a newer model without timing anything again."""
+    ex = costs.notes.get("executor") or {}
+    if not ex.get("plans"):
+        raise ConfigError("refit: these costs hold no recorded N-rank timings (calibrate --ranks)")
+    single = ex.get("single_process_costs")
+    base = (Costs.from_dict({**single, "format": costs.to_dict()["format"]}, "single_process_costs") if single
+            else Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0}))
+    scale, over = fit_executor(list(ex["plans"].values()))
+    return Costs(**{**base.scaled(scale).__dict__, "executor_overhead_s": over, "executor_world": int(ex["ranks"]),
+                    "source": costs.source, "notes": {**costs.notes, "executor": {**ex, "scale": scale,
+                                                                                   "refit": True}}})
