@@ -45,9 +45,9 @@ import numpy as np
 from embedscale.data.profile import AccessProfile
 from embedscale.data.synthetic import generate_dataset
 from embedscale.errors import ConfigError, EmbedscaleError
-from embedscale.plan.api import plan_command
 from embedscale.plan.auto import Costs
-from embedscale.plan.autoplan import predict_plan_forms
+from embedscale.plan.api import plan_command, resolve_topology
+from embedscale.plan.autoplan import predict_plan_forms, with_topology_links
 from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
 from embedscale.plan.step import DenseModel, fit_executor, form_counts
 from embedscale.specs import SyntheticConfig, Topology
@@ -139,6 +139,8 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
             say(f"  {k} round {i}: {global_batch / sps[k][-1] * 1e3:.1f} ms/step")
         load.append(list(os.getloadavg()))
     base = Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0})
+    if not base.notes.get("links_measured"):  # the topology's links, so that the scale applies to them too
+        base = with_topology_links(base, resolve_topology(topo))
     runs = {}
     for k in PLANS:
         p = predict_plan_forms(tables, work / "profile", topo, forms[k], costs=base, batch_size=batch, dense=dense,
@@ -147,8 +149,9 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                    "measured_s": float(np.median([global_batch / v for v in sps[k]])),
                    "predicted_s": float(p["step_seconds"]), "steps_s": [global_batch / v for v in sps[k]]}
     scale, over = fit_executor(list(runs.values()))
-    out = Costs(**{**base.scaled(scale).__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
-                   "notes": {**costs.notes, "executor": {
+    scaled = base.scaled(scale)
+    out = Costs(**{**scaled.__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
+                   "notes": {**scaled.notes, "executor": {
                        "scale": scale, "single_process_costs": {k: v for k, v in base.to_dict().items() if k != "notes"},
                        "ranks": ranks, "batch_per_rank": batch, "rows_cap": rows, "steps": steps, "repeats": repeats,
                        "tt_rank": tt_rank, "host_depth": host_depth, "big_tables": big, "plans": runs,
@@ -170,7 +173,10 @@ def refit(costs: Costs) -> Costs:
     single = ex.get("single_process_costs")
     base = (Costs.from_dict({**single, "format": costs.to_dict()["format"]}, "single_process_costs") if single
             else Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0}))
+    if not (base.notes.get("links_measured") or base.notes.get("links_from")):
+        base = with_topology_links(base, resolve_topology(Topology(num_hosts=1, ranks_per_host=int(ex["ranks"]))))
     scale, over = fit_executor(list(ex["plans"].values()))
-    return Costs(**{**base.scaled(scale).__dict__, "executor_overhead_s": over, "executor_world": int(ex["ranks"]),
-                    "source": costs.source, "notes": {**costs.notes, "executor": {**ex, "scale": scale,
-                                                                                   "refit": True}}})
+    scaled = base.scaled(scale)
+    return Costs(**{**scaled.__dict__, "executor_overhead_s": over, "executor_world": int(ex["ranks"]),
+                    "source": costs.source, "notes": {**costs.notes, **scaled.notes,
+                                                      "executor": {**ex, "scale": scale, "refit": True}}})

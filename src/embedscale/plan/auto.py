@@ -118,7 +118,9 @@ class Costs:
     def scaled(self, s: float) -> "Costs":
         """These costs with every time figure multiplied by ``s`` (rates and bandwidths divided by it; the
         executor overheads, fitted after scaling, kept): every term of the cost model is linear in them, so every
-        prediction, without executor overheads, is ``s`` times this one's."""
+        prediction, without executor overheads, is ``s`` times this one's. The link figures are scaled too and
+        then kept by the planner (``notes["links_scaled"]``): give costs whose links are not measured the
+        topology's first (``plan.autoplan.with_topology_links``)."""
         if not (s > 0 and math.isfinite(s)):
             raise ConfigError(f"costs: scale must be a positive number, got {s}")
         return Costs(**{**self.__dict__, "exact_lookup_s": self.exact_lookup_s * s,
@@ -126,7 +128,8 @@ class Costs:
                         "host_row_s": self.host_row_s * s, "link_bandwidth_gbs": self.link_bandwidth_gbs / s,
                         "link_latency_us": self.link_latency_us * s, "allreduce_gbs": self.allreduce_gbs / s,
                         "dense_flops_per_s": self.dense_flops_per_s / s, "step_overhead_s": self.step_overhead_s * s,
-                        "table_overhead_s": self.table_overhead_s * s, "notes": dict(self.notes)})
+                        "table_overhead_s": self.table_overhead_s * s,
+                        "notes": {**self.notes, "links_scaled": True}})
 
     def executor_overhead(self, label: str, world: int) -> float:
         """Seconds per step a table of candidate ``label`` (``sharded``, ``replicated``, ``tt-R``, ``host-k``)
