@@ -13,7 +13,9 @@ Costs are the documented defaults (``embedscale calibrate`` measures them on a m
 ``--train DIR``: a small training comparison instead (2 gloo ranks, synthetic criteo-kaggle capped at 200k rows
 per table, dim 16): the auto plan under 16 MiB device / 64 MiB host per rank (calibrated costs) against the
 hand-made EL-Rec rule of today (tables of at least 100k rows TT rank 32, the rest placed by oper), trained in turns
-(A B A B A B); prints train samples/s of both, and auto's predicted embedding step against the measured step.
+(A B A B A B); prints train samples/s of both, and both plans' predicted steps (costs of ``embedscale calibrate
+--ranks 2``: single-process costs and the executor's overheads per form from real 2-rank steps) against the
+measured steps.
 """
 
 import argparse
@@ -27,9 +29,13 @@ from pathlib import Path
 import numpy as np
 
 from _plan_common import emit, log, peak_rss_gib
+from embedscale.data.profile import AccessProfile
 from embedscale.plan.api import make_plan
-from embedscale.plan.auto import parse_bytes
-from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.auto import load_costs, parse_bytes
+from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
+from embedscale.plan.forms import tables_from_profile
+from embedscale.plan.plan import Plan
+from embedscale.plan.step import DenseModel
 from embedscale.plan.synthetic_profile import ZipfProfile
 from embedscale.specs import TableSpec, Topology
 
@@ -98,8 +104,8 @@ def train_comparison(work: Path, steps: int, repeats: int = 3) -> None:
     if not (work / "profile").exists():
         _es("profile", "data", "--out", "profile", cwd=work)
     if not (work / "costs.json").exists():
-        _es("calibrate", "--rows", "200000", "--batch", str(batch // 2), "--tt-ranks", "8,16,32", "--out", "costs.json",
-            cwd=work)
+        _es("calibrate", "--rows", "200000", "--batch", str(batch // 2), "--tt-ranks", "8,16,32", "--ranks", "2",
+            "--rank-steps", str(steps), "--work", "calibrate-ranks", "--out", "costs.json", cwd=work)
     _es("plan", "--profile", "profile", "--strategy", "auto", "--device-memory", "16MiB", "--host-memory", "64MiB",
         "--hot-touch", "1", "--tt-ranks", "8,16,32", "--costs", "costs.json", "--batch-size", str(batch // 2),
         "--out", "plans-auto", cwd=work)
@@ -107,6 +113,13 @@ def train_comparison(work: Path, steps: int, repeats: int = 3) -> None:
         "--batch-size", str(batch // 2), "--out", "plans-elrec", "--json", cwd=work)
     explain = json.loads((work / "plans-auto" / "auto" / "explain.json").read_text())
     plans = {"auto": "plans-auto/auto", "elrec_rule": "plans-elrec/oper"}
+    tables = tables_from_profile(AccessProfile.load(work / "profile"), 16)
+    costs = load_costs(work / "costs.json")
+    predicted = {name: predict_plan_forms(tables, work / "profile", Topology(num_hosts=1, ranks_per_host=2),
+                                          Plan.load(work / d).forms, costs=costs, batch_size=batch // 2,
+                                          dense=DenseModel(num_features=len(tables), embedding_dim=16))["step_seconds"]
+                 for name, d in plans.items()}
+    predicted["auto"] = explain["predicted_step_seconds"]
     sps: dict[str, list[float]] = {k: [] for k in plans}
     load0 = os.getloadavg()
     for rep in range(repeats):
@@ -121,7 +134,7 @@ def train_comparison(work: Path, steps: int, repeats: int = 3) -> None:
             sps[name].append(float(s["train_samples_per_s"]))
             log(f"{name} run {rep}: {s['train_samples_per_s']:.0f} samples/s")
     a, b = float(np.median(sps["auto"])), float(np.median(sps["elrec_rule"]))
-    measured_step = batch / a
+    measured = {k: batch / float(np.median(v)) for k, v in sps.items()}
     forms = {}
     for e in explain["tables"]:
         forms[e["chosen"]["form"]] = forms.get(e["chosen"]["form"], 0) + 1
@@ -129,7 +142,9 @@ def train_comparison(work: Path, steps: int, repeats: int = 3) -> None:
          {"data": "synthetic criteo-kaggle, tables capped at 200k rows, dim 16", "ranks": 2, "batch": batch,
           "steps": steps, "auto_budget": "16MiB device / 64MiB host per rank", "hand_plan": "tt-min-rows 100000 rank 32 + oper"},
          auto_runs=sps["auto"], elrec_rule_runs=sps["elrec_rule"], auto_forms=forms,
-         predicted_embedding_step_s=explain["predicted_step_seconds"], measured_step_s=measured_step,
+         predicted_step_s=predicted, measured_step_s=measured,
+         prediction_error={k: predicted[k] / measured[k] - 1 for k in measured},
+         executor_overhead_s=costs.executor_overhead_s,
          load_average_before=load0, load_average_after=os.getloadavg())
 
 

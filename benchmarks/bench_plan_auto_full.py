@@ -7,8 +7,9 @@
 1.1 GB of rows and state per rank if sharded exact), DLRM of the default sizes, device budget 256 MiB and host
 budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the same profile:
 
-* ``auto``: ``--strategy auto`` with costs measured by ``embedscale calibrate`` in this run (at the per-rank
-  batch, one thread as each rank runs, links measured on 2 local ranks);
+* ``auto``: ``--strategy auto`` with costs measured by ``embedscale calibrate --ranks 2`` in this run (at the
+  per-rank batch, one thread as each rank runs, links measured on 2 local ranks, and the distributed executor's
+  overhead per table of each form fitted from real 2-rank steps of a sharded, a TT and a host plan);
 * ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper);
 * ``mix_tt3_host2`` / ``mix_tt4_host1``: the mixtures of the two rules a user would try: the largest tables
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
@@ -21,11 +22,13 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
 Every plan is trained ``--steps`` steps ``--repeats`` times, in turns (A B C D A B C D ...), and its measured
 step (global batch / train samples per second; the loop's timer covers the train steps only) is compared with
 the step the planner's cost model predicts for it (``plan.autoplan.predict_plan_forms``, the model the auto
-search optimises). The machine is shared and its load moves by several times within minutes, so the costs are
-measured again just before every run (``--calibrate-procs`` ``embedscale calibrate`` processes at once, their
-figures averaged; 1 by default) and the run is predicted with them: ``prediction_error`` is the median of a plan's
-predictions against its median measured step, ``prediction_error_each_run`` run by run
-(``prediction_error_setup_costs``: with the costs measured once, before planning). Prints one JSON
+search optimises), with the costs measured once, before planning (``prediction_error_setup_costs``: the
+prediction against the median measured step; ``prediction_error_without_executor``: the same costs without
+the executor overheads, i.e. what a single-process calibration predicts). With ``--recalibrate`` the
+single-process costs are also measured again just before every run (``--calibrate-procs`` processes at once,
+their figures averaged) and the run predicted with them and the setup's executor overheads
+(``prediction_error``: the median of a plan's predictions against its median measured step,
+``prediction_error_each_run`` run by run). Prints one JSON
 line: figure = auto's train samples/s (median), baseline = the best hand-made plan's, ratio, and per plan the
 runs, the predicted and measured step and the prediction's error; the load average before and after.
 """
@@ -42,9 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from _plan_common import emit, log
+from embedscale.calibrate_ranks import refit
 from embedscale.data.profile import AccessProfile
 from embedscale.plan.api import resolve_profile
-from embedscale.plan.auto import load_costs, parse_bytes
+from embedscale.plan.auto import Costs, load_costs, parse_bytes
 from embedscale.plan.autoplan import predict_plan_forms
 from embedscale.plan.forms import host_pipeline_depth, table_profile, tables_from_profile
 from embedscale.plan.plan import Plan
@@ -104,6 +108,8 @@ def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path
     merged["tt_lookup_s"] = {r: float(np.mean([q["tt_lookup_s"][r] for q in parts])) for r in parts[0]["tt_lookup_s"]}
     for k in ("link_bandwidth_gbs", "link_latency_us", "allreduce_gbs"):
         merged[k] = links[k]
+    for k in ("executor_overhead_s", "executor_world"):  # the 2-rank fit of the setup calibration
+        merged[k] = links.get(k, merged.get(k))
     merged["notes"] = {**parts[0]["notes"], "links_measured": bool(links["notes"].get("links_measured")),
                        "concurrent_processes": n, "processes": [q["notes"] for q in parts]}
     (work / f"{out}.json").write_text(json.dumps(merged))
@@ -158,6 +164,28 @@ def ask_torchrec_uvm(tables, profile_dir: Path, batch: int, hbm: int, ddr: int) 
     return {"answer": "plan", "tables": {k: [v.sharding_type, v.compute_kernel] for k, v in per.items()}}
 
 
+def predict_only(result: Path, work: Path, plans, tables, topo, dense, costs, per_rank: int, depth: int) -> None:
+    """The plans of an earlier run predicted by ``costs`` fitted again (:func:`embedscale.calibrate_ranks.refit`)
+    against that run's measured steps; one JSON line."""
+    old = json.loads(result.read_text().strip().splitlines()[-1])
+    rc = refit(costs)
+    pred = {name: predict_plan_forms(tables, work / "profile", topo, Plan.load(work / d).forms, costs=rc,
+                                     batch_size=per_rank, dense=dense, host_depth=depth)
+            for name, d in plans.items()}
+    measured = old["measured_step_s"]
+    err = {k: pred[k]["step_seconds"] / measured[k] - 1 for k in measured}
+    log("refit: scale %.3f, overheads %s" % (rc.notes["executor"]["scale"], rc.executor_overhead_s))
+    for k in measured:
+        log(f"{k}: predicted {pred[k]['step_seconds'] * 1e3:.1f} ms, measured {measured[k] * 1e3:.1f} ms, "
+            f"error {err[k]:+.1%}")
+    print(json.dumps({"benchmark": "plan_auto_full_2ranks_prediction", "result_of": str(result),
+                      "scale": rc.notes["executor"]["scale"], "executor_overhead_s": rc.executor_overhead_s,
+                      "predicted_step_s": {k: v["step_seconds"] for k, v in pred.items()},
+                      "measured_step_s": measured, "prediction_error": err,
+                      "within_20pct": {k: abs(v) <= 0.2 for k, v in err.items()},
+                      "parts": {k: v["parts"] for k, v in pred.items()}}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work", default="/tmp/bench_auto_full")
@@ -171,9 +199,16 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=2, help="Pipeline depth of host tables (hand-made plans and auto).")
     ap.add_argument("--mixtures", type=int, default=2)
     ap.add_argument("--calibrate-procs", type=int, default=1,
-                    help="embedscale calibrate processes run at once before every run (their figures averaged).")
+                    help="--recalibrate: embedscale calibrate processes run at once before every run (averaged).")
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="Measure the single-process costs again before every run and predict the run with them.")
+    ap.add_argument("--rank-repeats", type=int, default=2, help="calibrate --ranks 2: rounds of its three plans.")
     ap.add_argument("--torchrec-only", action="store_true", help="Plan and ask TorchRec; train nothing.")
     ap.add_argument("--plans", default="", help="Comma-separated subset of plans to train (default: all).")
+    ap.add_argument("--predict-only", default=None,
+                    help="A result line of an earlier run (JSON file): train nothing; predict its plans with "
+                         "WORK/costs.json fitted again by the current model (calibrate_ranks.refit) and compare "
+                         "with that run's measured steps.")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -189,12 +224,16 @@ def main() -> None:
         _es("profile", "data", "--out", "profile", cwd=work)
     if not (work / "costs.json").exists():
         _es("calibrate", "--rows", "1000000", "--batch", str(per_rank), "--tt-ranks", "8,16,32,64", "--links",
-            "--repeats", "15", "--out", "costs.json", cwd=work)
+            "--repeats", "15", "--ranks", "2", "--rank-steps", str(args.steps), "--rank-repeats",
+            str(args.rank_repeats), "--host-depth", str(args.depth), "--work", "calibrate-ranks", "--out",
+            "costs.json", cwd=work)
     costs = load_costs(work / "costs.json")
+    costs_single = Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0})
     log(f"setup {time.perf_counter() - t0:.0f} s; costs: dense {costs.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
         f"step {costs.step_overhead_s * 1e3:.2f} ms, table {costs.table_overhead_s * 1e6:.0f} us, "
         f"exact {costs.exact_lookup_s * 1e9:.0f} ns, host {costs.host_row_s * 1e9:.0f} ns, "
-        f"link {costs.link_bandwidth_gbs:.2f} GB/s {costs.link_latency_us:.0f} us")
+        f"link {costs.link_bandwidth_gbs:.2f} GB/s {costs.link_latency_us:.0f} us; executor per table "
+        + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.executor_overhead_s.items()))
     common = ["--profile", "profile", "--batch-size", str(per_rank), "--json"]
     plans: dict[str, str] = {}
     if not (work / "plans-auto" / "auto" / "plan.json").exists():
@@ -215,7 +254,9 @@ def main() -> None:
         plans[name] = f"{d.name}/oper"
     topo = Topology(num_hosts=1, ranks_per_host=2)
     dense = DenseModel(num_features=len(tables), embedding_dim=16)
-    predicted, forms_of, mem = {}, {}, {}
+    if args.predict_only:
+        return predict_only(Path(args.predict_only), work, plans, tables, topo, dense, costs, per_rank, args.depth)
+    predicted, predicted_single, forms_of, mem = {}, {}, {}, {}
     for name, d in plans.items():
         plan = Plan.load(work / d)
         forms = plan.forms
@@ -230,7 +271,11 @@ def main() -> None:
                                    dense=dense, host_depth=args.depth)
             predicted[name] = p["step_seconds"]
             mem[name] = {"device_bytes": p["device_bytes"], "host_bytes": p["host_bytes"]}
-        log(f"{name}: predicted step {predicted[name] * 1e3:.1f} ms; forms {forms_of[name]}; "
+        predicted_single[name] = predict_plan_forms(tables, work / "profile", topo, forms, costs=costs_single,
+                                                    batch_size=per_rank, dense=dense,
+                                                    host_depth=args.depth)["step_seconds"]
+        log(f"{name}: predicted step {predicted[name] * 1e3:.1f} ms (without the executor overheads "
+            f"{predicted_single[name] * 1e3:.1f} ms); forms {forms_of[name]}; "
             f"device {mem[name]['device_bytes'] / 2**20:.1f} MiB host {mem[name]['host_bytes'] / 2**20:.1f} MiB")
     torchrec = {f"ddr_{label}": ask_torchrec(tables, work / "profile", per_rank, cap)
                 for label, cap in (("device_budget", dev_b), ("device_plus_host_budget", dev_b + host_b))}
@@ -245,9 +290,10 @@ def main() -> None:
     load_runs = os.getloadavg()
     for rep in range(args.repeats):
         for name in names:
-            # the costs again, just before this run, as the machine's load makes them
-            rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
-                                                   n=args.calibrate_procs))
+            rc = costs
+            if args.recalibrate:  # the costs again, just before this run, as the machine's load makes them
+                rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
+                                                       n=args.calibrate_procs))
             p = predict_plan_forms(tables, work / "profile", topo, Plan.load(work / plans[name]).forms, costs=rc,
                                    batch_size=per_rank, dense=dense, host_depth=args.depth)
             pred_rounds[name].append(p["step_seconds"])
@@ -269,6 +315,7 @@ def main() -> None:
     med = {k: float(np.median(v)) for k, v in sps.items()}
     measured = {k: args.batch / v for k, v in med.items()}
     err = {k: (predicted[k] - measured[k]) / measured[k] for k in med}
+    err_single = {k: (predicted_single[k] - measured[k]) / measured[k] for k in med}
     pred_r = {k: float(np.median(v)) for k, v in pred_rounds.items()}
     err_r = {k: (pred_r[k] - measured[k]) / measured[k] for k in med}
     err_each = {k: [pv / (args.batch / m) - 1 for pv, m in zip(pred_rounds[k], sps[k])] for k in med}
@@ -282,9 +329,10 @@ def main() -> None:
           "steps": args.steps, "budget": f"{args.device_memory} device / {args.host_memory} host per rank",
           "pipeline_depth": args.depth, "model": "DLRM 512-256-64 / 512-256"},
          best_hand_plan=best, runs=sps, median_samples_per_s=med, predicted_step_s=predicted, measured_step_s=measured,
-         prediction_error_setup_costs=err, predicted_step_s_round_costs=pred_rounds,
-         prediction_error=err_r, prediction_error_each_run=err_each,
-         within_20pct={k: abs(v) <= 0.2 for k, v in err_r.items()}, forms=forms_of, memory=mem,
+         prediction_error_setup_costs=err, predicted_step_s_without_executor=predicted_single,
+         prediction_error_without_executor=err_single, predicted_step_s_round_costs=pred_rounds,
+         prediction_error=err_r, prediction_error_each_run=err_each, recalibrated=args.recalibrate,
+         within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
          load_average_after=os.getloadavg())
 

@@ -23,13 +23,14 @@ import torch
 
 from embedscale import workflow
 from embedscale.calibrate import calibrate
+from embedscale.calibrate_ranks import calibrate_ranks, plan_forms, refit
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
-from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, load_costs, parse_bytes, search_greedy,
-                                  search_milp, tt_core_bytes)
+from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, candidates, load_costs, parse_bytes,
+                                  search_greedy, search_milp, tt_core_bytes)
 from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
-from embedscale.plan.step import DenseModel, predict_forms
+from embedscale.plan.step import DenseModel, fit_executor, fit_executor_overheads, form_counts, predict_forms
 from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
 from embedscale.plan.mrc import MissRatioCurve
 from embedscale.plan.plan import Plan
@@ -288,6 +289,111 @@ def test_predicted_step_equals_a_hand_computation_from_the_calibrated_constants(
     # a host form of depth 0 takes the run's depth; one rank pays no exchange and no dense sync
     one = predict_forms(st, {**forms, "c": TableForm("host")}, dense, 32, 1, costs, host_depth=2)
     assert one["forms"]["c"] == "host-2" and one["parts"]["dense_sync"] == 0 and one["parts"]["exchange_latency"] == 0
+
+
+def _three_tables():
+    mrc = MissRatioCurve.from_counts(np.ones(10), 1.0, bins=0)  # not read by the formulas
+    return [TableStats("a", 1000, 4, "sum", 64.0, 40.0, 70.0, False, mrc),
+            TableStats("b", 50_000, 4, "sum", 64.0, 60.0, 110.0, False, mrc),
+            TableStats("c", 20_000, 4, "sum", 64.0, 50.0, 90.0, False, mrc)]
+
+
+def test_executor_overheads_of_a_costs_file_enter_the_step_by_hand(tmp_path):
+    """``calibrate --ranks``' per-form executor overheads, read back from a costs file: on 2 ranks the step is
+    the hand computation of the test above plus one overhead per table of its form (a replicated table paying
+    the sharded one); in a world of one nothing is added."""
+    base = Costs(exact_lookup_s=100e-9, tt_lookup_s={4: 300e-9, 8: 500e-9}, host_row_s=200e-9,
+                 link_bandwidth_gbs=2.0, link_latency_us=50.0, allreduce_gbs=1.0, dense_flops_per_s=1e9,
+                 step_overhead_s=2e-3, table_overhead_s=1e-4, source="measured")
+    Costs(**{**base.__dict__, "executor_overhead_s": {"sharded": 1e-3, "tt": 2e-3, "host": 5e-4},
+             "executor_world": 2}).save(tmp_path / "costs.json")
+    costs = load_costs(tmp_path / "costs.json")
+    assert costs.executor_overhead_s == {"sharded": 1e-3, "tt": 2e-3, "host": 5e-4} and costs.executor_world == 2
+    st = _three_tables()
+    forms = {"a": SHARDED, "b": TableForm("tt", tt_rank=4), "c": TableForm("host", pipeline_depth=2)}
+    dense = DenseModel(dense_in=3, num_features=3, embedding_dim=4, bottom_mlp=(8,), top_mlp=(6,))
+    without = predict_forms(st, forms, dense, 32, 2, base)
+    got = predict_forms(st, forms, dense, 32, 2, costs)
+    assert got["step_seconds"] == pytest.approx(without["step_seconds"] + 1e-3 + 2e-3 + 5e-4, rel=1e-12)
+    assert got["parts"]["executor"] == pytest.approx(3.5e-3) and without["parts"]["executor"] == 0
+    assert got["parts"]["embedding"] == pytest.approx(without["parts"]["embedding"], rel=1e-12)
+    one = predict_forms(st, forms, dense, 32, 1, costs, host_depth=2)
+    assert one["step_seconds"] == pytest.approx(predict_forms(st, forms, dense, 32, 1, base)["step_seconds"])
+    rep = candidates(st[0], 2, costs, forms=("replicated",))[0]
+    assert rep.seconds == pytest.approx(candidates(st[0], 2, base, forms=("replicated",))[0].seconds + 1e-3)
+    for bad, match in (({"executor_overhead_s": {"dense": 1.0}, "executor_world": 2}, "sharded / tt / host"),
+                       ({"executor_overhead_s": {"host": -1e-3}, "executor_world": 2}, "seconds >= 0"),
+                       ({"executor_overhead_s": {"tt": 1.0}, "executor_world": 1}, "executor_world")):
+        (tmp_path / "bad.json").write_text(json.dumps({**base.to_dict(), **bad}))
+        with pytest.raises(ConfigError, match=match):
+            load_costs(tmp_path / "bad.json")
+
+
+def test_fitted_executor_overheads_reproduce_the_timed_plans():
+    """``fit_executor_overheads`` (what ``calibrate --ranks`` runs): plans of each form timed at made-up steps;
+    the overheads fitted from their residuals against the prediction without overheads, put in the costs, make
+    the prediction of every timed plan its measured step; a known overhead is recovered exactly."""
+    costs = Costs(exact_lookup_s=100e-9, tt_lookup_s={4: 300e-9}, host_row_s=200e-9, source="measured")
+    st = _three_tables()
+    dense = DenseModel(dense_in=3, num_features=3, embedding_dim=4, bottom_mlp=(8,), top_mlp=(6,))
+    plans = {"sharded": {}, "tt": {"b": TableForm("tt", tt_rank=4), "c": TableForm("tt", tt_rank=4)},
+             "host": {"c": TableForm("host", pipeline_depth=2)}}
+    measured = {"sharded": 0.050, "tt": 0.090, "host": 0.070}
+    runs = []
+    for k, f in plans.items():
+        p = predict_forms(st, f, dense, 32, 2, costs)
+        runs.append({"tables": form_counts(list(p["forms"].values())), "measured_s": measured[k],
+                     "predicted_s": p["step_seconds"]})
+    assert runs[1]["tables"] == {"sharded": 1, "tt": 2, "host": 0}
+    over = fit_executor_overheads(runs)
+    fitted = Costs(**{**costs.__dict__, "executor_overhead_s": over, "executor_world": 2})
+    for k, f in plans.items():
+        assert predict_forms(st, f, dense, 32, 2, fitted)["step_seconds"] == pytest.approx(measured[k], rel=1e-9)
+    known = {"sharded": 3e-3, "tt": 1e-3, "host": 7e-3}
+    synth = [{"tables": r["tables"], "predicted_s": r["predicted_s"],
+              "measured_s": r["predicted_s"] + sum(n * known[k] for k, n in r["tables"].items())} for r in runs]
+    assert fit_executor_overheads(synth) == pytest.approx(known, rel=1e-9)
+    # the scale first: steps measured at 0.55x every prediction are the costs' figures scaled, no overhead
+    scale, none = fit_executor([{**r, "measured_s": 0.55 * r["predicted_s"]} for r in runs])
+    assert scale == pytest.approx(0.55) and none == pytest.approx({"sharded": 0, "tt": 0, "host": 0}, abs=1e-12)
+    for k, f in plans.items():  # every term of the model is linear in the figures Costs.scaled scales
+        assert predict_forms(st, f, dense, 32, 2, costs.scaled(0.55))["step_seconds"] == pytest.approx(
+            0.55 * predict_forms(st, f, dense, 32, 2, costs)["step_seconds"], rel=1e-12)
+    # a recorded calibration read again by the model (calibrate_ranks.refit): the same fit from its notes
+    rec = Costs(**{**costs.__dict__, "notes": {"executor": {"ranks": 2, "plans": {
+        k: {**r, "measured_s": 0.55 * r["predicted_s"]} for k, r in zip(plans, runs)}}}})
+    again = refit(rec)
+    assert again.notes["executor"]["scale"] == pytest.approx(0.55) and again.executor_world == 2
+    assert again.exact_lookup_s == pytest.approx(0.55 * costs.exact_lookup_s)
+    # never negative: a plan measured below its prediction gives its form no gain the search could take per table
+    lower = [{**r, "measured_s": r["predicted_s"] - 4e-3} if r["tables"]["host"] else r for r in synth]
+    got = fit_executor_overheads(lower)
+    assert min(got.values()) >= 0 and got["host"] == 0
+    with pytest.raises(ConfigError, match="do not separate"):
+        fit_executor_overheads([{"tables": {"sharded": 2, "tt": 1}, "measured_s": 1, "predicted_s": 0},
+                                {"tables": {"sharded": 4, "tt": 2}, "measured_s": 2, "predicted_s": 0}])
+
+
+def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path):
+    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): three real
+    2-rank runs (sharded, TT, host); the costs it returns predict each timed plan, through the same planner entry
+    the benchmarks use, at its prediction without overheads plus its tables' overheads by form, and at its
+    measured step when no overhead was held at 0 (three plans, three overheads: the fit is then exact)."""
+    base = Costs(source="measured", notes={"device": "cpu"})
+    c = calibrate_ranks(base, ranks=2, batch=32, rows=300, dim=4, steps=3, repeats=1, big=3, tt_rank=4,
+                        host_depth=2, work=tmp_path, log=lambda m: None)
+    assert c.executor_world == 2 and set(c.executor_overhead_s) == {"sharded", "tt", "host"}
+    runs = c.notes["executor"]["plans"]
+    assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0} and runs["host"]["tables"]["host"] == 3
+    tables = tables_from_profile(AccessProfile.load(tmp_path / "profile"), 4)
+    for k, run in runs.items():
+        p = predict_plan_forms(tables, tmp_path / "profile", Topology(ranks_per_host=2), plan_forms(tables, k, 3, 4, 2),
+                               costs=c, batch_size=32, dense=DenseModel(num_features=26, embedding_dim=4), host_depth=2)
+        want = c.notes["executor"]["scale"] * run["predicted_s"] + sum(n * c.executor_overhead_s[f]
+                                                                      for f, n in run["tables"].items())
+        assert p["step_seconds"] == pytest.approx(want, rel=1e-6)
+        if min(c.executor_overhead_s.values()) > 0:
+            assert p["step_seconds"] == pytest.approx(run["measured_s"], rel=1e-6)
 
 
 def test_the_auto_plan_reports_the_whole_step_and_ranks_hand_plans_by_the_same_model(tmp_path):

@@ -182,3 +182,38 @@ def test_presets_and_config_errors():
         SyntheticGenerator(SyntheticConfig(pooling_factors=[1, 1, 0] + [1] * 23), seed=0)
     with pytest.raises(ConfigError, match="seed"):
         SyntheticGenerator(SyntheticConfig(), seed=-1)
+
+
+def test_default_teacher_is_unchanged_by_the_learnable_count_option():
+    """The stream of the default config is the one generated before ``learnable_count`` existed (figures taken
+    from that code: preset criteo-kaggle-tiny, seed 3, the first 2000 samples)."""
+    g = SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle-tiny"), seed=3)
+    cols, prob = g.sample_with_probability(0, 2000)
+    assert float(prob.sum()) == pytest.approx(499.8024642738062, rel=1e-12)
+    assert int(cols.labels.sum()) == 500
+    assert float(g.teacher_logit(cols)[:5].sum()) == pytest.approx(-3.2994692705199653, rel=1e-12)
+
+
+@pytest.mark.parametrize("k", [0.0, 2.0, 2000.0])
+def test_learnable_count_scales_every_rows_effect_by_its_learnability(k):
+    """A row's teacher effects are its whole (K = 0) effects times ``m / (m + K)``, ``m`` its expected accesses
+    in 200k samples from the midpoint-Zipf reference; the features are the same whatever K; small K puts
+    signal on tail rows (the teacher issue 16's quality bar asks for)."""
+    cfg = SyntheticConfig(preset="criteo-kaggle-tiny", alpha=1.1)
+    full = SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle-tiny", alpha=1.1, learnable_count=0.0), seed=1)
+    g = SyntheticGenerator(SyntheticConfig(**{**cfg.__dict__, "learnable_count": k}), seed=1)
+    t = 2  # C3, 10k rows at this scale
+    n = g.num_rows[t]
+    ranks = np.array([0, 1, 10, 100, 1000, n - 1])
+    rows = g.rank_to_row(t, ranks)
+    m = midpoint_zipf_reference(n, 1.1)[ranks] * 200_000
+    want = full._row_effects(t, rows, ranks) * (m / (m + k))[:, None]
+    np.testing.assert_allclose(g._row_effects(t, rows, ranks), want, rtol=1e-9)
+    a, b = full.sample(0, 500), g.sample(0, 500)
+    assert all(np.array_equal(a.sparse[f][0], b.sparse[f][0]) for f in a.sparse)
+    if k == 2.0:  # rank 1000 (about 15 expected accesses per 200k samples) keeps most of its effect
+        assert m[4] / (m[4] + k) > 0.85
+    if k == 2000.0:  # ... and almost none under the default teacher
+        assert m[4] / (m[4] + k) < 0.01
+    with pytest.raises(ConfigError, match="learnable_count"):
+        SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle-tiny", learnable_count=-1.0))

@@ -67,6 +67,7 @@ load_costs = _Lazy("embedscale.plan.auto:load_costs")
 parse_bytes = _Lazy("embedscale.plan.auto:parse_bytes")
 auto_plan_command = _Lazy("embedscale.plan.autoplan:auto_plan_command")
 calibrate_costs = _Lazy("embedscale.calibrate:calibrate")
+calibrate_ranks = _Lazy("embedscale.calibrate_ranks:calibrate_ranks")
 check_fits = _Lazy("embedscale.data.compat:check_fits")
 workflow = _Lazy("embedscale.workflow")
 ShardLoader = _Lazy("embedscale.data.loader:ShardLoader")
@@ -737,20 +738,42 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 @click.option("--tt-ranks", default="8,16,32,64", show_default=True)
 @click.option("--repeats", type=int, default=7, show_default=True)
 @click.option("--links", is_flag=True, help="Also measure link bandwidth and latency on 2 local ranks.")
-def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links):
-    """Measure the per-row costs plan --strategy auto reads (--costs): exact, TT and host-table steps."""
+@click.option("--ranks", type=int, default=0, show_default=True,
+              help="Also time real training steps on this many local ranks (embedscale train --nproc N; --batch "
+                   "per rank) under a sharded, a TT and a host plan, and fit the distributed executor's overhead "
+                   "per table of each form (a few minutes). 0 = off.")
+@click.option("--rank-steps", type=int, default=30, show_default=True, help="--ranks: steps per timed run.")
+@click.option("--rank-repeats", type=int, default=2, show_default=True, help="--ranks: rounds of the three plans.")
+@click.option("--host-depth", type=int, default=2, show_default=True, help="--ranks: pipeline depth of host tables.")
+@click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
+              help="--ranks: keep the data, plans and runs here (default: a temporary directory).")
+def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, ranks, rank_steps, rank_repeats,
+              host_depth, work_dir):
+    """Measure the per-row costs plan --strategy auto reads (--costs): exact, TT and host-table steps; with
+    --ranks N also the distributed executor's own work per table form, from real N-rank steps."""
     try:
-        ranks = [int(r) for r in tt_ranks.split(",") if r.strip()]
-        costs = calibrate_costs(device=device, rows=rows, dim=dim, batch=batch, tt_ranks=ranks, repeats=repeats,
-                                links=links)
-        costs.save(out_path)
+        tt = [int(r) for r in tt_ranks.split(",") if r.strip()]
     except ValueError:
         _fail(EmbedscaleError(f"--tt-ranks: expected comma-separated integers, got {tt_ranks!r}"))
+    try:
+        if ranks < 0 or ranks == 1:
+            raise EmbedscaleError(f"--ranks: 0 (off) or at least 2, got {ranks}")
+        costs = calibrate_costs(device=device, rows=rows, dim=dim, batch=batch, tt_ranks=tt, repeats=repeats,
+                                links=links)
+        if ranks:
+            costs = calibrate_ranks(costs, ranks=ranks, batch=batch, rows=rows, dim=dim, steps=rank_steps,
+                                    repeats=rank_repeats, host_depth=host_depth, device=costs.notes["device"],
+                                    work=work_dir)
+        costs.save(out_path)
     except EmbedscaleError as e:
         _fail(e)
     click.echo(f"exact {costs.exact_lookup_s * 1e9:.1f} ns/lookup; TT " + ", ".join(
         f"rank {r}: {s * 1e9:.1f}" for r, s in costs.tt_lookup_s.items()) + f" ns/lookup; host "
-        f"{costs.host_row_s * 1e9:.1f} ns/row; costs written to {out_path}")
+        f"{costs.host_row_s * 1e9:.1f} ns/row" + ("; executor on {} ranks, per table: ".format(costs.executor_world)
+                                                  + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in
+                                                              costs.executor_overhead_s.items())
+                                                  if costs.executor_overhead_s else "")
+        + f"; costs written to {out_path}")
 
 
 @main.command()

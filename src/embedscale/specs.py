@@ -250,6 +250,9 @@ class SyntheticConfig:
     alphas: list[float] = field(default_factory=list)
     pooling_factors: list[int] = field(default_factory=list)  # per table; empty = one-hot everywhere
     teacher_dim: int = 8
+    # K of the teacher's row learnability m / (m + K), m a row's expected accesses in 200k samples: the default
+    # leaves the signal on head rows; a small K puts it into the tail too (0: every row its whole effect)
+    learnable_count: float = 2000.0
 
 
 @dataclass

@@ -22,6 +22,8 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
     tt(R):       L * tt(R) + core_bytes * 2 (M-1)/M / allreduce_bw
     host(k):     L * exact + (D_r + D_g) * host_row + 2 * D_g * row_bytes * (M-1)/M / link_bw
 
+each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
+fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
 plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
 the search leaves it out and the report adds it), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
 row-wise state, host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -89,6 +91,13 @@ class Costs:
             sizes at the calibration's batch; :mod:`embedscale.plan.step` turns layer sizes into FLOPs).
         step_overhead_s, table_overhead_s: the fixed seconds of a training step, and per table and step,
             beyond the lookups and the dense FLOPs (the residual of a real DLRM step at two feature counts).
+        executor_overhead_s, executor_world: form kind (``sharded``, ``tt``, ``host``) -> seconds per table and
+            step that a real ``executor_world``-rank training step pays beyond everything above (bucketing ids by
+            owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
+            their loader threads sharing the cores): fitted by ``embedscale calibrate --ranks N`` from N-rank
+            steps of plans of each form (:func:`embedscale.plan.step.fit_executor_overheads`); empty = not
+            measured (0); never negative (the fit's non-negative least squares; a costs file with a negative one
+            is an error).
         source: ``measured`` or ``default``; notes: what the calibration ran.
     """
 
@@ -101,8 +110,36 @@ class Costs:
     dense_flops_per_s: float = 20e9
     step_overhead_s: float = 5e-3
     table_overhead_s: float = 50e-6
+    executor_overhead_s: dict = field(default_factory=dict)
+    executor_world: int = 0
     source: str = "default"
     notes: dict = field(default_factory=dict)
+
+    def scaled(self, s: float) -> "Costs":
+        """These costs with every time figure multiplied by ``s`` (rates and bandwidths divided by it; the
+        executor overheads, fitted after scaling, kept): every term of the cost model is linear in them, so every
+        prediction, without executor overheads, is ``s`` times this one's. The link figures are scaled too and
+        then kept by the planner (``notes["links_scaled"]``): give costs whose links are not measured the
+        topology's first (``plan.autoplan.with_topology_links``)."""
+        if not (s > 0 and math.isfinite(s)):
+            raise ConfigError(f"costs: scale must be a positive number, got {s}")
+        return Costs(**{**self.__dict__, "exact_lookup_s": self.exact_lookup_s * s,
+                        "tt_lookup_s": {r: v * s for r, v in self.tt_lookup_s.items()},
+                        "host_row_s": self.host_row_s * s, "link_bandwidth_gbs": self.link_bandwidth_gbs / s,
+                        "link_latency_us": self.link_latency_us * s, "allreduce_gbs": self.allreduce_gbs / s,
+                        "dense_flops_per_s": self.dense_flops_per_s / s, "step_overhead_s": self.step_overhead_s * s,
+                        "table_overhead_s": self.table_overhead_s * s,
+                        "notes": {**self.notes, "links_scaled": True}})
+
+    def executor_overhead(self, label: str, world: int) -> float:
+        """Seconds per step a table of candidate ``label`` (``sharded``, ``replicated``, ``tt-R``, ``host-k``)
+        costs the distributed executor beyond the single-process costs above (``executor_overhead_s`` by form
+        kind, fitted from real ``executor_world``-rank steps by ``embedscale calibrate --ranks``; a replicated
+        table is a sharded one every rank holds). 0 in a world of one, or when not measured."""
+        if world <= 1 or not self.executor_overhead_s:
+            return 0.0
+        kind = label.split("-")[0]
+        return float(self.executor_overhead_s.get("sharded" if kind == "replicated" else kind, 0.0))
 
     def tt(self, rank: int) -> float:
         """Seconds per TT lookup at ``rank`` (measured ranks exactly; others by ``a + b R^2`` through the two
@@ -149,6 +186,18 @@ class Costs:
             v = float(getattr(out, name))
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a number >= 0, got {v}")
+        try:
+            out.executor_overhead_s = {str(k): float(v) for k, v in dict(out.executor_overhead_s).items()}
+            out.executor_world = int(out.executor_world)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: executor_overhead_s / executor_world: {e}") from None
+        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host"})
+        if bad or any(not (math.isfinite(v) and v >= 0) for v in out.executor_overhead_s.values()):
+            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host to seconds >= 0, got "
+                              f"{out.executor_overhead_s}")
+        if out.executor_world < 0 or (out.executor_overhead_s and out.executor_world < 2):
+            raise ConfigError(f"{where}: executor_world must be the ranks the executor overheads were measured on "
+                              f"(>= 2), got {out.executor_world}")
         if any(not (v > 0 and math.isfinite(v)) for v in out.tt_lookup_s.values()):
             raise ConfigError(f"{where}: tt_lookup_s must hold positive numbers, got {out.tt_lookup_s}")
         return out
@@ -259,6 +308,8 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
         out.append(Candidate(f"host-{k}", TableForm("host", pipeline_depth=k), sec, min(dev, full), float(full)))
     if not out:
         raise ConfigError(f"table {s.name!r}: no form allowed (forms {list(forms)})")
+    if costs.executor_overhead_s and m > 1:  # the executor's own work per table of a form (Costs.executor_overhead)
+        out = [replace(c, seconds=c.seconds + costs.executor_overhead(c.label, m)) for c in out]
     return out
 
 
@@ -639,11 +690,14 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
         tables.append(e)
     fixed = {k: float(v) for k, v in (fixed or {}).items()}
     emb = float(per_rank["predicted_step_seconds"])
+    world = len(per_rank["step_seconds"])
+    executor = float(sum(costs.executor_overhead(res.chosen(i).label, world) for i in range(len(res.names))))
+    parts = {"embedding": emb - executor, **({"executor": executor} if costs.executor_overhead_s else {}), **fixed}
     return {"strategy": "auto", "search": res.search, "search_seconds": res.search_seconds,
             "device_budget_bytes": res.dev_budget, "host_budget_bytes": res.host_budget,
             "predicted_step_seconds": emb + sum(fixed.values()),
             "predicted_embedding_step_seconds": emb,
-            "predicted_step_parts": {"embedding": emb, **fixed},
+            "predicted_step_parts": parts,
             "predicted_step_seconds_symmetric": res.predicted_seconds(),
             "dense_model": dict(dense or {}),
             "costs": costs.to_dict(), "tables": tables, "per_rank": dict(per_rank),

@@ -41,6 +41,12 @@ def with_topology_links(costs: Costs, topo) -> Costs:
     return out
 
 
+def _links_fixed(costs: Costs) -> bool:
+    """Whether ``costs`` carry their own link figures (measured, or scaled by ``calibrate --ranks`` from the
+    topology's: :meth:`Costs.scaled`); otherwise the planner takes the topology's."""
+    return bool(costs.notes.get("links_measured") or costs.notes.get("links_scaled"))
+
+
 def _replicate(plan: Plan, names: Sequence[str]) -> Plan:
     """``plan`` with every partition of the tables ``names`` held (and read locally) by every rank."""
     if not names:
@@ -76,7 +82,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     costs = costs or Costs()
     topo = resolve_topology(topology)
     world = topo.world_size
-    if not costs.notes.get("links_measured"):  # the links as the topology describes them
+    if not _links_fixed(costs):  # the links as the topology describes them
         costs = with_topology_links(costs, topo)
     prof = table_profile(resolve_profile(profile, tables), tables)
     samples = getattr(prof, "samples", None)
@@ -176,7 +182,7 @@ def predict_plan_forms(tables, profile, topology, forms, *, costs: Costs | None 
     tables = list(tables)
     costs = costs or Costs()
     topo = resolve_topology(topology)
-    if not costs.notes.get("links_measured"):
+    if not _links_fixed(costs):
         costs = with_topology_links(costs, topo)
     prof = table_profile(resolve_profile(profile, tables), tables)
     samples = getattr(prof, "samples", None)

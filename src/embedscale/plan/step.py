@@ -20,6 +20,16 @@ With ``B`` the samples per rank batch and ``T`` the tables:
          + B * flops_per_sample / dense_flops_per_s
          + T * table_overhead_s + step_overhead_s
          + [M > 1] (2 (M-1)/M * 4 P / allreduce_bw + 2 latency)
+         + [M > 1] sum over tables of executor_overhead(form)
+
+The last term is the distributed executor's own work that a single-process calibration cannot see (bucketing
+ids by owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and their
+loader threads sharing the cores): ``embedscale calibrate --ranks N`` times real N-rank training steps of a plan
+of every form (all tables sharded; the largest ones TT; the largest ones on the host) and
+:func:`fit_executor` fits one scale of this module's prediction (the figures of one calibration process
+against N ranks' share of a shared machine; applied to the costs' figures, :meth:`Costs.scaled`) and the
+plans' remaining residuals as seconds per table and step of each form (``Costs.executor_overhead_s``, >= 0). It is part of every candidate's seconds
+(:func:`embedscale.plan.auto.candidates`), so the auto search weighs it too.
 
 :func:`predict_forms` costs any assignment of forms (a hand-made plan's: EL-Rec's rule, a mixture of rules)
 with the very model the auto search optimises, so hand-made plans and the auto plan are predicted alike.
@@ -29,6 +39,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto import Candidate, Costs, TableStats, candidates
@@ -175,12 +188,22 @@ def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> floa
     return n * costs.link_latency_us * 1e-6
 
 
+def executor_term(labels: Sequence[str], world: int, costs: Costs) -> float:
+    """The executor's own seconds per step of tables of candidate ``labels`` (``Costs.executor_overhead``: 0 in a
+    world of one or when not measured)."""
+    return float(sum(costs.executor_overhead(lb, world) for lb in labels))
+
+
 def predict_step(cands: Sequence[Candidate], dense: DenseModel, batch_size: int, world: int,
                  costs: Costs) -> dict[str, Any]:
-    """The predicted step of tables costed as ``cands`` (one per table): its seconds by part and in total."""
-    emb = float(sum(c.seconds for c in cands))
-    lat = exchange_latency_of([c.label for c in cands], world, costs)
-    parts = {"embedding": emb, "exchange_latency": lat, **fixed_terms(dense, batch_size, world, len(cands), costs)}
+    """The predicted step of tables costed as ``cands`` (one per table): its seconds by part and in total (the
+    candidates' seconds hold their executor overhead; it is reported as its own part, ``executor``)."""
+    labels = [c.label for c in cands]
+    executor = executor_term(labels, world, costs)
+    emb = float(sum(c.seconds for c in cands)) - executor
+    lat = exchange_latency_of(labels, world, costs)
+    parts = {"embedding": emb, "executor": executor, "exchange_latency": lat,
+             **fixed_terms(dense, batch_size, world, len(cands), costs)}
     return {"step_seconds": float(sum(parts.values())), "parts": parts,
             "device_bytes": float(sum(c.device_bytes for c in cands)),
             "host_bytes": float(sum(c.host_bytes for c in cands)),
@@ -196,3 +219,58 @@ def predict_forms(stats: Sequence[TableStats], forms: Mapping[str, TableForm], d
     out = predict_step(cands, dense, batch_size, world, costs)
     out["forms"] = {s.name: c.label for s, c in zip(stats, cands)}
     return out
+
+
+def form_counts(labels: Sequence[str]) -> dict[str, int]:
+    """Tables per form kind of candidate ``labels`` (``replicated`` counted as ``sharded``): the regressors of
+    :func:`fit_executor_overheads`."""
+    out = {"sharded": 0, "tt": 0, "host": 0}
+    for lb in labels:
+        k = lb.split("-")[0]
+        out["sharded" if k == "replicated" else k] += 1
+    return out
+
+
+def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The executor's seconds per table and step of each form kind, from real N-rank steps of plans.
+
+    ``runs``: one entry per plan timed, ``{"tables": {kind: count}, "measured_s": s, "predicted_s": s}`` with
+    ``predicted_s`` this module's prediction of that plan *without* executor overheads. The residual of a plan
+    is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`); non-negative least
+    squares over the plans (exact with one plan per kind, as many plans as kinds and residuals that allow it)
+    gives the overheads. Non-negative: they are work the executor adds. A negative residual says the
+    single-process figures overestimate this machine as it is (a load that fell between the two timings), not
+    that a form's executor saves time; a negative overhead would also be a gain the search could take once per
+    table of that form (a fit on a shared machine once gave host tables -21 ms each, and the search put 22
+    tables on the host for a predicted step below zero). A kind no plan holds is left out (not measured)."""
+    runs = list(runs)
+    kinds = [k for k in ("sharded", "tt", "host") if any(int(r["tables"].get(k, 0)) for r in runs)]
+    if not runs or not kinds:
+        raise ConfigError("fit_executor_overheads: no timed plan with tables")
+    a = np.array([[float(r["tables"].get(k, 0)) for k in kinds] for r in runs])
+    y = np.array([float(r["measured_s"]) - float(r["predicted_s"]) for r in runs])
+    if np.linalg.matrix_rank(a) < len(kinds):
+        raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
+    x, _ = nnls(a, y)
+    return {k: float(v) for k, v in zip(kinds, x)}
+
+
+def fit_executor(runs: Sequence[Mapping[str, Any]]) -> tuple[float, dict[str, float]]:
+    """The scale of the single-process prediction and the executor's overheads per table of each form kind, from
+    real N-rank steps of plans (``runs`` as :func:`fit_executor_overheads` reads them).
+
+    Measured on a shared machine, the single-process figures and the ranks' steps see different shares of the
+    cores: N rank processes get N shares where one calibration process got one, and the load moves between the
+    two timings (at load 11 the single-process figures predicted 0.53-0.57x of every plan's measured 2-rank step,
+    all three forms alike). So first the scale ``s`` of the whole prediction, least squares through the origin
+    over the plans (``s = sum m p / sum p^2``), then the per-form overheads (:func:`fit_executor_overheads`, non
+    negative) of the residuals ``m - s p``: what a form costs beyond the common scale. The scale is applied to
+    the time figures themselves (:meth:`Costs.scaled`: every term of the model is linear in them), so the search,
+    which a common scale does not change, and the prediction read one set of figures."""
+    runs = list(runs)
+    p = np.array([float(r["predicted_s"]) for r in runs])
+    m = np.array([float(r["measured_s"]) for r in runs])
+    if not runs or not np.all(p > 0) or not np.all(m > 0):
+        raise ConfigError(f"fit_executor: positive predicted and measured steps needed, got {p.tolist()} / {m.tolist()}")
+    scale = float(m @ p / (p @ p))
+    return scale, fit_executor_overheads([{**r, "predicted_s": scale * float(r["predicted_s"])} for r in runs])
