@@ -65,8 +65,25 @@ from embedscale.errors import ConfigError, EmbedscaleError
 KIND = "migrate"  # the transport counter's label for migrated rows
 
 
+class _RowCounts:
+    """Rows a rank sends to and receives from its peers (its own block excluded), for routes that hold
+    ``rank``, ``send_gids`` and ``recv_gids``."""
+
+    rank: int
+    send_gids: list[np.ndarray]
+    recv_gids: list[np.ndarray]
+
+    @property
+    def rows_sent(self) -> int:
+        return int(sum(g.size for q, g in enumerate(self.send_gids) if q != self.rank))
+
+    @property
+    def rows_received(self) -> int:
+        return int(sum(g.size for p, g in enumerate(self.recv_gids) if p != self.rank))
+
+
 @dataclass
-class MigrationRoutes:
+class MigrationRoutes(_RowCounts):
     """What rank ``rank`` keeps, sends and receives when the rows move from map ``old`` to map ``new``.
 
     Attributes:
@@ -82,14 +99,6 @@ class MigrationRoutes:
     send_gids: list[np.ndarray]
     send_rows: list[np.ndarray]
     recv_gids: list[np.ndarray]
-
-    @property
-    def rows_sent(self) -> int:
-        return int(sum(g.size for q, g in enumerate(self.send_gids) if q != self.rank))
-
-    @property
-    def rows_received(self) -> int:
-        return int(sum(g.size for p, g in enumerate(self.recv_gids) if p != self.rank))
 
 
 @dataclass
@@ -508,7 +517,7 @@ def _rows_on(amap: AddressMap, gids: np.ndarray, rank: int) -> np.ndarray:
 
 
 @dataclass
-class InPlaceRoutes:
+class InPlaceRoutes(_RowCounts):
     """What rank ``rank`` sends, receives and moves locally in an in-place migration (:func:`in_place_routes`).
 
     Attributes:
@@ -530,14 +539,6 @@ class InPlaceRoutes:
     dropped_rows: np.ndarray
     rows_kept: int
     candidates: np.ndarray
-
-    @property
-    def rows_sent(self) -> int:
-        return int(sum(g.size for q, g in enumerate(self.send_gids) if q != self.rank))
-
-    @property
-    def rows_received(self) -> int:
-        return int(sum(g.size for p, g in enumerate(self.recv_gids) if p != self.rank))
 
 
 def in_place_routes(edit: MapEdit, rank: int) -> InPlaceRoutes:
