@@ -74,14 +74,22 @@ def test_long_gap_decays_without_overflow():
     assert prof.steps == 100_008
 
 
-def test_state_round_trip_and_errors():
-    batches, steps = stream(1)
-    a, b = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)
-    feed(a, batches[:20], steps[:20])
+def restored(a: RollingProfile) -> RollingProfile:
+    """A new profile loaded from ``a``'s state after a trip through the checkpoint format (torch.save, then
+    torch.load with weights_only)."""
     buf = io.BytesIO()
     torch.save(a.state_dict(), buf)
     buf.seek(0)
+    b = RollingProfile(ROWS, a.decay)
     b.load_state_dict(torch.load(buf, weights_only=True))
+    return b
+
+
+def test_state_round_trip_and_errors():
+    batches, steps = stream(1)
+    a = RollingProfile(ROWS, 0.8)
+    feed(a, batches[:20], steps[:20])
+    b = restored(a)
     feed(a, batches[20:], steps[20:])
     feed(b, batches[20:], steps[20:])
     for n in ROWS:
@@ -100,12 +108,9 @@ def test_state_restores_bit_for_bit_and_adds_across_ranks():
     size hands rank 0), against the float64 reference of both streams added."""
     b1, s1 = stream(3)
     b2, _ = stream(4)
-    a, b = RollingProfile(ROWS, 0.8), RollingProfile(ROWS, 0.8)
+    a = RollingProfile(ROWS, 0.8)
     feed(a, b1[:25], s1[:25])
-    buf = io.BytesIO()
-    torch.save(a.state_dict(), buf)
-    buf.seek(0)
-    b.load_state_dict(torch.load(buf, weights_only=True))
+    b = restored(a)
     assert a._scale != 1.0  # the lazy scale is part of the state
     feed(a, b1[25:], s1[25:])
     feed(b, b1[25:], s1[25:])

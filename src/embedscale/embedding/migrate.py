@@ -273,8 +273,7 @@ def migrate(old: ShardedEmbedding, new: ShardedEmbedding, *, release: bool = Tru
             old.touched.index_select(0, keep)
     new.stats.update(old.stats)
     old_rep, new_rep = old.amap.replica_gids_on(me), new.amap.replica_gids_on(me)
-    added = int(np.setdiff1d(new_rep, old_rep).size)
-    dropped = int(np.setdiff1d(old_rep, new_rep).size)
+    added, dropped = _count_missing(new_rep, old_rep), _count_missing(old_rep, new_rep)
     codes = int((old.tmap.row_code.cpu().to(torch.int64) != new.tmap.row_code.cpu().to(torch.int64)).sum())
     if release:
         _release(old)

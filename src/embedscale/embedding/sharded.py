@@ -146,15 +146,7 @@ class ShardedEmbedding(nn.Module):
         self._feature_table = torch.tensor([f2t[f] for f in self.feature_names], dtype=torch.int64)
         self._feature_rows = torch.tensor([self.tables[f2t[f]].num_rows for f in self.feature_names])
         self._feature_mean = torch.tensor([self.tables[f2t[f]].pooling == "mean" for f in self.feature_names])
-        self.tmap = TorchAddressMap(amap, rank).to(device)
-        self.num_owned = int(amap.num_owned()[rank])
-        self.num_slots = amap.num_slots
-        # replica region index -> global slot (for gradients of replicas a peer read from this rank)
-        region = np.full(int(amap.num_replicas_held()[rank]), -1, dtype=np.int64)
-        if self.num_slots:
-            held = np.flatnonzero(amap.replica_local[:, rank] >= 0)
-            region[amap.replica_local[held, rank]] = held
-        self._region_slot = torch.from_numpy(region).to(device)
+        self._set_map(amap, device)
         self._feature_table = self._feature_table.to(device)
         self._feature_rows = self._feature_rows.to(device)
         self._feature_mean = self._feature_mean.to(device)
@@ -202,7 +194,7 @@ class ShardedEmbedding(nn.Module):
         dev = self.weight.device
         if self.tmap.device != dev:
             self.tmap = self.tmap.to(dev)
-            for name in ("_feature_table", "_feature_rows", "_feature_mean", "_region_slot"):
+            for name in ("_feature_table", "_feature_rows", "_feature_mean", "_region_slot", "_replica_storage_rows"):
                 setattr(self, name, getattr(self, name).to(dev))
         return dev
 
@@ -417,10 +409,23 @@ class ShardedEmbedding(nn.Module):
             w, self.momentum if self.optimizer == "rowwise_adagrad" else None, self.touched, self._kernel_slot(n),
             rows, grads, maps, [int(lim) for _r, _g, _m, lim in lists], self.lr, self.eps)
 
-    def _replica_row_map(self, dev) -> torch.Tensor:
-        """Replica slot -> this rank's storage row, or -1 where it holds no copy."""
-        local = self.tmap.replica_local.to(dev)
-        return torch.where(local >= 0, local + self.num_owned, torch.full_like(local, -1))
+    def _set_map(self, amap: AddressMap, device) -> None:
+        """The state derived from this rank's view of ``amap`` (at construction and when a live migration hands
+        the module a new map): the decode tables, the owned and slot counts, the replica region's global slots
+        and the replica slot -> storage row map of the kernel's update."""
+        me = self.rank
+        self.tmap = TorchAddressMap(amap, me).to(device)
+        self.num_owned = int(amap.num_owned()[me])
+        self.num_slots = amap.num_slots
+        # replica region index -> global slot (for gradients of replicas a peer read from this rank)
+        region = np.full(int(amap.num_replicas_held()[me]), -1, dtype=np.int64)
+        if self.num_slots:
+            held = np.flatnonzero(amap.replica_local[:, me] >= 0)
+            region[amap.replica_local[held, me]] = held
+        self._region_slot = torch.from_numpy(region).to(device)
+        # replica slot -> this rank's storage row, or -1 where it holds no copy
+        local = self.tmap.replica_local
+        self._replica_storage_rows = torch.where(local >= 0, local + self.num_owned, torch.full_like(local, -1))
 
     # -- updates ----------------------------------------------------------------------------------
     def _apply_owned(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
@@ -569,14 +574,7 @@ class ShardedEmbedding(nn.Module):
             raise ConfigError("sharded embedding: adopt_address_map needs a map of the same tables and world size")
         n, dev, me = amap.storage_rows(self.rank), self.weight.device, self.rank
         self.amap = amap
-        self.tmap = TorchAddressMap(amap, me).to(dev)
-        self.num_owned = int(amap.num_owned()[me])
-        self.num_slots = amap.num_slots
-        region = np.full(int(amap.num_replicas_held()[me]), -1, dtype=np.int64)
-        if self.num_slots:
-            held = np.flatnonzero(amap.replica_local[:, me] >= 0)
-            region[amap.replica_local[held, me]] = held
-        self._region_slot = torch.from_numpy(region).to(dev)
+        self._set_map(amap, dev)
         self.weight, self._backing = _resized(self.weight, n, self._backing)
         if self.optimizer == "rowwise_adagrad":
             self.momentum, self._momentum_room = _resized(self.momentum, n, getattr(self, "_momentum_room", None))
@@ -943,7 +941,7 @@ class _Retrieve(torch.autograd.Function):
             lists += [(r.to(dev), gr, None, mod.num_owned) for p, (r, gr) in enumerate(zip(requests, recv))
                       if p != me and r.numel()]
             if peer_slots is not None:  # replica rows: every rank's sums in rank order, this rank's included
-                rmap = mod._replica_row_map(dev)
+                rmap = mod._replica_storage_rows
                 lists += [(peer_slots[p].to(dev), peer_g[p], rmap, n) for p in range(W)]
             mod._kernel_apply(lists)
             if peer_slots is None and mod.num_slots:

@@ -84,15 +84,14 @@ def incremental_plan(plan: Plan, fresh: Plan, profile, *, batch_size: int, targe
     total_rows = sum(t.num_rows for t in plan.tables)
     max_moves = max(64, total_rows // 50) if max_moves is None else int(max_moves)
     scale = batch_size / profile_samples(profile)
-    owners, masks, vals = [], [], []
+    owners, masks, vals, running = [], [], [], []
     load = np.zeros(W)
     full = (np.int64(1) << np.arange(W, dtype=np.int64))
     for t, tab in enumerate(plan.tables):
         own, mask = row_placement(plan, t)
+        running.append(own)
         f_own, f_mask = row_placement(fresh, t)
-        f_rep = np.array([bin(int(x)).count("1") > 1 for x in np.unique(f_mask)])
-        rep_keys = np.unique(f_mask)[f_rep]
-        rep = np.isin(f_mask, rep_keys)
+        rep = (f_mask & (f_mask - 1)) != 0  # more than one holder: a replicated row
         new_own = own.copy()
         keep = rep & (((f_mask >> own) & 1) == 1)
         new_own[rep & ~keep] = f_own[rep & ~keep]
@@ -138,5 +137,5 @@ def incremental_plan(plan: Plan, fresh: Plan, profile, *, batch_size: int, targe
     meta = {**fresh.meta, "incremental": True, "rows_rebalanced": moved}
     out = plan_from_rows(plan.tables, W, owners, masks, meta)
     out.part_counts = partition_counts(out, profile)
-    changed = sum(int(np.count_nonzero(o != row_placement(plan, t)[0])) for t, o in enumerate(owners))
+    changed = sum(int(np.count_nonzero(o != r)) for o, r in zip(owners, running))
     return out, changed

@@ -71,11 +71,11 @@ COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_se
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float, incremental: bool = True):
+    def __init__(self, run, every: int, min_gain: float):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
-        self.every, self.min_gain, self.incremental = int(every), float(min_gain), bool(incremental)
+        self.every, self.min_gain = int(every), float(min_gain)
         self.decay = 0.5 ** (1.0 / self.every)  # an access weighs half after one monitoring period
         self.profile = RollingProfile({t.name: t.num_rows for t in run.tables}, decay=self.decay, device=run.device)
         self._features = {t.name: list(t.features) for t in run.tables}
@@ -157,7 +157,7 @@ class DriftMonitor:
                                     f"(<= {self.min_gain:.0%}) and its balance holds: keep the plan")
                 return report, None
         report, fresh = drift_and_plan(plan, prof, topo, extra_memory=d.extra_memory, dob_floor=DOB_FLOOR, **kw)
-        if fresh is not None and self.incremental:
+        if fresh is not None:
             fresh = self._prefer_incremental(plan, fresh, prof, topo, report, d.mode,
                                              max(1, run.cfg.train.batch_size // world))
         if fresh is not None:  # the same forms as the running plan (TT, host tables beside the placed ones)
