@@ -81,7 +81,8 @@ DENSE = 4
 
 def stream_config(a) -> DriftConfig:
     return DriftConfig(tables=TABLES, initial_ids=a.initial_ids, new_ids_per_step=a.new_ids, hot_ids=a.hot_ids,
-                       hot_share=a.hot_share, rotate_every=a.rotate, batch_size=a.batch, num_dense=DENSE)
+                       hot_share=a.hot_share, hot_alpha=a.hot_alpha, rotate_every=a.rotate, batch_size=a.batch,
+                       num_dense=DENSE)
 
 
 def write_stream(path: Path, stream: DriftingStream, steps: int) -> dict[str, np.ndarray]:
@@ -225,7 +226,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
         return {"figure": "the static plan's lookup DoB per window (planning only)", "world": world,
                 "dob_lookup_static": dobs, "mean_after_window0": round(float(np.mean(dobs[1:])), 4),
                 "config": {"windows": W, "rotate_every": K, "initial_ids": a.initial_ids, "hot_ids": a.hot_ids,
-                           "hot_share": a.hot_share, "new_ids_per_step": a.new_ids, "batch_global": a.batch,
+                           "hot_share": a.hot_share, "hot_alpha": a.hot_alpha, "new_ids_per_step": a.new_ids, "batch_global": a.batch,
                            "tables": len(TABLES), "rows_per_table": stream.universe_size(steps)}}
     t0 = time.perf_counter()
     hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
@@ -335,7 +336,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
         "wall_s": round(wall, 1), "load_average": [round(load0, 2), round(load1, 2)],
         "config": {"world": world, "steps": steps, "rotate_every": K, "tables": len(TABLES),
                    "rows_per_table": stream.universe_size(steps), "initial_ids": a.initial_ids,
-                   "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share,
+                   "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share, "hot_alpha": a.hot_alpha,
                    "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
                    "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
                    "online_plans": "oper from scratch" if a.fresh_plans else "incremental (plan.incremental)"}}
@@ -353,6 +354,8 @@ def main():
     ap.add_argument("--new-ids", type=int, default=4)
     ap.add_argument("--hot-ids", type=int, default=8)
     ap.add_argument("--hot-share", type=float, default=0.8)
+    ap.add_argument("--hot-alpha", type=float, default=0.0,
+                    help="Zipf exponent over the hot set's members (0 = uniform draw)")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--fresh-plans", action="store_true",

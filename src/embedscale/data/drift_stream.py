@@ -59,6 +59,8 @@ class DriftConfig:
     new_ids_per_step: new ids per table per step (0 = no arrivals).
     hot_ids: size of each table's hot set (at most ``initial_ids``).
     hot_share: probability that a position (other than a new id's) draws from the hot set.
+    hot_alpha: Zipf exponent over the hot set's members, ranked in a seeded random order per window
+        (0 = uniform, the original draw; real hot sets are skewed within themselves).
     rotate_every: K, steps per hot-set window.
     batch_size: samples per step (at least ``new_ids_per_step``).
     num_dense: dense features (standard normal).
@@ -69,6 +71,7 @@ class DriftConfig:
     new_ids_per_step: int = 16
     hot_ids: int = 1_000
     hot_share: float = 0.8
+    hot_alpha: float = 0.0  # Zipf exponent over the hot set's members (0 = uniform, the original draw)
     rotate_every: int = 200
     batch_size: int = 1024
     num_dense: int = 0
@@ -87,6 +90,8 @@ class DriftConfig:
         if self.new_ids_per_step > self.batch_size:
             raise ConfigError(f"drift stream: new_ids_per_step {self.new_ids_per_step} exceeds batch_size "
                               f"{self.batch_size} (each new id takes one position of its step's batch)")
+        if not (math.isfinite(self.hot_alpha) and self.hot_alpha >= 0.0):
+            raise ConfigError(f"drift stream: hot_alpha must be a finite number >= 0, got {self.hot_alpha}")
         if not 0.0 <= self.hot_share <= 1.0:
             raise ConfigError(f"drift stream: hot_share must be in [0, 1], got {self.hot_share}")
 
@@ -164,6 +169,11 @@ class DriftingStream:
         return (2.0 * u - 1.0) * math.sqrt(3.0)
 
     # -- batches -----------------------------------------------------------------------------------
+    def hot_pmf(self) -> np.ndarray:
+        """Probability of each hot-set rank (float64): ``r**-hot_alpha / sum`` for r = 1..hot_ids."""
+        w = np.arange(1, self.cfg.hot_ids + 1, dtype=np.float64) ** -self.cfg.hot_alpha
+        return w / w.sum()
+
     def batch_indices(self, step: int) -> dict[str, np.ndarray]:
         """Per table, the id index of every sample of batch ``step``."""
         cfg = self.cfg
@@ -173,7 +183,14 @@ class DriftingStream:
             rng = np.random.default_rng([self.seed, _DRIFT, _BATCH, int(step), t])
             hot = self.hot_indices(name, self.window(step))
             from_hot = rng.random(cfg.batch_size) < cfg.hot_share
-            idx = np.where(from_hot, hot[rng.integers(0, cfg.hot_ids, cfg.batch_size)],
+            if cfg.hot_alpha > 0.0:
+                # Zipf over the members in a seeded random order (heat not tied to row position)
+                hot = hot[np.random.default_rng([self.seed, _DRIFT, _BATCH, self.window(step), t, 1])
+                          .permutation(cfg.hot_ids)]
+                which = rng.choice(cfg.hot_ids, size=cfg.batch_size, p=self.hot_pmf())
+            else:
+                which = rng.integers(0, cfg.hot_ids, cfg.batch_size)
+            idx = np.where(from_hot, hot[which],
                            rng.integers(0, U, cfg.batch_size))
             pos = rng.choice(cfg.batch_size, size=cfg.new_ids_per_step, replace=False)
             idx[pos] = rng.permutation(self.new_indices(step))
