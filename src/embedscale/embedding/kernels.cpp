@@ -76,6 +76,51 @@ inline float sum_of_squares(const float* g, int64_t D) {
   return buf[0];
 }
 
+// Calls go(std::integral_constant<int, DIM>()) with DIM = D for the dims compiled for (16, 32, 64, 128: the
+// inner loops unrolled), DIM = 0 (any D, a run-time loop bound) otherwise.
+template <typename Go>
+inline auto with_dim(int64_t D, Go&& go) {
+  switch (D) {
+    case 16: return go(std::integral_constant<int, 16>());
+    case 32: return go(std::integral_constant<int, 32>());
+    case 64: return go(std::integral_constant<int, 64>());
+    case 128: return go(std::integral_constant<int, 128>());
+    default: return go(std::integral_constant<int, 0>());
+  }
+}
+
+// The accumulator slot of row r through the dense row -> slot map: an unseen row (slot -1) takes the next slot
+// (first-seen order, recorded in uniq). Returns the slot; fresh tells whether it was just taken.
+inline int32_t claim_slot(int32_t* slot, int64_t r, int64_t& nu, int64_t* uniq, bool& fresh) {
+  int32_t s = slot[r];
+  fresh = s < 0;
+  if (fresh) {
+    s = static_cast<int32_t>(nu);
+    slot[r] = s;
+    uniq[nu++] = r;
+  }
+  return s;
+}
+
+// The optimizer step of one row from its summed gradient gr (optim.rowwise_adagrad_update_ /
+// optim.sgd_update_): row-wise Adagrad (momentum given) scales gr by -lr / (sqrt(m) + eps) after adding its
+// mean square to m; SGD adds gr * sgd_mult (-lr, or 1 when gr already carries -lr).
+template <int DIM>
+inline void update_row(float* __restrict wr, float* momentum_r, const float* __restrict gr, int64_t D,
+                       float lr, float eps, float sgd_mult) {
+  if (momentum_r) {
+    const float sq = sum_of_squares<DIM>(gr, D);
+    const float m = *momentum_r + sq / static_cast<float>(D);
+    *momentum_r = m;
+    const float mult = (1.0f / (std::sqrt(m) + eps)) * (-lr);  // std::sqrt: correctly rounded
+    for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * mult;
+  } else if (sgd_mult == 1.0f) {
+    for (int64_t d = 0; d < D; ++d) wr[d] += gr[d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * sgd_mult;
+  }
+}
+
 // One feature: values [begin(b), end(b)) of each bag b; one_hot: value b * k + f.
 // Returns the number of values whose row lies outside the feature's table (skipped: they would race with
 // another feature's update; only possible with the module's id validation turned off).
@@ -121,11 +166,9 @@ int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64
         continue;
       }
       const float w = a.scale ? a.scale[i] * factor : factor;
-      int32_t sl = slot[r];
-      if (sl < 0) {
-        sl = static_cast<int32_t>(nu);
-        slot[r] = sl;
-        uniq[nu++] = r;
+      bool fresh;
+      const int32_t sl = claim_slot(slot, r, nu, uniq, fresh);
+      if (fresh) {
         assign<DIM>(acc + sl * D, g, w, D);
       } else {
         axpy<DIM>(acc + sl * D, g, w, D);
@@ -139,17 +182,8 @@ int64_t feature_step(const Args& a, const RowT* rows, const OffT* offsets, int64
       if (a.momentum) __builtin_prefetch(a.momentum + uniq[u + PREFETCH_ROWS], 1);
     }
     slot[r] = -1;
-    const float* gr = acc + u * D;
-    float* wr = a.weight + r * D;
-    if (a.adagrad) {
-      const float sq = sum_of_squares<DIM>(gr, D);
-      const float m = a.momentum[r] + sq / static_cast<float>(D);
-      a.momentum[r] = m;
-      const float mult = (1.0f / (std::sqrt(m) + a.eps)) * (-a.lr);  // std::sqrt: correctly rounded
-      for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * mult;
-    } else {
-      for (int64_t d = 0; d < D; ++d) wr[d] += gr[d];
-    }
+    // SGD: the sums already carry -lr (factor)
+    update_row<DIM>(a.weight + r * D, a.adagrad ? a.momentum + r : nullptr, acc + u * D, D, a.lr, a.eps, 1.0f);
     if (a.touched) a.touched[r] = true;
   }
   return bad;
@@ -169,13 +203,7 @@ void run(const Args& a, const RowT* rows, const OffT* offsets) {
 
 template <typename RowT, typename OffT>
 void dispatch_dim(const Args& a, const RowT* rows, const OffT* offsets) {
-  switch (a.D) {
-    case 16: run<16, RowT, OffT>(a, rows, offsets); break;
-    case 32: run<32, RowT, OffT>(a, rows, offsets); break;
-    case 64: run<64, RowT, OffT>(a, rows, offsets); break;
-    case 128: run<128, RowT, OffT>(a, rows, offsets); break;
-    default: run<0, RowT, OffT>(a, rows, offsets);
-  }
+  with_dim(a.D, [&](auto dim) { run<decltype(dim)::value, RowT, OffT>(a, rows, offsets); });
 }
 
 template <typename RowT>
@@ -232,13 +260,9 @@ void forward_all(const float* weight, const RowT* rows, const OffT* offsets, con
 template <typename RowT, typename OffT>
 void forward_dim(const float* weight, const RowT* rows, const OffT* offsets, const float* scale, float* out,
                  int64_t ldo, int64_t B, int64_t k, int64_t D) {
-  switch (D) {
-    case 16: forward_all<16, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
-    case 32: forward_all<32, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
-    case 64: forward_all<64, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
-    case 128: forward_all<128, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D); break;
-    default: forward_all<0, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D);
-  }
+  with_dim(D, [&](auto dim) {
+    forward_all<decltype(dim)::value, RowT, OffT>(weight, rows, offsets, scale, out, ldo, B, k, D);
+  });
 }
 
 template <typename RowT>
@@ -284,16 +308,9 @@ int64_t row_sums(const int64_t* pos, int64_t nv, const int64_t* offsets, const f
         if (r >= n + R) { ++bad; continue; }
         acc = fetched + (r - n) * D;
       } else if (r >= 0) {
-        int32_t s = slot[r];
-        if (s < 0) {
-          s = static_cast<int32_t>(nu);
-          slot[r] = s;
-          urows[nu++] = r;
-          acc = ugrads + s * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-        } else {
-          acc = ugrads + s * D;
-        }
+        bool fresh;
+        acc = ugrads + claim_slot(slot, r, nu, urows, fresh) * D;
+        if (fresh) for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
       } else {
         ++bad;
         continue;
@@ -356,17 +373,9 @@ int64_t apply_lists(float* weight, float* momentum, bool* touched, int32_t* slot
         if (r < 0) continue;
       }
       if (r >= l.limit) continue;
-      int32_t s = slot[r];
-      float* a;
-      if (s < 0) {
-        s = static_cast<int32_t>(nu);
-        slot[r] = s;
-        uniq[nu++] = r;
-        a = acc.data() + s * D;
-        for (int64_t d = 0; d < D; ++d) a[d] = 0.f;
-      } else {
-        a = acc.data() + s * D;
-      }
+      bool fresh;
+      float* a = acc.data() + claim_slot(slot, r, nu, uniq.data(), fresh) * D;
+      if (fresh) for (int64_t d = 0; d < D; ++d) a[d] = 0.f;
       const float* g = l.grads + i * D;
       for (int64_t d = 0; d < D; ++d) a[d] = a[d] + g[d];
     }
@@ -381,18 +390,7 @@ int64_t apply_lists(float* weight, float* momentum, bool* touched, int32_t* slot
         if (momentum) __builtin_prefetch(momentum + up[u + PREFETCH_ROWS], 1);
       }
       slot[r] = -1;
-      const float* gr = accp + u * D;
-      float* wr = weight + r * D;
-      if (adagrad) {
-        const float sq = sum_of_squares<DIM>(gr, D);
-        const float m = momentum[r] + sq / static_cast<float>(D);
-        momentum[r] = m;
-        const float mult = (1.0f / (std::sqrt(m) + eps)) * (-lr);
-        for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * mult;
-      } else {
-        const float nlr = -lr;
-        for (int64_t d = 0; d < D; ++d) wr[d] += gr[d] * nlr;
-      }
+      update_row<DIM>(weight + r * D, adagrad ? momentum + r : nullptr, accp + u * D, D, lr, eps, -lr);
       if (touched) touched[r] = true;
     }
   });
@@ -710,13 +708,7 @@ int64_t sharded_row_grad_sums(at::Tensor pos, c10::optional<at::Tensor> offsets,
                          slot.data_ptr<int32_t>(), urows.data_ptr<int64_t>(), ugrads.data_ptr<float>(),
                          fetched.data_ptr<float>());
   };
-  switch (D) {
-    case 16: return go(std::integral_constant<int, 16>());
-    case 32: return go(std::integral_constant<int, 32>());
-    case 64: return go(std::integral_constant<int, 64>());
-    case 128: return go(std::integral_constant<int, 128>());
-    default: return go(std::integral_constant<int, 0>());
-  }
+  return with_dim(D, go);
 }
 
 // Sharded step, update: lists i of (rows[i] [c] int64, grads[i] [c, D] float32, maps[i]: an int64 map the rows
@@ -767,13 +759,9 @@ int64_t sharded_apply_row_grads(at::Tensor weight, c10::optional<at::Tensor> mom
   const float flr = static_cast<float>(lr), feps = static_cast<float>(eps);
   float* w = weight.data_ptr<float>();
   int32_t* sl = slot.data_ptr<int32_t>();
-  switch (D) {
-    case 16: return apply_lists<16>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
-    case 32: return apply_lists<32>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
-    case 64: return apply_lists<64>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
-    case 128: return apply_lists<128>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
-    default: return apply_lists<0>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
-  }
+  return with_dim(D, [&](auto dim) {
+    return apply_lists<decltype(dim)::value>(w, mom, tch, sl, n, D, lists, adagrad, flr, feps);
+  });
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
