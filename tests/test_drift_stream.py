@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import numpy as np
@@ -107,8 +108,6 @@ def test_teacher_signal_and_errors():
 
 def test_hot_alpha_draw_matches_zipf_pmf():
     """hot_alpha > 0: hot draws follow r**-alpha over the hot set's ranks (exact float64 pmf, 5-sigma)."""
-    import numpy as np
-    from embedscale.data.drift_stream import DriftConfig, DriftingStream
     cfg = DriftConfig(tables=("item",), initial_ids=500, hot_ids=20, hot_share=1.0, hot_alpha=1.0,
                       rotate_every=1_000, batch_size=4_000, new_ids_per_step=0)
     s = DriftingStream(cfg, seed=3)
@@ -123,12 +122,8 @@ def test_hot_alpha_draw_matches_zipf_pmf():
     assert np.all(np.abs(freq - pmf) <= 5 * np.sqrt(pmf * (1 - pmf) / n) + 1e-12)
 
 
-
-
 def test_hot_alpha_zero_keeps_every_stream_bit_for_bit():
     """Default hot_alpha=0: batch indices equal the pre-hot_alpha stream (digest taken from that code)."""
-    import hashlib
-    from embedscale.data.drift_stream import DriftConfig, DriftingStream
     s = DriftingStream(DriftConfig(tables=("user", "item"), initial_ids=500, hot_ids=20, batch_size=256,
                                    rotate_every=3), seed=5)
     h = hashlib.sha256()
@@ -139,8 +134,5 @@ def test_hot_alpha_zero_keeps_every_stream_bit_for_bit():
 
 
 def test_hot_alpha_negative_is_a_config_error():
-    import pytest
-    from embedscale.data.drift_stream import DriftConfig
-    from embedscale.errors import ConfigError
     with pytest.raises(ConfigError, match="hot_alpha"):
         DriftConfig(tables=("item",), hot_alpha=-0.5).validate()

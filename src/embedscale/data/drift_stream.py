@@ -110,6 +110,9 @@ class DriftingStream:
         cfg.validate()
         self.cfg = cfg
         self.seed = int(seed)
+        # probability of each hot-set rank r = 1..hot_ids: r**-hot_alpha / sum (float64; used when hot_alpha > 0)
+        w = np.arange(1, cfg.hot_ids + 1, dtype=np.float64) ** -cfg.hot_alpha
+        self._hot_pmf = w / w.sum()
         base = _splitmix64_int((self.seed ^ _DRIFT) & ((1 << 64) - 1))
         self._id_key = [_splitmix64_int(base ^ _IDS ^ (t << 20)) for t in range(len(cfg.tables))]
         self._effect_key = [_splitmix64_int(base ^ _EFFECT ^ (t << 20)) for t in range(len(cfg.tables))]
@@ -169,25 +172,20 @@ class DriftingStream:
         return (2.0 * u - 1.0) * math.sqrt(3.0)
 
     # -- batches -----------------------------------------------------------------------------------
-    def hot_pmf(self) -> np.ndarray:
-        """Probability of each hot-set rank (float64): ``r**-hot_alpha / sum`` for r = 1..hot_ids."""
-        w = np.arange(1, self.cfg.hot_ids + 1, dtype=np.float64) ** -self.cfg.hot_alpha
-        return w / w.sum()
-
     def batch_indices(self, step: int) -> dict[str, np.ndarray]:
         """Per table, the id index of every sample of batch ``step``."""
         cfg = self.cfg
         U = self.universe_size(step)
         out = {}
+        window = self.window(step)
         for t, name in enumerate(cfg.tables):
             rng = np.random.default_rng([self.seed, _DRIFT, _BATCH, int(step), t])
-            hot = self.hot_indices(name, self.window(step))
+            hot = self.hot_indices(name, window)
             from_hot = rng.random(cfg.batch_size) < cfg.hot_share
             if cfg.hot_alpha > 0.0:
                 # Zipf over the members in a seeded random order (heat not tied to row position)
-                hot = hot[np.random.default_rng([self.seed, _DRIFT, _BATCH, self.window(step), t, 1])
-                          .permutation(cfg.hot_ids)]
-                which = rng.choice(cfg.hot_ids, size=cfg.batch_size, p=self.hot_pmf())
+                hot = hot[np.random.default_rng([self.seed, _DRIFT, _BATCH, window, t, 1]).permutation(cfg.hot_ids)]
+                which = rng.choice(cfg.hot_ids, size=cfg.batch_size, p=self._hot_pmf)
             else:
                 which = rng.integers(0, cfg.hot_ids, cfg.batch_size)
             idx = np.where(from_hot, hot[which],
