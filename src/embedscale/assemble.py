@@ -154,16 +154,13 @@ def managed_for(cfg: RunConfig, tables: list[TableSpec], forms: dict[str, TableF
                 ) -> dict[str, ManagedConfig]:
     """The run's managed tables (``specs.managed_tables``: ``model.managed``, a table's ``managed``) and their
     settings; a ``ConfigError`` for what cannot be managed yet: a TT or host table (``forms``: the run's, else
-    the config's), DMT towers, live re-planning."""
+    the config's), DMT towers."""
     managed = managed_tables(cfg.model, tables)
     if not managed:
         return managed
     if is_dmt_arch(cfg.model.arch):
         raise ConfigError(f"managed tables {sorted(managed)}: model.arch {cfg.model.arch!r} (DMT towers) does not map "
                           "managed ids yet; use dlrm or dcn")
-    if cfg.train.replan_every:
-        raise ConfigError(f"managed tables {sorted(managed)}: train.replan_every (live re-planning) does not move "
-                          "managed tables' mappings yet; set it to 0")
     forms = forms if forms is not None else config_forms(cfg.model, tables)
     for name in managed:
         if forms[name].kind not in ("sharded",):

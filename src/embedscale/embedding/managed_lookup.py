@@ -21,8 +21,14 @@ features go in one ``all_gather`` (``grad_sync.all_gather_var``: the sizes, then
 rebuilds the global order (feature by feature, ranks in order: the single process's order) and keeps its
 own positions of the result. A reset row is reset by every rank that holds it (its owner and the ranks with
 a replica of it), so every copy stays identical. Not yet: the mapping sharded with the rows (each rank
-mapping the ids its rows own), as the issue asks; a live re-plan (``train.replan_every``) beside managed
-tables.
+mapping the ids its rows own), as the issue asks.
+
+**Live re-planning** (``train.replan_every``, ``train.replan``). The mapping names rows, not places: a
+migration moves rows and their optimizer state and the mapping stays valid as it is. The reset of later
+batches finds a row where the running address map puts it (:func:`storage_positions` reads the module's map
+each time); a migration that builds a new module (PGAS) points :attr:`ManagedLookup.rows` and the hook at it
+(``DistributedRun.swap_sharded``). The drift monitor profiles the rows a batch read (:attr:`ManagedLookup.last`),
+not its raw ids.
 
 A reset row takes its initial value again (``embedding.init.uniform_rows`` of the table's index among all
 tables: placement-independent, so one process and N ranks reset alike) and row-wise optimizer state 0, and
@@ -88,6 +94,9 @@ class ManagedLookup:
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.stats: dict[str, int] = {}
+        # the last training batch as the lookup read it (rows, not raw ids): the drift monitor's rolling profile
+        # counts these (train.replan)
+        self.last: JaggedFeatures | None = None
 
     # -- the hook --------------------------------------------------------------------------------
     def __call__(self, module: nn.Module, args: tuple):
@@ -118,7 +127,10 @@ class ManagedLookup:
         for f in self.features:
             a, b = span[f]
             out[a:b] = rows[f].to(out.device, out.dtype)
-        return JaggedFeatures(keys, out, features.lengths, features.weights)
+        mapped = JaggedFeatures(keys, out, features.lengths, features.weights)
+        if training:
+            self.last = mapped
+        return mapped
 
     def _table_of(self, feature: str) -> str:
         return next(n for n, s in self.specs.items() if feature in s.features)

@@ -74,6 +74,7 @@ from embedscale.data.profile import AccessProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
+from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.models import build_model
@@ -416,6 +417,10 @@ class DistributedRun:
                 if child is old:
                     setattr(parent, name, new)
         self.embedding, self.plan = new, plan
+        if new is not old and self.managed is not None:  # managed ids: reset rows in, and map before, the new module
+            self.managed.rows = new
+            if managed_of(old) is self.managed:  # the hook sat on the old module itself (no TT module around it)
+                install(new, self.managed)
 
     def _new_group(self):
         """A process group of every rank (the TT core gradients', the host rows' exchange)."""
@@ -506,7 +511,8 @@ class DistributedRun:
     def train_step(self, batch) -> float:
         if self.monitor is not None:  # between two steps: maybe re-plan and migrate (train.replan)
             self.monitor.maybe_replan(self)
-            self.monitor.observe(batch.sparse, batch.batch_size)
+            if self.managed is None:
+                self.monitor.observe(batch.sparse, batch.batch_size)
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
@@ -518,6 +524,8 @@ class DistributedRun:
         sync_before = self.embedding.stats.get("grad_sync_bytes", 0) + self.tt_stats.get("tt_grad_sync_bytes", 0)
         loss.backward()
         self.opt.step()
+        if self.monitor is not None and self.managed is not None:  # managed: the rows the lookup read, not raw ids
+            self.monitor.observe(self.managed.last, batch.batch_size)
         self.bytes_per_step.append(int(self.transport.counter.sent.sum()))
         self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0)
                                         + self.tt_stats.get("tt_grad_sync_bytes", 0) - sync_before)
