@@ -36,7 +36,9 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -52,6 +54,7 @@ MAX_DIM = 1024
 """Largest row width the kernel takes (``MAX_DIM`` in ``kernels.cpp``)."""
 
 _state: dict[str, object] = {}
+_lock = threading.Lock()  # fused_ops: one load per process
 
 
 def takes(weights: torch.Tensor) -> bool:
@@ -90,13 +93,26 @@ def build(verbose: bool = False) -> Path:
 
     name = build_name()
     directory = cache_root() / name
-    directory.mkdir(parents=True, exist_ok=True)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-         build_directory=str(directory), verbose=verbose)
-    path = directory / f"{name}.so"
-    if not path.exists():  # pragma: no cover - load() raises on a failed build
-        raise RuntimeError(f"build of {SOURCE} produced no {path}")
-    return path
+    if (directory / f"{name}.so").exists():
+        return directory / f"{name}.so"
+    # built in a directory of its own, then renamed into place: a process never finds a half-linked library
+    # under the final name, and two concurrent builds of one source leave one whole build
+    work = cache_root() / f".{name}.build-{os.getpid()}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+             build_directory=str(work), verbose=verbose)
+        if not (work / f"{name}.so").exists():  # pragma: no cover - load() raises on a failed build
+            raise RuntimeError(f"build of {SOURCE} produced no {work / f'{name}.so'}")
+        try:
+            os.rename(work, directory)
+        except OSError:  # another build of the same source landed first: keep it
+            if not (directory / f"{name}.so").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return directory / f"{name}.so"
 
 
 def _import(path: Path, name: str) -> ModuleType:
@@ -108,9 +124,17 @@ def _import(path: Path, name: str) -> ModuleType:
 
 
 def fused_ops() -> ModuleType | None:
-    """The loaded extension, or ``None`` (logged once) when no build of the current source exists."""
+    """The loaded extension, or ``None`` (logged once) when no build of the current source exists. Loaded
+    once per process, under a lock: a second thread never sees (or re-initialises) a module still loading."""
     if "ops" in _state:
         return _state["ops"]  # type: ignore[return-value]
+    with _lock:
+        if "ops" in _state:
+            return _state["ops"]  # type: ignore[return-value]
+        return _load_ops()
+
+
+def _load_ops() -> ModuleType | None:
     ops = None
     path = library_path() if SOURCE.exists() else None
     if path is None:
