@@ -462,6 +462,8 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     assert summary["replan_checks"] == 1 and [r["step"] for r in summary["replans"]] == [EVERY]
     new_plan = live / "replans" / f"step-{EVERY}"
     assert (new_plan / "plan.json").exists()
+    for png in ("replans.png", "curves.png"):  # the re-plans drawn (balance before/after, rows moved, time)
+        assert (live / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     # the reference: restarted from the step-4 checkpoint under the new plan, no monitor
     ref = tmp_path / "restart"
     rcfg = drift_config(tmp_path, data, replan_every=0)

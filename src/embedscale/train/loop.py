@@ -37,8 +37,9 @@ from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
-from embedscale.train.plots import plot_curves
+from embedscale.train.plots import plot_curves, plot_replans
 from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, step_dir, write_best
+from embedscale.train.replan import read_replans
 from embedscale.train.run import Run, save_checkpoint
 
 
@@ -398,7 +399,11 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         src = run.train_loader
         summary["stream"] = {"position": dict(st.stream), "end": src.end_reason, "shards_read": src.shards_read,
                              "directory": str(src.directory)}
-    plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc)
+    replans = read_replans(run.run_dir)  # live re-plans (train.replan), earlier attempts' included
+    plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc,
+                replan_steps=[int(r["step"]) for r in replans])
+    if replans:
+        plot_replans(replans, run.run_dir / "replans.png", title=title)
     atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
 
