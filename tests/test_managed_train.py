@@ -256,6 +256,7 @@ def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, d
     assert 8 * recv < got["rows"] <= 8 * recv + 8 * 2 * ROWS * STEPS  # resets: at most every row of both tables
     assert summary["managed_exchange_bytes_per_step"] * STEPS == pytest.approx(got["ids"] + got["rows"] + got["meta"])
     assert summary["managed"] == {f"t_{t}": counters_of(ref_managed, t) for t in TABLES}
+    assert summary["eval_auc"] == pytest.approx(single[1]["eval_auc"], abs=1e-6)  # eval maps through the hosts too
     losses, w, dense, managed = state(tmp_path / "two")
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
