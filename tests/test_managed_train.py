@@ -212,25 +212,19 @@ def _rank(rank, world, cfg_dict, run_dir, resume_from=None):
     return True
 
 
-def _exchange_ids(data_dir, world: int) -> tuple[int, int]:
-    """Over the first STEPS batches: the ids rank 0 sends to another rank (its ids whose mapping
-    shard another rank hosts) and the ids it receives (the other ranks' ids of its shards), by the dict
-    reference's hash."""
+def _crossing_ids(data_dir, world: int) -> int:
+    """Over the first STEPS batches: the ids that travel to another rank (each rank's ids whose mapping shard
+    another rank hosts), by the dict reference's hash."""
     src = ShardLoader(data_dir, BATCH, stop=STEPS * BATCH, prefetch=0, raw_ids=set(TABLES))
-    sent = recv = 0
+    n = 0
     for b in src:
         vals = b.sparse.to_dict()
         for t in TABLES:
             ids = vals[t][0].tolist()
             for r in range(world):
-                mine = ids[r * BATCH // world:(r + 1) * BATCH // world]
-                host = [ref_shard(x, MANAGED["shards"]) % world for x in mine]
-                if r == 0:
-                    sent += sum(h != 0 for h in host)
-                else:
-                    recv += sum(h == 0 for h in host)
-    return sent, recv
-
+                n += sum(ref_shard(x, MANAGED["shards"]) % world != r
+                         for x in ids[r * BATCH // world:(r + 1) * BATCH // world])
+    return n
 
 
 def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, data_dir, single):
@@ -247,13 +241,14 @@ def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, d
     assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
     assert "delta" in load_checkpoint(step_dir(tmp_path / "two", 6))["manifest"]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    # rank 0, per step: its ids hosted by rank 1 (int64), the rows of rank 1's ids it hosts back plus the global
-    # ids of the reset rows rank 1 holds, and metadata: the [2, 2] counts (one row of 2 int64 to rank 1) and
-    # the return's size (one int64)
-    sent, recv = _exchange_ids(data_dir, 2)
+    # summed over the ranks: the ids hosted by the other rank (int64), their rows back (int32: 24 rows in all)
+    # plus the global ids of the reset rows the receiver holds, and metadata: per rank and step the [2, 2]
+    # counts (one row of 2 int64 to the other rank) and the return's size (one int64)
+    crossing = _crossing_ids(data_dir, 2)
     got = {k: v * STEPS for k, v in summary["managed_exchange_bytes"].items()}  # totals over the run
-    assert got["ids"] == 8 * sent and got["meta"] == (8 * 2 + 8) * STEPS
-    assert 8 * recv < got["rows"] <= 8 * recv + 8 * 2 * ROWS * STEPS  # resets: at most every row of both tables
+    assert got["ids"] == pytest.approx(8 * crossing) and got["meta"] == pytest.approx(2 * (8 * 2 + 8) * STEPS)
+    resets = (got["rows"] - 4 * crossing) / 4
+    assert resets == int(resets) and 0 < resets <= 2 * ROWS * STEPS  # at most every row of both tables a step
     assert summary["managed_exchange_bytes_per_step"] * STEPS == pytest.approx(got["ids"] + got["rows"] + got["meta"])
     assert summary["managed"] == {f"t_{t}": counters_of(ref_managed, t) for t in TABLES}
     assert summary["eval_auc"] == pytest.approx(single[1]["eval_auc"], abs=1e-6)  # eval maps through the hosts too

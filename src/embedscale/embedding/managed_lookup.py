@@ -34,7 +34,8 @@ convention in :attr:`ManagedLookup.stats`):
    all its shards at once;
 4. the rows back to the ranks that asked (one all-to-all, after the exchange of its sizes), each message
    followed by the global ids of the reset rows (evicted, admitted) that the receiving rank holds (owner or
-   replica, ``AddressMap.holders_of``); every rank resets what it received.
+   replica, ``AddressMap.holders_of``); every rank resets what it received. Int32 when the rows module's
+   global row ids fit (under 2^31 rows in all), else int64.
 
 A world of one hosts all shards and sees the same per-shard order, so N ranks and one process assign alike
 (tests/test_managed_train.py). Evaluation sends ids and rows the same way (no resets, no size exchange).
@@ -110,6 +111,9 @@ class ManagedLookup:
         self.seed = int(seed)
         self.device = torch.device(device)
         self.transport = CollectiveTransport(self.rank, self.world, group) if self.world > 1 else None
+        # the rows' way back: int32 when every global row id of the rows module fits (rows and reset gids)
+        total = int(rows.amap.table_base[-1]) if isinstance(rows, ShardedEmbedding) else 1 << 62
+        self._back_dtype = torch.int32 if total < 2**31 else torch.int64
         self.stats: dict[str, int] = {}  # training steps' bytes sent (bytes_sent = ids + rows + meta), steps
         self.last: JaggedFeatures | None = None  # the mapped features of the last training batch
 
@@ -196,15 +200,16 @@ class ManagedLookup:
         rows_recv = torch.empty_like(rows_fp)
         rows_recv[perm] = rows_fp
         back = list(torch.split(rows_recv, recv_n))
+        bt = self._back_dtype
         if training:  # each rank gets the global ids of the reset rows it holds after its rows (4.)
             held = self._reset_gids_by_rank(resets)
-            back = tr.exchange([torch.cat([back[p], held[p]]) for p in range(W)], None, kind="rows")
+            back = tr.exchange([torch.cat([back[p], held[p]]).to(bt) for p in range(W)], None, kind="rows")
         else:
-            back = tr.exchange(back, send_n, kind="rows")
+            back = tr.exchange([b.to(bt) for b in back], send_n, kind="rows")
         mine = torch.empty_like(vals)
-        mine[order] = torch.cat([m[:n] for m, n in zip(back, send_n)])
+        mine[order] = torch.cat([m[:n] for m, n in zip(back, send_n)]).to(torch.int64)
         if training:
-            self._reset_gids(torch.cat([m[n:] for m, n in zip(back, send_n)]))
+            self._reset_gids(torch.cat([m[n:] for m, n in zip(back, send_n)]).to(torch.int64))
             now = (int(counter.by_kind.get("ids", 0)), int(counter.by_kind.get("rows", 0)), int(counter.meta))
             st = self.stats
             for k, b, a in zip(("ids_bytes", "rows_bytes", "meta_bytes"), before, now):
@@ -292,6 +297,20 @@ class ManagedLookup:
             self.ids.load_state_dict(state)
         except FormatError as e:
             raise FormatError(f"{where}: {e}") from None
+
+    def exchange_figures(self) -> dict:
+        """The training steps' id exchange, bytes sent per step *summed over the ranks* (collective on N ranks):
+        ``bytes_per_step`` and ``{ids, rows, meta}`` per step (``comm.transport``'s convention); zeros in a
+        world of one."""
+        keys = ("bytes_sent", "ids_bytes", "rows_bytes", "meta_bytes")
+        v = torch.tensor([float(self.stats.get(k, 0)) for k in keys], dtype=torch.float64)
+        if self.world > 1:
+            v = v.to(self.transport.wire_device)
+            dist.all_reduce(v, group=self.group)
+            v = v.cpu()
+        n = max(self.stats.get("steps", 0), 1)
+        per = (v / n).tolist()
+        return {"bytes_per_step": per[0], "ids": per[1], "rows": per[2], "meta": per[3]}
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Every managed table's counters over all its shards (N ranks: a sum over the ranks, collective)."""

@@ -490,11 +490,11 @@ class DistributedRun:
             out["pipeline_depth"] = self.pipeline_depth
         if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (all shards, summed)
             out["managed"] = self.managed.counters()
-            # the id exchange of a training step (ids to their shard's host, rows and resets back, counts): this
-            # rank's bytes sent, comm.transport's convention (embedding.managed_lookup)
-            st, n = self.managed.stats, max(self.managed.stats.get("steps", 0), 1)
-            out["managed_exchange_bytes_per_step"] = st.get("bytes_sent", 0) / n
-            out["managed_exchange_bytes"] = {k: st.get(f"{k}_bytes", 0) / n for k in ("ids", "rows", "meta")}
+            # the id exchange of a training step (ids to their shard's host, rows and resets back, counts): bytes
+            # sent summed over the ranks, comm.transport's convention (embedding.managed_lookup)
+            ex = self.managed.exchange_figures()
+            out["managed_exchange_bytes_per_step"] = ex.pop("bytes_per_step")
+            out["managed_exchange_bytes"] = ex
         out.update(self.executor_figures())
         return out
 
