@@ -292,3 +292,29 @@ def test_empty_batch_and_shape():
     assert t.rows_of(torch.tensor([7, 8])).tolist() == [3, 0]
     with pytest.raises(InputError, match="integers"):
         t.assign(torch.tensor([1.0]))
+
+
+def test_an_unsharded_state_of_the_former_format_loads_as_one_shard():
+    """A mapping saved before mapping shards (one table-wide state, row 0 included) resumes as ``shards=1``
+    and continues as the dict reference does; any other shard count is a named error."""
+    stream = list(_stream(4, 40, 20, 8))
+    state = {"config": torch.tensor([6, 2, 0, -1, 24]), "step": torch.tensor(20),
+             "counters": torch.tensor([100, 60, 40, 9, 4, 0]),
+             "row_id": torch.tensor([0, 11, 12, 13, 0, 15]), "row_used": torch.tensor([False, True, True, True,
+                                                                                       False, True]),
+             "row_last": torch.tensor([0, 19, 20, 18, 0, 20]), "row_freq": torch.tensor([0, 3, 4, 2, 0, 5]),
+             "pend_ids": torch.tensor([21, 22]), "pend_count": torch.tensor([1, 1]), "pend_last": torch.tensor([19, 20])}
+    t = ManagedIdTable("t", 6, admit_after=2, policy="lru", pending_capacity=24)
+    t.load_state_dict(state)
+    ref = Reference(6, 2, "lru", None, 24)
+    ref.t = 20
+    ref.rows = {1: [11, 19, 3], 2: [12, 20, 4], 3: [13, 18, 2], 5: [15, 20, 5]}
+    ref.row_of = {v[0]: r for r, v in ref.rows.items()}
+    ref.pending = {21: [1, 19], 22: [1, 20]}
+    ref.counters = dict(lookups=100, hits=60, collisions=40, admissions=9, evictions=4, pending_dropped=0)
+    assert t.mapping() == ref.row_of and t.step == 20
+    for ids in stream:
+        assert t.assign(torch.from_numpy(ids)).rows.tolist() == ref.assign(ids.tolist())[0]
+    assert t.counters == ref.counters
+    with pytest.raises(FormatError, match="unsharded.*shards 1"):
+        ManagedIdTable("t", 6, admit_after=2, policy="lru", pending_capacity=24, shards=2).load_state_dict(state)

@@ -398,6 +398,15 @@ class ManagedIdTable:
             raise FormatError(f"managed table {self.name!r}: state lacks 'config' or 'step'")
         want = self._config()
         got = state["config"].tolist()
+        if len(got) == 5 and "row_id" in state:  # written before mapping shards: one unsharded mapping
+            if got + [1] != want:
+                raise FormatError(f"managed table {self.name!r}: the saved mapping is unsharded (written before "
+                                  f"mapping shards; config {got}): it resumes only as managed.shards 1 with the "
+                                  f"same settings, this table is {want} (num_rows, admit_after, policy, ttl, "
+                                  "pending_capacity, shards)")
+            state = {"config": torch.tensor(want), "step": state["step"], "0.counters": state["counters"],
+                     **{f"0.{k}": state[k][1:] for k in _ROW_KEYS}, **{f"0.{k}": state[k] for k in _PEND_KEYS}}
+            got = want
         if got != want:
             raise FormatError(f"managed table {self.name!r}: saved config (num_rows, admit_after, policy, ttl, "
                               f"pending_capacity, shards) {got} differs from this table's {want}")
