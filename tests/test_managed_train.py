@@ -4,9 +4,11 @@
   ordinary table whose batches were mapped by the plain-Python dict implementation of the rules
   (``test_managed_ids.Reference``), the rows it reports reset to their initial values
   (``embedding.init.uniform_rows``) with zero Adagrad state: same losses, same rows, same mapping.
-* 2 ranks (a plan with replicated rows of a managed table) equal one process (losses, rows, dense state
-  within 1e-5; the mapping equal); the 2-rank run's mid-run checkpoint resumed in one process continues as
-  the uninterrupted run (the mapping written once by rank 0, read on another world size).
+* 2 ranks (a plan with replicated rows of a managed table; 3 mapping shards, rank 0 hosting shards 0 and 2)
+  equal one process (losses, rows, dense state within 1e-5, eval AUC; the mapping and counters equal); the id
+  exchange's bytes match a count by the reference's hash; the 2-rank run's delta checkpoint of step 6 resumed
+  on 3 ranks (one shard each) and in one process (all shards) continues as the uninterrupted run (each rank
+  file holds its shards; a restore re-hosts them).
 * A resume after a stop equals the uninterrupted run.
 * Bad managed configs are errors naming table and key; the loader accepts any raw id of a managed table's
   feature and still rejects out-of-range ids of an unmanaged one.
