@@ -92,6 +92,14 @@ def shard_bounds(num_rows: int, shards: int) -> list[int]:
     return [1 + s * r // shards for s in range(shards + 1)]
 
 
+def _per_group(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """How many elements each group ``0 .. n - 1`` has (``bincount`` without its min/max passes)."""
+    return torch.zeros(n, dtype=torch.int64, device=groups.device).scatter_add_(0, groups, torch.ones_like(groups))
+
+
+_KEY_SHIFT = 40  # composite sort keys: (shard << 40) | value, for values below 2^40 (steps, frequencies)
+
+
 def _rank_in_group(groups: torch.Tensor) -> torch.Tensor:
     """For ascending group keys: each element's rank among the elements of its group (0, 1, ...)."""
     if groups.numel() == 0:
@@ -183,6 +191,7 @@ class ManagedIdTable:
         self._local_of[torch.tensor(self.hosted, **i64)] = torch.arange(H, **i64)
         cap, extra = divmod(self.pending_capacity, self.shards)
         self.pend_cap = torch.tensor([cap + (s < extra) for s in self.hosted], **i64)
+        self._cap_min = cap if H else 0  # no shard is over its capacity while the pending ids are at most this
         L = self._offsets[-1]
         self.step = 0
         self.row_id = torch.zeros(L, **i64)
@@ -301,19 +310,22 @@ class ManagedIdTable:
             shard_ids = torch.arange(H, device=dev)
             free = torch.nonzero(~self.row_used, as_tuple=True)[0]  # ascending: grouped by shard, rows ascending
             f_ls = self.row_shard[free]
-            f_n = torch.bincount(f_ls, minlength=H)
+            f_n = _per_group(f_ls, H)
             f_start = torch.searchsorted(f_ls, shard_ids)
             gets_free = c_rank < f_n[c_ls]
             target[gets_free] = free[f_start[c_ls[gets_free]] + c_rank[gets_free]] if free.numel() else empty
             rest = ~gets_free
             if self.policy in ("lru", "lfu") and bool(rest.any()):
                 eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
-                order = eligible[torch.argsort(self.row_last[eligible], stable=True)]
-                if self.policy == "lfu":
-                    order = order[torch.argsort(self.row_freq[order], stable=True)]
-                order = order[torch.argsort(self.row_shard[order], stable=True)]
+                e_sh = self.row_shard[eligible] << _KEY_SHIFT
+                if self.policy == "lru":  # by (shard, last, row): rows ascend already, one stable sort
+                    order = eligible[torch.argsort(e_sh | self.row_last[eligible], stable=True)]
+                else:  # by (shard, freq, last, row)
+                    o = torch.argsort(self.row_last[eligible], stable=True)
+                    freq = self.row_freq[eligible].clamp(max=(1 << _KEY_SHIFT) - 1)
+                    order = eligible[o[torch.argsort((e_sh | freq)[o], stable=True)]]
                 e_ls = self.row_shard[order]
-                e_n = torch.bincount(e_ls, minlength=H)
+                e_n = _per_group(e_ls, H)
                 e_start = torch.searchsorted(e_ls, shard_ids)
                 r2 = c_rank - f_n[c_ls]
                 ok = rest & (r2 < e_n[c_ls])
@@ -338,30 +350,32 @@ class ManagedIdTable:
         p_ids = torch.cat([self.pend_ids[~seen], m_ids[keep_new]])
         p_cnt = torch.cat([self.pend_count[~seen], total[keep_new]])
         p_last = torch.cat([self.pend_last[~seen], torch.full_like(total[keep_new], t)])
-        p_ls = self._local_of[shard_of(p_ids, self.shards)]
-        excess = (torch.bincount(p_ls, minlength=H) - self.pend_cap).clamp_(min=0)
-        if int(excess.sum()) > 0:
-            o = torch.argsort(p_ids)
-            o = o[torch.argsort(p_last[o], stable=True)]
-            o = o[torch.argsort(p_ls[o], stable=True)]  # by (shard, last, id)
-            o_ls = p_ls[o]
-            keep = torch.sort(o[_rank_in_group(o_ls) >= excess[o_ls]]).values
-            p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
-            self.shard_counters[:, 5] += excess
         o = torch.argsort(p_ids)
-        self.pend_ids, self.pend_count, self.pend_last = p_ids[o], p_cnt[o], p_last[o]
+        p_ids, p_cnt, p_last = p_ids[o], p_cnt[o], p_last[o]  # sorted by id (ids are distinct)
+        if p_ids.numel() > self._cap_min:  # some shard may be over its capacity
+            p_ls = self._local_of[shard_of(p_ids, self.shards)]
+            excess = (_per_group(p_ls, H) - self.pend_cap).clamp_(min=0)
+            if int(excess.sum()) > 0:  # drop the smallest (last, id) of each shard: one stable sort over id order
+                q = torch.argsort((p_ls << _KEY_SHIFT) | p_last, stable=True)
+                q_ls = p_ls[q]
+                drop = torch.zeros(p_ids.numel(), dtype=torch.bool, device=dev)
+                drop[q[_rank_in_group(q_ls) < excess[q_ls]]] = True
+                keep = torch.nonzero(~drop, as_tuple=True)[0]
+                p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
+                self.shard_counters[:, 5] += excess
+        self.pend_ids, self.pend_count, self.pend_last = p_ids, p_cnt, p_last
         self._rebuild_index()
         # 7. rows of the batch after admission
         rows = self._rows_of_sorted(uniq)[inv]
         pos_ls = u_ls[inv]
         c = self.shard_counters
-        lookups = torch.bincount(pos_ls, minlength=H)
-        collisions = torch.bincount(pos_ls[rows == 0], minlength=H)
+        lookups = _per_group(pos_ls, H)
+        collisions = _per_group(pos_ls[rows == 0], H)
         c[:, 0] += lookups
         c[:, 1] += lookups - collisions
         c[:, 2] += collisions
-        c[:, 3] += torch.bincount(self.row_shard[adm_rows], minlength=H)
-        c[:, 4] += torch.bincount(self.row_shard[ev_rows], minlength=H)
+        c[:, 3] += _per_group(self.row_shard[adm_rows], H)
+        c[:, 4] += _per_group(self.row_shard[ev_rows], H)
         return Assignment(rows.view(ids.shape), adm_ids, self.row_global[adm_rows], ev_ids,
                           self.row_global[ev_rows])
 
