@@ -9,6 +9,14 @@ Both models have the same tables of ``--rows`` rows each (the same embedding mem
 * baseline at its best: the raw 64-bit ids hashed into the table (``id mod rows``; the stream's ids are
   already splitmix64-scattered, so this is a uniform hash), the way a fixed table takes a growing vocabulary.
 
+With ``--nproc N`` both models train on N local ranks (gloo, ``row_wise`` plan, 1 thread each): the managed
+mapping is then sharded over the ranks (``embedding.managed_lookup``: ids to their mapping shard's rank, rows
+back), and the JSON adds the bytes of that exchange per training step, summed over the ranks
+(``managed_exchange_bytes_per_step``, measured), beside those of the former replicated design (one
+``all_gather`` of every rank's ids and per-feature counts, padded to the largest rank's, after one of the
+sizes: ``(N - 1) x 8 x (1 + F + F x ceil(B / N))`` per rank for F managed features of one id per sample;
+the formula its test asserted exactly, not re-run here).
+
 The figure is the progressive AUC (``pv_auc``: every batch scored by the training forward before its update,
 over the last ``--window`` samples) at the end of the run, and its mean over the logged windows of the
 second half (a stream's learning is judged while it runs). Per seed both runs, alternating which goes first;
@@ -18,7 +26,7 @@ one JSON line with the load average. Memory: the managed mapping
 adds per row an id, a flag, a last step and a count (25 bytes) and up to ``4 x rows`` pending ids (24 bytes
 each) beside the ``rows x dim x 4`` bytes of weights both models hold.
 
-    .venv/bin/python benchmarks/bench_online_ids.py [--quick] [--seeds 3] [--steps 300]
+    .venv/bin/python benchmarks/bench_online_ids.py [--quick] [--seeds 3] [--steps 300] [--nproc 2]
 """
 
 from __future__ import annotations
@@ -38,8 +46,18 @@ from embedscale import workflow
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
 from embedscale.data.metrics import binary_metrics
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
-from embedscale.specs import RunConfig, from_dict
+from embedscale.specs import RunConfig, from_dict, to_dict
+from embedscale.train.launch import spawn_local
 from embedscale.train.metrics import MetricsLog
+
+
+def _train_rank(rank, world, cfg_dict, run_dir):
+    """One rank of an ``--nproc N`` run."""
+    from embedscale.train.ranks import train_distributed
+
+    torch.set_num_threads(1)
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+    return True
 
 
 def write_hashed(stream: DriftingStream, directory: Path, steps: int, rows: int) -> None:
@@ -72,14 +90,30 @@ def run(directory: Path, out: Path, args, managed: dict) -> dict:
         "train": {"batch_size": args.batch, "log_every": args.log_every, "progressive_window": args.window,
                   "lr_sparse": args.lr_sparse, "lr_dense": 0.01, "lr_warmup_steps": 20, "dropout": 0.0,
                   "eval_every": 0, "prefetch": 2},
+        "dist": {"plan": "row_wise", "nproc": args.nproc, "timeout_s": 1800},
     })
     t0 = time.perf_counter()
-    s = workflow.train(cfg, out, resume=False, progress=False)
+    if args.nproc > 1:
+        spawn_local(_train_rank, args.nproc, to_dict(cfg), str(out), timeout_s=7200)
+        s = json.loads((out / "summary.json").read_text())
+    else:
+        s = workflow.train(cfg, out, resume=False, progress=False)
     secs = time.perf_counter() - t0
     rows = [r for r in MetricsLog(out).read() if np.isfinite(getattr(r, "pv_auc", np.nan))]
     half = [r.pv_auc for r in rows if r.step > args.steps // 2]
     return {"final": s["progressive"]["auc"], "second_half_mean": float(np.mean(half)), "seconds": secs,
-            "managed": s.get("managed", {})}
+            "managed": s.get("managed", {}), "exchange_bytes_per_step": s.get("managed_exchange_bytes_per_step"),
+            "exchange_bytes": s.get("managed_exchange_bytes")}
+
+
+def former_gather_bytes(world: int, batch: int, features: int) -> int:
+    """Bytes per step, summed over the ranks, of the former replicated mapping's id exchange
+    (``grad_sync.all_gather_var`` of ``[count per feature, ids...]``: the sizes, ``(W - 1) x 8`` per rank, then
+    the payload padded to the largest rank's, ``(W - 1) x 8 x (F + F x largest slice)``)."""
+    if world <= 1:
+        return 0
+    top = max((batch * (r + 1)) // world - (batch * r) // world for r in range(world))
+    return world * (world - 1) * 8 * (1 + features + features * top)
 
 
 def main():
@@ -100,6 +134,7 @@ def main():
     ap.add_argument("--admit-after", type=int, default=2)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--ttl", type=int, default=0)
+    ap.add_argument("--nproc", type=int, default=1, help="local ranks (gloo) of both models")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both models (1: robust under "
                     "load; the mapping's small tensor ops slow down 20-40x with 2 contended threads)")
     args = ap.parse_args()
@@ -142,6 +177,10 @@ def main():
         "seconds_per_run": {"managed": float(np.median([r["seconds"] for r in res["managed"]])),
                             "hashed": float(np.median([r["seconds"] for r in res["hashed"]]))},
         "managed_counters": res["managed"][0]["managed"],
+        "nproc": args.nproc,
+        "managed_exchange_bytes_per_step": res["managed"][0]["exchange_bytes_per_step"],
+        "managed_exchange_bytes": res["managed"][0]["exchange_bytes"],
+        "former_all_gather_bytes_per_step": former_gather_bytes(args.nproc, args.batch, len(dcfg.tables)),
         "per_seed": {"managed": fig, "hashed": base},
         "load_average": [round(load0, 2), round(load1, 2)],
         "config": {**vars(args), "drift": {k: v for k, v in vars(dcfg).items()}, "managed": managed},

@@ -9,22 +9,41 @@ import pytest
 import torch
 
 from embedscale.embedding.local import LocalEmbeddingBags
-from embedscale.embedding.managed import ManagedIds, ManagedIdTable, reset_rows
+from embedscale.embedding.managed import ManagedIds, ManagedIdTable, reset_rows, shard_bounds, shard_of
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec
 
 
-class Reference:
-    """The semantics of embedding/managed.py's docstring, per id, in dicts."""
+M64 = (1 << 64) - 1
 
-    def __init__(self, num_rows, k, policy, ttl=None, pending_capacity=None):
-        self.n, self.k, self.policy, self.ttl = num_rows, k, policy, ttl
-        self.cap = 4 * num_rows if pending_capacity is None else pending_capacity
+
+def ref_shard(x: int, shards: int) -> int:
+    """embedding/managed.py's shard hash in Python integers: bits 32..62 of (x * 0x9E3779B97F4A7C15 mod 2^64)
+    after ``h ^= h >> 29`` (unsigned), mod ``shards``."""
+    h = (x * 0x9E3779B97F4A7C15) & M64
+    h ^= h >> 29
+    return ((h >> 32) & 0x7FFFFFFF) % shards
+
+
+class Reference:
+    """The semantics of embedding/managed.py's docstring, per id, in dicts: ``shards`` mapping shards, shard s
+    owning rows [1 + s R // S, 1 + (s + 1) R // S) (R = num_rows - 1) and ``cap // S`` pending ids (one more
+    for the first ``cap % S``)."""
+
+    def __init__(self, num_rows, k, policy, ttl=None, pending_capacity=None, shards=1):
+        self.n, self.k, self.policy, self.ttl, self.S = num_rows, k, policy, ttl, shards
+        cap = 4 * num_rows if pending_capacity is None else pending_capacity
+        self.cap = [cap // shards + (s < cap % shards) for s in range(shards)]
+        r = num_rows - 1
+        self.range = [range(1 + s * r // shards, 1 + (s + 1) * r // shards) for s in range(shards)]
         self.t = 0
         self.row_of = {}      # id -> row
         self.rows = {}        # row -> [id, last, freq]
         self.pending = {}     # id -> [count, last]
         self.counters = dict(lookups=0, hits=0, collisions=0, admissions=0, evictions=0, pending_dropped=0)
+
+    def shard(self, x):
+        return ref_shard(x, self.S)
 
     def assign(self, batch):
         self.t += 1
@@ -59,13 +78,14 @@ class Reference:
             self.pending[x] = [c, t]
             if c < self.k:
                 continue
-            free = [r for r in range(1, self.n) if r not in self.rows]
+            mine = self.range[self.shard(x)]
+            free = [r for r in mine if r not in self.rows]
             if free:
                 row = free[0]
             elif self.policy == "ttl":
                 continue
             else:
-                eligible = [r for r in self.rows if self.rows[r][1] < t]
+                eligible = [r for r in mine if self.rows[r][1] < t]
                 if not eligible:
                     continue
                 if self.policy == "lru":
@@ -77,11 +97,13 @@ class Reference:
             self.rows[row] = [x, t, c]
             self.row_of[x] = row
             admitted.append((x, row))
-        if len(self.pending) > self.cap:
-            drop = sorted(self.pending, key=lambda x: (self.pending[x][1], x))[:len(self.pending) - self.cap]
-            for x in drop:
-                del self.pending[x]
-            self.counters["pending_dropped"] += len(drop)
+        for s in range(self.S):
+            ids = [x for x in self.pending if self.shard(x) == s]
+            if len(ids) > self.cap[s]:
+                drop = sorted(ids, key=lambda x: (self.pending[x][1], x))[:len(ids) - self.cap[s]]
+                for x in drop:
+                    del self.pending[x]
+                self.counters["pending_dropped"] += len(drop)
         out = [self.row_of.get(x, 0) for x in batch]
         self.counters["lookups"] += len(batch)
         self.counters["collisions"] += sum(r == 0 for r in out)
@@ -104,10 +126,10 @@ def _stream(seed, steps, universe, batch):
 @pytest.mark.parametrize("policy,k,ttl,pcap", [("lru", 1, None, None), ("lru", 2, None, 6), ("lfu", 1, None, None),
                                               ("lfu", 3, None, None), ("ttl", 1, 2, None), ("ttl", 2, 1, 5)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_matches_reference(policy, k, ttl, pcap, seed):
-    num_rows = 7
-    table = ManagedIdTable("t", num_rows, admit_after=k, policy=policy, ttl=ttl, pending_capacity=pcap)
-    ref = Reference(num_rows, k, policy, ttl, pcap)
+@pytest.mark.parametrize("num_rows,shards", [(7, 1), (7, 3), (11, 4)])
+def test_matches_reference(policy, k, ttl, pcap, seed, num_rows, shards):
+    table = ManagedIdTable("t", num_rows, admit_after=k, policy=policy, ttl=ttl, pending_capacity=pcap, shards=shards)
+    ref = Reference(num_rows, k, policy, ttl, pcap, shards)
     evictions = 0
     for step, ids in enumerate(_stream(seed, 120, 25, 10)):
         a = table.assign(torch.from_numpy(ids))
@@ -119,6 +141,75 @@ def test_matches_reference(policy, k, ttl, pcap, seed):
         evictions += len(evicted)
     assert table.counters == ref.counters
     assert evictions > 10  # the streams did exercise eviction
+    if shards > 1:  # every shard admitted its ids into its own rows only
+        got = {ref_shard(x, shards) for x in ref.row_of}
+        assert len(got) > 1
+        assert all(r in ref.range[ref_shard(x, shards)] for x, r in table.mapping().items())
+
+
+def test_shard_hash_matches_python_integers():
+    rng = np.random.default_rng(5)
+    ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, size=500, dtype=np.int64),
+                          np.array([-(2**63), -1, 0, 1, 2**63 - 1], dtype=np.int64), np.arange(200, dtype=np.int64)])
+    for S in (1, 2, 3, 16):
+        got = shard_of(torch.from_numpy(ids), S).tolist()
+        assert got == [ref_shard(int(x), S) for x in ids], S
+    # consecutive ids spread over the shards (Fibonacci hashing)
+    counts = np.bincount(shard_of(torch.arange(1600), 16).numpy(), minlength=16)
+    assert counts.min() >= 80 and counts.max() <= 120
+    assert shard_bounds(11, 4) == [1, 3, 6, 8, 11]
+
+
+def _hosts(world, **kw):
+    return [ManagedIdTable("t", 11, shards=4, hosted=[s for s in range(4) if s % world == r], **kw)
+            for r in range(world)]
+
+
+@pytest.mark.parametrize("policy,ttl", [("lru", None), ("lfu", None), ("ttl", 2)])
+def test_shards_hosted_on_several_ranks_equal_the_whole_table_and_rehost_from_its_state(policy, ttl):
+    """The hosted shards of a world of W, each fed the batch's ids of its shards (batch order kept), assign
+    every position the row the whole table does; the hosts' states merged restore onto another hosting
+    (W = 1, 3, 5) and continue identically."""
+    kw = dict(admit_after=2, policy=policy, ttl=ttl, pending_capacity=9)
+    whole = ManagedIdTable("t", 11, shards=4, **kw)
+    two = _hosts(2, **kw)
+    stream = list(_stream(7, 80, 40, 16))
+
+    def run(tables, ids):
+        t = torch.from_numpy(ids)
+        host = shard_of(t, 4) % len(tables)
+        rows = torch.zeros_like(t)
+        reset = []
+        for r, tab in enumerate(tables):
+            mine = host == r
+            a = tab.assign(t[mine])
+            rows[mine] = a.rows
+            reset += a.reset.tolist()
+        return rows.tolist(), sorted(reset)
+
+    for ids in stream[:40]:
+        want = whole.assign(torch.from_numpy(ids))
+        assert run(two, ids) == (want.rows.tolist(), want.reset.tolist())
+    merged = {k: v for tab in two for k, v in tab.state_dict().items()}
+    assert {**two[0].mapping(), **two[1].mapping()} == whole.mapping()
+    assert sum(tab.counters["evictions"] for tab in two) == whole.counters["evictions"] > 0
+    for world in (1, 3, 5):  # 5: rank 4 hosts no shard (an empty table that still steps)
+        hosts = _hosts(world, **kw)
+        for tab in hosts:
+            tab.load_state_dict(merged)
+        other = ManagedIdTable("t", 11, shards=4, **kw)
+        other.load_state_dict(whole.state_dict())
+        for ids in stream[40:]:
+            want = other.assign(torch.from_numpy(ids))
+            assert run(hosts, ids) == (want.rows.tolist(), want.reset.tolist())
+        total = {k: sum(tab.counters[k] for tab in hosts) for k in other.counters}
+        assert total == other.counters
+    with pytest.raises(InputError, match="not hosted here"):
+        two[0].assign(torch.from_numpy(stream[0]))
+    with pytest.raises(FormatError, match="lacks mapping shard"):
+        _hosts(1, **kw)[0].load_state_dict(two[0].state_dict())
+    with pytest.raises(ConfigError, match="shards"):
+        ManagedIdTable("t", 4, shards=4)
 
 
 def test_ties_and_in_batch_order():
@@ -201,3 +292,29 @@ def test_empty_batch_and_shape():
     assert t.rows_of(torch.tensor([7, 8])).tolist() == [3, 0]
     with pytest.raises(InputError, match="integers"):
         t.assign(torch.tensor([1.0]))
+
+
+def test_an_unsharded_state_of_the_former_format_loads_as_one_shard():
+    """A mapping saved before mapping shards (one table-wide state, row 0 included) resumes as ``shards=1``
+    and continues as the dict reference does; any other shard count is a named error."""
+    stream = list(_stream(4, 40, 20, 8))
+    state = {"config": torch.tensor([6, 2, 0, -1, 24]), "step": torch.tensor(20),
+             "counters": torch.tensor([100, 60, 40, 9, 4, 0]),
+             "row_id": torch.tensor([0, 11, 12, 13, 0, 15]), "row_used": torch.tensor([False, True, True, True,
+                                                                                       False, True]),
+             "row_last": torch.tensor([0, 19, 20, 18, 0, 20]), "row_freq": torch.tensor([0, 3, 4, 2, 0, 5]),
+             "pend_ids": torch.tensor([21, 22]), "pend_count": torch.tensor([1, 1]), "pend_last": torch.tensor([19, 20])}
+    t = ManagedIdTable("t", 6, admit_after=2, policy="lru", pending_capacity=24)
+    t.load_state_dict(state)
+    ref = Reference(6, 2, "lru", None, 24)
+    ref.t = 20
+    ref.rows = {1: [11, 19, 3], 2: [12, 20, 4], 3: [13, 18, 2], 5: [15, 20, 5]}
+    ref.row_of = {v[0]: r for r, v in ref.rows.items()}
+    ref.pending = {21: [1, 19], 22: [1, 20]}
+    ref.counters = dict(lookups=100, hits=60, collisions=40, admissions=9, evictions=4, pending_dropped=0)
+    assert t.mapping() == ref.row_of and t.step == 20
+    for ids in stream:
+        assert t.assign(torch.from_numpy(ids)).rows.tolist() == ref.assign(ids.tolist())[0]
+    assert t.counters == ref.counters
+    with pytest.raises(FormatError, match="unsharded.*shards 1"):
+        ManagedIdTable("t", 6, admit_after=2, policy="lru", pending_capacity=24, shards=2).load_state_dict(state)

@@ -4,9 +4,11 @@
   ordinary table whose batches were mapped by the plain-Python dict implementation of the rules
   (``test_managed_ids.Reference``), the rows it reports reset to their initial values
   (``embedding.init.uniform_rows``) with zero Adagrad state: same losses, same rows, same mapping.
-* 2 ranks (a plan with replicated rows of a managed table) equal one process (losses, rows, dense state
-  within 1e-5; the mapping equal); the 2-rank run's mid-run checkpoint resumed in one process continues as
-  the uninterrupted run (the mapping written once by rank 0, read on another world size).
+* 2 ranks (a plan with replicated rows of a managed table; 3 mapping shards, rank 0 hosting shards 0 and 2)
+  equal one process (losses, rows, dense state within 1e-5, eval AUC; the mapping and counters equal); the id
+  exchange's bytes match a count by the reference's hash; the 2-rank run's delta checkpoint of step 6 resumed
+  on 3 ranks (one shard each) and in one process (all shards) continues as the uninterrupted run (each rank
+  file holds its shards; a restore re-hosts them).
 * A resume after a stop equals the uninterrupted run.
 * Bad managed configs are errors naming table and key; the loader accepts any raw id of a managed table's
   feature and still rejects out-of-range ids of an unmanaged one.
@@ -29,6 +31,7 @@ from embedscale.embedding.init import uniform_rows
 from embedscale.data.shards import SparseFeatureInfo
 from embedscale.data.stream import StreamWriter
 from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.managed import shard_bounds
 from embedscale.embedding.managed_lookup import ManagedLookup, managed_of
 from embedscale.errors import ConfigError, InputError
 from embedscale.plan.plan import Plan
@@ -38,13 +41,13 @@ from embedscale.train.launch import spawn_local
 from embedscale.train.loop import LoopConfig
 from embedscale.train.trainer import Trainer
 
-from test_managed_ids import Reference  # the dict implementation of embedding/managed.py's rules
+from test_managed_ids import Reference, ref_shard  # the dict implementation of embedding/managed.py's rules
 
 ROWS = 12
 TABLES = ("user", "item")
 BATCH = 40
 STEPS = 8
-MANAGED = {"admit_after": 2, "policy": "lfu"}
+MANAGED = {"admit_after": 2, "policy": "lfu", "shards": 3}  # 3 mapping shards of 3-4 rows (ROWS - 1 = 11)
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +77,21 @@ def state(run_dir):
 
 
 def mapping_of(managed_state: dict, table: str) -> dict[int, int]:
-    used = managed_state[f"t_{table}.row_used"]
-    rows = torch.nonzero(used).squeeze(1)
-    return dict(zip(managed_state[f"t_{table}.row_id"][rows].tolist(), rows.tolist()))
+    """id -> row of a checkpoint's mapping (every rank file's shards merged), read shard by shard."""
+    S = int(managed_state[f"t_{table}.config"][5])
+    bounds = shard_bounds(ROWS, S)
+    out = {}
+    for s in range(S):
+        used = managed_state[f"t_{table}.{s}.row_used"]
+        rows = torch.nonzero(used).squeeze(1)
+        out.update(zip(managed_state[f"t_{table}.{s}.row_id"][rows].tolist(), (rows + bounds[s]).tolist()))
+    return out
+
+
+def counters_of(managed_state: dict, table: str) -> dict[str, int]:
+    S = int(managed_state[f"t_{table}.config"][5])
+    c = sum(managed_state[f"t_{table}.{s}.counters"] for s in range(S))
+    return dict(zip(("lookups", "hits", "collisions", "admissions", "evictions", "pending_dropped"), c.tolist()))
 
 
 # -- the reference: an ordinary table, batches mapped by the dict implementation ---------------------------
@@ -126,7 +141,7 @@ def reference_run(tmp_path, data_dir):
     tables = assemble.tables_for(cfg, data.manifest)
     model, opt = assemble.build(cfg, tables, data.manifest.num_dense, torch.device("cpu"), validate=True)
     raw = frozenset(TABLES)
-    refs = {t: Reference(ROWS, MANAGED["admit_after"], MANAGED["policy"]) for t in TABLES}
+    refs = {t: Reference(ROWS, MANAGED["admit_after"], MANAGED["policy"], shards=MANAGED["shards"]) for t in TABLES}
     train = MappedLoader(ShardLoader(data.train.directory, BATCH, stop=data.train.stop, prefetch=0, raw_ids=raw),
                          refs, model, tables, cfg.train.seed, True)
     ev = MappedLoader(ShardLoader(data.eval.directory, 8192, start=data.eval.start, stop=data.eval.stop, prefetch=0,
@@ -154,8 +169,7 @@ def test_single_process_equals_dict_reference(tmp_path, data_dir, single):
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-6)
     for t in TABLES:
         assert mapping_of(managed, t) == refs[t].row_of
-        counters = dict(zip(("lookups", "hits", "collisions", "admissions", "evictions", "pending_dropped"),
-                            managed[f"t_{t}.counters"].tolist()))
+        counters = counters_of(managed, t)
         assert counters == refs[t].counters
         assert counters["evictions"] > 0  # the run did evict (the rows are fewer than the hot ids + new ones)
     assert admissions > 2 * (ROWS - 1)
@@ -168,7 +182,7 @@ def test_resume_after_a_stop_equals_the_uninterrupted_run(tmp_path, data_dir, si
     rd = tmp_path / "stopped"
     workflow.train(config(tmp_path, data_dir, max_steps=3), rd, resume=False, progress=False)
     got_mid = load_checkpoint(rd)["managed"]
-    assert got_mid and int(got_mid["t_user.step"]) == 3
+    assert got_mid and int(got_mid["t_user.step"]) == 3 and "t_user.2.row_id" in got_mid
     workflow.train(config(tmp_path, data_dir), rd, resume=True, progress=False)
     losses, w, dense, managed = state(rd)
     np.testing.assert_allclose(losses, want[0], rtol=0, atol=0)
@@ -193,46 +207,88 @@ def replicated_plan(world: int) -> Plan:
     return Plan(ts, world, [None, None], pt, ps, pe, owner=own, holders=np.array(hold), meta={"strategy": "hand"})
 
 
-def _rank(rank, world, cfg_dict, run_dir):
+def _rank(rank, world, cfg_dict, run_dir, resume_from=None):
     from embedscale.train.ranks import train_distributed
 
-    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False, resume_from=resume_from)
     return True
 
 
-def test_two_ranks_equal_one_process_and_resume_on_another_world_size(tmp_path, data_dir, single):
+def _crossing_ids(data_dir, world: int) -> int:
+    """Over the first STEPS batches: the ids that travel to another rank (each rank's ids whose mapping shard
+    another rank hosts), by the dict reference's hash."""
+    src = ShardLoader(data_dir, BATCH, stop=STEPS * BATCH, prefetch=0, raw_ids=set(TABLES))
+    n = 0
+    for b in src:
+        vals = b.sparse.to_dict()
+        for t in TABLES:
+            ids = vals[t][0].tolist()
+            for r in range(world):
+                n += sum(ref_shard(x, MANAGED["shards"]) % world != r
+                         for x in ids[r * BATCH // world:(r + 1) * BATCH // world])
+    return n
+
+
+def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, data_dir, single):
+    """2 ranks (rows of t_user replicated) assign, train and checkpoint as one process; their delta checkpoint
+    of step 6 resumes on 3 ranks and in one process and continues as the uninterrupted run (the mapping
+    shards re-hosted)."""
     run_dir, _ = single
     ref_losses, ref_w, ref_dense, ref_managed = state(run_dir)
     plan_dir = tmp_path / "plan"
     replicated_plan(2).save(plan_dir)
-    cfg = config(tmp_path, data_dir, checkpoint_every=4)
+    cfg = config(tmp_path, data_dir, checkpoint_every=2, checkpoint_full_every=4)
     cfg.dist.plan = str(plan_dir)
     spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "two"), timeout_s=600)
     assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
+    assert "delta" in load_checkpoint(step_dir(tmp_path / "two", 6))["manifest"]
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
-    # per step every rank sends its ids (int64, 2 features x 20 per rank, padded) and counts to the other:
-    # (W - 1) x (2 counts + 40 ids) x 8 bytes, plus the one-int size exchange (W - 1) x 8
-    assert summary["managed_gather_bytes_per_step"] == (2 + 2 * BATCH // 2) * 8 + 8
+    # summed over the ranks: the ids hosted by the other rank (int64), their rows back (int32: 24 rows in all)
+    # plus the global ids of the reset rows the receiver holds, and metadata: per rank and step the [2, 2]
+    # counts (one row of 2 int64 to the other rank) and the return's size (one int64)
+    crossing = _crossing_ids(data_dir, 2)
+    got = {k: v * STEPS for k, v in summary["managed_exchange_bytes"].items()}  # totals over the run
+    assert got["ids"] == pytest.approx(8 * crossing) and got["meta"] == pytest.approx(2 * (8 * 2 + 8) * STEPS)
+    resets = (got["rows"] - 4 * crossing) / 4
+    assert resets == int(resets) and 0 < resets <= 2 * ROWS * STEPS  # at most every row of both tables a step
+    assert summary["managed_exchange_bytes_per_step"] * STEPS == pytest.approx(got["ids"] + got["rows"] + got["meta"])
+    assert summary["managed"] == {f"t_{t}": counters_of(ref_managed, t) for t in TABLES}
+    assert summary["eval_auc"] == pytest.approx(single[1]["eval_auc"], abs=1e-6)  # eval maps through the hosts too
     losses, w, dense, managed = state(tmp_path / "two")
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
     for k, v in ref_dense.items():
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    assert set(managed) == set(ref_managed)
     for k, v in ref_managed.items():
         assert torch.equal(managed[k], v), k
-    # the 2-rank checkpoint of step 4 resumed in one process continues as the uninterrupted run
+    ck6 = load_checkpoint(step_dir(tmp_path / "two", 6))["managed"]
+    assert {k.split(".")[1] for k in ck6 if k.startswith("t_user.") and k.count(".") == 2} == {"0", "1", "2"}
+    # the delta of step 6 resumed on 3 ranks (each hosting one mapping shard) continues as the uninterrupted run
+    replicated_plan(3).save(tmp_path / "plan3")
+    cfg3 = config(tmp_path, data_dir)
+    cfg3.dist.plan = str(tmp_path / "plan3")
+    spawn_local(_rank, 3, to_dict(cfg3), str(tmp_path / "three"), str(step_dir(tmp_path / "two", 6)), timeout_s=600)
+    losses, w, dense, managed = state(tmp_path / "three")
+    assert load_checkpoint(tmp_path / "three")["manifest"]["world_size"] == 3
+    np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
+    for k, v in ref_managed.items():
+        assert torch.equal(managed[k], v), k
+    # ... and in one process (every shard hosted by the one table)
     trainer_cfg = config(tmp_path, data_dir)
     data = assemble.prepare_data(trainer_cfg, progress=False)
     tables = assemble.tables_for(trainer_cfg, data.manifest)
     model, opt = assemble.build(trainer_cfg, tables, data.manifest.num_dense, torch.device("cpu"), validate=False)
     tr = Trainer(model, opt, assemble.train_loader(trainer_cfg, data, torch.device("cpu")), None, tmp_path / "cont",
                  progress=False, loop=LoopConfig.from_train(trainer_cfg.train))
-    assert tr.resume(step_dir(tmp_path / "two", 4))
-    assert managed_of(model).ids["t_user"].step == 4
+    assert tr.resume(step_dir(tmp_path / "two", 6))
+    assert managed_of(model).ids["t_user"].step == 6
     tr.fit()
     np.testing.assert_allclose(tr.losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(torch.cat([model.sparse_arch.embedding.table_weight(f"t_{t}").detach()
                                           for t in TABLES]), ref_w, rtol=0, atol=1e-5)
+    assert managed_of(model).ids["t_user"].mapping() == mapping_of(ref_managed, "user")
 
 
 # -- bad input ----------------------------------------------------------------------------------------

@@ -101,16 +101,26 @@ class ManagedConfig:
     policy: eviction when no row is free: ``lru``, ``lfu``, or ``ttl`` (rows idle more than ``ttl`` steps freed).
     ttl: steps, for ``policy: ttl`` only (>= 1).
     pending_capacity: ids seen but not yet admitted that are remembered (0 = 4 x the table's rows).
+    shards: mapping shards ``S`` (``embedding.managed``: a fixed hash of the raw id picks the shard, each shard
+        admits into and evicts among its own range of rows, as TorchRec's MCH modules remap per shard; rank
+        ``r`` of N hosts the shards ``s % N == r``). A property of the table, never of the world size, so a run
+        assigns the same rows on any number of ranks. 0 = :meth:`shards_for`'s default: 16, or one per 64 rows
+        of a smaller table (at least 1).
     """
 
     admit_after: int = 0
     policy: str = "lru"
     ttl: int = 0
     pending_capacity: int = 0
+    shards: int = 0
 
     @property
     def enabled(self) -> bool:
         return self.admit_after > 0
+
+    def shards_for(self, num_rows: int) -> int:
+        """The table's mapping shards: ``shards``, or by default ``min(16, max(1, (num_rows - 1) // 64))``."""
+        return self.shards or min(16, max(1, (num_rows - 1) // 64))
 
 
 def check_managed(m: "ManagedConfig", where: str) -> None:
@@ -123,9 +133,11 @@ def check_managed(m: "ManagedConfig", where: str) -> None:
         raise ConfigError(f"{where}.ttl: {m.ttl} must be >= 1 steps (policy ttl) or 0")
     if m.pending_capacity < 0:
         raise ConfigError(f"{where}.pending_capacity: {m.pending_capacity} must be >= 0 (0 = 4 x rows)")
+    if m.shards < 0:
+        raise ConfigError(f"{where}.shards: {m.shards} must be >= 1 mapping shards (0 = the default)")
     if not m.enabled:
-        if m.policy != "lru" or m.ttl or m.pending_capacity:
-            raise ConfigError(f"{where}.admit_after: 0 (not managed) but policy/ttl/pending_capacity are set; "
+        if m.policy != "lru" or m.ttl or m.pending_capacity or m.shards:
+            raise ConfigError(f"{where}.admit_after: 0 (not managed) but policy/ttl/pending_capacity/shards are set; "
                               "give admit_after >= 1 to manage the table")
         return
     if m.policy == "ttl" and m.ttl < 1:
@@ -195,6 +207,9 @@ def managed_tables(model: "ModelConfig", tables: list[TableSpec]) -> dict[str, M
         if t.num_rows < 2:
             raise ConfigError(f"table {t.name!r}: managed tables need num_rows >= 2 (row 0 is the default row), "
                               f"got {t.num_rows}")
+        if m.shards > t.num_rows - 1:
+            raise ConfigError(f"table {t.name!r}: managed.shards {m.shards} exceeds its {t.num_rows - 1} rows besides "
+                              "the default row (each mapping shard owns at least one row)")
         out[t.name] = m
     return out
 

@@ -2,53 +2,67 @@
 
 A stream brings ids no fixed vocabulary knew. Hashing them modulo the table size makes unrelated ids
 share rows for ever; a *managed* table gives an id its own row once it has proven frequent and takes
-the row back when the id went stale (TorchRec's managed-collision modules and HugeCTR's dynamic
-embedding tables do the same; OPER section 8 names adapting to new ids as future work).
+the row back when the id went stale (TorchRec's managed-collision modules, ``MCHManagedCollisionModule``,
+and HugeCTR's dynamic embedding tables do the same; OPER section 8 names adapting to new ids as future work).
 
 What this module owns: the mapping of one table (:class:`ManagedIdTable`) and of several
-(:class:`ManagedIds`), and :func:`reset_rows`, which re-initialises rows and their optimizer state in a
-``LocalEmbeddingBags``-like ``[rows, dim]`` weight and ``[rows]`` row-wise state. A run uses them through
-:mod:`embedscale.embedding.managed_lookup` (managed tables, ``specs.ManagedConfig``; the mapping replicated on
-N ranks, in the checkpoint); the mapping sharded with the rows comes later.
+(:class:`ManagedIds`), the mapping shards (:func:`shard_of`, :func:`shard_bounds`), and :func:`reset_rows`,
+which re-initialises rows and their optimizer state in a ``LocalEmbeddingBags``-like ``[rows, dim]`` weight
+and ``[rows]`` row-wise state. A run uses them through :mod:`embedscale.embedding.managed_lookup` (managed
+tables, ``specs.ManagedConfig``; the mapping sharded over the ranks, in the checkpoint).
 
-Layout. A table of ``num_rows`` rows keeps row 0 as the *default row*, shared by every id that has no
-row of its own; rows ``1 .. num_rows - 1`` are given to ids. Everything is a tensor on the table's
-device: per row the id it holds, whether it is used, its last step and its frequency; the resident
-ids sorted (looked up with ``searchsorted``); the *pending* ids (seen, not yet admitted) sorted with
-their counts and last step. A batch costs a sort of its ids, a merge of the pending set and a rebuild
-of the sorted index, ``O((B + P + R) log(B + P + R))`` for ``B`` ids, ``P`` pending ids and ``R`` rows
-used so far (scans stop at the highest row ever used); an on-device hash table would make it
-``O(B)``. No Python loop per id; a few host syncs per batch (sizes).
+**Mapping shards** (as TorchRec's MCH modules remap per shard, each shard evicting among its own rows). A
+table's id space is split into ``S`` mapping shards by a fixed hash of the raw id (:func:`shard_of`:
+Fibonacci hashing, the high bits of ``id x 0x9E3779B97F4A7C15`` mod 2^64, mod ``S``). Row 0 is the *default
+row*, shared by every id that has no row of its own; rows ``1 .. num_rows - 1`` are cut into ``S``
+contiguous ranges (:func:`shard_bounds`: shard ``s`` holds rows ``[1 + s R // S, 1 + (s + 1) R // S)``,
+``R = num_rows - 1``), and shard ``s`` admits its ids only into its own range and evicts only among them.
+``S`` is a property of the table (``managed.shards``), never of the world size: a table holding every shard
+(a world of one) and the same shards hosted by N ranks (``hosted``: rank ``r`` the shards ``s % N == r``)
+assign every id the same row, and a checkpoint (per shard) re-shards onto any world size by re-hosting
+shards; rows are never renumbered. ``S = 1`` is the unsharded table.
 
-Semantics of one batch (:meth:`ManagedIdTable.assign`), at step ``t`` (one more than the last batch):
+Layout. A table object holds the rows of its hosted shards only (*local* rows: the hosted shards' ranges
+concatenated in shard order). Everything is a tensor on the table's device: per local row the id it holds,
+whether it is used, its last step and its frequency; the resident ids sorted (looked up with
+``searchsorted``); the *pending* ids (seen, not yet admitted) sorted with their counts and last step;
+per hosted shard its counters. A batch costs a sort of its ids, a merge of the pending set and a rebuild of
+the sorted index, ``O((B + P + R) log(B + P + R))`` for ``B`` ids, ``P`` pending ids and ``R`` local rows;
+every hosted shard is handled in the same tensor operations (ranks within a shard by ``searchsorted`` over
+shard-sorted keys). No Python loop per id or per shard; a few host syncs per batch (sizes).
+
+Semantics of one batch (:meth:`ManagedIdTable.assign`), at step ``t`` (one more than the last batch), for
+every mapping shard on its own (the ids of the batch that hash to it, in batch order):
 
 1. The batch's distinct ids are taken in order of *first occurrence*; an id occurring ``c`` times
    counts ``c``.
 2. Hits: an id with a row adds ``c`` to the row's frequency and sets its last step to ``t``.
 3. TTL (policy ``"ttl"``): every used row with ``t - last > ttl`` is evicted (its id forgotten).
 4. Admission: a missing id adds ``c`` to its pending count; an id whose pending count reaches
-   ``admit_after`` (k) is a candidate. Candidates, in first-occurrence order, take the free rows in
-   ascending row order; when none is free, ``"lru"`` and ``"lfu"`` evict a victim per candidate:
-   among used rows *not touched in this batch* (``last < t``), LRU takes the smallest
-   ``(last, row)``, LFU the smallest ``(freq, last, row)`` (ties: least recently used, then lowest
-   row). ``"ttl"`` never evicts on demand: a candidate without a free row stays pending. A candidate
-   left without a row (no free row and no eligible victim) stays pending too.
+   ``admit_after`` (k) is a candidate. The shard's candidates, in first-occurrence order, take the shard's
+   free rows in ascending row order; when none is free, ``"lru"`` and ``"lfu"`` evict a victim per
+   candidate: among the shard's used rows *not touched in this batch* (``last < t``), LRU takes the
+   smallest ``(last, row)``, LFU the smallest ``(freq, last, row)`` (ties: least recently used, then lowest
+   row). ``"ttl"`` never evicts on demand: a candidate without a free row stays pending. A candidate left
+   without a row (no free row and no eligible victim in its shard) stays pending too.
 5. An admitted id gets ``freq`` = its pending count (this batch included), ``last = t`` and leaves the
    pending set; an evicted id is forgotten (it starts over at pending count 0).
-6. Pending is bounded by ``pending_capacity``: above it, the entries with the smallest
-   ``(last, id)`` are dropped and counted in ``pending_dropped`` (never silently).
+6. Pending is bounded per shard: shard ``s`` keeps at most ``pending_capacity // S`` ids (one more for the
+   first ``pending_capacity % S`` shards); above it, the entries with the smallest ``(last, id)`` are
+   dropped and counted in ``pending_dropped`` (never silently).
 7. The returned rows are those after the batch: an id admitted in this batch reads its new row,
    every other missing id the default row 0 (counted in ``collisions``, per occurrence).
 
 Rows touched by a batch are never evicted by it, so a batch's result does not depend on the order of
-its positions beyond the first-occurrence order of its candidates. The caller resets the rows of
+its positions beyond the first-occurrence order of each shard's candidates. The step ``t`` is the table's
+(every hosted shard steps with every batch, with or without ids). The caller resets the rows of
 :attr:`Assignment.reset` (evicted and newly admitted) with :func:`reset_rows` before the lookup.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -56,6 +70,41 @@ from embedscale.errors import ConfigError, FormatError, InputError
 
 POLICIES = ("lru", "lfu", "ttl")
 _COUNTERS = ("lookups", "hits", "collisions", "admissions", "evictions", "pending_dropped")
+_ROW_KEYS = ("row_id", "row_used", "row_last", "row_freq")
+_PEND_KEYS = ("pend_ids", "pend_count", "pend_last")
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # 2^64 / phi as a signed int64 (Fibonacci hashing)
+
+
+def shard_of(ids: torch.Tensor, shards: int) -> torch.Tensor:
+    """The mapping shard of every raw 64-bit id: bits 32..62 of ``id x 0x9E3779B97F4A7C15`` (mod 2^64), after
+    folding in its bits 29..63 by a shift-xor, modulo ``shards`` (int64, on ``ids``' device; any int64 id)."""
+    if shards == 1:
+        return torch.zeros_like(ids, dtype=torch.int64)
+    h = ids.to(torch.int64) * _GOLDEN  # wraps modulo 2^64 (two's complement)
+    h = h ^ ((h >> 29) & ((1 << 35) - 1))  # a logical shift by 29
+    return ((h >> 32) & 0x7FFFFFFF) % shards
+
+
+def shard_bounds(num_rows: int, shards: int) -> list[int]:
+    """Row bounds of the mapping shards: shard ``s`` holds rows ``[b[s], b[s + 1])``; row 0 (the default row)
+    is none's. Every shard holds at least one row (``shards <= num_rows - 1``)."""
+    r = num_rows - 1
+    return [1 + s * r // shards for s in range(shards + 1)]
+
+
+def _per_group(groups: torch.Tensor, n: int) -> torch.Tensor:
+    """How many elements each group ``0 .. n - 1`` has (``bincount`` without its min/max passes)."""
+    return torch.zeros(n, dtype=torch.int64, device=groups.device).scatter_add_(0, groups, torch.ones_like(groups))
+
+
+_KEY_SHIFT = 40  # composite sort keys: (shard << 40) | value, for values below 2^40 (steps, frequencies)
+
+
+def _rank_in_group(groups: torch.Tensor) -> torch.Tensor:
+    """For ascending group keys: each element's rank among the elements of its group (0, 1, ...)."""
+    if groups.numel() == 0:
+        return groups.clone()
+    return torch.arange(groups.numel(), device=groups.device) - torch.searchsorted(groups, groups)
 
 
 @dataclass
@@ -80,7 +129,8 @@ class Assignment:
 
 
 class ManagedIdTable:
-    """The id-to-row mapping of one managed table (semantics in the module docstring).
+    """The id-to-row mapping of one managed table, or of the mapping shards of it that one rank hosts
+    (semantics in the module docstring).
 
     Args:
         name: the table's name (in error messages).
@@ -88,13 +138,15 @@ class ManagedIdTable:
         admit_after: k, the accesses an id needs before it gets its own row (>= 1).
         policy: ``"lru"``, ``"lfu"`` or ``"ttl"``.
         ttl: for ``"ttl"``: a row idle for more than ``ttl`` steps is evicted (>= 1).
-        pending_capacity: the most pending ids kept (default ``4 * num_rows``).
+        pending_capacity: the most pending ids kept over all shards (default ``4 * num_rows``), split evenly.
         device: where the mapping lives (the run's device; default: torch's default device).
+        shards: ``S``, the mapping shards (1 .. num_rows - 1).
+        hosted: the shards this object holds (ascending; default all): ids of other shards are an error.
     """
 
     def __init__(self, name: str, num_rows: int, admit_after: int = 1, policy: str = "lru",
                  ttl: int | None = None, pending_capacity: int | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, shards: int = 1, hosted: Sequence[int] | None = None):
         if policy not in POLICIES:
             raise ConfigError(f"managed table {name!r}: eviction policy {policy!r} is not one of {list(POLICIES)}")
         if int(num_rows) < 2:
@@ -106,6 +158,9 @@ class ManagedIdTable:
             raise ConfigError(f"managed table {name!r}: policy 'ttl' needs ttl >= 1 steps, got {ttl}")
         if policy != "ttl" and ttl is not None:
             raise ConfigError(f"managed table {name!r}: ttl={ttl} is given but the policy is {policy!r}")
+        if not 1 <= int(shards) <= int(num_rows) - 1:
+            raise ConfigError(f"managed table {name!r}: shards must be in [1, num_rows - 1 = {int(num_rows) - 1}] "
+                              f"(each mapping shard owns at least one row), got {shards}")
         self.name = name
         self.num_rows = int(num_rows)
         self.admit_after = int(admit_after)
@@ -114,18 +169,39 @@ class ManagedIdTable:
         self.pending_capacity = 4 * self.num_rows if pending_capacity is None else int(pending_capacity)
         if self.pending_capacity < 0:
             raise ConfigError(f"managed table {name!r}: pending_capacity must be >= 0, got {pending_capacity}")
+        self.shards = int(shards)
+        self.hosted = list(range(self.shards)) if hosted is None else sorted(int(s) for s in hosted)
+        if any(not 0 <= s < self.shards for s in self.hosted) or len(set(self.hosted)) != len(self.hosted):
+            raise ConfigError(f"managed table {name!r}: hosted shards {self.hosted} are not distinct shards of "
+                              f"[0, {self.shards})")
         dev = torch.device(device) if device is not None else torch.get_default_device()
         i64 = dict(dtype=torch.int64, device=dev)
+        bounds = shard_bounds(self.num_rows, self.shards)
+        self._ranges = [(bounds[s], bounds[s + 1]) for s in self.hosted]  # global rows of each hosted shard
+        sizes = [b - a for a, b in self._ranges]
+        self._offsets = [0]
+        for n in sizes:
+            self._offsets.append(self._offsets[-1] + n)
+        H = len(self.hosted)
+        self.row_global = torch.cat([torch.arange(a, b, **i64) for a, b in self._ranges]) if H else \
+            torch.zeros(0, **i64)  # local row -> the table's row
+        self.row_shard = torch.repeat_interleave(torch.arange(H, **i64), torch.tensor(sizes, **i64)) if H else \
+            torch.zeros(0, **i64)  # local row -> index into hosted
+        self._local_of = torch.full((self.shards,), -1, **i64)  # shard -> index into hosted (-1: not here)
+        self._local_of[torch.tensor(self.hosted, **i64)] = torch.arange(H, **i64)
+        cap, extra = divmod(self.pending_capacity, self.shards)
+        self.pend_cap = torch.tensor([cap + (s < extra) for s in self.hosted], **i64)
+        self._cap_min = cap if H else 0  # no shard is over its capacity while the pending ids are at most this
+        L = self._offsets[-1]
         self.step = 0
-        self.row_id = torch.zeros(self.num_rows, **i64)
-        self.row_used = torch.zeros(self.num_rows, dtype=torch.bool, device=dev)
-        self.row_last = torch.zeros(self.num_rows, **i64)
-        self.row_freq = torch.zeros(self.num_rows, **i64)
+        self.row_id = torch.zeros(L, **i64)
+        self.row_used = torch.zeros(L, dtype=torch.bool, device=dev)
+        self.row_last = torch.zeros(L, **i64)
+        self.row_freq = torch.zeros(L, **i64)
         self.pend_ids = torch.zeros(0, **i64)
         self.pend_count = torch.zeros(0, **i64)
         self.pend_last = torch.zeros(0, **i64)
-        self.counters = {k: 0 for k in _COUNTERS}
-        self._fresh = 1  # rows >= _fresh have never been used: scans stop there
+        self.shard_counters = torch.zeros(H, len(_COUNTERS), **i64)  # per hosted shard, _COUNTERS order
         self._rebuild_index()
 
     @property
@@ -133,15 +209,34 @@ class ManagedIdTable:
         return self.row_id.device
 
     @property
+    def counters(self) -> dict[str, int]:
+        """The counters summed over the hosted shards (lookups, hits, collisions, admissions, evictions,
+        pending_dropped)."""
+        return dict(zip(_COUNTERS, (int(v) for v in self.shard_counters.sum(0).tolist())))
+
+    @property
     def resident(self) -> int:
-        """Ids holding a row of their own."""
+        """Ids holding a row of their own (in the hosted shards)."""
         return int(self._sorted_ids.numel())
 
+    def shard_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The mapping shard of every id (:func:`shard_of` with this table's ``S``)."""
+        return shard_of(ids, self.shards)
+
+    def _local_shard(self, ids: torch.Tensor) -> torch.Tensor:
+        """Index into ``hosted`` of every id's shard; an ``InputError`` for an id of a shard not hosted here."""
+        ls = self._local_of[shard_of(ids, self.shards)]
+        if len(self.hosted) != self.shards and bool((ls < 0).any()):
+            bad = ids[ls < 0][0]
+            raise InputError(f"managed table {self.name!r}: id {int(bad)} belongs to mapping shard "
+                             f"{int(shard_of(bad.view(1), self.shards))}, not hosted here (hosted: {self.hosted})")
+        return ls
+
     def _rebuild_index(self) -> None:
-        rows = torch.nonzero(self.row_used[:self._fresh], as_tuple=True)[0]
+        rows = torch.nonzero(self.row_used, as_tuple=True)[0]
         ids, order = torch.sort(self.row_id[rows])
         self._sorted_ids = ids
-        self._sorted_rows = rows[order]
+        self._sorted_rows = rows[order]  # local rows
 
     @staticmethod
     def _find(keys: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
@@ -158,24 +253,35 @@ class ManagedIdTable:
             return torch.zeros_like(idx)
         return torch.where(idx >= 0, values[idx.clamp(min=0)], torch.zeros_like(idx))
 
+    def _rows_of_sorted(self, query: torch.Tensor) -> torch.Tensor:
+        """The table row of every id (0: none), from the sorted index."""
+        idx = self._find(self._sorted_ids, query)
+        if self._sorted_ids.numel() == 0:
+            return torch.zeros_like(query)
+        glob = self.row_global[self._sorted_rows[idx.clamp(min=0)]]
+        return torch.where(idx >= 0, glob, torch.zeros_like(glob))
+
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
         """The current row of every id (0 for ids without one), without changing any state."""
         flat = ids.reshape(-1).to(self.device, torch.int64)
-        idx = self._find(self._sorted_ids, flat)
-        return self._gather(self._sorted_rows, idx).view(ids.shape)
+        self._local_shard(flat)
+        return self._rows_of_sorted(flat).view(ids.shape)
 
     @torch.no_grad()
     def assign(self, ids: torch.Tensor) -> Assignment:
-        """Map one batch of raw ids to rows, admitting and evicting as the module docstring says."""
+        """Map one batch of raw ids to rows, admitting and evicting as the module docstring says (each
+        hosted shard on its own, all in the same tensor operations)."""
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise InputError(f"managed table {self.name!r}: ids must be integers, got {ids.dtype}")
         dev = self.device
         flat = ids.reshape(-1).to(dev, torch.int64)
         n = flat.numel()
+        H = len(self.hosted)
         self.step += 1
         t = self.step
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         uniq, inv, cnt = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
+        u_ls = self._local_shard(uniq)
         first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=dev)
         first.scatter_reduce_(0, inv, torch.arange(n, device=dev), reduce="amin")
         # 2. hits
@@ -187,46 +293,55 @@ class ManagedIdTable:
         evicted_rows = [empty]
         # 3. TTL expiry of rows idle too long (touched rows have last == t)
         if self.policy == "ttl":
-            f = self._fresh
-            expired = torch.nonzero(self.row_used[:f] & (t - self.row_last[:f] > self.ttl), as_tuple=True)[0]
+            expired = torch.nonzero(self.row_used & (t - self.row_last > self.ttl), as_tuple=True)[0]
             evicted_rows.append(expired)
             self.row_used[expired] = False
-        # 4. admission
+        # 4. admission, per shard: candidates by (shard, first occurrence) meet free rows by (shard, row)
         miss = ~hit
-        m_ids, m_cnt, m_first = uniq[miss], cnt[miss], first[miss]
+        m_ids, m_cnt, m_first, m_ls = uniq[miss], cnt[miss], first[miss], u_ls[miss]
         p_idx = self._find(self.pend_ids, m_ids)
         total = m_cnt + self._gather(self.pend_count, p_idx)
         cand = torch.nonzero(total >= self.admit_after, as_tuple=True)[0]
-        cand = cand[torch.argsort(m_first[cand])]  # first-occurrence order
-        n_cand = int(cand.numel())
-        holes = torch.nonzero(~self.row_used[1:self._fresh], as_tuple=True)[0] + 1  # free rows, ascending
-        fresh = torch.arange(self._fresh, min(self.num_rows, self._fresh + max(0, n_cand - holes.numel())),
-                             device=dev)
-        free = torch.cat([holes, fresh])
-        n_free = min(n_cand, int(free.numel()))
-        targets = [free[:n_free]]
-        rest = n_cand - n_free
-        if rest > 0 and self.policy in ("lru", "lfu"):
-            f = self._fresh
-            eligible = torch.nonzero(self.row_used[:f] & (self.row_last[:f] < t), as_tuple=True)[0]  # ascending
-            order = eligible[torch.argsort(self.row_last[eligible], stable=True)]
-            if self.policy == "lfu":
-                order = order[torch.argsort(self.row_freq[order], stable=True)]
-            victims = order[:rest]
-            evicted_rows.append(victims)
-            targets.append(victims)
+        cand = cand[torch.argsort(m_ls[cand] * (n + 1) + m_first[cand])]
+        c_ls = m_ls[cand]
+        c_rank = _rank_in_group(c_ls)
+        target = torch.full_like(cand, -1)  # the local row each candidate takes (-1: none)
+        if cand.numel():
+            shard_ids = torch.arange(H, device=dev)
+            free = torch.nonzero(~self.row_used, as_tuple=True)[0]  # ascending: grouped by shard, rows ascending
+            f_ls = self.row_shard[free]
+            f_n = _per_group(f_ls, H)
+            f_start = torch.searchsorted(f_ls, shard_ids)
+            gets_free = c_rank < f_n[c_ls]
+            target[gets_free] = free[f_start[c_ls[gets_free]] + c_rank[gets_free]] if free.numel() else empty
+            rest = ~gets_free
+            if self.policy in ("lru", "lfu") and bool(rest.any()):
+                eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
+                e_sh = self.row_shard[eligible] << _KEY_SHIFT
+                if self.policy == "lru":  # by (shard, last, row): rows ascend already, one stable sort
+                    order = eligible[torch.argsort(e_sh | self.row_last[eligible], stable=True)]
+                else:  # by (shard, freq, last, row)
+                    o = torch.argsort(self.row_last[eligible], stable=True)
+                    freq = self.row_freq[eligible].clamp(max=(1 << _KEY_SHIFT) - 1)
+                    order = eligible[o[torch.argsort((e_sh | freq)[o], stable=True)]]
+                e_ls = self.row_shard[order]
+                e_n = _per_group(e_ls, H)
+                e_start = torch.searchsorted(e_ls, shard_ids)
+                r2 = c_rank - f_n[c_ls]
+                ok = rest & (r2 < e_n[c_ls])
+                victims = order[e_start[c_ls[ok]] + r2[ok]] if order.numel() else empty
+                target[ok] = victims
+                evicted_rows.append(torch.sort(victims).values)
+        got = target >= 0
+        adm, adm_rows = cand[got], target[got]
         ev_rows = torch.cat(evicted_rows)
         ev_ids = self.row_id[ev_rows].clone()
-        adm_rows = torch.cat(targets)
-        adm = cand[:adm_rows.numel()]
         adm_ids = m_ids[adm]
         self.row_id[adm_rows] = adm_ids
         self.row_used[adm_rows] = True
         self.row_last[adm_rows] = t
         self.row_freq[adm_rows] = total[adm]
-        if adm_rows.numel():
-            self._fresh = max(self._fresh, int(adm_rows.max()) + 1)
-        # 5./6. pending: the old entries not in this batch, plus this batch's misses not admitted
+        # 5./6. pending: the old entries not in this batch, plus this batch's misses not admitted; per-shard cap
         admitted_mask = torch.zeros(m_ids.numel(), dtype=torch.bool, device=dev)
         admitted_mask[adm] = True
         seen = torch.zeros(self.pend_ids.numel(), dtype=torch.bool, device=dev)
@@ -235,67 +350,106 @@ class ManagedIdTable:
         p_ids = torch.cat([self.pend_ids[~seen], m_ids[keep_new]])
         p_cnt = torch.cat([self.pend_count[~seen], total[keep_new]])
         p_last = torch.cat([self.pend_last[~seen], torch.full_like(total[keep_new], t)])
-        excess = p_ids.numel() - self.pending_capacity
-        if excess > 0:
-            o = torch.argsort(p_ids)
-            o = o[torch.argsort(p_last[o], stable=True)]
-            keep = torch.sort(o[excess:]).values
-            p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
-            self.counters["pending_dropped"] += excess
         o = torch.argsort(p_ids)
-        self.pend_ids, self.pend_count, self.pend_last = p_ids[o], p_cnt[o], p_last[o]
+        p_ids, p_cnt, p_last = p_ids[o], p_cnt[o], p_last[o]  # sorted by id (ids are distinct)
+        if p_ids.numel() > self._cap_min:  # some shard may be over its capacity
+            p_ls = self._local_of[shard_of(p_ids, self.shards)]
+            excess = (_per_group(p_ls, H) - self.pend_cap).clamp_(min=0)
+            if int(excess.sum()) > 0:  # drop the smallest (last, id) of each shard: one stable sort over id order
+                q = torch.argsort((p_ls << _KEY_SHIFT) | p_last, stable=True)
+                q_ls = p_ls[q]
+                drop = torch.zeros(p_ids.numel(), dtype=torch.bool, device=dev)
+                drop[q[_rank_in_group(q_ls) < excess[q_ls]]] = True
+                keep = torch.nonzero(~drop, as_tuple=True)[0]
+                p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
+                self.shard_counters[:, 5] += excess
+        self.pend_ids, self.pend_count, self.pend_last = p_ids, p_cnt, p_last
         self._rebuild_index()
         # 7. rows of the batch after admission
-        idx = self._find(self._sorted_ids, uniq)
-        rows = self._gather(self._sorted_rows, idx)[inv]
-        c = self.counters
-        collisions = int((rows == 0).sum())
-        c["lookups"] += n
-        c["collisions"] += collisions
-        c["hits"] += n - collisions
-        c["admissions"] += int(adm_rows.numel())
-        c["evictions"] += int(ev_rows.numel())
-        return Assignment(rows.view(ids.shape), adm_ids, adm_rows, ev_ids, ev_rows)
+        rows = self._rows_of_sorted(uniq)[inv]
+        pos_ls = u_ls[inv]
+        c = self.shard_counters
+        lookups = _per_group(pos_ls, H)
+        collisions = _per_group(pos_ls[rows == 0], H)
+        c[:, 0] += lookups
+        c[:, 1] += lookups - collisions
+        c[:, 2] += collisions
+        c[:, 3] += _per_group(self.row_shard[adm_rows], H)
+        c[:, 4] += _per_group(self.row_shard[ev_rows], H)
+        return Assignment(rows.view(ids.shape), adm_ids, self.row_global[adm_rows], ev_ids,
+                          self.row_global[ev_rows])
 
     def mapping(self) -> dict[int, int]:
-        """id -> row of every resident id (a host copy, for inspection and tests)."""
-        return dict(zip(self._sorted_ids.tolist(), self._sorted_rows.tolist()))
+        """id -> row of every resident id of the hosted shards (a host copy, for inspection and tests)."""
+        return dict(zip(self._sorted_ids.tolist(), self.row_global[self._sorted_rows].tolist()))
 
     # -- state -----------------------------------------------------------------------------------
+    def _config(self) -> list[int]:
+        return [self.num_rows, self.admit_after, POLICIES.index(self.policy), -1 if self.ttl is None else self.ttl,
+                self.pending_capacity, self.shards]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Tensors only (``torch.load(..., weights_only=True)`` reads them), config included for checking."""
-        return {
-            "config": torch.tensor([self.num_rows, self.admit_after, POLICIES.index(self.policy),
-                                    -1 if self.ttl is None else self.ttl, self.pending_capacity]),
-            "step": torch.tensor(self.step),
-            "counters": torch.tensor([self.counters[k] for k in _COUNTERS]),
-            "row_id": self.row_id.clone(), "row_used": self.row_used.clone(),
-            "row_last": self.row_last.clone(), "row_freq": self.row_freq.clone(),
-            "pend_ids": self.pend_ids.clone(), "pend_count": self.pend_count.clone(),
-            "pend_last": self.pend_last.clone(),
-        }
+        """Tensors only (``torch.load(..., weights_only=True)`` reads them), config included for checking: the
+        table's ``config`` and ``step``, and per hosted shard ``s`` its rows (``<s>.row_id`` ... over its row
+        range), its pending ids (``<s>.pend_ids`` ...) and ``<s>.counters``. The states of the shards of one
+        table written by several ranks together make the whole table (:meth:`load_state_dict` takes any
+        superset of the shards it hosts)."""
+        out = {"config": torch.tensor(self._config()), "step": torch.tensor(self.step)}
+        p_ls = self._local_of[shard_of(self.pend_ids, self.shards)]
+        for j, s in enumerate(self.hosted):
+            a, b = self._offsets[j], self._offsets[j + 1]
+            for k in _ROW_KEYS:
+                out[f"{s}.{k}"] = getattr(self, k)[a:b].clone()
+            mine = p_ls == j
+            for k in _PEND_KEYS:
+                out[f"{s}.{k}"] = getattr(self, k)[mine].clone()
+            out[f"{s}.counters"] = self.shard_counters[j].clone()
+        return out
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        want = self.state_dict()
-        missing = sorted(set(want) - set(state))
-        if missing:
-            raise FormatError(f"managed table {self.name!r}: state lacks {missing}")
-        if state["config"].tolist() != want["config"].tolist():
+        """Restore the hosted shards from ``state`` (the states of any hosting of the same shards, merged)."""
+        if "config" not in state or "step" not in state:
+            raise FormatError(f"managed table {self.name!r}: state lacks 'config' or 'step'")
+        want = self._config()
+        got = state["config"].tolist()
+        if len(got) == 5 and "row_id" in state:  # written before mapping shards: one unsharded mapping
+            if got + [1] != want:
+                raise FormatError(f"managed table {self.name!r}: the saved mapping is unsharded (written before "
+                                  f"mapping shards; config {got}): it resumes only as managed.shards 1 with the "
+                                  f"same settings, this table is {want} (num_rows, admit_after, policy, ttl, "
+                                  "pending_capacity, shards)")
+            state = {"config": torch.tensor(want), "step": state["step"], "0.counters": state["counters"],
+                     **{f"0.{k}": state[k][1:] for k in _ROW_KEYS}, **{f"0.{k}": state[k] for k in _PEND_KEYS}}
+            got = want
+        if got != want:
             raise FormatError(f"managed table {self.name!r}: saved config (num_rows, admit_after, policy, ttl, "
-                              f"pending_capacity) {state['config'].tolist()} differs from this table's "
-                              f"{want['config'].tolist()}")
+                              f"pending_capacity, shards) {got} differs from this table's {want}")
+        missing = sorted(f"{s}.{k}" for s in self.hosted for k in (*_ROW_KEYS, *_PEND_KEYS, "counters")
+                         if f"{s}.{k}" not in state)
+        if missing:
+            raise FormatError(f"managed table {self.name!r}: state lacks mapping shard entries {missing[:6]}"
+                              f"{' ...' if len(missing) > 6 else ''}")
         dev = self.device
-        for k in ("row_id", "row_used", "row_last", "row_freq"):
-            if tuple(state[k].shape) != (self.num_rows,):
-                raise FormatError(f"managed table {self.name!r}: {k} has shape {tuple(state[k].shape)}, "
-                                  f"expected ({self.num_rows},)")
-            setattr(self, k, state[k].to(dev).clone())
-        for k in ("pend_ids", "pend_count", "pend_last"):
-            setattr(self, k, state[k].to(dev, torch.int64).clone())
+        rows = {k: [] for k in _ROW_KEYS}
+        pend = {k: [] for k in _PEND_KEYS}
+        for j, s in enumerate(self.hosted):
+            size = self._offsets[j + 1] - self._offsets[j]
+            for k in _ROW_KEYS:
+                v = state[f"{s}.{k}"]
+                if tuple(v.shape) != (size,):
+                    raise FormatError(f"managed table {self.name!r}: shard {s}'s {k} has shape {tuple(v.shape)}, "
+                                      f"expected ({size},)")
+                rows[k].append(v.to(dev))
+            for k in _PEND_KEYS:
+                pend[k].append(state[f"{s}.{k}"].to(dev, torch.int64))
+            self.shard_counters[j] = state[f"{s}.counters"].to(dev, torch.int64)
+        for k in _ROW_KEYS:
+            if rows[k]:
+                setattr(self, k, torch.cat(rows[k]).clone())
+        p = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.int64, device=dev) for k, v in pend.items()}
+        o = torch.argsort(p["pend_ids"])
+        self.pend_ids, self.pend_count, self.pend_last = (p[k][o] for k in _PEND_KEYS)
         self.step = int(state["step"])
-        self.counters = dict(zip(_COUNTERS, (int(v) for v in state["counters"].tolist())))
-        used = torch.nonzero(self.row_used, as_tuple=True)[0]
-        self._fresh = int(used.max()) + 1 if used.numel() else 1
         self._rebuild_index()
 
 

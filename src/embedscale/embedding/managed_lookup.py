@@ -9,31 +9,50 @@ embedding. What the hook does with a batch's ``JaggedFeatures``:
 * training (the embedding module in training mode): every managed feature's raw ids go through their table's
   ``assign`` (admission after ``admit_after`` sightings, LRU/LFU/TTL eviction), the rows it reports (evicted,
   newly admitted) are reset, and the lookup reads the assigned rows (row 0: the default row of ids without a
-  row of their own);
+  row of their own); :attr:`ManagedLookup.last` keeps the mapped features (the drift monitor's rolling
+  profile reads the rows of the last training batch);
 * evaluation (eval mode): ``rows_of``, the mapping as it stands, unchanged.
 
 A table's ids in one batch are its features' values in the table's feature order (``TableSpec.features``),
-each in sample order; that order decides ties among new ids (``ManagedIdTable.assign``: first occurrence).
+each in sample order; that order decides ties among new ids (``ManagedIdTable.assign``: first occurrence
+within a mapping shard).
 
-**N ranks.** The mapping is *replicated*: every rank holds the whole mapping of every managed table and
-runs the same deterministic ``assign`` on the *global* batch. Each step the ranks' raw ids of all managed
-features go in one ``all_gather`` (``grad_sync.all_gather_var``: the sizes, then the ids), every rank
-rebuilds the global order (feature by feature, ranks in order: the single process's order) and keeps its
-own positions of the result. A reset row is reset by every rank that holds it (its owner and the ranks with
-a replica of it), so every copy stays identical. Not yet: the mapping sharded with the rows (each rank
-mapping the ids its rows own), as the issue asks.
+**N ranks: the mapping is sharded** (as TorchRec's managed-collision modules remap per shard; OPER section 8
+names new ids as future work). Each managed table has ``S`` mapping shards (``ManagedConfig.shards_for``, a
+property of the table, not of the world size): a fixed hash of the raw id picks the shard, and shard ``s``
+admits into and evicts among its own range of rows (``embedding.managed``). Rank ``r`` hosts the shards
+``s % N == r`` of every managed table (their rows' ids, last steps and counts, their pending ids): the
+mapping's memory and work are split over the ranks. A step (:meth:`ManagedLookup.map`, every rank together,
+through a ``CollectiveTransport`` on the lookup's own group, bytes counted by ``comm.transport``'s
+convention in :attr:`ManagedLookup.stats`):
+
+1. the per-rank, per-feature counts of ids for each host rank (one ``[N, F]`` all-to-all, metadata);
+2. the raw ids to their shard's host rank (one all-to-all: each id travels once, to one rank; ids of a
+   rank's own shards stay local), ordered by feature then position;
+3. each host puts what it received in the single process's order (features in table order, then ranks in
+   order, then positions: per shard the same order as a world of one sees) and runs ``assign`` per table,
+   all its shards at once;
+4. the rows back to the ranks that asked (one all-to-all, after the exchange of its sizes), each message
+   followed by the global ids of the reset rows (evicted, admitted) that the receiving rank holds (owner or
+   replica, ``AddressMap.holders_of``); every rank resets what it received. Int32 when the rows module's
+   global row ids fit (under 2^31 rows in all), else int64.
+
+A world of one hosts all shards and sees the same per-shard order, so N ranks and one process assign alike
+(tests/test_managed_train.py). Evaluation sends ids and rows the same way (no resets, no size exchange).
 
 **Live re-planning** (``train.replan_every``, ``train.replan``). The mapping names rows, not places: a
 migration moves rows and their optimizer state and the mapping stays valid as it is. The reset of later
 batches finds a row where the running address map puts it (:func:`storage_positions` reads the module's map
 each time); a migration that builds a new module (PGAS) points :attr:`ManagedLookup.rows` and the hook at it
 (``DistributedRun.swap_sharded``). The drift monitor profiles the rows a batch read (:attr:`ManagedLookup.last`),
-not its raw ids.
+not its raw ids (tests/test_managed_replan.py).
 
 A reset row takes its initial value again (``embedding.init.uniform_rows`` of the table's index among all
 tables: placement-independent, so one process and N ranks reset alike) and row-wise optimizer state 0, and
 counts as updated for a delta checkpoint. Everything per id is a tensor operation on the run's device; the
-reset rows' values are drawn on the host (numpy, the init's hash) for those rows only.
+reset rows' values are drawn on the host (numpy, the init's hash) for those rows only. Each rank's
+checkpoint file holds its hosted shards (:meth:`ManagedLookup.state_dict`); a restore merges every rank
+file's and each rank takes the shards it hosts now, so a checkpoint re-shards onto any world size.
 """
 
 from __future__ import annotations
@@ -45,11 +64,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
-from embedscale.embedding.managed import ManagedIds, ManagedIdTable
+from embedscale.embedding.managed import ManagedIds, ManagedIdTable, shard_of
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError, FormatError
 from embedscale.specs import ManagedConfig, TableSpec
@@ -58,7 +77,8 @@ _ATTR = "managed_lookup"  # the embedding module's attribute naming its ManagedL
 
 
 class ManagedLookup:
-    """The managed tables of a run: their mappings, and the rows module whose rows they reset.
+    """The managed tables of a run: their mappings (this rank's mapping shards), and the rows module whose rows
+    they reset.
 
     Args:
         tables: every table of the model (their indices seed the rows' initial values, ``hash_init``).
@@ -66,7 +86,7 @@ class ManagedLookup:
         rows: the module holding the managed tables' rows: ``LocalEmbeddingBags`` or ``ShardedEmbedding``.
         seed: ``train.seed`` (the rows' initial values).
         device: the run's device (the mappings live there).
-        group: N ranks: the process group of the ids' all_gather (``None``: a world of one).
+        group: N ranks: the process group of the ids' and rows' all-to-alls (``None``: a world of one).
     """
 
     def __init__(self, tables: list[TableSpec], managed: Mapping[str, ManagedConfig], rows: nn.Module, *,
@@ -80,23 +100,29 @@ class ManagedLookup:
             if name not in held:
                 raise ConfigError(f"managed table {name!r}: its rows are not in the run's device rows (a TT or "
                                   "host table cannot be managed)")
-        self.specs = {name: by_name[name] for name in managed}
-        self.index = {t.name: i for i, t in enumerate(tables)}
-        self.ids = ManagedIds({
-            name: ManagedIdTable(name, by_name[name].num_rows, m.admit_after, m.policy, m.ttl or None,
-                                 m.pending_capacity or None, device=device)
-            for name, m in managed.items()})
-        self.features = [f for name in managed for f in by_name[name].features]  # table order, then feature order
-        self.rows = rows
-        self.seed = int(seed)
-        self.device = torch.device(device)
         self.group = group
         self.world = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        self.stats: dict[str, int] = {}
-        # the last training batch as the lookup read it (rows, not raw ids): the drift monitor's rolling profile
-        # counts these (train.replan)
-        self.last: JaggedFeatures | None = None
+        order = [t.name for t in tables if t.name in managed]  # the model's table order
+        self.specs = {name: by_name[name] for name in order}
+        self.index = {t.name: i for i, t in enumerate(tables)}
+        self.shards = {name: managed[name].shards_for(by_name[name].num_rows) for name in order}
+        self.ids = ManagedIds({
+            name: ManagedIdTable(name, by_name[name].num_rows, m.admit_after, m.policy, m.ttl or None,
+                                 m.pending_capacity or None, device=device, shards=self.shards[name],
+                                 hosted=[s for s in range(self.shards[name]) if s % self.world == self.rank])
+            for name, m in ((n, managed[n]) for n in order)})
+        self.features = [f for name in order for f in by_name[name].features]  # table order, then feature order
+        self._table = {f: name for name in order for f in by_name[name].features}
+        self.rows = rows
+        self.seed = int(seed)
+        self.device = torch.device(device)
+        self.transport = CollectiveTransport(self.rank, self.world, group) if self.world > 1 else None
+        # the rows' way back: int32 when every global row id of the rows module fits (rows and reset gids)
+        total = int(rows.amap.table_base[-1]) if isinstance(rows, ShardedEmbedding) else 1 << 62
+        self._back_dtype = torch.int32 if total < 2**31 else torch.int64
+        self.stats: dict[str, int] = {}  # training steps' bytes sent (bytes_sent = ids + rows + meta), steps
+        self.last: JaggedFeatures | None = None  # the mapped features of the last training batch
 
     # -- the hook --------------------------------------------------------------------------------
     def __call__(self, module: nn.Module, args: tuple):
@@ -106,7 +132,7 @@ class ManagedLookup:
 
     def map(self, features: JaggedFeatures, *, training: bool) -> JaggedFeatures:
         """``features`` with every managed feature's raw ids replaced by their rows (``assign`` while
-        training: N ranks call it together; ``rows_of`` otherwise)."""
+        training, ``rows_of`` otherwise; on N ranks every rank calls it together)."""
         keys = features.keys
         missing = [f for f in self.features if f not in keys]
         if missing:
@@ -119,10 +145,7 @@ class ManagedLookup:
         span = {k: (bounds[i], bounds[i + 1]) for i, k in enumerate(keys)}
         values = features.values
         local = {f: values[span[f][0]:span[f][1]].to(self.device, torch.int64) for f in self.features}
-        if training:
-            rows = self._assign(local)
-        else:
-            rows = {f: self.ids[self._table_of(f)].rows_of(local[f]) for f in self.features}
+        rows = self._map_local(local, training) if self.world == 1 else self._map_exchange(local, training)
         out = values.clone()
         for f in self.features:
             a, b = span[f]
@@ -133,38 +156,106 @@ class ManagedLookup:
         return mapped
 
     def _table_of(self, feature: str) -> str:
-        return next(n for n, s in self.specs.items() if feature in s.features)
+        return self._table[feature]
 
-    def _assign(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Assign the global batch (every rank's ids of every managed feature), reset the reported rows, and
-        return this rank's rows per feature."""
-        feats = self.features
-        if self.world == 1:
-            parts = {f: [local[f]] for f in feats}
-        else:  # one all_gather of [count per feature, ids...] for every managed table at once
-            counts = torch.tensor([local[f].numel() for f in feats], dtype=torch.int64, device=self.device)
-            payload = torch.cat([counts] + [local[f] for f in feats])
-            got = all_gather_var(payload, self.group, self.stats)
-            parts = {f: [] for f in feats}
-            for g in got:
-                n = g[:len(feats)].tolist()
-                pos = len(feats)
-                for f, c in zip(feats, n):
-                    parts[f].append(g[pos:pos + c])
-                    pos += c
-        rows: dict[str, torch.Tensor] = {}
+    def _run_tables(self, ids: torch.Tensor, per_feature: list[int], training: bool) -> tuple[torch.Tensor, dict]:
+        """Map ``ids`` (the managed features' ids one after the other, ``per_feature[i]`` of feature ``i`` of
+        :attr:`features`) table by table: ``assign`` (training) or ``rows_of``. Returns the rows in the same
+        order and ``{table: reset rows}``."""
+        sizes = {f: n for f, n in zip(self.features, per_feature)}
+        out, resets, pos = [], {}, 0
         for name, spec in self.specs.items():
-            mine = [f for f in spec.features]
-            ids = torch.cat([p for f in mine for p in parts[f]])
-            a = self.ids[name].assign(ids)
-            self.reset(name, a.reset)
-            pos = 0
-            for f in mine:
-                for r, p in enumerate(parts[f]):
-                    if r == self.rank:
-                        rows[f] = a.rows[pos:pos + p.numel()]
-                    pos += p.numel()
-        return rows
+            n = sum(sizes[f] for f in spec.features)
+            part = ids[pos:pos + n]
+            pos += n
+            if training:
+                a = self.ids[name].assign(part)
+                out.append(a.rows)
+                resets[name] = a.reset
+            else:
+                out.append(self.ids[name].rows_of(part))
+        return (torch.cat(out) if out else ids.new_zeros(0)), resets
+
+    def _map_local(self, local: dict[str, torch.Tensor], training: bool) -> dict[str, torch.Tensor]:
+        """A world of one: every shard is here."""
+        sizes = [local[f].numel() for f in self.features]
+        rows, resets = self._run_tables(torch.cat([local[f] for f in self.features]), sizes, training)
+        for name, r in resets.items():
+            self.reset(name, r)
+        return dict(zip(self.features, torch.split(rows, sizes)))
+
+    def _map_exchange(self, local: dict[str, torch.Tensor], training: bool) -> dict[str, torch.Tensor]:
+        """N ranks: ids to their shard's host, ``assign`` there, rows (and the resets each rank holds) back
+        (the module docstring's steps 1-4)."""
+        tr, W, F, dev = self.transport, self.world, len(self.features), self.device
+        counter = tr.counter
+        before = (int(counter.by_kind.get("ids", 0)), int(counter.by_kind.get("rows", 0)), int(counter.meta))
+        sizes = [local[f].numel() for f in self.features]
+        vals = torch.cat([local[f] for f in self.features])
+        fidx = torch.repeat_interleave(torch.arange(F, device=dev), torch.tensor(sizes, device=dev))
+        dest = torch.cat([shard_of(local[f], self.shards[self._table[f]]) % W for f in self.features])
+        key = dest * F + fidx
+        order = torch.argsort(key, stable=True)  # by host rank, then feature, then position
+        counts = torch.bincount(key, minlength=W * F).view(W, F)
+        recv_counts = tr.exchange_counts(counts)  # row p: what rank p sends here, per feature (1.)
+        send_n, recv_n = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+        got = tr.exchange(list(torch.split(vals[order], send_n)), recv_n, kind="ids")  # (2.)
+        flat = torch.cat(got)
+        seg = torch.repeat_interleave(torch.arange(W * F, device=dev), recv_counts.reshape(-1))  # p * F + f
+        perm = torch.argsort((seg % F) * W + seg // F, stable=True)  # to features, then ranks, then positions
+        rows_fp, resets = self._run_tables(flat[perm], recv_counts.sum(0).tolist(), training)  # (3.)
+        rows_recv = torch.empty_like(rows_fp)
+        rows_recv[perm] = rows_fp
+        back = list(torch.split(rows_recv, recv_n))
+        bt = self._back_dtype
+        if training:  # each rank gets the global ids of the reset rows it holds after its rows (4.)
+            held = self._reset_gids_by_rank(resets)
+            back = tr.exchange([torch.cat([back[p], held[p]]).to(bt) for p in range(W)], None, kind="rows")
+        else:
+            back = tr.exchange([b.to(bt) for b in back], send_n, kind="rows")
+        mine = torch.empty_like(vals)
+        mine[order] = torch.cat([m[:n] for m, n in zip(back, send_n)]).to(torch.int64)
+        if training:
+            self._reset_gids(torch.cat([m[n:] for m, n in zip(back, send_n)]).to(torch.int64))
+            now = (int(counter.by_kind.get("ids", 0)), int(counter.by_kind.get("rows", 0)), int(counter.meta))
+            st = self.stats
+            for k, b, a in zip(("ids_bytes", "rows_bytes", "meta_bytes"), before, now):
+                st[k] = st.get(k, 0) + a - b
+            st["bytes_sent"] = st.get("bytes_sent", 0) + sum(now) - sum(before)
+            st["steps"] = st.get("steps", 0) + 1
+        return dict(zip(self.features, torch.split(mine, sizes)))
+
+    def _reset_gids_by_rank(self, resets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The reset rows of this rank's shards as global ids of the rows module, split by the ranks that hold
+        them (owner and replica holders; every rank when the rows are not sharded)."""
+        m, W = self.rows, self.world
+        names = [s.name for s in m.tables]
+        base = np.asarray(m.amap.table_base) if isinstance(m, ShardedEmbedding) else None
+        gids, rows_of_name = [], []
+        for name, r in resets.items():
+            if r.numel():
+                t = names.index(name)
+                off = int(base[t]) if base is not None else t << 40
+                gids.append(r.cpu().numpy().astype(np.int64) + off)
+        g = np.concatenate(gids) if gids else np.zeros(0, dtype=np.int64)
+        hold = m.amap.holders_of(g) if base is not None else np.ones((g.size, W), dtype=bool)
+        return [torch.from_numpy(g[hold[:, p]]).to(self.device) for p in range(W)]
+
+    def _reset_gids(self, gids: torch.Tensor) -> None:
+        """Reset the rows named by global ids (:meth:`_reset_gids_by_rank`), table by table."""
+        if gids.numel() == 0:
+            return
+        m = self.rows
+        g = np.unique(gids.cpu().numpy())
+        names = [s.name for s in m.tables]
+        if isinstance(m, ShardedEmbedding):
+            base = np.asarray(m.amap.table_base)
+            t = np.searchsorted(base, g, side="right") - 1
+            local = g - base[t]
+        else:
+            t, local = g >> 40, g & ((1 << 40) - 1)
+        for ti in np.unique(t):
+            self.reset(names[int(ti)], torch.from_numpy(local[t == ti]))
 
     # -- resetting rows --------------------------------------------------------------------------
     @torch.no_grad()
@@ -197,20 +288,47 @@ class ManagedLookup:
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every managed table's mapping (``ManagedIds.state_dict``: tensors only), on the host."""
+        """This rank's mapping shards of every managed table (``ManagedIds.state_dict``: ``<table>.config``,
+        ``<table>.step``, ``<table>.<shard>.<key>``; tensors only), on the host."""
         return {k: v.detach().cpu() for k, v in self.ids.state_dict().items()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], where) -> None:
-        """The mappings of a checkpoint (any world size wrote it: the mapping is the same on every rank)."""
+        """The mappings of a checkpoint: ``state`` merges every rank file's shards (any world size wrote it);
+        each table takes the shards this rank hosts."""
         tables = sorted({k.split(".", 1)[0] for k in state})
         missing = sorted(set(self.specs) - set(tables))
         if missing:
             raise FormatError(f"{where}: the checkpoint has no id mapping for managed table(s) {missing} "
                               f"(it has {tables})")
-        self.ids.load_state_dict(state)
+        try:
+            self.ids.load_state_dict(state)
+        except FormatError as e:
+            raise FormatError(f"{where}: {e}") from None
+
+    def exchange_figures(self) -> dict:
+        """The training steps' id exchange, bytes sent per step *summed over the ranks* (collective on N ranks):
+        ``bytes_per_step`` and ``{ids, rows, meta}`` per step (``comm.transport``'s convention); zeros in a
+        world of one."""
+        keys = ("bytes_sent", "ids_bytes", "rows_bytes", "meta_bytes")
+        v = torch.tensor([float(self.stats.get(k, 0)) for k in keys], dtype=torch.float64)
+        if self.world > 1:
+            v = v.to(self.transport.wire_device)
+            dist.all_reduce(v, group=self.group)
+            v = v.cpu()
+        n = max(self.stats.get("steps", 0), 1)
+        per = (v / n).tolist()
+        return {"bytes_per_step": per[0], "ids": per[1], "rows": per[2], "meta": per[3]}
 
     def counters(self) -> dict[str, dict[str, int]]:
-        return self.ids.counters()
+        """Every managed table's counters over all its shards (N ranks: a sum over the ranks, collective)."""
+        names = list(self.specs)
+        keys = list(self.ids[names[0]].counters) if names else []
+        c = torch.tensor([[self.ids[n].counters[k] for k in keys] for n in names], dtype=torch.int64)
+        if self.world > 1 and c.numel():
+            c = c.to(self.transport.wire_device)
+            dist.all_reduce(c, group=self.group)
+            c = c.cpu()
+        return {n: dict(zip(keys, (int(v) for v in row))) for n, row in zip(names, c.tolist())}
 
 
 def storage_positions(m: ShardedEmbedding, table: str, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -23,8 +23,11 @@ A rank file holds only tensors, numbers, strings, lists and dicts (read back wit
   single-process model), and on rank 0 ``optimizer_groups`` (learning rates, warmup base rates);
 - rank 0 only: ``losses`` (every step's loss), ``rng_torch``, ``host`` (host parameter-server tables:
   ``<table>.weight`` / ``.momentum``), ``tt`` (TT cores and their optimizer state: every rank's copy is
-  the same) and ``managed`` (the managed tables' id mappings, ``<table>.<key>`` tensors of
-  ``ManagedIdTable.state_dict``: every rank's copy is the same; whole in a delta too).
+  the same);
+- ``managed`` (every rank): the mapping shards of the managed tables this rank hosts (``<table>.config``,
+  ``<table>.step``, ``<table>.<shard>.<key>`` tensors of ``ManagedIdTable.state_dict``; whole in a delta
+  too). The rank files' entries together hold every shard once; a restore merges them and each rank takes the
+  shards it hosts then (any world size).
 
 The manifest holds the run position (step, epoch, batch_in_epoch, samples, and the early-stopping state:
 best step and value, evaluations without improvement, stopped), ``kind`` (``plan``: flat
@@ -296,13 +299,14 @@ def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[di
 
 
 ROLLING_PROFILE = "rolling_profile"  # a full checkpoint's rank file: that rank's rolling profile (train.replan)
-MANAGED = "managed"  # rank 0's entry: the managed tables' id mappings (embedding.managed_lookup), one copy
+MANAGED = "managed"  # every rank's entry: its mapping shards of the managed tables (embedding.managed_lookup)
 
 
-def load_managed(lookup, r0: dict, where) -> None:
-    """Restore the managed tables' id mappings from rank 0's file (``MANAGED``: written once, by rank 0, read on any
-    world size: every rank holds the whole mapping); a checkpoint without them is a ``FormatError``."""
-    state = r0.get(MANAGED)
+def load_managed(lookup, shards: list[dict], where) -> None:
+    """Restore the managed tables' id mappings: every rank file's ``MANAGED`` shards merged (each written by the
+    rank that hosted it), each table taking the shards it hosts now, on any world size; a checkpoint without
+    them is a ``FormatError``."""
+    state = merged(shards, MANAGED)
     if not state:
         raise FormatError(f"{where}: no id mappings of managed tables in the checkpoint; this model manages "
                           f"{sorted(lookup.specs)}")
@@ -377,7 +381,7 @@ def load_checkpoint(path: str | Path) -> dict:
             "batch_in_epoch": m["batch_in_epoch"], "samples": m["samples"], "config_yaml": m.get("config_yaml", ""),
             "losses": [float(x) for x in r0.get("losses", [])], "tables": tables, "dense": merged(shards, "dense"),
             "optimizer": merged(shards, "optimizer"), "optimizer_groups": r0.get("optimizer_groups", []),
-            "host": r0.get("host", {}), "tt": r0.get("tt", {}), MANAGED: r0.get(MANAGED, {})}
+            "host": r0.get("host", {}), "tt": r0.get("tt", {}), MANAGED: merged(shards, MANAGED)}
 
 
 # -- writing ----------------------------------------------------------------------------------------

@@ -366,7 +366,7 @@ class DistributedRun:
             stats=self.tt_stats)
         built = build_embedding(self.all_tables, self.plan, self.embedding_env, forms=self.forms)
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
-        # managed tables: raw ids mapped to rows before every lookup, the mapping replicated (embedding.managed_lookup)
+        # managed tables: raw ids mapped to rows before every lookup, the mapping sharded (embedding.managed_lookup)
         self.managed = assemble.install_managed(cfg, self.all_tables, built, self.forms, group=self._new_group())
         device_module = self.tt_embedding or self.embedding
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
@@ -493,11 +493,13 @@ class DistributedRun:
             out["input_pipelined_steps"] = int(self.embedding.stats.get("prefetched_steps", 0))
         if getattr(self, "pipeline_depth", None):  # host tables: the depth they ran (host_pipeline_depth)
             out["pipeline_depth"] = self.pipeline_depth
-        if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (same on every rank)
+        if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (all shards, summed)
             out["managed"] = self.managed.counters()
-            # the ids' all_gather (sizes and ids, padded to the largest rank's; grad_sync.all_gather_var's count)
-            sent = self.managed.stats.get("bytes_sent", 0)
-            out["managed_gather_bytes_per_step"] = sent / max(len(self.bytes_per_step), 1)
+            # the id exchange of a training step (ids to their shard's host, rows and resets back, counts): bytes
+            # sent summed over the ranks, comm.transport's convention (embedding.managed_lookup)
+            ex = self.managed.exchange_figures()
+            out["managed_exchange_bytes_per_step"] = ex.pop("bytes_per_step")
+            out["managed_exchange_bytes"] = ex
         out.update(self.executor_figures())
         return out
 
@@ -570,8 +572,8 @@ class DistributedRun:
                 shard["host"] = {k: v.detach().cpu() for k, v in self.host_embedding.host_state().items()}
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
-            if getattr(self, "managed", None) is not None:  # the id mappings: identical on every rank
-                shard[MANAGED] = self.managed.state_dict()
+        if getattr(self, "managed", None) is not None:  # the mapping shards of managed tables this rank hosts
+            shard[MANAGED] = self.managed.state_dict()
         if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
             shard[ROLLING_PROFILE] = self.monitor.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
@@ -625,7 +627,7 @@ class DistributedRun:
         if not self.inference:
             load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if getattr(self, "managed", None) is not None:
-            load_managed(self.managed, r0, ckpt_dir)
+            load_managed(self.managed, shards, ckpt_dir)
         if getattr(self, "monitor", None) is not None:
             self.monitor.restore(shards, self.rank, self.world)
         if "rng_torch" in r0:

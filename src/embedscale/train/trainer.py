@@ -102,7 +102,7 @@ def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
     if tt is not None:
         load_tt_state(tt, rank0(shards).get("tt"), ckpt, with_optimizer=False)
     if managed_of(model) is not None:
-        load_managed(managed_of(model), rank0(shards), ckpt)
+        load_managed(managed_of(model), shards, ckpt)
     load_dense_state(model, merged(shards, "dense"), ckpt)
     return m
 
@@ -235,7 +235,7 @@ class Trainer:
         load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
         load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if self._managed is not None:
-            load_managed(self._managed, r0, ckpt_dir)
+            load_managed(self._managed, shards, ckpt_dir)
         if "rng_torch" in r0:
             torch.set_rng_state(r0["rng_torch"])
         self.state.restore(m, r0.get("losses", []))
