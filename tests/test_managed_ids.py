@@ -318,3 +318,69 @@ def test_an_unsharded_state_of_the_former_format_loads_as_one_shard():
     assert t.counters == ref.counters
     with pytest.raises(FormatError, match="unsharded.*shards 1"):
         ManagedIdTable("t", 6, admit_after=2, policy="lru", pending_capacity=24, shards=2).load_state_dict(state)
+
+
+@pytest.mark.parametrize("policy,k,ttl,pcap", [("lru", 1, None, None), ("lfu", 2, None, 12), ("ttl", 2, 3, 9)])
+def test_delta_state_over_its_base_is_the_whole_state(policy, k, ttl, pcap):
+    """Issue 17 part 5, "the id mappings that changed": a delta state (rows changed since the base, which of the
+    base's pending ids stay unchanged, the new or changed pending entries) laid over the base's full state
+    (``apply_delta``) equals the full state at the delta's step, key for key and bit for bit, for each of 2
+    hosts and merged; a table so restored continues as the original. The delta holds far fewer rows than
+    the table when few rows changed, and a delta that does not fit its base is a FormatError."""
+    from embedscale.embedding.managed import apply_delta
+
+    kw = dict(admit_after=k, policy=policy, ttl=ttl, pending_capacity=pcap)
+    hosts = [ManagedIdTable("t", 41, shards=4, hosted=[s for s in range(4) if s % 2 == r], **kw) for r in range(2)]
+    whole = ManagedIds({"t": ManagedIdTable("t", 41, shards=4, **kw)})
+    stream = list(_stream(11, 70, 120, 24))
+
+    def feed(ids):
+        t = torch.from_numpy(ids)
+        host = shard_of(t, 4) % 2
+        for r, tab in enumerate(hosts):
+            tab.assign(t[host == r])
+        whole["t"].assign(t)
+
+    for ids in stream[:40]:
+        feed(ids)
+    base = [tab.state_dict() for tab in hosts]
+    for tab in hosts:
+        tab.track()
+    whole_base = whole.state_dict()
+    whole.track()
+    for step, ids in enumerate(stream[40:48]):
+        feed(ids)
+    for r, tab in enumerate(hosts):
+        got = apply_delta({f"t.{k}": v for k, v in base[r].items()},
+                          {f"t.{k}": v for k, v in tab.delta_state_dict().items()})
+        want = tab.state_dict()
+        assert sorted(got) == sorted(f"t.{k}" for k in want)
+        for key, v in want.items():
+            assert torch.equal(got[f"t.{key}"], v), (r, key)
+    # merged over the hosts (as a checkpoint's rank files are) and restored on a world of one
+    merged_base = {f"t.{k}": v for b in base for k, v in b.items()}
+    merged_delta = {f"t.{k}": v for tab in hosts for k, v in tab.delta_state_dict().items()}
+    restored = ManagedIds({"t": ManagedIdTable("t", 41, shards=4, **kw)})
+    restored.load_state_dict(apply_delta(merged_base, merged_delta))
+    assert restored["t"].mapping() == whole["t"].mapping()
+    assert apply_delta(whole_base, whole.state_dict(delta=True)).keys() == whole.state_dict().keys()
+    for ids in stream[48:]:
+        want = whole["t"].assign(torch.from_numpy(ids))
+        assert restored["t"].assign(torch.from_numpy(ids)).rows.tolist() == want.rows.tolist()
+    assert restored["t"].counters == whole["t"].counters
+    # the delta names only the changed rows: after one more small batch, a few of the table's 40 rows
+    small = ManagedIdTable("t", 41, shards=4, **kw)
+    for ids in stream[:40]:
+        small.assign(torch.from_numpy(ids))
+    small.track()
+    small.assign(torch.from_numpy(stream[40][:3]))
+    d = small.delta_state_dict()
+    changed_rows = sum(d[f"{s}.d.rows"].numel() for s in range(4))
+    changed_pend = sum(d[f"{s}.d.pend_ids"].numel() for s in range(4))
+    assert 0 < changed_rows + changed_pend and changed_rows <= 3 + (40 if policy == "ttl" else 0)
+    assert changed_pend <= 3
+    with pytest.raises(FormatError, match="does not fit its base"):  # a delta over another base
+        apply_delta({f"t.{k}": v for k, v in base[0].items()},
+                    {f"t.{k}": v for k, v in small.delta_state_dict().items()} | {"t.base_step": torch.tensor(3)})
+    with pytest.raises(ConfigError, match="needs a base"):
+        ManagedIdTable("t", 41, shards=4, **kw).delta_state_dict()

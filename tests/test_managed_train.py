@@ -242,6 +242,12 @@ def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, d
     spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "two"), timeout_s=600)
     assert load_checkpoint(tmp_path / "two")["manifest"]["world_size"] == 2
     assert "delta" in load_checkpoint(step_dir(tmp_path / "two", 6))["manifest"]
+    # its rank files hold the id mappings that changed since the base (step 4), not whole mappings
+    from embedscale.train.checkpoint import MANAGED, read_shard
+    for r in range(2):
+        own = read_shard(step_dir(tmp_path / "two", 6) / f"rank-{r:05d}.pt")[MANAGED]
+        assert {int(own[f"t_{t}.base_step"]) for t in TABLES} == {4}, sorted(own)[:8]
+        assert not any(k.endswith(".row_id") and ".d." not in k for k in own)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     # summed over the ranks: the ids hosted by the other rank (int64), their rows back (int32: 24 rows in all)
     # plus the global ids of the reset rows the receiver holds, and metadata: per rank and step the [2, 2]

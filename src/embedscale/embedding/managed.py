@@ -202,6 +202,10 @@ class ManagedIdTable:
         self.pend_count = torch.zeros(0, **i64)
         self.pend_last = torch.zeros(0, **i64)
         self.shard_counters = torch.zeros(H, len(_COUNTERS), **i64)  # per hosted shard, _COUNTERS order
+        # delta checkpoints (track): local rows changed since the base, the base's step and pending ids per shard
+        self._dirty: torch.Tensor | None = None
+        self._base_step = -1
+        self._base_pend: dict[int, torch.Tensor] = {}
         self._rebuild_index()
 
     @property
@@ -341,6 +345,10 @@ class ManagedIdTable:
         self.row_used[adm_rows] = True
         self.row_last[adm_rows] = t
         self.row_freq[adm_rows] = total[adm]
+        if self._dirty is not None:  # every row whose entry this batch changed (hit, expired, evicted, admitted)
+            self._dirty[hit_rows] = True
+            self._dirty[ev_rows] = True
+            self._dirty[adm_rows] = True
         # 5./6. pending: the old entries not in this batch, plus this batch's misses not admitted; per-shard cap
         admitted_mask = torch.zeros(m_ids.numel(), dtype=torch.bool, device=dev)
         admitted_mask[adm] = True
@@ -406,6 +414,45 @@ class ManagedIdTable:
             out[f"{s}.counters"] = self.shard_counters[j].clone()
         return out
 
+    def track(self) -> None:
+        """Make the state as it is now the base of later :meth:`delta_state_dict` calls (a full checkpoint was
+        just written from :meth:`state_dict`): changed rows are counted from here, and the pending ids of
+        each hosted shard are remembered (ids only, in :meth:`state_dict`'s order)."""
+        self._dirty = torch.zeros(self.row_id.numel(), dtype=torch.bool, device=self.device)
+        self._base_step = self.step
+        p_ls = self._local_of[shard_of(self.pend_ids, self.shards)]
+        self._base_pend = {s: self.pend_ids[p_ls == j].clone() for j, s in enumerate(self.hosted)}
+
+    def delta_state_dict(self) -> dict[str, torch.Tensor]:
+        """What changed since :meth:`track` (issue 17 part 5: a delta checkpoint holds "the id mappings that
+        changed"): ``config``, ``step``, ``base_step``, and per hosted shard ``s`` its counters (whole), the
+        changed rows (``<s>.d.rows``: int32 positions in the shard's range; ``<s>.d.row_id`` ... their
+        entries), which of the base's pending ids are still pending unchanged (``<s>.d.pend_kept``: one bool
+        per base pending id, in the base's order; an unchanged entry's last step is at most the base's step,
+        every sighting sets it to the batch's step) and the pending entries new or changed since
+        (``<s>.d.pend_ids`` ...). :func:`apply_delta` on the base's :meth:`state_dict` gives this table's
+        :meth:`state_dict` exactly."""
+        if self._dirty is None:
+            raise ConfigError(f"managed table {self.name!r}: a delta state needs a base (track() after a full "
+                              "state)")
+        out = {"config": torch.tensor(self._config()), "step": torch.tensor(self.step),
+               "base_step": torch.tensor(self._base_step)}
+        p_ls = self._local_of[shard_of(self.pend_ids, self.shards)]
+        for j, s in enumerate(self.hosted):
+            a, b = self._offsets[j], self._offsets[j + 1]
+            rows = torch.nonzero(self._dirty[a:b], as_tuple=True)[0]
+            out[f"{s}.d.rows"] = rows.to(torch.int32)
+            for k in _ROW_KEYS:
+                out[f"{s}.d.{k}"] = getattr(self, k)[a:b][rows].clone()
+            mine = p_ls == j
+            ids, cnt, last = self.pend_ids[mine], self.pend_count[mine], self.pend_last[mine]
+            changed = last > self._base_step
+            out[f"{s}.d.pend_kept"] = torch.isin(self._base_pend[s], ids[~changed])
+            for k, v in zip(_PEND_KEYS, (ids, cnt, last)):
+                out[f"{s}.d.{k}"] = v[changed].clone()
+            out[f"{s}.counters"] = self.shard_counters[j].clone()
+        return out
+
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         """Restore the hosted shards from ``state`` (the states of any hosting of the same shards, merged)."""
         if "config" not in state or "step" not in state:
@@ -450,6 +497,7 @@ class ManagedIdTable:
         o = torch.argsort(p["pend_ids"])
         self.pend_ids, self.pend_count, self.pend_last = (p[k][o] for k in _PEND_KEYS)
         self.step = int(state["step"])
+        self._dirty, self._base_step, self._base_pend = None, -1, {}  # a delta needs a full state written first
         self._rebuild_index()
 
 
@@ -471,13 +519,64 @@ class ManagedIds:
     def counters(self) -> dict[str, dict[str, int]]:
         return {name: dict(t.counters) for name, t in self.tables.items()}
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"{name}.{k}": v for name, t in self.tables.items() for k, v in t.state_dict().items()}
+    def state_dict(self, delta: bool = False) -> dict[str, torch.Tensor]:
+        """Every table's :meth:`ManagedIdTable.state_dict` (``delta``: its ``delta_state_dict``), keys prefixed
+        by the table's name."""
+        return {f"{name}.{k}": v for name, t in self.tables.items()
+                for k, v in (t.delta_state_dict() if delta else t.state_dict()).items()}
+
+    def track(self) -> None:
+        for t in self.tables.values():
+            t.track()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         for name, t in self.tables.items():
             prefix = f"{name}."
             t.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+
+
+def apply_delta(base: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full mapping state at a delta's step: ``base`` (``ManagedIds.state_dict()`` of the full checkpoint,
+    every rank file's merged) with ``delta`` (``ManagedIds.state_dict(delta=True)``, merged) laid over it,
+    shard by shard: changed rows replaced, the base's pending entries kept where ``pend_kept`` says and the
+    new or changed ones added (sorted by id, as :meth:`ManagedIdTable.state_dict` writes them). A table whose
+    delta entry is whole (written without a base) is taken as it is. A ``FormatError`` when the delta does
+    not fit its base."""
+    tables = sorted({k.split(".", 1)[0] for k in delta})
+    out = {k: v for k, v in base.items() if k.split(".", 1)[0] not in tables}
+    for name in tables:
+        p = f"{name}."
+        d = {k[len(p):]: v for k, v in delta.items() if k.startswith(p)}
+        if "base_step" not in d:  # a whole state
+            out.update({p + k: v for k, v in d.items()})
+            continue
+        b = {k[len(p):]: v for k, v in base.items() if k.startswith(p)}
+        if "config" not in b or b["config"].tolist() != d["config"].tolist() or int(b["step"]) != int(d["base_step"]):
+            raise FormatError(f"managed table {name!r}: the delta's mapping (config {d['config'].tolist()}, base "
+                              f"step {int(d['base_step'])}) does not fit its base's (config "
+                              f"{b['config'].tolist() if 'config' in b else None}, step "
+                              f"{int(b['step']) if 'step' in b else None})")
+        full = {"config": d["config"], "step": d["step"]}
+        for s in sorted({int(k.split(".", 1)[0]) for k in d if k.endswith(".d.rows")}):
+            rows = d[f"{s}.d.rows"].to(torch.int64)
+            for k in _ROW_KEYS:
+                if f"{s}.{k}" not in b:
+                    raise FormatError(f"managed table {name!r}: the base lacks mapping shard {s}'s {k}")
+                v = b[f"{s}.{k}"].clone()
+                v[rows] = d[f"{s}.d.{k}"]
+                full[f"{s}.{k}"] = v
+            kept = d[f"{s}.d.pend_kept"]
+            if kept.numel() != b[f"{s}.pend_ids"].numel():
+                raise FormatError(f"managed table {name!r}: shard {s}: the delta keeps {kept.numel()} base pending "
+                                  f"entries' flags, the base has {b[f'{s}.pend_ids'].numel()}")
+            ids = torch.cat([b[f"{s}.pend_ids"][kept], d[f"{s}.d.pend_ids"]])
+            o = torch.argsort(ids)
+            full[f"{s}.pend_ids"] = ids[o]
+            for k in _PEND_KEYS[1:]:
+                full[f"{s}.{k}"] = torch.cat([b[f"{s}.{k}"][kept], d[f"{s}.d.{k}"]])[o]
+            full[f"{s}.counters"] = d[f"{s}.counters"]
+        out.update({p + k: v for k, v in full.items()})
+    return out
 
 
 @torch.no_grad()

@@ -287,10 +287,16 @@ class ManagedLookup:
             m.touched[dst] = True
 
     # -- state -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, delta: bool = False) -> dict[str, torch.Tensor]:
         """This rank's mapping shards of every managed table (``ManagedIds.state_dict``: ``<table>.config``,
-        ``<table>.step``, ``<table>.<shard>.<key>``; tensors only), on the host."""
-        return {k: v.detach().cpu() for k, v in self.ids.state_dict().items()}
+        ``<table>.step``, ``<table>.<shard>.<key>``; tensors only), on the host. ``delta``: only what changed
+        since the last :meth:`track` (``ManagedIdTable.delta_state_dict``; ``embedding.managed.apply_delta``
+        restores it over the base's)."""
+        return {k: v.detach().cpu() for k, v in self.ids.state_dict(delta=delta).items()}
+
+    def track(self) -> None:
+        """The mapping as it is now is the base of later delta states (a full checkpoint was just written)."""
+        self.ids.track()
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], where) -> None:
         """The mappings of a checkpoint: ``state`` merges every rank file's shards (any world size wrote it);

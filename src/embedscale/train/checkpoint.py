@@ -25,8 +25,9 @@ A rank file holds only tensors, numbers, strings, lists and dicts (read back wit
   ``<table>.weight`` / ``.momentum``), ``tt`` (TT cores and their optimizer state: every rank's copy is
   the same);
 - ``managed`` (every rank): the mapping shards of the managed tables this rank hosts (``<table>.config``,
-  ``<table>.step``, ``<table>.<shard>.<key>`` tensors of ``ManagedIdTable.state_dict``; whole in a delta
-  too). The rank files' entries together hold every shard once; a restore merges them and each rank takes the
+  ``<table>.step``, ``<table>.<shard>.<key>`` tensors of ``ManagedIdTable.state_dict``; in a delta only what
+  changed since its base, ``ManagedIdTable.delta_state_dict``, laid over the base's on reading,
+  ``embedding.managed.apply_delta``). The rank files' entries together hold every shard once; a restore merges them and each rank takes the
   shards it hosts then (any world size).
 
 The manifest holds the run position (step, epoch, batch_in_epoch, samples, and the early-stopping state:
@@ -62,6 +63,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embedscale.embedding.managed import apply_delta
 from embedscale.errors import FormatError
 from embedscale.io import atomic_open, atomic_write_json, read_json
 
@@ -295,6 +297,15 @@ def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[di
         if sh.get(ROLLING_PROFILE) is not None:  # deltas carry none: the base's, for train.replan to fall back on
             base_rank[ROLLING_PROFILE] = sh[ROLLING_PROFILE]
         out.append(base_rank)
+    changed = merged(delta, MANAGED)
+    if changed:  # the id mappings that changed, laid over the base's: the whole mapping at the delta's step
+        try:
+            whole = apply_delta(merged(base_shards, MANAGED), changed)
+        except FormatError as e:
+            raise FormatError(f"delta checkpoint {ckpt_dir}: {e}") from None
+        for sh in delta:
+            sh.pop(MANAGED, None)
+        delta[0][MANAGED] = whole
     return out + delta
 
 

@@ -573,12 +573,14 @@ class DistributedRun:
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
         if getattr(self, "managed", None) is not None:  # the mapping shards of managed tables this rank hosts
-            shard[MANAGED] = self.managed.state_dict()
+            shard[MANAGED] = self.managed.state_dict(delta=delta)  # a delta: what changed since its base
         if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
             shard[ROLLING_PROFILE] = self.monitor.state_dict()
         write_rank_file(ckpt_dir, self.rank, shard)
         if track:
             self.embedding.track_touched()
+            if getattr(self, "managed", None) is not None:
+                self.managed.track()
         return {"kind": "plan", "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
                 "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
                 "tt_tables": [t.name for t in self.all_tables if self.forms[t.name].kind == "tt"],

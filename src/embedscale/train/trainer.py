@@ -187,8 +187,10 @@ class Trainer:
         if self._tt is not None:
             shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
         if self._managed is not None:
-            shard[MANAGED] = self._managed.state_dict()
+            shard[MANAGED] = self._managed.state_dict(delta=delta)  # a delta: what changed since its base
         write_rank_file(ckpt_dir, 0, shard)
+        if track and self._managed is not None:
+            self._managed.track()
         if track:
             for m in {id(m): m for m in self._tables.values()}.values():
                 if m.optimizer is None:
