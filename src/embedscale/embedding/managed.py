@@ -201,6 +201,7 @@ class ManagedIdTable:
         self.pend_ids = torch.zeros(0, **i64)
         self.pend_count = torch.zeros(0, **i64)
         self.pend_last = torch.zeros(0, **i64)
+        self.pend_shard = torch.zeros(0, **i64)  # each pending id's index into hosted (kept, not re-hashed)
         self.shard_counters = torch.zeros(H, len(_COUNTERS), **i64)  # per hosted shard, _COUNTERS order
         self._rebuild_index()
 
@@ -346,14 +347,15 @@ class ManagedIdTable:
         admitted_mask[adm] = True
         seen = torch.zeros(self.pend_ids.numel(), dtype=torch.bool, device=dev)
         seen[p_idx[p_idx >= 0]] = True
-        keep_new = ~admitted_mask
-        p_ids = torch.cat([self.pend_ids[~seen], m_ids[keep_new]])
-        p_cnt = torch.cat([self.pend_count[~seen], total[keep_new]])
-        p_last = torch.cat([self.pend_last[~seen], torch.full_like(total[keep_new], t)])
+        old_keep = torch.nonzero(~seen, as_tuple=True)[0]
+        new_keep = torch.nonzero(~admitted_mask, as_tuple=True)[0]
+        p_ids = torch.cat([self.pend_ids[old_keep], m_ids[new_keep]])
         o = torch.argsort(p_ids)
-        p_ids, p_cnt, p_last = p_ids[o], p_cnt[o], p_last[o]  # sorted by id (ids are distinct)
+        p_ids = p_ids[o]  # sorted by id (ids are distinct)
+        p_cnt = torch.cat([self.pend_count[old_keep], total[new_keep]])[o]
+        p_last = torch.cat([self.pend_last[old_keep], torch.full_like(new_keep, t)])[o]
+        p_ls = torch.cat([self.pend_shard[old_keep], m_ls[new_keep]])[o]
         if p_ids.numel() > self._cap_min:  # some shard may be over its capacity
-            p_ls = self._local_of[shard_of(p_ids, self.shards)]
             excess = (_per_group(p_ls, H) - self.pend_cap).clamp_(min=0)
             if int(excess.sum()) > 0:  # drop the smallest (last, id) of each shard: one stable sort over id order
                 q = torch.argsort((p_ls << _KEY_SHIFT) | p_last, stable=True)
@@ -361,9 +363,9 @@ class ManagedIdTable:
                 drop = torch.zeros(p_ids.numel(), dtype=torch.bool, device=dev)
                 drop[q[_rank_in_group(q_ls) < excess[q_ls]]] = True
                 keep = torch.nonzero(~drop, as_tuple=True)[0]
-                p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
+                p_ids, p_cnt, p_last, p_ls = p_ids[keep], p_cnt[keep], p_last[keep], p_ls[keep]
                 self.shard_counters[:, 5] += excess
-        self.pend_ids, self.pend_count, self.pend_last = p_ids, p_cnt, p_last
+        self.pend_ids, self.pend_count, self.pend_last, self.pend_shard = p_ids, p_cnt, p_last, p_ls
         self._rebuild_index()
         # 7. rows of the batch after admission
         rows = self._rows_of_sorted(uniq)[inv]
@@ -395,7 +397,7 @@ class ManagedIdTable:
         table written by several ranks together make the whole table (:meth:`load_state_dict` takes any
         superset of the shards it hosts)."""
         out = {"config": torch.tensor(self._config()), "step": torch.tensor(self.step)}
-        p_ls = self._local_of[shard_of(self.pend_ids, self.shards)]
+        p_ls = self.pend_shard
         for j, s in enumerate(self.hosted):
             a, b = self._offsets[j], self._offsets[j + 1]
             for k in _ROW_KEYS:
@@ -431,7 +433,7 @@ class ManagedIdTable:
                               f"{' ...' if len(missing) > 6 else ''}")
         dev = self.device
         rows = {k: [] for k in _ROW_KEYS}
-        pend = {k: [] for k in _PEND_KEYS}
+        pend = {k: [] for k in (*_PEND_KEYS, "pend_shard")}
         for j, s in enumerate(self.hosted):
             size = self._offsets[j + 1] - self._offsets[j]
             for k in _ROW_KEYS:
@@ -442,13 +444,14 @@ class ManagedIdTable:
                 rows[k].append(v.to(dev))
             for k in _PEND_KEYS:
                 pend[k].append(state[f"{s}.{k}"].to(dev, torch.int64))
+            pend["pend_shard"].append(torch.full_like(pend["pend_ids"][-1], j))
             self.shard_counters[j] = state[f"{s}.counters"].to(dev, torch.int64)
         for k in _ROW_KEYS:
             if rows[k]:
                 setattr(self, k, torch.cat(rows[k]).clone())
         p = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.int64, device=dev) for k, v in pend.items()}
         o = torch.argsort(p["pend_ids"])
-        self.pend_ids, self.pend_count, self.pend_last = (p[k][o] for k in _PEND_KEYS)
+        self.pend_ids, self.pend_count, self.pend_last, self.pend_shard = (p[k][o] for k in (*_PEND_KEYS, "pend_shard"))
         self.step = int(state["step"])
         self._rebuild_index()
 
