@@ -226,8 +226,10 @@ class ManagedIdTable:
 
     def _local_shard(self, ids: torch.Tensor) -> torch.Tensor:
         """Index into ``hosted`` of every id's shard; an ``InputError`` for an id of a shard not hosted here."""
+        if len(self.hosted) == self.shards:  # every shard here: hosted index == shard
+            return shard_of(ids, self.shards)
         ls = self._local_of[shard_of(ids, self.shards)]
-        if len(self.hosted) != self.shards and bool((ls < 0).any()):
+        if bool((ls < 0).any()):
             bad = ids[ls < 0][0]
             raise InputError(f"managed table {self.name!r}: id {int(bad)} belongs to mapping shard "
                              f"{int(shard_of(bad.view(1), self.shards))}, not hosted here (hosted: {self.hosted})")
@@ -303,7 +305,7 @@ class ManagedIdTable:
         p_idx = self._find(self.pend_ids, m_ids)
         total = m_cnt + self._gather(self.pend_count, p_idx)
         cand = torch.nonzero(total >= self.admit_after, as_tuple=True)[0]
-        cand = cand[torch.argsort(m_ls[cand] * (n + 1) + m_first[cand])]
+        cand = cand[torch.argsort(m_first[cand] if H == 1 else m_ls[cand] * (n + 1) + m_first[cand])]
         c_ls = m_ls[cand]
         c_rank = _rank_in_group(c_ls)
         target = torch.full_like(cand, -1)  # the local row each candidate takes (-1: none)
@@ -313,8 +315,11 @@ class ManagedIdTable:
             f_ls = self.row_shard[free]
             f_n = _per_group(f_ls, H)
             f_start = torch.searchsorted(f_ls, shard_ids)
-            gets_free = c_rank < f_n[c_ls]
-            target[gets_free] = free[f_start[c_ls[gets_free]] + c_rank[gets_free]] if free.numel() else empty
+            c_free = f_n[c_ls]
+            gets_free = c_rank < c_free
+            if free.numel():  # the c_rank-th free row of the candidate's shard, where it has one
+                at = (f_start[c_ls] + c_rank).clamp_(max=free.numel() - 1)
+                target = torch.where(gets_free, free[at], target)
             rest = ~gets_free
             if self.policy in ("lru", "lfu") and bool(rest.any()):
                 eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
@@ -328,11 +333,12 @@ class ManagedIdTable:
                 e_ls = self.row_shard[order]
                 e_n = _per_group(e_ls, H)
                 e_start = torch.searchsorted(e_ls, shard_ids)
-                r2 = c_rank - f_n[c_ls]
+                r2 = c_rank - c_free
                 ok = rest & (r2 < e_n[c_ls])
-                victims = order[e_start[c_ls[ok]] + r2[ok]] if order.numel() else empty
-                target[ok] = victims
-                evicted_rows.append(torch.sort(victims).values)
+                if order.numel():  # the r2-th victim of the candidate's shard, where it has one
+                    at = (e_start[c_ls] + r2).clamp_(min=0, max=order.numel() - 1)
+                    target = torch.where(ok, order[at], target)
+                    evicted_rows.append(torch.sort(target[ok]).values)
         got = target >= 0
         adm, adm_rows = cand[got], target[got]
         ev_rows = torch.cat(evicted_rows)
@@ -369,10 +375,10 @@ class ManagedIdTable:
         self._rebuild_index()
         # 7. rows of the batch after admission
         rows = self._rows_of_sorted(uniq)[inv]
-        pos_ls = u_ls[inv]
         c = self.shard_counters
-        lookups = _per_group(pos_ls, H)
-        collisions = _per_group(pos_ls[rows == 0], H)
+        both = _per_group(u_ls[inv] * 2 + (rows == 0), 2 * H).view(H, 2)  # per shard: (hits, collisions)
+        collisions = both[:, 1]
+        lookups = both[:, 0] + collisions
         c[:, 0] += lookups
         c[:, 1] += lookups - collisions
         c[:, 2] += collisions
