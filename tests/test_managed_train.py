@@ -301,6 +301,8 @@ def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, d
     ({"admit_after": 1, "pending_capacity": -3}, ["table 'a'", "managed.pending_capacity"]),
     ({"admit_after": "two"}, ["managed.admit_after", "integer"]),
     ({"admit_after": 1, "evict": "lru"}, ["managed.evict"]),
+    ({"admit_after": 1, "shards": -2}, ["table 'a'", "managed.shards", "-2"]),
+    ({"shards": 4}, ["table 'a'", "managed.admit_after", "shards"]),
 ])
 def test_bad_managed_config_is_a_named_error(tmp_path, managed, words):
     p = tmp_path / "c.yaml"
@@ -318,6 +320,12 @@ def test_model_managed_is_checked_and_cli_flags(tmp_path):
     spec = [TableSpec("t_a", 10, features=["a"]), TableSpec("t_b", 1, features=["b"])]
     with pytest.raises(ConfigError, match="t_b.*num_rows >= 2"):
         assemble.managed_tables(cfg.model, spec)
+    # mapping shards: each owns at least one row; the default does not depend on the world size
+    cfg = load_config(None, {"model.managed.admit_after": 1, "model.managed.shards": 10})
+    with pytest.raises(ConfigError, match=r"t_a.*managed\.shards 10 exceeds its 9 rows"):
+        assemble.managed_tables(cfg.model, spec[:1])
+    m = ManagedConfig(admit_after=1)
+    assert [m.shards_for(n) for n in (2, 12, 129, 1025, 10**6)] == [1, 1, 2, 16, 16]
 
 
 def test_managed_tt_or_dmt_table_is_refused(tmp_path, data_dir):
