@@ -307,6 +307,8 @@ def test_two_ranks_equal_one_process_and_resume_on_other_world_sizes(tmp_path, d
     ({"admit_after": 1, "pending_capacity": -3}, ["table 'a'", "managed.pending_capacity"]),
     ({"admit_after": "two"}, ["managed.admit_after", "integer"]),
     ({"admit_after": 1, "evict": "lru"}, ["managed.evict"]),
+    ({"admit_after": 1, "shards": -2}, ["table 'a'", "managed.shards", "-2"]),
+    ({"shards": 4}, ["table 'a'", "managed.admit_after", "shards"]),
 ])
 def test_bad_managed_config_is_a_named_error(tmp_path, managed, words):
     p = tmp_path / "c.yaml"
@@ -324,6 +326,12 @@ def test_model_managed_is_checked_and_cli_flags(tmp_path):
     spec = [TableSpec("t_a", 10, features=["a"]), TableSpec("t_b", 1, features=["b"])]
     with pytest.raises(ConfigError, match="t_b.*num_rows >= 2"):
         assemble.managed_tables(cfg.model, spec)
+    # mapping shards: each owns at least one row; the default does not depend on the world size
+    cfg = load_config(None, {"model.managed.admit_after": 1, "model.managed.shards": 10})
+    with pytest.raises(ConfigError, match=r"t_a.*managed\.shards 10 exceeds its 9 rows"):
+        assemble.managed_tables(cfg.model, spec[:1])
+    m = ManagedConfig(admit_after=1)
+    assert [m.shards_for(n) for n in (2, 12, 129, 1025, 10**6)] == [1, 1, 2, 16, 16]
 
 
 def test_managed_tt_or_dmt_table_is_refused(tmp_path, data_dir):
@@ -395,3 +403,71 @@ def test_a_table_of_two_features_maps_them_in_table_feature_order():
         assert out["a"][0].tolist() + out["b"][0].tolist() == rows, step
         assert out["c"][0].tolist() == c.tolist()  # an unmanaged feature passes through
     assert lookup.ids["t"].mapping() == ref.row_of
+
+
+# -- the exchange on its own: multi-hot features, a table of two features, N ranks vs one ----------------
+LOOKUP_TABLES = [TableSpec("t", 9, 4, features=["a", "b"]), TableSpec("u", 7, 4, features=["c"])]
+LOOKUP_MANAGED = {"t": ManagedConfig(admit_after=1, policy="lru", shards=3),
+                  "u": ManagedConfig(admit_after=2, policy="lfu", shards=2)}
+
+
+def _lookup_batches(steps=14, B=6, seed=0):
+    """Global batches ``{key: (lengths [B], values)}``: multi-hot (0-3 ids a sample), raw ids from small pools."""
+    rng = np.random.default_rng(seed)
+    pool = rng.integers(-(2**63), 2**63 - 1, size=30, dtype=np.int64)
+    out = []
+    for _ in range(steps):
+        b = {}
+        for k in ("a", "b", "c"):
+            lengths = rng.integers(0, 4, size=B)
+            b[k] = (lengths, pool[rng.integers(0, 30 if k != "c" else 12, size=int(lengths.sum()))])
+        out.append(b)
+    return out
+
+
+def _map_batches(batches, rank, world, group):
+    """Every batch's rows for this rank's samples (keys in the order c, b, a), by a ManagedLookup over a
+    LocalEmbeddingBags; then the table weights, the counters and an eval map of the last batch."""
+    emb = LocalEmbeddingBags(LOOKUP_TABLES, optimizer="rowwise_adagrad", lr=0.1, seed=0)
+    lookup = ManagedLookup(LOOKUP_TABLES, LOOKUP_MANAGED, emb, seed=0, device=torch.device("cpu"), group=group)
+    rows = []
+
+    def part(b):
+        keys, vals, lens = ["c", "b", "a"], [], []
+        for k in keys:
+            lengths, values = b[k]
+            B = lengths.size
+            lo, hi = B * rank // world, B * (rank + 1) // world
+            start = int(lengths[:lo].sum())
+            vals.append(values[start:start + int(lengths[lo:hi].sum())])
+            lens.append(lengths[lo:hi])
+        return JaggedFeatures(keys, torch.from_numpy(np.concatenate(vals)), torch.from_numpy(np.concatenate(lens)))
+
+    for b in batches:
+        out = lookup.map(part(b), training=True).to_dict()
+        rows.append({k: out[k][0].tolist() for k in ("a", "b", "c")})
+    ev = lookup.map(part(batches[-1]), training=False).to_dict()
+    return rows, emb.weights.detach().clone(), lookup.counters(), {k: ev[k][0].tolist() for k in ("a", "b", "c")}
+
+
+def _lookup_rank(rank, world):
+    import torch.distributed as tdist
+
+    rows, w, counters, ev = _map_batches(_lookup_batches(), rank, world, tdist.group.WORLD)
+    return {"rows": rows, "weights": w, "counters": counters, "eval": ev}
+
+
+def test_the_id_exchange_on_two_ranks_equals_one_process():
+    """Multi-hot features, a table read by two features, two tables of different shard counts: the rows each
+    rank gets for its samples (training and eval), the reset rows (every rank holds every row here) and the
+    counters equal one process's."""
+    rows1, w1, c1, ev1 = _map_batches(_lookup_batches(), 0, 1, None)
+    assert c1["t"]["evictions"] > 0 and c1["u"]["admissions"] > 0
+    res = spawn_local(_lookup_rank, 2, timeout_s=300)
+    for s in range(len(rows1)):
+        for k in ("a", "b", "c"):
+            assert res[0]["rows"][s][k] + res[1]["rows"][s][k] == rows1[s][k], (s, k)
+    for r in res:
+        torch.testing.assert_close(r["weights"], w1, rtol=0, atol=0)
+        assert r["counters"] == c1
+    assert {k: res[0]["eval"][k] + res[1]["eval"][k] for k in ev1} == ev1

@@ -201,6 +201,7 @@ class ManagedIdTable:
         self.pend_ids = torch.zeros(0, **i64)
         self.pend_count = torch.zeros(0, **i64)
         self.pend_last = torch.zeros(0, **i64)
+        self.pend_shard = torch.zeros(0, **i64)  # each pending id's index into hosted (kept, not re-hashed)
         self.shard_counters = torch.zeros(H, len(_COUNTERS), **i64)  # per hosted shard, _COUNTERS order
         # delta checkpoints (track): local rows changed since the base, the base's step and pending ids per shard
         self._dirty: torch.Tensor | None = None
@@ -229,8 +230,10 @@ class ManagedIdTable:
 
     def _local_shard(self, ids: torch.Tensor) -> torch.Tensor:
         """Index into ``hosted`` of every id's shard; an ``InputError`` for an id of a shard not hosted here."""
+        if len(self.hosted) == self.shards:  # every shard here: hosted index == shard
+            return shard_of(ids, self.shards)
         ls = self._local_of[shard_of(ids, self.shards)]
-        if len(self.hosted) != self.shards and bool((ls < 0).any()):
+        if bool((ls < 0).any()):
             bad = ids[ls < 0][0]
             raise InputError(f"managed table {self.name!r}: id {int(bad)} belongs to mapping shard "
                              f"{int(shard_of(bad.view(1), self.shards))}, not hosted here (hosted: {self.hosted})")
@@ -306,7 +309,7 @@ class ManagedIdTable:
         p_idx = self._find(self.pend_ids, m_ids)
         total = m_cnt + self._gather(self.pend_count, p_idx)
         cand = torch.nonzero(total >= self.admit_after, as_tuple=True)[0]
-        cand = cand[torch.argsort(m_ls[cand] * (n + 1) + m_first[cand])]
+        cand = cand[torch.argsort(m_first[cand] if H == 1 else m_ls[cand] * (n + 1) + m_first[cand])]
         c_ls = m_ls[cand]
         c_rank = _rank_in_group(c_ls)
         target = torch.full_like(cand, -1)  # the local row each candidate takes (-1: none)
@@ -316,8 +319,11 @@ class ManagedIdTable:
             f_ls = self.row_shard[free]
             f_n = _per_group(f_ls, H)
             f_start = torch.searchsorted(f_ls, shard_ids)
-            gets_free = c_rank < f_n[c_ls]
-            target[gets_free] = free[f_start[c_ls[gets_free]] + c_rank[gets_free]] if free.numel() else empty
+            c_free = f_n[c_ls]
+            gets_free = c_rank < c_free
+            if free.numel():  # the c_rank-th free row of the candidate's shard, where it has one
+                at = (f_start[c_ls] + c_rank).clamp_(max=free.numel() - 1)
+                target = torch.where(gets_free, free[at], target)
             rest = ~gets_free
             if self.policy in ("lru", "lfu") and bool(rest.any()):
                 eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
@@ -331,11 +337,12 @@ class ManagedIdTable:
                 e_ls = self.row_shard[order]
                 e_n = _per_group(e_ls, H)
                 e_start = torch.searchsorted(e_ls, shard_ids)
-                r2 = c_rank - f_n[c_ls]
+                r2 = c_rank - c_free
                 ok = rest & (r2 < e_n[c_ls])
-                victims = order[e_start[c_ls[ok]] + r2[ok]] if order.numel() else empty
-                target[ok] = victims
-                evicted_rows.append(torch.sort(victims).values)
+                if order.numel():  # the r2-th victim of the candidate's shard, where it has one
+                    at = (e_start[c_ls] + r2).clamp_(min=0, max=order.numel() - 1)
+                    target = torch.where(ok, order[at], target)
+                    evicted_rows.append(torch.sort(target[ok]).values)
         got = target >= 0
         adm, adm_rows = cand[got], target[got]
         ev_rows = torch.cat(evicted_rows)
@@ -354,14 +361,15 @@ class ManagedIdTable:
         admitted_mask[adm] = True
         seen = torch.zeros(self.pend_ids.numel(), dtype=torch.bool, device=dev)
         seen[p_idx[p_idx >= 0]] = True
-        keep_new = ~admitted_mask
-        p_ids = torch.cat([self.pend_ids[~seen], m_ids[keep_new]])
-        p_cnt = torch.cat([self.pend_count[~seen], total[keep_new]])
-        p_last = torch.cat([self.pend_last[~seen], torch.full_like(total[keep_new], t)])
+        old_keep = torch.nonzero(~seen, as_tuple=True)[0]
+        new_keep = torch.nonzero(~admitted_mask, as_tuple=True)[0]
+        p_ids = torch.cat([self.pend_ids[old_keep], m_ids[new_keep]])
         o = torch.argsort(p_ids)
-        p_ids, p_cnt, p_last = p_ids[o], p_cnt[o], p_last[o]  # sorted by id (ids are distinct)
+        p_ids = p_ids[o]  # sorted by id (ids are distinct)
+        p_cnt = torch.cat([self.pend_count[old_keep], total[new_keep]])[o]
+        p_last = torch.cat([self.pend_last[old_keep], torch.full_like(new_keep, t)])[o]
+        p_ls = torch.cat([self.pend_shard[old_keep], m_ls[new_keep]])[o]
         if p_ids.numel() > self._cap_min:  # some shard may be over its capacity
-            p_ls = self._local_of[shard_of(p_ids, self.shards)]
             excess = (_per_group(p_ls, H) - self.pend_cap).clamp_(min=0)
             if int(excess.sum()) > 0:  # drop the smallest (last, id) of each shard: one stable sort over id order
                 q = torch.argsort((p_ls << _KEY_SHIFT) | p_last, stable=True)
@@ -369,16 +377,16 @@ class ManagedIdTable:
                 drop = torch.zeros(p_ids.numel(), dtype=torch.bool, device=dev)
                 drop[q[_rank_in_group(q_ls) < excess[q_ls]]] = True
                 keep = torch.nonzero(~drop, as_tuple=True)[0]
-                p_ids, p_cnt, p_last = p_ids[keep], p_cnt[keep], p_last[keep]
+                p_ids, p_cnt, p_last, p_ls = p_ids[keep], p_cnt[keep], p_last[keep], p_ls[keep]
                 self.shard_counters[:, 5] += excess
-        self.pend_ids, self.pend_count, self.pend_last = p_ids, p_cnt, p_last
+        self.pend_ids, self.pend_count, self.pend_last, self.pend_shard = p_ids, p_cnt, p_last, p_ls
         self._rebuild_index()
         # 7. rows of the batch after admission
         rows = self._rows_of_sorted(uniq)[inv]
-        pos_ls = u_ls[inv]
         c = self.shard_counters
-        lookups = _per_group(pos_ls, H)
-        collisions = _per_group(pos_ls[rows == 0], H)
+        both = _per_group(u_ls[inv] * 2 + (rows == 0), 2 * H).view(H, 2)  # per shard: (hits, collisions)
+        collisions = both[:, 1]
+        lookups = both[:, 0] + collisions
         c[:, 0] += lookups
         c[:, 1] += lookups - collisions
         c[:, 2] += collisions
@@ -403,7 +411,7 @@ class ManagedIdTable:
         table written by several ranks together make the whole table (:meth:`load_state_dict` takes any
         superset of the shards it hosts)."""
         out = {"config": torch.tensor(self._config()), "step": torch.tensor(self.step)}
-        p_ls = self._local_of[shard_of(self.pend_ids, self.shards)]
+        p_ls = self.pend_shard
         for j, s in enumerate(self.hosted):
             a, b = self._offsets[j], self._offsets[j + 1]
             for k in _ROW_KEYS:
@@ -478,7 +486,7 @@ class ManagedIdTable:
                               f"{' ...' if len(missing) > 6 else ''}")
         dev = self.device
         rows = {k: [] for k in _ROW_KEYS}
-        pend = {k: [] for k in _PEND_KEYS}
+        pend = {k: [] for k in (*_PEND_KEYS, "pend_shard")}
         for j, s in enumerate(self.hosted):
             size = self._offsets[j + 1] - self._offsets[j]
             for k in _ROW_KEYS:
@@ -489,13 +497,14 @@ class ManagedIdTable:
                 rows[k].append(v.to(dev))
             for k in _PEND_KEYS:
                 pend[k].append(state[f"{s}.{k}"].to(dev, torch.int64))
+            pend["pend_shard"].append(torch.full_like(pend["pend_ids"][-1], j))
             self.shard_counters[j] = state[f"{s}.counters"].to(dev, torch.int64)
         for k in _ROW_KEYS:
             if rows[k]:
                 setattr(self, k, torch.cat(rows[k]).clone())
         p = {k: torch.cat(v) if v else torch.zeros(0, dtype=torch.int64, device=dev) for k, v in pend.items()}
         o = torch.argsort(p["pend_ids"])
-        self.pend_ids, self.pend_count, self.pend_last = (p[k][o] for k in _PEND_KEYS)
+        self.pend_ids, self.pend_count, self.pend_last, self.pend_shard = (p[k][o] for k in (*_PEND_KEYS, "pend_shard"))
         self.step = int(state["step"])
         self._dirty, self._base_step, self._base_pend = None, -1, {}  # a delta needs a full state written first
         self._rebuild_index()
