@@ -17,8 +17,10 @@ import torch
 
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
 from embedscale.specs import RunConfig, from_dict, to_dict
-from embedscale.train.checkpoint import load_checkpoint, step_dir
+from embedscale.train.checkpoint import step_dir
 from embedscale.train.launch import spawn_local
+
+from test_migrate import assert_same_run
 
 B, STEPS, EVERY, ROWS = 64, 7, 4, 40
 TABLES = ("C1", "C2", "C3")
@@ -73,14 +75,7 @@ def test_managed_run_replans_and_equals_restart_under_new_plan(tmp_path, data_di
     rcfg = config(tmp_path, data_dir, design, transport, replan_every=0)
     rcfg.dist.plan = str(new_plan)
     spawn_local(_rank, 2, to_dict(rcfg), str(ref), str(step_dir(live, EVERY)), timeout_s=600)
-    a, b = load_checkpoint(live), load_checkpoint(ref)
-    assert a["step"] == b["step"] == STEPS
-    assert a["losses"] == b["losses"]
-    for name in a["tables"]:
-        assert torch.equal(a["tables"][name]["weight"], b["tables"][name]["weight"]), name
-        assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
-    for k in a["dense"]:
-        assert torch.equal(a["dense"][k], b["dense"][k]), k
+    a, b = assert_same_run(live, ref, STEPS)  # losses, rows, row-wise state, dense state
     assert a["managed"].keys() == b["managed"].keys()
     for k in a["managed"]:
         assert torch.equal(a["managed"][k], b["managed"][k]), k

@@ -443,7 +443,7 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     import json
 
     from embedscale.specs import to_dict
-    from embedscale.train.checkpoint import load_checkpoint, step_dir
+    from embedscale.train.checkpoint import step_dir
     from embedscale.train.replan import read_replans
 
     data = tmp_path / "data"
@@ -469,14 +469,23 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     rcfg = drift_config(tmp_path, data, replan_every=0)
     rcfg.dist.plan = str(new_plan)
     spawn_local(_drift_rank, W, to_dict(rcfg), str(ref), str(step_dir(live, EVERY)), timeout_s=600)
-    a, b = load_checkpoint(live), load_checkpoint(ref)
-    assert a["step"] == b["step"] == DRIFT_STEPS
+    assert_same_run(live, ref, DRIFT_STEPS)
+
+
+def assert_same_run(a_dir, b_dir, steps: int) -> tuple[dict, dict]:
+    """The last checkpoints of two runs are at ``steps`` and hold the same losses, rows, row-wise state and dense
+    state, bit for bit; returns both (``load_checkpoint``)."""
+    from embedscale.train.checkpoint import load_checkpoint
+
+    a, b = load_checkpoint(a_dir), load_checkpoint(b_dir)
+    assert a["step"] == b["step"] == steps
     assert a["losses"] == b["losses"]
     for name in a["tables"]:
         assert torch.equal(a["tables"][name]["weight"], b["tables"][name]["weight"]), name
         assert torch.equal(a["tables"][name]["momentum"], b["tables"][name]["momentum"]), name
     for k in a["dense"]:
         assert torch.equal(a["dense"][k], b["dense"][k]), k
+    return a, b
 
 
 def test_resume_restores_the_rolling_profile_and_replans_alike(tmp_path):

@@ -43,17 +43,9 @@ def plot_curves(rows, path: str | Path, title: str = "", ceiling_auc: float | No
     ax_auc.set_xlabel("step")
     ax_auc.set_ylabel("AUC")
     for ax in (ax_loss, ax_auc):
-        ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a run with no logged step or evaluation has nothing to name
             ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(fig, (ax_loss, ax_auc), path, title)
 
 
 def plot_replans(rows: list[dict], path: str | Path, title: str = "") -> Path:
@@ -94,7 +86,14 @@ def plot_replans(rows: list[dict], path: str | Path, title: str = "") -> Path:
     if steps:
         ax_bal.legend(fontsize=8)
         ax_mov.legend(handles[0] + more[0], handles[1] + more[1], fontsize=8)
-    for ax in (ax_bal, ax_mov):
+    return _finish(fig, (ax_bal, ax_mov), path, title)
+
+
+def _finish(fig, axes, path: str | Path, title: str) -> Path:
+    """Grid, title and layout, then the PNG written atomically (temporary file, rename) and the figure closed."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
