@@ -66,6 +66,7 @@ def test_managed_run_replans_and_equals_restart_under_new_plan(tmp_path, data_di
     rows = read_replans(live)
     assert [int(r["step"]) for r in rows] == [EVERY], rows
     assert int(rows[0]["rows_moved"]) > 0 and int(rows[0]["bytes"]) > 0
+    assert rows[0]["in_place"] == "1"  # the PGAS heap too: built with room for the re-plans (PGAS_REPLAN_SPARE)
     summary = json.loads((live / "summary.json").read_text())
     counts = summary["managed"]
     assert all(counts[f"t_{t}"]["evictions"] > 0 and counts[f"t_{t}"]["admissions"] > 0 for t in TABLES), counts

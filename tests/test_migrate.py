@@ -27,7 +27,7 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.migrate import (Placement, edit_map, in_place_routes, migrate, migrate_in_place,
                                          migration_routes, row_bytes)
-from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.embedding.pgas_lookup import HeapTooSmall, PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec
@@ -77,8 +77,9 @@ def batches(n):
 
 def _module(kind, amap, transport, rank, design, optimizer):
     kw = dict(design=design, optimizer=optimizer, lr=LR, eps=EPS)
-    if kind == "pgas":
-        return PgasShardedEmbedding(tables(), amap, transport, rank, max_batch_size=-(-B // W), chunk_bags=7, **kw)
+    if kind.startswith("pgas"):  # pgas_inplace: heap room for the migration to happen in it
+        return PgasShardedEmbedding(tables(), amap, transport, rank, max_batch_size=-(-B // W), chunk_bags=7,
+                                    storage_spare=1.0 if kind == "pgas_inplace" else 0.0, **kw)
     return ShardedEmbedding(tables(), amap, transport, rank, **kw)
 
 
@@ -144,16 +145,21 @@ def _worker(rank, world, job, tmp, scenarios):
     steps = batches(K + M)
     res = {}
     for kind, design, optimizer in scenarios:
-        tr = pt if kind == "pgas" else ct
+        tr = pt if kind.startswith("pgas") else ct
         # migrated: k steps under P1, migrate, m steps under P2
         a = _module(kind, p1, tr, rank, design, optimizer)
         a.track_touched()
         outs_a, loss_a = _train(a, rank, steps[:K])
         was = _touched_by_gid(a, rank)  # row -> updated since tracking
-        if kind == "pgas":  # the heap is sized when built: a new module, filled
+        if kind == "pgas":  # a heap without room for P2's storage: refused before anything moves, then rebuilt
+            cap = a._cap
+            a._cap = min(int(p2.storage_rows(q)) for q in range(W)) - 1  # as if its heap were one row short
+            with pytest.raises(HeapTooSmall):
+                migrate_in_place(a, p2)
+            a._cap = cap
             a2 = _module(kind, p2, tr, rank, design, optimizer)
             mig = migrate(a, a2)
-        else:  # in place: the running module's map edited, its storage kept
+        else:  # in place: the running module's map edited, its storage kept (pgas_inplace: inside its heap)
             a2 = a
             mig = migrate_in_place(a, p2)
         after = _state(a2, rank)
@@ -181,7 +187,7 @@ def _worker(rank, world, job, tmp, scenarios):
 
 SCENARIOS = [("collective", "retrieve", "rowwise_adagrad"), ("collective", "send", "rowwise_adagrad"),
              ("collective", "retrieve", "sgd"), ("pgas", "retrieve", "rowwise_adagrad"),
-             ("pgas", "send", "rowwise_adagrad")]
+             ("pgas_inplace", "retrieve", "rowwise_adagrad"), ("pgas_inplace", "send", "rowwise_adagrad")]
 
 
 def brute_force_moves(old: AddressMap, new: AddressMap) -> np.ndarray:
@@ -217,7 +223,7 @@ def test_migrate_equals_checkpoint_reshard(tmp_path):
                 assert torch.equal(ao[s], bo[s]), f"{sc} rank {r} step {s}: pooled output"
                 assert torch.equal(al[s], bl[s]), f"{sc} rank {r} step {s}: loss"
             mig = res["migration"]
-            assert mig["in_place"] == (sc[0] == "collective")
+            assert mig["in_place"] == (sc[0] != "pgas")
             rb = DIM * 4 + (4 if sc[2] == "rowwise_adagrad" else 0)
             assert mig["row_bytes"] == rb
             assert mig["rows_sent"] == moves[r].sum() and mig["rows_received"] == moves[:, r].sum(), (sc, r, mig)

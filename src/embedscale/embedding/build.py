@@ -61,7 +61,9 @@ class EmbeddingEnv:
         design, grad_sync: ``dist.design`` and ``dist.grad_sync`` of the sharded embedding.
         transport, address_map, sync_group: N ranks: the transport the sharded embedding talks through,
             the plan's address map (``address_map_from_plan``) and the process group of its gradient sync.
-        pgas: use ``PgasShardedEmbedding`` (``dist.transport: pgas``) with ``max_batch_size`` ids per rank.
+        pgas: use ``PgasShardedEmbedding`` (``dist.transport: pgas``) with ``max_batch_size`` ids per rank and
+            heap room for ``storage_spare`` (a fraction) more storage rows than the plan needs (a live re-plan
+            migrates in place within it, ``embedding.migrate``).
         validate: the embedding checks the batch's ids itself (``False`` when the ``ShardLoader`` did: the
             sharded embedding, and in one process the local/mixed tables; host tables' server checks its own).
         new_group: N ranks: makes a new process group (the TT core gradients', the host rows' exchange).
@@ -88,6 +90,7 @@ class EmbeddingEnv:
     sync_group: Any = None
     pgas: bool = False
     max_batch_size: int = 0
+    storage_spare: float = 0.0
     validate: bool = True
     new_group: Callable[[], Any] | None = None
     new_share_group: Callable[[], Any] | None = None
@@ -175,7 +178,7 @@ def build_sharded(tables: list[TableSpec], sharded_tables: list[TableSpec], env:
     opt = None if env.inference else env.optimizer
     cls, extra = ShardedEmbedding, {}
     if env.pgas:
-        cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size}
+        cls, extra = PgasShardedEmbedding, {"max_batch_size": env.max_batch_size, "storage_spare": env.storage_spare}
     return cls(sharded_tables, env.address_map, env.transport, env.rank, design=env.design,
                optimizer=opt, lr=env.lr, grad_sync=env.grad_sync, **extra, validate=env.validate,
                sync_group=env.sync_group, seed=env.seed, device=env.device,

@@ -43,7 +43,7 @@ A world of one hosts all shards and sees the same per-shard order, so N ranks an
 **Live re-planning** (``train.replan_every``, ``train.replan``). The mapping names rows, not places: a
 migration moves rows and their optimizer state and the mapping stays valid as it is. The reset of later
 batches finds a row where the running address map puts it (:func:`storage_positions` reads the module's map
-each time); a migration that builds a new module (PGAS) points :attr:`ManagedLookup.rows` and the hook at it
+each time); a migration that builds a new module (a PGAS heap too small to migrate in place) points :attr:`ManagedLookup.rows` and the hook at it
 (``DistributedRun.swap_sharded``). The drift monitor profiles the rows a batch read (:attr:`ManagedLookup.last`),
 not its raw ids (tests/test_managed_replan.py).
 

@@ -39,10 +39,14 @@ In place (:func:`migrate_in_place`, what ``train.replan`` runs): the cost follow
    peers) or change place locally (a row that becomes or stops being a replica; the replica region when the
    owned region grew) are written: :attr:`Migration.rows_written`, :attr:`Migration.codes_changed`.
 
-Not in place: a ``PgasShardedEmbedding`` (its storage lives in a symmetric heap sized when it was built, and
-its peers map it): the caller builds the P2 module (``embedding.build.build_sharded``) and :func:`migrate`
-fills it (routes from both whole maps, :func:`migration_routes`, O(rows); every kept row copied): the
-first version's path, kept as the reference the in-place routes are tested against.
+A ``PgasShardedEmbedding`` (its storage lives in a symmetric heap its peers map) moves in place too when
+the edited map's storage fits the heap's room (``PgasShardedEmbedding.fits``; a run with live re-planning
+builds it with a quarter more room, ``EmbeddingEnv.storage_spare``): the storage grows inside the heap, the
+views of the peers' storage follow, and the heap's version word tells peers the new rows are there. When it
+does not fit (every rank decides alike, before anything moves: :class:`HeapTooSmall`), the caller builds
+the P2 module (``embedding.build.build_sharded``) and :func:`migrate` fills it (routes from both whole maps,
+:func:`migration_routes`, O(rows); every kept row copied): the first version's path, kept as the reference
+the in-place routes are tested against.
 
 Delta checkpoints: a row that stays keeps its updated bit, a row received counts as updated (conservative:
 the next delta holds it, which is exact). Designed for GPU (every tensor stays on the storage's device; the
@@ -58,7 +62,7 @@ import numpy as np
 import torch
 
 from embedscale.embedding.address_map import AddressMap, plan_placement
-from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.embedding.pgas_lookup import HeapTooSmall, PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import ConfigError, EmbedscaleError
 
@@ -582,15 +586,16 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
     trains as the ``target`` module restored from a checkpoint of this one would (rows by global id; its map
     is the edited one, not ``AddressMap.build``'s layout). ``target`` may be a map (its placement is read)."""
     t0 = time.perf_counter()
-    if isinstance(module, PgasShardedEmbedding):
-        raise ConfigError("migration: a PgasShardedEmbedding's storage lives in a symmetric heap sized when it was "
-                          "built; build the new module and use migrate(old, new)")
     if module._queue:
         raise EmbedscaleError(f"migration (rank {module.rank}): {len(module._queue)} prefetched batch(es) pending; "
                               "migrate between steps, before prefetching under the new plan")
     placement = Placement.of_map(target) if isinstance(target, AddressMap) else target
     me, W = module.rank, module.world_size
     edit = edit_map(module.amap, placement)
+    pgas = isinstance(module, PgasShardedEmbedding)
+    if pgas and not module.fits(edit.new):  # every rank alike, nothing moved yet: the caller rebuilds
+        raise HeapTooSmall(f"migration (rank {me}): the new map's storage does not fit the PGAS heap; build the "
+                           "new module and use migrate(old, new)")
     routes = in_place_routes(edit, me)
     dev = module.weight.device
     rb = row_bytes(module)
@@ -629,6 +634,8 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
             module.momentum.index_copy_(0, rows, m)
         if module.touched is not None:
             module.touched[rows] = True
+    if pgas:  # the rows are in place: peers may read them (the heap's version word)
+        module.migrated()
     after_codes = module.tmap.row_code.index_select(0, torch.from_numpy(cand).to(module.tmap.device)).cpu()
     codes = edit.old.num_rows if edit.widened else \
         int((before_codes.to(torch.int64) != after_codes.to(torch.int64)).sum())

@@ -56,6 +56,10 @@ from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec
 
 _MASK = (1 << _SHIFT) - 1
+
+
+class HeapTooSmall(ConfigError):
+    """A live migration's map needs more storage rows than a ``PgasShardedEmbedding``'s heap holds."""
 _VERSION_LINE = 0
 
 
@@ -95,7 +99,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
 
     def __init__(self, tables: list[TableSpec], amap: AddressMap, transport: PgasTransport, rank: int, *,
                  max_batch_size: int, max_ids_per_bag: float = 1.0, chunk_bags: int = 4096,
-                 fetch_rows: int | None = None, overlap: bool = True, **kwargs):
+                 fetch_rows: int | None = None, overlap: bool = True, storage_spare: float = 0.0, **kwargs):
         if not isinstance(transport, PgasTransport):
             raise ConfigError(f"PgasShardedEmbedding needs a PgasTransport, got {type(transport).__name__}; "
                               "use ShardedEmbedding for other transports")
@@ -109,7 +113,11 @@ class PgasShardedEmbedding(ShardedEmbedding):
         F_ = len(self.feature_names)
         storage = (amap.num_owned() + amap.num_replicas_held()).astype(np.int64)
         self._storage_rows = storage
-        self._cap = int(storage.max())
+        if storage_spare < 0:
+            raise ConfigError(f"PgasShardedEmbedding: storage_spare must be >= 0, got {storage_spare}")
+        # room for every rank's storage, and storage_spare more rows: a live migration edits the map in place
+        # within it (adopt_address_map)
+        self._cap = int(math.ceil(int(storage.max()) * (1.0 + float(storage_spare))))
         itemsize = self.weight.element_size()
         if fetch_rows is None:
             elsewhere = int(amap.num_rows)  # a bound: any row of another rank
@@ -178,6 +186,35 @@ class PgasShardedEmbedding(ShardedEmbedding):
         if peers:
             self.heap.wait_until(lambda: all(int(ctrl[p][_VERSION_LINE, 0]) >= v for p in peers), peers,
                                  f"the rows of step {v}")
+
+    # -- live migration in place -------------------------------------------------------------------
+    def fits(self, amap: AddressMap) -> bool:
+        """Whether every rank's storage under ``amap`` fits the heap's storage room (same answer on every rank)."""
+        return int((amap.num_owned() + amap.num_replicas_held()).max()) <= self._cap
+
+    def adopt_address_map(self, amap: AddressMap) -> None:
+        """Run under ``amap`` (a live migration's edited map, ``embedding.migrate.migrate_in_place``) with the
+        storage where it is: it grows or shrinks inside this rank's heap room (never out of the heap peers map),
+        and the views of the peers' storage follow their new sizes. A map whose storage does not fit the room
+        is a :class:`HeapTooSmall` (every rank raises it alike, before anything moved: the caller rebuilds)."""
+        if not self.fits(amap):
+            raise HeapTooSmall(f"rank {self.rank}: the new map needs "
+                               f"{int((amap.num_owned() + amap.num_replicas_held()).max())} storage rows on some "
+                               f"rank, the heap holds {self._cap}")
+        storage = (amap.num_owned() + amap.num_replicas_held()).astype(np.int64)
+        self._backing = self._table[:self._cap]  # the heap is the room the storage grows into
+        super().adopt_address_map(amap)
+        if self.weight.data_ptr() != self._table.data_ptr():  # pragma: no cover - fits() above guarantees it
+            raise ConfigError(f"rank {self.rank}: the migrated storage left the symmetric heap")
+        self._weight_ptr = self.weight.data_ptr()
+        self._storage_rows = storage
+        self._peer_weight = {p: self.heap.view(p, 0, (int(storage[p]), self.dim), self.weight.dtype)
+                             for p in self._peer_weight}
+        self._blocks = self._feature_blocks() if self.design == "send" else None
+
+    def migrated(self) -> None:
+        """Collective: every rank has written the rows a migration brought (peers may read them from now on)."""
+        self._publish_version()
 
     def load_rows(self, gids: np.ndarray, weight: torch.Tensor, momentum: torch.Tensor | None = None) -> int:
         n = super().load_rows(gids, weight, momentum)

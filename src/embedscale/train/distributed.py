@@ -67,7 +67,7 @@ from embedscale.train.run import (RunState, dense_state, load_dense_state, load_
 from embedscale.train.trainer import load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
-from embedscale.train.replan import DriftMonitor
+from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data.profile import AccessProfile
@@ -361,6 +361,7 @@ class DistributedRun:
             tt_lr=assemble.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
             grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
             pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
+            storage_spare=PGAS_REPLAN_SPARE if t.replan_every else 0.0,  # live re-plans migrate in the heap
             new_group=self._new_group,
             new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
             stats=self.tt_stats)

@@ -20,7 +20,8 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    rows and their row-wise optimizer state onto it (:func:`move_to_plan`: one all-to-all; in place, the
    running module's map edited and only what moves written, ``embedding.migrate.migrate_in_place``);
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
-   bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally),
+   bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally;
+   ``in_place``: 1 when the running module moved in place, 0 when the plan's module was built and filled),
    the slowest rank's seconds (all of it; the check: profile sum, plans
    and verdict; the migration: edit, move, swap), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
@@ -50,7 +51,7 @@ from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.build import build_sharded
 from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
-from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.embedding.pgas_lookup import HeapTooSmall
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
@@ -62,10 +63,12 @@ from embedscale.train.checkpoint import ROLLING_PROFILE
 
 REPLANS_CSV = "replans.csv"
 CHECKPOINT_KEY = ROLLING_PROFILE  # a full checkpoint's rank file entry: that rank's profile (DriftMonitor.state_dict)
+PGAS_REPLAN_SPARE = 0.25  # a PGAS run that re-plans: heap room for a quarter more storage rows (in-place migration)
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
-           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written"]
+           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
+           "in_place"]
 
 
 class DriftMonitor:
@@ -137,7 +140,7 @@ class DriftMonitor:
                "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
                "balance_before": round(float(report["after"]["balance"]), 6),
                "balance_after": round(float(report["replanned"]["balance"]), 6),
-               "strategy": report["replan_strategy"], "rows_written": int(figs[4])}
+               "strategy": report["replan_strategy"], "rows_written": int(figs[4]), "in_place": int(mig.in_place)}
         self.records.append(rec)
         write_replans(run.run_dir, rec)
         return rec
@@ -228,17 +231,18 @@ class DriftMonitor:
 
 def move_to_plan(run, plan: Plan):
     """Collective (every rank): move the run's sharded rows and their row-wise optimizer state onto ``plan``
-    and run under it from now on (``run.swap_sharded``). A ``ShardedEmbedding`` moves in place
-    (``embedding.migrate.migrate_in_place``: its map edited, only the rows that change holder or place
-    written); a ``PgasShardedEmbedding`` (its heap sized when built) into the sharded module built for the
-    plan's address map (``embedding.migrate.migrate``). Returns this rank's ``Migration``."""
+    and run under it from now on (``run.swap_sharded``). In place (``embedding.migrate.migrate_in_place``: its
+    map edited, only the rows that change holder or place written), a ``PgasShardedEmbedding`` too while the
+    new storage fits its heap (built with :data:`PGAS_REPLAN_SPARE` more room in a run that re-plans); else
+    into the sharded module built for the plan's address map (``embedding.migrate.migrate``). Returns this
+    rank's ``Migration``."""
     emb = run.embedding
-    if isinstance(emb, PgasShardedEmbedding):
+    try:
+        mig = migrate_in_place(emb, Placement.of_plan(plan, run.tables))
+    except HeapTooSmall:  # every rank alike, nothing moved: a new heap of the plan's size
         amap = address_map_from_plan(plan, run.tables)
         emb = build_sharded(run.all_tables, run.tables, replace(run.embedding_env, address_map=amap))
         mig = migrate(run.embedding, emb)
-    else:
-        mig = migrate_in_place(emb, Placement.of_plan(plan, run.tables))
     run.swap_sharded(emb, plan)
     return mig
 
