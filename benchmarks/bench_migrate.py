@@ -15,6 +15,11 @@ needs from P2's placement arrays on:
   barrier, every rank reads every rank file (``read_shards``, ``table_pieces``) and keeps its P2 rows
   (``load_rows``).
 
+``--transport pgas``: the same on the one-sided transport, ``PgasShardedEmbedding`` modules (storage in a
+symmetric heap), the running one built with the room a run that re-plans gives it (``storage_spare`` 0.25,
+``train.replan.PGAS_REPLAN_SPARE``) so that ours moves in place inside the heap; the baselines build the P2
+module and its heap.
+
 Each repetition starts the three from the same P1 module state (built and given a lookup, untimed: a running
 module has its pooling table's spare rows) and checks that all three give the same rows and state by global id.
 
@@ -26,7 +31,7 @@ dropped, N added per table). The figure is seconds per re-shard (median and p90 
 interleaved in a rotating order, slowest rank); bytes are what each sends or reads. Prints one JSON line with
 the load average.
 
-    .venv/bin/python benchmarks/bench_migrate.py [--quick] [--rows 250000] [--reps 7] [--moves 8]
+    .venv/bin/python benchmarks/bench_migrate.py [--quick] [--rows 250000] [--reps 7] [--moves 8] [--transport pgas]
 """
 
 from __future__ import annotations
@@ -45,13 +50,16 @@ import torch
 import torch.distributed as dist
 
 from embedscale.comm.collective import CollectiveTransport
+from embedscale.comm.pgas import PgasTransport
 from embedscale.embedding.address_map import AddressMap
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
+from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.specs import TableSpec
 from embedscale.train.checkpoint import read_manifest, read_shards, table_pieces, write_manifest, write_rank_file
 from embedscale.train.launch import spawn_local
+from embedscale.train.replan import PGAS_REPLAN_SPARE
 from embedscale.train.run import table_entry
 
 W, DIM, TABLES = 2, 16, 4
@@ -114,13 +122,19 @@ def worker(rank, world, cfg):
     (o1, r1), (o2, r2) = placements(cfg["rows"], cfg["moves"])
     ts = tables(cfg["rows"])
     p1 = AddressMap.build(ts, W, o1, r1)
-    tr = CollectiveTransport()
+    pgas = cfg.get("transport") == "pgas"
+    tr = PgasTransport(job_id=cfg["job"]) if pgas else CollectiveTransport()
     kw = dict(optimizer="rowwise_adagrad", lr=0.1)
+
+    def module(amap, spare=0.0):
+        if pgas:
+            return PgasShardedEmbedding(ts, amap, tr, rank, max_batch_size=8, storage_spare=spare, **kw)
+        return ShardedEmbedding(ts, amap, tr, rank, **kw)
     batch = JaggedFeatures([f"f{i}" for i in range(TABLES)], torch.arange(TABLES * 4) % 7,
                            torch.ones(TABLES * 4, dtype=torch.int64))
 
     def running():  # the P1 module as a run has it: rows and state not the initial ones, its pooling table made
-        m = ShardedEmbedding(ts, p1, tr, rank, **kw)
+        m = module(p1, PGAS_REPLAN_SPARE)
         with torch.no_grad():
             m(batch)
             m.weight.mul_(1.5).add_(0.25)  # (a replica's the same on every holder)
@@ -142,7 +156,7 @@ def worker(rank, world, cfg):
                 mig = migrate_in_place(old, Placement.of_arrays(ts, W, o2, r2))
                 new, b, moved, written, grew = old, mig.bytes_sent, mig.rows_sent, mig.rows_written, mig.storage_grew
             else:
-                new = ShardedEmbedding(ts, AddressMap.build(ts, W, o2, r2), tr, rank, **kw)
+                new = module(AddressMap.build(ts, W, o2, r2))
                 if method == "rebuild":
                     b = migrate(old, new, release=False).bytes_sent
                 else:
@@ -153,6 +167,9 @@ def worker(rank, world, cfg):
             sent[method] = b
             got[method] = by_gid(new, rank)
             dist.barrier()
+            for m in {id(old): old, id(new): new}.values():  # PGAS: release the heaps of this repetition
+                if hasattr(m, "close"):
+                    m.close()
             if rank == 0:
                 shutil.rmtree(root / f"rep{rep}", ignore_errors=True)
         same &= all(torch.equal(a, b) for m in methods[1:] for a, b in zip(got["in_place"], got[m]))
@@ -167,13 +184,14 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--moves", type=int, default=None,
                     help="rows per table that change owner (and replicas shifted by as many); default 20%%")
+    ap.add_argument("--transport", choices=("collective", "pgas"), default="collective")
     args = ap.parse_args()
     rows, reps = (20_000, 3) if args.quick else (args.rows, args.reps)
     root = tempfile.mkdtemp(prefix="bench-migrate-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     try:
         load0 = os.getloadavg()[0]
-        res = spawn_local(worker, W, {"rows": rows, "reps": reps, "root": root, "moves": args.moves},
-                          timeout_s=3600)
+        res = spawn_local(worker, W, {"rows": rows, "reps": reps, "root": root, "moves": args.moves,
+                                      "transport": args.transport, "job": f"bm{os.getpid()}"}, timeout_s=3600)
         load1 = os.getloadavg()[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -193,7 +211,7 @@ def main():
            "rows_written_per_rank": [r["rows_written"] for r in res],
            "storage_grew": [r["storage_grew"] for r in res], "same_bits": all(r["same"] for r in res),
            "load_average": [round(load0, 2), round(load1, 2)],
-           "config": {"world": W, "tables": TABLES, "rows_per_table": rows, "dim": DIM, "reps": reps,
+           "config": {"world": W, "transport": args.transport, "tables": TABLES, "rows_per_table": rows, "dim": DIM, "reps": reps,
                       "moves_per_table": args.moves if args.moves is not None else rows // 5,
                       "optimizer": "rowwise_adagrad", "threads_per_rank": 1,
                       "storage_rows_per_rank": [r["storage_rows"] for r in res]}}
