@@ -14,7 +14,8 @@ wall-clock timers (inclusive, per step, the first ``--skip`` steps dropped):
 * ``sharded_fwd`` / ``sharded_bwd``: ``ShardedEmbedding``'s forward (ids bucketed, rows fetched) and its
   ``_Retrieve`` backward (gradients sent back, row-wise Adagrad);
 * ``tt_fwd.<table>`` / ``tt_bwd.<table>`` / ``tt_sync.<table>``: each TT table's lookup (sort, reuse plan,
-  GEMMs), its fused backward (inclusive of the sync) and the core gradients' all-reduce (``grad_sync``);
+  GEMMs), its fused backward (inclusive of the sync) and the core gradients' all-reduce (``grad_sync``); with
+  the tables sharing one ``tt.GradSyncBucket``, ``tt_sync.all``: the contributions, the one sum and the updates;
 * ``host_fwd`` / ``host_bwd``: the host tables' pooling and backward (their rows' all-gather, the updates
   pushed to the server); ``host_prefetch`` (server thread: read the batch's rows) and ``host_patch``
   (patcher thread) run beside the trainer;
@@ -95,7 +96,7 @@ def _install():
     ofused = TT.TTEmbeddingBag._backward_fused
     def fused(self, *a, **k):
         gs = self.grad_sync
-        if gs is not None:
+        if gs is not None and not isinstance(gs, getattr(TT, "GradSyncBucket", ())):
             def timed(dense, gs=gs, name=self.name):
                 t0 = time.perf_counter()
                 try:
@@ -108,6 +109,8 @@ def _install():
         finally:
             self.grad_sync = gs
     TT.TTEmbeddingBag._backward_fused = fused
+    if hasattr(TT, "GradSyncBucket"):  # one sum for all TT tables: the last contribution runs it and the updates
+        _wrap(TT.GradSyncBucket, "contribute", "tt_sync.all")
     _wrap(PE._HostLookup, "forward", "host_fwd")
     _wrap(PE._HostLookup, "backward", "host_bwd")
     _wrap(PE.PipelinedEmbedding, "prefetch", "host_prefetch")
