@@ -24,10 +24,11 @@ the predicted step reports them as its ``executor`` part. The fit also absorbs w
 single-process figures of the same command carry on the machine as it is (the overheads are differences),
 so the costs file is one measurement: calibrate again, whole, when the machine changes.
 
-What a form costs the executor per table depends on the table's size, not only on its per-batch rows: at full
-size (host tables of 2.2M and 5.5M rows) the host form cost 15-30 ms per table and step more than a fit on tables
-capped at 1M rows predicted (BENCHMARKS, issue 16 run E). So the calibration can time the very tables of the
-run: ``rows = 0`` (no cap) or the run's own data placed in ``work / "data"``.
+The calibration can also time the very tables of the run: ``rows = 0`` (no cap) or the run's own data placed
+in ``work / "data"``. In one full-size run (BENCHMARKS, issue 16 run E) the plans with two host tables of 2.2M and
+5.5M rows ran 30-45 ms a step slower than a fit on tables capped at 1M rows predicted; the two fits on the full-size
+tables that followed (runs F, G) found no host overhead at all, so a size effect is not established: on the shared
+machine the load's swings are larger than it.
 
 Designed for any device (``--device``; untested on GPU). The dense model is the default DLRM (``DenseModel()``
 sizes, 13 dense and 26 sparse features, as ``embedscale train`` builds it by default).
