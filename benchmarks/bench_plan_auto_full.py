@@ -9,7 +9,9 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
 
 * ``auto``: ``--strategy auto`` with costs measured by ``embedscale calibrate --ranks 2`` in this run (at the
   per-rank batch, one thread as each rank runs, links measured on 2 local ranks, and the distributed executor's
-  overhead per table of each form fitted from real 2-rank steps of a sharded, a TT and a host plan);
+  overhead per table of each form fitted from real 2-rank steps of a sharded, a TT and a host plan; with
+  ``--rank-rows 0`` those steps run on this run's own full-size data and tables,
+  ``embedscale.calibrate_ranks.calibrate_ranks(rows=0)``);
 * ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper);
 * ``mix_tt3_host2`` / ``mix_tt4_host1``: the mixtures of the two rules a user would try: the largest tables
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
@@ -45,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from _plan_common import emit, log
-from embedscale.calibrate_ranks import refit
+from embedscale.calibrate_ranks import calibrate_ranks, refit
 from embedscale.data.profile import AccessProfile
 from embedscale.plan.api import resolve_profile
 from embedscale.plan.auto import Costs, load_costs, parse_bytes
@@ -203,6 +205,9 @@ def main() -> None:
     ap.add_argument("--recalibrate", action="store_true",
                     help="Measure the single-process costs again before every run and predict the run with them.")
     ap.add_argument("--rank-repeats", type=int, default=2, help="calibrate --ranks 2: rounds of its three plans.")
+    ap.add_argument("--rank-rows", type=int, default=1_000_000,
+                    help="calibrate --ranks 2 on tables capped at this many rows; 0: on this run's own data and "
+                         "tables (full size; the single-process figures stay on a 1M-row table).")
     ap.add_argument("--torchrec-only", action="store_true", help="Plan and ask TorchRec; train nothing.")
     ap.add_argument("--plans", default="", help="Comma-separated subset of plans to train (default: all).")
     ap.add_argument("--predict-only", default=None,
@@ -222,6 +227,18 @@ def main() -> None:
             "--no-progress", cwd=work)
     if not (work / "profile").exists():
         _es("profile", "data", "--out", "profile", cwd=work)
+    if not (work / "costs.json").exists() and args.rank_rows == 0:
+        # the single-process figures on a 1M-row table, then the 2-rank executor fit on this run's own data and
+        # tables (full size: what a form costs the executor grows with the table, calibrate_ranks' docstring)
+        _es("calibrate", "--rows", "1000000", "--batch", str(per_rank), "--tt-ranks", "8,16,32,64", "--links",
+            "--repeats", "15", "--out", "costs-single.json", cwd=work)
+        cw = work / "calibrate-ranks"
+        cw.mkdir(exist_ok=True)
+        if not (cw / "data").exists():
+            (cw / "data").symlink_to(work / "data")
+        single = load_costs(work / "costs-single.json")
+        calibrate_ranks(single, ranks=2, batch=per_rank, rows=0, dim=16, steps=args.steps, repeats=args.rank_repeats,
+                        host_depth=args.depth, device=single.notes["device"], work=cw, log=log).save(work / "costs.json")
     if not (work / "costs.json").exists():
         _es("calibrate", "--rows", "1000000", "--batch", str(per_rank), "--tt-ranks", "8,16,32,64", "--links",
             "--repeats", "15", "--ranks", "2", "--rank-steps", str(args.steps), "--rank-repeats",

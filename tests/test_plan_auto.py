@@ -374,6 +374,13 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
                                 {"tables": {"sharded": 4, "tt": 2}, "measured_s": 2, "predicted_s": 0}])
 
 
+def test_calibrate_ranks_rows_cap_is_zero_for_full_size_or_at_least_8(tmp_path):
+    """``rows=0`` (the run's full-size tables) is a valid cap; a negative or tiny one is a named error."""
+    for bad in (-1, 5):
+        with pytest.raises(ConfigError, match=f"rows={bad}"):
+            calibrate_ranks(Costs(), rows=bad, work=tmp_path)
+
+
 def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path):
     """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): three real
     2-rank runs (sharded, TT, host); the costs it returns predict each timed plan, through the same planner entry

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from embedscale.embedding.tt import (
+    GradSyncBucket,
     TTEmbeddingBag,
     TTRecEmbeddingBag,
     core_shapes,
@@ -250,6 +251,65 @@ def test_grad_sync_data_parallel_equals_full_batch(cls):
     assert calls == [3]
     for a, b in zip(rank0.cores, full.cores):
         assert (a - b).abs().max() < TOL
+
+
+def test_grad_sync_bucket_one_sum_for_all_tables_equals_full_batch():
+    """Two TT tables sharing a GradSyncBucket, two replicas with half the batch each: one sync call per step
+    (all six cores, in the bucket's table order whatever order the backwards ran in), and every table ends as
+    the full-batch step leaves it; a table contributing twice before the others is an error."""
+    rng = np.random.default_rng(11)
+    ids = {n: torch.from_numpy(rng.integers(0, r, 64)) for n, r in (("a", 500), ("b", 900))}
+    g = {n: torch.randn(64, 8) for n in ids}
+    kw = dict(optimizer="rowwise_adagrad", lr=0.1)
+    full = {n: TTEmbeddingBag(r, 8, 4, seed=i, name=n, **kw) for i, (n, r) in enumerate((("a", 500), ("b", 900)))}
+    for n, m in full.items():
+        (m(ids[n], torch.arange(64)) * g[n]).sum().backward()
+    mine = {n: TTEmbeddingBag(r, 8, 4, seed=i, name=n, **kw) for i, (n, r) in enumerate((("a", 500), ("b", 900)))}
+    other = {}
+    for n, m in mine.items():  # the other replica's gradients, by autograd on its half of the batch
+        other[n] = TTEmbeddingBag(m.num_embeddings, 8, 4, optimizer=None)
+        other[n].copy_cores_from(m)
+        (other[n](ids[n][32:], torch.arange(32)) * g[n][32:]).sum().backward()
+    calls = []
+
+    def all_reduce(grads):
+        calls.append([tuple(t.shape) for t in grads])
+        theirs = [c.grad for n in ("a", "b") for c in other[n].cores]
+        for x, y in zip(grads, theirs):
+            x.add_(y)
+
+    bucket = GradSyncBucket(all_reduce, ["a", "b"])
+    for m in mine.values():
+        m.grad_sync = bucket
+    out_b = (mine["b"](ids["b"][:32], torch.arange(32)) * g["b"][:32]).sum()
+    out_a = (mine["a"](ids["a"][:32], torch.arange(32)) * g["a"][:32]).sum()
+    out_b.backward()  # b first: the bucket still sums in its order, a then b
+    assert calls == [] and bucket.pending == ["b"]
+    out_a.backward()
+    assert calls == [[tuple(c.shape) for n in ("a", "b") for c in mine[n].cores]] and bucket.syncs == 1
+    for n in ("a", "b"):
+        for x, y in zip(mine[n].cores, full[n].cores):
+            assert (x - y).abs().max() < TOL
+    mine["a"](ids["a"][:8], torch.arange(8)).sum().backward()
+    with pytest.raises(InputError, match="'a': a second backward before the TT tables \\['b'\\]"):
+        mine["a"](ids["a"][:8], torch.arange(8)).sum().backward()
+    with pytest.raises(ConfigError, match="repeat"):
+        GradSyncBucket(all_reduce, ["a", "a"])
+
+
+def test_mixed_embedding_sums_all_tt_tables_in_one_call():
+    """MixedEmbedding's TT tables share one bucket: one grad_sync call per backward, holding every core."""
+    from embedscale.embedding.mixed import MixedEmbedding
+
+    tables = [TableSpec("s", 50, 4), TableSpec("x", 3000, 4), TableSpec("y", 4000, 4)]
+    calls = []
+    emb = MixedEmbedding(tables, tt={"x": 2, "y": 3}, optimizer="rowwise_adagrad", lr=0.1, seed=0,
+                         grad_sync=lambda grads: calls.append(len(grads)))
+    jf = JaggedFeatures.from_dense(["s", "x", "y"], torch.tensor([[1, 5, 7], [2, 2999, 3999]]))
+    for step in range(3):
+        emb(jf).sum().backward()
+        assert calls == [6] * (step + 1)
+    assert emb.grad_sync_bucket.syncs == 3 and all(m.grad_sync is emb.grad_sync_bucket for m in emb.tt.values())
 
 
 # -- initialisation, state, errors -------------------------------------------------------------------

@@ -24,6 +24,12 @@ the predicted step reports them as its ``executor`` part. The fit also absorbs w
 single-process figures of the same command carry on the machine as it is (the overheads are differences),
 so the costs file is one measurement: calibrate again, whole, when the machine changes.
 
+The calibration can also time the very tables of the run: ``rows = 0`` (no cap) or the run's own data placed
+in ``work / "data"``. In one full-size run (BENCHMARKS, issue 16 run E) the plans with two host tables of 2.2M and
+5.5M rows ran 30-45 ms a step slower than a fit on tables capped at 1M rows predicted; the two fits on the full-size
+tables that followed (runs F, G) found no host overhead at all, so a size effect is not established: on the shared
+machine the load's swings are larger than it.
+
 Designed for any device (``--device``; untested on GPU). The dense model is the default DLRM (``DenseModel()``
 sizes, 13 dense and 26 sparse features, as ``embedscale train`` builds it by default).
 """
@@ -91,10 +97,12 @@ def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: in
                     log: Callable[[str], None] | None = None) -> Costs:
     """``costs`` (single-process, :func:`embedscale.calibrate.calibrate` at the same ``batch`` and ``dim``) with
     the executor overheads of ``ranks`` ranks fitted (module docstring). ``batch``: samples per rank and step;
-    ``work``: a directory to keep the data, plans and timings in (default: a temporary one, removed)."""
+    ``rows``: the cap on every table's rows of the generated data (0: the preset's full sizes); ``work``: a
+    directory to keep the data, plans and timings in (default: a temporary one, removed); data already in
+    ``work / "data"`` (e.g. a link to the run's own data) is used as it is, not generated."""
     if ranks < 2:
         raise ConfigError(f"calibrate --ranks: at least 2 ranks needed to time the distributed executor, got {ranks}")
-    if steps < 2 or repeats < 1 or big < 1 or batch < 1 or rows < 8:
+    if steps < 2 or repeats < 1 or big < 1 or batch < 1 or not (rows == 0 or rows >= 8):
         raise ConfigError(f"calibrate --ranks: steps >= 2, repeats >= 1, big >= 1, batch >= 1, rows >= 8 needed; got "
                           f"steps={steps}, repeats={repeats}, big={big}, batch={batch}, rows={rows}")
     say = log or (lambda m: print(m, file=sys.stderr, flush=True))

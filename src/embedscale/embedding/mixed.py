@@ -29,7 +29,8 @@ with the model) and every lookup renames its ids first. Do not also apply the sa
 data path.
 
 Several ranks (EL-Rec section VI-B): the TT tables are replicas (see
-:mod:`embedscale.embedding.compression`); set ``grad_sync`` to sum their core gradients across ranks, and
+:mod:`embedscale.embedding.compression`); set ``grad_sync`` to sum their core gradients across ranks (all TT
+tables' in one call per step, through one :class:`~embedscale.embedding.tt.GradSyncBucket`), and
 pass the module that executes the plan for the uncompressed tables as ``local`` (a
 :class:`~embedscale.embedding.sharded.ShardedEmbedding`): its lookups go across ranks, the TT lookups stay
 on the rank, and the output is the same ``[B, sum of dims]`` in ``feature_names`` order.
@@ -44,7 +45,7 @@ import torch.nn as nn
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
-from embedscale.embedding.tt import TTEmbeddingBag
+from embedscale.embedding.tt import GradSyncBucket, TTEmbeddingBag
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
@@ -69,7 +70,8 @@ class MixedEmbedding(nn.Module):
             the spread of DLRM's uniform rows).
         tt_options: extra ``TTEmbeddingBag`` keyword arguments (``num_cores``, ``grouped``, ...).
         reordering: a ``Reordering`` whose maps are applied to the ids of the tables it covers.
-        grad_sync: set as every TT table's ``grad_sync`` (data-parallel replicas).
+        grad_sync: sums a list of dense tensors across ranks in place (data-parallel replicas); the TT tables
+            share it through one ``GradSyncBucket`` (``grad_sync_bucket``): one call per step for all of them.
         init_index: each table's position among the model's tables, when ``tables`` is a subset of them
             (beside host-placed tables): TT seeds follow it, so the subset starts as the whole model would.
         local: a module that already holds the uncompressed tables (e.g. a ``ShardedEmbedding`` executing a
@@ -141,6 +143,9 @@ class MixedEmbedding(nn.Module):
                 raise ConfigError(f"MixedEmbedding: optimizer {optimizer!r} is not one of sgd, rowwise_adagrad or None")
             tt_optimizer = _TT_DEFAULT[optimizer]
         options = dict(tt_options or {})
+        # one sum across ranks per step for all TT tables (tt.GradSyncBucket), not one per table
+        self.grad_sync_bucket = (GradSyncBucket(grad_sync, [t.name for t in compressed])
+                                 if grad_sync is not None and compressed else None)
         self.tt = nn.ModuleDict()
         for i, t in enumerate(compressed):
             if t.pooling == "none":
@@ -149,7 +154,7 @@ class MixedEmbedding(nn.Module):
                                          lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
                                          seed=None if seed is None else seed + 1 + init_index[self.tables.index(t)],
                                          device=device, validate=validate, **options)
-            m.grad_sync = grad_sync
+            m.grad_sync = self.grad_sync_bucket
             self.tt[t.name] = m
         self.feature_names: list[str] = []
         self.feature_dims: list[int] = []
