@@ -374,6 +374,31 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
                                 {"tables": {"sharded": 4, "tt": 2}, "measured_s": 2, "predicted_s": 0}])
 
 
+def test_executor_fit_takes_no_overhead_from_residuals_within_a_plans_own_spread():
+    """``fit_executor`` with each plan's rounds (``steps_s``): a residual inside half their range is noise (no
+    overhead); one beyond it counts only by what exceeds it. Hand-computed: the scale through the origin, then
+    the overheads of the residuals shrunk by the spreads."""
+    runs = [{"tables": {"sharded": 26}, "predicted_s": 0.100, "measured_s": 0.200, "steps_s": [0.19, 0.20, 0.23]},
+            {"tables": {"sharded": 21, "tt": 5}, "predicted_s": 0.080, "measured_s": 0.150,
+             "steps_s": [0.14, 0.15, 0.16]},
+            {"tables": {"sharded": 21, "host": 5}, "predicted_s": 0.050, "measured_s": 0.110,
+             "steps_s": [0.105, 0.110, 0.111]}]
+    p, m = np.array([0.1, 0.08, 0.05]), np.array([0.2, 0.15, 0.11])
+    s = float(m @ p / (p @ p))
+    scale, over = fit_executor(runs)
+    assert scale == pytest.approx(s, rel=1e-12)
+    r = m - s * p  # residuals: sharded +0.0016 (inside +-0.02), tt -0.0087 (inside +-0.01), host +0.0108 (> 0.003)
+    assert abs(r[0]) <= 0.02 and abs(r[1]) <= 0.01 and r[2] > 0.003
+    want = fit_executor_overheads([{"tables": runs[0]["tables"], "measured_s": 0.0, "predicted_s": 0.0},
+                                   {"tables": runs[1]["tables"], "measured_s": 0.0, "predicted_s": 0.0},
+                                   {"tables": runs[2]["tables"], "measured_s": r[2] - 0.003, "predicted_s": 0.0}])
+    assert over == pytest.approx(want, abs=1e-12) and over["host"] == pytest.approx((r[2] - 0.003) / 5, rel=1e-9)
+    assert over["sharded"] == pytest.approx(0, abs=1e-15) and over["tt"] == pytest.approx(0, abs=1e-15)
+    # without the rounds the residuals are taken whole: host and sharded overheads appear
+    whole = fit_executor([{k: v for k, v in run.items() if k != "steps_s"} for run in runs])[1]
+    assert whole["host"] > over["host"]
+
+
 def test_calibrate_ranks_rows_cap_is_zero_for_full_size_or_at_least_8(tmp_path):
     """``rows=0`` (the run's full-size tables) is a valid cap; a negative or tiny one is a named error."""
     for bad in (-1, 5):

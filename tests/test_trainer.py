@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -74,6 +75,9 @@ def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
     assert any(row["eval_auc"] for row in rows) and any(row["train_loss"] for row in rows)
     ck = latest_checkpoint(rd)
     summary = json.loads((rd / "summary.json").read_text())
+    st = summary["train_step_seconds"]  # the steady state: the steps after the first third of this short run
+    assert st["steps"] + st["skipped"] == summary["steps"] and st["skipped"] == min(10, summary["steps"] // 3)
+    assert 0 < st["median"] <= st["p90"] and st["mean"] > 0
     for target in (ck, rd):  # a checkpoint, or a run directory (its latest checkpoint)
         r2 = CliRunner().invoke(main, ["evaluate", str(target), "--json"])
         assert r2.exit_code == 0, r2.output
@@ -277,3 +281,28 @@ def test_dropout_rate_scale_and_gradient_against_the_definition(p):
     ref.sum().backward()
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_w.double(), w0.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_step_times_drop_the_warm_up_and_keep_a_bounded_tail(monkeypatch):
+    """The summary's steady-state step figures against numpy on the same list: the first ``WARMUP`` steps (or
+    the first third of a shorter run) left out, the last ``KEEP`` kept."""
+    from embedscale.train.loop import StepTimes
+    t = StepTimes()
+    assert t.figures()["steps"] == 0 and t.figures()["median"] != t.figures()["median"]  # NaN without steps
+    times = [1.0] * 10 + [0.01 * (i % 7 + 1) for i in range(50)]  # 10 slow warm-up steps, then the steady state
+    for x in times:
+        t.add(x)
+    f = t.figures()
+    assert f["skipped"] == 10 and f["steps"] == 50
+    assert f["median"] == np.median(times[10:]) and f["p90"] == np.percentile(times[10:], 90)
+    assert abs(f["mean"] - np.mean(times[10:])) < 1e-12
+    short = StepTimes()
+    for x in [5.0, 1.0, 2.0, 3.0, 4.0, 6.0]:
+        short.add(x)
+    assert short.figures()["skipped"] == 2 and short.figures()["median"] == 3.5
+    monkeypatch.setattr(StepTimes, "KEEP", 20)
+    tail = StepTimes()
+    for i in range(100):
+        tail.add(float(i))
+    g = tail.figures()  # the warm-up lies outside the kept tail: all 20 kept steps count
+    assert g["steps"] == 20 and g["median"] == np.median(np.arange(80, 100)) and g["skipped"] == 10

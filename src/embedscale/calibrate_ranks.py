@@ -13,12 +13,14 @@ their timer: train steps only) under three plans made by ``embedscale plan``:
 * ``host``: the ``big`` largest tables on the host parameter server at pipeline depth ``host_depth``, the
   rest sharded;
 
-``repeats`` rounds in turns (every plan sees the same load), ``steps`` steps each; a plan's measured step is
-its median. Each plan is predicted by :func:`embedscale.plan.autoplan.predict_plan_forms` with the
+``repeats`` rounds in turns (every plan sees the same load), ``steps`` steps each; a run's step is its
+steady state (the summary's ``train_step_seconds`` median: the first 10 steps, or a third of a shorter run, left
+out), a plan's measured step the median over the rounds. Each plan is predicted by :func:`embedscale.plan.autoplan.predict_plan_forms` with the
 single-process ``costs`` measured in the same command, and :func:`embedscale.plan.step.fit_executor` fits
 first one scale of the whole prediction (the single-process figures saw one process's share of a shared
 machine, the N ranks get N shares; the costs' time figures are scaled by it, :meth:`Costs.scaled`), then the
-residuals as non-negative seconds per table and step of each form kind (``Costs.executor_overhead_s``,
+residuals beyond the plan's own spread over the rounds as non-negative seconds per table and step of each form
+kind (``Costs.executor_overhead_s``,
 ``executor_world = N``). The planner adds them to every candidate on several ranks (the search weighs them) and
 the predicted step reports them as its ``executor`` part. The fit also absorbs whatever bias the
 single-process figures of the same command carry on the machine as it is (the overheads are differences),
@@ -75,7 +77,8 @@ def plan_forms(tables, kind: str, big: int, tt_rank: int, host_depth: int) -> di
 
 def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: int, steps: int, depth: int,
            device: str, dim: int) -> float:
-    """One ``embedscale train --nproc ranks`` run; its train samples per second (the loop's timer)."""
+    """One ``embedscale train --nproc ranks`` run; its steady-state step in seconds (the summary's
+    ``train_step_seconds`` median: the loop's timer, the warm-up steps left out)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "embedscale", "train", "--data-source", "shards", "--data-path", str(work / "data"),
            "--train-batch-size", str(global_batch), "--train-max-steps", str(steps), "--train-eval-every", "0",
@@ -88,7 +91,7 @@ def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: 
                               f"{p.returncode}):\n{p.stderr[-2000:]}")
     s = json.loads((run_dir / "summary.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
-    return float(s["train_samples_per_s"])
+    return float(s["train_step_seconds"]["median"])
 
 
 def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: int = 1_000_000, dim: int = 16,
@@ -138,13 +141,13 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                      forms=f)
     say(f"calibrate --ranks {ranks}: data, profile and plans in {time.perf_counter() - t0:.0f} s; timing "
         f"{len(PLANS)} plans x {repeats} rounds of {steps} steps")
-    sps: dict[str, list[float]] = {k: [] for k in PLANS}
+    step_s: dict[str, list[float]] = {k: [] for k in PLANS}
     load = [list(os.getloadavg())]
     for i in range(repeats):
         for k in PLANS:
-            sps[k].append(_train(work, work / f"run-{k}", work / f"plan-{k}" / "oper", ranks, global_batch, steps,
-                                 host_depth, device, dim))
-            say(f"  {k} round {i}: {global_batch / sps[k][-1] * 1e3:.1f} ms/step")
+            step_s[k].append(_train(work, work / f"run-{k}", work / f"plan-{k}" / "oper", ranks, global_batch, steps,
+                                    host_depth, device, dim))
+            say(f"  {k} round {i}: {step_s[k][-1] * 1e3:.1f} ms/step")
         load.append(list(os.getloadavg()))
     base = Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0})
     if not base.notes.get("links_measured"):  # the topology's links, so that the scale applies to them too
@@ -154,8 +157,8 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
         p = predict_plan_forms(tables, work / "profile", topo, forms[k], costs=base, batch_size=batch, dense=dense,
                                host_depth=host_depth)
         runs[k] = {"tables": form_counts(list(p["forms"].values())),
-                   "measured_s": float(np.median([global_batch / v for v in sps[k]])),
-                   "predicted_s": float(p["step_seconds"]), "steps_s": [global_batch / v for v in sps[k]]}
+                   "measured_s": float(np.median(step_s[k])), "predicted_s": float(p["step_seconds"]),
+                   "steps_s": list(step_s[k])}
     scale, over = fit_executor(list(runs.values()))
     scaled = base.scaled(scale)
     out = Costs(**{**scaled.__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
@@ -163,7 +166,7 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                        "scale": scale, "single_process_costs": {k: v for k, v in base.to_dict().items() if k != "notes"},
                        "ranks": ranks, "batch_per_rank": batch, "rows_cap": rows, "steps": steps, "repeats": repeats,
                        "tt_rank": tt_rank, "host_depth": host_depth, "big_tables": big, "plans": runs,
-                       "statistic": "median over rounds of the loop's train-step timer (train_samples_per_s)",
+                       "statistic": "median over rounds of each run's steady-state step (train_step_seconds)",
                        "load_average": load, "seconds": time.perf_counter() - t0}}})
     say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items()))

@@ -19,6 +19,8 @@ its position (shard, row of the next batch) is the run state's ``stream``, so a 
 
 from __future__ import annotations
 
+import collections
+
 import math
 import os
 import shutil
@@ -253,6 +255,41 @@ def progressive_figures(run: Run, pv: ProgressiveWindow) -> dict:
 _END = object()
 
 
+class StepTimes:
+    """The train steps' wall times of this attempt, for the steady-state figures of the summary.
+
+    ``train_samples_per_s`` divides every sample by every step's time, the first steps' too, which pay for the
+    first touch of the tables' rows and optimizer state, caches filling and the host pipeline starting; a short
+    run's figure is mostly that. The steady state is the median step after the first ``WARMUP`` steps (or the
+    first third of a shorter run), as benchmarks of the field report it (TorchRec's and FBGEMM's benchmarks drop
+    warm-up iterations too); the p90 says how much the steps spread. The last ``KEEP`` steps are kept (a long
+    run's memory stays bounded)."""
+
+    WARMUP = 10
+    KEEP = 100_000
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.times: collections.deque[float] = collections.deque(maxlen=self.KEEP)
+
+    def add(self, seconds: float) -> None:
+        self.seen += 1
+        self.times.append(float(seconds))
+
+    def figures(self) -> dict:
+        """``{"median", "p90", "mean", "steps", "skipped"}`` over the steps after the warm-up (NaN without steps);
+        ``skipped`` counts the steps left out at the start."""
+        kept = list(self.times)
+        skip = min(self.WARMUP, self.seen // 3)
+        skip_here = max(0, skip - (self.seen - len(kept)))
+        kept = kept[skip_here:]
+        if not kept:
+            return {"median": math.nan, "p90": math.nan, "mean": math.nan, "steps": 0, "skipped": skip}
+        a = np.asarray(kept)
+        return {"median": float(np.median(a)), "p90": float(np.percentile(a, 90)), "mean": float(a.mean()),
+                "steps": int(a.size), "skipped": skip}
+
+
 def _with_next(batches: Iterable) -> Iterator[tuple[Any, Any]]:
     """``(batch, the batch after it or None)`` for every batch: the loop hands the next step's batch to a run
     that converts its input ahead (``Run.prefetch_batch``)."""
@@ -289,6 +326,7 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
     t_start = time.perf_counter()
     train_s, trained = 0.0, 0
+    step_times = StepTimes()
     window: list[float] = []
     window_samples, t_window = 0, t_start
 
@@ -322,7 +360,9 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 loss = run.train_step(batch)
             except RuntimeError as e:
                 raise run.step_error(e) from e
-            train_s += time.perf_counter() - s0
+            dt = time.perf_counter() - s0
+            train_s += dt
+            step_times.add(dt)
             n = batch.global_size or batch.batch_size
             logits = getattr(run, "step_logits", None)  # optional in the protocol: a run without it has no pv
             if pv is not None and logits is not None:
@@ -384,6 +424,7 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     summary = {
         "world_size": run.world, "steps": st.step, "samples": st.samples,
         "train_samples_per_s": trained / train_s if train_s else math.nan,
+        "train_step_seconds": step_times.figures(),
         "train_logloss": float(np.mean(last)) if last else math.nan,
         "eval_logloss": final.get("logloss", math.nan), "eval_auc": final.get("auc", math.nan),
         "eval_ne": final.get("ne", math.nan), "eval_calibration": final.get("calibration", math.nan),
