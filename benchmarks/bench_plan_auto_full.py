@@ -209,7 +209,7 @@ def main() -> None:
                     help="--recalibrate: embedscale calibrate processes run at once before every run (averaged).")
     ap.add_argument("--recalibrate", action="store_true",
                     help="Measure the single-process costs again before every run and predict the run with them.")
-    ap.add_argument("--rank-repeats", type=int, default=2, help="calibrate --ranks 2: rounds of its three plans.")
+    ap.add_argument("--rank-repeats", type=int, default=3, help="calibrate --ranks 2: rounds of its three plans.")
     ap.add_argument("--rank-rows", type=int, default=1_000_000,
                     help="calibrate --ranks 2 on tables capped at this many rows; 0: on this run's own data and "
                          "tables (full size; the single-process figures stay on a 1M-row table).")

@@ -95,7 +95,7 @@ def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: 
 
 
 def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: int = 1_000_000, dim: int = 16,
-                    steps: int = 30, repeats: int = 2, tt_rank: int = 32, host_depth: int = 2, big: int = 5,
+                    steps: int = 60, repeats: int = 3, tt_rank: int = 32, host_depth: int = 2, big: int = 5,
                     device: str = "cpu", seed: int = 0, work: str | os.PathLike | None = None,
                     log: Callable[[str], None] | None = None) -> Costs:
     """``costs`` (single-process, :func:`embedscale.calibrate.calibrate` at the same ``batch`` and ``dim``) with

@@ -742,8 +742,10 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
               help="Also time real training steps on this many local ranks (embedscale train --nproc N; --batch "
                    "per rank) under a sharded, a TT and a host plan, and fit the distributed executor's overhead "
                    "per table of each form (a few minutes). 0 = off.")
-@click.option("--rank-steps", type=int, default=30, show_default=True, help="--ranks: steps per timed run.")
-@click.option("--rank-repeats", type=int, default=2, show_default=True, help="--ranks: rounds of the three plans.")
+@click.option("--rank-steps", type=int, default=60, show_default=True,
+              help="--ranks: steps per timed run (the first 10 are its warm-up, not timed).")
+@click.option("--rank-repeats", type=int, default=3, show_default=True,
+              help="--ranks: rounds of the three plans (a plan's spread over them bounds what counts as overhead).")
 @click.option("--host-depth", type=int, default=2, show_default=True, help="--ranks: pipeline depth of host tables.")
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
               help="--ranks: keep the data, plans and runs here (default: a temporary directory).")
