@@ -306,3 +306,15 @@ def test_step_times_drop_the_warm_up_and_keep_a_bounded_tail(monkeypatch):
         tail.add(float(i))
     g = tail.figures()  # the warm-up lies outside the kept tail: all 20 kept steps count
     assert g["steps"] == 20 and g["median"] == np.median(np.arange(80, 100)) and g["skipped"] == 10
+
+
+def test_printed_summary_shows_the_steady_step_only_when_there_is_one():
+    """``embedscale run``'s summary text: the steady-state step from ``train_step_seconds`` (ms, p90, warm-up
+    steps) after the all-steps samples/s; nothing more for a run with no step after its warm-up."""
+    from embedscale.workflow import format_summary
+    base = {"run_dir": "r", "num_tables": 2, "steps": 30, "samples": 3000, "train_samples_per_s": 1234.5}
+    st = {"median": 0.0123, "p90": 0.02, "mean": 0.013, "steps": 20, "skipped": 10}
+    line = format_summary({**base, "train_step_seconds": st}).splitlines()[2]
+    assert line.endswith("1,234 samples/s; steady step 12.3 ms (p90 20.0) after 10 warm-up steps"), line
+    for none in ({}, {"train_step_seconds": {**st, "steps": 0, "median": float("nan")}}):
+        assert format_summary({**base, **none}).splitlines()[2].endswith("1,234 samples/s")

@@ -141,6 +141,13 @@ def _eval_line(d: dict) -> str:
             f"NE {_num(d.get('eval_ne')):.5f}  calibration {_num(d.get('eval_calibration')):.4f}")
 
 
+def _steady(st: dict) -> str:
+    """The steady-state step of the summary's ``train_step_seconds`` (after the warm-up), or nothing."""
+    if not st.get("steps") or math.isnan(_num(st.get("median"))):
+        return ""
+    return f"; steady step {st['median'] * 1e3:.1f} ms (p90 {st['p90'] * 1e3:.1f}) after {st['skipped']} warm-up steps"
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"run directory      {s.get('run_dir')}",
@@ -148,7 +155,7 @@ def format_summary(s: dict) -> str:
         + (f"; {s['host_tables']} in the host parameter server" if s.get("host_tables") else "")
         + (f"; {s['tt_tables']} TT-compressed, replicated on every rank" if s.get("tt_tables") else "") + ")",
         f"train              {s.get('steps')} steps, {s.get('samples'):,} samples, "
-        f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s",
+        f"{s.get('train_samples_per_s', math.nan):,.0f} samples/s" + _steady(s.get("train_step_seconds") or {}),
         f"train logloss      {s.get('train_logloss', math.nan):.5f}",
         (f"eval (last)        step {s.get('steps')}: " + _eval_line(s)
          + (f"   (teacher ceiling {s['teacher_auc']:.5f})" if not math.isnan(s.get("teacher_auc", math.nan)) else "")
