@@ -143,7 +143,7 @@ def _eval_line(d: dict) -> str:
 
 def _steady(st: dict) -> str:
     """The steady-state step of the summary's ``train_step_seconds`` (after the warm-up), or nothing."""
-    if not st.get("steps") or math.isnan(_num(st.get("median"))):
+    if not st.get("steps"):  # no step after the warm-up (the median is then NaN)
         return ""
     return f"; steady step {st['median'] * 1e3:.1f} ms (p90 {st['p90'] * 1e3:.1f}) after {st['skipped']} warm-up steps"
 

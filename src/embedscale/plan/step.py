@@ -38,7 +38,6 @@ with the very model the auto search optimises, so hand-made plans and the auto p
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 

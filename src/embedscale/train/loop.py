@@ -20,7 +20,6 @@ its position (shard, row of the next batch) is the run state's ``stream``, so a 
 from __future__ import annotations
 
 import collections
-
 import math
 import os
 import shutil
