@@ -30,17 +30,18 @@ from embedscale.data.profile import AccessProfile
 from embedscale.data.shards import MANIFEST, Manifest, read_shard
 from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
-from embedscale.errors import ConfigError
+from embedscale.errors import ConfigError, FormatError
 from embedscale.embedding.build import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
                                         hash_init)  # hash_init: re-exported
 from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.plan.auto import human_bytes
-from embedscale.plan.forms import TableForm, config_forms, default_tables, table_bytes
+from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes, with_reorder
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
                               to_dict)
 from embedscale.models import build_model
 from embedscale.models.dlrm import set_dropout
 from embedscale.models.dmt import is_dmt_arch
+from embedscale.reorder import plan_reordering, reorder_for_plan
 
 
 @dataclass
@@ -307,7 +308,7 @@ def say_embedding_memory(tables: list[TableSpec], forms: dict[str, TableForm], r
 
 
 def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
-          assignment=None, validate: bool = True):
+          assignment=None, validate: bool = True, reordering=None):
     """Model (with fused-optimizer embeddings) and the dense optimizer, seeded by ``train.seed``, in a world of
     one: the tables' forms are the config's requests decided (``plan.forms.config_forms``).
 
@@ -316,7 +317,9 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     run of this config trains); with a ``TowerComm`` this rank's part of the tower transform.
     ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``. ``validate=False``: the
     embedding does not check ids again (every batch comes from a ``ShardLoader`` that checked them against
-    the data's cardinalities, which ``tables_for`` made sure the tables cover).
+    the data's cardinalities, which ``tables_for`` made sure the tables cover). ``reordering``: the index
+    reordering of the TT tables ``model.tt_reorder`` asks for (EL-Rec IV; :func:`run_reordering`); without one
+    they are built unrenamed, and a checkpoint loaded into the model brings its maps (``train.trainer.load_reorder``).
     """
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
@@ -326,14 +329,39 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                             seed=t.seed)
         set_dropout(model, t.dropout)
         return model, make_dense_optimizer(t, model.dense_parameters())
+    forms = config_forms(cfg.model, tables)
+    if reordering is None:
+        forms = with_reorder(forms, "none")
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
                                                            lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
-                                                           validate=validate),
-                                forms=config_forms(cfg.model, tables))
+                                                           validate=validate, reordering=reordering),
+                                forms=forms)
     install_managed(cfg, tables, embedding)  # managed tables: raw ids mapped to rows before every lookup
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     set_dropout(model, t.dropout)
     return model, make_dense_optimizer(t, model.dense_parameters())
+
+
+def run_reordering(cfg: RunConfig, data: PreparedData, tables: list[TableSpec], forms, directory: str | Path,
+                   progress: bool = True, prof=None):
+    """The index reordering (EL-Rec IV) of the TT tables whose ``forms`` say ``reorder`` (``model.tt_reorder``),
+    kept in ``directory/reorder/`` (a plan's directory, or a run's in a world of one): the one already there
+    when it covers these tables (a resumed run's), else built from the training split (its access profile
+    ``prof`` by table, made now when not given, and its first batches for ``leiden`` / ``louvain``) and
+    saved. ``None`` when no form asks."""
+    if not reordered_tables(forms):
+        return None
+    directory = Path(directory)
+    try:
+        return plan_reordering(directory, forms, tables)  # already there (a resumed run's)
+    except FormatError:
+        pass
+    if prof is None:
+        prof = profile(data, directory / "profile", tables, progress=progress)
+    return reorder_for_plan(directory, forms, tables, prof, method=cfg.model.tt_reorder,
+                            hot_ratio=cfg.model.tt_reorder_hot_ratio,
+                            shards=None if data.stream else data.train.directory, seed=cfg.train.seed,
+                            progress=progress)
 
 
 def tt_lr(t) -> float:

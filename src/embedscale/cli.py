@@ -61,6 +61,7 @@ topology_command = _Lazy("embedscale.plan.api:topology_command")
 drift_command = _Lazy("embedscale.plan.drift:drift_command")
 decide_forms = _Lazy("embedscale.plan.forms:decide_forms")
 tables_from_profile = _Lazy("embedscale.plan.forms:tables_from_profile")
+table_profile = _Lazy("embedscale.plan.forms:table_profile")
 Plan = _Lazy("embedscale.plan.plan:Plan")
 explain_text = _Lazy("embedscale.plan.auto:explain_text")
 load_costs = _Lazy("embedscale.plan.auto:load_costs")
@@ -76,6 +77,7 @@ SyntheticGenerator = _Lazy("embedscale.data.synthetic:SyntheticGenerator")
 generate_dataset = _Lazy("embedscale.data.synthetic:generate_dataset")
 is_dmt_arch = _Lazy("embedscale.models.dmt:is_dmt_arch")
 reorder_shards = _Lazy("embedscale.reorder:reorder_shards")
+attach_to_plan = _Lazy("embedscale.reorder:attach_to_plan")
 format_towers_summary = _Lazy("embedscale.towers.command:format_towers_summary")
 towers_command = _Lazy("embedscale.towers.command:towers_command")
 read_manifest = _Lazy("embedscale.train.checkpoint:read_manifest")
@@ -621,6 +623,14 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
     raise EmbedscaleError("name the tables: --tables FILE.yaml, --preset NAME or --profile DIR")
 
 
+def _attach_reordering(plan_dir, tables, profile_path, method, hot_ratio, shards) -> None:
+    """``embedscale plan --tt-reorder``: the plan in ``plan_dir`` carries its TT tables' reordering (EL-Rec IV)."""
+    if method == "none":
+        return
+    prof = table_profile(AccessProfile.load(profile_path), tables)
+    attach_to_plan(plan_dir, tables, prof, method=method, hot_ratio=hot_ratio, shards=shards)
+
+
 def _plan_topology(topology_path, hosts, ranks_per_host):
     return topology_path if topology_path else Topology(num_hosts=hosts, ranks_per_host=ranks_per_host)
 
@@ -665,10 +675,20 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
               help="--strategy auto: a table the global batch reads this many times per row (lookups / rows) stays exact.")
 @click.option("--auto-search", type=click.Choice(["greedy", "milp"]), default="greedy", show_default=True,
               help="--strategy auto: greedy search, or the exact MILP (HiGHS; small cases).")
+@click.option("--tt-reorder", type=click.Choice(["none", "frequency", "leiden", "louvain"]), default="none",
+              show_default=True,
+              help="Give every TT table of the plans an index reordering (EL-Rec IV) that the plan carries "
+                   "(OUT/<strategy>/reorder/) and training applies: frequency (from --profile), leiden or louvain "
+                   "(also co-accessed rows together, from the batches of --reorder-data).")
+@click.option("--tt-reorder-hot-ratio", type=float, default=0.01, show_default=True,
+              help="--tt-reorder: share of rows, hottest first, that keep the first ids.")
+@click.option("--reorder-data", type=click.Path(exists=True, file_okay=False), default=None,
+              help="--tt-reorder leiden/louvain: the shard directory whose first batches give co-access.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
          mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
-         costs_path, tt_ranks, host_depth, hot_touch, auto_search, as_json):
+         costs_path, tt_ranks, host_depth, hot_touch, auto_search, tt_reorder, tt_reorder_hot_ratio, reorder_data,
+         as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
 
     Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
@@ -680,10 +700,16 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
     --strategy auto decides every table's form itself (replicated, sharded, TT of a rank, host with a cache)
     for the fastest predicted step within --device-memory and --host-memory per rank; OUT/auto/ holds the
     plan and its explain report (explain.txt, explain.json, memory.png).
+
+    --tt-reorder gives the TT tables an index reordering (EL-Rec IV) built from --profile (and --reorder-data)
+    that each plan carries in OUT/<strategy>/reorder/; training with the plan renames their ids by it.
     """
     auto = "auto" in strategies
     strategies = [s for s in strategies if s != "auto"]
     try:
+        if tt_reorder != "none" and not profile_path:
+            raise EmbedscaleError(f"--tt-reorder {tt_reorder}: the reordering is built from the data's access "
+                                  "profile: give --profile DIR (embedscale profile)")
         tables, requests = _plan_tables(tables_path, preset, max_rows, dim, profile_path)
         prof = profile_path or {"kind": "zipf", "alpha": zipf}
         topo = _plan_topology(topology_path, hosts, ranks_per_host)
@@ -700,6 +726,7 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
                                      json_output=as_json, batch_size=batch_size, mode=mode, tt_rank_list=ranks,
                                      host_depth=host_depth, hot_touch=hot_touch, search=auto_search,
                                      requests=requests)
+            _attach_reordering(arep["plan_dir"], tables, profile_path, tt_reorder, tt_reorder_hot_ratio, reorder_data)
             if not as_json:
                 click.echo(explain_text(arep), nl=False)
                 click.echo(f"auto plan and explain report in {arep['plan_dir']}/")
@@ -711,6 +738,10 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
                              host_min_rows=host_min_rows)
         rep = plan_command(tables, prof, topo, list(strategies), out_dir, mode, extra_memory, json_output=as_json,
                            batch_size=batch_size, forms=forms)
+        for name, e in rep["strategies"].items():
+            if "error" not in e and (Path(out_dir) / name / "plan.json").exists():
+                _attach_reordering(Path(out_dir) / name, tables, profile_path, tt_reorder, tt_reorder_hot_ratio,
+                                   reorder_data)
     except EmbedscaleError as e:
         _fail(e)
     if not as_json:

@@ -54,6 +54,8 @@ import torch
 from embedscale.data.batch import Batch, JaggedFeatures
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_save_npy, atomic_write_json, read_json
+from embedscale.plan.forms import reordered_tables, with_reorder
+from embedscale.plan.plan import Plan
 from embedscale.specs import TableSpec, feature_to_table
 from embedscale.data.loader import ShardLoader
 from embedscale.data.profile import AccessProfile
@@ -488,3 +490,127 @@ def reorder_shards(shards: str | os.PathLike, out_dir: str | os.PathLike, *, hot
     return {"out_dir": str(path), **reo.summary()}
 
 
+
+
+# --------------------------------------------------------------------------------------------------
+# a plan's reordering: the TT tables whose form says ``reorder`` (issue 16 part 6)
+
+PLAN_REORDER_DIR = "reorder"
+
+
+def plan_reordering(plan_dir: str | os.PathLike, forms: Mapping[str, Any], tables: list[TableSpec]) -> "Reordering | None":
+    """The index reordering a saved plan carries for its TT tables (``<plan_dir>/reorder/``), checked against
+    the tables whose form says ``reorder`` (``plan.forms.reordered_tables``): ``None`` when no form does. A
+    plan whose forms ask for a reordering it does not carry, or one that misses a table or has another
+    number of rows, is a ``FormatError`` naming the plan directory and the table."""
+    names = reordered_tables(forms)
+    if not names:
+        return None
+    d = Path(plan_dir) / PLAN_REORDER_DIR
+    if not (d / REORDER_MANIFEST).exists():
+        raise FormatError(f"{plan_dir}: the plan's TT tables {names} are reordered (EL-Rec IV) but "
+                          f"{d / REORDER_MANIFEST} is missing; re-plan (embedscale plan ... --tt-reorder)")
+    reo = Reordering.load(d)
+    _check_covers(reo, names, tables, str(d))
+    return reo
+
+
+def _check_covers(reo: "Reordering", names: list[str], tables: list[TableSpec], where: str) -> None:
+    by = {t.name: t for t in tables}
+    missing = [n for n in names if n not in reo.tables]
+    if missing:
+        raise FormatError(f"{where}: no index reordering of table(s) {missing} (it has {sorted(reo.tables)})")
+    for n in names:
+        t = by.get(n)
+        if t is not None and reo.tables[n].num_rows != t.num_rows:
+            raise FormatError(f"{where}: the reordering of table {n!r} has {reo.tables[n].num_rows} rows, the table "
+                              f"{t.num_rows}")
+        if t is not None and list(reo.tables[n].features) != list(t.features):
+            raise FormatError(f"{where}: the reordering of table {n!r} renames features {reo.tables[n].features}, "
+                              f"the table reads {list(t.features)}")
+
+
+def reorder_for_plan(plan_dir: str | os.PathLike, forms: Mapping[str, Any], tables: list[TableSpec], profile, *,
+                     method: str, hot_ratio: float = 0.01, shards: str | os.PathLike | None = None,
+                     batch_size: int = 4096, max_batches: int = 64, seed: int = 0, reuse: bool = True,
+                     progress: bool = True) -> "Reordering | None":
+    """Build and save (under ``<plan_dir>/reorder/``) the index reordering of the TT tables whose form says
+    ``reorder`` (EL-Rec section IV, Algorithm 2): the plan carries it and training renames those tables' ids by
+    it. Call it before ``Plan.save`` (whose ``plan.json`` is written last). ``None`` when no form asks.
+
+    ``method`` (``model.tt_reorder``): ``frequency`` ranks rows by their counts in ``profile`` (by table) alone;
+    ``leiden`` / ``louvain`` also place rows read together in the first ``max_batches`` batches of
+    ``batch_size`` of the shard directory ``shards`` at consecutive ids (without ``shards``: a
+    ``ConfigError``). A reordering already in ``<plan_dir>/reorder/`` that covers exactly these tables (the
+    run's earlier plan: its checkpoints' TT cores were trained under it) is kept as it is (``reuse=False``:
+    built again)."""
+    names = reordered_tables(forms)
+    d = Path(plan_dir) / PLAN_REORDER_DIR
+    if not names:
+        return None
+    if reuse and (d / REORDER_MANIFEST).exists():
+        try:
+            old = Reordering.load(d)
+            if sorted(old.tables) == sorted(names):
+                _check_covers(old, names, tables, str(d))
+                return old
+        except (FormatError, ConfigError):
+            pass  # not this plan's: built again below
+    if method not in ("frequency", *METHODS):
+        raise ConfigError(f"model.tt_reorder {method!r}: a TT table's reordering is built by frequency, "
+                          f"{' or '.join(METHODS)}")
+    by = {t.name: t for t in tables}
+    chosen = [by[n] for n in names]
+    batches = None
+    if method != "frequency":
+        if shards is None:
+            raise ConfigError(f"model.tt_reorder {method}: community reordering needs the data's batches (a shard "
+                              "directory); give the data, or use frequency (the access profile alone)")
+        features = [f for t in chosen for f in t.features]
+        batches = _iter_shard_batches(Path(shards), features, batch_size, max_batches)
+    prof = _by_table_profile(profile, chosen)
+    reo = build_reorder(prof, chosen, hot_ratio, batches=batches if batches is not None else [],
+                        batch_size=batch_size, max_batches=max_batches,
+                        method=method if method != "frequency" else "leiden", seed=seed, progress=progress)
+    reo.meta["method"] = method
+    if d.exists():  # an earlier plan's maps: replaced as a whole (the manifest last)
+        (d / REORDER_MANIFEST).unlink(missing_ok=True)
+        for f in d.glob("table-*.npy"):
+            f.unlink()
+    reo.save(d)
+    return reo
+
+
+def _by_table_profile(profile, tables: list[TableSpec]) -> AccessProfile:
+    """``profile`` (anything with ``counts(table)`` and ``samples``) as an ``AccessProfile`` of ``tables``."""
+    if isinstance(profile, AccessProfile) and all(t.name in profile.table_names for t in tables):
+        return profile
+    counts = {t.name: np.asarray(profile.counts(t.name), dtype=np.int64) for t in tables}
+    s = getattr(profile, "samples", 0)
+    return AccessProfile(counts, int(s() if callable(s) else s or 0))
+
+
+def attach_to_plan(plan_dir: str | os.PathLike, tables: list[TableSpec], profile, *, method: str,
+                   hot_ratio: float = 0.01, shards: str | os.PathLike | None = None,
+                   progress: bool = True) -> "Reordering | None":
+    """``embedscale plan --tt-reorder METHOD``: give the TT tables of the saved plan in ``plan_dir`` an index
+    reordering (EL-Rec IV, :func:`reorder_for_plan`, built afresh), record it in the plan's forms (``reorder``)
+    and ``meta["reordering"]``, and save the plan again (``plan.json`` last). ``None`` (the plan untouched) when
+    the plan has no TT table or ``method`` is ``none``."""
+    plan = Plan.load(plan_dir)
+    forms = with_reorder(plan.forms, method)
+    if not reordered_tables(forms):
+        return None
+    reo = reorder_for_plan(plan_dir, forms, tables, profile, method=method, hot_ratio=hot_ratio, shards=shards,
+                           reuse=False, progress=progress)
+    plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
+    plan.meta["reordering"] = reordering_meta(reo)
+    plan.save(plan_dir)
+    return reo
+
+
+def reordering_meta(reo: "Reordering") -> dict[str, Any]:
+    """What a plan records of the reordering it carries (``Plan.meta["reordering"]``; the maps are in
+    ``<plan>/reorder/``)."""
+    return {"dir": PLAN_REORDER_DIR, "method": reo.meta.get("method"), "hot_ratio": reo.hot_ratio,
+            "tables": sorted(reo.tables)}

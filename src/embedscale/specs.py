@@ -323,6 +323,11 @@ class ModelConfig:
     # compresses the tables over 1M rows: 1000000), replicated on every rank and trained data-parallel
     tt_min_rows: int = 0
     tt_rank: int = 32
+    # index reordering of the TT tables (EL-Rec IV, embedscale.reorder): none | frequency (hot rows first, the rest
+    # by count, from the access profile) | leiden | louvain (also co-accessed rows together, from the data's first
+    # batches); the plan carries the bijection (<plan>/reorder/) and training renames the TT tables' ids by it
+    tt_reorder: str = "none"
+    tt_reorder_hot_ratio: float = 0.01  # Hot_ratio of EL-Rec's Algorithm 2: the hottest rows keep the first ids
     # DMT only (arch dmt-dlrm | dmt-dcn)
     towers: int = 0  # T; 0 = the tower assignment file's count, else one per host (dist.topology_hosts / hosts_per_tower)
     tower_assignment: str = "naive"  # naive (feature i to tower i % T, DMT 5.2.3) or a JSON file of `embedscale towers`

@@ -20,7 +20,7 @@ from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
-                                 tt_lr)
+                                 run_reordering, tt_lr)
 from embedscale.assemble import eval_loader as assemble_eval_loader, raw_id_features
 from embedscale.assemble import train_loader as assemble_train_loader
 from embedscale.errors import ConfigError, EmbedscaleError
@@ -60,7 +60,10 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     say_embedding_memory(tables, forms)
     assignment = _dmt_towers(cfg, tables, run_dir)
     # the ShardLoaders below check every batch's ids: the embedding need not check them again
-    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False)
+    # model.tt_reorder: the TT tables' index reordering (EL-Rec IV), kept in run_dir/reorder/
+    reordering = run_reordering(cfg, data, tables, forms, run_dir, progress=progress)
+    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False,
+                       reordering=reordering)
     t = cfg.train
     train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()))
     eval_loader = assemble_eval_loader(cfg, data.eval, device) if data.eval else None

@@ -11,7 +11,8 @@ a world of one); the ``TableSpec`` s hold only facts. What is built:
   row placement (OPER section 4, through ``env.address_map``);
 * TT tables (EL-Rec section III): a :class:`~embedscale.embedding.mixed.MixedEmbedding` around the above, its
   TT tables replicas whose core gradients are summed over the ranks before the fused update (EL-Rec VI-B,
-  ``compression.replica_grad_sync`` on a process group of their own, made by ``env.new_group``);
+  ``compression.replica_grad_sync`` on a process group of their own, made by ``env.new_group``); the TT
+  tables whose form says ``reorder`` rename their ids by ``env.reordering`` (EL-Rec IV, the plan's);
 * host tables (EL-Rec section V): a :class:`~embedscale.pipeline.PipelinedEmbedding` with the above as its
   device module and the host tables in a :class:`~embedscale.pipeline.HostParameterServer` (one per rank,
   or one per machine with ``env.pipeline_server == "shared"``);
@@ -73,6 +74,8 @@ class EmbeddingEnv:
         stats: counters the parts add to (``tt_grad_sync_bytes``).
         towers: DMT: the towers to build (:class:`~embedscale.embedding.towers.TowerSetup`: assignment, tower
             modules, ``TowerComm``, sharding, permute, or the flat baseline); ``None``: no towers.
+        reordering: the index reordering (EL-Rec IV, a :class:`~embedscale.reorder.Reordering`) of the TT tables
+            whose form says ``reorder`` (the plan's, ``reorder.plan_reordering``); it must cover exactly those.
     """
 
     device: torch.device
@@ -97,6 +100,7 @@ class EmbeddingEnv:
     timeout_s: float = 300.0
     stats: dict = field(default_factory=dict)
     towers: TowerSetup | None = None
+    reordering: Any = None
 
 
 def hash_init(seed: int, tables: list[TableSpec]):
@@ -125,6 +129,7 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
     rest = [t for t in tables if forms[t.name].kind != "host"]
     tt = {t.name: forms[t.name].tt_rank for t in rest if forms[t.name].kind == "tt"}
     has_tt = bool(tt)
+    _check_reordering(env.reordering, forms)
     init = hash_init(env.seed, tables)
     if plan is None:
         if env.world_size != 1:
@@ -134,13 +139,14 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
             if has_tt:  # TT tables beside the host ones (EL-Rec III with V)
                 device_modules = [MixedEmbedding(rest, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                  init=init, seed=env.seed, tt_lr=env.tt_lr,
-                                                 init_index=[tables.index(x) for x in rest], validate=env.validate)]
+                                                 init_index=[tables.index(x) for x in rest], validate=env.validate,
+                                                 reordering=env.reordering)]
             return PipelinedEmbedding.from_tables(tables, forms, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                   seed=env.seed, init=init, device_modules=device_modules,
                                                   validate=env.validate)
         if has_tt:
             return MixedEmbedding(tables, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
-                                  seed=env.seed, tt_lr=env.tt_lr, validate=env.validate)
+                                  seed=env.seed, tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering)
         return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
                                   validate=env.validate)
     return _distributed(tables, host, rest, tt, plan, env)
@@ -160,7 +166,7 @@ def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
         sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
         module = MixedEmbedding(rest, tt=tt, local=module, device=env.device, optimizer=opt, lr=env.lr,
                                 init=init, seed=env.seed, grad_sync=sync, init_index=[tables.index(x) for x in rest],
-                                tt_lr=env.tt_lr, validate=env.validate)
+                                tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering)
     if host:  # host rows in a parameter server, data parallel: every rank applies every update (EL-Rec V)
         if env.optimizer not in ("sgd", "rowwise_adagrad"):
             raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {env.optimizer!r}")
@@ -224,6 +230,15 @@ def build_tower_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *,
     return TowerEmbedding(tables, setup.assignment, setup.modules, setup.comm, setup.tower_out_features,
                           sharding=setup.sharding, permute=setup.permute, optimizer=env.optimizer, lr=env.lr,
                           seed=env.seed, device=env.device, model_order=setup.model_order)
+
+
+def _check_reordering(reordering, forms: Mapping[str, TableForm]) -> None:
+    """The reordering covers exactly the TT tables whose form says ``reorder`` (EL-Rec IV)."""
+    want = sorted(n for n, f in forms.items() if f.reorder)
+    have = sorted(reordering.tables) if reordering is not None else []
+    if want != have:
+        raise ConfigError(f"build_embedding: the TT tables {want} carry an index reordering (their forms), the "
+                          f"reordering given covers {have}")
 
 
 def _group(env: EmbeddingEnv):

@@ -26,7 +26,8 @@ cores with ``rowwise_adagrad`` (TT-Rec's core optimizer), ``None`` with ``None``
 Index reordering (EL-Rec section IV): given a :class:`~embedscale.reorder.Reordering`, the maps of the
 tables it covers (matched by feature names and row count) become persistent buffers (so they are saved
 with the model) and every lookup renames its ids first. Do not also apply the same reordering in the
-data path.
+data path. Checkpoints keep the maps beside the TT cores (:meth:`MixedEmbedding.reorder_state`,
+:meth:`MixedEmbedding.load_reorder_state`): the cores were trained under them.
 
 Several ranks (EL-Rec section VI-B): the TT tables are replicas (see
 :mod:`embedscale.embedding.compression`); set ``grad_sync`` to sum their core gradients across ranks (all TT
@@ -46,7 +47,7 @@ import torch.nn as nn
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.tt import GradSyncBucket, TTEmbeddingBag
-from embedscale.errors import ConfigError, InputError
+from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
 _TT_DEFAULT = {"sgd": "sgd", "rowwise_adagrad": "adagrad", None: None}
@@ -190,6 +191,42 @@ class MixedEmbedding(nn.Module):
             self.remap.register_buffer(t.name, torch.as_tensor(m, dtype=torch.int64).to(device))
             for f in t.features:
                 self._remapped[f] = t.name
+
+    def reorder_state(self) -> dict[str, torch.Tensor]:
+        """``{table: map}`` of the reordered tables (``map[old] = new``, EL-Rec IV): a checkpoint keeps it beside
+        the TT cores, which were trained under it."""
+        return {t: getattr(self.remap, t).detach().cpu() for t in sorted(set(self._remapped.values()))}
+
+    def load_reorder_state(self, maps: Mapping[str, torch.Tensor] | None, where) -> None:
+        """Rename ids as a checkpoint's :meth:`reorder_state` says. The checkpoint's TT cores (and rows) were
+        trained under its maps, so they replace the model's: a table it reorders is renamed by its map, one it
+        does not is not renamed (a checkpoint written without reordering). A map of a table this model does not
+        have, of another size, or not a bijection is a ``FormatError`` naming ``where`` and the table."""
+        maps = dict(maps or {})
+        for name, m in maps.items():
+            t = self._spec.get(name)
+            if t is None:
+                raise FormatError(f"{where}: index reordering of table {name!r}, which this model does not have "
+                                  f"(its tables: {self.table_names})")
+            m = torch.as_tensor(m)
+            if m.shape != (t.num_rows,) or m.dtype not in (torch.int32, torch.int64):
+                raise FormatError(f"{where}: the reordering of table {name!r} has shape {tuple(m.shape)} and dtype "
+                                  f"{m.dtype}, the table {t.num_rows} rows (an integer map)")
+            if not bool(torch.bincount(m.long(), minlength=t.num_rows).eq(1).all()):
+                raise FormatError(f"{where}: the reordering of table {name!r} is not a bijection of its rows")
+        for name in sorted(set(self._remapped.values()) - set(maps)):
+            delattr(self.remap, name)
+            for f in self._spec[name].features:
+                self._remapped.pop(f, None)
+        device = self.device
+        for name, m in maps.items():
+            buf = torch.as_tensor(m, dtype=torch.int64).to(device)
+            if name in self._remapped.values():
+                getattr(self.remap, name).copy_(buf)
+            else:
+                self.remap.register_buffer(name, buf)
+                for f in self._spec[name].features:
+                    self._remapped[f] = name
 
     def _rename(self, feature: str, ids: torch.Tensor) -> torch.Tensor:
         table = self._remapped[feature]

@@ -6,7 +6,9 @@ numpy-only (like all of ``embedscale.plan``): no torch, nothing from ``embedscal
 
 * ``sharded``: rows placed on the ranks by the plan's row placement (OPER section 4);
 * ``tt``: a tensor-train table of rank ``tt_rank`` (EL-Rec section III), replicated on every rank and trained
-  data-parallel (EL-Rec section VI-B): the plan gives it no rows;
+  data-parallel (EL-Rec section VI-B): the plan gives it no rows; ``reorder`` says its ids are renamed by an
+  index reordering (EL-Rec section IV, :mod:`embedscale.reorder`) that the plan carries (``<plan>/reorder/``,
+  ``Plan.meta["reordering"]``) and training applies;
 * ``host``: rows in the host parameter server, prefetched ``pipeline_depth`` batches ahead (EL-Rec section V);
 * ``tower``: a DMT tower's table (DMT section 4), placed by the tower assignment.
 
@@ -54,12 +56,14 @@ class TableForm:
         pipeline_depth: batches the host server prefetches ahead (``kind == "host"``; 0 = the run's
             ``train.pipeline_depth``).
         tower: the DMT tower holding the table (``kind == "tower"``), else -1.
+        reorder: a TT table whose ids an index reordering renames (EL-Rec section IV; ``kind == "tt"`` only).
     """
 
     kind: str = "sharded"
     tt_rank: int = 0
     pipeline_depth: int = 0
     tower: int = -1
+    reorder: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -70,6 +74,9 @@ class TableForm:
             raise ConfigError(f"tt_rank {self.tt_rank} given for a {self.kind!r} table form")
         if self.pipeline_depth < 0:
             raise ConfigError(f"table form: pipeline_depth must be >= 0, got {self.pipeline_depth}")
+        if self.reorder and self.kind != "tt":
+            raise ConfigError(f"table form {self.kind!r}: index reordering (reorder) is for TT tables only "
+                              "(EL-Rec section IV)")
         if (self.kind == "tower") != (self.tower >= 0):
             raise ConfigError(f"table form {self.kind!r}: tower {self.tower} (a tower table names its tower >= 0, "
                               "no other form does)")
@@ -85,16 +92,32 @@ class TableForm:
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}")
         try:
-            return cls(**{k: (str(v) if k == "kind" else int(v)) for k, v in d.items()})
+            return cls(**{k: (str(v) if k == "kind" else _flag(v, f"{where}.reorder") if k == "reorder" else int(v))
+                          for k, v in d.items()})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: {e}") from None
 
     def describe(self) -> str:
-        return {"sharded": "sharded", "tt": f"tt (rank {self.tt_rank})", "host": "host",
-                "tower": f"tower {self.tower}"}[self.kind]
+        tt = f"tt (rank {self.tt_rank}{', reordered' if self.reorder else ''})"
+        return {"sharded": "sharded", "tt": tt, "host": "host", "tower": f"tower {self.tower}"}[self.kind]
+
+
+def _flag(v, where: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise ConfigError(f"{where}: expected true or false, got {v!r}")
 
 
 SHARDED = TableForm()
+#: ``model.tt_reorder``: how a TT table's index reordering is built (EL-Rec IV; ``none``: no reordering):
+#: ``frequency`` from the access profile alone (hot rows first, the rest by count: Algorithm 2's global
+#: information), ``leiden`` / ``louvain`` also from co-access in the data's batches (its local information)
+REORDER_METHODS = ("none", "frequency", "leiden", "louvain")
+
+
+def reordered_tables(forms: Mapping[str, TableForm]) -> list[str]:
+    """The tables whose form carries an index reordering (TT tables with ``reorder``), in ``forms`` order."""
+    return [n for n, f in forms.items() if f.reorder]
 
 
 def host_pipeline_depth(forms: Mapping[str, TableForm], default: int) -> int:
@@ -189,8 +212,8 @@ def tables_from_profile(profile, dim: int, pooling: str = "sum") -> list[TableSp
 # -- forms: requests -> decisions ---------------------------------------------------------------------------
 
 def decide_forms(tables: Sequence[TableSpec], *, requests: Sequence[TableConfig] = (), tt_min_rows: int = 0,
-                 tt_rank: int = 32, host_min_rows: int = 0,
-                 towers: Mapping[str, int] | None = None) -> dict[str, TableForm]:
+                 tt_rank: int = 32, host_min_rows: int = 0, towers: Mapping[str, int] | None = None,
+                 tt_reorder: str = "none") -> dict[str, TableForm]:
     """The form of every table, from the requests (the one place they are decided).
 
     ``requests`` are the config's table entries (``model.tables``, :class:`~embedscale.specs.TableConfig`),
@@ -200,8 +223,23 @@ def decide_forms(tables: Sequence[TableSpec], *, requests: Sequence[TableConfig]
     ``tt_rank`` (EL-Rec section VI-A's policy) and ``host_min_rows > 0`` moves tables of at least that many rows
     to the host parameter server (EL-Rec section V). A table both thresholds take, or that is both TT and host,
     is a ``ConfigError``; so is a TT table that does not pool, or a request for a table not in ``tables``.
-    Everything else is sharded by the plan.
+    Everything else is sharded by the plan. ``tt_reorder`` (``model.tt_reorder``, one of
+    :data:`REORDER_METHODS`): anything but ``none`` gives every TT table an index reordering (``reorder``).
     """
+    out = _decide_forms(tables, requests, tt_min_rows, tt_rank, host_min_rows, towers)
+    return with_reorder(out, tt_reorder)
+
+
+def with_reorder(forms: Mapping[str, TableForm], tt_reorder: str) -> dict[str, TableForm]:
+    """``forms`` with every TT table's ``reorder`` set when ``tt_reorder`` (``model.tt_reorder``) is not
+    ``none`` (a ``ConfigError`` when it is not one of :data:`REORDER_METHODS`)."""
+    if tt_reorder not in REORDER_METHODS:
+        raise ConfigError(f"model.tt_reorder {tt_reorder!r} is not one of {', '.join(REORDER_METHODS)}")
+    on = tt_reorder != "none"
+    return {n: (dataclasses.replace(f, reorder=on) if f.kind == "tt" else f) for n, f in forms.items()}
+
+
+def _decide_forms(tables, requests, tt_min_rows, tt_rank, host_min_rows, towers) -> dict[str, TableForm]:
     if tt_min_rows < 0:
         raise ConfigError(f"model.tt_min_rows must be >= 0 (0 = off), got {tt_min_rows}")
     if host_min_rows < 0:
@@ -253,7 +291,7 @@ def config_forms(model: ModelConfig, tables: Sequence[TableSpec]) -> dict[str, T
     ``tt_min_rows`` / ``tt_rank`` / ``host_min_rows``, decided by :func:`decide_forms` (a world of one builds
     these; several ranks build what their plan recorded, :func:`forms_for_run`)."""
     return decide_forms(tables, requests=model.tables, tt_min_rows=model.tt_min_rows, tt_rank=model.tt_rank,
-                        host_min_rows=model.host_min_rows)
+                        host_min_rows=model.host_min_rows, tt_reorder=model.tt_reorder)
 
 
 def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableForm], plan: str) -> dict[str, TableForm]:
@@ -262,8 +300,9 @@ def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableF
 
     A table the plan does not know is a ``ConfigError``, except one the config asks to be TT or host (a plan
     saved without forms, e.g. hand-written, names only its sharded tables): it keeps its requested form. An explicit request (anything but ``sharded``) that
-    contradicts the plan is a ``ConfigError`` naming table, plan and request; a table the plan made TT or host
-    without the config asking is built as the plan says."""
+    contradicts the plan is a ``ConfigError`` naming table, plan and request (a TT request with ``reorder`` against
+    a plan's TT form without one too); a table the plan made TT or host without the config asking, or TT with
+    an index reordering, is built as the plan says."""
     extra = sorted(set(saved) - set(requested))
     if extra:
         raise ConfigError(f"plan {plan} has tables {extra} that the model does not have (the model's tables: "
@@ -277,7 +316,9 @@ def forms_for_run(saved: Mapping[str, TableForm], requested: Mapping[str, TableF
                 raise ConfigError(f"table {name!r} is not in plan {plan} (the plan has {sorted(saved)})")
             out[name] = want
             continue
-        if want.kind != "sharded" and want != have:
+        same = (want.kind, want.tt_rank, want.pipeline_depth, want.tower) == \
+            (have.kind, have.tt_rank, have.pipeline_depth, have.tower)
+        if want.kind != "sharded" and (not same or (want.reorder and not have.reorder)):
             raise ConfigError(f"table {name!r}: the config asks for {want.describe()} but plan {plan} made it "
                               f"{have.describe()}; drop the request or re-plan with it")
         out[name] = have

@@ -379,6 +379,7 @@ def load_checkpoint(path: str | Path) -> dict:
     """A whole checkpoint in one process (tools, tests, ``embedscale evaluate``): ``manifest``, ``step``,
     ``epoch``, ``batch_in_epoch``, ``samples``, ``config_yaml``, ``losses``, ``tables`` (``{name: {"weight",
     "momentum"}}`` whole), ``dense``, ``optimizer`` (by parameter name), ``optimizer_groups``, ``host``, ``tt``,
+    ``reorder`` (the index reordering the TT cores were trained under, ``{table: map}``; ``{}`` without),
     ``managed`` (the managed tables' id mappings; ``{}`` without). ``path`` is a checkpoint or a run directory (its latest checkpoint)."""
     ckpt = resolve_checkpoint(path)
     m = read_manifest(ckpt)
@@ -392,7 +393,8 @@ def load_checkpoint(path: str | Path) -> dict:
             "batch_in_epoch": m["batch_in_epoch"], "samples": m["samples"], "config_yaml": m.get("config_yaml", ""),
             "losses": [float(x) for x in r0.get("losses", [])], "tables": tables, "dense": merged(shards, "dense"),
             "optimizer": merged(shards, "optimizer"), "optimizer_groups": r0.get("optimizer_groups", []),
-            "host": r0.get("host", {}), "tt": r0.get("tt", {}), MANAGED: merged(shards, MANAGED)}
+            "host": r0.get("host", {}), "tt": r0.get("tt", {}), "reorder": r0.get("reorder", {}),
+            MANAGED: merged(shards, MANAGED)}
 
 
 # -- writing ----------------------------------------------------------------------------------------

@@ -56,15 +56,16 @@ from embedscale.plan.auto import load_costs, parse_bytes, write_explain
 from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.step import DenseModel
 from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
-                                   replicated_tables_meta)
+                                   replicated_tables_meta, with_reorder)
 from embedscale.plan.plan import Plan
+from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
                                         merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
                                         write_rank_file)
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
-from embedscale.train.trainer import load_tt_state
+from embedscale.train.trainer import load_reorder, load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
 from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
@@ -286,18 +287,27 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
                                 raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
+        forms = with_reorder(plan.forms, cfg.model.tt_reorder)  # model.tt_reorder: the TT tables' (EL-Rec IV)
+        plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
         if checkpoint_forms:
             check_forms_kept(checkpoint_forms, plan.forms, str(plan_dir.parent))
+        reo = assemble.run_reordering(cfg, data, tables, forms, plan_dir, progress, prof=prof)  # before plan.json
+        if reo is not None:
+            plan.meta["reordering"] = reordering_meta(reo)
         write_explain(plan.meta["auto"], plan_dir, png=False)  # explain.txt / explain.json beside the plan
         plan.save(plan_dir)
         return plan
     forms = config_forms(cfg.model, tables)  # what the config asks for
+    prof = carried = None
     if saved:
         plan = Plan.load(d.plan)
         if plan.world_size != world:
             raise ConfigError(f"plan {d.plan} is for {plan.world_size} ranks, this run has {world}")
         check_plan_sizes(plan, tables, d.plan)
         forms = forms_for_run(plan.forms, forms, d.plan)
+        carried = plan_reordering(d.plan, forms, tables)  # the saved plan's TT tables' reordering (EL-Rec IV)
+        if carried is not None and Path(d.plan).resolve() != plan_dir.resolve():
+            carried.save(plan_dir / PLAN_REORDER_DIR)
     if not planned_tables(tables, forms):
         raise ConfigError("several ranks need at least one table with placement: device and no compression to "
                           "plan; every table is host-placed or TT-compressed (replicated)")
@@ -316,6 +326,10 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
         check_forms_kept(checkpoint_forms, forms, str(plan_dir.parent))
     for name in EXPLAIN_FILES:  # an earlier auto plan's report would describe another plan
         (plan_dir / name).unlink(missing_ok=True)
+    if not saved:  # model.tt_reorder: the TT tables' index reordering (EL-Rec IV), saved before plan.json
+        carried = assemble.run_reordering(cfg, data, tables, forms, plan_dir, progress, prof=prof)
+    if carried is not None:
+        plan.meta["reordering"] = reordering_meta(carried)
     plan.save(plan_dir)
     return plan
 
@@ -364,7 +378,7 @@ class DistributedRun:
             storage_spare=PGAS_REPLAN_SPARE if t.replan_every else 0.0,  # live re-plans migrate in the heap
             new_group=self._new_group,
             new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
-            stats=self.tt_stats)
+            stats=self.tt_stats, reordering=plan_reordering(run_dir / "plan", self.forms, self.all_tables))
         built = build_embedding(self.all_tables, self.plan, self.embedding_env, forms=self.forms)
         self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
         # managed tables: raw ids mapped to rows before every lookup, the mapping sharded (embedding.managed_lookup)
@@ -573,6 +587,8 @@ class DistributedRun:
                 shard["host"] = {k: v.detach().cpu() for k, v in self.host_embedding.host_state().items()}
             if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
                 shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
+                if self.tt_embedding.reorder_state():  # the maps the TT cores were trained under (EL-Rec IV)
+                    shard["reorder"] = self.tt_embedding.reorder_state()
         if getattr(self, "managed", None) is not None:  # the mapping shards of managed tables this rank hosts
             shard[MANAGED] = self.managed.state_dict(delta=delta)  # a delta: what changed since its base
         if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
@@ -627,6 +643,7 @@ class DistributedRun:
             self.host_embedding.load_host_state(r0["host"])
         if self.tt_embedding is not None:
             load_tt_state(self.tt_embedding.tt, r0.get("tt"), ckpt_dir, with_optimizer=not self.inference)
+        load_reorder(self.tt_embedding, r0, ckpt_dir)
         if not self.inference:
             load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if getattr(self, "managed", None) is not None:

@@ -89,6 +89,24 @@ def _parts(model: nn.Module):
     return tables, host, tt
 
 
+def mixed_of(model: nn.Module) -> MixedEmbedding | None:
+    """The model's ``MixedEmbedding`` (TT tables, reordering) or ``None``."""
+    return next((m for m in model.modules() if isinstance(m, MixedEmbedding)), None)
+
+
+def load_reorder(mixed: MixedEmbedding | None, r0: dict, where) -> None:
+    """The index reordering a checkpoint's rank-0 shard keeps (``"reorder"``: ``{table: map}``, EL-Rec IV) into
+    ``mixed`` (the checkpoint's maps win: its TT cores were trained under them); a checkpoint with maps and a
+    model without TT tables is a ``FormatError``."""
+    maps = r0.get("reorder") or {}
+    if mixed is None:
+        if maps:
+            raise FormatError(f"{where}: the checkpoint renames the ids of tables {sorted(maps)} (index "
+                              "reordering), this model has no TT tables")
+        return
+    mixed.load_reorder_state(maps, where)
+
+
 def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
     """Load a checkpoint of any world size into a single-process ``model`` (its tables, host tables, TT cores and
     dense state; no optimizer); returns the manifest. For serving and tests."""
@@ -101,6 +119,7 @@ def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
         host.load_host_state(rank0(shards).get("host") or {})
     if tt is not None:
         load_tt_state(tt, rank0(shards).get("tt"), ckpt, with_optimizer=False)
+    load_reorder(mixed_of(model), rank0(shards), ckpt)
     if managed_of(model) is not None:
         load_managed(managed_of(model), shards, ckpt)
     load_dense_state(model, merged(shards, "dense"), ckpt)
@@ -142,6 +161,7 @@ class Trainer:
         self.state = RunState()
         self.rows: list[MetricRow] = []
         self._tables, self._host, self._tt = _parts(model)
+        self._mixed = mixed_of(model)
         self._managed = managed_of(model)  # managed tables' id mappings (embedding.managed_lookup), or None
         self._names = param_names(model, dense_optimizer)
 
@@ -186,6 +206,8 @@ class Trainer:
             shard["host"] = {k: v.detach().cpu() for k, v in self._host.host_state().items()}
         if self._tt is not None:
             shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
+        if self._mixed is not None and self._mixed.reorder_state():
+            shard["reorder"] = self._mixed.reorder_state()  # the maps the TT cores were trained under (EL-Rec IV)
         if self._managed is not None:
             shard[MANAGED] = self._managed.state_dict(delta=delta)  # a delta: what changed since its base
         write_rank_file(ckpt_dir, 0, shard)
@@ -234,6 +256,7 @@ class Trainer:
             self._host.load_host_state(r0["host"])
         if self._tt is not None:
             load_tt_state(self._tt, r0.get("tt"), ckpt_dir)
+        load_reorder(self._mixed, r0, ckpt_dir)
         load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
         load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
         if self._managed is not None:
