@@ -175,7 +175,9 @@ def test_auto_plan_fits_keeps_hot_tables_exact_and_records_tt_ranks():
             assert forms[e["table"]].kind != "tt", e
         if forms[e["table"]].kind == "tt":
             assert forms[e["table"]].tt_rank in (8, 16, 32, 64)
-            assert e["chosen"]["form"] == f"tt-{forms[e['table']].tt_rank}"
+            f = forms[e["table"]]  # a whole TT table, or row groups: hot rows exact, the rest TT
+            assert e["chosen"]["form"] == f"tt-{f.tt_rank}" + (f"-hot{f.hot_rows}" if f.hot_rows else "")
+            assert f.reorder == bool(f.hot_rows)
     assert max(rep["per_rank"]["device_total"]) <= 256 * 2**20
     assert max(rep["per_rank"]["host_bytes"]) <= 512 * 2**20
     assert set(rep["other_budgets"]) == {"half", "twice"}

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +35,7 @@ from embedscale.embedding.build import (EmbeddingEnv, build_embedding, embedding
                                         hash_init)  # hash_init: re-exported
 from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.plan.auto import human_bytes
-from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes, with_reorder
+from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
                               to_dict)
 from embedscale.models import build_model
@@ -318,8 +318,10 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     ``assignment`` (a ``TowerAssignment``) overrides ``model.tower_assignment``. ``validate=False``: the
     embedding does not check ids again (every batch comes from a ``ShardLoader`` that checked them against
     the data's cardinalities, which ``tables_for`` made sure the tables cover). ``reordering``: the index
-    reordering of the TT tables ``model.tt_reorder`` asks for (EL-Rec IV; :func:`run_reordering`); without one
-    they are built unrenamed, and a checkpoint loaded into the model brings its maps (``train.trainer.load_reorder``).
+    reordering of the TT tables (EL-Rec IV; :func:`run_reordering`, or a checkpoint's,
+    ``train.trainer.checkpoint_reordering``): the TT tables it covers rename their ids by it; without one they are
+    built unrenamed and a checkpoint loaded into the model brings its maps (``train.trainer.load_reorder``), except
+    row-group tables (``hot_rows``), which need it to be built.
     """
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
@@ -330,8 +332,9 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
         set_dropout(model, t.dropout)
         return model, make_dense_optimizer(t, model.dense_parameters())
     forms = config_forms(cfg.model, tables)
-    if reordering is None:
-        forms = with_reorder(forms, "none")
+    covered = set(reordering.tables) if reordering is not None else set()
+    forms = {n: (replace(f, reorder=n in covered or bool(f.hot_rows)) if f.kind == "tt" else f)
+             for n, f in forms.items()}
     embedding = build_embedding(tables, None, EmbeddingEnv(device=device, optimizer=t.sparse_optimizer,
                                                            lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
                                                            validate=validate, reordering=reordering),
@@ -358,7 +361,7 @@ def run_reordering(cfg: RunConfig, data: PreparedData, tables: list[TableSpec], 
         pass
     if prof is None:
         prof = profile(data, directory / "profile", tables, progress=progress)
-    return reorder_for_plan(directory, forms, tables, prof, method=cfg.model.tt_reorder,
+    return reorder_for_plan(directory, forms, tables, prof, method=cfg.model.tt_reorder,  # none: row groups only
                             hot_ratio=cfg.model.tt_reorder_hot_ratio,
                             shards=None if data.stream else data.train.directory, seed=cfg.train.seed,
                             progress=progress)

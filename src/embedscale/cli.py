@@ -78,6 +78,7 @@ generate_dataset = _Lazy("embedscale.data.synthetic:generate_dataset")
 is_dmt_arch = _Lazy("embedscale.models.dmt:is_dmt_arch")
 reorder_shards = _Lazy("embedscale.reorder:reorder_shards")
 attach_to_plan = _Lazy("embedscale.reorder:attach_to_plan")
+checkpoint_reordering = _Lazy("embedscale.train.trainer:checkpoint_reordering")
 format_towers_summary = _Lazy("embedscale.towers.command:format_towers_summary")
 towers_command = _Lazy("embedscale.towers.command:towers_command")
 read_manifest = _Lazy("embedscale.train.checkpoint:read_manifest")
@@ -326,9 +327,11 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
         if manifest.get("kind") == "dmt":  # all towers in this process, the checkpoint's
             assignment = checkpoint_towers(ck)
         tables = workflow.tables_for(cfg, data.manifest)
-        check_fits(ck, manifest, {t.name: t.num_rows for t in tables}, split.directory)
+        apart = set(manifest.get("tt_tables", [])) | set(manifest.get("host_tables", []))  # not stored by row
+        check_fits(ck, manifest, {t.name: t.num_rows for t in tables if t.name not in apart}, split.directory)
         model, _ = workflow.build(cfg, tables, data.manifest.num_dense, device, assignment=assignment,
-                                  validate=False)  # the ShardLoader checks the ids
+                                  validate=False,  # the ShardLoader checks the ids
+                                  reordering=checkpoint_reordering(ck, tables))  # the TT tables' (EL-Rec IV)
         load_model_state(model, ck)
         loader = ShardLoader(split.directory, batch_size, start=split.start, stop=split.stop, device=device,
                              raw_ids=workflow.raw_id_features(cfg, tables))  # managed tables' raw ids
@@ -624,8 +627,9 @@ def _plan_tables(tables_path, preset, max_rows, dim, profile_path):
 
 
 def _attach_reordering(plan_dir, tables, profile_path, method, hot_ratio, shards) -> None:
-    """``embedscale plan --tt-reorder``: the plan in ``plan_dir`` carries its TT tables' reordering (EL-Rec IV)."""
-    if method == "none":
+    """``embedscale plan --tt-reorder`` (or row groups of an auto plan): the plan in ``plan_dir`` carries its TT
+    tables' reordering (EL-Rec IV)."""
+    if not profile_path:  # (--tt-reorder needs --profile; without one auto weighs no row groups)
         return
     prof = table_profile(AccessProfile.load(profile_path), tables)
     attach_to_plan(plan_dir, tables, prof, method=method, hot_ratio=hot_ratio, shards=shards)
@@ -684,11 +688,14 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
               help="--tt-reorder: share of rows, hottest first, that keep the first ids.")
 @click.option("--reorder-data", type=click.Path(exists=True, file_okay=False), default=None,
               help="--tt-reorder leiden/louvain: the shard directory whose first batches give co-access.")
+@click.option("--no-row-groups", is_flag=True,
+              help="--strategy auto: weigh whole tables only (by default, with --profile, also row groups: a "
+                   "table's hottest rows exact and the rest TT, the plan carrying the reordering that finds them).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
          mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
          costs_path, tt_ranks, host_depth, hot_touch, auto_search, tt_reorder, tt_reorder_hot_ratio, reorder_data,
-         as_json):
+         no_row_groups, as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
 
     Writes OUT/<strategy>/ (the plan training and inference load), report.json, report.md and report.png.
@@ -725,7 +732,8 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
                                      host_memory=parse_bytes(host_memory, "--host-memory"), costs=load_costs(costs_path),
                                      json_output=as_json, batch_size=batch_size, mode=mode, tt_rank_list=ranks,
                                      host_depth=host_depth, hot_touch=hot_touch, search=auto_search,
-                                     requests=requests)
+                                     requests=requests,
+                                     hot_shares=() if no_row_groups or not profile_path else None)
             _attach_reordering(arep["plan_dir"], tables, profile_path, tt_reorder, tt_reorder_hot_ratio, reorder_data)
             if not as_json:
                 click.echo(explain_text(arep), nl=False)

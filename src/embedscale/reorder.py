@@ -556,22 +556,31 @@ def reorder_for_plan(plan_dir: str | os.PathLike, forms: Mapping[str, Any], tabl
                 return old
         except (FormatError, ConfigError):
             pass  # not this plan's: built again below
+    if method == "none":  # only row-group tables ask (their first ids must be their hot rows)
+        method = "frequency"
     if method not in ("frequency", *METHODS):
         raise ConfigError(f"model.tt_reorder {method!r}: a TT table's reordering is built by frequency, "
                           f"{' or '.join(METHODS)}")
     by = {t.name: t for t in tables}
     chosen = [by[n] for n in names]
-    batches = None
+    batches: list = []
     if method != "frequency":
         if shards is None:
             raise ConfigError(f"model.tt_reorder {method}: community reordering needs the data's batches (a shard "
                               "directory); give the data, or use frequency (the access profile alone)")
         features = [f for t in chosen for f in t.features]
-        batches = _iter_shard_batches(Path(shards), features, batch_size, max_batches)
+        batches = list(_iter_shard_batches(Path(shards), features, batch_size, max_batches))
     prof = _by_table_profile(profile, chosen)
-    reo = build_reorder(prof, chosen, hot_ratio, batches=batches if batches is not None else [],
-                        batch_size=batch_size, max_batches=max_batches,
-                        method=method if method != "frequency" else "leiden", seed=seed, progress=progress)
+    # a row-group table's hot rows (TableForm.hot_rows) must be the first ids, in frequency order: its hot
+    # prefix (Algorithm 2's Hot_ratio) covers them
+    ratios: dict[float, list[TableSpec]] = {}
+    for t in chosen:
+        h = int(getattr(forms[t.name], "hot_rows", 0))
+        ratios.setdefault(max(hot_ratio, min(1.0, (h + 0.5) / t.num_rows)) if h else hot_ratio, []).append(t)
+    parts = [build_reorder(prof, group, r, batches=batches, batch_size=batch_size, max_batches=max_batches,
+                           method=method if method != "frequency" else "leiden", seed=seed, progress=progress)
+             for r, group in ratios.items()]
+    reo = Reordering([t for p in parts for t in p.tables.values()], hot_ratio, parts[0].meta)
     reo.meta["method"] = method
     if d.exists():  # an earlier plan's maps: replaced as a whole (the manifest last)
         (d / REORDER_MANIFEST).unlink(missing_ok=True)

@@ -159,6 +159,9 @@ class TableConfig:
         name, num_rows, dim, features, pooling, bytes_per_value: the facts, as :class:`TableSpec`.
         compression: ``none`` or ``tt``.
         tt_rank: TT rank when ``compression == "tt"``.
+        hot_rows: with ``compression: tt``, row groups: this many of the table's hottest rows stay exact and only
+            the others are TT (the table then gets an index reordering, EL-Rec IV, whose first ids are those
+            rows); 0: the whole table TT.
         placement: ``device`` or ``host``.
         managed: raw 64-bit ids mapped to the rows while training (:class:`ManagedConfig`; ``admit_after: 0``,
             the default, follows ``model.managed``). Not a form: what the table's features carry.
@@ -172,6 +175,7 @@ class TableConfig:
     bytes_per_value: int = 4
     compression: str = "none"
     tt_rank: int = 32
+    hot_rows: int = 0
     placement: str = "device"
     managed: ManagedConfig = field(default_factory=ManagedConfig)
 
@@ -183,6 +187,9 @@ class TableConfig:
             raise ConfigError(f"table {self.name!r}: placement {self.placement!r} is not 'device' or 'host'")
         if self.compression == "tt" and self.tt_rank <= 0:
             raise ConfigError(f"table {self.name!r}: tt_rank must be positive, got {self.tt_rank}")
+        if self.hot_rows and (self.compression != "tt" or not 0 < self.hot_rows < self.num_rows):
+            raise ConfigError(f"table {self.name!r}: hot_rows {self.hot_rows} (exact hot rows beside TT cold rows) "
+                              f"needs compression: tt and 0 < hot_rows < num_rows ({self.num_rows})")
         if isinstance(self.managed, dict):  # built by hand (from_dict builds the dataclass)
             self.managed = from_dict(ManagedConfig, self.managed, f"table {self.name!r}: managed")
         check_managed(self.managed, f"table {self.name!r}: managed")

@@ -128,6 +128,7 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
     host = [t for t in tables if forms[t.name].kind == "host"]
     rest = [t for t in tables if forms[t.name].kind != "host"]
     tt = {t.name: forms[t.name].tt_rank for t in rest if forms[t.name].kind == "tt"}
+    hot = {n: forms[n].hot_rows for n in tt if forms[n].hot_rows}  # row groups: exact hot rows (embedding.hybrid)
     has_tt = bool(tt)
     _check_reordering(env.reordering, forms)
     init = hash_init(env.seed, tables)
@@ -140,19 +141,20 @@ def build_embedding(tables: list[TableSpec], plan, env: EmbeddingEnv, *, forms: 
                 device_modules = [MixedEmbedding(rest, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                  init=init, seed=env.seed, tt_lr=env.tt_lr,
                                                  init_index=[tables.index(x) for x in rest], validate=env.validate,
-                                                 reordering=env.reordering)]
+                                                 reordering=env.reordering, hot_rows=hot)]
             return PipelinedEmbedding.from_tables(tables, forms, device=env.device, optimizer=env.optimizer, lr=env.lr,
                                                   seed=env.seed, init=init, device_modules=device_modules,
                                                   validate=env.validate)
         if has_tt:
             return MixedEmbedding(tables, tt=tt, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
-                                  seed=env.seed, tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering)
+                                  seed=env.seed, tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering,
+                                  hot_rows=hot)
         return LocalEmbeddingBags(tables, device=env.device, optimizer=env.optimizer, lr=env.lr, init=init,
                                   validate=env.validate)
-    return _distributed(tables, host, rest, tt, plan, env)
+    return _distributed(tables, host, rest, tt, plan, env, hot)
 
 
-def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
+def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv, hot) -> nn.Module:
     has_tt = bool(tt)
     sharded_tables = [t for t in rest if t.name not in tt]
     if plan.world_size != env.world_size:
@@ -166,7 +168,7 @@ def _distributed(tables, host, rest, tt, plan, env: EmbeddingEnv) -> nn.Module:
         sync = None if env.inference else replica_grad_sync(_group(env), env.stats)
         module = MixedEmbedding(rest, tt=tt, local=module, device=env.device, optimizer=opt, lr=env.lr,
                                 init=init, seed=env.seed, grad_sync=sync, init_index=[tables.index(x) for x in rest],
-                                tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering)
+                                tt_lr=env.tt_lr, validate=env.validate, reordering=env.reordering, hot_rows=hot)
     if host:  # host rows in a parameter server, data parallel: every rank applies every update (EL-Rec V)
         if env.optimizer not in ("sgd", "rowwise_adagrad"):
             raise ConfigError(f"host tables need a fused sparse optimizer (sgd, rowwise_adagrad), got {env.optimizer!r}")

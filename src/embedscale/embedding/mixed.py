@@ -41,16 +41,37 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.hybrid import HybridTTEmbeddingBag
+from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.tt import GradSyncBucket, TTEmbeddingBag
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec, feature_to_table
 
 _TT_DEFAULT = {"sgd": "sgd", "rowwise_adagrad": "adagrad", None: None}
+
+
+def _hot_init(t: TableSpec, hot: int, reordering, seed: int | None, index: int) -> torch.Tensor | None:
+    """The initial values of a row-group table's ``hot`` exact rows: the rows the reordering puts first, with the
+    values ``embedding.init.uniform_rows`` gives those rows in any other form (placement-independent)."""
+    table = reordering.feature_table.get(t.features[0]) if reordering is not None else None
+    if table is None:
+        raise ConfigError(f"table {t.name!r}: {hot} hot rows kept exact need an index reordering of the table (its "
+                          "first ids are the hot rows, EL-Rec IV)")
+    m = np.asarray(reordering.map(table))
+    if m.size != t.num_rows:
+        raise ConfigError(f"table {t.name!r}: the reordering has {m.size} rows, the table {t.num_rows}")
+    if seed is None:
+        return None
+    old = np.empty(hot, dtype=np.int64)
+    first = np.flatnonzero(m < hot)  # the rows renamed to 0 .. hot-1
+    old[m[first]] = first
+    return torch.from_numpy(uniform_rows(seed, index, old, t.dim, t.num_rows))
 
 
 class MixedEmbedding(nn.Module):
@@ -71,6 +92,9 @@ class MixedEmbedding(nn.Module):
             the spread of DLRM's uniform rows).
         tt_options: extra ``TTEmbeddingBag`` keyword arguments (``num_cores``, ``grouped``, ...).
         reordering: a ``Reordering`` whose maps are applied to the ids of the tables it covers.
+        hot_rows: row groups, ``{table: H}`` for TT tables whose ``H`` hottest rows stay exact
+            (:class:`~embedscale.embedding.hybrid.HybridTTEmbeddingBag`; the reordering must cover the table:
+            its first ``H`` ids are those rows). The hot rows take ``optimizer`` and ``lr``.
         grad_sync: sums a list of dense tensors across ranks in place (data-parallel replicas); the TT tables
             share it through one ``GradSyncBucket`` (``grad_sync_bucket``): one call per step for all of them.
         init_index: each table's position among the model's tables, when ``tables`` is a subset of them
@@ -106,7 +130,8 @@ class MixedEmbedding(nn.Module):
                  seed: int | None = None, validate: bool = True, tt_optimizer: str | None = "default",
                  tt_lr: float | None = None, tt_init_std: float | None = None, tt_options: dict | None = None,
                  reordering=None, grad_sync: Callable[[list[torch.Tensor]], None] | None = None,
-                 local: nn.Module | None = None, init_index: list[int] | None = None) -> None:
+                 local: nn.Module | None = None, init_index: list[int] | None = None,
+                 hot_rows: Mapping[str, int] | None = None) -> None:
         super().__init__()
         if not tables:
             raise ConfigError("MixedEmbedding: no tables")
@@ -144,19 +169,35 @@ class MixedEmbedding(nn.Module):
                 raise ConfigError(f"MixedEmbedding: optimizer {optimizer!r} is not one of sgd, rowwise_adagrad or None")
             tt_optimizer = _TT_DEFAULT[optimizer]
         options = dict(tt_options or {})
-        # one sum across ranks per step for all TT tables (tt.GradSyncBucket), not one per table
-        self.grad_sync_bucket = (GradSyncBucket(grad_sync, [t.name for t in compressed])
-                                 if grad_sync is not None and compressed else None)
+        hot_rows = {n: int(h) for n, h in (hot_rows or {}).items() if h}
+        bad = sorted(set(hot_rows) - set(tt))
+        if bad:
+            raise ConfigError(f"MixedEmbedding: hot rows given for tables {bad} that are not TT tables")
         self.tt = nn.ModuleDict()
         for i, t in enumerate(compressed):
             if t.pooling == "none":
                 raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
-            m = TTEmbeddingBag.from_spec(t, tt[t.name], include_last_offset=True, optimizer=tt_optimizer,
-                                         lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
-                                         seed=None if seed is None else seed + 1 + init_index[self.tables.index(t)],
-                                         device=device, validate=validate, **options)
-            m.grad_sync = self.grad_sync_bucket
+            tseed = None if seed is None else seed + 1 + init_index[self.tables.index(t)]
+            if t.name in hot_rows:  # row groups: the hot rows exact, the rest TT (embedding.hybrid)
+                m = HybridTTEmbeddingBag(t.num_rows, t.dim, tt[t.name], hot_rows=hot_rows[t.name], mode=t.pooling,
+                                         include_last_offset=True, optimizer=optimizer, lr=lr, eps=eps,
+                                         hot_init=_hot_init(t, hot_rows[t.name], reordering, seed,
+                                                            init_index[self.tables.index(t)]),
+                                         tt_optimizer=tt_optimizer, tt_lr=lr if tt_lr is None else tt_lr,
+                                         init_std=tt_init_std, seed=tseed, device=device, name=t.name,
+                                         validate=validate, **options)
+            else:
+                m = TTEmbeddingBag.from_spec(t, tt[t.name], include_last_offset=True, optimizer=tt_optimizer,
+                                             lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
+                                             seed=tseed, device=device, validate=validate, **options)
             self.tt[t.name] = m
+        # one sum across ranks per step for all TT tables (tt.GradSyncBucket), not one per table
+        self.grad_sync_bucket = (GradSyncBucket(grad_sync, [n for m in self.tt.values()
+                                                            for n in getattr(m, "sync_names", [m.name])])
+                                 if grad_sync is not None and compressed else None)
+        for m in self.tt.values():
+            m.grad_sync = self.grad_sync_bucket
+        self.hot_rows = hot_rows
         self.feature_names: list[str] = []
         self.feature_dims: list[int] = []
         self._feature_table: dict[str, TableSpec] = {}
@@ -203,6 +244,10 @@ class MixedEmbedding(nn.Module):
         does not is not renamed (a checkpoint written without reordering). A map of a table this model does not
         have, of another size, or not a bijection is a ``FormatError`` naming ``where`` and the table."""
         maps = dict(maps or {})
+        lost = sorted(set(self.hot_rows) - set(maps))
+        if lost:
+            raise FormatError(f"{where}: tables {lost} keep their hot rows exact and need the index reordering that "
+                              "says which rows those are; the checkpoint has none for them")
         for name, m in maps.items():
             t = self._spec.get(name)
             if t is None:

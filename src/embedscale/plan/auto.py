@@ -7,7 +7,9 @@ The search (issue 16, part 3). For every table it weighs the forms the executor 
 * ``sharded``: exact rows placed on the ranks by OPER (sections 4.1-4.2), a batch's remote rows fetched
   once and their gradients sent back;
 * ``tt`` of a rank from a candidate list (EL-Rec section III): the cores on every rank, their gradients
-  all-reduced (EL-Rec VI-B);
+  all-reduced (EL-Rec VI-B); or *row groups* (:func:`hybrid_candidate`): the hottest rows taking a share of the
+  table's lookups (``hot_shares``) exact on every rank and only the others TT (``embedding.hybrid``; the plan
+  carries the index reordering whose first ids are those rows, EL-Rec IV);
 * ``host``: the rows in the host parameter server (EL-Rec section V; one copy per rank), every batch's
   distinct rows read and prefetched to the device, the life-cycle cache (V-B) holding the rows of the last
   ``pipeline_depth`` batches, sized from the table's miss-ratio curve (:mod:`embedscale.plan.mrc`).
@@ -249,10 +251,25 @@ class TableStats:
     distinct_global: float  # D_g
     hot: bool
     mrc: MissRatioCurve  # per rank batch
+    # rows by descending probability: cumulative rows and the share of the table's lookups they take
+    cum_rows: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    cum_share: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def row_bytes(self) -> int:
         return 4 * self.dim
+
+    def rows_for_share(self, share: float) -> int:
+        """The fewest hottest rows that take ``share`` of the table's lookups (0 when unknown)."""
+        if self.cum_share.size == 0:
+            return 0
+        return int(math.ceil(float(np.interp(share, np.r_[0.0, self.cum_share], np.r_[0.0, self.cum_rows]))))
+
+    def share_of_rows(self, rows: int) -> float:
+        """The share of the table's lookups its ``rows`` hottest rows take (the profile's histogram)."""
+        if self.cum_rows.size == 0:
+            return 0.0
+        return float(np.interp(rows, np.r_[0.0, self.cum_rows], np.r_[0.0, self.cum_share]))
 
 
 def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: int, world: int, *,
@@ -271,14 +288,41 @@ def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: in
     d_g = MissRatioCurve.from_histogram(*hist, lookups * world).distinct() if world > 1 else d_r
     n = int(table.num_rows)
     hot = n < tt_min_rows or (lookups * world) / max(n, 1) >= hot_touch
-    return TableStats(table.name, n, int(table.dim), getattr(table, "pooling", "sum"), lookups, d_r, d_g, hot, mrc)
+    p, rows = (np.asarray(x, dtype=np.float64) for x in hist)
+    order = np.argsort(-p, kind="stable")
+    cum_rows, cum_share = np.cumsum(rows[order]), np.cumsum((p * rows)[order])
+    return TableStats(table.name, n, int(table.dim), getattr(table, "pooling", "sum"), lookups, d_r, d_g, hot, mrc,
+                      cum_rows, cum_share / max(float(cum_share[-1]) if cum_share.size else 0.0, 1e-300))
+
+
+def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs: Costs) -> Candidate:
+    """Row groups of table ``s``: its ``hot_rows`` hottest rows exact on every rank, the rest TT of ``rank``
+    (``embedding.hybrid``). Per rank and step, with ``a`` the share of lookups the hot rows take:
+    ``a L exact + (1-a) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw`` (the hot rows' dense
+    gradient joins the cores' all-reduce); memory ``cores(N-H) + H (row + state)``."""
+    m = world
+    a = s.share_of_rows(hot_rows)
+    cb = tt_core_bytes(s.num_rows - hot_rows, s.dim, int(rank))
+    sync = (cb + hot_rows * s.row_bytes) * 2 * (m - 1) / m / (costs.allreduce_gbs * 1e9)
+    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - a) * costs.tt(int(rank))) + sync
+    return Candidate(f"tt-{rank}-hot{hot_rows}",
+                     TableForm("tt", tt_rank=int(rank), reorder=True, hot_rows=int(hot_rows)), sec,
+                     float(cb + hot_rows * (s.row_bytes + STATE_BYTES_PER_ROW)), 0.0)
+
+
+#: row groups the search weighs: the hottest rows taking these shares of a table's lookups kept exact
+DEFAULT_HOT_SHARES = (0.5, 0.8)
+#: ... at most this share of the table's rows (beyond it the table is better exact or sharded)
+MAX_HOT_ROW_SHARE = 0.1
 
 
 def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
                host_depth: int = 1, forms: Sequence[str] = ("replicated", "sharded", "tt", "host"),
-               keep_larger: bool = False) -> list[Candidate]:
+               keep_larger: bool = False, hot_shares: Sequence[float] = ()) -> list[Candidate]:
     """Every form ``s`` may take, costed per rank (module docstring's model). ``keep_larger``: cost TT ranks whose
-    cores outweigh the table too (a hand-made plan may choose them; the search never does)."""
+    cores outweigh the table too (a hand-made plan may choose them; the search never does). ``hot_shares``: row
+    groups too (:func:`hybrid_candidate`), the hottest rows taking each share of the lookups kept exact (at most
+    ``MAX_HOT_ROW_SHARE`` of the rows)."""
     m = world
     frac = (m - 1) / m
     rb = s.row_bytes
@@ -300,6 +344,13 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
             out.append(Candidate(f"tt-{r}", TableForm("tt", tt_rank=int(r)),
                                  s.lookups_rank * costs.tt(int(r)) + cb * 2 * frac / ar,
                                  float(cb), 0.0))
+        for h in sorted({s.rows_for_share(x) for x in hot_shares}):
+            if not 0 < h <= MAX_HOT_ROW_SHARE * s.num_rows:
+                continue
+            for r in tt_rank_list:
+                c = hybrid_candidate(s, int(r), h, m, costs)
+                if c.device_bytes < full or keep_larger:
+                    out.append(c)
     if "host" in forms:
         k = max(1, int(host_depth))
         dev = (k * s.distinct_rank + (k - 1) * s.distinct_global) * (rb + STATE_BYTES_PER_ROW)
@@ -553,7 +604,8 @@ class AutoResult:
 def decide(tables, counts_of, samples, world: int, device_memory: float, host_memory: float, *,
            costs: Costs | None = None, batch_size: int = 2048, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
            host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
-           bins: int = 2048, stats: Sequence[TableStats] | None = None) -> AutoResult:
+           bins: int = 2048, stats: Sequence[TableStats] | None = None,
+           hot_shares: Sequence[float] = ()) -> AutoResult:
     """Every table's form under the budgets (per rank, bytes). ``counts_of(name)`` gives a table's per-row
     profile counts (or ``stats`` their :func:`table_stats`, computed once for several budgets). ``search``:
     ``greedy`` (default) or ``milp`` (exact, small cases). Raises :class:`BudgetError` when nothing fits."""
@@ -569,7 +621,8 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
         stats = [table_stats(t, counts_of(t.name), samples, batch_size, world, hot_touch=hot_touch,
                              tt_min_rows=tt_min_rows, bins=bins) for t in tables]
     stats = list(stats)
-    cands = [candidates(s, world, costs, tt_rank_list=tt_rank_list, host_depth=host_depth) for s in stats]
+    cands = [candidates(s, world, costs, tt_rank_list=tt_rank_list, host_depth=host_depth, hot_shares=hot_shares)
+             for s in stats]
     t0 = time.perf_counter()
     if search == "milp":
         choice = search_milp(cands, device_memory, host_memory)

@@ -57,6 +57,9 @@ class TableForm:
             ``train.pipeline_depth``).
         tower: the DMT tower holding the table (``kind == "tower"``), else -1.
         reorder: a TT table whose ids an index reordering renames (EL-Rec section IV; ``kind == "tt"`` only).
+        hot_rows: row groups: a TT table whose ``hot_rows`` hottest rows stay exact (replicated, trained like
+            the TT cores, data-parallel) and only the others are TT (``embedding.hybrid``); needs ``reorder`` (the
+            reordering's first ids are the hot rows). 0: the whole table TT.
     """
 
     kind: str = "sharded"
@@ -64,6 +67,7 @@ class TableForm:
     pipeline_depth: int = 0
     tower: int = -1
     reorder: bool = False
+    hot_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,6 +78,9 @@ class TableForm:
             raise ConfigError(f"tt_rank {self.tt_rank} given for a {self.kind!r} table form")
         if self.pipeline_depth < 0:
             raise ConfigError(f"table form: pipeline_depth must be >= 0, got {self.pipeline_depth}")
+        if self.hot_rows < 0 or (self.hot_rows and not (self.kind == "tt" and self.reorder)):
+            raise ConfigError(f"table form {self.kind!r}: hot_rows {self.hot_rows} (exact hot rows beside TT cold "
+                              "rows) needs a TT form with an index reordering (reorder: true) and hot_rows >= 0")
         if self.reorder and self.kind != "tt":
             raise ConfigError(f"table form {self.kind!r}: index reordering (reorder) is for TT tables only "
                               "(EL-Rec section IV)")
@@ -98,7 +105,8 @@ class TableForm:
             raise ConfigError(f"{where}: {e}") from None
 
     def describe(self) -> str:
-        tt = f"tt (rank {self.tt_rank}{', reordered' if self.reorder else ''})"
+        hot = f", {self.hot_rows:,} hot rows exact" if self.hot_rows else ""
+        tt = f"tt (rank {self.tt_rank}{hot}{', reordered' if self.reorder else ''})"
         return {"sharded": "sharded", "tt": tt, "host": "host", "tower": f"tower {self.tower}"}[self.kind]
 
 
@@ -236,7 +244,9 @@ def with_reorder(forms: Mapping[str, TableForm], tt_reorder: str) -> dict[str, T
     if tt_reorder not in REORDER_METHODS:
         raise ConfigError(f"model.tt_reorder {tt_reorder!r} is not one of {', '.join(REORDER_METHODS)}")
     on = tt_reorder != "none"
-    return {n: (dataclasses.replace(f, reorder=on) if f.kind == "tt" else f) for n, f in forms.items()}
+    # a form with exact hot rows keeps its reordering: its first ids are those rows
+    return {n: (dataclasses.replace(f, reorder=on or bool(f.hot_rows)) if f.kind == "tt" else f)
+            for n, f in forms.items()}
 
 
 def _decide_forms(tables, requests, tt_min_rows, tt_rank, host_min_rows, towers) -> dict[str, TableForm]:
@@ -278,7 +288,8 @@ def _decide_forms(tables, requests, tt_min_rows, tt_rank, host_min_rows, towers)
             if pooling == "none":
                 raise ConfigError(f"table {t.name!r}: compression: tt, but TT tables pool (sum or mean) and this one "
                                   "has pooling 'none'")
-            out[t.name] = TableForm("tt", tt_rank=req.tt_rank)
+            hot = int(getattr(req, "hot_rows", 0))
+            out[t.name] = TableForm("tt", tt_rank=req.tt_rank, reorder=bool(hot), hot_rows=hot)
         elif host_req or (host_min_rows and t.num_rows >= host_min_rows):
             out[t.name] = TableForm("host")
         else:
@@ -413,12 +424,14 @@ def tt_shapes(spec: TableSpec, tt_rank: int | Sequence[int],
 
 
 def table_bytes(spec: TableSpec, form: TableForm, num_cores: int = 3) -> int:
-    """Bytes the table's values take as stored in ``form``: TT cores (float32) for ``tt``, else ``num_rows *
-    dim * bytes_per_value``."""
+    """Bytes the table's values take as stored in ``form``: TT cores (float32) for ``tt`` (of the cold rows, plus
+    the exact hot rows with ``hot_rows``), else ``num_rows * dim * bytes_per_value``."""
     if form.kind != "tt":
         return spec.memory_bytes
-    rows, dims, ranks = tt_shapes(spec, form.tt_rank, num_cores)
-    return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE
+    cold = dataclasses.replace(spec, num_rows=spec.num_rows - form.hot_rows) if form.hot_rows else spec
+    rows, dims, ranks = tt_shapes(cold, form.tt_rank, num_cores)
+    hot = form.hot_rows * spec.dim * TT_BYTES_PER_VALUE
+    return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE + hot
 
 
 def replicated_tables_meta(tables: Sequence[TableSpec], forms: Mapping[str, TableForm],
@@ -430,9 +443,10 @@ def replicated_tables_meta(tables: Sequence[TableSpec], forms: Mapping[str, Tabl
         f = forms[t.name]
         if f.kind != "tt":
             continue
-        rows, dims, _ = tt_shapes(t, f.tt_rank, num_cores)
+        cold = dataclasses.replace(t, num_rows=t.num_rows - f.hot_rows) if f.hot_rows else t
+        rows, dims, _ = tt_shapes(cold, f.tt_rank, num_cores)
         out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
-                    "tt_rank": int(f.tt_rank), "row_shape": rows, "dim_shape": dims,
+                    "tt_rank": int(f.tt_rank), "row_shape": rows, "dim_shape": dims, "hot_rows": int(f.hot_rows),
                     "bytes": int(table_bytes(t, f, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
                     "placement": "replicated on every rank"})
     return out

@@ -45,7 +45,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
-from embedscale.plan.auto import Candidate, Costs, TableStats, candidates
+from embedscale.plan.auto import Candidate, Costs, TableStats, candidates, hybrid_candidate
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
@@ -156,7 +156,7 @@ def form_label(form: TableForm, host_depth: int = 1) -> str:
     """The candidate label of ``form`` (``sharded``, ``tt-R``, ``host-k``; a host form of depth 0 takes the
     run's ``host_depth``); ``replicated`` is a placement, not a form, so a sharded form is labelled ``sharded``."""
     if form.kind == "tt":
-        return f"tt-{int(form.tt_rank)}"
+        return f"tt-{int(form.tt_rank)}" + (f"-hot{int(form.hot_rows)}" if form.hot_rows else "")
     if form.kind == "host":
         return f"host-{max(1, int(form.pipeline_depth or host_depth))}"
     return "sharded"
@@ -167,7 +167,11 @@ def candidate_of(s: TableStats, form: TableForm, world: int, costs: Costs, host_
     plan may choose what the search would not). ``host_depth``: the run's pipeline depth, for host forms of
     depth 0."""
     label = form_label(form, host_depth)
-    if form.kind == "tt":
+    if form.kind == "tt" and form.hot_rows:  # row groups
+        cs = [hybrid_candidate(s, int(form.tt_rank), int(form.hot_rows), world, costs)]
+        if costs.executor_overhead_s and world > 1:
+            cs = [replace(c, seconds=c.seconds + costs.executor_overhead(c.label, world)) for c in cs]
+    elif form.kind == "tt":
         cs = candidates(replace(s, hot=False, pooling=s.pooling if s.pooling != "none" else "sum"), world, costs,
                         tt_rank_list=[int(form.tt_rank)], forms=("tt",), keep_larger=True)
     elif form.kind == "host":

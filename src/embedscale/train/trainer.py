@@ -27,6 +27,7 @@ from embedscale.errors import ConfigError, FormatError
 from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.embedding.managed_lookup import managed_of
+from embedscale.reorder import Reordering, TableReordering
 from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
                                         read_manifest, read_shards, resolve_checkpoint, write_rank_file)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
@@ -65,13 +66,17 @@ def load_tt_state(tt: nn.Module, state: dict | None, where, *, with_optimizer: b
     missing = sorted({n for n in names if not any(k.startswith(f"{n}.") for k in state)})
     if missing:
         raise FormatError(f"{where}: the checkpoint has no cores for TT table(s) {missing}")
+    def weight(k: str) -> bool:  # TT cores and a row-group table's exact hot rows (the rest: optimizer state)
+        last = k.split(".")[-1]
+        return last.startswith("core") or last == "hot_weight"
+
     with torch.no_grad():
         for k, dst in tt.state_dict().items():
             if k not in state:
-                if k.split(".")[-1].startswith("core"):
+                if weight(k):
                     raise FormatError(f"{where}: TT tensor {k!r} is missing")
                 continue  # optimizer state of a checkpoint trained otherwise (or an inference model)
-            if not with_optimizer and not k.split(".")[-1].startswith("core"):
+            if not with_optimizer and not weight(k):
                 continue
             if tuple(state[k].shape) != tuple(dst.shape):
                 raise FormatError(f"{where}: TT tensor {k!r} has shape {tuple(state[k].shape)}, this model's "
@@ -105,6 +110,22 @@ def load_reorder(mixed: MixedEmbedding | None, r0: dict, where) -> None:
                               "reordering), this model has no TT tables")
         return
     mixed.load_reorder_state(maps, where)
+
+
+def checkpoint_reordering(checkpoint: str | Path, tables) -> Reordering | None:
+    """The index reordering a checkpoint's TT cores were trained under (EL-Rec IV; rank 0's ``"reorder"``) as a
+    ``Reordering`` of ``tables``' features, to build the model it loads into (row-group tables need it);
+    ``None`` without one."""
+    ckpt = resolve_checkpoint(checkpoint)
+    maps = rank0(read_shards(ckpt, read_manifest(ckpt))).get("reorder") or {}
+    by = {t.name: t for t in tables}
+    unknown = sorted(set(maps) - set(by))
+    if unknown:
+        raise FormatError(f"{ckpt}: index reordering of tables {unknown}, which this model does not have")
+    if not maps:
+        return None
+    return Reordering([TableReordering(n, np.asarray(m), list(by[n].features)) for n, m in maps.items()],
+                      meta={"source": str(ckpt)})
 
 
 def load_model_state(model: nn.Module, checkpoint: str | Path) -> dict:
