@@ -22,13 +22,15 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
     replicated:  L * exact + D_g * row_bytes * 2 (M-1)/M / allreduce_bw
     sharded:     L * exact + 2 * D_r * (M-1)/M * row_bytes / link_bw
     tt(R):       L * tt(R) + core_bytes * 2 (M-1)/M / allreduce_bw
+    tt(R), H hot rows exact (a: their share of the lookups):
+                 a L * exact + (1-a) L * tt(R) + (core_bytes(N-H) + H row_bytes) * 2 (M-1)/M / allreduce_bw
     host(k):     L * exact + (D_r + D_g) * host_row + 2 * D_g * row_bytes * (M-1)/M / link_bw
 
 each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
 fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
 plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
 the search leaves it out and the report adds it), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
-row-wise state, host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
+row-wise state (with ``H`` hot rows: the cores of ``N - H`` rows plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
 
