@@ -137,7 +137,12 @@ def test_the_row_group_candidate_is_costed_by_hand_and_the_search_matches_the_mi
     assert abs(a - counts[:H].sum() / counts.sum()) < 1e-9 and 0.5 <= a < 0.5 + counts[H - 1] / counts.sum() + 1e-9
     c = hybrid_candidate(s, 8, H, 2, costs)
     cb = tt_core_bytes(1_500_000 - H, 16, 8)
-    sec = s.lookups_rank * (a * 50e-9 + (1 - a) * 2e-6) + (cb + H * 64) * 2 * 0.5 / (costs.allreduce_gbs * 1e9)
+    # the share of a rank batch's distinct rows the hot rows make up, by its definition (1 - (1-p)^L per row)
+    p = counts / counts.sum()
+    seen = -np.expm1(s.lookups_rank * np.log1p(-p))
+    d = seen[:H].sum() / seen.sum()
+    assert 0 < d < a and s.distinct_of_rows(H) / s.distinct_rank == pytest.approx(d, rel=1e-6)
+    sec = s.lookups_rank * (a * 50e-9 + (1 - d) * 2e-6) + (cb + H * 64) * 2 * 0.5 / (costs.allreduce_gbs * 1e9)
     assert c.form == TableForm("tt", tt_rank=8, reorder=True, hot_rows=H)
     assert c.seconds == pytest.approx(sec, rel=1e-12) and c.device_bytes == cb + H * (64 + 4)
     # with TT lookups this dear, keeping the hot half exact pays off, and the search finds the optimum
@@ -247,3 +252,29 @@ def test_the_cli_auto_plan_keeps_the_hottest_rows_exact_and_carries_their_reorde
     off = _cli(*args, "--no-row-groups", "--out", "plans2", cwd=tmp_path)
     assert off.returncode == 0, off.stderr
     assert not any(g.hot_rows for g in Plan.load(tmp_path / "plans2" / "auto").forms.values())
+
+
+def test_train_dist_plan_auto_trains_row_groups_and_resumes(tmp_path):
+    data_dir = tmp_path / "data"
+    _skewed_data(data_dir)
+    Costs(exact_lookup_s=50e-9, tt_lookup_s={r: 5e-6 * r / 8 for r in (8, 16, 32, 64)},
+          host_row_s=1e-3).save(tmp_path / "costs.json")
+    cfg = _config(tmp_path, data_dir, tables=None)
+    (tmp_path / "c.yaml").write_text(json.dumps(to_dict(cfg)))
+    run = ("train", "--config", "c.yaml", "--nproc", "2", "--run-dir", "run", "--no-progress", "--json",
+           "--dist-plan", "auto", "--dist-device-memory", "20KB", "--dist-host-memory", "0", "--dist-costs",
+           "costs.json")
+    p = _cli(*run, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    plan = Plan.load(tmp_path / "run" / "plan")
+    f = plan.forms["t_C3"]
+    assert f.kind == "tt" and f.hot_rows > 0 and f.reorder, plan.forms
+    got = load_checkpoint(tmp_path / "run")
+    assert got["tt"]["t_C3.hot_weight"].shape == (f.hot_rows, 4) and sorted(got["reorder"]) == ["t_C3"]
+    assert (tmp_path / "run" / "plan" / PLAN_REORDER_DIR / "reorder.json").exists()
+    counts = np.asarray(AccessProfile.load(tmp_path / "run" / "profile").counts("t_C3"), dtype=np.int64)
+    top = np.lexsort((np.arange(counts.size), -counts))[: f.hot_rows]
+    np.testing.assert_array_equal(got["reorder"]["t_C3"].numpy()[top], np.arange(f.hot_rows))
+    again = _cli(*run, "--train-max-steps", str(STEPS + 2), cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resumed from" in again.stderr and load_checkpoint(tmp_path / "run")["step"] == STEPS + 2

@@ -22,8 +22,8 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
     replicated:  L * exact + D_g * row_bytes * 2 (M-1)/M / allreduce_bw
     sharded:     L * exact + 2 * D_r * (M-1)/M * row_bytes / link_bw
     tt(R):       L * tt(R) + core_bytes * 2 (M-1)/M / allreduce_bw
-    tt(R), H hot rows exact (a: their share of the lookups):
-                 a L * exact + (1-a) L * tt(R) + (core_bytes(N-H) + H row_bytes) * 2 (M-1)/M / allreduce_bw
+    tt(R), H hot rows exact (a / d: their share of the lookups / of the batch's distinct rows):
+                 a L * exact + (1-d) L * tt(R) + (core_bytes(N-H) + H row_bytes) * 2 (M-1)/M / allreduce_bw
     host(k):     L * exact + (D_r + D_g) * host_row + 2 * D_g * row_bytes * (M-1)/M / link_bw
 
 each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
@@ -256,6 +256,7 @@ class TableStats:
     # rows by descending probability: cumulative rows and the share of the table's lookups they take
     cum_rows: np.ndarray = field(default_factory=lambda: np.zeros(0))
     cum_share: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    cum_distinct: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ... and of D_r they make up
 
     @property
     def row_bytes(self) -> int:
@@ -266,6 +267,12 @@ class TableStats:
         if self.cum_share.size == 0:
             return 0
         return int(math.ceil(float(np.interp(share, np.r_[0.0, self.cum_share], np.r_[0.0, self.cum_rows]))))
+
+    def distinct_of_rows(self, rows: int) -> float:
+        """Expected distinct rows of a rank batch among the table's ``rows`` hottest rows."""
+        if self.cum_rows.size == 0:
+            return 0.0
+        return float(np.interp(rows, np.r_[0.0, self.cum_rows], np.r_[0.0, self.cum_distinct]))
 
     def share_of_rows(self, rows: int) -> float:
         """The share of the table's lookups its ``rows`` hottest rows take (the profile's histogram)."""
@@ -293,20 +300,27 @@ def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: in
     p, rows = (np.asarray(x, dtype=np.float64) for x in hist)
     order = np.argsort(-p, kind="stable")
     cum_rows, cum_share = np.cumsum(rows[order]), np.cumsum((p * rows)[order])
+    seen = -np.expm1(lookups * np.log1p(-np.minimum(p[order], 1.0)))  # P(a row of the bin in a rank batch)
     return TableStats(table.name, n, int(table.dim), getattr(table, "pooling", "sum"), lookups, d_r, d_g, hot, mrc,
-                      cum_rows, cum_share / max(float(cum_share[-1]) if cum_share.size else 0.0, 1e-300))
+                      cum_rows, cum_share / max(float(cum_share[-1]) if cum_share.size else 0.0, 1e-300),
+                      np.cumsum(rows[order] * seen))
 
 
 def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs: Costs) -> Candidate:
     """Row groups of table ``s``: its ``hot_rows`` hottest rows exact on every rank, the rest TT of ``rank``
-    (``embedding.hybrid``). Per rank and step, with ``a`` the share of lookups the hot rows take:
-    ``a L exact + (1-a) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw`` (the hot rows' dense
-    gradient joins the cores' all-reduce); memory ``cores(N-H) + H (row + state)``."""
+    (``embedding.hybrid``). Per rank and step, with ``a`` the share of lookups the hot rows take and ``d`` the
+    share of the batch's distinct rows they make up:
+    ``a L exact + (1-d) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw`` (the hot rows' dense gradient
+    joins the cores' all-reduce); memory ``cores(N-H) + H (row + state)``. The TT part is charged by the
+    distinct rows it loses, not the lookups: Eff-TT computes each distinct row of a batch once (EL-Rec III-A), so
+    taking the hot rows' many repeats out of its batch saves little (measured: a 10M-row rank-8 table whose 93
+    hottest rows take half the lookups, 2.5% of its step, BENCHMARKS.md)."""
     m = world
     a = s.share_of_rows(hot_rows)
+    d = min(1.0, s.distinct_of_rows(hot_rows) / max(s.distinct_rank, 1e-12))
     cb = tt_core_bytes(s.num_rows - hot_rows, s.dim, int(rank))
     sync = (cb + hot_rows * s.row_bytes) * 2 * (m - 1) / m / (costs.allreduce_gbs * 1e9)
-    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - a) * costs.tt(int(rank))) + sync
+    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank))) + sync
     return Candidate(f"tt-{rank}-hot{hot_rows}",
                      TableForm("tt", tt_rank=int(rank), reorder=True, hot_rows=int(hot_rows)), sec,
                      float(cb + hot_rows * (s.row_bytes + STATE_BYTES_PER_ROW)), 0.0)
