@@ -168,7 +168,7 @@ def _config(tmp_path, data_dir, *, plan="", tables=RG_TABLES) -> RunConfig:
     return from_dict(RunConfig, {
         "name": "g", "out_dir": str(tmp_path / "runs"),
         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
-        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "tables": tables},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], **({"tables": tables} if tables else {})},
         "train": {"batch_size": 50, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "lr_tt": 0.3,
                   "log_every": 1, "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad",
                   "prefetch": 0},
@@ -262,7 +262,7 @@ def test_train_dist_plan_auto_trains_row_groups_and_resumes(tmp_path):
     cfg = _config(tmp_path, data_dir, tables=None)
     (tmp_path / "c.yaml").write_text(json.dumps(to_dict(cfg)))
     run = ("train", "--config", "c.yaml", "--nproc", "2", "--run-dir", "run", "--no-progress", "--json",
-           "--dist-plan", "auto", "--dist-device-memory", "20KB", "--dist-host-memory", "0", "--dist-costs",
+           "--dist-plan", "auto", "--dist-device-memory", "24KB", "--dist-host-memory", "0", "--dist-costs",
            "costs.json")
     p = _cli(*run, cwd=tmp_path)
     assert p.returncode == 0, p.stderr
