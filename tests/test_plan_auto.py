@@ -501,7 +501,8 @@ def test_auto_plan_trains_on_two_ranks_like_one_process(tmp_path):
     tabs = tables_from_profile(prof, 4)
     costs = Costs(exact_lookup_s=50e-9, tt_lookup_s={2: 60e-9}, host_row_s=100e-9)
     plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=740, host_memory=3000, costs=costs,
-                          batch_size=25, tt_rank_list=[2], tt_min_rows=100, hot_touch=1e9, bins=0)
+                          batch_size=25, tt_rank_list=[2], tt_min_rows=100, hot_touch=1e9, bins=0,
+                          hot_row_touch=0)  # whole TT tables (row groups: test_plan_rowgroups)
     forms = plan.forms
     assert forms["t_C3"] == TableForm("tt", tt_rank=2) and forms["t_C1"].kind == "host"
     assert {forms["t_C2"].kind, forms["t_C4"].kind} == {"sharded"}

@@ -44,6 +44,7 @@ from torch import nn
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.hybrid import HybridTTEmbeddingBag
 from embedscale.embedding.tt import TTEmbeddingBag
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import DCN
@@ -57,11 +58,19 @@ from embedscale.plan.topology import SAME_HOST
 from embedscale.specs import TableSpec
 
 
-def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float) -> np.ndarray:
-    """``n`` row ids with ``P(row r) ~ (r + 1) ** -alpha`` over a random permutation of the rows."""
+def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float, permute: bool = True) -> np.ndarray:
+    """``n`` row ids with ``P(row r) ~ (r + 1) ** -alpha`` over a random permutation of the rows (``permute``),
+    else in frequency order (row 0 the hottest: a frequency-reordered table's ids, EL-Rec IV)."""
     w = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
     w /= w.sum()
-    return rng.permutation(rows)[rng.choice(rows, size=n, p=w)]
+    ids = rng.choice(rows, size=n, p=w)
+    return rng.permutation(rows)[ids] if permute else ids
+
+
+def _half_lookup_rows(rows: int, alpha: float) -> int:
+    """The hottest rows of the calibration's Zipf table that take half its lookups (at most a tenth of it)."""
+    w = np.cumsum(np.arange(1, rows + 1, dtype=np.float64) ** -alpha)
+    return int(min(max(1, rows // 10), np.searchsorted(w / w[-1], 0.5) + 1))
 
 
 def _interleaved_blocks(steps: dict, repeats: int, block_s: float = 0.05) -> dict[str, float]:
@@ -174,6 +183,17 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
         steps[f"tt-{int(r)}"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(tt), ids)
+    # row groups (embedding.hybrid): the hottest rows exact, the rest TT, against the same TT table, on
+    # frequency-ordered ids (a row-group table is reordered): what the second lookup and the hot update cost
+    r0 = int(min(tt_ranks))
+    freq = [torch.from_numpy(_zipf_ids(rng, rows, batch, alpha, permute=False)).to(dev) for _ in range(4)]
+    rg_tt = TTEmbeddingBag(rows, dim, r0, optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev, name="t",
+                           validate=False)
+    rg = HybridTTEmbeddingBag(rows, dim, r0, hot_rows=_half_lookup_rows(rows, alpha), optimizer="rowwise_adagrad",
+                              lr=0.01, tt_optimizer="rowwise_adagrad", tt_lr=0.01, seed=seed, device=dev, name="t",
+                              validate=False)
+    steps["rg-tt"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(rg_tt), freq)
+    steps["rg"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(rg), freq)
     host = PipelinedEmbedding.from_tables([TableSpec("t", rows, dim)], {"t": TableForm("host")}, device=dev,
                                           optimizer="rowwise_adagrad", lr=0.01, seed=seed)
     steps["host"] = (lambda jf: host(jf).sum().backward(), jfs)
@@ -195,7 +215,7 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     step_over = resid[f_hi][1] - f_hi * per_table
     if step_over < 0:  # noise made the two unknowns' split negative: keep their sum at the full feature count
         per_table, step_over = max(0.0, resid[f_hi][1]) / f_hi, 0.0
-    costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s,
+    costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s, row_group_overhead_s=max(0.0, t["rg"] - t["rg-tt"]),
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   dense_flops_per_s=rate, step_overhead_s=step_over, table_overhead_s=per_table,
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,

@@ -689,8 +689,9 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--reorder-data", type=click.Path(exists=True, file_okay=False), default=None,
               help="--tt-reorder leiden/louvain: the shard directory whose first batches give co-access.")
 @click.option("--no-row-groups", is_flag=True,
-              help="--strategy auto: weigh whole tables only (by default, with --profile, also row groups: a "
-                   "table's hottest rows exact and the rest TT, the plan carrying the reordering that finds them).")
+              help="--strategy auto: TT tables whole (by default, with --profile, a TT table's rows that a global "
+                   "batch reads at least once each stay exact: row groups, the plan carrying the reordering that "
+                   "puts them first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
          mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
@@ -733,7 +734,7 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
                                      json_output=as_json, batch_size=batch_size, mode=mode, tt_rank_list=ranks,
                                      host_depth=host_depth, hot_touch=hot_touch, search=auto_search,
                                      requests=requests,
-                                     hot_shares=() if no_row_groups or not profile_path else None)
+                                     **({"hot_row_touch": 0.0} if no_row_groups or not profile_path else {}))
             _attach_reordering(arep["plan_dir"], tables, profile_path, tt_reorder, tt_reorder_hot_ratio, reorder_data)
             if not as_json:
                 click.echo(explain_text(arep), nl=False)

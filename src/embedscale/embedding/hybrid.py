@@ -49,31 +49,40 @@ class _HotSync:
         o._apply_hot(torch.arange(o.hot_rows, device=dense[0].device), dense[0])
 
 
+#: up to this many hot rows the backward sums gradients into a dense ``[H, dim]`` buffer and updates every hot row
+#: (an untouched row's zero gradient leaves it as it was, both optimizers); beyond, per unique row (one sort)
+DENSE_HOT_ROWS = 1 << 16
+
+
 class _HotLookup(torch.autograd.Function):
-    """Pooled hot rows; backward sums each row's gradient and updates it (fused), or hands the dense gradient
-    to the ranks' sum first."""
+    """Pooled hot rows over the whole batch (a cold id reads hot row 0 at weight 0); backward sums each row's
+    gradient and updates it (fused), or hands the dense gradient to the ranks' sum first."""
 
     @staticmethod
-    def forward(ctx, anchor, module, ids, offsets, scale, bag):  # noqa: ARG004
-        ctx.module, ctx.ids, ctx.scale, ctx.bag = module, ids, scale, bag
-        return F.embedding_bag(ids, module.hot_weight, offsets, mode="sum", per_sample_weights=scale,
+    def forward(ctx, anchor, module, ids, offsets, weight):  # noqa: ARG004
+        ctx.module, ctx.ids, ctx.offsets, ctx.weight = module, ids, offsets, weight
+        return F.embedding_bag(ids, module.hot_weight, offsets, mode="sum", per_sample_weights=weight,
                                include_last_offset=True)
 
     @staticmethod
     def backward(ctx, grad_out):
         m = ctx.module
         with torch.no_grad():
-            g = grad_out.index_select(0, ctx.bag)
-            if ctx.scale is not None:
-                g = g * ctx.scale.unsqueeze(1)
-            if m._hot.grad_sync is not None:
+            lengths = ctx.offsets.diff()
+            bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths,
+                                          output_size=ctx.ids.numel())
+            g = grad_out.index_select(0, bag).mul_(ctx.weight.unsqueeze(1))
+            if m._hot.grad_sync is not None or m.hot_rows <= DENSE_HOT_ROWS:
                 dense = torch.zeros_like(m.hot_weight)
                 dense.index_add_(0, ctx.ids, g.to(dense.dtype))
-                _sync_and_apply(m._hot, [dense])
+                if m._hot.grad_sync is not None:
+                    _sync_and_apply(m._hot, [dense])
+                else:
+                    m._hot._apply_dense([dense])
             elif ctx.ids.numel():
                 rows, summed = aggregate_row_gradients(ctx.ids, g, num_rows=m.hot_rows)
                 m._apply_hot(rows, summed)
-        return None, None, None, None, None, None
+        return None, None, None, None, None
 
 
 class HybridTTEmbeddingBag(nn.Module):
@@ -195,23 +204,22 @@ class HybridTTEmbeddingBag(nn.Module):
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         """Pooled rows ``[B, embedding_dim]`` (``nn.EmbeddingBag``'s signature and conventions)."""
         bags = _make_bags(self, input, offsets, per_sample_weights)  # checks ids in [0, N); mean's 1/length
-        values, scale, B = bags.values, bags.scale, bags.num_bags
-        bag = bags.bag_of_value()
+        values, scale, offs = bags.values, bags.scale, bags.offsets
+        # both parts see the whole batch (same bags, no split): an id of the other part reads row 0 at weight 0
         is_hot = values < self.hot_rows
-        h = is_hot.nonzero().squeeze(1)
-        c = (~is_hot).nonzero().squeeze(1)
-        cold_bag = bag.index_select(0, c)
-        out_cold = self.cold(values.index_select(0, c) - self.hot_rows, _offsets(cold_bag, B),
-                             None if scale is None else scale.index_select(0, c))
-        hot_ids, hot_bag = values.index_select(0, h), bag.index_select(0, h)
-        hot_scale = None if scale is None else scale.index_select(0, h)
-        hot_offsets = _offsets(hot_bag, B)
+        w_hot = is_hot.to(self.dtype)
+        w_cold = 1.0 - w_hot
+        if scale is not None:
+            w_hot, w_cold = w_hot * scale, w_cold * scale
+        zero = torch.zeros((), dtype=values.dtype, device=values.device)
+        out_cold = self.cold(torch.where(is_hot, zero, values - self.hot_rows), offs, w_cold)
+        hot_ids = torch.where(is_hot, values, zero)
         if self.hot_optimizer is not None and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
-            out_hot = _HotLookup.apply(anchor, self, hot_ids, hot_offsets, hot_scale, hot_bag)
+            out_hot = _HotLookup.apply(anchor, self, hot_ids, offs, w_hot)
         else:
-            out_hot = F.embedding_bag(hot_ids, self.hot_weight, hot_offsets, mode="sum",
-                                      per_sample_weights=hot_scale, include_last_offset=True)
+            out_hot = F.embedding_bag(hot_ids, self.hot_weight, offs, mode="sum", per_sample_weights=w_hot,
+                                      include_last_offset=True)
         return out_hot + out_cold
 
     @torch.no_grad()
@@ -221,10 +229,3 @@ class HybridTTEmbeddingBag(nn.Module):
             sgd_update_(self.hot_weight, rows, grads, self.hot_lr)
         else:
             rowwise_adagrad_update_(self.hot_weight, self.hot_state, rows, grads, self.hot_lr, self.eps)
-
-
-def _offsets(bag: torch.Tensor, num_bags: int) -> torch.Tensor:
-    """``include_last_offset`` offsets of values whose (sorted) bag indices are ``bag``."""
-    out = torch.zeros(num_bags + 1, dtype=torch.int64, device=bag.device)
-    torch.cumsum(torch.bincount(bag, minlength=num_bags), 0, out=out[1:])
-    return out

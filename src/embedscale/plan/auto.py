@@ -7,9 +7,9 @@ The search (issue 16, part 3). For every table it weighs the forms the executor 
 * ``sharded``: exact rows placed on the ranks by OPER (sections 4.1-4.2), a batch's remote rows fetched
   once and their gradients sent back;
 * ``tt`` of a rank from a candidate list (EL-Rec section III): the cores on every rank, their gradients
-  all-reduced (EL-Rec VI-B); or *row groups* (:func:`hybrid_candidate`): the hottest rows taking a share of the
-  table's lookups (``hot_shares``) exact on every rank and only the others TT (``embedding.hybrid``; the plan
-  carries the index reordering whose first ids are those rows, EL-Rec IV);
+  all-reduced (EL-Rec VI-B); a table with hot rows (a global batch reads each at least ``hot_row_touch`` times)
+  is TT as *row groups* only (:func:`hybrid_candidate`): those rows exact on every rank and only the others TT
+  (``embedding.hybrid``; the plan carries the index reordering whose first ids are those rows, EL-Rec IV);
 * ``host``: the rows in the host parameter server (EL-Rec section V; one copy per rank), every batch's
   distinct rows read and prefetched to the device, the life-cycle cache (V-B) holding the rows of the last
   ``pipeline_depth`` batches, sized from the table's miss-ratio curve (:mod:`embedscale.plan.mrc`).
@@ -43,7 +43,8 @@ bytes over per tier and the tables that could not be placed.
 
 **Quality guard** (issue 16, part 4): a table whose rows are hot (the global batch reads it at least
 ``hot_touch`` times per row on average, lookups / rows; or it has fewer than ``tt_min_rows`` rows) stays
-exact: never TT. A TT form records its
+exact: never TT; within a TT table, the rows a global batch reads at least ``hot_row_touch`` times each stay
+exact (row groups). A TT form records its
 rank in the plan (``TableForm.tt_rank``).
 """
 
@@ -95,6 +96,9 @@ class Costs:
             sizes at the calibration's batch; :mod:`embedscale.plan.step` turns layer sizes into FLOPs).
         step_overhead_s, table_overhead_s: the fixed seconds of a training step, and per table and step,
             beyond the lookups and the dense FLOPs (the residual of a real DLRM step at two feature counts).
+        row_group_overhead_s: seconds per step a row-group table (hot rows exact, the rest TT,
+            ``embedding.hybrid``) pays beyond its parts' lookups: the second lookup over the batch, the hot rows'
+            gradient sum and update (a row-group table against the same TT table on the same batches).
         executor_overhead_s, executor_world: form kind (``sharded``, ``tt``, ``host``) -> seconds per table and
             step that a real ``executor_world``-rank training step pays beyond everything above (bucketing ids by
             owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
@@ -114,6 +118,7 @@ class Costs:
     dense_flops_per_s: float = 20e9
     step_overhead_s: float = 5e-3
     table_overhead_s: float = 50e-6
+    row_group_overhead_s: float = 100e-6
     executor_overhead_s: dict = field(default_factory=dict)
     executor_world: int = 0
     source: str = "default"
@@ -133,6 +138,7 @@ class Costs:
                         "link_latency_us": self.link_latency_us * s, "allreduce_gbs": self.allreduce_gbs / s,
                         "dense_flops_per_s": self.dense_flops_per_s / s, "step_overhead_s": self.step_overhead_s * s,
                         "table_overhead_s": self.table_overhead_s * s,
+                        "row_group_overhead_s": self.row_group_overhead_s * s,
                         "notes": {**self.notes, "links_scaled": True}})
 
     def executor_overhead(self, label: str, world: int) -> float:
@@ -186,7 +192,7 @@ class Costs:
             v = float(getattr(out, name))
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a positive number, got {v}")
-        for name in ("link_latency_us", "step_overhead_s", "table_overhead_s"):
+        for name in ("link_latency_us", "step_overhead_s", "table_overhead_s", "row_group_overhead_s"):
             v = float(getattr(out, name))
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a number >= 0, got {v}")
@@ -257,6 +263,7 @@ class TableStats:
     cum_rows: np.ndarray = field(default_factory=lambda: np.zeros(0))
     cum_share: np.ndarray = field(default_factory=lambda: np.zeros(0))
     cum_distinct: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ... and of D_r they make up
+    p_desc: np.ndarray = field(default_factory=lambda: np.zeros(0))  # ... their per-lookup probability
 
     @property
     def row_bytes(self) -> int:
@@ -273,6 +280,13 @@ class TableStats:
         if self.cum_rows.size == 0:
             return 0.0
         return float(np.interp(rows, np.r_[0.0, self.cum_rows], np.r_[0.0, self.cum_distinct]))
+
+    def rows_read_at_least(self, reads: float, world: int) -> int:
+        """The rows a global batch (``world`` rank batches) reads at least ``reads`` times on average."""
+        if self.p_desc.size == 0 or reads <= 0:
+            return 0
+        k = int(np.searchsorted(-self.p_desc, -reads / max(self.lookups_rank * world, 1e-300), side="right"))
+        return int(round(float(self.cum_rows[k - 1]))) if k else 0
 
     def share_of_rows(self, rows: int) -> float:
         """The share of the table's lookups its ``rows`` hottest rows take (the profile's histogram)."""
@@ -303,15 +317,16 @@ def table_stats(table, counts: np.ndarray, samples: float | None, batch_size: in
     seen = -np.expm1(lookups * np.log1p(-np.minimum(p[order], 1.0)))  # P(a row of the bin in a rank batch)
     return TableStats(table.name, n, int(table.dim), getattr(table, "pooling", "sum"), lookups, d_r, d_g, hot, mrc,
                       cum_rows, cum_share / max(float(cum_share[-1]) if cum_share.size else 0.0, 1e-300),
-                      np.cumsum(rows[order] * seen))
+                      np.cumsum(rows[order] * seen), p[order])
 
 
 def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs: Costs) -> Candidate:
     """Row groups of table ``s``: its ``hot_rows`` hottest rows exact on every rank, the rest TT of ``rank``
     (``embedding.hybrid``). Per rank and step, with ``a`` the share of lookups the hot rows take and ``d`` the
     share of the batch's distinct rows they make up:
-    ``a L exact + (1-d) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw`` (the hot rows' dense gradient
-    joins the cores' all-reduce); memory ``cores(N-H) + H (row + state)``. The TT part is charged by the
+    ``a L exact + (1-d) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw + row_group_overhead`` (the hot
+    rows' dense gradient joins the cores' all-reduce; the overhead measured by ``embedscale calibrate``); memory
+    ``cores(N-H) + H (row + state)``. The TT part is charged by the
     distinct rows it loses, not the lookups: Eff-TT computes each distinct row of a batch once (EL-Rec III-A), so
     taking the hot rows' many repeats out of its batch saves little (measured: a 10M-row rank-8 table whose 93
     hottest rows take half the lookups, 2.5% of its step, BENCHMARKS.md)."""
@@ -320,25 +335,27 @@ def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs:
     d = min(1.0, s.distinct_of_rows(hot_rows) / max(s.distinct_rank, 1e-12))
     cb = tt_core_bytes(s.num_rows - hot_rows, s.dim, int(rank))
     sync = (cb + hot_rows * s.row_bytes) * 2 * (m - 1) / m / (costs.allreduce_gbs * 1e9)
-    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank))) + sync
+    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank))) + sync \
+        + costs.row_group_overhead_s
     return Candidate(f"tt-{rank}-hot{hot_rows}",
                      TableForm("tt", tt_rank=int(rank), reorder=True, hot_rows=int(hot_rows)), sec,
                      float(cb + hot_rows * (s.row_bytes + STATE_BYTES_PER_ROW)), 0.0)
 
 
-#: row groups the search weighs: the hottest rows taking these shares of a table's lookups kept exact
-DEFAULT_HOT_SHARES = (0.5, 0.8)
-#: ... at most this share of the table's rows (beyond it the table is better exact or sharded)
+#: the quality guard of row groups (issue 16 part 4): a row a global batch reads at least this many times on
+#: average stays exact; a TT table with such rows is TT for its other rows only (row groups)
+DEFAULT_HOT_ROW_TOUCH = 1.0
+#: a table more than this share of whose rows are hot is not compressed at all
 MAX_HOT_ROW_SHARE = 0.1
 
 
 def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
                host_depth: int = 1, forms: Sequence[str] = ("replicated", "sharded", "tt", "host"),
-               keep_larger: bool = False, hot_shares: Sequence[float] = ()) -> list[Candidate]:
+               keep_larger: bool = False, hot_row_touch: float = 0.0) -> list[Candidate]:
     """Every form ``s`` may take, costed per rank (module docstring's model). ``keep_larger``: cost TT ranks whose
-    cores outweigh the table too (a hand-made plan may choose them; the search never does). ``hot_shares``: row
-    groups too (:func:`hybrid_candidate`), the hottest rows taking each share of the lookups kept exact (at most
-    ``MAX_HOT_ROW_SHARE`` of the rows)."""
+    cores outweigh the table too (a hand-made plan may choose them; the search never does). ``hot_row_touch`` > 0:
+    the rows a global batch reads at least this often stay exact, so a table with such rows is TT only as row
+    groups (:func:`hybrid_candidate`; not at all when they are more than ``MAX_HOT_ROW_SHARE`` of its rows)."""
     m = world
     frac = (m - 1) / m
     rb = s.row_bytes
@@ -352,21 +369,19 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
                              full / m, 0.0))
     if "replicated" in forms and m > 1:
         out.append(Candidate("replicated", SHARDED, exact + s.distinct_global * rb * 2 * frac / ar, full, 0.0))
-    if "tt" in forms and not s.hot and s.pooling != "none":
-        for r in tt_rank_list:
+    hot_rows = s.rows_read_at_least(hot_row_touch, m) if hot_row_touch > 0 else 0
+    if "tt" in forms and not s.hot and s.pooling != "none" and hot_rows <= MAX_HOT_ROW_SHARE * s.num_rows:
+        for r in (tt_rank_list if not hot_rows else ()):
             cb = tt_core_bytes(s.num_rows, s.dim, int(r))
             if cb >= full and not keep_larger:  # a TT table larger than the table itself is never worth it
                 continue
             out.append(Candidate(f"tt-{r}", TableForm("tt", tt_rank=int(r)),
                                  s.lookups_rank * costs.tt(int(r)) + cb * 2 * frac / ar,
                                  float(cb), 0.0))
-        for h in sorted({s.rows_for_share(x) for x in hot_shares}):
-            if not 0 < h <= MAX_HOT_ROW_SHARE * s.num_rows:
-                continue
-            for r in tt_rank_list:
-                c = hybrid_candidate(s, int(r), h, m, costs)
-                if c.device_bytes < full or keep_larger:
-                    out.append(c)
+        for r in (tt_rank_list if hot_rows else ()):
+            c = hybrid_candidate(s, int(r), hot_rows, m, costs)
+            if c.device_bytes < full or keep_larger:
+                out.append(c)
     if "host" in forms:
         k = max(1, int(host_depth))
         dev = (k * s.distinct_rank + (k - 1) * s.distinct_global) * (rb + STATE_BYTES_PER_ROW)
@@ -621,7 +636,7 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
            costs: Costs | None = None, batch_size: int = 2048, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
            host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
            bins: int = 2048, stats: Sequence[TableStats] | None = None,
-           hot_shares: Sequence[float] = ()) -> AutoResult:
+           hot_row_touch: float = 0.0) -> AutoResult:
     """Every table's form under the budgets (per rank, bytes). ``counts_of(name)`` gives a table's per-row
     profile counts (or ``stats`` their :func:`table_stats`, computed once for several budgets). ``search``:
     ``greedy`` (default) or ``milp`` (exact, small cases). Raises :class:`BudgetError` when nothing fits."""
@@ -637,8 +652,8 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
         stats = [table_stats(t, counts_of(t.name), samples, batch_size, world, hot_touch=hot_touch,
                              tt_min_rows=tt_min_rows, bins=bins) for t in tables]
     stats = list(stats)
-    cands = [candidates(s, world, costs, tt_rank_list=tt_rank_list, host_depth=host_depth, hot_shares=hot_shares)
-             for s in stats]
+    cands = [candidates(s, world, costs, tt_rank_list=tt_rank_list, host_depth=host_depth,
+                        hot_row_touch=hot_row_touch) for s in stats]
     t0 = time.perf_counter()
     if search == "milp":
         choice = search_milp(cands, device_memory, host_memory)

@@ -19,7 +19,7 @@ import numpy as np
 
 from embedscale.errors import ConfigError
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
-from embedscale.plan.auto import (DEFAULT_HOT_SHARES, DEFAULT_TT_RANKS, AutoResult, BudgetError, Costs, decide, explain, human_bytes,
+from embedscale.plan.auto import (DEFAULT_HOT_ROW_TOUCH, DEFAULT_TT_RANKS, AutoResult, BudgetError, Costs, decide, explain, human_bytes,
                                   rank_breakdown, summarize_choice, table_stats, write_explain)
 from embedscale.plan.mrc import probability_histogram
 from embedscale.plan.forms import table_profile
@@ -64,13 +64,13 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
                    batch_size: int = 2048, mode: str = "training", tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
                    host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
                    other_budgets: bool = True, bins: int = 2048, requests: Sequence = (),
-                   dense: DenseModel | None = None, hot_shares: Sequence[float] | None = None) -> Plan:
+                   dense: DenseModel | None = None, hot_row_touch: float = DEFAULT_HOT_ROW_TOUCH) -> Plan:
     """The auto plan of ``tables`` (see the module docstring). ``device_memory`` / ``host_memory``: bytes per
     rank. ``dense``: the dense model, for the whole step's prediction (:mod:`embedscale.plan.step`; default:
     DLRM of ``ModelConfig``'s default sizes over the tables' features). ``requests``: the ``specs.TableConfig``
     entries the tables came from (a table that asks for a form
-    is a ``ConfigError``: auto decides every form). ``hot_shares``: the row groups the search weighs
-    (``plan.auto.candidates``; ``None``: ``DEFAULT_HOT_SHARES``; ``()``: whole tables only). Raises :class:`~embedscale.plan.auto.BudgetError` when
+    is a ``ConfigError``: auto decides every form). ``hot_row_touch``: the rows a global batch reads at least this
+    often stay exact inside TT tables (row groups, ``plan.auto.candidates``; 0: whole tables only). Raises :class:`~embedscale.plan.auto.BudgetError` when
     nothing fits."""
     t0 = time.perf_counter()
     tables = list(tables)
@@ -91,7 +91,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     stats = _table_stats(tables, prof, samples, batch_size, world, hot_touch, tt_min_rows, bins)
     kw = dict(costs=costs, batch_size=batch_size, tt_rank_list=tt_rank_list, host_depth=host_depth,
               search=search, stats=stats,
-              hot_shares=DEFAULT_HOT_SHARES if hot_shares is None else tuple(hot_shares))
+              hot_row_touch=float(hot_row_touch))
     res = decide(tables, prof.counts, samples, world, device_memory, host_memory, **kw)
     plan, per_rank = _place(res, tables, prof, topo, mode, batch_size, costs)
     over = max(per_rank["device_total"]) - device_memory
