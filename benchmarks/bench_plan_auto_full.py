@@ -282,8 +282,9 @@ def main() -> None:
     for name, d in plans.items():
         plan = Plan.load(work / d)
         forms = plan.forms
-        forms_of[name] = {k: (f.kind if f.kind != "tt" else f"tt-{f.tt_rank}") for k, f in forms.items()
-                          if f.kind != "sharded"}
+        forms_of[name] = {k: (f.kind if f.kind != "tt" else f"tt-{f.tt_rank}" + (f"-hot{f.hot_rows}" if f.hot_rows
+                                                                                  else ""))
+                          for k, f in forms.items() if f.kind != "sharded"}
         if name == "auto":
             rep = json.loads((work / d / "explain.json").read_text())
             predicted[name] = rep["predicted_step_seconds"]

@@ -86,8 +86,9 @@ def main() -> None:
     plan_meta = work / "run-auto" / "plan" / "plan.json"
     if plan_meta.exists():
         meta = json.loads(plan_meta.read_text()).get("meta", {})
-        forms = {k: (f["kind"] if f["kind"] != "tt" else f"tt-{f['tt_rank']}") for k, f in meta.get("forms", {}).items()
-                 if f["kind"] != "sharded"}
+        forms = {k: (f["kind"] if f["kind"] != "tt" else f"tt-{f['tt_rank']}"
+                     + (f"-hot{f['hot_rows']}" if f.get("hot_rows") else ""))
+                 for k, f in meta.get("forms", {}).items() if f["kind"] != "sharded"}
     a = out.get("auto", {}).get("eval_auc", float("nan"))
     b = out.get("exact", {}).get("eval_auc", float("nan"))
     emit("plan_auto_quality", a, b, "eval AUC (auto plan, 2 ranks) vs exact without a budget (1 rank)",
