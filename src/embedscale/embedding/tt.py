@@ -446,6 +446,7 @@ class _ReusePlan:
     inverse: torch.Tensor  # distinct-row position of every occurrence
     first: torch.Tensor
     levels: list[_Level]
+    rows: torch.Tensor | None = None  # the distinct rows, ascending
 
     @property
     def sizes(self) -> list[int]:
@@ -574,7 +575,7 @@ class _EmptySyncLookup(torch.autograd.Function):
     def backward(ctx, grad_out):  # noqa: ARG004
         m = ctx.module
         with torch.no_grad():
-            _sync_and_apply(m, [torch.zeros_like(c) for c in m.cores])
+            _sync_and_apply(m, m._zero_grads())
         return None, None, None
 
 
@@ -653,7 +654,7 @@ class TTEmbeddingBag(_TTCores):
                      if self.grouped and self._group_level[k] else None)
             levels.append(_Level(idx, parent, parent_offsets, group))
             cur = pu
-        return _ReusePlan(perm, counts, inverse, cur, levels[::-1])
+        return _ReusePlan(perm, counts, inverse, cur, levels[::-1], uniq)
 
     # -- forward -----------------------------------------------------------------------------------
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -699,7 +700,7 @@ class TTEmbeddingBag(_TTCores):
             if keep:
                 saved.append((X, C))
             P = Y.view(lv.idx.numel(), -1, self.ranks[k + 1])
-        rows = P.view(-1, self.embedding_dim)  # distinct rows
+        rows = self._exact_rows(P.view(-1, self.embedding_dim), plan)  # distinct rows
         out = F.embedding_bag(plan.inverse, rows, bags.offsets, mode="sum", per_sample_weights=bags.scale,
                               include_last_offset=True)
         return out, saved
@@ -713,7 +714,8 @@ class TTEmbeddingBag(_TTCores):
         _, row_offs = _segments(plan.counts)
         G = F.embedding_bag(src, grad_out.contiguous(), row_offs, mode="sum", per_sample_weights=w,
                             include_last_offset=True)  # [U, N]: gradient of every distinct row
-        dense = [torch.zeros_like(c) for c in self.cores] if self.grad_sync is not None else None
+        dense = self._zero_grads() if self.grad_sync is not None else None
+        G = self._exact_grads(G, plan, dense)
         cores = self.cores
         # 2. level by level, last core first: eq. 6 once per distinct entry; the prefix gradients of
         # entries that share a prefix are summed before they go on to the earlier cores
@@ -742,6 +744,19 @@ class TTEmbeddingBag(_TTCores):
         self._accumulate(0, plan.first, G.reshape(-1, *cores[0].shape[1:]), dense, distinct=True)
         if dense is not None:
             _sync_and_apply(self, dense)
+
+    # -- hooks of rows kept exact (embedding.hybrid) ---------------------------------------------------
+    def _exact_rows(self, rows: torch.Tensor, plan: _ReusePlan) -> torch.Tensor:
+        """The batch's distinct rows as the table holds them (all from the cores here)."""
+        return rows
+
+    def _exact_grads(self, G: torch.Tensor, plan: _ReusePlan, dense) -> torch.Tensor:
+        """The distinct rows' gradients the cores take (all of them here)."""
+        return G
+
+    def _zero_grads(self) -> list[torch.Tensor]:
+        """Zero dense gradients of everything ``_apply_dense`` updates (a replica with no row to look up)."""
+        return [torch.zeros_like(c) for c in self.cores]
 
     def _accumulate(self, k: int, slices: torch.Tensor, grads: torch.Tensor, dense, distinct: bool) -> None:
         """Fused update of core ``k`` (or accumulation into the dense gradient when syncing ranks)."""
