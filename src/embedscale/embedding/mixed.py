@@ -192,8 +192,7 @@ class MixedEmbedding(nn.Module):
                                              seed=tseed, device=device, validate=validate, **options)
             self.tt[t.name] = m
         # one sum across ranks per step for all TT tables (tt.GradSyncBucket), not one per table
-        self.grad_sync_bucket = (GradSyncBucket(grad_sync, [n for m in self.tt.values()
-                                                            for n in getattr(m, "sync_names", [m.name])])
+        self.grad_sync_bucket = (GradSyncBucket(grad_sync, [t.name for t in compressed])
                                  if grad_sync is not None and compressed else None)
         for m in self.tt.values():
             m.grad_sync = self.grad_sync_bucket
@@ -257,7 +256,8 @@ class MixedEmbedding(nn.Module):
             if m.shape != (t.num_rows,) or m.dtype not in (torch.int32, torch.int64):
                 raise FormatError(f"{where}: the reordering of table {name!r} has shape {tuple(m.shape)} and dtype "
                                   f"{m.dtype}, the table {t.num_rows} rows (an integer map)")
-            if not bool(torch.bincount(m.long(), minlength=t.num_rows).eq(1).all()):
+            if m.numel() and (int(m.min()) < 0 or int(m.max()) >= t.num_rows
+                              or not bool(torch.bincount(m.long(), minlength=t.num_rows).eq(1).all())):
                 raise FormatError(f"{where}: the reordering of table {name!r} is not a bijection of its rows")
         for name in sorted(set(self._remapped.values()) - set(maps)):
             delattr(self.remap, name)

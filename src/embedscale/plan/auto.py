@@ -23,14 +23,14 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
     sharded:     L * exact + 2 * D_r * (M-1)/M * row_bytes / link_bw
     tt(R):       L * tt(R) + core_bytes * 2 (M-1)/M / allreduce_bw
     tt(R), H hot rows exact (a / d: their share of the lookups / of the batch's distinct rows):
-                 a L * exact + (1-d) L * tt(R) + (core_bytes(N-H) + H row_bytes) * 2 (M-1)/M / allreduce_bw
+                 a L * exact + (1-d) L * tt(R) + (core_bytes + H row_bytes) * 2 (M-1)/M / allreduce_bw + overhead
     host(k):     L * exact + (D_r + D_g) * host_row + 2 * D_g * row_bytes * (M-1)/M / link_bw
 
 each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
 fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
 plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
 the search leaves it out and the report adds it), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
-row-wise state (with ``H`` hot rows: the cores of ``N - H`` rows plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
+row-wise state (with ``H`` hot rows: plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
 
@@ -324,16 +324,16 @@ def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs:
     """Row groups of table ``s``: its ``hot_rows`` hottest rows exact on every rank, the rest TT of ``rank``
     (``embedding.hybrid``). Per rank and step, with ``a`` the share of lookups the hot rows take and ``d`` the
     share of the batch's distinct rows they make up:
-    ``a L exact + (1-d) L tt(R) + (cores(N-H) + H row) 2 (M-1)/M / allreduce_bw + row_group_overhead`` (the hot
+    ``a L exact + (1-d) L tt(R) + (cores(N) + H row) 2 (M-1)/M / allreduce_bw + row_group_overhead`` (the hot
     rows' dense gradient joins the cores' all-reduce; the overhead measured by ``embedscale calibrate``); memory
-    ``cores(N-H) + H (row + state)``. The TT part is charged by the
+    ``cores(N) + H (row + state)``. The TT part is charged by the
     distinct rows it loses, not the lookups: Eff-TT computes each distinct row of a batch once (EL-Rec III-A), so
     taking the hot rows' many repeats out of its batch saves little (measured: a 10M-row rank-8 table whose 93
     hottest rows take half the lookups, 2.5% of its step, BENCHMARKS.md)."""
     m = world
     a = s.share_of_rows(hot_rows)
     d = min(1.0, s.distinct_of_rows(hot_rows) / max(s.distinct_rank, 1e-12))
-    cb = tt_core_bytes(s.num_rows - hot_rows, s.dim, int(rank))
+    cb = tt_core_bytes(s.num_rows, s.dim, int(rank))  # the cores cover every row (embedding.hybrid)
     sync = (cb + hot_rows * s.row_bytes) * 2 * (m - 1) / m / (costs.allreduce_gbs * 1e9)
     sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank))) + sync \
         + costs.row_group_overhead_s

@@ -424,12 +424,11 @@ def tt_shapes(spec: TableSpec, tt_rank: int | Sequence[int],
 
 
 def table_bytes(spec: TableSpec, form: TableForm, num_cores: int = 3) -> int:
-    """Bytes the table's values take as stored in ``form``: TT cores (float32) for ``tt`` (of the cold rows, plus
-    the exact hot rows with ``hot_rows``), else ``num_rows * dim * bytes_per_value``."""
+    """Bytes the table's values take as stored in ``form``: TT cores (float32) for ``tt`` (plus the exact hot rows
+    with ``hot_rows``), else ``num_rows * dim * bytes_per_value``."""
     if form.kind != "tt":
         return spec.memory_bytes
-    cold = dataclasses.replace(spec, num_rows=spec.num_rows - form.hot_rows) if form.hot_rows else spec
-    rows, dims, ranks = tt_shapes(cold, form.tt_rank, num_cores)
+    rows, dims, ranks = tt_shapes(spec, form.tt_rank, num_cores)  # the cores cover every row (embedding.hybrid)
     hot = form.hot_rows * spec.dim * TT_BYTES_PER_VALUE
     return sum(math.prod(s) for s in core_shapes(rows, dims, ranks)) * TT_BYTES_PER_VALUE + hot
 
@@ -443,8 +442,7 @@ def replicated_tables_meta(tables: Sequence[TableSpec], forms: Mapping[str, Tabl
         f = forms[t.name]
         if f.kind != "tt":
             continue
-        cold = dataclasses.replace(t, num_rows=t.num_rows - f.hot_rows) if f.hot_rows else t
-        rows, dims, _ = tt_shapes(cold, f.tt_rank, num_cores)
+        rows, dims, _ = tt_shapes(t, f.tt_rank, num_cores)
         out.append({"name": t.name, "num_rows": int(t.num_rows), "dim": int(t.dim), "compression": "tt",
                     "tt_rank": int(f.tt_rank), "row_shape": rows, "dim_shape": dims, "hot_rows": int(f.hot_rows),
                     "bytes": int(table_bytes(t, f, num_cores)), "uncompressed_bytes": int(t.memory_bytes),
