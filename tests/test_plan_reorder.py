@@ -23,8 +23,7 @@ from embedscale.assemble import build, prepare_data, tables_for
 from embedscale.data.loader import ShardLoader
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError, FormatError
-from embedscale.plan.forms import (TableForm, decide_forms, forms_for_run, reordered_tables, table_profile,
-                                   tables_from_profile)
+from embedscale.plan.forms import TableForm, decide_forms, forms_for_run, reordered_tables
 from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, Reordering, plan_reordering, reorder_for_plan
 from embedscale.specs import RunConfig, TableSpec, from_dict, to_dict
@@ -95,12 +94,13 @@ def test_the_frequency_reordering_ranks_rows_by_count_and_the_plan_carries_it(tm
 
 # -- plan, train on 2 ranks, one process, checkpoints ----------------------------------------------------
 
-def _config(tmp_path, data_dir, *, plan="", tt_reorder="frequency", tables=None) -> RunConfig:
+def run_config(tmp_path, data_dir, *, plan="", **model) -> RunConfig:
+    """The small run of these tests (``model``: more ``model.`` keys; ``tables=None`` leaves them out)."""
+    model = {k: v for k, v in model.items() if v is not None}
     return from_dict(RunConfig, {
         "name": "r", "out_dir": str(tmp_path / "runs"),
         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
-        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "tt_reorder": tt_reorder,
-                  **({"tables": tables} if tables else {})},
+        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], **model},
         "train": {"batch_size": 50, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "lr_tt": 0.3,
                   "log_every": 1, "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad",
                   "prefetch": 0},
@@ -108,7 +108,11 @@ def _config(tmp_path, data_dir, *, plan="", tt_reorder="frequency", tables=None)
     })
 
 
-def _rank(rank, world, cfg_dict, run_dir):
+def _config(tmp_path, data_dir, *, plan="", tt_reorder="frequency", tables=None) -> RunConfig:
+    return run_config(tmp_path, data_dir, plan=plan, tt_reorder=tt_reorder, tables=tables)
+
+
+def train_rank(rank, world, cfg_dict, run_dir):
     from embedscale.train.ranks import train_distributed  # in the spawned rank
 
     train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
@@ -155,7 +159,7 @@ def test_a_plan_made_with_tt_reorder_trains_on_two_ranks_like_one_process(tmp_pa
     Reordering.load(plan_dir / PLAN_REORDER_DIR).save(single2 / PLAN_REORDER_DIR)
     workflow.train(_config(tmp_path, data_dir, tables=TT_TABLES), single2, resume=False, progress=False)
     ref2 = load_checkpoint(single2)
-    spawn_local(_rank, 2, to_dict(_config(tmp_path, data_dir, plan=str(plan_dir), tt_reorder="none")),
+    spawn_local(train_rank, 2, to_dict(_config(tmp_path, data_dir, plan=str(plan_dir), tt_reorder="none")),
                 str(tmp_path / "dist"), timeout_s=180)
     got = load_checkpoint(tmp_path / "dist")
     assert got["manifest"]["world_size"] == 2

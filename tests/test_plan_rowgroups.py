@@ -9,10 +9,6 @@ computation and its search against the MILP; the CLI's auto plan against the pro
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,25 +23,16 @@ from embedscale.embedding.optim import rowwise_adagrad_update_
 from embedscale.embedding.tt import TTEmbeddingBag
 from embedscale.errors import ConfigError
 from embedscale.plan.auto import Costs, candidates, hybrid_candidate, search_greedy, search_milp, table_stats, tt_core_bytes
-from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.forms import TableForm, decide_forms, table_bytes
 from embedscale.plan.plan import Plan
 from embedscale.plan.synthetic_profile import ZipfProfile
 from embedscale.reorder import PLAN_REORDER_DIR, Reordering
-from embedscale.specs import RunConfig, TableConfig, TableSpec, Topology, from_dict, to_dict
+from embedscale.specs import RunConfig, TableConfig, TableSpec, to_dict
 from embedscale.train.checkpoint import load_checkpoint
 from embedscale.train.launch import spawn_local
 
 from test_distributed_train import ROWS, STEPS, make_data
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _cli(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
-    return subprocess.run([sys.executable, "-m", "embedscale", *args], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=600)
-
+from test_plan_reorder import _cli, run_config, train_rank
 
 def _bags(n, H, B=6, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -171,22 +158,7 @@ RG_TABLES = [{"name": f"t_C{i + 1}", "num_rows": r, "dim": 4, "features": [f"C{i
 
 
 def _config(tmp_path, data_dir, *, plan="", tables=RG_TABLES) -> RunConfig:
-    return from_dict(RunConfig, {
-        "name": "g", "out_dir": str(tmp_path / "runs"),
-        "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
-        "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], **({"tables": tables} if tables else {})},
-        "train": {"batch_size": 50, "max_steps": STEPS, "lr_dense": 0.1, "lr_sparse": 0.3, "lr_tt": 0.3,
-                  "log_every": 1, "sparse_optimizer": "rowwise_adagrad", "dense_optimizer": "adagrad",
-                  "prefetch": 0},
-        "dist": {"plan": plan, "timeout_s": 60},
-    })
-
-
-def _rank(rank, world, cfg_dict, run_dir):
-    from embedscale.train.ranks import train_distributed  # in the spawned rank
-
-    train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
-    return True
+    return run_config(tmp_path, data_dir, plan=plan, tables=tables)
 
 
 def test_a_row_group_table_trains_on_two_ranks_like_one_process_and_evaluates(tmp_path):
@@ -205,7 +177,7 @@ def test_a_row_group_table_trains_on_two_ranks_like_one_process_and_evaluates(tm
     workflow.train(_config(tmp_path, data_dir, tables=whole), tmp_path / "whole", resume=False, progress=False)
     assert not np.allclose(load_checkpoint(tmp_path / "whole")["losses"], ref["losses"], rtol=0, atol=1e-5)
 
-    spawn_local(_rank, 2, to_dict(_config(tmp_path, data_dir, plan="oper")), str(tmp_path / "dist"), timeout_s=180)
+    spawn_local(train_rank, 2, to_dict(_config(tmp_path, data_dir, plan="oper")), str(tmp_path / "dist"), timeout_s=180)
     got = load_checkpoint(tmp_path / "dist")
     assert got["manifest"]["world_size"] == 2
     plan = Plan.load(tmp_path / "dist" / "plan")
