@@ -188,8 +188,10 @@ def plans():
         for s in ("table_wise", "row_wise"):
             out[f"{s}-{W}"] = make_plan(s, TABLES, prof, topo)
         for mode in ("training", "inference"):
+            # OPER's eq. 3 / 5 costs: its training rule replicates the hot head (the executor's costs do not on
+            # one host, plan.oper), which this test needs
             out[f"oper-{mode}-{W}"] = make_plan("oper", TABLES, prof, topo, mode=mode, extra_memory=0.3,
-                                                batch_size=64)
+                                                batch_size=64, traffic="access")
     return out
 
 

@@ -54,7 +54,7 @@ def test_drift_detects_shift_and_counts_moves():
     old = ZipfProfile.from_tables(tabs, alpha=1.2, samples=50_000, seed=0)
     new = ZipfProfile.from_tables(tabs, alpha=1.2, samples=50_000, seed=1)  # same skew, other hot rows
     topo = Topology(num_hosts=1, ranks_per_host=4, intra_host_latency_us=0.0)
-    plan = make_plan("oper", tabs, old, topo, mode="inference", batch_size=512)
+    plan = make_plan("oper", tabs, old, topo, mode="inference", batch_size=512, traffic="access")
     same = drift(plan, old, topo)
     assert same["replan"] is False and same["rows_moved"] == 0
     assert same["after"]["max_rank_cost"] == pytest.approx(same["before"]["max_rank_cost"])
@@ -64,7 +64,7 @@ def test_drift_detects_shift_and_counts_moves():
     assert shifted["replanned"]["max_rank_cost"] < shifted["after"]["max_rank_cost"]
     assert 0 < shifted["rows_moved"] <= 4500
     # rows_moved counts exactly the rows whose owner differs
-    fresh = make_plan("oper", tabs, new, topo, mode="inference", batch_size=512)
+    fresh = make_plan("oper", tabs, new, topo, mode="inference", batch_size=512, traffic="access")
     expect = sum(int((plan.address_map(t)[0] != fresh.address_map(t)[0]).sum()) for t in range(2))
     assert rows_moved(plan, fresh)["rows_moved"] == expect
 

@@ -105,7 +105,7 @@ def test_no_plan_beats_the_bound(seed, mode):
         plan = _random_plan(rng, tables, m, cap)
         c = evaluate(plan, prof, t, mode=mode, batch_size=4)
         assert c.max_rank_cost >= b["max_rank_cost"] * (1 - 1e-9)
-    op = make_plan("oper", tables, prof, t, mode=mode, extra_memory=float(cap * m / total - 1), batch_size=4)
+    op = make_plan("oper", tables, prof, t, mode=mode, extra_memory=float(cap * m / total - 1), batch_size=4, traffic="access")
     bo = lower_bound(tables, prof, t, mode=mode, batch_size=4, capacity_bytes=op.meta["capacity_bytes"])
     assert evaluate(op, prof, t, mode=mode, batch_size=4).max_rank_cost >= bo["max_rank_cost"] * (1 - 1e-9)
 
@@ -129,7 +129,7 @@ def test_oper_reaches_the_bound_in_training_on_a_uniform_machine():
     tables = [TableSpec(f"t{i}", n, dim=16) for i, n in enumerate([20000, 5000, 300, 40])]
     prof = ZipfProfile.from_tables(tables, alpha=1.1, samples=100_000, seed=0)
     t = Topology(num_hosts=1, ranks_per_host=4)
-    plan = make_plan("oper", tables, prof, t, mode="training", batch_size=2048, extra_memory=0.2)
+    plan = make_plan("oper", tables, prof, t, mode="training", batch_size=2048, extra_memory=0.2, traffic="access")
     c = evaluate(plan, prof, t, mode="training", batch_size=2048)
     b = lower_bound(tables, prof, t, mode="training", batch_size=2048, capacity_bytes=plan.meta["capacity_bytes"])
     assert b["rows_worth_replicating"] == plan.meta["replicated_rows_everywhere"] == 648

@@ -84,7 +84,7 @@ def test_plan_milp_is_a_valid_plan_no_worse_than_oper():
         cm = evaluate(mp, prof, topo, mode=mode, batch_size=100)
         assert mp.meta["milp"]["optimal"]
         assert cm.max_rank_cost == pytest.approx(mp.meta["milp"]["objective"], rel=1e-6)
-        op = plan_oper(tables, prof, topo, mode=mode, extra_memory=0.25, batch_size=100)
+        op = plan_oper(tables, prof, topo, mode=mode, extra_memory=0.25, batch_size=100, traffic="access")
         co = evaluate(op, prof, topo, mode=mode, batch_size=100)
         assert cm.max_rank_cost <= co.max_rank_cost * (1 + 1e-9)
 
@@ -99,7 +99,7 @@ def test_oper_within_two_percent_of_the_optimum(mode, extra):
     topo = Topology(num_hosts=1, ranks_per_host=2, intra_host_latency_us=0.0)
     mp = plan_milp(tables, prof, topo, mode=mode, extra_memory=extra, batch_size=4096, time_limit=30)
     assert mp.meta["milp"]["optimal"]
-    op = plan_oper(tables, prof, topo, mode=mode, extra_memory=extra, batch_size=4096)
+    op = plan_oper(tables, prof, topo, mode=mode, extra_memory=extra, batch_size=4096, traffic="access")
     opt = evaluate(mp, prof, topo, mode=mode, batch_size=4096).max_rank_cost
     got = evaluate(op, prof, topo, mode=mode, batch_size=4096).max_rank_cost
     assert opt <= got <= 1.02 * opt

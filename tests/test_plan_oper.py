@@ -122,7 +122,7 @@ def test_training_replicates_exactly_the_rows_above_the_frequency_threshold():
     counts = np.array([0, 60, 51, 50, 49, 30, 10, 0])  # over 100 samples: f = 0.6, 0.51 qualify; 0.5 does not
     tabs = [TableSpec("t", 8, dim=1)]
     plan = plan_oper(tabs, ArrayProfile({"t": counts}, samples=100), topo, mode="training", extra_memory=1.0,
-                     batch_size=4)
+                     batch_size=4, traffic="access")
     plan.validate()
     replicated = plan.holders.all(axis=1)[plan.partition_of("t", np.arange(8))]
     assert np.flatnonzero(replicated).tolist() == [1, 2]
@@ -172,7 +172,7 @@ def test_training_fill_uses_the_room_the_everywhere_copies_leave():
     tabs = [TableSpec(f"t{i}", n, dim=16) for i, n in enumerate([20000, 5000, 300, 40])]
     prof = ZipfProfile.from_tables(tabs, alpha=1.1, samples=100_000, seed=0)
     topo = Topology(num_hosts=1, ranks_per_host=4)
-    plan = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048)
+    plan = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048, traffic="access")
     plan.validate()
     assert plan.meta["training_fill"]["replicas"] > 0
     assert 0 < plan.meta["replicated_rows_everywhere"] < 648
@@ -180,7 +180,7 @@ def test_training_fill_uses_the_room_the_everywhere_copies_leave():
     b = lower_bound(tabs, prof, topo, mode="training", batch_size=2048, capacity_bytes=plan.meta["capacity_bytes"])
     assert b["rows_worth_replicating"] == 648
     assert b["max_rank_cost"] <= c.max_rank_cost <= 1.001 * b["max_rank_cost"]
-    bare = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048, fill_rounds=0)
+    bare = plan_oper(tabs, prof, topo, mode="training", extra_memory=0.05, batch_size=2048, fill_rounds=0, traffic="access")
     assert c.max_rank_cost < evaluate(bare, prof, topo, mode="training", batch_size=2048).max_rank_cost
 
 
@@ -188,7 +188,7 @@ def test_threshold_refinement_reaches_the_target():
     tabs = [TableSpec(f"t{i}", n, dim=8) for i, n in enumerate([5000, 300, 20000, 40])]
     prof = ZipfProfile.from_tables(tabs, alpha=1.0, samples=100_000)
     topo = Topology(num_hosts=1, ranks_per_host=4)
-    plan = plan_oper(tabs, prof, topo, mode="inference", threshold=0.05, balance_target=0.99, replicate=False)
+    plan = plan_oper(tabs, prof, topo, mode="inference", threshold=0.05, balance_target=0.99, replicate=False, traffic="access")
     hist = plan.meta["threshold_history"]
     assert len(hist) > 1 and hist[0]["dob_lookup"] < 0.99
     assert hist[-1]["dob_lookup"] >= 0.99 and hist[-1]["dob_memory"] >= 0.99

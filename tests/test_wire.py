@@ -1,6 +1,9 @@
 """Bytes on wire counted by the collective transport per iteration against the prediction from the plan and
 the access profile (embedding.wire), for an OPER plan with replicas and a table-wise plan on 2 ranks, and for
-the OPER plan with the replicas' gradients riding in the all-to-all (grad_sync "alltoall")."""
+the OPER plan with the replicas' gradients riding in the all-to-all (grad_sync "alltoall"); and the replicas'
+sparse AllReduce (grad_sync "local_aggregated") against the cost model's sync (``plan.cost``, traffic "distinct").
+The OPER plans are made by the paper's equations (``traffic="access"``), which replicate the hot head on one
+host; planned against the executor's costs they would not replicate here."""
 
 import numpy as np
 import torch
@@ -13,6 +16,7 @@ from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.plan.api import make_plan
+from embedscale.plan.cost import evaluate
 from embedscale.specs import SyntheticConfig, Topology
 from embedscale.train.launch import spawn_local
 
@@ -30,11 +34,12 @@ def setup():
 def _worker(rank, world, strategy, sync="local_aggregated"):
     gen, tables, profile = setup()
     plan = make_plan(strategy, tables, profile, Topology(ranks_per_host=world), batch_size=B // world,
-                     extra_memory=0.05 if sync == "local_aggregated" else 0.2)
+                     extra_memory=0.05 if sync == "local_aggregated" else 0.2,
+                     **({"traffic": "access"} if strategy == "oper" else {}))
     amap = address_map_from_plan(plan, tables)
     tr = CollectiveTransport()
     emb = ShardedEmbedding(tables, amap, tr, rank, optimizer="sgd", lr=0.01, grad_sync=sync)
-    measured = []
+    measured, synced = [], []
     cols = gen.sample(0, B * STEPS)  # one-hot features: sample s of the stream is row s of each column
     keys = [t.name for t in tables]
     for s in range(STEPS):
@@ -42,9 +47,15 @@ def _worker(rank, world, strategy, sync="local_aggregated"):
         values = torch.from_numpy(np.concatenate([cols.sparse[k][0][lo:hi] for k in keys]))
         jf = JaggedFeatures(keys, values, torch.ones(values.numel(), dtype=torch.int64))
         tr.counter.reset()
+        before = emb.stats.get("grad_sync_bytes", 0)
         emb(jf).sum().backward()
         measured.append(int(tr.counter.sent.sum()))
+        synced.append(emb.stats.get("grad_sync_bytes", 0) - before)
     pred = expected_wire_bytes(amap, tables, profile, B / world, mode="training", grad_sync=sync)
+    if sync == "local_aggregated" and amap.num_slots:  # the sparse AllReduce the cost model charges every rank
+        model = evaluate(plan, profile, Topology(ranks_per_host=world), batch_size=B // world, traffic="distinct")
+        want = model.allreduce_bytes_per_rank[rank]
+        assert abs(np.mean(synced) - want) / want < 0.05, (np.mean(synced), want)
     if sync == "alltoall":
         assert amap.num_slots > 0 and pred["replica_sync"] > 0.1 * pred["total"]  # the replicas weigh in
     return float(np.mean(measured)), (pred["total"] if rank == 0 else 0)

@@ -657,6 +657,10 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
 @click.option("--mode", type=click.Choice(["training", "inference"]), default="training", show_default=True)
 @click.option("--extra-memory", type=float, default=0.05, show_default=True, help="Replication budget (OPER: 5%).")
 @click.option("--batch-size", type=int, default=2048, show_default=True, help="Samples per rank per iteration.")
+@click.option("--traffic", type=click.Choice(["distinct", "access"]), default="distinct", show_default=True,
+              help="What the cost model (and oper) charges: distinct, what the executor moves (a remote row once "
+                   "per batch, replicas synced by a sparse AllReduce over all ranks); access, OPER's eqs. 3 and 5 "
+                   "(every access; a replica's rows all-reduced among its holders).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="plans", show_default=True)
 @click.option("--tt-min-rows", type=int, default=0, show_default=True,
               help="Store tables of at least this many rows as TT tables (EL-Rec: 1000000): replicated on every "
@@ -694,7 +698,7 @@ def _plan_topology(topology_path, hosts, ranks_per_host):
                    "puts them first).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, hosts, ranks_per_host, strategies,
-         mode, extra_memory, batch_size, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
+         mode, extra_memory, batch_size, traffic, out_dir, tt_min_rows, tt_rank, host_min_rows, device_memory, host_memory,
          costs_path, tt_ranks, host_depth, hot_touch, auto_search, tt_reorder, tt_reorder_hot_ratio, reorder_data,
          no_row_groups, as_json):
     """Place every row of every table on the ranks (OPER) and compare strategies on one cost model.
@@ -746,7 +750,7 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
         forms = decide_forms(tables, requests=requests, tt_min_rows=tt_min_rows, tt_rank=tt_rank,
                              host_min_rows=host_min_rows)
         rep = plan_command(tables, prof, topo, list(strategies), out_dir, mode, extra_memory, json_output=as_json,
-                           batch_size=batch_size, forms=forms)
+                           batch_size=batch_size, forms=forms, traffic=traffic)
         for name, e in rep["strategies"].items():
             if "error" not in e and (Path(out_dir) / name / "plan.json").exists():
                 _attach_reordering(Path(out_dir) / name, tables, profile_path, tt_reorder, tt_reorder_hot_ratio,

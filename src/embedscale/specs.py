@@ -412,6 +412,7 @@ class DistConfig:
     plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ..., auto: dist.device_memory below) or the path of a saved plan
     mode: str = "training"  # the plan's mode: training | inference
     extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
+    oper_traffic: str = "distinct"  # plan oper against: distinct (what the executor moves) | access (OPER eq. 3, 5)
     design: str = "retrieve"  # retrieve | send
     transport: str = "collective"  # collective (pgas: issue 5)
     grad_sync: str = "local_aggregated"  # local_aggregated | dense | allgather | alltoall (retrieve, collective)
@@ -599,6 +600,7 @@ CHOICES.update({
     TrainConfig: {"dense_optimizer": ("sgd", "adagrad", "adam"), "sparse_optimizer": ("sgd", "rowwise_adagrad"),
                   "pipeline_server": ("per-rank", "shared"), "early_stopping_metric": ("auc", "logloss", "ne")},
     DistConfig: {"mode": ("training", "inference"), "design": ("retrieve", "send"),
+                 "oper_traffic": ("distinct", "access"),
                  "transport": ("collective", "pgas"),
                  "grad_sync": ("local_aggregated", "dense", "allgather", "alltoall")},
 })

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_write_json
 from embedscale.plan.baselines import BASELINES, plan_baseline
-from embedscale.plan.cost import check_mode, evaluate
+from embedscale.plan.cost import check_mode, check_traffic, evaluate
 from embedscale.plan.forms import SHARDED, TableForm, replicated_tables_meta, table_profile
 from embedscale.plan.oper import plan_oper
 from embedscale.plan.plan import Plan
@@ -129,8 +129,12 @@ def _split_tt(tables, forms: Mapping[str, TableForm]) -> tuple[list, list]:
 
 def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableForm] | None = None,
             mode: str = "training", extra_memory: float = 0.05, batch_size: int = 2048,
-            options: dict[str, dict] | None = None, keep_plans: bool = False) -> dict[str, Any]:
+            options: dict[str, dict] | None = None, keep_plans: bool = False,
+            traffic: str = "distinct") -> dict[str, Any]:
     """Plan with every strategy and evaluate all on one cost model (OPER eqs. 1-5).
+
+    ``traffic``: the cost model's volumes (``plan.cost``): ``distinct`` (default), what the executor moves and
+    syncs, or ``access``, OPER's eqs. 3 and 5 as printed; ``oper`` plans against the same.
 
     A strategy that fails (TorchRec missing, MILP too big) gets ``{"error": message}``; the others
     still run. Returns ``{"config": ..., "strategies": {name: entry}}`` (+ ``"plans"`` if ``keep_plans``).
@@ -142,8 +146,10 @@ def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableF
     profile = table_profile(resolve_profile(profile, tables), sharded)
     topo = resolve_topology(topology)
     options = options or {}
+    check_traffic(traffic)
     out: dict[str, Any] = {
         "config": {"mode": mode, "batch_size": int(batch_size), "extra_memory": float(extra_memory),
+                   "traffic": traffic,
                    "world_size": topo.world_size, "num_hosts": topo.num_hosts, "ranks_per_host": topo.ranks_per_host,
                    "tables": len(tables), "rows": int(sum(t.num_rows for t in tables)),
                    "profile": getattr(profile, "spec", lambda: type(profile).__name__)()},
@@ -159,8 +165,11 @@ def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableF
         if name not in STRATEGIES:
             raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
         try:
+            opts = dict(options.get(name, {}))
+            if name == "oper":
+                opts.setdefault("traffic", traffic)
             plan = make_plan(name, tables, profile, topo, forms=forms, mode=mode, extra_memory=extra_memory,
-                             batch_size=batch_size, **options.get(name, {}))
+                             batch_size=batch_size, **opts)
         except EmbedscaleError as e:
             out["strategies"][name] = {"error": str(e)}
             continue
@@ -168,7 +177,7 @@ def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableF
         # one, counts: oper at 0% extra may overshoot by one partition)
         cap = max(budget, float(plan.meta.get("capacity_bytes") or 0.0))
         cost = evaluate(plan, profile, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts,
-                        capacity_bytes=cap)
+                        capacity_bytes=cap, traffic=traffic)
         out["strategies"][name] = strategy_entry(plan, cost)
         plans[name] = plan
     if keep_plans:
@@ -179,13 +188,13 @@ def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableF
 def plan_command(tables, profile, topology, strategies=("oper",), out_dir="plans", mode: str = "training",
                  extra_memory: float = 0.05, json_output: bool = False, batch_size: int = 2048, png: bool = True,
                  options: dict[str, dict] | None = None,
-                 forms: Mapping[str, TableForm] | None = None) -> dict[str, Any]:
+                 forms: Mapping[str, TableForm] | None = None, traffic: str = "distinct") -> dict[str, Any]:
     """``embedscale plan``: write ``out_dir/<strategy>/`` (the plan files), ``report.json``, ``report.md``
     and ``report.png``; with ``json_output`` print the report as one JSON line on stdout. ``forms``: as
     :func:`make_plan`."""
     out = Path(out_dir)
     report = compare(strategies, tables, profile, topology, forms=forms, mode=mode, extra_memory=extra_memory,
-                     batch_size=batch_size, options=options, keep_plans=True)
+                     batch_size=batch_size, options=options, keep_plans=True, traffic=traffic)
     plans = report.pop("plans")
     for name, plan in plans.items():
         plan.save(out / name)

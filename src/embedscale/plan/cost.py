@@ -16,6 +16,22 @@ from rank ``j`` (``Plan.fetch``):
   and a row held by ``h > 1`` ranks is all-reduced among them every iteration:
   ``2 (h-1)/h * S_k / BW_AR`` per holder (eq. 5; ``h = M`` in the paper).
 
+What the executor pays (``traffic="distinct"``: the ``oper`` planner's default, the plan command's report,
+a run's summary; issue 16 part 5). Eq. 3 charges every access, while the executor (``embedding.sharded``) fetches a remote
+row once per batch however often the batch reads it (OPER 5.1) and synchronises replicas with one sparse
+AllReduce over *all* ranks (OPER 5.3, ``embedding.grad_sync``, ``local_aggregated``), whoever holds them.
+So with ``n_k`` the table's lookups per rank batch and ``u_k = 1 - (1 - p_k) ** n`` the probability that
+row ``k`` (``p_k`` its share of the table's accesses) is in a rank's batch, ``U_k`` the same for the
+global batch (``M n`` lookups):
+
+* eqs. 2-4 move ``S_k * u_k`` bytes per iteration where eq. 3 charges ``S_k * A_k``;
+* the replicas' sync costs every rank ``2 (M-1)/M * (R/8 + sum_{k replicated} U_k S_k) / BW_AR``
+  (``R`` replicated rows: the union bitmap, then the touched rows' gradients), where eq. 5 charges
+  ``2 (h-1)/h * S_k`` per holder for every replicated row.
+
+``traffic="access"`` (``evaluate``'s default) is the paper's model, kept to reproduce it (OPER Table 2), for
+the MILP and the lower bound, and for the online re-plan rule (``plan.drift``).
+
 Costs are microseconds per iteration (``L`` is microseconds per byte, see ``topology``), amounts are
 bytes per iteration. The degree of balance (DoB) of a per-rank quantity is ``min / max`` (OPER
 Table 3). A rank's communication cost is what it waits for: its fetches (and gradient pushes) from
@@ -36,6 +52,24 @@ from embedscale.errors import ConfigError
 from embedscale.plan.topology import LinkTopology, as_link_topology
 
 MODES = ("training", "inference")
+TRAFFIC = ("distinct", "access")
+
+
+def check_traffic(traffic: str) -> str:
+    if traffic not in TRAFFIC:
+        raise ConfigError(f"traffic {traffic!r} is not one of {TRAFFIC} (distinct: what the executor moves, a "
+                          "remote row once per batch; access: OPER's eq. 3, every access)")
+    return traffic
+
+
+def batch_presence(counts: np.ndarray, lookups: float) -> np.ndarray:
+    """``u_k = 1 - (1 - p_k) ** n``: the probability that row ``k`` is in a batch of ``n`` lookups of its table,
+    ``p_k = c_k / sum(c)`` (float64; zeros when the table was never read)."""
+    c = np.asarray(counts, dtype=np.float64)
+    tot = float(c.sum())
+    if tot <= 0:
+        return np.zeros(c.shape)
+    return -np.expm1(float(lookups) * np.log1p(-np.minimum(c / tot, 1.0)))
 
 
 def check_mode(mode: str) -> str:
@@ -74,6 +108,22 @@ def partition_counts(plan, profile) -> np.ndarray:
         srt = c if o is None else c[o]
         sl = plan.table_partitions(t)
         out[sl] = np.add.reduceat(srt.astype(np.float64, copy=False), plan.part_start[sl])
+    return out
+
+
+def partition_distinct(plan, profile, batch_size: int, world: int = 1) -> np.ndarray:
+    """Expected distinct rows of every partition of ``plan`` in a batch of ``world * batch_size`` samples
+    (``sum_k u_k`` over its rows, see :func:`batch_presence`), float64 ``[P]``; ``world=1``: a rank's batch,
+    ``world=M``: the global batch (the replicas' sync)."""
+    samples = profile_samples(profile)
+    out = np.zeros(plan.num_partitions, dtype=np.float64)
+    for t, tab in enumerate(plan.tables):
+        c = table_counts(profile, tab.name, tab.num_rows).astype(np.float64, copy=False)
+        u = batch_presence(c, c.sum() * world * batch_size / samples)
+        o = plan.rows_by_partition[t]
+        srt = u if o is None else u[o]
+        sl = plan.table_partitions(t)
+        out[sl] = np.add.reduceat(srt, plan.part_start[sl])
     return out
 
 
@@ -196,6 +246,7 @@ def evaluate_arrays(
     mode: str,
     batch_size: int = 1,
     capacity_bytes=None,
+    sync_rows: np.ndarray | None = None,
 ) -> Cost:
     """Equations (1)-(5) on partition aggregates.
 
@@ -206,6 +257,10 @@ def evaluate_arrays(
         holders, fetch: ``[P, M]`` as in ``Plan``.
         topology: ``LinkTopology`` (or ``specs.Topology``).
         mode: ``training`` (gradients and AllReduce) or ``inference`` (forward only).
+        sync_rows: ``None``: eq. 5, a replicated partition's rows all-reduced among its holders. Given
+            (``[P]``, expected rows of each partition in the global batch, :func:`partition_distinct`): the
+            executor's sync, every rank all-reducing the replicas' bitmap and the touched replica rows
+            (``part_access`` is then the distinct rows a rank's batch reads, ``traffic="distinct"``).
     """
     check_mode(mode)
     topo: LinkTopology = as_link_topology(topology)
@@ -229,8 +284,13 @@ def evaluate_arrays(
         link_bytes, link_cost = 2.0 * fwd, 2.0 * fwd_cost  # eq. 4: gradients return over the same link
         lat = 2.0 * lat
         h = holders.sum(axis=1).astype(np.float64)
-        arb = np.where(h > 1, 2.0 * (h - 1) / np.maximum(h, 1) * part_rows * s, 0.0)  # eq. 5 per holder
-        ar_bytes = holders.T.astype(np.float64) @ arb
+        if sync_rows is None:
+            arb = np.where(h > 1, 2.0 * (h - 1) / np.maximum(h, 1) * part_rows * s, 0.0)  # eq. 5 per holder
+            ar_bytes = holders.T.astype(np.float64) @ arb
+        else:  # the executor's sparse AllReduce over all ranks (OPER 5.3): bitmap, then the touched rows
+            rep = h > 1
+            sync = float(np.ceil(part_rows[rep].sum() / 8) + (np.asarray(sync_rows)[rep] * s[rep]).sum())
+            ar_bytes = np.full(m, 2.0 * (m - 1) / m * sync if rep.any() and m > 1 else 0.0)
         ar_cost = ar_bytes / (topo.allreduce_bw * 1e3)
     else:
         link_bytes, link_cost = fwd, fwd_cost
@@ -244,13 +304,15 @@ def evaluate_arrays(
 
 
 def evaluate(plan, profile, topology, *, mode: str = "training", batch_size: int = 2048,
-             part_counts: np.ndarray | None = None, capacity_bytes=None) -> Cost:
+             part_counts: np.ndarray | None = None, capacity_bytes=None, traffic: str = "access") -> Cost:
     """Evaluate ``plan`` on ``profile`` and ``topology`` (OPER eqs. 1-5).
 
-    ``part_counts`` (per-partition access counts) skips reading the profile when already known.
-    ``capacity_bytes`` defaults to the plan's ``meta["capacity_bytes"]``.
+    ``traffic``: ``distinct`` (what the executor moves and syncs, see the module docstring) or ``access``
+    (OPER's eqs. 3 and 5 as printed; ``part_counts``, per-partition access counts, then skips reading the
+    profile when already known). ``capacity_bytes`` defaults to the plan's ``meta["capacity_bytes"]``.
     """
     check_mode(mode)
+    check_traffic(traffic)
     if batch_size <= 0:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     topo = as_link_topology(topology)
@@ -262,8 +324,14 @@ def evaluate(plan, profile, topology, *, mode: str = "training", batch_size: int
     access = np.asarray(part_counts, dtype=np.float64) * (batch_size / samples)
     rb = np.array([t.row_bytes for t in plan.tables], dtype=np.float64)
     cap = capacity_bytes if capacity_bytes is not None else plan.meta.get("capacity_bytes")
+    sync = None
+    if traffic == "distinct":
+        if profile is None:
+            raise ConfigError("evaluate: traffic 'distinct' needs the access profile (per-row counts)")
+        access = partition_distinct(plan, profile, batch_size)
+        sync = partition_distinct(plan, profile, batch_size, topo.world_size) if mode == "training" else None
     return evaluate_arrays(plan.part_table, plan.part_rows.astype(np.float64), access, rb, plan.holders, plan.fetch,
-                           topo, mode, batch_size, cap)
+                           topo, mode, batch_size, cap, sync_rows=sync)
 
 
 def training_replication_threshold(topology, batch_size: int) -> float:

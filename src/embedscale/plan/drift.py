@@ -93,7 +93,7 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
     mode = mode or plan.meta.get("mode", "training")
     batch_size = int(batch_size or plan.meta.get("batch_size", 2048))
     if old_profile is not None:
-        before = evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size)
+        before = evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size, traffic="access")
     elif plan.part_counts is not None:
         samples = plan.meta.get("samples", 1)
 
@@ -102,10 +102,11 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
 
         prof = _Stored()
         prof.samples = samples
-        before = evaluate(plan, prof, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts)
+        before = evaluate(plan, prof, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts,
+                          traffic="access")
     else:
         raise ConfigError("drift: the plan stores no part_counts; pass old_profile")
-    after = evaluate(plan, new_profile, topo, mode=mode, batch_size=batch_size)
+    after = evaluate(plan, new_profile, topo, mode=mode, batch_size=batch_size, traffic="access")
     out: dict[str, Any] = {
         "mode": mode,
         "batch_size": batch_size,
@@ -122,8 +123,11 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
             strat = "oper"
         extra = dict(opts)
         extra.setdefault("extra_memory", plan.meta.get("extra_memory", 0.05))
+        if strat == "oper":
+            extra.setdefault("traffic", "access")
         fresh = make_plan(strat, plan.tables, new_profile, topo, mode=mode, batch_size=batch_size, **extra)
-        fresh_cost = evaluate(fresh, new_profile, topo, mode=mode, batch_size=batch_size, part_counts=fresh.part_counts)
+        fresh_cost = evaluate(fresh, new_profile, topo, mode=mode, batch_size=batch_size, part_counts=fresh.part_counts,
+                              traffic="access")
         gain = 1.0 - fresh_cost.max_rank_cost / after.max_rank_cost if after.max_rank_cost > 0 else 0.0
         out["replanned"] = _figures(fresh_cost)
         out["replan_strategy"] = strat

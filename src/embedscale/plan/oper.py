@@ -10,6 +10,14 @@
    re-pointing fetch paths to the cheapest holder (4.3). Training: the memory step 1's all-rank copies
    left free takes single copies of partitions that still pass 4.3's test (``replicate.training_fill``).
 5. Polish (our addition): partition moves and swaps that lower the largest per-rank cost.
+
+Every step weighs what the executor pays (``traffic="distinct"``, the default; issue 16 part 5): a
+partition's volume is the distinct rows a rank's batch reads of it (a remote row is fetched once per batch,
+OPER 5.1), not its accesses (eq. 3), and a replica costs every rank the sparse AllReduce of its touched rows
+(OPER 5.3, all ranks take part), not eq. 5's dense AllReduce among its holders (``plan.cost``). Step 1's
+rule becomes, per row, ``u_k L_P2P > U_k / BW_AR`` (``u_k`` / ``U_k``: the probability the row is in a rank's /
+the global batch): on one host with ``BW_AR = BW_P2P`` no row passes, since a replicated row is all-reduced
+in every batch that any rank read it. ``traffic="access"`` plans by the paper's equations.
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ import time
 import numpy as np
 
 from embedscale.errors import ConfigError
-from embedscale.plan.cost import check_mode, dob, evaluate_arrays, profile_samples, training_replication_threshold
-from embedscale.plan.partition import Partitions, partition_tables, sort_tables
+from embedscale.plan.cost import (check_mode, check_traffic, dob, evaluate_arrays, profile_samples,
+                                  training_replication_threshold)
+from embedscale.plan.partition import Partitions, distinct_of, partition_tables, sort_tables
 from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition, polish
 from embedscale.plan.plan import Plan
 from embedscale.plan.replicate import algorithm1, training_fill, training_hot_rows
@@ -65,6 +74,7 @@ def plan_oper(
     alg1_order: str = "max_comm",
     alg1_choice: str = "best_gain",
     sorted_tables=None,
+    traffic: str = "distinct",
 ) -> Plan:
     """Plan with OPER (section 4). See the module docstring for the steps.
 
@@ -86,9 +96,12 @@ def plan_oper(
             (``place.polish``, our addition; 0 = OPER's steps only).
         fill_rounds: training: at most this many rounds of ``replicate.training_fill`` + polish (0: none,
             OPER's all-rank copies only).
+        traffic: ``distinct`` (plan against what the executor moves and syncs) or ``access`` (OPER's eqs. 3
+            and 5); see the module docstring.
     """
     t0 = time.perf_counter()
     check_mode(mode)
+    check_traffic(traffic)
     if batch_size <= 0:
         raise ConfigError(f"batch_size must be positive, got {batch_size}")
     if not 0 < balance_target <= 1:
@@ -109,6 +122,18 @@ def plan_oper(
     lb = topo.cost_matrix()
     local = np.diag(lb).copy()
     scale = batch_size / samples  # count -> accesses per rank per iteration
+    distinct = traffic == "distinct"
+    ar_us = 1.0 / (topo.allreduce_bw * 1e3)  # us per byte of the AllReduce
+    off = ~np.eye(m, dtype=bool)
+    p2p_us = float(lb[off].mean()) if m > 1 else 0.0  # a fetch's us per byte, on average over the links
+
+    def volume(table, start, stop, counts):
+        """Per partition: rows every rank reads per iteration (distinct rows, or accesses)."""
+        return distinct_of(st, table, start, stop, scale) if distinct else counts * scale
+
+    def sync_rows(table, start, stop):
+        """Per partition: rows in the global batch (the replicas' sync), or None (eq. 5)."""
+        return distinct_of(st, table, start, stop, scale * m) if distinct and mode == "training" else None
 
 
     # 1. training: rows worth replicating everywhere (eqs. 4-5), hottest per byte within the budget
@@ -121,9 +146,14 @@ def plan_oper(
         budget = max(0.0, (m * float(place_cap.min()) - total_bytes) / (m - 1))
         for t in st:
             pre = t.prefix()
-            heads.append(np.diff(pre[: t.count_above(f_thr * samples, pre) + 1]))
+            if distinct:
+                k = _distinct_hot_count(t, scale, m, ar_us / p2p_us if p2p_us > 0 else np.inf, pre)
+                heads.append(np.diff(pre[: k + 1]))
+            else:
+                heads.append(np.diff(pre[: t.count_above(f_thr * samples, pre) + 1]))
             del pre
-        hot = training_hot_rows(heads, rb, f_thr * samples, budget, m)
+        thr_count = -1.0 if distinct else f_thr * samples  # distinct: heads hold exactly the rows that pass
+        hot = training_hot_rows(heads, rb, thr_count, budget, m)
     history: list[dict] = []
 
     def build(parts: Partitions, owner: np.ndarray) -> dict:
@@ -144,14 +174,17 @@ def plan_oper(
         holders[is_rep] = True
         fetch = np.where(holders, np.arange(m, dtype=np.int32)[None, :], own[:, None]).astype(np.int32)
         alg1 = None
+        acc = volume(table, start, stop, counts)
         if mode == "inference" and replicate and m > 1:  # 4. Algorithm 1
             nbytes = (stop - start) * rb[table]
             avail = cap - (holders * nbytes[:, None]).sum(axis=0)
-            alg1 = algorithm1(holders, fetch, counts * scale * rb[table], nbytes, lb, avail,
+            alg1 = algorithm1(holders, fetch, acc * rb[table], nbytes, lb, avail,
                               exhaust_links=exhaust_links, order=alg1_order, choice=alg1_choice)
-        cost = evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
+        sync = sync_rows(table, start, stop)
+        cost = evaluate_arrays(table, (stop - start).astype(np.float64), acc, rb, holders, fetch, topo, mode,
+                               sync_rows=sync)
         return {"table": table, "start": start, "stop": stop, "own": own, "counts": counts, "holders": holders,
-                "fetch": fetch, "alg1": alg1, "cost": cost}
+                "fetch": fetch, "alg1": alg1, "cost": cost, "access": acc, "sync": sync}
 
     attempt = 0
     while True:
@@ -159,12 +192,14 @@ def plan_oper(
             t.skip = int(k)
             t.skip_count = float(heads[i][:k].sum()) if k else 0.0
         rep_bytes = float((hot * rb).sum())
-        rep_access = np.array([t.skip_count for t in st]) * scale  # per rank, looked up locally
+        rep_access = (distinct_of(st, np.arange(len(st)), np.zeros(len(st), dtype=np.int64), hot, scale) if distinct
+                      else np.array([t.skip_count for t in st]) * scale)  # per rank, looked up locally
         base_lookup = np.full(m, float((rep_access * rb).sum())) * local
         base_mem = np.full(m, rep_bytes)
         try:
             best, thr_used = _refine(st, topo, place_cap, base_lookup, base_mem, scale, local, threshold, mem_thr,
-                                     balance_target, min_threshold, max_partitions, history, build)
+                                     balance_target, min_threshold, max_partitions, history, build,
+                                     volume=volume)
             break
         except ConfigError:
             if hot.sum() == 0:
@@ -173,14 +208,17 @@ def plan_oper(
             # give back one partition's worth of budget, then halve, and retry
             attempt += 1
             budget = budget - slack if attempt <= 8 else budget / 2
-            hot = training_hot_rows(heads, rb, f_thr * samples, budget, m) if budget > 0 else np.zeros_like(hot)
+            hot = training_hot_rows(heads, rb, thr_count, budget, m) if budget > 0 else np.zeros_like(hot)
     table, start, stop, own, counts = best["table"], best["start"], best["stop"], best["own"], best["counts"]
     holders, fetch, alg1 = best["holders"], best["fetch"], best["alg1"]
     nbytes = (stop - start) * rb[table]
-    vol = counts * scale * rb[table]
+    acc, sync = best["access"], best["sync"]
+    vol = acc * rb[table]
+    sync_vol = None if sync is None else 2.0 * (m - 1) / m * sync * rb[table]  # bytes per rank if replicated
 
     def current():
-        return evaluate_arrays(table, (stop - start).astype(np.float64), counts * scale, rb, holders, fetch, topo, mode)
+        return evaluate_arrays(table, (stop - start).astype(np.float64), acc, rb, holders, fetch, topo, mode,
+                               sync_rows=sync)
 
     def polish_singles(stats: dict) -> int:
         """5. Our addition: moves and swaps of single-holder partitions that lower the largest per-rank cost."""
@@ -219,7 +257,7 @@ def plan_oper(
                                           own[~everywhere][:, None])
             c0 = current()
             f = training_fill(holders, fetch, vol, nbytes, lb, cap - c0.memory_per_rank,
-                              c0.total_per_rank - c0.latency_per_rank, topo.allreduce_bw)
+                              c0.total_per_rank - c0.latency_per_rank, topo.allreduce_bw, sync_volume=sync_vol)
             again: dict = {}
             n = polish_singles(again) if f["replicas"] else 0
             add_stats(again)
@@ -243,7 +281,8 @@ def plan_oper(
         "memory_threshold": min(thr_used, mem_thr),
         "threshold_history": history,
         "balance_target": balance_target,
-        "training_freq_threshold": f_thr if mode == "training" else None,
+        "training_freq_threshold": f_thr if mode == "training" and not distinct else None,
+        "traffic": traffic,
         "replicated_rows_everywhere": int(hot.sum()),
         "replication_budget_bytes": budget,
         "algorithm1": alg1,
@@ -258,8 +297,37 @@ def plan_oper(
     return plan
 
 
+def _distinct_hot_count(t, scale: float, m: int, ratio: float, pre: np.ndarray) -> int:
+    """Leading rows of sorted table ``t`` worth replicating on every rank for training when traffic is what the
+    executor moves: ``u_k / U_k > ratio`` (``ratio = (1 / BW_AR) / L_P2P``; ``u_k``, ``U_k``: the row in a rank's,
+    in the global batch, ``cost.batch_presence``). Replicated, a row costs every rank its sparse AllReduce in
+    every batch any rank read it (``2 (M-1)/M U_k S``); left single, the ``M-1`` other ranks each fetch it and
+    push its gradient when their batch reads it (``2 u_k S``, summed over ranks). ``u / U`` grows with the count,
+    so the rows that pass are a prefix of the order: binary search."""
+    if not np.isfinite(ratio) or ratio >= 1.0 or t.total <= 0:
+        return 0
+    n = scale * t.total
+
+    def passes(i: int) -> bool:
+        p = min((pre[i + 1] - pre[i]) / t.total, 1.0)
+        if p <= 0:
+            return False
+        lu = np.log1p(-p)
+        u, big = -np.expm1(n * lu), -np.expm1(n * m * lu)
+        return bool(u > ratio * big)
+
+    lo, hi = 0, t.num_rows  # rows [0, lo) pass, rows [hi, n) do not
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if passes(mid):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
 def _refine(st, topo, cap, base_lookup, base_mem, scale, local, threshold, mem_thr, target, min_threshold,
-            max_partitions, history, build, patience=2):
+            max_partitions, history, build, patience=2, volume=None):
     """Partition (4.1), balanced model parallelism (4.2) and replication (4.3, via ``build``), halving the
     threshold until the degree of balance of memory, lookup and communication of the finished plan all
     reach ``target`` (4.2: "re-generate new partitions ... with a smaller threshold"), or ``patience``
@@ -272,7 +340,7 @@ def _refine(st, topo, cap, base_lookup, base_mem, scale, local, threshold, mem_t
     stale = 0  # halvings since the best plan improved
     while True:
         parts: Partitions = partition_tables(st, thr, memory_threshold=min(thr, mthr))
-        a = parts.counts * scale
+        a = parts.counts * scale if volume is None else volume(parts.table, parts.start, parts.stop, parts.counts)
         lookup = lookup_cost_per_partition(a, rb[parts.table], local, m)
 
         def describe(q, parts=parts):

@@ -22,6 +22,7 @@ from embedscale.plan.synthetic_profile import ZipfProfile
 
 
 _LAST_PREFIX: tuple[np.ndarray, np.ndarray] | None = None
+_DISTINCT_EPS = 1e-4  # SortedTable.distinct: rows read more often than this per batch get the exact u_k
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SortedTable:
     _native: bool = False  # order came from the profile's own sorted_rows (so its sorted_counts match)
     _prefix: np.ndarray | None = field(default=None, repr=False)
     _profile: object = field(default=None, repr=False)
+    _distinct: dict = field(default_factory=dict, repr=False)  # lookups per batch -> (head, correction prefix)
 
     def sorted_counts(self) -> np.ndarray:
         p = self._profile
@@ -80,6 +82,33 @@ class SortedTable:
     def head_counts(self, k: int) -> np.ndarray:
         """The first ``k`` sorted counts."""
         return np.diff(self.prefix()[: k + 1])
+
+    def distinct(self, start, stop, scale: float) -> np.ndarray:
+        """Expected distinct rows among sorted positions ``[start, stop)`` in a batch of ``scale * total``
+        lookups of this table (``scale``: batch samples / profile samples), ``sum_k u_k`` with
+
+            u_k = 1 - (1 - p_k) ** n,   p_k = c_k / total,   n = scale * total
+
+        the probability that row ``k`` is in the batch (what the executor moves: a remote row once per
+        batch, OPER 5.1; ``embedding.wire``). ``u_k`` is computed exactly on the head of the order, where
+        the batch reads a row more than ``1e-4`` times on average; below that ``u_k`` and the accesses
+        ``A_k = n p_k`` differ by less than ``A_k / 2 < 5e-5 A_k``, so the tail takes ``A_k`` from the
+        count prefix sums: O(head) memory, not O(rows), and cached per ``scale``."""
+        start = np.asarray(start, dtype=np.int64)
+        stop = np.asarray(stop, dtype=np.int64)
+        pre = self.prefix()
+        acc = (pre[stop] - pre[start]) * scale
+        key = float(scale)
+        if key not in self._distinct:
+            head = self.count_above(_DISTINCT_EPS / scale, pre) if scale > 0 else 0
+            c = np.diff(pre[: head + 1])
+            n = scale * self.total
+            u = -np.expm1(n * np.log1p(-np.minimum(c / max(self.total, 1e-300), 1.0)))
+            corr = np.zeros(head + 1)
+            np.cumsum(u - c * scale, out=corr[1:])
+            self._distinct[key] = (head, corr)
+        head, corr = self._distinct[key]
+        return acc + corr[np.minimum(stop, head)] - corr[np.minimum(start, head)]
 
     def cache_prefix(self) -> None:
         self._prefix = self.prefix()
@@ -172,6 +201,22 @@ class Partitions:
     @property
     def rows(self) -> np.ndarray:
         return self.stop - self.start
+
+    def distinct(self, sorted_tables: list[SortedTable], scale: float) -> np.ndarray:
+        """``[P]`` expected distinct rows of each partition in a batch of ``scale`` x the profile's samples
+        (:meth:`SortedTable.distinct`)."""
+        return distinct_of(sorted_tables, self.table, self.start, self.stop, scale)
+
+
+def distinct_of(sorted_tables: list[SortedTable], table, start, stop, scale: float) -> np.ndarray:
+    """Expected distinct rows in a batch of ``scale`` x the profile's samples of each range ``[start, stop)`` of
+    sorted positions of table ``table`` (arrays; :meth:`SortedTable.distinct`)."""
+    table = np.asarray(table)
+    out = np.zeros(table.size)
+    for t in np.unique(table).tolist():
+        i = np.flatnonzero(table == t)
+        out[i] = sorted_tables[t].distinct(np.asarray(start)[i], np.asarray(stop)[i], scale)
+    return out
 
 
 def cut_table(prefix: np.ndarray, start: int, row_bytes: int, thr_count: float, thr_bytes: float):

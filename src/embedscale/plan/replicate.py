@@ -263,6 +263,7 @@ def training_fill(
     allreduce_bw: float,
     grad_factor: float = 2.0,
     max_replicas: int = 100_000,
+    sync_volume: np.ndarray | None = None,
 ) -> dict:
     """Training replicas in the room the all-rank replicas of ``training_hot_rows`` leave (OPER 4.3, eqs. 4-5).
 
@@ -291,6 +292,11 @@ def training_fill(
         total: ``[M]`` each rank's lookup-plus-communication cost (modified in place, latency aside).
         allreduce_bw: ``BW_AR`` in GB/s.
         grad_factor: ``g``, 2 in training (eq. 4).
+        sync_volume: ``None``: eq. 5 as above. Given (``[P]`` bytes each rank sends per iteration to sync the
+            partition once it is replicated: ``2 (M-1)/M U_p S_p``, ``plan.cost``): the executor's sync, a sparse
+            AllReduce over all ranks of the rows the global batch touched (OPER 5.3). Its cost is paid by
+            every rank from the partition's second holder on, and a third holder adds nothing to it; the
+            volumes are then distinct rows (``traffic="distinct"``).
 
     Returns:
         ``{"replicas": count, "bytes": per-rank bytes added}``.
@@ -303,7 +309,16 @@ def training_fill(
     g = float(grad_factor)
     # a copy can only pay when it would even from the costliest source to the cheapest rank
     remote = np.where(~np.eye(m, dtype=bool), cost, 0.0)
-    best_case = vol * (g * remote.max() + loc.max() - loc.min()) - 2.0 * ar * nb
+    sv = None if sync_volume is None else np.asarray(sync_volume, dtype=np.float64)
+
+    def sync_added(q: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """Summed cost one more holder adds to the replicas' sync: eq. 5's ``2 p.mem``, or the executor's
+        sync on all ``m`` ranks when the partition had a single holder."""
+        if sv is None:
+            return 2.0 * ar * nb[q]
+        return np.where(h == 1, m * ar * sv[q], 0.0)
+
+    best_case = vol * (g * remote.max() + loc.max() - loc.min()) - sync_added(np.arange(p), holders.sum(axis=1))
     cand = np.flatnonzero((best_case > 0) & ~holders.all(axis=1))
     added = np.zeros(m)
     count = 0
@@ -312,14 +327,19 @@ def training_fill(
         v, b, hl, f = vol[cand], nb[cand], holders[cand], fetch[cand]
         h = hl.sum(axis=1).astype(np.float64)
         ar_new, ar_old = 2.0 * h / (h + 1) * b * ar, 2.0 * (h - 1) / h * b * ar
+        added_sync = sync_added(cand, h)
         delta = np.zeros((cand.size, m, m))  # [candidate, new holder x, rank]
         gain = np.zeros((cand.size, m))
         for x in range(m):
             src = f[:, x]
-            gain[:, x] = v * (g * cost[x, src] + loc[src] - loc[x]) - 2.0 * ar * b
+            gain[:, x] = v * (g * cost[x, src] + loc[src] - loc[x]) - added_sync
             dx = delta[:, x, :]
-            dx += hl * (ar_new - ar_old)[:, None]  # the holders' AllReduce share grows
-            dx[:, x] += v * (loc[x] - g * cost[x, src]) + ar_new
+            if sv is None:
+                dx += hl * (ar_new - ar_old)[:, None]  # the holders' AllReduce share grows
+                dx[:, x] += ar_new
+            else:  # every rank takes part in the executor's sync, holder or not
+                dx += (added_sync / m)[:, None]
+            dx[:, x] += v * (loc[x] - g * cost[x, src])
             np.subtract.at(dx, (np.arange(cand.size), src), v * loc[src])
             for i in range(m):  # peers that re-point to x (lines 13-20)
                 if i == x:

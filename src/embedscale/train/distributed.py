@@ -318,7 +318,8 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
                                 raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_plan(d.plan, tables, prof, topo, forms=forms, mode=d.mode, extra_memory=d.extra_memory,
-                         batch_size=max(1, cfg.train.batch_size // world))
+                         batch_size=max(1, cfg.train.batch_size // world),
+                         **({"traffic": d.oper_traffic} if d.plan == "oper" else {}))
     if any(f.kind == "tt" for f in forms.values()):  # not sharded: a copy on every rank (EL-Rec VI-B)
         plan.meta["replicated_tables"] = replicated_tables_meta(tables, forms)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
@@ -742,7 +743,7 @@ def plan_figures(run: DistributedRun) -> dict:
     topo = run.plan.meta.get("topology") or {"num_hosts": 1, "ranks_per_host": run.world}
     try:
         cost = evaluate(run.plan, prof, topo, mode=run.plan.meta.get("mode", "training"),
-                        batch_size=max(1, int(b_local)))
+                        batch_size=max(1, int(b_local)), traffic="distinct")
         out.update({"dob_memory": cost.dob_memory, "dob_lookup": cost.dob_lookup, "dob_comm": cost.dob_comm})
     except EmbedscaleError as e:
         out["cost_model_error"] = str(e)

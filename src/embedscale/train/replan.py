@@ -176,7 +176,7 @@ class DriftMonitor:
         rule and its bottleneck cost is within :data:`INCREMENTAL_SLACK` of the fresh plan's; ``report`` is
         updated to describe the plan chosen."""
         inc, _ = incremental_plan(plan, fresh, prof, batch_size=batch)
-        cost = evaluate(inc, prof, topo, mode=mode, batch_size=batch, part_counts=inc.part_counts)
+        cost = evaluate(inc, prof, topo, mode=mode, batch_size=batch, part_counts=inc.part_counts, traffic="access")
         after = report["after"]["max_rank_cost"]
         gain = 1.0 - cost.max_rank_cost / after if after > 0 else 0.0
         balanced = cost.dob_lookup >= DOB_FLOOR and cost.dob_comm >= DOB_FLOOR
