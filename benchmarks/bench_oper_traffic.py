@@ -31,7 +31,7 @@ from embedscale.data.profile import AccessProfile
 from embedscale.plan.cost import evaluate
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
-from embedscale.specs import Topology
+from embedscale.specs import TableSpec, Topology
 
 TRAFFIC = ("access", "distinct")
 
@@ -44,7 +44,9 @@ def _es(*args, cwd: Path) -> None:
 
 def model_bytes(plan: Plan, profile, topo: Topology, per_rank: int) -> dict:
     """Bytes per step (all ranks) each cost model charges: rows and gradients over the links, and the sync."""
-    prof = table_profile(profile, plan.tables)
+    feats = plan.meta.get("features", {})
+    prof = table_profile(profile, [TableSpec(t.name, t.num_rows, dim=t.dim, features=feats.get(t.name, [t.name]))
+                                   for t in plan.tables])
     out = {}
     for traffic in TRAFFIC:
         c = evaluate(plan, prof, topo, batch_size=per_rank, traffic=traffic)

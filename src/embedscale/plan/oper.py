@@ -129,11 +129,11 @@ def plan_oper(
 
     def volume(table, start, stop, counts):
         """Per partition: rows every rank reads per iteration (distinct rows, or accesses)."""
-        return distinct_of(st, table, start, stop, scale) if distinct else counts * scale
+        return distinct_of(st, table, start, stop, scale, counts) if distinct else counts * scale
 
-    def sync_rows(table, start, stop):
+    def sync_rows(table, start, stop, counts):
         """Per partition: rows in the global batch (the replicas' sync), or None (eq. 5)."""
-        return distinct_of(st, table, start, stop, scale * m) if distinct and mode == "training" else None
+        return distinct_of(st, table, start, stop, scale * m, counts) if distinct and mode == "training" else None
 
 
     # 1. training: rows worth replicating everywhere (eqs. 4-5), hottest per byte within the budget
@@ -180,7 +180,7 @@ def plan_oper(
             avail = cap - (holders * nbytes[:, None]).sum(axis=0)
             alg1 = algorithm1(holders, fetch, acc * rb[table], nbytes, lb, avail,
                               exhaust_links=exhaust_links, order=alg1_order, choice=alg1_choice)
-        sync = sync_rows(table, start, stop)
+        sync = sync_rows(table, start, stop, counts)
         cost = evaluate_arrays(table, (stop - start).astype(np.float64), acc, rb, holders, fetch, topo, mode,
                                sync_rows=sync)
         return {"table": table, "start": start, "stop": stop, "own": own, "counts": counts, "holders": holders,
@@ -192,7 +192,8 @@ def plan_oper(
             t.skip = int(k)
             t.skip_count = float(heads[i][:k].sum()) if k else 0.0
         rep_bytes = float((hot * rb).sum())
-        rep_access = (distinct_of(st, np.arange(len(st)), np.zeros(len(st), dtype=np.int64), hot, scale) if distinct
+        rep_access = (distinct_of(st, np.arange(len(st)), np.zeros(len(st), dtype=np.int64), hot, scale,
+                                  [t.skip_count for t in st]) if distinct
                       else np.array([t.skip_count for t in st]) * scale)  # per rank, looked up locally
         base_lookup = np.full(m, float((rep_access * rb).sum())) * local
         base_mem = np.full(m, rep_bytes)

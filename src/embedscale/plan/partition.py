@@ -83,7 +83,7 @@ class SortedTable:
         """The first ``k`` sorted counts."""
         return np.diff(self.prefix()[: k + 1])
 
-    def distinct(self, start, stop, scale: float) -> np.ndarray:
+    def distinct(self, start, stop, scale: float, counts=None) -> np.ndarray:
         """Expected distinct rows among sorted positions ``[start, stop)`` in a batch of ``scale * total``
         lookups of this table (``scale``: batch samples / profile samples), ``sum_k u_k`` with
 
@@ -93,12 +93,13 @@ class SortedTable:
         batch, OPER 5.1; ``embedding.wire``). ``u_k`` is computed exactly on the head of the order, where
         the batch reads a row more than ``1e-4`` times on average; below that ``u_k`` and the accesses
         ``A_k = n p_k`` differ by less than ``A_k / 2 < 5e-5 A_k``, so the tail takes ``A_k`` from the
-        count prefix sums: O(head) memory, not O(rows), and cached per ``scale``."""
+        count prefix sums: O(head) memory, not O(rows), and cached per ``scale``. ``counts``: the ranges' summed
+        counts when known (no pass over the prefix sums, which tables too large to cache recompute)."""
         start = np.asarray(start, dtype=np.int64)
         stop = np.asarray(stop, dtype=np.int64)
-        pre = self.prefix()
-        acc = (pre[stop] - pre[start]) * scale
         key = float(scale)
+        pre = self.prefix() if counts is None or key not in self._distinct else None
+        acc = (np.asarray(counts, dtype=np.float64) if counts is not None else pre[stop] - pre[start]) * scale
         if key not in self._distinct:
             head = self.count_above(_DISTINCT_EPS / scale, pre) if scale > 0 else 0
             c = np.diff(pre[: head + 1])
@@ -205,17 +206,19 @@ class Partitions:
     def distinct(self, sorted_tables: list[SortedTable], scale: float) -> np.ndarray:
         """``[P]`` expected distinct rows of each partition in a batch of ``scale`` x the profile's samples
         (:meth:`SortedTable.distinct`)."""
-        return distinct_of(sorted_tables, self.table, self.start, self.stop, scale)
+        return distinct_of(sorted_tables, self.table, self.start, self.stop, scale, self.counts)
 
 
-def distinct_of(sorted_tables: list[SortedTable], table, start, stop, scale: float) -> np.ndarray:
+def distinct_of(sorted_tables: list[SortedTable], table, start, stop, scale: float, counts=None) -> np.ndarray:
     """Expected distinct rows in a batch of ``scale`` x the profile's samples of each range ``[start, stop)`` of
-    sorted positions of table ``table`` (arrays; :meth:`SortedTable.distinct`)."""
+    sorted positions of table ``table`` (arrays; ``counts``: their summed counts, if known;
+    :meth:`SortedTable.distinct`)."""
     table = np.asarray(table)
     out = np.zeros(table.size)
     for t in np.unique(table).tolist():
         i = np.flatnonzero(table == t)
-        out[i] = sorted_tables[t].distinct(np.asarray(start)[i], np.asarray(stop)[i], scale)
+        c = None if counts is None else np.asarray(counts)[i]
+        out[i] = sorted_tables[t].distinct(np.asarray(start)[i], np.asarray(stop)[i], scale, c)
     return out
 
 
