@@ -109,8 +109,7 @@ def main() -> None:
             s = json.loads((rd / "summary.json").read_text())
             steady[traffic].append(float(s["train_step_seconds"]["median"]))
             measured[traffic].append({"embedding": float(s["embedding_bytes_on_wire_per_step"]),
-                                      "sync": float(s["grad_sync_bytes_per_step"]),
-                                      "wire_predicted": float(s.get("predicted_bytes_on_wire_per_step", 0.0))})
+                                      "sync": float(s["grad_sync_bytes_per_step"])})
             log(f"{traffic} run {rep}: steady {steady[traffic][-1] * 1e3:.1f} ms/step (p90 "
                 f"{s['train_step_seconds']['p90'] * 1e3:.1f}); bytes/step embedding "
                 f"{measured[traffic][-1]['embedding'] / 1e6:.3f} MB sync {measured[traffic][-1]['sync'] / 1e6:.3f} MB; "
@@ -118,7 +117,7 @@ def main() -> None:
             shutil.rmtree(rd / "checkpoints", ignore_errors=True)
     med = {k: float(np.median(v)) for k, v in steady.items()}
     p90 = {k: float(np.percentile(v, 90)) for k, v in steady.items()}
-    bytes_med = {k: {f: float(np.median([m[f] for m in measured[k]])) for f in ("embedding", "sync", "wire_predicted")}
+    bytes_med = {k: {f: float(np.median([m[f] for m in measured[k]])) for f in ("embedding", "sync")}
                  for k in TRAFFIC}
     emit("oper_traffic", args.batch / med["distinct"], args.batch / med["access"],
          "steady train samples/s (global batch / median over the interleaved runs of each run's median step "

@@ -23,7 +23,7 @@ RATIOS = (0.0, 0.01, 0.02, 0.05, 0.10, 0.15, 0.20)
 def sweep(tables, prof, topo, mode, batch, ratios):
     rows = []
     for e in ratios:
-        plan = make_plan("oper", tables, prof, topo, mode=mode, extra_memory=e, batch_size=batch)
+        plan = make_plan("oper", tables, prof, topo, mode=mode, extra_memory=e, batch_size=batch, traffic="access")
         plan.validate()
         c = evaluate(plan, prof, topo, mode=mode, batch_size=batch, part_counts=plan.part_counts)
         rows.append({"extra_memory": e, "comm_mean_mb": c.comm_mean / 1e6, "comm_var_mb2": c.comm_var,

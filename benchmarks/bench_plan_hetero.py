@@ -27,7 +27,7 @@ def main() -> None:
     grid = [("training", 2048)] if args.quick else [("training", 2048), ("inference", 2048), ("training", 8192), ("inference", 8192)]
     cases = []
     for mode, batch in grid:
-        rep = compare(["oper", "row_wise", "table_wise"], tables, prof, topo, mode=mode, batch_size=batch)
+        rep = compare(["oper", "row_wise", "table_wise"], tables, prof, topo, mode=mode, batch_size=batch, traffic="access")
         s = rep["strategies"]
         row = {"mode": mode, "batch_size_per_rank": batch,
                **{f"{n}_dob_comm": e["dob_comm"] for n, e in s.items()},

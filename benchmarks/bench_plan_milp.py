@@ -44,7 +44,8 @@ def main() -> None:
                        time_limit=args.time_limit)
         milp_s = time.perf_counter() - t
         t = time.perf_counter()
-        op = make_plan("oper", tables, prof, topo, mode=mode, extra_memory=extra, batch_size=args.batch)
+        op = make_plan("oper", tables, prof, topo, mode=mode, extra_memory=extra, batch_size=args.batch,
+                       traffic="access")
         oper_s = time.perf_counter() - t
         rw = make_plan("row_wise", tables, prof, topo, mode=mode, extra_memory=extra, batch_size=args.batch)
         cm, co, cr = (evaluate(p, prof, topo, mode=mode, batch_size=args.batch) for p in (mp, op, rw))

@@ -46,7 +46,8 @@ def main() -> None:
     cases = []
     grid = [("training", 2048)] if args.quick else [("training", 2048), ("inference", 2048), ("training", 8192), ("inference", 8192)]
     for mode, batch in grid:
-        rep = compare(["oper", "torchrec", "table_wise", "row_wise"], tables, prof, topo, mode=mode, batch_size=batch)
+        rep = compare(["oper", "torchrec", "table_wise", "row_wise"], tables, prof, topo, mode=mode, batch_size=batch,
+                      traffic="access")
         s = rep["strategies"]
         row = {"mode": mode, "batch_size_per_rank": batch}
         for n, e in s.items():
