@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--mode", default="training")
     ap.add_argument("--batch", type=int, default=4096)
     ap.add_argument("--alpha", type=float, default=1.1)
+    ap.add_argument("--traffic", choices=["distinct", "access"], default="distinct",
+                    help="What oper plans against (plan.cost): the executor's traffic, or OPER's eq. 3.")
     args = ap.parse_args()
     n_tables = 8 if args.quick else 50
     tables = [TableSpec(f"T{i}", 1 << 24, dim=64) for i in range(n_tables)]
@@ -31,7 +33,8 @@ def main() -> None:
     topo = Topology(num_hosts=4, ranks_per_host=4)
     rss0 = peak_rss_gib()
     t = time.perf_counter()
-    plan = make_plan("oper", tables, prof, topo, mode=args.mode, extra_memory=0.05, batch_size=args.batch)
+    plan = make_plan("oper", tables, prof, topo, mode=args.mode, extra_memory=0.05, batch_size=args.batch,
+                     traffic=args.traffic)
     plan_s = time.perf_counter() - t
     rss = peak_rss_gib()
     log(f"oper planned {sum(x.num_rows for x in tables)} rows in {plan_s:.1f} s, peak RSS {rss:.2f} GiB, "
@@ -48,7 +51,7 @@ def main() -> None:
     emit("plan_scale_syn_small_4x4", co.max_rank_cost, cr.max_rank_cost, "us per iteration (max over ranks)",
          {"tables": f"{n_tables} x 2^24 rows, dim 64", "rows": sum(x.num_rows for x in tables),
           "profile": f"zipf alpha={args.alpha}", "ranks": "4x4", "mode": args.mode, "extra_memory": 0.05,
-          "batch_size_per_rank": args.batch},
+          "batch_size_per_rank": args.batch, "traffic": args.traffic},
          plan_seconds=plan_s, peak_rss_gib=rss, rss_before_planning_gib=rss0, validate_seconds=val_s,
          partitions=plan.num_partitions, dob_memory=co.dob_memory, dob_lookup=co.dob_lookup, dob_comm=co.dob_comm,
          row_wise_dob_lookup=cr.dob_lookup, row_wise_dob_comm=cr.dob_comm)

@@ -60,7 +60,7 @@ def test_sorted_table_distinct_matches_the_exact_sum_on_any_range():
         c = np.asarray(PROFILE.counts(t.name), dtype=np.float64)
         u = 1.0 - np.power(1.0 - c / c.sum(), c.sum() * scale)
         ref[q] = u[t.order[parts.start[q]:parts.stop[q]]].sum()
-    np.testing.assert_allclose(got, ref, rtol=1e-4)  # the tail's A_k stands for u_k within A_k / 2 < 5e-5
+    np.testing.assert_allclose(got, ref, rtol=5e-4)  # the tail's A_k stands for u_k within A_k / 2 < 5e-4
 
 
 def test_distinct_rows_match_random_batches():
