@@ -11,6 +11,10 @@ re-plans when optimality has degraded. ``drift`` does exactly that on two profil
 ``replan`` is recommended when the fresh plan's bottleneck (``max_rank_cost``) is lower than the old
 plan's on the new profile by more than ``min_gain`` (default 5%), or the old plan's lookup or
 communication DoB on the new profile is below ``dob_floor``.
+
+The rule runs on OPER's own equations (``traffic="access"``, ``plan.cost``), as does the fresh ``oper`` plan it
+proposes: the online re-planning of issue 17 was measured and tuned on them (its lookup-DoB bars count
+accesses). Planning a run from scratch uses the executor's traffic (``oper``'s default).
 """
 
 from __future__ import annotations
