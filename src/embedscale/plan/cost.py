@@ -62,11 +62,12 @@ def check_traffic(traffic: str) -> str:
     return traffic
 
 
-def batch_presence(counts: np.ndarray, lookups: float) -> np.ndarray:
+def batch_presence(counts: np.ndarray, lookups: float, total: float | None = None) -> np.ndarray:
     """``u_k = 1 - (1 - p_k) ** n``: the probability that row ``k`` is in a batch of ``n`` lookups of its table,
-    ``p_k = c_k / sum(c)`` (float64; zeros when the table was never read)."""
+    ``p_k = c_k / total`` (``total``: the table's summed counts, default ``sum(c)`` when ``counts`` are all its
+    rows; float64; zeros when the table was never read)."""
     c = np.asarray(counts, dtype=np.float64)
-    tot = float(c.sum())
+    tot = float(c.sum()) if total is None else float(total)
     if tot <= 0:
         return np.zeros(c.shape)
     return -np.expm1(float(lookups) * np.log1p(-np.minimum(c / tot, 1.0)))
@@ -318,10 +319,6 @@ def evaluate(plan, profile, topology, *, mode: str = "training", batch_size: int
     topo = as_link_topology(topology)
     if plan.world_size != topo.world_size:
         raise ConfigError(f"plan is for {plan.world_size} ranks, topology has {topo.world_size}")
-    if part_counts is None:
-        part_counts = partition_counts(plan, profile)
-    samples = profile_samples(profile) if profile is not None else 1.0
-    access = np.asarray(part_counts, dtype=np.float64) * (batch_size / samples)
     rb = np.array([t.row_bytes for t in plan.tables], dtype=np.float64)
     cap = capacity_bytes if capacity_bytes is not None else plan.meta.get("capacity_bytes")
     sync = None
@@ -330,6 +327,11 @@ def evaluate(plan, profile, topology, *, mode: str = "training", batch_size: int
             raise ConfigError("evaluate: traffic 'distinct' needs the access profile (per-row counts)")
         access = partition_distinct(plan, profile, batch_size)
         sync = partition_distinct(plan, profile, batch_size, topo.world_size) if mode == "training" else None
+    else:
+        if part_counts is None:
+            part_counts = partition_counts(plan, profile)
+        samples = profile_samples(profile) if profile is not None else 1.0
+        access = np.asarray(part_counts, dtype=np.float64) * (batch_size / samples)
     return evaluate_arrays(plan.part_table, plan.part_rows.astype(np.float64), access, rb, plan.holders, plan.fetch,
                            topo, mode, batch_size, cap, sync_rows=sync)
 

@@ -27,8 +27,8 @@ import time
 import numpy as np
 
 from embedscale.errors import ConfigError
-from embedscale.plan.cost import (check_mode, check_traffic, dob, evaluate_arrays, profile_samples,
-                                  training_replication_threshold)
+from embedscale.plan.cost import (batch_presence, check_mode, check_traffic, dob, evaluate_arrays,
+                                  profile_samples, training_replication_threshold)
 from embedscale.plan.partition import Partitions, distinct_of, partition_tables, sort_tables
 from embedscale.plan.place import balanced_model_parallel, lookup_cost_per_partition, polish
 from embedscale.plan.plan import Plan
@@ -310,12 +310,10 @@ def _distinct_hot_count(t, scale: float, m: int, ratio: float, pre: np.ndarray) 
     n = scale * t.total
 
     def passes(i: int) -> bool:
-        p = min((pre[i + 1] - pre[i]) / t.total, 1.0)
-        if p <= 0:
+        c = np.array([pre[i + 1] - pre[i]])
+        if c[0] <= 0:
             return False
-        lu = np.log1p(-p)
-        u, big = -np.expm1(n * lu), -np.expm1(n * m * lu)
-        return bool(u > ratio * big)
+        return bool(batch_presence(c, n, t.total)[0] > ratio * batch_presence(c, n * m, t.total)[0])
 
     lo, hi = 0, t.num_rows  # rows [0, lo) pass, rows [hi, n) do not
     while lo < hi:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from embedscale.errors import ConfigError
-from embedscale.plan.cost import table_counts
+from embedscale.plan.cost import batch_presence, table_counts
 from embedscale.plan.synthetic_profile import ZipfProfile
 
 
@@ -104,8 +104,7 @@ class SortedTable:
         if key not in self._distinct:
             head = self.count_above(_DISTINCT_EPS / scale, pre) if scale > 0 else 0
             c = np.diff(pre[: head + 1])
-            n = scale * self.total
-            u = -np.expm1(n * np.log1p(-np.minimum(c / max(self.total, 1e-300), 1.0)))
+            u = batch_presence(c, scale * self.total, self.total)
             corr = np.zeros(head + 1)
             np.cumsum(u - c * scale, out=corr[1:])
             self._distinct[key] = (head, corr)
