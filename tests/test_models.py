@@ -109,6 +109,26 @@ def test_interaction_equals_double_loop_over_pairs(F):
         np.testing.assert_allclose(out[b].numpy(), np.array(expected), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("F", [1, 26])
+def test_interaction_gradients_equal_per_pair_products(F):
+    """The backward (index_add into the flattened Gram matrix, then bmm) against autograd through an explicit
+    sum of products per pair i < j, in float64."""
+    torch.manual_seed(1)
+    B, D = 4, 3
+    dense = torch.randn(B, D, dtype=torch.float64, requires_grad=True)
+    sparse = torch.randn(B, F, D, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(B, D + (F + 1) * F // 2, dtype=torch.float64)
+    (InteractionArch(F)(dense, sparse) * weights).sum().backward()
+    got = dense.grad.clone(), sparse.grad.clone()
+    d2 = dense.detach().clone().requires_grad_(True)
+    s2 = sparse.detach().clone().requires_grad_(True)
+    vecs = [d2] + [s2[:, f] for f in range(F)]
+    cols = [d2] + [(vecs[i] * vecs[j]).sum(1, keepdim=True) for i in range(F + 1) for j in range(i + 1, F + 1)]
+    (torch.cat(cols, dim=1) * weights).sum().backward()
+    torch.testing.assert_close(got[0], d2.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[1], s2.grad, rtol=1e-12, atol=1e-12)
+
+
 def test_interaction_rejects_wrong_shapes():
     with pytest.raises(InputError, match=r"\[B, 3, D\]"):
         InteractionArch(3)(torch.randn(2, 4), torch.randn(2, 2, 4))
