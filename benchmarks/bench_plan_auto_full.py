@@ -21,7 +21,8 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   budget and DDR = the host budget, where it may choose UVM caching); what it answers is reported (it has no
   TT form; on CPU no host cache). Not trained: it answers no plan.
 
-Every plan is trained ``--steps`` steps ``--repeats`` times, in turns (A B C D A B C D ...), and its measured
+Every plan is trained ``--steps`` steps ``--repeats`` times, in turns, each round starting one plan later
+(A B C D, B C D A, ...), and its measured
 step (the median over its runs of each run's steady-state step: the summary's ``train_step_seconds`` median, the
 loop's timer over the train steps after the first 10, which pay for the first touch of 1.1 GB of rows and
 state, the caches and the host pipeline filling; the all-steps figure, ``train_samples_per_s``, is reported
@@ -35,7 +36,8 @@ their figures averaged) and the run predicted with them and the setup's executor
 (``prediction_error``: the median of a plan's predictions against its median measured step,
 ``prediction_error_each_run`` run by run). Prints one JSON
 line: figure = auto's steady-state train samples/s (global batch / measured step), baseline = the best
-hand-made plan's, ratio (and ``all_steps_ratio``, the same from the all-steps figures), and per plan the
+hand-made plan's, ratio (and ``all_steps_ratio``, the same from the all-steps figures; ``round_ratios``: in each
+round, the best hand plan's step over auto's, and their median), and per plan the
 runs, the predicted and measured step and the prediction's error; the load average before and after.
 """
 
@@ -313,7 +315,7 @@ def main() -> None:
     pred_rounds: dict[str, list[float]] = {k: [] for k in names}
     load_runs = os.getloadavg()
     for rep in range(args.repeats):
-        for name in names:
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # each round starts one plan later
             rc = costs
             if args.recalibrate:  # the costs again, just before this run, as the machine's load makes them
                 rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
@@ -354,13 +356,17 @@ def main() -> None:
     a = med.get("auto", float("nan"))
     b = hand[best] if best else float("nan")
     hand_all = {k: v for k, v in med_all_steps.items() if k != "auto"}
+    # paired by round: auto's step against the best hand plan's in the same round (the rounds' machine states differ)
+    rounds = [min(steady[k][r] for k in steady if k != "auto") / steady["auto"][r]
+              for r in range(args.repeats)] if "auto" in steady and len(steady) > 1 else []
     emit("plan_auto_full_2ranks", a, b, f"steady-state train samples/s (global batch / median over {args.repeats} "
          f"interleaved runs of each run's median step after its first 10)",
          {"data": "synthetic criteo-kaggle" + (f" capped at {args.max_rows} rows" if args.max_rows else ", full size"),
           "rows": sum(t.num_rows for t in tables), "dim": 16, "ranks": 2, "global_batch": args.batch,
           "steps": args.steps, "budget": f"{args.device_memory} device / {args.host_memory} host per rank",
           "pipeline_depth": args.depth, "model": "DLRM 512-256-64 / 512-256"},
-         best_hand_plan=best, runs_steady_step_s=steady, runs=sps, median_samples_per_s=med,
+         best_hand_plan=best, round_ratios=rounds, round_ratio_median=float(np.median(rounds)) if rounds else None,
+         runs_steady_step_s=steady, runs=sps, median_samples_per_s=med,
          all_steps_median_samples_per_s=med_all_steps,
          all_steps_ratio=(med_all_steps.get("auto", float("nan")) / max(hand_all.values())) if hand_all else None,
          predicted_step_s=predicted, measured_step_s=measured,
