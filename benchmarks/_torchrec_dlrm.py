@@ -105,6 +105,7 @@ def build_torchrec_dlrm(tables, bottom_mlp, top_mlp, *, world: int, batch_per_ra
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     dim = tables[0].dim
     model = DLRM(ebc, num_dense, list(bottom_mlp) + [dim], list(top_mlp) + [1])
+    same_interaction(model.inter_arch)
     if optimizer == "sgd":
         apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": lr})
     elif optimizer == "rowwise_adagrad":
@@ -117,6 +118,25 @@ def build_torchrec_dlrm(tables, bottom_mlp, top_mlp, *, world: int, batch_per_ra
         planner = EmbeddingShardingPlanner(topology=topo, batch_size=batch_per_rank)
         plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], dist.GroupMember.WORLD)
     return model, plan
+
+
+def same_interaction(inter_arch) -> None:
+    """Give TorchRec's dot interaction our kernel for the same op (the pairs by one ``index_select`` of the
+    flattened Gram matrix, ``embedscale.models.dlrm.InteractionArch``; TorchRec gathers ``gram[:, i, j]``, half
+    as fast forward + backward on this CPU, ``bench_interaction.py``): the comparison is about the embeddings."""
+    import types
+
+    n = inter_arch.F + 1
+    flat = inter_arch.triu_indices[0] * n + inter_arch.triu_indices[1]
+
+    def forward(self, dense_features, sparse_features):
+        if self.F <= 0:
+            return dense_features
+        vectors = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        gram = torch.bmm(vectors, vectors.transpose(1, 2))
+        return torch.cat((dense_features, gram.flatten(1).index_select(1, flat.to(gram.device))), dim=1)
+
+    inter_arch.forward = types.MethodType(forward, inter_arch)
 
 
 def wrap_dmp(model, plan):
