@@ -121,22 +121,13 @@ def build_torchrec_dlrm(tables, bottom_mlp, top_mlp, *, world: int, batch_per_ra
 
 
 def same_interaction(inter_arch) -> None:
-    """Give TorchRec's dot interaction our kernel for the same op (the pairs by one ``index_select`` of the
-    flattened Gram matrix, ``embedscale.models.dlrm.InteractionArch``; TorchRec gathers ``gram[:, i, j]``, half
-    as fast forward + backward on this CPU, ``bench_interaction.py``): the comparison is about the embeddings."""
-    import types
+    """Give TorchRec's dot interaction our kernel for the same op: it runs ``embedscale.models.dlrm.InteractionArch``
+    (the pairs by one ``index_select`` of the flattened Gram matrix; TorchRec gathers ``gram[:, i, j]``, half as
+    fast forward + backward on this CPU, ``bench_interaction.py``), so the comparison is about the embeddings."""
+    from embedscale.models.dlrm import InteractionArch
 
-    n = inter_arch.F + 1
-    flat = inter_arch.triu_indices[0] * n + inter_arch.triu_indices[1]
-
-    def forward(self, dense_features, sparse_features):
-        if self.F <= 0:
-            return dense_features
-        vectors = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        gram = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat((dense_features, gram.flatten(1).index_select(1, flat.to(gram.device))), dim=1)
-
-    inter_arch.forward = types.MethodType(forward, inter_arch)
+    inter_arch.ours = InteractionArch(inter_arch.F, device=inter_arch.triu_indices.device)  # moves with the model
+    inter_arch.forward = inter_arch.ours.forward
 
 
 def wrap_dmp(model, plan):

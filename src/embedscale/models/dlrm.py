@@ -386,10 +386,10 @@ class InteractionArch(nn.Module):
             raise ConfigError(f"InteractionArch: num_sparse_features must be a positive integer, got {F!r}")
         self.num_sparse_features = num_sparse_features
         n = num_sparse_features + 1
-        self.register_buffer("triu_indices", torch.triu_indices(n, n, offset=1, device=device), persistent=False)
-        # the pairs as positions in the flattened [F+1, F+1] Gram matrix: one index_select forward, one index_add
-        # backward (half the time of gram[:, i, j]'s gather and accumulating index_put on a 2-core CPU step)
-        self.register_buffer("triu_flat", self.triu_indices[0] * n + self.triu_indices[1], persistent=False)
+        # the pairs i < j as positions in the flattened [F+1, F+1] Gram matrix: one index_select forward, one
+        # index_add backward (half the time of gram[:, i, j]'s gather and accumulating index_put on a 2-core CPU)
+        i, j = torch.triu_indices(n, n, offset=1, device=device)
+        self.register_buffer("triu_flat", i * n + j, persistent=False)
 
     def output_dim(self, embedding_dim: int) -> int:
         """Width of the output for embedding dim ``embedding_dim``: ``D + (F + 1) F / 2``."""
