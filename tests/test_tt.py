@@ -297,6 +297,66 @@ def test_grad_sync_bucket_one_sum_for_all_tables_equals_full_batch():
         GradSyncBucket(all_reduce, ["a", "a"])
 
 
+def test_grad_sync_bucket_deferred_sum_finishes_within_backward_and_equals_blocking():
+    """A sync that can start asynchronously (``start``): the bucket starts the sum at the last table's backward
+    and finishes it, and updates, in the backward's final callback: after every later node of the same backward
+    (a dense layer below), before ``backward()`` returns; the cores equal the blocking path's exactly."""
+    rng = np.random.default_rng(12)
+    ids = {n: torch.from_numpy(rng.integers(0, r, 48)) for n, r in (("a", 500), ("b", 900))}
+    kw = dict(optimizer="rowwise_adagrad", lr=0.1)
+    events = []
+
+    class Sync:
+        def __init__(self):
+            self.scale = 2.0  # "the other rank's" gradient equals ours: the sum doubles it
+
+        def __call__(self, grads):
+            events.append("blocking")
+            for x in grads:
+                x.mul_(self.scale)
+
+        def start(self, grads):
+            events.append("start")
+
+            def finish():
+                events.append("finish")
+                for x in grads:
+                    x.mul_(self.scale)
+            return finish
+
+    def run(deferred):
+        mods = {n: TTEmbeddingBag(r, 8, 4, seed=i, name=n, **kw) for i, (n, r) in enumerate((("a", 500), ("b", 900)))}
+        bucket = GradSyncBucket(Sync(), ["a", "b"], deferred=deferred)
+        for m in mods.values():
+            m.grad_sync = bucket
+        w = torch.ones(16, requires_grad=True)
+        before = [c.clone() for c in mods["a"].cores]
+
+        def dense_below(grad):  # a node the engine runs after both tables' backward
+            events.append("dense")
+            assert all(torch.equal(x, y) for x, y in zip(mods["a"].cores, before)) == deferred
+            return grad
+
+        w.register_hook(dense_below)
+        scale = (w * 2).sum()  # made before the lookups: the engine runs its backward after theirs
+        out = sum((mods[n](ids[n], torch.arange(48)) * scale).sum() for n in ("a", "b"))
+        out.backward()
+        assert bucket.syncs == 1 and bucket.pending == []
+        return [c.clone() for n in ("a", "b") for c in mods[n].cores]
+
+    blocking = run(False)
+    assert events == ["blocking", "dense"]
+    events.clear()
+    deferred = run(True)
+    assert events == ["start", "dense", "finish"]
+    assert all(torch.equal(x, y) for x, y in zip(blocking, deferred))
+    events.clear()
+    mods = TTEmbeddingBag(500, 8, 4, seed=0, name="a", **kw)  # outside a backward (a direct call): blocking
+    mods.grad_sync = GradSyncBucket(Sync(), ["a"])
+    mods.grad_sync.contribute(mods, mods._zero_grads())
+    assert events == ["blocking"] and mods.grad_sync.syncs == 1
+
+
 def test_mixed_embedding_sums_all_tt_tables_in_one_call():
     """MixedEmbedding's TT tables share one bucket: one grad_sync call per backward, holding every core."""
     from embedscale.embedding.mixed import MixedEmbedding

@@ -35,42 +35,64 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
+import torch.distributed as dist
 
-from embedscale.comm.transport import counted_all_reduce
+from embedscale.comm.transport import all_reduce_sent
 from embedscale.plan.forms import TT_BYTES_PER_VALUE, TableForm, replicated_tables_meta, table_bytes, tt_shapes
 from embedscale.specs import TableSpec
 
 # the TT size arithmetic lives in the (numpy-only) plan package; re-exported here for old callers
-__all__ = ["EL_REC_THRESHOLD_ROWS", "TT_BYTES_PER_VALUE", "compression_report", "replica_grad_sync",
+__all__ = ["EL_REC_THRESHOLD_ROWS", "TT_BYTES_PER_VALUE", "ReplicaGradSync", "compression_report", "replica_grad_sync",
            "replicated_tables_meta", "split_tables", "table_bytes", "tt_shapes"]
 
 EL_REC_THRESHOLD_ROWS = 1_000_000
 
 
-def replica_grad_sync(group=None, stats: dict | None = None):
+class ReplicaGradSync:
     """A ``TTEmbeddingBag.grad_sync`` for TT replicas on several ranks (EL-Rec section VI-B).
 
-    The returned callable sums a TT table's dense core gradients over the ranks of ``group`` (default: the
-    world) in place, with one ``all_reduce`` of the cores flattened into one buffer; the fused update that
-    follows then applies the same summed gradient on every rank, so the replicas stay identical. With a loss
-    that is the sum over a rank's samples divided by the global batch size (``train.distributed``), the sum
-    is exactly the single-process gradient of the global batch. ``stats["tt_grad_sync_bytes"]`` counts the
-    bytes this rank sends (``comm.transport``'s convention: ring all_reduce, ``2 (W - 1) / W x`` the buffer).
-    """
-    def sync(grads: list) -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        sent = counted_all_reduce(flat, group)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
-            off += g.numel()
-        if stats is not None:
-            stats["tt_grad_sync_bytes"] = stats.get("tt_grad_sync_bytes", 0) + sent
+    Calling it sums a TT table's dense core gradients over the ranks of ``group`` (default: the world) in place,
+    with one ``all_reduce`` of the cores flattened into one buffer; the fused update that follows then applies the
+    same summed gradient on every rank, so the replicas stay identical. With a loss that is the sum over a rank's
+    samples divided by the global batch size (``train.distributed``), the sum is exactly the single-process
+    gradient of the global batch. ``stats["tt_grad_sync_bytes"]`` counts the bytes this rank sends
+    (``comm.transport``'s convention: ring all_reduce, ``2 (W - 1) / W x`` the buffer).
 
-    return sync
+    :meth:`start` is the same sum launched asynchronously: it returns a callable that waits for it and copies the
+    sums back (``tt.GradSyncBucket`` starts the step's sum when the last TT table's backward has run and finishes
+    it at the end of ``loss.backward()``, so the all-reduce overlaps the rest of the backward instead of stopping
+    the rank until the other ranks reach it).
+    """
+
+    def __init__(self, group=None, stats: dict | None = None) -> None:
+        self.group, self.stats = group, stats
+
+    def start(self, grads: list) -> Callable[[], None]:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+        def finish() -> None:
+            work.wait()
+            off = 0
+            for g in grads:
+                g.copy_(flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+            if self.stats is not None:
+                self.stats["tt_grad_sync_bytes"] = (self.stats.get("tt_grad_sync_bytes", 0)
+                                                    + all_reduce_sent(flat, dist.get_world_size(self.group)))
+
+        return finish
+
+    def __call__(self, grads: list) -> None:
+        self.start(grads)()
+
+
+def replica_grad_sync(group=None, stats: dict | None = None) -> ReplicaGradSync:
+    """The :class:`ReplicaGradSync` of ``group`` counting into ``stats``."""
+    return ReplicaGradSync(group, stats)
 
 
 def split_tables(tables: list[TableSpec],

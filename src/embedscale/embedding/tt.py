@@ -498,15 +498,24 @@ class GradSyncBucket:
     one has, their gradients are summed in one call, in the order of ``tables`` (the same on every rank,
     whatever order autograd ran the backwards in), and every table's update is applied to its summed
     gradient. A table contributing twice before the bucket is complete is an error (a backward that did not
-    reach every TT table, then another step), never a silent mix of two steps."""
+    reach every TT table, then another step), never a silent mix of two steps.
 
-    def __init__(self, sync: Callable[[list[torch.Tensor]], None], tables: Sequence[str]) -> None:
+    ``deferred`` (default): when ``sync`` can be started asynchronously (``sync.start(grads)`` returns a callable
+    that finishes it, e.g. ``compression.ReplicaGradSync``) and the last contribution comes inside an autograd
+    backward, the sum is started there and finished, and the updates applied, in a final callback of that
+    backward: still within ``loss.backward()``, but the all-reduce no longer holds the rank until every rank
+    reaches it while the backward has other work (the dense layers below the embeddings, the sharded tables'
+    backward). The updates and their values are the same either way."""
+
+    def __init__(self, sync: Callable[[list[torch.Tensor]], None], tables: Sequence[str], *,
+                 deferred: bool = True) -> None:
         if not tables:
             raise ConfigError("GradSyncBucket: no TT tables")
         if len(set(tables)) != len(tables):
             raise ConfigError(f"GradSyncBucket: table names repeat in {list(tables)}")
         self.sync = sync
         self.tables = list(tables)
+        self.deferred = deferred
         self._pending: dict[str, tuple["_TTCores", list[torch.Tensor]]] = {}
         self.syncs = 0  # sums run (one per training step)
 
@@ -529,7 +538,20 @@ class GradSyncBucket:
             return
         order = [self._pending[t] for t in self.tables]
         self._pending = {}
-        self.sync([g for _, d in order for g in d])
+        grads = [g for _, d in order for g in d]
+        start = getattr(self.sync, "start", None)
+        if self.deferred and start is not None and torch._C._current_autograd_node() is not None:
+            # inside loss.backward(): launch the sum now, wait for it and update at the end of the backward (the
+            # engine's final callbacks), so the all-reduce runs beside the rest of the backward
+            finish = start(grads)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish(finish, order))
+            return
+        self.sync(grads)
+        self._finish(None, order)
+
+    def _finish(self, finish: Callable[[], None] | None, order) -> None:
+        if finish is not None:
+            finish()
         self.syncs += 1
         for m, d in order:
             m._apply_dense(d)
