@@ -151,6 +151,10 @@ def test_two_ranks_with_tt_tables_equal_single_process(tmp_path, data_dir, refer
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     for k in replicas[0]:  # the replicas never drift apart: the same summed gradient on both ranks
         torch.testing.assert_close(replicas[0][k], replicas[1][k], rtol=0, atol=0)
+    # beside TT replicas the sharded rows' ids still go through the input pipeline (MixedEmbedding.prefetch):
+    # every step's but the first converted during the step before, and the losses above unchanged by it
+    summary = __import__("json").loads((tmp_path / "d" / "summary.json").read_text())
+    assert summary.get("input_pipelined_steps", 0) == (STEPS - 1 if design == "retrieve" else 0), summary
 
 
 def test_two_rank_checkpoint_with_tt_tables_resumes_exactly(tmp_path, data_dir, reference):

@@ -330,21 +330,10 @@ class MixedEmbedding(nn.Module):
         B = features.batch_size
         if not self.tt and not self._remapped and self.local is not None:
             return self.local(features)
-        if self._remapped:  # rename the reordered features' ids, then select from the renamed batch
-            lpk = features.length_per_key_list()
-            values = list(torch.split(features.values, lpk))
-            for f, i in pos.items():
-                if f in self._remapped:
-                    values[i] = self._rename(f, values[i])
-            features = JaggedFeatures(keys, torch.cat(values), features.lengths, features.weights)
+        features = self._renamed(features, pos)
         cols: dict[str, torch.Tensor] = {}
         if self.local is not None:
-            # the local module's pooled features in its own order (a sharded module takes no other), then any
-            # unpooled ones
-            pooled = set(self.local.feature_names)
-            lk = list(self.local.feature_names) + [k for k in keys if k not in pooled
-                                                   and self._feature_table[k].name not in self.tt]
-            out = self.local(features.select(lk))
+            out = self.local(self._local_features(features))
             for f, o in zip(self.local.feature_names, torch.split(out, self._local_dims, dim=1)):
                 cols[f] = o
         for name, m in self.tt.items():
@@ -358,6 +347,35 @@ class MixedEmbedding(nn.Module):
             for j, f in enumerate(t.features):
                 cols[f] = out[j]
         return torch.cat([cols[f] for f in self.feature_names], dim=1)
+
+    def _renamed(self, features: JaggedFeatures, pos: dict[str, int] | None = None) -> JaggedFeatures:
+        """``features`` with the reordered features' ids renamed (EL-Rec IV; the batch itself if none is)."""
+        if not self._remapped:
+            return features
+        pos = pos if pos is not None else {k: i for i, k in enumerate(features.keys)}
+        values = list(torch.split(features.values, features.length_per_key_list()))
+        for f, i in pos.items():
+            if f in self._remapped:
+                values[i] = self._rename(f, values[i])
+        return JaggedFeatures(features.keys, torch.cat(values), features.lengths, features.weights)
+
+    def _local_features(self, features: JaggedFeatures) -> JaggedFeatures:
+        """What ``local`` looks up: its pooled features in its own order (a sharded module takes no other), then
+        any unpooled ones that are not a TT table's."""
+        pooled = set(self.local.feature_names)
+        lk = list(self.local.feature_names) + [k for k in features.keys if k not in pooled
+                                               and self._feature_table[k].name not in self.tt]
+        return features.select(lk)
+
+    def prefetch(self, features: JaggedFeatures) -> None:
+        """Hand an upcoming training batch to the local module's input pipeline (``ShardedEmbedding.prefetch``,
+        OPER 5.1: its sharded rows' ids converted and their requests sent during the step before): the same
+        selection of the batch that :meth:`forward` will give it, so the lookup takes the prefetched conversion.
+        A no-op where ``local`` has no input pipeline."""
+        if self.local is None or not hasattr(self.local, "prefetch"):
+            return
+        sel = self._local_features(features)  # selecting, then renaming, as forward renames then selects
+        self.local.prefetch(self._renamed(sel) if any(k in self._remapped for k in sel.keys) else sel)
 
     def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
         """``{feature: [B, dim]}`` column views of :meth:`forward`."""

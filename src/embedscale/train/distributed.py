@@ -76,6 +76,7 @@ from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.embedding.managed_lookup import install, managed_of
+from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.models import build_model
@@ -410,19 +411,22 @@ class DistributedRun:
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
-        # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); only where
-        # the sharded rows are the model's whole embedding (a TT / host mixture looks up a selection of the
-        # features), and not with the drift monitor (a migration needs no batch in flight)
+        # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
+        # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
+        # hands the sharded module its selection of the batch); not behind the host pipeline (its own loader
+        # runs ahead), and not with the drift monitor (a migration needs no batch in flight)
+        self._prefetcher = (emb if emb is self.embedding
+                            else emb if isinstance(emb, MixedEmbedding) and emb.local is self.embedding else None)
         self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
                                    and self.managed is None  # (managed: raw ids become rows at their own step)
-                                   and isinstance(self.embedding, ShardedEmbedding) and emb is self.embedding)
+                                   and isinstance(self.embedding, ShardedEmbedding) and self._prefetcher is not None)
 
     def prefetch_batch(self, batch) -> None:
         """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while
         this step computes (``ShardedEmbedding.prefetch``: OPER 5.1 pipelined with the previous step; the step
         whose batch was prefetched sends two all-to-alls instead of four). Same results either way."""
         if getattr(self, "input_pipeline", False):
-            self.embedding.prefetch(batch.sparse)
+            self._prefetcher.prefetch(batch.sparse)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
         """Look up through ``new`` (the sharded module a live re-plan migrated the rows into, ``train.replan``)
