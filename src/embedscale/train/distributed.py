@@ -542,6 +542,10 @@ class DistributedRun:
         self.step_logits = logits.detach()  # scored before the update (progressive validation)
         loss_sum = batch_loss_sum(logits, batch)  # sample weights of a weighted dataset (train.loss)
         loss = loss_sum / batch.global_size
+        # the global loss for the loop's log: started now, beside the backward, and waited for at the step's end
+        # (a blocking all-reduce there would be one more meeting point of the ranks every step)
+        total = loss_sum.detach().reshape(1).clone()
+        total_work = dist.all_reduce(total, async_op=True)
         self.opt.zero_grad(set_to_none=True)
         sync_before = self.embedding.stats.get("grad_sync_bytes", 0) + self.tt_stats.get("tt_grad_sync_bytes", 0)
         loss.backward()
@@ -551,8 +555,7 @@ class DistributedRun:
         self.bytes_per_step.append(int(self.transport.counter.sent.sum()))
         self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0)
                                         + self.tt_stats.get("tt_grad_sync_bytes", 0) - sync_before)
-        total = loss_sum.detach().reshape(1).clone()
-        dist.all_reduce(total)
+        total_work.wait()
         return float(total) / batch.global_size
 
     # -- evaluation -----------------------------------------------------------------------------
