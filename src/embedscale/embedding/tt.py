@@ -49,7 +49,9 @@ table's backward hands its dense gradients to the bucket, and when the last tabl
 sums all of them across ranks in one call (one all-reduce per step instead of one per table: on gloo each
 all-reduce is a blocking round trip of the ranks, 4-12 ms on the shared 2-core machine against 1-4 ms of a
 rank-8 table's backward compute) and then applies every table's update; the sums, hence the updates, are the
-per-table ones.
+per-table ones. Inside ``loss.backward()`` the bucket starts that sum asynchronously and finishes it, with the
+updates, in the backward's final callback (``GradSyncBucket.deferred``), so the other ranks' lateness is not
+waited for in the middle of the backward.
 
 :class:`TTRecEmbeddingBag` is the faithful baseline (TT-Rec, Yin et al., MLSys 2021, as released in
 ``FBTT-Embedding``): no reuse, one chain of slice products per looked-up index, the backward computes
