@@ -585,3 +585,51 @@ def test_mixed_in_dlrm_state_dict_and_reordering():
         assert not torch.allclose(plain(dense, jf), a(dense, jf), atol=1e-6)
     with pytest.raises(ConfigError, match="only some features"):
         MixedEmbedding(tables, tt=MIXED_TT, reordering=Reordering([TableReordering("v", perm_v, ["f3"])]))
+
+
+def test_mixed_prefetch_builds_tt_inputs_ahead_with_the_same_results():
+    """MixedEmbedding.prefetch(next batch) builds the TT tables' renamed ids, bags and reuse plans on a worker;
+    the lookup of that batch takes them (``prefetched_tt_steps``) and trains exactly as without prefetching, a
+    lookup of another batch in between (an evaluation) takes nothing and leaves the queue; a batch never looked
+    up goes stale without harm."""
+    from embedscale.embedding.mixed import MixedEmbedding
+    from embedscale.reorder import Reordering, TableReordering
+
+    rng = np.random.default_rng(21)
+    tables = mixed_tables()
+    reo = Reordering([TableReordering("v", rng.permutation(3000), ["f3", "f4"])])
+    batches = [mixed_batch(rng) for _ in range(5)]
+    other = mixed_batch(rng)
+    grads = [torch.randn(16, 24) for _ in batches]
+
+    def train(prefetch: bool):
+        emb = MixedEmbedding(tables, tt=MIXED_TT, optimizer="rowwise_adagrad", lr=0.1, seed=3, tt_init_std=0.3,
+                             reordering=reo)
+        outs = []
+        if prefetch:
+            emb.prefetch(batches[0])
+        for i, (jf, g) in enumerate(zip(batches, grads)):
+            if prefetch and i + 1 < len(batches):
+                emb.prefetch(batches[i + 1])
+            if i == 2:
+                with torch.no_grad():
+                    outs.append(emb(other))  # another batch: computed here, the queue left for the training step
+            out = emb(jf)
+            (out * g).sum().backward()
+            outs.append(out.detach())
+        return emb, outs
+
+    ref, ref_outs = train(False)
+    emb, outs = train(True)
+    assert ref.prefetched_tt_steps == 0 and emb.prefetched_tt_steps == len(batches) and not emb._ahead
+    for a, b in zip(outs, ref_outs):
+        assert torch.equal(a, b)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(emb.state_dict()[k], v), k
+    emb.prefetch(batches[0])
+    emb.prefetch(batches[1])
+    emb.prefetch(batches[2])  # two never looked up: the oldest goes
+    assert len(emb._ahead) == 2
+    with torch.no_grad():
+        assert torch.equal(emb(batches[1]), ref(batches[1]))
+    assert emb.prefetched_tt_steps == len(batches) + 1

@@ -107,7 +107,9 @@ def _rank(rank, world, cfg_dict, run_dir, resume_from):
     if resume_from:
         run.restore(__import__("pathlib").Path(resume_from))
     fit(run, LoopConfig.from_train(cfg.train))
-    return {k: v.detach().clone() for k, v in run.tt_embedding.tt.state_dict().items()}
+    out = {k: v.detach().clone() for k, v in run.tt_embedding.tt.state_dict().items()}
+    out["prefetched_tt_steps"] = torch.tensor(run.tt_embedding.prefetched_tt_steps)
+    return out
 
 
 def distributed(cfg, run_dir, world=2, resume_from=None):
@@ -155,6 +157,7 @@ def test_two_ranks_with_tt_tables_equal_single_process(tmp_path, data_dir, refer
     # every step's but the first converted during the step before, and the losses above unchanged by it
     summary = __import__("json").loads((tmp_path / "d" / "summary.json").read_text())
     assert summary.get("input_pipelined_steps", 0) == (STEPS - 1 if design == "retrieve" else 0), summary
+    assert int(replicas[0]["prefetched_tt_steps"]) == (STEPS - 1 if design == "retrieve" else 0)  # TT inputs too
 
 
 def test_two_rank_checkpoint_with_tt_tables_resumes_exactly(tmp_path, data_dir, reference):

@@ -237,3 +237,16 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(self.dense.to(device), self.sparse.to(device), self.labels.to(device), self.global_size,
                      None if self.weights is None else self.weights.to(device))
+
+
+def same_batch(a: JaggedFeatures, b: JaggedFeatures) -> bool:
+    """``b`` is the batch ``a`` (the same object, or equal keys, lengths, values and weights): how an input pipeline
+    knows the batch a lookup gets is the one it prepared."""
+    if a is b:
+        return True
+    if a.keys != b.keys or a.values.shape != b.values.shape or a.lengths.shape != b.lengths.shape or \
+            (a.weights is None) != (b.weights is None):
+        return False
+    return bool(torch.equal(a.values, b.values.to(a.values.device))) and \
+        bool(torch.equal(a.lengths, b.lengths.to(a.lengths.device))) and \
+        (a.weights is None or bool(torch.equal(a.weights, b.weights.to(a.weights.device))))

@@ -39,13 +39,15 @@ on the rank, and the output is the same ``[B, sum of dims]`` in ``feature_names`
 
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from embedscale.data.batch import JaggedFeatures
+from embedscale.data.batch import JaggedFeatures, same_batch
 from embedscale.embedding.hybrid import HybridTTEmbeddingBag
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
@@ -114,7 +116,7 @@ class MixedEmbedding(nn.Module):
 
         >>> import torch
         >>> from embedscale.specs import TableSpec
-        >>> from embedscale.data.batch import JaggedFeatures
+        >>> from embedscale.data.batch import JaggedFeatures, same_batch
         >>> tables = [TableSpec("small", 100, 8), TableSpec("big", 2_000_000, 8)]
         >>> emb = MixedEmbedding(tables, tt={"big": 8}, optimizer="rowwise_adagrad", lr=0.1, seed=0)
         >>> out = emb(JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 123_456], [2, 7]])))
@@ -209,6 +211,9 @@ class MixedEmbedding(nn.Module):
         self.sequence_feature_names = list(getattr(self.local, "sequence_feature_names", []))
         self._local_dims = [self._feature_table[f].dim for f in self.local.feature_names] if self.local is not None \
             else []
+        self._ahead: deque = deque()  # (batch, future of its TT inputs): prefetch's queue
+        self._pool: ThreadPoolExecutor | None = None
+        self.prefetched_tt_steps = 0  # lookups that took their TT inputs from prefetch
         self.remap = nn.Module()
         self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
         if reordering is not None:
@@ -330,19 +335,20 @@ class MixedEmbedding(nn.Module):
         B = features.batch_size
         if not self.tt and not self._remapped and self.local is not None:
             return self.local(features)
-        features = self._renamed(features, pos)
+        ahead = self._take_ahead(features) if self._ahead else None
+        if ahead is None or any(f in self._remapped and self._feature_table[f].name not in self.tt for f in keys):
+            features = self._renamed(features, pos)  # (with the TT inputs prefetched: only for a local feature's map)
         cols: dict[str, torch.Tensor] = {}
         if self.local is not None:
             out = self.local(self._local_features(features))
             for f, o in zip(self.local.feature_names, torch.split(out, self._local_dims, dim=1)):
                 cols[f] = o
+        tt_inputs = ahead if ahead is not None else self._tt_inputs(features, renamed=True)
         for name, m in self.tt.items():
             t = self._spec[name]
-            sub = features.select(t.features)  # key-major bags of the table's features
+            sub, offsets, plan = tt_inputs[name]
             k = len(t.features)
-            offsets = sub.lengths.new_zeros(k * B + 1)
-            torch.cumsum(sub.lengths, 0, out=offsets[1:])
-            out = m(sub.values, offsets, sub.weights)  # [k * B, dim], key-major bags
+            out = m(sub.values, offsets, sub.weights, reuse_plan=plan)  # [k * B, dim], key-major bags
             out = out.view(k, B, t.dim)
             for j, f in enumerate(t.features):
                 cols[f] = out[j]
@@ -367,15 +373,47 @@ class MixedEmbedding(nn.Module):
                                                and self._feature_table[k].name not in self.tt]
         return features.select(lk)
 
+    def _tt_inputs(self, features: JaggedFeatures, renamed: bool, plans: bool = False) -> dict:
+        """Per TT table: its features' key-major bags (``JaggedFeatures``), their include-last offsets, and, with
+        ``plans``, the table's reuse plan of those ids (else ``None``: the lookup builds it)."""
+        if not renamed:
+            features = self._renamed(features)
+        B = features.batch_size
+        out = {}
+        for name, m in self.tt.items():
+            sub = features.select(self._spec[name].features)  # key-major bags of the table's features
+            offsets = sub.lengths.new_zeros(len(self._spec[name].features) * B + 1)
+            torch.cumsum(sub.lengths, 0, out=offsets[1:])
+            plan = m.reuse_plan(sub.values) if plans and sub.values.numel() else None
+            out[name] = (sub, offsets, plan)
+        return out
+
+    def _take_ahead(self, features: JaggedFeatures) -> dict | None:
+        """The TT inputs :meth:`prefetch` built for ``features`` (the head of the queue), or ``None``."""
+        head_features, future = self._ahead[0]
+        if not same_batch(head_features, features):
+            return None  # another batch (an evaluation's): the queue stays for the training step
+        self._ahead.popleft()
+        self.prefetched_tt_steps += 1
+        return future.result()
+
     def prefetch(self, features: JaggedFeatures) -> None:
-        """Hand an upcoming training batch to the local module's input pipeline (``ShardedEmbedding.prefetch``,
-        OPER 5.1: its sharded rows' ids converted and their requests sent during the step before): the same
-        selection of the batch that :meth:`forward` will give it, so the lookup takes the prefetched conversion.
-        A no-op where ``local`` has no input pipeline."""
-        if self.local is None or not hasattr(self.local, "prefetch"):
+        """Hand an upcoming training batch to the input pipeline, before the step before its own (the run loop's
+        ``prefetch_batch``): to the local module's (``ShardedEmbedding.prefetch``, OPER 5.1: the sharded rows'
+        ids converted and their requests sent during the step before), the same selection of the batch that
+        :meth:`forward` will give it; and, on a worker thread, the TT tables' inputs: the ids renamed by the
+        reordering, selected per table, and each table's reuse plan (EL-Rec III-A's sorts), which the lookup of
+        that batch then takes instead of building them on the step's path. Same results either way."""
+        if self.local is not None and hasattr(self.local, "prefetch"):
+            sel = self._local_features(features)  # selecting, then renaming, as forward renames then selects
+            self.local.prefetch(self._renamed(sel) if any(k in self._remapped for k in sel.keys) else sel)
+        if not self.tt:
             return
-        sel = self._local_features(features)  # selecting, then renaming, as forward renames then selects
-        self.local.prefetch(self._renamed(sel) if any(k in self._remapped for k in sel.keys) else sel)
+        while len(self._ahead) >= 2:  # never consumed (a step that did not run): stale
+            self._ahead.popleft()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tt-prefetch")
+        self._ahead.append((features, self._pool.submit(self._tt_inputs, features, False, True)))
 
     def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
         """``{feature: [B, dim]}`` column views of :meth:`forward`."""

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embedscale.comm.transport import Transport
-from embedscale.data.batch import JaggedFeatures
+from embedscale.data.batch import JaggedFeatures, same_batch
 from embedscale.embedding import kernels
 from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
@@ -317,7 +317,7 @@ class ShardedEmbedding(nn.Module):
         if not self._queue:
             return None
         head = self._queue[0]
-        if _same_batch(head.features, features):
+        if same_batch(head.features, features):
             if training:
                 self.stats["prefetched_steps"] = self.stats.get("prefetched_steps", 0) + 1
             return self._queue.popleft().conv
@@ -725,18 +725,6 @@ class _Ahead:
     @property
     def state(self) -> str:
         return "local" if self._conv is None else self._conv.state
-
-
-def _same_batch(a: JaggedFeatures, b: JaggedFeatures) -> bool:
-    """``b`` is the batch ``a`` (the same object, or equal keys, lengths, values and weights)."""
-    if a is b:
-        return True
-    if a.keys != b.keys or a.values.shape != b.values.shape or a.lengths.shape != b.lengths.shape or \
-            (a.weights is None) != (b.weights is None):
-        return False
-    return bool(torch.equal(a.values, b.values.to(a.values.device))) and \
-        bool(torch.equal(a.lengths, b.lengths.to(a.lengths.device))) and \
-        (a.weights is None or bool(torch.equal(a.weights, b.weights.to(a.weights.device))))
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

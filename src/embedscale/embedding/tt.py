@@ -681,9 +681,18 @@ class TTEmbeddingBag(_TTCores):
         return _ReusePlan(perm, counts, inverse, cur, levels[::-1], uniq)
 
     # -- forward -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reuse_plan(self, values: torch.Tensor) -> _ReusePlan:
+        """The reuse plan (Algorithm 1: distinct rows and prefixes, from sorts of the ids) of a lookup of the 1-D
+        ids ``values``: input-only work, which an input pipeline builds ahead of the step and hands to
+        :meth:`forward` (``reuse_plan=``) with those same ids."""
+        return self._plan(values.to(torch.int64))
+
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
-                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled rows ``[B, embedding_dim]`` (``nn.EmbeddingBag``'s signature and conventions)."""
+                per_sample_weights: torch.Tensor | None = None, *,
+                reuse_plan: _ReusePlan | None = None) -> torch.Tensor:
+        """Pooled rows ``[B, embedding_dim]`` (``nn.EmbeddingBag``'s signature and conventions). ``reuse_plan``:
+        :meth:`reuse_plan` of these very ids (1-D ``input``), built ahead; by default built here."""
         bags = _make_bags(self, input, offsets, per_sample_weights)
         if bags.values.numel() == 0:
             out = torch.zeros(bags.num_bags, self.embedding_dim, device=self.device, dtype=self.dtype)
@@ -692,7 +701,7 @@ class TTEmbeddingBag(_TTCores):
                 anchor = torch.empty(0, device=self.device, requires_grad=True)
                 return _EmptySyncLookup.apply(anchor, self, out)
             return out.requires_grad_(self.optimizer is None and torch.is_grad_enabled())
-        plan = self._plan(bags.values)
+        plan = reuse_plan if reuse_plan is not None else self._plan(bags.values)
         self.last_sizes = plan.sizes
         if self.optimizer is not None and torch.is_grad_enabled():
             anchor = torch.empty(0, device=self.device, requires_grad=True)
