@@ -256,7 +256,7 @@ def main() -> None:
     log(f"setup {time.perf_counter() - t0:.0f} s; costs: dense {costs.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
         f"step {costs.step_overhead_s * 1e3:.2f} ms, table {costs.table_overhead_s * 1e6:.0f} us, "
         f"exact {costs.exact_lookup_s * 1e9:.0f} ns, host {costs.host_row_s * 1e9:.0f} ns, "
-        f"link {costs.link_bandwidth_gbs:.2f} GB/s {costs.link_latency_us:.0f} us; executor per table "
+        f"link {costs.link_bandwidth_gbs:.2f} GB/s {costs.link_latency_us:.0f} us; executor per table (host_step: per step) "
         + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.executor_overhead_s.items()))
     common = ["--profile", "profile", "--batch-size", str(per_rank), "--json"]
     plans: dict[str, str] = {}

@@ -27,8 +27,8 @@ from embedscale.calibrate_ranks import calibrate_ranks, plan_forms, refit
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
-from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, candidates, load_costs, parse_bytes,
-                                  search_greedy, search_milp, tt_core_bytes)
+from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, candidates, decide, load_costs,
+                                  parse_bytes, search_greedy, search_milp, tt_core_bytes)
 from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
 from embedscale.plan.step import DenseModel, fit_executor, fit_executor_overheads, form_counts, predict_forms
 from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
@@ -346,15 +346,16 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
         p = predict_forms(st, f, dense, 32, 2, costs)
         runs.append({"tables": form_counts(list(p["forms"].values())), "measured_s": measured[k],
                      "predicted_s": p["step_seconds"]})
-    assert runs[1]["tables"] == {"sharded": 1, "tt": 2, "host": 0}
+    assert runs[1]["tables"] == {"sharded": 1, "tt": 2, "host": 0, "host_step": 0}
     over = fit_executor_overheads(runs)
     fitted = Costs(**{**costs.__dict__, "executor_overhead_s": over, "executor_world": 2})
     for k, f in plans.items():
         assert predict_forms(st, f, dense, 32, 2, fitted)["step_seconds"] == pytest.approx(measured[k], rel=1e-9)
     known = {"sharded": 3e-3, "tt": 1e-3, "host": 7e-3}
     synth = [{"tables": r["tables"], "predicted_s": r["predicted_s"],
-              "measured_s": r["predicted_s"] + sum(n * known[k] for k, n in r["tables"].items())} for r in runs]
-    assert fit_executor_overheads(synth) == pytest.approx(known, rel=1e-9)
+              "measured_s": r["predicted_s"] + sum(n * known.get(k, 0.0) for k, n in r["tables"].items())}
+             for r in runs]
+    assert fit_executor_overheads(synth) == pytest.approx(known, rel=1e-9)  # one host plan: no host_step
     # the scale first: steps measured at 0.55x every prediction are the costs' figures scaled, no overhead
     scale, none = fit_executor([{**r, "measured_s": 0.55 * r["predicted_s"]} for r in runs])
     assert scale == pytest.approx(0.55) and none == pytest.approx({"sharded": 0, "tt": 0, "host": 0}, abs=1e-12)
@@ -409,16 +410,18 @@ def test_calibrate_ranks_rows_cap_is_zero_for_full_size_or_at_least_8(tmp_path):
 
 
 def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path):
-    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): three real
-    2-rank runs (sharded, TT, host); the costs it returns predict each timed plan, through the same planner entry
-    the benchmarks use, at its prediction without overheads plus its tables' overheads by form, and at its
-    measured step when no overhead was held at 0 (three plans, three overheads: the fit is then exact)."""
+    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): four real
+    2-rank runs (sharded, TT, host, host-few); the costs it returns predict each timed plan, through the same
+    planner entry the benchmarks use, at its prediction without overheads plus its tables' overheads by form and
+    the host cost per step, and at its measured step when no overhead was held at 0 (four plans, four unknowns:
+    the fit is then exact)."""
     base = Costs(source="measured", notes={"device": "cpu"})
     c = calibrate_ranks(base, ranks=2, batch=32, rows=300, dim=4, steps=3, repeats=1, big=3, tt_rank=4,
                         host_depth=2, work=tmp_path, log=lambda m: None)
-    assert c.executor_world == 2 and set(c.executor_overhead_s) == {"sharded", "tt", "host"}
+    assert c.executor_world == 2 and set(c.executor_overhead_s) == {"sharded", "tt", "host", "host_step"}
     runs = c.notes["executor"]["plans"]
-    assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0} and runs["host"]["tables"]["host"] == 3
+    assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0, "host_step": 0}
+    assert runs["host"]["tables"]["host"] == 3 and runs["host-few"]["tables"]["host"] == 2
     tables = tables_from_profile(AccessProfile.load(tmp_path / "profile"), 4)
     for k, run in runs.items():
         p = predict_plan_forms(tables, tmp_path / "profile", Topology(ranks_per_host=2), plan_forms(tables, k, 3, 4, 2),
@@ -634,3 +637,46 @@ def test_a_replan_that_changes_a_checkpointed_form_is_a_named_error():
     with pytest.raises(ConfigError, match=r"runs/r: the new plan changes the form of tables its checkpoints hold "
                                           r"\(b: host -> sharded; c: tt \(rank 8\) -> tt \(rank 16\)\)"):
         check_forms_kept(old, {"a": SHARDED, "b": SHARDED, "c": TableForm("tt", tt_rank=16)}, "runs/r")
+
+
+def test_host_cost_per_step_is_fitted_from_two_host_plans_and_weighed_by_the_search():
+    """A host plan costs the executor a part per step whatever its number of host tables (``host_step``): two
+    host plans of different sizes separate it from the part per table (a known pair recovered exactly), the
+    prediction of a plan with host tables adds it once, and the search (``decide``) gives up host tables whose
+    per-table gain does not pay it, where the budget holds a plan without them; with one host plan it is not
+    fitted, all of it per table as before."""
+    costs = Costs(exact_lookup_s=100e-9, tt_lookup_s={4: 300e-9}, host_row_s=200e-9, source="measured")
+    st = _three_tables()
+    dense = DenseModel(dense_in=3, num_features=3, embedding_dim=4, bottom_mlp=(8,), top_mlp=(6,))
+    host = TableForm("host", pipeline_depth=2)
+    plans = {"sharded": {}, "tt": {"b": TableForm("tt", tt_rank=4), "c": TableForm("tt", tt_rank=4)},
+             "host": {"b": host, "c": host}, "host-few": {"c": host}}
+    known = {"sharded": 1e-3, "tt": 2e-3, "host": 0.5e-3, "host_step": 6e-3}
+    runs = []
+    for k, f in plans.items():
+        p = predict_forms(st, f, dense, 32, 2, costs)
+        t = form_counts(list(p["forms"].values()))
+        runs.append({"tables": t, "predicted_s": p["step_seconds"],
+                     "measured_s": p["step_seconds"] + sum(n * known[kind] for kind, n in t.items())})
+    assert [r["tables"]["host_step"] for r in runs] == [0, 0, 1, 1]
+    assert fit_executor_overheads(runs) == pytest.approx(known, rel=1e-9)
+    assert set(fit_executor_overheads(runs[:3])) == {"sharded", "tt", "host"}  # one host plan: per table only
+    fitted = Costs(**{**costs.__dict__, "executor_overhead_s": known, "executor_world": 2})
+    assert fitted.host_step_overhead(2) == 6e-3 and fitted.host_step_overhead(1) == 0
+    for k, f in plans.items():  # the fitted costs predict every timed plan's step, host_step once per plan
+        assert predict_forms(st, f, dense, 32, 2, fitted)["step_seconds"] == pytest.approx(runs[list(plans).index(k)]
+                                                                                            ["measured_s"], rel=1e-9)
+    # the search: a device budget that holds a and c sharded but not b; b's host form is cheap per table, its TT
+    # form dear. Without host_step the search puts b on the host; with a host_step beyond what that saves it
+    # makes b TT, and the prediction of each choice is what decide weighed
+    specs = [TableSpec(x.name, x.num_rows, x.dim) for x in st]
+    dear_tt = Costs(**{**costs.__dict__, "tt_lookup_s": {4: 1e-5}, "executor_world": 2})
+    kw = dict(batch_size=32, host_depth=2, tt_rank_list=(4,), stats=st)
+    free = decide(specs, None, 1000, 2, 300_000, 1e9, costs=Costs(**{**dear_tt.__dict__,
+                  "executor_overhead_s": {"host": 0.0}}), **kw)
+    assert [free.chosen(i).label for i in range(3)] == ["sharded", "host-2", "sharded"]
+    gain = free.cands[1][[c.label for c in free.cands[1]].index("tt-4")].seconds - free.chosen(1).seconds
+    for step, label in ((0.5 * gain, "host-2"), (2 * gain, "tt-4")):
+        res = decide(specs, None, 1000, 2, 300_000, 1e9, costs=Costs(**{**dear_tt.__dict__,
+                     "executor_overhead_s": {"host": 0.0, "host_step": step}}), **kw)
+        assert [res.chosen(i).label for i in range(3)] == ["sharded", label, "sharded"], step

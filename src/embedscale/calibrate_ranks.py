@@ -6,12 +6,19 @@ exchanges beyond their bytes, the host tables' all-gathers and server reads in t
 ranks and their loader threads sharing the machine's cores. The full-size benchmark's predictions were low in
 32 of 36 runs. Here, on the run's device and at its per-rank batch, a small synthetic criteo-kaggle (26 tables,
 rows capped at ``rows``) is trained by ``embedscale train --nproc N`` (the very executor and loop the runs use,
-their timer: train steps only) under three plans made by ``embedscale plan``:
+their timer: train steps only) under four plans made by ``embedscale plan``:
 
 * ``sharded``: every table sharded exact, placed by OPER;
 * ``tt``: the ``big`` largest tables TT of rank ``tt_rank``, the rest sharded;
 * ``host``: the ``big`` largest tables on the host parameter server at pipeline depth ``host_depth``, the
   rest sharded;
+* ``host-few``: the same with only the 2 largest tables on the host. A host plan costs the executor a part per
+  step whatever its number of host tables (the server's and the pipeline's threads, the rows' all-gathers): on
+  the 2-core machine of issue 16 the 5-table plan ran ~10 ms a step slower than the sharded one and the 2-table
+  plan ~7.5 ms. With two sizes the fit separates it (``executor_overhead_s["host_step"]``,
+  :meth:`Costs.host_step_overhead`) from the part per table. Fitted per table only, it was spread over five
+  tables, and a plan of two host tables was predicted 3-4 ms too fast: from one calibration to the next, the
+  noise decided whether the search chose host tables (issue 16 run Y);
 
 ``repeats`` rounds in turns (every plan sees the same load), ``steps`` steps each; a run's step is its
 steady state (the summary's ``train_step_seconds`` median: the first 10 steps, or a third of a shorter run, left
@@ -60,17 +67,24 @@ from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
 from embedscale.plan.step import DenseModel, fit_executor, form_counts
 from embedscale.specs import SyntheticConfig, Topology
 
-PLANS = ("sharded", "tt", "host")  # the plans timed, one per form kind
+PLANS = ("sharded", "tt", "host", "host-few")  # the plans timed: one per form kind, and a second host plan
+
+
+def few_host_tables(big: int) -> int:
+    """Host tables of the ``host-few`` plan: 2 (1 when ``big`` is 2 or less), so that with the ``big`` of the
+    ``host`` plan the fit separates the host form's cost per step from its cost per table."""
+    return 2 if big > 2 else 1
 
 
 def plan_forms(tables, kind: str, big: int, tt_rank: int, host_depth: int) -> dict[str, TableForm]:
     """The forms of calibration plan ``kind`` (every table's): the ``big`` largest tables (rows, then name) TT /
-    host, the others sharded."""
+    host, the others sharded; ``host-few``: the :func:`few_host_tables` largest on the host."""
     out = {t.name: SHARDED for t in tables}
     if kind == "sharded":
         return out
     form = TableForm("tt", tt_rank=tt_rank) if kind == "tt" else TableForm("host", pipeline_depth=host_depth)
-    for t in sorted(tables, key=lambda t: (-t.num_rows, t.name))[:big]:
+    n = big if kind != "host-few" else few_host_tables(big)
+    for t in sorted(tables, key=lambda t: (-t.num_rows, t.name))[:n]:
         out[t.name] = form
     return out
 
@@ -169,7 +183,8 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                        "statistic": "median over rounds of each run's steady-state step (train_step_seconds)",
                        "load_average": load, "seconds": time.perf_counter() - t0}}})
     say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
-        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items()))
+        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items() if k != "host_step")
+        + (f"; per step with host tables {over['host_step'] * 1e3:.3f} ms" if "host_step" in over else ""))
     return out
 
 

@@ -789,7 +789,7 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 @click.option("--rank-steps", type=int, default=60, show_default=True,
               help="--ranks: steps per timed run (the first 10 are its warm-up, not timed).")
 @click.option("--rank-repeats", type=int, default=3, show_default=True,
-              help="--ranks: rounds of the three plans (a plan's spread over them bounds what counts as overhead).")
+              help="--ranks: rounds of the timed plans (a plan's spread over them bounds what counts as overhead).")
 @click.option("--host-depth", type=int, default=2, show_default=True, help="--ranks: pipeline depth of host tables.")
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
               help="--ranks: keep the data, plans and runs here (default: a temporary directory).")
@@ -817,7 +817,10 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
         f"rank {r}: {s * 1e9:.1f}" for r, s in costs.tt_lookup_s.items()) + f" ns/lookup; host "
         f"{costs.host_row_s * 1e9:.1f} ns/row" + ("; executor on {} ranks, per table: ".format(costs.executor_world)
                                                   + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in
-                                                              costs.executor_overhead_s.items())
+                                                              costs.executor_overhead_s.items() if k != "host_step")
+                                                  + (f"; per step with host tables: "
+                                                     f"{costs.executor_overhead_s['host_step'] * 1e6:.0f} us"
+                                                     if "host_step" in costs.executor_overhead_s else "")
                                                   if costs.executor_overhead_s else "")
         + f"; costs written to {out_path}")
 

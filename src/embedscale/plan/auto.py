@@ -151,6 +151,16 @@ class Costs:
         kind = label.split("-")[0]
         return float(self.executor_overhead_s.get("sharded" if kind == "replicated" else kind, 0.0))
 
+    def host_step_overhead(self, world: int) -> float:
+        """Seconds per step the distributed executor spends on host tables whatever their number (the server's
+        and the pipeline's threads, the rows' all-gathers: ``executor_overhead_s["host_step"]``, fitted by
+        ``embedscale calibrate --ranks`` from two host plans of different table counts). 0 in a world of one, or
+        when not measured. Not per table: the search weighs it by comparing its best plan with host tables
+        against its best without (:func:`decide`)."""
+        if world <= 1:
+            return 0.0
+        return float(self.executor_overhead_s.get("host_step", 0.0))
+
     def tt(self, rank: int) -> float:
         """Seconds per TT lookup at ``rank`` (measured ranks exactly; others by ``a + b R^2`` through the two
         nearest measured ranks, never below the exact lookup)."""
@@ -201,9 +211,9 @@ class Costs:
             out.executor_world = int(out.executor_world)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: executor_overhead_s / executor_world: {e}") from None
-        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host"})
+        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host", "host_step"})
         if bad or any(not (math.isfinite(v) and v >= 0) for v in out.executor_overhead_s.values()):
-            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host to seconds >= 0, got "
+            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host / host_step to seconds >= 0, got "
                               f"{out.executor_overhead_s}")
         if out.executor_world < 0 or (out.executor_overhead_s and out.executor_world < 2):
             raise ConfigError(f"{where}: executor_world must be the ranks the executor overheads were measured on "
@@ -661,11 +671,38 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
             choice = search_greedy(cands, device_memory, host_memory, pairs=False)
     else:
         choice = search_greedy(cands, device_memory, host_memory)
+    choice = _without_host_if_faster(cands, choice, device_memory, host_memory, costs.host_step_overhead(world),
+                                     search)
     secs = time.perf_counter() - t0
     names = [t.name for t in tables]
     if not fits(cands, choice, device_memory, host_memory):
         raise budget_error(names, cands, choice, device_memory, host_memory)
     return AutoResult(names, stats, cands, choice, float(device_memory), float(host_memory), search, secs)
+
+
+def _is_host(c: Candidate) -> bool:
+    return c.label.startswith("host")
+
+
+def _without_host_if_faster(cands, choice, dev_budget: float, host_budget: float, host_step: float,
+                            search: str) -> list[int]:
+    """``choice``, or the best choice with no host table where that fits and is faster once ``choice`` pays the
+    host form's cost per step (``host_step``, not per table: the search itself sees only per-table seconds)."""
+    choice = list(choice)
+    if host_step <= 0 or not any(_is_host(cands[i][j]) for i, j in enumerate(choice)):
+        return choice
+    keep = [[j for j, c in enumerate(cs) if not _is_host(c)] for cs in cands]
+    if any(not k for k in keep):
+        return choice  # a table with no other form
+    sub = [[cands[i][j] for j in k] for i, k in enumerate(keep)]
+    alt = search_milp(sub, dev_budget, host_budget) if search == "milp" else None
+    if alt is None:
+        alt = search_greedy(sub, dev_budget, host_budget)
+    alt = [keep[i][j] for i, j in enumerate(alt)]
+    if not fits(cands, alt, dev_budget, host_budget):
+        return choice
+    with_host = sum(cands[i][j].seconds for i, j in enumerate(choice)) + host_step
+    return alt if sum(cands[i][j].seconds for i, j in enumerate(alt)) < with_host else choice
 
 
 def parse_bytes(text: str | int | float, what: str = "memory") -> int:
@@ -691,12 +728,13 @@ def parse_bytes(text: str | int | float, what: str = "memory") -> int:
 def exchange_latency(res: AutoResult, world: int, costs: Costs) -> float:
     """The latency a step pays once per exchange, whatever the tables in it: the sharded rows' all-to-all
     (forward and backward), one all-reduce of replicated rows, one of TT cores, the host rows' all-gathers
-    (two). Not per table: the executor sends each kind's tables together."""
+    (two). Not per table: the executor sends each kind's tables together. With host tables, also the host
+    form's executor work per step whatever their number (:meth:`Costs.host_step_overhead`)."""
     if world <= 1:
         return 0.0
     labels = {res.chosen(i).label.split("-")[0] for i in range(len(res.names))}
     n = 2 * ("sharded" in labels) + ("replicated" in labels) + ("tt" in labels) + 2 * ("host" in labels)
-    return n * costs.link_latency_us * 1e-6
+    return n * costs.link_latency_us * 1e-6 + ("host" in labels) * costs.host_step_overhead(world)
 
 
 def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str, Any]:
@@ -775,7 +813,9 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
     fixed = {k: float(v) for k, v in (fixed or {}).items()}
     emb = float(per_rank["predicted_step_seconds"])
     world = len(per_rank["step_seconds"])
-    executor = float(sum(costs.executor_overhead(res.chosen(i).label, world) for i in range(len(res.names))))
+    labels = [res.chosen(i).label for i in range(len(res.names))]
+    executor = float(sum(costs.executor_overhead(lb, world) for lb in labels)) \
+        + any(lb.startswith("host") for lb in labels) * costs.host_step_overhead(world)  # (in exchange_latency)
     parts = {"embedding": emb - executor, **({"executor": executor} if costs.executor_overhead_s else {}), **fixed}
     return {"strategy": "auto", "search": res.search, "search_seconds": res.search_seconds,
             "device_budget_bytes": res.dev_budget, "host_budget_bytes": res.host_budget,

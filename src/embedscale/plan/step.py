@@ -185,12 +185,13 @@ def candidate_of(s: TableStats, form: TableForm, world: int, costs: Costs, host_
 
 
 def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> float:
-    """The latency a step pays once per exchange (see :func:`embedscale.plan.auto.exchange_latency`)."""
+    """The latency a step pays once per exchange, and the host form's cost per step (see
+    :func:`embedscale.plan.auto.exchange_latency`)."""
     if world <= 1:
         return 0.0
     kinds = {lb.split("-")[0] for lb in labels}
     n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
-    return n * costs.link_latency_us * 1e-6
+    return n * costs.link_latency_us * 1e-6 + ("host" in kinds) * costs.host_step_overhead(world)
 
 
 def executor_term(labels: Sequence[str], world: int, costs: Costs) -> float:
@@ -233,6 +234,7 @@ def form_counts(labels: Sequence[str]) -> dict[str, int]:
     for lb in labels:
         k = lb.split("-")[0]
         out["sharded" if k == "replicated" else k] += 1
+    out["host_step"] = int(out["host"] > 0)  # the host form's cost per step, whatever the number of host tables
     return out
 
 
@@ -241,7 +243,9 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
 
     ``runs``: one entry per plan timed, ``{"tables": {kind: count}, "measured_s": s, "predicted_s": s}`` with
     ``predicted_s`` this module's prediction of that plan *without* executor overheads. The residual of a plan
-    is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`); non-negative least
+    is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`; the kind
+    ``host_step`` counts 1 for a plan with any host table: :meth:`Costs.host_step_overhead`, fitted only where
+    host plans of two sizes separate it from the per-table part); non-negative least
     squares over the plans (exact with one plan per kind, as many plans as kinds and residuals that allow it)
     gives the overheads. Non-negative: they are work the executor adds. A negative residual says the
     single-process figures overestimate this machine as it is (a load that fell between the two timings), not
@@ -249,11 +253,16 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
     table of that form (a fit on a shared machine once gave host tables -21 ms each, and the search put 22
     tables on the host for a predicted step below zero). A kind no plan holds is left out (not measured)."""
     runs = list(runs)
-    kinds = [k for k in ("sharded", "tt", "host") if any(int(r["tables"].get(k, 0)) for r in runs)]
+    kinds = [k for k in ("sharded", "tt", "host", "host_step") if any(int(r["tables"].get(k, 0)) for r in runs)]
     if not runs or not kinds:
         raise ConfigError("fit_executor_overheads: no timed plan with tables")
     a = np.array([[float(r["tables"].get(k, 0)) for k in kinds] for r in runs])
     y = np.array([float(r["measured_s"]) - float(r["predicted_s"]) for r in runs])
+    if "host_step" in kinds and np.linalg.matrix_rank(a) < len(kinds):
+        # one host plan (or host plans of one size): its cost per step and per table are not separable; all of it
+        # per table, as before host plans of two sizes were timed
+        i = kinds.index("host_step")
+        kinds, a = kinds[:i] + kinds[i + 1:], np.delete(a, i, axis=1)
     if np.linalg.matrix_rank(a) < len(kinds):
         raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
     x, _ = nnls(a, y)
