@@ -29,7 +29,9 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
 each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
 fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
 plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
-the search leaves it out and the report adds it), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
+the search leaves it out and the report adds it), plus, with any host table, the host form's executor cost per step
+(:meth:`Costs.host_step_overhead`: the search compares its best plan with host tables, charged it, against its best
+without), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
 row-wise state (with ``H`` hot rows: plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
