@@ -116,7 +116,7 @@ class MixedEmbedding(nn.Module):
 
         >>> import torch
         >>> from embedscale.specs import TableSpec
-        >>> from embedscale.data.batch import JaggedFeatures, same_batch
+        >>> from embedscale.data.batch import JaggedFeatures
         >>> tables = [TableSpec("small", 100, 8), TableSpec("big", 2_000_000, 8)]
         >>> emb = MixedEmbedding(tables, tt={"big": 8}, optimizer="rowwise_adagrad", lr=0.1, seed=0)
         >>> out = emb(JaggedFeatures.from_dense(["small", "big"], torch.tensor([[1, 123_456], [2, 7]])))

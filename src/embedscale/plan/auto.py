@@ -732,11 +732,16 @@ def exchange_latency(res: AutoResult, world: int, costs: Costs) -> float:
     (forward and backward), one all-reduce of replicated rows, one of TT cores, the host rows' all-gathers
     (two). Not per table: the executor sends each kind's tables together. With host tables, also the host
     form's executor work per step whatever their number (:meth:`Costs.host_step_overhead`)."""
+    return exchange_latency_of([res.chosen(i).label for i in range(len(res.names))], world, costs)
+
+
+def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> float:
+    """:func:`exchange_latency` of tables costed as candidate ``labels`` (one per table)."""
     if world <= 1:
         return 0.0
-    labels = {res.chosen(i).label.split("-")[0] for i in range(len(res.names))}
-    n = 2 * ("sharded" in labels) + ("replicated" in labels) + ("tt" in labels) + 2 * ("host" in labels)
-    return n * costs.link_latency_us * 1e-6 + ("host" in labels) * costs.host_step_overhead(world)
+    kinds = {lb.split("-")[0] for lb in labels}
+    n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
+    return n * costs.link_latency_us * 1e-6 + ("host" in kinds) * costs.host_step_overhead(world)
 
 
 def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str, Any]:

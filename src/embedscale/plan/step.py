@@ -45,7 +45,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
-from embedscale.plan.auto import Candidate, Costs, TableStats, candidates, hybrid_candidate
+from embedscale.plan.auto import Candidate, Costs, TableStats, candidates, exchange_latency_of, hybrid_candidate
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
@@ -182,16 +182,6 @@ def candidate_of(s: TableStats, form: TableForm, world: int, costs: Costs, host_
         if c.label == label:
             return c
     raise ConfigError(f"table {s.name!r}: cannot cost form {form.to_dict()}")
-
-
-def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> float:
-    """The latency a step pays once per exchange, and the host form's cost per step (see
-    :func:`embedscale.plan.auto.exchange_latency`)."""
-    if world <= 1:
-        return 0.0
-    kinds = {lb.split("-")[0] for lb in labels}
-    n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
-    return n * costs.link_latency_us * 1e-6 + ("host" in kinds) * costs.host_step_overhead(world)
 
 
 def executor_term(labels: Sequence[str], world: int, costs: Costs) -> float:
