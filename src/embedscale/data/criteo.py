@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from embedscale.data.raw import BLOCK_BYTES
 from embedscale.data.schema import DenseColumn, Schema, SparseColumn
 from embedscale.data.shards import Manifest
@@ -22,11 +20,6 @@ from embedscale.specs import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 DENSE_NAMES = [f"I{i}" for i in range(1, CRITEO_NUM_DENSE + 1)]
 SPARSE_NAMES = [f"C{i}" for i in range(1, CRITEO_NUM_SPARSE + 1)]
 COLUMNS = ["label"] + DENSE_NAMES + SPARSE_NAMES
-
-
-def dense_transform(values: np.ndarray) -> np.ndarray:
-    """The reference's dense transform: ``log(1 + max(x, 0))`` in float32 (missing already 0)."""
-    return np.log1p(np.maximum(values, 0).astype(np.float32))
 
 
 def schema() -> Schema:

@@ -31,6 +31,16 @@ _HOUR = re.compile(rb"[0-9]{8}")
 _EPOCH_WEEKDAY = 3  # 1970-01-01 was a Thursday (Monday = 0)
 
 
+def log1p_float32(v: np.ndarray) -> np.ndarray:
+    """``log(1 + max(x, 0))`` rounded to float32, the same bits on every CPU.
+
+    numpy's float32 ``log1p`` has SIMD paths (AVX-512 on some CPUs, AVX2 or libm on others) that differ in the
+    last bit for a few percent of values, so shards converted on two machines would differ. Computed in float64
+    (accurate to an ulp of float64 on every path) and rounded once, the result is the correctly rounded float32
+    except within 2^-29 of a rounding tie: on integer inputs 0..3M it matches libm bit for bit."""
+    return np.log1p(np.maximum(np.asarray(v, np.float64), 0.0)).astype(np.float32)
+
+
 @dataclass
 class Decoded:
     """A block decoded. ``keys[f]`` holds feature f's keys: one per row, or ``lengths[f]`` per row (multi-hot)."""
@@ -291,7 +301,7 @@ class Decoder:
 
     def _transform(self, j: int, c: DenseColumn, v: np.ndarray) -> np.ndarray:
         if c.transform == "log1p":  # the DLRM reference's: log(1 + max(x, 0)) in float32
-            return np.log1p(np.maximum(v, 0).astype(np.float32))
+            return log1p_float32(v)
         if c.transform == "standardise" and self.stats is not None:
             mean, std = self.stats[self.standardised.index(j)]
             return ((v - mean) / std).astype(np.float32)
