@@ -6,6 +6,7 @@ resumed run continues exactly, switching from the shared server at depth 3 to pe
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +95,11 @@ def test_host_tables_beside_sharded_tables_on_two_ranks(tmp_path):
             continue
         torch.testing.assert_close(dense[k], v, rtol=0, atol=1e-5, msg=lambda m: f"{k}: {m}")
     assert not list(Path("/dev/shm").glob("embedscale-ps-*")) if Path("/dev/shm").is_dir() else True
+    # the sharded table's ids went through the input pipeline behind the host pipeline (its server takes the
+    # next batch from the loader before this step ends): every step's of each run but its first
+    for run, steps in (("a", 3), ("b", STEPS - 3)):
+        summary = json.loads((tmp_path / run / "summary.json").read_text())
+        assert summary.get("input_pipelined_steps") == steps - 1, (run, summary)
 
 
 def test_host_min_rows_places_the_largest_tables_on_the_server(tmp_path):

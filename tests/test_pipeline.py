@@ -26,6 +26,7 @@ from embedscale.pipeline import (
     HostParameterServer,
     LifeCycleCache,
     PipelinedEmbedding,
+    Pipeline,
     PipelinedLoader,
     PipelineError,
     select_features,
@@ -202,6 +203,51 @@ def test_cache_holds_at_most_the_rows_of_the_last_k_batches(dataset):
     # the peak is taken at insertion (the patcher thread may evict right after, before `held` is read)
     assert max(held) <= loader.last_stats["cache_peak_rows"] <= max(bounds)
     assert emb.cache.num_rows == 0  # the drained pipeline leaves the server current and the cache empty
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_lookahead_peeks_the_next_batch_and_trains_the_same(dataset, depth):
+    """With lookahead the server takes a batch from the loader before it waits for older gradients; peek()
+    gives the batch the pass hands out next (the same object, with the device features its lookup gets), None
+    at the end, and training is bit for bit what it is without lookahead."""
+    d, specs, host = dataset
+    runs = {}
+    for lookahead in (False, True):
+        model, opt, emb = make_model(specs, host, "pipe")
+        loader = PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0), emb, depth, lookahead=lookahead)
+        lossf = nn.BCEWithLogitsLoss()
+        losses, peeked = [], []
+        for b in loader:
+            if peeked:
+                assert b is peeked[-1], "peek() promised another batch"
+                assert emb._pending.device_features is want_dev  # the lookup takes the features peek selected
+            if lookahead:
+                nxt = loader.peek()
+                assert loader.peek() is nxt  # peeking twice: the same batch
+                peeked.append(nxt)
+                want_dev = loader.device_features(nxt) if nxt is not None else None
+            loss = lossf(model(b.dense, b.sparse), b.labels)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert not lookahead or (peeked[-1] is None and len(peeked) == len(losses) > 3)
+        runs[lookahead] = (losses, host_weights(emb, specs, host), emb.device_modules[0].weights.clone())
+    assert runs[True][0] == runs[False][0]
+    for name, w in runs[False][1].items():
+        assert torch.equal(runs[True][1][name], w), name
+    assert torch.equal(runs[True][2], runs[False][2])
+
+
+def test_lookahead_needs_depth_two(dataset):
+    d, specs, host = dataset
+    _, _, emb = make_model(specs, host, "pipe")
+    with pytest.raises(ConfigError, match="lookahead needs depth >= 2"):
+        PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0), emb, 1, lookahead=True)
+    with pytest.raises(ConfigError, match="lookahead needs depth >= 2"):
+        Pipeline(emb, [], 1, lookahead=True)
+    with pytest.raises(PipelineError, match="peek needs"):
+        PipelinedLoader(ShardLoader(d, BATCH, stop=SAMPLES, prefetch=0), emb, 2).peek()
 
 
 def _pooled_batches(seed: int, n: int, B: int = 6):

@@ -421,7 +421,8 @@ class DistConfig:
     topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)
     replan: bool = False  # resume a run directory under another dist.plan: re-plan it (else a ConfigError)
     # the next batch's ids checked, decoded and announced to their owners during this step (OPER 5.1 pipelined,
-    # as TorchRec's TrainPipelineSparseDist): sharded rows, retrieve design, no live re-plan; exact either way
+    # as TorchRec's TrainPipelineSparseDist): sharded rows, retrieve design, no live re-plan (behind host tables:
+    # pipeline depth >= 2); exact either way
     input_pipeline: bool = True
     # dist.plan auto (issue 16): every table's form decided under these per-rank budgets (plan.auto.parse_bytes)
     device_memory: str = ""  # device memory per rank, e.g. 256MiB (required by auto)

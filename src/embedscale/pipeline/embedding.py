@@ -252,15 +252,21 @@ class PipelinedEmbedding(nn.Module):
         return f"features={len(self.feature_names)}, host_tables={host}, device_modules={len(self.device_modules)}"
 
     # -- server-side preparation (runs on the server thread when pipelined) -----------------------------
+    def device_features(self, features: JaggedFeatures) -> list[JaggedFeatures]:
+        """Each device module's features of the batch ``features``, in ``device_modules`` order."""
+        return [select_features(features, keys) for keys in self._device_keys]
+
     def prefetch(self, features: JaggedFeatures, *, index: int = 0, applied: int = 0, batch=None,
-                 in_flight: Sequence[tuple[int, list[torch.Tensor]]] | None = None) -> PrefetchedBatch:
+                 in_flight: Sequence[tuple[int, list[torch.Tensor]]] | None = None,
+                 device_features: list[JaggedFeatures] | None = None) -> PrefetchedBatch:
         """Everything the trainer needs for one batch: device modules' features and the host rows, read now.
 
         ``in_flight``: ``(batch, rows per group)`` of the batches whose gradients the server has not applied
         yet; for each, the positions of the rows both batches read are computed here (the cache's patch
-        plan), so the trainer does not search for them.
+        plan), so the trainer does not search for them. ``device_features``: :meth:`device_features` of
+        ``features``, if already selected.
         """
-        dev_feats = [select_features(features, keys) for keys in self._device_keys]
+        dev_feats = self.device_features(features) if device_features is None else device_features
         host: list[HostRows] = []
         plan = None
         if self.server is not None:

@@ -41,6 +41,10 @@ from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.queues import END, FINISH, GradientBatch, PipelineError, PrefetchedBatch, get_from
 
 
+_LOOKAHEAD_DEPTH = ("a pipeline's lookahead needs depth >= 2 (at depth 1 the server takes a batch from the loader "
+                    "only after the trainer's backward of the one before)")
+
+
 class Pipeline:
     """One pass of pipelined training over ``batches`` (use through :class:`PipelinedLoader`).
 
@@ -59,9 +63,11 @@ class Pipeline:
     """
 
     def __init__(self, embedding: PipelinedEmbedding, batches: Iterable, depth: int, *, use_cache: bool = True,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, lookahead: bool = False) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"pipeline depth must be an integer >= 1, got {depth!r}")
+        if lookahead and depth < 2:
+            raise ConfigError(_LOOKAHEAD_DEPTH)
         if embedding.pipelined:
             raise PipelineError("this PipelinedEmbedding already runs a pipeline")
         self.embedding = embedding
@@ -86,6 +92,13 @@ class Pipeline:
         self.patcher = threading.Thread(target=self._patch_loop, name="embedscale-cache-patcher", daemon=True)
         self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
+        # lookahead: the server takes batch s from the loader (and selects its device modules' features) before
+        # it waits for the gradients of batch s - depth, and publishes it: peek() hands the trainer the batch
+        # after the one it trains, so device modules convert its input during this step (their input pipeline)
+        self.lookahead = lookahead
+        self._loaded: dict[int, tuple] = {}  # index -> (batch, device features), published by the server
+        self._loaded_end: int | None = None  # the pass has this many batches (the loader ended)
+        self._loaded_cv = threading.Condition()
         self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0,
                       "server_cpu_s": 0.0, "patcher_cpu_s": 0.0}
 
@@ -94,23 +107,35 @@ class Pipeline:
         it = iter(self.batches)
         cpu0 = time.thread_time()
         recent: collections.deque = collections.deque()  # (batch, rows per group) of batches in flight
+        s = 0
         try:
-            s = 0
             while True:
+                dev = None
+                if self.lookahead:  # the loader first: the trainer may peek at this batch during step s - 1
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        self._end_loaded(s)
+                        break
+                    dev = self.embedding.device_features(batch.sparse)
+                    with self._loaded_cv:
+                        self._loaded[s] = (batch, dev)
+                        self._loaded_cv.notify_all()
                 # the gradient due first, then the loader: a gradient pushed is applied whatever the loader does
                 if s >= self.depth and not self._pull_and_apply(s - self.depth):
                     break
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    break
+                if not self.lookahead:
+                    try:
+                        batch = next(it)
+                    except StopIteration:
+                        break
                 in_flight = None
                 if self._plan_patches:
                     while recent and recent[0][0] < self.applied:
                         recent.popleft()
                     in_flight = list(recent)
                 pre = self.embedding.prefetch(batch.sparse, index=s, applied=self.applied, batch=batch,
-                                              in_flight=in_flight)
+                                              in_flight=in_flight, device_features=dev)
                 if self._plan_patches:
                     recent.append((s, [hr.rows.to(self.embedding.server.device) for hr in pre.host]))
                 self.prefetch_q.put(pre)
@@ -123,6 +148,7 @@ class Pipeline:
             self.prefetch_q.put(e)
         finally:
             self.stats["server_cpu_s"] = time.thread_time() - cpu0
+            self._end_loaded(s)
             with self._applied_cv:
                 self._serving = False
                 self._applied_cv.notify_all()
@@ -132,6 +158,12 @@ class Pipeline:
                     close()
                 except Exception:  # noqa: BLE001
                     pass
+
+    def _end_loaded(self, batches: int) -> None:
+        with self._loaded_cv:
+            if self._loaded_end is None:
+                self._loaded_end = batches
+            self._loaded_cv.notify_all()
 
     def _pull_and_apply(self, expected: int | None) -> bool:
         """Pull one gradient batch and apply it; False when the trainer has finished (nothing more comes)."""
@@ -240,7 +272,33 @@ class Pipeline:
         else:
             self.embedding._pending = item
         self.consumed += 1
+        if self.lookahead:
+            with self._loaded_cv:
+                self._loaded.pop(item.index, None)
         return item
+
+    def peek(self) -> tuple | None:
+        """``(batch, device features)`` of the batch the next :meth:`next` hands out, taken from the loader by
+        the server (lookahead); ``None`` at the end of the pass. Waits for the server, which takes that batch
+        as soon as it has put the one before on the prefetch queue: before the trainer could train on it."""
+        if not self.lookahead:
+            raise PipelineError("peek needs a pipeline with lookahead")
+        want = self.consumed
+        deadline = time.monotonic() + self.timeout_s
+        with self._loaded_cv:
+            while want not in self._loaded:
+                if self.error is not None:
+                    raise self.error
+                if self._loaded_end is not None and want >= self._loaded_end:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PipelineError(f"the server took no batch {want} from the loader within "
+                                        f"{self.timeout_s:.0f} s")
+                self._loaded_cv.wait(min(left, 0.5))
+            for k in [k for k in self._loaded if k < want]:
+                del self._loaded[k]
+            return self._loaded[want]
 
     def finish(self) -> None:
         """Tell the server no more gradients come, wait until it has applied all it got, detach."""
@@ -281,33 +339,55 @@ class PipelinedLoader:
         embedding: the model's :class:`PipelinedEmbedding`.
         depth: prefetch queue length (1 = sequential).
         use_cache: see :class:`Pipeline`.
+        lookahead: during a step, :meth:`peek` gives the batch of the next one (depth >= 2; see
+            :class:`Pipeline`): the device modules' input pipeline runs behind the host pipeline.
 
     Attributes:
         last_stats: the finished pass's :attr:`Pipeline.stats`.
     """
 
     def __init__(self, loader, embedding: PipelinedEmbedding, depth: int = 2, *, use_cache: bool = True,
-                 timeout_s: float = 300.0) -> None:
+                 timeout_s: float = 300.0, lookahead: bool = False) -> None:
         if not isinstance(embedding, PipelinedEmbedding):
             raise ConfigError(f"PipelinedLoader needs a PipelinedEmbedding, got {type(embedding).__name__}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"pipeline depth must be an integer >= 1, got {depth!r}")
+        if lookahead and depth < 2:
+            raise ConfigError(_LOOKAHEAD_DEPTH)
         self.loader = loader
         self.embedding = embedding
         self.depth = depth
         self.use_cache = use_cache
         self.timeout_s = timeout_s
+        self.lookahead = lookahead
         self.last_stats: dict = {}
         self.pipeline: Pipeline | None = None
+        self._peeked: tuple | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def peek(self) -> Batch | None:
+        """The batch this pass hands out next (``None`` at its end), before it is handed out: a loop with an
+        input pipeline passes it to the run during the current step (lookahead only)."""
+        if self.pipeline is None or not self.lookahead:
+            raise PipelineError("peek needs a running pass of a PipelinedLoader made with lookahead=True")
+        self._peeked = self.pipeline.peek()
+        return None if self._peeked is None else self._peeked[0]
+
+    def device_features(self, batch: Batch) -> list:
+        """The device modules' features of ``batch``: those the server selected when ``batch`` is the one
+        :meth:`peek` returned (the objects the lookup will get), else selected now."""
+        if self._peeked is not None and self._peeked[0] is batch:
+            return self._peeked[1]
+        return self.embedding.device_features(batch.sparse)
 
     def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
         self.loader.set_epoch(epoch, skip_batches=skip_batches)
 
     def __iter__(self) -> Iterator[Batch]:
-        pipe = Pipeline(self.embedding, self.loader, self.depth, use_cache=self.use_cache, timeout_s=self.timeout_s)
+        pipe = Pipeline(self.embedding, self.loader, self.depth, use_cache=self.use_cache, timeout_s=self.timeout_s,
+                        lookahead=self.lookahead)
         self.pipeline = pipe
         pipe.start()
         try:

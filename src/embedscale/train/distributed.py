@@ -405,28 +405,37 @@ class DistributedRun:
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
                                                   pipelined=self.host_embedding is not None,
                                                   follow=self.stream_follow())
-        if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
-            self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
-            self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
-                                                use_cache=t.pipeline_cache, timeout_s=d.timeout_s)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
         # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
-        # hands the sharded module its selection of the batch); not behind the host pipeline (its own loader
-        # runs ahead), and not with the drift monitor (a migration needs no batch in flight)
-        self._prefetcher = (emb if emb is self.embedding
-                            else emb if isinstance(emb, MixedEmbedding) and emb.local is self.embedding else None)
+        # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2
+        # (its server takes a batch from the loader before the step before it; at depth 1 only after that
+        # step's backward), and not with the drift monitor (a migration needs no batch in flight)
+        inner = device_module
+        self._prefetcher = (inner if inner is self.embedding
+                            else inner if isinstance(inner, MixedEmbedding) and inner.local is self.embedding else None)
         self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
                                    and self.managed is None  # (managed: raw ids become rows at their own step)
                                    and isinstance(self.embedding, ShardedEmbedding) and self._prefetcher is not None)
+        if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
+            self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
+            mods = self.host_embedding.device_modules
+            self.input_pipeline = self.input_pipeline and self.pipeline_depth >= 2 \
+                and len(mods) == 1 and mods[0] is device_module
+            self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
+                                                use_cache=t.pipeline_cache, timeout_s=d.timeout_s,
+                                                lookahead=self.input_pipeline)
 
     def prefetch_batch(self, batch) -> None:
         """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while
         this step computes (``ShardedEmbedding.prefetch``: OPER 5.1 pipelined with the previous step; the step
         whose batch was prefetched sends two all-to-alls instead of four). Same results either way."""
         if getattr(self, "input_pipeline", False):
-            self._prefetcher.prefetch(batch.sparse)
+            if self.host_embedding is not None:  # the device module's selection, as the server made it
+                self._prefetcher.prefetch(self.train_loader.device_features(batch)[0])
+            else:
+                self._prefetcher.prefetch(batch.sparse)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
         """Look up through ``new`` (the sharded module a live re-plan migrated the rows into, ``train.replan``)

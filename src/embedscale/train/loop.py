@@ -291,7 +291,12 @@ class StepTimes:
 
 def _with_next(batches: Iterable) -> Iterator[tuple[Any, Any]]:
     """``(batch, the batch after it or None)`` for every batch: the loop hands the next step's batch to a run
-    that converts its input ahead (``Run.prefetch_batch``)."""
+    that converts its input ahead (``Run.prefetch_batch``). A loader that can ``peek`` (a host pipeline's, with
+    lookahead) hands the next batch over without handing it out: its pipeline attaches one batch at a time."""
+    if getattr(batches, "lookahead", False):
+        for cur in batches:
+            yield cur, batches.peek()
+        return
     it = iter(batches)
     cur = next(it, _END)
     while cur is not _END:
