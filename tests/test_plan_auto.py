@@ -27,8 +27,9 @@ from embedscale.calibrate_ranks import calibrate_ranks, plan_forms, refit
 from embedscale.data.profile import AccessProfile
 from embedscale.errors import ConfigError
 from embedscale.pipeline.cache import LifeCycleCache
-from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, candidates, decide, load_costs,
-                                  parse_bytes, search_greedy, search_milp, tt_core_bytes)
+from embedscale.plan.auto import (BudgetError, Candidate, Costs, TableStats, best_over_kinds, candidates, decide,
+                                  fits, load_costs, parse_bytes, plan_seconds, search_greedy, search_milp,
+                                  tt_core_bytes)
 from embedscale.plan.autoplan import make_auto_plan, predict_plan_forms
 from embedscale.plan.step import DenseModel, fit_executor, fit_executor_overheads, form_counts, predict_forms
 from embedscale.plan.forms import SHARDED, TableForm, host_pipeline_depth, tables_from_profile
@@ -152,6 +153,37 @@ def test_greedy_within_2_percent_of_the_milp_optimum():
         assert sum(c.seconds for c in cs) <= 1.02 * t_exact, case
         checked += 1
     assert checked >= 20
+
+
+def test_search_weighs_the_terms_a_plan_pays_once_per_kind_of_table():
+    """A plan pays some terms once per kind of table in it (each kind's exchange latency, the host form's work
+    per step: ``plan_seconds``), which per-table moves do not see. ``best_over_kinds`` over the MILP's choice is
+    the optimum of the whole objective (a brute force over every choice, independent of the search), and over
+    the greedy's within 2%; some cases must change the per-table optimum for the check to mean something."""
+    rng = np.random.default_rng(11)
+    kinds = ["sharded", "replicated", "tt-8", "host-2"]
+    costs = Costs(link_latency_us=800.0, executor_overhead_s={"host_step": 1.5e-3}, executor_world=2)
+    checked = changed = 0
+    for case in range(40):
+        cands = [[Candidate(k, SHARDED, float(rng.uniform(1e-3, 6e-3)), float(rng.uniform(0, 100)),
+                            float(rng.uniform(20, 100)) * (k.startswith("host")))
+                  for k in kinds if k == "sharded" or rng.random() < 0.8] for _ in range(int(rng.integers(2, 6)))]
+        dev, host = float(rng.uniform(60, 250)), float(rng.uniform(0, 200))
+        best = None
+        for choice in itertools.product(*[range(len(c)) for c in cands]):
+            if fits(cands, choice, dev, host):
+                t = plan_seconds(cands, choice, 2, costs)
+                best = t if best is None else min(best, t)
+        if best is None:
+            continue
+        per_table = search_milp(cands, dev, host)
+        exact = best_over_kinds(cands, per_table, dev, host, 2, costs, "milp")
+        assert fits(cands, exact, dev, host) and plan_seconds(cands, exact, 2, costs) == pytest.approx(best, rel=1e-9)
+        changed += plan_seconds(cands, per_table, 2, costs) > best * (1 + 1e-9)
+        g = best_over_kinds(cands, search_greedy(cands, dev, host), dev, host, 2, costs)
+        assert fits(cands, g, dev, host) and plan_seconds(cands, g, 2, costs) <= 1.02 * best, case
+        checked += 1
+    assert checked >= 20 and changed >= 5, (checked, changed)
 
 
 def _criteo_like():

@@ -28,10 +28,9 @@ the per-row costs of :class:`Costs` (measured by ``embedscale calibrate``; docum
 
 each plus, on several ranks, the executor's own work per table of its form (``Costs.executor_overhead``:
 fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
-plus the link latency once per exchange a step runs (:func:`exchange_latency`: not separable by table, so
-the search leaves it out and the report adds it), plus, with any host table, the host form's executor cost per step
-(:meth:`Costs.host_step_overhead`: the search compares its best plan with host tables, charged it, against its best
-without), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
+plus the link latency once per exchange a step runs (:func:`exchange_latency`, once per kind of table in the
+plan: not separable by table), plus, with any host table, the host form's executor cost per step
+(:meth:`Costs.host_step_overhead`), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
 row-wise state (with ``H`` hot rows: plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
@@ -40,7 +39,9 @@ device (prefetched rows and the life-cycle cache). The objective is the bottlene
 for a grid of prices per tier), each repaired to the budgets by the moves that buy the most bytes (over the
 tiers that overflow) per second lost and improved by single form changes; the best one then improved by
 single and paired changes until none helps. :func:`search_milp` solves the same multiple-choice knapsack exactly with HiGHS
-(``scipy.optimize.milp``) for checking on small cases. When nothing fits, :class:`BudgetError` names the
+(``scipy.optimize.milp``) for checking on small cases. The terms a plan pays once per kind of table (latencies,
+host step) are weighed by :func:`best_over_kinds`: the search again with each set of kinds left out, the choice
+of least :func:`plan_seconds` kept (exact with the MILP). When nothing fits, :class:`BudgetError` names the
 bytes over per tier and the tables that could not be placed.
 
 **Quality guard** (issue 16, part 4): a table whose rows are hot (the global batch reads it at least
@@ -52,6 +53,7 @@ rank in the plan (``TableForm.tt_rank``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -673,8 +675,7 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
             choice = search_greedy(cands, device_memory, host_memory, pairs=False)
     else:
         choice = search_greedy(cands, device_memory, host_memory)
-    choice = _without_host_if_faster(cands, choice, device_memory, host_memory, costs.host_step_overhead(world),
-                                     search)
+    choice = best_over_kinds(cands, choice, device_memory, host_memory, world, costs, search)
     secs = time.perf_counter() - t0
     names = [t.name for t in tables]
     if not fits(cands, choice, device_memory, host_memory):
@@ -682,29 +683,53 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
     return AutoResult(names, stats, cands, choice, float(device_memory), float(host_memory), search, secs)
 
 
-def _is_host(c: Candidate) -> bool:
-    return c.label.startswith("host")
+def kind_of(label: str) -> str:
+    """A candidate's kind (sharded, replicated, tt, host): its label's first word."""
+    return label.split("-")[0]
 
 
-def _without_host_if_faster(cands, choice, dev_budget: float, host_budget: float, host_step: float,
-                            search: str) -> list[int]:
-    """``choice``, or the best choice with no host table where that fits and is faster once ``choice`` pays the
-    host form's cost per step (``host_step``, not per table: the search itself sees only per-table seconds)."""
-    choice = list(choice)
-    if host_step <= 0 or not any(_is_host(cands[i][j]) for i, j in enumerate(choice)):
-        return choice
-    keep = [[j for j, c in enumerate(cs) if not _is_host(c)] for cs in cands]
-    if any(not k for k in keep):
-        return choice  # a table with no other form
-    sub = [[cands[i][j] for j in k] for i, k in enumerate(keep)]
-    alt = search_milp(sub, dev_budget, host_budget) if search == "milp" else None
-    if alt is None:
-        alt = search_greedy(sub, dev_budget, host_budget)
-    alt = [keep[i][j] for i, j in enumerate(alt)]
-    if not fits(cands, alt, dev_budget, host_budget):
-        return choice
-    with_host = sum(cands[i][j].seconds for i, j in enumerate(choice)) + host_step
-    return alt if sum(cands[i][j].seconds for i, j in enumerate(alt)) < with_host else choice
+def plan_seconds(cands, choice, world: int, costs: Costs) -> float:
+    """A choice's step seconds by the model the explain report predicts (sharded rows evenly spread): its tables'
+    seconds plus what a plan pays once per kind of table in it (:func:`exchange_latency_of`: each kind's
+    exchange latency, the host form's work per step)."""
+    labels = [cands[i][j].label for i, j in enumerate(choice)]
+    return sum(cands[i][j].seconds for i, j in enumerate(choice)) + exchange_latency_of(labels, world, costs)
+
+
+def best_over_kinds(cands, choice, dev_budget: float, host_budget: float, world: int, costs: Costs,
+                    search: str = "greedy") -> list[int]:
+    """``choice`` (the per-table search's), or the best choice that leaves out some kinds of form, whichever
+    costs least by :func:`plan_seconds`.
+
+    The search sums per-table seconds; a plan also pays terms once per kind of table it holds (the all-to-alls'
+    and all-reduces' latency, the host pipeline's work per step), which no per-table move sees: two host tables
+    may each save less than the host form costs the plan. So the search runs again with every set of kinds
+    left out (tables then choose among the rest; a set that leaves a table no form is skipped) and the choice
+    of least :func:`plan_seconds` is kept. The kinds' terms only add up, so with an exact search (``milp``)
+    this is the exact optimum of the whole objective (tests: a brute force over every choice)."""
+    best, best_s = list(choice), plan_seconds(cands, choice, world, costs)
+    if world <= 1 or not fits(cands, choice, dev_budget, host_budget):  # (no per-plan terms; or the budget error)
+        return best
+    present = sorted({kind_of(c.label) for cs in cands for c in cs})
+    seen = set()
+    for r in range(1, len(present)):
+        for drop in itertools.combinations(present, r):
+            keep = [[j for j, c in enumerate(cs) if kind_of(c.label) not in drop] for cs in cands]
+            key = tuple(tuple(k) for k in keep)
+            if any(not k for k in keep) or key in seen:
+                continue
+            seen.add(key)
+            sub = [[cands[i][j] for j in k] for i, k in enumerate(keep)]
+            alt = search_milp(sub, dev_budget, host_budget) if search == "milp" else None
+            if alt is None:
+                alt = search_greedy(sub, dev_budget, host_budget)
+            alt = [keep[i][j] for i, j in enumerate(alt)]
+            if not fits(cands, alt, dev_budget, host_budget):
+                continue
+            t = plan_seconds(cands, alt, world, costs)
+            if t < best_s:
+                best, best_s = alt, t
+    return best
 
 
 def parse_bytes(text: str | int | float, what: str = "memory") -> int:
@@ -739,7 +764,7 @@ def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> floa
     """:func:`exchange_latency` of tables costed as candidate ``labels`` (one per table)."""
     if world <= 1:
         return 0.0
-    kinds = {lb.split("-")[0] for lb in labels}
+    kinds = {kind_of(lb) for lb in labels}
     n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
     return n * costs.link_latency_us * 1e-6 + ("host" in kinds) * costs.host_step_overhead(world)
 
@@ -829,7 +854,8 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
             "predicted_step_seconds": emb + sum(fixed.values()),
             "predicted_embedding_step_seconds": emb,
             "predicted_step_parts": parts,
-            "predicted_step_seconds_symmetric": res.predicted_seconds(),
+            # the model the search and the other budgets' lines use: sharded rows evenly spread
+            "predicted_step_seconds_symmetric": plan_seconds(res.cands, res.choice, world, costs) + sum(fixed.values()),
             "dense_model": dict(dense or {}),
             "costs": costs.to_dict(), "tables": tables, "per_rank": dict(per_rank),
             "other_budgets": dict(alternatives),
@@ -875,8 +901,9 @@ def explain_text(rep: Mapping[str, Any]) -> str:
             continue
         changed = {n: f for n, f in alt["forms"].items() if f != next(e["chosen"]["form"] for e in rep["tables"]
                                                                      if e["table"] == n)}
-        lines.append(f"with {label} the budget: predicted {alt['predicted_step_seconds'] * 1e3:.3f} ms; "
-                     + (f"changes {changed}" if changed else "the same forms"))
+        lines.append(f"with {label} the budget: predicted {alt['predicted_step_seconds'] * 1e3:.3f} ms "
+                     f"(sharded rows spread evenly; this plan so: {rep['predicted_step_seconds_symmetric'] * 1e3:.3f} "
+                     "ms); " + (f"changes {changed}" if changed else "the same forms"))
     lines += [""] + [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines) + "\n"
 

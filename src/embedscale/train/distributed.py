@@ -412,9 +412,9 @@ class DistributedRun:
         # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2
         # (its server takes a batch from the loader before the step before it; at depth 1 only after that
         # step's backward), and not with the drift monitor (a migration needs no batch in flight)
-        inner = device_module
-        self._prefetcher = (inner if inner is self.embedding
-                            else inner if isinstance(inner, MixedEmbedding) and inner.local is self.embedding else None)
+        dm = device_module
+        self._prefetcher = (dm if dm is self.embedding
+                            else dm if isinstance(dm, MixedEmbedding) and dm.local is self.embedding else None)
         self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
                                    and self.managed is None  # (managed: raw ids become rows at their own step)
                                    and isinstance(self.embedding, ShardedEmbedding) and self._prefetcher is not None)
