@@ -378,7 +378,7 @@ def test_fitted_executor_overheads_reproduce_the_timed_plans():
         p = predict_forms(st, f, dense, 32, 2, costs)
         runs.append({"tables": form_counts(list(p["forms"].values())), "measured_s": measured[k],
                      "predicted_s": p["step_seconds"]})
-    assert runs[1]["tables"] == {"sharded": 1, "tt": 2, "host": 0, "host_step": 0}
+    assert runs[1]["tables"] == {"sharded": 1, "tt": 2, "host": 0, "host_step": 0, "host_tt_step": 0}
     over = fit_executor_overheads(runs)
     fitted = Costs(**{**costs.__dict__, "executor_overhead_s": over, "executor_world": 2})
     for k, f in plans.items():
@@ -442,18 +442,20 @@ def test_calibrate_ranks_rows_cap_is_zero_for_full_size_or_at_least_8(tmp_path):
 
 
 def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path):
-    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): four real
-    2-rank runs (sharded, TT, host, host-few); the costs it returns predict each timed plan, through the same
-    planner entry the benchmarks use, at its prediction without overheads plus its tables' overheads by form and
-    the host cost per step, and at its measured step when no overhead was held at 0 (four plans, four unknowns:
-    the fit is then exact)."""
+    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): five real
+    2-rank runs (sharded, TT, host, host-few, TT beside host); the costs it returns predict each timed plan,
+    through the same planner entry the benchmarks use, at its prediction without overheads plus its tables'
+    overheads by form and the per-step costs (host, host beside TT), and at its measured step when no overhead
+    was held at 0 (five plans, five unknowns: the fit is then exact)."""
     base = Costs(source="measured", notes={"device": "cpu"})
     c = calibrate_ranks(base, ranks=2, batch=32, rows=300, dim=4, steps=3, repeats=1, big=3, tt_rank=4,
                         host_depth=2, work=tmp_path, log=lambda m: None)
-    assert c.executor_world == 2 and set(c.executor_overhead_s) == {"sharded", "tt", "host", "host_step"}
+    assert c.executor_world == 2
+    assert set(c.executor_overhead_s) == {"sharded", "tt", "host", "host_step", "host_tt_step"}
     runs = c.notes["executor"]["plans"]
-    assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0, "host_step": 0}
+    assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0, "host_step": 0, "host_tt_step": 0}
     assert runs["host"]["tables"]["host"] == 3 and runs["host-few"]["tables"]["host"] == 2
+    assert runs["tt-host"]["tables"] == {"sharded": 23, "tt": 1, "host": 2, "host_step": 1, "host_tt_step": 1}
     tables = tables_from_profile(AccessProfile.load(tmp_path / "profile"), 4)
     for k, run in runs.items():
         p = predict_plan_forms(tables, tmp_path / "profile", Topology(ranks_per_host=2), plan_forms(tables, k, 3, 4, 2),
@@ -689,7 +691,7 @@ def test_host_cost_per_step_is_fitted_from_two_host_plans_and_weighed_by_the_sea
         p = predict_forms(st, f, dense, 32, 2, costs)
         t = form_counts(list(p["forms"].values()))
         runs.append({"tables": t, "predicted_s": p["step_seconds"],
-                     "measured_s": p["step_seconds"] + sum(n * known[kind] for kind, n in t.items())})
+                     "measured_s": p["step_seconds"] + sum(n * known.get(kind, 0.0) for kind, n in t.items())})
     assert [r["tables"]["host_step"] for r in runs] == [0, 0, 1, 1]
     assert fit_executor_overheads(runs) == pytest.approx(known, rel=1e-9)
     assert set(fit_executor_overheads(runs[:3])) == {"sharded", "tt", "host"}  # one host plan: per table only
@@ -712,3 +714,43 @@ def test_host_cost_per_step_is_fitted_from_two_host_plans_and_weighed_by_the_sea
         res = decide(specs, None, 1000, 2, 300_000, 1e9, costs=Costs(**{**dear_tt.__dict__,
                      "executor_overhead_s": {"host": 0.0, "host_step": step}}), **kw)
         assert [res.chosen(i).label for i in range(3)] == ["sharded", label, "sharded"], step
+
+
+def test_host_beside_tt_is_fitted_from_a_plan_of_both_and_weighed_by_the_search():
+    """Host and TT tables beside each other cost a plan more than each alone (``host_tt_step``, once per step):
+    a timed plan holding both, beside plans of each alone, separates it (a known set of overheads recovered
+    exactly); without that plan it is not fitted. The fitted costs predict each plan with it added once, and
+    the search (``best_over_kinds``) takes it into account: per table, one table's host form and the other's TT
+    form are the cheapest, but beside each other they cost more than both tables TT."""
+    costs = Costs(exact_lookup_s=100e-9, tt_lookup_s={4: 300e-9}, host_row_s=200e-9, source="measured")
+    st = _three_tables()
+    dense = DenseModel(dense_in=3, num_features=3, embedding_dim=4, bottom_mlp=(8,), top_mlp=(6,))
+    host, tt = TableForm("host", pipeline_depth=2), TableForm("tt", tt_rank=4)
+    plans = {"sharded": {}, "tt": {"b": tt, "c": tt}, "host": {"b": host, "c": host}, "host-few": {"c": host},
+             "tt-host": {"b": tt, "c": host}}
+    known = {"sharded": 1e-3, "tt": 2e-3, "host": 0.5e-3, "host_step": 6e-3, "host_tt_step": 3e-3}
+    runs = []
+    for f in plans.values():
+        p = predict_forms(st, f, dense, 32, 2, costs)
+        t = form_counts(list(p["forms"].values()))
+        runs.append({"tables": t, "predicted_s": p["step_seconds"],
+                     "measured_s": p["step_seconds"] + sum(n * known[kind] for kind, n in t.items())})
+    assert [r["tables"]["host_tt_step"] for r in runs] == [0, 0, 0, 0, 1]
+    assert fit_executor_overheads(runs) == pytest.approx(known, rel=1e-9)
+    assert "host_tt_step" not in fit_executor_overheads(runs[:4])
+    fitted = Costs(**{**costs.__dict__, "executor_overhead_s": known, "executor_world": 2})
+    assert fitted.kinds_overhead({"host", "tt"}, 2) == pytest.approx(9e-3) and fitted.kinds_overhead({"tt"}, 2) == 0
+    assert fitted.kinds_overhead({"host", "tt"}, 1) == 0
+    for r, f in zip(runs, plans.values()):
+        assert predict_forms(st, f, dense, 32, 2, fitted)["step_seconds"] == pytest.approx(r["measured_s"], rel=1e-9)
+    # the search: two tables that fit only off the device; per table x is cheaper on the host, y as TT
+    cands = [[Candidate("sharded", SHARDED, 1e-4, 1e9, 0.0), Candidate("tt-4", SHARDED, 1.0e-3, 10.0, 0.0),
+              Candidate("host-2", SHARDED, 0.8e-3, 1.0, 50.0)],
+             [Candidate("sharded", SHARDED, 1e-4, 1e9, 0.0), Candidate("tt-4", SHARDED, 1.0e-3, 10.0, 0.0),
+              Candidate("host-2", SHARDED, 1.5e-3, 1.0, 50.0)]]
+    for beside, want in ((0.0, ["host-2", "tt-4"]), (0.5e-3, ["tt-4", "tt-4"])):
+        c = Costs(link_latency_us=0.0, executor_overhead_s={"host_tt_step": beside}, executor_world=2)
+        for search in ("greedy", "milp"):
+            first = search_greedy(cands, 100.0, 100.0) if search == "greedy" else search_milp(cands, 100.0, 100.0)
+            got = best_over_kinds(cands, first, 100.0, 100.0, 2, c, search)
+            assert [cands[i][j].label for i, j in enumerate(got)] == want, (beside, search)

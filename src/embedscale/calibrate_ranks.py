@@ -6,7 +6,7 @@ exchanges beyond their bytes, the host tables' all-gathers and server reads in t
 ranks and their loader threads sharing the machine's cores. The full-size benchmark's predictions were low in
 32 of 36 runs. Here, on the run's device and at its per-rank batch, a small synthetic criteo-kaggle (26 tables,
 rows capped at ``rows``) is trained by ``embedscale train --nproc N`` (the very executor and loop the runs use,
-their timer: train steps only) under four plans made by ``embedscale plan``:
+their timer: train steps only) under five plans made by ``embedscale plan``:
 
 * ``sharded``: every table sharded exact, placed by OPER;
 * ``tt``: the ``big`` largest tables TT of rank ``tt_rank``, the rest sharded;
@@ -19,6 +19,12 @@ their timer: train steps only) under four plans made by ``embedscale plan``:
   :meth:`Costs.host_step_overhead`) from the part per table. Fitted per table only, it was spread over five
   tables, and a plan of two host tables was predicted 3-4 ms too fast: from one calibration to the next, the
   noise decided whether the search chose host tables (issue 16 run Y);
+* ``tt-host``: the 2 largest on the host and the rest of the ``big`` TT. Host and TT tables beside each other
+  cost more than each alone: on a CPU the host pipeline's threads run in the gaps a step waits on its exchanges,
+  and TT's compute fills those gaps. Plans of host and TT tables were predicted 2-4% fast while TT plans were
+  predicted 1-3% slow, so from one calibration to the next the search chose two host tables over two TT tables
+  by a predicted 1 ms that ran 3-4 ms slower (issue 16 runs AA, AC). This plan's residual beyond the others'
+  is ``executor_overhead_s["host_tt_step"]`` (:meth:`Costs.host_tt_step_overhead`), once per step;
 
 ``repeats`` rounds in turns (every plan sees the same load), ``steps`` steps each; a run's step is its
 steady state (the summary's ``train_step_seconds`` median: the first 10 steps, or a third of a shorter run, left
@@ -67,7 +73,7 @@ from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
 from embedscale.plan.step import DenseModel, fit_executor, form_counts
 from embedscale.specs import SyntheticConfig, Topology
 
-PLANS = ("sharded", "tt", "host", "host-few")  # the plans timed: one per form kind, and a second host plan
+PLANS = ("sharded", "tt", "host", "host-few", "tt-host")  # one per form kind, a second host plan, the two beside
 
 
 def few_host_tables(big: int) -> int:
@@ -78,9 +84,16 @@ def few_host_tables(big: int) -> int:
 
 def plan_forms(tables, kind: str, big: int, tt_rank: int, host_depth: int) -> dict[str, TableForm]:
     """The forms of calibration plan ``kind`` (every table's): the ``big`` largest tables (rows, then name) TT /
-    host, the others sharded; ``host-few``: the :func:`few_host_tables` largest on the host."""
+    host, the others sharded; ``host-few``: the :func:`few_host_tables` largest on the host; ``tt-host``: those
+    on the host and the rest of the ``big`` TT."""
     out = {t.name: SHARDED for t in tables}
     if kind == "sharded":
+        return out
+    if kind == "tt-host":
+        order = sorted(tables, key=lambda t: (-t.num_rows, t.name))[:big]
+        few = few_host_tables(big)
+        for i, t in enumerate(order):
+            out[t.name] = TableForm("host", pipeline_depth=host_depth) if i < few else TableForm("tt", tt_rank=tt_rank)
         return out
     form = TableForm("tt", tt_rank=tt_rank) if kind == "tt" else TableForm("host", pipeline_depth=host_depth)
     n = big if kind != "host-few" else few_host_tables(big)
@@ -183,8 +196,9 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                        "statistic": "median over rounds of each run's steady-state step (train_step_seconds)",
                        "load_average": load, "seconds": time.perf_counter() - t0}}})
     say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
-        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items() if k != "host_step")
-        + (f"; per step with host tables {over['host_step'] * 1e3:.3f} ms" if "host_step" in over else ""))
+        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items() if k not in ("host_step", "host_tt_step"))
+        + (f"; per step with host tables {over['host_step'] * 1e3:.3f} ms" if "host_step" in over else "")
+        + (f", with host and TT tables {over['host_tt_step'] * 1e3:.3f} ms more" if "host_tt_step" in over else ""))
     return out
 
 

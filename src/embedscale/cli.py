@@ -817,10 +817,14 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
         f"rank {r}: {s * 1e9:.1f}" for r, s in costs.tt_lookup_s.items()) + f" ns/lookup; host "
         f"{costs.host_row_s * 1e9:.1f} ns/row" + ("; executor on {} ranks, per table: ".format(costs.executor_world)
                                                   + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in
-                                                              costs.executor_overhead_s.items() if k != "host_step")
+                                                              costs.executor_overhead_s.items()
+                                                              if k not in ("host_step", "host_tt_step"))
                                                   + (f"; per step with host tables: "
                                                      f"{costs.executor_overhead_s['host_step'] * 1e6:.0f} us"
                                                      if "host_step" in costs.executor_overhead_s else "")
+                                                  + (f", with host and TT tables: "
+                                                     f"{costs.executor_overhead_s['host_tt_step'] * 1e6:.0f} us more"
+                                                     if "host_tt_step" in costs.executor_overhead_s else "")
                                                   if costs.executor_overhead_s else "")
         + f"; costs written to {out_path}")
 

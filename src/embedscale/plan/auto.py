@@ -30,7 +30,8 @@ each plus, on several ranks, the executor's own work per table of its form (``Co
 fitted from real N-rank steps by ``embedscale calibrate --ranks N``; 0 when not measured),
 plus the link latency once per exchange a step runs (:func:`exchange_latency`, once per kind of table in the
 plan: not separable by table), plus, with any host table, the host form's executor cost per step
-(:meth:`Costs.host_step_overhead`), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
+(:meth:`Costs.host_step_overhead`) and with host and TT tables both, what the two cost beside each other
+(:meth:`Costs.host_tt_step_overhead`), and memory per rank: replicated ``N (row + state)``, sharded ``N (row + state) / M``, tt its cores and
 row-wise state (with ``H`` hot rows: plus ``H (row + state)``), host ``N (row + state)`` in host memory plus ``(k D_r + (k-1) D_g) (row + state)`` on the
 device (prefetched rows and the life-cycle cache). The objective is the bottleneck rank's predicted step time
 (the model is symmetric across ranks; after OPER places the sharded tables the report evaluates each rank).
@@ -165,6 +166,24 @@ class Costs:
             return 0.0
         return float(self.executor_overhead_s.get("host_step", 0.0))
 
+    def host_tt_step_overhead(self, world: int) -> float:
+        """Seconds per step a plan holding host and TT tables both pays beyond each form's own costs
+        (``executor_overhead_s["host_tt_step"]``, fitted by ``embedscale calibrate --ranks`` from a plan of the two
+        beside plans of each alone). On a CPU the host pipeline's threads (server, cache patcher) run in the gaps
+        a step waits on its exchanges; TT's compute fills those gaps, and the threads then take the cores from
+        it. 0 in a world of one, or when not measured."""
+        if world <= 1:
+            return 0.0
+        return float(self.executor_overhead_s.get("host_tt_step", 0.0))
+
+    def kinds_overhead(self, kinds, world: int) -> float:
+        """The executor's seconds per step of a plan holding tables of ``kinds`` (candidate kinds: ``host``,
+        ``tt``, ...), paid once whatever the number of tables: :meth:`host_step_overhead` with any host table,
+        :meth:`host_tt_step_overhead` with host and TT tables."""
+        kinds = set(kinds)
+        return ("host" in kinds) * self.host_step_overhead(world) \
+            + ("host" in kinds and "tt" in kinds) * self.host_tt_step_overhead(world)
+
     def tt(self, rank: int) -> float:
         """Seconds per TT lookup at ``rank`` (measured ranks exactly; others by ``a + b R^2`` through the two
         nearest measured ranks, never below the exact lookup)."""
@@ -215,10 +234,10 @@ class Costs:
             out.executor_world = int(out.executor_world)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: executor_overhead_s / executor_world: {e}") from None
-        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host", "host_step"})
+        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host", "host_step", "host_tt_step"})
         if bad or any(not (math.isfinite(v) and v >= 0) for v in out.executor_overhead_s.values()):
-            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host / host_step to seconds >= 0, got "
-                              f"{out.executor_overhead_s}")
+            raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host / host_step / host_tt_step "
+                              f"to seconds >= 0, got {out.executor_overhead_s}")
         if out.executor_world < 0 or (out.executor_overhead_s and out.executor_world < 2):
             raise ConfigError(f"{where}: executor_world must be the ranks the executor overheads were measured on "
                               f"(>= 2), got {out.executor_world}")
@@ -756,7 +775,8 @@ def exchange_latency(res: AutoResult, world: int, costs: Costs) -> float:
     """The latency a step pays once per exchange, whatever the tables in it: the sharded rows' all-to-all
     (forward and backward), one all-reduce of replicated rows, one of TT cores, the host rows' all-gathers
     (two). Not per table: the executor sends each kind's tables together. With host tables, also the host
-    form's executor work per step whatever their number (:meth:`Costs.host_step_overhead`)."""
+    form's executor work per step whatever their number (:meth:`Costs.kinds_overhead`: host step, and host beside
+    TT)."""
     return exchange_latency_of([res.chosen(i).label for i in range(len(res.names))], world, costs)
 
 
@@ -766,7 +786,7 @@ def exchange_latency_of(labels: Sequence[str], world: int, costs: Costs) -> floa
         return 0.0
     kinds = {kind_of(lb) for lb in labels}
     n = 2 * ("sharded" in kinds) + ("replicated" in kinds) + ("tt" in kinds) + 2 * ("host" in kinds)
-    return n * costs.link_latency_us * 1e-6 + ("host" in kinds) * costs.host_step_overhead(world)
+    return n * costs.link_latency_us * 1e-6 + costs.kinds_overhead(kinds, world)
 
 
 def rank_breakdown(res: AutoResult, plan, world: int, costs: Costs) -> dict[str, Any]:
@@ -847,7 +867,7 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
     world = len(per_rank["step_seconds"])
     labels = [res.chosen(i).label for i in range(len(res.names))]
     executor = float(sum(costs.executor_overhead(lb, world) for lb in labels)) \
-        + any(lb.startswith("host") for lb in labels) * costs.host_step_overhead(world)  # (in exchange_latency)
+        + costs.kinds_overhead({kind_of(lb) for lb in labels}, world)  # (in exchange_latency)
     parts = {"embedding": emb - executor, **({"executor": executor} if costs.executor_overhead_s else {}), **fixed}
     return {"strategy": "auto", "search": res.search, "search_seconds": res.search_seconds,
             "device_budget_bytes": res.dev_budget, "host_budget_bytes": res.host_budget,

@@ -225,6 +225,7 @@ def form_counts(labels: Sequence[str]) -> dict[str, int]:
         k = lb.split("-")[0]
         out["sharded" if k == "replicated" else k] += 1
     out["host_step"] = int(out["host"] > 0)  # the host form's cost per step, whatever the number of host tables
+    out["host_tt_step"] = int(out["host"] > 0 and out["tt"] > 0)  # host and TT tables beside each other
     return out
 
 
@@ -235,7 +236,8 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
     ``predicted_s`` this module's prediction of that plan *without* executor overheads. The residual of a plan
     is ``sum_kind count_kind * overhead_kind`` (the model of :meth:`Costs.executor_overhead`; the kind
     ``host_step`` counts 1 for a plan with any host table: :meth:`Costs.host_step_overhead`, fitted only where
-    host plans of two sizes separate it from the per-table part); non-negative least
+    host plans of two sizes separate it from the per-table part; ``host_tt_step`` 1 for a plan with host and TT
+    tables: :meth:`Costs.host_tt_step_overhead`, fitted only where such a plan was timed); non-negative least
     squares over the plans (exact with one plan per kind, as many plans as kinds and residuals that allow it)
     gives the overheads. Non-negative: they are work the executor adds. A negative residual says the
     single-process figures overestimate this machine as it is (a load that fell between the two timings), not
@@ -243,16 +245,18 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
     table of that form (a fit on a shared machine once gave host tables -21 ms each, and the search put 22
     tables on the host for a predicted step below zero). A kind no plan holds is left out (not measured)."""
     runs = list(runs)
-    kinds = [k for k in ("sharded", "tt", "host", "host_step") if any(int(r["tables"].get(k, 0)) for r in runs)]
+    kinds = [k for k in ("sharded", "tt", "host", "host_step", "host_tt_step")
+             if any(int(r["tables"].get(k, 0)) for r in runs)]
     if not runs or not kinds:
         raise ConfigError("fit_executor_overheads: no timed plan with tables")
     a = np.array([[float(r["tables"].get(k, 0)) for k in kinds] for r in runs])
     y = np.array([float(r["measured_s"]) - float(r["predicted_s"]) for r in runs])
-    if "host_step" in kinds and np.linalg.matrix_rank(a) < len(kinds):
-        # one host plan (or host plans of one size): its cost per step and per table are not separable; all of it
-        # per table, as before host plans of two sizes were timed
-        i = kinds.index("host_step")
-        kinds, a = kinds[:i] + kinds[i + 1:], np.delete(a, i, axis=1)
+    for per_step in ("host_tt_step", "host_step"):
+        if per_step in kinds and np.linalg.matrix_rank(a) < len(kinds):
+            # not separable from the per-table parts (one host plan, or host plans of one size; host beside TT
+            # with no plan of each alone): left to them, as before such plans were timed
+            i = kinds.index(per_step)
+            kinds, a = kinds[:i] + kinds[i + 1:], np.delete(a, i, axis=1)
     if np.linalg.matrix_rank(a) < len(kinds):
         raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
     x, _ = nnls(a, y)
