@@ -21,7 +21,7 @@ their timer: train steps only) under five plans made by ``embedscale plan``:
   noise decided whether the search chose host tables (issue 16 run Y);
 * ``tt-host``: the 2 largest on the host and the rest of the ``big`` TT. Host and TT tables beside each other
   cost more than each alone: on a CPU the host pipeline's threads run in the gaps a step waits on its exchanges,
-  and TT's compute fills those gaps. Plans of host and TT tables were predicted 2-4% fast while TT plans were
+  and TT's compute fills those gaps. Plans of host and TT tables were predicted 2-6% fast while TT plans were
   predicted 1-3% slow, so from one calibration to the next the search chose two host tables over two TT tables
   by a predicted 1 ms that ran 3-4 ms slower (issue 16 runs AA, AC). This plan's residual beyond the others'
   is ``executor_overhead_s["host_tt_step"]`` (:meth:`Costs.host_tt_step_overhead`), once per step;
