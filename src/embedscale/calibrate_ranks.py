@@ -66,7 +66,7 @@ import numpy as np
 from embedscale.data.profile import AccessProfile
 from embedscale.data.synthetic import generate_dataset
 from embedscale.errors import ConfigError, EmbedscaleError
-from embedscale.plan.auto import Costs
+from embedscale.plan.auto import Costs, executor_overheads_text
 from embedscale.plan.api import plan_command, resolve_topology
 from embedscale.plan.autoplan import predict_plan_forms, with_topology_links
 from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
@@ -195,10 +195,8 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                        "tt_rank": tt_rank, "host_depth": host_depth, "big_tables": big, "plans": runs,
                        "statistic": "median over rounds of each run's steady-state step (train_step_seconds)",
                        "load_average": load, "seconds": time.perf_counter() - t0}}})
-    say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead per table and step: "
-        + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in over.items() if k not in ("host_step", "host_tt_step"))
-        + (f"; per step with host tables {over['host_step'] * 1e3:.3f} ms" if "host_step" in over else "")
-        + (f", with host and TT tables {over['host_tt_step'] * 1e3:.3f} ms more" if "host_tt_step" in over else ""))
+    say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead "
+        + executor_overheads_text(over))
     return out
 
 

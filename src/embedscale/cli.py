@@ -66,6 +66,7 @@ Plan = _Lazy("embedscale.plan.plan:Plan")
 explain_text = _Lazy("embedscale.plan.auto:explain_text")
 load_costs = _Lazy("embedscale.plan.auto:load_costs")
 parse_bytes = _Lazy("embedscale.plan.auto:parse_bytes")
+executor_overheads_text = _Lazy("embedscale.plan.auto:executor_overheads_text")
 auto_plan_command = _Lazy("embedscale.plan.autoplan:auto_plan_command")
 calibrate_costs = _Lazy("embedscale.calibrate:calibrate")
 calibrate_ranks = _Lazy("embedscale.calibrate_ranks:calibrate_ranks")
@@ -815,17 +816,10 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
         _fail(e)
     click.echo(f"exact {costs.exact_lookup_s * 1e9:.1f} ns/lookup; TT " + ", ".join(
         f"rank {r}: {s * 1e9:.1f}" for r, s in costs.tt_lookup_s.items()) + f" ns/lookup; host "
-        f"{costs.host_row_s * 1e9:.1f} ns/row" + ("; executor on {} ranks, per table: ".format(costs.executor_world)
-                                                  + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in
-                                                              costs.executor_overhead_s.items()
-                                                              if k not in ("host_step", "host_tt_step"))
-                                                  + (f"; per step with host tables: "
-                                                     f"{costs.executor_overhead_s['host_step'] * 1e6:.0f} us"
-                                                     if "host_step" in costs.executor_overhead_s else "")
-                                                  + (f", with host and TT tables: "
-                                                     f"{costs.executor_overhead_s['host_tt_step'] * 1e6:.0f} us more"
-                                                     if "host_tt_step" in costs.executor_overhead_s else "")
-                                                  if costs.executor_overhead_s else "")
+        f"{costs.host_row_s * 1e9:.1f} ns/row"
+        + (f"; executor on {costs.executor_world} ranks, "
+           + executor_overheads_text(costs.executor_overhead_s, lambda s: f"{s * 1e6:.0f} us")
+           if costs.executor_overhead_s else "")
         + f"; costs written to {out_path}")
 
 

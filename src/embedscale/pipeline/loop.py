@@ -112,9 +112,8 @@ class Pipeline:
             while True:
                 dev = None
                 if self.lookahead:  # the loader first: the trainer may peek at this batch during step s - 1
-                    try:
-                        batch = next(it)
-                    except StopIteration:
+                    batch = next(it, None)
+                    if batch is None:
                         self._end_loaded(s)
                         break
                     dev = self.embedding.device_features(batch.sparse)
@@ -125,9 +124,8 @@ class Pipeline:
                 if s >= self.depth and not self._pull_and_apply(s - self.depth):
                     break
                 if not self.lookahead:
-                    try:
-                        batch = next(it)
-                    except StopIteration:
+                    batch = next(it, None)
+                    if batch is None:
                         break
                 in_flight = None
                 if self._plan_patches:
@@ -296,9 +294,7 @@ class Pipeline:
                     raise PipelineError(f"the server took no batch {want} from the loader within "
                                         f"{self.timeout_s:.0f} s")
                 self._loaded_cv.wait(min(left, 0.5))
-            for k in [k for k in self._loaded if k < want]:
-                del self._loaded[k]
-            return self._loaded[want]
+            return self._loaded[want]  # (next() drops each batch it hands out)
 
     def finish(self) -> None:
         """Tell the server no more gradients come, wait until it has applied all it got, detach."""

@@ -80,6 +80,29 @@ class BudgetError(ConfigError):
 
 # -- measured costs --------------------------------------------------------------------------------------
 
+#: the executor's overheads a plan pays per step whatever its number of tables, for the kinds of table it holds
+#: (:func:`step_terms`), and all that ``Costs.executor_overhead_s`` holds: those and the ones per table of a kind
+STEP_TERMS = ("host_step", "host_tt_step")
+EXECUTOR_TERMS = ("sharded", "tt", "host") + STEP_TERMS
+
+
+def step_terms(kinds) -> dict[str, int]:
+    """Which of :data:`STEP_TERMS` a plan holding tables of ``kinds`` (candidate kinds) pays, once each:
+    ``host_step`` with any host table, ``host_tt_step`` with host and TT tables both."""
+    kinds = set(kinds)
+    return {"host_step": int("host" in kinds), "host_tt_step": int("host" in kinds and "tt" in kinds)}
+
+
+def executor_overheads_text(over: Mapping[str, float], fmt=lambda s: f"{s * 1e3:.3f} ms") -> str:
+    """``executor_overhead_s`` for people: the overheads per table, then those per step (:data:`STEP_TERMS`)."""
+    text = "per table " + ", ".join(f"{k} {fmt(v)}" for k, v in over.items() if k not in STEP_TERMS)
+    if "host_step" in over:
+        text += f"; per step with host tables {fmt(over['host_step'])}"
+    if "host_tt_step" in over:
+        text += f", with host and TT tables {fmt(over['host_tt_step'])} more"
+    return text
+
+
 @dataclass
 class Costs:
     """Per-row costs the planner reads (``embedscale calibrate`` writes them as JSON).
@@ -160,8 +183,7 @@ class Costs:
         """Seconds per step the distributed executor spends on host tables whatever their number (the server's
         and the pipeline's threads, the rows' all-gathers: ``executor_overhead_s["host_step"]``, fitted by
         ``embedscale calibrate --ranks`` from two host plans of different table counts). 0 in a world of one, or
-        when not measured. Not per table: the search weighs it by comparing its best plan with host tables
-        against its best without (:func:`decide`)."""
+        when not measured. Not per table: the search weighs it per plan (:func:`best_over_kinds`)."""
         if world <= 1:
             return 0.0
         return float(self.executor_overhead_s.get("host_step", 0.0))
@@ -180,9 +202,9 @@ class Costs:
         """The executor's seconds per step of a plan holding tables of ``kinds`` (candidate kinds: ``host``,
         ``tt``, ...), paid once whatever the number of tables: :meth:`host_step_overhead` with any host table,
         :meth:`host_tt_step_overhead` with host and TT tables."""
-        kinds = set(kinds)
-        return ("host" in kinds) * self.host_step_overhead(world) \
-            + ("host" in kinds and "tt" in kinds) * self.host_tt_step_overhead(world)
+        if world <= 1:
+            return 0.0
+        return sum(n * float(self.executor_overhead_s.get(k, 0.0)) for k, n in step_terms(kinds).items())
 
     def tt(self, rank: int) -> float:
         """Seconds per TT lookup at ``rank`` (measured ranks exactly; others by ``a + b R^2`` through the two
@@ -234,7 +256,7 @@ class Costs:
             out.executor_world = int(out.executor_world)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: executor_overhead_s / executor_world: {e}") from None
-        bad = sorted(set(out.executor_overhead_s) - {"sharded", "tt", "host", "host_step", "host_tt_step"})
+        bad = sorted(set(out.executor_overhead_s) - set(EXECUTOR_TERMS))
         if bad or any(not (math.isfinite(v) and v >= 0) for v in out.executor_overhead_s.values()):
             raise ConfigError(f"{where}: executor_overhead_s must map sharded / tt / host / host_step / host_tt_step "
                               f"to seconds >= 0, got {out.executor_overhead_s}")

@@ -45,7 +45,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
-from embedscale.plan.auto import Candidate, Costs, TableStats, candidates, exchange_latency_of, hybrid_candidate
+from embedscale.plan.auto import (EXECUTOR_TERMS, STEP_TERMS, Candidate, Costs, TableStats, candidates,
+                                  exchange_latency_of, hybrid_candidate, kind_of, step_terms)
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
@@ -222,10 +223,9 @@ def form_counts(labels: Sequence[str]) -> dict[str, int]:
     :func:`fit_executor_overheads`."""
     out = {"sharded": 0, "tt": 0, "host": 0}
     for lb in labels:
-        k = lb.split("-")[0]
+        k = kind_of(lb)
         out["sharded" if k == "replicated" else k] += 1
-    out["host_step"] = int(out["host"] > 0)  # the host form's cost per step, whatever the number of host tables
-    out["host_tt_step"] = int(out["host"] > 0 and out["tt"] > 0)  # host and TT tables beside each other
+    out.update(step_terms({kind_of(lb) for lb in labels}))  # once per plan, whatever the number of tables
     return out
 
 
@@ -245,13 +245,12 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
     table of that form (a fit on a shared machine once gave host tables -21 ms each, and the search put 22
     tables on the host for a predicted step below zero). A kind no plan holds is left out (not measured)."""
     runs = list(runs)
-    kinds = [k for k in ("sharded", "tt", "host", "host_step", "host_tt_step")
-             if any(int(r["tables"].get(k, 0)) for r in runs)]
+    kinds = [k for k in EXECUTOR_TERMS if any(int(r["tables"].get(k, 0)) for r in runs)]
     if not runs or not kinds:
         raise ConfigError("fit_executor_overheads: no timed plan with tables")
     a = np.array([[float(r["tables"].get(k, 0)) for k in kinds] for r in runs])
     y = np.array([float(r["measured_s"]) - float(r["predicted_s"]) for r in runs])
-    for per_step in ("host_tt_step", "host_step"):
+    for per_step in reversed(STEP_TERMS):
         if per_step in kinds and np.linalg.matrix_rank(a) < len(kinds):
             # not separable from the per-table parts (one host plan, or host plans of one size; host beside TT
             # with no plan of each alone): left to them, as before such plans were timed
