@@ -19,7 +19,7 @@ initial value (if rarely trained rows were the noise, this would raise the AUC).
     .venv/bin/python benchmarks/bench_dense_warmup.py                      # 2M / 500k, batch 2048
     .venv/bin/python benchmarks/bench_dense_warmup.py --max-rows 100000    # the same with tables capped
 
-Prints one JSON line on stdout; progress on stderr; writes ``benchmarks/results/dense_warmup.md``.
+Prints one JSON line on stdout; progress on stderr; ``--record`` writes ``benchmarks/results/dense_warmup.md``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def main() -> None:
     ap.add_argument("--cache", default="runs/bench-data")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--record", action="store_true", help="write the report into benchmarks/results/")
+    ap.add_argument("--no-results", action="store_true", help="no report even with --record")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
@@ -177,7 +178,7 @@ def main() -> None:
                    "wall_s": round(time.perf_counter() - t_start, 1)},
     }
     print(json.dumps(result))
-    if not args.no_results:
+    if args.record and not args.no_results:
         write_markdown(result, " ".join(["benchmarks/bench_dense_warmup.py"] + sys.argv[1:]))
 
 

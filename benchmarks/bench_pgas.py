@@ -34,7 +34,8 @@ Every output is checked equal (bitwise) between pgas and baseline before timing.
 
     .venv/bin/python benchmarks/bench_pgas.py [--quick] [--repeats N]
 
-Prints one JSON line on stdout; progress on stderr; writes benchmarks/results/pgas.md and pgas_timeline.png.
+Prints one JSON line on stdout; progress on stderr; writes pgas.md and pgas_timeline.png into a temporary
+directory (its path on stderr), or into benchmarks/results/ with ``--record`` (the recorded result).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +59,7 @@ from embedscale.comm.timeline import plot_timeline
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
+from embedscale.io import atomic_write_text
 from embedscale.specs import TableSpec
 from embedscale.train.launch import spawn_local
 
@@ -245,8 +248,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--chunk-bags", type=int, default=4096)
-    ap.add_argument("--no-md", action="store_true", help="do not write benchmarks/results/pgas.md")
+    ap.add_argument("--no-md", action="store_true", help="do not write pgas.md")
+    ap.add_argument("--record", action="store_true",
+                    help="write pgas.md and pgas_timeline.png into benchmarks/results/ (default: a temporary directory)")
     args = ap.parse_args()
+    out_dir = RESULTS if args.record else Path(tempfile.mkdtemp(prefix="bench_pgas-"))
     pooling = args.pooling or ([1, 4, 32] if args.quick else [1, 4, 16, 32])
     repeats = args.repeats or (3 if args.quick else 5)
     job = f"bench{os.getpid()}"
@@ -314,7 +320,7 @@ def main() -> None:
             dur = tl["baseline"]["end_ns"] - tl["baseline"]["start_ns"]
             start = t0 + int(comp * 1e6)
             base.append({"start_ns": start, "end_ns": start + dur, "bytes": tl["baseline"]["bytes"], "t0_ns": t0})
-        png = plot_timeline(per_rank, RESULTS / "pgas_timeline.png", baseline=base,
+        png = plot_timeline(per_rank, out_dir / "pgas_timeline.png", baseline=base,
                             title=f"bytes written to peers, 2 ranks, P={cfg['timeline_p']} (PGAS Fig. 7)")
     head = next((s for s in sweep if s["ranks"] == max(weak) and s["pooling"] == min(pooling)), sweep[0])
     low = [s["speedup"] for s in sweep if s["pooling"] in (1, 4)]
@@ -340,12 +346,13 @@ def main() -> None:
                    "timeline_png": str(png) if png else None, "shm_segments_left": leftover},
     }
     if not args.no_md:
-        _write_md(result, " ".join(["benchmarks/bench_pgas.py"] + sys.argv[1:]))
+        _write_md(result, " ".join(["benchmarks/bench_pgas.py"] + sys.argv[1:]), out_dir)
+        log(f"wrote {out_dir / 'pgas.md'}")
     print(json.dumps(result))
 
 
-def _write_md(res: dict, cmd: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def _write_md(res: dict, cmd: str, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
     c = res["config"]
     lines = [
         "# PGAS fused embedding forward vs all_to_all + unpack",
@@ -390,18 +397,18 @@ def _write_md(res: dict, cmd: str) -> None:
     if c.get("timeline_png"):
         lines += ["Timeline (paper Fig. 7): bytes each rank wrote to its peer over one PGAS forward at 2 ranks, "
                   "from the start of its forward; dashed, the baseline's all_to_all volume interpolated over its "
-                  "communication phase, placed after its computation: `benchmarks/results/pgas_timeline.png`.", ""]
+                  "communication phase, placed after its computation: `pgas_timeline.png` beside this file.", ""]
     lines += [f"One rank (no peers, both methods pool with the same kernel into buffers allocated once), "
               f"baseline / PGAS time per P: {res['one_rank_ratio']} (bar: within 10%).", "",
               "On a CPU the same cores pool and copy; the PGAS writes are plain stores into another process's "
               "mapped pages, so what remains of the gain is the removed all_to_all (gloo over loopback TCP: "
               "serialisation, copies, waiting for the slowest rank) and the removed unpack. The baseline uses "
-              "the PGAS path's pooling kernel and allocates its buffers once (issue 15 part 4; earlier versions "
+              "the PGAS path's pooling kernel and allocates its buffers once (earlier versions "
               "of this benchmark allocated fresh outputs every step and were 17x slower at one rank). "
               "The machine is shared with other jobs (see the load averages): absolute times vary between "
               "runs; the two methods are interleaved so both see the same load. The GPU path (CUDA "
               "symmetric memory) is designed for, untested here.", ""]
-    (RESULTS / "pgas.md").write_text("\n".join(lines))
+    atomic_write_text(out_dir / "pgas.md", "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ Headline workload: host features multi-hot (``--pooling-factor`` ids per sample,
 production DLRMs; Criteo's are one-hot) and a mid-sized MLP. The run also measures (``--no-onehot`` skips
 it) the one-hot Criteo DLRM with OPER's MLP sizes, where the host work is a few percent of a CPU step.
 
-Prints one JSON line on stdout; progress on stderr; writes ``benchmarks/results/pipeline.md``.
+Prints one JSON line on stdout; progress on stderr; writes a report, ``pipeline.md``, into a temporary
+directory (``--out`` names another path), or into ``benchmarks/results/`` with ``--record`` (the recorded result).
 
     .venv/bin/python benchmarks/bench_pipeline.py [--quick]
 """
@@ -198,7 +199,7 @@ def table(res: dict) -> list[str]:
 
 
 def write_markdown(out: dict, path: Path) -> None:
-    """``benchmarks/results/pipeline.md`` from the JSON line of a run."""
+    """The report (``pipeline.md``) of a run from its JSON line."""
     c = out["config"]
     res, config, onehot, best, command = c, c, c.get("onehot_oper_dlrm"), c["best_pipelined"], c["command"]
     repeats = c["repeats"]
@@ -256,9 +257,14 @@ def main() -> None:
     ap.add_argument("--top-mlp", type=int, nargs="+", default=[128, 64])
     ap.add_argument("--no-onehot", action="store_true", help="skip the one-hot OPER-sized DLRM measurement")
     ap.add_argument("--data-dir", default="", help="where to keep the synthetic datasets (default: a temp dir)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipeline.md"))
+    ap.add_argument("--out", default="", help="the report's path (default: pipeline.md in a temporary directory)")
+    ap.add_argument("--record", action="store_true", help="write the report to benchmarks/results/pipeline.md")
     ap.add_argument("--render", default="", help="only rewrite --out from a saved JSON line of an earlier run")
     args = ap.parse_args()
+    if args.record:
+        args.out = args.out or str(Path(__file__).parent / "results" / "pipeline.md")
+    elif not args.out:
+        args.out = str(Path(tempfile.mkdtemp(prefix="bench_pipeline-")) / "pipeline.md")
     if args.render:
         out = json.loads(Path(args.render).read_text())
         write_markdown(out, Path(args.out))

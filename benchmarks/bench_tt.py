@@ -230,7 +230,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-results", action="store_true", help="do not write benchmarks/results/tt.md")
+    ap.add_argument("--record", action="store_true", help="write the report to benchmarks/results/tt.md")
+    ap.add_argument("--no-results", action="store_true", help="no report even with --record")
     args = ap.parse_args()
     args.rows = args.rows or (2_000_000 if args.quick else 10_000_000)
     args.profile_batches = args.profile_batches or (8 if args.quick else 32)
@@ -268,7 +269,7 @@ def main() -> None:
                    "statistic": "median per-step time, methods interleaved step by step in a random order"},
     }
     print(json.dumps(result))
-    if not args.no_results:
+    if args.record and not args.no_results:
         write_markdown(result, " ".join(["benchmarks/bench_tt.py"] + sys.argv[1:]))
 
 

@@ -24,7 +24,7 @@ Real part (``--real``, default on when the file exists): the first 10k rows of C
 ``--real-epochs`` epochs at the library defaults. No table there has 1M rows, so tables over
 ``--real-threshold`` rows are compressed; with 2k eval rows the AUCs carry about +-0.01 of sampling noise.
 
-Prints one JSON line on stdout; progress on stderr; writes ``benchmarks/results/tt_quality.md``.
+Prints one JSON line on stdout; progress on stderr; ``--record`` writes ``benchmarks/results/tt_quality.md``.
 
     .venv/bin/python benchmarks/bench_tt_quality.py --grid 0.1:0.1,0.1:0.02,0.05:0.02,0.05:0.01
     .venv/bin/python benchmarks/bench_tt_quality.py --quick
@@ -228,7 +228,8 @@ def main() -> None:
     ap.add_argument("--cache", default="runs/bench-data")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-results", action="store_true")
+    ap.add_argument("--record", action="store_true", help="write the report into benchmarks/results/")
+    ap.add_argument("--no-results", action="store_true", help="no report even with --record")
     args = ap.parse_args()
     args.train = args.train or (100_000 if args.quick else 2_000_000)
     args.eval = args.eval or (50_000 if args.quick else 500_000)
@@ -269,7 +270,7 @@ def main() -> None:
                    "wall_s": round(time.perf_counter() - t0, 1)},
     }
     print(json.dumps(result))
-    if not args.no_results:
+    if args.record and not args.no_results:
         write_markdown(result, " ".join(["benchmarks/bench_tt_quality.py"] + sys.argv[1:]))
 
 

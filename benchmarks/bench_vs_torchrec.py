@@ -33,8 +33,8 @@ configs: ``table1`` (OPER Table 1 MLPs: bottom 512-256-64-16, top 512-256-1) and
 64-32-16, top 128-64-1), where the dense part weighs less.
 
 Prints one JSON line on stdout (figure = our training samples/s, baseline = TorchRec's, for the first
-config; inference and every config inside); progress on stderr; writes ``benchmarks/results/vs_torchrec.md``
-(``--out``; ``--from-json`` re-renders it from saved JSON lines).
+config; inference and every config inside); progress on stderr; ``--out PATH`` writes a report, ``--record``
+it as ``benchmarks/results/vs_torchrec.md`` (``--from-json`` re-renders it from saved JSON lines).
 
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
         [--grad-sync alltoall|local_aggregated|dense|allgather] [--inference-transport pgas|collective]
@@ -484,11 +484,15 @@ def main():
     ap.add_argument("--no-cpu-kernel", action="store_true",
                     help="our side on its PyTorch ops (EMBEDSCALE_NO_KERNELS=1), not the C++ CPU kernel")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
-    ap.add_argument("--out", default=str(RESULTS_MD), help="markdown report to write ('' = none)")
+    ap.add_argument("--out", default="", help="markdown report to write ('' = none)")
+    ap.add_argument("--record", action="store_true", help="--out benchmarks/results/vs_torchrec.md")
     ap.add_argument("--from-json", nargs="+", default=None,
                     help="render --out from saved JSON lines of earlier runs instead of running (the first is "
                          "the main run; the others are appended as further runs)")
     args = ap.parse_args()
+    args.out = args.out or (str(RESULTS_MD) if args.record else "")
+    if args.from_json and not args.out:
+        ap.error("--from-json renders a report: give --out PATH or --record")
     if args.prefetch and not args.embedding_only:
         ap.error("--prefetch times the embedding-only step: add --embedding-only")
     if args.no_cpu_kernel:  # the ranks inherit the environment
