@@ -1,4 +1,4 @@
-"""The address map (issue 15 part 8): every global id decodes as a brute-force reference says, for hand maps
+"""The address map (one packed code per row): every global id decodes as a brute-force reference says, for hand maps
 and for the plans of every planner, and the map holds at most 8 bytes per row per rank."""
 
 import copy

@@ -1,4 +1,4 @@
-"""Every bad input of issue 13 through the CLI: ``error: <message naming the culprit>`` on stderr, exit code 2,
+"""Every bad input through the CLI: ``error: <message naming the culprit>`` on stderr, exit code 2,
 no traceback, no ``*.tmp`` left behind, and a run's ``config.yaml`` untouched by a command that then fails.
 
 The inputs are made here (tiny Criteo/Avazu-format text, shards, a profile, a plan, runs) by the CLI itself;

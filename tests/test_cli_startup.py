@@ -1,4 +1,4 @@
-"""`embedscale --help` and `embedscale data --help` start without torch (issue 13): the commands' modules
+"""`embedscale --help` and `embedscale data --help` start without torch: the commands' modules
 (torch, pyarrow, scipy) load only when a command runs (``cli._Lazy``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Delta checkpoints (issue 17 part 5; ``train.checkpoint_full_every``).
+"""Delta checkpoints (``train.checkpoint_full_every``).
 
 The reference for "the run's state at step s" is the full checkpoint that the same run, trained with every
 checkpoint full (``checkpoint_full_every: 0``), writes at step s: training does not depend on how it is

@@ -1,4 +1,4 @@
-"""The drifting synthetic stream (issue 17 part 6): rotation and arrival rates against their definitions."""
+"""The drifting synthetic stream: rotation and arrival rates against their definitions."""
 
 from __future__ import annotations
 

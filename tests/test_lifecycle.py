@@ -27,7 +27,7 @@ from embedscale.train.lock import LOCK_NAME, RunDirBusy, RunLock, read_holder
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")
 
 START_TIMEOUT_S = 240  # data generation, planning and torchrun start under a loaded machine
-# issue 13's bar is "no process of the run after 10 s" (on a machine with cores to spare). Not asserted as a
+# the bar is "no process of the run after 10 s" (on a machine with cores to spare). Not asserted as a
 # wall-clock time: at a load average of 30 on 2 cores a single process took 39 s of wall time to unwind and
 # exit (its share of a core is a fifteenth). What is asserted: the launcher exits by itself on the signal
 # (within STOP_WAIT_S, or the test fails) and no process of the run outlives it.
@@ -299,7 +299,7 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
     """The 10 s bar by construction: the launcher ends torchrun at once, gives the ranks ``STOP_GRACE_S`` after
     SIGTERM, then SIGKILLs what is left and waits ``KILL_WAIT_S``. A rank that ignores SIGTERM is gone after
     that, whatever the load (the waits are deadlines, not sleeps to count on)."""
-    assert STOP_GRACE_S + 2 * KILL_WAIT_S <= 11.0  # the stop budget fits issue 13's 10 s bar (+ polling)
+    assert STOP_GRACE_S + 2 * KILL_WAIT_S <= 11.0  # the stop budget fits the 10 s bar (+ polling)
     torchrun = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     rank = subprocess.Popen([sys.executable, "-c", _IGNORES_TERM], start_new_session=True, stdout=subprocess.PIPE,
                             text=True)

@@ -459,7 +459,7 @@ def test_state_dict_is_weights_only_loadable_from_bytes():
     assert set(sd) == {"u.weight", "v.weight", "w.weight"} and torch.equal(sd["w.weight"], ours.table_weight("w"))
 
 
-# -- fixed-length multi-hot, chunked sorts, reused buffers (issue 15) -------------------------------
+# -- fixed-length multi-hot, chunked sorts, reused buffers ---------------------------------------
 def float64_step(tables, weights0, jf, grad_out, optimizer, lr, eps=1e-8):
     """Independent float64 reference of one fused step: per-feature embedding_bag on float64 copies of the
     initial tables, dense autograd gradients, then the optimizer formula (optim's docstring)."""

@@ -1,4 +1,4 @@
-"""Managed ids (issue 17 part 2) against a reference written in plain Python (dicts, one id at a time)."""
+"""Managed ids against a reference written in plain Python (dicts, one id at a time)."""
 
 from __future__ import annotations
 
@@ -322,7 +322,7 @@ def test_an_unsharded_state_of_the_former_format_loads_as_one_shard():
 
 @pytest.mark.parametrize("policy,k,ttl,pcap", [("lru", 1, None, None), ("lfu", 2, None, 12), ("ttl", 2, 3, 9)])
 def test_delta_state_over_its_base_is_the_whole_state(policy, k, ttl, pcap):
-    """Issue 17 part 5, "the id mappings that changed": a delta state (rows changed since the base, which of the
+    """A delta checkpoint holds the id mappings that changed: a delta state (rows changed since the base, which of the
     base's pending ids stay unchanged, the new or changed pending entries) laid over the base's full state
     (``apply_delta``) equals the full state at the delta's step, key for key and bit for bit, for each of 2
     hosts and merged; a table so restored continues as the original. The delta holds far fewer rows than

@@ -1,4 +1,4 @@
-"""Managed tables under live re-planning (issue 17 parts 2 and 4 together).
+"""Managed tables under live re-planning.
 
 A 2-rank run whose managed tables (raw ids mapped to rows with admission and LRU eviction, rows reset as ids
 come and go) re-plans at step 4 and migrates its rows must equal the run restarted from its step-4 checkpoint

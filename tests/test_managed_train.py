@@ -1,4 +1,4 @@
-"""Managed tables in training (issue 17 part 2) against independent references.
+"""Managed tables in training against independent references.
 
 * One process: ``workflow.train`` with ``model.managed`` equals the same loop (``Trainer``, ``fit``) over an
   ordinary table whose batches were mapped by the plain-Python dict implementation of the rules

@@ -1,4 +1,4 @@
-"""Live row migration between two plans (issue 17 part 4; ``embedding.migrate``).
+"""Live row migration between two plans (``embedding.migrate``).
 
 The reference for "the module after migrating to P2" is the existing re-shard path: train k steps under P1,
 write a checkpoint (every rank's ``shard_state`` in the one checkpoint format), build the P2 module and load

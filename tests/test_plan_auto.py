@@ -1,4 +1,4 @@
-"""``plan --strategy auto`` (issue 16, first slice): miss-ratio curves, the search under budgets, the explain
+"""``plan --strategy auto`` : miss-ratio curves, the search under budgets, the explain
 report, the calibration, and an auto plan trained on 2 ranks.
 
 References: the miss-ratio formulas against a Monte-Carlo count of distinct rows, the life-cycle cache

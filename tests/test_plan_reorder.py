@@ -1,4 +1,4 @@
-"""A TT table in a plan carries its index reordering (issue 16 part 6; EL-Rec section IV).
+"""A TT table in a plan carries its index reordering (EL-Rec section IV).
 
 References: the frequency reordering against a lexsort of the profile's counts; a 2-rank run of a plan made by
 ``embedscale plan --tt-reorder`` against one process training the same model with ``model.tt_reorder`` (and

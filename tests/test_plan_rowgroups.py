@@ -1,4 +1,4 @@
-"""Row groups (issue 16): a table's hot rows exact, its cold rows TT, inside one table.
+"""Row groups: a table's hot rows exact, its cold rows TT, inside one table.
 
 References: the hybrid table against ``F.embedding_bag`` over its materialised rows (forward) and against an
 exact table plus a separate ``TTEmbeddingBag`` trained on the split ids (one SGD / row-wise Adagrad step); 2 ranks

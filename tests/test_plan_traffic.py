@@ -1,4 +1,4 @@
-"""The cost model against the executor's traffic (issue 16 part 5): a remote row moves once per batch (distinct
+"""The cost model against the executor's traffic: a remote row moves once per batch (distinct
 rows, not accesses) and replicas are synchronised by one sparse AllReduce over all ranks.
 
 References: a per-row float64 sum of ``1 - (1 - p) ** n`` written out here, batches drawn at random from the

@@ -1,4 +1,4 @@
-"""The README is the manual: every command it shows runs, as written, on tiny data (issue 13 part 8).
+"""The README is the manual: every command it shows runs, as written, on tiny data.
 
 The shell commands of the README's ```bash blocks run in order in one scratch directory (the later ones use
 what the earlier ones wrote: data -> profile -> plan -> train -> evaluate -> infer), with the `embedscale` of

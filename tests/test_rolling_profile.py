@@ -1,4 +1,4 @@
-"""RollingProfile (issue 17 part 3) against the decay rule written literally in float64 numpy."""
+"""RollingProfile against the decay rule written literally in float64 numpy."""
 
 from __future__ import annotations
 

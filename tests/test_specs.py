@@ -54,7 +54,7 @@ def test_tables_from_yaml_and_validation():
 
 
 def test_table_spec_holds_only_facts():
-    """Issue 13 part 1: a TableSpec is rows, dim, features, pooling, bytes; a table's form lives in the plan."""
+    """A TableSpec is rows, dim, features, pooling, bytes; a table's form lives in the plan."""
     assert [f.name for f in dataclasses.fields(TableSpec)] == ["name", "num_rows", "dim", "features", "pooling",
                                                                "bytes_per_value"]
     with pytest.raises(TypeError):

@@ -1,4 +1,4 @@
-"""Training on a stream of shards (``data.source: stream``, issue 17 part 1) and progressive validation.
+"""Training on a stream of shards (``data.source: stream``) and progressive validation.
 
 References, each independent of the stream code under test:
 - the same rows written as a finished dataset and trained by the file path (``ShardLoader``): a stream run

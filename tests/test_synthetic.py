@@ -198,7 +198,7 @@ def test_default_teacher_is_unchanged_by_the_learnable_count_option():
 def test_learnable_count_scales_every_rows_effect_by_its_learnability(k):
     """A row's teacher effects are its whole (K = 0) effects times ``m / (m + K)``, ``m`` its expected accesses
     in 200k samples from the midpoint-Zipf reference; the features are the same whatever K; small K puts
-    signal on tail rows (the teacher issue 16's quality bar asks for)."""
+    signal on tail rows (the teacher the auto planner's quality benchmark asks for)."""
     cfg = SyntheticConfig(preset="criteo-kaggle-tiny", alpha=1.1)
     full = SyntheticGenerator(SyntheticConfig(preset="criteo-kaggle-tiny", alpha=1.1, learnable_count=0.0), seed=1)
     g = SyntheticGenerator(SyntheticConfig(**{**cfg.__dict__, "learnable_count": k}), seed=1)

@@ -1,4 +1,4 @@
-"""TorchRec code and trained tables in and out (issue 14 part 6, embedding/interop.py).
+"""TorchRec code and trained tables in and out (embedding/interop.py).
 
 The reference is TorchRec itself: an ``EmbeddingBagCollection`` (EBC) trained a few steps with a torch
 optimizer (so its rows are not the initial ones), with mean pooling, two features sharing one table and two

@@ -1,4 +1,4 @@
-"""In one process a run's ids are checked once, by the ``ShardLoader`` (issue 13 part 5): the embedding behind
+"""In one process a run's ids are checked once, by the ``ShardLoader``: the embedding behind
 it is built with ``validate=False`` (``assemble.build``, ``EmbeddingEnv.validate``). A bad id still fails with
 the loader's message naming the feature."""
 

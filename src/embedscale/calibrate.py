@@ -1,6 +1,6 @@
 """``embedscale calibrate``: measure on this machine the per-row costs ``plan --strategy auto`` reads.
 
-Issue 16, part 1 (costs measured, not assumed). On the run's device (``--device``; designed for GPU,
+Costs measured, not assumed. On the run's device (``--device``; designed for GPU,
 untested there) with ``threads`` intra-op threads (default 1: what each of ``embedscale train --nproc 2``'s
 ranks runs with on this machine, ``train.launch``) it times every step below in turns, ``repeats`` rounds after
 a warm-up, each round a block of back-to-back steps of at least 50 ms, and takes each one's median block (what

@@ -493,7 +493,7 @@ def reorder_shards(shards: str | os.PathLike, out_dir: str | os.PathLike, *, hot
 
 
 # --------------------------------------------------------------------------------------------------
-# a plan's reordering: the TT tables whose form says ``reorder`` (issue 16 part 6)
+# a plan's reordering: the TT tables whose form says ``reorder`` (EL-Rec section IV)
 
 PLAN_REORDER_DIR = "reorder"
 

@@ -1,4 +1,4 @@
-"""Row groups of one table: its hot rows exact, its cold rows a tensor-train table (issue 16's row groups).
+"""Row groups of one table: its hot rows exact, its cold rows a tensor-train table (row groups).
 
 A few rows of a skewed table take most of its lookups (OPER section 3.1, Fig. 2), and a TT table (EL-Rec section
 III) compresses the very rows the model reads most. :class:`HybridTTEmbeddingBag` keeps a table's ``H`` hottest

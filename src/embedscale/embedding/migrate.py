@@ -1,6 +1,6 @@
 """Live row migration: move a running sharded embedding from one plan to another between two steps.
 
-Issue 17 part 4 (online re-planning; OPER section 4 plans, executed as in section 5.1). A run trains under
+Online re-planning (OPER section 4 plans, executed as in section 5.1). A run trains under
 plan P1 (its ``ShardedEmbedding`` / ``PgasShardedEmbedding``); the drift monitor finds a plan P2 for the
 same tables and world size. After the migration the module trains exactly as the module
 ``embedding.build.build_embedding`` makes for P2 loaded with the same rows and row-wise optimizer state

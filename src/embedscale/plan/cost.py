@@ -17,7 +17,7 @@ from rank ``j`` (``Plan.fetch``):
   ``2 (h-1)/h * S_k / BW_AR`` per holder (eq. 5; ``h = M`` in the paper).
 
 What the executor pays (``traffic="distinct"``: the ``oper`` planner's default, the plan command's report,
-a run's summary; issue 16 part 5). Eq. 3 charges every access, while the executor (``embedding.sharded``) fetches a remote
+a run's summary). Eq. 3 charges every access, while the executor (``embedding.sharded``) fetches a remote
 row once per batch however often the batch reads it (OPER 5.1) and synchronises replicas with one sparse
 AllReduce over *all* ranks (OPER 5.3, ``embedding.grad_sync``, ``local_aggregated``), whoever holds them.
 So with ``n_k`` the table's lookups per rank batch and ``u_k = 1 - (1 - p_k) ** n`` the probability that

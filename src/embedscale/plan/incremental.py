@@ -1,4 +1,4 @@
-"""An incremental re-plan: keep the running placement, move only the rows that pay (issue 17 part 4).
+"""An incremental re-plan: keep the running placement, move only the rows that pay (live re-planning).
 
 OPER section 8 re-plans when the input drifts; a plan made from scratch (``plan.drift``'s fresh plan) sorts
 every table's rows by the new counts, so even its cold rows land on other ranks: half of every table moves

@@ -11,7 +11,7 @@
    left free takes single copies of partitions that still pass 4.3's test (``replicate.training_fill``).
 5. Polish (our addition): partition moves and swaps that lower the largest per-rank cost.
 
-Every step weighs what the executor pays (``traffic="distinct"``, the default; issue 16 part 5): a
+Every step weighs what the executor pays (``traffic="distinct"``, the default; ``plan.cost``): a
 partition's volume is the distinct rows a rank's batch reads of it (a remote row is fetched once per batch,
 OPER 5.1), not its accesses (eq. 3), and a replica costs every rank the sparse AllReduce of its touched rows
 (OPER 5.3, all ranks take part), not eq. 5's dense AllReduce among its holders (``plan.cost``). Step 1's

@@ -1,6 +1,6 @@
 """The predicted time of a whole training step of a plan: embedding, dense model and fixed overheads (numpy only).
 
-Issue 16, bar "predicted step time within 20% of measured". :mod:`embedscale.plan.auto` costs every table's
+The prediction is held within 20% of the measured step (BENCHMARKS.md). :mod:`embedscale.plan.auto` costs every table's
 form (lookups, updates, the rows and gradients it moves: the part of a step the search can change); a step
 also pays, whatever the forms:
 
@@ -290,7 +290,7 @@ def _beyond_spread(run: Mapping[str, Any], scale: float) -> float:
     prediction by that spread. A residual the plan's repeats do not resolve is noise, not a form's overhead:
     a fit on three plans with three kinds is otherwise exact on noise, and on a quiet machine it once charged
     sharded tables 0.39 ms each and host tables nothing, so the search moved eight tables of 3 to 27 rows to
-    the host (issue 16, BENCHMARKS run H). Without ``steps_s`` (or one round) the measurement is used as it is."""
+    the host (benchmark history, run H). Without ``steps_s`` (or one round) the measurement is used as it is."""
     m, pred = float(run["measured_s"]), scale * float(run["predicted_s"])
     rounds = [float(x) for x in run.get("steps_s") or []]
     half = (max(rounds) - min(rounds)) / 2 if len(rounds) > 1 else 0.0

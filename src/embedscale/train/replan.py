@@ -1,4 +1,4 @@
-"""The drift monitor of an N-rank run: live re-planning and row migration between two steps (issue 17 part 4).
+"""The drift monitor of an N-rank run: live re-planning and row migration between two steps (OPER section 4).
 
 OPER plans once from a profile of the whole dataset (section 3) and names re-planning under input drift as
 future work (section 8). With ``train.replan_every`` N > 0 a ``DistributedRun`` keeps a
