@@ -55,7 +55,7 @@ def frequency_map(counts: np.ndarray) -> np.ndarray:
 def test_a_tt_form_records_its_reordering_and_only_tt_forms_can():
     f = TableForm("tt", tt_rank=4, reorder=True)
     assert TableForm.from_dict(f.to_dict()) == f and "reordered" in f.describe()
-    assert TableForm.from_dict({"kind": "tt", "tt_rank": 4}).reorder is False  # plans saved before part 6
+    assert TableForm.from_dict({"kind": "tt", "tt_rank": 4}).reorder is False  # plans saved before a TT form carried its reordering
     with pytest.raises(ConfigError, match="TT tables only"):
         TableForm("host", reorder=True)
     with pytest.raises(ConfigError, match="expected true or false"):
