@@ -1,4 +1,4 @@
-"""The address map (issue 15 part 8): bytes per row per rank and the decode time of a batch, against the map
+"""The address map (one packed code per row): bytes per row per rank and the decode time of a batch, against the map
 as it was before (commit ``BASELINE_COMMIT``'s ``embedding/address_map.py``, loaded from ``git show`` of that
 commit: owner int32 + owner offset int64 + replica slot int64 per row in numpy, and a torch copy with an int64
 code and an int64 slot per row, 36 bytes per row per rank process).
@@ -52,7 +52,7 @@ from embedscale.plan.synthetic_profile import ZipfProfile, rank_to_row_bijection
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, TableSpec, Topology
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINE_COMMIT = "5af841e"  # main before issue 15 part 8: the per-row address map (36 bytes per row per rank)
+BASELINE_COMMIT = "5af841e"  # main before the packed map: the per-row address map (36 bytes per row per rank)
 CRITEO_KAGGLE_SAMPLES = 45_840_617
 
 

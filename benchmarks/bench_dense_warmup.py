@@ -1,4 +1,4 @@
-"""Why DLRM trained badly on full-size synthetic Criteo, and what fixes it: dense-lr warmup (issue 6).
+"""Why DLRM trained badly on full-size synthetic Criteo, and what fixes it: dense-lr warmup.
 
 The old figure (``tt_quality.md`` before this fix: uncompressed 0.611 eval AUC after 2M samples of the
 full-cardinality ``criteo-kaggle`` preset) looked like huge, barely trained tables. It was not: this

@@ -1,6 +1,6 @@
 """Embedding bytes on wire per training iteration on 2 ranks: the `oper` plan (5% extra memory) against
 TorchRec's planner's plan, table-wise and row-wise, all run through the same executor (ShardedEmbedding,
-retrieve design, collective transport) on the same power-law batches. Issue 4's bar: oper at most 0.2x
+retrieve design, collective transport) on the same power-law batches. The bar: oper at most 0.2x
 of TorchRec's plan. Also a lower bound for any plan within the same extra memory (``any_plan_bound``).
 
 Setup: 26 criteo-kaggle tables capped at 100k rows (scaled to fit), dim 16, synthetic power-law data

@@ -19,7 +19,7 @@ would be 5-50x slower links; at 1 Gbit/s and without a link the network matters 
 
 Models (same seed, same tables). The baseline is the classic model-parallel DLRM (ids all_to_all to table
 owners, tables balanced over all 4 ranks, owners pool, pooled all_to_all back; DMT Figure 4) at its best,
-as DMT section 5's *Strong Baseline* (issue 15 part 5): ``flat`` (float32 pooled vectors), ``flat_fp16``
+as DMT section 5's *Strong Baseline*: ``flat`` (float32 pooled vectors), ``flat_fp16``
 (quantized communication as TorchRec's qcomms: fp16 forward, bf16 backward; ``models.flat.QuantizedComm``)
 and ``flat_int8`` (row-wise int8 forward with an fp32 scale and offset per row, bf16 backward); the baseline
 of a link is the fastest of them there. Column-wise sharding is not run: DMT uses it "when there are more

@@ -8,7 +8,7 @@ syncs its (rows, gradients) with each method; the figure is iterations per secon
 methods interleaved). Bytes are what each method counts at its collective calls (``comm.transport``'s
 convention). Prints one JSON line.
 
-The baselines at their best (issue 15 part 5), each beside the library's form:
+The baselines at their best, each beside the library's form:
 
 * ``dense`` (library: a fresh ``[R, dim]`` buffer every sync, 17.8 MB here, so every sync page-faults a new
   allocation in) and ``dense_prealloc`` (the buffer allocated once, zeroed each sync: the same AllReduce);

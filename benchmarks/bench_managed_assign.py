@@ -1,5 +1,5 @@
 """Cost of the managed mapping per batch: ``ManagedIdTable.assign`` with mapping shards against the former
-table-wide code (issue 17 part 2).
+table-wide code.
 
 Input: one table's ids of a ``DriftingStream`` (20,000 initial ids, 64 new a step, 2,000 hot ids drawing 80%,
 rotating every 50 steps), ``--batch`` ids a batch, a table of ``--rows`` rows, k = 2, LRU. Four mappings see

@@ -1,4 +1,4 @@
-"""Online training on a drifting stream (issue 17, the benchmark bars): a static plan, the drift monitor's live
+"""Online training on a drifting stream (the bars of BENCHMARKS.md): a static plan, the drift monitor's live
 re-plans (``train.replan_every``) and a plan made with hindsight for every window, in the same run.
 
 Input: a :class:`~embedscale.data.drift_stream.DriftingStream` whose hot set rotates every ``--rotate`` steps

@@ -1,4 +1,4 @@
-"""Managed ids against hashing, on a drifting stream with new ids: progressive AUC (issue 17 part 2).
+"""Managed ids against hashing, on a drifting stream with new ids: progressive AUC.
 
 Input: a ``DriftingStream`` (``data.drift_stream``): two tables (``user``, ``item``) whose universe grows by
 ``--new-ids`` ids per step, a hot set rotating every ``--rotate`` steps, labels from the stream's teacher.

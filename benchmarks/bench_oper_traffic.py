@@ -1,6 +1,6 @@
 """OPER planned against what the executor pays (distinct rows per batch, the replicas' sparse AllReduce over all
 ranks) against OPER's own equations (eq. 3: every access; eq. 5: a replica's rows all-reduced among its holders):
-what changes in the plans, in the bytes measured on the wire and in the measured step time (issue 16 part 5).
+what changes in the plans, in the bytes measured on the wire and in the measured step time.
 
 Same run, 2 ranks (gloo, one host), the same data and profile: ``embedscale plan --strategy oper --traffic
 access|distinct`` for a topology (``--hosts H --ranks-per-host R``: one host of 2 ranks, or 2 hosts of one rank,

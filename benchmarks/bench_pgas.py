@@ -8,7 +8,7 @@ Measured in the same run, interleaved repeat by repeat:
 * ``pgas``: ``PgasShardedEmbedding(design="send")``: each owner pools its features for the whole global
   batch, chunk by chunk, and writes every pooled vector at its final place ``[sample, feature]`` in the
   requesting rank's output tensor in the symmetric heap (Listing 2); completion is one per-peer signal.
-* ``baseline``: the paper's baseline on the same inputs and the same storage, at its best (issue 15 part 4):
+* ``baseline``: the paper's baseline on the same inputs and the same storage, at its best:
   the same pooling kernel as the PGAS path (``embedding_bag`` over chunks of ``--chunk-bags`` bags of one
   requester's samples, as ``_PgasSend._serve``), every buffer allocated once (batch-major send and receive
   buffers, the output), the rank's own samples pooled straight into its output (the self block of an
@@ -104,7 +104,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         own_blocks = [torch.cat([ids[f][q * Bl * P:(q + 1) * Bl * P] + (f - rank * T_own) * R for f in mine])
                       for q in range(world)]
         del ids
-        # the baseline at its best (issue 15 part 4): the PGAS path's pooling kernel (embedding_bag over chunks
+        # the baseline at its best: the PGAS path's pooling kernel (embedding_bag over chunks
         # of ``chunk_bags`` bags of one requester's samples, feature-major, as ``_PgasSend._serve``) and
         # buffers allocated once: the pooled vectors are stored straight into a batch-major send buffer, the
         # rank's own samples straight into its output (the self block of an all_to_all moves nothing), the

@@ -8,8 +8,8 @@ batches is trained, alternating within one run (so machine load hits every varia
 * baseline: ``pipeline depth 1``, sequential (EL-Rec's "prefetch queue of length 1": the server reads
   batch t only after it applied batch t-1's gradients), at its best on the same cores: with 1 intra-op
   thread (``seq``) and with as many intra-op threads as the pipeline has cores (``seq_2threads``: the
-  sequential run's ops spread over both cores); the baseline is the faster of the two (issue 15 part 5:
-  the pipeline uses a second core, so the sequential run must be offered it too);
+  sequential run's ops spread over both cores); the baseline is the faster of the two (the
+  pipeline uses a second core, so the sequential run must be offered it too);
 * ours: ``pipeline depth k`` (default 2 and 4) with 1 intra-op thread (``depthk``: trainer, server and
   patcher threads on the 2 cores) and with 2 (``depthk_2threads``); the figure is the best of them.
 

@@ -4,7 +4,7 @@
 
     .venv/bin/python benchmarks/bench_plan_auto.py [--quick] [--device-memory 2GiB] [--host-memory 8GiB]
 
-Bar (issue 16, part 3): planned in at most 60 s with peak memory at most 8 GiB. ``figure`` = auto's planning
+Bar: planned in at most 60 s with peak memory at most 8 GiB. ``figure`` = auto's planning
 seconds; ``baseline`` = oper's planning seconds of the same tables with every table sharded and no budget (what
 ``--strategy oper`` runs today), planned after auto in the same process (so auto's peak RSS is measured first).
 Also reported: the forms chosen, the predicted step time, the per-rank memory, and the greedy search's time.

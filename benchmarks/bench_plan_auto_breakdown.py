@@ -1,4 +1,4 @@
-"""Where a plan's 2-rank training step goes (issue 16 diagnosis): stage timers inside real ``embedscale train`` runs.
+"""Where a plan's 2-rank training step goes (a diagnosis): stage timers inside real ``embedscale train`` runs.
 
     PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/bench_plan_auto_breakdown.py --work /tmp/bench_auto_full \\
         [--plans auto,elrec_rule,...] [--steps 30] [--skip 5]

@@ -1,4 +1,4 @@
-"""Issue 16's bar at full size: the auto plan against the plans a user makes by hand, same budget, same run.
+"""The auto planner at full size: the auto plan against the plans a user makes by hand, same budget, same run.
 
     nice -n 15 .venv/bin/python benchmarks/bench_plan_auto_full.py --work /tmp/bench_auto_full \\
         [--max-rows 0] [--steps 60] [--repeats 3] [--batch 2048]
@@ -26,7 +26,7 @@ Every plan is trained ``--steps`` steps ``--repeats`` times, in turns, each roun
 step (the median over its runs of each run's steady-state step: the summary's ``train_step_seconds`` median, the
 loop's timer over the train steps after the first 10, which pay for the first touch of 1.1 GB of rows and
 state, the caches and the host pipeline filling; the all-steps figure, ``train_samples_per_s``, is reported
-beside it: in run H (30 steps) the first 10 steps of every plan ran 1.2-2.1x the later ones) is compared with
+beside it: in one run of 30 steps the first 10 steps of every plan ran 1.2-2.1x the later ones) is compared with
 the step the planner's cost model predicts for it (``plan.autoplan.predict_plan_forms``, the model the auto
 search optimises), with the costs measured once, before planning (``prediction_error_setup_costs``: the
 prediction against the median measured step; ``prediction_error_without_executor``: the same costs without

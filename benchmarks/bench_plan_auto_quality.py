@@ -1,4 +1,4 @@
-"""Issue 16's quality bar: eval AUC of the auto plan against the same model trained exact without a budget.
+"""The auto planner's quality bar: eval AUC of the auto plan against the same model trained exact without a budget.
 
     nice -n 15 .venv/bin/python benchmarks/bench_plan_auto_quality.py --work /tmp/bench_auto_quality \\
         [--max-rows 0] [--train-samples 2000000] [--eval-samples 200000] [--learnable-count 2] \\

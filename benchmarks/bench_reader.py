@@ -32,7 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared/data/criteo_kaggle_head10k.tsv"
-BASELINE_COMMIT = "f187fb2"  # main before issue 14: the hand-written Criteo reader (data/raw.py, criteo.py)
+BASELINE_COMMIT = "f187fb2"  # main before the schema-driven reader: the hand-written Criteo reader (data/raw.py, criteo.py)
 BAR_PEAK_MIB = 2048.0
 TABLE_ROWS = 1_000_000
 
@@ -194,7 +194,7 @@ def main() -> None:
             "load_average_1min_during": [round(min(loads), 2), round(max(loads), 2)],
             "input_mb": round(size / 1e6, 1), "rounds": args.rounds, "threads": threads, "cores": os.cpu_count(),
             "table_rows": TABLE_ROWS, "categorical": "hash",
-            "baseline": f"convert_criteo of commit {BASELINE_COMMIT} (the Criteo reader before issue 14) on the TSV",
+            "baseline": f"convert_criteo of commit {BASELINE_COMMIT} (the Criteo reader before the schema-driven one) on the TSV",
             "csv": "tabular.convert, comma-separated with a header, dense parse float + log1p, string (FNV-1a) keys",
             "parquet": "tabular.convert on the same rows in Parquet (dense int64, categorical string)",
             "criteo": "convert_criteo now (the Criteo schema of the tabular reader) on the TSV",

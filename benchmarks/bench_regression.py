@@ -1,4 +1,4 @@
-"""Issue 13's "no slower than today" bar, measured: the refactored tree against a pre-change tree in the same
+"""The "no slower than before a refactor" bar, measured: the refactored tree against a pre-change tree in the same
 session, interleaved (base, new, base, new, ...), so that the noise of a shared machine hits both alike.
 
 Two figures, each run once per round in each tree, every run a fresh subprocess with ``PYTHONPATH=<tree>/src``:

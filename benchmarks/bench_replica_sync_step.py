@@ -10,7 +10,7 @@ turn (order rotated every step); a step's time is the slowest rank's; medians. B
 all ranks send (transport counter plus the AllReduce's ring bytes). The same plan, data and updates for all three
 (the embedding rows are checked equal after the run).
 
-Baselines (issue 15 part 5): all three methods run through the same executor, transport (gloo collectives, TCP
+Baselines: all three methods run through the same executor, transport (gloo collectives, TCP
 on loopback), kernels and threads (one per rank); only the replica-gradient sync differs. ``local_aggregated``
 and ``dense`` are the library's ``embedding.grad_sync`` forms, inside ``ShardedEmbedding``: ``dense`` allocates
 its ``[replicated rows, dim]`` buffer at every step (its form at its best, the buffer kept, is measured on its

@@ -14,7 +14,7 @@ same run, interleaved step by step in a fresh random order, each on the same bat
   Algorithm 1's batched GEMM as is): what reuse alone gives here;
 * ``uncompressed``: ``LocalEmbeddingBags`` with fused SGD over the full ``rows x dim`` table.
 
-The TT-Rec baseline at its best (issue 15 part 5): it runs the same kernels as Eff-TT (``index_select``,
+The TT-Rec baseline at its best: it runs the same kernels as Eff-TT (``index_select``,
 ``bmm``, ``embedding_bag``), the same core layout, optimizer and thread count, its buffers as TT-Rec's design
 needs them; what differs is TT-Rec's algorithm: one slice-product chain per occurrence (no batch-level
 reuse), the chain recomputed in backward, per-occurrence core gradients summed into dense core-shaped

@@ -1,4 +1,4 @@
-"""Row groups (issue 16): a TT table whose hottest rows are exact against the same table all TT, one process.
+"""Row groups: a TT table whose hottest rows are exact against the same table all TT, one process.
 
     PYTHONPATH=src:benchmarks .venv/bin/python benchmarks/bench_tt_rowgroups.py [--rows 10000000] [--batch 1024]
         [--rank 8] [--shares 0.5,0.8] [--repeats 15]
