@@ -23,7 +23,7 @@ keys in the map's layout (``TorchAddressMap.SHIFT`` etc. per instance): a batch 
 Range representations (sorted partition bounds, searchsorted decode) were measured and rejected: OPER's
 partitions are ranges of rows sorted by access count, scattered over the id space (a per-row plan), and
 even for a row-wise plan a searchsorted decode of a 4096 x 26 batch took 1.65 ms against 0.16 ms for the
-gather (a one-off measurement, BENCHMARKS.md "The address map").
+gather (a one-off measurement, benchmarks/results/history.md "The address map").
 
 The map is built from any plan (OPER, table-wise, row-wise, TorchRec's, hand-written) in O(rows) numpy,
 chunk by chunk (transient memory bounded by the chunk, not the tables), and lives in host memory, as in
