@@ -87,6 +87,7 @@ resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
+check_auto_settings = _Lazy("embedscale.train.distributed:check_auto_settings")
 infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
 train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
 eval_model = _Lazy("embedscale.train.trainer:evaluate")
@@ -226,8 +227,8 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
 @config_options
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
-@click.option("--nproc", type=int, default=None, help="Local ranks to launch (dist.nproc).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Local ranks to launch (dist.nproc).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc: restart the ranks this many times after a failure (resumes from the last checkpoint).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -276,6 +277,7 @@ def kwargs_argv(argv: list[str]) -> list[str]:
 
 def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
     """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
+    check_auto_settings(cfg)  # dist.plan auto's budgets: a named error here, not N rank errors under torchrun
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
@@ -358,7 +360,7 @@ def _infer_fn(cfg):
 
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Local ranks.")
 @click.option("--plan", "plan", default="oper", show_default=True,
               help="Inference plan: a strategy (oper replicates hot rows by OPER Algorithm 1) or a saved plan.")
 @click.option("--design", type=click.Choice(["retrieve", "send"]), default="retrieve", show_default=True)
