@@ -84,6 +84,9 @@ format_towers_summary = _Lazy("embedscale.towers.command:format_towers_summary")
 towers_command = _Lazy("embedscale.towers.command:towers_command")
 read_manifest = _Lazy("embedscale.train.checkpoint:read_manifest")
 resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
+best_checkpoint = _Lazy("embedscale.train.checkpoint:best_checkpoint")
+best_pointer = _Lazy("embedscale.train.checkpoint:best_pointer")
+is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
@@ -299,8 +302,8 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
-    """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its latest) of
-    any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
+    """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its best
+    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
     observed CTR) and calibration (predicted over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``:
     another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
     ``--split train`` or ``--data`` says what to score."""
@@ -309,7 +312,7 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     import torch
 
     try:
-        ck = resolve_checkpoint(checkpoint)
+        ck, chosen = _checkpoint_to_score(Path(checkpoint))
         manifest = read_manifest(ck)
         cfg = from_dict(RunConfig, yaml.safe_load(manifest.get("config_yaml") or "") or {})
         if data_dir:
@@ -342,12 +345,26 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     except EmbedscaleError as e:
         _fail(e)
     m["checkpoint"] = str(ck)
+    m["chosen"] = chosen
     m["step"] = manifest["step"]
     if as_json:
         click.echo(json.dumps(m))
     else:
+        which = {"best": "the best evaluation's checkpoint", "latest": "the latest checkpoint (no best kept)"}
+        click.echo(f"{ck}" + (f" ({which[chosen]})" if chosen in which else ""))
         click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  NE {m['ne']:.5f}  "
                    f"calibration {m['calibration']:.5f}  on {m['samples']:,} samples")
+
+
+def _checkpoint_to_score(path: Path) -> tuple[Path, str]:
+    """``evaluate``'s checkpoint and how it was chosen: a checkpoint as given (``"given"``); of a run directory its
+    best evaluation's (``checkpoints/best``: ``"best"``), else its latest (``"latest"``)."""
+    if not path.is_dir() or is_checkpoint(path):
+        return resolve_checkpoint(path), "given"
+    best = best_checkpoint(path)
+    if best is None and is_checkpoint(best_pointer(path)):  # a copy where the file system has no symbolic links
+        best = best_pointer(path)
+    return (best, "best") if best is not None else (resolve_checkpoint(path), "latest")
 
 
 def _infer_fn(cfg):
