@@ -176,3 +176,47 @@ def test_dist_plan_auto_without_a_budget_fails_before_any_rank_starts(tmp_path, 
     _assert_named_before_data(p, "dist.device_memory", "--dist-device-memory")
     assert p.stderr.count("error:") == 1 and "Root Cause" not in p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# -- drift: a plan on its own profile recommends nothing ---------------------------------------------------------
+def _zipf_counts(rows: int, samples: int, seed: int) -> np.ndarray:
+    """Per-row counts of ``samples`` lookups drawn from a power law over ``rows`` rows (row 0 the hottest)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, rows + 1) ** 1.2
+    return np.bincount(rng.choice(rows, size=samples, p=p / p.sum()), minlength=rows).astype(np.int64)
+
+
+@pytest.mark.parametrize("traffic", ["distinct", "access"])
+def test_drift_on_the_plans_own_profile_recommends_nothing(tmp_path, traffic):
+    """``embedscale drift PLAN --profile P`` with P the profile the plan was made from: no re-plan, a gain of 0,
+    no row to move, whichever traffic model the plan was made with. The same plan on a profile whose hot rows
+    were moved by hand (every table's counts rolled by half its rows) is recommended a re-plan."""
+    from embedscale.data.profile import AccessProfile
+
+    samples = 20_000
+    rows = {"C1": 3000, "C2": 800, "C3": 60}
+    own = {f: _zipf_counts(n, samples, i) for i, (f, n) in enumerate(rows.items())}
+    AccessProfile(own, samples).save(tmp_path / "own")
+    AccessProfile({f: np.roll(c, rows[f] // 2) for f, c in own.items()}, samples).save(tmp_path / "shifted")
+    p = cli_process("plan", "--profile", tmp_path / "own", "--traffic", traffic, "--batch-size", "512",
+                    "--ranks-per-host", "4", "--out", tmp_path / "plans", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "plans" / "report.json").read_text())["strategies"]["oper"]
+
+    def drift(profile) -> dict:
+        r = cli_process("drift", tmp_path / "plans" / "oper", "--profile", profile, "--ranks-per-host", "4",
+                        "--json", cwd=tmp_path)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[0])
+
+    same = drift(tmp_path / "own")
+    assert same["replan"] is False, same["reason"]
+    assert abs(same["replan_gain"]) < 0.01 and same["rows_moved"] == 0
+    # the plan's cost on its own profile is the one its report gave (the same traffic model)
+    assert same["after"]["max_rank_cost"] == pytest.approx(report["max_rank_cost"], rel=1e-6)
+    shifted = drift(tmp_path / "shifted")
+    assert shifted["replan"] is True, shifted["reason"]
+    # the hot rows now sit elsewhere: the ranks' lookups are out of balance and a fresh plan restores it
+    assert shifted["after"]["dob_lookup"] < 0.9 < same["after"]["dob_lookup"]
+    assert shifted["replanned"]["dob_lookup"] > 0.9 and shifted["rows_moved"] > 0
+    assert shifted["replanned"]["max_rank_cost"] <= shifted["after"]["max_rank_cost"]
