@@ -84,9 +84,13 @@ format_towers_summary = _Lazy("embedscale.towers.command:format_towers_summary")
 towers_command = _Lazy("embedscale.towers.command:towers_command")
 read_manifest = _Lazy("embedscale.train.checkpoint:read_manifest")
 resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
+best_checkpoint = _Lazy("embedscale.train.checkpoint:best_checkpoint")
+best_pointer = _Lazy("embedscale.train.checkpoint:best_pointer")
+is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
+check_auto_settings = _Lazy("embedscale.train.distributed:check_auto_settings")
 infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
 train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
 eval_model = _Lazy("embedscale.train.trainer:evaluate")
@@ -226,8 +230,8 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
 @config_options
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
-@click.option("--nproc", type=int, default=None, help="Local ranks to launch (dist.nproc).")
-@click.option("--max-restarts", type=int, default=0, show_default=True,
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Local ranks to launch (dist.nproc).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc: restart the ranks this many times after a failure (resumes from the last checkpoint).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -276,6 +280,7 @@ def kwargs_argv(argv: list[str]) -> list[str]:
 
 def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
     """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
+    check_auto_settings(cfg)  # dist.plan auto's budgets: a named error here, not N rank errors under torchrun
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
@@ -297,8 +302,8 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.option("--batch-size", type=int, default=8192)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
-    """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its latest) of
-    any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
+    """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its best
+    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
     observed CTR) and calibration (predicted over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``:
     another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
     ``--split train`` or ``--data`` says what to score."""
@@ -307,7 +312,7 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     import torch
 
     try:
-        ck = resolve_checkpoint(checkpoint)
+        ck, chosen = _checkpoint_to_score(Path(checkpoint))
         manifest = read_manifest(ck)
         cfg = from_dict(RunConfig, yaml.safe_load(manifest.get("config_yaml") or "") or {})
         if data_dir:
@@ -340,12 +345,26 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     except EmbedscaleError as e:
         _fail(e)
     m["checkpoint"] = str(ck)
+    m["chosen"] = chosen
     m["step"] = manifest["step"]
     if as_json:
         click.echo(json.dumps(m))
     else:
+        which = {"best": "the best evaluation's checkpoint", "latest": "the latest checkpoint (no best kept)"}
+        click.echo(f"{ck}" + (f" ({which[chosen]})" if chosen in which else ""))
         click.echo(f"step {m['step']}: logloss {m['logloss']:.5f}  AUC {m['auc']:.5f}  NE {m['ne']:.5f}  "
                    f"calibration {m['calibration']:.5f}  on {m['samples']:,} samples")
+
+
+def _checkpoint_to_score(path: Path) -> tuple[Path, str]:
+    """``evaluate``'s checkpoint and how it was chosen: a checkpoint as given (``"given"``); of a run directory its
+    best evaluation's (``checkpoints/best``: ``"best"``), else its latest (``"latest"``)."""
+    if not path.is_dir() or is_checkpoint(path):
+        return resolve_checkpoint(path), "given"
+    best = best_checkpoint(path)
+    if best is None and is_checkpoint(best_pointer(path)):  # a copy where the file system has no symbolic links
+        best = best_pointer(path)
+    return (best, "best") if best is not None else (resolve_checkpoint(path), "latest")
 
 
 def _infer_fn(cfg):
@@ -358,7 +377,7 @@ def _infer_fn(cfg):
 
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True))
-@click.option("--nproc", type=int, default=1, show_default=True, help="Local ranks.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Local ranks.")
 @click.option("--plan", "plan", default="oper", show_default=True,
               help="Inference plan: a strategy (oper replicates hot rows by OPER Algorithm 1) or a saved plan.")
 @click.option("--design", type=click.Choice(["retrieve", "send"]), default="retrieve", show_default=True)

@@ -552,8 +552,9 @@ def validate(obj: Any, path: str = "") -> None:
             continue
         bad = not math.isfinite(v) or v < low or (v == low and not low_ok) or (high is not None and v >= high)
         if bad:
-            rng = f"{'>=' if low_ok else '>'} {low}" + (f" and < {high}" if high is not None else "")
-            raise ConfigError(f"{where}{key}: {v!r} is not a finite number {rng}")
+            rng = f"{'>=' if low_ok else '>'} {low:g}" + (f" and < {high:g}" if high is not None else "")
+            what = "an integer" if isinstance(v, int) else "a finite number"
+            raise ConfigError(f"{where}{key}: {v!r} is not {what} {rng}")
     if isinstance(obj, ModelConfig):
         check_managed(obj.managed, f"{where}managed")
     if isinstance(obj, TrainConfig):
@@ -605,16 +606,27 @@ CHOICES.update({
                  "transport": ("collective", "pgas"),
                  "grad_sync": ("local_aggregated", "dense", "allgather", "alltoall")},
 })
+# integer fields: counts and sizes (``(1, True, None)``: at least 1; ``(0, True, None)``: 0 = off / all)
+_AT_LEAST_1, _AT_LEAST_0 = (1, True, None), (0, True, None)
 NUMBERS.update({
     DataConfig: {"eval_fraction": (0.0, True, 1.0), "stream_idle_s": (0.0, True, None),
-                 "stream_poll_s": (0.0, False, None)},
+                 "stream_poll_s": (0.0, False, None), "load_factor": (0.0, False, None),
+                 "train_samples": _AT_LEAST_0, "eval_samples": _AT_LEAST_0, "shard_rows": _AT_LEAST_1,
+                 "table_rows": _AT_LEAST_0, "max_table_rows": _AT_LEAST_1, "min_frequency": _AT_LEAST_1},
+    ModelConfig: {"embedding_dim": _AT_LEAST_1, "cross_layers": _AT_LEAST_0, "cross_low_rank": _AT_LEAST_0,
+                  "tt_min_rows": _AT_LEAST_0, "tt_rank": _AT_LEAST_1, "host_min_rows": _AT_LEAST_0},
     SyntheticConfig: {"alpha": (0.0, True, None)},
     TrainConfig: {"lr_dense": (0.0, True, None), "lr_sparse": (0.0, True, None), "lr_tt": (0.0, True, None),
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
-                  "replan_min_gain": (0.0, True, None)},
-    DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
+                  "replan_min_gain": (0.0, True, None),
+                  "batch_size": _AT_LEAST_1, "epochs": _AT_LEAST_1, "max_steps": _AT_LEAST_0,
+                  "eval_every": _AT_LEAST_0, "log_every": _AT_LEAST_0, "checkpoint_every": _AT_LEAST_0,
+                  "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,
+                  "pipeline_depth": _AT_LEAST_0},
+    DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None), "nproc": _AT_LEAST_1,
+                 "topology_hosts": _AT_LEAST_1},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},
 })
@@ -644,6 +656,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+        try:  # a section the file gives as a scalar or a list is the file's error, not an override's
+            _check_sections(data, RunConfig)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     try:
@@ -652,13 +668,27 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
 
 
+def _check_sections(data: dict, cls: type, path: str = "") -> None:
+    """Every section of ``cls`` present in ``data`` (``train``, ``data.synthetic``, ...) is a mapping; else a
+    ``ConfigError`` naming its key path."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name not in data or not dataclasses.is_dataclass(hints[f.name]):
+            continue
+        key, v = f"{path}{f.name}", data[f.name]
+        if not isinstance(v, dict):
+            raise ConfigError(f"{key}: expected a mapping (the {key} section), got {v!r}")
+        _check_sections(v, hints[f.name], key + ".")
+
+
 def set_dotted(data: dict, key: str, value: Any) -> None:
     parts = key.split(".")
     d = data
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         d = d.setdefault(p, {})
         if not isinstance(d, dict):
-            raise ConfigError(f"override {key}: {p} is not a section")
+            raise ConfigError(f"{'.'.join(parts[:i + 1])}: expected a mapping (a section of the config), got {d!r} "
+                              f"(setting {key})")
     d[parts[-1]] = value
 
 

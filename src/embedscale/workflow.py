@@ -26,7 +26,7 @@ from embedscale.assemble import train_loader as assemble_train_loader
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
-from embedscale.train.distributed import ensure_run_plan
+from embedscale.train.distributed import check_auto_settings, ensure_run_plan
 from embedscale.train.dmt_run import dmt_checkpoint_fields
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.launch import launch_ranks
@@ -99,6 +99,8 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     if cfg.dist.nproc <= 1:
         check_one_process(cfg)
+    else:
+        check_auto_settings(cfg)  # before any data is made or rank starts
     run_dir = new_run_dir(cfg)
     _log(f"run directory: {run_dir}")
     with RunLock(run_dir):  # this process holds the run for as long as it runs (train.lock)
@@ -151,6 +153,17 @@ def _steady(st: dict) -> str:
     return f"; steady step {st['median'] * 1e3:.1f} ms (p90 {st['p90'] * 1e3:.1f}) after {st['skipped']} warm-up steps"
 
 
+def _progressive_what(pv: dict) -> str:
+    """What the progressive window's figures are: held out only while its samples are in their first epoch."""
+    first, last = pv.get("epochs") or (1, 1)
+    if last <= 1:
+        return "each scored before it was trained on"
+    if first > 1:
+        span = f"epoch {first}" if first == last else f"epochs {first}-{last}"
+        return f"{span}, each scored after earlier epochs trained on it (not held out)"
+    return f"epochs 1-{last}, those of epochs 2+ scored after earlier epochs trained on them (not all held out)"
+
+
 def format_summary(s: dict) -> str:
     lines = [
         f"run directory      {s.get('run_dir')}",
@@ -166,7 +179,7 @@ def format_summary(s: dict) -> str:
     ]
     pv = s.get("progressive") or {}
     if pv:
-        lines.append(f"progressive        last {pv['samples']:,} samples, each scored before it was trained on: AUC "
+        lines.append(f"progressive        last {pv['samples']:,} samples, {_progressive_what(pv)}: AUC "
                      f"{_num(pv.get('auc')):.5f}  logloss {_num(pv.get('logloss')):.5f}  NE {_num(pv.get('ne')):.5f}")
     st = s.get("stream") or {}
     if st:

@@ -173,6 +173,7 @@ def compare(strategies, tables, profile, topology, *, forms: Mapping[str, TableF
         except EmbedscaleError as e:
             out["strategies"][name] = {"error": str(e)}
             continue
+        plan.meta.setdefault("traffic", traffic)  # the model the plan is reported on (and drift costs it with)
         # every strategy is held to the same memory budget (a strategy's own packing slack, if it declares
         # one, counts: oper at 0% extra may overshoot by one partition)
         cap = max(budget, float(plan.meta.get("capacity_bytes") or 0.0))

@@ -10,11 +10,13 @@ re-plans when optimality has degraded. ``drift`` does exactly that on two profil
 
 ``replan`` is recommended when the fresh plan's bottleneck (``max_rank_cost``) is lower than the old
 plan's on the new profile by more than ``min_gain`` (default 5%), or the old plan's lookup or
-communication DoB on the new profile is below ``dob_floor``.
+communication DoB on the new profile is below ``dob_floor`` and below what it was on the old profile.
 
-The rule runs on OPER's own equations (``traffic="access"``, ``plan.cost``), as does the fresh ``oper`` plan it
-proposes: the online re-planning of issue 17 was measured and tuned on them (its lookup-DoB bars count
-accesses). Planning a run from scratch uses the executor's traffic (``oper``'s default).
+Every cost, and the fresh ``oper`` plan, is on one traffic model (``plan.cost``): ``traffic="access"``, OPER's
+own equations, for the online re-planning of a run (``train.replan``: measured and tuned on them, its lookup-DoB
+bars count accesses); the plan's own model for ``drift_command`` (``embedscale drift``: the ``traffic`` the plan
+was made and reported with, ``distinct`` by default, what the executor moves), so a plan on the profile it was
+made for costs what its report said and its fresh plan is itself.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import numpy as np
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.plan.api import make_plan, resolve_profile, resolve_topology
-from embedscale.plan.cost import evaluate
+from embedscale.plan.cost import check_traffic, evaluate
 from embedscale.plan.forms import table_profile
 from embedscale.plan.plan import Plan
+from embedscale.plan.synthetic_profile import ArrayProfile
 from embedscale.plan.topology import as_link_topology
 from embedscale.specs import TableSpec
 
@@ -76,7 +79,8 @@ def drift(plan: Plan, new_profile, topology, **kw) -> dict[str, Any]:
 
 def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | None = None,
                    batch_size: int | None = None, strategy: str | None = None, min_gain: float = 0.05,
-                   dob_floor: float = 0.9, replan: bool = True, **opts) -> tuple[dict[str, Any], Plan | None]:
+                   dob_floor: float = 0.9, replan: bool = True, traffic: str = "access",
+                   **opts) -> tuple[dict[str, Any], Plan | None]:
     """Evaluate ``plan`` on ``new_profile`` and decide whether to re-plan (OPER section 8): ``(report, fresh
     plan)`` (``None`` without ``replan``). The live re-plan of a run (``train.replan``) migrates to the fresh
     plan when ``report["replan"]``; ``report["after"]["balance"]`` / ``["replanned"]["balance"]`` are the
@@ -91,36 +95,30 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
         strategy: strategy of the fresh plan (default: the plan's own, else ``oper``).
         min_gain, dob_floor: the re-plan rule (see module docstring).
         replan: False skips the fresh plan (no ``rows_moved``).
+        traffic: the cost model's volumes (``plan.cost``): ``access`` (OPER eqs. 3 and 5, the live re-plan rule)
+            or ``distinct`` (what the executor moves; the fresh ``oper`` plan is made on the same).
         **opts: options for the fresh plan (e.g. ``extra_memory``).
     """
     topo = as_link_topology(topology)
     mode = mode or plan.meta.get("mode", "training")
     batch_size = int(batch_size or plan.meta.get("batch_size", 2048))
-    if old_profile is not None:
-        before = evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size, traffic="access")
-    elif plan.part_counts is not None:
-        samples = plan.meta.get("samples", 1)
-
-        class _Stored:  # the stored per-partition counts stand in for the old profile
-            pass
-
-        prof = _Stored()
-        prof.samples = samples
-        before = evaluate(plan, prof, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts,
-                          traffic="access")
-    else:
-        raise ConfigError("drift: the plan stores no part_counts; pass old_profile")
-    after = evaluate(plan, new_profile, topo, mode=mode, batch_size=batch_size, traffic="access")
+    check_traffic(traffic)
+    before = _cost_before(plan, old_profile, topo, mode, batch_size, traffic)
+    after = evaluate(plan, new_profile, topo, mode=mode, batch_size=batch_size, traffic=traffic)
     out: dict[str, Any] = {
         "mode": mode,
         "batch_size": batch_size,
+        "traffic": traffic,
         "before": _figures(before),
         "after": _figures(after),
         "dob_lookup_change": after.dob_lookup - before.dob_lookup,
         "dob_comm_change": after.dob_comm - before.dob_comm,
         "max_rank_cost_ratio": after.max_rank_cost / before.max_rank_cost if before.max_rank_cost > 0 else float("inf"),
     }
-    degraded = after.dob_lookup < dob_floor or after.dob_comm < dob_floor
+    # a balance below the floor that the plan had on its own profile already is no drift (re-planning the same
+    # profile finds the same plan)
+    degraded = ((after.dob_lookup < dob_floor and after.dob_lookup < before.dob_lookup - 1e-9)
+                or (after.dob_comm < dob_floor and after.dob_comm < before.dob_comm - 1e-9))
     if replan:
         strat = strategy or plan.meta.get("strategy", "oper")
         if strat not in ("oper", "access_greedy", "milp", "torchrec", "table_wise", "row_wise", "memory_greedy"):
@@ -128,10 +126,10 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
         extra = dict(opts)
         extra.setdefault("extra_memory", plan.meta.get("extra_memory", 0.05))
         if strat == "oper":
-            extra.setdefault("traffic", "access")
+            extra.setdefault("traffic", traffic)
         fresh = make_plan(strat, plan.tables, new_profile, topo, mode=mode, batch_size=batch_size, **extra)
         fresh_cost = evaluate(fresh, new_profile, topo, mode=mode, batch_size=batch_size, part_counts=fresh.part_counts,
-                              traffic="access")
+                              traffic=traffic)
         gain = 1.0 - fresh_cost.max_rank_cost / after.max_rank_cost if after.max_rank_cost > 0 else 0.0
         out["replanned"] = _figures(fresh_cost)
         out["replan_strategy"] = strat
@@ -151,6 +149,40 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
     return out, fresh
 
 
+def _cost_before(plan: Plan, old_profile, topo, mode: str, batch_size: int, traffic: str):
+    """The plan's cost on the profile it was made for: ``old_profile``, else the plan's stored per-partition
+    counts (``part_counts``; for ``distinct`` traffic, which needs per-row counts, each partition's count spread
+    evenly over its rows: OPER's partitions group rows of like frequency)."""
+    if old_profile is not None:
+        return evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size, traffic=traffic)
+    if plan.part_counts is None:
+        raise ConfigError("drift: the plan stores no part_counts; pass old_profile")
+    samples = plan.meta.get("samples", 1)
+    if traffic == "distinct":
+        return evaluate(plan, _spread_part_counts(plan, samples), topo, mode=mode, batch_size=batch_size,
+                        traffic=traffic)
+
+    class _Stored:  # the stored per-partition counts stand in for the old profile
+        pass
+
+    prof = _Stored()
+    prof.samples = samples
+    return evaluate(plan, prof, topo, mode=mode, batch_size=batch_size, part_counts=plan.part_counts,
+                    traffic=traffic)
+
+
+def _spread_part_counts(plan: Plan, samples: float) -> ArrayProfile:
+    """A per-row profile from the plan's per-partition counts, every row of a partition its mean."""
+    pc = np.asarray(plan.part_counts, dtype=np.float64)
+    counts = {}
+    for t, tab in enumerate(plan.tables):
+        sl = plan.table_partitions(t)
+        c = np.empty(tab.num_rows, dtype=np.float64)
+        c[plan.order(t)] = np.repeat(pc[sl] / np.maximum(plan.part_rows[sl], 1), plan.part_rows[sl])
+        counts[tab.name] = c
+    return ArrayProfile(counts, samples=max(int(round(float(samples))), 1))
+
+
 def _figures(c) -> dict[str, float]:
     total = c.total_per_rank
     mean = float(total.mean()) if total.size else 0.0
@@ -163,6 +195,7 @@ def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False,
     """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
     verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
     plan = Plan.load(plan_dir)
+    opts.setdefault("traffic", plan.meta.get("traffic") or "distinct")  # the plan's own model (plan's default)
     tables = plan.tables
     features = plan.meta.get("features") or {}  # a per-feature profile (embedscale profile) sums by table
     specs = [TableSpec(t.name, t.num_rows, t.dim, features=features.get(t.name) or [t.name]) for t in tables]

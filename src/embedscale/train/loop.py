@@ -370,7 +370,7 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
             n = batch.global_size or batch.batch_size
             logits = getattr(run, "step_logits", None)  # optional in the protocol: a run without it has no pv
             if pv is not None and logits is not None:
-                pv.add(logits, batch.labels, batch.weights, n)
+                pv.add(logits, batch.labels, batch.weights, n, epoch=st.epoch)
             if stream:
                 st.stream = dict(batch.stream_position)
             trained += n
@@ -438,8 +438,11 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         "lr_warmup_steps": warmup, "run_dir": str(run.run_dir), **(extra or {}), **figures,
     }
     if pv_last:
-        summary["progressive"] = {"window": loop.progressive_window, **{k: pv_last[k] for k in (
-            "auc", "logloss", "ne", "calibration", "samples")}}
+        # epochs (1-based) of the window's batches: in epoch 1 every sample is scored before any training on it;
+        # from epoch 2 on, earlier epochs trained on it
+        first, last = pv.epochs()
+        summary["progressive"] = {"window": loop.progressive_window, "epochs": [first + 1, last + 1],
+                                  **{k: pv_last[k] for k in ("auc", "logloss", "ne", "calibration", "samples")}}
     if stream:
         src = run.train_loader
         summary["stream"] = {"position": dict(st.stream), "end": src.end_reason, "shards_read": src.shards_read,

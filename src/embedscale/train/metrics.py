@@ -124,12 +124,19 @@ class ProgressiveWindow:
         self.batches: deque = deque()
         self.samples = 0  # global samples in the window
 
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, global_size: int) -> None:
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None, global_size: int,
+            epoch: int = 0) -> None:
+        """``epoch``: the pass over the training data the batch is from (0: the first; later passes score samples
+        that earlier ones trained on, :meth:`epochs`)."""
         self.batches.append((logits.detach().reshape(-1), labels.detach().reshape(-1),
-                             None if weights is None else weights.detach().reshape(-1), int(global_size)))
+                             None if weights is None else weights.detach().reshape(-1), int(global_size), int(epoch)))
         self.samples += int(global_size)
         while len(self.batches) > 1 and self.samples - self.batches[0][3] >= self.window:
             self.samples -= self.batches.popleft()[3]
+
+    def epochs(self) -> tuple[int, int]:
+        """The epochs (0-based) of the window's oldest and newest batch."""
+        return (self.batches[0][4], self.batches[-1][4]) if self.batches else (0, 0)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         if not self.batches:
