@@ -136,3 +136,106 @@ def test_half_and_twice_budget_plans_are_the_optimum_at_that_budget():
         got_forms[label] = alt["forms"]
     main = {e["table"]: e["chosen"]["form"] for e in rep["tables"]}
     assert got_forms["half"] != main and got_forms["twice"] != main, (got_forms, main)
+
+
+# -- best_over_kinds against a brute force ---------------------------------------------------------------------
+
+KINDS = ["sharded", "replicated", "tt-8", "tt-16", "host-1", "host-2"]
+
+
+def _random_kinds_case(rng):
+    cands = []
+    for _ in range(int(rng.integers(1, 5))):
+        ks = ["sharded"] + [k for k in KINDS[1:] if rng.random() < 0.45]
+        cands.append([Candidate(k, SHARDED, float(rng.uniform(1e-3, 6e-3)), float(rng.uniform(0, 100)),
+                                float(rng.uniform(10, 100)) * k.startswith("host")) for k in ks])
+    return cands
+
+
+def test_best_over_kinds_is_the_brute_force_optimum_on_several_hundred_cases():
+    """With the exact per-table search (MILP), ``best_over_kinds`` gives the least ``plan_seconds`` over every
+    choice that fits (a brute force over the product of the tables' candidates), whatever the per-plan terms:
+    each kind's exchange latency, the host step and the host + TT step. 200 random cases; enough of them must
+    differ from the per-table optimum for the check to bite."""
+    rng = np.random.default_rng(2024)
+    costs = Costs(link_latency_us=600.0, executor_overhead_s={"host_step": 1.2e-3, "host_tt_step": 0.8e-3},
+                  executor_world=2)
+    checked = changed = 0
+    for case in range(200):
+        cands = _random_kinds_case(rng)
+        dev, host = float(rng.uniform(30, 300)), float(rng.uniform(0, 250))
+        ref = _brute_force(cands, dev, host, 2, costs)
+        per_table = search_milp(cands, dev, host)
+        if ref is None:
+            assert per_table is None, case
+            continue
+        got = best_over_kinds(cands, per_table, dev, host, 2, costs, "milp")
+        assert fits(cands, got, dev, host), case
+        assert plan_seconds(cands, got, 2, costs) == pytest.approx(ref[0], rel=1e-9, abs=1e-15), case
+        changed += plan_seconds(cands, per_table, 2, costs) > ref[0] * (1 + 1e-9)
+        checked += 1
+    assert checked >= 150 and changed >= 30, (checked, changed)
+
+
+# -- TT cost below the smallest measured rank ----------------------------------------------------------------------
+
+def test_tt_cost_below_the_smallest_measured_rank_follows_the_documented_rule():
+    """``Costs.tt``: a rank below every measured one is on ``a + b R^2`` through the two nearest measured ranks
+    (the two smallest), never below an exact lookup; with one measured rank, ``s (R / R0)^2``."""
+    c = Costs(exact_lookup_s=1e-8, tt_lookup_s={8: 2e-8, 16: 3e-8, 32: 8e-8})
+    b = (3e-8 - 2e-8) / (16**2 - 8**2)  # the slope in R^2 through ranks 8 and 16: 1e-8 / 192
+    assert c.tt(4) == pytest.approx(2e-8 - b * (64 - 16), rel=1e-12)  # 1.75e-8
+    assert c.tt(4) == pytest.approx(1.75e-8, rel=1e-12)
+    assert c.tt(2) == pytest.approx(1.6875e-8, rel=1e-12)  # 2e-8 - (64 - 4) / 192 * 1e-8
+    assert c.tt(8) == 2e-8 and c.tt(32) == 8e-8  # measured ranks exactly
+    # never below an exact lookup
+    floor = Costs(exact_lookup_s=1.8e-8, tt_lookup_s={8: 2e-8, 16: 3e-8, 32: 8e-8})
+    assert floor.tt(4) == pytest.approx(1.8e-8, rel=1e-12) and floor.tt(2) == pytest.approx(1.8e-8, rel=1e-12)
+    # one measured rank: quadratic from the origin, floored
+    one = Costs(exact_lookup_s=1e-9, tt_lookup_s={16: 4e-8})
+    assert one.tt(8) == pytest.approx(1e-8, rel=1e-12) and one.tt(2) == pytest.approx(1e-9, rel=1e-12)
+
+
+def test_tt_candidate_of_an_unmeasured_small_rank_is_costed_by_the_extrapolation():
+    """The plan cost of a TT table of rank 4 from costs measured at 8, 16 and 32: ``L tt(4) + cores 2 (M-1)/M
+    / all-reduce bandwidth`` with ``tt(4)`` worked by hand (1.75e-8 s)."""
+    costs = Costs(exact_lookup_s=1e-8, tt_lookup_s={8: 2e-8, 16: 3e-8, 32: 8e-8}, allreduce_gbs=5.0)
+    n, samples, batch = 500_000, 1_000, 64
+    counts = np.ones(n, dtype=np.int64)
+    s = table_stats(TableSpec("t", n, 16), counts, samples, batch, 2, hot_touch=1.0, tt_min_rows=1000)
+    (tt4,) = [c for c in candidates(s, 2, costs, tt_rank_list=(4,)) if c.label == "tt-4"]
+    L = n / samples * batch
+    want = L * 1.75e-8 + tt_core_bytes(n, 16, 4) * 2 * 0.5 / 5e9
+    assert tt4.seconds == pytest.approx(want, rel=1e-9)
+
+
+# -- the dense model's size with multi-feature tables --------------------------------------------------------
+
+def _linear_parameters(module: torch.nn.Module) -> int:
+    """Weights and biases of every ``nn.Linear`` of a built model, counted from the module itself."""
+    return sum(p.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters())
+
+
+def test_dense_model_size_counts_every_feature_of_a_multi_feature_table():
+    """``default_dense`` (the auto planner's dense model) over a table read by three features and one read by
+    one: four embedding vectors meet in the interaction, as in the DLRM module ``build_model`` makes; its
+    parameters equal the built module's linear layers' (counted from the ``nn.Module``)."""
+    from embedscale.models import build_model
+
+    tabs = [TableSpec("shared", 50, 4, features=["a", "b", "c"]), TableSpec("solo", 30, 4, features=["d"])]
+    dm = default_dense(tabs)
+    assert dm.num_features == 4
+    model = build_model(ModelConfig(embedding_dim=4), tabs, num_dense=13)
+    assert model.sparse_arch.num_features == 4
+    assert dm.parameters() == _linear_parameters(model)
+    # by hand: bottom 13-512-256-64-4, interaction 4 + 5*4/2 = 14, top 14-512-256-1
+    layers = [(13, 512), (512, 256), (256, 64), (64, 4), (14, 512), (512, 256), (256, 1)]
+    assert dm.parameters() == sum(i * o + o for i, o in layers)
+    # the auto plan's report carries the same dense model
+    prof = AccessProfile({"shared": np.ones(50), "solo": np.ones(30)}, 10)
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=2**20, host_memory=0,
+                          batch_size=8, other_budgets=False)
+    d = plan.meta["auto"]["dense_model"]
+    assert d["num_features"] == 4
+    assert DenseModel(**{**d, "bottom_mlp": tuple(d["bottom_mlp"]), "top_mlp": tuple(d["top_mlp"])}).parameters() \
+        == _linear_parameters(model)
