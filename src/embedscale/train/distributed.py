@@ -47,12 +47,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import assemble
-from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
+from embedscale.models.builder import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
-from embedscale.plan.auto import load_costs, parse_bytes, write_explain
+from embedscale.plan.auto import load_costs, write_explain
 from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.step import DenseModel
 from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
@@ -60,6 +60,7 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
 from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
+from embedscale.units import parse_bytes
 from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
                                         merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
                                         write_rank_file)

@@ -57,7 +57,7 @@ from embedscale import assemble
 from embedscale.comm.hierarchical import TowerComm
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 from embedscale.train.distributed import join_run, serve_eval_split
 
 CHECKPOINT_KIND = "dmt"
