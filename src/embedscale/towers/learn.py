@@ -35,14 +35,14 @@ class InteractionAccumulator:
     ``[B, F, N]``, with ``m`` the features' mean embeddings (``mean=None``: DMT's uncentred ``|cos|``).
 
     A zero vector (an empty bag) has no direction: its pairs are left out of that sample's mean, and of
-    the feature means; so is a centred vector of zero length (a feature that never varies).
+    the feature means; so is a centred vector of zero length (a feature that never varies). The sums stay on
+    the device of the embeddings given; :meth:`matrix` hands numpy the result.
     """
 
     def __init__(self, num_features: int, mean: torch.Tensor | None = None):
         self.F = num_features
-        self.mean = None if mean is None else mean.detach().to(torch.float64).cpu()
-        self.total = torch.zeros(num_features, num_features, dtype=torch.float64)
-        self.count = torch.zeros(num_features, num_features, dtype=torch.float64)
+        self.mean = None if mean is None else mean.detach().to(torch.float64)
+        self.total = self.count = None  # [F, F] float64 on the first batch's device
         self.samples = 0
 
     @torch.no_grad()
@@ -51,10 +51,13 @@ class InteractionAccumulator:
             raise InputError(f"interaction matrix: expected embeddings [B, {self.F}, N], got {list(embs.shape)}")
         if embs.shape[0] == 0:
             return
-        e = embs.detach().to(torch.float64).cpu()
+        e = embs.detach().to(torch.float64)
+        if self.total is None:
+            self.total = torch.zeros(self.F, self.F, dtype=torch.float64, device=e.device)
+            self.count = torch.zeros_like(self.total)
         valid = e.norm(dim=2) > 0  # [B, F]
         if self.mean is not None:
-            e = e - self.mean
+            e = e - self.mean.to(e.device)
         norm = e.norm(dim=2, keepdim=True)
         valid &= norm.squeeze(2) > 1e-12 * (1.0 + embs.detach().abs().amax().item())
         v = valid.to(torch.float64)
@@ -65,8 +68,10 @@ class InteractionAccumulator:
         self.samples += e.shape[0]
 
     def matrix(self) -> np.ndarray:
-        out = (self.total / self.count.clamp(min=1)).numpy()
-        out[self.count.numpy() == 0] = 0.0
+        if self.total is None:  # no batch: no pair seen
+            return np.eye(self.F)
+        out = (self.total / self.count.clamp(min=1)).numpy(force=True)
+        out[self.count.numpy(force=True) == 0] = 0.0
         np.fill_diagonal(out, 1.0)
         return np.clip(out, 0.0, 1.0)
 
@@ -75,10 +80,10 @@ def feature_means(batches: Iterable[torch.Tensor]) -> torch.Tensor:
     """``[F, N]`` mean embedding of every feature over its non-empty bags (float64)."""
     total = count = None
     for e in batches:
-        e = e.detach().to(torch.float64).cpu()
+        e = e.detach().to(torch.float64)
         valid = (e.norm(dim=2) > 0).to(torch.float64)  # [B, F]
         s, c = (e * valid.unsqueeze(2)).sum(0), valid.sum(0)
-        total, count = (s, c) if total is None else (total + s, count + c)
+        total, count = (s, c) if total is None else (total + s.to(total.device), count + c.to(count.device))
     if total is None:
         raise InputError("interaction matrix: no embeddings")
     return total / count.clamp(min=1).unsqueeze(1)
