@@ -192,13 +192,15 @@ def install_managed(cfg: RunConfig, tables: list[TableSpec], embedding, forms: d
 
 
 def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, rank: int = 0, world: int = 1,
-                 pipelined: bool = False, follow: tuple[Path, str] | None = None):
+                 pipelined: bool = False, follow: tuple[Path, str] | None = None,
+                 tables: list[TableSpec] | None = None):
     """The training batches of ``data``: a ``ShardLoader`` over the train split, or for a stream a
     ``StreamLoader`` following its directory (``data.stream_idle_s``, ``data.stream_poll_s``; ``follow``: the
     ranks' follow file and attempt token, by which rank 0 decides an idle end for all). Ids are checked
-    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
+    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet). ``tables``: the run's
+    (:func:`tables_for`, computed once by the caller; else here)."""
     t = cfg.train
-    raw = raw_id_features(cfg, tables_for(cfg, data.manifest))
+    raw = raw_id_features(cfg, tables_for(cfg, data.manifest) if tables is None else tables)
     if data.stream:
         if pipelined:
             raise ConfigError("data.source stream: host-placed tables (placement: host, model.host_min_rows) are not "

@@ -67,7 +67,7 @@ class TowerSetup:
     (``EmbeddingEnv.towers``); ``models.dmt.resolve_towers`` makes it from a model config.
 
     Args:
-        assignment: features per tower (a ``towers.partitioner.TowerAssignment``); ``None`` for the flat baseline.
+        assignment: features per tower (a ``plan.towers.TowerAssignment``); ``None`` for the flat baseline.
         modules: ``{tower: module}``, the tower modules (``models.tower_modules``: ``forward(embs [B, F, N]) ->
             [B, O]``, attributes ``num_features``, ``embedding_dim``, ``out_features``): every tower in one
             process, at least this rank's tower group's towers with ``comm``.

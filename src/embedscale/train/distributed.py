@@ -337,11 +337,12 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
     return plan
 
 
-def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> tuple[list, dict[str, TableForm]]:
-    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``) in the
-    forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit request contradicting them is a
-    ``ConfigError``)."""
-    tables = assemble.tables_for(cfg, manifest)
+def run_tables(cfg: RunConfig, manifest, plan, plan_name,
+               tables: list | None = None) -> tuple[list, dict[str, TableForm]]:
+    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``, or
+    ``tables`` when the caller made them) in the forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit
+    request contradicting them is a ``ConfigError``)."""
+    tables = assemble.tables_for(cfg, manifest) if tables is None else tables
     check_plan_sizes(plan, tables, str(plan_name))
     return tables, forms_for_run(plan.forms, config_forms(cfg.model, tables), str(plan_name))
 
@@ -357,7 +358,7 @@ class DistributedRun:
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
         # the plan's forms
-        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan")
+        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan", self.all_tables)
         self.tables = planned_tables(self.all_tables, self.forms)  # the sharded ones; host tables: a parameter server
         amap = address_map_from_plan(self.plan, self.tables)
         self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
@@ -405,7 +406,7 @@ class DistributedRun:
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
                                                   pipelined=self.host_embedding is not None,
-                                                  follow=self.stream_follow())
+                                                  follow=self.stream_follow(), tables=self.all_tables)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the

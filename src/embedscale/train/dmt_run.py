@@ -108,7 +108,7 @@ class DMTRun(DistributedRun):
         self.plan = None
         self.cross_host_bytes_per_step: list[int] = []
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
-                                                  follow=self.stream_follow())
+                                                  follow=self.stream_follow(), tables=self.all_tables)
         self._names = param_names(self.model, self.opt)
 
     # -- one step -------------------------------------------------------------------------------
