@@ -170,7 +170,7 @@ class DMTRun(DistributedRun):
             mom = self.embedding.table_momentum(spec.name)[: hi - lo] if self.embedding.momentum is not None else None
             if delta:
                 r = self.embedding.table_touched(spec.name)[: hi - lo].nonzero().squeeze(1)
-                tables[pl.tables[i].name] = delta_entry(r.cpu() + lo, w.index_select(0, r),
+                tables[pl.tables[i].name] = delta_entry(r + lo, w.index_select(0, r),  # (delta_entry: to the host)
                                                         mom.index_select(0, r) if mom is not None else None,
                                                         pl.tables[i].num_rows)
             else:
