@@ -103,7 +103,8 @@ def _models(cfg, comm, tables, mcfg):
 def worker(rank, world, cfg):
     import torch.distributed as dist
 
-    from embedscale.comm.hierarchical import LinkModel, TowerComm, TowerLayout
+    from embedscale.comm.hierarchical import LinkModel, TowerComm
+    from embedscale.plan.tower_placement import TowerLayout
     from embedscale.models.dmt import train_step
 
     torch.set_num_threads(1)

@@ -73,7 +73,8 @@ from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.models import build_model
 from embedscale.models.dmt import DMTConfig, build_dmt_model, training_flops_per_sample
 from embedscale.specs import ModelConfig
-from embedscale.towers.partitioner import adjusted_rand_index, learn_towers, naive_assignment
+from embedscale.plan.towers import adjusted_rand_index, naive_assignment
+from embedscale.towers.learn import learn_towers
 from embedscale.towers.planted import PlantedGroups
 from embedscale.train.metrics import roc_auc
 

@@ -61,7 +61,7 @@ def _wrap(cls, name, key):
 def _install():
     import torch
     from embedscale.train import distributed as D
-    from embedscale.embedding import sharded as S, tt as TT, compression as C, build as B
+    from embedscale.embedding import sharded as S, tt as TT, compression as C
     from embedscale.pipeline import embedding as PE, loop as PL
     orig_step = D.DistributedRun.train_step
     def train_step(self, batch):

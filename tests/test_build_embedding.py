@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from embedscale.comm.hierarchical import TowerComm, TowerLayout
+from embedscale.comm.hierarchical import TowerComm
+from embedscale.plan.tower_placement import TowerLayout
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
+from embedscale.models.builder import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.mixed import MixedEmbedding
@@ -25,7 +26,7 @@ from embedscale.pipeline import PipelinedEmbedding
 from embedscale.embedding.towers import tower_forms
 from embedscale.plan.forms import TableForm, decide_forms
 from embedscale.specs import ModelConfig, TableConfig, TableSpec
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 from embedscale.train.launch import spawn_local
 
 DEV = torch.device("cpu")  # the test's own device; the builder takes it from env

@@ -29,7 +29,7 @@ from embedscale import workflow
 from embedscale.cli import main
 from embedscale.errors import ConfigError
 from embedscale.specs import RunConfig, from_dict, to_dict
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 from embedscale.train.checkpoint import latest_checkpoint, load_checkpoint
 from embedscale.train.trainer import load_model_state
 from embedscale.train.launch import spawn_local
@@ -312,7 +312,7 @@ def planted_shards(path: Path, n: int):
 
 
 def test_towers_command_learns_planted_groups_and_training_accepts_them(tmp_path):
-    from embedscale.towers.partitioner import adjusted_rand_index
+    from embedscale.plan.towers import adjusted_rand_index
 
     data = planted_shards(tmp_path / "planted", 130_000)
     cfg = from_dict(RunConfig, {

@@ -129,7 +129,8 @@ def _features(global_b: int):
 
 
 def _flat_worker(rank, world, global_b):
-    from embedscale.comm.hierarchical import TowerComm, TowerLayout
+    from embedscale.comm.hierarchical import TowerComm
+    from embedscale.plan.tower_placement import TowerLayout
     from embedscale.embedding.towers import FlatTableWiseEmbedding
     from embedscale.models.flat import QuantizedComm
 

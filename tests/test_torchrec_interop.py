@@ -29,7 +29,7 @@ from embedscale.comm.collective import CollectiveTransport  # noqa: E402
 from embedscale.comm.pgas import PgasTransport  # noqa: E402
 from embedscale.data.batch import JaggedFeatures  # noqa: E402
 from embedscale.embedding.address_map import AddressMap  # noqa: E402
-from embedscale.embedding.build import EmbeddingEnv, build_embedding  # noqa: E402
+from embedscale.models.builder import EmbeddingEnv, build_embedding  # noqa: E402
 from embedscale.embedding.interop import table_specs_from_ebc  # noqa: E402
 from embedscale.embedding.local import LocalEmbeddingBags  # noqa: E402
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding  # noqa: E402
@@ -267,7 +267,8 @@ import sys
 sys.modules["torchrec"] = None  # import torchrec -> ImportError
 import torch
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding import build, interop, local, sharded  # noqa: F401
+from embedscale.embedding import interop, local, sharded  # noqa: F401
+from embedscale.models import builder  # noqa: F401
 from embedscale.specs import TableSpec
 emb = local.LocalEmbeddingBags([TableSpec("t", 10, 4, features=["a", "b"])], optimizer="sgd", seed=0)
 jf = JaggedFeatures.from_dense(["a", "b"], torch.tensor([[1, 2], [3, 4]]))

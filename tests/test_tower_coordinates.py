@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from embedscale.towers.partitioner import embed_coordinates, partition_features
+from embedscale.plan.towers import embed_coordinates, partition_features
 
 
 def autograd_adam(distance, dim, steps, lr, restarts, seed):
@@ -20,8 +20,8 @@ def autograd_adam(distance, dim, steps, lr, restarts, seed):
     iu = torch.triu_indices(F, F, offset=1)
     target = D[iu[0], iu[1]]
     scale = max(float(target.mean()), 1e-3)
-    gen = torch.Generator().manual_seed(seed)
-    X = (torch.randn(restarts, F, dim, generator=gen, dtype=torch.float64) * scale).requires_grad_(True)
+    start = np.random.default_rng(seed).standard_normal((restarts, F, dim))  # the planner's starts (numpy)
+    X = (torch.from_numpy(start) * scale).requires_grad_(True)
     opt = torch.optim.Adam([X], lr=lr * scale)
     for _ in range(steps):
         opt.zero_grad()

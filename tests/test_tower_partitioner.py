@@ -9,21 +9,19 @@ import pytest
 import torch
 
 from embedscale.errors import ConfigError, FormatError, InputError
-from embedscale.towers.partitioner import (
+from embedscale.plan.towers import (
     TowerAssignment,
     _assign,
     adjusted_rand_index,
     constrained_kmeans,
     distance_matrix,
     embed_coordinates,
-    interaction_matrix,
-    learn_towers,
     naive_assignment,
     partition_features,
-    plot_interaction,
     refine_by_swaps,
     size_bounds,
 )
+from embedscale.towers.learn import interaction_matrix, learn_towers, plot_interaction
 from embedscale.towers.planted import PlantedGroups
 
 

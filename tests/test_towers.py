@@ -20,14 +20,9 @@ import math
 import pytest
 import torch
 
-from embedscale.comm.hierarchical import (
-    HostAwareTransport,
-    LinkModel,
-    TowerComm,
-    TowerLayout,
-    TowerPlacement,
-    TowerRouter,
-)
+from embedscale.comm.hierarchical import HostAwareTransport, LinkModel, TowerComm
+from embedscale.embedding.tower_router import TowerRouter
+from embedscale.plan.tower_placement import TowerLayout, TowerPlacement
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.towers import TowerEmbedding
@@ -41,7 +36,7 @@ from embedscale.models.tower_modules import (
     compression_ratio,
     tower_out_features,
 )
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 from embedscale.train.launch import spawn_local
 
 N = 4

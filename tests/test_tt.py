@@ -499,7 +499,7 @@ def reference_mixed(emb, jf):
 
 def test_mixed_forward_matches_reference_and_steps_like_its_parts():
     from embedscale.embedding.local import LocalEmbeddingBags
-    from embedscale.embedding.build import EmbeddingEnv, build_embedding
+    from embedscale.models.builder import EmbeddingEnv, build_embedding
     from embedscale.embedding.mixed import MixedEmbedding
     from embedscale.plan.forms import TableForm
 

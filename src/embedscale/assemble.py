@@ -3,7 +3,7 @@
 data (``prepare_data``: synthetic, raw logs converted once, or shards; the train/eval split) -> tables
 (``tables_for``: the facts, as configured or one per sparse feature; their forms, ``{table: TableForm}``, are
 the plan's or, in a world of one, the config's requests decided by ``plan.forms.config_forms``) -> access
-profile (``profile``) -> model (``build``: the one embedding builder ``embedding.build.build_embedding`` plus
+profile (``profile``) -> model (``build``: the one embedding builder ``models.builder.build_embedding`` plus
 the dense arches) and its dense optimizer. Nothing here starts ranks,
 loops or writes a run's results: the run loop and the launcher (``embedscale.train``) and the orchestration
 (``embedscale.workflow``) sit above this module and call it (ARCHITECTURE.md, layers).
@@ -31,10 +31,10 @@ from embedscale.data.shards import MANIFEST, Manifest, read_shard
 from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
 from embedscale.errors import ConfigError, FormatError
-from embedscale.embedding.build import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
+from embedscale.models.builder import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
                                         hash_init)  # hash_init: re-exported
 from embedscale.embedding.managed_lookup import ManagedLookup, install
-from embedscale.plan.auto import human_bytes
+from embedscale.units import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
                               to_dict)
@@ -192,13 +192,15 @@ def install_managed(cfg: RunConfig, tables: list[TableSpec], embedding, forms: d
 
 
 def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, rank: int = 0, world: int = 1,
-                 pipelined: bool = False, follow: tuple[Path, str] | None = None):
+                 pipelined: bool = False, follow: tuple[Path, str] | None = None,
+                 tables: list[TableSpec] | None = None):
     """The training batches of ``data``: a ``ShardLoader`` over the train split, or for a stream a
     ``StreamLoader`` following its directory (``data.stream_idle_s``, ``data.stream_poll_s``; ``follow``: the
     ranks' follow file and attempt token, by which rank 0 decides an idle end for all). Ids are checked
-    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet)."""
+    there, once. ``pipelined``: the run has host tables (a stream does not feed them yet). ``tables``: the run's
+    (:func:`tables_for`, computed once by the caller; else here)."""
     t = cfg.train
-    raw = raw_id_features(cfg, tables_for(cfg, data.manifest))
+    raw = raw_id_features(cfg, tables_for(cfg, data.manifest) if tables is None else tables)
     if data.stream:
         if pipelined:
             raise ConfigError("data.source stream: host-placed tables (placement: host, model.host_min_rows) are not "

@@ -65,7 +65,8 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False,
                        reordering=reordering)
     t = cfg.train
-    train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()))
+    train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()),
+                                         tables=tables)
     eval_loader = assemble_eval_loader(cfg, data.eval, device) if data.eval else None
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds

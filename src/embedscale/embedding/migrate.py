@@ -3,7 +3,7 @@
 Online re-planning (OPER section 4 plans, executed as in section 5.1). A run trains under
 plan P1 (its ``ShardedEmbedding`` / ``PgasShardedEmbedding``); the drift monitor finds a plan P2 for the
 same tables and world size. After the migration the module trains exactly as the module
-``embedding.build.build_embedding`` makes for P2 loaded with the same rows and row-wise optimizer state
+``models.builder.build_embedding`` makes for P2 loaded with the same rows and row-wise optimizer state
 would, as a checkpoint written under P1 and restored under P2 (the re-shard path of ``train.distributed``)
 gives: bit for bit (losses, rows and state by global id; tests/test_migrate.py).
 
@@ -44,7 +44,7 @@ the edited map's storage fits the heap's room (``PgasShardedEmbedding.fits``; a 
 builds it with a quarter more room, ``EmbeddingEnv.storage_spare``): the storage grows inside the heap, the
 views of the peers' storage follow, and the heap's version word tells peers the new rows are there. When it
 does not fit (every rank decides alike, before anything moves: :class:`HeapTooSmall`), the caller builds
-the P2 module (``embedding.build.build_sharded``) and :func:`migrate` fills it (routes from both whole maps,
+the P2 module (``models.builder.build_sharded``) and :func:`migrate` fills it (routes from both whole maps,
 :func:`migration_routes`, O(rows); every kept row copied): the first version's path, kept as the reference
 the in-place routes are tested against.
 

@@ -1,7 +1,7 @@
 """DMT tower embeddings (Disaggregated Multi-Tower, Luo et al., MLSys 2024): the embedding executors of the
 ``dmt-dlrm`` / ``dmt-dcn`` models and of their flat model-parallel baseline.
 
-Built by the one embedding builder, :func:`embedscale.embedding.build.build_embedding`, when its
+Built by the one embedding builder, :func:`embedscale.models.builder.build_embedding`, when its
 ``EmbeddingEnv.towers`` holds a :class:`TowerSetup` (the towers resolved and their modules built by
 ``models.dmt``; this module imports nothing of ``models``). All executors return ``[B, sum_t O_t]``, towers in
 order, for the local mini-batch:
@@ -24,32 +24,25 @@ Designed for GPUs (devices come from arguments), tested on CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
-from embedscale.comm.hierarchical import SHARDINGS, TowerComm, TowerLayout, TowerPlacement, TowerRouter, to_model_order
+from embedscale.comm.hierarchical import TowerComm
 from embedscale.data.batch import JaggedFeatures
+from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.tower_router import TowerRouter, to_model_order
 from embedscale.errors import ConfigError
 from embedscale.plan.forms import TableForm
+from embedscale.plan.tower_placement import SHARDINGS, TowerLayout, TowerPlacement
+from embedscale.plan.towers import TowerAssignment
 from embedscale.specs import TableSpec, feature_to_table
 
 
-class FeatureTowers(Protocol):
-    """Features per tower, as ``towers.partitioner.TowerAssignment`` gives them (that layer sits above this one,
-    so the executors take any object of this shape)."""
-
-    towers: list[list[str]]
-
-    @property
-    def num_towers(self) -> int: ...
-
-    def check_covers(self, features: list[str]) -> None: ...
-
-
-def tower_forms(tables: list[TableSpec], assignment: FeatureTowers | None) -> dict[str, TableForm]:
+def tower_forms(tables: list[TableSpec], assignment: TowerAssignment | None) -> dict[str, TableForm]:
     """Every table's form in a DMT model: ``tower`` with the first tower reading it (DMT 3.1; a table read by
     several towers is held by their tower group, which :class:`TowerEmbedding` checks is one); the flat
     baseline (``assignment`` ``None``) shards tables whole (form ``sharded``)."""
@@ -70,11 +63,11 @@ def tower_forms(tables: list[TableSpec], assignment: FeatureTowers | None) -> di
 
 @dataclass
 class TowerSetup:
-    """What :func:`~embedscale.embedding.build.build_embedding` builds a tower embedding from
+    """What :func:`~embedscale.models.builder.build_embedding` builds a tower embedding from
     (``EmbeddingEnv.towers``); ``models.dmt.resolve_towers`` makes it from a model config.
 
     Args:
-        assignment: features per tower (a ``towers.partitioner.TowerAssignment``); ``None`` for the flat baseline.
+        assignment: features per tower (a ``plan.towers.TowerAssignment``); ``None`` for the flat baseline.
         modules: ``{tower: module}``, the tower modules (``models.tower_modules``: ``forward(embs [B, F, N]) ->
             [B, O]``, attributes ``num_features``, ``embedding_dim``, ``out_features``): every tower in one
             process, at least this rank's tower group's towers with ``comm``.
@@ -87,7 +80,7 @@ class TowerSetup:
         placement: the flat baseline's table owners (default: balanced over the world).
     """
 
-    assignment: FeatureTowers | None = None
+    assignment: TowerAssignment | None = None
     modules: dict = field(default_factory=dict)
     tower_out_features: Sequence[int] = ()
     comm: TowerComm | None = None
@@ -119,7 +112,7 @@ def tower_groups_of(num_towers: int, num_groups: int) -> list[int]:
     return [t * num_groups // num_towers for t in range(num_towers)]
 
 
-def tower_feature_index(assignment: FeatureTowers, features: list[str]) -> list[list[int]]:
+def tower_feature_index(assignment: TowerAssignment, features: list[str]) -> list[list[int]]:
     """Positions in ``features`` of every tower's features (a ``ConfigError`` unless the towers hold exactly
     ``features``)."""
     assignment.check_covers(features)
@@ -134,12 +127,12 @@ class LocalTowerEmbedding(nn.Module):
         tables: the tables (one shared dim N).
         assignment: features per tower.
         modules: ``{tower: module}`` for every tower (see :class:`TowerSetup`).
-        init: ``init(spec, weight)`` filling a table's rows (``embedding.build.hash_init``: placement-independent).
+        init: ``init(spec, weight)`` filling a table's rows (``models.builder.hash_init``: placement-independent).
         optimizer, lr, eps: the fused sparse optimizer (``LocalEmbeddingBags``).
         device: where the tables live.
     """
 
-    def __init__(self, tables: list[TableSpec], assignment: FeatureTowers, modules: dict[int, nn.Module], *,
+    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, nn.Module], *,
                  init: Callable[[TableSpec, torch.Tensor], None], optimizer: str | None = "rowwise_adagrad",
                  lr: float = 0.05, eps: float = 1e-8, device: torch.device | str | None = None):
         super().__init__()
@@ -174,14 +167,14 @@ class TowerEmbedding(nn.Module):
         comm: this rank's :class:`TowerComm`.
         tower_out_features: ``O_t`` of every tower (all towers: every rank must know the widths of the
             peer all_to_all).
-        sharding, permute: see :class:`~embedscale.comm.hierarchical.TowerRouter` / ``TowerPlacement``.
+        sharding, permute: see :class:`~embedscale.embedding.tower_router.TowerRouter` / ``TowerPlacement``.
         optimizer, lr, eps, device: the fused lookup of the rows this rank holds.
-        seed: the rows' placement-independent initialisation (``TowerPlacement.shard_init``).
+        seed: the rows' placement-independent initialisation (:func:`shard_init`).
         model_order: pass-through towers only: return the features in model order (a drop-in embedding
             module for DLRM/DCN, bitwise the flat model's).
     """
 
-    def __init__(self, tables: list[TableSpec], assignment: FeatureTowers, modules: dict[int, nn.Module],
+    def __init__(self, tables: list[TableSpec], assignment: TowerAssignment, modules: dict[int, nn.Module],
                  comm: TowerComm, tower_out_features: Sequence[int], *, sharding: str = "table",
                  permute: str = "auto", optimizer: str = "rowwise_adagrad", lr: float = 0.05, eps: float = 1e-8,
                  seed: int = 0, device: torch.device | str | None = None, model_order: bool = False):
@@ -212,7 +205,7 @@ class TowerEmbedding(nn.Module):
         self.feature_names = features
         shards = self.placement.shard_tables(self.rank)
         self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                            init=self.placement.shard_init(self.rank, seed)) if shards else None
+                                            init=shard_init(self.placement, self.rank, seed)) if shards else None
         self._device = device
         g = layout.group_of(self.rank)
         self.group = g
@@ -281,9 +274,28 @@ class FlatTableWiseEmbedding(nn.Module):
         self.feature_names = placement.feature_names
         shards = placement.shard_tables(self.rank)
         self.embedding = LocalEmbeddingBags(shards, device=device, optimizer=optimizer, lr=lr, eps=eps,
-                                            init=placement.shard_init(self.rank, seed)) if shards else None
+                                            init=shard_init(placement, self.rank, seed)) if shards else None
 
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
         routed = self.router.route_ids(features)
         pooled = self.embedding(routed.features) if routed.features is not None else None
         return self.router.flat_return(pooled, routed, features.values.device)
+
+
+def shard_init(placement: TowerPlacement, rank: int, seed: int = 0) -> Callable[[TableSpec, torch.Tensor], None]:
+    """An ``init(spec, weight_view)`` for ``LocalEmbeddingBags`` that fills every shard ``rank`` stores under
+    ``placement`` with the placement-independent rows of ``embedding.init.uniform_rows`` (table index, global
+    row id)."""
+    shards = zip(placement.shard_tables(rank), placement.rank_tables[rank])
+    by_name = {s.name: (i, lo, hi) for s, (i, lo, hi) in shards}
+
+    def init(spec: TableSpec, weight: torch.Tensor) -> None:
+        i, lo, hi = by_name[spec.name]
+        t = placement.tables[i]
+        if hi > lo:
+            rows = uniform_rows(seed, i, np.arange(lo, hi), t.dim, t.num_rows)
+            weight[: hi - lo].copy_(torch.from_numpy(rows).to(weight))
+        if weight.shape[0] > hi - lo:
+            weight[hi - lo:].zero_()
+
+    return init

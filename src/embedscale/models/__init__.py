@@ -57,7 +57,7 @@ def build_model(
 
     The DMT archs (Luo et al., MLSys 2024) are built by :func:`embedscale.models.dmt.build_dmt_model` from
     ``cfg``'s tower settings (``model.towers``, ``model.tower_*``): it resolves the towers and builds their
-    embedding through ``embedding.build.build_embedding``, so ``embedding`` must be ``None``; ``num_hosts``
+    embedding through ``models.builder.build_embedding``, so ``embedding`` must be ``None``; ``num_hosts``
     (single process: the default tower count, one per host), ``comm`` (a ``TowerComm``: build this rank's part of the
     distributed model), ``assignment`` (a ``TowerAssignment`` overriding ``model.tower_assignment``),
     ``sparse_optimizer``, ``lr_sparse`` (the tables' fused optimizer) and ``seed`` (placement-independent

@@ -5,7 +5,7 @@ tower modules), the flat model-parallel baseline's model, and the gradient synch
 (tower modules inside the tower, the rest over the world). The tower embeddings themselves (every tower in
 one process, one rank's share of the tower transform, the table-wise baseline) live in
 :mod:`embedscale.embedding.towers` and are built by the one embedding builder,
-:func:`embedscale.embedding.build.build_embedding` (``EmbeddingEnv.towers``).
+:func:`embedscale.models.builder.build_embedding` (``EmbeddingEnv.towers``).
 
 Models:
 
@@ -30,16 +30,18 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from embedscale.comm.hierarchical import PERMUTES, SHARDINGS, TowerComm, TowerPlacement
+from embedscale.comm.hierarchical import TowerComm
 from embedscale.data.batch import JaggedFeatures
-from embedscale.embedding.build import EmbeddingEnv, build_embedding
+from embedscale.models.builder import EmbeddingEnv, build_embedding
+from embedscale.embedding.tower_router import PERMUTES
 from embedscale.embedding.towers import TowerSetup, tower_forms, tower_groups_of
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import CrossNet
 from embedscale.models.dlrm import DenseArch, InteractionArch, OverArch, _check_dense
+from embedscale.plan.tower_placement import SHARDINGS, TowerPlacement
+from embedscale.plan.towers import TowerAssignment, naive_assignment
 from embedscale.specs import ModelConfig, TableSpec
 from embedscale.models.tower_modules import TOWER_MODULES, build_tower_modules, compression_ratio, tower_out_features
-from embedscale.towers.partitioner import TowerAssignment, naive_assignment
 from embedscale.models.flat import build_flat
 
 DMT_ARCHS = ("dmt-dlrm", "dmt-dcn")
@@ -349,7 +351,7 @@ def build_dmt_model(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, d
                     num_hosts: int = 1, optimizer: str = "rowwise_adagrad", lr: float = 0.05, seed: int = 0,
                     device: torch.device | str | None = None) -> nn.Module:
     """Build ``dmt-dlrm`` or ``dmt-dcn`` (single process without ``comm``, one rank's part with it):
-    :func:`resolve_towers`, the tower embedding from ``embedding.build.build_embedding`` (the one embedding
+    :func:`resolve_towers`, the tower embedding from ``models.builder.build_embedding`` (the one embedding
     builder), :func:`dmt_model` around it.
 
     Args:

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -41,7 +42,23 @@ import numpy as np
 from embedscale.errors import ConfigError
 from embedscale.specs import ModelConfig, TableConfig, TableSpec
 
-KINDS = ("sharded", "tt", "host", "tower")
+
+
+class FormKind(StrEnum):
+    """The kind of a table's form: ``sharded`` exact rows placed by the plan (or replicated), ``tt`` compressed
+    (EL-Rec III), ``host`` in the host parameter server (EL-Rec V), ``tower`` in a DMT tower group (DMT 3.1). A
+    ``StrEnum``: equal to its name as a string, written as it in JSON."""
+
+    SHARDED = "sharded"
+    TT = "tt"
+    HOST = "host"
+    TOWER = "tower"
+
+    def __repr__(self) -> str:  # messages quote a kind as the text a config gives
+        return repr(self.value)
+
+
+KINDS = tuple(k.value for k in FormKind)
 TT_BYTES_PER_VALUE = 4  # TT cores are float32
 DEFAULT_TABLE_PREFIX = "t_"
 
@@ -62,7 +79,7 @@ class TableForm:
             reordering's first ids are the hot rows). 0: the whole table TT.
     """
 
-    kind: str = "sharded"
+    kind: FormKind = FormKind.SHARDED
     tt_rank: int = 0
     pipeline_depth: int = 0
     tower: int = -1
@@ -72,6 +89,7 @@ class TableForm:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"table form {self.kind!r} is not one of {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", FormKind(self.kind))
         if self.kind == "tt" and self.tt_rank <= 0:
             raise ConfigError(f"a TT table form needs a positive tt_rank, got {self.tt_rank}")
         if self.kind != "tt" and self.tt_rank:
@@ -89,7 +107,7 @@ class TableForm:
                               "no other form does)")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "kind": self.kind.value}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "form") -> "TableForm":

@@ -46,7 +46,7 @@ from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto import (EXECUTOR_TERMS, STEP_TERMS, Candidate, Costs, TableStats, candidates,
-                                  exchange_latency_of, hybrid_candidate, kind_of, step_terms)
+                                  CandidateKind, exchange_latency_of, hybrid_candidate, step_terms)
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
@@ -171,12 +171,12 @@ def candidate_of(s: TableStats, form: TableForm, world: int, costs: Costs, host_
     if form.kind == "tt" and form.hot_rows:  # row groups
         cs = [hybrid_candidate(s, int(form.tt_rank), int(form.hot_rows), world, costs)]
         if costs.executor_overhead_s and world > 1:
-            cs = [replace(c, seconds=c.seconds + costs.executor_overhead(c.label, world)) for c in cs]
+            cs = [replace(c, seconds=c.seconds + costs.executor_overhead(c.kind, world)) for c in cs]
     elif form.kind == "tt":
         cs = candidates(replace(s, hot=False, pooling=s.pooling if s.pooling != "none" else "sum"), world, costs,
                         tt_rank_list=[int(form.tt_rank)], forms=("tt",), keep_larger=True)
     elif form.kind == "host":
-        cs = candidates(s, world, costs, host_depth=int(label.split("-")[1]), forms=("host",))
+        cs = candidates(s, world, costs, host_depth=max(1, int(form.pipeline_depth or host_depth)), forms=("host",))
     else:
         cs = candidates(s, world, costs, forms=("sharded",))
     for c in cs:
@@ -195,10 +195,10 @@ def predict_step(cands: Sequence[Candidate], dense: DenseModel, batch_size: int,
                  costs: Costs) -> dict[str, Any]:
     """The predicted step of tables costed as ``cands`` (one per table): its seconds by part and in total (the
     candidates' seconds hold their executor overhead; it is reported as its own part, ``executor``)."""
-    labels = [c.label for c in cands]
-    executor = executor_term(labels, world, costs)
+    kinds = [c.kind for c in cands]
+    executor = executor_term(kinds, world, costs)
     emb = float(sum(c.seconds for c in cands)) - executor
-    lat = exchange_latency_of(labels, world, costs)
+    lat = exchange_latency_of(kinds, world, costs)
     parts = {"embedding": emb, "executor": executor, "exchange_latency": lat,
              **fixed_terms(dense, batch_size, world, len(cands), costs)}
     return {"step_seconds": float(sum(parts.values())), "parts": parts,
@@ -222,10 +222,12 @@ def form_counts(labels: Sequence[str]) -> dict[str, int]:
     """Tables per form kind of candidate ``labels`` (``replicated`` counted as ``sharded``): the regressors of
     :func:`fit_executor_overheads`."""
     out = {"sharded": 0, "tt": 0, "host": 0}
-    for lb in labels:
-        k = kind_of(lb)
-        out["sharded" if k == "replicated" else k] += 1
-    out.update(step_terms({kind_of(lb) for lb in labels}))  # once per plan, whatever the number of tables
+    kinds = [CandidateKind.of(lb) for lb in labels]
+    for lb, k in zip(labels, kinds):
+        if k is None:
+            raise ConfigError(f"candidate label {lb!r} names no form kind ({', '.join(CandidateKind)})")
+        out[k.form] += 1
+    out.update(step_terms(kinds))  # once per plan, whatever the number of tables
     return out
 
 

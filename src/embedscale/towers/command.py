@@ -2,12 +2,12 @@
 
 A trained run directory (any arch: its tables hold the learned embeddings) plus the run's data give the
 feature interaction matrix ``I(i, j) = mean_b |cos(R[b, i], R[b, j])|`` of the per-sample pooled
-embeddings, and the tower partitioner (``embedscale.towers.partitioner``: coherent or diverse distance,
+embeddings, and the tower partitioner (``embedscale.plan.towers``, the interaction matrix ``embedscale.towers.learn``: coherent or diverse distance,
 coordinates fitted to it, constrained K-Means with max/min tower size ratio K) turns it into towers.
 
 Outputs, written atomically, no pickle:
 
-* ``OUT`` (JSON): the :class:`~embedscale.towers.partitioner.TowerAssignment` a DMT run reads with
+* ``OUT`` (JSON): the :class:`~embedscale.plan.towers.TowerAssignment` a DMT run reads with
   ``model.tower_assignment: OUT``; its ``meta`` says where it came from and how good it is;
 * ``OUT`` with suffix ``.report.json``: the full report (interaction matrix, coordinates, scores of the
   learned and of the naive strided assignment);
@@ -30,7 +30,8 @@ from embedscale.specs import RunConfig, TableSpec, from_dict
 from embedscale import assemble
 from embedscale.data.loader import ShardLoader
 from embedscale.embedding.local import LocalEmbeddingBags
-from embedscale.towers.partitioner import STRATEGIES, learn_towers, plot_interaction
+from embedscale.plan.towers import STRATEGIES
+from embedscale.towers.learn import learn_towers, plot_interaction
 from embedscale.train.checkpoint import assemble_table, is_checkpoint, latest_checkpoint, read_manifest, read_shards
 
 

@@ -47,12 +47,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import assemble
-from embedscale.embedding.build import EmbeddingEnv, build_embedding, embedding_parts
+from embedscale.models.builder import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.pipeline.shared import local_group
-from embedscale.plan.auto import load_costs, parse_bytes, write_explain
+from embedscale.plan.auto import load_costs, write_explain
 from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.step import DenseModel
 from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
@@ -60,6 +60,7 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, fo
 from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
+from embedscale.units import parse_bytes
 from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
                                         merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
                                         write_rank_file)
@@ -336,11 +337,12 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
     return plan
 
 
-def run_tables(cfg: RunConfig, manifest, plan, plan_name) -> tuple[list, dict[str, TableForm]]:
-    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``) in the
-    forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit request contradicting them is a
-    ``ConfigError``)."""
-    tables = assemble.tables_for(cfg, manifest)
+def run_tables(cfg: RunConfig, manifest, plan, plan_name,
+               tables: list | None = None) -> tuple[list, dict[str, TableForm]]:
+    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``, or
+    ``tables`` when the caller made them) in the forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit
+    request contradicting them is a ``ConfigError``)."""
+    tables = assemble.tables_for(cfg, manifest) if tables is None else tables
     check_plan_sizes(plan, tables, str(plan_name))
     return tables, forms_for_run(plan.forms, config_forms(cfg.model, tables), str(plan_name))
 
@@ -356,7 +358,7 @@ class DistributedRun:
         if self.plan.world_size != world:
             raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
         # the plan's forms
-        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan")
+        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan", self.all_tables)
         self.tables = planned_tables(self.all_tables, self.forms)  # the sharded ones; host tables: a parameter server
         amap = address_map_from_plan(self.plan, self.tables)
         self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
@@ -404,7 +406,7 @@ class DistributedRun:
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
                                                   pipelined=self.host_embedding is not None,
-                                                  follow=self.stream_follow())
+                                                  follow=self.stream_follow(), tables=self.all_tables)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the

@@ -57,7 +57,7 @@ from embedscale import assemble
 from embedscale.comm.hierarchical import TowerComm
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 from embedscale.train.distributed import join_run, serve_eval_split
 
 CHECKPOINT_KIND = "dmt"
@@ -108,7 +108,7 @@ class DMTRun(DistributedRun):
         self.plan = None
         self.cross_host_bytes_per_step: list[int] = []
         self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
-                                                  follow=self.stream_follow())
+                                                  follow=self.stream_follow(), tables=self.all_tables)
         self._names = param_names(self.model, self.opt)
 
     # -- one step -------------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class DMTRun(DistributedRun):
             mom = self.embedding.table_momentum(spec.name)[: hi - lo] if self.embedding.momentum is not None else None
             if delta:
                 r = self.embedding.table_touched(spec.name)[: hi - lo].nonzero().squeeze(1)
-                tables[pl.tables[i].name] = delta_entry(r.cpu() + lo, w.index_select(0, r),
+                tables[pl.tables[i].name] = delta_entry(r + lo, w.index_select(0, r),  # (delta_entry: to the host)
                                                         mom.index_select(0, r) if mom is not None else None,
                                                         pl.tables[i].num_rows)
             else:

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from embedscale.errors import ConfigError
 from embedscale.specs import RunConfig, TableSpec
-from embedscale.comm.hierarchical import TowerLayout
+from embedscale.plan.tower_placement import TowerLayout
 from embedscale.embedding.towers import tower_groups_of
 from embedscale.models.dmt import DMTConfig, resolve_assignment
-from embedscale.towers.partitioner import TowerAssignment
+from embedscale.plan.towers import TowerAssignment
 
 TOWERS_FILE = "towers.json"
 

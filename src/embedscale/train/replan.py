@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
-from embedscale.embedding.build import build_sharded
+from embedscale.models.builder import build_sharded
 from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
 from embedscale.embedding.pgas_lookup import HeapTooSmall
 from embedscale.errors import ConfigError, EmbedscaleError
