@@ -533,7 +533,7 @@ _convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
 @_common_convert_options
 @click.option("--schema", "schema_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A YAML schema (format, label, dense, sparse, weight, ...); or the flags below.")
-@click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm"]),
+@click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm", "libffm"]),
               default=None, help="The format (default: from the file name); with --schema: instead of its format.")
 @click.option("--label", default="label", show_default=True, help="The label column (name or 0-based position).")
 @click.option("--label-values", type=click.Choice(["01", "-1/1", "bool"]), default="01", show_default=True)
@@ -570,7 +570,7 @@ def data_table(schema_path, fmt, label, label_values, dense, sparse, multi_hot, 
 def _guess_format(path: str) -> str:
     name = str(path).lower().removesuffix(".gz")
     for ext, fmt in ((".tsv", "tsv"), (".csv", "csv"), (".parquet", "parquet"), (".jsonl", "jsonl"),
-                     (".json", "jsonl"), (".libfm", "libfm"), (".ffm", "libfm"), (".libsvm", "libsvm"),
+                     (".json", "jsonl"), (".libfm", "libfm"), (".ffm", "libffm"), (".libsvm", "libsvm"),
                      (".svm", "libsvm")):
         if name.endswith(ext):
             return fmt

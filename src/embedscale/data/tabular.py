@@ -2,8 +2,8 @@
 
 Formats: CSV/TSV (with or without a header; Arrow's multi-threaded CSV parser cuts whole-line blocks into
 ``binary`` columns, ``data.raw``), Parquet (a file or a directory of them, read with ``pyarrow.parquet``
-one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines) and libFM/libSVM (split in
-Python, line by line: the slow format). Every format yields Arrow tables that ``data.decode.Decoder``
+one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines)
+and libFM/libSVM/libFFM (split in Python, line by line: the slow format, ``data.libfm``). Every format yields Arrow tables that ``data.decode.Decoder``
 turns into labels, dense values and categorical keys; keys become rows through ``CategoricalEncoder``
 and rows are written by ``ShardWriter``. The Criteo and Avazu readers are two schemas of this one.
 
@@ -47,6 +47,7 @@ import pyarrow.json as pajson
 from embedscale.data.categorical import CategoricalEncoder
 from embedscale.data.decode import SPLITS, Decoded, Decoder
 from embedscale.data.fields import show
+from embedscale.data.libfm import LineParser
 from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _gzip_error, _lines, _open_raw, _prefetch,
                                  iter_line_blocks, read_block_table)
 from embedscale.data.schema import LABEL_VALUES, Schema
@@ -286,104 +287,12 @@ def _parquet_chunks(schema: Schema, path: Path, needed: Callable[[list[str]], li
 
 
 def _libfm_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int) -> Iterator[Chunk]:
-    """libFM ``label field:index:value ...`` / libSVM ``label index:value ...``, one line at a time."""
-    libfm = schema.format == "libfm"
-    ranges = []
-    names_by_field: dict[int, str] = {}
-    if libfm:
-        names_by_field = {i: str(n) for i, n in enumerate(schema.fields)}
-    else:
-        for i, r in enumerate(schema.fields):
-            if not isinstance(r, dict) or not {"name", "first", "last"} <= set(r):
-                raise ConfigError(f"schema: fields[{i}] of a libsvm schema is {{name, first, last}}, got {r!r}")
-            ranges.append((int(r["first"]), int(r["last"]), str(r["name"])))
-        ranges.sort()
-    firsts = np.array([r[0] for r in ranges], np.int64)
-
-    def field_name(f: int) -> str:
-        return names_by_field.get(f, f"f{f}")
-
-    def resolve(ref):
-        if isinstance(ref, int):
-            return field_name(ref)
-        return ref
-
-    label_name = resolve(schema.label) if schema.label != 0 else "label"
-    roles: dict[str, str] = {}
-    for c in schema.dense:
-        roles[resolve(c.column)] = "dense"
-    for c in schema.sparse:
-        roles[resolve(c.column)] = "multi" if c.multi_hot else "sparse"
-
-    def field_of(k: int, idx: bytes) -> str | None:
-        if not ranges:
-            return field_name(k)
-        i = int(idx)
-        pos = int(np.searchsorted(firsts, i, side="right")) - 1
-        if pos >= 0 and i <= ranges[pos][1]:
-            return ranges[pos][2]
-        return None
-
-    def res(ref):
-        return label_name if ref == schema.label else resolve(ref)
-
+    """libFM/libSVM ``label index:value ...`` or libFFM ``label field:index:value ...`` (``data.libfm``)."""
+    parser = LineParser(schema)
     for block in iter_line_blocks(path, block_bytes, on_progress=update, reuse=3):
-        lines = _lines(block.data)
-        cols: dict[str, list] = {name: [] for name in roles}
-        labels: list[bytes] = []
-        rejected, good = [], []
-        for i, line in enumerate(lines):
-            toks = line.split()
-            row: dict[str, object] = {}
-            reason = None
-            if not toks:
-                reason = "empty line"
-            for k, tok in enumerate(toks[1:]):
-                parts = tok.split(b":")
-                try:
-                    if libfm:
-                        if len(parts) != 3:
-                            raise ValueError(f"{show(tok)} is not field:index:value")
-                        name = field_name(int(parts[0]))
-                        idx, val = parts[1], parts[2]
-                    else:
-                        if len(parts) != 2:
-                            raise ValueError(f"{show(tok)} is not index:value")
-                        idx, val = parts
-                        name = field_of(k, idx)
-                    int(idx)
-                    value = float(val)
-                except ValueError as e:
-                    reason = str(e) if "is not" in str(e) else f"{show(tok)} is not numbers"
-                    break
-                role = roles.get(name)
-                if role is None:
-                    continue
-                if role == "multi":
-                    row.setdefault(name, []).append(idx)
-                    continue
-                if name in row:
-                    reason = f"field {name} appears twice (declare it multi-hot)"
-                    break
-                if role == "sparse" and value != 1:
-                    reason = f"{name} value {show(val)} is not 1 (a categorical field's key is its index)"
-                    break
-                row[name] = val if role == "dense" else idx
-            if reason:
-                rejected.append((block.first_line + i, reason))
-                continue
-            good.append(i)
-            labels.append(toks[0])
-            for name, role in roles.items():
-                cols[name].append(row.get(name, [] if role == "multi" else b""))
-        table = None
-        if good:
-            arrays = {label_name: pa.array(labels, pa.binary())}
-            for name, role in roles.items():
-                arrays[name] = pa.array(cols[name], pa.list_(pa.binary()) if role == "multi" else pa.binary())
-            table = pa.table(arrays)
-        yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, res, schema.format,
-                    split=split)
+        table, good, rejected = parser.table(_lines(block.data), block.first_line)
+        yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, parser.resolve,
+                    schema.format, split=split)
 
 
 # --------------------------------------------------------------------------------------------------
