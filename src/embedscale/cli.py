@@ -511,22 +511,28 @@ def _run_convert(schema, paths, out_dir, train_files, eval_files, test_files, sp
     _report_manifest(m, out_dir)
 
 
-def _convert_command(fmt: str, doc: str):
+def _convert_command(fmt: str, doc: str, *options):
     @_common_convert_options
     def command(**kw):
         import importlib
 
         try:
-            _run_convert(importlib.import_module(f"embedscale.data.{fmt}").schema(), **kw)
+            extra = {k: kw.pop(k) for k in ("header",) if k in kw}
+            _run_convert(importlib.import_module(f"embedscale.data.{fmt}").schema(**extra), **kw)
         except EmbedscaleError as e:
             _fail(e)
 
     command.__doc__ = doc
+    for opt in options:
+        command = opt(command)
     return data.command(fmt)(command)
 
 
 _convert_command("criteo", "Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards.")
-_convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
+_convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.",
+                 click.option("--header", type=click.Choice(["present", "none", "auto"]), default="present",
+                              show_default=True, help="Every file starts with Avazu's header line (present), "
+                              "none does (columns in Avazu's order), or either (auto)."))
 
 
 @data.command("table")

@@ -49,7 +49,7 @@ from embedscale.data.decode import SPLITS, Decoded, Decoder
 from embedscale.data.fields import show
 from embedscale.data.libfm import LineParser
 from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _gzip_error, _lines, _open_raw, _prefetch,
-                                 iter_line_blocks, read_block_table)
+                                 iter_line_blocks, read_block_table, split_fields)
 from embedscale.data.schema import LABEL_VALUES, Schema
 from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
@@ -74,10 +74,14 @@ class Chunk:
     raw: LineBlock | None = None  # CSV/TSV: the lines (valid while the chunk is decoded), to recount fields
     num_fields: int = 0
     sep: str = ""
+    quoted: bool = False  # csv: RFC 4180 quoting
 
     def field_count_problem(self, line: int, lines: list[bytes]) -> str | None:
         """A line Arrow took as a row but has another number of fields (an empty line is one empty row)."""
-        nf = lines[line - self.raw.first_line].rstrip(b"\r").count(self.sep.encode()) + 1
+        try:
+            nf = len(split_fields(lines[line - self.raw.first_line], self.sep.encode(), self.quoted))
+        except ValueError as e:
+            return str(e)
         return f"expected {self.num_fields} fields, got {nf}" if nf != self.num_fields else None
 
     def at(self, line: int) -> str:
@@ -94,7 +98,7 @@ class _Columns:
     def __init__(self, schema: Schema):
         self.schema = schema
         self.names: list[str] | None = list(schema.columns) or None
-        self.header: bytes | None = None
+        self.header: list[bytes] | None = None  # the first header line's fields
 
     def resolve(self, ref):
         if isinstance(ref, int):
@@ -121,38 +125,35 @@ def _csv_is_header(schema: Schema, cols: _Columns, path: Path) -> bool:
     """Whether ``path`` starts with a header line (and, the first time, the column names)."""
     sep = schema.sep.encode()
     head = _first_line(path).rstrip(b"\r\n")
+    try:
+        fields = split_fields(head, sep, schema.format == "csv")
+    except ValueError as e:
+        raise InputError(f"{path}:1: {e}") from None
+    known = cols.header or ([c.encode() for c in schema.columns] if schema.columns else None)
     if schema.header is True:
         if not head and not _first_line(path):
             raise InputError(f"{path}: empty file, expected a header line")
-        expected = cols.header or (sep.join(c.encode() for c in schema.columns) if schema.columns else None)
-        if expected is not None and head != expected:
-            raise InputError(f"{path}:1: header is {show(head, 200)}, expected {show(expected, 200)}")
-        if cols.names is None:
-            cols.names = [x.decode("utf-8", "replace") for x in head.split(sep)]
-        cols.header = head
-        return True
-    if schema.header is False:
-        if cols.names is None:
-            cols.names = [f"c{i}" for i in range(head.count(sep) + 1)] if head else None
-        return False
-    # auto
-    known = cols.header or (sep.join(c.encode() for c in schema.columns) if schema.columns else None)
-    if known is not None:
-        is_header = head == known
+        if known is not None and fields != known:
+            raise InputError(f"{path}:1: header is {show(head, 200)}, expected {show(sep.join(known), 200)} "
+                             f"(files without a header line: header none, or auto)")
+        is_header = True
+    elif schema.header is False:
+        is_header = False
+    elif known is not None:  # auto
+        is_header = fields == known
     elif isinstance(schema.label, str):  # a header names the label column
-        is_header = schema.label.encode() in head.split(sep)
+        is_header = schema.label.encode() in fields
         if not is_header:
             raise ConfigError(f"{path}: header: auto, but the first line does not name the label column "
                               f"{schema.label!r} and the schema lists no columns (give columns: [...])")
-    else:
-        fields = head.split(sep)
+    else:  # a positional label: the first line is a header when that field is not a label
         is_header = schema.label < len(fields) and fields[schema.label] not in _label_texts(schema)
     if is_header:
-        cols.header = head
+        cols.header = fields
         if cols.names is None:
-            cols.names = [x.decode("utf-8", "replace") for x in head.split(sep)]
+            cols.names = [x.decode("utf-8", "replace") for x in fields]
     elif cols.names is None and head:
-        cols.names = [f"c{i}" for i in range(head.count(sep) + 1)]
+        cols.names = [f"c{i}" for i in range(len(fields))]
     return is_header
 
 
@@ -174,11 +175,12 @@ def _csv_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int
 
 
 def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, split: int, fmt: str) -> Chunk:
+    quoted = fmt == "csv"
     try:
-        table = read_block_table(block, names, sep, include)
+        table = read_block_table(block, names, sep, include, quoted)
         if table.num_rows == block.num_lines:
             return Chunk(block.path, table, np.arange(block.first_line, block.first_line + block.num_lines),
-                         [], cols.resolve, fmt, split=split, raw=block, num_fields=len(names), sep=sep)
+                         [], cols.resolve, fmt, split=split, raw=block, num_fields=len(names), sep=sep, quoted=quoted)
     except pa.ArrowInvalid:
         pass
     # the slow path: name the lines with the wrong number of fields, parse the others again
@@ -186,7 +188,11 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
     bsep = sep.encode()
     rejected, good = [], []
     for i, line in enumerate(lines):
-        nf = line.rstrip(b"\r").count(bsep) + 1
+        try:
+            nf = len(split_fields(line, bsep, quoted))
+        except ValueError as e:
+            rejected.append((block.first_line + i, str(e)))
+            continue
         if nf != len(names):
             rejected.append((block.first_line + i, f"expected {len(names)} fields, got {nf}"))
         else:
@@ -195,7 +201,7 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
     if good:
         data = b"\n".join(lines[i] for i in good) + b"\n"
         try:
-            table = read_block_table(LineBlock(block.path, data, 0, len(good)), names, sep, include)
+            table = read_block_table(LineBlock(block.path, data, 0, len(good)), names, sep, include, quoted)
         except pa.ArrowInvalid:
             table = None
         if table is None or table.num_rows != len(good):
