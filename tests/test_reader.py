@@ -104,7 +104,8 @@ def write_formats(d: Path, rows: list[dict], name: str = "t") -> dict[str, tuple
         for i, r in enumerate(rows):
             obj = {k: v for k, v in r.items() if not (k == "d1" and v is None and i % 2)}  # null or absent
             f.write(json.dumps(obj) + "\n")
-    out["jsonl"] = (p, {"format": "jsonl", **common, "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})
+    out["jsonl"] = (p, {"format": "jsonl", **common, "dense": [{"column": "d1", "optional": True}, "d2"],
+                        "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})  # d1 may be absent
     p = d / f"{name}.ffm"
     with p.open("w") as f:
         for r in rows:

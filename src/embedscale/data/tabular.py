@@ -75,6 +75,7 @@ class Chunk:
     num_fields: int = 0
     sep: str = ""
     quoted: bool = False  # csv: RFC 4180 quoting
+    absent: dict[str, np.ndarray] | None = None  # jsonl: key -> the table rows whose record lacks it
 
     def field_count_problem(self, line: int, lines: list[bytes]) -> str | None:
         """A line Arrow took as a row but has another number of fields (an empty line is one empty row)."""
@@ -212,7 +213,7 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
                  split=split)
 
 
-def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[Chunk]:
+def _jsonl_chunks(path: Path, block_bytes: int, update, split: int, keys: list[str]) -> Iterator[Chunk]:
     def resolve(ref):
         if isinstance(ref, int):
             raise ConfigError(f"{path}: JSON lines columns are named by key, not by position ({ref})")
@@ -224,8 +225,9 @@ def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[
         try:
             table = pajson.read_json(pa.py_buffer(data), read_options=opts)
             if table.num_rows == block.num_lines:
-                yield Chunk(block.path, table, np.arange(block.first_line, block.first_line + block.num_lines),
-                            [], resolve, "jsonl", split=split)
+                lines = np.arange(block.first_line, block.first_line + block.num_lines)
+                yield Chunk(block.path, table, lines, [], resolve, "jsonl", split=split,
+                            absent=_absent_keys(table, keys, lambda: _lines(data)))
                 continue
         except pa.ArrowInvalid:
             pass
@@ -239,15 +241,38 @@ def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[
                 good.append(i)
             except ValueError as e:
                 rejected.append((block.first_line + i, f"not a JSON object ({str(e).splitlines()[0]})"))
-        table = None
+        table = absent = None
         if good:
             try:
                 table = pajson.read_json(pa.py_buffer(b"\n".join(lines[i] for i in good) + b"\n"), read_options=opts)
             except pa.ArrowInvalid as e:
                 raise InputError(f"{block.path}:{block.first_line}-{block.first_line + block.num_lines - 1}: "
                                  f"{str(e).splitlines()[0]} (a key whose values change type?)") from None
+            absent = _absent_keys(table, keys, lambda: [lines[i] for i in good])
         yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, resolve, "jsonl",
-                    split=split)
+                    split=split, absent=absent)
+
+
+def _absent_keys(table: pa.Table, keys: list[str], records: Callable[[], list[bytes]]) -> dict[str, np.ndarray]:
+    """key -> the rows whose record has no such key. Arrow reads an absent key as null, as ``null``
+    itself: the records of null rows alone are parsed again to tell them apart."""
+    n = table.num_rows
+    out, nulls = {}, {}
+    for key in keys:
+        i = table.schema.get_field_index(key)
+        if i < 0:
+            out[key] = np.ones(n, bool)
+        elif table.column(i).null_count:
+            nulls[key] = np.flatnonzero(table.column(i).is_null().to_numpy(zero_copy_only=False))
+    if nulls:
+        lines = records()
+        objs = {int(r): json.loads(lines[r]) for r in np.unique(np.concatenate(list(nulls.values())))}
+        for key, rows in nulls.items():
+            mask = np.zeros(n, bool)
+            mask[np.array([r for r in rows if key not in objs[int(r)]], np.int64)] = True
+            if mask.any():
+                out[key] = mask
+    return out
 
 
 def _parquet_files(path: Path) -> list[str]:
@@ -335,6 +360,7 @@ class _Reader:
         self.schema, self.decoder, self.sources = schema, decoder, sources
         self.block_bytes, self.skip_malformed, self.progress = block_bytes, skip_malformed, progress
         self.columns: _Columns | None = None  # CSV/TSV: the column names, once the first file is open
+        self.absent_counts: dict[str, int] = {}  # JSON lines: optional key -> records without it
 
     def _needed(self, resolve) -> list[str]:
         s = self.schema
@@ -360,9 +386,27 @@ class _Reader:
                 elif s.format == "parquet":
                     yield from _parquet_chunks(s, path, self._needed, update, split)
                 elif s.format == "jsonl":
-                    yield from _jsonl_chunks(path, self.block_bytes, update, split)
+                    yield from _jsonl_chunks(path, self.block_bytes, update, split, self._needed(lambda r: r))
                 else:
                     yield from _libfm_chunks(s, path, self.block_bytes, update, split)
+
+    def _absent(self, chunk: Chunk, dec: Decoded, count: bool, problems: list) -> np.ndarray:
+        """JSON lines: records without a declared key. An optional column's are counted (``count``: once, in
+        the writing pass) and read as missing; any other's are malformed lines, named with the key (added to
+        ``problems`` and ``dec.bad``). Returns the rows so named."""
+        named = np.zeros(dec.rows, bool)
+        optional = {c.column for c in [*self.schema.dense, *self.schema.sparse] if c.optional}
+        for key, rows in chunk.absent.items():
+            if key in optional:
+                if count:
+                    self.absent_counts[key] = self.absent_counts.get(key, 0) + int(rows.sum())
+                continue
+            for i in np.flatnonzero(rows & ~named):
+                problems.append((int(chunk.lines[i]), f"no key {key!r} (a column that may be absent is "
+                                                      f"optional: true in the schema)"))
+            named |= rows
+        dec.bad |= named
+        return named
 
     def blocks(self, splits: Sequence[str], desc: str, skipped: _Skipped | None,
                raw_dense: bool = False) -> Iterator[tuple[Decoded, np.ndarray | None]]:
@@ -390,9 +434,10 @@ class _Reader:
                     if table.schema.get_field_index(name) < 0:
                         table = table.append_column(name, pa.nulls(table.num_rows))
             dec = self.decoder.decode(table, chunk.resolve, chunk.path)
+            named = self._absent(chunk, dec, skipped is not None, problems) if chunk.absent else False
             if dec.bad.any():
                 lines = _lines(chunk.raw.data) if chunk.raw is not None else None
-                for i in np.flatnonzero(dec.bad):
+                for i in np.flatnonzero(dec.bad & ~named):
                     line = int(chunk.lines[i])
                     why = chunk.field_count_problem(line, lines) if lines is not None else None
                     problems.append((line, why or dec.why(int(i))))
@@ -630,6 +675,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
         if reader.columns is not None and reader.columns.names:
             for w in writers.values():
                 w.manifest.extra["columns"] = list(reader.columns.names)  # what --vocab-from files without a header use
+        for w in writers.values():
+            if reader.absent_counts:
+                w.manifest.extra["absent_keys"] = dict(reader.absent_counts)  # optional keys read as missing
         for name in present:
             if counts[name] == 0 and max_rows != 0 and (name == "train" or not row_split):
                 files = ", ".join(str(p) for p in sources.get(name, [])) if not row_split else ", ".join(all_files)
@@ -664,6 +712,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     if skipped.count:
         warnings.warn(f"{schema.name}: skipped {skipped.count} malformed line(s), first: "
                       + "; ".join(skipped.examples[:3]), stacklevel=3)
+    if reader.absent_counts:
+        warnings.warn(f"{schema.name}: records without an optional key, read as missing: " + ", ".join(
+            f"{k} {n:,}" for k, n in reader.absent_counts.items()), stacklevel=3)
     return manifest
 
 
