@@ -56,8 +56,8 @@ def test_libfm_file_is_one_table_of_bags(tmp_path):
     row = {3: 1, 7: 2, 0: 3, 5: 4, 12: 5, 120: 6}
     assert bags(tmp_path / "v")[1]["features"] == [[row[i] for i in bag] for bag in BAGS]
     # the one table, named and sized in the schema
-    m = convert(Schema.from_dict({"format": "libfm", "label_values": "-1/1", "sparse": [{"column": "ids", "key": "int", "rows": 7}]}),
-                p, tmp_path / "n", progress=False)
+    named = {"format": "libfm", "label_values": "-1/1", "sparse": [{"column": "ids", "key": "int", "rows": 7}]}
+    m = convert(Schema.from_dict(named), p, tmp_path / "n", progress=False)
     assert [(s.name, s.num_rows) for s in m.sparse] == [("ids", 7)]
     assert bags(tmp_path / "n")[1]["ids"] == [[i % 7 for i in bag] for bag in BAGS]
 

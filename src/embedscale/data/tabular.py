@@ -3,9 +3,10 @@
 Formats: CSV/TSV (with or without a header; Arrow's multi-threaded CSV parser cuts whole-line blocks into
 ``binary`` columns, ``data.raw``), Parquet (a file or a directory of them, read with ``pyarrow.parquet``
 one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines)
-and libFM/libSVM/libFFM (split in Python, line by line: the slow format, ``data.libfm``). Every format yields Arrow tables that ``data.decode.Decoder``
-turns into labels, dense values and categorical keys; keys become rows through ``CategoricalEncoder``
-and rows are written by ``ShardWriter``. The Criteo and Avazu readers are two schemas of this one.
+and libFM/libSVM/libFFM (split in Python, line by line: the slow format, ``data.libfm``). Every format
+yields Arrow tables that ``data.decode.Decoder`` turns into labels, dense values and categorical keys;
+keys become rows through ``CategoricalEncoder`` and rows are written by ``ShardWriter``. The Criteo and
+Avazu readers are two schemas of this one.
 
 Memory is bounded by the block (8 MiB of lines, or a Parquet batch) whatever the file size, plus the
 vocabulary in vocab mode (16 B per distinct value while counting) or the distinct-key sets of tables
