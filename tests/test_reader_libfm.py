@@ -139,3 +139,39 @@ def test_libsvm_without_ranges_is_one_table_not_none(tmp_path):
     with pytest.raises(ConfigError, match="overlap"):
         Schema.from_dict({"format": "libsvm", "fields": [{"name": "a", "first": 0, "last": 5},
                                                          {"name": "b", "first": 5, "last": 9}]})
+
+
+def test_id_weights_reach_the_pooled_embedding(tmp_path):
+    """``id_weights: true`` keeps a bag's values: in the shards, in the loader's ``JaggedFeatures.weights``
+    (1 for a feature without), and in the pooled lookup, against a float64 weighted sum of the table's rows."""
+    import torch
+
+    from embedscale.data.loader import ShardLoader
+    from embedscale.embedding.local import LocalEmbeddingBags
+    from embedscale.specs import TableSpec
+
+    p = tmp_path / "w.libfm"
+    p.write_text("1 2:1 11:0.5 13:2\n0 5:1 12:-1.5\n1 11:3e-1\n")
+    ranges = [{"name": "user", "first": 0, "last": 9}, {"name": "item", "first": 10, "last": 19}]
+    schema = {"format": "libfm", "fields": ranges,
+              "sparse": [{"column": "user", "key": "int", "multi_hot": True},
+                         {"column": "item", "key": "int", "id_weights": True}]}
+    m = convert(Schema.from_dict(schema), p, tmp_path / "o", table_rows=20, progress=False)
+    assert [(s.name, s.id_weights) for s in m.sparse] == [("user", False), ("item", True)]
+    cols = next(iter_shards(tmp_path / "o"))
+    assert cols.sparse["item"][0].tolist() == [11, 13, 12, 11] and cols.id_weights["item"].tolist() == [0.5, 2, -1.5, float(np.float32(0.3))]
+    batch = next(iter(ShardLoader(tmp_path / "o", batch_size=3)))
+    # key-major: user's ids (2 | 5 | -), then item's (11 13 | 12 | 11)
+    assert batch.sparse.values.tolist() == [2, 5, 11, 13, 12, 11]
+    assert batch.sparse.weights.tolist() == [1, 1, 0.5, 2, -1.5, float(np.float32(0.3))]
+    emb = LocalEmbeddingBags([TableSpec("user", 20, 4), TableSpec("item", 20, 4)], optimizer=None, seed=0)
+    out = emb(batch.sparse).double()
+    U, I = emb.table_weight("user").double(), emb.table_weight("item").double()
+    want = torch.stack([torch.cat([U[2], 0.5 * I[11] + 2 * I[13]]), torch.cat([U[5], -1.5 * I[12]]),
+                        torch.cat([torch.zeros(4, dtype=torch.float64), float(np.float32(0.3)) * I[11]])])
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    # without id_weights, a value other than 1 is named (the default keeps weight-1 bags)
+    with pytest.raises(InputError, match=f"^{p}:1: item value '0.5' is not 1 .*id_weights: true"):
+        convert(Schema.from_dict({"format": "libfm", "fields": ranges}), p, tmp_path / "x", progress=False)
+    with pytest.raises(ConfigError, match="id_weights are the values of libfm"):
+        Schema.from_dict({"format": "csv", "sparse": [{"column": "c", "id_weights": True}]})

@@ -6,10 +6,11 @@ is an id of one multi-hot table (``schema.ALL_INDICES``): a line is a bag of ids
 (``{name, first, last}`` index ranges) an index belongs to the field whose range holds it. libFFM
 (``format: libffm``) names the field of every pair: ``label field:index:value``.
 
-A categorical pair's value is the id's weight in the bag. embedscale pools a bag with weight 1, the value of
-every pair in the public ``.libfm`` benchmark files (e.g. Frappe and MovieLens as the NFM paper's code ships
-them), so a categorical value other than 1 rejects its line, named with the index and the value, never
-dropped or replaced in silence. A dense field's value is the feature's value. An index in no range, or a
+A categorical pair's value is the id's weight in the bag. By default it must be 1, the value of every pair in
+the public ``.libfm`` benchmark files (e.g. Frappe and MovieLens as the NFM paper's code ships them): another
+value rejects its line, named with the index and the value, never dropped or replaced in silence. A column
+with ``id_weights`` keeps the values (a ``<name>/weights`` list column beside the ids), and the model pools
+the bag as the weighted sum of its rows. A dense field's value is the feature's value. An index in no range, or a
 libFFM field number beyond the schema's named fields, rejects its line too.
 
 Lines are split in Python, one at a time: the slow format of the reader.
@@ -22,6 +23,7 @@ import pyarrow as pa
 
 from embedscale.data.fields import show
 from embedscale.data.schema import Schema, index_ranges
+from embedscale.data.shards import ID_WEIGHTS
 
 
 class LineParser:
@@ -42,6 +44,7 @@ class LineParser:
             self.roles[self._name(c.column)] = "dense"
         for c in schema.sparse:
             self.roles[self._name(c.column)] = "multi" if c.multi_hot else "sparse"
+        self.weighted = {self._name(c.column) for c in schema.sparse if c.id_weights}  # bags keeping their values
 
     def _name(self, ref) -> str:
         return self.names_by_field.get(ref, f"f{ref}") if isinstance(ref, int) else ref
@@ -85,11 +88,13 @@ class LineParser:
             role = self.roles.get(name)
             if role is None:  # a field the schema names but does not use
                 continue
-            if role != "dense" and value != 1:
+            if role != "dense" and value != 1 and name not in self.weighted:
                 raise ValueError(f"{name} value {show(val)} is not 1 (index {int(idx)}: a categorical id's "
-                                 f"weight; bags are pooled with weight 1)")
+                                 f"weight in its bag; id_weights: true on the column keeps them)")
             if role == "multi":
                 row.setdefault(name, []).append(idx)
+                if name in self.weighted:
+                    row.setdefault(name + ID_WEIGHTS, []).append(val)
                 continue
             if name in row:
                 raise ValueError(f"field {name} appears twice (declare it multi-hot)")
@@ -98,7 +103,7 @@ class LineParser:
 
     def table(self, lines: list[bytes], first_line: int) -> tuple[pa.Table | None, list[int], list[tuple[int, str]]]:
         """(the table of the good lines, their positions in ``lines``, (line number, why) of the others)."""
-        cols: dict[str, list] = {name: [] for name in self.roles}
+        cols: dict[str, list] = {name: [] for name in [*self.roles, *(n + ID_WEIGHTS for n in self.weighted)]}
         labels: list[bytes] = []
         rejected, good = [], []
         for i, line in enumerate(lines):
@@ -114,9 +119,13 @@ class LineParser:
             labels.append(toks[0])
             for name, role in self.roles.items():
                 cols[name].append(row.get(name, [] if role == "multi" else b""))
+            for name in self.weighted:
+                cols[name + ID_WEIGHTS].append(row.get(name + ID_WEIGHTS, []))
         if not good:
             return None, good, rejected
         arrays = {self.label_name: pa.array(labels, pa.binary())}
         for name, role in self.roles.items():
             arrays[name] = pa.array(cols[name], pa.list_(pa.binary()) if role == "multi" else pa.binary())
+        for name in self.weighted:
+            arrays[name + ID_WEIGHTS] = pa.array(cols[name + ID_WEIGHTS], pa.list_(pa.binary()))
         return pa.table(arrays), good, rejected

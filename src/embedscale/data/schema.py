@@ -22,12 +22,14 @@ schemas (``data.criteo.CRITEO``, ``data.avazu.AVAZU``). Example::
 libFM and libSVM files (``label index:value ...``, SVMlight's text format, which libFM reads: libFM 1.4.2
 manual, section 2.1) have no column names. By default every index is a row of one multi-hot table, named
 ``features`` (a bag of the line's indices), keyed by the index itself (``key: int``); declare one ``sparse``
-column (e.g. ``[{column: ids, key: int, rows: 50000}]``) to name or size it. With ``fields``, a list of index ranges
-``{name, first, last}``, each range is a field: by default one multi-hot table per field, or as the ``dense``
-and ``sparse`` lists say (a dense field's value is its value). An index in no range is an error naming the
-file, line and index. A categorical index's value is a per-id weight; embedscale pools a bag with weight 1
-(the value of every pair in the public ``.libfm`` benchmark files), so any other value is an error naming
-the line, index and value (``skip_malformed`` skips and counts such lines).
+column (e.g. ``[{column: ids, key: int, rows: 50000}]``) to name or size it. With ``fields``, a list of index
+ranges ``{name, first, last}``, each range is a field: by default one multi-hot table per field, or as the
+``dense`` and ``sparse`` lists say (a dense field's value is its value). An index in no range is an error
+naming the file, line and index. A categorical index's value is its weight in the bag: by default it must be
+1 (the value of every pair in the public ``.libfm`` benchmark files; another is an error naming the line,
+index and value); a sparse column with ``id_weights: true`` keeps the values, and the model pools the bag as
+the weighted sum of its rows (``JaggedFeatures.weights``), e.g. ``sparse: [{column: features, key: int,
+id_weights: true}]``.
 
 libFFM files (``format: libffm``, ``label field:index:value``) name the field of every pair: a field is
 named ``f<field>`` unless ``fields`` names them by field number; with names and no ``dense``/``sparse``,
@@ -83,6 +85,7 @@ class SparseColumn:
     rows: int = 0  # hashed table rows; 0 = sized from the data (load factor and cap)
     multi_hot: bool = False  # several values per row: a separator, a Parquet/JSON list, a repeated libFM field
     optional: bool = False  # jsonl: a record may lack the key (read as missing, counted)
+    id_weights: bool = False  # libfm/libsvm/libffm bags: each id's value is its weight in the pooled sum
 
 
 @dataclass
@@ -166,7 +169,10 @@ class Schema:
             if c.rows < 0:
                 raise ConfigError(f"{where}: sparse column {c.column!r}: rows must be >= 0 (0 = from the data)")
             c.name = c.name or str(c.column if isinstance(c.column, str) else self.column_name(c.column))
-            c.multi_hot = c.multi_hot or bool(c.separator)
+            c.multi_hot = c.multi_hot or bool(c.separator) or c.id_weights
+            if c.id_weights and self.format not in (*INDEX_FORMATS, "libffm"):
+                raise ConfigError(f"{where}: sparse column {c.column!r}: id_weights are the values of libfm, libsvm "
+                                  f"or libffm pairs, not of {self.format}")
         names = [c.name for c in self.dense] + [c.name for c in self.sparse]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

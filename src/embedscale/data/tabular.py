@@ -618,7 +618,7 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
 
     # pass 2: the shards
     skipped = _Skipped()
-    sparse = [SparseFeatureInfo(c.name, r, c.multi_hot) for c, r in zip(schema.sparse, enc.table_rows)]
+    sparse = [SparseFeatureInfo(c.name, r, c.multi_hot, c.id_weights) for c, r in zip(schema.sparse, enc.table_rows)]
     all_files = [str(p) for name in SPLITS for p in sources.get(name, [])]
     extra = {"source": all_files, "format": schema.name, "categorical": categorical}
     if categorical == "hash":
@@ -669,6 +669,8 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 for f, c in enumerate(schema.sparse):
                     ids = enc.encode_feature(f, part.keys[f])
                     sp[c.name] = (ids, part.lengths[f]) if c.multi_hot else ids
+                    if c.id_weights:
+                        sp[c.name] += (part.id_weights[f],)
                 writers[name].write(part.labels, part.dense, sp, weights=part.weights)
             if max_rows is not None and total >= max_rows:
                 break
