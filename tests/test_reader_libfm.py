@@ -164,6 +164,18 @@ def test_id_weights_reach_the_pooled_embedding(tmp_path):
     # key-major: user's ids (2 | 5 | -), then item's (11 13 | 12 | 11)
     assert batch.sparse.values.tolist() == [2, 5, 11, 13, 12, 11]
     assert batch.sparse.weights.tolist() == [1, 1, 0.5, 2, -1.5, float(np.float32(0.3))]
+    # shuffled, in batches of 2: every bag keeps its own weights
+    pairs = []
+    for b in ShardLoader(tmp_path / "o", batch_size=2, shuffle=True, seed=3):
+        bag_sizes = b.sparse.lengths.view(2, -1)[1].tolist()
+        n_user = int(b.sparse.lengths.view(2, -1)[0].sum())
+        ids, ws = b.sparse.values[n_user:].tolist(), b.sparse.weights[n_user:].tolist()
+        assert b.sparse.weights[:n_user].tolist() == [1.0] * n_user
+        for k in bag_sizes:
+            pairs.append(tuple(zip(ids[:k], ws[:k])))
+            ids, ws = ids[k:], ws[k:]
+    w03 = float(np.float32(0.3))
+    assert sorted(pairs) == sorted([((11, 0.5), (13, 2.0)), ((12, -1.5),), ((11, w03),)])
     emb = LocalEmbeddingBags([TableSpec("user", 20, 4), TableSpec("item", 20, 4)], optimizer=None, seed=0)
     out = emb(batch.sparse).double()
     U, I = emb.table_weight("user").double(), emb.table_weight("item").double()

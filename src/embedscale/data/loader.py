@@ -189,11 +189,11 @@ class ShardLoader:
         if self.validate:
             self._check(pieces, labels, dense, values, flat)
         id_weights = None
-        if self.id_weighted:  # a weight per value: the features' own, 1 for features without
-            id_weights = torch.from_numpy(np.concatenate([
-                _gather(blk.sparse[name + ID_WEIGHTS], sel)[0] if name in self.id_weighted
-                else np.ones(_gather(blk.sparse[name], sel)[1].sum(), np.float32)
-                for name in self.feature_names for blk, sel in pieces]).astype(np.float32, copy=False))
+        if self.id_weighted:  # a weight per value, in the values' order: the features' own, 1 for the others
+            parts = [_gather(blk.sparse[name + ID_WEIGHTS], sel)[0] if name in self.id_weighted else None
+                     for name in self.feature_names for blk, sel in pieces]
+            id_weights = torch.from_numpy(np.concatenate([np.ones(len(v), np.float32) if w is None else w
+                                                          for w, v in zip(parts, values)]).astype(np.float32))
         sparse = JaggedFeatures(self.feature_names, torch.from_numpy(flat),
                                 torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)), id_weights)
         weights = None
