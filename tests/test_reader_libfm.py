@@ -119,6 +119,8 @@ def test_libffm_reads_field_index_value(tmp_path):
     # a field number beyond the named fields is named, not dropped
     with pytest.raises(InputError, match=f"^{p}:1: field 2 .* is beyond the schema's 2 fields"):
         convert(Schema.from_dict({"format": "libffm", "fields": ["user", "tags"]}), p, tmp_path / "x", progress=False)
+    with pytest.raises(ConfigError, match="'item' name no libffm field"):
+        Schema.from_dict({"format": "libffm", "fields": ["user", "tags"], "sparse": ["item"]})
     # the SVMlight reader names a field:index:value pair
     with pytest.raises(InputError, match=f"^{p}:1: '0:5:1' is not index:value"):
         convert(Schema.from_dict({"format": "libfm"}), p, tmp_path / "x", progress=False)
@@ -136,6 +138,8 @@ def test_libsvm_without_ranges_is_one_table_not_none(tmp_path):
     # dense features need index ranges: a named error, not a dataset
     with pytest.raises(ConfigError, match="without field ranges"):
         Schema.from_dict({"format": "libsvm", "dense": ["x"]})
+    with pytest.raises(ConfigError, match="'price' name no field of the index ranges"):
+        Schema.from_dict({"format": "libfm", "fields": [{"name": "a", "first": 0, "last": 5}], "dense": ["price"]})
     with pytest.raises(ConfigError, match="overlap"):
         Schema.from_dict({"format": "libsvm", "fields": [{"name": "a", "first": 0, "last": 5},
                                                          {"name": "b", "first": 5, "last": 9}]})

@@ -150,11 +150,8 @@ class Schema:
         self.header = HEADERS[self.header]
         if self.format in INDEX_FORMATS:
             self._index_fields(where)
-        elif self.format == "libffm" and not self.dense and not self.sparse:
-            if not self.fields:
-                raise ConfigError(f"{where}: a libffm schema names its fields (fields: [name of field 0, ...]) "
-                                  f"or lists its dense and sparse fields")
-            self.sparse = [SparseColumn(str(n), key="int", multi_hot=True) for n in self.fields]
+        elif self.format == "libffm":
+            self._ffm_fields(where)
         for c in self.dense:
             if c.parse not in DENSE_PARSE:
                 raise ConfigError(f"{where}: dense column {c.column!r}: parse {c.parse!r} is not one of "
@@ -184,6 +181,11 @@ class Schema:
         """libFM/libSVM: check the index ranges; without dense or sparse lists, one table per range (or one
         table over all indices without ranges)."""
         ranges = index_ranges(self.fields, where)
+        names = [r[2] for r in ranges]
+        unknown = [c.column for c in [*self.dense, *self.sparse] if ranges and c.column not in names]
+        if unknown:
+            raise ConfigError(f"{where}: {', '.join(map(repr, unknown))} name no field of the index ranges "
+                              f"(fields: {', '.join(names)})")
         if not self.dense and not self.sparse:
             self.sparse = [SparseColumn(name, key="int", multi_hot=True) for _, _, name in ranges] or \
                 [SparseColumn(ALL_INDICES, key="int", multi_hot=True)]
@@ -193,6 +195,21 @@ class Schema:
                                   f"last}}, ...]) reads every index into one categorical table: give one sparse "
                                   f"column (its name and rows) and no dense ones, or give the ranges")
             self.sparse[0].multi_hot = True
+
+    def _ffm_fields(self, where: str) -> None:
+        """libFFM: every declared column is a field (a number, a name in ``fields``, or ``f<number>``); without
+        dense or sparse lists, every named field is a table of bags."""
+        if not self.dense and not self.sparse:
+            if not self.fields:
+                raise ConfigError(f"{where}: a libffm schema names its fields (fields: [name of field 0, ...]) "
+                                  f"or lists its dense and sparse fields")
+            self.sparse = [SparseColumn(str(n), key="int", multi_hot=True) for n in self.fields]
+        names = [str(n) for n in self.fields]
+        unknown = [c.column for c in [*self.dense, *self.sparse] if isinstance(c.column, str) and c.column not in names
+                   and not (not names and c.column[:1] == "f" and c.column[1:].isdigit())]
+        if unknown:
+            raise ConfigError(f"{where}: {', '.join(map(repr, unknown))} name no libffm field (fields: "
+                              f"{', '.join(names) or 'none named: f0, f1, ... or field numbers'})")
 
     def column_name(self, ref: str | int) -> str:
         """A column's name: names stay, positions are named by ``columns`` (or ``c<position>``)."""
