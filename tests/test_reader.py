@@ -104,15 +104,16 @@ def write_formats(d: Path, rows: list[dict], name: str = "t") -> dict[str, tuple
         for i, r in enumerate(rows):
             obj = {k: v for k, v in r.items() if not (k == "d1" and v is None and i % 2)}  # null or absent
             f.write(json.dumps(obj) + "\n")
-    out["jsonl"] = (p, {"format": "jsonl", **common, "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})
-    p = d / f"{name}.libfm"
+    out["jsonl"] = (p, {"format": "jsonl", **common, "dense": [{"column": "d1", "optional": True}, "d2"],
+                        "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})  # d1 may be absent
+    p = d / f"{name}.ffm"
     with p.open("w") as f:
         for r in rows:
             toks = [str(r["label"])] + ([f"0:0:{r['d1']!r}"] if r["d1"] is not None else [])
             toks += [f"1:0:{r['d2']}", f"2:{r['c1']}:1", f"3:{r['c2']}:1"] + [f"4:{t}:1" for t in r["tags"]]
             f.write(" ".join(toks) + "\n")
-    out["libfm"] = (p, {"format": "libfm", "fields": FIELDS[1:], "label": "label", "dense": ["d1", "d2"],
-                        "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})
+    out["libffm"] = (p, {"format": "libffm", "fields": FIELDS[1:], "label": "label", "dense": ["d1", "d2"],
+                         "sparse": ["c1", "c2", {"column": "tags", "multi_hot": True}]})
     p = d / f"{name}.libsvm"
     with p.open("w") as f:
         for r in rows:
@@ -122,7 +123,8 @@ def write_formats(d: Path, rows: list[dict], name: str = "t") -> dict[str, tuple
     ranges = [{"name": "d1", "first": 0, "last": 0}, {"name": "d2", "first": 1, "last": 1},
               {"name": "c1", "first": 10, "last": 99}, {"name": "c2", "first": 100, "last": 999},
               {"name": "tags", "first": 1000, "last": 1999}]
-    out["libsvm"] = (p, {**out["libfm"][1], "format": "libsvm", "fields": ranges})
+    out["libsvm"] = (p, {**out["libffm"][1], "format": "libsvm", "fields": ranges})
+    out["libfm"] = (p, {**out["libsvm"][1], "format": "libfm"})  # libFM reads SVMlight's format
     return out
 
 
@@ -299,7 +301,7 @@ BAD = {  # format -> (how to break row 5 of the table, the message)
     "tsv": (None, None, "expected 6 fields, got 7"),
     "parquet": ("label", 2, "label '2' is not 0 or 1"),
     "jsonl": (None, None, "not a JSON object"),
-    "libfm": (None, None, "'2:17' is not field:index:value"),
+    "libffm": (None, None, "'2:17' is not field:index:value"),
     "libsvm": ("c1", 5000, "c1 '5000' is not 1"),
 }
 
@@ -330,7 +332,7 @@ def test_malformed_input_is_named_by_file_and_line(tmp_path, fmt):
             lines[i] += "\textra"
         elif fmt == "jsonl":
             lines[i] = lines[i][:-3]
-        elif fmt == "libfm":
+        elif fmt == "libffm":
             lines[i] = lines[i] + " 2:17"
         else:
             lines[i] = lines[i].replace(f" {rows[5]['c1']}:1", f" {rows[5]['c1']}:2")

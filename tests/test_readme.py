@@ -5,7 +5,7 @@ what the earlier ones wrote: data -> profile -> plan -> train -> evaluate -> inf
 this environment first on PATH. The user's own log file the README names (`train.txt`, Criteo TSV) is the
 first rows of the real Criteo sample; the test skips when that file is absent. "Your own data" reads those
 rows in other formats (`day1.csv` with a header, `day2.csv` without, `day1.parquet`, `day1.jsonl`,
-`day1.libfm`), which the fixture writes, and the schemas its ```yaml blocks name (``# file: NAME``). `make ...` lines are what
+`day1.libfm`, `day1.ffm`), which the fixture writes, and the schemas its ```yaml blocks name (``# file: NAME``). `make ...` lines are what
 runs this suite and `source` only sets PATH: both are left out. The ```python blocks run too.
 """
 
@@ -98,11 +98,14 @@ def write_own_data(d: Path) -> None:
     with (d / "day1.jsonl").open("w") as f:
         for r in table.to_pylist():
             f.write(json.dumps(r) + "\n")
-    with (d / "day1.libfm").open("w") as f:  # fields 0-2: I1-I3 (dense), 3-5: C1-C3 (index = the hex value)
+    with (d / "day1.ffm").open("w") as f:  # fields 0-2: I1-I3 (dense), 3-5: C1-C3 (index = the hex value)
         for r in day1:
             toks = [r[0]] + [f"{k}:0:{r[1 + k]}" for k in range(3) if r[1 + k]]
             toks += [f"{3 + k}:{int(r[14 + k], 16)}:1" for k in range(3) if r[14 + k]]
             f.write(" ".join(toks) + "\n")
+    with (d / "day1.libfm").open("w") as f:  # C1-C26 as ids of one table: index = k * 2^32 + the hex value
+        for r in day1:
+            f.write(" ".join([r[0]] + [f"{(k << 32) + int(r[14 + k], 16)}:1" for k in range(26) if r[14 + k]]) + "\n")
 
 
 def _env() -> dict:

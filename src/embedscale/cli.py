@@ -530,29 +530,35 @@ def _run_convert(schema, paths, out_dir, train_files, eval_files, test_files, sp
     _report_manifest(m, out_dir)
 
 
-def _convert_command(fmt: str, doc: str):
+def _convert_command(fmt: str, doc: str, *options):
     @_common_convert_options
     def command(**kw):
         import importlib
 
         try:
-            _run_convert(importlib.import_module(f"embedscale.data.{fmt}").schema(), **kw)
+            extra = {k: kw.pop(k) for k in ("header",) if k in kw}
+            _run_convert(importlib.import_module(f"embedscale.data.{fmt}").schema(**extra), **kw)
         except EmbedscaleError as e:
             _fail(e)
 
     command.__doc__ = doc
+    for opt in options:
+        command = opt(command)
     return data.command(fmt)(command)
 
 
 _convert_command("criteo", "Convert raw Criteo Kaggle/Terabyte TSV (label, I1-I13, C1-C26) into shards.")
-_convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.")
+_convert_command("avazu", "Convert Avazu CSV (24 columns) into shards.",
+                 click.option("--header", type=click.Choice(["present", "none", "auto"]), default="present",
+                              show_default=True, help="Every file starts with Avazu's header line (present), "
+                              "none does (columns in Avazu's order), or either (auto)."))
 
 
 @data.command("table")
 @_common_convert_options
 @click.option("--schema", "schema_path", type=click.Path(exists=True, dir_okay=False), default=None,
               help="A YAML schema (format, label, dense, sparse, weight, ...); or the flags below.")
-@click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm"]),
+@click.option("--format", "fmt", type=click.Choice(["csv", "tsv", "parquet", "jsonl", "libfm", "libsvm", "libffm"]),
               default=None, help="The format (default: from the file name); with --schema: instead of its format.")
 @click.option("--label", default="label", show_default=True, help="The label column (name or 0-based position).")
 @click.option("--label-values", type=click.Choice(["01", "-1/1", "bool"]), default="01", show_default=True)
@@ -589,7 +595,7 @@ def data_table(schema_path, fmt, label, label_values, dense, sparse, multi_hot, 
 def _guess_format(path: str) -> str:
     name = str(path).lower().removesuffix(".gz")
     for ext, fmt in ((".tsv", "tsv"), (".csv", "csv"), (".parquet", "parquet"), (".jsonl", "jsonl"),
-                     (".json", "jsonl"), (".libfm", "libfm"), (".ffm", "libfm"), (".libsvm", "libsvm"),
+                     (".json", "jsonl"), (".libfm", "libfm"), (".ffm", "libffm"), (".libsvm", "libsvm"),
                      (".svm", "libsvm")):
         if name.endswith(ext):
             return fmt

@@ -1,7 +1,8 @@
 """The Avazu click log (Kaggle CTR prediction ``train``, ``.gz`` too): a schema of the tabular reader.
 
 A comma-separated file with the header ``id,click,hour,C1,banner_pos,site_id,...,C21`` (``AVAZU_COLUMNS``):
-24 columns. The label is ``click``; ``id`` is a row identifier and is not a feature.
+24 columns. The label is ``click``; ``id`` is a row identifier and is not a feature. A file without the
+header line (``header="none"``, or ``"auto"`` for a mix) holds the same columns in the same order.
 
 Choices, recorded in ``manifest.extra``:
 
@@ -23,16 +24,24 @@ from embedscale.data.raw import BLOCK_BYTES
 from embedscale.data.schema import Schema
 from embedscale.data.shards import Manifest
 from embedscale.data.tabular import convert
+from embedscale.errors import ConfigError
 from embedscale.specs import AVAZU_COLUMNS
 
 DENSE_NAMES = ["hour_of_day", "day_of_week"]
 SPARSE_NAMES = AVAZU_COLUMNS[3:]
 
 
-def schema() -> Schema:
-    """The Avazu schema (a fresh copy)."""
+HEADERS = ("present", "none", "auto")
+
+
+def schema(header: str = "present") -> Schema:
+    """The Avazu schema (a fresh copy). ``header``: ``present`` (every file starts with Avazu's header line),
+    ``none`` (no file has one: the columns are in Avazu's order, ``AVAZU_COLUMNS``) or ``auto`` (a file's
+    first line is a header when it is Avazu's)."""
+    if header not in HEADERS:
+        raise ConfigError(f"avazu: header must be one of {', '.join(HEADERS)}, got {header!r}")
     return Schema.from_dict({
-        "format": "csv", "header": True, "columns": list(AVAZU_COLUMNS), "label": "click", "name": "avazu",
+        "format": "csv", "header": header, "columns": list(AVAZU_COLUMNS), "label": "click", "name": "avazu",
         "dense": [{"column": "hour", "name": "hour_of_day", "parse": "yymmddhh_hour", "transform": "log1p"},
                   {"column": "hour", "name": "day_of_week", "parse": "yymmddhh_weekday", "transform": "log1p"}],
         "sparse": [{"column": n} for n in SPARSE_NAMES],
@@ -48,11 +57,13 @@ AVAZU = schema()
 def convert_avazu(paths, out_dir, *, categorical: str = "hash", table_rows: int | Sequence[int] = 0,
                   min_frequency: int = 1, shard_rows: int = 1_000_000, skip_malformed: bool = False,
                   max_rows: int | None = None, progress: bool = True, block_bytes: int = BLOCK_BYTES,
-                  **kwargs) -> Manifest:
+                  header: str = "present", **kwargs) -> Manifest:
     """Convert raw Avazu CSV files into an embedscale shard directory.
 
-    Arguments as ``convert_criteo`` (``table_rows``: one value or a list of 21). Every file must start
-    with the Avazu header; a wrong header is an ``InputError`` naming ``<file>:1``.
+    Arguments as ``convert_criteo`` (``table_rows``: one value or a list of 21). With ``header="present"``
+    every file must start with the Avazu header (a wrong header is an ``InputError`` naming ``<file>:1``);
+    ``"none"`` reads files without one, their 24 columns in the header's order; ``"auto"`` takes either.
+    Fields may be quoted (RFC 4180: ``"a,b"`` is one value).
 
     Returns:
         The ``Manifest``: dense ``hour_of_day``, ``day_of_week``; one-hot sparse ``C1``, ``banner_pos``,
@@ -62,6 +73,6 @@ def convert_avazu(paths, out_dir, *, categorical: str = "hash", table_rows: int 
 
         m = convert_avazu("train.gz", "data/avazu", categorical="vocab", min_frequency=5)
     """
-    return convert(schema(), paths, out_dir, categorical=categorical, table_rows=table_rows,
+    return convert(schema(header), paths, out_dir, categorical=categorical, table_rows=table_rows,
                    min_frequency=min_frequency, shard_rows=shard_rows, skip_malformed=skip_malformed,
                    max_rows=max_rows, progress=progress, block_bytes=block_bytes, **kwargs)

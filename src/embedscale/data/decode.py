@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 
 from embedscale.data.fields import fnv1a64, field_lengths, parse_decimal, parse_hex, parse_label, show
 from embedscale.data.schema import LABEL_VALUES, DenseColumn, Schema, SparseColumn
+from embedscale.data.shards import ID_WEIGHTS
 from embedscale.errors import ConfigError, InputError
 
 SPLITS = ("train", "eval", "test")
@@ -53,6 +54,7 @@ class Decoded:
     split: np.ndarray | None = None  # int8 [N]: 0 train, 1 eval, 2 test
     bad: np.ndarray | None = None  # bool [N]
     reasons: list[tuple[str, np.ndarray, Callable[[int], str]]] = field(default_factory=list)
+    id_weights: dict[int, np.ndarray] = field(default_factory=dict)  # feature f -> float32, one per key
 
     @property
     def rows(self) -> int:
@@ -73,7 +75,8 @@ class Decoded:
         return Decoded(self.labels[keep], self.dense[keep], keys,
                        [None if ln is None else ln[keep] for ln in self.lengths],
                        None if self.weights is None else self.weights[keep],
-                       None if self.split is None else self.split[keep], np.zeros(int(keep.sum()), bool))
+                       None if self.split is None else self.split[keep], np.zeros(int(keep.sum()), bool),
+                       id_weights={f: w[np.repeat(keep, self.lengths[f])] for f, w in self.id_weights.items()})
 
     def head(self, n: int) -> "Decoded":
         keep = np.zeros(self.rows, bool)
@@ -218,8 +221,8 @@ class Decoder:
             dense[j] = self._transform(j, c, v)
 
         # categorical
-        keys, lengths = [], []
-        for c in s.sparse:
+        keys, lengths, id_weights = [], [], {}
+        for f, c in enumerate(s.sparse):
             name = resolve(c.column)
             col = self._column(table, name, where)
             k, ln, b, why, at = self._keys(c, col, name, where)
@@ -227,6 +230,9 @@ class Decoder:
                 flag(name, b, why, at=at)
             keys.append(k)
             lengths.append(ln)
+            if c.id_weights:
+                id_weights[f], b, at = _id_weights(self._column(table, name + ID_WEIGHTS, where), ln)
+                flag(name, b, lambda v: "is not a finite weight", at=at)
 
         weights = None
         if s.weight is not None:
@@ -254,7 +260,7 @@ class Decoder:
         elif self.time_column:
             split, b, text = self._time_split(table, where)
             flag(self.time_column, b, lambda v: "is not a number", text=text)
-        return Decoded(labels, dense.T, keys, lengths, weights, split, bad, reasons)
+        return Decoded(labels, dense.T, keys, lengths, weights, split, bad, reasons, id_weights)
 
     def _dense_values(self, c: DenseColumn, col, name: str, where: str):
         """(values, bad, reason of a bad value, the column's text if it was read as text)."""
@@ -392,6 +398,20 @@ def _text_of(col, name: str, where: str) -> pa.Array:
         return as_text(col)
     except TypeError as e:
         raise InputError(f"{where}: column {name!r} holds {e} values, not numbers or text") from None
+
+
+def _id_weights(col, lengths: np.ndarray):
+    """A list column of per-id weights (text) -> (float32 weights, bad rows, the value named for a bad row)."""
+    text = as_text(pc.list_flatten(_one(col)))
+    w, missing, bad = parse_float(text)
+    bad |= missing
+    rows = np.zeros(len(lengths), bool)
+    rows[np.repeat(np.arange(len(lengths)), lengths)[bad]] = True
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    def at(i):
+        return text[int(starts[i]) + int(np.flatnonzero(bad[starts[i]:starts[i] + lengths[i]])[0])].as_py()
+    return w.astype(np.float32), rows, at
 
 
 def _why_hour(v: bytes) -> str:

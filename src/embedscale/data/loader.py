@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from embedscale.data.batch import Batch, JaggedFeatures
-from embedscale.data.shards import Manifest, read_shard
+from embedscale.data.shards import ID_WEIGHTS, Manifest, read_shard
 from embedscale.errors import InputError
 
 
@@ -107,6 +107,7 @@ class ShardLoader:
         self.skip_batches = 0
         self.feature_names = self.manifest.sparse_names
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
+        self.id_weighted = {s.name for s in self.manifest.sparse if s.id_weights}  # features with id weights
         self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
 
     @property
@@ -135,11 +136,7 @@ class ShardLoader:
                 if self.shuffle:
                     rng = np.random.default_rng([self.seed, self.epoch, i])
                     order = a + rng.permutation(b - a)
-                sparse = {}
-                for name, (values, lengths) in cols.sparse.items():
-                    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                    np.cumsum(lengths, out=offsets[1:])
-                    sparse[name] = (values, offsets)
+                sparse = block_sparse(cols)
                 w = cols.weights
                 yield _Block(s["file"], a, order, cols.labels[a:b] if order is None else cols.labels,
                              cols.dense[a:b] if order is None else cols.dense,
@@ -185,22 +182,20 @@ class ShardLoader:
         values, lengths = [], []
         for name in self.feature_names:
             for blk, sel in pieces:
-                v, offs = blk.sparse[name]
-                if isinstance(sel, slice):
-                    values.append(v[offs[sel.start]:offs[sel.stop]])
-                    lengths.append(np.diff(offs[sel.start:sel.stop + 1]))
-                else:
-                    ln = offs[sel + 1] - offs[sel]
-                    if (ln == 1).all():
-                        values.append(v[offs[sel]])
-                    else:
-                        values.append(_gather_ragged(v, offs[sel], ln))
-                    lengths.append(ln)
+                v, ln = _gather(blk.sparse[name], sel)
+                values.append(v)
+                lengths.append(ln)
         flat = np.concatenate(values).astype(np.int64, copy=False)
         if self.validate:
             self._check(pieces, labels, dense, values, flat)
+        id_weights = None
+        if self.id_weighted:  # a weight per value, in the values' order: the features' own, 1 for the others
+            parts = [_gather(blk.sparse[name + ID_WEIGHTS], sel)[0] if name in self.id_weighted else None
+                     for name in self.feature_names for blk, sel in pieces]
+            id_weights = torch.from_numpy(np.concatenate([np.ones(len(v), np.float32) if w is None else w
+                                                          for w, v in zip(parts, values)]).astype(np.float32))
         sparse = JaggedFeatures(self.feature_names, torch.from_numpy(flat),
-                                torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)))
+                                torch.from_numpy(np.concatenate(lengths).astype(np.int64, copy=False)), id_weights)
         weights = None
         if self.manifest.weighted:
             weights = torch.from_numpy(np.concatenate([blk.weights[sel] for blk, sel in pieces]).astype(np.float32))
@@ -263,11 +258,35 @@ def _sel_len(sel) -> int:
     return len(sel) if isinstance(sel, np.ndarray) else sel.stop - sel.start
 
 
+def block_sparse(cols) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A shard's sparse columns as ``name -> (values, offsets [n + 1])``; a feature's id weights ride along as
+    ``"<name>/weights"`` with the same offsets, so every slice and gather of the values cuts them alike."""
+    sparse = {}
+    for name, (values, lengths) in cols.sparse.items():
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        sparse[name] = (values, offsets)
+        if name in cols.id_weights:
+            sparse[name + ID_WEIGHTS] = (cols.id_weights[name], offsets)
+    return sparse
+
+
 def _slice_sparse(sparse, a: int, b: int):
     out = {}
     for name, (v, offs) in sparse.items():
         out[name] = (v[offs[a]:offs[b]], offs[a:b + 1] - offs[a])
     return out
+
+
+def _gather(column: tuple[np.ndarray, np.ndarray], sel) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths) of the rows ``sel`` (a slice or row indices) of a ``(values, offsets)`` column."""
+    v, offs = column
+    if isinstance(sel, slice):
+        return v[offs[sel.start]:offs[sel.stop]], np.diff(offs[sel.start:sel.stop + 1])
+    ln = offs[sel + 1] - offs[sel]
+    if (ln == 1).all():
+        return v[offs[sel]], ln
+    return _gather_ragged(v, offs[sel], ln), ln
 
 
 def _gather_ragged(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -19,7 +19,9 @@ keys become table rows in one of the two ways Meta's DLRM reference offers (``Ca
 from __future__ import annotations
 
 import contextlib
+import csv
 import gzip
+import io
 import os
 import queue
 import threading
@@ -134,8 +136,10 @@ def iter_line_blocks(path: str | os.PathLike, block_bytes: int = BLOCK_BYTES, he
 
 
 def read_block_table(block: LineBlock, column_names: list[str], delimiter: str,
-                     include: list[str] | None = None) -> pa.Table:
-    """Cut a block into ``binary`` columns with Arrow's CSV parser (no quoting: raw logs have none).
+                     include: list[str] | None = None, quoted: bool = False) -> pa.Table:
+    """Cut a block into ``binary`` columns with Arrow's CSV parser. ``quoted``: RFC 4180 quoting (``"a,b"`` is
+    one field, ``""`` inside quotes is a quote; a quoted field does not span lines), as Python's ``csv``
+    module reads it; else none (TSV and Criteo's raw logs have none).
 
     Raises ``pa.ArrowInvalid`` on a line with the wrong number of fields."""
     include = include or column_names
@@ -143,7 +147,7 @@ def read_block_table(block: LineBlock, column_names: list[str], delimiter: str,
         pa.py_buffer(block.data),
         read_options=pacsv.ReadOptions(column_names=column_names, use_threads=True,
                                        block_size=max(1 << 20, len(block.data) // (2 * pa.cpu_count()) + 1)),
-        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char=False, double_quote=False,
+        parse_options=pacsv.ParseOptions(delimiter=delimiter, quote_char='"' if quoted else False, double_quote=quoted,
                                          escape_char=False, newlines_in_values=False, ignore_empty_lines=False),
         convert_options=pacsv.ConvertOptions(column_types={c: pa.binary() for c in include}, include_columns=include,
                                              null_values=[], strings_can_be_null=False,
@@ -156,6 +160,23 @@ def read_block_table(block: LineBlock, column_names: list[str], delimiter: str,
 
 # --------------------------------------------------------------------------------------------------
 # helpers of the reader (data.tabular)
+
+
+UNTERMINATED = "a quoted field does not end on its line (a field spanning lines is not read)"
+
+
+def split_fields(line: bytes, sep: bytes, quoted: bool = False) -> list[bytes]:
+    """One line's fields, as ``read_block_table`` cuts them (quoted: by Python's ``csv`` module's rules).
+
+    Raises ``ValueError(UNTERMINATED)`` for a quote opened and not closed on the line."""
+    line = line.rstrip(b"\r\n")
+    if not quoted or b'"' not in line:
+        return line.split(sep)
+    reader = csv.reader(io.StringIO(line.decode("utf-8", "surrogateescape") + "\n\n"), delimiter=sep.decode())
+    fields = next(reader)
+    if reader.line_num > 1:  # the open quote took the next line in
+        raise ValueError(UNTERMINATED)
+    return [f.encode("utf-8", "surrogateescape") for f in fields]
 
 
 def _lines(data: bytes | memoryview) -> list[bytes]:

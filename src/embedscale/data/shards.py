@@ -9,8 +9,10 @@ A dataset is a directory::
 Each shard has the columns ``label`` (int8, 0/1), ``dense`` (fixed_size_list<float32>[num_dense],
 already transformed, e.g. log(1+x); absent when there are no dense features: Arrow has no list of
 size 0), ``weight`` (float32, only in a dataset with sample weights: ``Manifest.weighted``), and one
-column per sparse feature: int64 for one-hot features, ``list<int64>`` for multi-hot ones. Row ids are
-already in ``[0, num_rows)`` of their table.
+column per sparse feature: int64 for one-hot features, ``list<int64>`` for multi-hot ones, followed for a
+feature with id weights (``SparseFeatureInfo.id_weights``) by ``<feature>/weights``, ``list<float32>``, a
+weight per id (a bag pooled as the weighted sum of its rows). Row ids are already in ``[0, num_rows)`` of
+their table.
 
 Shards are written through a temporary name and renamed; the manifest is written last, so a directory
 without a manifest is an unfinished write and is never read as a dataset.
@@ -35,11 +37,15 @@ FORMAT = "embedscale.shards"
 VERSION = 1
 
 
+ID_WEIGHTS = "/weights"  # the column of a feature's per-id weights: "<feature>/weights"
+
+
 @dataclass
 class SparseFeatureInfo:
     name: str
     num_rows: int
     multi_hot: bool = False
+    id_weights: bool = False  # multi-hot: a weight per id (pooled as weighted sum), column "<name>/weights"
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Manifest:
             "rows": self.rows,
             "positives": self.positives,
             "dense_names": self.dense_names,
-            "sparse": [vars(s) for s in self.sparse],
+            "sparse": [{k: v for k, v in vars(s).items() if k != "id_weights" or v} for s in self.sparse],
             "shards": self.shards,
             "extra": self.extra,
             **({"weighted": True} if self.weighted else {}),
@@ -133,6 +139,8 @@ def arrow_schema(num_dense: int, sparse: list[SparseFeatureInfo], weighted: bool
         cols.append(pa.field("weight", pa.float32()))
     for s in sparse:
         cols.append(pa.field(s.name, pa.list_(pa.int64()) if s.multi_hot else pa.int64()))
+        if s.id_weights:
+            cols.append(pa.field(s.name + ID_WEIGHTS, pa.list_(pa.float32())))
     return pa.schema(cols)
 
 
@@ -152,10 +160,14 @@ def record_batch(manifest: "Manifest", schema: pa.Schema, n: int, labels, dense,
     for s in manifest.sparse:
         col = sparse[s.name]
         if s.multi_hot:
-            values, lengths = col
+            values, lengths = col[:2]
             offsets = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(lengths, out=offsets[1:])
             arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(values, np.int64))))
+            if s.id_weights:
+                if len(col) != 3:
+                    raise error(f"{writer}: feature {s.name} has id weights: give (values, lengths, weights)")
+                arrays.append(pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(col[2], np.float32))))
         else:
             arrays.append(pa.array(np.asarray(col, dtype=np.int64)))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
@@ -243,6 +255,7 @@ class Columns:
     dense: np.ndarray  # float32 [N, D]
     sparse: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values int64, lengths int64 [N])
     weights: np.ndarray | None = None  # float32 [N] (weighted datasets)
+    id_weights: dict[str, np.ndarray] = field(default_factory=dict)  # name -> float32, one per value
 
     @property
     def rows(self) -> int:
@@ -271,13 +284,16 @@ def read_shard(path: str | os.PathLike, num_dense: int) -> Columns:
     weights = None
     if "weight" in table.column_names:
         weights = table.column("weight").chunk(0).to_numpy() if n else np.zeros(0, np.float32)
-    sparse = {}
+    sparse, id_weights = {}, {}
     for name in table.column_names:
         if name in ("label", "dense", "weight"):
             continue
         col = table.column(name).chunk(0) if n else None
+        if name.endswith(ID_WEIGHTS) and name[:-len(ID_WEIGHTS)] in table.column_names:
+            id_weights[name[:-len(ID_WEIGHTS)]] = col.flatten().to_numpy() if n else np.zeros(0, np.float32)
+            continue
         sparse[name] = _column_to_jagged(col, n) if n else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    return Columns(labels, dense, sparse, weights)
+    return Columns(labels, dense, sparse, weights, id_weights)
 
 
 def iter_shards(directory: str | os.PathLike) -> Iterator[Columns]:

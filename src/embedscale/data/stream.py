@@ -48,7 +48,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
 
-from embedscale.data.loader import ShardLoader, check_batching, check_raw_ids, _Block, _prefetched, _sel_len, _slice_sparse
+from embedscale.data.loader import (ShardLoader, block_sparse, check_batching, check_raw_ids, _Block, _prefetched,
+                                     _sel_len, _slice_sparse)
 from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
 from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
@@ -215,6 +216,7 @@ class StreamLoader(ShardLoader):
         self.epoch, self.skip_batches = 0, 0
         self.feature_names = self.manifest.sparse_names
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
+        self.id_weighted = {s.name for s in self.manifest.sparse if s.id_weights}
         self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
         self._want = arrow_schema(self.manifest.num_dense, self.manifest.sparse, self.manifest.weighted)
         self.start = {"shard": 0, "row": 0}
@@ -344,11 +346,7 @@ class StreamLoader(ShardLoader):
                                   "(was the stream rewritten?)")
             cols = read_shard(path, self.manifest.num_dense)
             self.shards_read += 1
-            sparse = {}
-            for name, (values, lengths) in cols.sparse.items():
-                offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-                np.cumsum(lengths, out=offsets[1:])
-                sparse[name] = (values, offsets)
+            sparse = block_sparse(cols)
             w = cols.weights
             blk = _Block(path.name, row, None, cols.labels[row:], cols.dense[row:], _slice_sparse(sparse, row, n),
                          None if w is None else w[row:])

@@ -2,10 +2,11 @@
 
 Formats: CSV/TSV (with or without a header; Arrow's multi-threaded CSV parser cuts whole-line blocks into
 ``binary`` columns, ``data.raw``), Parquet (a file or a directory of them, read with ``pyarrow.parquet``
-one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines) and libFM/libSVM (split in
-Python, line by line: the slow format). Every format yields Arrow tables that ``data.decode.Decoder``
-turns into labels, dense values and categorical keys; keys become rows through ``CategoricalEncoder``
-and rows are written by ``ShardWriter``. The Criteo and Avazu readers are two schemas of this one.
+one record batch at a time, row group by row group), JSON lines (Arrow's JSON reader per block of lines)
+and libFM/libSVM/libFFM (split in Python, line by line: the slow format, ``data.libfm``). Every format
+yields Arrow tables that ``data.decode.Decoder`` turns into labels, dense values and categorical keys;
+keys become rows through ``CategoricalEncoder`` and rows are written by ``ShardWriter``. The Criteo and
+Avazu readers are two schemas of this one.
 
 Memory is bounded by the block (8 MiB of lines, or a Parquet batch) whatever the file size, plus the
 vocabulary in vocab mode (16 B per distinct value while counting) or the distinct-key sets of tables
@@ -47,8 +48,9 @@ import pyarrow.json as pajson
 from embedscale.data.categorical import CategoricalEncoder
 from embedscale.data.decode import SPLITS, Decoded, Decoder
 from embedscale.data.fields import show
+from embedscale.data.libfm import LineParser
 from embedscale.data.raw import (BLOCK_BYTES, MAX_EXAMPLES, LineBlock, _gzip_error, _lines, _open_raw, _prefetch,
-                                 iter_line_blocks, read_block_table)
+                                 iter_line_blocks, read_block_table, split_fields)
 from embedscale.data.schema import LABEL_VALUES, Schema
 from embedscale.data.shards import MANIFEST, Manifest, ShardWriter, SparseFeatureInfo
 from embedscale.errors import ConfigError, InputError
@@ -73,10 +75,15 @@ class Chunk:
     raw: LineBlock | None = None  # CSV/TSV: the lines (valid while the chunk is decoded), to recount fields
     num_fields: int = 0
     sep: str = ""
+    quoted: bool = False  # csv: RFC 4180 quoting
+    absent: dict[str, np.ndarray] | None = None  # jsonl: key -> the table rows whose record lacks it
 
     def field_count_problem(self, line: int, lines: list[bytes]) -> str | None:
         """A line Arrow took as a row but has another number of fields (an empty line is one empty row)."""
-        nf = lines[line - self.raw.first_line].rstrip(b"\r").count(self.sep.encode()) + 1
+        try:
+            nf = len(split_fields(lines[line - self.raw.first_line], self.sep.encode(), self.quoted))
+        except ValueError as e:
+            return str(e)
         return f"expected {self.num_fields} fields, got {nf}" if nf != self.num_fields else None
 
     def at(self, line: int) -> str:
@@ -93,7 +100,7 @@ class _Columns:
     def __init__(self, schema: Schema):
         self.schema = schema
         self.names: list[str] | None = list(schema.columns) or None
-        self.header: bytes | None = None
+        self.header: list[bytes] | None = None  # the first header line's fields
 
     def resolve(self, ref):
         if isinstance(ref, int):
@@ -120,38 +127,35 @@ def _csv_is_header(schema: Schema, cols: _Columns, path: Path) -> bool:
     """Whether ``path`` starts with a header line (and, the first time, the column names)."""
     sep = schema.sep.encode()
     head = _first_line(path).rstrip(b"\r\n")
+    try:
+        fields = split_fields(head, sep, schema.format == "csv")
+    except ValueError as e:
+        raise InputError(f"{path}:1: {e}") from None
+    known = cols.header or ([c.encode() for c in schema.columns] if schema.columns else None)
     if schema.header is True:
         if not head and not _first_line(path):
             raise InputError(f"{path}: empty file, expected a header line")
-        expected = cols.header or (sep.join(c.encode() for c in schema.columns) if schema.columns else None)
-        if expected is not None and head != expected:
-            raise InputError(f"{path}:1: header is {show(head, 200)}, expected {show(expected, 200)}")
-        if cols.names is None:
-            cols.names = [x.decode("utf-8", "replace") for x in head.split(sep)]
-        cols.header = head
-        return True
-    if schema.header is False:
-        if cols.names is None:
-            cols.names = [f"c{i}" for i in range(head.count(sep) + 1)] if head else None
-        return False
-    # auto
-    known = cols.header or (sep.join(c.encode() for c in schema.columns) if schema.columns else None)
-    if known is not None:
-        is_header = head == known
+        if known is not None and fields != known:
+            raise InputError(f"{path}:1: header is {show(head, 200)}, expected {show(sep.join(known), 200)} "
+                             f"(files without a header line: header none, or auto)")
+        is_header = True
+    elif schema.header is False:
+        is_header = False
+    elif known is not None:  # auto
+        is_header = fields == known
     elif isinstance(schema.label, str):  # a header names the label column
-        is_header = schema.label.encode() in head.split(sep)
+        is_header = schema.label.encode() in fields
         if not is_header:
             raise ConfigError(f"{path}: header: auto, but the first line does not name the label column "
                               f"{schema.label!r} and the schema lists no columns (give columns: [...])")
-    else:
-        fields = head.split(sep)
+    else:  # a positional label: the first line is a header when that field is not a label
         is_header = schema.label < len(fields) and fields[schema.label] not in _label_texts(schema)
     if is_header:
-        cols.header = head
+        cols.header = fields
         if cols.names is None:
-            cols.names = [x.decode("utf-8", "replace") for x in head.split(sep)]
+            cols.names = [x.decode("utf-8", "replace") for x in fields]
     elif cols.names is None and head:
-        cols.names = [f"c{i}" for i in range(head.count(sep) + 1)]
+        cols.names = [f"c{i}" for i in range(len(fields))]
     return is_header
 
 
@@ -173,11 +177,12 @@ def _csv_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int
 
 
 def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, split: int, fmt: str) -> Chunk:
+    quoted = fmt == "csv"
     try:
-        table = read_block_table(block, names, sep, include)
+        table = read_block_table(block, names, sep, include, quoted)
         if table.num_rows == block.num_lines:
             return Chunk(block.path, table, np.arange(block.first_line, block.first_line + block.num_lines),
-                         [], cols.resolve, fmt, split=split, raw=block, num_fields=len(names), sep=sep)
+                         [], cols.resolve, fmt, split=split, raw=block, num_fields=len(names), sep=sep, quoted=quoted)
     except pa.ArrowInvalid:
         pass
     # the slow path: name the lines with the wrong number of fields, parse the others again
@@ -185,7 +190,11 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
     bsep = sep.encode()
     rejected, good = [], []
     for i, line in enumerate(lines):
-        nf = line.rstrip(b"\r").count(bsep) + 1
+        try:
+            nf = len(split_fields(line, bsep, quoted))
+        except ValueError as e:
+            rejected.append((block.first_line + i, str(e)))
+            continue
         if nf != len(names):
             rejected.append((block.first_line + i, f"expected {len(names)} fields, got {nf}"))
         else:
@@ -194,7 +203,7 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
     if good:
         data = b"\n".join(lines[i] for i in good) + b"\n"
         try:
-            table = read_block_table(LineBlock(block.path, data, 0, len(good)), names, sep, include)
+            table = read_block_table(LineBlock(block.path, data, 0, len(good)), names, sep, include, quoted)
         except pa.ArrowInvalid:
             table = None
         if table is None or table.num_rows != len(good):
@@ -205,7 +214,7 @@ def _csv_chunk(block: LineBlock, names: list[str], sep: str, include, cols, spli
                  split=split)
 
 
-def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[Chunk]:
+def _jsonl_chunks(path: Path, block_bytes: int, update, split: int, keys: list[str]) -> Iterator[Chunk]:
     def resolve(ref):
         if isinstance(ref, int):
             raise ConfigError(f"{path}: JSON lines columns are named by key, not by position ({ref})")
@@ -217,8 +226,9 @@ def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[
         try:
             table = pajson.read_json(pa.py_buffer(data), read_options=opts)
             if table.num_rows == block.num_lines:
-                yield Chunk(block.path, table, np.arange(block.first_line, block.first_line + block.num_lines),
-                            [], resolve, "jsonl", split=split)
+                lines = np.arange(block.first_line, block.first_line + block.num_lines)
+                yield Chunk(block.path, table, lines, [], resolve, "jsonl", split=split,
+                            absent=_absent_keys(table, keys, lambda: _lines(data)))
                 continue
         except pa.ArrowInvalid:
             pass
@@ -232,15 +242,38 @@ def _jsonl_chunks(path: Path, block_bytes: int, update, split: int) -> Iterator[
                 good.append(i)
             except ValueError as e:
                 rejected.append((block.first_line + i, f"not a JSON object ({str(e).splitlines()[0]})"))
-        table = None
+        table = absent = None
         if good:
             try:
                 table = pajson.read_json(pa.py_buffer(b"\n".join(lines[i] for i in good) + b"\n"), read_options=opts)
             except pa.ArrowInvalid as e:
                 raise InputError(f"{block.path}:{block.first_line}-{block.first_line + block.num_lines - 1}: "
                                  f"{str(e).splitlines()[0]} (a key whose values change type?)") from None
+            absent = _absent_keys(table, keys, lambda: [lines[i] for i in good])
         yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, resolve, "jsonl",
-                    split=split)
+                    split=split, absent=absent)
+
+
+def _absent_keys(table: pa.Table, keys: list[str], records: Callable[[], list[bytes]]) -> dict[str, np.ndarray]:
+    """key -> the rows whose record has no such key. Arrow reads an absent key as null, as ``null``
+    itself: the records of null rows alone are parsed again to tell them apart."""
+    n = table.num_rows
+    out, nulls = {}, {}
+    for key in keys:
+        i = table.schema.get_field_index(key)
+        if i < 0:
+            out[key] = np.ones(n, bool)
+        elif table.column(i).null_count:
+            nulls[key] = np.flatnonzero(table.column(i).is_null().to_numpy(zero_copy_only=False))
+    if nulls:
+        lines = records()
+        objs = {int(r): json.loads(lines[r]) for r in np.unique(np.concatenate(list(nulls.values())))}
+        for key, rows in nulls.items():
+            mask = np.zeros(n, bool)
+            mask[np.array([r for r in rows if key not in objs[int(r)]], np.int64)] = True
+            if mask.any():
+                out[key] = mask
+    return out
 
 
 def _parquet_files(path: Path) -> list[str]:
@@ -286,104 +319,12 @@ def _parquet_chunks(schema: Schema, path: Path, needed: Callable[[list[str]], li
 
 
 def _libfm_chunks(schema: Schema, path: Path, block_bytes: int, update, split: int) -> Iterator[Chunk]:
-    """libFM ``label field:index:value ...`` / libSVM ``label index:value ...``, one line at a time."""
-    libfm = schema.format == "libfm"
-    ranges = []
-    names_by_field: dict[int, str] = {}
-    if libfm:
-        names_by_field = {i: str(n) for i, n in enumerate(schema.fields)}
-    else:
-        for i, r in enumerate(schema.fields):
-            if not isinstance(r, dict) or not {"name", "first", "last"} <= set(r):
-                raise ConfigError(f"schema: fields[{i}] of a libsvm schema is {{name, first, last}}, got {r!r}")
-            ranges.append((int(r["first"]), int(r["last"]), str(r["name"])))
-        ranges.sort()
-    firsts = np.array([r[0] for r in ranges], np.int64)
-
-    def field_name(f: int) -> str:
-        return names_by_field.get(f, f"f{f}")
-
-    def resolve(ref):
-        if isinstance(ref, int):
-            return field_name(ref)
-        return ref
-
-    label_name = resolve(schema.label) if schema.label != 0 else "label"
-    roles: dict[str, str] = {}
-    for c in schema.dense:
-        roles[resolve(c.column)] = "dense"
-    for c in schema.sparse:
-        roles[resolve(c.column)] = "multi" if c.multi_hot else "sparse"
-
-    def field_of(k: int, idx: bytes) -> str | None:
-        if not ranges:
-            return field_name(k)
-        i = int(idx)
-        pos = int(np.searchsorted(firsts, i, side="right")) - 1
-        if pos >= 0 and i <= ranges[pos][1]:
-            return ranges[pos][2]
-        return None
-
-    def res(ref):
-        return label_name if ref == schema.label else resolve(ref)
-
+    """libFM/libSVM ``label index:value ...`` or libFFM ``label field:index:value ...`` (``data.libfm``)."""
+    parser = LineParser(schema)
     for block in iter_line_blocks(path, block_bytes, on_progress=update, reuse=3):
-        lines = _lines(block.data)
-        cols: dict[str, list] = {name: [] for name in roles}
-        labels: list[bytes] = []
-        rejected, good = [], []
-        for i, line in enumerate(lines):
-            toks = line.split()
-            row: dict[str, object] = {}
-            reason = None
-            if not toks:
-                reason = "empty line"
-            for k, tok in enumerate(toks[1:]):
-                parts = tok.split(b":")
-                try:
-                    if libfm:
-                        if len(parts) != 3:
-                            raise ValueError(f"{show(tok)} is not field:index:value")
-                        name = field_name(int(parts[0]))
-                        idx, val = parts[1], parts[2]
-                    else:
-                        if len(parts) != 2:
-                            raise ValueError(f"{show(tok)} is not index:value")
-                        idx, val = parts
-                        name = field_of(k, idx)
-                    int(idx)
-                    value = float(val)
-                except ValueError as e:
-                    reason = str(e) if "is not" in str(e) else f"{show(tok)} is not numbers"
-                    break
-                role = roles.get(name)
-                if role is None:
-                    continue
-                if role == "multi":
-                    row.setdefault(name, []).append(idx)
-                    continue
-                if name in row:
-                    reason = f"field {name} appears twice (declare it multi-hot)"
-                    break
-                if role == "sparse" and value != 1:
-                    reason = f"{name} value {show(val)} is not 1 (a categorical field's key is its index)"
-                    break
-                row[name] = val if role == "dense" else idx
-            if reason:
-                rejected.append((block.first_line + i, reason))
-                continue
-            good.append(i)
-            labels.append(toks[0])
-            for name, role in roles.items():
-                cols[name].append(row.get(name, [] if role == "multi" else b""))
-        table = None
-        if good:
-            arrays = {label_name: pa.array(labels, pa.binary())}
-            for name, role in roles.items():
-                arrays[name] = pa.array(cols[name], pa.list_(pa.binary()) if role == "multi" else pa.binary())
-            table = pa.table(arrays)
-        yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, res, schema.format,
-                    split=split)
+        table, good, rejected = parser.table(_lines(block.data), block.first_line)
+        yield Chunk(block.path, table, block.first_line + np.asarray(good, np.int64), rejected, parser.resolve,
+                    schema.format, split=split)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -420,6 +361,7 @@ class _Reader:
         self.schema, self.decoder, self.sources = schema, decoder, sources
         self.block_bytes, self.skip_malformed, self.progress = block_bytes, skip_malformed, progress
         self.columns: _Columns | None = None  # CSV/TSV: the column names, once the first file is open
+        self.absent_counts: dict[str, int] = {}  # JSON lines: optional key -> records without it
 
     def _needed(self, resolve) -> list[str]:
         s = self.schema
@@ -445,9 +387,27 @@ class _Reader:
                 elif s.format == "parquet":
                     yield from _parquet_chunks(s, path, self._needed, update, split)
                 elif s.format == "jsonl":
-                    yield from _jsonl_chunks(path, self.block_bytes, update, split)
+                    yield from _jsonl_chunks(path, self.block_bytes, update, split, self._needed(lambda r: r))
                 else:
                     yield from _libfm_chunks(s, path, self.block_bytes, update, split)
+
+    def _absent(self, chunk: Chunk, dec: Decoded, count: bool, problems: list) -> np.ndarray:
+        """JSON lines: records without a declared key. An optional column's are counted (``count``: once, in
+        the writing pass) and read as missing; any other's are malformed lines, named with the key (added to
+        ``problems`` and ``dec.bad``). Returns the rows so named."""
+        named = np.zeros(dec.rows, bool)
+        optional = {c.column for c in [*self.schema.dense, *self.schema.sparse] if c.optional}
+        for key, rows in chunk.absent.items():
+            if key in optional:
+                if count:
+                    self.absent_counts[key] = self.absent_counts.get(key, 0) + int(rows.sum())
+                continue
+            for i in np.flatnonzero(rows & ~named):
+                problems.append((int(chunk.lines[i]), f"no key {key!r} (a column that may be absent is "
+                                                      f"optional: true in the schema)"))
+            named |= rows
+        dec.bad |= named
+        return named
 
     def blocks(self, splits: Sequence[str], desc: str, skipped: _Skipped | None,
                raw_dense: bool = False) -> Iterator[tuple[Decoded, np.ndarray | None]]:
@@ -475,9 +435,10 @@ class _Reader:
                     if table.schema.get_field_index(name) < 0:
                         table = table.append_column(name, pa.nulls(table.num_rows))
             dec = self.decoder.decode(table, chunk.resolve, chunk.path)
+            named = self._absent(chunk, dec, skipped is not None, problems) if chunk.absent else False
             if dec.bad.any():
                 lines = _lines(chunk.raw.data) if chunk.raw is not None else None
-                for i in np.flatnonzero(dec.bad):
+                for i in np.flatnonzero(dec.bad & ~named):
                     line = int(chunk.lines[i])
                     why = chunk.field_count_problem(line, lines) if lines is not None else None
                     problems.append((line, why or dec.why(int(i))))
@@ -657,7 +618,7 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
 
     # pass 2: the shards
     skipped = _Skipped()
-    sparse = [SparseFeatureInfo(c.name, r, c.multi_hot) for c, r in zip(schema.sparse, enc.table_rows)]
+    sparse = [SparseFeatureInfo(c.name, r, c.multi_hot, c.id_weights) for c, r in zip(schema.sparse, enc.table_rows)]
     all_files = [str(p) for name in SPLITS for p in sources.get(name, [])]
     extra = {"source": all_files, "format": schema.name, "categorical": categorical}
     if categorical == "hash":
@@ -708,6 +669,8 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 for f, c in enumerate(schema.sparse):
                     ids = enc.encode_feature(f, part.keys[f])
                     sp[c.name] = (ids, part.lengths[f]) if c.multi_hot else ids
+                    if c.id_weights:
+                        sp[c.name] += (part.id_weights[f],)
                 writers[name].write(part.labels, part.dense, sp, weights=part.weights)
             if max_rows is not None and total >= max_rows:
                 break
@@ -715,6 +678,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
         if reader.columns is not None and reader.columns.names:
             for w in writers.values():
                 w.manifest.extra["columns"] = list(reader.columns.names)  # what --vocab-from files without a header use
+        for w in writers.values():
+            if reader.absent_counts:
+                w.manifest.extra["absent_keys"] = dict(reader.absent_counts)  # optional keys read as missing
         for name in present:
             if counts[name] == 0 and max_rows != 0 and (name == "train" or not row_split):
                 files = ", ".join(str(p) for p in sources.get(name, [])) if not row_split else ", ".join(all_files)
@@ -749,6 +715,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     if skipped.count:
         warnings.warn(f"{schema.name}: skipped {skipped.count} malformed line(s), first: "
                       + "; ".join(skipped.examples[:3]), stacklevel=3)
+    if reader.absent_counts:
+        warnings.warn(f"{schema.name}: records without an optional key, read as missing: " + ", ".join(
+            f"{k} {n:,}" for k, n in reader.absent_counts.items()), stacklevel=3)
     return manifest
 
 
