@@ -220,3 +220,47 @@ def test_drift_on_the_plans_own_profile_recommends_nothing(tmp_path, traffic):
     assert shifted["after"]["dob_lookup"] < 0.9 < same["after"]["dob_lookup"]
     assert shifted["replanned"]["dob_lookup"] > 0.9 and shifted["rows_moved"] > 0
     assert shifted["replanned"]["max_rank_cost"] <= shifted["after"]["max_rank_cost"]
+
+
+# -- threads on a shared machine -------------------------------------------------------------------------------
+def test_thread_count_and_wait_policy_follow_the_rule():
+    """Each of N local ranks on C available cores gets max(1, C // N) intra-op threads (counted here by hand),
+    the OpenMP wait policy is passive; what the user set (OMP_NUM_THREADS, OMP_WAIT_POLICY, EMBEDSCALE_THREADS)
+    wins; a bad EMBEDSCALE_THREADS is a named error."""
+    from embedscale.errors import ConfigError
+    from embedscale.threads import chosen_threads, rank_env, set_wait_policy
+
+    for cores in range(1, 9):
+        for ranks in range(1, 5):
+            share = [n for n in range(cores, 0, -1) if n * ranks <= cores]  # the largest equal share, else 1
+            expect = share[0] if share else 1
+            assert chosen_threads({"LOCAL_WORLD_SIZE": str(ranks)}, cores=cores) == expect, (cores, ranks)
+    assert chosen_threads({}, cores=2) == 2 and chosen_threads({"LOCAL_WORLD_SIZE": "2"}, cores=2) == 1
+    assert chosen_threads({"OMP_NUM_THREADS": "3"}, cores=8) is None  # torch read the user's count already
+    assert chosen_threads({"EMBEDSCALE_THREADS": "5", "OMP_NUM_THREADS": "3"}, cores=8) == 5
+    assert chosen_threads({"EMBEDSCALE_THREADS": "torch"}, cores=8) is None
+    assert rank_env(2, {}) == {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // 2))}
+    assert rank_env(2, {"OMP_NUM_THREADS": "4"}) == {} and rank_env(2, {"EMBEDSCALE_THREADS": "torch"}) == {}
+    env: dict = {}
+    set_wait_policy(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    set_wait_policy(env)
+    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+    env = {"EMBEDSCALE_THREADS": "torch"}
+    set_wait_policy(env)
+    assert "OMP_WAIT_POLICY" not in env
+    with pytest.raises(ConfigError, match="EMBEDSCALE_THREADS='many'"):
+        chosen_threads({"EMBEDSCALE_THREADS": "many"})
+
+
+def test_the_cli_sets_the_passive_wait_policy_before_torch_is_imported(tmp_path):
+    """The OpenMP runtime reads OMP_WAIT_POLICY when torch loads it: the command sets it first."""
+    probe = ("import os, sys\nfrom click.testing import CliRunner\nfrom embedscale.cli import main\n"
+             "os.environ.pop('OMP_WAIT_POLICY', None)\n"
+             f"r = CliRunner().invoke(main, ['topology', '--out', {str(tmp_path / 't.json')!r}])\n"
+             "print(r.exit_code, os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "EMBEDSCALE_THREADS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert p.stdout.split() == ["0", "PASSIVE", "False"], (p.stdout, p.stderr[-2000:])

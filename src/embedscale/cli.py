@@ -23,6 +23,7 @@ from embedscale.errors import EmbedscaleError
 from embedscale.io import read_json
 from embedscale.specs import RunConfig, SyntheticConfig, TableConfig, Topology, from_dict, leaf_fields, load_config
 from embedscale.specs import set_dotted
+from embedscale.threads import apply_threads, rank_env, set_wait_policy
 from embedscale.train.lock import RunLock, stop_on_signals, stop_requested
 
 
@@ -166,6 +167,7 @@ def _command(state: dict):
     (nothing half-written). ``state["run_dir"]``, once set, is named in the message."""
     try:
         with stop_on_signals():
+            apply_threads()
             yield
     except KeyboardInterrupt as e:
         _stopped(getattr(e, "signum", signal.SIGINT), state.get("run_dir"))
@@ -205,6 +207,7 @@ class _Commands(click.Group):
 @click.version_option(package_name="embedscale")
 def main() -> None:
     """embedscale: train and serve recommendation models with large, skewed embedding tables."""
+    set_wait_policy()  # before torch is imported (the commands import it lazily): see embedscale.threads
 
 
 @main.command()
@@ -286,7 +289,7 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     with RunLock(rd):  # before anything is written there: a second run into rd fails here
-        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd)
+        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc))
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
     return read_json(rd / "summary.json", "run summary")
@@ -312,6 +315,7 @@ def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     import torch
 
     try:
+        apply_threads()
         ck, chosen = _checkpoint_to_score(Path(checkpoint))
         manifest = read_manifest(ck)
         cfg = from_dict(RunConfig, yaml.safe_load(manifest.get("config_yaml") or "") or {})
@@ -422,7 +426,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
                     args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
                             "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
                             *(["--no-progress"] if no_progress else [])]
-                    code = launch_ranks(nproc, args, run_dir=rd)
+                    code = launch_ranks(nproc, args, run_dir=rd, env=rank_env(nproc))
                     if code != 0:
                         raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
                     out = read_json(rd / "inference.json", "inference result")

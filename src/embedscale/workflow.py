@@ -16,6 +16,7 @@ import torch
 from embedscale.io import atomic_write_json, atomic_write_text
 from embedscale.plan.forms import config_forms, host_pipeline_depth, table_bytes
 from embedscale.specs import RunConfig, TableSpec, dump_config
+from embedscale.threads import rank_env
 from embedscale.train.lock import RunLock
 # the assembly steps, re-exported: `workflow.prepare_data(...)` etc. read as the flow's steps
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
@@ -131,7 +132,7 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
     config_path = run_dir / "config.yaml"
     args = ["train", "--config", str(config_path), "--run-dir", str(run_dir)] + ([] if progress else ["--no-progress"])
-    code = launch_ranks(cfg.dist.nproc, args, run_dir=run_dir)
+    code = launch_ranks(cfg.dist.nproc, args, run_dir=run_dir, env=rank_env(cfg.dist.nproc))
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
     return read_json(run_dir / "summary.json", "run summary")

@@ -1,0 +1,84 @@
+"""Threads of a process that trains or serves: torch's intra-op threads and OpenMP's wait policy.
+
+On a machine whose cores other work keeps busy, OpenMP's default wait policy makes a thread that finished its
+share of an operator spin for the others, on a core that the others need: a small training step on 2 busy
+cores ran 40x slower with torch's default 2 threads than with the passive policy (``benchmarks/bench_threads.py``,
+BENCHMARKS.md). So every ``embedscale`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (the
+OpenMP runtime reads it when it loads; torchrun's ranks inherit it) and gives a process
+``available cores // local ranks`` intra-op threads (the cores this process may run on, ``os.sched_getaffinity``,
+shared by the ranks of one machine), at least one.
+
+What the user set wins: ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` as given, and ``EMBEDSCALE_THREADS``:
+``auto`` (the default: the rule above), ``torch`` (leave torch's and OpenMP's defaults alone) or a number of
+threads.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+
+from embedscale.errors import ConfigError
+
+KNOB = "EMBEDSCALE_THREADS"
+WAIT_POLICY = "PASSIVE"
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's count where there is none)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def threads_per_process(cores: int, local_ranks: int = 1) -> int:
+    """Intra-op threads of one of ``local_ranks`` processes sharing ``cores``: an equal share, at least one."""
+    return max(1, int(cores) // max(1, int(local_ranks)))
+
+
+def _knob(env: MutableMapping[str, str]) -> str:
+    v = env.get(KNOB, "auto").strip().lower() or "auto"
+    if v in ("auto", "torch") or (v.isdigit() and int(v) > 0):
+        return v
+    raise ConfigError(f"{KNOB}={env[KNOB]!r}: expected auto, torch or a positive number of threads")
+
+
+def set_wait_policy(env: MutableMapping[str, str] = os.environ) -> None:
+    """``OMP_WAIT_POLICY=PASSIVE`` unless set (or ``EMBEDSCALE_THREADS=torch``); call before torch is imported."""
+    if _knob(env) != "torch":
+        env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+
+
+def chosen_threads(env: MutableMapping[str, str] = os.environ, cores: int | None = None) -> int | None:
+    """This process's intra-op threads by the rule (module docstring), or ``None`` to leave torch's count (the
+    user's ``OMP_NUM_THREADS``, which torch read, or ``EMBEDSCALE_THREADS=torch``). Under torchrun the ranks of
+    this machine (``LOCAL_WORLD_SIZE``) share the cores."""
+    knob = _knob(env)
+    if knob == "torch":
+        return None
+    if knob != "auto":
+        return int(knob)
+    if "OMP_NUM_THREADS" in env:
+        return None
+    return threads_per_process(available_cores() if cores is None else cores, int(env.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def apply_threads(env: MutableMapping[str, str] = os.environ) -> int:
+    """Set torch's intra-op threads by :func:`chosen_threads`; returns the count in effect."""
+    import torch
+
+    n = chosen_threads(env)
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
+def rank_env(nproc: int, env: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """The thread settings of ``nproc`` local ranks a command launches: ``OMP_NUM_THREADS`` of each (an equal
+    share of the available cores) unless the user set it or ``EMBEDSCALE_THREADS`` says otherwise."""
+    knob = _knob(env)
+    if knob == "torch" or "OMP_NUM_THREADS" in env:
+        return {}
+    n = int(knob) if knob != "auto" else threads_per_process(available_cores(), nproc)
+    return {"OMP_NUM_THREADS": str(n)}
