@@ -19,6 +19,7 @@ import math
 import os
 import queue
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -394,16 +395,22 @@ def end_run_processes(proc: subprocess.Popen, sessions: set[int], grace_s: float
 
 
 def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove the temporary files ``io.atomic_open`` leaves when its writer is killed (``.NAME.XXXX.tmp``)
-    under ``run_dir``: only call it when every process of the run is gone (and the run's lock is held).
-    The final files are untouched: a write either renamed its temporary file into place or it never happened."""
+    """Remove the temporary files ``io.atomic_open`` leaves when its writer is killed (``.NAME.XXXX.tmp``), and
+    the temporary directories of checkpoints being written (``checkpoints/.step-N.tmp``), under ``run_dir``: only
+    call it when every process of the run is gone (and the run's lock is held). The final files are untouched:
+    a write either renamed its temporary file into place or it never happened."""
     removed = []
     root = Path(run_dir)
     if not root.is_dir():
         return removed
-    for p in root.rglob(".*.tmp"):
+    for p in sorted(root.rglob(".*.tmp"), key=lambda q: len(q.parts)):
         with contextlib.suppress(OSError):
-            p.unlink()
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+            else:
+                continue  # inside a directory removed already
             removed.append(p)
     return removed
 
