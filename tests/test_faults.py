@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -134,29 +135,22 @@ def _logged_steps(run_dir: Path) -> list[int]:
         return []
 
 
-def test_disk_full_while_checkpointing_is_one_error_and_leaves_no_partial_checkpoint(setup, tmp_path):
-    """The run directory on a small tmpfs; once a checkpoint is complete, every process of the run is frozen
-    (SIGSTOP) between two checkpoints and the file system filled, then they go on: the next checkpoint cannot be
-    written. The run ends non-zero with one error naming the checkpoint and "no space left", no traceback from
-    any process, and no directory under checkpoints/ but complete ones (each with its manifest; no temporary
-    one); `evaluate RUN` then scores the last complete checkpoint."""
-    disk = tmp_path / "disk"
-    if not _mount_tmpfs(disk, "32m"):
-        pytest.skip("cannot mount a tmpfs here (needs root): the full disk is simulated on one")
-    rd = disk / "run"
-    log = tmp_path / "stderr.txt"
+def _train_until_disk_full(setup, rd: Path, disk: Path, log: Path) -> tuple[int, list[int]]:
+    """Run ``train --nproc 2`` into ``rd``; once a checkpoint is complete, freeze every process of the run (SIGSTOP)
+    between two checkpoints (the last complete one logged in metrics.csv, none being written), fill ``disk``, let
+    them go on. Returns the launcher's exit code and the complete steps before the fill; kills only what it
+    started."""
     args = [sys.executable, "-m", "embedscale", "train", "--nproc", "2", "--run-dir", str(rd), "--no-progress",
             "--data-source", "shards", "--data-path", str(setup / "data"), "--model-embedding-dim", "4",
             "--model-bottom-mlp", "8", "--model-top-mlp", "8", "--train-batch-size", "50",
             "--train-max-steps", str(10**6), "--train-epochs", "10000", "--train-checkpoint-every", "2",
-            "--train-log-every", "1", "--train-eval-every", "0", "--train-early-stopping-patience", "0", "--dist-plan", str(setup / "plan"),
-            "--dist-timeout-s", str(TIMEOUT_S), "--out-dir", str(setup / "runs")]
+            "--train-log-every", "1", "--train-eval-every", "0", "--train-early-stopping-patience", "0",
+            "--dist-plan", str(setup / "plan"), "--dist-timeout-s", str(TIMEOUT_S), "--out-dir", str(setup / "runs")]
     procs: set[int] = set()
     frozen: set[int] = set()
+    with open(log, "w") as f:
+        p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f)
     try:
-        with open(log, "w") as f:
-            p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f)
-        # frozen between two checkpoints: the last complete one is logged in metrics.csv, none is being written
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             assert p.poll() is None, log.read_text()[-3000:]
@@ -176,7 +170,7 @@ def test_disk_full_while_checkpointing_is_one_error_and_leaves_no_partial_checkp
         _fill(disk / "filler")
         signal_all(frozen, signal.SIGCONT)
         frozen = set()
-        p.wait(timeout=600)
+        return p.wait(timeout=600), before
     finally:
         signal_all(frozen, signal.SIGCONT)
         if p.poll() is None:
@@ -184,9 +178,22 @@ def test_disk_full_while_checkpointing_is_one_error_and_leaves_no_partial_checkp
             p.wait()
         signal_all(alive(procs), signal.SIGKILL)
         (disk / "filler").unlink(missing_ok=True)
-    err = log.read_text()
+
+
+def test_disk_full_while_checkpointing_is_one_error_and_leaves_no_partial_checkpoint(setup, tmp_path):
+    """The run directory on a small tmpfs, filled while the run trains (between two checkpoints): the next
+    checkpoint cannot be written. The run ends non-zero with one error naming the checkpoint and "no space left",
+    no traceback from any process, and no directory under checkpoints/ but complete ones (each with its
+    manifest; no temporary one); `evaluate RUN` then scores the last complete checkpoint."""
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "32m"):
+        pytest.skip("cannot mount a tmpfs here (needs root): the full disk is simulated on one")
+    rd = disk / "run"
+    log = tmp_path / "stderr.txt"
     try:
-        assert p.returncode != 0, err[-3000:]
+        code, before = _train_until_disk_full(setup, rd, disk, log)
+        err = log.read_text()
+        assert code != 0, err[-3000:]
         assert "Traceback (most recent call last)" not in err, err[-5000:]
         named = [ln for ln in err.splitlines() if "no space left" in ln.lower()]
         assert len(named) == 1, err[-5000:]
@@ -195,12 +202,43 @@ def test_disk_full_while_checkpointing_is_one_error_and_leaves_no_partial_checkp
         left = sorted(x.name for x in ck.iterdir() if x.name != "best")
         complete = _complete_steps(rd)
         assert left == [f"step-{s:08d}" for s in complete], left  # no partial or temporary directory
+        assert complete[:len(before)] == before and complete, (before, complete)
         if (ck / "best").is_symlink():  # an evaluation at an epoch's end: the pointer names a complete one
             assert (ck / "best" / "manifest.json").is_file()
-        assert complete[:len(before)] == before and complete, (before, complete)
         ev = subprocess.run([sys.executable, "-m", "embedscale", "evaluate", str(rd), "--json"], capture_output=True,
                             text=True, timeout=600)
         assert ev.returncode == 0, ev.stderr[-3000:]
-        assert f"step-{complete[-1]:08d}" in ev.stdout, ev.stdout
+        scored = Path(json.loads(ev.stdout.strip().splitlines()[-1])["checkpoint"])
+        assert scored.parent == ck and scored.name in [f"step-{s:08d}" for s in complete], scored
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["renameat2-exchange", "rename-aside"])
+def test_readers_skip_temporary_checkpoints_and_a_rewritten_step_is_replaced_whole(tmp_path, monkeypatch, swap):
+    """A temporary checkpoint directory is no checkpoint to any reader, even with a manifest in it (a write
+    killed between the manifest and the rename); writing a step again replaces its directory whole (files of
+    the old one do not survive) and leaves no temporary directory, with or without an atomic swap."""
+    from embedscale.errors import FormatError
+    from embedscale.train import checkpoint as C
+
+    if not swap:
+        monkeypatch.setattr(C, "_exchange", lambda a, b: False)
+    ck = tmp_path / "checkpoints"
+    done = ck / "step-00000002"
+    done.mkdir(parents=True)
+    (done / "manifest.json").write_text('{"old": 1}')
+    (done / "rank-00001.pt").write_text("old")
+    killed = ck / ".step-00000004.tmp"
+    killed.mkdir()
+    (killed / "manifest.json").write_text('{"killed": 1}')
+    assert C.latest_checkpoint(tmp_path) == done
+    with pytest.raises(FormatError):
+        C.resolve_checkpoint(killed)
+    new = C.begin(done)
+    assert not killed.exists() and new.name == ".step-00000002.tmp" and not list(new.iterdir())
+    (new / "manifest.json").write_text('{"new": 1}')
+    C.publish(new, done)
+    assert sorted(x.name for x in ck.iterdir()) == ["step-00000002"]
+    assert sorted(x.name for x in done.iterdir()) == ["manifest.json"]
+    assert json.loads((done / "manifest.json").read_text()) == {"new": 1}

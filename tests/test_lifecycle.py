@@ -390,3 +390,41 @@ def test_sigkill_of_the_launcher_ends_the_run_and_the_lock_waits_for_it(tmp_path
     capfd.readouterr()
     with RunLock(rd, "after"):  # nothing of the run lives: the stale hold is taken over
         assert "taking over the stale lock" in capfd.readouterr().err
+
+
+def _start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat (starttime), read here independently of the lock's own reader."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rfind(")") + 2:].split()[19])
+
+
+def test_lock_is_refused_while_a_listed_or_marked_process_lives(tmp_path, capfd):
+    """A lock file whose holder died (no flock) but which lists a live process by pid and start time, or names a
+    marker that a live process carries in its environment, is refused naming that pid; the same pid with another
+    start time (a reused pid) or a marker nobody carries is a stale hold, taken over."""
+    rd = tmp_path / "run"
+    rd.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    marker = f"EMBEDSCALE_LAUNCH_ID=test-{os.getpid()}-{time.monotonic_ns()}"
+    name, value = marker.split("=")
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, name: value})
+    try:
+        base = {"pid": dead.pid, "host": socket.gethostname(), "started": "S0", "command": "killed launcher"}
+        cases = [({"processes": [[dead.pid, None], [rank.pid, _start_ticks(rank.pid)]]}, True),
+                 ({"processes": [[rank.pid, _start_ticks(rank.pid) + 1]]}, False),  # the pid of another process now
+                 ({"processes": [[dead.pid, None]], "marker": marker}, True),
+                 ({"processes": [[dead.pid, None]], "marker": marker + "x"}, False)]
+        for extra, busy in cases:
+            (rd / LOCK_NAME).write_text(json.dumps({**base, **extra}) + "\n")
+            capfd.readouterr()
+            if busy:
+                with pytest.raises(RunDirBusy, match=rf"{rd}.*pids {rank.pid} .*pid {dead.pid}"):
+                    RunLock(rd, "second").acquire()
+                assert read_holder(rd) == {**base, **extra}  # the refused attempt wrote nothing
+            else:
+                with RunLock(rd, "second"):
+                    assert "taking over the stale lock" in capfd.readouterr().err
+    finally:
+        rank.kill()
+        rank.wait()
