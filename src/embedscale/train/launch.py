@@ -5,7 +5,8 @@ MASTER_PORT) and joins the group with a timeout, so a rank that dies or hangs tu
 others instead of a silent hang. ``spawn_local`` runs a function on N local processes (gloo) and returns
 what each rank returned, re-raising the first failure with the rank that failed named. ``launch_ranks``
 is the one launcher of every command that starts ranks: it runs torchrun, owns the ranks and ends all of
-them (and only then itself) on SIGINT/SIGTERM.
+them (and only then itself) on SIGINT/SIGTERM; killed outright (SIGKILL), it takes them with it
+(:func:`die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -474,7 +475,9 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     in the terminal reaches only this process; on SIGINT or SIGTERM this process ends every process of the
     run (:func:`end_run_processes`: SIGTERM, ``STOP_GRACE_S`` for the ranks to finish atomic writes, then
     SIGKILL), removes temporary files the killed ranks left in ``run_dir`` and raises :class:`Stopped`
-    (exit code 130 or 143). The ranks see ``EMBEDSCALE_LAUNCHED=1`` (this process holds the run's lock).
+    (exit code 130 or 143). The ranks see ``EMBEDSCALE_LAUNCHED=1`` (this process holds the run's lock), the
+    launcher's pid and a launch id (:func:`die_with_launcher`: nothing of the run outlives this process, SIGKILL
+    included); the lock on ``run_dir`` lists torchrun and each rank as they start (``lock.RunLock.record``).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
