@@ -320,3 +320,111 @@ def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def children(pids: set[int], of: set[int]) -> set[int]:
+    """The members of ``pids`` whose parent is in ``of`` (read from /proc now)."""
+    t = proc_table()
+    return {p for p in pids if p in t and t[p][0] in of}
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    """Wait up to ``timeout_s`` for ``pids`` to end; the ones still alive then."""
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+GONE_S = 10.0  # the bar: no process of the run 10 s after its launcher was SIGKILLed
+
+
+def test_sigkill_of_the_launcher_ends_the_run_and_the_lock_waits_for_it(tmp_path, out_dir, capfd):
+    """SIGKILL of the launcher (no handler of it runs): torchrun and the ranks end with it. One rank is frozen
+    (SIGSTOP) first, so that a process of the killed run is certainly alive, however loaded the machine: torchrun
+    and the other rank are gone within 10 s all the same; a new run into the directory is then refused naming
+    the frozen rank's pid; let go (SIGCONT), that rank is gone within 10 s too, its PGAS heap left no segment,
+    and the directory is taken over. The processes are found from /proc (the launcher's descendants), not
+    from what the run recorded."""
+    rd = tmp_path / "run"
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    log = tmp_path / "stderr.txt"
+    env = {**os.environ, "EMBEDSCALE_SHM_DIR": str(shm)}
+    with open(log, "w") as f:
+        p = subprocess.Popen(cli(rd, out_dir, nproc=2, max_steps=10**6, every=3,
+                                 extra=["--train-epochs", "100", "--dist-transport", "pgas"]),
+                             stdout=subprocess.DEVNULL, stderr=f, text=True, env=env)
+    procs: set[int] = set()
+    frozen: set[int] = set()
+    try:
+        wait_for("checkpoint", lambda: checkpoints(rd), p)
+        procs = tree(p.pid)
+        torchrun = children(procs, {p.pid})
+        ranks = children(procs, torchrun)
+        assert len(torchrun) == 1 and len(ranks) == 2, (procs, torchrun, ranks)
+        frozen = {max(ranks)}
+        signal_all(frozen, signal.SIGSTOP)
+        p.kill()
+        p.wait(timeout=60)
+        left = wait_gone(procs - frozen, GONE_S)
+        assert not left, f"torchrun or a rank outlived the SIGKILLed launcher by {GONE_S} s: {sorted(left)}"
+        assert alive(frozen) == frozen
+        second = subprocess.run(cli(rd, out_dir, nproc=1, max_steps=4), capture_output=True, text=True, timeout=600)
+        assert second.returncode == 2, (second.returncode, second.stderr[-3000:])
+        msg = second.stderr.strip().splitlines()[-1]
+        assert msg.startswith("error: ") and str(rd) in msg and "pids" in msg, msg
+        assert str(next(iter(frozen))) in msg and f"pid {p.pid}" in msg, msg
+        assert "Traceback" not in second.stderr and "stale lock" not in second.stderr
+        signal_all(frozen, signal.SIGCONT)
+        left = wait_gone(frozen, GONE_S)
+        assert not left, f"the frozen rank outlived its launcher by {GONE_S} s after SIGCONT: {sorted(left)}"
+        frozen = set()
+    finally:
+        signal_all(alive(procs), signal.SIGKILL)  # whatever a failing run left behind
+        signal_all(frozen, signal.SIGCONT)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not list(shm.iterdir()), f"shared-memory segments left: {sorted(x.name for x in shm.iterdir())}"
+    capfd.readouterr()
+    with RunLock(rd, "after"):  # nothing of the run lives: the stale hold is taken over
+        assert "taking over the stale lock" in capfd.readouterr().err
+
+
+def _start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat (starttime), read here independently of the lock's own reader."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat[stat.rfind(")") + 2:].split()[19])
+
+
+def test_lock_is_refused_while_a_listed_or_marked_process_lives(tmp_path, capfd):
+    """A lock file whose holder died (no flock) but which lists a live process by pid and start time, or names a
+    marker that a live process carries in its environment, is refused naming that pid; the same pid with another
+    start time (a reused pid) or a marker nobody carries is a stale hold, taken over."""
+    rd = tmp_path / "run"
+    rd.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    marker = f"EMBEDSCALE_LAUNCH_ID=test-{os.getpid()}-{time.monotonic_ns()}"
+    name, value = marker.split("=")
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], env={**os.environ, name: value})
+    try:
+        base = {"pid": dead.pid, "host": socket.gethostname(), "started": "S0", "command": "killed launcher"}
+        cases = [({"processes": [[dead.pid, None], [rank.pid, _start_ticks(rank.pid)]]}, True),
+                 ({"processes": [[rank.pid, _start_ticks(rank.pid) + 1]]}, False),  # the pid of another process now
+                 ({"processes": [[dead.pid, None]], "marker": marker}, True),
+                 ({"processes": [[dead.pid, None]], "marker": marker + "x"}, False)]
+        for extra, busy in cases:
+            (rd / LOCK_NAME).write_text(json.dumps({**base, **extra}) + "\n")
+            capfd.readouterr()
+            if busy:
+                with pytest.raises(RunDirBusy, match=rf"{rd}.*pids {rank.pid} .*pid {dead.pid}"):
+                    RunLock(rd, "second").acquire()
+                assert read_holder(rd) == {**base, **extra}  # the refused attempt wrote nothing
+            else:
+                with RunLock(rd, "second"):
+                    assert "taking over the stale lock" in capfd.readouterr().err
+    finally:
+        rank.kill()
+        rank.wait()

@@ -15,3 +15,12 @@ class ConfigError(EmbedscaleError, ValueError):
 
 class FormatError(EmbedscaleError, ValueError):
     """A file we wrote (shards, profile, plan, checkpoint) that is missing, corrupt or of another version."""
+
+
+class CheckpointWriteError(EmbedscaleError):
+    """A checkpoint could not be written (a full disk, a read-only directory); nothing of it was kept. ``errno``:
+    the cause's."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno

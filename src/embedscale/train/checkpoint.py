@@ -3,8 +3,12 @@
 Every run (one process, N ranks under any plan, TT/host mixtures, pipelined host tables, DMT towers) writes
 the same directory: each rank a file with the embedding rows it holds, *by table name and row id* (so a
 checkpoint restores onto any world size, plan or tower sharding), and the dense state it is responsible
-for; rank 0 writes ``manifest.json`` last, after every rank file is complete, so a directory without a
-manifest is an interrupted write and never read. One process is a world of one.
+for; rank 0 writes ``manifest.json`` last, after every rank file is complete. All of it goes into a temporary
+directory first (``checkpoints/.step-N.tmp``, which no reader looks at), renamed to ``step-N`` only once the
+manifest is in it (:func:`publish`): a ``step-N`` is always complete, and a write that fails (a full disk) or is
+killed leaves nothing a reader could take for a checkpoint. A failed write is one error on every rank
+(:func:`agree`: the first failing rank names the file and the cause, :class:`~embedscale.errors.CheckpointWriteError`;
+the others exit quietly) and the run's earlier checkpoints stay as they were. One process is a world of one.
 
 ``checkpoints/best`` (a relative symbolic link, replaced atomically by rank 0 once the checkpoint it names
 is complete) points at the step directory of the best evaluation so far (``train.loop``: the monitored eval
@@ -52,10 +56,13 @@ updated (``LocalEmbeddingBags`` / ``ShardedEmbedding.track_touched``: one bool p
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -64,7 +71,7 @@ import numpy as np
 import torch
 
 from embedscale.embedding.managed import apply_delta
-from embedscale.errors import FormatError
+from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, read_json
 
 FORMAT = "embedscale.checkpoint"
@@ -85,9 +92,21 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def temp_dir(ckpt_dir: str | Path) -> Path:
+    """Where ``ckpt_dir`` (``checkpoints/step-N``) is written until it is complete: ``checkpoints/.step-N.tmp``."""
+    ckpt_dir = Path(ckpt_dir)
+    return ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
+
+
+def is_temp(path: str | Path) -> bool:
+    """A checkpoint being written (or whose write was interrupted): never a checkpoint to a reader."""
+    name = Path(path).name
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def is_checkpoint(path: str | Path) -> bool:
-    """A complete checkpoint: a directory whose manifest has been written."""
-    return (Path(path) / MANIFEST).is_file()
+    """A complete checkpoint: a directory whose manifest has been written (a temporary directory never is)."""
+    return not is_temp(path) and (Path(path) / MANIFEST).is_file()
 
 
 def latest_checkpoint(path: str | Path) -> Path | None:
@@ -398,6 +417,100 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 # -- writing ----------------------------------------------------------------------------------------
+def begin(ckpt_dir: Path) -> Path:
+    """Rank 0, before any rank writes ``ckpt_dir``: remove the temporary directories earlier writes left (killed
+    or failed; the run's lock makes this the only writer) and make an empty one for this checkpoint."""
+    tmp = temp_dir(ckpt_dir)
+    if tmp.parent.is_dir():
+        for p in tmp.parent.iterdir():
+            if is_temp(p) and p.name.startswith(".step-") and p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+_RENAME_EXCHANGE = 2  # renameat2(2) flag: swap two paths atomically (Linux 3.15+)
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2``); ``False`` where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def publish(tmp: Path, ckpt_dir: Path) -> None:
+    """Rank 0, once ``tmp`` holds every rank file and the manifest: rename it to ``ckpt_dir``. A checkpoint of the
+    same step there already (a step written again) is swapped out in one step and removed, so a reader finds the
+    old one or the new one at ``ckpt_dir``, never neither (where the swap is unsupported, it is renamed aside
+    first: a moment without it)."""
+    if ckpt_dir.is_dir() and not ckpt_dir.is_symlink():
+        if not _exchange(tmp, ckpt_dir):
+            old = ckpt_dir.with_name(f".{ckpt_dir.name}.old.tmp")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(ckpt_dir, old)
+            os.rename(tmp, ckpt_dir)
+            tmp = old
+        shutil.rmtree(tmp, ignore_errors=True)  # the replaced checkpoint
+    else:
+        os.rename(tmp, ckpt_dir)
+    fd = os.open(ckpt_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself on disk
+    finally:
+        os.close(fd)
+
+
+def _status(e: BaseException | None) -> int:
+    """What a rank tells the others of its part of a write: 0 done, an errno (an ``OSError``), -1 another error."""
+    if e is None:
+        return 0
+    return e.errno if isinstance(e, OSError) and e.errno else -1
+
+
+def agree(rank: int, world: int, ckpt_dir: Path, error: BaseException | None) -> None:
+    """Every rank, after its part of writing ``ckpt_dir`` (``error``: what it raised, or ``None``): all learn
+    whether any part failed (one all-gather), so no rank goes on while another has stopped. On a failure rank 0
+    removes the temporary directory; the first failing rank raises its error (an ``OSError`` becomes a
+    :class:`CheckpointWriteError` naming the checkpoint, the file and the cause), every other rank exits quietly
+    (``SystemExit(2)``): one error for the whole run, no traceback from a peer whose collective broke."""
+    codes = [_status(error)]
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            out = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(out, torch.tensor([codes[0]], dtype=torch.int64))
+            codes = [int(t) for t in out]
+    failed = [r for r, c in enumerate(codes) if c != 0]
+    if not failed:
+        return
+    if rank == 0:
+        shutil.rmtree(temp_dir(ckpt_dir), ignore_errors=True)
+    if error is None or rank != failed[0]:
+        raise SystemExit(2)
+    if not isinstance(error, OSError) or not error.errno:
+        raise error
+    name = Path(error.filename) if error.filename else None
+    where = f"{name.name if name.parent == temp_dir(ckpt_dir) else name}: " if name else ""
+    others = f" (rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} failed too)" if failed[1:] else ""
+    latest = latest_checkpoint(ckpt_dir.parent)
+    who = f"rank {rank}: " if world > 1 else ""
+    raise CheckpointWriteError(f"{who}cannot write checkpoint {ckpt_dir}: {where}{os.strerror(error.errno).lower()}"
+                               f"{others}; nothing of it was kept, the latest complete checkpoint is "
+                               f"{latest if latest is not None else 'none'}", error.errno) from None
+
+
 def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
     """This rank's part, written atomically (a temporary file renamed)."""
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -467,8 +580,8 @@ def delta_entry(rows: np.ndarray | torch.Tensor, weight: torch.Tensor, momentum:
     return e
 
 
-__all__ = ["BEST", "DELTA_VERSION", "FORMAT", "MANIFEST", "VERSION", "assemble_table", "base_ref", "bases_in_use",
-           "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows", "is_checkpoint", "is_delta",
+__all__ = ["BEST", "DELTA_VERSION", "FORMAT", "MANIFEST", "VERSION", "agree", "assemble_table", "base_ref",
+           "bases_in_use", "begin", "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows", "is_checkpoint", "is_delta",
            "write_best", "latest_checkpoint", "load_checkpoint",
-           "merged", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
-           "step_dir", "table_pieces", "write_manifest", "write_rank_file"]
+           "is_temp", "merged", "publish", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
+           "step_dir", "table_pieces", "temp_dir", "write_manifest", "write_rank_file"]

@@ -86,7 +86,7 @@ from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
-from embedscale.train.launch import init_from_env
+from embedscale.train.launch import die_with_launcher, init_from_env
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
@@ -733,6 +733,7 @@ latest_sharded_checkpoint = latest_checkpoint  # one format: every checkpoint is
 
 def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path, int, int]:
     """Rank 0 prepares the run (data, profile, plan), the others wait for it; then all join the group."""
+    die_with_launcher()  # from the start: a rank waiting for rank 0 must not outlive its launcher either
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.dist.nproc = world

@@ -5,17 +5,22 @@ MASTER_PORT) and joins the group with a timeout, so a rank that dies or hangs tu
 others instead of a silent hang. ``spawn_local`` runs a function on N local processes (gloo) and returns
 what each rank returned, re-raising the first failure with the rank that failed named. ``launch_ranks``
 is the one launcher of every command that starts ranks: it runs torchrun, owns the ranks and ends all of
-them (and only then itself) on SIGINT/SIGTERM.
+them (and only then itself) on SIGINT/SIGTERM; killed outright (SIGKILL), it takes them with it
+(:func:`die_with_launcher`).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import io
+import math
 import os
 import queue
+import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from embedscale.train.lock import Stopped
+from embedscale.train.lock import Stopped, record_run_processes
 
 
 def free_port() -> int:
@@ -45,6 +51,7 @@ _JOINED_HERE = False  # init_from_env made the default process group (leave_grou
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
     """Join the default process group from torchrun's environment; returns ``(rank, world_size)``."""
     global _JOINED_HERE
+    die_with_launcher()
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     _JOINED_HERE = True
@@ -191,6 +198,107 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Dying with the launcher: no process of a run outlives the one that started it, however that one ends.
+# ---------------------------------------------------------------------------------------------------------------
+
+LAUNCHER_PID_ENV = "EMBEDSCALE_LAUNCHER_PID"  # the launcher's pid, in every rank it starts
+LAUNCH_ID_ENV = "EMBEDSCALE_LAUNCH_ID"  # new for every launch, in the environment of every process of it
+WATCH_INTERVAL_S = 0.25  # how often a rank looks whether its parent and its launcher still live
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+_watching = False
+
+# torchrun is started through this: the kernel SIGKILLs it when the launcher's thread that started it exits
+# (PR_SET_PDEATHSIG, kept across execve), unless the launcher died before the prctl (then it never starts)
+_DIE_WITH_PARENT = ("import ctypes, os, sys; ctypes.CDLL(None).prctl(1, 9, 0, 0, 0); "
+                    "os.getppid() == int(sys.argv[1]) or os._exit(137); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """``prctl(PR_SET_PDEATHSIG, sig)``: the kernel sends this process ``sig`` when the *thread* that started it
+    exits (Linux; ``False`` elsewhere or when it fails)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_launcher() -> None:
+    """Make this rank end with its launcher (a no-op outside torchrun, and the second time).
+
+    Two ways, either enough: the parent-death signal (SIGTERM when torchrun, which started this rank from its
+    main thread, dies; the launcher starts torchrun with SIGKILL as its own), and a daemon thread watching the
+    parent (``getppid`` changes when it dies) and the launcher (``EMBEDSCALE_LAUNCHER_PID``, by a pidfd: a
+    launcher that is a zombie counts as dead). On either death the watch ends this rank (:func:`_end_self`)."""
+    global _watching
+    if _watching or not (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(LAUNCHER_PID_ENV)):
+        return
+    _watching = True
+    parent = os.getppid()
+    set_parent_death_signal(signal.SIGTERM)
+    launcher = int(os.environ.get(LAUNCHER_PID_ENV) or 0)
+    threading.Thread(target=_watch, args=(parent, launcher), name="embedscale-launcher-watch", daemon=True).start()
+
+
+def _process_ended(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (``/proc``; ``kill(pid, 0)`` where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def _watch(parent: int, launcher: int) -> None:
+    fd = None
+    if launcher and hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(launcher)
+        except ProcessLookupError:
+            _end_self(launcher_gone=True)
+            return
+        except OSError:
+            fd = None
+    while True:
+        if os.getppid() != parent:
+            _end_self(launcher_gone=not launcher or _process_ended(launcher))
+            return
+        if fd is not None:
+            if select.select([fd], [], [], WATCH_INTERVAL_S)[0]:  # a pidfd is readable once its process ended
+                break
+        else:
+            time.sleep(WATCH_INTERVAL_S)
+            if launcher and _process_ended(launcher):
+                break
+    _end_self(launcher_gone=True)
+
+
+def _end_self(launcher_gone: bool) -> None:
+    """This rank's parent or launcher died: SIGTERM to itself (its stop path: clean-ups, then exit), and a hard
+    deadline of ``STOP_GRACE_S`` (``alarm``: SIGALRM's default action ends the process in the kernel, whatever
+    the main thread is blocked in). With the launcher gone nobody reads this rank's output: it goes to
+    ``/dev/null``, so a last word to a closed pipe cannot fail the way out."""
+    if launcher_gone:
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+    signal.alarm(max(1, math.ceil(STOP_GRACE_S)))
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # The launcher: one function starts the ranks of every command (train, infer, run) and owns them.
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -288,16 +396,22 @@ def end_run_processes(proc: subprocess.Popen, sessions: set[int], grace_s: float
 
 
 def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
-    """Remove the temporary files ``io.atomic_open`` leaves when its writer is killed (``.NAME.XXXX.tmp``)
-    under ``run_dir``: only call it when every process of the run is gone (and the run's lock is held).
-    The final files are untouched: a write either renamed its temporary file into place or it never happened."""
+    """Remove the temporary files ``io.atomic_open`` leaves when its writer is killed (``.NAME.XXXX.tmp``), and
+    the temporary directories of checkpoints being written (``checkpoints/.step-N.tmp``), under ``run_dir``: only
+    call it when every process of the run is gone (and the run's lock is held). The final files are untouched:
+    a write either renamed its temporary file into place or it never happened."""
     removed = []
     root = Path(run_dir)
     if not root.is_dir():
         return removed
-    for p in root.rglob(".*.tmp"):
+    for p in sorted(root.rglob(".*.tmp"), key=lambda q: len(q.parts)):
         with contextlib.suppress(OSError):
-            p.unlink()
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+            else:
+                continue  # inside a directory removed already
             removed.append(p)
     return removed
 
@@ -361,14 +475,22 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     in the terminal reaches only this process; on SIGINT or SIGTERM this process ends every process of the
     run (:func:`end_run_processes`: SIGTERM, ``STOP_GRACE_S`` for the ranks to finish atomic writes, then
     SIGKILL), removes temporary files the killed ranks left in ``run_dir`` and raises :class:`Stopped`
-    (exit code 130 or 143). The ranks see ``EMBEDSCALE_LAUNCHED=1`` (this process holds the run's lock).
+    (exit code 130 or 143). The ranks see ``EMBEDSCALE_LAUNCHED=1`` (this process holds the run's lock), the
+    launcher's pid and a launch id (:func:`die_with_launcher`: nothing of the run outlives this process, SIGKILL
+    included); the lock on ``run_dir`` lists torchrun and each rank as they start (``lock.RunLock.record``).
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
+    if sys.platform.startswith("linux"):  # torchrun dies with this process (parent-death signal)
+        cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     full_env["EMBEDSCALE_LAUNCHED"] = "1"
+    full_env[LAUNCHER_PID_ENV] = str(os.getpid())
+    full_env[LAUNCH_ID_ENV] = uuid.uuid4().hex
     full_env.update(env or {})
+    record = (lambda pids: record_run_processes(run_dir, pids, marker=f"{LAUNCH_ID_ENV}={full_env[LAUNCH_ID_ENV]}")) \
+        if run_dir is not None else (lambda pids: None)
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()
     old = {}
@@ -383,6 +505,8 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                                  name="torchrun-stderr", daemon=True)
         relay.start()
         sessions = {proc.pid}
+        record({proc.pid})
+        seen = {proc.pid}
         while True:
             try:
                 code = proc.wait(timeout=0.2)
@@ -396,7 +520,10 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                 relay.join(timeout=5)  # the ranks' last words ("rank 0: stopped by ...") come before the launcher's
                 raise Stopped(received[0], f"ended the run's {n} process(es){where}"
                               + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
-            run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
+            found = run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
+            if not found <= seen:  # the run's lock names every process of the run (train.lock)
+                seen |= found
+                record(found)
         left = run_processes(proc.pid, sessions)
         if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
             _signal_all(left, sessions, signal.SIGKILL)

@@ -2,10 +2,14 @@
 
 The process that owns a run (the ``embedscale`` launcher; rank 0 under a plain ``torchrun``) holds the lock
 for the whole run. The lock file names the holder (JSON: pid, host, start time, command), so a second run
-into the same directory fails at once with an error naming them, before it writes anything there. The OS
-releases a flock when its holder dies however it dies, so a file that still names a dead process is a stale
-hold: the next run takes it over (and says so). The lock is held only while running: a finished run's
-directory can be resumed by a later run.
+into the same directory fails at once with an error naming them, before it writes anything there. It also
+names every process of the run (``processes``: pid and start time of the holder, torchrun and each rank, as
+the launcher finds them) and a ``marker`` in the environment of all of them (``EMBEDSCALE_LAUNCH_ID=...``).
+The OS releases a flock when its holder dies however it dies, but the ranks may outlive it for a moment
+(they die with their launcher, ``train.launch.die_with_launcher``): while any process of the run lives (by
+pid and start time, or by the marker) the next run is refused naming their pids (:class:`RunDirBusy`);
+once none does, the file is a stale hold and the next run takes it over (and says so). The lock is held
+only while running: a finished run's directory can be resumed by a later run.
 
 The file is rewritten in place (truncate + write), never replaced: a rename would give the path a new inode
 and a second run could lock that one while the first still holds the old one. For the same reason the file
@@ -60,6 +64,68 @@ def read_holder(run_dir: str | os.PathLike) -> dict:
         return {}
 
 
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, ``/proc/PID/stat``): with the pid it names one process,
+    whatever reuses the pid later. ``None`` when unknown (no ``/proc``, or no such process)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _running(pid: int, start) -> bool:
+    """Whether the process ``pid`` that started at ``start`` still runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return _pid_alive(pid)
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return False
+    return start is None or int(fields[19]) == int(start)
+
+
+def _with_marker(marker: str) -> set[int]:
+    """The live processes whose environment holds ``marker`` (``NAME=value``), read from ``/proc``."""
+    needle = marker.encode()
+    out = set()
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and _running(int(name), None):
+            out.add(int(name))
+    return out
+
+
+def live_run_processes(holder: dict) -> list[int]:
+    """The processes of the run ``holder`` (a lock file's content) names that still run on this host: listed
+    ones (pid and start time) and any carrying its marker. Another host's processes cannot be seen: ``[]``."""
+    if not holder or holder.get("host") != socket.gethostname():
+        return []
+    live = set()
+    for entry in holder.get("processes") or []:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
+            if _running(int(entry[0]), entry[1]):
+                live.add(int(entry[0]))
+    if isinstance(holder.get("marker"), str) and "=" in holder["marker"]:
+        live |= _with_marker(holder["marker"])
+    return sorted(live - {os.getpid()})
+
+
 def _pid_alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -86,6 +152,7 @@ class RunLock:
             " ".join(["embedscale", *sys.argv[1:]]) if sys.argv else "")
         self._fd: int | None = None
         self._nested = False
+        self._holder: dict = {}
 
     @property
     def held(self) -> bool:
@@ -110,22 +177,43 @@ class RunLock:
             raise RunDirBusy(f"{self.run_dir} is in use by another run: {_describe(read_holder(self.run_dir))}; "
                              f"wait for it to end or pass another --run-dir") from None
         previous = read_holder(self.run_dir)
+        live = live_run_processes(previous)
+        if live:  # the holder died but not all of its run: the ranks still train (or are on their way out)
+            os.close(fd)
+            raise RunDirBusy(f"{self.run_dir} is in use by an earlier run whose processes still run: pids "
+                             f"{', '.join(map(str, live))} ({_describe(previous)}); wait for them to end, end them, "
+                             f"or pass another --run-dir")
         if previous.get("pid") is not None:
             same_host = previous.get("host") == socket.gethostname()
             state = ("no longer running" if same_host and not _pid_alive(previous["pid"])
                      else "its lock was released")
             print(f"embedscale: taking over the stale lock of {self.run_dir} ({_describe(previous)}; {state})",
                   file=sys.stderr, flush=True)
-        holder = {"pid": os.getpid(), "host": socket.gethostname(),
-                  "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                  "command": self.command}
-        data = (json.dumps(holder) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
+        me = os.getpid()
+        self._holder = {"pid": me, "host": socket.gethostname(),
+                        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                        "command": self.command, "processes": [[me, process_start(me)]]}
         self._fd = fd
+        self._write_holder()
         _held[key] = self
         return self
+
+    def _write_holder(self) -> None:
+        data = (json.dumps(self._holder) + "\n").encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+        os.fsync(self._fd)
+
+    def record(self, pids, marker: str | None = None) -> None:
+        """Add processes of this run (``pids``, with their start times) and the ``marker`` in their environment
+        to the lock file, so a run that finds the lock free while one of them lives refuses the directory."""
+        if self._fd is None:
+            return
+        known = {p for p, _ in self._holder["processes"]}
+        self._holder["processes"] += [[p, process_start(p)] for p in sorted(set(pids) - known)]
+        if marker is not None:
+            self._holder["marker"] = marker
+        self._write_holder()
 
     def release(self) -> None:
         """Let go of the directory; the file is emptied (a clean end, not a stale hold) but kept."""
@@ -150,8 +238,20 @@ class RunLock:
 
 def hold_run_dir(run_dir: str | os.PathLike, command: str | None = None) -> RunLock:
     """Take ``run_dir``'s lock for the rest of this process (the OS releases it at exit); a no-op when this
-    process holds it already. For a holder without an enclosing ``with`` (rank 0 under plain torchrun)."""
-    return RunLock(run_dir, command).acquire()
+    process holds it already. For a holder without an enclosing ``with`` (rank 0 under plain torchrun: the
+    lock names torchrun too, and its run id as the marker when it has one of its own)."""
+    lock = RunLock(run_dir, command).acquire()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id:
+        lock.record([os.getppid()], marker=f"TORCHELASTIC_RUN_ID={run_id}" if run_id != "none" else None)
+    return lock
+
+
+def record_run_processes(run_dir: str | os.PathLike, pids, marker: str | None = None) -> None:
+    """``RunLock.record`` on the lock this process holds on ``run_dir`` (nothing when it holds none)."""
+    lock = _held.get(Path(run_dir).resolve())
+    if lock is not None:
+        lock.record(pids, marker)
 
 
 # Stopping a run (SIGINT, SIGTERM): the exit codes and messages every command shares.

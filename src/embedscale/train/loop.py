@@ -190,12 +190,11 @@ class _Checkpoints:
             full_every, base = self.loop.checkpoint_full_every, self.base
             if full_every and base is not None and base["base_step"] != step and \
                     step // full_every == base["base_step"] // full_every:
-                save_checkpoint(self.run, base=base)
+                save_checkpoint(self.run, base=base, before_publish=self.metrics.write)
             else:
-                d = save_checkpoint(self.run, track=bool(full_every))
+                d = save_checkpoint(self.run, track=bool(full_every), before_publish=self.metrics.write)
                 self.base = base_ref(d) if full_every else None
             self.saved = position
-            self.metrics.write()
 
     def new_best(self, previous: int) -> None:
         """The run's state has just become the best (``state.best_step`` is this step): checkpoint it, point

@@ -9,9 +9,10 @@ tables included), a ``DistributedRun`` (sharded rows under any plan, TT/host mix
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Callable, Iterable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import FormatError
-from embedscale.train.checkpoint import assemble_table, step_dir, write_manifest
+from embedscale.train.checkpoint import agree, assemble_table, begin, publish, step_dir, temp_dir, write_manifest
 
 EMBEDDING_PREFIX = "sparse_arch.embedding."  # model state under it: the tables (saved by row, not by module)
 
@@ -118,16 +119,46 @@ class Run(Protocol):
         """The error to raise for a failed step (N ranks: name the ranks that stopped answering)."""
 
 
-def save_checkpoint(run: Run, base: dict | None = None, track: bool = False) -> Path:
+def save_checkpoint(run: Run, base: dict | None = None, track: bool = False,
+                    before_publish: Callable[[], None] | None = None) -> Path:
     """``checkpoints/step-N/``: every rank writes its file, then rank 0 the manifest (the checkpoint is complete
-    only once every rank file is). ``base`` (``checkpoint.base_ref``): a delta checkpoint against that full one;
-    ``track``: a full one that deltas will follow (``Run.save``)."""
+    only once every rank file is), all in a temporary directory renamed into place at the end; a failed part is
+    one error for every rank and leaves nothing (``checkpoint.agree``). ``base`` (``checkpoint.base_ref``): a
+    delta checkpoint against that full one; ``track``: a full one that deltas will follow (``Run.save``);
+    ``before_publish``: what rank 0 writes beside it (``metrics.csv``), a failure of it failing the checkpoint."""
     d = step_dir(run.run_dir, run.state.step)
-    fields = run.save(d, delta=base is not None, track=track) if base is not None or track else run.save(d)
-    run.barrier()
-    if run.rank == 0:
-        write_manifest(d, run.world, {**fields, **run.state.position()}, delta=base)
-    run.barrier()
+    tmp = temp_dir(d)
+    fields: dict = {}
+
+    def part(stage) -> None:  # this rank's part of a stage, then every rank learns whether all parts succeeded
+        try:
+            stage()
+        except Exception as e:  # noqa: BLE001 - told to the other ranks, then raised (checkpoint.agree)
+            agree(run.rank, run.world, d, e)
+            raise
+        except BaseException:  # a stop signal (every rank gets one): leave nothing half-written
+            if run.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        agree(run.rank, run.world, d, None)
+
+    def prepare() -> None:
+        if run.rank == 0:
+            begin(d)
+
+    def write() -> None:
+        fields.update(run.save(tmp, delta=base is not None, track=track) if base is not None or track
+                      else run.save(tmp))
+
+    def complete() -> None:
+        if run.rank == 0:
+            if before_publish is not None:
+                before_publish()
+            write_manifest(tmp, run.world, {**fields, **run.state.position()}, delta=base)
+            publish(tmp, d)
+
+    for stage in (prepare, write, complete):
+        part(stage)
     return d
 
 
