@@ -322,6 +322,9 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=lambda: [512, 256])
     cross_layers: int = 3
     cross_low_rank: int = 0  # 0 = full-rank DCN-v2 cross
+    # the first-order (wide) term of Wide & Deep / DeepFM added to the logit of dlrm and dcn (models.dlrm.FirstOrder):
+    # every feature value's own effect reaches the logit directly, not only through the interaction
+    first_order: bool = True
     pooling: str = "sum"
     host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
     # the tables (facts and requested forms, TableConfig); empty = one table per sparse feature of the data
