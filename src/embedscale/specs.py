@@ -376,6 +376,9 @@ class TrainConfig:
     # Adagrad lr of the TT cores (compression: tt): every core slice is shared by many rows, so lr_sparse's
     # 0.1 overshoots (bench_tt_quality: 0.7604 eval AUC at 0.1, 0.7624 at 0.02); 0 = lr_sparse
     lr_tt: float = 0.02
+    # L2 on the embedding rows a step updates, in the fused sparse optimizer (embedding.optim: wd * w added to each
+    # touched row's gradient; local and sharded rows, not TT cores or host tables); 0 = none
+    sparse_weight_decay: float = 0.0
     dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
     sparse_optimizer: str = "rowwise_adagrad"  # sgd | rowwise_adagrad
     eval_every: int = 100  # steps; 0 = at the end only
@@ -616,6 +619,7 @@ NUMBERS.update({
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
+                  "sparse_weight_decay": (0.0, True, None),
                   "replan_min_gain": (0.0, True, None)},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
