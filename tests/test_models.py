@@ -276,6 +276,101 @@ def test_dcn_forward_equals_manual_step_by_step():
     torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def first_order_by_hand(model, pooled_b: list[torch.Tensor], dense_b: torch.Tensor) -> float:
+    """sum_f <u_f, e_f> + <v, x> of one sample, from the model's ``first_order`` parameters, in a Python loop."""
+    u = model.first_order.sparse.detach().double()
+    total, k = 0.0, 0
+    for e in pooled_b:
+        for j in range(e.shape[0]):
+            total += float(u[k + j]) * float(e[j])
+        k += e.shape[0]
+    if model.first_order.dense is not None:
+        v = model.first_order.dense.detach().double()
+        total += sum(float(v[i]) * float(dense_b[i]) for i in range(v.shape[0]))
+    return total
+
+
+@pytest.mark.parametrize("num_dense", [0, 3])
+def test_dlrm_first_order_and_no_dense_equal_manual_forward(num_dense):
+    """DLRM with the first-order term, with and without dense features, against a forward written out by hand
+    (no bottom MLP without dense features: the embeddings' own pairwise dots feed the top MLP)."""
+    torch.manual_seed(11)
+    tables = make_tables(dims=(3, 3, 3))
+    B = 4
+    emb = RefEmbeddingBags(tables)
+    model = DLRM(num_dense, emb, embedding_dim=3, bottom_mlp=[5], top_mlp=[6], first_order=True)
+    with torch.no_grad():
+        if model.first_order.dense is not None:
+            model.first_order.dense.normal_()  # zero at init: make its term visible
+    assert (model.dense_arch is None) == (num_dense == 0)
+    gen = torch.Generator().manual_seed(12)
+    per_key = random_features(tables, B, gen)
+    dense = torch.randn(B, num_dense, generator=gen)
+    logits = model(dense, JaggedFeatures.from_lists(per_key))
+
+    pooled = manual_pool(emb, per_key, B)
+    bottom = manual_mlp(linears(model.dense_arch), dense.double(), relu_last=True) if num_dense else None
+    rows = []
+    for b in range(B):
+        vecs = ([bottom[b]] if num_dense else []) + pooled[b]
+        z = [float(v) for v in bottom[b]] if num_dense else []
+        for i in range(len(vecs)):
+            for j in range(i + 1, len(vecs)):
+                z.append(float((vecs[i] * vecs[j]).sum()))
+        rows.append(z)
+    deep = manual_mlp(linears(model.over_arch), torch.tensor(rows, dtype=torch.float64), relu_last=False).squeeze(1)
+    wide = torch.tensor([first_order_by_hand(model, pooled[b], dense[b].double()) for b in range(B)])
+    torch.testing.assert_close(logits.double(), deep + wide, rtol=1e-5, atol=1e-5)
+    assert float(wide.abs().max()) > 1e-3  # the term is there to be checked
+
+
+@pytest.mark.parametrize("num_dense", [0, 2])
+def test_dcn_first_order_and_no_dense_equal_manual_forward(num_dense):
+    torch.manual_seed(13)
+    tables = make_tables(dims=(2, 5, 3))
+    B, D = 4, 2
+    emb = RefEmbeddingBags(tables)
+    model = DCN(num_dense, emb, embedding_dim=D, feature_dims=[2, 5, 3], bottom_mlp=[4], top_mlp=[6],
+                cross_layers=2, first_order=True)
+    with torch.no_grad():
+        for b in model.cross_net.b:
+            b.normal_(0, 0.1)
+        if model.first_order.dense is not None:
+            model.first_order.dense.normal_()
+    gen = torch.Generator().manual_seed(14)
+    per_key = random_features(tables, B, gen)
+    dense = torch.randn(B, num_dense, generator=gen)
+    logits = model(dense, JaggedFeatures.from_lists(per_key))
+
+    pooled = manual_pool(emb, per_key, B)
+    if num_dense:
+        bottom = manual_mlp(linears(model.dense_arch), dense.double(), relu_last=True)
+        x0 = torch.stack([torch.cat([bottom[b]] + pooled[b]) for b in range(B)])
+    else:
+        assert model.dense_arch is None
+        x0 = torch.stack([torch.cat(pooled[b]) for b in range(B)])
+    assert model.cross_net.in_features == (D if num_dense else 0) + 10
+    x = x0
+    for W, bias in zip(model.cross_net.W, model.cross_net.b):
+        x = x0 * (x @ W.detach().double().t() + bias.detach().double()) + x
+    deep = manual_mlp(linears(model.over_arch), x, relu_last=False).squeeze(1)
+    wide = torch.tensor([first_order_by_hand(model, pooled[b], dense[b].double()) for b in range(B)])
+    torch.testing.assert_close(logits.double(), deep + wide, rtol=1e-5, atol=1e-5)
+
+
+def test_first_order_is_a_config_switch_of_the_flat_models():
+    tables = make_tables()
+    small = dict(embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
+    for arch in ("dlrm", "dcn"):
+        on = build_model(ModelConfig(arch=arch, **small), tables, 3, RefEmbeddingBags(tables))
+        off = build_model(ModelConfig(arch=arch, first_order=False, **small), tables, 3, RefEmbeddingBags(tables))
+        assert on.first_order is not None and off.first_order is None
+        assert tuple(on.first_order.sparse.shape) == (12,) and tuple(on.first_order.dense.shape) == (3,)
+        names = {n for n, _ in on.named_parameters()}
+        assert {"first_order.sparse", "first_order.dense"} <= names
+        assert {id(p) for p in on.first_order.parameters()} <= {id(p) for p in on.dense_parameters()}
+
+
 # --------------------------------------------------------------------------------------------------
 # gradients and parameter split
 
@@ -370,7 +465,10 @@ def test_build_model_errors():
     with pytest.raises(ConfigError, match="model.cross_low_rank"):
         build_model(ModelConfig(arch="dcn", cross_low_rank=-1, **small), tables, 3, RefEmbeddingBags(tables))
     with pytest.raises(ConfigError, match="num_dense"):
-        build_model(ModelConfig(**small), tables, 0, RefEmbeddingBags(tables))
+        build_model(ModelConfig(**small), tables, -1, RefEmbeddingBags(tables))
+    one = make_tables(rows=(5,), dims=(4,))
+    with pytest.raises(ConfigError, match="without dense features.*at least 2 sparse features"):
+        build_model(ModelConfig(**small), one, 0, RefEmbeddingBags(one))
     seq = [TableSpec("t0", num_rows=5, dim=4, pooling="none")]
     with pytest.raises(ConfigError, match="table 't0': pooling 'none'"):
         build_model(ModelConfig(**small), seq, 3, RefEmbeddingBags(make_tables(rows=(5,), dims=(4,))))

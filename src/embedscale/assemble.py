@@ -38,6 +38,7 @@ from embedscale.units import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
                               to_dict)
+from embedscale.embedding.optim import set_weight_decay
 from embedscale.models import build_model
 from embedscale.models.dlrm import set_dropout
 from embedscale.models.dmt import is_dmt_arch
@@ -332,6 +333,7 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                             assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
                             seed=t.seed)
         set_dropout(model, t.dropout)
+        set_weight_decay(model, t.sparse_weight_decay)
         return model, make_dense_optimizer(t, model.dense_parameters())
     forms = config_forms(cfg.model, tables)
     covered = set(reordering.tables) if reordering is not None else set()
@@ -344,6 +346,7 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     install_managed(cfg, tables, embedding)  # managed tables: raw ids mapped to rows before every lookup
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
     set_dropout(model, t.dropout)
+    set_weight_decay(model, t.sparse_weight_decay)
     return model, make_dense_optimizer(t, model.dense_parameters())
 
 

@@ -322,6 +322,9 @@ class ModelConfig:
     top_mlp: list[int] = field(default_factory=lambda: [512, 256])
     cross_layers: int = 3
     cross_low_rank: int = 0  # 0 = full-rank DCN-v2 cross
+    # the first-order (wide) term of Wide & Deep / DeepFM added to the logit of dlrm and dcn (models.dlrm.FirstOrder):
+    # every feature value's own effect reaches the logit directly, not only through the interaction
+    first_order: bool = True
     pooling: str = "sum"
     host_min_rows: int = 0  # > 0: tables of at least this many rows get placement: host (EL-Rec V parameter server)
     # the tables (facts and requested forms, TableConfig); empty = one table per sparse feature of the data
@@ -373,6 +376,9 @@ class TrainConfig:
     # Adagrad lr of the TT cores (compression: tt): every core slice is shared by many rows, so lr_sparse's
     # 0.1 overshoots (bench_tt_quality: 0.7604 eval AUC at 0.1, 0.7624 at 0.02); 0 = lr_sparse
     lr_tt: float = 0.02
+    # L2 on the embedding rows a step updates, in the fused sparse optimizer (embedding.optim: wd * w added to each
+    # touched row's gradient; local and sharded rows, not TT cores or host tables); 0 = none
+    sparse_weight_decay: float = 0.0
     dense_optimizer: str = "adagrad"  # sgd | adagrad | adam
     sparse_optimizer: str = "rowwise_adagrad"  # sgd | rowwise_adagrad
     eval_every: int = 100  # steps; 0 = at the end only
@@ -620,6 +626,7 @@ NUMBERS.update({
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
+                  "sparse_weight_decay": (0.0, True, None),
                   "replan_min_gain": (0.0, True, None),
                   "batch_size": _AT_LEAST_1, "epochs": _AT_LEAST_1, "max_steps": _AT_LEAST_0,
                   "eval_every": _AT_LEAST_0, "log_every": _AT_LEAST_0, "checkpoint_every": _AT_LEAST_0,

@@ -90,6 +90,7 @@ from embedscale.embedding.optim import (
     add_rows_,
     aggregate_row_gradients,
     rowwise_adagrad_update_,
+    sgd_update_,
 )
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec, feature_to_table
@@ -356,6 +357,7 @@ class LocalEmbeddingBags(nn.Module):
         self.optimizer = optimizer
         self.lr = float(lr)
         self.eps = float(eps)
+        self.weight_decay = 0.0  # L2 on the rows a step updates (optim.set_weight_decay); > 0: the PyTorch path
         self.dtype = dtype
         self.validate = validate
 
@@ -807,7 +809,7 @@ class LocalEmbeddingBags(nn.Module):
         and each feature of the plan reads a table of its own (features update in parallel); lookups from
         :meth:`forward` only."""
         return (self._ops is not None and self.cpu_kernel and plan.disjoint and kernels.takes(self.weights)
-                and g.dim <= kernels.MAX_DIM)
+                and g.dim <= kernels.MAX_DIM and not self.weight_decay)
 
     def _kernel_update(self, g: DimGroup, plan: _BagPlan, grad: torch.Tensor) -> None:
         """Backward + optimizer update of one plan by the C++ kernel (``kernels.cpp``); ``grad`` is the
@@ -889,7 +891,7 @@ class LocalEmbeddingBags(nn.Module):
     def _fused_update(self, g: DimGroup, rows, grad_src, src_index, scale, values_per_src: int = 0,
                       segments: list[int] | None = None) -> None:
         w = self._group_weight(g)
-        if self.optimizer == "sgd":
+        if self.optimizer == "sgd" and not self.weight_decay:
             # -lr rides along as the segment sum's per-sample weight: the sum is already the update
             unique_rows, delta = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows,
                                                          factor=-self.lr, values_per_src=values_per_src,
@@ -899,7 +901,11 @@ class LocalEmbeddingBags(nn.Module):
             unique_rows, grads = aggregate_row_gradients(rows, grad_src, src_index, scale, num_rows=g.num_rows,
                                                          values_per_src=values_per_src, scratch=self._scratch,
                                                          segments=segments)
-            rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps)
+            if self.optimizer == "sgd":
+                sgd_update_(w, unique_rows, grads, self.lr, self.weight_decay)
+            else:
+                rowwise_adagrad_update_(w, self._group_momentum(g), unique_rows, grads, self.lr, self.eps,
+                                        self.weight_decay)
         if self.touched is not None:
             self.touched.narrow(0, g.state_offset, g.num_rows)[unique_rows] = True
 

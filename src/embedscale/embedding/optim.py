@@ -26,6 +26,16 @@ Supported optimizers (the names follow ``fbgemm_gpu``'s ``OptimType``):
 
     "Exact" means duplicates are summed *before* the state update (not one update per occurrence).
 
+Weight decay (``weight_decay = wd > 0``; FBGEMM's ``WeightDecayMode.L2``): the rows a step touches are
+regularised, an untouched row is left as it is (the lazy L2 of sparse optimizers). The summed gradient
+of every unique row gets ``wd * w[r]`` added before the update above (so row-wise Adagrad normalises the
+decay with the data gradient, its state included)::
+
+    g[r] += wd * w[r]
+
+SGD then subtracts ``lr * g[r]``: ``w[r] *= (1 - lr * wd)`` besides the data step. ``set_weight_decay``
+sets it on every fused-optimizer module of a model (``train.sparse_weight_decay``).
+
 The functions here are shared by :class:`embedscale.embedding.local.LocalEmbeddingBags` (its autograd
 backward) and by modules that receive row gradients from other ranks (sharded embeddings).
 """
@@ -219,9 +229,19 @@ def add_rows_(weight: torch.Tensor, unique_rows: torch.Tensor, delta: torch.Tens
     weight.scatter_add_(0, unique_rows.unsqueeze(1).expand(-1, weight.shape[1]), delta.to(weight.dtype))
 
 
-def sgd_update_(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-    """``weight[r] -= lr * grads[i]`` for ``r = unique_rows[i]``, in place; ``unique_rows`` must not repeat."""
-    add_rows_(weight, unique_rows, grads * (-lr))
+def with_weight_decay(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor,
+                      weight_decay: float) -> torch.Tensor:
+    """``grads[i] + weight_decay * weight[unique_rows[i]]`` (a new tensor; ``grads`` itself when the decay is 0)."""
+    if not weight_decay:
+        return grads
+    return grads + weight.index_select(0, unique_rows).to(grads.dtype) * weight_decay
+
+
+def sgd_update_(weight: torch.Tensor, unique_rows: torch.Tensor, grads: torch.Tensor, lr: float,
+                weight_decay: float = 0.0) -> None:
+    """``weight[r] -= lr * (grads[i] + weight_decay * weight[r])`` for ``r = unique_rows[i]``, in place;
+    ``unique_rows`` must not repeat."""
+    add_rows_(weight, unique_rows, with_weight_decay(weight, unique_rows, grads, weight_decay) * (-lr))
 
 
 def rowwise_adagrad_update_(
@@ -231,6 +251,7 @@ def rowwise_adagrad_update_(
     grads: torch.Tensor,
     lr: float,
     eps: float,
+    weight_decay: float = 0.0,
 ) -> None:
     """FBGEMM ``EXACT_ROWWISE_ADAGRAD`` on unique rows, in place (see the module docstring).
 
@@ -239,13 +260,30 @@ def rowwise_adagrad_update_(
         momentum: float32 ``[num_rows]`` per-row sum of mean squared gradients (updated).
         unique_rows: int64 ``[u]`` rows to update, no repeats.
         grads: ``[u, dim]`` summed gradient of each row.
+        weight_decay: L2 on the rows updated: ``wd * weight[r]`` added to each row's gradient first.
     """
     if unique_rows.numel() == 0:
         return
-    g = grads.to(torch.float32)
+    g = with_weight_decay(weight, unique_rows, grads.to(torch.float32), weight_decay)
     m = momentum.index_select(0, unique_rows).add_(row_mean_squares(g))
     momentum.index_copy_(0, unique_rows, m)
     add_rows_(weight, unique_rows, g * rowwise_adagrad_multiplier(m, lr, eps).unsqueeze(1))
+
+
+def set_weight_decay(module: torch.nn.Module, weight_decay: float) -> int:
+    """Weight decay ``weight_decay`` (>= 0, the module docstring's rule) on the rows every fused-optimizer
+    submodule of ``module`` updates (each one that keeps a ``weight_decay`` attribute: local and sharded
+    rows); returns how many it set. TT cores and host-placed tables keep their own updates, without it."""
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+        from embedscale.errors import ConfigError
+
+        raise ConfigError(f"train.sparse_weight_decay must be a number >= 0, got {weight_decay!r}")
+    n = 0
+    for m in module.modules():
+        if hasattr(m, "weight_decay") and hasattr(m, "lr"):
+            m.weight_decay = float(weight_decay)
+            n += 1
+    return n
 
 
 def rowwise_adagrad_multiplier(m: torch.Tensor, lr: float, eps: float) -> torch.Tensor:

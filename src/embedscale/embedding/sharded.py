@@ -131,6 +131,7 @@ class ShardedEmbedding(nn.Module):
         self.design = design
         self.optimizer = optimizer
         self.lr, self.eps = lr, eps
+        self.weight_decay = 0.0  # optim.set_weight_decay; > 0: the PyTorch update path
         if grad_sync not in SYNC_METHODS:
             raise ConfigError(f"sharded embedding: grad_sync {grad_sync!r} is not one of {SYNC_METHODS}")
         if grad_sync == "alltoall" and optimizer is not None and \
@@ -367,8 +368,8 @@ class ShardedEmbedding(nn.Module):
     def _kernel_ops(self):
         """The loaded C++ kernel when it applies to this module (``cpu_kernel``, float32 storage on the CPU,
         ``dim`` <= ``kernels.MAX_DIM``, built), else ``None``: the PyTorch ops."""
-        if not self.cpu_kernel or self.dim > kernels.MAX_DIM or not kernels.takes(self.weight):
-            return None
+        if not self.cpu_kernel or self.dim > kernels.MAX_DIM or not kernels.takes(self.weight) or self.weight_decay:
+            return None  # (weight decay: the PyTorch update, optim)
         return kernels.fused_ops()
 
     def _kernel_slot(self, n: int) -> torch.Tensor:
@@ -446,9 +447,9 @@ class ShardedEmbedding(nn.Module):
             self._kernel_apply([(rows, grads, None, self.weight.shape[0])])
             return
         if self.optimizer == "sgd":
-            sgd_update_(self.weight, rows, grads, self.lr)
+            sgd_update_(self.weight, rows, grads, self.lr, self.weight_decay)
         else:
-            rowwise_adagrad_update_(self.weight, self.momentum, rows, grads, self.lr, self.eps)
+            rowwise_adagrad_update_(self.weight, self.momentum, rows, grads, self.lr, self.eps, self.weight_decay)
         if self.touched is not None:  # delta checkpoints: the rows updated since track_touched()
             self.touched[rows] = True
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from embedscale.errors import ConfigError
 from embedscale.models.dcn import DCN, CrossNet
-from embedscale.models.dlrm import DLRM, DenseArch, InteractionArch, OverArch, SparseArch, dense_parameters
+from embedscale.models.dlrm import (DLRM, DenseArch, FirstOrder, InteractionArch, OverArch, SparseArch,
+                                    dense_parameters)
 from embedscale.plan.forms import config_forms
 from embedscale.specs import ModelConfig, TableSpec
 from embedscale.models.dmt import DMTConfig, build_dmt_model, check_no_tower_settings
@@ -28,6 +29,7 @@ __all__ = [
     "DLRM",
     "CrossNet",
     "DenseArch",
+    "FirstOrder",
     "InteractionArch",
     "OverArch",
     "SparseArch",
@@ -68,7 +70,8 @@ def build_model(
             512-256-64 and 512-256; the D-wide and 1-wide output layers are implied), DCN cross layers and
             low rank.
         tables: the embedding tables; every feature of the embedding module must be read by one of them.
-        num_dense: number of dense features (13 for Criteo).
+        num_dense: number of dense features (13 for Criteo; 0 for a log without any: no bottom MLP; the DMT
+            archs need at least one).
         embedding: the embedding module (``feature_names`` attribute, ``forward(JaggedFeatures) -> [B, sum
             of dims]``); default ``LocalEmbeddingBags(tables, device=device)``.
         device: where to allocate the parameters (from the run config; default torch's default device).
@@ -113,4 +116,4 @@ def build_model(
                                arch=arch, assignment=assignment, comm=comm, num_hosts=num_hosts,
                                optimizer=sparse_optimizer, lr=lr_sparse, seed=seed, device=device)
     check_no_tower_settings(cfg)
-    return build_flat(cfg, tables, num_dense, embedding, device=device)
+    return build_flat(cfg, tables, num_dense, embedding, device=device, first_order=cfg.first_order)

@@ -9,7 +9,8 @@ Structure (the *stacked* DCN-v2 of Wang et al. 2021 section 3, Figure 1 left):
 
     x0     = [ bottom_mlp(dense) , e_1 , ... , e_F ]        (concatenation, width D + sum of feature dims)
     x_L    = CrossNet(x0)                                    (L cross layers, same width)
-    logit  = OverArch(x_L)                                   (deep MLP of ReLU layers, then 1 logit)
+    logit  = OverArch(x_L) [+ FirstOrder(e, dense)]          (deep MLP of ReLU layers, then 1 logit; the
+                                                              first-order (wide) term with ``first_order``)
 
 The parallel structure (cross and deep side by side) is not implemented. Unlike DLRM, features may have
 different embedding dims, since nothing is dotted.
@@ -25,7 +26,8 @@ from torch import nn
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.errors import ConfigError, InputError
-from embedscale.models.dlrm import DenseArch, OverArch, SparseArch, _check_dense, dense_parameters
+from embedscale.models.dlrm import (DenseArch, FirstOrder, OverArch, SparseArch, _check_dense, _check_num_dense,
+                                    dense_parameters)
 
 __all__ = ["DCN", "CrossNet"]
 
@@ -120,6 +122,9 @@ class DCN(nn.Module):
         cross_layers: number of cross layers.
         cross_low_rank: rank r of the low-rank cross layers; 0 for full rank.
         device: where to allocate the dense parameters (the embedding module is used as given).
+        first_order: add the first-order (wide) term (``models.dlrm.FirstOrder``) to the logit.
+
+    Without dense features (``dense_in_features = 0``) there is no bottom MLP: ``x0`` is the embeddings alone.
 
     Example::
 
@@ -148,15 +153,19 @@ class DCN(nn.Module):
         cross_layers: int = 3,
         cross_low_rank: int = 0,
         device: torch.device | str | None = None,
+        first_order: bool = False,
     ) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(embedding, embedding_dim if feature_dims is None else feature_dims)
-        self.dense_in_features = dense_in_features
+        self.dense_in_features = _check_num_dense(dense_in_features)
         self.embedding_dim = embedding_dim
-        self.dense_arch = DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
-        self.cross_net = CrossNet(embedding_dim + self.sparse_arch.out_features, cross_layers, cross_low_rank,
-                                  device=device)
+        self.dense_arch = (DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
+                           if dense_in_features else None)
+        width = (embedding_dim if self.dense_arch is not None else 0) + self.sparse_arch.out_features
+        self.cross_net = CrossNet(width, cross_layers, cross_low_rank, device=device)
         self.over_arch = OverArch(self.cross_net.in_features, list(top_mlp), device=device)
+        self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
+                            if first_order else None)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
@@ -168,8 +177,12 @@ class DCN(nn.Module):
             torch.Tensor: logits ``[B]``.
         """
         _check_dense(dense, self.dense_in_features, sparse)
-        x0 = torch.cat([self.dense_arch(dense), self.sparse_arch.pooled(sparse)], dim=1)
-        return self.over_arch(self.cross_net(x0)).squeeze(-1)
+        pooled = self.sparse_arch.pooled(sparse)
+        x0 = torch.cat([self.dense_arch(dense), pooled], dim=1) if self.dense_arch is not None else pooled
+        logit = self.over_arch(self.cross_net(x0)).squeeze(-1)
+        if self.first_order is not None:
+            logit = logit + self.first_order(pooled, dense)
+        return logit
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """All parameters but the embedding module's (for a separate dense optimizer)."""

@@ -32,6 +32,7 @@ from embedscale.errors import ConfigError, InputError
 __all__ = [
     "DLRM",
     "DenseArch",
+    "FirstOrder",
     "InteractionArch",
     "OverArch",
     "SparseArch",
@@ -223,8 +224,65 @@ def _check_dense(dense: torch.Tensor, num_dense: int, sparse: JaggedFeatures) ->
         )
 
 
+def _check_num_dense(n: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"num_dense: the number of dense features must be an integer >= 0, got {n!r}")
+    return n
+
+
 # --------------------------------------------------------------------------------------------------
 # the arches
+
+
+class FirstOrder(nn.Module):
+    """The first-order (wide) term: a linear model of the sample's features added to the deep part's logit,
+    as the wide part of Wide & Deep (Cheng et al. 2016, section 3.1, ``w^T x``) and DeepFM's FM first-order
+    term (Guo et al. 2017, eq. 2, ``<w, x>``): each feature value's own effect reaches the logit directly
+    instead of being learned through the interaction.
+
+    Each row's weight is a linear read-out of its embedding: ``w_r = <u_f, e_r>`` with one learned vector
+    ``u_f`` per feature (``sparse``, the feature dims concatenated), so a bag pools its rows' weights as it
+    pools their vectors (sum or mean) and the term costs no storage beside the tables: every table form
+    (sharded rows, TT, host) and every checkpoint and re-sharding path carries it unchanged. The row's
+    weight moves with its embedding at the tables' (sparse) learning rate; ``u_f`` starts at
+    ``N(0, 1 / d_f)`` (unit expected norm), so the read-out direction is fixed from the first step and the
+    rows learn their weight along it. Dense features get a plain linear term (``dense``, zero at init).
+
+        first_order(e, x) = sum_f <u_f, e_f> + <v, x>
+
+    Args:
+        feature_dims: the embedding dim of every feature, in the embedding's output order.
+        num_dense: dense features (0: no dense term).
+        device: where to allocate the parameters.
+
+    Example::
+
+        >>> import torch
+        >>> fo = FirstOrder([4, 4], num_dense=3)
+        >>> fo(torch.rand(5, 8), torch.rand(5, 3)).shape
+        torch.Size([5])
+    """
+
+    def __init__(self, feature_dims: Sequence[int], num_dense: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        dims = [int(d) for d in feature_dims]
+        std = torch.tensor([d ** -0.5 for d in dims for _ in range(d)], device=device)
+        self.sparse = nn.Parameter(torch.randn(sum(dims), device=device) * std)
+        self.dense = nn.Parameter(torch.zeros(num_dense, device=device)) if num_dense else None
+
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor | None) -> torch.Tensor:
+        """
+        Args:
+            pooled: ``[B, sum of feature dims]`` pooled embeddings.
+            dense: ``[B, num_dense]`` dense features (ignored when there are none).
+
+        Returns:
+            torch.Tensor: ``[B]``.
+        """
+        out = pooled @ self.sparse
+        if self.dense is not None:
+            out = out + dense @ self.dense
+        return out
 
 
 class DenseArch(nn.Module):
@@ -350,12 +408,16 @@ class SparseArch(nn.Module):
         Returns:
             torch.Tensor: ``[B, F, D]`` pooled embeddings, features in ``feature_names`` order.
         """
+        return self.vectors(self.pooled(features))
+
+    def vectors(self, pooled: torch.Tensor) -> torch.Tensor:
+        """:meth:`pooled`'s ``[B, F * D]`` output viewed as ``[B, F, D]`` (one shared D needed)."""
         if self.embedding_dim is None:
             raise ConfigError(
                 "SparseArch: features have different embedding dims "
                 f"{dict(zip(self.feature_names, self.feature_dims))}; [B, F, D] needs one shared D"
             )
-        return self.pooled(features).view(-1, self.num_features, self.embedding_dim)
+        return pooled.view(-1, self.num_features, self.embedding_dim)
 
 
 class InteractionArch(nn.Module):
@@ -369,6 +431,8 @@ class InteractionArch(nn.Module):
     Args:
         num_sparse_features: F.
         device: where to put the index buffer.
+        with_dense: ``False`` for a model without dense features: the F embeddings alone, their
+            ``F (F - 1) / 2`` pairwise dot products (no dense vector in front).
 
     Example::
 
@@ -379,33 +443,44 @@ class InteractionArch(nn.Module):
         torch.Size([5, 10])
     """
 
-    def __init__(self, num_sparse_features: int, device: torch.device | str | None = None) -> None:
+    def __init__(self, num_sparse_features: int, device: torch.device | str | None = None,
+                 with_dense: bool = True) -> None:
         super().__init__()
         F = num_sparse_features
         if isinstance(F, bool) or not isinstance(F, int) or F <= 0:
             raise ConfigError(f"InteractionArch: num_sparse_features must be a positive integer, got {F!r}")
         self.num_sparse_features = num_sparse_features
-        n = num_sparse_features + 1
+        self.with_dense = bool(with_dense)
+        n = num_sparse_features + int(self.with_dense)
         # the pairs i < j as positions in the flattened [F+1, F+1] Gram matrix: one index_select forward, one
         # index_add backward (half the time of gram[:, i, j]'s gather and accumulating index_put on a 2-core CPU)
         i, j = torch.triu_indices(n, n, offset=1, device=device)
         self.register_buffer("triu_flat", i * n + j, persistent=False)
 
     def output_dim(self, embedding_dim: int) -> int:
-        """Width of the output for embedding dim ``embedding_dim``: ``D + (F + 1) F / 2``."""
+        """Width of the output for embedding dim ``embedding_dim``: ``D + (F + 1) F / 2`` (without the dense
+        vector: ``F (F - 1) / 2``)."""
         F = self.num_sparse_features
+        if not self.with_dense:
+            return F * (F - 1) // 2
         return embedding_dim + (F + 1) * F // 2
 
-    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense_features: torch.Tensor | None, sparse_features: torch.Tensor) -> torch.Tensor:
         """
         Args:
-            dense_features: bottom-MLP output ``[B, D]``.
+            dense_features: bottom-MLP output ``[B, D]`` (``None`` when built ``with_dense=False``).
             sparse_features: pooled embeddings ``[B, F, D]``.
 
         Returns:
-            torch.Tensor: ``[B, D + (F + 1) F / 2]``: the dense vector, then the pairwise dot products.
+            torch.Tensor: ``[B, D + (F + 1) F / 2]``: the dense vector, then the pairwise dot products
+            (without the dense vector: the ``F (F - 1) / 2`` dot products of the embeddings alone).
         """
         F = self.num_sparse_features
+        if not self.with_dense:
+            if sparse_features.dim() != 3 or sparse_features.shape[1] != F:
+                raise InputError(f"InteractionArch: expected sparse [B, {F}, D], got {list(sparse_features.shape)}")
+            gram = torch.bmm(sparse_features, sparse_features.transpose(1, 2))  # [B, F, F]
+            return gram.flatten(1).index_select(1, self.triu_flat)
         if dense_features.dim() != 2 or sparse_features.dim() != 3 or sparse_features.shape[1] != F \
                 or sparse_features.shape[0] != dense_features.shape[0] \
                 or sparse_features.shape[2] != dense_features.shape[1]:
@@ -481,11 +556,13 @@ class OverArch(nn.Module):
 class DLRM(nn.Module):
     """DLRM (Naumov et al. 2019): bottom MLP, embedding lookups, dot interaction, top MLP.
 
-    ``logit = OverArch(InteractionArch(DenseArch(dense), SparseArch(sparse)))``. Every sparse feature must
-    have the embedding dim D of the bottom MLP's output, so that all F + 1 vectors can be dotted.
+    ``logit = OverArch(InteractionArch(DenseArch(dense), SparseArch(sparse)))`` (``+ FirstOrder(...)`` with
+    ``first_order``). Every sparse feature must have the embedding dim D of the bottom MLP's output, so that
+    all F + 1 vectors can be dotted. Without dense features (``dense_in_features = 0``, most libFM logs)
+    there is no bottom MLP and the F embeddings are dotted among themselves (``F >= 2``).
 
     Args:
-        dense_in_features: number of dense features (13 for Criteo, 1 for Avazu).
+        dense_in_features: number of dense features (13 for Criteo, 1 for Avazu, 0 for none).
         embedding: the embedding module (``feature_names`` attribute, ``forward(JaggedFeatures) -> [B, F*D]``);
             reachable afterwards as ``model.sparse_arch.embedding``.
         embedding_dim: D, shared by every feature and the bottom MLP's last layer.
@@ -493,6 +570,7 @@ class DLRM(nn.Module):
             512-256-64-D).
         top_mlp: hidden widths of the top MLP; the logit layer is added (OPER Table 1: 512-256-1).
         device: where to allocate the dense parameters (the embedding module is used as given).
+        first_order: add the first-order (wide) term (:class:`FirstOrder`) to the logit.
 
     Example::
 
@@ -515,28 +593,40 @@ class DLRM(nn.Module):
         bottom_mlp: Sequence[int] = (512, 256, 64),
         top_mlp: Sequence[int] = (512, 256),
         device: torch.device | str | None = None,
+        first_order: bool = False,
     ) -> None:
         super().__init__()
         self.sparse_arch = SparseArch(embedding, embedding_dim)
-        self.dense_in_features = dense_in_features
+        self.dense_in_features = _check_num_dense(dense_in_features)
         self.embedding_dim = embedding_dim
-        self.dense_arch = DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
-        self.inter_arch = InteractionArch(self.sparse_arch.num_features, device=device)
+        if dense_in_features == 0 and self.sparse_arch.num_features < 2:
+            raise ConfigError("DLRM without dense features needs at least 2 sparse features to interact, got "
+                              f"{self.sparse_arch.feature_names}")
+        self.dense_arch = (DenseArch(dense_in_features, list(bottom_mlp) + [embedding_dim], device=device)
+                           if dense_in_features else None)
+        self.inter_arch = InteractionArch(self.sparse_arch.num_features, device=device,
+                                          with_dense=self.dense_arch is not None)
         self.over_arch = OverArch(self.inter_arch.output_dim(embedding_dim), list(top_mlp), device=device)
+        self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
+                            if first_order else None)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
         Args:
-            dense: dense features ``[B, dense_in_features]``.
+            dense: dense features ``[B, dense_in_features]`` (``[B, 0]`` without any).
             sparse: sparse features of the same ``B`` samples.
 
         Returns:
             torch.Tensor: logits ``[B]`` (apply a sigmoid, or use ``BCEWithLogitsLoss``).
         """
         _check_dense(dense, self.dense_in_features, sparse)
-        dense_out = self.dense_arch(dense)
-        sparse_out = self.sparse_arch(sparse)
-        return self.over_arch(self.inter_arch(dense_out, sparse_out)).squeeze(-1)
+        dense_out = self.dense_arch(dense) if self.dense_arch is not None else None
+        pooled = self.sparse_arch.pooled(sparse)
+        sparse_out = self.sparse_arch.vectors(pooled)
+        logit = self.over_arch(self.inter_arch(dense_out, sparse_out)).squeeze(-1)
+        if self.first_order is not None:
+            logit = logit + self.first_order(pooled, dense)
+        return logit
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """All parameters but the embedding module's (for a separate dense optimizer)."""

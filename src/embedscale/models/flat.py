@@ -34,12 +34,14 @@ def _check_widths(key: str, sizes: Sequence[int]) -> list[int]:
 
 
 def build_flat(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, embedding: nn.Module | None = None, *,
-               device: torch.device | str | None = None) -> nn.Module:
+               device: torch.device | str | None = None, first_order: bool = False) -> nn.Module:
     """``cfg.arch`` (``dlrm`` or ``dcn``) over ``tables`` and ``embedding`` (default ``LocalEmbeddingBags``);
-    the checks and arguments of :func:`embedscale.models.build_model` for the flat archs."""
+    the checks and arguments of :func:`embedscale.models.build_model` for the flat archs. ``first_order``: the
+    first-order (wide) term (``models.dlrm.FirstOrder``; ``build_model`` passes ``model.first_order``, the DMT
+    builders' plain baselines none). ``num_dense`` may be 0 (a log without dense features: no bottom MLP)."""
     arch = cfg.arch.lower()
-    if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense <= 0:
-        raise ConfigError(f"num_dense: the models need at least one dense feature, got {num_dense!r}")
+    if isinstance(num_dense, bool) or not isinstance(num_dense, int) or num_dense < 0:
+        raise ConfigError(f"num_dense: the number of dense features must be an integer >= 0, got {num_dense!r}")
     if isinstance(cfg.embedding_dim, bool) or not isinstance(cfg.embedding_dim, int) or cfg.embedding_dim <= 0:
         raise ConfigError(f"model.embedding_dim must be a positive integer, got {cfg.embedding_dim!r}")
     bottom = _check_widths("model.bottom_mlp", cfg.bottom_mlp)
@@ -85,9 +87,14 @@ def build_flat(cfg: ModelConfig, tables: list[TableSpec], num_dense: int, embedd
     feature_dims = [tables[table_of[f]].dim for f in names]
 
     if arch == "dlrm":
-        return DLRM(num_dense, embedding, cfg.embedding_dim, bottom_mlp=bottom, top_mlp=top, device=device)
+        if num_dense == 0 and len(names) < 2:
+            raise ConfigError(f"model.arch dlrm: without dense features the dot interaction needs at least 2 sparse "
+                              f"features, the data has {names}; use model.arch dcn")
+        return DLRM(num_dense, embedding, cfg.embedding_dim, bottom_mlp=bottom, top_mlp=top, device=device,
+                    first_order=first_order)
     return DCN(num_dense, embedding, cfg.embedding_dim, feature_dims=feature_dims, bottom_mlp=bottom, top_mlp=top,
-               cross_layers=cfg.cross_layers, cross_low_rank=cfg.cross_low_rank, device=device)
+               cross_layers=cfg.cross_layers, cross_low_rank=cfg.cross_low_rank, device=device,
+               first_order=first_order)
 
 
 # --------------------------------------------------------------------------------------------------

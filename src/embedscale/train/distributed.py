@@ -81,6 +81,7 @@ from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.wire import expected_wire_bytes
 from embedscale.models import build_model
+from embedscale.embedding.optim import set_weight_decay
 from embedscale.models.dlrm import set_dropout, set_dropout_rows
 from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
@@ -391,6 +392,7 @@ class DistributedRun:
         self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
                                  embedding=self.host_embedding or device_module, device=self.device)
         set_dropout(self.model, t.dropout)
+        set_weight_decay(self.model, t.sparse_weight_decay)
         self.opt = assemble.make_dense_optimizer(t, self.model.dense_parameters())
         self._names = param_names(self.model, self.opt)
         self.monitor = None  # train.replan_every: the drift monitor (train.replan), made with the loaders
