@@ -47,6 +47,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from embedscale.errors import ConfigError
+
 OPTIMIZERS = ("sgd", "rowwise_adagrad")
 
 _INT32_MAX = 2**31 - 1
@@ -275,8 +277,6 @@ def set_weight_decay(module: torch.nn.Module, weight_decay: float) -> int:
     submodule of ``module`` updates (each one that keeps a ``weight_decay`` attribute: local and sharded
     rows); returns how many it set. TT cores and host-placed tables keep their own updates, without it."""
     if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
-        from embedscale.errors import ConfigError
-
         raise ConfigError(f"train.sparse_weight_decay must be a number >= 0, got {weight_decay!r}")
     n = 0
     for m in module.modules():
