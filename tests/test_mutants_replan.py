@@ -225,3 +225,49 @@ def test_replans_csv_after_a_resume_at_a_logged_step_has_each_step_once(tmp_path
     for r in rows:
         want = model[int(r["step"])]
         assert r["reason"] == want["reason"] and int(r["rows_moved"]) == want["rows_moved"]
+
+
+# -- resumes of a re-planning run (2 gloo ranks) ---------------------------------------------------------------------
+
+def test_delta_resume_and_a_resume_at_a_logged_step_of_a_replanning_run(tmp_path):
+    """A 2-rank run that re-plans at step 4 (between steps 4 and 5) and checkpoints every 2 steps.
+
+    1. Stopped at 6 with a full checkpoint every 8 steps: the step-6 checkpoint is a delta on step 2's, across
+       the re-plan (rows updated in steps 3-4 then moved to another rank must be in it). Resumed from that delta
+       to step 8 it is bit for bit the uninterrupted run (losses, rows, row-wise state, dense state), and
+       ``replans.csv`` holds the step-4 re-plan once, as the uninterrupted run's.
+    2. The uninterrupted run (a full checkpoint every 4 steps) resumed in its own directory from step 4, a
+       logged re-plan step whose checkpoint precedes the check: it re-plans at 4 again under the plan it had
+       then, ``replans.csv`` holds step 4 exactly once with the first attempt's figures, and the state is again
+       the uninterrupted run's."""
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import read_manifest, step_dir
+    from embedscale.train.launch import spawn_local
+    from embedscale.train.replan import read_replans
+
+    from test_migrate import EVERY, _drift_rank, assert_same_run, drift_config, drift_data
+
+    data = tmp_path / "data"
+    drift_data(data)
+    steps = 2 * EVERY
+
+    def config(max_steps, full_every):
+        return to_dict(drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, max_steps=max_steps,
+                                    checkpoint_every=2, checkpoint_full_every=full_every))
+
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    spawn_local(_drift_rank, 2, config(steps, EVERY), str(whole), None, timeout_s=600)
+    keys = ("step", "reason", "gain", "rows_moved", "bytes", "balance_before", "balance_after")
+    want = [{k: r[k] for k in keys} for r in read_replans(whole)]
+    assert [int(r["step"]) for r in want] == [EVERY] and int(want[0]["rows_moved"]) > 0, want
+
+    spawn_local(_drift_rank, 2, config(6, 2 * EVERY), str(cut), None, timeout_s=600)
+    assert read_manifest(step_dir(cut, 6))["delta"]["base_step"] == 2  # a delta across the re-plan
+    spawn_local(_drift_rank, 2, config(steps, 2 * EVERY), str(cut), str(step_dir(cut, 6)), timeout_s=600)
+    assert_same_run(whole, cut, steps)
+    assert [{k: r[k] for k in keys} for r in read_replans(cut)] == want
+
+    assert "delta" not in read_manifest(step_dir(whole, EVERY))
+    spawn_local(_drift_rank, 2, config(steps, EVERY), str(whole), str(step_dir(whole, EVERY)), timeout_s=600)
+    assert [{k: r[k] for k in keys} for r in read_replans(whole)] == want  # step 4 once, as first written
+    assert_same_run(whole, cut, steps)

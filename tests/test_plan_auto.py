@@ -202,8 +202,14 @@ def test_auto_plan_fits_keeps_hot_tables_exact_and_records_tt_ranks():
     assert sorted(forms) == sorted(t.name for t in tabs)
     kinds = {f.kind for f in forms.values()}
     assert "tt" in kinds or "host" in kinds  # 33.8M rows x 68 B do not fit 256 MiB exact
+    rows = {t.name: t.num_rows for t in tabs}
     for e in rep["tables"]:
-        if e["hot"]:
+        # hot by the documented rule, not the report's flag: fewer rows than tt_min_rows (10k), or a global batch
+        # (2 ranks x 2048 samples, one lookup each) reads the table at least hot_touch (0.01) times per row
+        n = rows[e["table"]]
+        hot = n < 10_000 or 2 * 2048 * prof.total(e["table"]) / 1_000_000 / n >= 0.01
+        assert e["hot"] == hot, e
+        if hot:
             assert forms[e["table"]].kind != "tt", e
         if forms[e["table"]].kind == "tt":
             assert forms[e["table"]].tt_rank in (8, 16, 32, 64)

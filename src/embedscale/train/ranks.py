@@ -61,6 +61,9 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
     ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
     if ck is not None:
         run.restore(ck)
+        if getattr(run, "monitor", None) is not None:  # the plan the checkpoint's step ran under (train.replan)
+            from embedscale.train.replan import resume_plan
+            resume_plan(run)
         _log(rank, f"resumed from {ck} (step {run.state.step})")
     if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":

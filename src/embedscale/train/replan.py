@@ -16,7 +16,9 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
    5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
-   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it) and moves the
+   ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it; the plan it leaves in
+   ``replans/step-N/before/``, so a resume from a checkpoint at or before step N starts under that one:
+   :func:`resume_plan`) and moves the
    rows and their row-wise optimizer state onto it (:func:`move_to_plan`: one all-to-all; in place, the
    running module's map edited and only what moves written, ``embedding.migrate.migrate_in_place``);
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
@@ -66,6 +68,7 @@ CHECKPOINT_KEY = ROLLING_PROFILE  # a full checkpoint's rank file entry: that ra
 PGAS_REPLAN_SPARE = 0.25  # a PGAS run that re-plans: heap room for a quarter more storage rows (in-place migration)
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
+BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (resume_plan)
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
            "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
            "in_place"]
@@ -111,6 +114,7 @@ class DriftMonitor:
                 report, fresh = self._check(run, total)
                 if report["replan"]:
                     fresh.save(run.run_dir / "replans" / f"step-{step}")
+                    run.plan.save(run.run_dir / "replans" / f"step-{step}" / BEFORE)  # for resume_plan
                     fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
                     flag[0] = 1
             except EmbedscaleError as e:  # every rank stops with it, none waits for a verdict
@@ -227,6 +231,25 @@ class DriftMonitor:
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks,
                 "replan_check_seconds": round(sum(self.check_seconds), 6), "replans": list(self.records)}
+
+
+def resume_plan(run) -> None:
+    """Collective (every rank, after ``restore``): the checkpoint of step s was written under the plan the run
+    held then, but ``<run dir>/plan`` is the last re-plan's. When an earlier attempt re-planned at a step
+    N >= s, move the rows onto the plan it left at the first such N (``replans/step-N/before/``), so the resumed
+    run checks, re-plans and trains as the uninterrupted one (and ``replans.csv`` gets that run's rows again)."""
+    d = run.run_dir / "replans"
+    step = run.state.step
+    later = sorted(int(p.name[5:]) for p in d.glob("step-*") if p.name[5:].isdigit()
+                   and int(p.name[5:]) >= step and (p / BEFORE / "plan.json").exists()) if d.is_dir() else []
+    if not later:
+        return
+    plan = Plan.load(d / f"step-{later[0]}" / BEFORE)
+    if plan.world_size != run.world:
+        return
+    move_to_plan(run, plan)
+    if run.rank == 0:
+        plan.save(run.run_dir / "plan")
 
 
 def move_to_plan(run, plan: Plan):
