@@ -336,12 +336,10 @@ class PgasShardedEmbedding(ShardedEmbedding):
 
     # -- bookkeeping shared with backward -----------------------------------------------------
     def _count_direct(self, peer: int, nbytes: int, kind: str, sent: bool) -> None:
-        c = self.transport.counter
         if sent:
-            c.sent[peer] += nbytes
-            c.by_kind[kind] = c.by_kind.get(kind, 0) + nbytes
+            self.transport.count_put(peer, nbytes, kind)
         else:
-            c.recv[peer] += nbytes
+            self.transport.count_received(peer, nbytes)
 
 
 class _PgasRetrieve(torch.autograd.Function):
@@ -395,9 +393,7 @@ class _PgasRetrieve(torch.autograd.Function):
         """One-sided get: rows ``rows`` of rank ``p``'s storage into ``dst`` (this rank's fetch area)."""
         torch.index_select(mod._peer_weight[p], 0, rows, out=dst)
         nbytes = dst.numel() * dst.element_size()
-        mod._count_direct(p, nbytes, "rows", sent=False)
-        c = mod.transport.counter
-        c.by_kind["rows"] = c.by_kind.get("rows", 0) + nbytes
+        mod.transport.count_get(p, nbytes, "rows")
         mod.transport.record(nbytes, p, "rows")
 
     @staticmethod
@@ -696,15 +692,13 @@ class _PgasSend(torch.autograd.Function):
             for q in range(W):
                 if not mod.heap.is_local(q):
                     got[q] = rr[q]
-                    tr.counter.sent[q] += cs[q].numel() * cs[q].element_size()
-                    tr.counter.by_kind["pooled"] = tr.counter.by_kind.get("pooled", 0) + \
-                        cs[q].numel() * cs[q].element_size()
-                    tr.counter.recv[q] += rr[q].numel() * rr[q].element_size()
+                    tr.count_put(q, cs[q].numel() * cs[q].element_size(), "pooled")
+                    tr.count_received(q, rr[q].numel() * rr[q].element_size())
         recvs = {q: tr.expect((D,), mod.weight.dtype, dev, ind_counts[q]) for q in sends}
         tr.progress(sends, recvs, "pooled vectors")  # every owner has written all it writes here
         for q, r in recvs.items():
             got[q] = r["out"]
-            tr.counter.recv[q] += r["out"].numel() * r["out"].element_size()
+            tr.count_received(q, r["out"].numel() * r["out"].element_size())
         got[me] = own_part
         itemsize = out_flat.element_size()
         if st["kind"] == 1:

@@ -40,7 +40,6 @@ batch size, and sums (not averages) dense gradients over ranks; ``train.distribu
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
@@ -134,7 +133,7 @@ class ShardedEmbedding(nn.Module):
         if grad_sync not in SYNC_METHODS:
             raise ConfigError(f"sharded embedding: grad_sync {grad_sync!r} is not one of {SYNC_METHODS}")
         if grad_sync == "alltoall" and optimizer is not None and \
-                (design != "retrieve" or not hasattr(transport, "exchange_counts")):
+                (design != "retrieve" or not transport.fuses_exchanges):
             raise ConfigError("sharded embedding: grad_sync 'alltoall' rides in the retrieve design's all-to-all; "
                               f"it needs design 'retrieve' and a collective transport (got {design!r}, "
                               f"{type(transport).__name__})")
@@ -727,56 +726,6 @@ class _Ahead:
         return "local" if self._conv is None else self._conv.state
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)
-
-
-def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, tail: tuple = ()) -> torch.Tensor:
-    if buf.storage_offset() % torch.empty(0, dtype=dtype).element_size():
-        buf = buf.clone()  # a view as a wider type needs an aligned start
-    return buf.view(dtype).view(-1, *tail)
-
-
-def _exchange_packed(tr: Transport, parts: list, recv_parts: list, kinds: list, me: int) -> list:
-    """One all-to-all of several tensors per peer, sent as bytes: ``parts[p]`` the tensors for rank ``p``,
-    ``recv_parts[p]`` the ``(dtype, tail, rows)`` of each tensor expected from rank ``p`` (both sides know
-    them), ``kinds`` each tensor's label in the byte counter (``meta``: counted as metadata, as
-    ``exchange_counts`` counts). Returns, per peer, the list of received tensors (``None`` for this rank)."""
-    W = len(parts)
-    send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
-            for p, ts in enumerate(parts)]
-    sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
-             for rp in recv_parts]
-    main = next(k for k in kinds if k != "meta")
-    got = tr.exchange(send, recv_counts=[sum(sz) if p != me else 0 for p, sz in enumerate(sizes)], kind=main)
-    c = tr.counter
-    for p in range(W):  # count every part under its own kind
-        if p == me:
-            continue
-        for i, (t, k) in enumerate(zip(parts[p], kinds)):
-            b_out, b_in = t.numel() * t.element_size(), sizes[p][i]
-            if k == main:
-                continue
-            c.by_kind[main] -= b_out
-            if k == "meta":
-                c.sent[p] -= b_out
-                c.recv[p] -= b_in
-                c.meta += b_out + b_in
-            else:
-                c.by_kind[k] = c.by_kind.get(k, 0) + b_out
-    out = []
-    for p in range(W):
-        if p == me:
-            out.append(None)
-            continue
-        pieces, a = [], 0
-        for (dt, tail, _rows), b in zip(recv_parts[p], sizes[p]):
-            pieces.append(_from_bytes(got[p][a:a + b], dt, tail))
-            a += b
-        out.append(pieces)
-    return out
-
-
 class _Retrieve(torch.autograd.Function):
     """Retrieve-based lookup (OPER 5.1-5.2): fetch unique remote rows, pool locally.
 
@@ -800,7 +749,7 @@ class _Retrieve(torch.autograd.Function):
         dev = mod.weight.device
         per_rank, blocks, fused = conv.per_rank, conv.blocks, conv.fused and training
         R = sum(per_rank)
-        collective = hasattr(tr, "exchange_counts")
+        collective = tr.fuses_exchanges
         if conv.state == "ready":  # the requests rode in the previous step's gradient exchange
             requests, peer_slots = conv.requests, conv.peer_slots
         elif conv.state == "counted":  # their counts rode in the previous step's row exchange
@@ -834,9 +783,9 @@ class _Retrieve(torch.autograd.Function):
             nxt = mod._queue[0].conv if mod._queue and mod._queue[0].state == "local" else None
             hdr = nxt.announce(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
             wt = mod.weight.dtype
-            got = _exchange_packed(tr, [[hdr[p].to(dev), replies[p]] for p in range(W)],
-                                   [[(torch.int64, (), 2), (wt, (mod.dim,), c)] for c in per_rank],
-                                   ["meta", "rows"], me)
+            got = tr.exchange_packed([[hdr[p].to(dev), replies[p]] for p in range(W)],
+                                     [[(torch.int64, (), 2), (wt, (mod.dim,), c)] for c in per_rank],
+                                     ["meta", "rows"])
             fetched = [x[1] if x is not None else mod.weight[:0] for x in got]
             heads = torch.stack([x[0] for p, x in enumerate(got) if p != me]).view(-1, 2).tolist()
             announced = [h[0] > 0 for h in heads]
@@ -910,9 +859,9 @@ class _Retrieve(torch.autograd.Function):
             # the next batch's requests ride behind the gradients (their counts rode in the row exchange)
             ids = [torch.cat([b, nxt.t_slots]) if nxt.fused else b for b in nxt.blocks]
             rc = nxt.recv_counts
-            got = _exchange_packed(mod.transport, [[blocks[p], ids[p]] for p in range(W)],
-                                   [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
-                                    for p, (a, b) in enumerate(rc)], ["grads", "ids"], me)
+            got = mod.transport.exchange_packed([[blocks[p], ids[p]] for p in range(W)],
+                                                [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
+                                                 for p, (a, b) in enumerate(rc)], ["grads", "ids"])
             nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
             nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
             nxt.state = "ready"
