@@ -10,7 +10,7 @@ Measured in the same run, interleaved repeat by repeat:
   requesting rank's output tensor in the symmetric heap (Listing 2); completion is one per-peer signal.
 * ``baseline``: the paper's baseline on the same inputs and the same storage, at its best (issue 15 part 4):
   the same pooling kernel as the PGAS path (``embedding_bag`` over chunks of ``--chunk-bags`` bags of one
-  requester's samples, as ``_PgasSend._serve``), every buffer allocated once (batch-major send and receive
+  requester's samples, as ``pgas_lookup._serve``), every buffer allocated once (batch-major send and receive
   buffers, the output), the rank's own samples pooled straight into its output (the self block of an
   all_to_all moves nothing; at one rank there is no collective at all), the peers' blocks through one
   ``all_to_all_single`` (gloo, waited on), then the unpack into ``[B_local, F * D]``. So at one rank both
@@ -102,7 +102,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                       for q in range(world)]
         del ids
         # the baseline at its best (issue 15 part 4): the PGAS path's pooling kernel (embedding_bag over chunks
-        # of ``chunk_bags`` bags of one requester's samples, feature-major, as ``_PgasSend._serve``) and
+        # of ``chunk_bags`` bags of one requester's samples, feature-major, as ``pgas_lookup._serve``) and
         # buffers allocated once: the pooled vectors are stored straight into a batch-major send buffer, the
         # rank's own samples straight into its output (the self block of an all_to_all moves nothing), the
         # peers' blocks go through one all_to_all_single into a receive buffer, unpacked into the output.
@@ -174,10 +174,12 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 with torch.no_grad():
                     res = emb(local)
                 return time.perf_counter() - t0, {"out": res}
-            h = emb.input_dist(local)
+            h = emb.create_context(training=False)
+            emb.input_dist(h, local)
             dist.barrier()
             t0 = time.perf_counter()
-            res = emb.compute_and_output_dist(h)
+            emb.compute(h)
+            res = emb.output_dist(h)
             return time.perf_counter() - t0, {"out": res}
 
         # equality: the same pooled vectors at the same places, bit for bit
@@ -217,11 +219,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 f"{med['baseline_e2e']:.1f} ms (x{med['baseline_e2e'] / med['pgas_e2e']:.2f})")
         if cfg["timeline_p"] == P:
             tl = tr.enable_timeline()
-            h = emb.input_dist(local)
+            h = emb.create_context(training=False)
+            emb.input_dist(h, local)
             dist.barrier()
             tl.reset()
             tl.mark("forward")
-            emb.compute_and_output_dist(h)
+            emb.compute(h)
+            emb.output_dist(h)
             ev = tl.events()
             tr.timeline = None
             dist.barrier()
