@@ -455,55 +455,52 @@ def _get(mod: PgasShardedEmbedding, p: int, rows: torch.Tensor, dst: torch.Tenso
 
 
 
+def _plan_gets(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, K: int, fetch: torch.Tensor):
+    """Where each unique remote row lands in the fetch area (by the first of the ``K`` chunks that reads it, then
+    owner) and the gets of every chunk ``(peer, first, last)``; rows from other hosts (arrived by the collective)
+    are placed now. Returns ``(fetch_pos, gets, rows_in_order)``."""
+    W, me, B, bag, dev = mod.world_size, mod.rank, ctx.B, ctx.bag, fetch.device
+    R = ctx.u_off.numel()
+    if B >= mod.chunk_bags:  # the chunk of every value
+        chunk_of_value = (bag // B) * -(-B // mod.chunk_bags) + (bag % B) // mod.chunk_bags
+    else:
+        chunk_of_value = (bag // B) // max(1, mod.chunk_bags // B)
+    fetch_pos = torch.empty(R, dtype=torch.int64)
+    gets: list[list[tuple[int, int, int]]] = [[] for _ in range(K)]
+    if not R:
+        return fetch_pos, gets, ctx.u_off
+    first = torch.full((R,), K, dtype=torch.int64)
+    first.scatter_reduce_(0, ctx.rinv, chunk_of_value[~ctx.local], reduce="amin")
+    order = torch.argsort(first * W + ctx.u_src, stable=True)
+    fetch_pos[order] = torch.arange(R)
+    cnt = torch.bincount(first * W + ctx.u_src, minlength=K * W).view(K, W).tolist()
+    a = 0
+    for k in range(K):
+        for p in range(W):
+            n = cnt[k][p]
+            if n and p != me and mod.heap.is_local(p):
+                gets[k].append((p, a, a + n))
+            a += n
+    for p in ctx.remote_src:  # rows from other hosts arrived by the collective: place them in the fetch area
+        if ctx.counts[p]:
+            fetch.index_copy_(0, fetch_pos[ctx.starts[p]:ctx.starts[p + 1]].to(dev), ctx.fetched_remote[p])
+    return fetch_pos, gets, ctx.u_off[order]
+
+
 def _pool_fused(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, out3: torch.Tensor, voff: torch.Tensor,
                 scale_d: torch.Tensor) -> None:
     """Pool the batch in chunks of bags from ``[storage | fetch area]``, the gets of chunk k+1 (on the helper
     thread) overlapping the pooling of chunk k (OPER Fig. 4(b))."""
-    W, me, B = mod.world_size, mod.rank, ctx.B
-    off, local, rinv, u_src, u_off, bag = ctx.off, ctx.local, ctx.rinv, ctx.u_src, ctx.u_off, ctx.bag
-    F_, counts_l, starts_l, remote_src, fetched_remote = ctx.F, ctx.counts, ctx.starts, ctx.remote_src, \
-        ctx.fetched_remote
+    me, B, off, local = mod.rank, ctx.B, ctx.off, ctx.local
     dev = out3.device
-    R = u_off.numel()
-    chunks = mod._chunks(B, F_)
+    chunks = mod._chunks(B, ctx.F)
     K = len(chunks)
-    cap = mod._cap
-    table = mod._table
-    fetch = table[cap:cap + R]
-    # the chunk of every value, and the first chunk that needs each unique remote row
-    if B >= mod.chunk_bags:
-        per_f = -(-B // mod.chunk_bags)
-        f_of, b_of = bag // B, bag % B
-        chunk_of_value = f_of * per_f + b_of // mod.chunk_bags
-    else:
-        step = max(1, mod.chunk_bags // B)
-        chunk_of_value = (bag // B) // step
-    nl = ~local
-    fetch_pos = torch.empty(R, dtype=torch.int64)
-    gets: list[list[tuple[int, int, int]]] = [[] for _ in range(K)]
-    rows_in_order = u_off
-    if R:
-        first = torch.full((R,), K, dtype=torch.int64)
-        first.scatter_reduce_(0, rinv, chunk_of_value[nl], reduce="amin")
-        order = torch.argsort(first * W + u_src, stable=True)
-        fetch_pos[order] = torch.arange(R)
-        cnt = torch.bincount(first * W + u_src, minlength=K * W).view(K, W).tolist()
-        a = 0
-        for k in range(K):
-            for p in range(W):
-                n = cnt[k][p]
-                if n and p != me and mod.heap.is_local(p):
-                    gets[k].append((p, a, a + n))
-                a += n
-        if remote_src:  # rows from other hosts arrived by the collective: place them in the fetch area
-            for p in remote_src:
-                if counts_l[p]:
-                    sel = fetch_pos[starts_l[p]:starts_l[p + 1]]
-                    fetch.index_copy_(0, sel.to(dev), fetched_remote[p])
-        rows_in_order = u_off[order]
+    cap, table = mod._cap, mod._table
+    fetch = table[cap:cap + ctx.u_off.numel()]
+    fetch_pos, gets, rows_in_order = _plan_gets(mod, ctx, K, fetch)
     idx = torch.empty(off.numel(), dtype=torch.int64)
     idx[local] = off[local]
-    idx[nl] = cap + fetch_pos[rinv]
+    idx[~local] = cap + fetch_pos[ctx.rinv]
     idx = idx.to(dev)
 
     def do_gets(k: int) -> None:
@@ -534,7 +531,6 @@ def _pool_fused(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, out3: torch
             out3[b0:b1, f0].copy_(pooled)
         else:
             out3[:, f0:f1].copy_(pooled.view(f1 - f0, B, -1).transpose(0, 1))
-
 
 
 def _pool_private(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, out3: torch.Tensor, voff: torch.Tensor,

@@ -49,8 +49,6 @@ batch size, and sums (not averages) dense gradients over ranks; ``train.distribu
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,6 +63,7 @@ from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.context import LookupContext, RetrieveContext, SendContext, Stage
 from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
 from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.input_pipeline import Ahead, InputPipeline
 from embedscale.embedding.interop import as_jagged, keyed_tensor
 from embedscale.embedding.optim import RowGradientScratch
 from embedscale.embedding.row_update import RowUpdates
@@ -178,20 +177,10 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self._feature_table = self._feature_table.to(device)
         self._feature_rows = self._feature_rows.to(device)
         self._feature_mean = self._feature_mean.to(device)
-        gids = amap.storage_gids(rank)
-        weight = torch.empty((gids.size, self.dim), dtype=dtype)
-        table_of = np.searchsorted(amap.table_base, gids, side="right") - 1
-        init_index = list(range(len(self.tables))) if init_index is None else list(init_index)
-        if len(init_index) != len(self.tables):
-            raise ConfigError(f"sharded embedding: {len(init_index)} init indices for {len(self.tables)} tables")
-        for t, spec in enumerate(self.tables):
-            sel = np.flatnonzero(table_of == t)
-            if sel.size:
-                weight[torch.from_numpy(sel)] = torch.from_numpy(uniform_rows(
-                    seed, init_index[t], gids[sel] - amap.table_base[t], self.dim, spec.num_rows)).to(dtype)
+        weight = initial_rows(self.tables, amap, rank, seed, init_index, dtype)
         self.register_buffer("weight", weight.to(device))
         if optimizer == "rowwise_adagrad":
-            self.register_buffer("momentum", torch.zeros(gids.size, dtype=torch.float32, device=device))
+            self.register_buffer("momentum", torch.zeros(weight.shape[0], dtype=torch.float32, device=device))
         elif optimizer not in ("sgd", None):
             raise ConfigError(f"sharded embedding: optimizer {optimizer!r} is not sgd, rowwise_adagrad or None")
         # a zero-size parameter so that autograd calls our backward even though the storage is a buffer
@@ -203,13 +192,12 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         # storage rows the optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
         self.stages = RETRIEVE if design == "retrieve" else SEND
-        self._queue: deque[_Ahead] = deque()  # prefetched batches, in step order (``prefetch``)
-        self._pool: ThreadPoolExecutor | None = None  # the prefetch thread, made by the first prefetch
+        # prefetched batches, in step order (``prefetch``), on a pipeline of its own until a run attaches its own
+        self.input_lane = InputPipeline().lane("sharded", _MAX_AHEAD, _undistributed)
         self.prefetching = False  # set by the first ``prefetch``: training row exchanges carry a header
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
         self._kslot: torch.Tensor | None = None  # the C++ kernel's int32 storage row -> slot map, all -1
         self._kscratch = RowGradientScratch()  # the C++ kernel's per-row gradient sums, kept across steps
-
 
     # -- inputs ---------------------------------------------------------------------------------
     def _check_keys(self, features: JaggedFeatures) -> None:
@@ -352,14 +340,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         jf = as_jagged(features)[0]
         self._check_keys(jf)
         self.prefetching = True
-        while len(self._queue) >= _MAX_AHEAD and self._queue[0].state is Stage.DECODED:
-            self._queue.popleft()  # never consumed, never announced: stale
-        if background:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"emb-prefetch-r{self.rank}")
-            self._queue.append(_Ahead(jf, future=self._pool.submit(self._decode_ahead, jf)))
-        else:
-            self._queue.append(_Ahead(jf, ctx=self._decode_ahead(jf)))
+        self.input_lane.push(jf, self._decode_ahead, background)  # (drops batches never consumed nor announced)
 
     def _decode_ahead(self, features: JaggedFeatures) -> RetrieveContext:
         ctx = RetrieveContext(features, True)
@@ -367,29 +348,41 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
             retrieve.decode(self, ctx)
         return ctx
 
+    def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
+        """Prefetch on ``pipeline`` (the run's) from now on; nothing may be queued yet."""
+        if len(self.input_lane):
+            raise InputError(f"sharded embedding (rank {self.rank}): {len(self.input_lane)} batch(es) prefetched "
+                             "before the input pipeline was attached")
+        self.input_lane = pipeline.lane("sharded", _MAX_AHEAD, _undistributed)
+
+    @property
+    def pending_batches(self) -> int:
+        """Batches prefetched and not looked up yet."""
+        return len(self.input_lane)
+
     def next_prefetched(self) -> RetrieveContext | None:
         """The context of the next prefetched batch (joins its decoding), or ``None``."""
-        return self._queue[0].ctx if self._queue else None
+        head = self.input_lane.head()
+        return head.value if head is not None else None
 
     def queued_undistributed(self) -> RetrieveContext | None:
         """The next prefetched batch's context while no peer has heard of it (its counts ride the coming row
         exchange), else ``None``."""
-        if self._queue and self._queue[0].state is Stage.DECODED:
-            return self._queue[0].ctx
-        return None
+        head = self.input_lane.head()
+        return head.value if head is not None and _undistributed(head) else None
 
     def _take_prefetched(self, features: JaggedFeatures, training: bool) -> RetrieveContext | None:
         """The prefetched context of ``features`` (the head of the queue), or ``None`` (decode now)."""
-        if not self._queue:
+        head = self.input_lane.head()
+        if head is None:
             return None
-        head = self._queue[0]
         if same_batch(head.features, features):
             if training:
                 self.stats["prefetched_steps"] = self.stats.get("prefetched_steps", 0) + 1
-            return self._queue.popleft().ctx
+            return self.input_lane.pop().value
         if not training:  # an evaluation between training steps: the queue waits for its batch
             return None
-        if head.state is not Stage.DECODED:  # the peers already sent or expect this batch's requests
+        if not _undistributed(head):  # the peers already sent or expect this batch's requests
             raise InputError(f"sharded embedding (rank {self.rank}): forward got another batch than the one "
                              "prefetched for this step; prefetch(next) must be followed by forward(next)")
         return None  # a batch of a later step (the first prefetch of a loop): it waits
@@ -429,6 +422,25 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self.replica_storage_rows = torch.where(local >= 0, local + self.num_owned, torch.full_like(local, -1))
 
 
+def initial_rows(tables: list[TableSpec], amap: AddressMap, rank: int, seed: int, init_index: list[int] | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The initial storage of ``rank`` (its owned rows, then its replicas): every row as single-process training
+    initialises it (``embedding.init``), table ``t`` under init index ``init_index[t]`` (default ``t``)."""
+    gids = amap.storage_gids(rank)
+    dim = tables[0].dim
+    weight = torch.empty((gids.size, dim), dtype=dtype)
+    table_of = np.searchsorted(amap.table_base, gids, side="right") - 1
+    init_index = list(range(len(tables))) if init_index is None else list(init_index)
+    if len(init_index) != len(tables):
+        raise ConfigError(f"sharded embedding: {len(init_index)} init indices for {len(tables)} tables")
+    for t, spec in enumerate(tables):
+        sel = np.flatnonzero(table_of == t)
+        if sel.size:
+            weight[torch.from_numpy(sel)] = torch.from_numpy(uniform_rows(
+                seed, init_index[t], gids[sel] - amap.table_base[t], dim, spec.num_rows)).to(dtype)
+    return weight
+
+
 class _Lookup(torch.autograd.Function):
     """A lookup's differentiable stages: ``compute`` and ``output_dist`` forward, ``grad_dist`` and ``update``
     backward (the module applies the gradient to its storage itself: the anchor's gradient is empty)."""
@@ -451,21 +463,6 @@ class _Lookup(torch.autograd.Function):
         return torch.zeros_like(mod.anchor), None, None
 
 
-class _Ahead:
-    """A prefetched batch and its context, decoded on the prefetch thread until first needed."""
-
-    __slots__ = ("features", "_future", "_ctx")
-
-    def __init__(self, features: JaggedFeatures, future=None, ctx: RetrieveContext | None = None):
-        self.features, self._future, self._ctx = features, future, ctx
-
-    @property
-    def ctx(self) -> RetrieveContext:
-        if self._ctx is None:
-            self._ctx = self._future.result()  # joins the prefetch thread (re-raises its InputError)
-            self._future = None
-        return self._ctx
-
-    @property
-    def state(self) -> Stage:
-        return Stage.DECODED if self._ctx is None else self._ctx.state
+def _undistributed(ahead: Ahead) -> bool:
+    """Whether no peer has heard of a prefetched batch yet (still decoding, or decoded here only)."""
+    return not ahead.joined or ahead.value.state is Stage.DECODED
