@@ -50,6 +50,7 @@ from embedscale.embedding.hybrid import HybridTTEmbeddingBag
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.input_pipeline import InputPipeline
 from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.tt import GradSyncBucket, TTEmbeddingBag
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec, feature_to_table
@@ -401,7 +402,7 @@ class MixedEmbedding(nn.Module):
         :meth:`forward` will give it; and, on a worker thread, the TT tables' inputs: the ids renamed by the
         reordering, selected per table, and each table's reuse plan (EL-Rec III-A's sorts), which the lookup of
         that batch then takes instead of building them on the step's path. Same results either way."""
-        if self.local is not None and hasattr(self.local, "prefetch"):
+        if isinstance(self.local, ShardedEmbedding):
             sel = self._local_features(features)  # selecting, then renaming, as forward renames then selects
             self.local.prefetch(self._renamed(sel) if any(k in self._remapped for k in sel.keys) else sel)
         if not self.tt:
@@ -414,7 +415,7 @@ class MixedEmbedding(nn.Module):
     def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
         """Prefetch on ``pipeline`` (the run's) from now on, the sharded module's batches included."""
         self.input_lane = pipeline.lane("tt", 2)
-        if self.local is not None and hasattr(self.local, "attach_input_pipeline"):
+        if isinstance(self.local, ShardedEmbedding):
             self.local.attach_input_pipeline(pipeline)
 
     @property
