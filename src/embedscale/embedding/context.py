@@ -9,7 +9,7 @@ holds only its storage; everything one batch's stages hand each other lives in t
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -36,6 +36,13 @@ class LookupContext:
     training: bool
     state: Stage = Stage.NEW
     B: int = 0  # samples of the local mini-batch
+
+    def take_over(self, ahead: LookupContext) -> None:
+        """Continue from ``ahead``'s progress (the same batch, prepared ahead of its step), keeping this
+        context's ``training``."""
+        for f in fields(ahead):
+            if f.name != "training":
+                setattr(self, f.name, getattr(ahead, f.name))
 
 
 @dataclass(eq=False)

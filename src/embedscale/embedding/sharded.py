@@ -295,9 +295,9 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         ``prefetch`` did not do it ahead: then ``ctx`` takes over the prefetched batch's progress)."""
         features = as_jagged(features)[0]
         if ctx.state is Stage.NEW:
-            ahead = self._take_prefetched(features, ctx.training) if self.design == "retrieve" else None
+            ahead = self._take_prefetched(features, ctx.training) if self.stages is RETRIEVE else None
             if ahead is not None:
-                ctx.__dict__.update({k: v for k, v in vars(ahead).items() if k != "training"})
+                ctx.take_over(ahead)
             else:
                 ctx.features = features
         self.stages.input_dist(self, ctx)
