@@ -13,7 +13,7 @@ batch, interleaved round by round (``--rounds``, batches rotating):
 * ``decode``: ``(src, offset, replica slot)`` of every id (``TorchAddressMap.decode``: the send design and the
   PGAS lookups);
 * ``remote_rows``: the retrieve design's whole index conversion (OPER 5.1: codes, local/remote split, the
-  sorted unique remote rows, per-rank counts; ``embedding.sharded.remote_rows`` on either map).
+  sorted unique remote rows, per-rank counts; ``embedding.retrieve.remote_rows`` on either map).
 
 Bytes: every numpy array and torch tensor a rank process holds for the map (``AddressMap`` + its rank's
 ``TorchAddressMap``, each buffer counted once: on the CPU the torch view shares the numpy codes), per row of
@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from embedscale.embedding.address_map import TorchAddressMap, address_map_from_plan
-from embedscale.embedding.sharded import remote_rows
+from embedscale.embedding.retrieve import remote_rows
 from embedscale.plan.api import make_plan
 from embedscale.plan.synthetic_profile import ZipfProfile, rank_to_row_bijection
 from embedscale.specs import CRITEO_KAGGLE_ROWS, CRITEO_TERABYTE_ROWS, TableSpec, Topology

@@ -10,7 +10,7 @@ Measured in the same run, interleaved repeat by repeat:
   requesting rank's output tensor in the symmetric heap (Listing 2); completion is one per-peer signal.
 * ``baseline``: the paper's baseline on the same inputs and the same storage, at its best:
   the same pooling kernel as the PGAS path (``embedding_bag`` over chunks of ``--chunk-bags`` bags of one
-  requester's samples, as ``_PgasSend._serve``), every buffer allocated once (batch-major send and receive
+  requester's samples, as ``pgas_lookup._serve``), every buffer allocated once (batch-major send and receive
   buffers, the output), the rank's own samples pooled straight into its output (the self block of an
   all_to_all moves nothing; at one rank there is no collective at all), the peers' blocks through one
   ``all_to_all_single`` (gloo, waited on), then the unpack into ``[B_local, F * D]``. So at one rank both
@@ -34,8 +34,7 @@ Every output is checked equal (bitwise) between pgas and baseline before timing.
 
     .venv/bin/python benchmarks/bench_pgas.py [--quick] [--repeats N]
 
-Prints one JSON line on stdout; progress on stderr; writes pgas.md and pgas_timeline.png into a temporary
-directory (its path on stderr), or into benchmarks/results/ with ``--record`` (the recorded result).
+Prints one JSON line on stdout; progress on stderr; writes benchmarks/results/pgas.md and pgas_timeline.png.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -59,7 +57,6 @@ from embedscale.comm.timeline import plot_timeline
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.pgas_lookup import PgasShardedEmbedding
-from embedscale.io import atomic_write_text
 from embedscale.specs import TableSpec
 from embedscale.train.launch import spawn_local
 
@@ -105,7 +102,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                       for q in range(world)]
         del ids
         # the baseline at its best: the PGAS path's pooling kernel (embedding_bag over chunks
-        # of ``chunk_bags`` bags of one requester's samples, feature-major, as ``_PgasSend._serve``) and
+        # of ``chunk_bags`` bags of one requester's samples, feature-major, as ``pgas_lookup._serve``) and
         # buffers allocated once: the pooled vectors are stored straight into a batch-major send buffer, the
         # rank's own samples straight into its output (the self block of an all_to_all moves nothing), the
         # peers' blocks go through one all_to_all_single into a receive buffer, unpacked into the output.
@@ -177,10 +174,12 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 with torch.no_grad():
                     res = emb(local)
                 return time.perf_counter() - t0, {"out": res}
-            h = emb.input_dist(local)
+            h = emb.create_context(training=False)
+            emb.input_dist(h, local)
             dist.barrier()
             t0 = time.perf_counter()
-            res = emb.compute_and_output_dist(h)
+            emb.compute(h)
+            res = emb.output_dist(h)
             return time.perf_counter() - t0, {"out": res}
 
         # equality: the same pooled vectors at the same places, bit for bit
@@ -220,11 +219,13 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
                 f"{med['baseline_e2e']:.1f} ms (x{med['baseline_e2e'] / med['pgas_e2e']:.2f})")
         if cfg["timeline_p"] == P:
             tl = tr.enable_timeline()
-            h = emb.input_dist(local)
+            h = emb.create_context(training=False)
+            emb.input_dist(h, local)
             dist.barrier()
             tl.reset()
             tl.mark("forward")
-            emb.compute_and_output_dist(h)
+            emb.compute(h)
+            emb.output_dist(h)
             ev = tl.events()
             tr.timeline = None
             dist.barrier()
@@ -248,11 +249,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--chunk-bags", type=int, default=4096)
-    ap.add_argument("--no-md", action="store_true", help="do not write pgas.md")
-    ap.add_argument("--record", action="store_true",
-                    help="write pgas.md and pgas_timeline.png into benchmarks/results/ (default: a temporary directory)")
+    ap.add_argument("--no-md", action="store_true", help="do not write benchmarks/results/pgas.md")
     args = ap.parse_args()
-    out_dir = RESULTS if args.record else Path(tempfile.mkdtemp(prefix="bench_pgas-"))
     pooling = args.pooling or ([1, 4, 32] if args.quick else [1, 4, 16, 32])
     repeats = args.repeats or (3 if args.quick else 5)
     job = f"bench{os.getpid()}"
@@ -320,7 +318,7 @@ def main() -> None:
             dur = tl["baseline"]["end_ns"] - tl["baseline"]["start_ns"]
             start = t0 + int(comp * 1e6)
             base.append({"start_ns": start, "end_ns": start + dur, "bytes": tl["baseline"]["bytes"], "t0_ns": t0})
-        png = plot_timeline(per_rank, out_dir / "pgas_timeline.png", baseline=base,
+        png = plot_timeline(per_rank, RESULTS / "pgas_timeline.png", baseline=base,
                             title=f"bytes written to peers, 2 ranks, P={cfg['timeline_p']} (PGAS Fig. 7)")
     head = next((s for s in sweep if s["ranks"] == max(weak) and s["pooling"] == min(pooling)), sweep[0])
     low = [s["speedup"] for s in sweep if s["pooling"] in (1, 4)]
@@ -346,13 +344,12 @@ def main() -> None:
                    "timeline_png": str(png) if png else None, "shm_segments_left": leftover},
     }
     if not args.no_md:
-        _write_md(result, " ".join(["benchmarks/bench_pgas.py"] + sys.argv[1:]), out_dir)
-        log(f"wrote {out_dir / 'pgas.md'}")
+        _write_md(result, " ".join(["benchmarks/bench_pgas.py"] + sys.argv[1:]))
     print(json.dumps(result))
 
 
-def _write_md(res: dict, cmd: str, out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _write_md(res: dict, cmd: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
     c = res["config"]
     lines = [
         "# PGAS fused embedding forward vs all_to_all + unpack",
@@ -397,7 +394,7 @@ def _write_md(res: dict, cmd: str, out_dir: Path) -> None:
     if c.get("timeline_png"):
         lines += ["Timeline (paper Fig. 7): bytes each rank wrote to its peer over one PGAS forward at 2 ranks, "
                   "from the start of its forward; dashed, the baseline's all_to_all volume interpolated over its "
-                  "communication phase, placed after its computation: `pgas_timeline.png` beside this file.", ""]
+                  "communication phase, placed after its computation: `benchmarks/results/pgas_timeline.png`.", ""]
     lines += [f"One rank (no peers, both methods pool with the same kernel into buffers allocated once), "
               f"baseline / PGAS time per P: {res['one_rank_ratio']} (bar: within 10%).", "",
               "On a CPU the same cores pool and copy; the PGAS writes are plain stores into another process's "
@@ -408,7 +405,7 @@ def _write_md(res: dict, cmd: str, out_dir: Path) -> None:
               "The machine is shared with other jobs (see the load averages): absolute times vary between "
               "runs; the two methods are interleaved so both see the same load. The GPU path (CUDA "
               "symmetric memory) is designed for, untested here.", ""]
-    atomic_write_text(out_dir / "pgas.md", "\n".join(lines))
+    (RESULTS / "pgas.md").write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ wall-clock timers (inclusive, per step, the first ``--skip`` steps dropped):
 * ``forward`` (the DDP forward: embedding and dense), ``backward`` (``loss.backward``: the dense backward, the
   DDP all-reduce and every embedding backward with its exchange and update), ``opt`` (the dense optimizer);
 * ``sharded_fwd`` / ``sharded_bwd``: ``ShardedEmbedding``'s forward (ids bucketed, rows fetched) and its
-  ``_Retrieve`` backward (gradients sent back, row-wise Adagrad);
+  backward (``grad_dist`` and ``update``: gradients sent back, row-wise Adagrad);
 * ``tt_fwd.<table>`` / ``tt_bwd.<table>`` / ``tt_sync.<table>``: each TT table's lookup (sort, reuse plan,
   GEMMs), its fused backward (inclusive of the sync) and the core gradients' all-reduce (``grad_sync``); with
   the tables sharing one ``tt.GradSyncBucket``, ``tt_sync.all``: the contributions, the one sum and the updates;
@@ -90,7 +90,7 @@ def _install():
     register_optimizer_step_pre_hook(lambda o, a, k: t_opt.__setitem__(0, time.perf_counter()))
     register_optimizer_step_post_hook(lambda o, a, k: _add("opt", time.perf_counter() - t_opt[0]))
     _wrap(S.ShardedEmbedding, "forward", "sharded_fwd")
-    _wrap(S._Retrieve, "backward", "sharded_bwd")
+    _wrap(S._Lookup, "backward", "sharded_bwd")
     _wrap(TT.TTEmbeddingBag, "forward", lambda a: "tt_fwd." + str(a[0].name))
     _wrap(TT._EffTTLookup, "backward", lambda a: "tt_bwd." + str(a[0].module.name))
     ofused = TT.TTEmbeddingBag._backward_fused

@@ -317,7 +317,7 @@ def worker(rank, world, cfg):
                            "rows_per_rank": amap_inf.num_owned().tolist()},
         "torchrec": _count_types(trh.sharding_types(trec_plan)),
     }
-    res["cpu_kernel"] = {"training": emb._kernel_ops() is not None, "inference": emb_inf._kernel_ops() is not None}
+    res["cpu_kernel"] = {"training": emb.kernel_ops() is not None, "inference": emb_inf.kernel_ops() is not None}
     res["storage_rows"] = {"ours_training": int(emb.weight.shape[0]), "ours_inference": int(emb_inf.weight.shape[0]),
                            "torchrec": _torchrec_local_rows(dmp)}
     if pgas_tr is not None:

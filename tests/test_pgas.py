@@ -145,12 +145,12 @@ def _equality_worker(rank, world, rph, job, scenarios):
             emb = PgasShardedEmbedding(tables(), amap, pt, rank, max_batch_size=(B + world - 1) // world,
                                        chunk_bags=5, **kw, **extra)
         if variant == "fused_slow_owner" and rank == 1:  # updates land late: readers must wait for them
-            apply = emb._apply_owned
+            apply = emb.apply_owned
 
             def slow_apply(rows, grads, apply=apply):
                 time.sleep(0.3)
                 apply(rows, grads)
-            emb._apply_owned = slow_apply
+            emb.apply_owned = slow_apply
         got = _train(emb, rank, world, weighted)
         res[(name, design, optimizer, variant, weighted)] = {
             "ref": ref, "got": got, "gids": torch.from_numpy(amap.storage_gids(rank)),

@@ -15,6 +15,7 @@ from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding import kernels
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.context import Stage
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.errors import InputError
 from embedscale.specs import TableSpec
@@ -254,7 +255,7 @@ def test_address_map_follows_the_storage_device():
     code = emb.tmap.row_code.clone()
     emb.to(torch.device("meta"))
     assert emb._follow_storage() == torch.device("meta")
-    for t in (*emb.tmap.tensors().values(), emb._feature_rows, emb._region_slot):
+    for t in (*emb.tmap.tensors().values(), emb._feature_rows, emb.region_slot):
         assert t.device == torch.device("meta")
     assert emb.tmap.row_code.shape == code.shape
     assert emb.tmap.to("meta") is emb.tmap  # already there: no copy
@@ -312,8 +313,8 @@ def _prefetch_worker(rank, world):
                     ((y * grads[b][lo:hi]).sum() / B).backward()
                     per_step.append(calls["n"] - n0)
                     if prefetch:  # what the peers asked this rank for, next step: the rows it owns of their batch
-                        nxt = emb._queue[0].conv
-                        ok = nxt.state == "ready"
+                        nxt = emb.next_prefetched()
+                        ok = nxt.state is Stage.ANNOUNCED
                         for p in range(world):
                             if p == rank:
                                 continue

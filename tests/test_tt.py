@@ -621,7 +621,7 @@ def test_mixed_prefetch_builds_tt_inputs_ahead_with_the_same_results():
 
     ref, ref_outs = train(False)
     emb, outs = train(True)
-    assert ref.prefetched_tt_steps == 0 and emb.prefetched_tt_steps == len(batches) and not emb._ahead
+    assert ref.prefetched_tt_steps == 0 and emb.prefetched_tt_steps == len(batches) and emb.pending_batches == 0
     for a, b in zip(outs, ref_outs):
         assert torch.equal(a, b)
     for k, v in ref.state_dict().items():
@@ -629,7 +629,7 @@ def test_mixed_prefetch_builds_tt_inputs_ahead_with_the_same_results():
     emb.prefetch(batches[0])
     emb.prefetch(batches[1])
     emb.prefetch(batches[2])  # two never looked up: the oldest goes
-    assert len(emb._ahead) == 2
+    assert emb.pending_batches == 2
     with torch.no_grad():
         assert torch.equal(emb(batches[1]), ref(batches[1]))
     assert emb.prefetched_tt_steps == len(batches) + 1

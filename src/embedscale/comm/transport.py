@@ -30,6 +30,7 @@ caller counts exactly the tensor it communicated.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -73,6 +74,10 @@ class Transport(ABC):
     """
 
     name = "abstract"
+    #: Whether an executor should fuse several messages into one exchange (the next batch's request counts
+    #: riding this step's rows, its ids riding this step's gradients, replica gradients riding the gradient
+    #: exchange): true where every exchange is one collective call whose fixed cost fusing saves.
+    fuses_exchanges = False
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
@@ -99,6 +104,87 @@ class Transport(ABC):
         bytes in the counter (``rows``, ``ids``, ``grads``, ``pooled``) so each can be checked on its own.
         """
 
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Swap small per-peer count vectors: ``counts`` int64 ``[W, k]`` (row ``p`` goes to rank ``p``);
+        returns ``[W, k]`` on ``counts``' device, row ``p`` what rank ``p`` sent here. Counted as metadata.
+        This default sends one row to every peer through :meth:`exchange`; a transport with a cheaper
+        collective overrides it."""
+        counts = counts.to(torch.int64).contiguous()
+        W, me = self.world_size, self.rank
+        if W == 1:
+            return counts.clone()
+        got = self.exchange([counts[p:p + 1] for p in range(W)], recv_counts=[1] * W, kind="meta")
+        for p in range(W):
+            if p != me:  # sent bytes, as the collective's count exchange counts them
+                self._as_meta(p, nbytes(counts[p]), nbytes(got[p]), "meta", nbytes(counts[p]))
+        if self.counter.by_kind.get("meta") == 0:
+            del self.counter.by_kind["meta"]
+        got[me] = counts[me:me + 1]
+        return torch.cat(got)
+
+    def exchange_packed(self, parts: list, recv_parts: list, kinds: list[str]) -> list:
+        """One exchange of several tensors per peer, sent as bytes: ``parts[p]`` the tensors for rank ``p``,
+        ``recv_parts[p]`` the ``(dtype, tail, rows)`` of each tensor expected from rank ``p`` (both sides know
+        them), ``kinds`` each tensor's label in the byte counter (``meta``: counted as metadata, as
+        :meth:`exchange_counts` counts). Returns, per peer, the list of received tensors (``None`` for this
+        rank)."""
+        W, me = self.world_size, self.rank
+        send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
+                for p, ts in enumerate(parts)]
+        sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
+                 for rp in recv_parts]
+        main = next(k for k in kinds if k != "meta")
+        got = self.exchange(send, recv_counts=[sum(sz) if p != me else 0 for p, sz in enumerate(sizes)], kind=main)
+        for p in range(W):  # count every part under its own kind
+            if p == me:
+                continue
+            for i, (t, k) in enumerate(zip(parts[p], kinds)):
+                if k == "meta":  # as the metadata of a count exchange, sent and received bytes
+                    self._as_meta(p, nbytes(t), sizes[p][i], main, nbytes(t) + sizes[p][i])
+                elif k != main:
+                    self._relabel(nbytes(t), main, k)
+        out = []
+        for p in range(W):
+            if p == me:
+                out.append(None)
+                continue
+            pieces, a = [], 0
+            for (dt, tail, _rows), b in zip(recv_parts[p], sizes[p]):
+                pieces.append(_from_bytes(got[p][a:a + b], dt, tail))
+                a += b
+            out.append(pieces)
+        return out
+
+    # -- the byte counter: only the transport edits it ---------------------------------------------
+    def count_put(self, peer: int, nbytes_: int, kind: str) -> None:
+        """Count a one-sided write (or a send outside :meth:`exchange`) of ``nbytes_`` to ``peer``."""
+        c = self.counter
+        c.sent[peer] += nbytes_
+        c.by_kind[kind] = c.by_kind.get(kind, 0) + nbytes_
+
+    def count_received(self, peer: int, nbytes_: int) -> None:
+        """Count ``nbytes_`` received from ``peer`` outside :meth:`exchange` (a peer's one-sided write)."""
+        self.counter.recv[peer] += nbytes_
+
+    def count_get(self, peer: int, nbytes_: int, kind: str) -> None:
+        """Count a one-sided read of ``nbytes_`` from ``peer``'s memory (received, and under ``kind``)."""
+        c = self.counter
+        c.recv[peer] += nbytes_
+        c.by_kind[kind] = c.by_kind.get(kind, 0) + nbytes_
+
+    def _as_meta(self, peer: int, sent: int, recv: int, counted_as: str, meta: int) -> None:
+        """Move bytes an exchange counted as payload of kind ``counted_as`` to ``meta`` bytes of metadata."""
+        c = self.counter
+        c.by_kind[counted_as] = c.by_kind.get(counted_as, 0) - sent
+        c.sent[peer] -= sent
+        c.recv[peer] -= recv
+        c.meta += meta
+
+    def _relabel(self, sent: int, counted_as: str, kind: str) -> None:
+        c = self.counter
+        c.by_kind[counted_as] -= sent
+        c.by_kind[kind] = c.by_kind.get(kind, 0) + sent
+
     def _count(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str = "data") -> None:
         total = 0
         for p in range(self.world_size):
@@ -110,6 +196,16 @@ class Transport(ABC):
             self.counter.recv[p] += nbytes(recv[p])
         self.counter.by_kind[kind] = self.counter.by_kind.get(kind, 0) + total
         self.counter.calls += 1
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, tail: tuple = ()) -> torch.Tensor:
+    if buf.storage_offset() % torch.empty(0, dtype=dtype).element_size():
+        buf = buf.clone()  # a view as a wider type needs an aligned start
+    return buf.view(dtype).view(-1, *tail)
 
 
 def backend_device(backend: str) -> torch.device:

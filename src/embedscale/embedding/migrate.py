@@ -231,8 +231,8 @@ def check_compatible(old: ShardedEmbedding, new: ShardedEmbedding) -> None:
     if old.weight.dtype != new.weight.dtype or old.weight.device != new.weight.device:
         raise ConfigError(f"migration: the new storage is {new.weight.dtype} on {new.weight.device}, the running "
                           f"one {old.weight.dtype} on {old.weight.device}")
-    if old._queue:
-        raise EmbedscaleError(f"migration (rank {old.rank}): {len(old._queue)} prefetched batch(es) pending; "
+    if old.pending_batches:
+        raise EmbedscaleError(f"migration (rank {old.rank}): {old.pending_batches} prefetched batch(es) pending; "
                               "migrate between steps, before prefetching under the new plan")
 
 
@@ -586,8 +586,8 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
     trains as the ``target`` module restored from a checkpoint of this one would (rows by global id; its map
     is the edited one, not ``AddressMap.build``'s layout). ``target`` may be a map (its placement is read)."""
     t0 = time.perf_counter()
-    if module._queue:
-        raise EmbedscaleError(f"migration (rank {module.rank}): {len(module._queue)} prefetched batch(es) pending; "
+    if module.pending_batches:
+        raise EmbedscaleError(f"migration (rank {module.rank}): {module.pending_batches} prefetched batch(es) pending; "
                               "migrate between steps, before prefetching under the new plan")
     placement = Placement.of_map(target) if isinstance(target, AddressMap) else target
     me, W = module.rank, module.world_size

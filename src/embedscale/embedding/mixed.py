@@ -39,8 +39,6 @@ on the rank, and the output is the same ``[B, sum of dims]`` in ``feature_names`
 
 from __future__ import annotations
 
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -50,7 +48,9 @@ import torch.nn as nn
 from embedscale.data.batch import JaggedFeatures, same_batch
 from embedscale.embedding.hybrid import HybridTTEmbeddingBag
 from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.input_pipeline import InputPipeline
 from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.tt import GradSyncBucket, TTEmbeddingBag
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.specs import TableSpec, feature_to_table
@@ -211,8 +211,8 @@ class MixedEmbedding(nn.Module):
         self.sequence_feature_names = list(getattr(self.local, "sequence_feature_names", []))
         self._local_dims = [self._feature_table[f].dim for f in self.local.feature_names] if self.local is not None \
             else []
-        self._ahead: deque = deque()  # (batch, future of its TT inputs): prefetch's queue
-        self._pool: ThreadPoolExecutor | None = None
+        # the TT tables' inputs of upcoming batches (``prefetch``), on a pipeline of its own until a run attaches its own
+        self.input_lane = InputPipeline().lane("tt", 2)
         self.prefetched_tt_steps = 0  # lookups that took their TT inputs from prefetch
         self.remap = nn.Module()
         self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
@@ -335,7 +335,7 @@ class MixedEmbedding(nn.Module):
         B = features.batch_size
         if not self.tt and not self._remapped and self.local is not None:
             return self.local(features)
-        ahead = self._take_ahead(features) if self._ahead else None
+        ahead = self._take_ahead(features) if len(self.input_lane) else None
         if ahead is None or any(f in self._remapped and self._feature_table[f].name not in self.tt for f in keys):
             features = self._renamed(features, pos)  # (with the TT inputs prefetched: only for a local feature's map)
         cols: dict[str, torch.Tensor] = {}
@@ -390,12 +390,10 @@ class MixedEmbedding(nn.Module):
 
     def _take_ahead(self, features: JaggedFeatures) -> dict | None:
         """The TT inputs :meth:`prefetch` built for ``features`` (the head of the queue), or ``None``."""
-        head_features, future = self._ahead[0]
-        if not same_batch(head_features, features):
+        if not same_batch(self.input_lane.head().features, features):
             return None  # another batch (an evaluation's): the queue stays for the training step
-        self._ahead.popleft()
         self.prefetched_tt_steps += 1
-        return future.result()
+        return self.input_lane.pop().value
 
     def prefetch(self, features: JaggedFeatures) -> None:
         """Hand an upcoming training batch to the input pipeline, before the step before its own (the run loop's
@@ -404,16 +402,26 @@ class MixedEmbedding(nn.Module):
         :meth:`forward` will give it; and, on a worker thread, the TT tables' inputs: the ids renamed by the
         reordering, selected per table, and each table's reuse plan (EL-Rec III-A's sorts), which the lookup of
         that batch then takes instead of building them on the step's path. Same results either way."""
-        if self.local is not None and hasattr(self.local, "prefetch"):
+        if isinstance(self.local, ShardedEmbedding):
             sel = self._local_features(features)  # selecting, then renaming, as forward renames then selects
             self.local.prefetch(self._renamed(sel) if any(k in self._remapped for k in sel.keys) else sel)
         if not self.tt:
             return
-        while len(self._ahead) >= 2:  # never consumed (a step that did not run): stale
-            self._ahead.popleft()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tt-prefetch")
-        self._ahead.append((features, self._pool.submit(self._tt_inputs, features, False, True)))
+        self.input_lane.push(features, self._tt_inputs_ahead)  # (at most 2: one never consumed goes)
+
+    def _tt_inputs_ahead(self, features: JaggedFeatures) -> dict:
+        return self._tt_inputs(features, False, True)
+
+    def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
+        """Prefetch on ``pipeline`` (the run's) from now on, the sharded module's batches included."""
+        self.input_lane = pipeline.lane("tt", 2)
+        if isinstance(self.local, ShardedEmbedding):
+            self.local.attach_input_pipeline(pipeline)
+
+    @property
+    def pending_batches(self) -> int:
+        """Batches whose TT inputs were prefetched and not looked up yet."""
+        return len(self.input_lane)
 
     def forward_dict(self, features: JaggedFeatures) -> dict[str, torch.Tensor]:
         """``{feature: [B, dim]}`` column views of :meth:`forward`."""

@@ -27,6 +27,12 @@ Backward (both): the gradients of remote rows / partial bags are pushed into per
     row in the collective design's order and applies the fused optimizer (``embedding.optim``);
     replicated rows go through ``grad_sync`` (OPER 5.3) as in ``ShardedEmbedding``.
 
+Stages: the module runs ``ShardedEmbedding``'s stages (``input_dist`` / ``compute`` / ``output_dist``, backward
+``grad_dist`` / ``update``, one autograd function for every design) with this module's stage functions
+(``retrieve_*`` and ``send_*`` below) and a per-batch context (``embedding.context``): ``send``'s ``input_dist`` is
+the ids exchange, its ``compute`` the owners' pooling and remote writes, its ``output_dist`` the wait for them and
+the partial sums; ``retrieve``'s ``compute`` is the gets overlapped with pooling.
+
 Ranks on other hosts (``PgasTransport.ranks_per_host``) are served through the transport's
 collective fallback inside the same steps: their pooled partials / rows travel by ``exchange``.
 
@@ -49,9 +55,11 @@ import torch.nn.functional as F
 from embedscale.comm.pgas import PgasTransport
 from embedscale.data.batch import JaggedFeatures
 from embedscale.embedding.address_map import AddressMap
+from embedscale.embedding.context import IdsLayout, PgasRetrieveContext, PgasSendContext, Stage
 from embedscale.embedding.interop import as_jagged
 from embedscale.embedding.optim import aggregate_row_gradients
-from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, pool_local_and_fetched, remote_rows
+from embedscale.embedding.retrieve import pool_local_and_fetched, remote_rows
+from embedscale.embedding.sharded import _SHIFT, ShardedEmbedding, Stages
 from embedscale.errors import ConfigError, InputError
 from embedscale.specs import TableSpec
 
@@ -151,6 +159,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
         self._pool: ThreadPoolExecutor | None = None
         self._warned_fetch = False
         self._blocks = self._feature_blocks() if self.design == "send" else None
+        self.stages = PGAS_RETRIEVE if self.design == "retrieve" else PGAS_SEND
 
     def _feature_blocks(self) -> dict | None:
         """Where each feature's rows are when every table lives whole on one rank of this host, as one
@@ -228,7 +237,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
             self._pool = None
         self.heap.close()
 
-    # -- forward ----------------------------------------------------------------------------------
+    # -- forward: the stages of the base class, this module's stage functions ----------------------
     def forward(self, features: JaggedFeatures) -> torch.Tensor:
         features, kjt = as_jagged(features)
         if kjt:  # a TorchRec KJT in, a KeyedTensor out (as ShardedEmbedding)
@@ -236,14 +245,15 @@ class PgasShardedEmbedding(ShardedEmbedding):
         if self.weight.data_ptr() != self._weight_ptr:
             raise ConfigError(f"rank {self.rank}: the embedding storage was moved out of the symmetric heap "
                               f"(segment {self.heap.names[self.rank]}); build the module on its device instead")
-        if self.design == "send":
-            return _PgasSend.apply(self.anchor, self, self._prepare_send(features))
-        if not torch.is_grad_enabled() and all(self._same_host.tolist()):
+        if self.design == "retrieve" and not torch.is_grad_enabled() and all(self._same_host.tolist()):
             out = self._lookup_one_sided(features)
             if out is not None:
                 return out
-        gids, bag, scale, nbags, B = self._prepare(features)
-        return _PgasRetrieve.apply(self.anchor, self, gids, bag, scale, nbags, B)
+        return super().forward(features)
+
+    def prefetch(self, features: JaggedFeatures, *, background: bool = True) -> None:
+        """Nothing to run ahead: the owners on this host need no requests (rows are read in place) and the
+        send design's ids go out in the step itself."""
 
     def _lookup_one_sided(self, features: JaggedFeatures) -> torch.Tensor | None:
         """``retrieve`` without autograd (inference) when every rank is on this host: the unique remote rows
@@ -251,9 +261,9 @@ class PgasShardedEmbedding(ShardedEmbedding):
         no helper thread: nothing to overlap a get with when nothing else waits), and one ``embedding_bag``
         pools local and fetched rows sample-major, bit for bit as the collective design. No message at all.
         ``None`` when the batch's unique remote rows overflow the fetch area (the general path takes it)."""
-        gids, bag, scale, _, B, offsets, one_hot = self._inputs(features, ones=False)
+        gids, bag, scale, _, B, offsets, one_hot = self.flat_lookups(features, ones=False)
         tm, me, W, dev = self.tmap, self.rank, self.world_size, self.weight.device
-        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W, ops=self._kernel_ops())
+        _, key, _, ridx, runiq, rinv, counts = remote_rows(tm, gids, me, W, ops=self.kernel_ops())
         R = runiq.numel()
         if R > self.fetch_rows:
             return None
@@ -263,22 +273,24 @@ class PgasShardedEmbedding(ShardedEmbedding):
         a = 0
         for p, c in enumerate(counts):
             if c and p != me:
-                _PgasRetrieve._get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
+                _get(self, p, u_off[a:a + c].to(dev), fetch[a:a + c])
             a += c
         out, _, _ = pool_local_and_fetched(self._table[:self._cap + R], self._cap, key, ridx, rinv, scale, bag,
-                                           offsets, B, one_hot, off_mask=tm.OFF_MASK, ops=self._kernel_ops())
+                                           offsets, B, one_hot, off_mask=tm.OFF_MASK, ops=self.kernel_ops())
         return out.view(B, len(self.feature_names) * self.dim)
 
-    def _prepare_send(self, features: JaggedFeatures) -> dict:
+    def _decode_send(self, ctx: PgasSendContext) -> None:
         """The send design's inputs: feature blocks (table-wise plans: no per-value decode) or, for any
-        other plan, ``ShardedEmbedding._prepare``'s global ids, bags and scales."""
+        other plan, ``ShardedEmbedding.flat_lookups``'s global ids, bags and scales."""
+        features = ctx.features
+        ctx.F = F_ = len(self.feature_names)
         if self._blocks is None:
-            gids, bag, scale, nbags, B = self._prepare(features)
-            self._check_batch(B)
-            return {"kind": 0, "gids": gids, "bag": bag, "scale": scale, "nbags": nbags, "B": B,
-                    "F": len(self.feature_names)}
+            ctx.gids, ctx.bag, ctx.scale, ctx.nbags, ctx.B = self.flat_lookups(features)[:5]
+            self._check_batch(ctx.B)
+            ctx.layout = IdsLayout.GENERAL
+            return
         self._check_keys(features)
-        F_, B = len(self.feature_names), features.batch_size
+        ctx.B = B = features.batch_size
         self._check_batch(B)
         lengths, values = features.lengths.cpu(), features.values.cpu()
         vstart = [0] + torch.cumsum(lengths.view(F_, B).sum(1), 0).tolist()
@@ -300,29 +312,14 @@ class PgasShardedEmbedding(ShardedEmbedding):
                 a, b = vstart[f], vstart[f + 1]
                 ln = lengths.view(F_, B)[f]
                 scale[a:b] = scale[a:b] / torch.repeat_interleave(ln.clamp(min=1), ln).to(torch.float32)
-        return {"kind": 1, "B": B, "F": F_, "lengths": lengths, "values": values, "vstart": vstart, "scale": scale}
+        ctx.layout, ctx.lengths, ctx.values, ctx.vstart, ctx.scale = IdsLayout.FEATURE_BLOCKS, lengths, values, \
+            vstart, scale
 
     def _check_batch(self, B: int) -> None:
         if self.design == "send" and B > self.max_batch_size:
             raise InputError(f"rank {self.rank}: mini-batch of {B} samples exceeds the heap's output buffer "
                              f"({self.max_batch_size} samples, segment {self.heap.names[self.rank]}); "
                              f"build PgasShardedEmbedding with max_batch_size >= {B}")
-
-    @torch.no_grad()
-    def input_dist(self, features: JaggedFeatures) -> dict:
-        """``send`` design, first phase (no autograd; inference and benchmarks): the ids to the owners.
-
-        ``compute_and_output_dist(handle)`` then pools and writes; ``forward`` is the two in one.
-        """
-        if self.design != "send":
-            raise ConfigError("input_dist / compute_and_output_dist are the phases of the send design")
-        return _PgasSend.input_dist(self, self._prepare_send(features))
-
-    @torch.no_grad()
-    def compute_and_output_dist(self, handle: dict) -> torch.Tensor:
-        """``send`` design, second phase: pool the owned features of the global batch, write each pooled
-        vector into its requester's output (PGAS paper Listing 2); returns this rank's ``[B, F * D]``."""
-        return _PgasSend.compute_and_output_dist(self, handle)
 
     def _chunks(self, B: int, F_: int) -> list[tuple[int, int, int, int]]:
         """Bag ranges ``(f0, f1, b0, b1)`` of about ``chunk_bags`` bags (KJT order: feature-major)."""
@@ -336,226 +333,240 @@ class PgasShardedEmbedding(ShardedEmbedding):
 
     # -- bookkeeping shared with backward -----------------------------------------------------
     def _count_direct(self, peer: int, nbytes: int, kind: str, sent: bool) -> None:
-        c = self.transport.counter
         if sent:
-            c.sent[peer] += nbytes
-            c.by_kind[kind] = c.by_kind.get(kind, 0) + nbytes
+            self.transport.count_put(peer, nbytes, kind)
         else:
-            c.recv[peer] += nbytes
+            self.transport.count_received(peer, nbytes)
 
 
-class _PgasRetrieve(torch.autograd.Function):
-    """Retrieve design with one-sided gets overlapped with pooling (OPER 5.2)."""
+# -- the retrieve design's stages (OPER 5.2: one-sided gets overlapped with pooling) ---------------------------
+def retrieve_input_dist(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext) -> None:
+    """Decode the batch and deduplicate its remote rows; the requests of rows on other hosts go out through the
+    collective fallback (owners on this host need none: their rows are read in place)."""
+    W, me = mod.world_size, mod.rank
+    ctx.gids, ctx.bag, ctx.scale, ctx.nbags, ctx.B = mod.flat_lookups(ctx.features)[:5]
+    ctx.F = ctx.nbags // ctx.B if ctx.B else len(mod.feature_names)
+    src, ctx.off, ctx.slot = mod.tmap.decode(ctx.gids)
+    ctx.local = src == me
+    nl = ~ctx.local
+    ctx.runiq, ctx.rinv = torch.unique((src[nl] << _SHIFT) | ctx.off[nl], sorted=True, return_inverse=True)
+    ctx.u_src, ctx.u_off = ctx.runiq >> _SHIFT, ctx.runiq & _MASK
+    counts = torch.bincount(ctx.u_src, minlength=W)
+    starts = torch.zeros(W + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(counts, 0)
+    ctx.counts, ctx.starts = counts.tolist(), starts.tolist()
+    ctx.remote_src = [p for p in range(W) if not mod.heap.is_local(p)]
+    if ctx.remote_src:  # other hosts: request / reply through the collective fallback
+        req = [ctx.u_off[ctx.starts[p]:ctx.starts[p + 1]] if p in ctx.remote_src else ctx.u_off[:0]
+               for p in range(W)]
+        ctx.requests = mod.transport.exchange(req, kind="ids")
+    ctx.state = Stage.ANNOUNCED
 
-    @staticmethod
-    def forward(ctx, anchor, mod: PgasShardedEmbedding, gids, bag, scale, nbags, B):
-        W, me, tr = mod.world_size, mod.rank, mod.transport
-        D = mod.dim
-        F_ = nbags // B if B else len(mod.feature_names)
-        dev = mod.weight.device
-        src, off, slot = mod.tmap.decode(gids)
-        local = src == me
-        nl = ~local
-        key = (src[nl] << _SHIFT) | off[nl]
-        runiq, rinv = torch.unique(key, sorted=True, return_inverse=True)
-        u_src, u_off = runiq >> _SHIFT, runiq & _MASK
-        counts = torch.bincount(u_src, minlength=W)
-        starts = torch.zeros(W + 1, dtype=torch.int64)
-        starts[1:] = torch.cumsum(counts, 0)
-        counts_l, starts_l = counts.tolist(), starts.tolist()
-        R = runiq.numel()
-        local_src = [p for p in mod._local if p != me and counts_l[p]]
-        remote_src = [p for p in range(W) if not mod.heap.is_local(p)]
-        fetched_remote = None
-        if remote_src:  # other hosts: request / reply through the collective fallback
-            req = [u_off[starts_l[p]:starts_l[p + 1]] if p in remote_src else u_off[:0] for p in range(W)]
-            requests = tr.exchange(req, kind="ids")
-            replies = [mod.weight.index_select(0, r.to(dev)) if (p != me and p in remote_src) else mod.weight[:0]
-                       for p, r in enumerate(requests)]
-            rc = [counts_l[p] if p in remote_src else 0 for p in range(W)]
-            fetched_remote = tr.exchange(replies, recv_counts=rc, kind="rows")
-        mod._await_versions(local_src)
-        voff = torch.zeros(nbags + 1, dtype=torch.int64)
-        voff[1:] = torch.cumsum(torch.bincount(bag, minlength=nbags), 0)
-        out = torch.empty((B, F_ * D), dtype=mod.weight.dtype, device=dev)
-        out3 = out.view(B, F_, D)
-        scale_d = scale.to(device=dev, dtype=mod.weight.dtype)
-        if R > mod.fetch_rows:
-            _PgasRetrieve._pool_private(mod, out3, off, local, rinv, counts_l, starts_l, u_off, fetched_remote,
-                                        remote_src, bag, voff, scale_d, nbags, B, F_)
-        else:
-            _PgasRetrieve._pool_fused(mod, out3, off, local, rinv, counts_l, starts_l, u_src, u_off,
-                                      fetched_remote, remote_src, bag, voff, scale_d, B, F_)
-        ctx.mod = mod
-        ctx.saved = (off, slot, local, bag, scale, runiq, rinv, counts_l, B, F_)
-        return out
 
-    @staticmethod
-    def _get(mod, p, rows, dst) -> None:
-        """One-sided get: rows ``rows`` of rank ``p``'s storage into ``dst`` (this rank's fetch area)."""
-        torch.index_select(mod._peer_weight[p], 0, rows, out=dst)
-        nbytes = dst.numel() * dst.element_size()
-        mod._count_direct(p, nbytes, "rows", sent=False)
-        c = mod.transport.counter
-        c.by_kind["rows"] = c.by_kind.get("rows", 0) + nbytes
-        mod.transport.record(nbytes, p, "rows")
+def retrieve_compute(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext) -> None:
+    """Serve the other hosts' requests, wait for the peers' rows of this step, then pool (fused with the gets
+    when the unique remote rows fit the fetch area, else from a private copy)."""
+    W, me, dev = mod.world_size, mod.rank, mod.weight.device
+    local_src = [p for p in mod._local if p != me and ctx.counts[p]]
+    if ctx.remote_src:
+        replies = [mod.weight.index_select(0, r.to(dev)) if (p != me and p in ctx.remote_src) else mod.weight[:0]
+                   for p, r in enumerate(ctx.requests)]
+        rc = [ctx.counts[p] if p in ctx.remote_src else 0 for p in range(W)]
+        ctx.fetched_remote = mod.transport.exchange(replies, recv_counts=rc, kind="rows")
+    mod._await_versions(local_src)
+    voff = torch.zeros(ctx.nbags + 1, dtype=torch.int64)
+    voff[1:] = torch.cumsum(torch.bincount(ctx.bag, minlength=ctx.nbags), 0)
+    ctx.out = torch.empty((ctx.B, ctx.F * mod.dim), dtype=mod.weight.dtype, device=dev)
+    out3 = ctx.out.view(ctx.B, ctx.F, mod.dim)
+    scale_d = ctx.scale.to(device=dev, dtype=mod.weight.dtype)
+    if ctx.runiq.numel() > mod.fetch_rows:
+        _pool_private(mod, ctx, out3, voff, scale_d)
+    else:
+        _pool_fused(mod, ctx, out3, voff, scale_d)
+    ctx.fetched_remote = None
+    ctx.state = Stage.POOLED
 
-    @staticmethod
-    def _pool_fused(mod, out3, off, local, rinv, counts_l, starts_l, u_src, u_off, fetched_remote, remote_src,
-                    bag, voff, scale_d, B, F_):
-        W, me = mod.world_size, mod.rank
-        dev = out3.device
-        R = u_off.numel()
-        chunks = mod._chunks(B, F_)
-        K = len(chunks)
-        cap = mod._cap
-        table = mod._table
-        fetch = table[cap:cap + R]
-        # the chunk of every value, and the first chunk that needs each unique remote row
-        if B >= mod.chunk_bags:
-            per_f = -(-B // mod.chunk_bags)
-            f_of, b_of = bag // B, bag % B
-            chunk_of_value = f_of * per_f + b_of // mod.chunk_bags
-        else:
-            step = max(1, mod.chunk_bags // B)
-            chunk_of_value = (bag // B) // step
-        nl = ~local
-        fetch_pos = torch.empty(R, dtype=torch.int64)
-        gets: list[list[tuple[int, int, int]]] = [[] for _ in range(K)]
-        rows_in_order = u_off
-        if R:
-            first = torch.full((R,), K, dtype=torch.int64)
-            first.scatter_reduce_(0, rinv, chunk_of_value[nl], reduce="amin")
-            order = torch.argsort(first * W + u_src, stable=True)
-            fetch_pos[order] = torch.arange(R)
-            cnt = torch.bincount(first * W + u_src, minlength=K * W).view(K, W).tolist()
-            a = 0
-            for k in range(K):
-                for p in range(W):
-                    n = cnt[k][p]
-                    if n and p != me and mod.heap.is_local(p):
-                        gets[k].append((p, a, a + n))
-                    a += n
-            if remote_src:  # rows from other hosts arrived by the collective: place them in the fetch area
-                for p in remote_src:
-                    if counts_l[p]:
-                        sel = fetch_pos[starts_l[p]:starts_l[p + 1]]
-                        fetch.index_copy_(0, sel.to(dev), fetched_remote[p])
-            rows_in_order = u_off[order]
-        idx = torch.empty(off.numel(), dtype=torch.int64)
-        idx[local] = off[local]
-        idx[nl] = cap + fetch_pos[rinv]
-        idx = idx.to(dev)
 
-        def do_gets(k: int) -> None:
-            for p, a, b in gets[k]:
-                _PgasRetrieve._get(mod, p, rows_in_order[a:b].to(dev), fetch[a:b])
+def retrieve_output_dist(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext) -> torch.Tensor:
+    """The bags were pooled straight into the samples' ``[B, F * D]``."""
+    out, ctx.out = ctx.out, None
+    return out
 
-        use_thread = mod.overlap and any(gets)
-        if use_thread and mod._pool is None:
-            mod._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pgas-get-r{me}")
-        fut = mod._pool.submit(do_gets, 0) if use_thread and K else None
-        if not use_thread and K:
-            do_gets(0)
-        for k, (f0, f1, b0, b1) in enumerate(chunks):
-            if fut is not None:
-                fut.result()
-                fut = None
-            if k + 1 < K:  # issue the gets of chunk k+1, then pool chunk k
-                if use_thread:
-                    fut = mod._pool.submit(do_gets, k + 1)
-                else:
-                    do_gets(k + 1)
-            g0, g1 = f0 * B + b0, (f1 - 1) * B + b1
-            va, vb = int(voff[g0]), int(voff[g1])
-            offs = (voff[g0:g1 + 1] - va).to(dev)
-            pooled = F.embedding_bag(idx[va:vb], table, offs, mode="sum", per_sample_weights=scale_d[va:vb],
-                                     include_last_offset=True)
-            if f1 - f0 == 1:
-                out3[b0:b1, f0].copy_(pooled)
+
+def retrieve_grad_dist(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, grad_out: torch.Tensor) -> None:
+    """Sum the gradients per row in the collective design's order (its combined layout ``[local unique | remote
+    unique]``, rebuilt), and push each remote row's ``(gradient | offset)`` into its owner's slot for this rank
+    (the owner never saw a request)."""
+    D, dev = mod.dim, grad_out.device
+    grad = grad_out.contiguous().view(ctx.B * ctx.F, D)
+    local, nl = ctx.local, ~ctx.local
+    luniq, linv = torch.unique(ctx.off[local], sorted=True, return_inverse=True)
+    ctx.luniq_slot = torch.full_like(luniq, -1)
+    ctx.luniq_slot[linv] = ctx.slot[local]
+    ctx.runiq_slot = torch.full_like(ctx.runiq, -1)
+    ctx.runiq_slot[ctx.rinv] = ctx.slot[nl]
+    L = luniq.numel()
+    idx = torch.empty(ctx.off.numel(), dtype=torch.int64)
+    idx[local] = linv
+    idx[nl] = L + ctx.rinv
+    B, F_, bag = ctx.B, ctx.F, ctx.bag
+    bpos = (bag % B) * F_ + bag // B if B else bag
+    pos, g = aggregate_row_gradients(idx.to(dev), grad, src_index=bpos.to(dev), scale=ctx.scale.to(dev))
+    g_comb = torch.zeros((L + ctx.runiq.numel(), D), dtype=grad.dtype, device=dev)
+    g_comb[pos] = g
+    ctx.luniq, ctx.g_local, ctx.g_remote = luniq, g_comb[:L], g_comb[L:]
+    ctx.rep_remote = (ctx.runiq_slot >= 0).to(dev)
+    send = ctx.g_remote.masked_fill(ctx.rep_remote.unsqueeze(1), 0.0) if bool(ctx.rep_remote.any()) else \
+        ctx.g_remote
+    u_off = (ctx.runiq & _MASK).to(dev)
+    packed = torch.cat([send, _bits_as(u_off, send.dtype, 8 // send.element_size())], 1)
+    ctx.recv = mod.transport.exchange(list(torch.split(packed, ctx.counts)), kind="grads")
+    ctx.state = Stage.GRADS_SENT
+
+
+def retrieve_update(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext) -> None:
+    """Owner side: this rank's sums and the peers' pushed ones, one update; replicas synced; version published."""
+    me, D, dev = mod.rank, mod.dim, ctx.g_local.device
+    rep_L = (ctx.luniq_slot >= 0).to(dev)
+    rows = [ctx.luniq.to(dev)[~rep_L]]
+    grads = [ctx.g_local[~rep_L]]
+    for p, pk in enumerate(ctx.recv):
+        if p == me or pk.numel() == 0:
+            continue
+        r = pk[:, D:].contiguous().view(torch.int64).view(-1)
+        owned = r < mod.num_owned  # replica rows a peer read here are synced, not applied here
+        rows.append(r[owned])
+        grads.append(pk[:, :D][owned])
+    mod.apply_owned(torch.cat(rows), torch.cat(grads))
+    if mod.num_slots:
+        rep_R = ctx.rep_remote
+        slots = torch.cat([ctx.luniq_slot.to(dev)[rep_L], ctx.runiq_slot.to(dev)[rep_R]])
+        mod.sync_and_apply_replicas(slots, torch.cat([ctx.g_local[rep_L], ctx.g_remote[rep_R]]))
+    mod._publish_version()
+    ctx.state = Stage.UPDATED
+
+
+def _get(mod: PgasShardedEmbedding, p: int, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """One-sided get: rows ``rows`` of rank ``p``'s storage into ``dst`` (this rank's fetch area)."""
+    torch.index_select(mod._peer_weight[p], 0, rows, out=dst)
+    nbytes = dst.numel() * dst.element_size()
+    mod.transport.count_get(p, nbytes, "rows")
+    mod.transport.record(nbytes, p, "rows")
+
+
+
+def _plan_gets(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, K: int, fetch: torch.Tensor):
+    """Where each unique remote row lands in the fetch area (by the first of the ``K`` chunks that reads it, then
+    owner) and the gets of every chunk ``(peer, first, last)``; rows from other hosts (arrived by the collective)
+    are placed now. Returns ``(fetch_pos, gets, rows_in_order)``."""
+    W, me, B, bag, dev = mod.world_size, mod.rank, ctx.B, ctx.bag, fetch.device
+    R = ctx.u_off.numel()
+    if B >= mod.chunk_bags:  # the chunk of every value
+        chunk_of_value = (bag // B) * -(-B // mod.chunk_bags) + (bag % B) // mod.chunk_bags
+    else:
+        chunk_of_value = (bag // B) // max(1, mod.chunk_bags // B)
+    fetch_pos = torch.empty(R, dtype=torch.int64)
+    gets: list[list[tuple[int, int, int]]] = [[] for _ in range(K)]
+    if not R:
+        return fetch_pos, gets, ctx.u_off
+    first = torch.full((R,), K, dtype=torch.int64)
+    first.scatter_reduce_(0, ctx.rinv, chunk_of_value[~ctx.local], reduce="amin")
+    order = torch.argsort(first * W + ctx.u_src, stable=True)
+    fetch_pos[order] = torch.arange(R)
+    cnt = torch.bincount(first * W + ctx.u_src, minlength=K * W).view(K, W).tolist()
+    a = 0
+    for k in range(K):
+        for p in range(W):
+            n = cnt[k][p]
+            if n and p != me and mod.heap.is_local(p):
+                gets[k].append((p, a, a + n))
+            a += n
+    for p in ctx.remote_src:  # rows from other hosts arrived by the collective: place them in the fetch area
+        if ctx.counts[p]:
+            fetch.index_copy_(0, fetch_pos[ctx.starts[p]:ctx.starts[p + 1]].to(dev), ctx.fetched_remote[p])
+    return fetch_pos, gets, ctx.u_off[order]
+
+
+def _pool_fused(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, out3: torch.Tensor, voff: torch.Tensor,
+                scale_d: torch.Tensor) -> None:
+    """Pool the batch in chunks of bags from ``[storage | fetch area]``, the gets of chunk k+1 (on the helper
+    thread) overlapping the pooling of chunk k (OPER Fig. 4(b))."""
+    me, B, off, local = mod.rank, ctx.B, ctx.off, ctx.local
+    dev = out3.device
+    chunks = mod._chunks(B, ctx.F)
+    K = len(chunks)
+    cap, table = mod._cap, mod._table
+    fetch = table[cap:cap + ctx.u_off.numel()]
+    fetch_pos, gets, rows_in_order = _plan_gets(mod, ctx, K, fetch)
+    idx = torch.empty(off.numel(), dtype=torch.int64)
+    idx[local] = off[local]
+    idx[~local] = cap + fetch_pos[ctx.rinv]
+    idx = idx.to(dev)
+
+    def do_gets(k: int) -> None:
+        for p, a, b in gets[k]:
+            _get(mod, p, rows_in_order[a:b].to(dev), fetch[a:b])
+
+    use_thread = mod.overlap and any(gets)
+    if use_thread and mod._pool is None:
+        mod._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pgas-get-r{me}")
+    fut = mod._pool.submit(do_gets, 0) if use_thread and K else None
+    if not use_thread and K:
+        do_gets(0)
+    for k, (f0, f1, b0, b1) in enumerate(chunks):
+        if fut is not None:
+            fut.result()
+            fut = None
+        if k + 1 < K:  # issue the gets of chunk k+1, then pool chunk k
+            if use_thread:
+                fut = mod._pool.submit(do_gets, k + 1)
             else:
-                out3[:, f0:f1].copy_(pooled.view(f1 - f0, B, -1).transpose(0, 1))
-
-    @staticmethod
-    def _pool_private(mod, out3, off, local, rinv, counts_l, starts_l, u_off, fetched_remote, remote_src, bag,
-                      voff, scale_d, nbags, B, F_):
-        """Fallback when the unique remote rows exceed the fetch area: the collective design's layout."""
-        if not mod._warned_fetch:
-            mod._warned_fetch = True
-            warnings.warn(f"rank {mod.rank}: {u_off.numel()} unique remote rows exceed the PGAS fetch area "
-                          f"({mod.fetch_rows} rows); pooling from a private copy for such batches (raise "
-                          f"max_ids_per_bag or fetch_rows)", RuntimeWarning, stacklevel=3)
-        mod.stats["fetch_overflows"] = mod.stats.get("fetch_overflows", 0) + 1
-        dev = out3.device
-        fetched = torch.empty((u_off.numel(), mod.dim), dtype=mod.weight.dtype, device=dev)
-        for p in range(mod.world_size):
-            a, b = starts_l[p], starts_l[p + 1]
-            if a == b or p == mod.rank:
-                continue
-            if p in remote_src:
-                fetched[a:b] = fetched_remote[p]
-            else:
-                _PgasRetrieve._get(mod, p, u_off[a:b].to(dev), fetched[a:b])
-        luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
-        combined = torch.cat([mod.weight.index_select(0, luniq.to(dev)), fetched])
-        idx = torch.empty(off.numel(), dtype=torch.int64)
-        idx[local] = linv
-        idx[~local] = luniq.numel() + rinv
-        pooled = F.embedding_bag(idx.to(dev), combined, voff.to(dev), mode="sum", per_sample_weights=scale_d,
+                do_gets(k + 1)
+        g0, g1 = f0 * B + b0, (f1 - 1) * B + b1
+        va, vb = int(voff[g0]), int(voff[g1])
+        offs = (voff[g0:g1 + 1] - va).to(dev)
+        pooled = F.embedding_bag(idx[va:vb], table, offs, mode="sum", per_sample_weights=scale_d[va:vb],
                                  include_last_offset=True)
-        out3.copy_(pooled.view(F_, B, -1).transpose(0, 1))
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        mod: PgasShardedEmbedding = ctx.mod
-        off, slot, local, bag, scale, runiq, rinv, counts_l, B, F_ = ctx.saved
-        me, D = mod.rank, mod.dim
-        dev = grad_out.device
-        grad = grad_out.contiguous().view(B * F_, D)
-        nl = ~local
-        # the collective design's combined layout [local unique | remote unique], rebuilt to sum the
-        # gradients in exactly its order
-        luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
-        luniq_slot = torch.full_like(luniq, -1)
-        luniq_slot[linv] = slot[local]
-        runiq_slot = torch.full_like(runiq, -1)
-        runiq_slot[rinv] = slot[nl]
-        L = luniq.numel()
-        idx = torch.empty(off.numel(), dtype=torch.int64)
-        idx[local] = linv
-        idx[nl] = L + rinv
-        bpos = (bag % B) * F_ + bag // B if B else bag
-        pos, g = aggregate_row_gradients(idx.to(dev), grad, src_index=bpos.to(dev), scale=scale.to(dev))
-        g_comb = torch.zeros((L + runiq.numel(), D), dtype=grad.dtype, device=dev)
-        g_comb[pos] = g
-        gL, gR = g_comb[:L], g_comb[L:]
-        rep_R = (runiq_slot >= 0).to(dev)
-        send = gR.masked_fill(rep_R.unsqueeze(1), 0.0) if bool(rep_R.any()) else gR
-        # push (row offset, gradient) into the owner's slot for this rank (the owner never saw a request)
-        k = 8 // send.element_size()
-        u_off = (runiq & _MASK).to(dev)
-        packed = torch.cat([send, _bits_as(u_off, send.dtype, k)], 1)
-        recv = mod.transport.exchange(list(torch.split(packed, counts_l)), kind="grads")
-        rep_L = (luniq_slot >= 0).to(dev)
-        rows = [luniq.to(dev)[~rep_L]]
-        grads = [gL[~rep_L]]
-        for p, pk in enumerate(recv):
-            if p == me or pk.numel() == 0:
-                continue
-            r = pk[:, D:].contiguous().view(torch.int64).view(-1)
-            owned = r < mod.num_owned  # replica rows a peer read here are synced, not applied here
-            rows.append(r[owned])
-            grads.append(pk[:, :D][owned])
-        mod._apply_owned(torch.cat(rows), torch.cat(grads))
-        if mod.num_slots:
-            slots = torch.cat([luniq_slot.to(dev)[rep_L], runiq_slot.to(dev)[rep_R]])
-            mod._sync_and_apply_replicas(slots, torch.cat([gL[rep_L], gR[rep_R]]))
-        mod._publish_version()
-        return torch.zeros_like(mod.anchor), None, None, None, None, None, None
+        if f1 - f0 == 1:
+            out3[b0:b1, f0].copy_(pooled)
+        else:
+            out3[:, f0:f1].copy_(pooled.view(f1 - f0, B, -1).transpose(0, 1))
 
 
-class _PgasSend(torch.autograd.Function):
-    """Send design with pooled vectors written at their final place in the requester's heap (Listing 2).
+def _pool_private(mod: PgasShardedEmbedding, ctx: PgasRetrieveContext, out3: torch.Tensor, voff: torch.Tensor,
+                  scale_d: torch.Tensor) -> None:
+    """Fallback when the unique remote rows exceed the fetch area: the collective design's layout."""
+    off, local, rinv, u_off, B, F_ = ctx.off, ctx.local, ctx.rinv, ctx.u_off, ctx.B, ctx.F
+    counts_l, starts_l, remote_src, fetched_remote = ctx.counts, ctx.starts, ctx.remote_src, ctx.fetched_remote
+    if not mod._warned_fetch:
+        mod._warned_fetch = True
+        warnings.warn(f"rank {mod.rank}: {u_off.numel()} unique remote rows exceed the PGAS fetch area "
+                      f"({mod.fetch_rows} rows); pooling from a private copy for such batches (raise "
+                      f"max_ids_per_bag or fetch_rows)", RuntimeWarning, stacklevel=3)
+    mod.stats["fetch_overflows"] = mod.stats.get("fetch_overflows", 0) + 1
+    dev = out3.device
+    fetched = torch.empty((u_off.numel(), mod.dim), dtype=mod.weight.dtype, device=dev)
+    for p in range(mod.world_size):
+        a, b = starts_l[p], starts_l[p + 1]
+        if a == b or p == mod.rank:
+            continue
+        if p in remote_src:
+            fetched[a:b] = fetched_remote[p]
+        else:
+            _get(mod, p, u_off[a:b].to(dev), fetched[a:b])
+    luniq, linv = torch.unique(off[local], sorted=True, return_inverse=True)
+    combined = torch.cat([mod.weight.index_select(0, luniq.to(dev)), fetched])
+    idx = torch.empty(off.numel(), dtype=torch.int64)
+    idx[local] = linv
+    idx[~local] = luniq.numel() + rinv
+    pooled = F.embedding_bag(idx.to(dev), combined, voff.to(dev), mode="sum", per_sample_weights=scale_d,
+                             include_last_offset=True)
+    out3.copy_(pooled.view(F_, B, -1).transpose(0, 1))
+
+
+# -- the send design's stages (PGAS paper, section III-C, Listing 2) ------------------------------------------
+def send_input_dist(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> None:
+    """Requester side: the ids every owner needs, one exchange through the heap.
 
     Two layouts of the ids message to an owner (int64 words):
 
@@ -569,263 +580,268 @@ class _PgasSend(torch.autograd.Function):
 
     Scales (per-sample weights, 1/length for mean pooling) travel as float32 bits only when some is not 1.
     """
+    mod._decode_send(ctx)
+    mod._epoch += 1
+    ctx.buf = mod._epoch % 2
+    if ctx.layout is IdsLayout.FEATURE_BLOCKS:
+        _messages_blocks(mod, ctx)
+    else:
+        _messages_general(mod, ctx)
+    ctx.requests = mod.transport.exchange(ctx.msgs, kind="ids")  # the input distribution
+    ctx.msgs = None
+    ctx.state = Stage.ANNOUNCED
 
-    @staticmethod
-    def forward(ctx, anchor, mod: PgasShardedEmbedding, prep: dict):
-        st = _PgasSend.input_dist(mod, prep)
-        out = _PgasSend.compute_and_output_dist(mod, st)
-        ctx.mod = mod
-        ctx.st = st
-        return out
 
-    # -- requester side -------------------------------------------------------------------------
-    @staticmethod
-    def input_dist(mod: PgasShardedEmbedding, prep: dict) -> dict:
-        """Requester side: the ids every owner needs (one exchange through the heap)."""
-        mod._epoch += 1
-        buf = mod._epoch % 2
-        if prep["kind"] == 1:
-            st = _PgasSend._messages_blocks(mod, prep)
+def send_compute(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> None:
+    """Owner side: pool every requester's bags, write each pooled vector where it is consumed (the requester's
+    heap, this host); the partial sums of bags with several owners go back through the transport."""
+    W, me, tr = mod.world_size, mod.rank, mod.transport
+    served = [None] * W
+    ctx.sends, ctx.remote_parts = {}, [None] * W
+    for i in range(1, W + 1):
+        q = (me + i) % W
+        served[q], part = _serve(mod, q, ctx.requests[q], ctx.buf, ctx.F, mod.weight.device)
+        if q == me:
+            ctx.own_part = part
+        elif mod.heap.is_local(q):
+            ctx.sends[q] = tr.post(q, part, "pooled")  # also q's completion signal for the direct writes
+            mod._count_direct(q, part.numel() * part.element_size(), "pooled", sent=True)
         else:
-            st = _PgasSend._messages_general(mod, prep, buf)
-        st["buf"] = buf
-        st["requests"] = mod.transport.exchange(st.pop("msgs"), kind="ids")  # the input distribution
-        return st
+            ctx.remote_parts[q] = part
+    ctx.served = served
+    ctx.requests = None
+    ctx.state = Stage.POOLED
 
-    @staticmethod
-    def _messages_blocks(mod: PgasShardedEmbedding, prep: dict) -> dict:
-        W = mod.world_size
-        B, F_ = prep["B"], prep["F"]
-        lengths, values, vstart, scale = prep["lengths"], prep["values"], prep["vstart"], prep["scale"]
-        fc = mod._blocks["offset"]
-        has = scale is not None
-        msgs, p_counts = [], []
-        for q in range(W):
-            fq = mod._blocks["features_of"][q]
-            vals = [values[vstart[f]:vstart[f + 1]] + fc[f] for f in fq]
-            nv = sum(v.numel() for v in vals)
-            parts = [torch.tensor([1, B, len(fq), nv, int(has)] + fq, dtype=torch.int64)]
-            if fq:
-                parts.append(lengths.view(F_, B)[fq].reshape(-1))
-                parts += vals
-                if has:
-                    parts.append(_scale_bits(torch.cat([scale[vstart[f]:vstart[f + 1]] for f in fq])))
-            msgs.append(torch.cat(parts))
-            p_counts.append(len(fq) * B)
-        return {"kind": 1, "msgs": msgs, "B": B, "F": F_, "p_counts": p_counts, "out": None}
 
-    @staticmethod
-    def _messages_general(mod: PgasShardedEmbedding, prep: dict, buf: int) -> dict:
-        W = mod.world_size
-        gids, bag, scale, nbags, B = prep["gids"], prep["bag"], prep["scale"], prep["nbags"], prep["B"]
-        F_ = prep["F"]
-        dev = mod.weight.device
-        src, off, _slot = mod.tmap.decode(gids)
-        # partial bags: one per (source rank, bag), numbered per source rank (the collective design's)
-        key = src * nbags + bag
-        pkeys, pinv = torch.unique(key, sorted=True, return_inverse=True)
-        p_src, p_bag = pkeys // nbags, pkeys % nbags
-        p_counts = torch.bincount(p_src, minlength=W).tolist()
-        p_len = torch.bincount(pinv, minlength=pkeys.numel())
-        n_src = torch.bincount(p_bag, minlength=nbags)
-        bpos = (p_bag % B) * F_ + p_bag // B if B else p_bag  # final place of the bag in the [B, F, D] output
-        direct = (n_src[p_bag] == 1) & mod._same_host[p_src]
-        code = torch.where(direct, bpos, torch.full_like(bpos, -1))
-        out_flat = mod._out[mod.rank][buf][: B * F_]
-        # places no owner writes directly: empty bags, and bags summed here from partials; zeroed before
-        # the ids go out, since the owners write as soon as they have them
-        if B:
-            written = torch.zeros(nbags, dtype=torch.bool)
-            written[p_bag[direct]] = True
-            gaps = torch.nonzero(~written).view(-1)
-            if gaps.numel():
-                out_flat.index_fill_(0, ((gaps % B) * F_ + gaps // B).to(dev), 0)
-        order = torch.argsort(src, stable=True)
-        v_counts = torch.bincount(src, minlength=W).tolist()
-        has = not bool((scale == 1).all())
-        off_o = off[order]
-        sc_o = scale[order].to(torch.float32) if has else None
-        msgs, va, pa = [], 0, 0
+def send_output_dist(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> torch.Tensor:
+    """Requester side: wait until every owner wrote what it writes here, then add the partial sums of bags with
+    several owners (rank order, as the collective design). Returns ``[B, F * D]``, a view of this rank's heap."""
+    W, me, tr = mod.world_size, mod.rank, mod.transport
+    D, dev = mod.dim, mod.weight.device
+    F_, B = ctx.F, ctx.B
+    out_flat = mod._out[me][ctx.buf][: B * F_]
+    if ctx.layout is IdsLayout.FEATURE_BLOCKS:
+        ind_counts = [0] * W
+    else:
+        code, p_counts = ctx.code, ctx.p_counts
+        ind_counts = [int((code[a:a + n] < 0).sum()) for a, n in zip(np.cumsum([0] + p_counts[:-1]), p_counts)]
+    got: list = [None] * W
+    if tr.collective is not None:
+        empty = mod.weight.new_zeros((0, D))
+        cs = [ctx.remote_parts[q] if ctx.remote_parts[q] is not None else empty for q in range(W)]
+        rc = [ind_counts[q] if not mod.heap.is_local(q) else 0 for q in range(W)]
+        rr = tr.collective.exchange(cs, rc, "pooled")
         for q in range(W):
-            nv, npb = v_counts[q], p_counts[q]
-            parts = [torch.tensor([0, npb, nv, int(has)], dtype=torch.int64), p_len[pa:pa + npb],
-                     code[pa:pa + npb], off_o[va:va + nv]]
+            if not mod.heap.is_local(q):
+                got[q] = rr[q]
+                tr.count_put(q, cs[q].numel() * cs[q].element_size(), "pooled")
+                tr.count_received(q, rr[q].numel() * rr[q].element_size())
+    recvs = {q: tr.expect((D,), mod.weight.dtype, dev, ind_counts[q]) for q in ctx.sends}
+    tr.progress(ctx.sends, recvs, "pooled vectors")  # every owner has written all it writes here
+    for q, r in recvs.items():
+        got[q] = r["out"]
+        tr.count_received(q, r["out"].numel() * r["out"].element_size())
+    got[me] = ctx.own_part
+    ctx.sends = ctx.remote_parts = ctx.own_part = None
+    _count_written_here(mod, ctx, out_flat.element_size())
+    if ctx.layout is IdsLayout.GENERAL:
+        ind = ctx.code < 0
+        if bool(ind.any()):  # ((0 + p_0) + p_1) + ...: the collective design's index_add_, rank order
+            out_flat.index_add_(0, ctx.bpos[ind].to(dev), torch.cat([g for g in got if g is not None]))
+    return out_flat.view(B, F_ * D)
+
+
+def _count_written_here(mod: PgasShardedEmbedding, ctx: PgasSendContext, itemsize: int) -> None:
+    """Count what the owners on this host wrote straight into this rank's output buffer."""
+    me, D = mod.rank, mod.dim
+    for q in mod._local:
+        if q == me:
+            continue
+        if ctx.layout is IdsLayout.FEATURE_BLOCKS:
+            n = ctx.p_counts[q]
+        else:
+            n = int(ctx.direct[ctx.p_src == q].sum())
+        mod._count_direct(q, n * D * itemsize, "pooled", sent=False)
+
+
+def send_grad_dist(mod: PgasShardedEmbedding, ctx: PgasSendContext, grad_out: torch.Tensor) -> None:
+    """Every partial bag's gradient back to the owner that pooled it."""
+    W, me, D = mod.world_size, mod.rank, mod.dim
+    B, F_ = ctx.B, ctx.F
+    grad = grad_out.contiguous().view(B * F_, D)
+    if ctx.layout is IdsLayout.FEATURE_BLOCKS:  # the bags of each owner's features, feature-major: in order
+        g3 = grad.view(B, F_, D)
+        parts = [g3[:, mod._blocks["features_of"][q]].transpose(0, 1).reshape(-1, D) for q in range(W)]
+    else:
+        g_partial = grad.index_select(0, ctx.bpos.to(grad.device))  # gradient of every partial bag, rank-major
+        parts = list(torch.split(g_partial, ctx.p_counts))
+    n_recv = [ctx.served[q][3] if q != me else 0 for q in range(W)]
+    ctx.grads = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
+                                       recv_counts=n_recv, kind="grads")
+    ctx.grads[me] = parts[me]
+    ctx.state = Stage.GRADS_SENT
+
+
+def send_update(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> None:
+    """Owner side: the partial bags' gradients expanded to rows and applied; version published."""
+    work = []
+    for q in range(mod.world_size):
+        offq, lens, scq, npb = ctx.served[q]
+        pbv = torch.repeat_interleave(torch.arange(npb), lens)  # the partial bag of every value
+        sc = scq if scq is not None else torch.ones(offq.numel(), dtype=torch.float32)
+        work.append((offq, pbv, sc, ctx.grads[q]))
+    mod.apply_partial_bag_grads(work, ctx.grads[mod.rank].dtype)
+    mod._publish_version()
+    ctx.state = Stage.UPDATED
+
+
+def _messages_blocks(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> None:
+    """The ids messages in the feature-block layout (table-wise plans: no per-value decode, no sort)."""
+    W = mod.world_size
+    B, F_ = ctx.B, ctx.F
+    lengths, values, vstart, scale = ctx.lengths, ctx.values, ctx.vstart, ctx.scale
+    fc = mod._blocks["offset"]
+    has = scale is not None
+    msgs, p_counts = [], []
+    for q in range(W):
+        fq = mod._blocks["features_of"][q]
+        vals = [values[vstart[f]:vstart[f + 1]] + fc[f] for f in fq]
+        nv = sum(v.numel() for v in vals)
+        parts = [torch.tensor([1, B, len(fq), nv, int(has)] + fq, dtype=torch.int64)]
+        if fq:
+            parts.append(lengths.view(F_, B)[fq].reshape(-1))
+            parts += vals
             if has:
-                parts.append(_scale_bits(sc_o[va:va + nv]))
-            msgs.append(torch.cat(parts))
-            va += nv
-            pa += npb
-        return {"kind": 0, "msgs": msgs, "B": B, "F": F_, "bpos": bpos, "code": code, "direct": direct,
-                "p_src": p_src, "p_counts": p_counts, "out": out_flat}
+                parts.append(_scale_bits(torch.cat([scale[vstart[f]:vstart[f + 1]] for f in fq])))
+        msgs.append(torch.cat(parts))
+        p_counts.append(len(fq) * B)
+    ctx.msgs, ctx.p_counts = msgs, p_counts
 
-    # -- owner side, then requester side --------------------------------------------------------
-    @staticmethod
-    def compute_and_output_dist(mod: PgasShardedEmbedding, st: dict) -> torch.Tensor:
-        """Owner side: pool every requester's bags and write each pooled vector where it is consumed;
-        then (requester side) add the partial sums of bags with several owners. Returns ``[B, F * D]``."""
-        W, me, tr = mod.world_size, mod.rank, mod.transport
-        D = mod.dim
-        dev = mod.weight.device
-        requests, buf, F_, B = st["requests"], st["buf"], st["F"], st["B"]
-        served = [None] * W
-        sends, partials_remote = {}, {}
-        own_part = None
-        for i in range(1, W + 1):
-            q = (me + i) % W
-            served[q], part = _PgasSend._serve(mod, q, requests[q], buf, F_, dev)
-            if q == me:
-                own_part = part
-            elif mod.heap.is_local(q):
-                sends[q] = tr.post(q, part, "pooled")  # also q's completion signal for the direct writes
-                mod._count_direct(q, part.numel() * part.element_size(), "pooled", sent=True)
+
+def _messages_general(mod: PgasShardedEmbedding, ctx: PgasSendContext) -> None:
+    """The ids messages in the general layout (any plan): one partial bag per (owner, bag)."""
+    W = mod.world_size
+    gids, bag, scale, nbags, B, F_, buf = ctx.gids, ctx.bag, ctx.scale, ctx.nbags, ctx.B, ctx.F, ctx.buf
+    dev = mod.weight.device
+    src, off, _slot = mod.tmap.decode(gids)
+    # partial bags: one per (source rank, bag), numbered per source rank (the collective design's)
+    key = src * nbags + bag
+    pkeys, pinv = torch.unique(key, sorted=True, return_inverse=True)
+    p_src, p_bag = pkeys // nbags, pkeys % nbags
+    p_counts = torch.bincount(p_src, minlength=W).tolist()
+    p_len = torch.bincount(pinv, minlength=pkeys.numel())
+    n_src = torch.bincount(p_bag, minlength=nbags)
+    bpos = (p_bag % B) * F_ + p_bag // B if B else p_bag  # final place of the bag in the [B, F, D] output
+    direct = (n_src[p_bag] == 1) & mod._same_host[p_src]
+    code = torch.where(direct, bpos, torch.full_like(bpos, -1))
+    out_flat = mod._out[mod.rank][buf][: B * F_]
+    # places no owner writes directly: empty bags, and bags summed here from partials; zeroed before
+    # the ids go out, since the owners write as soon as they have them
+    if B:
+        written = torch.zeros(nbags, dtype=torch.bool)
+        written[p_bag[direct]] = True
+        gaps = torch.nonzero(~written).view(-1)
+        if gaps.numel():
+            out_flat.index_fill_(0, ((gaps % B) * F_ + gaps // B).to(dev), 0)
+    order = torch.argsort(src, stable=True)
+    v_counts = torch.bincount(src, minlength=W).tolist()
+    has = not bool((scale == 1).all())
+    off_o = off[order]
+    sc_o = scale[order].to(torch.float32) if has else None
+    msgs, va, pa = [], 0, 0
+    for q in range(W):
+        nv, npb = v_counts[q], p_counts[q]
+        parts = [torch.tensor([0, npb, nv, int(has)], dtype=torch.int64), p_len[pa:pa + npb],
+                 code[pa:pa + npb], off_o[va:va + nv]]
+        if has:
+            parts.append(_scale_bits(sc_o[va:va + nv]))
+        msgs.append(torch.cat(parts))
+        va += nv
+        pa += npb
+    ctx.msgs, ctx.bpos, ctx.code, ctx.direct, ctx.p_src, ctx.p_counts, ctx.out = \
+        msgs, bpos, code, direct, p_src, p_counts, out_flat
+
+
+def _write_runs(dst: torch.Tensor, places: torch.Tensor, pooled: torch.Tensor, F_: int) -> None:
+    """``dst[places[i]] = pooled[i]``: strided stores for runs of consecutive samples of one feature
+    (places ``c, c + F, c + 2F, ...``), ``index_copy_`` when the places are scattered."""
+    n = places.numel()
+    if n == 0:
+        return
+    brk = torch.nonzero(places[1:] - places[:-1] != F_).view(-1) if n > 1 else places[:0]
+    if brk.numel() > 16:
+        dst.index_copy_(0, places.to(dst.device), pooled)
+        return
+    bounds = [0] + (brk + 1).tolist() + [n]
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        c0 = int(places[s])
+        dst[c0:c0 + F_ * (e - s - 1) + 1:F_].copy_(pooled[s:e])
+
+
+def _serve(mod: PgasShardedEmbedding, q: int, msg: torch.Tensor, buf: int, F_: int, dev) -> tuple:
+    """Pool requester ``q``'s partial bags; write the direct ones into ``q``'s output, return the rest."""
+    D = mod.dim
+    itemsize = mod.weight.element_size()
+    kind = int(msg[0])
+    if kind == 1:
+        B, nf, nv, has = (int(x) for x in msg[1:5])
+        feats = msg[5:5 + nf].tolist()
+        h = 5 + nf
+        npb = nf * B
+        lens = msg[h:h + npb]
+        offq = msg[h + npb:h + npb + nv]
+        scq = msg[h + npb + nv:].view(torch.float32)[:nv] if has else None
+        code = None
+    else:
+        npb, nv, has = (int(x) for x in msg[1:4])
+        lens = msg[4:4 + npb]
+        code = msg[4 + npb:4 + 2 * npb]
+        offq = msg[4 + 2 * npb:4 + 2 * npb + nv]
+        scq = msg[4 + 2 * npb + nv:].view(torch.float32)[:nv] if has else None
+    voff = torch.zeros(npb + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=voff[1:])
+    offq_d = offq.to(dev)
+    unit = scq is None or bool((scq == 1).all())
+    local_q = mod.heap.is_local(q)
+    dst = mod._out[q][buf] if local_q else None
+    parts = []
+    cb = mod.chunk_bags
+    for a in range(0, npb, cb):
+        b = min(a + cb, npb)
+        va, vb = int(voff[a]), int(voff[b])
+        offs = (voff[a:b + 1] - va).to(dev)
+        if unit:  # sum of the rows in value order: the collective design's index_add_, bit for bit
+            pooled = F.embedding_bag(offq_d[va:vb], mod.weight, offs, mode="sum", include_last_offset=True)
+        else:  # rows scaled first (w * s), then summed in order: again the collective design's arithmetic
+            scaled = mod.weight.index_select(0, offq_d[va:vb]) * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
+            pooled = F.embedding_bag(torch.arange(vb - va, device=dev), scaled, offs, mode="sum",
+                                     include_last_offset=True)
+        if kind == 1:  # feature blocks: bag i of the block is sample i % B of feature feats[i // B]
+            dst3 = dst[: B * F_].view(B, F_, D)
+            for i in range(a // B, (b - 1) // B + 1):
+                s, e = max(a, i * B), min(b, (i + 1) * B)
+                dst3[s - i * B:e - i * B, feats[i]].copy_(pooled[s - a:e - a])
+            nd = b - a
+        elif not local_q:
+            parts.append(pooled)
+            continue
+        else:
+            c = code[a:b]
+            d = c >= 0
+            nd = int(d.sum())
+            if nd == b - a:
+                _write_runs(dst, c, pooled, F_)
             else:
-                partials_remote[q] = part
-        st["served"] = served
-        out_flat = mod._out[me][buf][: B * F_]
-        if st["kind"] == 1:
-            ind_counts = [0] * W
-        else:
-            code, p_counts = st["code"], st["p_counts"]
-            ind_counts = [int((code[a:a + n] < 0).sum()) for a, n in zip(np.cumsum([0] + p_counts[:-1]), p_counts)]
-        got: list = [None] * W
-        if tr.collective is not None:
-            empty = mod.weight.new_zeros((0, D))
-            cs = [partials_remote.get(q, empty) for q in range(W)]
-            rc = [ind_counts[q] if not mod.heap.is_local(q) else 0 for q in range(W)]
-            rr = tr.collective.exchange(cs, rc, "pooled")
-            for q in range(W):
-                if not mod.heap.is_local(q):
-                    got[q] = rr[q]
-                    tr.counter.sent[q] += cs[q].numel() * cs[q].element_size()
-                    tr.counter.by_kind["pooled"] = tr.counter.by_kind.get("pooled", 0) + \
-                        cs[q].numel() * cs[q].element_size()
-                    tr.counter.recv[q] += rr[q].numel() * rr[q].element_size()
-        recvs = {q: tr.expect((D,), mod.weight.dtype, dev, ind_counts[q]) for q in sends}
-        tr.progress(sends, recvs, "pooled vectors")  # every owner has written all it writes here
-        for q, r in recvs.items():
-            got[q] = r["out"]
-            tr.counter.recv[q] += r["out"].numel() * r["out"].element_size()
-        got[me] = own_part
-        itemsize = out_flat.element_size()
-        if st["kind"] == 1:
-            for q in mod._local:
-                if q != me:  # what the owners wrote straight into this buffer
-                    mod._count_direct(q, st["p_counts"][q] * D * itemsize, "pooled", sent=False)
-        else:
-            direct, p_src, code = st["direct"], st["p_src"], st["code"]
-            for q in mod._local:
-                if q != me:
-                    mod._count_direct(q, int(direct[p_src == q].sum()) * D * itemsize, "pooled", sent=False)
-            ind = code < 0
-            if bool(ind.any()):  # ((0 + p_0) + p_1) + ...: the collective design's index_add_, rank order
-                out_flat.index_add_(0, st["bpos"][ind].to(dev), torch.cat([g for g in got if g is not None]))
-        return out_flat.view(B, F_ * D)
+                if nd:
+                    dst.index_copy_(0, c[d].to(dev), pooled[d.to(dev)])
+                parts.append(pooled[(~d).to(dev)])
+        if nd and q != mod.rank:
+            mod.transport.record(nd * D * itemsize, q, "pooled")
+            mod._count_direct(q, nd * D * itemsize, "pooled", sent=True)
+    part = torch.cat(parts) if parts else mod.weight.new_zeros((0, D))
+    return (offq, lens, scq, npb), part
 
-    @staticmethod
-    def _write_runs(dst: torch.Tensor, places: torch.Tensor, pooled: torch.Tensor, F_: int) -> None:
-        """``dst[places[i]] = pooled[i]``: strided stores for runs of consecutive samples of one feature
-        (places ``c, c + F, c + 2F, ...``), ``index_copy_`` when the places are scattered."""
-        n = places.numel()
-        if n == 0:
-            return
-        brk = torch.nonzero(places[1:] - places[:-1] != F_).view(-1) if n > 1 else places[:0]
-        if brk.numel() > 16:
-            dst.index_copy_(0, places.to(dst.device), pooled)
-            return
-        bounds = [0] + (brk + 1).tolist() + [n]
-        for s, e in zip(bounds[:-1], bounds[1:]):
-            c0 = int(places[s])
-            dst[c0:c0 + F_ * (e - s - 1) + 1:F_].copy_(pooled[s:e])
 
-    @staticmethod
-    def _serve(mod, q, msg, buf, F_, dev):
-        """Pool requester ``q``'s partial bags; write the direct ones into ``q``'s output, return the rest."""
-        D = mod.dim
-        itemsize = mod.weight.element_size()
-        kind = int(msg[0])
-        if kind == 1:
-            B, nf, nv, has = (int(x) for x in msg[1:5])
-            feats = msg[5:5 + nf].tolist()
-            h = 5 + nf
-            npb = nf * B
-            lens = msg[h:h + npb]
-            offq = msg[h + npb:h + npb + nv]
-            scq = msg[h + npb + nv:].view(torch.float32)[:nv] if has else None
-            code = None
-        else:
-            npb, nv, has = (int(x) for x in msg[1:4])
-            lens = msg[4:4 + npb]
-            code = msg[4 + npb:4 + 2 * npb]
-            offq = msg[4 + 2 * npb:4 + 2 * npb + nv]
-            scq = msg[4 + 2 * npb + nv:].view(torch.float32)[:nv] if has else None
-        voff = torch.zeros(npb + 1, dtype=torch.int64)
-        torch.cumsum(lens, 0, out=voff[1:])
-        offq_d = offq.to(dev)
-        unit = scq is None or bool((scq == 1).all())
-        local_q = mod.heap.is_local(q)
-        dst = mod._out[q][buf] if local_q else None
-        parts = []
-        cb = mod.chunk_bags
-        for a in range(0, npb, cb):
-            b = min(a + cb, npb)
-            va, vb = int(voff[a]), int(voff[b])
-            offs = (voff[a:b + 1] - va).to(dev)
-            if unit:  # sum of the rows in value order: the collective design's index_add_, bit for bit
-                pooled = F.embedding_bag(offq_d[va:vb], mod.weight, offs, mode="sum", include_last_offset=True)
-            else:  # rows scaled first (w * s), then summed in order: again the collective design's arithmetic
-                scaled = mod.weight.index_select(0, offq_d[va:vb]) * scq[va:vb].to(dev, mod.weight.dtype)[:, None]
-                pooled = F.embedding_bag(torch.arange(vb - va, device=dev), scaled, offs, mode="sum",
-                                         include_last_offset=True)
-            if kind == 1:  # feature blocks: bag i of the block is sample i % B of feature feats[i // B]
-                dst3 = dst[: B * F_].view(B, F_, D)
-                for i in range(a // B, (b - 1) // B + 1):
-                    s, e = max(a, i * B), min(b, (i + 1) * B)
-                    dst3[s - i * B:e - i * B, feats[i]].copy_(pooled[s - a:e - a])
-                nd = b - a
-            elif not local_q:
-                parts.append(pooled)
-                continue
-            else:
-                c = code[a:b]
-                d = c >= 0
-                nd = int(d.sum())
-                if nd == b - a:
-                    _PgasSend._write_runs(dst, c, pooled, F_)
-                else:
-                    if nd:
-                        dst.index_copy_(0, c[d].to(dev), pooled[d.to(dev)])
-                    parts.append(pooled[(~d).to(dev)])
-            if nd and q != mod.rank:
-                mod.transport.record(nd * D * itemsize, q, "pooled")
-                mod._count_direct(q, nd * D * itemsize, "pooled", sent=True)
-        part = torch.cat(parts) if parts else mod.weight.new_zeros((0, D))
-        return (offq, lens, scq, npb), part
-
-    # -- backward ---------------------------------------------------------------------------------
-    @staticmethod
-    def backward(ctx, grad_out):
-        mod: PgasShardedEmbedding = ctx.mod
-        st = ctx.st
-        served, B, F_, p_counts = st["served"], st["B"], st["F"], st["p_counts"]
-        W, me, D = mod.world_size, mod.rank, mod.dim
-        dev = grad_out.device
-        grad = grad_out.contiguous().view(B * F_, D)
-        if st["kind"] == 1:  # the bags of each owner's features, feature-major: its partial bags in order
-            g3 = grad.view(B, F_, D)
-            parts = [g3[:, mod._blocks["features_of"][q]].transpose(0, 1).reshape(-1, D) for q in range(W)]
-        else:
-            g_partial = grad.index_select(0, st["bpos"].to(dev))  # gradient of every partial bag, rank-major
-            parts = list(torch.split(g_partial, p_counts))
-        n_recv = [served[q][3] if q != me else 0 for q in range(W)]
-        got = mod.transport.exchange([parts[q] if q != me else parts[q][:0] for q in range(W)],
-                                     recv_counts=n_recv, kind="grads")
-        got[me] = parts[me]
-        work = []
-        for q in range(W):
-            offq, lens, scq, npb = served[q]
-            pbv = torch.repeat_interleave(torch.arange(npb), lens)  # the partial bag of every value
-            sc = scq if scq is not None else torch.ones(offq.numel(), dtype=torch.float32)
-            work.append((offq, pbv, sc, got[q]))
-        mod._apply_partial_bag_grads(work, grad.dtype)
-        mod._publish_version()
-        return torch.zeros_like(mod.anchor), None, None
+PGAS_RETRIEVE = Stages(PgasRetrieveContext, retrieve_input_dist, retrieve_compute, retrieve_output_dist,
+                       retrieve_grad_dist, retrieve_update)
+PGAS_SEND = Stages(PgasSendContext, send_input_dist, send_compute, send_output_dist, send_grad_dist, send_update)

@@ -76,6 +76,7 @@ from embedscale.data.profile import AccessProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
+from embedscale.embedding.input_pipeline import InputPipeline
 from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -430,6 +431,9 @@ class DistributedRun:
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s,
                                                 lookahead=self.input_pipeline)
+        if self.input_pipeline:  # the run's input pipeline: every form's lane (sharded decode, TT inputs)
+            self.inputs = InputPipeline(f"input-r{rank}")
+            self._prefetcher.attach_input_pipeline(self.inputs)
 
     def prefetch_batch(self, batch) -> None:
         """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while

@@ -1,0 +1,202 @@
+"""The fused sparse optimizer on a sharded embedding's storage (the ``update`` stage's arithmetic).
+
+A mixin of :class:`~embedscale.embedding.sharded.ShardedEmbedding`: per-row gradient sums merged without a second
+sort, one fused update per row (SGD or row-wise Adagrad, ``embedding.optim``; FBGEMM's exact optimizers sum a row's
+repeats first), replica rows synced over all ranks (OPER 5.3), and the C++ CPU kernel's fused path
+(``embedding/kernels.cpp``: the same bits as the PyTorch ops). It touches only the storage (``weight``,
+``momentum``, the updated-rows flags ``touched``) and its scratch buffers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from embedscale.embedding import kernels
+from embedscale.embedding.grad_sync import sync_replica_grads
+from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
+
+
+class RowUpdates:
+    """The storage's fused optimizer (mixed into ``ShardedEmbedding``; see the module docstring)."""
+
+    # -- the C++ CPU kernel (embedding/kernels.cpp): same bits as the PyTorch ops ------------------
+    def kernel_ops(self):
+        """The loaded C++ kernel when it applies to this module (``cpu_kernel``, float32 storage on the CPU,
+        ``dim`` <= ``kernels.MAX_DIM``, built), else ``None``: the PyTorch ops."""
+        if not self.cpu_kernel or self.dim > kernels.MAX_DIM or not kernels.takes(self.weight) or self.weight_decay:
+            return None  # (weight decay: the PyTorch update, optim)
+        return kernels.fused_ops()
+
+    def _kernel_slot(self, n: int) -> torch.Tensor:
+        """The kernel's row -> slot map over ``n`` storage rows (int32, all -1 between calls; 4 bytes a row)."""
+        if self._kslot is None or self._kslot.numel() < n or self._kslot.device != self.weight.device:
+            self._kslot = torch.full((n,), -1, dtype=torch.int32, device=self.weight.device)
+        return self._kslot
+
+    def kernel_row_sums(self, pos: torch.Tensor, kern: tuple, scale, grad_out: torch.Tensor, n: int, R: int):
+        """Backward of a kernel-pooled lookup over ``[storage (n rows) | fetch area (R rows)]``: ``(rows_l,
+        g_l, g_r)``, the storage rows read (first-seen order) with their gradient sums, and the sum of every
+        fetch-area row; each sum over its values in batch order, as ``aggregate_row_gradients`` (one pass, a
+        row -> slot map, no sort). ``rows_l`` and ``g_l`` are views of buffers reused by the next step."""
+        offsets, one_hot, B = kern
+        nv = pos.numel()
+        g = grad_out if grad_out.dtype == torch.float32 and grad_out.stride(1) == 1 else \
+            grad_out.to(torch.float32).contiguous()
+        urows = self._kscratch.take("urows", nv, torch.int64, pos.device)
+        ugrads = self._kscratch.take("ugrads", nv * self.dim, torch.float32, pos.device).view(nv, self.dim)
+        fetched = torch.empty((R, self.dim), dtype=torch.float32, device=pos.device)
+        u = kernels.fused_ops().sharded_row_grad_sums(
+            pos, None if one_hot else offsets, None if scale is None else scale.contiguous(), g, B,
+            len(self.feature_names), n, self._kernel_slot(n), urows, ugrads, fetched)
+        return urows[:u], ugrads[:u], fetched
+
+    def _kernel_apply(self, lists: list) -> None:
+        """The fused optimizer by the C++ kernel: ``lists`` of ``(rows, grads, map or None, limit)``, summed per
+        storage row in list order (a row's contributions added in that order, from zero: the association of
+        ``_merge_row_grads`` and ``aggregate_row_gradients``), then one update per row. ``rows`` index ``map``
+        when given (entries < 0 skipped); storage rows >= ``limit`` are skipped."""
+        w = self.weight
+        n = w.shape[0]
+        none = w.new_empty(0, dtype=torch.int64)
+        rows = [r.to(torch.int64).contiguous() for r, _g, _m, _l in lists]
+        grads = [g.to(torch.float32).contiguous() for _r, g, _m, _l in lists]
+        maps = [none if m is None else m for _r, _g, m, _l in lists]
+        kernels.fused_ops().sharded_apply_row_grads(
+            w, self.momentum if self.optimizer == "rowwise_adagrad" else None, self.touched, self._kernel_slot(n),
+            rows, grads, maps, [int(lim) for _r, _g, _m, lim in lists], self.lr, self.eps)
+
+    # -- updates ----------------------------------------------------------------------------------
+    def apply_owned(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Fused optimizer on storage rows (repeats allowed: summed first, as FBGEMM's exact optimizers)."""
+        if self.optimizer is None or rows.numel() == 0:
+            return
+        if self.kernel_ops() is not None:  # repeats summed in order, as the stable sort below sums them
+            self._kernel_apply([(rows, grads, None, self.weight.shape[0])])
+            return
+        uniq, g = aggregate_row_gradients(rows, grads, num_rows=self.weight.shape[0])
+        self._update(uniq, g)
+
+    def _update(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """Fused optimizer on *unique* storage rows, each with its summed gradient."""
+        if self.optimizer is None or rows.numel() == 0:
+            return
+        if self.kernel_ops() is not None:
+            self._kernel_apply([(rows, grads, None, self.weight.shape[0])])
+            return
+        if self.optimizer == "sgd":
+            sgd_update_(self.weight, rows, grads, self.lr, self.weight_decay)
+        else:
+            rowwise_adagrad_update_(self.weight, self.momentum, rows, grads, self.lr, self.eps, self.weight_decay)
+        if self.touched is not None:  # delta checkpoints: the rows updated since track_touched()
+            self.touched[rows] = True
+
+    def _merge_row_grads(self, rows: torch.Tensor, grads: torch.Tensor, more: list) -> tuple:
+        """Sum per storage row: ``rows`` (unique, with ``grads``) first, then each ``(rows_q, grads_q)`` of
+        ``more`` in order (each ``rows_q`` unique), without sorting: a row's sum is ``grads + grads_q0 +
+        grads_q1 ...`` in that order, the association of summing the concatenation in order. A persistent
+        row -> slot table (storage-sized, -1 outside this call) finds each row's slot. Returns unique rows
+        and their sums (rows in first-seen order)."""
+        more = [(r, g) for r, g in more if r.numel()]
+        if not more:
+            return rows, grads
+        dev = rows.device
+        n = self.weight.shape[0]
+        if self._slot_of is None or self._slot_of.numel() < n or self._slot_of.device != dev:
+            self._slot_of = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        slot_of = self._slot_of
+        k = rows.numel()
+        slot_of.index_copy_(0, rows, torch.arange(k, device=dev))
+        all_rows, places = [rows], []
+        for r, _g in more:
+            s = slot_of.index_select(0, r)
+            new = s < 0
+            m = int(new.sum())
+            if m:
+                nr = r[new]
+                ns = torch.arange(k, k + m, device=dev)
+                slot_of.index_copy_(0, nr, ns)
+                s = s.masked_scatter(new, ns)
+                all_rows.append(nr)
+                k += m
+            places.append(s)
+        out = grads.new_zeros((k, grads.shape[1]))
+        out[:rows.numel()] = grads
+        for s, (_r, g) in zip(places, more):
+            out.index_add_(0, s, g.to(out.dtype))
+        all_rows = torch.cat(all_rows)
+        slot_of.index_fill_(0, all_rows, -1)
+        return all_rows, out
+
+    def apply_partial_bag_grads(self, served, dtype) -> None:
+        """Owner side of the send design's backward: for every peer, the rows it asked this rank to pool
+        (``offsets``), each value's partial bag, its scale, and the gradients of those partial bags. Sums
+        per row, applies owned rows, and sends replica rows through the replica AllReduce."""
+        dev = self.weight.device
+        rows, grads, rep_slots, rep_grads = [], [], [], []
+        for offsets, pbag, scale, g_bags in served:
+            if offsets.numel() == 0:
+                continue
+            r, g = aggregate_row_gradients(offsets.to(dev), g_bags, src_index=pbag.to(dev), scale=scale.to(dev))
+            owned = r < self.num_owned
+            rows.append(r[owned])
+            grads.append(g[owned])
+            if not bool(owned.all()):
+                rep_slots.append(self.region_slot.to(dev)[r[~owned] - self.num_owned])
+                rep_grads.append(g[~owned])
+        if rows:
+            self.apply_owned(torch.cat(rows), torch.cat(grads))
+        if self.num_slots:
+            self.sync_and_apply_replicas(
+                torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64, device=dev),
+                torch.cat(rep_grads) if rep_grads else torch.zeros((0, self.dim), dtype=dtype, device=dev))
+
+    def sync_and_apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """Sum replica gradients over all ranks (OPER 5.3) and apply them on every holder."""
+        if self.num_slots == 0 or self.optimizer is None:
+            return
+        st: dict = {}
+        uslots, g = sync_replica_grads(slots, grads, self.num_slots, method=self.grad_sync,
+                                       group=self.sync_group, stats=st)
+        self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
+        self._apply_replicas(uslots, g)
+
+    def _apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply the summed gradients of replica ``slots`` (unique) to the ones this rank holds."""
+        rows, g = self._replica_rows(slots, grads)
+        self._update(rows, g)
+
+    def _replica_rows(self, slots: torch.Tensor, grads: torch.Tensor) -> tuple:
+        """The storage rows of the replica ``slots`` (unique) this rank holds, with their gradients."""
+        local = self.tmap.replica_local.to(slots.device).index_select(0, slots)
+        keep = (local >= 0).nonzero().squeeze(1)
+        return self.num_owned + local.index_select(0, keep), grads.index_select(0, keep)
+
+    def apply_row_sums(self, own: list, replicas: list | None, kernel: bool) -> None:
+        """One fused update of every storage row from per-row sums: ``own`` lists ``(rows, sums)`` in order (this
+        rank's first, then each peer's; each list's rows unique; rows past the owned region skipped: replicas
+        are synced instead), ``replicas`` per rank ``(slots, sums)`` of replica rows (every rank's, rank order:
+        the same bits on every holder) or ``None``. A row's sum adds the lists in order. ``kernel``: the C++
+        kernel merges and updates in one call (a batch it pooled)."""
+        if kernel and self.optimizer is not None:
+            lists = [(r, g, None, self.num_owned) for i, (r, g) in enumerate(own) if i == 0 or r.numel()]
+            if replicas is not None:
+                rmap = self.replica_storage_rows
+                lists += [(s, g, rmap, self.weight.shape[0]) for s, g in replicas]
+            self._kernel_apply(lists)
+            return
+        owned = []
+        for r, g in own:
+            keep = r < self.num_owned
+            if bool(keep.all()):
+                owned.append((r, g))
+            else:
+                sel = keep.nonzero().squeeze(1)
+                owned.append((r.index_select(0, sel), g.index_select(0, sel)))
+        upd_rows, upd_g = self._merge_row_grads(owned[0][0], owned[0][1], owned[1:])
+        if replicas is not None:
+            dev = upd_g.device
+            uslots, gsum = aggregate_row_gradients(torch.cat([s.to(dev) for s, _g in replicas]),
+                                                   torch.cat([g for _s, g in replicas]), num_rows=self.num_slots)
+            rr, rg = self._replica_rows(uslots, gsum)  # disjoint from the owned rows: one update for both
+            upd_rows, upd_g = torch.cat([upd_rows, rr]), torch.cat([upd_g, rg.to(upd_g.dtype)])
+        self._update(upd_rows, upd_g)
