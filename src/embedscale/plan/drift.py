@@ -156,7 +156,9 @@ def _cost_before(plan: Plan, old_profile, topo, mode: str, batch_size: int, traf
     if old_profile is not None:
         return evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size, traffic=traffic)
     if plan.part_counts is None:
-        raise ConfigError("drift: the plan stores no part_counts; pass old_profile")
+        raise ConfigError(f"drift: the {plan.meta.get('strategy', '')} plan stores no per-partition counts "
+                          "(part_counts): give the profile it was made from (old_profile; embedscale drift "
+                          "--old-profile DIR)")
     samples = plan.meta.get("samples", 1)
     if traffic == "distinct":
         return evaluate(plan, _spread_part_counts(plan, samples), topo, mode=mode, batch_size=batch_size,
@@ -191,14 +193,18 @@ def _figures(c) -> dict[str, float]:
             "balance": c.max_rank_cost / mean if mean > 0 else 1.0}
 
 
-def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:
-    """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
-    verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
+def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, old_profile=None,
+                  **opts) -> dict[str, Any]:
+    """``embedscale drift``: evaluate a saved plan on a new profile (OPER section 8) with the traffic model the plan
+    was made with; ``old_profile``: the profile it was made from (default: its stored per-partition counts).
+    Write the verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
     plan = Plan.load(plan_dir)
     opts.setdefault("traffic", plan.meta.get("traffic") or "distinct")  # the plan's own model (plan's default)
     tables = plan.tables
     features = plan.meta.get("features") or {}  # a per-feature profile (embedscale profile) sums by table
     specs = [TableSpec(t.name, t.num_rows, t.dim, features=features.get(t.name) or [t.name]) for t in tables]
+    if old_profile is not None:
+        opts["old_profile"] = table_profile(resolve_profile(old_profile, tables), specs)
     rep = drift(plan, table_profile(resolve_profile(new_profile, tables), specs), resolve_topology(topology), **opts)
     if out_path is not None:
         atomic_write_json(out_path, rep)
