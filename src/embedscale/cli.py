@@ -306,9 +306,10 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its best
-    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
-    observed CTR) and calibration (predicted over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``:
-    another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
+    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact
+    logloss, AUC, normalised entropy (logloss over the entropy of the observed CTR) and calibration (predicted
+    over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``: another shard
+    directory). A run without an eval split (data.eval_fraction 0) is an error unless
     ``--split train`` or ``--data`` says what to score."""
     import yaml
 
