@@ -4,8 +4,8 @@ On a machine whose cores other work keeps busy, OpenMP's default wait policy mak
 share of an operator spin for the others, on a core that the others need: small training steps on 2 cores that
 two busy loops (and other work) kept busy ran at 97 samples/s with torch's defaults (2 threads, OpenMP's default
 policy), 1,007 with one thread and 5,359 with 2 threads and the passive policy (``benchmarks/bench_threads.py``,
-medians of 3 interleaved rounds). So every ``embedscale`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (the
-OpenMP runtime reads it when it loads; torchrun's ranks inherit it) and gives a process
+medians of 3 interleaved rounds). So every ``embedscale`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
+is imported (the OpenMP runtime reads it when it loads; torchrun's ranks inherit it) and gives a process
 ``available cores // local ranks`` intra-op threads (the cores this process may run on, ``os.sched_getaffinity``,
 shared by the ranks of one machine), at least one.
 
