@@ -146,8 +146,6 @@ def _assert_named_before_data(p: subprocess.CompletedProcess, *needles: str) -> 
     ("train:\n  batch_size: -5\n", "train.batch_size"),
     ("train: [1, 2]\n", "train"),
     ("dist:\n  nproc: 0\n", "dist.nproc"),
-    ("data:\n  synthetic: 3\n", "data.synthetic"),
-    ("train:\n  epochs: 0\n", "train.epochs"),
 ])
 def test_config_file_errors_name_the_file_and_key_before_any_data_is_read(tmp_path, text, key):
     """A bad value in a YAML file: ``error: FILE: KEY: ...``, exit 2, no traceback, before the data (a path that
@@ -161,6 +159,21 @@ def test_config_file_errors_name_the_file_and_key_before_any_data_is_read(tmp_pa
     assert "lr_dense" not in p.stderr and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("text,key", [
+    ("data:\n  synthetic: 3\n", "data.synthetic"), ("train:\n  epochs: 0\n", "train.epochs"),
+    ("train:\n  log_every: -1\n", "train.log_every"), ("data:\n  shard_rows: 0\n", "data.shard_rows"),
+    ("model:\n  embedding_dim: 0\n", "model.embedding_dim"), ("dist:\n  topology_hosts: 0\n", "dist.topology_hosts"),
+])
+def test_more_config_file_errors_name_the_file_and_key(tmp_path, text, key):
+    """The same in this process (click's runner): a section given as a scalar, a count below its least value."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    r = cli("train", "--config", f, "--data-source", "shards", "--data-path", tmp_path / "no-such-data",
+            "--train-lr-dense", "0.1", "--out-dir", tmp_path / "runs", "--no-progress")
+    assert r.exit_code == 2 and f"{f}: {key}:" in r.stderr, r.output
+    assert isinstance(r.exception, SystemExit) and "manifest" not in r.stderr and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_nproc_below_one_is_an_error_naming_the_flag(tmp_path, n):
     """``--nproc 0`` / ``-1`` ran one process; now a usage error naming ``--nproc``, before anything runs."""
@@ -168,9 +181,10 @@ def test_nproc_below_one_is_an_error_naming_the_flag(tmp_path, n):
                     "--no-progress", cwd=tmp_path)
     _assert_named_before_data(p, "--nproc", n)
     assert not (tmp_path / "runs").exists()
-    p = cli_process("train", "--set", f"dist.nproc={n}", "--data-source", "shards", "--data-path",
-                    tmp_path / "no-such-data", "--no-progress", cwd=tmp_path)
-    _assert_named_before_data(p, f"dist.nproc: {n}")
+    r = cli("train", "--set", f"dist.nproc={n}", "--data-source", "shards", "--data-path", tmp_path / "no-such-data",
+            "--out-dir", tmp_path / "runs", "--no-progress")
+    assert r.exit_code == 2 and f"dist.nproc: {n} is not an integer >= 1" in r.stderr, r.output
+    assert not (tmp_path / "runs").exists()
 
 
 def test_dist_plan_auto_without_a_budget_fails_before_any_rank_starts(tmp_path, data_dir):
