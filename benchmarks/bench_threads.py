@@ -1,8 +1,8 @@
 """Single-process training on a machine whose cores are busy: embedscale's thread settings against torch's.
 
-Two busy loops (``python -c "while True: pass"``, started here, bounded by ``timeout`` and killed here by their
-PIDs) load the machine's cores while ``embedscale train`` (one process, a small synthetic Criteo-shaped dataset)
-runs the same steps under three settings, interleaved round by round:
+Two busy loops (a Python ``while`` loop, started here, bounded by ``timeout`` and by its own clock, and ended
+here by their PIDs) load the machine's cores while ``embedscale train`` (one process, a small synthetic
+Criteo-shaped dataset) runs the same steps under three settings, interleaved round by round:
 
 * ``ours``: nothing set, embedscale's choice (``embedscale.threads``: ``OMP_WAIT_POLICY=PASSIVE``, available
   cores // local ranks intra-op threads);
@@ -60,8 +60,18 @@ def _train(data: Path, runs: Path, name: str, args, timeout: float) -> dict:
 
 
 def _busy_loops(n: int, seconds: float) -> list[subprocess.Popen]:
-    return [subprocess.Popen(["timeout", str(int(seconds)), sys.executable, "-c", "while True: pass"])
-            for _ in range(n)]
+    """``n`` busy loops, each bounded twice: by ``timeout`` and by its own clock."""
+    loop = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen(["timeout", str(int(seconds)), sys.executable, "-c", loop]) for _ in range(n)]
+
+
+def _stop(busy: list[subprocess.Popen]) -> None:
+    """End the busy loops by their PIDs: SIGTERM to ``timeout``, which passes it on to its loop (a SIGKILL would
+    end ``timeout`` alone and leave the loop running)."""
+    for b in busy:
+        b.terminate()
+    for b in busy:
+        b.wait()
 
 
 def main() -> None:
@@ -89,9 +99,7 @@ def main() -> None:
                     got[name].append(_train(data, runs, name, args, args.timeout))
                     print(f"round {r + 1} {name}: {got[name][-1]}", file=sys.stderr, flush=True)
         finally:
-            for b in busy:  # ours, by PID
-                b.kill()
-                b.wait()
+            _stop(busy)
 
     def med(name: str, key: str) -> float:
         return statistics.median(x[key] for x in got[name])

@@ -110,7 +110,7 @@ def sharded(base) -> Path:
 
 
 def copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
+    shutil.copytree(src, dst, symlinks=True)  # checkpoints/best stays the link to step-N the run wrote
     return dst
 
 

@@ -306,9 +306,10 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts)
 @click.option("--json", "as_json", is_flag=True)
 def evaluate(checkpoint, data_dir, split_name, batch_size, as_json):
     """Evaluate a checkpoint (a run's checkpoints/step-N, its checkpoints/best, or a run directory: its best
-    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact logloss, AUC, normalised entropy (logloss over the entropy of the
-    observed CTR) and calibration (predicted over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``:
-    another shard directory). A run without an eval split (data.eval_fraction 0) is an error unless
+    evaluation's checkpoint, else its latest; the output names it) of any world size in one process: exact
+    logloss, AUC, normalised entropy (logloss over the entropy of the observed CTR) and calibration (predicted
+    over observed CTR) on the run's eval split (``--split train``: its training split; ``--data``: another shard
+    directory). A run without an eval split (data.eval_fraction 0) is an error unless
     ``--split train`` or ``--data`` says what to score."""
     import yaml
 
@@ -856,16 +857,18 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
 @click.argument("plan_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--profile", "profile_path", type=click.Path(exists=True, file_okay=False), required=True,
               help="The new access profile.")
+@click.option("--old-profile", "old_profile_path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The profile the plan was made from (default: the per-partition counts an oper plan stores).")
 @click.option("--topology", "topology_path", type=click.Path(exists=True, dir_okay=False), default=None)
 @click.option("--hosts", type=int, default=1, show_default=True)
 @click.option("--ranks-per-host", type=int, default=2, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def drift(plan_dir, profile_path, topology_path, hosts, ranks_per_host, as_json):
+def drift(plan_dir, profile_path, old_profile_path, topology_path, hosts, ranks_per_host, as_json):
     """Evaluate a saved plan on a new profile (OPER section 8): how far its balance fell, whether to re-plan,
-    and how many rows a re-plan would move."""
+    and how many rows a re-plan would move; costed with the traffic model the plan was made with (plan --traffic)."""
     try:
         rep = drift_command(plan_dir, profile_path, _plan_topology(topology_path, hosts, ranks_per_host),
-                            json_output=as_json)
+                            json_output=as_json, old_profile=old_profile_path)
     except EmbedscaleError as e:
         _fail(e)
     if not as_json:

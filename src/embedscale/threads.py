@@ -1,10 +1,11 @@
 """Threads of a process that trains or serves: torch's intra-op threads and OpenMP's wait policy.
 
 On a machine whose cores other work keeps busy, OpenMP's default wait policy makes a thread that finished its
-share of an operator spin for the others, on a core that the others need: a small training step on 2 busy
-cores ran 40x slower with torch's default 2 threads than with the passive policy (``benchmarks/bench_threads.py``,
-BENCHMARKS.md). So every ``embedscale`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (the
-OpenMP runtime reads it when it loads; torchrun's ranks inherit it) and gives a process
+share of an operator spin for the others, on a core that the others need: small training steps on 2 cores that
+two busy loops (and other work) kept busy ran at 97 samples/s with torch's defaults (2 threads, OpenMP's default
+policy), 1,007 with one thread and 5,359 with 2 threads and the passive policy (``benchmarks/bench_threads.py``,
+medians of 3 interleaved rounds). So every ``embedscale`` command sets ``OMP_WAIT_POLICY=PASSIVE`` before torch
+is imported (the OpenMP runtime reads it when it loads; torchrun's ranks inherit it) and gives a process
 ``available cores // local ranks`` intra-op threads (the cores this process may run on, ``os.sched_getaffinity``,
 shared by the ranks of one machine), at least one.
 

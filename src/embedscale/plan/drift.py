@@ -10,7 +10,8 @@ re-plans when optimality has degraded. ``drift`` does exactly that on two profil
 
 ``replan`` is recommended when the fresh plan's bottleneck (``max_rank_cost``) is lower than the old
 plan's on the new profile by more than ``min_gain`` (default 5%), or the old plan's lookup or
-communication DoB on the new profile is below ``dob_floor`` and below what it was on the old profile.
+communication DoB on the new profile is below ``dob_floor`` (for ``embedscale drift``: and below what it was on
+the old profile, as a plan made below the floor, e.g. whole tables on more ranks than tables, is no drift).
 
 Every cost, and the fresh ``oper`` plan, is on one traffic model (``plan.cost``): ``traffic="access"``, OPER's
 own equations, for the online re-planning of a run (``train.replan``: measured and tuned on them, its lookup-DoB
@@ -80,7 +81,7 @@ def drift(plan: Plan, new_profile, topology, **kw) -> dict[str, Any]:
 def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode: str | None = None,
                    batch_size: int | None = None, strategy: str | None = None, min_gain: float = 0.05,
                    dob_floor: float = 0.9, replan: bool = True, traffic: str = "access",
-                   **opts) -> tuple[dict[str, Any], Plan | None]:
+                   floor_from_before: bool = False, **opts) -> tuple[dict[str, Any], Plan | None]:
     """Evaluate ``plan`` on ``new_profile`` and decide whether to re-plan (OPER section 8): ``(report, fresh
     plan)`` (``None`` without ``replan``). The live re-plan of a run (``train.replan``) migrates to the fresh
     plan when ``report["replan"]``; ``report["after"]["balance"]`` / ``["replanned"]["balance"]`` are the
@@ -97,6 +98,8 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
         replan: False skips the fresh plan (no ``rows_moved``).
         traffic: the cost model's volumes (``plan.cost``): ``access`` (OPER eqs. 3 and 5, the live re-plan rule)
             or ``distinct`` (what the executor moves; the fresh ``oper`` plan is made on the same).
+        floor_from_before: a degree of balance below ``dob_floor`` asks for a re-plan only when it is also below
+            the plan's on the old profile (``drift_command``; the live rule asks whenever it is below).
         **opts: options for the fresh plan (e.g. ``extra_memory``).
     """
     topo = as_link_topology(topology)
@@ -115,10 +118,10 @@ def drift_and_plan(plan: Plan, new_profile, topology, *, old_profile=None, mode:
         "dob_comm_change": after.dob_comm - before.dob_comm,
         "max_rank_cost_ratio": after.max_rank_cost / before.max_rank_cost if before.max_rank_cost > 0 else float("inf"),
     }
-    # a balance below the floor that the plan had on its own profile already is no drift (re-planning the same
-    # profile finds the same plan)
-    degraded = ((after.dob_lookup < dob_floor and after.dob_lookup < before.dob_lookup - 1e-9)
-                or (after.dob_comm < dob_floor and after.dob_comm < before.dob_comm - 1e-9))
+    degraded = after.dob_lookup < dob_floor or after.dob_comm < dob_floor
+    if floor_from_before:  # a balance the plan had on its own profile already is how it was made, not drift
+        degraded = ((after.dob_lookup < dob_floor and after.dob_lookup < before.dob_lookup - 1e-9)
+                    or (after.dob_comm < dob_floor and after.dob_comm < before.dob_comm - 1e-9))
     if replan:
         strat = strategy or plan.meta.get("strategy", "oper")
         if strat not in ("oper", "access_greedy", "milp", "torchrec", "table_wise", "row_wise", "memory_greedy"):
@@ -156,7 +159,9 @@ def _cost_before(plan: Plan, old_profile, topo, mode: str, batch_size: int, traf
     if old_profile is not None:
         return evaluate(plan, old_profile, topo, mode=mode, batch_size=batch_size, traffic=traffic)
     if plan.part_counts is None:
-        raise ConfigError("drift: the plan stores no part_counts; pass old_profile")
+        raise ConfigError(f"drift: the {plan.meta.get('strategy', '')} plan stores no per-partition counts "
+                          "(part_counts): give the profile it was made from (old_profile; embedscale drift "
+                          "--old-profile DIR)")
     samples = plan.meta.get("samples", 1)
     if traffic == "distinct":
         return evaluate(plan, _spread_part_counts(plan, samples), topo, mode=mode, batch_size=batch_size,
@@ -191,14 +196,19 @@ def _figures(c) -> dict[str, float]:
             "balance": c.max_rank_cost / mean if mean > 0 else 1.0}
 
 
-def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, **opts) -> dict[str, Any]:
-    """``embedscale plan --drift``: evaluate a saved plan on a new profile (OPER section 8); write the
-    verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
+def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, old_profile=None,
+                  **opts) -> dict[str, Any]:
+    """``embedscale drift``: evaluate a saved plan on a new profile (OPER section 8) with the traffic model the plan
+    was made with; ``old_profile``: the profile it was made from (default: its stored per-partition counts).
+    Write the verdict to ``out_path`` (JSON) if given, print it as one JSON line with ``json_output``."""
     plan = Plan.load(plan_dir)
     opts.setdefault("traffic", plan.meta.get("traffic") or "distinct")  # the plan's own model (plan's default)
+    opts.setdefault("floor_from_before", True)
     tables = plan.tables
     features = plan.meta.get("features") or {}  # a per-feature profile (embedscale profile) sums by table
     specs = [TableSpec(t.name, t.num_rows, t.dim, features=features.get(t.name) or [t.name]) for t in tables]
+    if old_profile is not None:
+        opts["old_profile"] = table_profile(resolve_profile(old_profile, tables), specs)
     rep = drift(plan, table_profile(resolve_profile(new_profile, tables), specs), resolve_topology(topology), **opts)
     if out_path is not None:
         atomic_write_json(out_path, rep)
