@@ -19,6 +19,7 @@ from embedscale.train.distributed import DistributedRun, _log, join_run, serve_e
 from embedscale.train.dmt_run import DMTRun, infer_dmt
 from embedscale.train.launch import leave_group
 from embedscale.train.loop import LoopConfig, fit
+from embedscale.train.replan import resume_plan
 
 
 def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
@@ -62,7 +63,6 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
     if ck is not None:
         run.restore(ck)
         if getattr(run, "monitor", None) is not None:  # the plan the checkpoint's step ran under (train.replan)
-            from embedscale.train.replan import resume_plan
             resume_plan(run)
         _log(rank, f"resumed from {ck} (step {run.state.step})")
     if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
