@@ -45,8 +45,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
-from embedscale.plan.auto import (EXECUTOR_TERMS, STEP_TERMS, Candidate, Costs, TableStats, candidates,
-                                  CandidateKind, exchange_latency_of, hybrid_candidate, step_terms)
+from embedscale.plan.auto_candidates import Candidate, TableStats, candidates, hybrid_candidate
+from embedscale.plan.auto_costs import (EXECUTOR_TERMS, STEP_TERMS, CandidateKind, Costs, exchange_latency_of,
+                                        step_terms)
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
