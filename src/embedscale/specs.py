@@ -392,6 +392,9 @@ class TrainConfig:
     # lower by more than replan_min_gain, the rows migrate to it between two steps; 0 = off
     replan_every: int = 0
     replan_min_gain: float = 0.05
+    # re-plan only when the predicted gain over the steps to the next check outweighs the check and the migration
+    # (train.replan.replan_pays); false: whenever the plan taken gains more than replan_min_gain (tests of migration)
+    replan_weigh_costs: bool = True
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3
