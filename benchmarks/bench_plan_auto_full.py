@@ -12,7 +12,9 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   overhead per table of each form fitted from real 2-rank steps of a sharded, a TT and a host plan; with
   ``--rank-rows 0`` those steps run on this run's own full-size data and tables,
   ``embedscale.calibrate_ranks.calibrate_ranks(rows=0)``);
-* ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper);
+* ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper; with
+  ``--hand-ranks 8,16,32`` also ``elrec_rule_r8`` / ``_r16`` and the mixtures at those ranks: the auto search
+  weighs the same rules itself, ``plan.auto_rules``);
 * ``mix_tt3_host2`` / ``mix_tt4_host1``: the mixtures of the two rules a user would try: the largest tables
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
   the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
@@ -207,6 +209,8 @@ def main() -> None:
     ap.add_argument("--host-memory", default="512MiB")
     ap.add_argument("--depth", type=int, default=2, help="Pipeline depth of host tables (hand-made plans and auto).")
     ap.add_argument("--mixtures", type=int, default=2)
+    ap.add_argument("--hand-ranks", default="32",
+                    help="TT ranks of the hand-made plans (EL-Rec's rule and the mixtures at each), e.g. 8,16,32.")
     ap.add_argument("--calibrate-procs", type=int, default=1,
                     help="--recalibrate: embedscale calibrate processes run at once before every run (averaged).")
     ap.add_argument("--recalibrate", action="store_true",
@@ -265,17 +269,20 @@ def main() -> None:
             args.host_memory, "--costs", "costs.json", "--host-depth", str(args.depth), "--tt-ranks", "8,16,32,64",
             "--out", "plans-auto", cwd=work)
     plans["auto"] = "plans-auto/auto"
-    if not (work / "plans-elrec" / "oper" / "plan.json").exists():
-        _es("plan", *common, "--strategy", "oper", "--tt-min-rows", "1000000", "--tt-rank", "32", "--out",
-            "plans-elrec", cwd=work)
-    plans["elrec_rule"] = "plans-elrec/oper"
     tables = tables_from_profile(AccessProfile.load(work / "profile"), 16)
-    for name, (tt, host) in _mixtures(tables, host_b, args.mixtures).items():
-        d = work / f"plans-{name}"
-        if not (d / "oper" / "plan.json").exists():
-            _mixture_yaml(work / f"{name}.yaml", tables, tt, host, 32)
-            _es("plan", *common, "--tables", f"{name}.yaml", "--strategy", "oper", "--out", d.name, cwd=work)
-        plans[name] = f"{d.name}/oper"
+    for r in [int(x) for x in args.hand_ranks.split(",")]:  # EL-Rec's rule and the mixtures at every rank
+        sfx = "" if r == 32 else f"_r{r}"  # (rank 32 keeps the names of earlier runs)
+        if not (work / f"plans-elrec{sfx}" / "oper" / "plan.json").exists():
+            _es("plan", *common, "--strategy", "oper", "--tt-min-rows", "1000000", "--tt-rank", str(r), "--out",
+                f"plans-elrec{sfx}", cwd=work)
+        plans[f"elrec_rule{sfx}"] = f"plans-elrec{sfx}/oper"
+        for name, (tt, host) in _mixtures(tables, host_b, args.mixtures).items():
+            d = work / f"plans-{name}{sfx}"
+            if not (d / "oper" / "plan.json").exists():
+                _mixture_yaml(work / f"{name}{sfx}.yaml", tables, tt, host, r)
+                _es("plan", *common, "--tables", f"{name}{sfx}.yaml", "--strategy", "oper", "--out", d.name,
+                    cwd=work)
+            plans[f"{name}{sfx}"] = f"{d.name}/oper"
     topo = Topology(num_hosts=1, ranks_per_host=2)
     dense = DenseModel(num_features=len(tables), embedding_dim=16)
     if args.predict_only:

@@ -437,6 +437,9 @@ class DistConfig:
     device_memory: str = ""  # device memory per rank, e.g. 256MiB (required by auto)
     host_memory: str = ""  # host memory per rank for host-placed tables, e.g. 512MiB (empty: 0, no host tables)
     costs: str = ""  # per-row costs JSON from `embedscale calibrate` (empty: plan.auto.Costs' documented defaults)
+    # auto: > 0 runs the model's plans within its error of the best this many steps each and keeps the fastest
+    # (train.plan_trial); 0 = the model's choice
+    plan_trial_steps: int = 0
 
 
 @dataclass
@@ -636,6 +639,7 @@ NUMBERS.update({
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,
                   "pipeline_depth": _AT_LEAST_0},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None), "nproc": _AT_LEAST_1,
+                 "plan_trial_steps": _AT_LEAST_0,
                  "topology_hosts": _AT_LEAST_1},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},

@@ -287,6 +287,26 @@ def fit_executor(runs: Sequence[Mapping[str, Any]]) -> tuple[float, dict[str, fl
                                            "measured_s": _beyond_spread(r, scale)} for r in runs])
 
 
+def held_out_errors(runs: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """The prediction error out of sample of every timed plan: :func:`fit_executor` on the other plans, then this
+    plan's step predicted (the scaled prediction plus its tables' fitted overheads, per form kind and per step)
+    against its measured step, ``predicted / measured - 1``. ``None`` where the other plans do not separate the
+    kinds the fit needs (a kind only this plan holds is then predicted at no overhead: not left out silently, the
+    error says so)."""
+    runs = list(runs)
+    out: list[float | None] = []
+    for k, r in enumerate(runs):
+        try:
+            scale, over = fit_executor(runs[:k] + runs[k + 1:])
+        except ConfigError:
+            out.append(None)
+            continue
+        pred = scale * float(r["predicted_s"]) + sum(float(n) * over.get(kind, 0.0)
+                                                      for kind, n in r["tables"].items())
+        out.append(pred / float(r["measured_s"]) - 1.0)
+    return out
+
+
 def _beyond_spread(run: Mapping[str, Any], scale: float) -> float:
     """A plan's measured step for the overhead fit: the scaled prediction where the residual lies within the
     plan's own spread (half the range of its rounds' steps, ``steps_s``), else the measurement moved toward the

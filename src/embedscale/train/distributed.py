@@ -93,7 +93,7 @@ from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
 AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
-AUTO_KEYS = ("device_memory", "host_memory", "costs")  # the DistConfig keys only dist.plan auto reads
+AUTO_KEYS = ("device_memory", "host_memory", "costs", "plan_trial_steps")  # the DistConfig keys only dist.plan auto reads
 EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
@@ -290,6 +290,10 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
                                 raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
+        if d.plan_trial_steps > 0:  # a measured choice among the model's close plans (train.plan_trial)
+            from embedscale.train.plan_trial import choose_by_trial
+            plan = choose_by_trial(cfg, plan, data, tables, prof, topo, plan_dir, progress,
+                                   load_costs(d.costs or None).notes)
         forms = with_reorder(plan.forms, cfg.model.tt_reorder)  # model.tt_reorder: the TT tables' (EL-Rec IV)
         plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
         if checkpoint_forms:
