@@ -135,10 +135,7 @@ def _run_distributed(cfg: RunConfig, run_dir: Path, data: PreparedData, tables, 
     code = launch_ranks(cfg.dist.nproc, args, run_dir=run_dir, env=rank_env(cfg.dist.nproc))
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
-    summary = read_json(run_dir / "summary.json", "run summary")
-    if towers is None and "measured_choice" in (plan.meta.get("auto") or {}):  # in wall_seconds too
-        summary["plan_trial_seconds"] = plan.meta["auto"]["measured_choice"]["trial_seconds"]
-    return summary
+    return read_json(run_dir / "summary.json", "run summary")
 
 
 def _num(v) -> float:

@@ -59,7 +59,10 @@ def rule_plans(stats: Sequence[TableStats], host_budget: float, tt_ranks: Sequen
                 if sum(s.num_rows * (s.row_bytes + STATE_BYTES_PER_ROW) for s in rest) > host_budget:
                     continue
                 for j in (k, k + 1):
-                    if j < len(big):
+                    if j == 0 and r == min(int(x) for x in tt_ranks):  # no TT table: one rule, whatever the rank
+                        out.append(RulePlan(f"host rule: the {len(big)} tables of >= {n_min:,} rows on the host",
+                                            {s.name: host for s in big}))
+                    elif 0 < j < len(big):
                         out.append(RulePlan(f"mixture: the {j} largest of >= {n_min:,} rows TT rank {r}, "
                                             f"{len(big) - j} on the host",
                                             {**{s.name: _tt(r) for s in big[:j]},

@@ -760,6 +760,9 @@ def plan_figures(run: DistributedRun) -> dict:
     """The plan's balance under the OPER cost model (eqs. 1-5) and the bytes on wire it predicts for this
     executor (``embedding.wire``), next to what was measured."""
     out: dict = {"plan_summary": run.plan.summary()}
+    trial = (run.plan.meta.get("auto") or {}).get("measured_choice")
+    if trial:  # the measured choice among the auto plan's close candidates (train.plan_trial): its seconds
+        out.update(plan_trial_seconds=trial["trial_seconds"], plan_trial_chosen=trial["chosen"])
     prof_dir = run.run_dir / "profile"
     if not prof_dir.exists():
         return out

@@ -4,13 +4,14 @@ other (``plan.choose.prediction_margin``: the calibration's measured prediction 
 ``dist.plan_trial_steps`` steps on the run's ranks and data (``embedscale train`` under that plan, in
 ``<run dir>/plan-trial/<n>/``) and the one of least steady-state step is the run's plan
 (:func:`embedscale.plan.choose.measured_choice`). The choice, the candidates' predicted and measured steps and the
-trial's seconds go into the explain report (``measured_choice``); the run's ``wall_seconds`` holds them and the
-summary says how many (``plan_trial_seconds``).
+trial's seconds go into the explain report (``measured_choice``) and the run's summary (``plan_trial_seconds``,
+``plan_trial_chosen``; a run started by ``embedscale run`` has them in its ``wall_seconds`` too).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,18 @@ def _build(cfg: RunConfig, tables, prof, topo, table_forms: Mapping[str, Any]) -
     return plan
 
 
+#: what a rank's environment says of its own launch (torchrun's and the launcher's): a trial is a launch of its own
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "EMBEDSCALE_RUN_ID", "EMBEDSCALE_LAUNCH_ID",
+            "EMBEDSCALE_LAUNCHER_PID", "EMBEDSCALE_LAUNCHED")
+
+
+def launch_env() -> dict[str, str]:
+    """This process's environment without what makes a process a rank of the running launch (a plan made in
+    rank 0 starts its trials as launches of their own, not as ranks joining this one)."""
+    return {k: v for k, v in os.environ.items() if k not in RANK_ENV and not k.startswith("TORCHELASTIC_")}
+
+
 def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[float]:
     """The steady-state step (the summary's ``train_step_seconds`` median) of ``steps`` steps under ``plan_dir``."""
     trial = replace(cfg, dist=replace(cfg.dist, plan=str(plan_dir), device_memory="", host_memory="", costs="",
@@ -80,7 +93,8 @@ def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[flo
     run_dir.mkdir(parents=True)
     atomic_write_text(run_dir / "trial.yaml", dump_config(trial))
     p = subprocess.run([sys.executable, "-m", "embedscale", "train", "--config", str(run_dir / "trial.yaml"),
-                        "--run-dir", str(run_dir / "run"), "--no-progress"], capture_output=True, text=True)
+                        "--run-dir", str(run_dir / "run"), "--no-progress"], capture_output=True, text=True,
+                       env=launch_env())
     if p.returncode:
         raise EmbedscaleError(f"plan trial under {plan_dir} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     s = json.loads((run_dir / "run" / "summary.json").read_text())
