@@ -96,3 +96,46 @@ def test_held_out_errors_on_a_synthetic_machine_whose_costs_are_known():
     # on the others (scale 1.5 exactly, no overhead), it is predicted at 1.5 x 35 = 52.5 ms against 57.5 ms
     errs = dict(zip(_COUNTS, held_out_errors(_machine({"tt-host": 0.005}))))
     assert errs["tt-host"] == pytest.approx(0.0525 / 0.0575 - 1, rel=1e-9)
+
+
+def test_choose_by_trial_keeps_the_candidate_the_fake_timer_measured_fastest(tmp_path, monkeypatch):
+    """The run's trial (``train.plan_trial.choose_by_trial``) with a fake step timer: the candidates in the model's
+    order take 30, 20 and 10 ms, so the third is kept though the model ranked it last; the plan returned is built
+    with that candidate's forms, and the explain data records the choice and every candidate's timing."""
+    from embedscale.specs import RunConfig
+    from embedscale.train import plan_trial
+
+    tabs = [TableSpec("big", 2_000_000, 16), TableSpec("mid", 300_000, 16), TableSpec("small", 5_000, 16)]
+    prof = ZipfProfile.from_tables(tabs, alpha=0.9, samples=1_000_000)
+    topo = Topology(ranks_per_host=2)
+    plan = make_auto_plan(tabs, prof, topo, device_memory=24 * 2**20, host_memory=256 * 2**20, batch_size=1024,
+                          other_budgets=False, hot_row_touch=0.0)
+    cands = plan_trial.candidate_plans(plan.meta["auto"])
+    close = close_plans(cands, 5.0)
+    assert len(close) == 3
+    times = {"0": 0.03, "1": 0.02, "2": 0.01}
+    seen = []
+
+    def fake_time(cfg, plan_dir, run_dir, steps):
+        seen.append(plan_dir.parent.name)
+        return [times[plan_dir.parent.name]]
+
+    monkeypatch.setattr(plan_trial, "_time", fake_time)
+    cfg = RunConfig()
+    cfg.dist.nproc, cfg.dist.plan_trial_steps, cfg.train.batch_size = 2, 5, 2048
+    out = plan_trial.choose_by_trial(cfg, plan, None, tabs, prof, topo, tmp_path / "plan", False,
+                                     {"prediction_error": 5.0})
+    assert seen == ["0", "1", "2"]
+    mc = out.meta["auto"]["measured_choice"]
+    assert mc["chosen"] == close[2]["name"] and mc["trial"] is True
+    assert [c["measured_median_seconds"] for c in mc["candidates"]] == [0.03, 0.02, 0.01]
+    want = {n: f["kind"] for n, f in close[2]["table_forms"].items()}
+    assert {n: f.kind for n, f in out.forms.items() if f.kind != "sharded"} == want
+    assert out.meta["auto"]["chosen_by"] == f"measured: {close[2]['name']}"
+    # a calibration error of 0.1%: the next plan is 0.7% slower by the model, so only the auto plan is close:
+    # nothing is timed, the plan is kept
+    assert len(close_plans(cands, 0.001)) == 1
+    seen.clear()
+    same = plan_trial.choose_by_trial(cfg, plan, None, tabs, prof, topo, tmp_path / "plan2", False,
+                                      {"prediction_error": 0.001})
+    assert same is plan and seen == [] and same.meta["auto"]["measured_choice"]["trial"] is False

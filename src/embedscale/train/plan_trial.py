@@ -34,7 +34,9 @@ TRIAL_DIR = "plan-trial"
 
 def candidate_plans(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The plans an auto plan's explain data (``plan.meta["auto"]``) weighed, by the model's prediction: the plan
-    chosen (``auto``) and every other that fits (the search's own, the rules'), each once by its forms."""
+    chosen (``auto``) and every other that fits (the search's own, the rules'), each once by its forms (a
+    replicated table's form is the sharded one: a candidate other than the auto plan is built with its exact
+    tables placed by OPER)."""
     by = rep["chosen_by"]
     name = by[len("rule: "):] if by.startswith("rule: ") else "search"
     chosen = next((r for r in rep.get("rules", ()) if r["rule"] == name), None)
