@@ -70,6 +70,7 @@ from embedscale.train.trainer import load_reorder, load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
 from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
+from embedscale.train.plan_trial import choose_by_trial
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data.profile import AccessProfile
@@ -291,7 +292,6 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
         if d.plan_trial_steps > 0:  # a measured choice among the model's close plans (train.plan_trial)
-            from embedscale.train.plan_trial import choose_by_trial
             plan = choose_by_trial(cfg, plan, data, tables, prof, topo, plan_dir, progress,
                                    load_costs(d.costs or None).notes)
         forms = with_reorder(plan.forms, cfg.model.tt_reorder)  # model.tt_reorder: the TT tables' (EL-Rec IV)
