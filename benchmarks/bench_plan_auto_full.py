@@ -12,10 +12,16 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   overhead per table of each form fitted from real 2-rank steps of a sharded, a TT and a host plan; with
   ``--rank-rows 0`` those steps run on this run's own full-size data and tables,
   ``embedscale.calibrate_ranks.calibrate_ranks(rows=0)``);
-* ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper);
+* ``elrec_rule``: EL-Rec's rule (tables of at least 1M rows TT rank 32, the rest placed by oper; with
+  ``--hand-ranks 8,16,32`` also ``elrec_rule_r8`` / ``_r16`` and the mixtures at those ranks: the auto search
+  weighs the same rules itself, ``plan.auto_rules``);
 * ``mix_tt3_host2`` / ``mix_tt4_host1``: the mixtures of the two rules a user would try: the largest tables
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
   the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
+* with ``--trial-steps N``, auto is trained as a user runs it, ``train --dist-plan auto`` with
+  ``dist.plan_trial_steps N``: the run measures the model's plans within its error of the best and keeps the
+  fastest (``train.plan_trial``); the line's ``plan_trials`` gives each run's trial seconds and the plan kept (the
+  steady step is the kept plan's; its prediction stays the search's plan's);
 * TorchRec's ``EmbeddingShardingPlanner`` asked for the same budget (``plan.torchrec_plan``, its CPU topology:
   DDR capacity = the device budget, and again = device + host budget; and a GPU topology of HBM = the device
   budget and DDR = the host budget, where it may choose UVM caching); what it answers is reported (it has no
@@ -207,6 +213,11 @@ def main() -> None:
     ap.add_argument("--host-memory", default="512MiB")
     ap.add_argument("--depth", type=int, default=2, help="Pipeline depth of host tables (hand-made plans and auto).")
     ap.add_argument("--mixtures", type=int, default=2)
+    ap.add_argument("--trial-steps", type=int, default=0,
+                    help="Train auto with --dist-plan auto and dist.plan_trial_steps this many: the run measures the "
+                         "model's close plans and keeps the fastest (its seconds reported as plan_trials).")
+    ap.add_argument("--hand-ranks", default="32",
+                    help="TT ranks of the hand-made plans (EL-Rec's rule and the mixtures at each), e.g. 8,16,32.")
     ap.add_argument("--calibrate-procs", type=int, default=1,
                     help="--recalibrate: embedscale calibrate processes run at once before every run (averaged).")
     ap.add_argument("--recalibrate", action="store_true",
@@ -265,17 +276,20 @@ def main() -> None:
             args.host_memory, "--costs", "costs.json", "--host-depth", str(args.depth), "--tt-ranks", "8,16,32,64",
             "--out", "plans-auto", cwd=work)
     plans["auto"] = "plans-auto/auto"
-    if not (work / "plans-elrec" / "oper" / "plan.json").exists():
-        _es("plan", *common, "--strategy", "oper", "--tt-min-rows", "1000000", "--tt-rank", "32", "--out",
-            "plans-elrec", cwd=work)
-    plans["elrec_rule"] = "plans-elrec/oper"
     tables = tables_from_profile(AccessProfile.load(work / "profile"), 16)
-    for name, (tt, host) in _mixtures(tables, host_b, args.mixtures).items():
-        d = work / f"plans-{name}"
-        if not (d / "oper" / "plan.json").exists():
-            _mixture_yaml(work / f"{name}.yaml", tables, tt, host, 32)
-            _es("plan", *common, "--tables", f"{name}.yaml", "--strategy", "oper", "--out", d.name, cwd=work)
-        plans[name] = f"{d.name}/oper"
+    for r in [int(x) for x in args.hand_ranks.split(",")]:  # EL-Rec's rule and the mixtures at every rank
+        sfx = "" if r == 32 else f"_r{r}"  # (rank 32 keeps the names of earlier runs)
+        if not (work / f"plans-elrec{sfx}" / "oper" / "plan.json").exists():
+            _es("plan", *common, "--strategy", "oper", "--tt-min-rows", "1000000", "--tt-rank", str(r), "--out",
+                f"plans-elrec{sfx}", cwd=work)
+        plans[f"elrec_rule{sfx}"] = f"plans-elrec{sfx}/oper"
+        for name, (tt, host) in _mixtures(tables, host_b, args.mixtures).items():
+            d = work / f"plans-{name}{sfx}"
+            if not (d / "oper" / "plan.json").exists():
+                _mixture_yaml(work / f"{name}{sfx}.yaml", tables, tt, host, r)
+                _es("plan", *common, "--tables", f"{name}{sfx}.yaml", "--strategy", "oper", "--out", d.name,
+                    cwd=work)
+            plans[f"{name}{sfx}"] = f"{d.name}/oper"
     topo = Topology(num_hosts=1, ranks_per_host=2)
     dense = DenseModel(num_features=len(tables), embedding_dim=16)
     if args.predict_only:
@@ -313,6 +327,7 @@ def main() -> None:
     sps: dict[str, list[float]] = {k: [] for k in names}
     steady: dict[str, list[float]] = {k: [] for k in names}  # each run's steady-state step (train_step_seconds)
     pred_rounds: dict[str, list[float]] = {k: [] for k in names}
+    trials: list[dict] = []  # --trial-steps: auto's measured choice in each of its runs (its seconds, the plan kept)
     load_runs = os.getloadavg()
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # each round starts one plan later
@@ -327,11 +342,18 @@ def main() -> None:
             shutil.rmtree(rd, ignore_errors=True)
             depth = host_pipeline_depth(Plan.load(work / plans[name]).forms, args.depth)
             t = time.perf_counter()
+            how = ["--dist-plan", plans[name]]
+            if name == "auto" and args.trial_steps:  # planned in the run, a measured choice among the close plans
+                how = ["--dist-plan", "auto", "--dist-device-memory", args.device_memory, "--dist-host-memory",
+                       args.host_memory, "--dist-costs", "costs.json", "--dist-plan-trial-steps", str(args.trial_steps)]
             _es("train", "--data-source", "shards", "--data-path", "data", "--train-batch-size", str(args.batch),
-                "--train-max-steps", str(args.steps), "--train-eval-every", "0", "--nproc", "2", "--dist-plan",
-                plans[name], "--train-pipeline-depth", str(max(depth, args.depth)), "--run-dir", str(rd),
+                "--train-max-steps", str(args.steps), "--train-eval-every", "0", "--nproc", "2", *how,
+                "--train-pipeline-depth", str(max(depth, args.depth)), "--run-dir", str(rd),
                 "--no-progress", cwd=work)
             s = json.loads((rd / "summary.json").read_text())
+            if "plan_trial_seconds" in s:
+                trials.append({"round": rep, "seconds": s["plan_trial_seconds"], "chosen": s["plan_trial_chosen"]})
+                log(f"auto run {rep}: measured choice {s['plan_trial_chosen']!r} in {s['plan_trial_seconds']:.0f} s")
             sps[name].append(float(s["train_samples_per_s"]))
             steady[name].append(float(s["train_step_seconds"]["median"]))
             log(f"{name} run {rep}: steady {steady[name][-1] * 1e3:.0f} ms/step (p90 "
@@ -375,7 +397,7 @@ def main() -> None:
          prediction_error=err_r, prediction_error_each_run=err_each, recalibrated=args.recalibrate,
          within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
-         load_average_after=os.getloadavg())
+         plan_trials=trials, load_average_after=os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -61,7 +61,8 @@ def test_managed_run_replans_and_equals_restart_under_new_plan(tmp_path, data_di
     from embedscale.train.replan import read_replans
 
     live = tmp_path / "live"
-    cfg = config(tmp_path, data_dir, design, transport, replan_every=EVERY, replan_min_gain=0.0)
+    cfg = config(tmp_path, data_dir, design, transport, replan_every=EVERY, replan_min_gain=0.0,
+                 replan_weigh_costs=False)
     spawn_local(_rank, 2, to_dict(cfg), str(live), None, timeout_s=600)
     rows = read_replans(live)
     assert [int(r["step"]) for r in rows] == [EVERY], rows

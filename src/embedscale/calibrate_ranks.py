@@ -70,7 +70,7 @@ from embedscale.plan.auto import Costs, executor_overheads_text
 from embedscale.plan.api import plan_command, resolve_topology
 from embedscale.plan.autoplan import predict_plan_forms, with_topology_links
 from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
-from embedscale.plan.step import DenseModel, fit_executor, form_counts
+from embedscale.plan.step import DenseModel, fit_executor, form_counts, held_out_errors
 from embedscale.specs import SyntheticConfig, Topology
 
 PLANS = ("sharded", "tt", "host", "host-few", "tt-host")  # one per form kind, a second host plan, the two beside
@@ -187,16 +187,22 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
                    "measured_s": float(np.median(step_s[k])), "predicted_s": float(p["step_seconds"]),
                    "steps_s": list(step_s[k])}
     scale, over = fit_executor(list(runs.values()))
+    held = dict(zip(runs, held_out_errors(list(runs.values()))))  # each plan predicted by a fit on the others
     scaled = base.scaled(scale)
+    known = [abs(e) for e in held.values() if e is not None]
+    if known:  # the model's own error out of sample (plan.choose.prediction_margin reads it)
+        scaled.notes["prediction_error"] = max(known)
     out = Costs(**{**scaled.__dict__, "executor_overhead_s": over, "executor_world": int(ranks),
                    "notes": {**scaled.notes, "executor": {
                        "scale": scale, "single_process_costs": {k: v for k, v in base.to_dict().items() if k != "notes"},
                        "ranks": ranks, "batch_per_rank": batch, "rows_cap": rows, "steps": steps, "repeats": repeats,
                        "tt_rank": tt_rank, "host_depth": host_depth, "big_tables": big, "plans": runs,
                        "statistic": "median over rounds of each run's steady-state step (train_step_seconds)",
-                       "load_average": load, "seconds": time.perf_counter() - t0}}})
+                       "load_average": load, "seconds": time.perf_counter() - t0,
+                       "held_out_error": held}}})
     say(f"calibrate --ranks {ranks}: single-process figures scaled by {scale:.3f}; executor overhead "
-        + executor_overheads_text(over))
+        + executor_overheads_text(over) + "; each plan predicted by a fit on the others (out of sample): "
+        + ", ".join(f"{k} {'-' if e is None else f'{e:+.1%}'}" for k, e in held.items()))
     return out
 
 

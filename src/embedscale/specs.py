@@ -392,6 +392,9 @@ class TrainConfig:
     # lower by more than replan_min_gain, the rows migrate to it between two steps; 0 = off
     replan_every: int = 0
     replan_min_gain: float = 0.05
+    # re-plan only when the predicted gain over the steps to the next check outweighs the check and the migration
+    # (train.replan.replan_pays); false: whenever the plan taken gains more than replan_min_gain (tests of migration)
+    replan_weigh_costs: bool = True
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3
@@ -434,6 +437,9 @@ class DistConfig:
     device_memory: str = ""  # device memory per rank, e.g. 256MiB (required by auto)
     host_memory: str = ""  # host memory per rank for host-placed tables, e.g. 512MiB (empty: 0, no host tables)
     costs: str = ""  # per-row costs JSON from `embedscale calibrate` (empty: plan.auto.Costs' documented defaults)
+    # auto: > 0 runs the model's plans within its error of the best this many steps each and keeps the fastest
+    # (train.plan_trial); 0 = the model's choice
+    plan_trial_steps: int = 0
 
 
 @dataclass
@@ -633,6 +639,7 @@ NUMBERS.update({
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,
                   "pipeline_depth": _AT_LEAST_0},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None), "nproc": _AT_LEAST_1,
+                 "plan_trial_steps": _AT_LEAST_0,
                  "topology_hosts": _AT_LEAST_1},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},

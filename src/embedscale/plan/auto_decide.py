@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto_candidates import (DEFAULT_TT_RANKS, Candidate, TableStats, candidates,
                                              table_stats)
 from embedscale.plan.auto_costs import CandidateKind, Costs, exchange_latency_of
+from embedscale.plan.auto_rules import best_of_rules
 from embedscale.plan.auto_search import _totals, budget_error, fits, search_greedy, search_milp
 from embedscale.plan.forms import TableForm
 
@@ -30,6 +31,8 @@ class AutoResult:
     host_budget: float
     search: str
     search_seconds: float
+    rule: str | None = None  # the rule whose plan was kept (auto_rules.best_of_rules); None: the search's
+    rules: list = field(default_factory=list)  # every rule priced: name, predicted seconds, fits; lowest first
 
     def chosen(self, i: int) -> Candidate:
         return self.cands[i][self.choice[i]]
@@ -62,10 +65,12 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
            costs: Costs | None = None, batch_size: int = 2048, tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
            host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
            bins: int = 2048, stats: Sequence[TableStats] | None = None,
-           hot_row_touch: float = 0.0) -> AutoResult:
+           hot_row_touch: float = 0.0, rules: bool = True) -> AutoResult:
     """Every table's form under the budgets (per rank, bytes). ``counts_of(name)`` gives a table's per-row
     profile counts (or ``stats`` their :func:`table_stats`, computed once for several budgets). ``search``:
-    ``greedy`` (default) or ``milp`` (exact, small cases). Raises :class:`BudgetError` when nothing fits."""
+    ``greedy`` (default) or ``milp`` (exact, small cases). ``rules``: weigh the plans of the rules a user writes
+    beside the search's and keep the cheapest (:func:`~embedscale.plan.auto_rules.best_of_rules`). Raises
+    :class:`BudgetError` when nothing fits."""
     if device_memory <= 0:
         raise ConfigError(f"--device-memory must be positive, got {device_memory}")
     if host_memory < 0:
@@ -88,11 +93,17 @@ def decide(tables, counts_of, samples, world: int, device_memory: float, host_me
     else:
         choice = search_greedy(cands, device_memory, host_memory)
     choice = best_over_kinds(cands, choice, device_memory, host_memory, world, costs, search)
+    rule, priced = None, []
+    if rules:
+        choice, rule, priced = best_of_rules(cands, stats, choice, device_memory, host_memory, world, costs,
+                                             tt_ranks=tt_rank_list, host_depth=host_depth,
+                                             hot_row_touch=hot_row_touch)
     secs = time.perf_counter() - t0
     names = [t.name for t in tables]
     if not fits(cands, choice, device_memory, host_memory):
         raise budget_error(names, cands, choice, device_memory, host_memory)
-    return AutoResult(names, stats, cands, choice, float(device_memory), float(host_memory), search, secs)
+    return AutoResult(names, stats, cands, choice, float(device_memory), float(host_memory), search, secs,
+                      rule, priced)
 
 
 def plan_seconds(cands, choice, world: int, costs: Costs) -> float:

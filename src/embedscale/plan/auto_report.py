@@ -117,6 +117,10 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
             "dense_model": dict(dense or {}),
             "costs": costs.to_dict(), "tables": tables, "per_rank": dict(per_rank),
             "other_budgets": dict(alternatives),
+            # the rules a user writes, priced by the same model (plan.auto_rules); the one kept when it beat the
+            # search's plan
+            "chosen_by": f"rule: {res.rule}" if res.rule else "search", "rules": list(res.rules[:12]),
+            "plan_model_seconds": plan_seconds(res.cands, res.choice, world, costs),  # the rules' terms
             "notes": ["predicted step = the embedding part on the bottleneck rank (lookups, updates, communication) "
                       "+ the dense model's FLOPs at the calibrated rate + its all-reduce + fixed overheads "
                       "(embedscale.plan.step)" if fixed else
@@ -162,6 +166,12 @@ def explain_text(rep: Mapping[str, Any]) -> str:
         lines.append(f"with {label} the budget: predicted {alt['predicted_step_seconds'] * 1e3:.3f} ms "
                      f"(sharded rows spread evenly; this plan so: {rep['predicted_step_seconds_symmetric'] * 1e3:.3f} "
                      "ms); " + (f"changes {changed}" if changed else "the same forms"))
+    if rep.get("rules"):
+        best = next((r for r in rep["rules"] if r["fits"] and r["rule"] != "search"), None)
+        lines.append(f"chosen by: {rep.get('chosen_by', 'search')}" + (
+            f"; the best rule that fits: {best['rule']}, predicted {best['predicted_seconds'] * 1e3:.3f} ms "
+            f"(this plan so: {rep['plan_model_seconds'] * 1e3:.3f} ms; both without the terms every plan pays)"
+            if best else "; no rule fits the budgets"))
     lines += [""] + [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines) + "\n"
 

@@ -64,13 +64,15 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
                    batch_size: int = 2048, mode: str = "training", tt_rank_list: Sequence[int] = DEFAULT_TT_RANKS,
                    host_depth: int = 1, hot_touch: float = 0.01, tt_min_rows: int = 10_000, search: str = "greedy",
                    other_budgets: bool = True, bins: int = 2048, requests: Sequence = (),
-                   dense: DenseModel | None = None, hot_row_touch: float = DEFAULT_HOT_ROW_TOUCH) -> Plan:
+                   dense: DenseModel | None = None, hot_row_touch: float = DEFAULT_HOT_ROW_TOUCH,
+                   rules: bool = True) -> Plan:
     """The auto plan of ``tables`` (see the module docstring). ``device_memory`` / ``host_memory``: bytes per
     rank. ``dense``: the dense model, for the whole step's prediction (:mod:`embedscale.plan.step`; default:
     DLRM of ``ModelConfig``'s default sizes over the tables' features). ``requests``: the ``specs.TableConfig``
     entries the tables came from (a table that asks for a form
     is a ``ConfigError``: auto decides every form). ``hot_row_touch``: the rows a global batch reads at least this
-    often stay exact inside TT tables (row groups, ``plan.auto.candidates``; 0: whole tables only). Raises :class:`~embedscale.plan.auto.BudgetError` when
+    often stay exact inside TT tables (row groups, ``plan.auto.candidates``; 0: whole tables only). ``rules``: weigh
+    the plans of the rules a user writes beside the search's (``plan.auto_rules``). Raises :class:`~embedscale.plan.auto.BudgetError` when
     nothing fits."""
     t0 = time.perf_counter()
     tables = list(tables)
@@ -91,7 +93,7 @@ def make_auto_plan(tables, profile, topology, *, device_memory: float, host_memo
     stats = _table_stats(tables, prof, samples, batch_size, world, hot_touch, tt_min_rows, bins)
     kw = dict(costs=costs, batch_size=batch_size, tt_rank_list=tt_rank_list, host_depth=host_depth,
               search=search, stats=stats,
-              hot_row_touch=float(hot_row_touch))
+              hot_row_touch=float(hot_row_touch), rules=rules)
     res = decide(tables, prof.counts, samples, world, device_memory, host_memory, **kw)
     plan, per_rank = _place(res, tables, prof, topo, mode, batch_size, costs)
     over = max(per_rank["device_total"]) - device_memory

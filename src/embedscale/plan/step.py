@@ -45,8 +45,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
-from embedscale.plan.auto import (EXECUTOR_TERMS, STEP_TERMS, Candidate, Costs, TableStats, candidates,
-                                  CandidateKind, exchange_latency_of, hybrid_candidate, step_terms)
+from embedscale.plan.auto_candidates import Candidate, TableStats, candidates, hybrid_candidate
+from embedscale.plan.auto_costs import (EXECUTOR_TERMS, STEP_TERMS, CandidateKind, Costs, exchange_latency_of,
+                                        step_terms)
 from embedscale.plan.forms import TableForm
 
 #: the dense optimizer's work per parameter and step, in FLOPs (Adagrad: square, add, sqrt, divide, multiply)
@@ -284,6 +285,26 @@ def fit_executor(runs: Sequence[Mapping[str, Any]]) -> tuple[float, dict[str, fl
     scale = float(m @ p / (p @ p))
     return scale, fit_executor_overheads([{**r, "predicted_s": scale * float(r["predicted_s"]),
                                            "measured_s": _beyond_spread(r, scale)} for r in runs])
+
+
+def held_out_errors(runs: Sequence[Mapping[str, Any]]) -> list[float | None]:
+    """The prediction error out of sample of every timed plan: :func:`fit_executor` on the other plans, then this
+    plan's step predicted (the scaled prediction plus its tables' fitted overheads, per form kind and per step)
+    against its measured step, ``predicted / measured - 1``. ``None`` where the other plans do not separate the
+    kinds the fit needs (a kind only this plan holds is then predicted at no overhead: not left out silently, the
+    error says so)."""
+    runs = list(runs)
+    out: list[float | None] = []
+    for k, r in enumerate(runs):
+        try:
+            scale, over = fit_executor(runs[:k] + runs[k + 1:])
+        except ConfigError:
+            out.append(None)
+            continue
+        pred = scale * float(r["predicted_s"]) + sum(float(n) * over.get(kind, 0.0)
+                                                      for kind, n in r["tables"].items())
+        out.append(pred / float(r["measured_s"]) - 1.0)
+    return out
 
 
 def _beyond_spread(run: Mapping[str, Any], scale: float) -> float:

@@ -70,6 +70,7 @@ from embedscale.train.trainer import load_reorder, load_tt_state
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
 from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
+from embedscale.train.plan_trial import choose_by_trial
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data.profile import AccessProfile
@@ -94,7 +95,7 @@ from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
 AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
-AUTO_KEYS = ("device_memory", "host_memory", "costs")  # the DistConfig keys only dist.plan auto reads
+AUTO_KEYS = ("device_memory", "host_memory", "costs", "plan_trial_steps")  # the DistConfig keys only dist.plan auto reads
 EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
@@ -291,6 +292,9 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
                                 raw_ids=assemble.raw_id_features(cfg, tables))
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = make_auto_run_plan(cfg, prof, tables, topo, plan_dir, data.manifest.num_dense)
+        if d.plan_trial_steps > 0:  # a measured choice among the model's close plans (train.plan_trial)
+            plan = choose_by_trial(cfg, plan, data, tables, prof, topo, plan_dir, progress,
+                                   load_costs(d.costs or None).notes)
         forms = with_reorder(plan.forms, cfg.model.tt_reorder)  # model.tt_reorder: the TT tables' (EL-Rec IV)
         plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
         if checkpoint_forms:
@@ -760,6 +764,9 @@ def plan_figures(run: DistributedRun) -> dict:
     """The plan's balance under the OPER cost model (eqs. 1-5) and the bytes on wire it predicts for this
     executor (``embedding.wire``), next to what was measured."""
     out: dict = {"plan_summary": run.plan.summary()}
+    trial = (run.plan.meta.get("auto") or {}).get("measured_choice")
+    if trial:  # the measured choice among the auto plan's close candidates (train.plan_trial): its seconds
+        out.update(plan_trial_seconds=trial["trial_seconds"], plan_trial_chosen=trial["chosen"])
     prof_dir = run.run_dir / "profile"
     if not prof_dir.exists():
         return out

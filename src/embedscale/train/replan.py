@@ -15,7 +15,10 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    plan when its predicted bottleneck is within 2% of the fresh plan's (a plan from scratch re-sorts every
    row by the new counts: it moved half of every table on 2 ranks, benchmarks/bench_online.py);
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
-   5%), or a degree of balance fell below 0.9, every rank loads that plan (rank 0 saves it:
+   5%), or a degree of balance fell below 0.9, and (``train.replan_weigh_costs``, the default) the step seconds
+   it saves over the steps to the next check outweigh the check's measured seconds and the migration's predicted
+   ones (:func:`replan_pays`; else the check is counted in the summary's ``replans_declined``), every rank loads
+   that plan (rank 0 saves it:
    ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it; the plan it leaves in
    ``replans/step-N/before/``, so a resume from a checkpoint at or before step N starts under that one:
    :func:`resume_plan`) and moves the
@@ -74,6 +77,30 @@ COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_se
            "in_place"]
 
 
+def replan_pays(gain_per_step_s: float, steps_to_next_check: int, check_s: float, migrate_s: float) -> bool:
+    """Whether a re-plan pays for itself before the monitor looks again:
+
+        gain_per_step_s * steps_to_next_check > check_s + migrate_s
+
+    ``gain_per_step_s``: the step seconds the new plan saves on the bottleneck rank by the cost model (OPER
+    section 3.2: the running plan's ``max_rank_cost`` on the current profile less the new plan's);
+    ``steps_to_next_check``: the steps it runs before the next check could change it again (the monitoring
+    period, or the steps the run has left if fewer); ``check_s``: the check's measured seconds (the profiles'
+    sum and the plans, while the other ranks wait); ``migrate_s``: the migration's (:func:`migration_seconds`).
+    The gain beyond the next check is not counted: that check weighs the plan afresh."""
+    return gain_per_step_s * max(0, int(steps_to_next_check)) > check_s + migrate_s
+
+
+def migration_seconds(bytes_moved: float, link_gbs: float, measured: tuple[float, float] | None = None) -> float:
+    """The predicted seconds of a migration that moves ``bytes_moved`` (rows and their row-wise optimizer state,
+    summed over the ranks): the run's last migration's seconds per byte when one was measured (``measured``:
+    its seconds and bytes), else one all-to-all of those bytes at ``link_gbs`` GB/s, each byte sent and written
+    once (2 bytes' worth of link time)."""
+    if measured is not None and measured[1] > 0:
+        return float(measured[0]) * float(bytes_moved) / float(measured[1])
+    return 2.0 * float(bytes_moved) / (float(link_gbs) * 1e9)
+
+
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
@@ -87,6 +114,7 @@ class DriftMonitor:
         self._features = {t.name: list(t.features) for t in run.tables}
         self.records: list[dict] = []
         self.checks = 0
+        self.declined = 0  # checks whose re-plan did not pay for itself (replan_pays)
         self.check_seconds: list[float] = []  # this rank's seconds of every check (profile sum, plans, verdict)
         self._checked_at = -1
 
@@ -112,6 +140,8 @@ class DriftMonitor:
         if run.rank == 0:
             try:
                 report, fresh = self._check(run, total)
+                if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
+                    self._weigh_costs(run, report, time.perf_counter() - t0)
                 if report["replan"]:
                     fresh.save(run.run_dir / "replans" / f"step-{step}")
                     run.plan.save(run.run_dir / "replans" / f"step-{step}" / BEFORE)  # for resume_plan
@@ -148,6 +178,28 @@ class DriftMonitor:
         self.records.append(rec)
         write_replans(run.run_dir, rec)
         return rec
+
+    def _weigh_costs(self, run, report: dict, check_s: float) -> None:
+        """Rank 0: keep the running plan unless the new one pays for the check and the migration before the next
+        check (:func:`replan_pays`); the terms go into ``report["replan_costs"]``."""
+        after, new = report["after"]["max_rank_cost"], report["replanned"]["max_rank_cost"]
+        gain = max(0.0, after - new) * 1e-6  # plan.cost: microseconds per step
+        left = run.cfg.train.max_steps - run.state.step if run.cfg.train.max_steps > 0 else self.every
+        steps = max(0, min(self.every, left))
+        nbytes = float(report.get("bytes_moved", 0)) + 4.0 * float(report.get("rows_moved", 0))  # + row-wise state
+        last = next((r for r in reversed(self.records) if float(r["bytes"]) > 0), None)
+        topo = Topology()  # the links as the check's plans see them (its default figures)
+        link = topo.intra_host_bw if run.cfg.dist.topology_hosts <= 1 else topo.inter_host_bw
+        mig = migration_seconds(nbytes, link, (float(last["migrate_seconds"]), float(last["bytes"])) if last else None)
+        pays = replan_pays(gain, steps, check_s, mig)
+        report["replan_costs"] = {"gain_per_step_s": gain, "steps_to_next_check": steps, "check_s": check_s,
+                                  "migrate_s": mig, "pays": pays}
+        if not pays:
+            self.declined += 1
+            report["replan"] = False
+            report["reason"] = (f"the new plan saves {gain * 1e3:.3f} ms a step x {steps} steps to the next check, "
+                                f"not more than the check ({check_s * 1e3:.1f} ms) and the migration "
+                                f"({mig * 1e3:.1f} ms): keep the plan")
 
     def _check(self, run, total: RollingProfile):
         """Rank 0: the running plan and a fresh one costed on the summed profile (``plan.drift``)."""
@@ -230,7 +282,8 @@ class DriftMonitor:
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks,
-                "replan_check_seconds": round(sum(self.check_seconds), 6), "replans": list(self.records)}
+                "replan_check_seconds": round(sum(self.check_seconds), 6), "replans_declined": self.declined,
+                "replans": list(self.records)}
 
 
 def resume_plan(run) -> None:

@@ -1,0 +1,141 @@
+"""The measured choice among the cost model's best plans (``plan.choose``, ``train.plan_trial``): a fake step
+timer whose times are given, so the winner is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from embedscale.plan.autoplan import make_auto_plan
+from embedscale.plan.choose import DEFAULT_MARGIN, close_plans, measured_choice, prediction_margin
+from embedscale.plan.synthetic_profile import ZipfProfile
+from embedscale.specs import TableSpec, Topology
+from embedscale.train.plan_trial import candidate_plans
+
+
+class Timer:
+    """A fake step timer: each plan's step seconds given; the plans it was asked for, in order."""
+
+    def __init__(self, steps):
+        self.steps, self.calls = steps, []
+
+    def __call__(self, name):
+        self.calls.append(name)
+        return self.steps[name]
+
+
+def test_the_fastest_measured_is_kept_though_the_model_ranked_it_second():
+    # the model: a 1.00, b 1.04 (within 10% of a), c 1.30 (not); measured: a median 50 ms, b median 30 ms
+    plans = [{"name": "c", "predicted_seconds": 1.30}, {"name": "a", "predicted_seconds": 1.00},
+             {"name": "b", "predicted_seconds": 1.04}]
+    t = Timer({"a": [0.05, 0.06, 0.05], "b": [0.03, 0.02, 0.09], "c": [0.001]})
+    out = measured_choice(plans, 0.10, t)
+    assert out["chosen"] == "b" and out["trial"] is True
+    assert t.calls == ["a", "b"]  # c is outside the margin: never run, though it would have measured fastest
+    got = {c["name"]: c["measured_median_seconds"] for c in out["candidates"]}
+    assert got == {"a": pytest.approx(0.05), "b": pytest.approx(0.03)}
+    assert out["trial_seconds"] >= 0.0
+
+
+def test_one_clear_winner_runs_no_trial():
+    plans = [{"name": "a", "predicted_seconds": 1.0}, {"name": "b", "predicted_seconds": 1.2}]
+    t = Timer({})
+    out = measured_choice(plans, 0.10, t)
+    assert out["chosen"] == "a" and out["trial"] is False and t.calls == [] and out["trial_seconds"] == 0.0
+
+
+def test_close_plans_margin_and_limit_by_hand():
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 2.0), ("b", 2.2), ("c", 2.21), ("d", 2.1))]
+    assert [p["name"] for p in close_plans(plans, 0.10)] == ["a", "d", "b"]  # 2.2 <= 2.0 x 1.1; 2.21 is not
+    assert [p["name"] for p in close_plans(plans, 0.5, limit=2)] == ["a", "d"]
+    assert prediction_margin({"prediction_error": -0.07}) == pytest.approx(0.07)
+    assert prediction_margin({}) == DEFAULT_MARGIN == 0.10
+
+
+def test_the_candidates_of_an_auto_plan_are_its_own_and_the_other_plans_it_weighed():
+    """The auto plan first (the forms it chose), then each other fitting plan once: a rule whose forms are the
+    auto plan's (the rule that won) is not a second candidate."""
+    tabs = [TableSpec("big", 2_000_000, 16), TableSpec("small", 5_000, 16)]
+    prof = ZipfProfile.from_tables(tabs, alpha=0.9, samples=1_000_000)
+    plan = make_auto_plan(tabs, prof, Topology(ranks_per_host=2), device_memory=8 * 2**20, host_memory=0,
+                          batch_size=1024, tt_rank_list=(64,), other_budgets=False, hot_row_touch=0.0)
+    cands = candidate_plans(plan.meta["auto"])
+    assert cands[0]["name"] == "auto"
+    assert cands[0]["table_forms"] == {"big": plan.forms["big"].to_dict()}  # the sharded table left out
+    forms = [c["table_forms"] for c in cands]
+    assert all(forms.count(f) == 1 for f in forms)
+    assert "search" in [c["name"] for c in cands]  # the search's own plan (TT rank 64) is one of them
+    assert all(np.isfinite(c["predicted_seconds"]) for c in cands)
+    assert cands[0]["predicted_seconds"] == min(c["predicted_seconds"] for c in cands)
+
+
+# -- the prediction error out of sample (calibrate --ranks: each plan predicted by a fit on the others) -----------
+
+_COUNTS = {  # calibrate --ranks' five plans: tables per form kind, and the per-step terms they pay
+    "sharded": {"sharded": 26, "tt": 0, "host": 0, "host_step": 0, "host_tt_step": 0},
+    "tt": {"sharded": 21, "tt": 5, "host": 0, "host_step": 0, "host_tt_step": 0},
+    "host": {"sharded": 21, "tt": 0, "host": 5, "host_step": 1, "host_tt_step": 0},
+    "host-few": {"sharded": 24, "tt": 0, "host": 2, "host_step": 1, "host_tt_step": 0},
+    "tt-host": {"sharded": 21, "tt": 3, "host": 2, "host_step": 1, "host_tt_step": 1}}
+_PRED = {"sharded": 0.040, "tt": 0.030, "host": 0.050, "host-few": 0.045, "tt-host": 0.035}
+
+
+def _machine(extra):
+    """A synthetic machine: every plan's step 1.5x the single-process prediction, plus ``extra`` seconds."""
+    return [{"tables": _COUNTS[k], "predicted_s": _PRED[k], "measured_s": 1.5 * _PRED[k] + extra.get(k, 0.0)}
+            for k in _COUNTS]
+
+
+def test_held_out_errors_on_a_synthetic_machine_whose_costs_are_known():
+    from embedscale.plan.step import held_out_errors
+
+    # the model is right (a common scale, no overhead): every plan predicted out of sample exactly
+    errs = held_out_errors(_machine({}))
+    assert all(e is None or abs(e) < 1e-9 for e in errs) and sum(e is not None for e in errs) >= 3, errs
+    # the machine costs 5 ms more when host and TT tables run together, which only the tt-host plan shows: fitted
+    # on the others (scale 1.5 exactly, no overhead), it is predicted at 1.5 x 35 = 52.5 ms against 57.5 ms
+    errs = dict(zip(_COUNTS, held_out_errors(_machine({"tt-host": 0.005}))))
+    assert errs["tt-host"] == pytest.approx(0.0525 / 0.0575 - 1, rel=1e-9)
+
+
+def test_choose_by_trial_keeps_the_candidate_the_fake_timer_measured_fastest(tmp_path, monkeypatch):
+    """The run's trial (``train.plan_trial.choose_by_trial``) with a fake step timer: the candidates in the model's
+    order take 30, 20 and 10 ms, so the third is kept though the model ranked it last; the plan returned is built
+    with that candidate's forms, and the explain data records the choice and every candidate's timing."""
+    from embedscale.specs import RunConfig
+    from embedscale.train import plan_trial
+
+    tabs = [TableSpec("big", 2_000_000, 16), TableSpec("mid", 300_000, 16), TableSpec("small", 5_000, 16)]
+    prof = ZipfProfile.from_tables(tabs, alpha=0.9, samples=1_000_000)
+    topo = Topology(ranks_per_host=2)
+    plan = make_auto_plan(tabs, prof, topo, device_memory=24 * 2**20, host_memory=256 * 2**20, batch_size=1024,
+                          other_budgets=False, hot_row_touch=0.0)
+    cands = plan_trial.candidate_plans(plan.meta["auto"])
+    close = close_plans(cands, 5.0)
+    assert len(close) == 3
+    times = {"0": 0.03, "1": 0.02, "2": 0.01}
+    seen = []
+
+    def fake_time(cfg, plan_dir, run_dir, steps):
+        seen.append(plan_dir.parent.name)
+        return [times[plan_dir.parent.name]]
+
+    monkeypatch.setattr(plan_trial, "_time", fake_time)
+    cfg = RunConfig()
+    cfg.dist.nproc, cfg.dist.plan_trial_steps, cfg.train.batch_size = 2, 5, 2048
+    out = plan_trial.choose_by_trial(cfg, plan, None, tabs, prof, topo, tmp_path / "plan", False,
+                                     {"prediction_error": 5.0})
+    assert seen == ["0", "1", "2"]
+    mc = out.meta["auto"]["measured_choice"]
+    assert mc["chosen"] == close[2]["name"] and mc["trial"] is True
+    assert [c["measured_median_seconds"] for c in mc["candidates"]] == [0.03, 0.02, 0.01]
+    want = {n: f["kind"] for n, f in close[2]["table_forms"].items()}
+    assert {n: f.kind for n, f in out.forms.items() if f.kind != "sharded"} == want
+    assert out.meta["auto"]["chosen_by"] == f"measured: {close[2]['name']}"
+    # a calibration error of 0.1%: the next plan is 0.7% slower by the model, so only the auto plan is close:
+    # nothing is timed, the plan is kept
+    assert len(close_plans(cands, 0.001)) == 1
+    seen.clear()
+    same = plan_trial.choose_by_trial(cfg, plan, None, tabs, prof, topo, tmp_path / "plan2", False,
+                                      {"prediction_error": 0.001})
+    assert same is plan and seen == [] and same.meta["auto"]["measured_choice"]["trial"] is False

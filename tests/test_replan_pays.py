@@ -1,0 +1,73 @@
+"""The drift monitor's cost rule: a re-plan only when its predicted gain over the steps to the next check
+outweighs the check and the migration. Hand-worked cases (figures chosen so every term is exact arithmetic)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from embedscale.train.replan import DriftMonitor, migration_seconds, replan_pays
+
+
+def test_replan_pays_by_hand():
+    # 0.1 ms a step saved over 5 steps = 0.5 ms against a 0.3 ms check and a 0.1 ms migration: pays
+    assert replan_pays(1e-4, 5, 3e-4, 1e-4) is True
+    # ... against a 0.3 ms check and a 0.3 ms migration (0.6 ms): does not
+    assert replan_pays(1e-4, 5, 3e-4, 3e-4) is False
+    # equal is not more: declined
+    assert replan_pays(1e-4, 4, 2e-4, 2e-4) is False
+    assert replan_pays(1.0, 0, 0.0, 0.0) is False  # no step left to gain on
+
+
+def test_migration_seconds_by_hand():
+    # 1e8 bytes at 100 GB/s, sent and written: 2 ms
+    assert migration_seconds(1e8, 100.0) == pytest.approx(2e-3, rel=1e-12)
+    # the run's last migration took 50 ms for 1e7 bytes: 5e-9 s a byte, so 2e7 bytes take 100 ms
+    assert migration_seconds(2e7, 100.0, (0.05, 1e7)) == pytest.approx(0.1, rel=1e-12)
+
+
+def _monitor(every, records=()):
+    mon = DriftMonitor.__new__(DriftMonitor)
+    mon.every, mon.min_gain, mon.records, mon.declined = every, 0.0, list(records), 0
+    return mon
+
+
+def _run(step, max_steps):
+    return SimpleNamespace(state=SimpleNamespace(step=step),
+                           cfg=SimpleNamespace(train=SimpleNamespace(max_steps=max_steps),
+                                               dist=SimpleNamespace(topology_hosts=1)))
+
+
+def _report(rows, row_bytes=12):
+    # plan.cost's figures are microseconds a step: 1000 us running, 900 us new: 0.1 ms a step saved
+    return {"replan": True, "reason": "gain", "after": {"max_rank_cost": 1000.0},
+            "replanned": {"max_rank_cost": 900.0}, "rows_moved": rows, "bytes_moved": rows * row_bytes}
+
+
+def test_the_monitor_declines_a_replan_whose_gain_is_below_its_cost():
+    """Gain 0.1 ms a step x 5 steps = 0.5 ms. Moving 10M rows of 12 bytes (+ 4 bytes of state each: 1.6e8 bytes)
+    at 100 GB/s (the default intra-host link), sent and written, takes 3.2 ms: declined. Moving 1000 rows
+    (1.6e4 bytes: 0.32 us) with a 0.3 ms check: 0.30032 ms < 0.5 ms, taken."""
+    mon = _monitor(5)
+    rep = _report(10_000_000)
+    mon._weigh_costs(_run(10, 100), rep, 3e-4)
+    assert rep["replan"] is False and mon.declined == 1, rep
+    assert rep["replan_costs"]["migrate_s"] == pytest.approx(3.2e-3, rel=1e-9)
+    assert rep["replan_costs"]["gain_per_step_s"] == pytest.approx(1e-4, rel=1e-9)
+    rep = _report(1000)
+    mon._weigh_costs(_run(10, 100), rep, 3e-4)
+    assert rep["replan"] is True and mon.declined == 1, rep
+
+
+def test_the_steps_left_in_the_run_cap_the_gain_and_a_measured_migration_prices_the_next():
+    # the same small move, but 2 steps left: 0.2 ms < 0.30032 ms: declined
+    mon = _monitor(5)
+    rep = _report(1000)
+    mon._weigh_costs(_run(98, 100), rep, 3e-4)
+    assert rep["replan"] is False and rep["replan_costs"]["steps_to_next_check"] == 2
+    # an earlier migration of 1.6e4 bytes measured 0.25 ms: the same move now costs 0.25 ms; 0.3 + 0.25 > 0.5
+    mon = _monitor(5, [{"bytes": 16_000, "migrate_seconds": 2.5e-4}])
+    rep = _report(1000)
+    mon._weigh_costs(_run(10, 100), rep, 3e-4)
+    assert rep["replan"] is False and rep["replan_costs"]["migrate_s"] == pytest.approx(2.5e-4, rel=1e-9)
