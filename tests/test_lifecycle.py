@@ -363,6 +363,8 @@ def test_sigkill_of_the_launcher_ends_the_run_and_the_lock_waits_for_it(tmp_path
         torchrun = children(procs, {p.pid})
         ranks = children(procs, torchrun)
         assert len(torchrun) == 1 and len(ranks) == 2, (procs, torchrun, ranks)
+        holder = read_holder(rd)  # the lock lists the launcher, torchrun and the ranks (the launcher's polls)
+        assert {p.pid, *torchrun, *ranks} <= {e[0] for e in holder["processes"]}, holder
         frozen = {max(ranks)}
         signal_all(frozen, signal.SIGSTOP)
         p.kill()

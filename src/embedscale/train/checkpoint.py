@@ -503,10 +503,11 @@ def agree(rank: int, world: int, ckpt_dir: Path, error: BaseException | None) ->
         raise error
     name = Path(error.filename) if error.filename else None
     where = f"{name.name if name.parent == temp_dir(ckpt_dir) else name}: " if name else ""
-    others = f" (rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} failed too)" if failed[1:] else ""
+    others = (f" (rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} failed too)"
+              if failed[1:] else "")
     latest = latest_checkpoint(ckpt_dir.parent)
     who = f"rank {rank}: " if world > 1 else ""
-    raise CheckpointWriteError(f"{who}cannot write checkpoint {ckpt_dir}: {where}{os.strerror(error.errno).lower()}"
+    raise CheckpointWriteError(f"{who}cannot write checkpoint {ckpt_dir}: {where}{os.strerror(error.errno)}"
                                f"{others}; nothing of it was kept, the latest complete checkpoint is "
                                f"{latest if latest is not None else 'none'}", error.errno) from None
 
@@ -581,7 +582,7 @@ def delta_entry(rows: np.ndarray | torch.Tensor, weight: torch.Tensor, momentum:
 
 
 __all__ = ["BEST", "DELTA_VERSION", "FORMAT", "MANIFEST", "VERSION", "agree", "assemble_table", "base_ref",
-           "bases_in_use", "begin", "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows", "is_checkpoint", "is_delta",
-           "write_best", "latest_checkpoint", "load_checkpoint",
-           "is_temp", "merged", "publish", "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint",
-           "step_dir", "table_pieces", "temp_dir", "write_manifest", "write_rank_file"]
+           "bases_in_use", "begin", "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows",
+           "is_checkpoint", "is_delta", "is_temp", "latest_checkpoint", "load_checkpoint", "merged", "publish",
+           "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint", "step_dir",
+           "table_pieces", "temp_dir", "write_best", "write_manifest", "write_rank_file"]

@@ -489,8 +489,8 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     full_env[LAUNCHER_PID_ENV] = str(os.getpid())
     full_env[LAUNCH_ID_ENV] = uuid.uuid4().hex
     full_env.update(env or {})
-    record = (lambda pids: record_run_processes(run_dir, pids, marker=f"{LAUNCH_ID_ENV}={full_env[LAUNCH_ID_ENV]}")) \
-        if run_dir is not None else (lambda pids: None)
+    if run_dir is not None:  # before torchrun starts: the run's lock finds every process of it by this marker
+        record_run_processes(run_dir, (), marker=f"{LAUNCH_ID_ENV}={full_env[LAUNCH_ID_ENV]}")
     received: list[int] = []
     main = threading.current_thread() is threading.main_thread()
     old = {}
@@ -504,9 +504,7 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
         relay = threading.Thread(target=forward_stderr, args=(proc.stderr.fileno(), sys.stderr.buffer),
                                  name="torchrun-stderr", daemon=True)
         relay.start()
-        sessions = {proc.pid}
-        record({proc.pid})
-        seen = {proc.pid}
+        sessions, seen = {proc.pid}, set()
         while True:
             try:
                 code = proc.wait(timeout=0.2)
@@ -521,9 +519,9 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                 raise Stopped(received[0], f"ended the run's {n} process(es){where}"
                               + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
             found = run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
-            if not found <= seen:  # the run's lock names every process of the run (train.lock)
+            if run_dir is not None and not found <= seen:  # the run's lock lists every process of the run
                 seen |= found
-                record(found)
+                record_run_processes(run_dir, found)
         left = run_processes(proc.pid, sessions)
         if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
             _signal_all(left, sessions, signal.SIGKILL)

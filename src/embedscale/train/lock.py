@@ -206,14 +206,16 @@ class RunLock:
 
     def record(self, pids, marker: str | None = None) -> None:
         """Add processes of this run (``pids``, with their start times) and the ``marker`` in their environment
-        to the lock file, so a run that finds the lock free while one of them lives refuses the directory."""
+        to the lock file, so a run that finds the lock free while one of them lives refuses the directory. Best
+        effort: a failed write (a full disk) keeps the lock and the run going, with the holder's own entry."""
         if self._fd is None:
             return
         known = {p for p, _ in self._holder["processes"]}
         self._holder["processes"] += [[p, process_start(p)] for p in sorted(set(pids) - known)]
         if marker is not None:
             self._holder["marker"] = marker
-        self._write_holder()
+        with contextlib.suppress(OSError):
+            self._write_holder()
 
     def release(self) -> None:
         """Let go of the directory; the file is emptied (a clean end, not a stale hold) but kept."""
