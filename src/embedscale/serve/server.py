@@ -1,0 +1,292 @@
+"""``embedscale serve``: an HTTP prediction server for an export (Starlette via FastAPI, on uvicorn).
+
+Endpoints: ``POST /v1/predict`` (``{"rows": [{feature: raw value, ...}, ...]}`` ->
+``{"model_version": ..., "probabilities": [...]}``), ``GET /v1/model`` (the export's version, source and
+tables), ``/healthz`` (the process answers), ``/readyz`` (a model is loaded and the server is not draining)
+and ``/metrics`` (Prometheus text: requests by status, latency histogram, batch sizes, queue depth, model
+version).
+
+Dynamic micro-batching: a request's rows are checked and encoded in the request's own task (a bad request
+is answered 4xx at once and never reaches the model), then queued; one batcher takes queued requests until
+``max_batch`` rows or until ``max_wait`` has passed since the first of them, scores them in one forward pass
+(in a worker thread, so the event loop keeps accepting) and hands each request its slice. The queue is
+bounded in rows (``queue_rows``): a request that does not fit is answered 503 at once instead of waiting.
+
+Bad requests are 4xx JSON errors ``{"error": ..., "field": ..., "row": ...}``: a body over ``max_body``
+bytes (413), not JSON or not an object (400), more than ``max_rows`` rows (413), a missing, unknown or
+ill-typed feature or a value the schema's parser rejects (422, naming the row and the feature). Unseen
+categorical values are not errors: they go where training sent them (the out-of-vocabulary row, or their
+hash bucket). SIGTERM stops accepting, answers what is in flight and queued, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.serve.encode import Encoded, RequestError
+from embedscale.serve.predict import ServedModel
+
+
+@dataclass
+class ServeConfig:
+    """Batching and limits of the server."""
+
+    max_batch: int = 256  # rows scored together at most
+    max_wait_ms: float = 2.0  # the longest a queued request waits for others to join its batch
+    queue_rows: int = 4096  # rows waiting at most; beyond: 503
+    max_rows: int = 1024  # rows of one request at most
+    max_body: int = 1 << 20  # bytes of one request body at most
+    delay_ms: float = 0.0  # added to every forward pass (tests: a slow model fills the queue)
+
+
+def concat(parts: list[Encoded]) -> Encoded:
+    """Several requests' inputs as one batch (rows in order; key-major jagged features re-joined per key)."""
+    if len(parts) == 1:
+        return parts[0]
+    keys = parts[0].sparse.keys
+    F = len(keys)
+    vals, lens = [[] for _ in range(F)], [[] for _ in range(F)]
+    for p in parts:
+        for k, v in enumerate(torch.split(p.sparse.values, p.sparse.length_per_key_list())):
+            vals[k].append(v)
+        for k, ln in enumerate(p.sparse.lengths.view(F, -1)):
+            lens[k].append(ln)
+    sparse = JaggedFeatures(keys, torch.cat([t for k in range(F) for t in vals[k]]),
+                            torch.cat([t for k in range(F) for t in lens[k]]))
+    return Encoded(torch.cat([p.dense for p in parts]), sparse)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, version: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("embedscale_requests", "Prediction requests answered, by HTTP status", ["code"],
+                                registry=r)
+        self.latency = Histogram("embedscale_request_latency_seconds", "Time from a request's arrival to its answer",
+                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5), registry=r)
+        self.batch = Histogram("embedscale_batch_rows", "Rows scored per forward pass",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
+        self.queue = Gauge("embedscale_queue_rows", "Rows waiting to be scored", registry=r)
+        self.version = Gauge("embedscale_model_info", "The model being served (value 1)", ["model_version"],
+                             registry=r)
+        self.version.labels(model_version=version).set(1)
+
+
+class Batcher:
+    """The bounded queue and the batching loop (one per server)."""
+
+    def __init__(self, served: ServedModel, cfg: ServeConfig, metrics: Metrics):
+        self.served, self.cfg, self.metrics = served, cfg, metrics
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued_rows = 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Score what is queued, then stop."""
+        await self.queue.join()
+        if self.task is not None:
+            self.task.cancel()
+        self.pool.shutdown(wait=True)
+
+    def submit(self, enc: Encoded) -> asyncio.Future | None:
+        """Queue a request's rows; ``None`` when the queue has no room for them (the caller answers 503)."""
+        if self.queued_rows + enc.rows > self.cfg.queue_rows:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self.queued_rows += enc.rows
+        self.metrics.queue.set(self.queued_rows)
+        self.queue.put_nowait((enc, fut))
+        return fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self.queue.get()]
+            rows = items[0][0].rows
+            deadline = loop.time() + self.cfg.max_wait_ms / 1000
+            while rows < self.cfg.max_batch:
+                if self.queue.empty():
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    try:
+                        items.append(await asyncio.wait_for(self.queue.get(), left))
+                    except asyncio.TimeoutError:
+                        break
+                else:
+                    items.append(self.queue.get_nowait())
+                rows += items[-1][0].rows
+            try:
+                await self._score(loop, items, rows)
+            finally:
+                for _ in items:
+                    self.queue.task_done()
+
+    async def _score(self, loop, items, rows: int) -> None:
+        self.queued_rows -= rows
+        self.metrics.queue.set(self.queued_rows)
+        self.metrics.batch.observe(rows)
+        try:
+            probs = await loop.run_in_executor(self.pool, self._forward, [e for e, _ in items])
+        except Exception as e:  # noqa: BLE001 - every waiting request learns of it
+            for _, fut in items:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        start = 0
+        for enc, fut in items:
+            if not fut.done():
+                fut.set_result(probs[start:start + enc.rows].tolist())
+            start += enc.rows
+
+    def _forward(self, parts: list[Encoded]) -> np.ndarray:
+        if self.cfg.delay_ms:
+            time.sleep(self.cfg.delay_ms / 1000)
+        return torch.sigmoid(self.served.logits(concat(parts))).numpy()
+
+
+def _error(status: int, message: str, field=None, row=None):
+    return JSONResponse({"error": message, "field": field, "row": row}, status_code=status)
+
+
+def make_app(served: ServedModel, cfg: ServeConfig | None = None):
+    """The ASGI application serving ``served``."""
+    import contextlib
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    cfg = cfg or ServeConfig()
+    metrics = Metrics(served.version)
+    state = {"ready": False, "batcher": None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["batcher"] = Batcher(served, cfg, metrics)
+        state["batcher"].start()
+        state["ready"] = True
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            await state["batcher"].stop()
+
+    app = FastAPI(title="embedscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/predict")
+    async def predict(request: Request):
+        t0 = time.perf_counter()
+        resp = await _predict(request, served, cfg, state)
+        metrics.requests.labels(code=str(resp.status_code)).inc()
+        metrics.latency.observe(time.perf_counter() - t0)
+        return resp
+
+    @app.get("/v1/model")
+    async def model():
+        m = served.manifest
+        return {"model_version": served.version, "source": m.get("source"), "eval": m.get("eval"),
+                "tables": [{k: t[k] for k in ("name", "num_rows", "dim", "form")} for t in m["tables"]],
+                "features": served.encoder.features}
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if not state["ready"]:
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return {"status": "ready", "model_version": served.version}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics, app.state.serve = metrics, state
+    return app
+
+
+async def _predict(request, served: ServedModel, cfg: ServeConfig, state: dict):
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
+        return _error(413, f"request body of {size} bytes is over the limit of {cfg.max_body}")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cfg.max_body:
+            return _error(413, f"request body over the limit of {cfg.max_body} bytes")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error(400, f"the body is not JSON ({e})")
+    if not isinstance(doc, dict):
+        return _error(400, "the body must be a JSON object {\"rows\": [...]}")
+    extra = sorted(k for k in doc if k != "rows")
+    if extra:
+        return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}})", field=extra[0])
+    rows = doc.get("rows")
+    if not isinstance(rows, list):
+        return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
+    if len(rows) > cfg.max_rows:
+        return _error(413, f"{len(rows)} rows; at most {cfg.max_rows} a request", field="rows")
+    try:
+        enc = served.encoder.encode_rows(rows)
+    except RequestError as e:
+        return _error(422, str(e), field=e.field, row=e.row)
+    if enc.rows == 0:
+        return JSONResponse({"model_version": served.version, "probabilities": []})
+    batcher = state["batcher"]
+    if not state["ready"] or batcher is None:
+        return _error(503, "the server is not ready (starting or draining)")
+    fut = batcher.submit(enc)
+    if fut is None:
+        return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
+                           "retry later")
+    probs = await fut
+    return JSONResponse({"model_version": served.version, "probabilities": probs})
+
+
+def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
+          log_level: str = "warning") -> int:
+    """Load ``export_dir`` and serve it until SIGTERM or SIGINT (in-flight and queued requests are answered
+    first); returns the exit code, 0 after a drain."""
+    import uvicorn
+
+    from embedscale.serve.predict import load_export
+
+    served = load_export(export_dir)
+    app = make_app(served, cfg)
+    got = []
+    previous = {s: signal.signal(s, lambda n, f: got.append(n)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                               timeout_graceful_shutdown=30, lifespan="on"))
+        print(f"serving {served.version} from {export_dir} on http://{host}:{port}", file=sys.stderr, flush=True)
+        server.run()  # uvicorn's own SIGTERM/SIGINT handling drains; it re-raises the signal into ours after
+        if not server.started:
+            return 2
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0
+
+
+__all__ = ["Batcher", "Metrics", "ServeConfig", "concat", "make_app", "serve"]
