@@ -235,3 +235,68 @@ def test_serving_loads_no_training_code_and_no_torchrec():
             "or m == 'embedscale.assemble'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_follow_swaps_versions_between_batches_never_mixing(model, tmp_path):
+    """Two exports whose logits differ by exactly 1 (B: A's logit bias + 1) replace each other in the served
+    directory while requests keep coming: every answer is wholly A's or wholly B's, as its version says, and
+    none fails."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from embedscale.serve.export import write_export
+
+    root, rows, probs, version_a = model
+    man_a = json.loads((root / "model" / "export.json").read_text())
+    tensors_a = load_file(str(root / "model" / "weights.safetensors"))
+    tensors_b = dict(tensors_a)
+    (bias,) = [k for k, v in tensors_a.items() if k.startswith("dense.over_arch.") and k.endswith(".bias")
+               and tuple(v.shape) == (1,)]
+    tensors_b[bias] = tensors_a[bias] + 1.0
+    man_b = {**man_a, "model_version": version_a + "-plus1"}
+    live = tmp_path / "live"
+    write_export(live, man_a, tensors_a)
+    z_a = np.log(probs / (1 - probs))
+    proc, url = start(live, "--follow", str(live), "--follow-poll-s", "0.05", "--max-wait-ms", "5")
+    answers, stop_flag = [], threading.Event()
+
+    def load(k: int) -> None:  # bounded in count and time
+        client, deadline = httpx.Client(), time.monotonic() + 180
+        for i in range(150):
+            if stop_flag.is_set() or time.monotonic() > deadline:
+                break
+            lo = (7 * i + k) % 40
+            answers.append((lo, post(url, {"rows": rows[lo:lo + 1 + (i % 8)]}, client)))
+        client.close()
+
+    try:
+        loaders = [threading.Thread(target=load, args=(k,)) for k in range(3)]
+        for t in loaders:
+            t.start()
+        seen = []
+        for swap in range(6):
+            man, tensors = (man_b, tensors_b) if swap % 2 == 0 else (man_a, tensors_a)
+            write_export(live, man, tensors)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                v = httpx.get(url + "/v1/model", timeout=REQUEST_TIMEOUT_S).json()["model_version"]
+                if v == man["model_version"]:
+                    seen.append(v)
+                    break
+                time.sleep(0.05)
+        stop_flag.set()
+        for t in loaders:
+            t.join(timeout=240)
+    finally:
+        stop_flag.set()
+        assert stop(proc) == 0
+    assert seen == [man_b["model_version"], version_a] * 3
+    assert answers and all(r.status_code == 200 for _, r in answers), [r.text for _, r in answers if r.status_code != 200]
+    versions = set()
+    for lo, r in answers:
+        body = r.json()
+        p = np.asarray(body["probabilities"], np.float64)
+        shift = {version_a: 0.0, man_b["model_version"]: 1.0}[body["model_version"]]
+        versions.add(body["model_version"])
+        np.testing.assert_allclose(np.log(p / (1 - p)), z_a[lo:lo + len(p)] + shift, atol=2e-3)

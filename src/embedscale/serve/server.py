@@ -49,6 +49,8 @@ class ServeConfig:
     max_rows: int = 1024  # rows of one request at most
     max_body: int = 1 << 20  # bytes of one request body at most
     delay_ms: float = 0.0  # added to every forward pass (tests: a slow model fills the queue)
+    follow: str | None = None  # an export directory to watch: a new export there is swapped in between batches
+    follow_poll_s: float = 1.0
 
 
 def concat(parts: list[Encoded]) -> Encoded:
@@ -85,15 +87,24 @@ class Metrics:
         self.version = Gauge("embedscale_model_info", "The model being served (value 1)", ["model_version"],
                              registry=r)
         self.version.labels(model_version=version).set(1)
+        self.swaps = Counter("embedscale_model_swaps", "Models swapped in by --follow", registry=r)
+
+    def swapped(self, old: str, new: str) -> None:
+        self.version.remove(old)
+        self.version.labels(model_version=new).set(1)
+        self.swaps.inc()
 
 
 class Batcher:
-    """The bounded queue and the batching loop (one per server)."""
+    """The bounded queue and the batching loop (one per server). A queued request carries the model that
+    encoded it; a batch holds requests of one model only (a swap falls between two batches), so no answer mixes
+    two versions."""
 
-    def __init__(self, served: ServedModel, cfg: ServeConfig, metrics: Metrics):
-        self.served, self.cfg, self.metrics = served, cfg, metrics
+    def __init__(self, cfg: ServeConfig, metrics: Metrics):
+        self.cfg, self.metrics = cfg, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.queued_rows = 0
+        self.held = None  # a request of another model than the batch being gathered: first of the next batch
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
         self.task: asyncio.Task | None = None
 
@@ -107,34 +118,44 @@ class Batcher:
             self.task.cancel()
         self.pool.shutdown(wait=True)
 
-    def submit(self, enc: Encoded) -> asyncio.Future | None:
-        """Queue a request's rows; ``None`` when the queue has no room for them (the caller answers 503)."""
+    def submit(self, enc: Encoded, served: ServedModel) -> asyncio.Future | None:
+        """Queue a request's rows (encoded by ``served``); ``None`` when the queue has no room for them (the caller
+        answers 503)."""
         if self.queued_rows + enc.rows > self.cfg.queue_rows:
             return None
         fut = asyncio.get_running_loop().create_future()
         self.queued_rows += enc.rows
         self.metrics.queue.set(self.queued_rows)
-        self.queue.put_nowait((enc, fut))
+        self.queue.put_nowait((enc, served, fut))
         return fut
+
+    async def _next(self, timeout: float | None = None):
+        if self.held is not None:
+            item, self.held = self.held, None
+            return item
+        if timeout is None:
+            return await self.queue.get()
+        return await asyncio.wait_for(self.queue.get(), timeout)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            items = [await self.queue.get()]
+            items = [await self._next()]
             rows = items[0][0].rows
             deadline = loop.time() + self.cfg.max_wait_ms / 1000
             while rows < self.cfg.max_batch:
-                if self.queue.empty():
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        break
-                    try:
-                        items.append(await asyncio.wait_for(self.queue.get(), left))
-                    except asyncio.TimeoutError:
-                        break
-                else:
-                    items.append(self.queue.get_nowait())
-                rows += items[-1][0].rows
+                left = deadline - loop.time()
+                if self.queue.empty() and left <= 0:
+                    break
+                try:
+                    item = self.queue.get_nowait() if not self.queue.empty() else await self._next(left)
+                except asyncio.TimeoutError:
+                    break
+                if item[1] is not items[0][1]:  # another model's request: it starts the next batch
+                    self.held = item
+                    break
+                items.append(item)
+                rows += item[0].rows
             try:
                 await self._score(loop, items, rows)
             finally:
@@ -145,23 +166,24 @@ class Batcher:
         self.queued_rows -= rows
         self.metrics.queue.set(self.queued_rows)
         self.metrics.batch.observe(rows)
+        served = items[0][1]
         try:
-            probs = await loop.run_in_executor(self.pool, self._forward, [e for e, _ in items])
+            probs = await loop.run_in_executor(self.pool, self._forward, served, [e for e, _, _ in items])
         except Exception as e:  # noqa: BLE001 - every waiting request learns of it
-            for _, fut in items:
+            for _, _, fut in items:
                 if not fut.done():
                     fut.set_exception(e)
             return
         start = 0
-        for enc, fut in items:
+        for enc, _, fut in items:
             if not fut.done():
-                fut.set_result(probs[start:start + enc.rows].tolist())
+                fut.set_result((served.version, probs[start:start + enc.rows].tolist()))
             start += enc.rows
 
-    def _forward(self, parts: list[Encoded]) -> np.ndarray:
+    def _forward(self, served: ServedModel, parts: list[Encoded]) -> np.ndarray:
         if self.cfg.delay_ms:
             time.sleep(self.cfg.delay_ms / 1000)
-        return torch.sigmoid(self.served.logits(concat(parts))).numpy()
+        return torch.sigmoid(served.logits(concat(parts))).numpy()
 
 
 def _error(status: int, message: str, field=None, row=None):
@@ -176,17 +198,20 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
 
     cfg = cfg or ServeConfig()
     metrics = Metrics(served.version)
-    state = {"ready": False, "batcher": None}
+    state = {"ready": False, "batcher": None, "served": served}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        state["batcher"] = Batcher(served, cfg, metrics)
+        state["batcher"] = Batcher(cfg, metrics)
         state["batcher"].start()
+        follower = asyncio.get_running_loop().create_task(follow(state, cfg, metrics)) if cfg.follow else None
         state["ready"] = True
         try:
             yield
         finally:
             state["ready"] = False
+            if follower is not None:
+                follower.cancel()
             await state["batcher"].stop()
 
     app = FastAPI(title="embedscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -194,13 +219,14 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
     @app.post("/v1/predict")
     async def predict(request: Request):
         t0 = time.perf_counter()
-        resp = await _predict(request, served, cfg, state)
+        resp = await _predict(request, cfg, state)
         metrics.requests.labels(code=str(resp.status_code)).inc()
         metrics.latency.observe(time.perf_counter() - t0)
         return resp
 
     @app.get("/v1/model")
     async def model():
+        served = state["served"]
         m = served.manifest
         return {"model_version": served.version, "source": m.get("source"), "eval": m.get("eval"),
                 "tables": [{k: t[k] for k in ("name", "num_rows", "dim", "form")} for t in m["tables"]],
@@ -214,7 +240,7 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
     async def readyz():
         if not state["ready"]:
             return JSONResponse({"status": "not ready"}, status_code=503)
-        return {"status": "ready", "model_version": served.version}
+        return {"status": "ready", "model_version": state["served"].version}
 
     @app.get("/metrics")
     async def prom():
@@ -224,7 +250,39 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
     return app
 
 
-async def _predict(request, served: ServedModel, cfg: ServeConfig, state: dict):
+async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
+    """Watch ``cfg.follow`` (an export directory, replaced whole by ``embedscale export``): a new export (another
+    ``model_version``) is loaded beside the one serving, then swapped in; requests already queued finish on the
+    model that encoded them. An export that cannot be loaded is reported and the current one kept."""
+    from pathlib import Path
+
+    from embedscale.serve.predict import load_export, read_manifest
+
+    loop = asyncio.get_running_loop()
+    path = Path(cfg.follow)
+    seen = None
+    while True:
+        await asyncio.sleep(cfg.follow_poll_s)
+        try:
+            st = (path / "export.json").stat()
+            key = (st.st_ino, st.st_mtime_ns)
+            if key == seen:
+                continue
+            seen = key
+            if read_manifest(path)["model_version"] == state["served"].version:
+                continue
+            new = await loop.run_in_executor(None, load_export, path)
+        except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
+            print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
+                  flush=True)
+            continue
+        old = state["served"]
+        state["served"] = new
+        metrics.swapped(old.version, new.version)
+        print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
+
+
+async def _predict(request, cfg: ServeConfig, state: dict):
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
         return _error(413, f"request body of {size} bytes is over the limit of {cfg.max_body}")
@@ -247,6 +305,7 @@ async def _predict(request, served: ServedModel, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} rows; at most {cfg.max_rows} a request", field="rows")
+    served = state["served"]  # one model for this request: its encoding and its scores
     try:
         enc = served.encoder.encode_rows(rows)
     except RequestError as e:
@@ -256,12 +315,12 @@ async def _predict(request, served: ServedModel, cfg: ServeConfig, state: dict):
     batcher = state["batcher"]
     if not state["ready"] or batcher is None:
         return _error(503, "the server is not ready (starting or draining)")
-    fut = batcher.submit(enc)
+    fut = batcher.submit(enc, served)
     if fut is None:
         return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
                            "retry later")
-    probs = await fut
-    return JSONResponse({"model_version": served.version, "probabilities": probs})
+    version, probs = await fut
+    return JSONResponse({"model_version": version, "probabilities": probs})
 
 
 def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
