@@ -31,14 +31,16 @@ def write_criteo(path: Path, rows: int, *, labeled: bool = True, seed: int = 0) 
     return out
 
 
-def train_tiny(root: Path, rows: int = 1200, categorical: str = "hash", arch: str = "dlrm") -> tuple[Path, RunConfig]:
+def train_tiny(root: Path, rows: int = 1200, categorical: str = "hash", arch: str = "dlrm",
+               model: dict | None = None) -> tuple[Path, RunConfig]:
     """Train a small model on ``root/train.tsv`` (written here); returns its run directory and config."""
     write_criteo(root / "train.tsv", rows)
     cfg = from_dict(RunConfig, {
         "out_dir": str(root / "runs"),
         "data": {"source": "criteo", "path": str(root / "train.tsv"), "eval_fraction": 0.25,
                  "categorical": categorical},
-        "model": {"arch": arch, "embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "cross_layers": 1},
+        "model": {"arch": arch, "embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "cross_layers": 1,
+                  **(model or {})},
         "train": {"batch_size": 64, "max_steps": 12, "eval_every": 6, "checkpoint_every": 6}})
     run_main(cfg, progress=False)
     (run_dir,) = [p.parent for p in (root / "runs").glob("*/checkpoints")]

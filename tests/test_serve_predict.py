@@ -66,6 +66,21 @@ def test_fp32_export_predicts_bitwise_as_the_trained_model(trained, tmp_path):
     np.testing.assert_allclose(got.column("probability").to_numpy(), 1 / (1 + np.exp(-ref.astype(np.float64))))
 
 
+def test_host_tables_and_vocab_export_predict_as_the_trained_model(tmp_path):
+    """Tables in the host parameter server (EL-Rec V) are exported as rows; a vocabulary-encoded dataset's
+    vocabularies travel in the export."""
+    run_dir, cfg = train_tiny(tmp_path, rows=600, categorical="vocab", model={"host_min_rows": 1})
+    ck = json.loads((run_dir / "checkpoints" / "best" / "manifest.json").read_text())
+    assert len(ck["host_tables"]) == 26 and ck["tables"] == []
+    m = export(run_dir, tmp_path / "model")
+    assert m["encoding"]["categorical"] == "vocab"
+    ref, rows = reference_logits(cfg, run_dir)
+    predict_file(tmp_path / "model", tmp_path / "train.tsv", tmp_path / "p.parquet")
+    z = pq.read_table(tmp_path / "p.parquet").column("logit").to_numpy()
+    assert len(z) == rows
+    assert np.array_equal(z, ref)  # the host server pools as LocalEmbeddingBags does: bit for bit
+
+
 def test_export_is_self_contained(trained, tmp_path):
     root, run_dir, cfg = trained
     export(run_dir, tmp_path / "model", "int8")
