@@ -110,6 +110,26 @@ def test_answers_equal_predict(model, server):
     assert post(server, {"rows": []}).json()["probabilities"] == []
 
 
+def test_ranking_call_scores_candidates_with_the_shared_context(model, server):
+    root, rows, probs, version = model
+    shared = [f"I{i}" for i in range(1, 14)] + ["C1", "C2"]
+    context = {f: rows[0][f] for f in shared}
+    cands = [{f: v for f, v in r.items() if f not in shared} for r in rows[:10]]
+    r = post(server, {"context": context, "candidates": cands})
+    assert r.status_code == 200, r.text
+    full = post(server, {"rows": [{**context, **c} for c in cands]}).json()["probabilities"]
+    np.testing.assert_allclose(r.json()["probabilities"], full, rtol=2e-6, atol=1e-7)
+    assert r.json()["probabilities"][0] == pytest.approx(probs[0], rel=2e-6)  # candidate 0 is row 0 itself
+    bad = [dict(c) for c in cands[:3]]
+    bad[2]["C5"] = "not-hex"
+    err = post(server, {"context": context, "candidates": bad}).json()
+    assert err["row"] == 2 and err["field"] == "C5" and "candidate 2" in err["error"]
+    bad[2] = {**cands[2], "C1": "ab"}
+    err = post(server, {"context": context, "candidates": bad}).json()
+    assert err["row"] == 2 and err["field"] == "C1" and "context too" in err["error"]
+    assert httpx.post(server + "/v1/model/rollback", timeout=REQUEST_TIMEOUT_S).status_code == 409
+
+
 def malformed(rng: random.Random, valid: dict) -> tuple[object, int | None, str | None]:
     """One malformed request: (body, the row it names or None, the field it names or None)."""
     rows = [dict(valid) for _ in range(rng.randint(1, 4))]
@@ -288,6 +308,11 @@ def test_follow_swaps_versions_between_batches_never_mixing(model, tmp_path):
         stop_flag.set()
         for t in loaders:
             t.join(timeout=240)
+        # rollback: the model before the last swap (B) again, in one request
+        r = httpx.post(url + "/v1/model/rollback", timeout=REQUEST_TIMEOUT_S).json()
+        assert r == {"model_version": man_b["model_version"], "previous": version_a}
+        p = np.asarray(post(url, {"rows": rows[:4]}).json()["probabilities"], np.float64)
+        np.testing.assert_allclose(np.log(p / (1 - p)), z_a[:4] + 1.0, atol=2e-3)
     finally:
         stop_flag.set()
         assert stop(proc) == 0

@@ -1,10 +1,11 @@
 """``embedscale serve``: an HTTP prediction server for an export (Starlette via FastAPI, on uvicorn).
 
-Endpoints: ``POST /v1/predict`` (``{"rows": [{feature: raw value, ...}, ...]}`` ->
-``{"model_version": ..., "probabilities": [...]}``), ``GET /v1/model`` (the export's version, source and
-tables), ``/healthz`` (the process answers), ``/readyz`` (a model is loaded and the server is not draining)
-and ``/metrics`` (Prometheus text: requests by status, latency histogram, batch sizes, queue depth, model
-version).
+Endpoints: ``POST /v1/predict`` (``{"rows": [{feature: raw value, ...}, ...]}``, or a ranking call
+``{"context": {shared features}, "candidates": [{the others}, ...]}`` -> ``{"model_version": ...,
+"probabilities": [...]}``), ``GET /v1/model`` (the export's version, source and tables), ``POST
+/v1/model/rollback`` (serve the model before the last swap again), ``/healthz`` (the process answers),
+``/readyz`` (a model is loaded and the server is not draining) and ``/metrics`` (Prometheus text: requests by
+status, latency histogram, batch sizes, queue depth, model version, swaps).
 
 Dynamic micro-batching: a request's rows are checked and encoded in the request's own task (a bad request
 is answered 4xx at once and never reaches the model), then queued; one batcher takes queued requests until
@@ -198,7 +199,7 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
 
     cfg = cfg or ServeConfig()
     metrics = Metrics(served.version)
-    state = {"ready": False, "batcher": None, "served": served}
+    state = {"ready": False, "batcher": None, "served": served, "previous": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -231,6 +232,16 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
         return {"model_version": served.version, "source": m.get("source"), "eval": m.get("eval"),
                 "tables": [{k: t[k] for k in ("name", "num_rows", "dim", "form")} for t in m["tables"]],
                 "features": served.encoder.features}
+
+    @app.post("/v1/model/rollback")
+    async def rollback():
+        """Serve the model before the last swap again (the two trade places: a second rollback undoes it)."""
+        if state["previous"] is None:
+            return _error(409, "no previous model to roll back to (nothing was swapped in since the start)")
+        old, state["served"], state["previous"] = state["served"], state["previous"], state["served"]
+        metrics.swapped(old.version, state["served"].version)
+        print(f"rollback: now serving {state['served'].version} (was {old.version})", file=sys.stderr, flush=True)
+        return {"model_version": state["served"].version, "previous": old.version}
 
     @app.get("/healthz")
     async def healthz():
@@ -277,7 +288,7 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
                   flush=True)
             continue
         old = state["served"]
-        state["served"] = new
+        state["served"], state["previous"] = new, old
         metrics.swapped(old.version, new.version)
         print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
 
@@ -297,19 +308,26 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(400, f"the body is not JSON ({e})")
     if not isinstance(doc, dict):
         return _error(400, "the body must be a JSON object {\"rows\": [...]}")
-    extra = sorted(k for k in doc if k != "rows")
+    ranking = "candidates" in doc or "context" in doc
+    allowed = ("context", "candidates") if ranking else ("rows",)
+    extra = sorted(k for k in doc if k not in allowed)
     if extra:
-        return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}})", field=extra[0])
-    rows = doc.get("rows")
+        return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}} or {{\"context\": "
+                           "{...}, \"candidates\": [...]}})", field=extra[0])
+    rows = _ranking_rows(doc) if ranking else doc.get("rows")
+    if isinstance(rows, tuple):  # a malformed ranking call: (message, field, candidate)
+        return _error(422, rows[0], field=rows[1], row=rows[2])
+    what = "candidates" if ranking else "rows"
     if not isinstance(rows, list):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
-        return _error(413, f"{len(rows)} rows; at most {cfg.max_rows} a request", field="rows")
+        return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
     served = state["served"]  # one model for this request: its encoding and its scores
     try:
         enc = served.encoder.encode_rows(rows)
     except RequestError as e:
-        return _error(422, str(e), field=e.field, row=e.row)
+        msg = str(e).replace("row ", "candidate ", 1) if ranking else str(e)
+        return _error(422, msg, field=e.field, row=e.row)
     if enc.rows == 0:
         return JSONResponse({"model_version": served.version, "probabilities": []})
     batcher = state["batcher"]
@@ -321,6 +339,25 @@ async def _predict(request, cfg: ServeConfig, state: dict):
                            "retry later")
     version, probs = await fut
     return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _ranking_rows(doc: dict):
+    """The rows of a ranking call ``{"context": {features shared by all}, "candidates": [{the others}, ...]}``:
+    one row per candidate, the context's features added; a problem is ``(message, field, candidate)``."""
+    ctx, cands = doc.get("context", {}), doc.get("candidates")
+    if not isinstance(ctx, dict):
+        return ("'context' must be an object of the features every candidate shares", "context", None)
+    if not isinstance(cands, list):
+        return ("'candidates' must be a list of objects, one per candidate to score", "candidates", None)
+    rows = []
+    for i, c in enumerate(cands):
+        if not isinstance(c, dict):
+            return (f"candidate {i}: expected an object of features, got {type(c).__name__}", None, i)
+        both = sorted(set(c) & set(ctx))
+        if both:
+            return (f"candidate {i}: feature {both[0]!r} is in the context too", both[0], i)
+        rows.append({**ctx, **c})
+    return rows
 
 
 def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
