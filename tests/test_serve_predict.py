@@ -184,3 +184,32 @@ def test_bad_request_rows_name_row_and_feature(row, field, what):
     with pytest.raises(RequestError, match=what) as e:
         enc.encode_rows([{"I1": 1, "C1": "ab"}, row])
     assert e.value.row == 1 and e.value.field == field
+
+
+def _file_ranges(path) -> list[tuple[int, int]]:
+    """This process's address ranges mapping ``path`` (/proc/self/maps)."""
+    out = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def test_shared_load_reads_every_table_in_place_from_the_file(trained, tmp_path):
+    root, run_dir, cfg = trained
+    export(run_dir, tmp_path / "model")  # FP32: a private load copies the tables into LocalEmbeddingBags
+    weights = (tmp_path / "model" / "weights.safetensors").resolve()
+    shared = load_export(tmp_path / "model", shared=True)
+    ranges = _file_ranges(weights)
+    emb = shared.model.sparse_arch.embedding
+    assert emb.rows is None and len(emb.stored) == 26
+    for name, t in emb.stored.items():  # every table's values lie in the read-only mapping of the weights file
+        assert any(lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi for lo, hi in ranges), name
+    private = load_export(tmp_path / "model")
+    ptr = private.model.sparse_arch.embedding.rows.weights.data_ptr()
+    assert not any(lo <= ptr < hi for lo, hi in _file_ranges(weights))
+    write_criteo(tmp_path / "q.tsv", 30, seed=4)
+    from embedscale.serve.encode import read_file
+    enc = next(read_file(shared.encoder, tmp_path / "q.tsv"))
+    assert np.array_equal(shared.logits(enc).numpy(), private.logits(enc).numpy())  # one-hot sums: the same bits

@@ -325,3 +325,35 @@ def test_follow_swaps_versions_between_batches_never_mixing(model, tmp_path):
         shift = {version_a: 0.0, man_b["model_version"]: 1.0}[body["model_version"]]
         versions.add(body["model_version"])
         np.testing.assert_allclose(np.log(p / (1 - p)), z_a[lo:lo + len(p)] + shift, atol=2e-3)
+
+
+def test_two_workers_answer_as_predict_from_one_mapped_copy(model):
+    root, rows, probs, version = model
+    proc, url = start(root / "model", "--workers", "2")
+    try:
+        chunks = [(0, 5), (5, 12), (12, 20), (20, 33), (33, 48)] * 2
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda c: post(url, {"rows": rows[c[0]:c[1]]}), chunks))
+        for (lo, hi), r in zip(chunks, answers):
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["probabilities"], probs[lo:hi], rtol=2e-6, atol=1e-7)
+        weights = str((root / "model" / "weights.safetensors").resolve())
+        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == proc.pid]
+        mapping = [c for c in children if weights in _maps(c)]
+        assert len(mapping) == 2, (children, mapping)  # each worker reads the tables from the one file mapping
+    finally:
+        assert stop(proc) == 0
+
+
+def _ppid(p: Path) -> int:
+    try:
+        return int(p.joinpath("stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""

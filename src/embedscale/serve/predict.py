@@ -34,13 +34,13 @@ class ServedEmbedding(nn.Module):
     """The export's tables in their served forms; ``forward(JaggedFeatures) -> [B, sum of dims]`` with the
     features in table order (the trained embedding's order)."""
 
-    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor]):
+    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False):
         super().__init__()
         self.tables = tables
         self.feature_names = [f for t in tables for f in t["features"]]
         self._dims = {f: t["dim"] for t in tables for f in t["features"]}
         self._of = {f: t for t in tables for f in t["features"]}
-        fp32 = [t for t in tables if t["form"] == "fp32"]
+        fp32 = [t for t in tables if t["form"] == "fp32" and not shared]  # shared: every table read in place
         self.rows = None
         if fp32:
             specs = [TableSpec(t["name"], t["num_rows"], t["dim"], list(t["features"]), t["pooling"]) for t in fp32]
@@ -49,7 +49,7 @@ class ServedEmbedding(nn.Module):
             with torch.no_grad():
                 for t in fp32:
                     self.rows.table_weight(t["name"]).copy_(stored[t["name"]])
-        self.stored = {t["name"]: stored[t["name"]] for t in tables if t["form"] != "fp32"}
+        self.stored = {t["name"]: stored[t["name"]] for t in tables if t["form"] != "fp32" or shared}
 
     def forward(self, jf: JaggedFeatures) -> torch.Tensor:
         cols: dict[str, torch.Tensor] = {}
@@ -63,7 +63,7 @@ class ServedEmbedding(nn.Module):
             B = jf.batch_size
             for k, f in enumerate(jf.keys):
                 t = self._of.get(f)
-                if t is None or t["form"] == "fp32":
+                if t is None or t["name"] not in self.stored:
                     continue
                 ids = jf.values[starts[k]:starts[k + 1]]
                 lengths = jf.lengths[k * B:(k + 1) * B]
@@ -107,16 +107,20 @@ def read_manifest(path: Path) -> dict:
     return m
 
 
-def load_export(path: str | Path) -> ServedModel:
+def load_export(path: str | Path, shared: bool = False) -> ServedModel:
     """An export directory -> a :class:`ServedModel` (weights read with safetensors: no code runs on load);
-    a missing tensor or one of another shape is a ``FormatError`` naming it."""
+    a missing tensor or one of another shape is a ``FormatError`` naming it. safetensors maps the file into
+    memory; ``shared``: every table is read in place from that mapping (processes that load one export share its
+    pages; FP32 tables then pool by the dequantise-then-pool path instead of a ``LocalEmbeddingBags`` copy:
+    the same values, and for one-hot bags the same bits)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path)
     m = read_manifest(path)
+    file = path / m.get("weights", "weights.safetensors")
     try:
-        w = load_file(str(path / m.get("weights", "weights.safetensors")))
+        w = load_file(str(file))
     except (OSError, SafetensorError) as e:
         raise FormatError(f"{path}: the weights cannot be read ({e})") from None
     stored = {}
@@ -129,7 +133,7 @@ def load_export(path: str | Path) -> ServedModel:
             raise FormatError(f"{path}: {key} has shape {tuple(w[key].shape)}, the manifest says {want}")
         stored[t["name"]] = w[key]
     specs = [TableSpec(t["name"], t["num_rows"], t["dim"], list(t["features"]), t["pooling"]) for t in m["tables"]]
-    emb = ServedEmbedding(m["tables"], stored)
+    emb = ServedEmbedding(m["tables"], stored, shared)
     torch.manual_seed(0)
     model = build_model(ModelConfig(**m["model"]), specs, int(m["num_dense"]), embedding=emb)
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
@@ -139,7 +143,7 @@ def load_export(path: str | Path) -> ServedModel:
             raise FormatError(f"{path}: no tensor 'dense.{k}' in the weights")
         if tuple(dense[k].shape) != tuple(v.shape):
             raise FormatError(f"{path}: dense.{k} has shape {tuple(dense[k].shape)}, the model's {tuple(v.shape)}")
-    model.load_state_dict({k: dense[k] for k in own}, strict=False)
+    model.load_state_dict({k: dense[k].clone() for k in own}, strict=False)
     model.eval()
     vocab = {k[len("vocab."):]: v.numpy() for k, v in w.items() if k.startswith("vocab.")}
     return ServedModel(m, model, RowEncoder(m["encoding"], vocab), path)

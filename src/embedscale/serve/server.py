@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +39,7 @@ from fastapi.responses import JSONResponse, Response
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.serve.encode import Encoded, RequestError
-from embedscale.serve.predict import ServedModel
+from embedscale.serve.predict import ServedModel, load_export, read_manifest
 
 
 @dataclass
@@ -265,10 +267,6 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
     """Watch ``cfg.follow`` (an export directory, replaced whole by ``embedscale export``): a new export (another
     ``model_version``) is loaded beside the one serving, then swapped in; requests already queued finish on the
     model that encoded them. An export that cannot be loaded is reported and the current one kept."""
-    from pathlib import Path
-
-    from embedscale.serve.predict import load_export, read_manifest
-
     loop = asyncio.get_running_loop()
     path = Path(cfg.follow)
     seen = None
@@ -360,14 +358,30 @@ def _ranking_rows(doc: dict):
     return rows
 
 
+ENV = "EMBEDSCALE_SERVE"  # a worker process's export directory and settings (JSON), from serve(workers=N)
+
+
+def app_from_env():
+    """The application of one of ``--workers N`` processes (uvicorn's factory): the export of ``$EMBEDSCALE_SERVE``
+    with its tables memory-mapped read-only, so the workers share one copy of them."""
+    spec = json.loads(os.environ[ENV])
+    return make_app(load_export(spec["export"], shared=True), ServeConfig(**spec["config"]))
+
+
 def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
-          log_level: str = "warning") -> int:
+          log_level: str = "warning", workers: int = 1) -> int:
     """Load ``export_dir`` and serve it until SIGTERM or SIGINT (in-flight and queued requests are answered
-    first); returns the exit code, 0 after a drain."""
+    first); returns the exit code, 0 after a drain. ``workers`` > 1: that many processes on one port, each with
+    its own batcher, the tables memory-mapped from the export (one copy in memory)."""
     import uvicorn
 
-    from embedscale.serve.predict import load_export
-
+    if workers > 1:
+        load_export(export_dir, shared=True)  # a bad export is one error here, not one per worker
+        os.environ[ENV] = json.dumps({"export": str(export_dir), "config": vars(cfg or ServeConfig())})
+        print(f"serving {export_dir} with {workers} workers on http://{host}:{port}", file=sys.stderr, flush=True)
+        uvicorn.run("embedscale.serve.server:app_from_env", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level, access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+        return 0
     served = load_export(export_dir)
     app = make_app(served, cfg)
     got = []
@@ -385,4 +399,4 @@ def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfi
     return 0
 
 
-__all__ = ["Batcher", "Metrics", "ServeConfig", "concat", "make_app", "serve"]
+__all__ = ["Batcher", "Metrics", "ServeConfig", "app_from_env", "concat", "make_app", "serve"]
