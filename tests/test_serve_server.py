@@ -338,8 +338,13 @@ def test_two_workers_answer_as_predict_from_one_mapped_copy(model):
             assert r.status_code == 200, r.text
             np.testing.assert_allclose(r.json()["probabilities"], probs[lo:hi], rtol=2e-6, atol=1e-7)
         weights = str((root / "model" / "weights.safetensors").resolve())
-        children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == proc.pid]
-        mapping = [c for c in children if weights in _maps(c)]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:  # the workers start one after the other: until both have loaded
+            children = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == proc.pid]
+            mapping = [c for c in children if weights in _maps(c)]
+            if len(mapping) >= 2:
+                break
+            time.sleep(0.2)
         assert len(mapping) == 2, (children, mapping)  # each worker reads the tables from the one file mapping
     finally:
         assert stop(proc) == 0

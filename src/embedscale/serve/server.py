@@ -132,30 +132,28 @@ class Batcher:
         self.queue.put_nowait((enc, served, fut))
         return fut
 
-    async def _next(self, timeout: float | None = None):
+    async def _first(self):
         if self.held is not None:
             item, self.held = self.held, None
             return item
-        if timeout is None:
-            return await self.queue.get()
-        return await asyncio.wait_for(self.queue.get(), timeout)
+        return await self.queue.get()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            items = [await self._next()]
+            items = [await self._first()]
             rows = items[0][0].rows
             deadline = loop.time() + self.cfg.max_wait_ms / 1000
             while rows < self.cfg.max_batch:
-                left = deadline - loop.time()
-                if self.queue.empty() and left <= 0:
-                    break
-                try:
-                    item = self.queue.get_nowait() if not self.queue.empty() else await self._next(left)
-                except asyncio.TimeoutError:
-                    break
-                if item[1] is not items[0][1]:  # another model's request: it starts the next batch
-                    self.held = item
+                if self.queue.empty():  # wait for company until the deadline (short sleeps: no get is cancelled)
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    await asyncio.sleep(min(left, 0.0005))
+                    continue
+                item = self.queue.get_nowait()
+                if item[1] is not items[0][1] or rows + item[0].rows > self.cfg.max_batch:
+                    self.held = item  # another model's request, or one past max_batch: it starts the next batch
                     break
                 items.append(item)
                 rows += item[0].rows
