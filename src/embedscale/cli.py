@@ -967,5 +967,77 @@ def _format_profile_summary(s) -> str:
     return json.dumps(s, indent=1, default=float)
 
 
+# -- serving: export, predict, serve (embedscale.serve) ---------------------------------------------
+export_model = _Lazy("embedscale.serve.export:export")
+predict_file = _Lazy("embedscale.serve.predict:predict_file")
+serve_export = _Lazy("embedscale.serve.server:serve")
+ServeConfig = _Lazy("embedscale.serve.server:ServeConfig")
+
+
+@main.command("export")
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="The export directory.")
+@click.option("--quantize", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
+              help="The tables' served form (row-wise INT8/INT4: FBGEMM's fused rows, a scale and bias per row).")
+@click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="The training dataset (default: the run config's, from its data cache).")
+@click.option("--json", "as_json", is_flag=True)
+def export_command(source, out_dir, quantize, data_dir, as_json):
+    """Export a checkpoint (a run directory: its checkpoints/best, else its latest) into one self-contained
+    directory (safetensors weights + export.json) that predict and serve load without the run."""
+    m = export_model(source, out_dir, quantize, data_dir)
+    if as_json:
+        click.echo(json.dumps(m))
+    else:
+        click.echo(f"{out_dir}: {m['model_version']} ({len(m['tables'])} tables, {m['table_bytes']:,} bytes of "
+                   f"table rows, step {m['source']['step']} of {m['source']['run']})")
+
+
+@main.command("predict")
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("data_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), required=True, help="Predictions (Parquet).")
+@click.option("--json", "as_json", is_flag=True)
+def predict_command(export_dir, data_file, out_path, as_json):
+    """Score every row of a file of the export's schema (labeled or not) into OUT (Parquet: probability,
+    logit, label); prints AUC and logloss when the file is labeled."""
+    r = predict_file(export_dir, data_file, out_path)
+    if as_json:
+        click.echo(json.dumps(r))
+    elif r["labeled"]:
+        click.echo(f"{r['rows']:,} rows scored by {r['model_version']} into {out_path}: logloss {r['logloss']:.5f}  "
+                   f"AUC {r['auc']:.5f}  calibration {r['calibration']:.5f}")
+    else:
+        click.echo(f"{r['rows']:,} rows scored by {r['model_version']} into {out_path} (unlabeled)")
+
+
+@main.command("serve")
+@click.argument("export_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True)
+@click.option("--max-batch", type=click.IntRange(min=1), default=256, show_default=True, help="Rows per forward pass.")
+@click.option("--max-wait-ms", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="How long a request waits for others to share its batch.")
+@click.option("--queue-rows", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Rows waiting at most; a request beyond is answered 503.")
+@click.option("--max-rows", type=click.IntRange(min=1), default=1024, show_default=True, help="Rows per request.")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=1 << 20, show_default=True)
+@click.option("--follow", "follow_dir", type=click.Path(file_okay=False), default=None,
+              help="An export directory to watch (usually EXPORT_DIR): a new export written there is swapped in "
+                   "between batches.")
+@click.option("--follow-poll-s", type=click.FloatRange(min=0.01), default=1.0, show_default=True)
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Server processes on the port; the tables are memory-mapped, one copy for all.")
+@click.option("--test-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True)
+def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, max_rows, max_body_bytes,
+                  follow_dir, follow_poll_s, workers, test_delay_ms):
+    """Serve an export over HTTP: POST /v1/predict {"rows": [...]}, /v1/model, /healthz, /readyz, /metrics.
+    SIGTERM answers what is in flight, then exits 0."""
+    cfg = ServeConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, queue_rows=queue_rows, max_rows=max_rows,
+                      max_body=max_body_bytes, delay_ms=test_delay_ms, follow=follow_dir,
+                      follow_poll_s=follow_poll_s)
+    sys.exit(serve_export(export_dir, host, port, cfg, workers=workers))
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,176 @@
+"""``embedscale export``: a checkpoint -> one self-contained, versioned model directory.
+
+An export directory holds two files and needs nothing else (no run directory, no dataset, no TorchRec):
+
+- ``weights.safetensors``: the dense model's state (``dense.<name>``), every table in its served form
+  (``table.<name>``: float32, float16, or the fused row-wise INT8/INT4 rows of :mod:`embedscale.serve.quantize`)
+  and, for a vocabulary-encoded dataset, each feature's vocabulary (``vocab.<feature>``: the key of row ``i``
+  at ``i - 1``, uint64 stored as int64);
+- ``export.json``: the manifest: format and version, ``model_version``, the dense model's config, the tables
+  (features, rows, dim, pooling, served form, bytes per row), the encoding of raw rows (schema, hash or
+  vocabulary, table rows, standardisation statistics), the source run, checkpoint, step and checkpoint id, and
+  the eval figures the checkpoint recorded.
+
+The tables are materialised whole from the checkpoint's rank files by row id (``train.checkpoint``: a checkpoint
+of any world size), so an export of an N-rank run is the same as one of a single process. The directory is
+written under a temporary name beside ``--out`` and renamed into place (an export already there is replaced
+only once the new one is complete). Row-stored tables (device or host placed) are exported; TT-compressed
+tables, managed-id tables and DMT tower models are not yet (an error says so).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from embedscale.assemble import prepare_data, split_existing, tables_for
+from embedscale.data.shards import Manifest
+from embedscale.errors import ConfigError, FormatError
+from embedscale.io import atomic_write_json
+from embedscale.serve.quantize import FORMS, quantize_rows, row_bytes
+from embedscale.specs import RunConfig, from_dict
+from embedscale.train.checkpoint import best_checkpoint, load_checkpoint, resolve_checkpoint
+
+FORMAT = "embedscale.export"
+VERSION = 1
+MANIFEST = "export.json"
+WEIGHTS = "weights.safetensors"
+MODEL_KEYS = ("arch", "embedding_dim", "bottom_mlp", "top_mlp", "cross_layers", "cross_low_rank")
+
+
+def source_checkpoint(path: str | Path) -> Path:
+    """The checkpoint an export reads: a checkpoint directory as given; of a run directory its
+    ``checkpoints/best``, else its latest checkpoint."""
+    p = Path(path)
+    if p.is_dir() and not (p / "manifest.json").is_file():
+        best = best_checkpoint(p)
+        if best is not None:
+            return best
+    return resolve_checkpoint(p)
+
+
+def table_forms(quantize: str | dict, names: list[str]) -> dict[str, str]:
+    """``{table: form}`` from one form for every table or a ``{table: form}`` mapping (others fp32)."""
+    forms = {n: quantize for n in names} if isinstance(quantize, str) else {n: quantize.get(n, "fp32") for n in names}
+    if not isinstance(quantize, str):
+        unknown = sorted(set(quantize) - set(names))
+        if unknown:
+            raise ConfigError(f"--quantize: unknown table(s) {', '.join(unknown)}; tables: {', '.join(names)}")
+    bad = sorted({f for f in forms.values() if f not in FORMS})
+    if bad:
+        raise ConfigError(f"--quantize: {', '.join(bad)} is not one of {', '.join(FORMS)}")
+    return forms
+
+
+def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", data_dir: str | Path | None = None
+           ) -> dict:
+    """Export ``source`` (a checkpoint, or a run directory: its best checkpoint, else its latest) into ``out``;
+    ``quantize``: a served form for every table (fp32, fp16, int8, int4) or ``{table: form}``. ``data_dir``:
+    the training dataset (default: the run config's, from its data cache). Returns the manifest."""
+    ck = source_checkpoint(source)
+    state = load_checkpoint(ck)
+    m = state["manifest"]
+    cfg = from_dict(RunConfig, yaml.safe_load(state["config_yaml"] or "") or {})
+    _check_exportable(ck, m, cfg, state)
+    prepared = split_existing(Path(data_dir), 0.0) if data_dir else prepare_data(cfg, progress=False)
+    data = prepared.manifest
+    specs = tables_for(cfg, data)
+    forms = table_forms(quantize, [t.name for t in specs])
+    tensors: dict[str, torch.Tensor] = {f"dense.{k}": v.contiguous() for k, v in state["dense"].items()}
+    tables = []
+    for t in specs:
+        weight = _table_weight(ck, state, t.name)
+        if tuple(weight.shape) != (t.num_rows, t.dim):
+            raise FormatError(f"{ck}: table {t.name!r} is {tuple(weight.shape)} in the checkpoint, the dataset "
+                              f"{data_dir or cfg.data.path} says {(t.num_rows, t.dim)}")
+        tensors[f"table.{t.name}"] = quantize_rows(weight, forms[t.name])
+        tables.append({"name": t.name, "features": list(t.features), "num_rows": t.num_rows, "dim": t.dim,
+                       "pooling": t.pooling, "form": forms[t.name], "bytes_per_row": row_bytes(forms[t.name], t.dim)})
+    encoding, vocab = _encoding(data, Path(prepared.train.directory))
+    tensors.update({f"vocab.{n}": torch.from_numpy(np.ascontiguousarray(v).view(np.int64)) for n, v in vocab.items()})
+    version = f"step{m['step']}-{str(m.get('id', ''))[:8]}-" + (quantize if isinstance(quantize, str) else "mixed")
+    es = m.get("early_stopping") or {}
+    manifest = {
+        "format": FORMAT, "version": VERSION, "model_version": version,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": {"run": str(Path(ck).resolve().parent.parent), "checkpoint": str(Path(ck).resolve()),
+                   "step": m["step"], "checkpoint_id": m.get("id"), "samples": m.get("samples")},
+        "eval": es.get("best") or es.get("eval") or {},
+        "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}, "num_dense": data.num_dense,
+        "tables": tables, "encoding": encoding, "weights": WEIGHTS,
+        "table_bytes": int(sum(t["bytes_per_row"] * t["num_rows"] for t in tables)),
+    }
+    write_export(Path(out), manifest, tensors)
+    return manifest
+
+
+def _check_exportable(ck: Path, m: dict, cfg: RunConfig, state: dict) -> None:
+    if m.get("kind") == "dmt" or cfg.model.arch.startswith("dmt-"):
+        raise FormatError(f"{ck}: a DMT tower model ({cfg.model.arch}); export serves dlrm and dcn models")
+    if m.get("tt_tables"):
+        raise FormatError(f"{ck}: TT-compressed tables {m['tt_tables']} are not exported yet; train them as rows")
+    if state.get("managed"):
+        raise FormatError(f"{ck}: managed-id tables are not exported yet (their id mappings change as they train)")
+
+
+def _table_weight(ck: Path, state: dict, name: str) -> torch.Tensor:
+    if name in state["tables"]:
+        return state["tables"][name]["weight"]
+    w = (state.get("host") or {}).get(f"{name}.weight")
+    if w is None:
+        raise FormatError(f"{ck}: no rows of table {name!r} in the checkpoint")
+    return w
+
+
+def _encoding(data: Manifest, directory: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """The export's ``encoding`` section and the vocabularies (vocab datasets) of the training dataset."""
+    x = data.extra
+    enc = {"dense": list(data.dense_names),
+           "sparse": [{"name": s.name, "num_rows": s.num_rows, "multi_hot": bool(s.multi_hot)} for s in data.sparse],
+           "schema": x.get("schema"), "categorical": x.get("categorical", "ids"),
+           "dense_stats": x.get("dense_stats")}
+    if enc["schema"] is None:
+        enc["categorical"] = "ids"  # synthetic or shard data: the values are the rows
+    vocab = {}
+    if enc["categorical"] == "vocab":
+        for s in data.sparse:
+            f = directory / f"vocab-{s.name}.npy"
+            if not f.is_file():
+                raise FormatError(f"{directory}: the vocabulary of feature {s.name!r} ({f.name}) is missing")
+            vocab[s.name] = np.load(f, allow_pickle=False).astype(np.uint64, copy=False)
+    return enc, vocab
+
+
+def write_export(out: Path, manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the directory under a temporary name beside ``out``, then rename it into place (an export already
+    at ``out`` is replaced once the new one is complete; anything else there is an error)."""
+    from safetensors.torch import save_file
+
+    if out.exists() and not (out.is_dir() and ((out / MANIFEST).is_file() or not any(out.iterdir()))):
+        raise ConfigError(f"{out}: exists and is not a model export (no {MANIFEST}); choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": FORMAT, "model_version": manifest["model_version"]})
+        atomic_write_json(tmp / MANIFEST, manifest)
+        os.chmod(tmp, 0o755)
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "WEIGHTS", "export", "source_checkpoint", "table_forms", "write_export"]

@@ -1,0 +1,185 @@
+"""Load an export and score rows with it: :func:`load_export`, :class:`ServedModel`, ``embedscale predict``.
+
+Serving reads an export directory only (``serve.export``): the dense model is rebuilt from the manifest's
+config (``models.build_model``) around :class:`ServedEmbedding`, which looks features up in their tables'
+served form: the float32 tables in one :class:`~embedscale.embedding.local.LocalEmbeddingBags` (the training
+lookup, so an FP32 export scores bit for bit as the trained model), the FP16 / INT8 / INT4 ones by
+dequantise-then-pool (``serve.quantize.pooled_lookup``). Nothing here imports the training code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.data.metrics import binary_metrics
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.errors import FormatError, InputError
+from embedscale.io import read_json
+from embedscale.models import build_model
+from embedscale.serve.encode import Encoded, RowEncoder, read_file
+from embedscale.serve.quantize import pooled_lookup, row_bytes
+from embedscale.specs import ModelConfig, TableSpec
+
+EXPORT_FORMAT, EXPORT_VERSION, EXPORT_MANIFEST = "embedscale.export", 1, "export.json"
+EMBEDDING_PREFIX = "sparse_arch.embedding."
+
+
+class ServedEmbedding(nn.Module):
+    """The export's tables in their served forms; ``forward(JaggedFeatures) -> [B, sum of dims]`` with the
+    features in table order (the trained embedding's order)."""
+
+    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False):
+        super().__init__()
+        self.tables = tables
+        self.feature_names = [f for t in tables for f in t["features"]]
+        self._dims = {f: t["dim"] for t in tables for f in t["features"]}
+        self._of = {f: t for t in tables for f in t["features"]}
+        fp32 = [t for t in tables if t["form"] == "fp32" and not shared]  # shared: every table read in place
+        self.rows = None
+        if fp32:
+            specs = [TableSpec(t["name"], t["num_rows"], t["dim"], list(t["features"]), t["pooling"]) for t in fp32]
+            self.rows = LocalEmbeddingBags(specs, optimizer=None, seed=0, validate=True)
+            self.rows.requires_grad_(False)
+            with torch.no_grad():
+                for t in fp32:
+                    self.rows.table_weight(t["name"]).copy_(stored[t["name"]])
+        self.stored = {t["name"]: stored[t["name"]] for t in tables if t["form"] != "fp32" or shared}
+
+    def forward(self, jf: JaggedFeatures) -> torch.Tensor:
+        cols: dict[str, torch.Tensor] = {}
+        if self.rows is not None:
+            out = self.rows(jf.select(self.rows.feature_names))
+            for f, part in zip(self.rows.feature_names, torch.split(out, self.rows.feature_dims, dim=1)):
+                cols[f] = part
+        if self.stored:
+            lpk = jf.length_per_key_list()
+            starts = np.concatenate([[0], np.cumsum(lpk)])
+            B = jf.batch_size
+            for k, f in enumerate(jf.keys):
+                t = self._of.get(f)
+                if t is None or t["name"] not in self.stored:
+                    continue
+                ids = jf.values[starts[k]:starts[k + 1]]
+                lengths = jf.lengths[k * B:(k + 1) * B]
+                offsets = torch.zeros(B + 1, dtype=torch.int64)
+                torch.cumsum(lengths, 0, out=offsets[1:])
+                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t["num_rows"]):
+                    raise InputError(f"feature {f!r}: row id outside table {t['name']!r} [0, {t['num_rows']})")
+                w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
+                cols[f] = pooled_lookup(self.stored[t["name"]], t["form"], t["dim"], ids, offsets, t["pooling"], w)
+        return torch.cat([cols[f] for f in self.feature_names], dim=1)
+
+
+class ServedModel:
+    """An export loaded: ``manifest``, ``version``, ``encoder`` (raw rows -> inputs), ``model`` (eval mode)."""
+
+    def __init__(self, manifest: dict, model: nn.Module, encoder: RowEncoder, path: Path):
+        self.manifest, self.model, self.encoder, self.path = manifest, model, encoder, path
+        self.version = manifest["model_version"]
+
+    @torch.no_grad()
+    def logits(self, enc: Encoded) -> torch.Tensor:
+        """The model's logits ``[N]`` for encoded rows."""
+        if enc.rows == 0:
+            return torch.zeros(0)
+        return self.model(enc.dense, enc.sparse).float()
+
+    def predict_rows(self, rows: list[dict]) -> list[float]:
+        """Probabilities of raw JSON rows (checked: a bad row is a ``RequestError`` naming row and feature)."""
+        return torch.sigmoid(self.logits(self.encoder.encode_rows(rows))).tolist()
+
+
+def read_manifest(path: Path) -> dict:
+    f = path / EXPORT_MANIFEST
+    if not f.is_file():
+        raise FormatError(f"{path}: not a model export (no {EXPORT_MANIFEST}; make one with embedscale export)")
+    m = read_json(f, "export manifest")
+    if not isinstance(m, dict) or m.get("format") != EXPORT_FORMAT:
+        raise FormatError(f"{f}: not an embedscale export")
+    if m.get("version") != EXPORT_VERSION:
+        raise FormatError(f"{f}: export version {m.get('version')} is not {EXPORT_VERSION} (made by another release)")
+    return m
+
+
+def load_export(path: str | Path, shared: bool = False) -> ServedModel:
+    """An export directory -> a :class:`ServedModel` (weights read with safetensors: no code runs on load);
+    a missing tensor or one of another shape is a ``FormatError`` naming it. safetensors maps the file into
+    memory; ``shared``: every table is read in place from that mapping (processes that load one export share its
+    pages; FP32 tables then pool by the dequantise-then-pool path instead of a ``LocalEmbeddingBags`` copy:
+    the same values, and for one-hot bags the same bits)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    m = read_manifest(path)
+    file = path / m.get("weights", "weights.safetensors")
+    try:
+        w = load_file(str(file))
+    except (OSError, SafetensorError) as e:
+        raise FormatError(f"{path}: the weights cannot be read ({e})") from None
+    stored = {}
+    for t in m["tables"]:
+        key = f"table.{t['name']}"
+        if key not in w:
+            raise FormatError(f"{path}: no tensor {key!r} in the weights")
+        want = (t["num_rows"], t["dim"]) if t["form"] in ("fp32", "fp16") else (t["num_rows"], row_bytes(t["form"], t["dim"]))
+        if tuple(w[key].shape) != want:
+            raise FormatError(f"{path}: {key} has shape {tuple(w[key].shape)}, the manifest says {want}")
+        stored[t["name"]] = w[key]
+    specs = [TableSpec(t["name"], t["num_rows"], t["dim"], list(t["features"]), t["pooling"]) for t in m["tables"]]
+    emb = ServedEmbedding(m["tables"], stored, shared)
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**m["model"]), specs, int(m["num_dense"]), embedding=emb)
+    own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
+    dense = {k[len("dense."):]: v for k, v in w.items() if k.startswith("dense.")}
+    for k, v in own.items():
+        if k not in dense:
+            raise FormatError(f"{path}: no tensor 'dense.{k}' in the weights")
+        if tuple(dense[k].shape) != tuple(v.shape):
+            raise FormatError(f"{path}: dense.{k} has shape {tuple(dense[k].shape)}, the model's {tuple(v.shape)}")
+    model.load_state_dict({k: dense[k].clone() for k in own}, strict=False)
+    model.eval()
+    vocab = {k[len("vocab."):]: v.numpy() for k, v in w.items() if k.startswith("vocab.")}
+    return ServedModel(m, model, RowEncoder(m["encoding"], vocab), path)
+
+
+def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batch_rows: int = 65536) -> dict:
+    """Score every row of ``data`` (a file of the export's schema, labeled or not) into ``out`` (Parquet:
+    ``probability``, ``logit`` and, labeled, ``label``; written to a temporary file, then renamed). Returns
+    ``{rows, labeled, model_version}`` and, labeled, the figures of ``data.metrics.binary_metrics``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    served = load_export(export_dir)
+    logits, labels = [], []
+    labeled = True
+    for enc in read_file(served.encoder, data, batch_rows):
+        logits.append(served.logits(enc).numpy())
+        labeled = labeled and enc.labels is not None
+        if enc.labels is not None:
+            labels.append(enc.labels)
+    z = np.concatenate(logits) if logits else np.zeros(0, np.float32)
+    cols = {"probability": 1.0 / (1.0 + np.exp(-z.astype(np.float64))), "logit": z}
+    result = {"rows": int(z.size), "labeled": bool(labeled and logits), "model_version": served.version}
+    if result["labeled"]:
+        y = np.concatenate(labels)
+        cols["label"] = y
+        result.update(binary_metrics(y, z))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(pa.table(cols), tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return result
+
+
+__all__ = ["ServedEmbedding", "ServedModel", "load_export", "predict_file", "read_manifest"]

@@ -1,0 +1,400 @@
+"""``embedscale serve``: an HTTP prediction server for an export (Starlette via FastAPI, on uvicorn).
+
+Endpoints: ``POST /v1/predict`` (``{"rows": [{feature: raw value, ...}, ...]}``, or a ranking call
+``{"context": {shared features}, "candidates": [{the others}, ...]}`` -> ``{"model_version": ...,
+"probabilities": [...]}``), ``GET /v1/model`` (the export's version, source and tables), ``POST
+/v1/model/rollback`` (serve the model before the last swap again), ``/healthz`` (the process answers),
+``/readyz`` (a model is loaded and the server is not draining) and ``/metrics`` (Prometheus text: requests by
+status, latency histogram, batch sizes, queue depth, model version, swaps).
+
+Dynamic micro-batching: a request's rows are checked and encoded in the request's own task (a bad request
+is answered 4xx at once and never reaches the model), then queued; one batcher takes queued requests until
+``max_batch`` rows or until ``max_wait`` has passed since the first of them, scores them in one forward pass
+(in a worker thread, so the event loop keeps accepting) and hands each request its slice. The queue is
+bounded in rows (``queue_rows``): a request that does not fit is answered 503 at once instead of waiting.
+
+Bad requests are 4xx JSON errors ``{"error": ..., "field": ..., "row": ...}``: a body over ``max_body``
+bytes (413), not JSON or not an object (400), more than ``max_rows`` rows (413), a missing, unknown or
+ill-typed feature or a value the schema's parser rejects (422, naming the row and the feature). Unseen
+categorical values are not errors: they go where training sent them (the out-of-vocabulary row, or their
+hash bucket). SIGTERM stops accepting, answers what is in flight and queued, and exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.serve.encode import Encoded, RequestError
+from embedscale.serve.predict import ServedModel, load_export, read_manifest
+
+
+@dataclass
+class ServeConfig:
+    """Batching and limits of the server."""
+
+    max_batch: int = 256  # rows scored together at most
+    max_wait_ms: float = 2.0  # the longest a queued request waits for others to join its batch
+    queue_rows: int = 4096  # rows waiting at most; beyond: 503
+    max_rows: int = 1024  # rows of one request at most
+    max_body: int = 1 << 20  # bytes of one request body at most
+    delay_ms: float = 0.0  # added to every forward pass (tests: a slow model fills the queue)
+    follow: str | None = None  # an export directory to watch: a new export there is swapped in between batches
+    follow_poll_s: float = 1.0
+
+
+def concat(parts: list[Encoded]) -> Encoded:
+    """Several requests' inputs as one batch (rows in order; key-major jagged features re-joined per key)."""
+    if len(parts) == 1:
+        return parts[0]
+    keys = parts[0].sparse.keys
+    F = len(keys)
+    vals, lens = [[] for _ in range(F)], [[] for _ in range(F)]
+    for p in parts:
+        for k, v in enumerate(torch.split(p.sparse.values, p.sparse.length_per_key_list())):
+            vals[k].append(v)
+        for k, ln in enumerate(p.sparse.lengths.view(F, -1)):
+            lens[k].append(ln)
+    sparse = JaggedFeatures(keys, torch.cat([t for k in range(F) for t in vals[k]]),
+                            torch.cat([t for k in range(F) for t in lens[k]]))
+    return Encoded(torch.cat([p.dense for p in parts]), sparse)
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own."""
+
+    def __init__(self, version: str):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("embedscale_requests", "Prediction requests answered, by HTTP status", ["code"],
+                                registry=r)
+        self.latency = Histogram("embedscale_request_latency_seconds", "Time from a request's arrival to its answer",
+                                 buckets=(.001, .002, .005, .01, .02, .05, .1, .2, .5, 1, 2, 5), registry=r)
+        self.batch = Histogram("embedscale_batch_rows", "Rows scored per forward pass",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=r)
+        self.queue = Gauge("embedscale_queue_rows", "Rows waiting to be scored", registry=r)
+        self.version = Gauge("embedscale_model_info", "The model being served (value 1)", ["model_version"],
+                             registry=r)
+        self.version.labels(model_version=version).set(1)
+        self.swaps = Counter("embedscale_model_swaps", "Models swapped in by --follow", registry=r)
+
+    def swapped(self, old: str, new: str) -> None:
+        self.version.remove(old)
+        self.version.labels(model_version=new).set(1)
+        self.swaps.inc()
+
+
+class Batcher:
+    """The bounded queue and the batching loop (one per server). A queued request carries the model that
+    encoded it; a batch holds requests of one model only (a swap falls between two batches), so no answer mixes
+    two versions."""
+
+    def __init__(self, cfg: ServeConfig, metrics: Metrics):
+        self.cfg, self.metrics = cfg, metrics
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queued_rows = 0
+        self.held = None  # a request of another model than the batch being gathered: first of the next batch
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Score what is queued, then stop."""
+        await self.queue.join()
+        if self.task is not None:
+            self.task.cancel()
+        self.pool.shutdown(wait=True)
+
+    def submit(self, enc: Encoded, served: ServedModel) -> asyncio.Future | None:
+        """Queue a request's rows (encoded by ``served``); ``None`` when the queue has no room for them (the caller
+        answers 503)."""
+        if self.queued_rows + enc.rows > self.cfg.queue_rows:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self.queued_rows += enc.rows
+        self.metrics.queue.set(self.queued_rows)
+        self.queue.put_nowait((enc, served, fut))
+        return fut
+
+    async def _first(self):
+        if self.held is not None:
+            item, self.held = self.held, None
+            return item
+        return await self.queue.get()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            items = [await self._first()]
+            rows = items[0][0].rows
+            deadline = loop.time() + self.cfg.max_wait_ms / 1000
+            while rows < self.cfg.max_batch:
+                if self.queue.empty():  # wait for company until the deadline (short sleeps: no get is cancelled)
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        break
+                    await asyncio.sleep(min(left, 0.0005))
+                    continue
+                item = self.queue.get_nowait()
+                if item[1] is not items[0][1] or rows + item[0].rows > self.cfg.max_batch:
+                    self.held = item  # another model's request, or one past max_batch: it starts the next batch
+                    break
+                items.append(item)
+                rows += item[0].rows
+            try:
+                await self._score(loop, items, rows)
+            finally:
+                for _ in items:
+                    self.queue.task_done()
+
+    async def _score(self, loop, items, rows: int) -> None:
+        self.queued_rows -= rows
+        self.metrics.queue.set(self.queued_rows)
+        self.metrics.batch.observe(rows)
+        served = items[0][1]
+        try:
+            probs = await loop.run_in_executor(self.pool, self._forward, served, [e for e, _, _ in items])
+        except Exception as e:  # noqa: BLE001 - every waiting request learns of it
+            for _, _, fut in items:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        start = 0
+        for enc, _, fut in items:
+            if not fut.done():
+                fut.set_result((served.version, probs[start:start + enc.rows].tolist()))
+            start += enc.rows
+
+    def _forward(self, served: ServedModel, parts: list[Encoded]) -> np.ndarray:
+        if self.cfg.delay_ms:
+            time.sleep(self.cfg.delay_ms / 1000)
+        return torch.sigmoid(served.logits(concat(parts))).numpy()
+
+
+def _error(status: int, message: str, field=None, row=None):
+    return JSONResponse({"error": message, "field": field, "row": row}, status_code=status)
+
+
+def make_app(served: ServedModel, cfg: ServeConfig | None = None):
+    """The ASGI application serving ``served``."""
+    import contextlib
+
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    cfg = cfg or ServeConfig()
+    metrics = Metrics(served.version)
+    state = {"ready": False, "batcher": None, "served": served, "previous": None}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["batcher"] = Batcher(cfg, metrics)
+        state["batcher"].start()
+        follower = asyncio.get_running_loop().create_task(follow(state, cfg, metrics)) if cfg.follow else None
+        state["ready"] = True
+        try:
+            yield
+        finally:
+            state["ready"] = False
+            if follower is not None:
+                follower.cancel()
+            await state["batcher"].stop()
+
+    app = FastAPI(title="embedscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/predict")
+    async def predict(request: Request):
+        t0 = time.perf_counter()
+        resp = await _predict(request, cfg, state)
+        metrics.requests.labels(code=str(resp.status_code)).inc()
+        metrics.latency.observe(time.perf_counter() - t0)
+        return resp
+
+    @app.get("/v1/model")
+    async def model():
+        served = state["served"]
+        m = served.manifest
+        return {"model_version": served.version, "source": m.get("source"), "eval": m.get("eval"),
+                "tables": [{k: t[k] for k in ("name", "num_rows", "dim", "form")} for t in m["tables"]],
+                "features": served.encoder.features}
+
+    @app.post("/v1/model/rollback")
+    async def rollback():
+        """Serve the model before the last swap again (the two trade places: a second rollback undoes it)."""
+        if state["previous"] is None:
+            return _error(409, "no previous model to roll back to (nothing was swapped in since the start)")
+        old, state["served"], state["previous"] = state["served"], state["previous"], state["served"]
+        metrics.swapped(old.version, state["served"].version)
+        print(f"rollback: now serving {state['served'].version} (was {old.version})", file=sys.stderr, flush=True)
+        return {"model_version": state["served"].version, "previous": old.version}
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz():
+        if not state["ready"]:
+            return JSONResponse({"status": "not ready"}, status_code=503)
+        return {"status": "ready", "model_version": state["served"].version}
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.state.metrics, app.state.serve = metrics, state
+    return app
+
+
+async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
+    """Watch ``cfg.follow`` (an export directory, replaced whole by ``embedscale export``): a new export (another
+    ``model_version``) is loaded beside the one serving, then swapped in; requests already queued finish on the
+    model that encoded them. An export that cannot be loaded is reported and the current one kept."""
+    loop = asyncio.get_running_loop()
+    path = Path(cfg.follow)
+    seen = None
+    while True:
+        await asyncio.sleep(cfg.follow_poll_s)
+        try:
+            st = (path / "export.json").stat()
+            key = (st.st_ino, st.st_mtime_ns)
+            if key == seen:
+                continue
+            seen = key
+            if read_manifest(path)["model_version"] == state["served"].version:
+                continue
+            new = await loop.run_in_executor(None, load_export, path)
+        except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
+            print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
+                  flush=True)
+            continue
+        old = state["served"]
+        state["served"], state["previous"] = new, old
+        metrics.swapped(old.version, new.version)
+        print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
+
+
+async def _predict(request, cfg: ServeConfig, state: dict):
+    size = request.headers.get("content-length")
+    if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
+        return _error(413, f"request body of {size} bytes is over the limit of {cfg.max_body}")
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > cfg.max_body:
+            return _error(413, f"request body over the limit of {cfg.max_body} bytes")
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        return _error(400, f"the body is not JSON ({e})")
+    if not isinstance(doc, dict):
+        return _error(400, "the body must be a JSON object {\"rows\": [...]}")
+    ranking = "candidates" in doc or "context" in doc
+    allowed = ("context", "candidates") if ranking else ("rows",)
+    extra = sorted(k for k in doc if k not in allowed)
+    if extra:
+        return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}} or {{\"context\": "
+                           "{...}, \"candidates\": [...]}})", field=extra[0])
+    rows = _ranking_rows(doc) if ranking else doc.get("rows")
+    if isinstance(rows, tuple):  # a malformed ranking call: (message, field, candidate)
+        return _error(422, rows[0], field=rows[1], row=rows[2])
+    what = "candidates" if ranking else "rows"
+    if not isinstance(rows, list):
+        return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
+    if len(rows) > cfg.max_rows:
+        return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
+    served = state["served"]  # one model for this request: its encoding and its scores
+    try:
+        enc = served.encoder.encode_rows(rows)
+    except RequestError as e:
+        msg = str(e).replace("row ", "candidate ", 1) if ranking else str(e)
+        return _error(422, msg, field=e.field, row=e.row)
+    if enc.rows == 0:
+        return JSONResponse({"model_version": served.version, "probabilities": []})
+    batcher = state["batcher"]
+    if not state["ready"] or batcher is None:
+        return _error(503, "the server is not ready (starting or draining)")
+    fut = batcher.submit(enc, served)
+    if fut is None:
+        return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
+                           "retry later")
+    version, probs = await fut
+    return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _ranking_rows(doc: dict):
+    """The rows of a ranking call ``{"context": {features shared by all}, "candidates": [{the others}, ...]}``:
+    one row per candidate, the context's features added; a problem is ``(message, field, candidate)``."""
+    ctx, cands = doc.get("context", {}), doc.get("candidates")
+    if not isinstance(ctx, dict):
+        return ("'context' must be an object of the features every candidate shares", "context", None)
+    if not isinstance(cands, list):
+        return ("'candidates' must be a list of objects, one per candidate to score", "candidates", None)
+    rows = []
+    for i, c in enumerate(cands):
+        if not isinstance(c, dict):
+            return (f"candidate {i}: expected an object of features, got {type(c).__name__}", None, i)
+        both = sorted(set(c) & set(ctx))
+        if both:
+            return (f"candidate {i}: feature {both[0]!r} is in the context too", both[0], i)
+        rows.append({**ctx, **c})
+    return rows
+
+
+ENV = "EMBEDSCALE_SERVE"  # a worker process's export directory and settings (JSON), from serve(workers=N)
+
+
+def app_from_env():
+    """The application of one of ``--workers N`` processes (uvicorn's factory): the export of ``$EMBEDSCALE_SERVE``
+    with its tables memory-mapped read-only, so the workers share one copy of them."""
+    spec = json.loads(os.environ[ENV])
+    return make_app(load_export(spec["export"], shared=True), ServeConfig(**spec["config"]))
+
+
+def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
+          log_level: str = "warning", workers: int = 1) -> int:
+    """Load ``export_dir`` and serve it until SIGTERM or SIGINT (in-flight and queued requests are answered
+    first); returns the exit code, 0 after a drain. ``workers`` > 1: that many processes on one port, each with
+    its own batcher, the tables memory-mapped from the export (one copy in memory)."""
+    import uvicorn
+
+    if workers > 1:
+        load_export(export_dir, shared=True)  # a bad export is one error here, not one per worker
+        os.environ[ENV] = json.dumps({"export": str(export_dir), "config": vars(cfg or ServeConfig())})
+        print(f"serving {export_dir} with {workers} workers on http://{host}:{port}", file=sys.stderr, flush=True)
+        uvicorn.run("embedscale.serve.server:app_from_env", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level, access_log=False, timeout_graceful_shutdown=30, lifespan="on")
+        return 0
+    served = load_export(export_dir)
+    app = make_app(served, cfg)
+    got = []
+    previous = {s: signal.signal(s, lambda n, f: got.append(n)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                               timeout_graceful_shutdown=30, lifespan="on"))
+        print(f"serving {served.version} from {export_dir} on http://{host}:{port}", file=sys.stderr, flush=True)
+        server.run()  # uvicorn's own SIGTERM/SIGINT handling drains; it re-raises the signal into ours after
+        if not server.started:
+            return 2
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0
+
+
+__all__ = ["Batcher", "Metrics", "ServeConfig", "app_from_env", "concat", "make_app", "serve"]
