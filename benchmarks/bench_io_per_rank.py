@@ -53,6 +53,7 @@ def make_dataset(d: Path, rows: int, shard_rows: int) -> int:
             n = min(50_000, rows - a)
             w.write(rng.integers(0, 2, n), rng.random((n, DENSE), dtype=np.float32),
                     {s.name: rng.integers(0, s.num_rows, n) for s in sp})
+    os.sync()  # written back: the page cache can drop the files' pages
     return rows * (1 + 4 * DENSE + 8 * SPARSE)
 
 

@@ -318,7 +318,8 @@ class ShardRows:
         self.path = Path(path)
         self.num_dense = num_dense
         try:
-            source = mapped(self.path, random_access)
+            source, self._mm = _map(self.path, random_access)
+            self._base = source.address
             reader = ipc.open_file(source)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
         except (pa.ArrowInvalid, OSError) as e:
@@ -340,8 +341,25 @@ class ShardRows:
             if a < b or (lo == hi and k == 0):
                 cols, nbytes = _part_rows(part, a, max(a, b))
                 self.bytes_read += nbytes
+                self._advise(cols)
                 out.append((first + a, cols))
         return out
+
+    def _advise(self, cols: Columns) -> None:
+        """With ``random_access``: ask the kernel for the pages of these rows now (``MADV_WILLNEED``), every
+        column at once, rather than one page fault at a time as they are copied."""
+        if self._mm is None:
+            return
+        views = [cols.labels, cols.dense, cols.weights, *(v for v, _ in cols.sparse.values()),
+                 *cols.id_weights.values()]
+        page = mmap.PAGESIZE
+        for v in views:
+            if v is None or not v.nbytes:
+                continue
+            start = v.__array_interface__["data"][0] - self._base
+            if 0 <= start and start + v.nbytes <= len(self._mm):
+                lo = start - start % page
+                self._mm.madvise(mmap.MADV_WILLNEED, lo, start + v.nbytes - lo)
 
 
 def mapped(path: str | os.PathLike, random_access: bool = False) -> pa.Buffer:
@@ -349,13 +367,18 @@ def mapped(path: str | os.PathLike, random_access: bool = False) -> pa.Buffer:
     read ahead every range it hands out (a record batch's body is the whole shard); this map reads only the
     pages a reader touches, plus the kernel's readahead around a fault, which ``random_access``
     (``MADV_RANDOM``) turns off: short, strided runs of rows then read their own pages only."""
+    return _map(path, random_access)[0]
+
+
+def _map(path: str | os.PathLike, random_access: bool) -> tuple[pa.Buffer, mmap.mmap | None]:
     with open(path, "rb") as f:
         if os.fstat(f.fileno()).st_size == 0:
-            return pa.py_buffer(b"")  # Arrow names it as unreadable
+            return pa.py_buffer(b""), None  # Arrow names it as unreadable
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if random_access and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)
-    return pa.py_buffer(mm)
+        return pa.py_buffer(mm), mm
+    return pa.py_buffer(mm), None
 
 
 def _batch_views(rb: pa.RecordBatch, num_dense: int) -> dict[str, Any]:
