@@ -149,3 +149,22 @@ def test_bytes_divide_by_the_ranks_and_skipped_batches_are_not_read(dataset):
     n = sum(len(b.labels) for b in loader)
     assert loader.bytes_read == sum(row_bytes(rows[i]) for w in reference(0, N, 8, 2, 1)[10:] for i in w)
     assert n == 4 + 4 + 4  # batches 10 (rows 80..87), 11 (88..95) and 12 (96..102): rank 1 has 84..87, 92..95, 99..102
+
+
+def test_a_run_s_summary_reports_the_bytes_its_last_pass_read(dataset, tmp_path):
+    """``workflow.train`` for one epoch of the train split (the first 80 rows): rank 0's reads in the summary are
+    those rows' bytes, counted from the raw arrays."""
+    from embedscale import workflow
+    from embedscale.specs import RunConfig, from_dict
+
+    path, rows = dataset
+    cfg = from_dict(RunConfig, {
+        "name": "io", "out_dir": str(tmp_path / "runs"),
+        "data": {"source": "shards", "path": str(path), "eval_fraction": 0.2},
+        "model": {"arch": "dlrm", "embedding_dim": 4, "bottom_mlp": [4], "top_mlp": [4]},
+        "train": {"batch_size": 16, "epochs": 1, "prefetch": 0, "eval_every": 0, "dropout": 0.0},
+    })
+    s = workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
+    cut = N - round(N * 0.2)
+    assert s["samples"] == cut
+    assert s["data_bytes_read"] == {"rank": 0, "last_pass": sum(row_bytes(r) for r in rows[:cut])}
