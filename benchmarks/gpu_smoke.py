@@ -84,9 +84,10 @@ def fbgemm_tbe(device: torch.device):
     except Exception as e:  # ImportError, or a build whose kernels fail to load
         log(f"fbgemm_gpu not usable ({type(e).__name__}: {e}): no baseline")
         return None
+    TBE = SplitTableBatchedEmbeddingBagsCodegen
     if device.type == "cuda":
-        return SplitTableBatchedEmbeddingBagsCodegen, EmbeddingLocation.DEVICE, ComputeDevice.CUDA, OptimType, PoolingMode
-    return SplitTableBatchedEmbeddingBagsCodegen, EmbeddingLocation.HOST, ComputeDevice.CPU, OptimType, PoolingMode
+        return TBE, EmbeddingLocation.DEVICE, ComputeDevice.CUDA, OptimType, PoolingMode
+    return TBE, EmbeddingLocation.HOST, ComputeDevice.CPU, OptimType, PoolingMode
 
 
 def timed(methods: dict, steps: int, device: torch.device) -> dict[str, list[float]]:
