@@ -250,7 +250,7 @@ def read_shard(path: str | Path) -> dict:
     if not path.is_file():
         raise FormatError(f"checkpoint file not found: {path}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as tensors are used
     except Exception as e:  # noqa: BLE001 - torch raises many kinds here
         raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or "rank" not in payload:

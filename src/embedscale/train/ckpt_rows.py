@@ -5,7 +5,8 @@ rows of each table (a rank's share under its own plan); reading every rank file 
 whole checkpoint. The index says, per rank file and table, which rows the file holds and where: runs
 ``[first row, end row, position in the file's entry]`` of consecutive row ids, written beside each rank file
 when it is written (``rank-XXXXX.index.json``, :func:`write_rank_index`) and gathered into the manifest by
-rank 0 (``index``, :func:`collect_index`). A table whose rows do not form runs (more than one run per 64 rows) is indexed by its row count only: its reader reads the entry's row ids (8 bytes a row).
+rank 0 (``index``, :func:`collect_index`). A table whose rows do not form runs (more than one run per 64 rows, or
+more than 4096 runs) is indexed by its row count only: its reader reads the entry's row ids (8 bytes a row).
 
 :class:`RowReader` opens rank files memory-mapped (``torch.load(..., mmap=True, weights_only=True)``), only
 those whose runs hold a wanted row, and gathers the wanted rows of ``weight`` and ``momentum``, so only their
@@ -21,10 +22,11 @@ import numpy as np
 import torch
 
 from embedscale.errors import FormatError
-from embedscale.io import atomic_write_json
+from embedscale.io import atomic_write_text
 
 INDEX = "index"  # the manifest's key
-SCATTERED = 64  # a table's rows are indexed as runs while runs <= rows / SCATTERED (the manifest stays small)
+SCATTERED = 64  # a table's rows are indexed as runs while runs <= rows / SCATTERED ...
+MAX_RUNS = 4096  # ... and at most this many per rank file (the manifest stays small)
 
 
 def row_runs(rows: np.ndarray) -> list[list[int]] | None:
@@ -34,7 +36,7 @@ def row_runs(rows: np.ndarray) -> list[list[int]] | None:
     if rows.size == 0:
         return []
     cut = np.flatnonzero(np.diff(rows) != 1) + 1
-    if cut.size + 1 > max(1, rows.size // SCATTERED):
+    if cut.size + 1 > min(MAX_RUNS, max(1, rows.size // SCATTERED)):
         return None
     starts = np.concatenate([[0], cut])
     ends = np.concatenate([cut, [rows.size]])
@@ -53,7 +55,7 @@ def write_rank_index(path: Path, payload: dict) -> None:
             continue
         rows = e["rows"].numpy()
         tables[name] = {"rows": int(rows.size), "runs": row_runs(rows)}
-    atomic_write_json(path.parent / index_name(path.name), {"tables": tables})
+    atomic_write_text(path.parent / index_name(path.name), json.dumps({"tables": tables}, separators=(",", ":")))
 
 
 def collect_index(ckpt_dir: Path, shards: list[str]) -> dict | None:
@@ -143,8 +145,13 @@ class RowReader:
                 m = e["momentum"].index_select(0, idx)
                 momentum[torch.from_numpy(sel)] = m
                 self.bytes_read += m.nbytes
-        if weight is None:  # no rows asked for
-            weight = torch.zeros((0, 0))
+        if weight is None:  # no rows asked for: empty, shaped as the table's entries
+            e = next((self._file(s)["tables"][table] for s in shards if (self.index[s].get(table) or {}).get("rows")),
+                     None)
+            if e is None:
+                return torch.zeros((0, 0)), None
+            weight = e["weight"][:0].clone()
+            momentum = e["momentum"][:0].clone() if "momentum" in e else None
         return weight, momentum
 
 
