@@ -1,9 +1,15 @@
 """Batches of (dense, sparse, labels) from a shard directory, with background prefetch and per-rank slicing.
 
-The loader walks the rows ``[start, stop)`` of a dataset in a deterministic order (shard order, and within
-a shard a permutation seeded by ``(seed, epoch, shard)`` when ``shuffle``), cuts global batches of
-``batch_size`` rows, and hands each rank its contiguous slice of every global batch (data parallelism:
-all ranks see the same global batch sequence). ``skip_batches`` fast-forwards without building tensors,
+The loader walks the rows ``[start, stop)`` of a dataset in a deterministic order, cuts global batches of
+``batch_size`` rows, and hands each rank its contiguous slice of every global batch (data parallelism: all
+ranks see the same global batch sequence). The order is the dataset's (shard order), or with ``shuffle`` a
+global shuffle across shards: the range is cut into blocks of ``shuffle_block`` consecutive rows, and each
+epoch takes the blocks in the order of ``numpy.random.default_rng([seed, epoch]).permutation(blocks)``.
+Batches, and each rank's slice of them, are planned from the manifest's row counts alone; a rank then reads
+only the rows of its own slices from the memory-mapped shards (``shards.ShardRows``), so the bytes read per
+rank and epoch are the dataset's over the world size (``bytes_read`` counts them, per pass). A shuffle block
+keeps rows that are neighbours on disk together, which is what keeps a rank's reads in runs of whole pages
+(a per-row shuffle would have every rank touch every page). ``skip_batches`` fast-forwards without reading,
 which is how a resumed run continues exactly where its checkpoint stopped.
 
 Every batch is checked before it leaves the loader: dense values finite, labels 0 or 1, row ids inside
@@ -22,8 +28,11 @@ import numpy as np
 import torch
 
 from embedscale.data.batch import Batch, JaggedFeatures
-from embedscale.data.shards import ID_WEIGHTS, Manifest, read_shard
+from embedscale.data.shards import ID_WEIGHTS, Manifest, ShardRows
 from embedscale.errors import InputError
+
+
+_OPEN_SHARDS = 8  # shards a loader keeps memory-mapped at once
 
 
 @dataclass
@@ -67,13 +76,18 @@ class ShardLoader:
         batch_size: global batch size (all ranks together).
         rank, world_size: this rank's slice of every global batch.
         start, stop: row range of the dataset to read (train/eval splits); ``stop=None`` = end.
-        shuffle, seed: per-shard row permutation seeded by ``(seed, epoch, shard)``.
+        shuffle, seed: a global shuffle, per epoch, of the range's blocks of ``shuffle_block`` rows (module
+            docstring), from ``(seed, epoch)``.
+        shuffle_block: rows of a shuffle block (a smaller block mixes finer, a larger one reads in longer runs);
+            ``None``: the range's rows // 256, at least 1 and at most 1024 (a 4 KiB page of int32 offsets).
         drop_last: drop a final partial global batch (otherwise it is yielded, smaller).
         prefetch: batches prepared ahead on a background thread (0 = synchronous).
         device: where tensors go.
         validate: check dense, labels and row ids of every batch.
         raw_ids: features whose values are raw 64-bit ids (the features of managed tables, ``specs.ManagedConfig``):
             any int64 passes; the others' ids must lie in ``[0, num_rows)`` of their table.
+
+    After (or during) a pass, ``bytes_read`` is what this rank has read of the shards in it (``ShardRows``).
 
     Example::
 
@@ -85,7 +99,7 @@ class ShardLoader:
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  start: int = 0, stop: int | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, prefetch: int = 2, device: torch.device | str | None = None,
-                 validate: bool = True, raw_ids=()):
+                 validate: bool = True, raw_ids=(), shuffle_block: int | None = None):
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         total = self.manifest.rows
@@ -95,9 +109,17 @@ class ShardLoader:
         if stop == start:
             raise InputError(f"{self.directory}: empty input (row range [{start}, {stop}) has no rows)")
         check_batching(batch_size, rank, world_size)
+        if shuffle_block is None:
+            shuffle_block = min(1024, max(1, (stop - start) // 256))
+        if isinstance(shuffle_block, bool) or not isinstance(shuffle_block, int) or shuffle_block <= 0:
+            raise InputError(f"shuffle_block must be a positive number of rows, got {shuffle_block!r}")
         self.batch_size = int(batch_size)
         self.rank, self.world_size = rank, world_size
         self.start, self.stop = int(start), int(stop)
+        self.shuffle_block = shuffle_block
+        self._firsts = np.cumsum([0] + [s["rows"] for s in self.manifest.shards])  # each shard's first row
+        self._open: dict[int, ShardRows] = {}
+        self.bytes_read = 0
         self.shuffle, self.seed = shuffle, seed
         self.drop_last = drop_last
         self.prefetch = prefetch
@@ -123,45 +145,70 @@ class ShardLoader:
         self.epoch, self.skip_batches = int(epoch), int(skip_batches)
 
     # -- reading --------------------------------------------------------------------------------
-    def _blocks(self) -> Iterator[_Block]:
-        """Yield the selected rows shard by shard (as blocks)."""
-        first = 0
-        for i, s in enumerate(self.manifest.shards):
-            n = s["rows"]
-            lo, hi = max(self.start, first), min(self.stop, first + n)
-            if lo < hi:
-                cols = read_shard(self.directory / s["file"], self.manifest.num_dense)
-                a, b = lo - first, hi - first
-                order = None
-                if self.shuffle:
-                    rng = np.random.default_rng([self.seed, self.epoch, i])
-                    order = a + rng.permutation(b - a)
-                sparse = block_sparse(cols)
-                w = cols.weights
-                yield _Block(s["file"], a, order, cols.labels[a:b] if order is None else cols.labels,
-                             cols.dense[a:b] if order is None else cols.dense,
-                             sparse if order is not None else _slice_sparse(sparse, a, b),
-                             None if w is None else (w[a:b] if order is None else w))
-            first += n
+    def _sequence(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pass's row order as runs ``[lo, hi)`` of dataset rows: the whole range, or shuffled its blocks of
+        ``shuffle_block`` rows in the order of ``default_rng([seed, epoch]).permutation``."""
+        if not self.shuffle:
+            return np.array([self.start]), np.array([self.stop])
+        firsts = np.arange(self.start, self.stop, self.shuffle_block, dtype=np.int64)
+        lo = firsts[np.random.default_rng([self.seed, self.epoch]).permutation(len(firsts))]
+        return lo, np.minimum(lo + self.shuffle_block, self.stop)
 
-    def _row_batches(self) -> Iterator[list[tuple[_Block, np.ndarray | slice]]]:
-        """Global batches as lists of (block, row selector) pieces."""
-        pieces: list[tuple[_Block, np.ndarray | slice]] = []
+    def _global_batches(self) -> Iterator[list[tuple[int, int]]]:
+        """Global batches as lists of runs ``[lo, hi)`` of dataset rows, in batch order (no data is read)."""
+        pieces: list[tuple[int, int]] = []
         have = 0
-        for blk in self._blocks():
-            n = len(blk.order) if blk.order is not None else len(blk.labels)
-            pos = 0
-            while pos < n:
-                take = min(self.batch_size - have, n - pos)
-                sel = blk.order[pos:pos + take] if blk.order is not None else slice(pos, pos + take)
-                pieces.append((blk, sel))
-                have += take
-                pos += take
+        for lo, hi in zip(*(a.tolist() for a in self._sequence())):
+            while lo < hi:
+                take = min(self.batch_size - have, hi - lo)
+                pieces.append((lo, lo + take))
+                have, lo = have + take, lo + take
                 if have == self.batch_size:
                     yield pieces
                     pieces, have = [], 0
         if have and not self.drop_last:
             yield pieces
+
+    def _rank_runs(self, runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """This rank's contiguous share ``[B * rank // W, B * (rank + 1) // W)`` of a global batch's runs."""
+        B = sum(hi - lo for lo, hi in runs)
+        a, b = (B * self.rank) // self.world_size, (B * (self.rank + 1)) // self.world_size
+        out, pos = [], 0
+        for lo, hi in runs:
+            x, y = max(a, pos) - pos, min(b, pos + hi - lo) - pos
+            if x < y:
+                out.append((lo + x, lo + y))
+            pos += hi - lo
+        return out
+
+    def _read(self, runs: list[tuple[int, int]]) -> list[tuple[_Block, slice]]:
+        """Read the runs of dataset rows from their shards (only those rows), as ``_build``'s pieces."""
+        pieces = []
+        for lo, hi in runs or [(self.start, self.start)]:  # an empty share: a block of no rows
+            i = int(np.searchsorted(self._firsts, lo, side="right")) - 1
+            while True:
+                first = int(self._firsts[i])
+                a, b = lo - first, min(hi, int(self._firsts[i + 1])) - first
+                shard = self._shard(i)
+                before = shard.bytes_read
+                for row, cols in shard.read(a, b):
+                    blk = _Block(shard.path.name, row, None, cols.labels, cols.dense, block_sparse(cols), cols.weights)
+                    pieces.append((blk, slice(0, cols.rows)))
+                self.bytes_read += shard.bytes_read - before
+                lo = first + b
+                if lo >= hi:
+                    break
+                i += 1
+        return pieces
+
+    def _shard(self, i: int) -> ShardRows:
+        """Shard ``i``'s row reader (memory-mapped; the last few opened stay open)."""
+        if i not in self._open:
+            if len(self._open) >= _OPEN_SHARDS:
+                del self._open[next(iter(self._open))]
+            self._open[i] = ShardRows(self.directory / self.manifest.shards[i]["file"], self.manifest.num_dense,
+                                      random_access=self.world_size > 1)
+        return self._open[i]
 
     def _rank_pieces(self, pieces):
         """Cut this rank's contiguous share out of a global batch's pieces."""
@@ -241,11 +288,12 @@ class ShardLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         def produce():
-            for i, pieces in enumerate(self._row_batches()):
+            self.bytes_read = 0
+            for i, runs in enumerate(self._global_batches()):
                 if i < self.skip_batches:
                     continue
-                batch = self._build(self._rank_pieces(pieces))
-                batch.global_size = sum(_sel_len(sel) for _, sel in pieces)
+                batch = self._build(self._read(self._rank_runs(runs)))
+                batch.global_size = sum(hi - lo for lo, hi in runs)
                 yield batch
 
         if self.prefetch <= 0:

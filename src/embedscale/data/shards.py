@@ -20,6 +20,7 @@ without a manifest is an unfinished write and is never read as a dataset.
 
 from __future__ import annotations
 
+import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,10 +113,9 @@ def check_shard(manifest_path: Path, shard: Path, rows: Any, m: Manifest) -> Non
     if not shard.exists():
         raise FormatError(f"{manifest_path}: shard {name} is listed but missing")
     try:
-        with pa.memory_map(str(shard), "r") as source:
-            reader = ipc.open_file(source)
-            schema = reader.schema
-            n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+        reader = ipc.open_file(mapped(shard, random_access=True))  # the footer and batch headers only
+        schema = reader.schema
+        n = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
     except (pa.ArrowInvalid, OSError) as e:
         raise FormatError(f"{shard}: not a readable Arrow shard ({e})") from None
     want = arrow_schema(m.num_dense, m.sparse, m.weighted)
@@ -301,3 +301,123 @@ def iter_shards(directory: str | os.PathLike) -> Iterator[Columns]:
     m = Manifest.load(directory)
     for s in m.shards:
         yield read_shard(Path(directory) / s["file"], m.num_dense)
+
+
+class ShardRows:
+    """Row ranges of one shard, read through its memory map: only the rows asked for are copied out.
+
+    The shard's record batches are mapped once as zero-copy numpy views of their column buffers (nothing is
+    read yet); ``read(lo, hi)`` returns the rows ``[lo, hi)`` as ``(first row, Columns)`` pieces, one per record
+    batch the range crosses, whose arrays are views of just those rows, and adds their size to ``bytes_read``:
+    per row its label, dense values, sample weight, one-hot ids, and for a list column (multi-hot ids, id
+    weights) an offset plus its values. Those are the bytes a consumer copies out of the map; the operating
+    system pages them in 4 KiB pages, so a range shorter than a page per column costs a page.
+    """
+
+    def __init__(self, path: str | os.PathLike, num_dense: int, random_access: bool = False):
+        self.path = Path(path)
+        self.num_dense = num_dense
+        try:
+            source, self._mm = _map(self.path, random_access)
+            self._base = source.address
+            reader = ipc.open_file(source)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (pa.ArrowInvalid, OSError) as e:
+            raise FormatError(f"{path}: not a readable Arrow shard ({e})") from None
+        self._parts = [_batch_views(b, num_dense) for b in batches if b.num_rows] or [_batch_views(
+            pa.RecordBatch.from_pylist([], schema=reader.schema), num_dense)]
+        self._firsts = np.cumsum([0] + [len(p["label"]) for p in self._parts])
+        self.rows = int(self._firsts[-1])
+        self.bytes_read = 0
+
+    def read(self, lo: int, hi: int) -> list[tuple[int, Columns]]:
+        """The rows ``[lo, hi)`` (``0 <= lo <= hi <= rows``) as ``(first row, Columns)`` pieces."""
+        if not 0 <= lo <= hi <= self.rows:
+            raise ValueError(f"{self.path}: rows [{lo}, {hi}) outside its {self.rows} rows")
+        out = []
+        for k, part in enumerate(self._parts):
+            first = int(self._firsts[k])
+            a, b = max(lo, first) - first, min(hi, int(self._firsts[k + 1])) - first
+            if a < b or (lo == hi and k == 0):
+                cols, nbytes = _part_rows(part, a, max(a, b))
+                self.bytes_read += nbytes
+                self._advise(cols)
+                out.append((first + a, cols))
+        return out
+
+    def _advise(self, cols: Columns) -> None:
+        """With ``random_access``: ask the kernel for the pages of these rows now (``MADV_WILLNEED``), every
+        column at once, rather than one page fault at a time as they are copied."""
+        if self._mm is None:
+            return
+        views = [cols.labels, cols.dense, cols.weights, *(v for v, _ in cols.sparse.values()),
+                 *cols.id_weights.values()]
+        page = mmap.PAGESIZE
+        for v in views:
+            if v is None or not v.nbytes:
+                continue
+            start = v.__array_interface__["data"][0] - self._base
+            if 0 <= start and start + v.nbytes <= len(self._mm):
+                lo = start - start % page
+                self._mm.madvise(mmap.MADV_WILLNEED, lo, start + v.nbytes - lo)
+
+
+def mapped(path: str | os.PathLike, random_access: bool = False) -> pa.Buffer:
+    """The file memory-mapped read-only, as an Arrow buffer. Arrow's own ``memory_map`` advises the kernel to
+    read ahead every range it hands out (a record batch's body is the whole shard); this map reads only the
+    pages a reader touches, plus the kernel's readahead around a fault, which ``random_access``
+    (``MADV_RANDOM``) turns off: short, strided runs of rows then read their own pages only."""
+    return _map(path, random_access)[0]
+
+
+def _map(path: str | os.PathLike, random_access: bool) -> tuple[pa.Buffer, mmap.mmap | None]:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return pa.py_buffer(b""), None  # Arrow names it as unreadable
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if random_access and hasattr(mm, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+        return pa.py_buffer(mm), mm
+    return pa.py_buffer(mm), None
+
+
+def _batch_views(rb: pa.RecordBatch, num_dense: int) -> dict[str, Any]:
+    """Zero-copy numpy views of a record batch's columns: ``label``, ``dense`` [n, D], ``weight``, and per sparse
+    column (ids or ``<feature>/weights``) ``(values, offsets)``, offsets ``None`` for a one-hot column."""
+    n = rb.num_rows
+    views: dict[str, Any] = {"label": rb.column("label").to_numpy(zero_copy_only=False), "sparse": {}}
+    views["dense"] = (rb.column("dense").flatten().to_numpy(zero_copy_only=False).reshape(n, num_dense)
+                      if num_dense else np.zeros((n, 0), np.float32))
+    names = rb.schema.names
+    views["weight"] = rb.column("weight").to_numpy(zero_copy_only=False) if "weight" in names else None
+    for name in names:
+        if name in ("label", "dense", "weight"):
+            continue
+        col = rb.column(name)
+        if pa.types.is_list(col.type):
+            views["sparse"][name] = (col.values.to_numpy(zero_copy_only=False), col.offsets.to_numpy())
+        else:
+            views["sparse"][name] = (col.to_numpy(zero_copy_only=False), None)
+    return views
+
+
+def _part_rows(part: dict[str, Any], a: int, b: int) -> tuple[Columns, int]:
+    """Rows ``[a, b)`` of a record batch's views as ``Columns``, and the bytes they span (``ShardRows``)."""
+    n = b - a
+    labels, dense, w = part["label"][a:b], part["dense"][a:b], part["weight"]
+    w = None if w is None else w[a:b]
+    nbytes = labels.nbytes + dense.nbytes + (0 if w is None else w.nbytes)
+    jagged = {}
+    for name, (values, offsets) in part["sparse"].items():
+        if offsets is None or n == 0:
+            v, lengths = values[a:b] if offsets is None else values[:0], np.ones(n, dtype=np.int64)
+            nbytes += v.nbytes
+        else:
+            o = offsets[a:b + 1]
+            v, lengths = values[o[0]:o[-1]], np.diff(o).astype(np.int64)
+            nbytes += v.nbytes + n * offsets.itemsize
+        jagged[name] = (v, lengths)
+    sparse = {k: (v.astype(np.int64, copy=False), ln) for k, (v, ln) in jagged.items()
+              if not (k.endswith(ID_WEIGHTS) and k[:-len(ID_WEIGHTS)] in jagged)}
+    id_weights = {k[:-len(ID_WEIGHTS)]: v for k, (v, _) in jagged.items() if k not in sparse}
+    return Columns(labels, dense, sparse, w, id_weights), nbytes

@@ -73,6 +73,7 @@ import torch
 from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, read_json
+from embedscale.train.ckpt_rows import INDEX, collect_index, write_rank_index
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -249,7 +250,7 @@ def read_shard(path: str | Path) -> dict:
     if not path.is_file():
         raise FormatError(f"checkpoint file not found: {path}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as tensors are used
     except Exception as e:  # noqa: BLE001 - torch raises many kinds here
         raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or "rank" not in payload:
@@ -524,6 +525,7 @@ def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
         if cause is None:
             raise
         raise OSError(cause.errno, os.strerror(cause.errno), str(path)) from e
+    write_rank_index(path, payload)  # which rows it holds where, for restores that read only theirs (ckpt_rows)
     return path
 
 
@@ -541,9 +543,11 @@ def _os_error(e: BaseException) -> OSError | None:
 def write_manifest(ckpt_dir: Path, world: int, fields: dict, delta: dict | None = None) -> Path:
     """The manifest (rank 0, after every rank file is written): marks the checkpoint complete. ``delta``:
     the base of a delta checkpoint (:func:`base_ref`)."""
+    shards = [rank_file(r) for r in range(world)]
+    index = collect_index(ckpt_dir, shards) if delta is None else None
     m = {"format": FORMAT, "version": VERSION if delta is None else DELTA_VERSION, "world_size": world, **fields,
          "id": uuid.uuid4().hex, **({"delta": dict(delta)} if delta is not None else {}),
-         "shards": [rank_file(r) for r in range(world)]}
+         "shards": shards, **({INDEX: index} if index is not None else {})}
     atomic_write_json(ckpt_dir / MANIFEST, m)
     return ckpt_dir / MANIFEST
 

@@ -61,9 +61,10 @@ from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
 from embedscale.units import parse_bytes
-from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, latest_checkpoint, load_managed,
-                                        merged, rank0, read_manifest, read_shards, resolve_checkpoint, table_pieces,
-                                        write_rank_file)
+from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, is_delta, latest_checkpoint,
+                                        load_managed, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
+                                        table_pieces, write_rank_file)
+from embedscale.train.ckpt_rows import INDEX, RowReader
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
                                   optimizer_state, param_names, table_entry)
 from embedscale.train.trainer import load_reorder, load_tt_state
@@ -645,19 +646,28 @@ class DistributedRun:
             if rows.get(t.name) != t.num_rows:
                 raise FormatError(f"{ckpt_dir}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint "
                                   f"(tables {m['tables']}), {t.num_rows} in this model")
-        shards = read_shards(ckpt_dir, m)
+        shards = read_shards(ckpt_dir, m)  # memory-mapped: the table rows below are read as they are taken
         base = self.embedding.amap.table_base
         gids, weights, moms = [], [], []
         adagrad = self.cfg.train.sparse_optimizer == "rowwise_adagrad" and not self.inference
+        reader = RowReader(ckpt_dir, m) if INDEX in m and not is_delta(m) else None  # only this rank's rows
+        mine = np.sort(self.embedding.amap.storage_gids(self.rank)) if reader is not None else None
         for t, spec in enumerate(self.tables):
-            r, w, mo = table_pieces(shards, spec.name)
+            if reader is not None:
+                r = mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
+                w, mo = reader.read(spec.name, r)
+            else:
+                r, w, mo = table_pieces(shards, spec.name)
             if adagrad and mo is None:
                 raise FormatError(f"{ckpt_dir}: table {spec.name!r} has no row-wise Adagrad state")
             gids.append(r + base[t])
             weights.append(w)
             moms.append(mo)
         g = np.concatenate(gids)
-        if np.unique(g).size != self.embedding.amap.num_rows or g.size != self.embedding.amap.num_rows:
+        self.restore_bytes_read = reader.bytes_read if reader is not None else None  # else: every rank file
+        # (the reader found every row this rank stores, or named the one it did not)
+        n = self.embedding.amap.num_rows
+        if reader is None and (np.unique(g).size != n or g.size != n):
             raise FormatError(f"{ckpt_dir}: rank files hold {g.size} rows ({np.unique(g).size} distinct), "
                               f"the model has {self.embedding.amap.num_rows}")
         mom = torch.cat(moms) if adagrad else None

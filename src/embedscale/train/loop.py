@@ -446,6 +446,8 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         src = run.train_loader
         summary["stream"] = {"position": dict(st.stream), "end": src.end_reason, "shards_read": src.shards_read,
                              "directory": str(src.directory)}
+    elif hasattr(run.train_loader, "bytes_read"):  # rank 0's share of the shards, read in its last pass
+        summary["data_bytes_read"] = {"rank": 0, "last_pass": int(run.train_loader.bytes_read)}
     replans = read_replans(run.run_dir)  # live re-plans (train.replan), earlier attempts' included
     plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc,
                 replan_steps=[int(r["step"]) for r in replans])
