@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The test suite also exercises the TorchRec interop, so it installs the optional extra.
+# The test suite also exercises the TorchRec interop and the prediction server, so it installs those extras.
 $(VENV)/.torchrec: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[test,torchrec]'
+	$(BIN)/pip install --quiet -e '.[test,serve,torchrec]'
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	touch $(VENV)/.torchrec
 
