@@ -214,9 +214,13 @@ def train_loader(cfg: RunConfig, data: PreparedData, device: torch.device, *, ra
 
 
 def eval_loader(cfg: RunConfig, split: Split, device: torch.device, *, rank: int = 0, world: int = 1,
-                batch_size: int = 0, manifest: Manifest | None = None) -> ShardLoader:
-    """The loader of an eval or test split (ids checked, the managed tables' raw ids excepted)."""
-    raw = raw_id_features(cfg, tables_for(cfg, manifest or Manifest.load(split.directory)))
+                batch_size: int = 0, manifest: Manifest | None = None,
+                tables: list[TableSpec] | None = None) -> ShardLoader:
+    """The loader of an eval or test split (ids checked, the managed tables' raw ids excepted; ``tables``: the
+    run's, else derived from the split's manifest)."""
+    if tables is None:
+        tables = tables_for(cfg, manifest or Manifest.load(split.directory))
+    raw = raw_id_features(cfg, tables)
     return ShardLoader(split.directory, batch_size or max(cfg.train.batch_size, 8192), rank=rank, world_size=world,
                        start=split.start, stop=split.stop, prefetch=cfg.train.prefetch, device=device, raw_ids=raw)
 
@@ -301,6 +305,21 @@ def tables_for(cfg: RunConfig, manifest: Manifest) -> list[TableSpec]:
     if missing:
         raise ConfigError(f"model.tables: no table reads feature(s) {', '.join(missing)}")
     return decided([t.spec for t in cfg.model.tables])
+
+
+@dataclass
+class RunInputs:
+    """What a run reads, prepared once per process: the data's splits and the model's tables (facts)."""
+
+    data: PreparedData
+    tables: list[TableSpec]
+
+
+def run_inputs(cfg: RunConfig, progress: bool = True) -> RunInputs:
+    """The run's data (:func:`prepare_data`) and tables (:func:`tables_for`), made once: the ranks' runs receive
+    them instead of re-deriving them."""
+    data = prepare_data(cfg, progress=progress)
+    return RunInputs(data, tables_for(cfg, data.manifest))
 
 
 def say_embedding_memory(tables: list[TableSpec], forms: dict[str, TableForm], rank: int = 0) -> None:

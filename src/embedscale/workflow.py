@@ -45,18 +45,19 @@ def check_one_process(cfg: RunConfig) -> None:
 
 
 def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None, *, resume: bool = True,
-          progress: bool = True) -> dict:
+          progress: bool = True, tables: list[TableSpec] | None = None) -> dict:
     """Train and evaluate as ``cfg`` says in one process, writing config, metrics, plot and checkpoints into
     ``run_dir``; with ``resume`` it continues from the run directory's latest checkpoint, whatever world size
     wrote it (``train.checkpoint``: rows by table and row id). ``config.yaml`` is written once the inputs
-    (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was."""
+    (data, tables, model) are valid, so a command that fails on them leaves the run directory as it was. ``data``
+    and ``tables``: the run's, when the caller prepared them (else prepared here)."""
     check_one_process(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = dump_config(cfg)
     data = data or prepare_data(cfg, progress=progress)
     device = torch.device(cfg.train.device)
-    tables = tables_for(cfg, data.manifest)
+    tables = tables if tables is not None else tables_for(cfg, data.manifest)
     forms = config_forms(cfg.model, tables)  # a world of one: the config's requests decided (build does the same)
     say_embedding_memory(tables, forms)
     assignment = _dmt_towers(cfg, tables, run_dir)
@@ -68,7 +69,7 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     t = cfg.train
     train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()),
                                          tables=tables)
-    eval_loader = assemble_eval_loader(cfg, data.eval, device) if data.eval else None
+    eval_loader = assemble_eval_loader(cfg, data.eval, device, tables=tables) if data.eval else None
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)
@@ -112,7 +113,7 @@ def run_main(cfg: RunConfig, progress: bool = True) -> dict:
         if cfg.dist.nproc > 1:
             summary = _run_distributed(cfg, run_dir, data, tables, progress)
         else:
-            summary = train(cfg, run_dir, data, resume=False, progress=progress)
+            summary = train(cfg, run_dir, data, resume=False, progress=progress, tables=tables)
         summary["profile_summary"] = prof.summary() if hasattr(prof, "summary") else {}
         summary["wall_seconds"] = time.perf_counter() - t0
         atomic_write_json(run_dir / "summary.json", summary)

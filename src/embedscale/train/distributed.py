@@ -37,6 +37,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -61,13 +62,11 @@ from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
 from embedscale.units import parse_bytes
-from embedscale.train.checkpoint import (MANAGED, ROLLING_PROFILE, delta_entry, is_delta, latest_checkpoint,
-                                        load_managed, merged, rank0, read_manifest, read_shards, resolve_checkpoint,
-                                        table_pieces, write_rank_file)
+from embedscale.train.checkpoint import (delta_entry, is_delta, latest_checkpoint, read_manifest, read_shards,
+                                        resolve_checkpoint, table_pieces)
 from embedscale.train.ckpt_rows import INDEX, RowReader
-from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
-                                  optimizer_state, param_names, table_entry)
-from embedscale.train.trainer import load_reorder, load_tt_state
+from embedscale.train.run import RunState, param_names, table_entry
+from embedscale.train.persist import RunParts, restore_parts, write_rank
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
 from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
@@ -155,15 +154,16 @@ def _wait_for_rank0(run_dir: Path, token: str, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> None:
+def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> assemble.RunInputs:
     """Data, profile and plan (rank 0 only, every attempt); ``config.yaml`` once they are valid, the ready
-    marker of this attempt last, or a failure marker."""
+    marker of this attempt last, or a failure marker. Returns the data and tables (the rank's run receives
+    them)."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         for marker in (READY, FAILED):
             (run_dir / marker).unlink(missing_ok=True)
-        data = assemble.prepare_data(cfg, progress=progress)
-        tables = assemble.tables_for(cfg, data.manifest)
+        inputs = assemble.run_inputs(cfg, progress=progress)
+        data, tables = inputs.data, inputs.tables
         if is_dmt_arch(cfg.model.arch):  # DMT: the towers are the plan (tower groups hold their tables)
             if cfg.train.replan_every:
                 raise ConfigError(f"train.replan_every {cfg.train.replan_every}: live re-planning moves the rows of "
@@ -177,6 +177,7 @@ def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str =
     except BaseException as e:
         atomic_write_text(run_dir / FAILED, f"{token}\n{type(e).__name__}: {e}\n")
         raise
+    return inputs
 
 
 def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool):
@@ -358,8 +359,8 @@ class DistributedRun:
     """Everything one rank holds for a distributed run (built by ``setup``)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
-                 inference: bool = False):
-        self._init_common(cfg, run_dir, rank, world, progress, inference)
+                 inference: bool = False, inputs: assemble.RunInputs | None = None):
+        self._init_common(cfg, run_dir, rank, world, progress, inference, inputs)
         t, d = cfg.train, cfg.dist
         self.plan = Plan.load(run_dir / "plan")
         if self.plan.world_size != world:
@@ -444,7 +445,7 @@ class DistributedRun:
         """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while
         this step computes (``ShardedEmbedding.prefetch``: OPER 5.1 pipelined with the previous step; the step
         whose batch was prefetched sends two all-to-alls instead of four). Same results either way."""
-        if getattr(self, "input_pipeline", False):
+        if self.input_pipeline:
             if self.host_embedding is not None:  # the device module's selection, as the server made it
                 self._prefetcher.prefetch(self.train_loader.device_features(batch)[0])
             else:
@@ -470,22 +471,26 @@ class DistributedRun:
                               timeout=datetime.timedelta(seconds=self.cfg.dist.timeout_s))
 
     def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
-                     inference: bool) -> None:
-        """What every distributed run holds (flat and DMT): config, rank, device, data, tables, position, eval
-        loader, byte counters."""
+                     inference: bool, inputs: assemble.RunInputs | None = None) -> None:
+        """What every distributed run holds (flat and DMT): config, rank, device, data, tables (``inputs``, as
+        :func:`join` prepared them; else read now), position, eval loader, byte counters."""
         self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world
         self.progress = progress and rank == 0
         self.inference = inference
         t = cfg.train
         self.device = torch.device(t.device)
-        self.data = assemble.prepare_data(cfg, progress=False)
-        self.all_tables = assemble.tables_for(cfg, self.data.manifest)
+        inputs = inputs or assemble.run_inputs(cfg, progress=False)
+        self.data, self.all_tables = inputs.data, inputs.tables
         self.forms = config_forms(cfg.model, self.all_tables)  # a planned run: the plan's (DistributedRun)
         self.state = RunState()
         self.bytes_per_step: list[int] = []
         self.sync_bytes_per_step: list[int] = []
+        # the optional parts a flat run adds (DistributedRun); none in a DMT or an inference run
+        self.managed = self.monitor = None  # managed tables' id mapping; the drift monitor (train.replan)
+        self.input_pipeline, self.pipeline_depth = False, 0  # next batch's ids converted ahead; host tables' depth
         ev = self.data.eval
-        self.eval_loader = assemble.eval_loader(cfg, ev, self.device, rank=rank, world=world) if ev else None
+        self.eval_loader = (assemble.eval_loader(cfg, ev, self.device, rank=rank, world=world, tables=self.all_tables)
+                            if ev else None)
 
     # the position, as attributes
     step = property(lambda self: self.state.step)
@@ -531,11 +536,11 @@ class DistributedRun:
                "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
                "host_tables": sum(self.forms[tb.name].kind == "host" for tb in self.all_tables),
                "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
-        if getattr(self, "input_pipeline", False):  # steps whose ids were converted during the step before
+        if self.input_pipeline:  # steps whose ids were converted during the step before
             out["input_pipelined_steps"] = int(self.embedding.stats.get("prefetched_steps", 0))
-        if getattr(self, "pipeline_depth", None):  # host tables: the depth they ran (host_pipeline_depth)
+        if self.pipeline_depth:  # host tables: the depth they ran (host_pipeline_depth)
             out["pipeline_depth"] = self.pipeline_depth
-        if getattr(self, "managed", None) is not None:  # managed tables: the mapping's counters (all shards, summed)
+        if self.managed is not None:  # managed tables: the mapping's counters (all shards, summed)
             out["managed"] = self.managed.counters()
             # the id exchange of a training step (ids to their shard's host, rows and resets back, counts): bytes
             # sent summed over the ranks, comm.transport's convention (embedding.managed_lookup)
@@ -608,26 +613,9 @@ class DistributedRun:
             w, mom = st["weight"][idx], st["momentum"][idx] if "momentum" in st else None
             tables[spec.name] = (delta_entry(gids[sel] - base[t], w, mom, spec.num_rows) if delta
                                  else table_entry(w, mom, gids[sel] - base[t]))
-        shard = {"rank": self.rank, "world_size": self.world, "tables": tables}
-        if self.rank == 0:
-            shard.update({"dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
-                          "optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
-                          "rng_torch": torch.get_rng_state()})
-            if self.host_embedding is not None:  # replicated (or shared) on every rank: rank 0 writes them
-                shard["host"] = {k: v.detach().cpu() for k, v in self.host_embedding.host_state().items()}
-            if self.tt_embedding is not None:  # TT cores and their optimizer state: identical on every rank
-                shard["tt"] = {k: v.detach().cpu() for k, v in self.tt_embedding.tt.state_dict().items()}
-                if self.tt_embedding.reorder_state():  # the maps the TT cores were trained under (EL-Rec IV)
-                    shard["reorder"] = self.tt_embedding.reorder_state()
-        if getattr(self, "managed", None) is not None:  # the mapping shards of managed tables this rank hosts
-            shard[MANAGED] = self.managed.state_dict(delta=delta)  # a delta: what changed since its base
-        if getattr(self, "monitor", None) is not None and not delta:  # this rank's rolling profile (train.replan)
-            shard[ROLLING_PROFILE] = self.monitor.state_dict()
-        write_rank_file(ckpt_dir, self.rank, shard)
+        write_rank(self.saved_parts(), ckpt_dir, self.rank, self.world, tables, delta=delta, track=track)
         if track:
             self.embedding.track_touched()
-            if getattr(self, "managed", None) is not None:
-                self.managed.track()
         return {"kind": "plan", "tables": [t.name for t in self.tables], "table_rows": [t.num_rows for t in self.tables],
                 "optimizer": self.cfg.train.sparse_optimizer, "dense_optimizer": type(self.opt).__name__.lower(),
                 "tt_tables": [t.name for t in self.all_tables if self.forms[t.name].kind == "tt"],
@@ -673,25 +661,16 @@ class DistributedRun:
         mom = torch.cat(moms) if adagrad else None
         filled = self.embedding.load_rows(g, torch.cat(weights), mom)
         assert filled == self.embedding.weight.shape[0]
-        r0 = rank0(shards)
-        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
-        if self.host_embedding is not None:
-            if not r0.get("host"):
-                raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
-                                  f"{[t.name for t in self.all_tables if self.forms[t.name].kind == 'host']}")
-            self.host_embedding.load_host_state(r0["host"])
-        if self.tt_embedding is not None:
-            load_tt_state(self.tt_embedding.tt, r0.get("tt"), ckpt_dir, with_optimizer=not self.inference)
-        load_reorder(self.tt_embedding, r0, ckpt_dir)
-        if not self.inference:
-            load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
-        if getattr(self, "managed", None) is not None:
-            load_managed(self.managed, shards, ckpt_dir)
-        if getattr(self, "monitor", None) is not None:
-            self.monitor.restore(shards, self.rank, self.world)
-        if "rng_torch" in r0:
-            torch.set_rng_state(r0["rng_torch"])
-        self.state.restore(m, r0.get("losses", []))
+        restore_parts(self.saved_parts(), ckpt_dir, m, shards, rank=self.rank, world=self.world,
+                      inference=self.inference)
+
+    def saved_parts(self) -> RunParts:
+        """What a checkpoint holds beside this rank's rows (``train.persist``)."""
+        mixed = self.tt_embedding
+        return RunParts(self.model, self.opt, self._names, self.state, host=self.host_embedding,
+                        host_tables=[t.name for t in self.all_tables if self.forms[t.name].kind == "host"],
+                        tt=mixed.tt if mixed is not None else None, mixed=mixed, managed=self.managed,
+                        monitor=self.monitor)
 
 
 def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dict | None:
@@ -751,8 +730,26 @@ def weighted_data(loader) -> bool:
 latest_sharded_checkpoint = latest_checkpoint  # one format: every checkpoint is a step directory
 
 
+@dataclass
+class Joined:
+    """A rank that joined its run: the shared run directory, its rank, the world size and the run's inputs
+    (data and tables, prepared once in this process)."""
+
+    run_dir: Path
+    rank: int
+    world: int
+    inputs: assemble.RunInputs
+
+
 def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path, int, int]:
-    """Rank 0 prepares the run (data, profile, plan), the others wait for it; then all join the group."""
+    """:func:`join`, as ``(run directory, rank, world size)``."""
+    j = join(cfg, run_dir, progress)
+    return j.run_dir, j.rank, j.world
+
+
+def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
+    """Rank 0 prepares the run (data, profile, plan), the others wait for it and read the prepared data; then
+    all join the group."""
     die_with_launcher()  # from the start: a rank waiting for rank 0 must not outlive its launcher either
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -762,12 +759,13 @@ def join_run(cfg: RunConfig, run_dir: str | None, progress: bool) -> tuple[Path,
     if rank == 0:
         if not os.environ.get("EMBEDSCALE_LAUNCHED"):  # plain torchrun: rank 0 holds the run (train.lock)
             hold_run_dir(rd)
-        prepare_on_rank0(cfg, rd, progress, token)
+        inputs = prepare_on_rank0(cfg, rd, progress, token)
     else:
         _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))
+        inputs = assemble.run_inputs(cfg, progress=False)  # rank 0's cache: read, not made
     backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
-    return rd, rank, world
+    return Joined(rd, rank, world, inputs)
 
 
 def plan_figures(run: DistributedRun) -> dict:

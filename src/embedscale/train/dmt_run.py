@@ -42,23 +42,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from embedscale.errors import ConfigError, FormatError
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import (assemble_table, delta_entry, merged, rank0, read_manifest, read_shards,
-                                        resolve_checkpoint, write_rank_file)
+from embedscale.train.checkpoint import assemble_table, delta_entry, read_manifest, read_shards, resolve_checkpoint
 from embedscale.train.distributed import DistributedRun
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
-from embedscale.train.run import (dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
-                                  optimizer_state, param_names, table_entry)
+from embedscale.train.persist import RunParts, restore_parts, write_rank
+from embedscale.train.run import param_names, table_entry
 from embedscale import assemble
 from embedscale.comm.hierarchical import TowerComm
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
 from embedscale.plan.towers import TowerAssignment
-from embedscale.train.distributed import join_run, serve_eval_split
+from embedscale.train.distributed import join, serve_eval_split
 
 CHECKPOINT_KIND = "dmt"
 # kinds of HostAwareTransport bytes that are dense-gradient synchronisation, not embedding traffic
@@ -89,8 +87,8 @@ class DMTRun(DistributedRun):
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
-                 inference: bool = False):
-        self._init_common(cfg, run_dir, rank, world, progress, inference)
+                 inference: bool = False, inputs: assemble.RunInputs | None = None):
+        self._init_common(cfg, run_dir, rank, world, progress, inference, inputs)
         t, d = cfg.train, cfg.dist
         self.tables = self.all_tables
         self.layout = dmt_layout(cfg, world)
@@ -175,15 +173,7 @@ class DMTRun(DistributedRun):
                                                         pl.tables[i].num_rows)
             else:
                 tables[pl.tables[i].name] = table_entry(w, mom, np.arange(lo, hi))
-        tower_names = self._tower_names()
-        first_of_group = self.layout.local_index(self.rank) == 0
-        keep = (lambda n: (n in tower_names and first_of_group) or (n not in tower_names and self.rank == 0))
-        shard = {"rank": self.rank, "world_size": self.world, "tables": tables,
-                 "dense": dense_state(self.model, keep), "optimizer": optimizer_state(self.opt, self._names, keep)}
-        if self.rank == 0:
-            shard.update({"optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
-                          "rng_torch": torch.get_rng_state()})
-        write_rank_file(ckpt_dir, self.rank, shard)
+        write_rank(self.saved_parts(), ckpt_dir, self.rank, self.world, tables, delta=delta, track=track)
         if track and self.embedding is not None:
             self.embedding.track_touched()
         return {**dmt_checkpoint_fields(self.cfg, self.assignment, self.world),
@@ -218,13 +208,20 @@ class DMTRun(DistributedRun):
                               f"run's {self.cfg.train.sparse_optimizer}/{dense_opt}")
         shards = read_shards(ckpt_dir, m)
         self._restore_tables(ckpt_dir, shards)
-        r0 = rank0(shards)
-        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
-        if not self.inference:
-            load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
-        if "rng_torch" in r0:
-            torch.set_rng_state(r0["rng_torch"])
-        self.state.restore(m, r0.get("losses", []))
+        restore_parts(self.saved_parts(), ckpt_dir, m, shards, rank=self.rank, world=self.world,
+                      inference=self.inference)
+
+    def saved_parts(self) -> RunParts:
+        """What a checkpoint holds beside this rank's rows (``train.persist``): the dense state spread over the
+        ranks, a tower group's first rank its towers' modules, rank 0 the other dense parameters."""
+        tower_names = self._tower_names()
+        layout = self.layout
+
+        def spread(rank: int):
+            first_of_group = layout.local_index(rank) == 0
+            return lambda n: (n in tower_names and first_of_group) or (n not in tower_names and rank == 0)
+
+        return RunParts(self.model, self.opt, self._names, self.state, spread=spread)
 
     def _restore_tables(self, ckpt_dir: Path, shards: list[dict]) -> None:
         """Every row range this rank holds, from the rows of all rank files."""
@@ -287,8 +284,9 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     if world == 1:
         cfg.dist.topology_hosts = 1
         cfg.model.hosts_per_tower = 1
-    rd, rank, world = join_run(cfg, run_dir, progress)
-    run = DMTRun(cfg, rd, rank, world, progress, inference=True)
+    j = join(cfg, run_dir, progress)
+    rd = j.run_dir
+    run = DMTRun(cfg, rd, j.rank, j.world, progress, inference=True, inputs=j.inputs)
     run.restore(ck)
     return serve_eval_split(run, rd, checkpoint, warmup,
                             {"plan": run.plan_name, "design": "tower transform", "towers": run.assignment.towers})

@@ -15,7 +15,7 @@ from pathlib import Path
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig
 from embedscale.train.checkpoint import latest_checkpoint, resolve_checkpoint
-from embedscale.train.distributed import DistributedRun, _log, join_run, serve_eval_split
+from embedscale.train.distributed import DistributedRun, _log, join, serve_eval_split
 from embedscale.train.dmt_run import DMTRun, infer_dmt
 from embedscale.train.launch import leave_group
 from embedscale.train.loop import LoopConfig, fit
@@ -30,8 +30,9 @@ def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = Non
     if is_dmt_arch(cfg.model.arch):  # DMT models serve through the tower transform, with their own towers
         return infer_dmt(cfg, checkpoint, run_dir, progress=progress, warmup=warmup)
     cfg.dist.mode = "inference"
-    rd, rank, world = join_run(cfg, run_dir, progress)
-    run = DistributedRun(cfg, rd, rank, world, progress, inference=True)
+    j = join(cfg, run_dir, progress)
+    rd = j.run_dir
+    run = DistributedRun(cfg, rd, j.rank, j.world, progress, inference=True, inputs=j.inputs)
     run.restore(Path(checkpoint))
     out = serve_eval_split(run, rd, checkpoint, warmup,
                            {"plan": run.plan.meta.get("strategy"), "design": cfg.dist.design})
@@ -54,15 +55,16 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
     (``model.arch: dmt-*``) runs as a ``DMTRun`` (tower transform, ``embedscale.train.dmt_run``). Resumes from
     ``resume_from`` (a checkpoint or run directory) or the run directory's latest checkpoint, whatever world
     size wrote it. Returns the summary on rank 0."""
-    rd, rank, world = join_run(cfg, run_dir, progress)
+    j = join(cfg, run_dir, progress)
+    rd, rank, world = j.run_dir, j.rank, j.world
     if is_dmt_arch(cfg.model.arch):
-        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress)
+        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress, inputs=j.inputs)
     else:
-        run = DistributedRun(cfg, rd, rank, world, progress)
+        run = DistributedRun(cfg, rd, rank, world, progress, inputs=j.inputs)
     ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
     if ck is not None:
         run.restore(ck)
-        if getattr(run, "monitor", None) is not None:  # the plan the checkpoint's step ran under (train.replan)
+        if run.monitor is not None:  # the plan the checkpoint's step ran under (train.replan)
             resume_plan(run)
         _log(rank, f"resumed from {ck} (step {run.state.step})")
     if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \

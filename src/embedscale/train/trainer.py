@@ -28,13 +28,14 @@ from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.embedding.managed_lookup import managed_of
 from embedscale.reorder import Reordering, TableReordering
-from embedscale.train.checkpoint import (MANAGED, delta_entry, latest_checkpoint, load_managed, merged, rank0,
-                                        read_manifest, read_shards, resolve_checkpoint, write_rank_file)
+from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, load_managed, merged, rank0, read_manifest,
+                                        read_shards, resolve_checkpoint)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
-from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, load_whole_tables,
-                                  local_tables, optimizer_groups, optimizer_state, param_names, whole_table_entries)
+from embedscale.train.persist import RunParts, load_reorder, load_tt_state, restore_parts, write_rank
+from embedscale.train.run import (RunState, load_dense_state, load_whole_tables, local_tables, param_names,
+                                  whole_table_entries)
 
 __all__ = ["Trainer", "evaluate", "warm_up_lr", "MetricRow", "load_tt_state", "load_model_state"]
 
@@ -57,33 +58,6 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
     return binary_metrics(y, z, np.concatenate(weights) if weights else None)
 
 
-def load_tt_state(tt: nn.Module, state: dict | None, where, *, with_optimizer: bool = True) -> None:
-    """Load TT cores (and, ``with_optimizer``, their optimizer state) into ``tt`` (a ``ModuleDict`` of TT tables);
-    a table or core the checkpoint lacks, or another shape, is a ``FormatError`` naming it."""
-    names = list(tt.keys())
-    if not state:
-        raise FormatError(f"{where}: no TT tables in the checkpoint; this model has {names}")
-    missing = sorted({n for n in names if not any(k.startswith(f"{n}.") for k in state)})
-    if missing:
-        raise FormatError(f"{where}: the checkpoint has no cores for TT table(s) {missing}")
-    def weight(k: str) -> bool:  # TT cores and a row-group table's exact hot rows (the rest: optimizer state)
-        last = k.split(".")[-1]
-        return last.startswith("core") or last == "hot_weight"
-
-    with torch.no_grad():
-        for k, dst in tt.state_dict().items():
-            if k not in state:
-                if weight(k):
-                    raise FormatError(f"{where}: TT tensor {k!r} is missing")
-                continue  # optimizer state of a checkpoint trained otherwise (or an inference model)
-            if not with_optimizer and not weight(k):
-                continue
-            if tuple(state[k].shape) != tuple(dst.shape):
-                raise FormatError(f"{where}: TT tensor {k!r} has shape {tuple(state[k].shape)}, this model's "
-                                  f"{tuple(dst.shape)} (another rank or factorisation?)")
-            dst.copy_(state[k])
-
-
 def _parts(model: nn.Module):
     """The model's row-stored tables (``{name: LocalEmbeddingBags}``), its host parameter-server embedding and its
     TT tables (``ModuleDict`` or ``None``)."""
@@ -97,19 +71,6 @@ def _parts(model: nn.Module):
 def mixed_of(model: nn.Module) -> MixedEmbedding | None:
     """The model's ``MixedEmbedding`` (TT tables, reordering) or ``None``."""
     return next((m for m in model.modules() if isinstance(m, MixedEmbedding)), None)
-
-
-def load_reorder(mixed: MixedEmbedding | None, r0: dict, where) -> None:
-    """The index reordering a checkpoint's rank-0 shard keeps (``"reorder"``: ``{table: map}``, EL-Rec IV) into
-    ``mixed`` (the checkpoint's maps win: its TT cores were trained under them); a checkpoint with maps and a
-    model without TT tables is a ``FormatError``."""
-    maps = r0.get("reorder") or {}
-    if mixed is None:
-        if maps:
-            raise FormatError(f"{where}: the checkpoint renames the ids of tables {sorted(maps)} (index "
-                              "reordering), this model has no TT tables")
-        return
-    mixed.load_reorder_state(maps, where)
 
 
 def checkpoint_reordering(checkpoint: str | Path, tables) -> Reordering | None:
@@ -219,21 +180,7 @@ class Trainer:
         """A world of one: every row of every table (``delta``: the rows updated since the last ``track`` save),
         the dense state and optimizer, host tables, TT cores (``Run.save``)."""
         tables = self._touched_entries() if delta else whole_table_entries(self._tables)
-        shard = {"rank": 0, "world_size": 1, "tables": tables,
-                 "dense": dense_state(self.model), "optimizer": optimizer_state(self.opt, self._names),
-                 "optimizer_groups": optimizer_groups(self.opt), "losses": list(self.state.losses),
-                 "rng_torch": torch.get_rng_state()}
-        if self._host is not None:
-            shard["host"] = {k: v.detach().cpu() for k, v in self._host.host_state().items()}
-        if self._tt is not None:
-            shard["tt"] = {k: v.detach().cpu() for k, v in self._tt.state_dict().items()}
-        if self._mixed is not None and self._mixed.reorder_state():
-            shard["reorder"] = self._mixed.reorder_state()  # the maps the TT cores were trained under (EL-Rec IV)
-        if self._managed is not None:
-            shard[MANAGED] = self._managed.state_dict(delta=delta)  # a delta: what changed since its base
-        write_rank_file(ckpt_dir, 0, shard)
-        if track and self._managed is not None:
-            self._managed.track()
+        write_rank(self._saved_parts(), ckpt_dir, 0, 1, tables, delta=delta, track=track)
         if track:
             for m in {id(m): m for m in self._tables.values()}.values():
                 if m.optimizer is None:
@@ -268,23 +215,14 @@ class Trainer:
             raise FormatError(f"{ckpt_dir}: written by a {m.get('kind')!r} model, this run trains a "
                               f"{self.fields['kind']!r} model (model.arch dmt-* is 'dmt')")
         shards = read_shards(ckpt_dir, m)
-        r0 = rank0(shards)
         load_whole_tables(self._tables, shards, ckpt_dir)
-        if self._host is not None:
-            if not r0.get("host"):
-                raise FormatError(f"{ckpt_dir}: no host tables in the checkpoint; this model has "
-                                  f"{[s.name for s in self._host.server.tables]}")
-            self._host.load_host_state(r0["host"])
-        if self._tt is not None:
-            load_tt_state(self._tt, r0.get("tt"), ckpt_dir)
-        load_reorder(self._mixed, r0, ckpt_dir)
-        load_dense_state(self.model, merged(shards, "dense"), ckpt_dir)
-        load_optimizer_state(self.opt, self._names, merged(shards, "optimizer"), r0["optimizer_groups"], ckpt_dir)
-        if self._managed is not None:
-            load_managed(self._managed, shards, ckpt_dir)
-        if "rng_torch" in r0:
-            torch.set_rng_state(r0["rng_torch"])
-        self.state.restore(m, r0.get("losses", []))
+        restore_parts(self._saved_parts(), ckpt_dir, m, shards)
+
+    def _saved_parts(self) -> RunParts:
+        """What a checkpoint holds beside the rows (``train.persist``)."""
+        return RunParts(self.model, self.opt, self._names, self.state, host=self._host,
+                        host_tables=[s.name for s in self._host.server.tables] if self._host is not None else [],
+                        tt=self._tt, mixed=self._mixed, managed=self._managed)
 
     # -- entry points ---------------------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:
