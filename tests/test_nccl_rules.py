@@ -57,9 +57,10 @@ def _tensors(x):
 
 
 def _caller() -> str:
-    """``file.py:line`` of the innermost library frame (relative to the package), else ``?``."""
+    """``file.py:line`` of the innermost library frame (relative to the package) but the transport module's
+    counted pass-throughs (``counted_all_reduce``, ...), else ``?``."""
     for fr in reversed(traceback.extract_stack()[:-3]):
-        if fr.filename.startswith(SRC):
+        if fr.filename.startswith(SRC) and not fr.filename.endswith("comm/transport.py"):
             return f"{Path(fr.filename).relative_to(SRC).as_posix()}:{fr.lineno}"
     return "?"
 
