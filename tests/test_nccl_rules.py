@@ -155,7 +155,7 @@ def _step(rank, world, cfg_dict, run_dir):
 
 
 @pytest.mark.parametrize("design,grad_sync", [("retrieve", "local_aggregated"), ("retrieve", "alltoall"),
-                                              ("send", "allgather")])
+                                              ("retrieve", "dense"), ("send", "allgather")])
 def test_a_sharded_training_step_uses_only_collectives_nccl_takes(tmp_path, design, grad_sync):
     from test_distributed_train import config, hand_plan, make_data
 
