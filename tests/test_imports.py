@@ -32,7 +32,7 @@ LAYERS = [
     ("reorder",),
     ("plan",),  # numpy only (tests/test_architecture.py)
     ("data",),
-    ("specs", "units", "io", "errors", "threads"),
+    ("specs", "units", "io", "errors", "threads", "device"),
 ]
 LEVEL = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

@@ -71,7 +71,7 @@ from embedscale.plan.api import plan_command, resolve_topology
 from embedscale.plan.autoplan import predict_plan_forms, with_topology_links
 from embedscale.plan.forms import SHARDED, TableForm, tables_from_profile
 from embedscale.plan.step import DenseModel, fit_executor, form_counts, held_out_errors
-from embedscale.specs import SyntheticConfig, Topology
+from embedscale.specs import SyntheticConfig, Topology, TrainConfig
 
 PLANS = ("sharded", "tt", "host", "host-few", "tt-host")  # one per form kind, a second host plan, the two beside
 
@@ -123,7 +123,7 @@ def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: 
 
 def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: int = 1_000_000, dim: int = 16,
                     steps: int = 60, repeats: int = 3, tt_rank: int = 32, host_depth: int = 2, big: int = 5,
-                    device: str = "cpu", seed: int = 0, work: str | os.PathLike | None = None,
+                    device: str = TrainConfig.device, seed: int = 0, work: str | os.PathLike | None = None,
                     log: Callable[[str], None] | None = None) -> Costs:
     """``costs`` (single-process, :func:`embedscale.calibrate.calibrate` at the same ``batch`` and ``dim``) with
     the executor overheads of ``ranks`` ranks fitted (module docstring). ``batch``: samples per rank and step;

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from embedscale.data.batch import Batch, JaggedFeatures
+from embedscale.device import HOST
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_save_npy, atomic_write_json, read_json
 from embedscale.plan.forms import reordered_tables, with_reorder
@@ -373,7 +374,7 @@ def _iter_shard_batches(directory: Path, features: list[str], batch_size: int, m
 
 def _per_key_numpy(jf: JaggedFeatures) -> dict[str, np.ndarray]:
     lpk = jf.length_per_key().tolist()
-    return {k: v.cpu().numpy() for k, v in zip(jf.keys, torch.split(jf.values, lpk))}
+    return {k: v.to(HOST).numpy() for k, v in zip(jf.keys, torch.split(jf.values, lpk))}
 
 
 def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: float = 0.01, *,

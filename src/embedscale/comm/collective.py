@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from embedscale.comm.transport import Transport, backend_device, nbytes
+from embedscale.comm.transport import Transport, nbytes
+from embedscale.device import HOST, backend_device
 
 
 class CollectiveTransport(Transport):
@@ -34,7 +35,7 @@ class CollectiveTransport(Transport):
         """CUDA for NCCL, host memory for gloo (``backend_device`` of the group's backend)."""
         if self._wire is None:
             self._wire = backend_device(dist.get_backend(self.group)) if dist.is_initialized() \
-                else torch.device("cpu")
+                else HOST
         return self._wire
 
     def _exchange_counts(self, counts: list[int], device=None) -> list[int]:

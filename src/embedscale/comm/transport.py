@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from embedscale.device import backend_device  # noqa: F401 (the transports' wire device, decided there)
+
 
 class ByteCounter:
     """Payload bytes sent to / received from each peer (self excluded), and metadata bytes sent, apart (the
@@ -206,15 +208,6 @@ def _from_bytes(buf: torch.Tensor, dtype: torch.dtype, tail: tuple = ()) -> torc
     if buf.storage_offset() % torch.empty(0, dtype=dtype).element_size():
         buf = buf.clone()  # a view as a wider type needs an aligned start
     return buf.view(dtype).view(-1, *tail)
-
-
-def backend_device(backend: str) -> torch.device:
-    """The device a ``torch.distributed`` backend's all-to-all takes tensors on: the current CUDA device
-    for NCCL, host memory for gloo and MPI (their all-to-all is CPU-only). Designed for GPU (NCCL branch
-    untested here)."""
-    if str(backend).lower() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 # -- the counting convention (module docstring) -------------------------------------------------------

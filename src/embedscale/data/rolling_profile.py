@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from embedscale.data.profile import AccessProfile
+from embedscale.device import HOST
 from embedscale.errors import ConfigError, FormatError, InputError
 
 _RESCALE_AT = {torch.float64: 1e150, torch.float32: 1e18}  # stored values stay finite
@@ -160,7 +161,7 @@ class RollingProfile:
     def to_access_profile(self, feature_to_table: Mapping[str, str] | None = None) -> AccessProfile:
         """An :class:`AccessProfile` of float64 expected counts (its ``samples`` is the decayed sample
         count rounded to an integer), the input of ``plan.api.make_plan``."""
-        tables = {n: self.counts(n).to("cpu", torch.float64).numpy() for n in self.table_names}
+        tables = {n: self.counts(n).to(HOST, torch.float64).numpy() for n in self.table_names}
         return AccessProfile(tables, int(round(self.samples)), feature_to_table)
 
     # -- state -----------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from embedscale.device import HOST
 from embedscale.errors import ConfigError
 from embedscale.specs import TableSpec
 
@@ -414,7 +415,7 @@ class TorchAddressMap:
 
     def to(self, device: torch.device | str | None) -> "TorchAddressMap":
         """This map with its tensors on ``device`` (``self`` when they are already there)."""
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device) if device is not None else HOST
         if self.row_code.device == device:
             return self
         out = copy.copy(self)

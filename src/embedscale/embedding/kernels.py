@@ -45,6 +45,8 @@ from types import ModuleType
 
 import torch
 
+from embedscale.device import on_host
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
@@ -60,7 +62,7 @@ _lock = threading.Lock()  # fused_ops: one load per process
 def takes(weights: torch.Tensor) -> bool:
     """The kernel can update this storage: float32 in host memory (the kernel is CPU code; every other
     device and dtype keeps the PyTorch path)."""
-    return weights.device.type == "cpu" and weights.dtype == torch.float32
+    return on_host(weights) and weights.dtype == torch.float32
 
 
 def cache_root() -> Path:

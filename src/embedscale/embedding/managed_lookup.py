@@ -66,6 +66,7 @@ import torch.nn as nn
 
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
+from embedscale.device import HOST
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.managed import ManagedIds, ManagedIdTable, shard_of
@@ -236,7 +237,7 @@ class ManagedLookup:
             if r.numel():
                 t = names.index(name)
                 off = int(base[t]) if base is not None else t << 40
-                gids.append(r.cpu().numpy().astype(np.int64) + off)
+                gids.append(r.to(HOST).numpy().astype(np.int64) + off)
         g = np.concatenate(gids) if gids else np.zeros(0, dtype=np.int64)
         hold = m.amap.holders_of(g) if base is not None else np.ones((g.size, W), dtype=bool)
         return [torch.from_numpy(g[hold[:, p]]).to(self.device) for p in range(W)]
@@ -246,7 +247,7 @@ class ManagedLookup:
         if gids.numel() == 0:
             return
         m = self.rows
-        g = np.unique(gids.cpu().numpy())
+        g = np.unique(gids.to(HOST).numpy())
         names = [s.name for s in m.tables]
         if isinstance(m, ShardedEmbedding):
             base = np.asarray(m.amap.table_base)
@@ -265,7 +266,7 @@ class ManagedLookup:
         if rows.numel() == 0:
             return
         spec = self.specs[table]
-        r = rows.cpu().numpy().astype(np.int64)
+        r = rows.to(HOST).numpy().astype(np.int64)
         fresh = torch.from_numpy(uniform_rows(self.seed, self.index[table], r, spec.dim, spec.num_rows))
         m = self.rows
         if isinstance(m, LocalEmbeddingBags):
@@ -292,7 +293,7 @@ class ManagedLookup:
         ``<table>.step``, ``<table>.<shard>.<key>``; tensors only), on the host. ``delta``: only what changed
         since the last :meth:`track` (``ManagedIdTable.delta_state_dict``; ``embedding.managed.apply_delta``
         restores it over the base's)."""
-        return {k: v.detach().cpu() for k, v in self.ids.state_dict(delta=delta).items()}
+        return {k: v.detach().to(HOST) for k, v in self.ids.state_dict(delta=delta).items()}
 
     def track(self) -> None:
         """The mapping as it is now is the base of later delta states (a full checkpoint was just written)."""
@@ -320,7 +321,7 @@ class ManagedLookup:
         if self.world > 1:
             v = v.to(self.transport.wire_device)
             dist.all_reduce(v, group=self.group)
-            v = v.cpu()
+            v = v.to(HOST)
         n = max(self.stats.get("steps", 0), 1)
         per = (v / n).tolist()
         return {"bytes_per_step": per[0], "ids": per[1], "rows": per[2], "meta": per[3]}
@@ -333,7 +334,7 @@ class ManagedLookup:
         if self.world > 1 and c.numel():
             c = c.to(self.transport.wire_device)
             dist.all_reduce(c, group=self.group)
-            c = c.cpu()
+            c = c.to(HOST)
         return {n: dict(zip(keys, (int(v) for v in row))) for n, row in zip(names, c.tolist())}
 
 

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from embedscale.device import HOST
 from embedscale.embedding.address_map import AddressMap, plan_placement
 from embedscale.embedding.pgas_lookup import HeapTooSmall, PgasShardedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -278,7 +279,7 @@ def migrate(old: ShardedEmbedding, new: ShardedEmbedding, *, release: bool = Tru
     new.stats.update(old.stats)
     old_rep, new_rep = old.amap.replica_gids_on(me), new.amap.replica_gids_on(me)
     added, dropped = _count_missing(new_rep, old_rep), _count_missing(old_rep, new_rep)
-    codes = int((old.tmap.row_code.cpu().to(torch.int64) != new.tmap.row_code.cpu().to(torch.int64)).sum())
+    codes = int((old.tmap.row_code.to(HOST, torch.int64) != new.tmap.row_code.to(HOST, torch.int64)).sum())
     if release:
         _release(old)
     return Migration(rank=me, rows_kept=int(routes.keep_gids.size), rows_sent=routes.rows_sent,
@@ -607,7 +608,7 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
     local_m = module.momentum.index_select(0, src) if adagrad else None
     local_t = module.touched.index_select(0, src) if module.touched is not None else None
     cand = routes.candidates
-    before_codes = module.tmap.row_code.index_select(0, torch.from_numpy(cand).to(module.tmap.device)).cpu()
+    before_codes = module.tmap.row_code.index_select(0, torch.from_numpy(cand).to(module.tmap.device)).to(HOST)
     tr = module.transport
     before = tr.counter.sent.copy()
     got = tr.exchange(send, recv_counts=[int(g.size) if p != me else 0 for p, g in enumerate(routes.recv_gids)],
@@ -636,7 +637,7 @@ def migrate_in_place(module: ShardedEmbedding, target: Placement | AddressMap) -
             module.touched[rows] = True
     if pgas:  # the rows are in place: peers may read them (the heap's version word)
         module.migrated()
-    after_codes = module.tmap.row_code.index_select(0, torch.from_numpy(cand).to(module.tmap.device)).cpu()
+    after_codes = module.tmap.row_code.index_select(0, torch.from_numpy(cand).to(module.tmap.device)).to(HOST)
     codes = edit.old.num_rows if edit.widened else \
         int((before_codes.to(torch.int64) != after_codes.to(torch.int64)).sum())
     old_rep, new_rep = edit.old.replica_gids_on(me), edit.new.replica_gids_on(me)

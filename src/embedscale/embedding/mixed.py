@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from embedscale.data.batch import JaggedFeatures, same_batch
+from embedscale.device import HOST
 from embedscale.embedding.hybrid import HybridTTEmbeddingBag
 from embedscale.embedding.init import uniform_rows
 from embedscale.embedding.input_pipeline import InputPipeline
@@ -240,7 +241,7 @@ class MixedEmbedding(nn.Module):
     def reorder_state(self) -> dict[str, torch.Tensor]:
         """``{table: map}`` of the reordered tables (``map[old] = new``, EL-Rec IV): a checkpoint keeps it beside
         the TT cores, which were trained under it."""
-        return {t: getattr(self.remap, t).detach().cpu() for t in sorted(set(self._remapped.values()))}
+        return {t: getattr(self.remap, t).detach().to(HOST) for t in sorted(set(self._remapped.values()))}
 
     def load_reorder_state(self, maps: Mapping[str, torch.Tensor] | None, where) -> None:
         """Rename ids as a checkpoint's :meth:`reorder_state` says. The checkpoint's TT cores (and rows) were

@@ -54,6 +54,7 @@ import torch.nn.functional as F
 
 from embedscale.comm.pgas import PgasTransport
 from embedscale.data.batch import JaggedFeatures
+from embedscale.device import HOST
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.context import IdsLayout, PgasRetrieveContext, PgasSendContext, Stage
 from embedscale.embedding.interop import as_jagged
@@ -292,7 +293,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
         self._check_keys(features)
         ctx.B = B = features.batch_size
         self._check_batch(B)
-        lengths, values = features.lengths.cpu(), features.values.cpu()
+        lengths, values = features.lengths.to(HOST), features.values.to(HOST)
         vstart = [0] + torch.cumsum(lengths.view(F_, B).sum(1), 0).tolist()
         if self.validate:
             for f in range(F_):
@@ -306,7 +307,7 @@ class PgasShardedEmbedding(ShardedEmbedding):
                                          f"{self.tables[int(self._feature_table[f])].name!r} [0, {n})")
         scale = None
         if features.weights is not None or bool(self._feature_mean.any()):
-            scale = features.weights.cpu().to(torch.float32) if features.weights is not None else \
+            scale = features.weights.to(HOST, torch.float32) if features.weights is not None else \
                 torch.ones(values.numel(), dtype=torch.float32)
             for f in torch.nonzero(self._feature_mean).view(-1).tolist():
                 a, b = vstart[f], vstart[f + 1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from embedscale.device import on_host
 from embedscale.embedding.address_map import TorchAddressMap
 from embedscale.embedding.context import RetrieveContext, Stage
 from embedscale.embedding.optim import aggregate_row_gradients
@@ -241,7 +242,7 @@ def remote_rows(tm: TorchAddressMap, gids: torch.Tensor, me: int, W: int, ops=No
     which values are remote and their positions, the unique remote keys (source-rank order, so each peer's
     rows are one block), each remote value's index among them, and how many rows come from each rank.
     With ``ops`` (the C++ kernel; CPU ids) the codes, keys and remote values come from one pass."""
-    if ops is not None and gids.device.type == "cpu" and gids.dtype == torch.int64:
+    if ops is not None and on_host(gids) and gids.dtype == torch.int64:
         n = gids.numel()
         code, key = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.int64)
         remote, ridx = torch.empty(n, dtype=torch.bool), torch.empty(n, dtype=torch.int64)
@@ -304,7 +305,7 @@ def touched_replicas(mod, key: torch.Tensor, remote: torch.Tensor, r_slot) -> to
     then the replicas it fetched (request order), the order backward lists their gradients in."""
     held = int(mod.weight.shape[0]) - mod.num_owned
     ops = mod.kernel_ops()
-    if ops is not None and key.device.type == "cpu":  # one pass, a flag per held replica
+    if ops is not None and on_host(key):  # one pass, a flag per held replica
         out = [ops.sharded_local_replicas(key, remote, mod.num_owned, mod.tmap.OFF_MASK,
                                           mod.region_slot[:held].contiguous())]
     else:

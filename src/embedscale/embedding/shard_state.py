@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from embedscale.device import HOST
 from embedscale.embedding.address_map import AddressMap
 from embedscale.embedding.interop import ebc_weight_key, has_ebc_names
 from embedscale.errors import ConfigError, InputError
@@ -41,11 +42,11 @@ class ShardState:
         if touched_only:
             if self.touched is None:
                 raise ConfigError("shard_state(touched_only=True): rows are not tracked (call track_touched first)")
-            hit = self.touched.index_select(0, idx.to(self.touched.device)).cpu().numpy()
+            hit = self.touched.index_select(0, idx.to(self.touched.device)).to(HOST).numpy()
             gids, idx = gids[hit], idx[torch.from_numpy(hit)]
-        st = {"gids": torch.from_numpy(gids), "weight": self.weight[idx.to(self.weight.device)].detach().cpu()}
+        st = {"gids": torch.from_numpy(gids), "weight": self.weight[idx.to(self.weight.device)].detach().to(HOST)}
         if self.optimizer == "rowwise_adagrad":
-            st["momentum"] = self.momentum[idx.to(self.momentum.device)].cpu()
+            st["momentum"] = self.momentum[idx.to(self.momentum.device)].to(HOST)
         return st
 
     @torch.no_grad()

@@ -155,10 +155,11 @@ class HostParameterServer:
 
         >>> import torch
         >>> from embedscale.data.batch import JaggedFeatures
+        >>> from embedscale.device import HOST
         >>> from embedscale.specs import TableSpec
         >>> ps = HostParameterServer([TableSpec("big", 1000, 4)], optimizer="sgd", lr=0.1, seed=0)
         >>> jf = JaggedFeatures.from_dense(["big"], torch.tensor([[7], [3], [7]]))
-        >>> hr = ps.read(ps.prepare(jf), torch.device("cpu"))[0]
+        >>> hr = ps.read(ps.prepare(jf), HOST)[0]
         >>> hr.rows.tolist(), hr.ids.tolist(), tuple(hr.weights.shape)
         ([3, 7], [1, 0, 1], (2, 4))
     """

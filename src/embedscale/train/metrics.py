@@ -17,6 +17,7 @@ import torch
 
 from embedscale.data.metrics import (binary_metrics, calibration, logloss, logloss_from_logits,  # noqa: F401
                                      normalized_entropy, roc_auc)  # (the run's metrics)
+from embedscale.device import HOST
 from embedscale.errors import FormatError
 from embedscale.io import atomic_write_text
 
@@ -141,9 +142,9 @@ class ProgressiveWindow:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         if not self.batches:
             return np.zeros(0), np.zeros(0), None
-        z = torch.cat([b[0] for b in self.batches]).double().cpu().numpy()
-        y = torch.cat([b[1] for b in self.batches]).double().cpu().numpy()
+        z = torch.cat([b[0] for b in self.batches]).double().to(HOST).numpy()
+        y = torch.cat([b[1] for b in self.batches]).double().to(HOST).numpy()
         w = None
         if self.batches[0][2] is not None:
-            w = torch.cat([b[2] for b in self.batches]).double().cpu().numpy()
+            w = torch.cat([b[2] for b in self.batches]).double().to(HOST).numpy()
         return z, y, w
