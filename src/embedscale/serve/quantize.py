@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from embedscale.device import HOST
+
 FORMS = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 QPARAM_BYTES = 4  # fp16 scale + fp16 bias after a row's packed values
@@ -38,7 +40,7 @@ def row_bytes(form: str, dim: int) -> int:
 
 def quantize_rows(weight: torch.Tensor, form: str) -> torch.Tensor:
     """``[rows, dim]`` float -> the stored table: float32, float16, or ``uint8 [rows, row_bytes]`` fused rows."""
-    w = weight.detach().to(torch.float32).cpu()
+    w = weight.detach().to(torch.float32).to(HOST)
     if form == "fp32":
         return w.contiguous()
     if form == "fp16":

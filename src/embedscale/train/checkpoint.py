@@ -70,6 +70,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from embedscale.device import HOST
 from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, read_json
@@ -250,7 +251,7 @@ def read_shard(path: str | Path) -> dict:
     if not path.is_file():
         raise FormatError(f"checkpoint file not found: {path}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # read as tensors are used
+        payload = torch.load(path, map_location=HOST, weights_only=True, mmap=True)  # read as tensors are used
     except Exception as e:  # noqa: BLE001 - torch raises many kinds here
         raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or "rank" not in payload:
@@ -565,8 +566,8 @@ def delta_entry(rows: np.ndarray | torch.Tensor, weight: torch.Tensor, momentum:
     """A delta's table entry: rows ``rows`` (ids in a table of ``num_rows`` rows) with their ``weight`` and
     row-wise ``momentum``; the ids as int32, or as a bitmap when it is smaller (``num_rows / 8`` bytes
     against 4 per row; the rows then sorted)."""
-    rows = torch.as_tensor(rows).cpu().numpy().astype(np.int64, copy=False)
-    weight, momentum = weight.detach().cpu(), (momentum.detach().cpu() if momentum is not None else None)
+    rows = torch.as_tensor(rows).to(HOST).numpy().astype(np.int64, copy=False)
+    weight, momentum = weight.detach().to(HOST), (momentum.detach().to(HOST) if momentum is not None else None)
     if -(-num_rows // 8) < 4 * rows.size:
         order = np.argsort(rows, kind="stable")
         if rows.size > 1 and (np.diff(rows) < 0).any():

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from embedscale.device import HOST
 from embedscale.errors import FormatError
 from embedscale.io import atomic_write_text
 
@@ -91,7 +92,7 @@ class RowReader:
         if shard not in self._files:
             path = self.dir / shard
             try:
-                self._files[shard] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                self._files[shard] = torch.load(path, map_location=HOST, weights_only=True, mmap=True)
             except Exception as e:  # noqa: BLE001 - torch raises many kinds here
                 raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
         return self._files[shard]

@@ -48,6 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import assemble
+from embedscale.device import HOST, on_host, process_group_backend, run_device
 from embedscale.models.builder import EmbeddingEnv, build_embedding, embedding_parts
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
@@ -369,7 +370,7 @@ class DistributedRun:
         self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan", self.all_tables)
         self.tables = planned_tables(self.all_tables, self.forms)  # the sharded ones; host tables: a parameter server
         amap = address_map_from_plan(self.plan, self.tables)
-        self.emb_group = dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
+        self.emb_group = dist.new_group(backend="gloo" if on_host(self.device) else None,
                                         timeout=datetime.timedelta(seconds=d.timeout_s))
         # made now, while every rank answers: after a failure it finds the ranks that stopped (monitored barrier)
         self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
@@ -467,7 +468,7 @@ class DistributedRun:
 
     def _new_group(self):
         """A process group of every rank (the TT core gradients', the host rows' exchange)."""
-        return dist.new_group(backend="gloo" if self.device.type == "cpu" else None,
+        return dist.new_group(backend="gloo" if on_host(self.device) else None,
                               timeout=datetime.timedelta(seconds=self.cfg.dist.timeout_s))
 
     def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
@@ -478,7 +479,7 @@ class DistributedRun:
         self.progress = progress and rank == 0
         self.inference = inference
         t = cfg.train
-        self.device = torch.device(t.device)
+        self.device = run_device(t.device, int(os.environ.get("LOCAL_RANK", 0)))  # cuda:LOCAL_RANK on GPUs
         inputs = inputs or assemble.run_inputs(cfg, progress=False)
         self.data, self.all_tables = inputs.data, inputs.tables
         self.forms = config_forms(cfg.model, self.all_tables)  # a planned run: the plan's (DistributedRun)
@@ -690,8 +691,8 @@ def serve_eval_split(run, rd: Path, checkpoint, warmup: int, extra: dict) -> dic
             if i >= warmup:
                 secs += time.perf_counter() - t0
                 n += batch.global_size
-            zs.append(z.float().cpu())
-            ys.append(batch.labels.float().cpu())
+            zs.append(z.float().to(HOST))
+            ys.append(batch.labels.float().to(HOST))
             ws.append(batch.weights)
     z, y, w = gather_logits(zs, ys, ws, weighted_data(run.eval_loader))
     t = torch.tensor([secs])
@@ -712,9 +713,9 @@ def gather_logits(zs: list[torch.Tensor], ys: list[torch.Tensor], ws: list | Non
     """Every rank's logits, labels and, for a ``weighted`` dataset (every rank says the same: its manifest's),
     sample weights (else None), concatenated in rank order on every rank (for exact AUC)."""
     if zs:
-        cols = [torch.cat([z.float().cpu() for z in zs]), torch.cat([y.float().cpu() for y in ys])]
+        cols = [torch.cat([z.float().to(HOST) for z in zs]), torch.cat([y.float().to(HOST) for y in ys])]
         if weighted:
-            cols.append(torch.cat([w.float().cpu() for w in ws]))
+            cols.append(torch.cat([w.float().to(HOST) for w in ws]))
         local = torch.stack(cols, 1)
     else:
         local = torch.zeros(0, 3 if weighted else 2)
@@ -763,7 +764,7 @@ def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
     else:
         _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))
         inputs = assemble.run_inputs(cfg, progress=False)  # rank 0's cache: read, not made
-    backend = cfg.dist.backend or ("nccl" if torch.device(cfg.train.device).type == "cuda" else "gloo")
+    backend = cfg.dist.backend or process_group_backend(torch.device(cfg.train.device))
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
     return Joined(rd, rank, world, inputs)
 

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from embedscale.device import HOST
 from embedscale.errors import FormatError
 from embedscale.train.checkpoint import MANAGED, ROLLING_PROFILE, load_managed, merged, rank0, write_rank_file
 from embedscale.train.run import (RunState, dense_state, load_dense_state, load_optimizer_state, optimizer_groups,
@@ -59,9 +60,9 @@ def write_rank(parts: RunParts, ckpt_dir: Path, rank: int, world: int, tables: d
         shard.update({"optimizer_groups": optimizer_groups(p.opt), "losses": list(p.state.losses),
                       "rng_torch": torch.get_rng_state()})
         if p.host is not None:  # replicated (or shared) on every rank: rank 0 writes them
-            shard["host"] = {k: v.detach().cpu() for k, v in p.host.host_state().items()}
+            shard["host"] = {k: v.detach().to(HOST) for k, v in p.host.host_state().items()}
         if p.tt is not None:  # TT cores and their optimizer state: identical on every rank
-            shard["tt"] = {k: v.detach().cpu() for k, v in p.tt.state_dict().items()}
+            shard["tt"] = {k: v.detach().to(HOST) for k, v in p.tt.state_dict().items()}
         if p.mixed is not None and p.mixed.reorder_state():  # the maps the TT cores were trained under (EL-Rec IV)
             shard["reorder"] = p.mixed.reorder_state()
     if p.managed is not None:  # the mapping shards of managed tables this rank hosts

@@ -52,6 +52,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from embedscale.device import HOST
 from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.models.builder import build_sharded
@@ -257,7 +258,7 @@ class DriftMonitor:
     def state_dict(self) -> dict:
         """This rank's rolling profile (``RollingProfile.state_dict``), for its rank file of a checkpoint
         (``DistributedRun.save``: key :data:`CHECKPOINT_KEY`)."""
-        return {k: v.cpu() for k, v in self.profile.state_dict().items()}
+        return {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
 
     def restore(self, shards: list[dict], rank: int, world: int) -> None:
         """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves

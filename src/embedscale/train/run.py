@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from embedscale.device import HOST
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import FormatError
 from embedscale.train.checkpoint import agree, assemble_table, begin, publish, step_dir, temp_dir, write_manifest
@@ -177,9 +178,9 @@ def local_tables(model: nn.Module, names: Iterable[str]) -> dict[str, LocalEmbed
 
 
 def table_entry(weight: torch.Tensor, momentum: torch.Tensor | None, rows: np.ndarray | torch.Tensor) -> dict:
-    e = {"rows": torch.as_tensor(rows, dtype=torch.int64).cpu(), "weight": weight.detach().cpu().clone()}
+    e = {"rows": torch.as_tensor(rows, dtype=torch.int64).to(HOST), "weight": weight.detach().to(HOST).clone()}
     if momentum is not None:
-        e["momentum"] = momentum.detach().cpu().clone()
+        e["momentum"] = momentum.detach().to(HOST).clone()
     return e
 
 
@@ -210,7 +211,7 @@ def load_whole_tables(mods: dict[str, LocalEmbeddingBags], shards: list[dict], w
 
 def dense_state(model: nn.Module, keep=lambda name: True) -> dict[str, torch.Tensor]:
     """Model state outside the embedding tables (CPU copies), names ``keep`` accepts."""
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+    return {k: v.detach().to(HOST).clone() for k, v in model.state_dict().items()
             if not k.startswith(EMBEDDING_PREFIX) and keep(k)}
 
 
@@ -235,7 +236,7 @@ def param_names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
 
 def _cpu(x):
     if isinstance(x, torch.Tensor):
-        return x.detach().cpu().clone()
+        return x.detach().to(HOST).clone()
     if isinstance(x, dict):
         return {k: _cpu(v) for k, v in x.items()}
     return x

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from embedscale.device import HOST
 from embedscale.data.loader import ShardLoader
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.errors import ConfigError, FormatError
@@ -48,10 +49,10 @@ def evaluate(model: nn.Module, loader: ShardLoader, progress: bool = False) -> d
     model.eval()
     logits, labels, weights = [], [], []
     for batch in tqdm(loader, desc="eval", disable=not progress, leave=False, file=sys.stderr):
-        logits.append(model(batch.dense, batch.sparse).float().cpu().numpy())
-        labels.append(batch.labels.cpu().numpy())
+        logits.append(model(batch.dense, batch.sparse).float().to(HOST).numpy())
+        labels.append(batch.labels.to(HOST).numpy())
         if batch.weights is not None:  # a weighted dataset: every figure weighted (data.metrics)
-            weights.append(batch.weights.cpu().numpy())
+            weights.append(batch.weights.to(HOST).numpy())
     model.train(was_training)
     z = np.concatenate(logits)
     y = np.concatenate(labels)
