@@ -575,3 +575,16 @@ def test_public_api():
     assert set(models.__all__) >= {"build_model", "DLRM", "DCN", "CrossNet", "SparseArch", "DenseArch",
                                    "InteractionArch", "OverArch"}
     assert models.ARCHS == ("dlrm", "dcn")
+
+
+def test_a_checkpoint_without_the_first_order_term_is_named_as_such():
+    from embedscale.errors import FormatError
+    from embedscale.train.run import dense_state, load_dense_state
+
+    tables = make_tables()
+    small = dict(embedding_dim=4, bottom_mlp=[8], top_mlp=[8])
+    old = build_model(ModelConfig(first_order=False, **small), tables, 3, RefEmbeddingBags(tables))
+    new = build_model(ModelConfig(**small), tables, 3, RefEmbeddingBags(tables))
+    with pytest.raises(FormatError, match="first_order.dense.*model.first_order false"):
+        load_dense_state(new, dense_state(old), "ckpt")
+    load_dense_state(old, dense_state(old), "ckpt")  # the same shape loads

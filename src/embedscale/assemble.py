@@ -36,8 +36,8 @@ from embedscale.models.builder import (EmbeddingEnv, build_embedding, embedding_
 from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.units import human_bytes
 from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes
-from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, feature_to_table, managed_tables,
-                              to_dict)
+from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, auto_batch_size, feature_to_table,
+                              managed_tables, to_dict)
 from embedscale.embedding.optim import set_weight_decay
 from embedscale.models import build_model
 from embedscale.models.dlrm import set_dropout
@@ -85,6 +85,15 @@ def _file_identity(path: str) -> dict:
 
 
 def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress: bool = True) -> PreparedData:
+    """:func:`_prepare_data`, and ``train.batch_size: 0`` resolved from the training rows
+    (``specs.auto_batch_size``; in ``cfg``, so the run and its saved config train at that batch)."""
+    data = _prepare_data(cfg, cache_root, progress)
+    if cfg.train.batch_size == 0:
+        cfg.train.batch_size = auto_batch_size(0 if data.stream else data.train.stop - data.train.start)
+    return data
+
+
+def _prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress: bool = True) -> PreparedData:
     """Make (or reuse from the cache) the shard directories the run reads, and its train/eval split.
 
     ``synthetic`` generates train samples ``[0, N)`` and eval samples ``[N, N+M)`` of one seeded stream;

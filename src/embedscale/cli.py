@@ -465,7 +465,8 @@ def _common_convert_options(fn):
         click.option("--test-from", default=None, help="With --time-column: the first time of the test split."),
         click.option("--vocab-from", type=click.Path(exists=True, file_okay=False), default=None,
                      help="Encode with this dataset's vocabulary and table sizes (unseen values: row 0)."),
-        click.option("--categorical", type=click.Choice(["hash", "vocab"]), default="hash", show_default=True),
+        click.option("--categorical", type=click.Choice(["auto", "hash", "vocab"]), default="auto", show_default=True,
+                     help="auto: vocab when every feature's vocabulary fits in --max-table-rows, else hash."),
         click.option("--table-rows", multiple=True, metavar="N|FEATURE=N",
                      help="hash mode: rows per table, for all or one feature (repeatable); default: sized from "
                           "the data (distinct values / --load-factor, at most --max-table-rows)."),

@@ -291,8 +291,9 @@ class DataConfig:
     eval_fraction: float = 0.2  # without an eval split given (file or dataset's eval/): the last rows
     seed: int = 0
     shard_rows: int = 1_000_000
-    # Raw readers (criteo/avazu/table): "hash" (hash/modulo to table_rows) or "vocab" (min-frequency vocabulary).
-    categorical: str = "hash"
+    # Raw readers (criteo/avazu/table): "hash" (hash/modulo to table_rows), "vocab" (min-frequency vocabulary) or
+    # "auto" (vocab when every feature's vocabulary fits in max_table_rows, else hash: data.categorical)
+    categorical: str = "auto"
     table_rows: int = 0  # hash buckets per table in hash mode; 0 = sized from the data (load factor, cap)
     load_factor: float = 0.5  # tables sized from the data: distinct values / load_factor rows ...
     max_table_rows: int = 1_000_000  # ... at most this many
@@ -356,10 +357,30 @@ class ModelConfig:
     managed: ManagedConfig = field(default_factory=ManagedConfig)
 
 
+AUTO_BATCH_MAX = 1024  # the batch of a large log (OPER's and TorchRec's DLRM examples train at 1024 per rank or more)
+AUTO_BATCH_MIN = 32
+AUTO_BATCH_STEPS = 64  # a small log's batch: about this many steps per pass
+
+
+def auto_batch_size(train_rows: int) -> int:
+    """``train.batch_size: 0``: the batch of a log of ``train_rows`` training rows, the power of two nearest to
+    ``train_rows / 64`` within ``[32, 1024]`` (1024 for a stream, whose size is not known). At a fixed batch a
+    small log is a handful of steps per pass (8,000 rows at 1,024: 8), too few for the dense layers' Adagrad to
+    move; a batch that scales with the log gives every pass about 64 steps, and a log of 65,536 rows or more the
+    large-log batch of 1,024."""
+    if train_rows <= 0:
+        return AUTO_BATCH_MAX
+    return int(min(AUTO_BATCH_MAX, max(AUTO_BATCH_MIN, 2 ** round(math.log2(train_rows / AUTO_BATCH_STEPS)))))
+
+
 @dataclass
 class TrainConfig:
-    batch_size: int = 1024
-    epochs: int = 1  # click logs overfit from the second pass on (rare rows get memorised): one epoch
+    batch_size: int = 0  # global batch; 0 = from the training rows (auto_batch_size: 1024 for a large log)
+    # passes over the training split; 0 = until early stopping on the eval split (train.loop.auto_epochs): at
+    # most as many as make epoch_samples samples (at least one), so a large log gets one pass (click logs
+    # overfit from the second on) and a small one the passes it needs; without an eval split, one pass
+    epochs: int = 0
+    epoch_samples: int = 1_000_000
     max_steps: int = 0  # 0 = run the epochs
     # Adagrad rates of the MLPs and (row-wise) of the embedding rows. Measured on the real Criteo rows
     # (benchmarks/bench_quality.py, 8,000 train / 2,000 eval): at 0.01 / 0.1 both models peaked after one
@@ -609,7 +630,8 @@ def check_device(name: str, key: str = "train.device") -> None:
 
 
 CHOICES.update({
-    DataConfig: {"source": ("synthetic", "criteo", "avazu", "table", "shards", "stream"), "categorical": ("hash", "vocab")},
+    DataConfig: {"source": ("synthetic", "criteo", "avazu", "table", "shards", "stream"),
+                 "categorical": ("auto", "hash", "vocab")},
     ModelConfig: {"arch": ("dlrm", "dcn", "dmt-dlrm", "dmt-dcn"), "pooling": POOLINGS},
     TrainConfig: {"dense_optimizer": ("sgd", "adagrad", "adam"), "sparse_optimizer": ("sgd", "rowwise_adagrad"),
                   "pipeline_server": ("per-rank", "shared"), "early_stopping_metric": ("auc", "logloss", "ne")},
@@ -632,6 +654,7 @@ NUMBERS.update({
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
+                  "epochs": (0.0, True, None), "epoch_samples": (1.0, True, None),
                   "sparse_weight_decay": (0.0, True, None),
                   "replan_min_gain": (0.0, True, None),
                   "batch_size": _AT_LEAST_1, "epochs": _AT_LEAST_1, "max_steps": _AT_LEAST_0,

@@ -16,15 +16,21 @@ from embedscale.errors import ConfigError
 
 
 class ValueCounter:
-    """Exact per-value counts of one categorical feature, merged block by block (16 bytes per distinct value)."""
+    """Exact per-value counts of one categorical feature, merged block by block (16 bytes per distinct value).
+    With a ``limit``: once more than ``limit`` distinct values are seen it stops counting (``saturated``; memory
+    bounded by the limit), for ``auto`` encoding, which then hashes."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.keys = np.zeros(0, np.uint64)
         self.counts = np.zeros(0, np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self._pending_size = 0
+        self.limit = limit
+        self.saturated = False
 
     def add(self, keys: np.ndarray) -> None:
+        if self.saturated:
+            return
         k, c = np.unique(keys, return_counts=True)
         self._pending.append((k, c.astype(np.int64)))
         self._pending_size += len(k)
@@ -43,6 +49,9 @@ class ValueCounter:
             keys, counts = keys[starts], np.add.reduceat(counts, starts)
         self.keys, self.counts = keys, counts
         self._pending, self._pending_size = [], 0
+        if self.limit is not None and len(keys) > self.limit:
+            self.saturated = True
+            self.keys, self.counts = np.zeros(0, np.uint64), np.zeros(0, np.int64)
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct keys, their counts)."""
@@ -104,13 +113,21 @@ class CategoricalEncoder:
     Hash mode sizes a table whose ``table_rows`` entry is 0 from the data: pass 1 counts the feature's
     distinct keys (``DistinctCounter``, exact up to the cap) and the table gets
     ``min(max_rows, ceil(distinct / load_factor))`` rows (``rows_for``).
+
+    ``auto`` (the default of ``embedscale data`` and ``data.categorical``): ``vocab`` when every feature's
+    vocabulary fits, i.e. has fewer than ``max_rows`` values (pass 1 counts them, at most ``max_rows`` per
+    feature in memory), else ``hash`` with the tables sized from the data; ``hash`` too when table rows are
+    given. Hashing a vocabulary that fits only adds collisions (two values sharing a row). After pass 1
+    (``build``) ``mode`` is the one chosen.
     """
 
     def __init__(self, names: list[str], mode: str, table_rows: int | Sequence[int] = 0,
                  min_frequency: int = 1, load_factor: float = 0.5, max_rows: int = 1_000_000) -> None:
-        if mode not in ("hash", "vocab"):
-            raise ConfigError(f"categorical must be 'hash' or 'vocab', got {mode!r}")
+        if mode not in ("hash", "vocab", "auto"):
+            raise ConfigError(f"categorical must be 'hash' or 'vocab' (or 'auto': vocab when it fits), got {mode!r}")
         rows = [int(table_rows)] * len(names) if np.isscalar(table_rows) else [int(r) for r in table_rows]
+        if mode == "auto" and any(rows):
+            mode = "hash"  # table rows given: hash buckets
         if len(rows) != len(names):
             raise ConfigError(f"table_rows has {len(rows)} entries for {len(names)} sparse features "
                               f"{names[0]}..{names[-1]}")
@@ -127,6 +144,8 @@ class CategoricalEncoder:
         self.sized_from_data = [mode == "hash" and r == 0 for r in rows]
         if mode == "vocab":
             self.counters = [ValueCounter() for _ in names]
+        elif mode == "auto":
+            self.counters = [ValueCounter(limit=self.max_rows - 1) for _ in names]
         elif any(self.sized_from_data):
             limit = math.ceil(self.max_rows * self.load_factor)
             self.counters = [DistinctCounter(limit) if auto else None for auto in self.sized_from_data]
@@ -155,7 +174,20 @@ class CategoricalEncoder:
         self.counters = None
 
     def build(self) -> None:
-        """Close pass 1: fix each feature's vocabulary (vocab) or table rows (hash, sized from the data)."""
+        """Close pass 1: fix each feature's vocabulary (vocab) or table rows (hash, sized from the data); ``auto``
+        becomes one of them."""
+        if self.mode == "auto":
+            for c in self.counters:
+                c.result()  # the pending counts merged: saturated or not
+            if any(c.saturated for c in self.counters):
+                self.mode = "hash"
+                self.table_rows = [self.max_rows if c.saturated else rows_for(len(c.result()[0]), self.load_factor,
+                                                                               self.max_rows)
+                                   for c in self.counters]
+                self.sized_from_data = [True] * len(self.names)
+                self.counters = None
+                return
+            self.mode = "vocab"
         if self.mode == "hash":
             for f, counter in enumerate(self.counters):
                 if counter is not None:

@@ -609,6 +609,7 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 break
         if enc.needs_counts:
             enc.build()
+            categorical = enc.mode  # auto: vocab or hash, as the counts decided
         if needs_stats:
             decoder.stats = []
             for count, s1, s2 in acc:

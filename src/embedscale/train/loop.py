@@ -51,7 +51,8 @@ MONITORED = {"auc": "max", "logloss": "min", "ne": "min"}  # early_stopping_metr
 class LoopConfig:
     """When the loop stops, logs, evaluates and checkpoints (``train.*`` of the run config).
 
-    epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps (0 = no step limit).
+    epochs, max_steps: stop after ``epochs`` passes or ``max_steps`` steps (0 = no step limit); ``epochs``
+        0: until early stopping, at most :func:`auto_epochs` passes (``epoch_samples`` samples, at least one).
     eval_every, log_every, checkpoint_every: in steps (0 = only at the end for eval/checkpoint); with more than
         one epoch the eval split is also scored at the end of every epoch.
     lr_warmup_steps, lr_warmup_fraction: linear warmup of the dense optimizer's learning rate over
@@ -69,6 +70,8 @@ class LoopConfig:
 
     epochs: int = 1
     max_steps: int = 0
+    epoch_samples: int = 1_000_000
+    batch_size: int = 0  # the global batch (auto_epochs' samples per step)
     eval_every: int = 0
     log_every: int = 10
     checkpoint_every: int = 0
@@ -98,12 +101,26 @@ class LoopConfig:
 
     @classmethod
     def from_train(cls, t) -> "LoopConfig":
-        return cls(epochs=t.epochs, max_steps=t.max_steps, eval_every=t.eval_every, log_every=t.log_every,
+        return cls(epochs=t.epochs, max_steps=t.max_steps, epoch_samples=t.epoch_samples, batch_size=t.batch_size,
+                   eval_every=t.eval_every, log_every=t.log_every,
                    checkpoint_every=t.checkpoint_every, lr_warmup_steps=t.lr_warmup_steps,
                    lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
                    early_stopping_metric=t.early_stopping_metric,
                    early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
                    checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window)
+
+
+def auto_epochs(loop: LoopConfig, steps_per_epoch: int, has_eval: bool) -> int:
+    """The passes of a run: ``loop.epochs``, or for ``epochs: 0`` as many as make ``epoch_samples`` samples
+    at ``batch_size`` (at least one; early stopping on the eval split ends the run where the eval metric stops
+    improving, the point of more than one). Without an eval split, nothing can stop the run: one pass. A
+    large log (more rows than ``epoch_samples``) gets one pass, as click logs overfit from the second on
+    (rare rows get memorised); a small one, of few steps per pass, the passes it needs to converge."""
+    if loop.epochs:
+        return loop.epochs
+    if not has_eval or steps_per_epoch <= 0:
+        return 1
+    return max(1, math.ceil(loop.epoch_samples / (steps_per_epoch * max(loop.batch_size, 1))))
 
 
 def warmup_steps(loop: LoopConfig, total_steps: int) -> int:
@@ -320,8 +337,11 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     metrics = MetricsLog(run.run_dir, enabled=run.rank == 0)
     metrics.restart(st.step)
     stream = isinstance(run.train_loader, StreamLoader)  # one pass to its end condition, resumed by position
-    total = loop.max_steps or (0 if stream else loop.epochs * len(run.train_loader))
-    warmup = warmup_steps(loop, total)
+    per_epoch = 0 if stream else len(run.train_loader)
+    epochs = auto_epochs(loop, per_epoch, run.eval_loader is not None)
+    total = loop.max_steps or epochs * per_epoch
+    # the warmup of an open-ended run (epochs: 0) is measured against its first pass, not its bound
+    warmup = warmup_steps(loop, loop.max_steps or (per_epoch if not loop.epochs else total))
     ckpts = _Checkpoints(run, loop, metrics)
     pv = ProgressiveWindow(loop.progressive_window) if loop.progressive_window else None
     pv_last: dict = {}
@@ -343,7 +363,7 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
         _evaluated(run, loop, ckpts, figures)
 
     done = lambda: st.stopped or (bool(loop.max_steps) and st.step >= loop.max_steps)  # noqa: E731
-    while st.epoch < loop.epochs and not done():
+    while st.epoch < epochs and not done():
         if stream:
             run.train_loader.seek(st.stream)
         else:
@@ -403,9 +423,9 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
             st.epoch += 1
             st.batch_in_epoch = 0
             if stream:  # the stream ended (its END marker or idle): one pass, whatever loop.epochs says
-                st.epoch = max(st.epoch, loop.epochs)
+                st.epoch = max(st.epoch, epochs)
                 break
-            if loop.epochs > 1 and st.epoch < loop.epochs and run.eval_loader is not None and not done():
+            if epochs > 1 and st.epoch < epochs and run.eval_loader is not None and not done():
                 evaluate_now()  # an epoch's end: where a small data set can next stop early
     bar.close()
     if run.eval_loader is not None:
@@ -457,4 +477,4 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     return summary
 
 
-__all__ = ["LoopConfig", "MONITORED", "fit", "improved", "inject_fault", "warm_up_lr", "warmup_steps"]
+__all__ = ["LoopConfig", "MONITORED", "auto_epochs", "fit", "improved", "inject_fault", "warm_up_lr", "warmup_steps"]

@@ -220,6 +220,9 @@ def load_dense_state(model: nn.Module, dense: dict, where) -> None:
     ``FormatError`` naming it."""
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
     missing = sorted(set(own) - set(dense))
+    if missing and all(k.startswith("first_order.") for k in missing):
+        raise FormatError(f"{where}: no saved values for {missing} (a model without the first-order term: load it "
+                          "with model.first_order false)")
     if missing:
         raise FormatError(f"{where}: no saved values for {missing[:5]} (another model shape or towers?)")
     for k, v in own.items():

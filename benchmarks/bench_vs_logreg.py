@@ -1,0 +1,247 @@
+"""DLRM and DCN at the library's defaults against a logistic regression, on public click logs.
+
+What a new user gets: each log goes through the README's path with no tuning flag (``embedscale data ...``
+with its defaults, then ``embedscale train --data-source shards --data-path DATASET``, here through the same
+Python API: ``workflow.train`` on ``load_config`` with only the data, the arch and the seed set). The figures
+are the eval split's, scored by the checkpoint ``checkpoints/best`` points to (what ``embedscale evaluate
+RUN`` scores). The baseline, fitted in the same run on the same split and the same encoded ids, is
+scikit-learn's ``LogisticRegression`` at its defaults (``C=1``, lbfgs; ``max_iter=1000``) on the one-hot
+encoding of every categorical feature plus the dense features standardised on the training rows. AUC and
+logloss of all models from ``embedscale.data.metrics``; the seeds are interleaved (each seed runs every
+model, the baseline is deterministic and fitted once per log).
+
+The logs (none is in the repository; give their paths, a log whose files are absent is skipped with a
+message):
+
+- ``criteo``: the first 10,000 rows of the Criteo Kaggle Display Advertising Challenge log
+  (``criteo_kaggle_head10k.tsv``; label, 13 integer and 26 categorical fields). The first 8,000 train, the
+  last 2,000 evaluate (the default ``data.eval_fraction: 0.2``, file order), as in the README.
+- ``avazu``: 8,998 rows of the Avazu CTR log (Kaggle "Click-Through Rate Prediction", 21 categorical fields
+  and the hour) as sampled in github.com/Lapis-Hong/Wide-ResDNN, ``data/avazu/train.csv`` (8,087 rows: the
+  training file) and ``data/avazu/dev.csv`` + ``data/avazu/test.csv`` (911 rows: the eval files; they have
+  no header line, so this script gives copies of them the training file's). Read by the Avazu preset
+  (``embedscale data avazu --train ... --eval ... --eval ...``).
+- ``frappe``: the frappe app-usage log (Baltrunas et al. 2015, arXiv:1505.03014; 10 categorical context
+  fields, 2 sampled negatives per positive) in libFM format as distributed with github.com/hexiangnan/
+  neural_factorization_machine, ``data/frappe/frappe.validation.libfm`` (57,721 rows: trained on) and
+  ``frappe.test.libfm`` (28,860 rows: the eval file); no dense features. Every row lists one index per field
+  in field order, so this script writes it as a CSV of one categorical column per field (``f0``..``f9``,
+  label 0/1) and reads it with ``embedscale data table --label label --sparse f0,...,f9``: the libFM reader of
+  ``embedscale data table --format libfm`` reads the field-aware ``label field:index:value`` form.
+
+    .venv/bin/python benchmarks/bench_vs_logreg.py --criteo ../shared/data/criteo_kaggle_head10k.tsv \\
+        --avazu-train avazu/train.csv --avazu-eval avazu/dev.csv --avazu-eval avazu/test.csv \\
+        --frappe-train frappe.validation.libfm --frappe-eval frappe.test.libfm --seeds 0 1 2 --jobs 6
+
+``--jobs N`` trains N models at a time (separate processes; the figures are AUC and logloss, never timings).
+``--set`` and ``--data-flag`` leave the defaults, for exploring only; the bar is measured without them.
+
+Prints one JSON line per log and model on stdout (figure: our median eval AUC; baseline: the LR's; the
+differences in AUC and logloss; every seed's figures; load; config); progress on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from embedscale.data.metrics import logloss, roc_auc
+from embedscale.assemble import split_existing
+from embedscale.data.shards import iter_shards
+from embedscale.specs import load_config
+from embedscale.workflow import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def embedscale_cli(*args: str) -> None:
+    """``embedscale ARGS`` as a user runs it (this interpreter, this checkout's package)."""
+    cmd = [sys.executable, "-m", "embedscale", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    if r.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+
+
+def frappe_csv(src: Path, dst: Path) -> int:
+    """A libFM file of one ``index:1`` per field in field order (frappe) as ``label,f0,...`` CSV (label 0/1);
+    returns the rows written."""
+    rows = 0
+    width = None
+    with open(src) as f, open(dst, "w") as out:
+        for n, line in enumerate(f, 1):
+            parts = line.split()
+            if not parts:
+                continue
+            ids = [p.split(":")[0] for p in parts[1:]]
+            if width is None:
+                width = len(ids)
+                out.write(",".join(["label"] + [f"f{i}" for i in range(width)]) + "\n")
+            if len(ids) != width or any(p.split(":")[1] != "1" for p in parts[1:]):
+                sys.exit(f"{src}:{n}: expected {width} one-hot fields, got {line.strip()!r}")
+            out.write(",".join(["1" if float(parts[0]) > 0 else "0"] + ids) + "\n")
+            rows += 1
+    return rows
+
+
+def with_header(path: str, like: str, tmp: Path) -> str:
+    """``path``, or a copy of it under ``like``'s header line when its first line is not that header (the
+    Wide-ResDNN dev and test files have none; the Avazu preset reads a header on every file)."""
+    with open(like) as f:
+        header = f.readline()
+    with open(path) as f:
+        first = f.readline()
+        if first == header:
+            return path
+        with open(tmp, "w") as out:
+            out.write(header + first)
+            out.writelines(f)
+    return str(tmp)
+
+
+def prepare(name: str, args, tmp: Path) -> Path | None:
+    """The log ``name`` encoded by ``embedscale data`` at its defaults; None when its files are absent."""
+    out = tmp / f"data-{name}"
+    if name == "criteo":
+        if not args.criteo or not Path(args.criteo).exists():
+            log(f"criteo: skipped, {args.criteo or '--criteo'} not found")
+            return None
+        embedscale_cli("data", "criteo", args.criteo, "--out", str(out), "--no-progress", *args.data_flags)
+    elif name == "avazu":
+        files = [args.avazu_train, *args.avazu_eval]
+        if not args.avazu_train or not args.avazu_eval or not all(Path(p).exists() for p in files):
+            log(f"avazu: skipped, files not found ({files})")
+            return None
+        evals = [a for i, p in enumerate(args.avazu_eval) for a in ("--eval", with_header(p, args.avazu_train,
+                                                                                       tmp / f"avazu-eval{i}.csv"))]
+        embedscale_cli("data", "avazu", "--train", args.avazu_train, *evals, "--out", str(out), "--no-progress",
+                       *args.data_flags)
+    elif name == "frappe":
+        files = [args.frappe_train, args.frappe_eval]
+        if not all(p and Path(p).exists() for p in files):
+            log(f"frappe: skipped, files not found ({files})")
+            return None
+        tr, ev = tmp / "frappe-train.csv", tmp / "frappe-eval.csv"
+        frappe_csv(Path(args.frappe_train), tr)
+        frappe_csv(Path(args.frappe_eval), ev)
+        sparse = ",".join(f"f{i}" for i in range(10))
+        embedscale_cli("data", "table", "--train", str(tr), "--eval", str(ev), "--label", "label", "--sparse",
+                       sparse, "--out", str(out), "--no-progress", *args.data_flags)
+    return out
+
+
+def columns(split):
+    """Labels, dense values and the one id per categorical feature of a split's rows."""
+    ys, ds, ss = [], [], []
+    for c in iter_shards(split.directory):
+        names = sorted(c.sparse)
+        ys.append(c.labels)
+        ds.append(c.dense)
+        ss.append(np.stack([c.sparse[k][0] for k in names], 1))
+    y, d, s = np.concatenate(ys), np.concatenate(ds), np.concatenate(ss)
+    return y[split.start:split.stop], d[split.start:split.stop], s[split.start:split.stop]
+
+
+def logistic_regression(dataset: Path) -> dict:
+    """scikit-learn ``LogisticRegression`` (defaults, ``max_iter=1000``) on one-hot ids + standardised dense."""
+    from scipy import sparse as sp
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import OneHotEncoder
+
+    data = split_existing(dataset, load_config().data.eval_fraction)  # the splits training uses
+    (ytr, dtr, s_tr), (yev, dev, s_ev) = columns(data.train), columns(data.eval)
+    enc = OneHotEncoder(handle_unknown="ignore")
+    mu, sd = dtr.mean(0), dtr.std(0) + 1e-6
+    xtr = sp.hstack([enc.fit_transform(s_tr), sp.csr_matrix((dtr - mu) / sd)]).tocsr()
+    xev = sp.hstack([enc.transform(s_ev), sp.csr_matrix((dev - mu) / sd)]).tocsr()
+    t0 = time.perf_counter()
+    p = LogisticRegression(max_iter=1000).fit(xtr, ytr).predict_proba(xev)[:, 1]
+    return {"auc": roc_auc(yev, p), "logloss": logloss(yev, p), "seconds": time.perf_counter() - t0,
+            "train_rows": len(ytr), "eval_rows": len(yev)}
+
+
+def run_model(dataset: Path, arch: str, seed: int, sets: dict, root: Path) -> dict:
+    """``embedscale train --data-source shards --data-path DATASET`` (``--model-arch``, ``--train-seed``)."""
+    over = {"data.source": "shards", "data.path": str(dataset), "model.arch": arch, "train.seed": seed,
+            "out_dir": str(root), **sets}
+    cfg = load_config(None, over)
+    t0 = time.perf_counter()
+    s = train(cfg, root / f"{dataset.name}-{arch}-{seed}", progress=False)
+    best = s.get("best") or {}
+    return {"auc": best.get("eval_auc", s["eval_auc"]), "logloss": best.get("eval_logloss", s["eval_logloss"]),
+            "best_step": best.get("step"), "steps": s["steps"], "stopped_early": s.get("stopped_early"),
+            "seconds": time.perf_counter() - t0}
+
+
+def parse_sets(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        k, _, v = item.partition("=")
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--criteo", default=str(ROOT.parent / "shared/data/criteo_kaggle_head10k.tsv"))
+    ap.add_argument("--avazu-train")
+    ap.add_argument("--avazu-eval", action="append", default=[])
+    ap.add_argument("--frappe-train")
+    ap.add_argument("--frappe-eval")
+    ap.add_argument("--logs", nargs="+", default=["criteo", "avazu", "frappe"])
+    ap.add_argument("--archs", nargs="+", default=["dlrm", "dcn"])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=1, help="model runs at a time (processes; figures are not timings)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override (not the defaults: for exploring only)")
+    ap.add_argument("--data-flag", dest="data_flags", action="append", default=[], metavar="FLAG",
+                    help="a flag for `embedscale data` (not the defaults: for exploring only)")
+    args = ap.parse_args()
+    sets = parse_sets(args.sets)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in args.logs:
+            dataset = prepare(name, args, tmp)
+            if dataset is None:
+                continue
+            lr = logistic_regression(dataset)
+            log(f"{name} lr {json.dumps(lr)}")
+            runs: dict = {a: [] for a in args.archs}
+            jobs = [(a, seed) for seed in args.seeds for a in args.archs]  # interleaved: each seed runs every model
+            with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs)) as pool:
+                done = pool.map(run_model, *zip(*[(dataset, a, seed, sets, tmp / "runs") for a, seed in jobs]))
+                for (a, seed), r in zip(jobs, done):
+                    runs[a].append(r)
+                    log(f"{name} {a} seed {seed} {json.dumps(r)}")
+            for a in args.archs:
+                auc = statistics.median(r["auc"] for r in runs[a])
+                ll = statistics.median(r["logloss"] for r in runs[a])
+                aucs = [r["auc"] for r in runs[a]]
+                print(json.dumps({
+                    "figure": f"{name}: {a} eval AUC at the defaults (median of {len(args.seeds)} seeds)",
+                    "log": name, "model": a, "value": auc, "baseline": lr["auc"], "ratio": auc / lr["auc"],
+                    "auc_diff": auc - lr["auc"], "logloss": ll, "baseline_logloss": lr["logloss"],
+                    "logloss_diff": ll - lr["logloss"], "median": auc,
+                    "p90": float(np.percentile(aucs, 90)), "bar_met": auc - lr["auc"] >= 0.005
+                    and ll <= lr["logloss"], "runs": runs[a], "baseline_run": lr, "load_avg": os.getloadavg(),
+                    "config": {"sets": sets, "data_flags": args.data_flags, "seeds": args.seeds,
+                               "threads": torch.get_num_threads(), "jobs": args.jobs}}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
