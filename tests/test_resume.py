@@ -155,15 +155,18 @@ def test_another_plan_is_an_error_unless_replanned(tmp_path, data_dir):
     assert "plan: row_wise" in (run / "config.yaml").read_text()
     # the CLI flag
     assert resolve_config(None, [], {"cfg__dist__replan": "true"}).dist.replan is True
-    # `embedscale evaluate` reads the 2-rank run in one process (the run directory = its latest checkpoint):
-    # the run's own final evaluation
+    # `embedscale evaluate` reads the 2-rank run in one process (its latest checkpoint): the run's own final
+    # evaluation; the run directory scores the checkpoint its best evaluation kept (checkpoints/best)
     summary = read_json(run / "summary.json")
-    for target in (run, latest_checkpoint(run)):
-        r = CliRunner().invoke(main, ["evaluate", str(target), "--json"])
-        assert r.exit_code == 0, r.output
-        got = json.loads(r.output.strip().splitlines()[-1])
-        assert got["step"] == 2 and got["samples"] == summary["eval_samples"]
-        assert abs(got["auc"] - summary["eval_auc"]) < 1e-6 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-5
+    r = CliRunner().invoke(main, ["evaluate", str(latest_checkpoint(run)), "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output.strip().splitlines()[-1])
+    assert got["step"] == 2 and got["samples"] == summary["eval_samples"]
+    assert abs(got["auc"] - summary["eval_auc"]) < 1e-6 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-5
+    r = CliRunner().invoke(main, ["evaluate", str(run), "--json"])
+    assert r.exit_code == 0, r.output
+    best_step = int((run / "checkpoints" / "best").resolve().name.split("-")[1])
+    assert json.loads(r.output.strip().splitlines()[-1])["step"] == best_step
 
 
 def test_metrics_log_keeps_the_rows_up_to_the_restored_step(tmp_path):

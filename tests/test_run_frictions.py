@@ -160,7 +160,7 @@ def test_config_file_errors_name_the_file_and_key_before_any_data_is_read(tmp_pa
 
 
 @pytest.mark.parametrize("text,key", [
-    ("data:\n  synthetic: 3\n", "data.synthetic"), ("train:\n  epochs: 0\n", "train.epochs"),
+    ("data:\n  synthetic: 3\n", "data.synthetic"), ("train:\n  epochs: -1\n", "train.epochs"),
     ("train:\n  log_every: -1\n", "train.log_every"), ("data:\n  shard_rows: 0\n", "data.shard_rows"),
     ("model:\n  embedding_dim: 0\n", "model.embedding_dim"), ("dist:\n  topology_hosts: 0\n", "dist.topology_hosts"),
 ])

@@ -657,7 +657,7 @@ NUMBERS.update({
                   "epochs": (0.0, True, None), "epoch_samples": (1.0, True, None),
                   "sparse_weight_decay": (0.0, True, None),
                   "replan_min_gain": (0.0, True, None),
-                  "batch_size": _AT_LEAST_1, "epochs": _AT_LEAST_1, "max_steps": _AT_LEAST_0,
+                  "batch_size": _AT_LEAST_0, "epochs": _AT_LEAST_0, "max_steps": _AT_LEAST_0,
                   "eval_every": _AT_LEAST_0, "log_every": _AT_LEAST_0, "checkpoint_every": _AT_LEAST_0,
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,
                   "pipeline_depth": _AT_LEAST_0},

@@ -74,7 +74,7 @@ from embedscale.device import HOST
 from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, read_json
-from embedscale.train.ckpt_rows import INDEX, collect_index, write_rank_index
+from embedscale.train.ckpt_rows import INDEX, collect_index, index_name, write_rank_index
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -550,6 +550,8 @@ def write_manifest(ckpt_dir: Path, world: int, fields: dict, delta: dict | None 
          "id": uuid.uuid4().hex, **({"delta": dict(delta)} if delta is not None else {}),
          "shards": shards, **({INDEX: index} if index is not None else {})}
     atomic_write_json(ckpt_dir / MANIFEST, m)
+    for s in shards:  # the manifest holds every rank's index now; the step keeps its manifest and rank files only
+        (Path(ckpt_dir) / index_name(s)).unlink(missing_ok=True)
     return ckpt_dir / MANIFEST
 
 
