@@ -1,5 +1,5 @@
 """Quality on the real Criteo rows: DLRM and DCN at the library's defaults vs a hashed one-hot logistic
-regression (issue 14 part 4 bar).
+regression.
 
 The split is the issue's: the first 8,000 rows of ``criteo_kaggle_head10k.tsv`` train, the last 2,000
 evaluate (file order; ``data.eval_fraction: 0.2``). Both models train with ``embedscale``'s defaults

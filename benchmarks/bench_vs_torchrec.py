@@ -1,5 +1,5 @@
 """End-to-end throughput on 2 ranks (gloo, local CPU processes): embedscale against TorchRec's
-DistributedModelParallel, same run, same DLRM, same tables, same data, same initial weights. Issue 4's
+DistributedModelParallel, same run, same DLRM, same tables, same data, same initial weights. The
 throughput bars: training at least 1.5x TorchRec (OPER on GPUs: 1.9-3.5x), inference at least 2x
 (OPER: 2.4-6.4x).
 
@@ -39,7 +39,7 @@ it as ``benchmarks/results/vs_torchrec.md`` (``--from-json`` re-renders it from 
     .venv/bin/python benchmarks/bench_vs_torchrec.py [--quick] [--max-rows N] [--optimizer sgd]
         [--grad-sync alltoall|local_aggregated|dense|allgather] [--inference-transport pgas|collective]
 
-``--embedding-only`` times only the embedding steps (issue 15's bar: training at least 1.5x TorchRec's, inference
+``--embedding-only`` times only the embedding steps (the bar: training at least 1.5x TorchRec's, inference
 at least 3x): ours (``ShardedEmbedding`` under the oper training plan; inference as above) against TorchRec's
 sharded ``EmbeddingBagCollection`` under DMP (its KJT input distribution, lookup, pooled-embedding all-to-all,
 backward with the same fixed output gradient, fused update), small MLPs built only for the equality check,
@@ -554,7 +554,7 @@ def main():
 
 def write_markdown(lines: list, path: str) -> None:
     """The figures of runs (their JSON lines; the first is the main one) as ``benchmarks/results/vs_torchrec.md``."""
-    L = ["# embedscale vs TorchRec DistributedModelParallel: end-to-end throughput, 2 ranks (issue 4)", ""]
+    L = ["# embedscale vs TorchRec DistributedModelParallel: end-to-end throughput, 2 ranks", ""]
     for i, line in enumerate(lines):
         if i:
             L += [f"# Further run {i}: {line['config']['max_rows']:,} rows per table at most", ""]

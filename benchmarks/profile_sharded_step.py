@@ -1,4 +1,4 @@
-"""Where a sharded embedding training step's time goes, per rank (issue 15 part 3): ``cProfile`` over the
+"""Where a sharded embedding training step's time goes, per rank: ``cProfile`` over the
 steps of ``ShardedEmbedding`` (retrieve design, collective transport, gloo) under the ``oper`` training plan,
 the setup of ``bench_vs_torchrec.py --embedding-only`` (26 criteo-kaggle tables capped at ``--max-rows``, Zipf
 1.1, one-hot, global batch 4096, row-wise Adagrad, ``grad_sync=alltoall``).

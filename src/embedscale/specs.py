@@ -93,7 +93,7 @@ MANAGED_POLICIES = ("lru", "lfu", "ttl")  # embedding.managed.POLICIES
 
 @dataclass
 class ManagedConfig:
-    """A *managed* table (issue 17 part 2): its features carry raw 64-bit ids (any int64, negative included),
+    """A *managed* table: its features carry raw 64-bit ids (any int64, negative included),
     mapped to the table's rows by ``embedding.managed.ManagedIdTable`` while training (row 0: the default row
     of ids without a row of their own).
 
@@ -352,7 +352,7 @@ class ModelConfig:
     hosts_per_tower: int = 1  # K: hosts of one tower group (DMT 3.1.3)
     tower_sharding: str = "table"  # table | row: tables inside a tower group (DMT 3.1.3, 4)
     tower_permute: str = "auto"  # auto | embeddings | ids (steps b and c swapped, DMT 3.1.3)
-    # every table managed (raw 64-bit ids mapped to rows while training, issue 17): admit_after k >= 1 turns it on;
+    # every table managed (raw 64-bit ids mapped to rows while training): admit_after k >= 1 turns it on;
     # a model.tables entry's own managed (admit_after >= 1) wins for that table (specs.ManagedConfig)
     managed: ManagedConfig = field(default_factory=ManagedConfig)
 
@@ -436,7 +436,7 @@ class TrainConfig:
 
 @dataclass
 class DistConfig:
-    """Several ranks: how the embedding rows are placed and moved (issue 4; OPER sections 4-5)."""
+    """Several ranks: how the embedding rows are placed and moved (OPER sections 4-5)."""
 
     nproc: int = 1  # local processes `embedscale train/run` launches (torchrun sets its own)
     plan: str = "oper"  # a strategy (oper, table_wise, row_wise, ..., auto: dist.device_memory below) or the path of a saved plan
@@ -444,7 +444,7 @@ class DistConfig:
     extra_memory: float = 0.05  # OPER's extra-memory ratio for replicas
     oper_traffic: str = "distinct"  # plan oper against: distinct (what the executor moves) | access (OPER eq. 3, 5)
     design: str = "retrieve"  # retrieve | send
-    transport: str = "collective"  # collective (pgas: issue 5)
+    transport: str = "collective"  # collective (or pgas: one-sided gets, shared memory)
     grad_sync: str = "local_aggregated"  # local_aggregated | dense | allgather | alltoall (retrieve, collective)
     timeout_s: float = 300.0  # a rank that dies or hangs becomes an error on the others after this
     backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
@@ -454,7 +454,7 @@ class DistConfig:
     # as TorchRec's TrainPipelineSparseDist): sharded rows, retrieve design, no live re-plan (behind host tables:
     # pipeline depth >= 2); exact either way
     input_pipeline: bool = True
-    # dist.plan auto (issue 16): every table's form decided under these per-rank budgets (plan.auto.parse_bytes)
+    # dist.plan auto: every table's form decided under these per-rank budgets (plan.auto.parse_bytes)
     device_memory: str = ""  # device memory per rank, e.g. 256MiB (required by auto)
     host_memory: str = ""  # host memory per rank for host-placed tables, e.g. 512MiB (empty: 0, no host tables)
     costs: str = ""  # per-row costs JSON from `embedscale calibrate` (empty: plan.auto.Costs' documented defaults)
@@ -607,7 +607,7 @@ def check_device(name: str, key: str = "train.device") -> None:
     API or its torch module says how many there are); else a ``ConfigError`` naming ``key`` and what exists."""
     if name == "cpu":  # the default: no torch import for it
         return
-    # torch is imported here, not at the top: the planner imports specs and must stay torch-free (issue 13 part 1)
+    # torch is imported here, not at the top: the planner imports specs and must stay torch-free
     import torch
 
     try:

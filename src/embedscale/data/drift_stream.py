@@ -1,4 +1,4 @@
-"""A drifting synthetic click stream: a rotating hot set and new ids at a set rate (issue 17 part 6).
+"""A drifting synthetic click stream: a rotating hot set and new ids at a set rate.
 
 What this module owns: :class:`DriftingStream`, the input of the online-training tests and benchmarks
 (managed ids, rolling profile, re-planning). :mod:`embedscale.data.synthetic` draws a fixed power law

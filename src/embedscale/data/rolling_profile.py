@@ -1,4 +1,4 @@
-"""RollingProfile: decayed per-row access counts kept while training (issue 17 part 3).
+"""RollingProfile: decayed per-row access counts kept while training.
 
 OPER plans once from a profile of the whole dataset (OPER section 3) and names re-planning when the
 input drifts as future work (section 8). On a stream the profile must follow the input: each rank

@@ -1,4 +1,4 @@
-"""Training data as a stream: shards that arrive in a directory while a run trains on them (issue 17 part 1).
+"""Training data as a stream: shards that arrive in a directory while a run trains on them.
 
 The contract a producer follows (``StreamWriter`` does it; a user's own pipeline can do it by hand)::
 

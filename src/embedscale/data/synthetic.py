@@ -36,7 +36,7 @@ lives on rows a model sees often enough to learn. ``K`` is ``SyntheticConfig.lea
 (default ``LEARNABLE_COUNT`` = 2000: in a criteo-kaggle table of millions of rows only a few head rows
 carry signal). A small ``K`` puts signal into the tail too (``K = 2``: a row read twice per 200k
 samples, 20 times in 2M, carries half its effect; ``K = 0``: every row its whole effect), the teacher
-issue 16's quality bar asks for: a form that cannot tell tail rows apart (TT) then costs AUC. The three parts are scaled, on a fixed calibration
+the auto planner's quality benchmark asks for: a form that cannot tell tail rows apart (TT) then costs AUC. The three parts are scaled, on a fixed calibration
 draw, to set shares of a logit standard deviation ``LOGIT_STD`` and the bias is solved for a
 ``POSITIVE_RATE`` of 25% (as in Criteo); the ceiling AUC (``roc_auc`` of the true probabilities) is
 then about 0.78. The pairwise term is the FM/DLRM dot interaction, so a DLRM with 16-dimensional

@@ -1,4 +1,4 @@
-"""Managed ids: raw 64-bit ids mapped to embedding rows with admission and eviction (issue 17 part 2).
+"""Managed ids: raw 64-bit ids mapped to embedding rows with admission and eviction.
 
 A stream brings ids no fixed vocabulary knew. Hashing them modulo the table size makes unrelated ids
 share rows for ever; a *managed* table gives an id its own row once it has proven frequent and takes
@@ -432,7 +432,7 @@ class ManagedIdTable:
         self._base_pend = {s: self.pend_ids[p_ls == j].clone() for j, s in enumerate(self.hosted)}
 
     def delta_state_dict(self) -> dict[str, torch.Tensor]:
-        """What changed since :meth:`track` (issue 17 part 5: a delta checkpoint holds "the id mappings that
+        """What changed since :meth:`track` (a delta checkpoint holds "the id mappings that
         changed"): ``config``, ``step``, ``base_step``, and per hosted shard ``s`` its counters (whole), the
         changed rows (``<s>.d.rows``: int32 positions in the shard's range; ``<s>.d.row_id`` ... their
         entries), which of the base's pending ids are still pending unchanged (``<s>.d.pend_kept``: one bool

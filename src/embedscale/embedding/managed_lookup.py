@@ -1,4 +1,4 @@
-"""Managed tables in a run (issue 17 part 2): raw 64-bit ids mapped to rows before every lookup.
+"""Managed tables in a run: raw 64-bit ids mapped to rows before every lookup.
 
 What this module owns: :class:`ManagedLookup`, the run-side glue between the id mappings of
 :mod:`embedscale.embedding.managed` (one :class:`~embedscale.embedding.managed.ManagedIdTable` per managed

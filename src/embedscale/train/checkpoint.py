@@ -39,7 +39,7 @@ best step and value, evaluations without improvement, stopped), ``kind`` (``plan
 model; ``dmt``: tower model), the row-stored tables and their rows, the optimizers, the resolved config
 (``config_yaml``), the shard file names and ``id`` (random, new at every write: a delta names its base by it).
 
-Delta checkpoints (``train.checkpoint_full_every`` M > 0; issue 17 part 5). The loop writes a *full*
+Delta checkpoints (``train.checkpoint_full_every`` M > 0. The loop writes a *full*
 checkpoint (the above) when it has none to build on in this process or when the step enters a new multiple
 of M (``step // M`` changed since the last full one), a *delta* otherwise. A delta is the same directory
 (manifest version :data:`DELTA_VERSION`, ``delta: {base, base_step, base_id}``) whose rank files hold, of

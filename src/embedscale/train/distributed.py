@@ -95,7 +95,7 @@ from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
-AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory (issue 16)
+AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory
 AUTO_KEYS = ("device_memory", "host_memory", "costs", "plan_trial_steps")  # the DistConfig keys only dist.plan auto reads
 EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
