@@ -654,7 +654,7 @@ NUMBERS.update({
                   "lr_warmup_fraction": (0.0, True, None), "early_stopping_patience": (0.0, True, None),
                   "early_stopping_min_delta": (0.0, True, None), "dropout": (0.0, True, 1.0),
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
-                  "epochs": (0.0, True, None), "epoch_samples": (1.0, True, None),
+                  "epoch_samples": _AT_LEAST_1,
                   "sparse_weight_decay": (0.0, True, None),
                   "replan_min_gain": (0.0, True, None),
                   "batch_size": _AT_LEAST_0, "epochs": _AT_LEAST_0, "max_steps": _AT_LEAST_0,
