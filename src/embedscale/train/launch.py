@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from embedscale.train.lock import Stopped, record_run_processes
+from embedscale.train.lock import Stopped, proc_files, record_run_processes
 
 
 def free_port() -> int:
@@ -309,21 +309,11 @@ KILL_WAIT_S = 3.0  # after SIGKILL, how long to wait for the processes to be gon
 def _proc_table() -> dict[int, tuple[int, int, str]]:
     """``pid -> (ppid, session id, state)`` of every process we can see (Linux ``/proc``; empty elsewhere)."""
     out = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
+    for pid, raw in proc_files("stat"):
+        stat = raw.decode(errors="replace")
         fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
         try:
-            out[int(name)] = (int(fields[1]), int(fields[3]), fields[0])
+            out[pid] = (int(fields[1]), int(fields[3]), fields[0])
         except (IndexError, ValueError):
             continue
     return out

@@ -90,25 +90,24 @@ def _running(pid: int, start) -> bool:
     return start is None or int(fields[19]) == int(start)
 
 
+def proc_files(name: str):
+    """``(pid, bytes of /proc/<pid>/<name>)`` for every process whose file can be read (Linux; none elsewhere)."""
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/{name}", "rb") as f:
+                yield pid, f.read()
+        except OSError:
+            continue
+
+
 def _with_marker(marker: str) -> set[int]:
     """The live processes whose environment holds ``marker`` (``NAME=value``), read from ``/proc``."""
     needle = marker.encode()
-    out = set()
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return out
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                env = f.read()
-        except OSError:
-            continue
-        if needle in env.split(b"\0") and _running(int(name), None):
-            out.add(int(name))
-    return out
+    return {pid for pid, env in proc_files("environ") if needle in env.split(b"\0") and _running(pid, None)}
 
 
 def live_run_processes(holder: dict) -> list[int]:
