@@ -5,15 +5,16 @@ from embedscale.data.batch import Batch, JaggedFeatures
 from embedscale.errors import InputError
 
 
-def ref_lists(jf):
-    """Independent view: per key, the list of id lists per sample."""
+def ref_lists(jf, field="values"):
+    """Independent view: per key, the list of id lists (or, with ``field="weights"``, weight lists) per sample."""
     out, pos = {}, 0
     B = jf.batch_size
+    flat = getattr(jf, field)
     for k_i, k in enumerate(jf.keys):
         out[k] = []
         for b in range(B):
             n = int(jf.lengths[k_i * B + b])
-            out[k].append(jf.values[pos:pos + n].tolist())
+            out[k].append(flat[pos:pos + n].tolist())
             pos += n
     return out
 
@@ -76,15 +77,7 @@ def _weighted(data):
 
 
 def _ref_weights(jf):
-    out, pos = {}, 0
-    B = jf.batch_size
-    for k_i, k in enumerate(jf.keys):
-        out[k] = []
-        for b in range(B):
-            n = int(jf.lengths[k_i * B + b])
-            out[k].append(jf.weights[pos:pos + n].tolist())
-            pos += n
-    return out
+    return ref_lists(jf, "weights")
 
 
 DATA = {"a": [[1, 2], [3], [], [4, 5, 6]], "b": [[7], [8, 9], [10], []], "c": [[], [], [11], [12]],

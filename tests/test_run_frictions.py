@@ -23,6 +23,7 @@ import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
+from eval_reference import eval_logits, pair_count_auc  # noqa: E402
 from test_distributed_train import config, make_data  # noqa: E402
 
 from embedscale import workflow  # noqa: E402
@@ -54,23 +55,7 @@ def data_dir(tmp_path_factory):
 # -- evaluate RUN: the best evaluation's checkpoint ------------------------------------------------------------
 def _brute_force_auc(cfg, checkpoint) -> float:
     """The eval split's AUC of ``checkpoint``'s model, by counting every (positive, negative) pair (ties 1/2)."""
-    from embedscale.data.loader import ShardLoader
-    from embedscale.train.trainer import load_model_state
-
-    data = workflow.prepare_data(cfg, progress=False)
-    model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
-                              torch.device("cpu"))
-    load_model_state(model, checkpoint)
-    model.eval()
-    z, y = [], []
-    with torch.no_grad():
-        for b in ShardLoader(data.eval.directory, 64, start=data.eval.start, stop=data.eval.stop):
-            z.append(model(b.dense, b.sparse).double().numpy())
-            y.append(b.labels.double().numpy())
-    z, y = np.concatenate(z), np.concatenate(y)
-    pos, neg = z[y == 1], z[y == 0]
-    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
-                 / (pos.size * neg.size))
+    return pair_count_auc(*eval_logits(cfg, checkpoint))
 
 
 def test_evaluate_a_run_scores_its_best_checkpoint_not_its_latest(tmp_path, data_dir):

@@ -11,6 +11,7 @@ import torch
 from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).parent))
+from eval_reference import eval_logits, pair_count_auc  # noqa: E402
 from test_distributed_train import config, make_data  # noqa: E402
 
 from embedscale import workflow  # noqa: E402
@@ -183,30 +184,14 @@ def test_evaluate_prints_the_figures_of_an_independent_computation(tmp_path, dat
     import math
     import re
 
-    import numpy as np
-
-    from embedscale.data.loader import ShardLoader
-    from embedscale.train.trainer import load_model_state
-
     cfg = config(tmp_path, data_dir)
     cfg.train.max_steps = 6
     rd = tmp_path / "run"
     workflow.train(cfg, rd, resume=False, progress=False)
     # the same predictions, scored here
-    data = workflow.prepare_data(cfg, progress=False)
-    model, _ = workflow.build(cfg, workflow.tables_for(cfg, data.manifest), data.manifest.num_dense,
-                              torch.device("cpu"))
-    load_model_state(model, rd)
-    model.eval()
-    z, y = [], []
-    with torch.no_grad():
-        for b in ShardLoader(data.eval.directory, 64, start=data.eval.start, stop=data.eval.stop):
-            z.append(model(b.dense, b.sparse).double().numpy())
-            y.append(b.labels.double().numpy())
-    z, y = np.concatenate(z), np.concatenate(y)
+    z, y = eval_logits(cfg, rd)
     p = 1.0 / (1.0 + np.exp(-z))
-    pos, neg = z[y == 1], z[y == 0]
-    auc = ((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (pos.size * neg.size)
+    auc = pair_count_auc(z, y)
     ll = -np.mean(y * np.log(p) + (1 - y) * np.log(1 - p))
     ctr = y.mean()
     ne = ll / -(ctr * math.log(ctr) + (1 - ctr) * math.log(1 - ctr))
