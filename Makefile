@@ -18,9 +18,10 @@ $(VENV)/.torchrec: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps torchrec==1.8.0
 	touch $(VENV)/.torchrec
 
-# The fused C++ CPU embedding kernel (src/embedscale/embedding/kernels.cpp), compiled once here into
+# The fused C++ CPU kernels (embedding/kernels.cpp: training; embedding/quant_kernels.cpp: the quantized
+# serving lookup), compiled once here into
 # .venv/var/embedscale-kernels, never during training or tests (without a build the PyTorch path runs).
-$(KERNELS): $(STAMP) src/embedscale/embedding/kernels.cpp src/embedscale/embedding/kernels.py
+$(KERNELS): $(STAMP) src/embedscale/embedding/kernels.cpp src/embedscale/embedding/quant_kernels.cpp src/embedscale/embedding/kernels.py
 	$(BIN)/python -m embedscale.embedding.kernels --build || echo "warning: fused CPU kernel not built; the PyTorch path is used"
 	touch $(KERNELS)
 

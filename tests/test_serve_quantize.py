@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from embedscale.serve.quantize import dequantize_rows, pooled_lookup, quantize_rows, row_bytes
+from embedscale.embedding.kernels import quant_ops
+from embedscale.serve.quantize import dequantize_rows, pooled_lookup, pooled_lookup_many, quantize_rows, row_bytes
 
 BITS = {"int8": 8, "int4": 4}
 
@@ -100,6 +101,48 @@ def test_pooled_lookup_matches_float64_reference(form, mode, weighted):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     empty = [i for i, b in enumerate(bags) if not b]
     assert empty and (got[empty] == 0).all()
+
+
+def _bags(rng, rows, n=40):
+    bags = [list(rng.integers(0, rows, rng.integers(0, 6))) for _ in range(n)] + [[], [7, 7, 7], [3]]
+    ids = torch.tensor([r for b in bags for r in b], dtype=torch.int64)
+    offsets = torch.tensor(np.concatenate([[0], np.cumsum([len(b) for b in bags])]), dtype=torch.int64)
+    return bags, ids, offsets
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_one_fused_lookup_of_many_tables_matches_float64_reference(use_kernel):
+    """Tables of every form and several widths (16, 24: the kernel's specialised and generic widths, 8) pooled
+    in one call, two features on one table, sum and mean, weighted and not: each feature's columns equal the
+    float64 dequantise-then-pool of its bags."""
+    if use_kernel and quant_ops() is None:
+        pytest.skip("the fused quantized kernel is not built (python -m embedscale.embedding.kernels --build)")
+    rng = np.random.default_rng(3)
+    specs = [("int8", 16), ("int4", 24), ("fp16", 8), ("fp32", 16), ("int4", 16)]
+    tables = [(quantize_rows(table(rows=150, dim=d, seed=i), f), f, d) for i, (f, d) in enumerate(specs)]
+    features, refs = [], []
+    for j, (t, mode, weighted) in enumerate([(0, "sum", False), (1, "mean", True), (2, "sum", True), (3, "mean", False),
+                                            (4, "sum", False), (0, "mean", True)]):
+        bags, ids, offsets = _bags(rng, 150)
+        weights = [list(rng.random(len(b)) * 2) for b in bags] if weighted else None
+        w = torch.tensor([x for b in weights for x in b], dtype=torch.float32) if weighted else None
+        features.append((t, ids, offsets, mode, w))
+        stored, form, dim = tables[t]
+        wref = [[float(np.float32(x)) for x in b] for b in weights] if weighted else None
+        refs.append(numpy_pool(numpy_dequantize(stored.numpy(), form, dim), bags, mode, wref))
+    got = pooled_lookup_many(tables, features, len(refs[0]), use_kernel=use_kernel).double().numpy()
+    ref = np.concatenate(refs, axis=1)
+    assert got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_lookup_rejects_a_row_outside_its_table():
+    if quant_ops() is None:
+        pytest.skip("the fused quantized kernel is not built (python -m embedscale.embedding.kernels --build)")
+    stored = quantize_rows(table(rows=10, dim=16), "int8")
+    ids, offsets = torch.tensor([1, 10]), torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match="outside its table"):
+        pooled_lookup_many([(stored, "int8", 16)], [(0, ids, offsets, "sum", None)], 2)
 
 
 @pytest.mark.parametrize("form", ["int8", "int4"])

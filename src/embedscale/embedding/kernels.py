@@ -50,6 +50,9 @@ from embedscale.device import on_host
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
+QUANT_SOURCE = Path(__file__).with_name("quant_kernels.cpp")
+"""The serving lookup's kernel: pooling straight from INT8 / INT4 / FP16 rows (``quantized_pooled_forward``)."""
+SOURCES = (SOURCE, QUANT_SOURCE)
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-march=native", "-ffp-contract=off"]
 LDFLAGS = ["-fopenmp"]
 MAX_DIM = 1024
@@ -76,24 +79,24 @@ def cache_root() -> Path:
     return Path(sys.prefix) / "var" / "embedscale-kernels"
 
 
-def build_name() -> str:
+def build_name(source: Path = SOURCE) -> str:
     """Module name of the current source: a hash of the source, flags and torch version."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(source.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     h.update(torch.__version__.encode())
-    return f"embedscale_kernels_{h.hexdigest()[:16]}"
+    return f"embedscale_{source.stem}_{h.hexdigest()[:16]}"
 
 
-def library_path() -> Path:
-    name = build_name()
+def library_path(source: Path = SOURCE) -> Path:
+    name = build_name(source)
     return cache_root() / name / f"{name}.so"
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile the extension (minutes on a loaded machine); returns the shared library's path."""
+def build(verbose: bool = False, source: Path = SOURCE) -> Path:
+    """Compile the extension of ``source`` (minutes on a loaded machine); returns the shared library's path."""
     from torch.utils.cpp_extension import load  # heavy import, only for the build step
 
-    name = build_name()
+    name = build_name(source)
     directory = cache_root() / name
     if (directory / f"{name}.so").exists():
         return directory / f"{name}.so"
@@ -103,10 +106,10 @@ def build(verbose: bool = False) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
              build_directory=str(work), verbose=verbose)
         if not (work / f"{name}.so").exists():  # pragma: no cover - load() raises on a failed build
-            raise RuntimeError(f"build of {SOURCE} produced no {work / f'{name}.so'}")
+            raise RuntimeError(f"build of {source} produced no {work / f'{name}.so'}")
         try:
             os.rename(work, directory)
         except OSError:  # another build of the same source landed first: keep it
@@ -128,30 +131,39 @@ def _import(path: Path, name: str) -> ModuleType:
 def fused_ops() -> ModuleType | None:
     """The loaded extension, or ``None`` (logged once) when no build of the current source exists. Loaded
     once per process, under a lock: a second thread never sees (or re-initialises) a module still loading."""
-    if "ops" in _state:
-        return _state["ops"]  # type: ignore[return-value]
+    return _ops(SOURCE, "the embedding step")
+
+
+def quant_ops() -> ModuleType | None:
+    """The serving lookup's extension (``quant_kernels.cpp``), or ``None`` as :func:`fused_ops`."""
+    return _ops(QUANT_SOURCE, "the quantized lookup")
+
+
+def _ops(source: Path, user: str) -> ModuleType | None:
+    key = source.stem
+    if key in _state:
+        return _state[key]  # type: ignore[return-value]
     with _lock:
-        if "ops" in _state:
-            return _state["ops"]  # type: ignore[return-value]
-        return _load_ops()
+        if key not in _state:
+            _state[key] = _load_ops(source, user)
+        return _state[key]  # type: ignore[return-value]
 
 
-def _load_ops() -> ModuleType | None:
+def _load_ops(source: Path, user: str) -> ModuleType | None:
     ops = None
-    path = library_path() if SOURCE.exists() else None
+    path = library_path(source) if source.exists() else None
     if path is None:
-        log.warning("fused CPU kernel source %s is not installed: the embedding step uses PyTorch ops", SOURCE)
+        log.warning("fused CPU kernel source %s is not installed: %s uses PyTorch ops", source, user)
     elif os.environ.get("EMBEDSCALE_NO_KERNELS"):
-        log.info("fused CPU kernel disabled (EMBEDSCALE_NO_KERNELS): the embedding step uses PyTorch ops")
+        log.info("fused CPU kernel disabled (EMBEDSCALE_NO_KERNELS): %s uses PyTorch ops", user)
     elif not path.exists():
         log.warning("fused CPU kernel not built (%s missing; run `python -m embedscale.embedding.kernels "
-                    "--build`): the embedding step uses PyTorch ops", path)
+                    "--build`): %s uses PyTorch ops", path, user)
     else:
         try:
             ops = _import(path, path.stem)
         except (ImportError, OSError) as e:
-            log.warning("fused CPU kernel %s does not load (%s): the embedding step uses PyTorch ops", path, e)
-    _state["ops"] = ops
+            log.warning("fused CPU kernel %s does not load (%s): %s uses PyTorch ops", path, e, user)
     return ops
 
 
@@ -161,19 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build", action="store_true", help="compile the extension if no build of this source exists")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    path = library_path()
-    if args.build and not path.exists():
-        t0 = time.monotonic()
-        try:
-            path = build(verbose=args.verbose)
-        except Exception as e:  # compiler missing or failing: say so, the PyTorch path remains
-            print(f"error: building {SOURCE.name} failed ({type(e).__name__}: {e}); "
-                  f"the embedding step will use PyTorch ops", file=sys.stderr)
-            return 2
-        print(f"built {path} in {time.monotonic() - t0:.0f} s")
-        return 0
-    print(f"{path} {'exists' if path.exists() else 'is not built'}")
-    return 0 if path.exists() else 1
+    code = 0
+    for source in SOURCES:
+        path = library_path(source)
+        if args.build and not path.exists():
+            t0 = time.monotonic()
+            try:
+                path = build(verbose=args.verbose, source=source)
+            except Exception as e:  # compiler missing or failing: say so, the PyTorch path remains
+                print(f"error: building {source.name} failed ({type(e).__name__}: {e}); "
+                      f"its callers will use PyTorch ops", file=sys.stderr)
+                code = 2
+                continue
+            print(f"built {path} in {time.monotonic() - t0:.0f} s")
+            continue
+        print(f"{path} {'exists' if path.exists() else 'is not built'}")
+        code = code or (0 if path.exists() else 1)
+    return code
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Serving reads an export directory only (``serve.export``): the dense model is rebuilt from the manifest's
 config (``models.build_model``) around :class:`ServedEmbedding`, which looks features up in their tables'
 served form: the float32 tables in one :class:`~embedscale.embedding.local.LocalEmbeddingBags` (the training
-lookup, so an FP32 export scores bit for bit as the trained model), the FP16 / INT8 / INT4 ones by
-dequantise-then-pool (``serve.quantize.pooled_lookup``). Nothing here imports the training code.
+lookup, so an FP32 export scores bit for bit as the trained model), the FP16 / INT8 / INT4 ones (and, with
+shared memory-mapped tables, the FP32 ones) all in one fused pooled lookup (``serve.quantize.pooled_lookup_many``). Nothing here imports the training code.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from embedscale.errors import FormatError, InputError
 from embedscale.io import read_json
 from embedscale.models import build_model
 from embedscale.serve.encode import Encoded, RowEncoder, read_file
-from embedscale.serve.quantize import pooled_lookup, row_bytes
+from embedscale.serve.quantize import pooled_lookup_many, row_bytes
 from embedscale.specs import ModelConfig, TableSpec
 
 EXPORT_FORMAT, EXPORT_VERSION, EXPORT_MANIFEST = "embedscale.export", 1, "export.json"
@@ -50,6 +50,9 @@ class ServedEmbedding(nn.Module):
                 for t in fp32:
                     self.rows.table_weight(t["name"]).copy_(stored[t["name"]])
         self.stored = {t["name"]: stored[t["name"]] for t in tables if t["form"] != "fp32" or shared}
+        self._form = {t["name"]: t["form"] for t in tables}
+        self._dim = {t["name"]: t["dim"] for t in tables}
+        self.use_kernel = True  # the fused quantized lookup when built (tests compare it against the other path)
 
     def forward(self, jf: JaggedFeatures) -> torch.Tensor:
         cols: dict[str, torch.Tensor] = {}
@@ -58,22 +61,34 @@ class ServedEmbedding(nn.Module):
             for f, part in zip(self.rows.feature_names, torch.split(out, self.rows.feature_dims, dim=1)):
                 cols[f] = part
         if self.stored:
-            lpk = jf.length_per_key_list()
-            starts = np.concatenate([[0], np.cumsum(lpk)])
-            B = jf.batch_size
-            for k, f in enumerate(jf.keys):
-                t = self._of.get(f)
-                if t is None or t["name"] not in self.stored:
-                    continue
-                ids = jf.values[starts[k]:starts[k + 1]]
-                lengths = jf.lengths[k * B:(k + 1) * B]
-                offsets = torch.zeros(B + 1, dtype=torch.int64)
-                torch.cumsum(lengths, 0, out=offsets[1:])
-                if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t["num_rows"]):
-                    raise InputError(f"feature {f!r}: row id outside table {t['name']!r} [0, {t['num_rows']})")
-                w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
-                cols[f] = pooled_lookup(self.stored[t["name"]], t["form"], t["dim"], ids, offsets, t["pooling"], w)
+            self._pool_stored(jf, cols)
         return torch.cat([cols[f] for f in self.feature_names], dim=1)
+
+    def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> None:
+        """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``."""
+        lpk = jf.length_per_key_list()
+        starts = np.concatenate([[0], np.cumsum(lpk)])
+        B = jf.batch_size
+        names = list(self.stored)
+        tables = [(self.stored[n], self._form[n], self._dim[n]) for n in names]
+        index = {n: i for i, n in enumerate(names)}
+        features, order = [], []
+        for k, f in enumerate(jf.keys):
+            t = self._of.get(f)
+            if t is None or t["name"] not in self.stored:
+                continue
+            ids = jf.values[starts[k]:starts[k + 1]]
+            lengths = jf.lengths[k * B:(k + 1) * B]
+            offsets = torch.zeros(B + 1, dtype=torch.int64)
+            torch.cumsum(lengths, 0, out=offsets[1:])
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t["num_rows"]):
+                raise InputError(f"feature {f!r}: row id outside table {t['name']!r} [0, {t['num_rows']})")
+            w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
+            features.append((index[t["name"]], ids, offsets, t["pooling"], w))
+            order.append(f)
+        out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        for f, part in zip(order, torch.split(out, [self._dims[f] for f in order], dim=1)):
+            cols[f] = part
 
 
 class ServedModel:

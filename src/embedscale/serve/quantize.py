@@ -12,7 +12,10 @@ Per element the error is at most ``scale / 2`` plus the fp16 rounding of scale a
 
 The lookup (:func:`pooled_lookup`) dequantises the rows a batch reads and pools them (sum or mean, per-sample
 weights, empty bags give zeros), as TorchRec's quantized ``EmbeddingBagCollection`` does with FBGEMM's
-``IntNBitTableBatchedEmbeddingBagsCodegen``; a fused kernel that pools in registers is not written yet.
+``IntNBitTableBatchedEmbeddingBagsCodegen``. :func:`pooled_lookup_many` pools every feature of a batch in one
+call of the fused C++ kernel (``embedding/quant_kernels.cpp``: rows dequantised in registers, never written
+out, in parallel over features and bags, like FBGEMM's kernel), and falls back to :func:`pooled_lookup` per
+feature when the kernel is not built.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ from __future__ import annotations
 import torch
 
 from embedscale.device import HOST
+from embedscale.embedding.kernels import quant_ops
 
 FORMS = ("fp32", "fp16", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
+FORM_BITS = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}
+"""Bits a stored value of each form takes (the fused kernel's ``bits``)."""
 QPARAM_BYTES = 4  # fp16 scale + fp16 bias after a row's packed values
 
 
@@ -100,6 +106,31 @@ def pooled_lookup(stored: torch.Tensor, form: str, dim: int, ids: torch.Tensor, 
     return out
 
 
+def pooled_lookup_many(tables: list[tuple[torch.Tensor, str, int]], features: list[tuple], batch_size: int,
+                       use_kernel: bool = True) -> torch.Tensor:
+    """Pool every feature of a batch: ``tables`` are ``(stored, form, dim)``; ``features`` are
+    ``(table index, ids, offsets, mode, weights or None)`` as :func:`pooled_lookup` takes them. Returns float32
+    ``[B, sum of the features' dims]``, the features' columns in the order given: one call of the fused kernel
+    when it is built (``use_kernel``), else :func:`pooled_lookup` per feature (the same figures up to the order of
+    float additions)."""
+    ops = quant_ops() if use_kernel else None
+    if ops is None:
+        return torch.cat([pooled_lookup(tables[t][0], tables[t][1], tables[t][2], ids, offsets, mode, w)
+                          for t, ids, offsets, mode, w in features], dim=1) if features else \
+            torch.zeros(batch_size, 0)
+    none = torch.empty(0, dtype=torch.float32)
+    for t, _, _, mode, _ in features:
+        if mode not in ("sum", "mean"):
+            raise ValueError(f"pooling {mode!r} is not sum or mean")
+    return ops.quantized_pooled_forward(
+        [stored.contiguous() for stored, _, _ in tables], [FORM_BITS[form] for _, form, _ in tables],
+        [dim for _, _, dim in tables], [t for t, *_ in features],
+        [ids.to(torch.int64).contiguous() for _, ids, _, _, _ in features],
+        [offsets.to(torch.int64).contiguous() for _, _, offsets, _, _ in features],
+        [none if w is None else w.to(torch.float32).contiguous() for *_, w in features],
+        [mode == "mean" for _, _, _, mode, _ in features], batch_size)
+
+
 def max_row_error(stored: torch.Tensor, form: str) -> torch.Tensor:
     """Per row, the largest rounding error of one value (``scale / 2``; 0 for fp32; fp16: not a per-row
     figure, ``None``)."""
@@ -110,5 +141,5 @@ def max_row_error(stored: torch.Tensor, form: str) -> torch.Tensor:
     return qp[:, 0] / 2
 
 
-__all__ = ["BITS", "FORMS", "QPARAM_BYTES", "dequantize_rows", "max_row_error", "pooled_lookup", "quantize_rows",
-           "row_bytes"]
+__all__ = ["BITS", "FORMS", "FORM_BITS", "QPARAM_BYTES", "dequantize_rows", "max_row_error", "pooled_lookup",
+           "pooled_lookup_many", "quantize_rows", "row_bytes"]
