@@ -978,15 +978,29 @@ ServeConfig = _Lazy("embedscale.serve.server:ServeConfig")
 @main.command("export")
 @click.argument("source", type=click.Path(exists=True))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), required=True, help="The export directory.")
-@click.option("--quantize", type=click.Choice(["fp32", "fp16", "int8", "int4"]), default="fp32", show_default=True,
-              help="The tables' served form (row-wise INT8/INT4: FBGEMM's fused rows, a scale and bias per row).")
+@click.option("--quantize", type=click.Choice(["fp32", "fp16", "int8", "int4", "auto"]), default="fp32",
+              show_default=True,
+              help="The tables' served form (row-wise INT8/INT4: FBGEMM's fused rows, a scale and bias per row); "
+                   "auto: each table at the narrowest form whose eval AUC stays within --tolerance of FP32.")
+@click.option("--tolerance", type=click.FloatRange(min=0), default=0.001, show_default=True,
+              help="auto: the largest eval AUC drop from FP32 the export may take.")
+@click.option("--table-budget", default=None, metavar="BYTES",
+              help="auto: the tables' bytes must fit this (e.g. 2GiB); the largest tables are narrowed to INT4 "
+                   "until they do.")
+@click.option("--auto-samples", type=click.IntRange(min=1), default=100_000, show_default=True,
+              help="auto: eval rows scored per trial.")
 @click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="The training dataset (default: the run config's, from its data cache).")
 @click.option("--json", "as_json", is_flag=True)
-def export_command(source, out_dir, quantize, data_dir, as_json):
+def export_command(source, out_dir, quantize, tolerance, table_budget, auto_samples, data_dir, as_json):
     """Export a checkpoint (a run directory: its checkpoints/best, else its latest) into one self-contained
     directory (safetensors weights + export.json) that predict and serve load without the run."""
-    m = export_model(source, out_dir, quantize, data_dir)
+    try:
+        budget = parse_bytes(table_budget, "--table-budget") if table_budget else None
+        m = export_model(source, out_dir, quantize, data_dir, tolerance=tolerance, table_budget=budget,
+                         auto_samples=auto_samples, progress=not as_json)
+    except EmbedscaleError as e:
+        _fail(e)
     if as_json:
         click.echo(json.dumps(m))
     else:

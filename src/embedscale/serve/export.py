@@ -34,6 +34,7 @@ from embedscale.assemble import prepare_data, split_existing, tables_for
 from embedscale.data.shards import Manifest
 from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json
+from embedscale.serve.auto_quantize import Scorer, choose_forms, eval_batches
 from embedscale.serve.quantize import FORMS, quantize_rows, row_bytes
 from embedscale.specs import RunConfig, from_dict
 from embedscale.train.checkpoint import best_checkpoint, load_checkpoint, resolve_checkpoint
@@ -69,11 +70,15 @@ def table_forms(quantize: str | dict, names: list[str]) -> dict[str, str]:
     return forms
 
 
-def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", data_dir: str | Path | None = None
-           ) -> dict:
+def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", data_dir: str | Path | None = None,
+           *, tolerance: float = 0.001, table_budget: int | None = None, auto_samples: int = 100_000,
+           progress: bool = False) -> dict:
     """Export ``source`` (a checkpoint, or a run directory: its best checkpoint, else its latest) into ``out``;
-    ``quantize``: a served form for every table (fp32, fp16, int8, int4) or ``{table: form}``. ``data_dir``:
-    the training dataset (default: the run config's, from its data cache). Returns the manifest."""
+    ``quantize``: a served form for every table (fp32, fp16, int8, int4), ``{table: form}``, or ``auto``
+    (:mod:`embedscale.serve.auto_quantize`: each table at the narrowest form whose eval AUC, over at most
+    ``auto_samples`` rows of the run's eval split, stays within ``tolerance`` of FP32; then ``table_budget``
+    bytes, if given). ``data_dir``: the training dataset (default: the run config's, from its data cache).
+    Returns the manifest."""
     ck = source_checkpoint(source)
     state = load_checkpoint(ck)
     m = state["manifest"]
@@ -82,20 +87,30 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
     prepared = split_existing(Path(data_dir), 0.0) if data_dir else prepare_data(cfg, progress=False)
     data = prepared.manifest
     specs = tables_for(cfg, data)
+    weights = {t.name: _table_weight(ck, state, t.name) for t in specs}
+    for t in specs:
+        if tuple(weights[t.name].shape) != (t.num_rows, t.dim):
+            raise FormatError(f"{ck}: table {t.name!r} is {tuple(weights[t.name].shape)} in the checkpoint, the "
+                              f"dataset {data_dir or cfg.data.path} says {(t.num_rows, t.dim)}")
+    auto = None
+    if quantize == "auto":
+        if prepared.eval is None:
+            raise ConfigError(f"{ck}: --quantize auto measures AUC on the run's eval split, and the run has none; "
+                              "choose a form (fp32, fp16, int8, int4)")
+        scorer = Scorer({k: getattr(cfg.model, k) for k in MODEL_KEYS}, specs, data.num_dense, state["dense"], weights,
+                        eval_batches(prepared.eval.directory, prepared.eval.start, prepared.eval.stop, auto_samples))
+        quantize, auto = choose_forms(scorer, specs, tolerance, table_budget, progress)
     forms = table_forms(quantize, [t.name for t in specs])
     tensors: dict[str, torch.Tensor] = {f"dense.{k}": v.contiguous() for k, v in state["dense"].items()}
     tables = []
     for t in specs:
-        weight = _table_weight(ck, state, t.name)
-        if tuple(weight.shape) != (t.num_rows, t.dim):
-            raise FormatError(f"{ck}: table {t.name!r} is {tuple(weight.shape)} in the checkpoint, the dataset "
-                              f"{data_dir or cfg.data.path} says {(t.num_rows, t.dim)}")
-        tensors[f"table.{t.name}"] = quantize_rows(weight, forms[t.name])
+        tensors[f"table.{t.name}"] = quantize_rows(weights[t.name], forms[t.name])
         tables.append({"name": t.name, "features": list(t.features), "num_rows": t.num_rows, "dim": t.dim,
                        "pooling": t.pooling, "form": forms[t.name], "bytes_per_row": row_bytes(forms[t.name], t.dim)})
     encoding, vocab = _encoding(data, Path(prepared.train.directory))
     tensors.update({f"vocab.{n}": torch.from_numpy(np.ascontiguousarray(v).view(np.int64)) for n, v in vocab.items()})
-    version = f"step{m['step']}-{str(m.get('id', ''))[:8]}-" + (quantize if isinstance(quantize, str) else "mixed")
+    version = f"step{m['step']}-{str(m.get('id', ''))[:8]}-" + (
+        "auto" if auto else quantize if isinstance(quantize, str) else "mixed")
     es = m.get("early_stopping") or {}
     manifest = {
         "format": FORMAT, "version": VERSION, "model_version": version,
@@ -107,6 +122,8 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
         "tables": tables, "encoding": encoding, "weights": WEIGHTS,
         "table_bytes": int(sum(t["bytes_per_row"] * t["num_rows"] for t in tables)),
     }
+    if auto:
+        manifest["quantize_auto"] = auto
     write_export(Path(out), manifest, tensors)
     return manifest
 
