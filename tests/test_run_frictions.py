@@ -60,7 +60,8 @@ def _brute_force_auc(cfg, checkpoint) -> float:
 
 def test_evaluate_a_run_scores_its_best_checkpoint_not_its_latest(tmp_path, data_dir):
     """A run with checkpoints at steps 2 and 6 whose best evaluation is step 2's: ``evaluate RUN`` scores step 2
-    (AUC of its predictions counted here pair by pair), says so, and differs from the latest's AUC."""
+    (AUC of its predictions counted here pair by pair), says so, and differs from the latest's AUC; ``infer RUN``
+    serves the same checkpoint."""
     cfg = config(tmp_path, data_dir)
     cfg.train.max_steps, cfg.train.checkpoint_every, cfg.train.eval_every = 6, 2, 0
     rd = tmp_path / "run"
@@ -80,6 +81,12 @@ def test_evaluate_a_run_scores_its_best_checkpoint_not_its_latest(tmp_path, data
     r = CliRunner().invoke(main, ["evaluate", str(rd)])  # the text names the checkpoint and why
     assert r.exit_code == 0, r.output
     assert f"{best.name} (the best evaluation's checkpoint)" in r.output and "step 2:" in r.output
+
+    # infer RUN serves the same checkpoint (its AUC over the eval split, counted here, is the best's)
+    r = CliRunner().invoke(main, ["infer", str(rd), "--run-dir", str(tmp_path / "infer"), "--no-progress", "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.output.strip().splitlines()[-1])
+    assert Path(got["checkpoint"]).resolve() == best and got["auc"] == pytest.approx(auc_best, abs=1e-6)
 
     # a checkpoint given by path is scored as given; a run without a best pointer falls back to the latest
     r = CliRunner().invoke(main, ["evaluate", str(latest), "--json"])
@@ -276,3 +283,16 @@ def test_the_cli_sets_the_passive_wait_policy_before_torch_is_imported(tmp_path)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
     assert p.stdout.split() == ["0", "PASSIVE", "False"], (p.stdout, p.stderr[-2000:])
+
+
+def test_towers_reads_a_runs_best_checkpoint_else_its_latest(tmp_path):
+    """``towers RUN`` learns from the checkpoint ``evaluate RUN`` scores: ``checkpoints/best`` when there is one."""
+    from embedscale.towers.command import _find_checkpoint
+
+    for step in (2, 6):
+        d = tmp_path / "checkpoints" / f"step-{step:08d}"
+        d.mkdir(parents=True)
+        (d / "manifest.json").write_text("{}")
+    assert _find_checkpoint(tmp_path)[1].name == "step-00000006"  # no best: the latest
+    write_best(tmp_path, 2)
+    assert _find_checkpoint(tmp_path) == (tmp_path, tmp_path / "checkpoints" / "step-00000002")

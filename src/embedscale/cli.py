@@ -392,14 +392,14 @@ def _infer_fn(cfg):
 @click.option("--json", "as_json", is_flag=True)
 def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
     """Sharded inference: score the eval split with a checkpoint (a run's checkpoints/step-N of any world size, or a
-    run directory: its latest) under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
+    run directory: its best evaluation's checkpoint, else its latest) under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
     through the tower transform with the checkpoint's towers (--plan and --design do not apply; on several
     ranks dist.topology_hosts must divide --nproc)."""
     import yaml
 
     state: dict = {}
     with _command(state):
-        ck = resolve_checkpoint(checkpoint)
+        ck, _ = _checkpoint_to_score(Path(checkpoint))
         data = yaml.safe_load(read_manifest(ck).get("config_yaml") or "") or {}
         for item in overrides:
             k, _, v = item.partition("=")
@@ -913,7 +913,7 @@ def towers(run, out_path, towers, strategy, max_ratio, samples, coord_dim, seed,
            as_json):
     """Learn a balanced, meaningful feature-to-tower assignment from a trained run (DMT 3.3 tower partitioner).
 
-    RUN is a run directory (its latest checkpoint; any arch) or a checkpoint. A DMT run trains with the result:
+    RUN is a run directory (its best evaluation's checkpoint, else its latest; any arch) or a checkpoint. A DMT run trains with the result:
     --model-arch dmt-dlrm --model-tower-assignment OUT.
     """
     try:

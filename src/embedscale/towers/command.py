@@ -14,7 +14,7 @@ Outputs, written atomically, no pickle:
 * ``OUT`` with suffix ``.png``: the interaction matrix sorted by tower, towers outlined (DMT Figure 9).
 
 Checkpoints read: the one format (``checkpoints/step-N/``, rows by table and row id, any world size); the
-latest one of the run unless a checkpoint path is given.
+best evaluation's (``checkpoints/best``) of the run, else its latest, unless a checkpoint path is given.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from embedscale.data.loader import ShardLoader
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.plan.towers import STRATEGIES
 from embedscale.towers.learn import learn_towers, plot_interaction
-from embedscale.train.checkpoint import assemble_table, is_checkpoint, latest_checkpoint, read_manifest, read_shards
+from embedscale.train.checkpoint import (assemble_table, best_checkpoint, is_checkpoint, latest_checkpoint,
+                                        read_manifest, read_shards)
 
 
 def _find_checkpoint(path: Path) -> tuple[Path, Path]:
@@ -42,7 +43,7 @@ def _find_checkpoint(path: Path) -> tuple[Path, Path]:
         raise ConfigError(f"{path}: no such run directory or checkpoint")
     if is_checkpoint(path):  # a checkpoint: <run>/checkpoints/<ckpt>
         return path.parent.parent, path
-    found = latest_checkpoint(path)
+    found = best_checkpoint(path) or latest_checkpoint(path)  # the best evaluation's, as evaluate and export
     if found is None:
         raise ConfigError(f"{path}: no checkpoint in {path / 'checkpoints'} (train the run first)")
     return path, found
