@@ -2,10 +2,11 @@
 
 A DLRM over synthetic Criteo-Kaggle-shaped tables (26 tables, rows capped at ``--max-rows``, dim 16, OPER's
 MLP sizes; random weights: serving cost does not depend on what was learned) is exported twice, with INT8
-and with FP32 tables (the FP32 export is the stand-in for the strongest alternative here: TorchRec's quantized
-``EmbeddingBagCollection`` behind the same HTTP stack is not wired into this benchmark yet). Both are served by
-``embedscale serve`` on 127.0.0.1 (each its own process), and two load generators run against each, the
-variants interleaved round by round so machine load hits both alike:
+and with FP32 tables. Three servers run on 127.0.0.1 (each its own process): ``embedscale serve`` of the INT8
+export (ours), of the FP32 export, and the baseline: the same server and INT8 export with TorchRec's quantized
+``EmbeddingBagCollection`` (FBGEMM's INT8 kernel) as the tables' lookup (``_torchrec_serve.py``: same HTTP stack,
+same micro-batching, same dense model). Two load generators run against each, the variants interleaved round
+by round so machine load hits them alike:
 
 * closed loop: ``--concurrency`` clients, each sending its next request when the last is answered;
 * open loop: requests sent at a fixed offered rate (``--rate`` per second) whatever the answers, so queueing
@@ -13,7 +14,8 @@ variants interleaved round by round so machine load hits both alike:
 
 A request is a ranking call: ``--rows`` candidate rows of raw ids (the export is id-encoded). Every loop is
 bounded in requests and seconds. Prints one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9
-latency of ours (INT8) and the baseline (FP32), the ratio of their QPS, the load average, the config.
+latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
+average, the config.
 
     .venv/bin/python benchmarks/bench_serve.py [--quick]
 """
@@ -84,11 +86,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(export: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tuple[subprocess.Popen, str]:
+    """One server on 127.0.0.1: ``embedscale serve``, or with ``torchrec`` the same server with TorchRec's
+    quantized EmbeddingBagCollection as its lookup (``_torchrec_serve.py``)."""
     import httpx
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "embedscale", "serve", str(export), "--host", "127.0.0.1",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "_torchrec_serve.py")] if torchrec else \
+        [sys.executable, "-m", "embedscale", "serve"]
+    proc = subprocess.Popen([*cmd, str(export), "--host", "127.0.0.1",
                              "--port", str(port), "--max-batch", str(args.max_batch), "--max-wait-ms",
                              str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024))],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -185,6 +191,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
+    ap.add_argument("--no-torchrec", action="store_true", help="without the TorchRec baseline (torchrec not installed)")
     args = ap.parse_args()
     if args.quick:
         args.max_rows, args.seconds, args.repeats, args.rows = 10_000, 3.0, 2, 20
@@ -194,6 +201,8 @@ def main() -> None:
         tables = [min(int(r), args.max_rows) for r in PRESETS["criteo-kaggle"]]
         bodies = request_bodies(64, args.rows, tables)
         servers = {form: start(p, args) for form, p in paths.items()}
+        if not args.no_torchrec:
+            servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
         runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
         try:
             for rep in range(args.repeats):
@@ -213,10 +222,14 @@ def main() -> None:
         med = {form: {k: statistics.median(r[k] for r in runs[mode, form]) for k in runs[mode, form][0]}
                for form in servers}
         p90 = {form: float(np.percentile([r["qps"] for r in runs[mode, form]], 90)) for form in servers}
+        base = "torchrec-int8" if "torchrec-int8" in med else "fp32"
         print(json.dumps({"figure": f"serve_{mode}_loop_qps_int8", "value": med["int8"]["qps"],
-                          "baseline": "the same model's FP32 export, same server, same run",
-                          "baseline_value": med["fp32"]["qps"],
-                          "ratio": med["int8"]["qps"] / med["fp32"]["qps"] if med["fp32"]["qps"] else None,
+                          "baseline": ("the same INT8 model with TorchRec's quantized EmbeddingBagCollection as its "
+                                       "lookup, same server, same run") if base != "fp32" else
+                                      "the same model's FP32 export, same server, same run",
+                          "baseline_value": med[base]["qps"],
+                          "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
+                          "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"] if med["fp32"]["qps"] else None,
                           "median": med, "p90_qps": p90, "load": {"start": load0, "end": os.getloadavg()},
                           "config": config}))
 
