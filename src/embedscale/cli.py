@@ -970,6 +970,7 @@ def _format_profile_summary(s) -> str:
 
 # -- serving: export, predict, serve (embedscale.serve) ---------------------------------------------
 export_model = _Lazy("embedscale.serve.export:export")
+follow_export = _Lazy("embedscale.serve.export:follow_run")
 predict_file = _Lazy("embedscale.serve.predict:predict_file")
 serve_export = _Lazy("embedscale.serve.server:serve")
 ServeConfig = _Lazy("embedscale.serve.server:ServeConfig")
@@ -991,10 +992,32 @@ ServeConfig = _Lazy("embedscale.serve.server:ServeConfig")
               help="auto: eval rows scored per trial.")
 @click.option("--data", "data_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="The training dataset (default: the run config's, from its data cache).")
+@click.option("--follow", is_flag=True,
+              help="Keep exporting the run's latest checkpoint as new ones appear (for serve --follow OUT), until "
+                   "SIGTERM/Ctrl-C, --max-exports or --idle-s.")
+@click.option("--poll-s", type=click.FloatRange(min=0.05), default=2.0, show_default=True, help="--follow: poll period.")
+@click.option("--max-exports", type=click.IntRange(min=0), default=0, help="--follow: stop after N exports (0: never).")
+@click.option("--idle-s", type=click.FloatRange(min=0), default=0.0,
+              help="--follow: stop after this many seconds without a new checkpoint (0: never).")
 @click.option("--json", "as_json", is_flag=True)
-def export_command(source, out_dir, quantize, tolerance, table_budget, auto_samples, data_dir, as_json):
+def export_command(source, out_dir, quantize, tolerance, table_budget, auto_samples, data_dir, follow, poll_s,
+                   max_exports, idle_s, as_json):
     """Export a checkpoint (a run directory: its checkpoints/best, else its latest) into one self-contained
-    directory (safetensors weights + export.json) that predict and serve load without the run."""
+    directory (safetensors weights + export.json) that predict and serve load without the run. --follow: keep
+    OUT the export of the run's latest checkpoint while it trains."""
+    if follow:
+        if quantize == "auto":
+            _fail(EmbedscaleError("--follow takes a fixed form (fp32, fp16, int8, int4), not auto"))
+        stopping: list[int] = []  # SIGTERM / Ctrl-C: end after the export in progress (never a half-written one)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda num, frame: stopping.append(num))
+        try:
+            n = follow_export(source, out_dir, quantize, poll_s=poll_s, max_exports=max_exports, idle_s=idle_s,
+                              data_dir=data_dir, log=lambda m: click.echo(m, err=True), stop=lambda: bool(stopping))
+        except EmbedscaleError as e:
+            _fail(e)
+        click.echo(json.dumps({"exports": n}) if as_json else f"{n} export(s) of {source} written to {out_dir}")
+        return
     try:
         budget = parse_bytes(table_budget, "--table-budget") if table_budget else None
         m = export_model(source, out_dir, quantize, data_dir, tolerance=tolerance, table_budget=budget,

@@ -14,7 +14,9 @@ An export directory holds two files and needs nothing else (no run directory, no
 The tables are materialised whole from the checkpoint's rank files by row id (``train.checkpoint``: a checkpoint
 of any world size), so an export of an N-rank run is the same as one of a single process. The directory is
 written under a temporary name beside ``--out`` and renamed into place (an export already there is replaced
-only once the new one is complete). Row-stored tables (device or host placed) are exported; TT-compressed
+only once the new one is complete). ``export RUN --follow`` (:func:`follow_run`) keeps an export the latest
+checkpoint of a run still training (online training's delta checkpoints included), for a server that follows
+it (``serve --follow``): serving reads exports, never a run. Row-stored tables (device or host placed) are exported; TT-compressed
 tables, managed-id tables and DMT tower models are not yet (an error says so).
 """
 
@@ -24,6 +26,7 @@ import datetime
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +40,8 @@ from embedscale.io import atomic_write_json
 from embedscale.serve.auto_quantize import Scorer, choose_forms, eval_batches
 from embedscale.serve.quantize import FORMS, quantize_rows, row_bytes
 from embedscale.specs import RunConfig, from_dict
-from embedscale.train.checkpoint import best_checkpoint, load_checkpoint, resolve_checkpoint
+from embedscale.train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, resolve_checkpoint
+from embedscale.train.checkpoint import read_manifest as read_checkpoint_manifest
 
 FORMAT = "embedscale.export"
 VERSION = 1
@@ -128,6 +132,35 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
     return manifest
 
 
+def follow_run(run: str | Path, out: str | Path, quantize: str | dict = "fp32", *, poll_s: float = 2.0,
+               max_exports: int = 0, idle_s: float = 0.0, stop=None, data_dir: str | Path | None = None,
+               log=print) -> int:
+    """Keep ``out`` the export of a training run's latest checkpoint (full or delta): every ``poll_s`` seconds,
+    a new complete checkpoint (another manifest ``id``) is exported (written beside ``out``, then renamed over
+    it), which ``embedscale serve --follow OUT`` swaps in. Stops after ``max_exports`` exports, after ``idle_s``
+    seconds without a new checkpoint, or when ``stop()`` is true (each 0: never); returns the exports made. A
+    checkpoint that cannot be read (removed by the run's retention while it was read) is retried at the next
+    poll; the export serving meanwhile stays as it was."""
+    done, seen, last_new = 0, None, time.monotonic()
+    while not (stop and stop()):
+        ck = latest_checkpoint(run)
+        key = (ck, read_checkpoint_manifest(ck).get("id")) if ck is not None else None
+        if key is not None and key != seen:
+            try:
+                m = export(ck, out, quantize, data_dir)
+            except (FormatError, OSError) as e:
+                log(f"export --follow {run}: {ck.name} not exported ({e}); retrying")
+            else:
+                seen, done, last_new = key, done + 1, time.monotonic()
+                log(f"export --follow {run}: {out} is now {m['model_version']} (step {m['source']['step']})")
+                if max_exports and done >= max_exports:
+                    break
+        if idle_s and time.monotonic() - last_new > idle_s:
+            break
+        time.sleep(poll_s)
+    return done
+
+
 def _check_exportable(ck: Path, m: dict, cfg: RunConfig, state: dict) -> None:
     if m.get("kind") == "dmt" or cfg.model.arch.startswith("dmt-"):
         raise FormatError(f"{ck}: a DMT tower model ({cfg.model.arch}); export serves dlrm and dcn models")
@@ -190,4 +223,5 @@ def write_export(out: Path, manifest: dict, tensors: dict[str, torch.Tensor]) ->
         raise
 
 
-__all__ = ["FORMAT", "MANIFEST", "VERSION", "WEIGHTS", "export", "source_checkpoint", "table_forms", "write_export"]
+__all__ = ["FORMAT", "MANIFEST", "VERSION", "WEIGHTS", "export", "follow_run", "source_checkpoint", "table_forms",
+           "write_export"]
