@@ -1,0 +1,172 @@
+"""Live updates under load: a server following a model that a 2-rank job is still training.
+
+Three processes of ours run on this host, as a user would run them:
+
+1. ``embedscale train --nproc 2`` on synthetic Criteo-shaped data (tables capped at ``--max-rows``), a checkpoint
+   every ``--checkpoint-every`` steps (a full one, deltas between: online training's checkpoints);
+2. ``embedscale export RUN --follow --quantize int8 --out LIVE``: each new checkpoint becomes the export LIVE;
+3. ``embedscale serve LIVE --follow LIVE``: each new export is swapped in between batches.
+
+The server's saturation rate is measured first (closed loop, ``--concurrency`` clients, 10 s), then an open-loop
+load at ``--load`` (0.5) of it runs for ``--seconds`` (loopback only; bounded in requests and time). Every answer's
+``model_version`` is recorded: a swap is the first answer of a new version. Requests sent within 1 s of a swap
+are "during swaps", the rest steady. Prints one JSON line: swaps, failed requests (any status but 200, or no
+answer), p99 during swaps over steady p99 (the bar: zero failures, at most 1.5x), QPS, load average, config.
+
+    .venv/bin/python benchmarks/bench_serve_live.py [--quick] [--seconds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_serve import closed_loop, free_port, request_bodies  # noqa: E402
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def embedscale(*args: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        if any(p.poll() is not None for p in procs):
+            raise SystemExit(f"a process ended while waiting for {what}")
+        time.sleep(0.5)
+    raise SystemExit(f"no {what} within {timeout:.0f} s")
+
+
+async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds: float) -> list[tuple]:
+    """``(sent at, latency s, status, model_version)`` of every request of a fixed-rate schedule."""
+    import httpx
+
+    out: list[tuple] = []
+
+    async def one(c, i: int, t_send: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = await c.post(url + "/v1/predict", content=bodies[i % len(bodies)])
+            version = r.json().get("model_version") if r.status_code == 200 else None
+            out.append((t_send, time.perf_counter() - t0, r.status_code, version))
+        except httpx.HTTPError:
+            out.append((t_send, time.perf_counter() - t0, 0, None))
+
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=512)) as c:
+        tasks = []
+        for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
+            delay = t0 + i / rate - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(c, i, time.monotonic() - t0)))
+        await asyncio.gather(*tasks)
+    return sorted(out)
+
+
+def analyse(rows: list[tuple], window: float = 1.0) -> dict:
+    ok = [r for r in rows if r[2] == 200]
+    swaps, last = [], None
+    for t, _, _, v in ok:
+        if last is not None and v != last:
+            swaps.append(t)
+        last = v
+    near = lambda t: any(abs(t - s) <= window for s in swaps)  # noqa: E731
+    during = [r[1] for r in ok if near(r[0])]
+    steady = [r[1] for r in ok if not near(r[0])]
+    p99 = lambda x: float(np.percentile(x, 99)) * 1e3 if x else float("nan")  # noqa: E731
+    return {"requests": len(rows), "failed": len(rows) - len(ok), "swaps": len(swaps),
+            "versions": len({r[3] for r in ok}), "p99_steady_ms": p99(steady), "p99_swaps_ms": p99(during),
+            "p50_steady_ms": float(np.median(steady)) * 1e3 if steady else float("nan"),
+            "requests_during_swaps": len(during)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=300.0)
+    ap.add_argument("--load", type=float, default=0.5, help="offered rate as a share of saturation")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=100, help="candidates a request")
+    ap.add_argument("--max-rows", type=int, default=10_000, help="rows a table at most")
+    ap.add_argument("--checkpoint-every", type=int, default=30)
+    ap.add_argument("--quick", action="store_true", help="60 s of load")
+    args = ap.parse_args()
+    if args.quick:
+        args.seconds = 60.0
+    load0 = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        w = Path(tmp)
+        procs: list[subprocess.Popen] = []
+        try:
+            procs.append(embedscale(
+                "train", "--nproc", "2", "--out-dir", str(w / "runs"), "--name", "live", "--no-progress",
+                "--data-synthetic-max-rows", str(args.max_rows), "--data-train-samples", "200000",
+                "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
+                "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.epochs=1000",
+                "--set", "train.eval_every=0", "--set", "train.batch_size=1024", log=w / "train.log"))
+            ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
+                                                           None), 1800, procs)
+            run = ck.parent.parent.parent
+            live = w / "live"
+            procs.append(embedscale("export", str(run), "--follow", "--quantize", "int8", "--out", str(live),
+                                    "--poll-s", "1", log=w / "export.log"))
+            wait_for("first export", lambda: (live / "export.json").exists(), 600, procs)
+            port = free_port()
+            procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
+                                    "--host", "127.0.0.1", "--port", str(port), "--max-rows", "1024",
+                                    log=w / "serve.log"))
+            url = f"http://127.0.0.1:{port}"
+            import httpx
+
+            wait_for("server", lambda: _ready(httpx, url), 300, procs)
+            tables = [t["num_rows"] for t in json.loads((live / "export.json").read_text())["tables"]]
+            bodies = request_bodies(64, args.rows, tables)
+            sat = asyncio.run(closed_loop(url, bodies, args.concurrency, 10.0))["qps"]
+            rate = max(args.load * sat, 0.5)
+            print(f"saturation {sat:.1f} qps; offering {rate:.1f} for {args.seconds:.0f} s", file=sys.stderr)
+            rows = asyncio.run(open_loop_versions(url, bodies, rate, args.seconds))
+        finally:
+            for p in reversed(procs):
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in procs:
+                try:
+                    p.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        res = analyse(rows)
+    ratio = res["p99_swaps_ms"] / res["p99_steady_ms"] if res["swaps"] else None
+    print(json.dumps({"benchmark": "serve_live_swaps", "figure": ratio, "unit": "p99 during swaps / steady p99",
+                      "baseline": "the same server between swaps (steady)", **res, "saturation_qps": sat,
+                      "offered_qps": rate, "load": {"start": load0, "end": os.getloadavg()},
+                      "config": vars(args)}))
+    return 0
+
+
+def _ready(httpx, url: str) -> bool:
+    try:
+        return httpx.get(url + "/readyz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
