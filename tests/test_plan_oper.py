@@ -217,3 +217,34 @@ def test_polish_moves_a_partition_off_the_bottleneck_by_hand():
     n = polish(owner, np.ones(3, dtype=bool), np.array([4.0, 3.0, 1.0]), np.ones(3), cost, total, mem,
                np.array([3.0, 3.0]), grad_factor=1.0)
     assert n == 1 and owner.tolist() == [1, 0, 0] and total.tolist() == [4.0, 4.0] and mem.tolist() == [2.0, 1.0]
+
+
+def test_polish_swaps_when_memory_is_full_by_hand():
+    from itertools import combinations
+
+    from embedscale.plan.place import polish
+
+    # 2 ranks, training (g = 2); L local 0.1, remote 1 us/byte; four 1-byte partitions read 10, 6, 1, 1 bytes per
+    # rank, two on each rank and every rank full (capacity 2): no single move fits, only swaps do. Rank x pays
+    # M v L[x][x] for what it owns and g v L[x][j] for what it fetches: rank 0 (owns 16) 3.2 + 4 = 7.2, rank 1
+    # (owns 2) 0.4 + 32 = 32.4. The best split of two-and-two is 11 / 7: max 2.2 + 14 = 16.2 vs 1.4 + 22 = 23.4.
+    cost = np.array([[0.1, 1.0], [1.0, 0.1]])
+    vol = np.array([10.0, 6.0, 1.0, 1.0])
+
+    def per_rank(own):
+        return np.array([sum(2 * v * cost[x, x] if o == x else 2 * v * cost[x, o] for v, o in zip(vol, own))
+                         for x in range(2)])
+
+    owner = np.array([0, 0, 1, 1], dtype=np.int32)
+    total = per_rank(owner)
+    np.testing.assert_allclose(total, [7.2, 32.4])
+    mem = np.array([2.0, 2.0])
+    stats: dict = {}
+    n = polish(owner, np.ones(4, dtype=bool), vol, np.ones(4), cost, total, mem, np.array([2.0, 2.0]),
+               grad_factor=2.0, stats=stats)
+    best = min(per_rank([0 if q in on0 else 1 for q in range(4)]).max() for on0 in combinations(range(4), 2))
+    assert best == pytest.approx(23.4)
+    assert n == 1 and stats["swaps"] == 1 and stats["moves"] == 1
+    assert sorted([vol[owner == 0].sum(), vol[owner == 1].sum()]) == [7, 11]
+    np.testing.assert_allclose(total, per_rank(owner))  # the running totals are the cost model's
+    assert total.max() == pytest.approx(best) and mem.tolist() == [2.0, 2.0]

@@ -177,3 +177,19 @@ def test_jsonl_record_without_a_declared_key(tmp_path):
     p.write_text(JSONL + '{"c": "d", "x": 1}\n')
     with pytest.raises(InputError, match=f"^{p}:4: no key 'label'"):
         convert(schema, p, tmp_path / "l", progress=False)
+
+
+def test_a_file_without_header_takes_the_names_and_vocabulary_of_the_dataset_it_reuses(tmp_path):
+    # the first dataset (with a header) counts site a 3 times, b twice, c once: vocab rows 1, 2, 3 by descending
+    # count; the second file has no header, its schema names the columns, and --vocab-from gives the names
+    first = tmp_path / "a.csv"
+    first.write_text("label,site,x\n1,a,1\n0,b,2\n1,a,3\n0,c,4\n1,b,5\n0,a,6\n")
+    second = tmp_path / "b.csv"
+    second.write_text("1,c,7\n0,z,8\n1,a,9\n")
+    named = {"format": "csv", "label": "label", "dense": ["x"], "sparse": ["site"]}
+    convert(Schema.from_dict(named), first, tmp_path / "d1", categorical="vocab", progress=False)
+    convert(Schema.from_dict({**named, "header": False}), second, tmp_path / "d2", vocab_from=tmp_path / "d1",
+            progress=False)
+    labels, dense, sp = columns(tmp_path / "d2")
+    assert labels == [1, 0, 1] and sp["site"][0] == [3, 0, 1]  # c -> 3, z unseen -> 0, a -> 1
+    assert Manifest.load(tmp_path / "d2").extra["columns"] == ["label", "site", "x"]

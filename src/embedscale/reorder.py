@@ -377,6 +377,67 @@ def _per_key_numpy(jf: JaggedFeatures) -> dict[str, np.ndarray]:
     return {k: v.to(HOST).numpy() for k, v in zip(jf.keys, torch.split(jf.values, lpk))}
 
 
+def _profile_of(source, tables: list[TableSpec] | None, progress: bool):
+    """``build_reorder``'s source as (access profile, tables, shard directory or None): a profile as given, or
+    a shard directory's counts (features of no given table counted on their own, not reordered)."""
+    directory = None
+    if isinstance(source, AccessProfile):
+        profile = source
+        if tables is None:
+            tables = [TableSpec(t, profile.num_rows(t)) for t in profile.table_names]
+    elif isinstance(source, (str, os.PathLike)):
+        directory = Path(source)
+        manifest = Manifest.load(directory)
+        if tables is None:
+            tables = [TableSpec(s.name, s.num_rows) for s in manifest.sparse]
+        ftt = feature_to_table(tables)
+        data_features = manifest.sparse_names
+        mapping = {f: tables[ftt[f]].name for f in data_features if f in ftt}
+        missing = [f for f in data_features if f not in ftt]
+        for f in missing:  # features of no given table are counted on their own and not reordered
+            mapping[f] = f"__unused__{f}"
+        rows = {t.name: t.num_rows for t in tables}
+        for info in manifest.sparse:
+            if info.name in ftt and info.num_rows > rows[mapping[info.name]]:
+                raise ConfigError(f"{directory}: feature {info.name!r} has {info.num_rows} rows, table "
+                                  f"{mapping[info.name]!r} only {rows[mapping[info.name]]}")
+        for f in missing:
+            rows[mapping[f]] = next(s.num_rows for s in manifest.sparse if s.name == f)
+        profile = AccessProfile.from_shards(directory, feature_to_table=mapping, num_rows=rows, progress=progress)
+    else:
+        raise ConfigError(f"build_reorder: source must be a shard directory or an AccessProfile, got "
+                          f"{type(source).__name__}")
+    return profile, tables, directory
+
+
+def _check_profile_covers(chosen: list[TableSpec], profile) -> None:
+    """Every table to reorder is in the profile, with its rows."""
+    for t in chosen:
+        if t.name not in profile.table_names:
+            raise ConfigError(f"build_reorder: the access profile has no table {t.name!r}; tables: {profile.table_names}")
+        if profile.num_rows(t.name) != t.num_rows:
+            raise ConfigError(f"build_reorder: table {t.name!r} has {t.num_rows} rows, its profile "
+                              f"{profile.num_rows(t.name)}")
+
+
+def _batch_ids_by_table(b, features: dict[str, str], profile) -> dict[str, list[np.ndarray]]:
+    """One batch's ids (``JaggedFeatures`` or ``{feature: ids}``) of the features to reorder, by table, each
+    checked against its table's rows."""
+    ids = _per_key_numpy(b) if isinstance(b, JaggedFeatures) else b
+    grouped: dict[str, list[np.ndarray]] = {}
+    for f, v in ids.items():
+        if f in features:
+            v = np.asarray(v[0] if isinstance(v, tuple) else v, dtype=np.int64)
+            t = features[f]
+            n = profile.num_rows(t)
+            if v.size and (v.min() < 0 or v.max() >= n):
+                bad = v[(v < 0) | (v >= n)][0]
+                raise InputError(f"build_reorder: feature {f!r} (table {t!r}, {n} rows): row id {bad} is "
+                                 f"outside [0, {n})")
+            grouped.setdefault(t, []).append(v)
+    return grouped
+
+
 def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: float = 0.01, *,
                   names: list[str] | None = None, batches: Iterable | None = None, batch_size: int = 4096,
                   max_batches: int = 64, max_pairs_per_batch: int = 16_384, method: str = "leiden",
@@ -410,40 +471,9 @@ def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: floa
     if batch_size <= 0 or max_batches < 0 or max_pairs_per_batch < 1:
         raise ConfigError(f"build_reorder: batch_size {batch_size}, max_batches {max_batches} and "
                           f"max_pairs_per_batch {max_pairs_per_batch} must be positive")
-    directory = None
-    if isinstance(source, AccessProfile):
-        profile = source
-        if tables is None:
-            tables = [TableSpec(t, profile.num_rows(t)) for t in profile.table_names]
-    elif isinstance(source, (str, os.PathLike)):
-        directory = Path(source)
-        manifest = Manifest.load(directory)
-        if tables is None:
-            tables = [TableSpec(s.name, s.num_rows) for s in manifest.sparse]
-        ftt = feature_to_table(tables)
-        data_features = manifest.sparse_names
-        mapping = {f: tables[ftt[f]].name for f in data_features if f in ftt}
-        missing = [f for f in data_features if f not in ftt]
-        for f in missing:  # features of no given table are counted on their own and not reordered
-            mapping[f] = f"__unused__{f}"
-        rows = {t.name: t.num_rows for t in tables}
-        for info in manifest.sparse:
-            if info.name in ftt and info.num_rows > rows[mapping[info.name]]:
-                raise ConfigError(f"{directory}: feature {info.name!r} has {info.num_rows} rows, table "
-                                  f"{mapping[info.name]!r} only {rows[mapping[info.name]]}")
-        for f in missing:
-            rows[mapping[f]] = next(s.num_rows for s in manifest.sparse if s.name == f)
-        profile = AccessProfile.from_shards(directory, feature_to_table=mapping, num_rows=rows, progress=progress)
-    else:
-        raise ConfigError(f"build_reorder: source must be a shard directory or an AccessProfile, got "
-                          f"{type(source).__name__}")
+    profile, tables, directory = _profile_of(source, tables, progress)
     chosen = _select(list(tables), names)
-    for t in chosen:
-        if t.name not in profile.table_names:
-            raise ConfigError(f"build_reorder: the access profile has no table {t.name!r}; tables: {profile.table_names}")
-        if profile.num_rows(t.name) != t.num_rows:
-            raise ConfigError(f"build_reorder: table {t.name!r} has {t.num_rows} rows, its profile "
-                              f"{profile.num_rows(t.name)}")
+    _check_profile_covers(chosen, profile)
     features = {f: t.name for t in chosen for f in t.features}
     per_table: dict[str, list[np.ndarray]] = {t.name: [] for t in chosen}
     if directory is not None:
@@ -452,19 +482,7 @@ def build_reorder(source, tables: list[TableSpec] | None = None, hot_ratio: floa
         it = iter(batches or [])
     for b in tqdm(it, desc="reorder batches", disable=not progress, file=sys.stderr,
                   total=max_batches if directory is not None else None, leave=False):
-        ids = _per_key_numpy(b) if isinstance(b, JaggedFeatures) else b
-        grouped: dict[str, list[np.ndarray]] = {}
-        for f, v in ids.items():
-            if f in features:
-                v = np.asarray(v[0] if isinstance(v, tuple) else v, dtype=np.int64)
-                t = features[f]
-                n = profile.num_rows(t)
-                if v.size and (v.min() < 0 or v.max() >= n):
-                    bad = v[(v < 0) | (v >= n)][0]
-                    raise InputError(f"build_reorder: feature {f!r} (table {t!r}, {n} rows): row id {bad} is "
-                                     f"outside [0, {n})")
-                grouped.setdefault(t, []).append(v)
-        for t, vs in grouped.items():
+        for t, vs in _batch_ids_by_table(b, features, profile).items():
             per_table[t].append(np.concatenate(vs))
     out = []
     for t in tqdm(chosen, desc="reorder tables", disable=not progress, file=sys.stderr, leave=False):

@@ -534,6 +534,37 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
     Returns:
         The training dataset's ``Manifest`` (``extra["splits"]`` names the eval and test datasets).
     """
+    sources = _check_sources(sources, split_column, time_column, max_rows, shard_rows)
+    out = Path(out_dir)
+    _check_out_dir(out)
+    rows = _table_rows_given(schema, table_rows)
+    decoder = Decoder(schema, split_column, time_column, eval_from, test_from)
+    carried = None
+    if vocab_from:
+        carried = _encoding_from(Path(vocab_from), schema)
+        categorical, rows, min_frequency = carried["categorical"], carried["table_rows"], carried["min_frequency"]
+    enc = CategoricalEncoder(schema.sparse_names, categorical, rows, min_frequency, load_factor, max_table_rows)
+    if carried is not None:
+        schema = _reuse_encoding(carried, schema, enc, decoder)
+    reader = _Reader(schema, decoder, sources, block_bytes, skip_malformed, progress)
+    row_split = bool(split_column or time_column)
+
+    # pass 1: the training rows' vocabularies, distinct counts and dense statistics
+    needs_stats = bool(decoder.standardised) and decoder.stats is None
+    passes = 2 if (enc.needs_counts or needs_stats) else 1
+    if passes == 2:
+        categorical = _statistics_pass(reader, schema, enc, decoder, needs_stats, max_rows, categorical)
+
+    # pass 2: the shards
+    extra = _manifest_extra(schema, sources, enc, decoder, categorical, load_factor, max_table_rows, vocab_from)
+    shards = _ShardPass(schema, sources, enc, reader, row_split, max_rows)
+    manifest = shards.run_staged(out, extra, categorical, shard_rows, passes)
+    _warn_skipped_and_absent(schema, shards.skipped, reader)
+    return manifest
+
+
+def _check_sources(sources, split_column, time_column, max_rows, shard_rows) -> dict[str, list[Path]]:
+    """``sources`` as ``{split: [paths]}``, checked with the options that route rows."""
     sources = {"train": _as_paths(sources)} if not isinstance(sources, dict) else \
         {k: _as_paths(v) for k, v in sources.items() if v}
     unknown = sorted(set(sources) - set(SPLITS))
@@ -552,74 +583,83 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
         raise ConfigError(f"max_rows must be >= 0, got {max_rows}")
     if shard_rows <= 0:
         raise ConfigError(f"shard_rows must be positive, got {shard_rows}")
-    out = Path(out_dir)
+    return sources
+
+
+def _check_out_dir(out: Path) -> None:
+    """``out`` is absent, empty or an embedscale dataset, and writable."""
     if out.exists() and out.is_dir() and not os.access(out, os.W_OK | os.X_OK):
         raise ConfigError(f"{out}: not writable (permission denied)")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).exists())):
         raise ConfigError(f"{out}: exists and is not an embedscale dataset (no {MANIFEST}); choose another --out "
                           f"or remove it")
+
+
+def _table_rows_given(schema: Schema, table_rows) -> list[int]:
+    """Per categorical feature, the rows ``table_rows`` (one for all, a list or ``{feature: rows}``) asks for."""
     names = schema.sparse_names
     if isinstance(table_rows, dict):
         unknown = sorted(set(table_rows) - set(names))
         if unknown:
             raise ConfigError(f"table rows given for {', '.join(unknown)}, which the schema does not have "
                               f"(categorical: {', '.join(names)})")
-        rows = [int(table_rows.get(c.name, c.rows)) for c in schema.sparse]
-    elif np.isscalar(table_rows):
-        rows = [c.rows or int(table_rows) for c in schema.sparse]
-    else:
-        rows = [int(r) for r in table_rows]
-    decoder = Decoder(schema, split_column, time_column, eval_from, test_from)
-    carried = None
-    if vocab_from:
-        carried = _encoding_from(Path(vocab_from), schema)
-        categorical, rows, min_frequency = carried["categorical"], carried["table_rows"], carried["min_frequency"]
-    enc = CategoricalEncoder(names, categorical, rows, min_frequency, load_factor, max_table_rows)
-    if carried is not None:
-        if categorical == "vocab":
-            enc.set_vocab(carried["vocab"])
-        if decoder.standardised:
-            decoder.stats = [tuple(s) for s in carried["dense_stats"]]
-    if carried is not None and carried["columns"] and schema.format in ("csv", "tsv") and not schema.columns:
+        return [int(table_rows.get(c.name, c.rows)) for c in schema.sparse]
+    if np.isscalar(table_rows):
+        return [c.rows or int(table_rows) for c in schema.sparse]
+    return [int(r) for r in table_rows]
+
+
+def _reuse_encoding(carried: dict, schema: Schema, enc: CategoricalEncoder, decoder: Decoder) -> Schema:
+    """``vocab_from``: take the other dataset's vocabularies and standardisation statistics; a CSV/TSV schema
+    without column names takes that dataset's names. Returns the schema to read with."""
+    if carried["categorical"] == "vocab":
+        enc.set_vocab(carried["vocab"])
+    if decoder.standardised:
+        decoder.stats = [tuple(s) for s in carried["dense_stats"]]
+    if carried["columns"] and schema.format in ("csv", "tsv") and not schema.columns:
         schema = Schema.from_dict({**schema.to_dict(), "columns": carried["columns"]}, "schema")  # names of before
-    reader = _Reader(schema, decoder, sources, block_bytes, skip_malformed, progress)
-    row_split = bool(split_column or time_column)
+    return schema
 
-    # pass 1: the training rows' vocabularies, distinct counts and dense statistics
-    needs_stats = bool(decoder.standardised) and decoder.stats is None
-    passes = 2 if (enc.needs_counts or needs_stats) else 1
-    if passes == 2:
-        acc = np.zeros((len(decoder.standardised), 3))  # count, sum, sum of squares
-        seen = 0
-        for dec, raw in reader.blocks(["train"], f"{schema.name} 1/2 statistics", None, raw_dense=needs_stats):
-            if dec is None:
-                continue
-            train = dec.split == 0
-            if max_rows is not None:  # the rows pass 2 keeps
-                train &= np.arange(dec.rows) < max_rows - seen
-                seen += dec.rows
-            if not train.all():
-                raw = raw[:, train] if raw is not None else None
-                dec = dec.select(train)
-            if enc.needs_counts:
-                enc.count(dec.keys)
-            if raw is not None and raw.size:
-                acc += np.stack([np.full(len(raw), raw.shape[1]), raw.sum(1), (raw * raw).sum(1)], axis=1)
-            if max_rows is not None and seen >= max_rows:
-                break
+
+def _statistics_pass(reader: _Reader, schema: Schema, enc: CategoricalEncoder, decoder: Decoder,
+                     needs_stats: bool, max_rows: int | None, categorical: str) -> str:
+    """Pass 1 over the training rows (the first ``max_rows``): count the keys (vocabularies, tables sized from
+    the data) and the standardised columns' mean and deviation. Returns the categorical mode (``auto``
+    becomes what the counts decided)."""
+    acc = np.zeros((len(decoder.standardised), 3))  # count, sum, sum of squares
+    seen = 0
+    for dec, raw in reader.blocks(["train"], f"{schema.name} 1/2 statistics", None, raw_dense=needs_stats):
+        if dec is None:
+            continue
+        train = dec.split == 0
+        if max_rows is not None:  # the rows pass 2 keeps
+            train &= np.arange(dec.rows) < max_rows - seen
+            seen += dec.rows
+        if not train.all():
+            raw = raw[:, train] if raw is not None else None
+            dec = dec.select(train)
         if enc.needs_counts:
-            enc.build()
-            categorical = enc.mode  # auto: vocab or hash, as the counts decided
-        if needs_stats:
-            decoder.stats = []
-            for count, s1, s2 in acc:
-                mean = s1 / count if count else 0.0
-                var = max(s2 / count - mean * mean, 0.0) if count else 0.0
-                decoder.stats.append((float(mean), float(np.sqrt(var)) or 1.0))
+            enc.count(dec.keys)
+        if raw is not None and raw.size:
+            acc += np.stack([np.full(len(raw), raw.shape[1]), raw.sum(1), (raw * raw).sum(1)], axis=1)
+        if max_rows is not None and seen >= max_rows:
+            break
+    if enc.needs_counts:
+        enc.build()
+        categorical = enc.mode  # auto: vocab or hash, as the counts decided
+    if needs_stats:
+        decoder.stats = []
+        for count, s1, s2 in acc:
+            mean = s1 / count if count else 0.0
+            var = max(s2 / count - mean * mean, 0.0) if count else 0.0
+            decoder.stats.append((float(mean), float(np.sqrt(var)) or 1.0))
+    return categorical
 
-    # pass 2: the shards
-    skipped = _Skipped()
-    sparse = [SparseFeatureInfo(c.name, r, c.multi_hot, c.id_weights) for c, r in zip(schema.sparse, enc.table_rows)]
+
+def _manifest_extra(schema: Schema, sources: dict, enc: CategoricalEncoder, decoder: Decoder, categorical: str,
+                    load_factor: float, max_table_rows: int, vocab_from) -> dict:
+    """What every split's manifest records of the conversion: sources, encoding, statistics, schema."""
+    names = schema.sparse_names
     all_files = [str(p) for name in SPLITS for p in sources.get(name, [])]
     extra = {"source": all_files, "format": schema.name, "categorical": categorical}
     if categorical == "hash":
@@ -637,23 +677,63 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
         extra["vocab_from"] = str(vocab_from)
     extra.update(schema.notes)
     extra["schema"] = schema.to_dict()
-    present = [name for name in SPLITS if sources.get(name)] if not row_split else list(SPLITS)
-    out_parent = out.resolve().parent
-    try:
-        made = _make_parents(out_parent)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out_parent))
-    except OSError as e:  # a read-only place: name the directory asked for
-        raise OSError(e.errno, e.strerror, str(out)) from e
-    try:
+    return extra
+
+
+class _ShardPass:
+    """Pass 2: every split's rows encoded and written as shards into a staging directory beside ``out``, renamed
+    into place when complete (a failure leaves no ``out``, an older dataset there untouched)."""
+
+    def __init__(self, schema: Schema, sources: dict, enc: CategoricalEncoder, reader: _Reader, row_split: bool,
+                 max_rows: int | None) -> None:
+        self.schema, self.sources, self.enc, self.reader = schema, sources, enc, reader
+        self.row_split, self.max_rows = row_split, max_rows
+        self.skipped = _Skipped()
+        self.present = [name for name in SPLITS if sources.get(name)] if not row_split else list(SPLITS)
+        self.all_files = [str(p) for name in SPLITS for p in sources.get(name, [])]
+
+    def run_staged(self, out: Path, extra: dict, categorical: str, shard_rows: int, passes: int) -> Manifest:
+        out_parent = out.resolve().parent
+        try:
+            made = _make_parents(out_parent)
+            staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out_parent))
+        except OSError as e:  # a read-only place: name the directory asked for
+            raise OSError(e.errno, e.strerror, str(out)) from e
+        try:
+            writers = self._writers(staging, extra, shard_rows)
+            counts = self._write(writers, passes)
+            manifest = self._close(writers, counts, categorical)
+            _publish(staging, out)
+        except BaseException as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            for d in reversed(made):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            if isinstance(e, OSError) and e.filename and str(e.filename).startswith(str(staging)):
+                # name the file the user asked for, not the staging copy (a full disk, a size limit)
+                where = out / Path(e.filename).relative_to(staging)
+                raise OSError(e.errno, e.strerror, str(where)) from e
+            raise
+        return manifest
+
+    def _writers(self, staging: Path, extra: dict, shard_rows: int) -> dict[str, ShardWriter]:
+        s = self.schema
+        sparse = [SparseFeatureInfo(c.name, r, c.multi_hot, c.id_weights)
+                  for c, r in zip(s.sparse, self.enc.table_rows)]
         writers = {}
-        for name in present:
+        for name in self.present:
             d = staging if name == "train" else staging / name
-            writers[name] = ShardWriter(d, schema.dense_names, sparse, shard_rows=shard_rows,
-                                        extra={**extra, "split": name}, weighted=schema.weight is not None)
-        counts = dict.fromkeys(present, 0)
+            writers[name] = ShardWriter(d, s.dense_names, sparse, shard_rows=shard_rows,
+                                        extra={**extra, "split": name}, weighted=s.weight is not None)
+        return writers
+
+    def _write(self, writers: dict[str, ShardWriter], passes: int) -> dict[str, int]:
+        """Every block's good rows (the first ``max_rows``), encoded, to the writer of its split; rows per split."""
+        schema, enc, max_rows = self.schema, self.enc, self.max_rows
+        counts = dict.fromkeys(self.present, 0)
         total = 0
-        for dec, _ in reader.blocks(present if not row_split else ["train"], f"{schema.name} {passes}/{passes} shards",
-                                    skipped):
+        for dec, _ in self.reader.blocks(self.present if not self.row_split else ["train"],
+                                         f"{schema.name} {passes}/{passes} shards", self.skipped):
             if dec is None:
                 continue
             if max_rows is not None and total + dec.rows > max_rows:
@@ -675,6 +755,12 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 writers[name].write(part.labels, part.dense, sp, weights=part.weights)
             if max_rows is not None and total >= max_rows:
                 break
+        return counts
+
+    def _close(self, writers: dict[str, ShardWriter], counts: dict[str, int], categorical: str) -> Manifest:
+        """Finish the manifests, refuse a split without rows, write the vocabularies, drop the empty row-routed
+        splits. Returns the training manifest."""
+        reader, skipped, present, row_split = self.reader, self.skipped, self.present, self.row_split
         why = f" ({skipped.count} malformed lines skipped)" if skipped.count else ""
         if reader.columns is not None and reader.columns.names:
             for w in writers.values():
@@ -683,8 +769,9 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
             if reader.absent_counts:
                 w.manifest.extra["absent_keys"] = dict(reader.absent_counts)  # optional keys read as missing
         for name in present:
-            if counts[name] == 0 and max_rows != 0 and (name == "train" or not row_split):
-                files = ", ".join(str(p) for p in sources.get(name, [])) if not row_split else ", ".join(all_files)
+            if counts[name] == 0 and self.max_rows != 0 and (name == "train" or not row_split):
+                files = (", ".join(str(p) for p in self.sources.get(name, [])) if not row_split
+                         else ", ".join(self.all_files))
                 raise InputError(f"{files}: no rows{why}" if name == "train" or row_split
                                  else f"{files}: no rows{why} (the {name} files)")
         kept = [n for n in present if counts[n] or n == "train"]
@@ -696,30 +783,22 @@ def convert(schema: Schema, sources, out_dir, *, categorical: str = "hash",
                 w.manifest.extra["splits"] = splits
             w.close()
             if categorical == "vocab":
-                for fname, (_, _, by_row) in zip(names, enc.vocab):
+                for fname, (_, _, by_row) in zip(self.schema.sparse_names, self.enc.vocab):
                     atomic_save_npy(w.dir / f"vocab-{fname}.npy", by_row)  # key of row i is by_row[i - 1]
         for name in present:
             if name not in kept:
                 shutil.rmtree(writers[name].dir, ignore_errors=True)
-        manifest = writers["train"].manifest
-        _publish(staging, out)
-    except BaseException as e:
-        shutil.rmtree(staging, ignore_errors=True)
-        for d in reversed(made):
-            with contextlib.suppress(OSError):
-                d.rmdir()
-        if isinstance(e, OSError) and e.filename and str(e.filename).startswith(str(staging)):
-            # name the file the user asked for, not the staging copy (a full disk, a size limit)
-            where = out / Path(e.filename).relative_to(staging)
-            raise OSError(e.errno, e.strerror, str(where)) from e
-        raise
+        return writers["train"].manifest
+
+
+def _warn_skipped_and_absent(schema: Schema, skipped: _Skipped, reader: _Reader) -> None:
+    """Warn (at ``convert``'s caller's caller) of skipped malformed lines and of optional keys read as missing."""
     if skipped.count:
         warnings.warn(f"{schema.name}: skipped {skipped.count} malformed line(s), first: "
-                      + "; ".join(skipped.examples[:3]), stacklevel=3)
+                      + "; ".join(skipped.examples[:3]), stacklevel=4)
     if reader.absent_counts:
         warnings.warn(f"{schema.name}: records without an optional key, read as missing: " + ", ".join(
-            f"{k} {n:,}" for k, n in reader.absent_counts.items()), stacklevel=3)
-    return manifest
+            f"{k} {n:,}" for k, n in reader.absent_counts.items()), stacklevel=4)
 
 
 def _make_parents(d: Path) -> list[Path]:

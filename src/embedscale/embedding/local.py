@@ -177,36 +177,56 @@ def bag_plan(values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor 
         lo_len, hi_len = int(lo_len), int(hi_len)
         if lo_len == hi_len and lo_len * k * B == n:
             fixed = lo_len
-    one_hot = fixed == 1
     if fixed > 1:
-        # Fixed-length multi-hot (L ids per bag): the ids are a [k, B * L] matrix, so the check, the row
-        # shift and the mean factors are per-feature broadcasts (no per-value repeat_interleave), and the
-        # bags are arange(0, n + 1, L). Same rows, offsets and scales as the jagged path below.
-        v2 = values.view(k, B * fixed)
-        if validate:
-            lo, hi = torch.aminmax(v2, dim=1)  # one pass for both bounds of every feature
-            if bool(((hi >= limit) | (lo < 0)).any()):
-                on_bad()
-        rows = alloc(n, row_dtype)
-        rows.copy_(values)
-        rows.view(k, B * fixed).add_(shift.unsqueeze(1))
-        offsets = torch.arange(0, n + 1, fixed, dtype=offsets_dtype or row_dtype, device=dev)
-        scale = weights
-        if mean is not None and bool(mean.any()):
-            one = torch.ones((), dtype=dtype, device=dev)
-            inv = torch.where(mean, one / torch.full((), fixed, dtype=dtype, device=dev), one)
-            inv_v = inv.unsqueeze(1).expand(k, B * fixed).reshape(-1)
-            scale = inv_v if scale is None else scale * inv_v
-        return _BagPlan(rows, offsets, scale, k * B, k * dim, k, fixed)
-    if one_hot:
-        v2 = values.view(k, B)
-        # per-feature max and one global min: one vectorised check, one sync
-        if validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
+        return _fixed_length_bags(values, k, fixed, weights, B, shift, limit, mean, dim, dtype, row_dtype,
+                                  offsets_dtype, validate, on_bad, alloc)
+    if fixed == 1:
+        return _one_hot_bags(values, k, weights, B, shift, limit, dim, row_dtype, validate, on_bad, alloc)
+    return _jagged_bags(values, lengths, weights, B, shift, limit, mean, dim, dtype, row_dtype, offsets_dtype,
+                        validate, names, on_bad, alloc)
+
+
+def _fixed_length_bags(values, k, fixed, weights, B, shift, limit, mean, dim, dtype, row_dtype, offsets_dtype,
+                       validate, on_bad, alloc) -> _BagPlan:
+    """Fixed-length multi-hot (L ids per bag): the ids are a [k, B * L] matrix, so the check, the row shift
+    and the mean factors are per-feature broadcasts (no per-value repeat_interleave), and the bags are
+    arange(0, n + 1, L). Same rows, offsets and scales as the jagged path (``_jagged_bags``)."""
+    n, dev = values.numel(), values.device
+    v2 = values.view(k, B * fixed)
+    if validate:
+        lo, hi = torch.aminmax(v2, dim=1)  # one pass for both bounds of every feature
+        if bool(((hi >= limit) | (lo < 0)).any()):
             on_bad()
-        rows = alloc(n, row_dtype)
-        rows.view(B, k).copy_(v2.t()).add_(shift)  # transpose to sample-major, then shift
-        scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
-        return _BagPlan(rows, None, scale, k * B, k * dim, 1, 1)
+    rows = alloc(n, row_dtype)
+    rows.copy_(values)
+    rows.view(k, B * fixed).add_(shift.unsqueeze(1))
+    offsets = torch.arange(0, n + 1, fixed, dtype=offsets_dtype or row_dtype, device=dev)
+    scale = weights
+    if mean is not None and bool(mean.any()):
+        one = torch.ones((), dtype=dtype, device=dev)
+        inv = torch.where(mean, one / torch.full((), fixed, dtype=dtype, device=dev), one)
+        inv_v = inv.unsqueeze(1).expand(k, B * fixed).reshape(-1)
+        scale = inv_v if scale is None else scale * inv_v
+    return _BagPlan(rows, offsets, scale, k * B, k * dim, k, fixed)
+
+
+def _one_hot_bags(values, k, weights, B, shift, limit, dim, row_dtype, validate, on_bad, alloc) -> _BagPlan:
+    """One value per bag: transposed to sample-major bags (``offsets`` None; mean = sum)."""
+    n = values.numel()
+    v2 = values.view(k, B)
+    # per-feature max and one global min: one vectorised check, one sync
+    if validate and bool((v2.amax(1) >= limit).any() | (v2.min() < 0)):
+        on_bad()
+    rows = alloc(n, row_dtype)
+    rows.view(B, k).copy_(v2.t()).add_(shift)  # transpose to sample-major, then shift
+    scale = weights.view(k, B).t().reshape(-1) if weights is not None else None
+    return _BagPlan(rows, None, scale, k * B, k * dim, 1, 1)
+
+
+def _jagged_bags(values, lengths, weights, B, shift, limit, mean, dim, dtype, row_dtype, offsets_dtype, validate,
+                 names, on_bad, alloc) -> _BagPlan:
+    """Bags of any length, key-major ``f * B + b``, with ``1 / length`` in ``scale`` for the mean features."""
+    k, n, dev = lengths.shape[0], values.numel(), values.device
     if validate:
         check_lengths(lengths, n, list(names))
     lpk = lengths.sum(1)
@@ -360,87 +380,11 @@ class LocalEmbeddingBags(nn.Module):
         self.weight_decay = 0.0  # L2 on the rows a step updates (optim.set_weight_decay); > 0: the PyTorch path
         self.dtype = dtype
         self.validate = validate
-
-        self.feature_names: list[str] = []
-        self.feature_dims: list[int] = []
-        self.sequence_feature_names: list[str] = []
-        self._feature_table: dict[str, int] = {}
-        self._feature_kind: dict[str, tuple[str, int]] = {}
-        for t, spec in enumerate(tables):
-            for f in spec.features:
-                self._feature_table[f] = t
-                if spec.pooling == "none":
-                    self._feature_kind[f] = ("sequence", len(self.sequence_feature_names))
-                    self.sequence_feature_names.append(f)
-                else:
-                    self._feature_kind[f] = ("pooled", len(self.feature_names))
-                    self.feature_names.append(f)
-                    self.feature_dims.append(spec.dim)
-
-        # Layout: dim groups in order of first appearance, tables stacked in the given order.
-        dims = list(dict.fromkeys(t.dim for t in tables))
-        self._row_offset: list[int] = [0] * len(tables)
-        self._table_group: list[int] = [0] * len(tables)
-        groups: list[DimGroup] = []
-        elem = state = 0
-        for gi, d in enumerate(dims):
-            members = tuple(i for i, t in enumerate(tables) if t.dim == d)
-            rows = 0
-            for i in members:
-                self._row_offset[i] = rows
-                self._table_group[i] = gi
-                rows += tables[i].num_rows
-            pooled = tuple(p for p, f in enumerate(self.feature_names) if tables[self._feature_table[f]].dim == d)
-            seq = tuple(p for p, f in enumerate(self.sequence_feature_names)
-                        if tables[self._feature_table[f]].dim == d)
-            groups.append(DimGroup(gi, d, members, rows, elem, state, pooled, seq))
-            elem += rows * d
-            state += rows
+        self._index_features(tables)
+        groups, elem, state = self._lay_out_groups(tables)
         self.groups = groups
-
-        # Output columns come group by group from the lookup; permute them to feature order if needed.
-        group_cols = []
-        col = [0]
-        for p, d in enumerate(self.feature_dims):
-            col.append(col[-1] + d)
-        for g in groups:
-            for p in g.pooled:
-                group_cols.extend(range(col[p], col[p + 1]))
-        # out[:, j] = grouped[:, perm[j]]
-        perm = [0] * len(group_cols)
-        for pos, c in enumerate(group_cols):
-            perm[c] = pos
-        identity = perm == list(range(len(perm)))
-
-        storage = torch.empty(elem, device=device, dtype=dtype)
-        if optimizer is None:
-            self.weights = nn.Parameter(storage)
-        else:
-            self.register_buffer("weights", storage, persistent=False)
-        if optimizer == "rowwise_adagrad":
-            self.register_buffer("momentum", torch.zeros(state, device=device, dtype=torch.float32),
-                                 persistent=False)
-        else:
-            self.momentum = None
-        self.register_buffer("_col_perm", None if identity else torch.tensor(perm, device=device),
-                             persistent=False)
-        for g in groups:
-            def tab(features, names):
-                ts = [self._feature_table[names[p]] for p in features]
-                return ([self._row_offset[t] for t in ts], [tables[t].num_rows for t in ts],
-                        [tables[t].pooling == "mean" for t in ts])
-            off, lim, mean = tab(g.pooled, self.feature_names)
-            self.register_buffer(f"_g{g.index}_row_off", torch.tensor(off, dtype=torch.int64, device=device),
-                                 persistent=False)
-            self.register_buffer(f"_g{g.index}_limit", torch.tensor(lim, dtype=torch.int64, device=device),
-                                 persistent=False)
-            self.register_buffer(f"_g{g.index}_mean", torch.tensor(mean, dtype=torch.bool, device=device),
-                                 persistent=False)
-            soff, slim, _ = tab(g.sequence, self.sequence_feature_names)
-            self.register_buffer(f"_g{g.index}_seq_row_off",
-                                 torch.tensor(soff, dtype=torch.int64, device=device), persistent=False)
-            self.register_buffer(f"_g{g.index}_seq_limit",
-                                 torch.tensor(slim, dtype=torch.int64, device=device), persistent=False)
+        self._register_storage(device, dtype, optimizer, elem, state)
+        self._register_group_buffers(device)
         self._group_has_mean = [any(tables[self._feature_table[self.feature_names[p]]].pooling == "mean"
                                     for p in g.pooled) for g in groups]
         self._key_plans: dict[tuple[str, ...], _KeyPlan] = {}
@@ -463,6 +407,100 @@ class LocalEmbeddingBags(nn.Module):
         # rows the fused optimizer updated since track_touched() (delta checkpoints); None: not tracked
         self.register_buffer("touched", None, persistent=False)
         self.reset_parameters(init, seed)
+
+    def _index_features(self, tables: list[TableSpec]) -> None:
+        """Pooled features (the output columns, in table order) and sequence features, with their tables."""
+        self.feature_names: list[str] = []
+        self.feature_dims: list[int] = []
+        self.sequence_feature_names: list[str] = []
+        self._feature_table: dict[str, int] = {}
+        self._feature_kind: dict[str, tuple[str, int]] = {}
+        for t, spec in enumerate(tables):
+            for f in spec.features:
+                self._feature_table[f] = t
+                if spec.pooling == "none":
+                    self._feature_kind[f] = ("sequence", len(self.sequence_feature_names))
+                    self.sequence_feature_names.append(f)
+                else:
+                    self._feature_kind[f] = ("pooled", len(self.feature_names))
+                    self.feature_names.append(f)
+                    self.feature_dims.append(spec.dim)
+
+    def _lay_out_groups(self, tables: list[TableSpec]) -> tuple[list[DimGroup], int, int]:
+        """Dim groups in order of first appearance, tables stacked in the given order. Returns the groups and
+        the storage's elements and optimizer-state rows."""
+        dims = list(dict.fromkeys(t.dim for t in tables))
+        self._row_offset: list[int] = [0] * len(tables)
+        self._table_group: list[int] = [0] * len(tables)
+        groups: list[DimGroup] = []
+        elem = state = 0
+        for gi, d in enumerate(dims):
+            members = tuple(i for i, t in enumerate(tables) if t.dim == d)
+            rows = 0
+            for i in members:
+                self._row_offset[i] = rows
+                self._table_group[i] = gi
+                rows += tables[i].num_rows
+            pooled = tuple(p for p, f in enumerate(self.feature_names) if tables[self._feature_table[f]].dim == d)
+            seq = tuple(p for p, f in enumerate(self.sequence_feature_names)
+                        if tables[self._feature_table[f]].dim == d)
+            groups.append(DimGroup(gi, d, members, rows, elem, state, pooled, seq))
+            elem += rows * d
+            state += rows
+        return groups, elem, state
+
+    def _column_permutation(self) -> list[int] | None:
+        """Output columns come group by group from the lookup; ``out[:, j] = grouped[:, perm[j]]`` puts them in
+        feature order (None when they already are)."""
+        group_cols = []
+        col = [0]
+        for p, d in enumerate(self.feature_dims):
+            col.append(col[-1] + d)
+        for g in self.groups:
+            for p in g.pooled:
+                group_cols.extend(range(col[p], col[p + 1]))
+        perm = [0] * len(group_cols)
+        for pos, c in enumerate(group_cols):
+            perm[c] = pos
+        return None if perm == list(range(len(perm))) else perm
+
+    def _register_storage(self, device, dtype, optimizer, elem: int, state: int) -> None:
+        """The flat storage (a parameter without a fused optimizer), Adagrad's per-row state, the column order."""
+        perm = self._column_permutation()
+        storage = torch.empty(elem, device=device, dtype=dtype)
+        if optimizer is None:
+            self.weights = nn.Parameter(storage)
+        else:
+            self.register_buffer("weights", storage, persistent=False)
+        if optimizer == "rowwise_adagrad":
+            self.register_buffer("momentum", torch.zeros(state, device=device, dtype=torch.float32),
+                                 persistent=False)
+        else:
+            self.momentum = None
+        self.register_buffer("_col_perm", None if perm is None else torch.tensor(perm, device=device),
+                             persistent=False)
+
+    def _register_group_buffers(self, device) -> None:
+        """Per dim group, its pooled and sequence features' row offsets, table rows (the ids' limits) and mean
+        flags."""
+        tables = self.tables
+        for g in self.groups:
+            def tab(features, names):
+                ts = [self._feature_table[names[p]] for p in features]
+                return ([self._row_offset[t] for t in ts], [tables[t].num_rows for t in ts],
+                        [tables[t].pooling == "mean" for t in ts])
+            off, lim, mean = tab(g.pooled, self.feature_names)
+            self.register_buffer(f"_g{g.index}_row_off", torch.tensor(off, dtype=torch.int64, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_g{g.index}_limit", torch.tensor(lim, dtype=torch.int64, device=device),
+                                 persistent=False)
+            self.register_buffer(f"_g{g.index}_mean", torch.tensor(mean, dtype=torch.bool, device=device),
+                                 persistent=False)
+            soff, slim, _ = tab(g.sequence, self.sequence_feature_names)
+            self.register_buffer(f"_g{g.index}_seq_row_off",
+                                 torch.tensor(soff, dtype=torch.int64, device=device), persistent=False)
+            self.register_buffer(f"_g{g.index}_seq_limit",
+                                 torch.tensor(slim, dtype=torch.int64, device=device), persistent=False)
 
     # -- initialisation, layout, views -----------------------------------------------------------
     @torch.no_grad()

@@ -72,11 +72,7 @@ def lower_bound(tables, profile, topology, *, mode: str = "training", batch_size
     cap = None if capacity_bytes is None else np.broadcast_to(np.asarray(capacity_bytes, dtype=np.float64), (m,)).copy()
 
     if m == 1:
-        vol = sum(float(t.prefix()[-1]) * t.row_bytes for t in st) * scale  # every read is a local lookup
-        c = vol * loc[0]
-        return {"max_rank_cost": c, "mean_bound": c, "per_row_sum": c, "per_rank_sum": c,
-                "latency_per_rank": [0.0], "comm_only_bound": 0.0, "rows_worth_replicating": 0,
-                "replica_price_per_byte": 0.0, "held_volume_fraction": [1.0]}
+        return _single_rank_bound(st, scale, loc[0])
 
     off = ~np.eye(m, dtype=bool)
     r = np.where(off, loc[None, :] + g * lb, np.inf).min(axis=1)  # r_i: cheapest remote read, lookup included
@@ -91,9 +87,6 @@ def lower_bound(tables, profile, topology, *, mode: str = "training", batch_size
     all_bytes = float(sum(t.num_rows * t.row_bytes for t in st))
     bytes_read = float(sum(t.count_above(0.0, pre) * t.row_bytes for t, pre in zip(st, pres)))
 
-    def above(a_min: float) -> tuple[float, float]:
-        return _above(st, pres, scale, a_min)
-
     # per-row sum: one copy of every row, plus extra copies (item cost S (A d + beta), S bytes) within
     # the room left, E = sum cap - all bytes; weak duality for any mu >= 0 (the knapsack's price per byte):
     #   min >= sum_items S min(0, A d + beta + mu) - mu E
@@ -102,31 +95,7 @@ def lower_bound(tables, profile, topology, *, mode: str = "training", batch_size
     if room < 0:
         raise ConfigError(f"lower bound: {int(all_bytes)} bytes of tables do not fit in {int(cap.sum())} bytes of capacity")
 
-    def extra_items(mu: float) -> tuple[float, float]:
-        """(sum over items worth taking at price mu of S (A d + beta + mu), their bytes)."""
-        val = nbytes = 0.0
-        for dv, k in extra:
-            nb, vol = above((beta + mu) / -dv)
-            val += k * (dv * vol + (beta + mu) * nb)
-            nbytes += k * nb
-        return val, nbytes
-
-    v0, nb0 = extra_items(0.0)
-    mu = 0.0
-    if nb0 > room:  # the room binds: find the price at which the items worth taking just fill it
-        hi = max((-dv * (float(pres[i][1] - pres[i][0]) * scale if pres[i].size > 1 else 0.0) for dv, _ in extra
-                  for i in range(len(st))), default=0.0)
-        lo = 0.0
-        for _ in range(100):
-            mid = 0.5 * (lo + hi)
-            if extra_items(mid)[1] > room:
-                lo = mid
-            else:
-                hi = mid
-            if hi - lo <= 1e-12 * max(hi, 1e-300):
-                break
-        mu = hi
-        v0, _ = extra_items(mu)
+    v0, mu = _extra_copies(st, pres, scale, extra, beta, room)
     per_row = base + v0 - (mu * room if mu > 0 else 0.0)
     # rows worth a second copy when memory does not bind (OPER 4.3's rule on a uniform machine)
     replicate = int(sum(t.count_above(beta / -extra[0][0] / scale, pre) for t, pre in zip(st, pres))) if extra else 0
@@ -149,6 +118,48 @@ def lower_bound(tables, profile, topology, *, mode: str = "training", batch_size
         "replica_price_per_byte": mu,
         "held_volume_fraction": (held / vol_total if vol_total > 0 else np.ones(m)).tolist(),
     }
+
+
+def _single_rank_bound(st, scale: float, loc) -> dict:
+    """One rank: every read is a local lookup, and the bound is the plan's cost."""
+    vol = sum(float(t.prefix()[-1]) * t.row_bytes for t in st) * scale  # every read is a local lookup
+    c = vol * loc
+    return {"max_rank_cost": c, "mean_bound": c, "per_row_sum": c, "per_rank_sum": c,
+            "latency_per_rank": [0.0], "comm_only_bound": 0.0, "rows_worth_replicating": 0,
+            "replica_price_per_byte": 0.0, "held_volume_fraction": [1.0]}
+
+
+def _extra_copies(st, pres, scale: float, extra: list, beta: float, room: float) -> tuple[float, float]:
+    """The per-row sum's extra copies within the room left, by weak duality for the knapsack's price per byte
+    ``mu``: ``sum_items S min(0, A d + beta + mu)`` at the ``mu`` where the items worth taking just fill the
+    room (0 when they fit). Returns (that sum, ``mu``)."""
+
+    def extra_items(mu: float) -> tuple[float, float]:
+        """(sum over items worth taking at price mu of S (A d + beta + mu), their bytes)."""
+        val = nbytes = 0.0
+        for dv, k in extra:
+            nb, vol = _above(st, pres, scale, (beta + mu) / -dv)
+            val += k * (dv * vol + (beta + mu) * nb)
+            nbytes += k * nb
+        return val, nbytes
+
+    v0, nb0 = extra_items(0.0)
+    mu = 0.0
+    if nb0 > room:  # the room binds: find the price at which the items worth taking just fill it
+        hi = max((-dv * (float(pres[i][1] - pres[i][0]) * scale if pres[i].size > 1 else 0.0) for dv, _ in extra
+                  for i in range(len(st))), default=0.0)
+        lo = 0.0
+        for _ in range(100):
+            mid = 0.5 * (lo + hi)
+            if extra_items(mid)[1] > room:
+                lo = mid
+            else:
+                hi = mid
+            if hi - lo <= 1e-12 * max(hi, 1e-300):
+                break
+        mu = hi
+        v0, _ = extra_items(mu)
+    return v0, mu
 
 
 def _above(st, pres, scale: float, a_min: float) -> tuple[float, float]:

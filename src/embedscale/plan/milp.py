@@ -52,55 +52,73 @@ def solve_units(
     """
     check_mode(mode)
     topo = as_link_topology(topology)
-    m = topo.world_size
-    p = int(part_access.size)
-    lb = topo.cost_matrix()
-    lat = topo.latency_us
-    k = 2.0 if mode == "training" else 1.0
-    vol = np.asarray(part_access, dtype=np.float64) * np.asarray(part_row_bytes, dtype=np.float64)
+    model = _UnitsMilp(part_access, part_bytes, part_row_bytes, topo, mode)
+    for q in range(model.p):
+        model.add_placement(q, replicas)
+    model.add_memory(capacity)
+    model.add_link_latency()
+    model.add_rank_cost()
+    return model.solve(time_limit)
 
-    nx, ny = p * m * m, p * m
-    ox, oy, oo = 0, nx, nx + ny
-    orr = oo + ny
-    nr = p * m if mode == "training" else 0  # n[p,h], h = 1..M
-    ou = orr + nr
-    links = [(i, j) for i in range(m) for j in range(m) if i != j and lat[i, j] > 0]
-    nu = len(links)
-    ow = ou + nu  # latency round per rank (continuous)
-    oz = ow + m
-    oa = oz + 1  # a[p,j,h] for h = 2..M (continuous)
-    na = p * m * (m - 1) if mode == "training" else 0
-    nvar = oa + na
 
-    def N(q, h):
-        return orr + q * m + (h - 1)
+class _UnitsMilp:
+    """The MILP of ``solve_units``: its variables' layout and its constraint rows, built in order.
 
-    def A(q, j, h):
-        return oa + (q * m + j) * (m - 1) + (h - 2)
+    Variables: ``x[p,i,j]`` (rank ``i`` reads unit ``p`` from rank ``j``), ``y[p,j]`` (``j`` holds ``p``),
+    ``o[p,j]`` (``j`` owns ``p``); training adds ``n[p,h]`` (``p`` has ``h`` holders) and the continuous
+    ``a[p,j,h] >= y + n - 1`` (eq. 5 for ``h`` holders); then a 0/1 ``u`` per link with latency, the latency
+    round ``w`` per rank and the bottleneck ``z`` (the objective)."""
 
-    def X(q, i, j):
-        return ox + (q * m + i) * m + j
+    def __init__(self, part_access, part_bytes, part_row_bytes, topo, mode: str) -> None:
+        self.topo, self.mode, self.part_bytes = topo, mode, part_bytes
+        m = self.m = topo.world_size
+        p = self.p = int(part_access.size)
+        self.lb = topo.cost_matrix()
+        self.lat = topo.latency_us
+        self.k = 2.0 if mode == "training" else 1.0
+        self.vol = np.asarray(part_access, dtype=np.float64) * np.asarray(part_row_bytes, dtype=np.float64)
+        self.nx, self.ny = p * m * m, p * m
+        self.ox, self.oy, self.oo = 0, self.nx, self.nx + self.ny
+        self.orr = self.oo + self.ny
+        nr = p * m if mode == "training" else 0  # n[p,h], h = 1..M
+        self.ou = self.orr + nr
+        self.links = [(i, j) for i in range(m) for j in range(m) if i != j and self.lat[i, j] > 0]
+        self.ow = self.ou + len(self.links)  # latency round per rank (continuous)
+        self.oz = self.ow + m
+        self.oa = self.oz + 1  # a[p,j,h] for h = 2..M (continuous)
+        na = p * m * (m - 1) if mode == "training" else 0
+        self.nvar = self.oa + na
+        self.rows, self.cols, self.vals, self.lo, self.hi = [], [], [], [], []
+        self.r = 0
 
-    def Y(q, j):
-        return oy + q * m + j
+    def N(self, q, h):
+        return self.orr + q * self.m + (h - 1)
 
-    def O(q, j):
-        return oo + q * m + j
+    def A(self, q, j, h):
+        return self.oa + (q * self.m + j) * (self.m - 1) + (h - 2)
 
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
+    def X(self, q, i, j):
+        return self.ox + (q * self.m + i) * self.m + j
 
-    def add(entries, lower, upper):
-        nonlocal r
+    def Y(self, q, j):
+        return self.oy + q * self.m + j
+
+    def O(self, q, j):
+        return self.oo + q * self.m + j
+
+    def add(self, entries, lower, upper) -> None:
         for c, v in entries:
-            rows.append(r)
-            cols.append(c)
-            vals.append(v)
-        lo.append(lower)
-        hi.append(upper)
-        r += 1
+            self.rows.append(self.r)
+            self.cols.append(c)
+            self.vals.append(v)
+        self.lo.append(lower)
+        self.hi.append(upper)
+        self.r += 1
 
-    for q in range(p):
+    def add_placement(self, q: int, replicas: bool) -> None:
+        """Unit ``q``: one source per reader, read only from a holder, one owner that holds it (and, without
+        replicas, nobody else); training: its holder count ``n`` and ``a``."""
+        m, X, Y, O, N, A, add = self.m, self.X, self.Y, self.O, self.N, self.A, self.add
         for i in range(m):
             add([(X(q, i, j), 1.0) for j in range(m)], 1.0, 1.0)  # one source per reader
             add([(X(q, i, i), 1.0), (Y(q, i), -1.0)], 0.0, 0.0)  # a holder reads itself
@@ -112,57 +130,72 @@ def solve_units(
             add([(O(q, j), 1.0), (Y(q, j), -1.0)], -np.inf, 0.0)  # the owner holds it
             if not replicas:
                 add([(Y(q, j), 1.0), (O(q, j), -1.0)], -np.inf, 0.0)  # and nobody else does
-            if mode == "training":
+            if self.mode == "training":
                 for h in range(2, m + 1):  # a >= y + n - 1
                     add([(Y(q, j), 1.0), (N(q, h), 1.0), (A(q, j, h), -1.0)], -np.inf, 1.0)
-        if mode == "training":
+        if self.mode == "training":
             add([(N(q, h), 1.0) for h in range(1, m + 1)], 1.0, 1.0)  # one holder count
             add([(Y(q, j), 1.0) for j in range(m)] + [(N(q, h), -float(h)) for h in range(1, m + 1)], 0.0, 0.0)
-    for j in range(m):  # eq. 1
-        add([(Y(q, j), float(part_bytes[q])) for q in range(p)], -np.inf, float(capacity[j]))
-    for n_, (i, j) in enumerate(links):  # a link with traffic makes its latency the rank's round at least
-        for q in range(p):
-            if vol[q] > 0:
-                add([(X(q, i, j), 1.0), (ou + n_, -1.0)], -np.inf, 0.0)
-        add([(ow + i, 1.0), (ou + n_, -float(lat[i, j]))], 0.0, np.inf)
-    ar = 1.0 / (topo.allreduce_bw * 1e3)
-    for j in range(m):  # eqs. 2-5: cost of rank j <= z
-        e = []
-        for q in range(p):
-            for i in range(m):
-                c = vol[q] * lb[j, j]  # j serves i (eq. 2)
-                if i != j:
-                    e.append((X(q, i, j), c))
-                    e.append((X(q, j, i), k * vol[q] * lb[j, i]))  # j reads from i (eq. 3)
-                else:
-                    e.append((X(q, j, j), c))
-            if mode == "training":  # eq. 5 for h holders
-                e.extend((A(q, j, h), 2.0 * (h - 1) / h * ar * float(part_bytes[q])) for h in range(2, m + 1))
-        e.append((ow + j, k))
-        e.append((oz, -1.0))
-        add(e, -np.inf, 0.0)
-    a_mat = coo_matrix((vals, (rows, cols)), shape=(r, nvar)).tocsr()
-    c = np.zeros(nvar)
-    c[oz] = 1.0
-    integrality = np.ones(nvar)
-    integrality[ow:] = 0
-    ub = np.ones(nvar)
-    ub[ow:] = np.inf
-    t0 = time.perf_counter()
-    res = milp(c, constraints=LinearConstraint(a_mat, lo, hi), integrality=integrality, bounds=Bounds(np.zeros(nvar), ub),
-               options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-9})
-    secs = time.perf_counter() - t0
-    out = {"status": int(res.status), "message": res.message, "optimal": res.status == 0, "seconds": secs,
-           "objective": None, "bound": getattr(res, "mip_dual_bound", None), "gap": getattr(res, "mip_gap", None),
-           "owner": None, "holders": None, "fetch": None, "variables": nvar, "constraints": r}
-    if res.x is not None:
-        xv = np.round(res.x).astype(np.int64)
-        out["objective"] = float(res.x[oz])
-        x = xv[:nx].reshape(p, m, m)
-        out["fetch"] = np.argmax(x, axis=2).astype(np.int32)
-        out["holders"] = xv[oy : oy + ny].reshape(p, m).astype(bool)
-        out["owner"] = np.argmax(xv[oo : oo + ny].reshape(p, m), axis=1).astype(np.int32)
-    return out
+
+    def add_memory(self, capacity) -> None:
+        """Eq. 1: the units a rank holds fit its capacity."""
+        for j in range(self.m):
+            self.add([(self.Y(q, j), float(self.part_bytes[q])) for q in range(self.p)], -np.inf, float(capacity[j]))
+
+    def add_link_latency(self) -> None:
+        """A link with traffic makes its latency the rank's round at least."""
+        for n_, (i, j) in enumerate(self.links):
+            for q in range(self.p):
+                if self.vol[q] > 0:
+                    self.add([(self.X(q, i, j), 1.0), (self.ou + n_, -1.0)], -np.inf, 0.0)
+            self.add([(self.ow + i, 1.0), (self.ou + n_, -float(self.lat[i, j]))], 0.0, np.inf)
+
+    def add_rank_cost(self) -> None:
+        """Eqs. 2-5: the cost of every rank ``j`` (serving, reading, the replicas' AllReduce, latency) <= z."""
+        m, lb, vol, k, X, A = self.m, self.lb, self.vol, self.k, self.X, self.A
+        ar = 1.0 / (self.topo.allreduce_bw * 1e3)
+        for j in range(m):
+            e = []
+            for q in range(self.p):
+                for i in range(m):
+                    c = vol[q] * lb[j, j]  # j serves i (eq. 2)
+                    if i != j:
+                        e.append((X(q, i, j), c))
+                        e.append((X(q, j, i), k * vol[q] * lb[j, i]))  # j reads from i (eq. 3)
+                    else:
+                        e.append((X(q, j, j), c))
+                if self.mode == "training":  # eq. 5 for h holders
+                    e.extend((A(q, j, h), 2.0 * (h - 1) / h * ar * float(self.part_bytes[q])) for h in range(2, m + 1))
+            e.append((self.ow + j, k))
+            e.append((self.oz, -1.0))
+            self.add(e, -np.inf, 0.0)
+
+    def solve(self, time_limit: float) -> dict:
+        """Minimise ``z`` with HiGHS (scipy ``milp``); the placement of the best solution found, if any."""
+        nvar, ow, oz, p, m = self.nvar, self.ow, self.oz, self.p, self.m
+        a_mat = coo_matrix((self.vals, (self.rows, self.cols)), shape=(self.r, nvar)).tocsr()
+        c = np.zeros(nvar)
+        c[oz] = 1.0
+        integrality = np.ones(nvar)
+        integrality[ow:] = 0
+        ub = np.ones(nvar)
+        ub[ow:] = np.inf
+        t0 = time.perf_counter()
+        res = milp(c, constraints=LinearConstraint(a_mat, self.lo, self.hi), integrality=integrality,
+                   bounds=Bounds(np.zeros(nvar), ub),
+                   options={"time_limit": float(time_limit), "disp": False, "mip_rel_gap": 1e-9})
+        secs = time.perf_counter() - t0
+        out = {"status": int(res.status), "message": res.message, "optimal": res.status == 0, "seconds": secs,
+               "objective": None, "bound": getattr(res, "mip_dual_bound", None), "gap": getattr(res, "mip_gap", None),
+               "owner": None, "holders": None, "fetch": None, "variables": nvar, "constraints": self.r}
+        if res.x is not None:
+            xv = np.round(res.x).astype(np.int64)
+            out["objective"] = float(res.x[oz])
+            x = xv[: self.nx].reshape(p, m, m)
+            out["fetch"] = np.argmax(x, axis=2).astype(np.int32)
+            out["holders"] = xv[self.oy : self.oy + self.ny].reshape(p, m).astype(bool)
+            out["owner"] = np.argmax(xv[self.oo : self.oo + self.ny].reshape(p, m), axis=1).astype(np.int32)
+        return out
 
 
 def plan_milp(tables, profile, topology, *, mode: str = "training", extra_memory: float = 0.05,

@@ -10,6 +10,8 @@ The loop runs over partitions (a few thousand), each step an ``argmin`` over ran
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from embedscale.errors import ConfigError
@@ -120,99 +122,136 @@ def polish(
     if set, ``time_budget`` seconds. ``owner``, ``total`` and ``memory`` are updated in place; returns
     the number of moves (``stats``, if given, receives ``moves``, ``swaps`` and ``work``).
     """
-    import time
-
     t_end = np.inf if time_budget is None else time.perf_counter() + time_budget
-    work = 0.0  # (partition, destination, rank) or (partition, partition, rank) triples evaluated
-    swaps = 0
-    p = owner.size
     m = total.size
     cand = np.flatnonzero(movable & (volume > 0))
     if cand.size == 0 or m < 2 or cand.size * m * m > max_work or cand.size > max_partitions:
         return 0
-    capacity = np.minimum(capacity, max(float(memory.max()), 0.0))
-    loc = np.diag(cost)
-    off = cost.T.copy()  # off[j, x] = L[x][j]
-    np.fill_diagonal(off, 0.0)
-    v = volume[cand]
-    moves = 0
+    search = _PolishSearch(owner, cand, volume, nbytes, cost, total, memory, capacity, grad_factor, t_end,
+                           max_work, full_swap_work, work_budget)
     for _ in range(max_moves):
-        if time.perf_counter() > t_end or work > work_budget:
+        if search.out_of_budget():
             break
-        work += cand.size * m * m
-        j = owner[cand]
-        d = grad_factor * v[:, None, None] * (off[None, :, :] - off[j][:, None, :])  # [c, j', x]
+        if not search.step():
+            break
+    if stats is not None:
+        stats.update(moves=search.moves, swaps=search.swaps, work=search.work)
+    return search.moves
+
+
+class _PolishSearch:
+    """``polish``'s state: the movable partitions ``cand``, the arrays it edits in place (``owner``, ``total``,
+    ``memory``) and its counters (``work``: (partition, destination, rank) or (partition, partition, rank)
+    triples evaluated)."""
+
+    def __init__(self, owner, cand, volume, nbytes, cost, total, memory, capacity, grad_factor, t_end, max_work,
+                 full_swap_work, work_budget) -> None:
+        self.owner, self.cand, self.nbytes, self.total, self.memory = owner, cand, nbytes, total, memory
+        self.grad_factor, self.t_end, self.max_work = grad_factor, t_end, max_work
+        self.full_swap_work, self.work_budget = full_swap_work, work_budget
+        self.m = total.size
+        self.capacity = np.minimum(capacity, max(float(memory.max()), 0.0))
+        self.loc = np.diag(cost)
+        self.off = cost.T.copy()  # off[j, x] = L[x][j]
+        np.fill_diagonal(self.off, 0.0)
+        self.v = volume[cand]
+        self.work = 0.0
+        self.moves = self.swaps = 0
+
+    def out_of_budget(self) -> bool:
+        return time.perf_counter() > self.t_end or self.work > self.work_budget
+
+    def step(self) -> bool:
+        """One move, or a swap when no move helps; False when neither lowers the largest per-rank cost."""
+        cand, m, v, loc = self.cand, self.m, self.v, self.loc
+        self.work += cand.size * m * m
+        j = self.owner[cand]
+        # d[c, j', x]: rank x's change when partition c moves from j to j' (eqs. 2-3)
+        d = self.grad_factor * v[:, None, None] * (self.off[None, :, :] - self.off[j][:, None, :])
         d[:, np.arange(m), np.arange(m)] += (m * v)[:, None] * loc[None, :]
         d[np.arange(cand.size), :, j] -= (m * v * loc[j])[:, None]
+        cur = -np.partition(-self.total, 1)[:2]
+        if self.try_move(d, j, cur):
+            return True
+        # no single move helps: swap a partition of the busiest rank with one elsewhere (memory is often
+        # full by now)
+        return self.try_swap(d, j, cur)
+
+    def try_move(self, d: np.ndarray, j: np.ndarray, cur: np.ndarray) -> bool:
+        """Take the move that lowers (largest, second largest) cost the most and fits; False if none helps."""
+        cand, total, memory, nbytes, owner = self.cand, self.total, self.memory, self.nbytes, self.owner
         new = total[None, None, :] + d
-        ok = memory[None, :] + nbytes[cand][:, None] <= capacity[None, :]
+        ok = memory[None, :] + nbytes[cand][:, None] <= self.capacity[None, :]
         ok[np.arange(cand.size), j] = False
         top2 = -np.partition(-new, 1, axis=2)[:, :, :2]
-        cur = -np.partition(-total, 1)[:2]
         key1 = np.where(ok, top2[:, :, 0], np.inf)
         best = np.unravel_index(np.lexsort((np.where(ok, top2[:, :, 1], np.inf).ravel(), key1.ravel()))[0], key1.shape)
         c, dst = int(best[0]), int(best[1])
         t1, t2 = key1[c, dst], top2[c, dst, 1]
-        if _better(t1, t2, cur):
-            q = cand[c]
-            total += d[c, dst]
-            memory[owner[q]] -= nbytes[q]
-            memory[dst] += nbytes[q]
-            owner[q] = dst
-            moves += 1
-            continue
-        # no single move helps: swap a partition of the busiest rank with one elsewhere (memory is often
-        # full by now)
+        if not _better(t1, t2, cur):
+            return False
+        q = cand[c]
+        total += d[c, dst]
+        memory[owner[q]] -= nbytes[q]
+        memory[dst] += nbytes[q]
+        owner[q] = dst
+        self.moves += 1
+        return True
+
+    def try_swap(self, d: np.ndarray, j: np.ndarray, cur: np.ndarray) -> bool:
+        """Swap a partition of the busiest rank with one elsewhere: over every pair when there are few, else
+        partner rank by partner rank, least loaded first; False when no swap helps."""
+        total, m = self.total, self.m
         r = int(np.argmax(total))
         a = np.flatnonzero(j == r)
         if a.size == 0:
-            break
+            return False
         others = np.flatnonzero(j != r)
-        if a.size * others.size * m <= full_swap_work:
+        if a.size * others.size * m <= self.full_swap_work:
             groups = [others]
         else:  # partner by partner, least loaded first
             groups = [np.flatnonzero(j == x) for x in np.argsort(total, kind="stable") if x != r]
-        swapped = False
         for b in groups:
-            if b.size == 0 or a.size * b.size * m > max_work:
+            if b.size == 0 or a.size * b.size * m > self.max_work:
                 continue
-            if time.perf_counter() > t_end or work > work_budget:
-                break
-            jb = j[b]
-            nb_a, nb_b = nbytes[cand[a]], nbytes[cand[b]]
-            ok = (memory[r] - nb_a[:, None] + nb_b[None, :] <= capacity[r]) & (
-                memory[jb][None, :] - nb_b[None, :] + nb_a[:, None] <= capacity[jb][None, :])
-            # necessary for an improvement: neither the busiest rank nor the partner ends above the
-            # current largest cost (filters pairs cheaply; the full [pair, rank] costs only for the rest)
-            top = cur[0] + 1e-12 * max(abs(cur[0]), 1.0)  # _better's rounding
-            ok &= total[r] + d[a[:, None], jb[None, :], r] + d[b, r, r][None, :] <= top
-            ok &= total[jb][None, :] + d[a[:, None], jb[None, :], jb[None, :]] + d[b, r, jb][None, :] <= top
-            ia_, ib_ = np.nonzero(ok)
-            work += a.size * b.size + ia_.size * m
-            if ia_.size == 0:
-                continue
-            new = total[None, :] + d[a[ia_], jb[ib_], :] + d[b[ib_], r, :]  # [pair, x]
-            top2 = -np.partition(-new, 1, axis=1)[:, :2]
-            k = int(np.lexsort((top2[:, 1], top2[:, 0]))[0])
-            if not _better(top2[k, 0], top2[k, 1], cur):
-                continue
-            ia, ib = ia_[k], ib_[k]
-            qa, qb = cand[a[ia]], cand[b[ib]]
-            total[:] = new[k]
-            dst_b = int(jb[ib])
-            memory[r] += nbytes[qb] - nbytes[qa]
-            memory[dst_b] += nbytes[qa] - nbytes[qb]
-            owner[qa], owner[qb] = dst_b, r
-            moves += 1
-            swaps += 1
-            swapped = True
-            break
-        if not swapped:
-            break
-    del p
-    if stats is not None:
-        stats.update(moves=moves, swaps=swaps, work=work)
-    return moves
+            if self.out_of_budget():
+                return False
+            if self._swap_with(d, j, cur, r, a, b):
+                return True
+        return False
+
+    def _swap_with(self, d, j, cur, r: int, a: np.ndarray, b: np.ndarray) -> bool:
+        """The best swap of a partition ``a`` (on the busiest rank ``r``) with one of ``b``, taken if it helps."""
+        total, memory, capacity, nbytes = self.total, self.memory, self.capacity, self.nbytes
+        cand, m = self.cand, self.m
+        jb = j[b]
+        nb_a, nb_b = nbytes[cand[a]], nbytes[cand[b]]
+        ok = (memory[r] - nb_a[:, None] + nb_b[None, :] <= capacity[r]) & (
+            memory[jb][None, :] - nb_b[None, :] + nb_a[:, None] <= capacity[jb][None, :])
+        # necessary for an improvement: neither the busiest rank nor the partner ends above the
+        # current largest cost (filters pairs cheaply; the full [pair, rank] costs only for the rest)
+        top = cur[0] + 1e-12 * max(abs(cur[0]), 1.0)  # _better's rounding
+        ok &= total[r] + d[a[:, None], jb[None, :], r] + d[b, r, r][None, :] <= top
+        ok &= total[jb][None, :] + d[a[:, None], jb[None, :], jb[None, :]] + d[b, r, jb][None, :] <= top
+        ia_, ib_ = np.nonzero(ok)
+        self.work += a.size * b.size + ia_.size * m
+        if ia_.size == 0:
+            return False
+        new = total[None, :] + d[a[ia_], jb[ib_], :] + d[b[ib_], r, :]  # [pair, x]
+        top2 = -np.partition(-new, 1, axis=1)[:, :2]
+        k = int(np.lexsort((top2[:, 1], top2[:, 0]))[0])
+        if not _better(top2[k, 0], top2[k, 1], cur):
+            return False
+        ia, ib = ia_[k], ib_[k]
+        qa, qb = cand[a[ia]], cand[b[ib]]
+        total[:] = new[k]
+        dst_b = int(jb[ib])
+        memory[r] += nbytes[qb] - nbytes[qa]
+        memory[dst_b] += nbytes[qa] - nbytes[qb]
+        self.owner[qa], self.owner[qb] = dst_b, r
+        self.moves += 1
+        self.swaps += 1
+        return True
 
 
 def _better(t1: float, t2: float, cur: np.ndarray) -> bool:

@@ -395,46 +395,71 @@ class Plan:
         if p and (np.any(np.diff(self.part_table) < 0) or self.part_table.min() < 0 or self.part_table.max() >= len(self.tables)):
             raise PlanError("plan: partitions must be grouped by table in table order with valid table ids")
         for t, tab in enumerate(self.tables):
-            sl = self.table_partitions(t)
-            st, sp = self.part_start[sl], self.part_stop[sl]
-            if st.size == 0:
-                raise PlanError(f"table {tab.name!r}: no partitions, rows [0, {tab.num_rows}) are owned by no rank")
-            if st[0] != 0:
-                raise PlanError(f"table {tab.name!r}: rows at positions [0, {st[0]}) belong to no partition")
-            bad = np.flatnonzero(sp <= st)
-            if bad.size:
-                k = sl.start + int(bad[0])
-                raise PlanError(f"table {tab.name!r}: partition {k} has empty or negative range [{self.part_start[k]}, {self.part_stop[k]})")
-            gap = np.flatnonzero(st[1:] != sp[:-1])
-            if gap.size:
-                k = sl.start + int(gap[0])
-                what = "overlap" if st[gap[0] + 1] < sp[gap[0]] else "leave a gap between"
-                raise PlanError(
-                    f"table {tab.name!r}: partitions {k} [{self.part_start[k]}, {self.part_stop[k]}) and {k + 1} "
-                    f"[{self.part_start[k + 1]}, {self.part_stop[k + 1]}) {what} them (rows owned twice or by no rank)"
-                )
-            if sp[-1] != tab.num_rows:
-                raise PlanError(f"table {tab.name!r}: partitions end at {sp[-1]} but the table has {tab.num_rows} rows")
-            o = self.rows_by_partition[t]
-            if o is not None and check_rows:
-                if o.shape != (tab.num_rows,):
-                    raise PlanError(f"table {tab.name!r}: rows_by_partition has {o.size} entries for {tab.num_rows} rows")
-                if o.dtype.kind not in "iu":
-                    raise PlanError(f"table {tab.name!r}: rows_by_partition must be integers, got {o.dtype}")
-                if o.size and (o.min() < 0 or o.max() >= tab.num_rows):
-                    i = int(np.flatnonzero((o < 0) | (o >= tab.num_rows))[0])
-                    raise PlanError(f"table {tab.name!r}: rows_by_partition[{i}] = {o[i]} is outside [0, {tab.num_rows})")
-                seen = np.bincount(o, minlength=tab.num_rows)
-                if np.any(seen != 1):
-                    twice = np.flatnonzero(seen > 1)
-                    never = np.flatnonzero(seen == 0)
-                    row = int(twice[0]) if twice.size else int(never[0])
-                    pos = np.flatnonzero(o == row)
-                    parts = [sl.start + int(np.searchsorted(st, q, side="right") - 1) for q in pos]
-                    if twice.size:
-                        raise PlanError(f"table {tab.name!r}: row {row} is owned {int(seen[row])} times (partitions {parts}); "
-                                        f"{twice.size} rows owned more than once, {never.size} never")
-                    raise PlanError(f"table {tab.name!r}: row {row} is owned by no partition; {never.size} rows never owned")
+            self._check_tiling(t, tab)
+            if self.rows_by_partition[t] is not None and check_rows:
+                self._check_row_order(t, tab)
+        self._check_owners_and_fetch()
+        self._check_local_offsets()
+        cap = capacity_bytes if capacity_bytes is not None else self.meta.get("capacity_bytes")
+        if cap is not None:
+            capv = np.broadcast_to(np.asarray(cap, dtype=np.float64), (m,))
+            mem = self.memory_per_rank()
+            over = np.flatnonzero((capv > 0) & (mem > capv))
+            if over.size:
+                j = int(over[0])
+                raise PlanError(f"rank {j}: stores {int(mem[j])} bytes, over its capacity of {int(capv[j])} bytes "
+                                f"by {int(mem[j] - capv[j])} (ranks over capacity: {over.tolist()})")
+
+    def _check_tiling(self, t: int, tab) -> None:
+        """Table ``t``'s partitions tile its sorted positions ``[0, num_rows)``: no gap, no overlap, none empty."""
+        sl = self.table_partitions(t)
+        st, sp = self.part_start[sl], self.part_stop[sl]
+        if st.size == 0:
+            raise PlanError(f"table {tab.name!r}: no partitions, rows [0, {tab.num_rows}) are owned by no rank")
+        if st[0] != 0:
+            raise PlanError(f"table {tab.name!r}: rows at positions [0, {st[0]}) belong to no partition")
+        bad = np.flatnonzero(sp <= st)
+        if bad.size:
+            k = sl.start + int(bad[0])
+            raise PlanError(f"table {tab.name!r}: partition {k} has empty or negative range [{self.part_start[k]}, {self.part_stop[k]})")
+        gap = np.flatnonzero(st[1:] != sp[:-1])
+        if gap.size:
+            k = sl.start + int(gap[0])
+            what = "overlap" if st[gap[0] + 1] < sp[gap[0]] else "leave a gap between"
+            raise PlanError(
+                f"table {tab.name!r}: partitions {k} [{self.part_start[k]}, {self.part_stop[k]}) and {k + 1} "
+                f"[{self.part_start[k + 1]}, {self.part_stop[k + 1]}) {what} them (rows owned twice or by no rank)"
+            )
+        if sp[-1] != tab.num_rows:
+            raise PlanError(f"table {tab.name!r}: partitions end at {sp[-1]} but the table has {tab.num_rows} rows")
+
+    def _check_row_order(self, t: int, tab) -> None:
+        """Table ``t``'s ``rows_by_partition`` is a permutation of its rows: every row owned exactly once."""
+        o = self.rows_by_partition[t]
+        sl = self.table_partitions(t)
+        st = self.part_start[sl]
+        if o.shape != (tab.num_rows,):
+            raise PlanError(f"table {tab.name!r}: rows_by_partition has {o.size} entries for {tab.num_rows} rows")
+        if o.dtype.kind not in "iu":
+            raise PlanError(f"table {tab.name!r}: rows_by_partition must be integers, got {o.dtype}")
+        if o.size and (o.min() < 0 or o.max() >= tab.num_rows):
+            i = int(np.flatnonzero((o < 0) | (o >= tab.num_rows))[0])
+            raise PlanError(f"table {tab.name!r}: rows_by_partition[{i}] = {o[i]} is outside [0, {tab.num_rows})")
+        seen = np.bincount(o, minlength=tab.num_rows)
+        if np.any(seen != 1):
+            twice = np.flatnonzero(seen > 1)
+            never = np.flatnonzero(seen == 0)
+            row = int(twice[0]) if twice.size else int(never[0])
+            pos = np.flatnonzero(o == row)
+            parts = [sl.start + int(np.searchsorted(st, q, side="right") - 1) for q in pos]
+            if twice.size:
+                raise PlanError(f"table {tab.name!r}: row {row} is owned {int(seen[row])} times (partitions {parts}); "
+                                f"{twice.size} rows owned more than once, {never.size} never")
+            raise PlanError(f"table {tab.name!r}: row {row} is owned by no partition; {never.size} rows never owned")
+
+    def _check_owners_and_fetch(self) -> None:
+        """Owners are ranks among the holders; every rank fetches from a holder, a holder from itself."""
+        m, p = self.world_size, self.num_partitions
         ow = self.owner_of_part
         bad = np.flatnonzero((ow < 0) | (ow >= m))
         if bad.size:
@@ -458,13 +483,17 @@ class Plan:
         if bad.size:
             k, i = (int(x) for x in bad[0])
             raise PlanError(f"{self._where(k)}: rank {i} holds a copy but fetches from rank {f[k, i]}")
+
+    def _check_local_offsets(self) -> None:
+        """Every holder, and only a holder, has a local offset; a rank's offsets fill its storage from 0 without
+        overlap or hole."""
         lb = self.local_base
         bad = np.argwhere(self.holders != (lb >= 0))
         if bad.size:
             k, j = (int(x) for x in bad[0])
             raise PlanError(f"{self._where(k)}: local offset {lb[k, j]} on rank {j} disagrees with holding={bool(self.holders[k, j])}")
         rows = self.part_rows
-        for j in range(m):
+        for j in range(self.world_size):
             held = np.flatnonzero(self.holders[:, j])
             b = lb[held, j]
             idx = np.argsort(b, kind="stable")
@@ -476,15 +505,6 @@ class Plan:
                 c = int(clash[0])
                 raise PlanError(f"rank {j}: {self._where(int(hk[c]))} at offsets [{b[c]}, {e[c]}) and "
                                 f"{self._where(int(hk[c + 1]))} at [{b[c + 1]}, {e[c + 1]}) overlap or leave a hole")
-        cap = capacity_bytes if capacity_bytes is not None else self.meta.get("capacity_bytes")
-        if cap is not None:
-            capv = np.broadcast_to(np.asarray(cap, dtype=np.float64), (m,))
-            mem = self.memory_per_rank()
-            over = np.flatnonzero((capv > 0) & (mem > capv))
-            if over.size:
-                j = int(over[0])
-                raise PlanError(f"rank {j}: stores {int(mem[j])} bytes, over its capacity of {int(capv[j])} bytes "
-                                f"by {int(mem[j] - capv[j])} (ranks over capacity: {over.tolist()})")
 
     def _where(self, k: int) -> str:
         t = self.tables[int(self.part_table[k])]

@@ -115,108 +115,130 @@ def algorithm1(
     Returns:
         ``{"replicas": count, "bytes": per-rank bytes added, "rounds": rounds}``.
     """
-    p, m = holders.shape
-    vol = np.asarray(part_volume, dtype=np.float64)
-    nb = np.asarray(part_bytes, dtype=np.float64)
-    density = vol / np.maximum(nb, 1.0)
-    key = -density  # smaller key = better candidate
-    cl = np.zeros((m, m))
-    for i in range(m):
-        cl[i] = np.bincount(fetch[:, i], weights=vol, minlength=m) * cost[i]
-    by_density = np.argsort(key, kind="stable")
-    cands: list[list[_Candidates | None]] = []
-    for i in range(m):
-        f_i = fetch[by_density, i]
-        row = []
-        for j in range(m):
-            row.append(None if j == i else _Candidates(by_density[(f_i == j) & (vol[by_density] > 0)]))
-        cands.append(row)
-    added = np.zeros(m)
-    stop = np.zeros(m, dtype=bool)
-    count = rounds = 0
-    eps = 1e-12
-    if order not in ("max_comm", "round_robin"):
-        raise ConfigError(f"algorithm1: order {order!r} is not 'max_comm' or 'round_robin'")
-    if choice not in ("max_link", "best_gain"):
-        raise ConfigError(f"algorithm1: choice {choice!r} is not 'max_link' or 'best_gain'")
-    gains: list[_GainCandidates] = []
-    if choice == "best_gain":
-        for i in range(m):
-            src = fetch[:, i]
-            g = vol * (cost[i, src] - cost[i, i]) / np.maximum(nb, 1.0)
-            ok = np.flatnonzero(~holders[:, i] & (vol > 0))
-            idx = ok[np.argsort(-g[ok], kind="stable")]
-            gains.append(_GainCandidates(idx, src[idx], -g[idx]))
-    off = ~np.eye(m, dtype=bool)
+    state = _Algorithm1(holders, fetch, part_volume, part_bytes, cost, available, exhaust_links, order, choice)
+    return state.run()
 
-    def next_ranks():
-        if order == "round_robin":
-            return [g for g in range(m) if not stop[g]]
-        load = np.where(off, cl, 0.0).sum(axis=1)
-        load[stop] = -np.inf
+
+class _Algorithm1:
+    """Algorithm 1's state: each rank's per-link communication cost ``cl`` (``[M, M]``, lines 2-3) and, per
+    rank, the partitions it fetches, by link and hottest per byte first (``max_link``) or by the cost a replica
+    saves it (``best_gain``)."""
+
+    def __init__(self, holders, fetch, part_volume, part_bytes, cost, available, exhaust_links, order,
+                 choice) -> None:
+        p, m = holders.shape
+        self.holders, self.fetch, self.cost, self.available = holders, fetch, cost, available
+        self.m, self.exhaust_links, self.order, self.choice = m, exhaust_links, order, choice
+        vol = self.vol = np.asarray(part_volume, dtype=np.float64)
+        nb = self.nb = np.asarray(part_bytes, dtype=np.float64)
+        density = vol / np.maximum(nb, 1.0)
+        key = self.key = -density  # smaller key = better candidate
+        cl = self.cl = np.zeros((m, m))
+        for i in range(m):
+            cl[i] = np.bincount(fetch[:, i], weights=vol, minlength=m) * cost[i]
+        by_density = np.argsort(key, kind="stable")
+        self.cands: list[list[_Candidates | None]] = []
+        for i in range(m):
+            f_i = fetch[by_density, i]
+            row = []
+            for j in range(m):
+                row.append(None if j == i else _Candidates(by_density[(f_i == j) & (vol[by_density] > 0)]))
+            self.cands.append(row)
+        self.added = np.zeros(m)
+        self.stop = np.zeros(m, dtype=bool)
+        self.count = self.rounds = 0
+        if order not in ("max_comm", "round_robin"):
+            raise ConfigError(f"algorithm1: order {order!r} is not 'max_comm' or 'round_robin'")
+        if choice not in ("max_link", "best_gain"):
+            raise ConfigError(f"algorithm1: choice {choice!r} is not 'max_link' or 'best_gain'")
+        self.gains: list[_GainCandidates] = []
+        if choice == "best_gain":
+            for i in range(m):
+                src = fetch[:, i]
+                g = vol * (cost[i, src] - cost[i, i]) / np.maximum(nb, 1.0)
+                ok = np.flatnonzero(~holders[:, i] & (vol > 0))
+                idx = ok[np.argsort(-g[ok], kind="stable")]
+                self.gains.append(_GainCandidates(idx, src[idx], -g[idx]))
+        self.off = ~np.eye(m, dtype=bool)
+
+    def run(self) -> dict:
+        """Serve ranks until every one has stopped (nothing it fetches fits its free memory any more)."""
+        while not self.stop.all():
+            self.rounds += 1
+            for gid in self.next_ranks():
+                found = self.pick_by_gain(gid) if self.choice == "best_gain" else self.pick_on_links(gid)
+                if found < 0:
+                    self.stop[gid] = True
+                    continue
+                self.replicate(found, gid)
+        return {"replicas": self.count, "bytes": self.added.tolist(), "rounds": self.rounds}
+
+    def next_ranks(self) -> list[int]:
+        """``round_robin``: every rank not stopped; ``max_comm``: the one with the highest communication cost."""
+        if self.order == "round_robin":
+            return [g for g in range(self.m) if not self.stop[g]]
+        load = np.where(self.off, self.cl, 0.0).sum(axis=1)
+        load[self.stop] = -np.inf
         return [int(np.argmax(load))]
 
-    while not stop.all():
-        rounds += 1
-        for gid in next_ranks():
-            found = -1
-            if choice == "best_gain":
-                gc = gains[gid]
-                while True:
-                    q, src = gc.peek()
-                    if q < 0:
-                        break
-                    gc.pop()
-                    if fetch[q, gid] != src or holders[q, gid]:
-                        continue  # stale entry
-                    if nb[q] <= available[gid]:
-                        found = q
-                        break
-                links = []
-            else:
-                row = cl[gid].copy()
-                row[gid] = -np.inf
-                links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
-                if not exhaust_links:
-                    links = links[:1]
-            for tid in links:
-                c = cands[gid][tid]
-                while True:
-                    q = c.peek(key)
-                    if q < 0:
-                        break
-                    if fetch[q, gid] != tid or holders[q, gid]:
-                        c.pop(q)  # stale: re-pointed elsewhere or already local
-                        continue
-                    c.pop(q)
-                    if nb[q] <= available[gid]:  # line 7 (free memory only shrinks: a miss is final)
-                        found = q
-                        break
-                if found >= 0:
+    def pick_by_gain(self, gid: int) -> int:
+        """``best_gain``: the partition whose replica saves rank ``gid`` the most per byte and fits; -1 if none."""
+        gc = self.gains[gid]
+        while True:
+            q, src = gc.peek()
+            if q < 0:
+                return -1
+            gc.pop()
+            if self.fetch[q, gid] != src or self.holders[q, gid]:
+                continue  # stale entry
+            if self.nb[q] <= self.available[gid]:
+                return q
+
+    def pick_on_links(self, gid: int) -> int:
+        """``max_link`` (lines 4-8): the hottest partition per byte on rank ``gid``'s most expensive link that fits
+        (with ``exhaust_links``, on the next links when none does); -1 if none."""
+        eps = 1e-12
+        row = self.cl[gid].copy()
+        row[gid] = -np.inf
+        links = [int(t) for t in np.argsort(-row, kind="stable") if t != gid and row[t] > eps]
+        if not self.exhaust_links:
+            links = links[:1]
+        for tid in links:
+            c = self.cands[gid][tid]
+            while True:
+                q = c.peek(self.key)
+                if q < 0:
                     break
-            if found < 0:
-                stop[gid] = True
-                continue
-            q, tid = found, int(fetch[found, gid])
-            holders[q, gid] = True  # lines 9-12
-            fetch[q, gid] = gid
-            cl[gid, tid] -= vol[q] * cost[gid, tid]
-            cl[gid, gid] += vol[q] * cost[gid, gid]
-            available[gid] -= nb[q]
-            added[gid] += nb[q]
-            count += 1
-            for i in range(m):  # lines 13-20: peers re-point to the new holder when it is cheaper
-                if i == gid or holders[q, i]:
+                if self.fetch[q, gid] != tid or self.holders[q, gid]:
+                    c.pop(q)  # stale: re-pointed elsewhere or already local
                     continue
-                oid = int(fetch[q, i])
-                if cost[i, gid] < cost[i, oid]:
-                    fetch[q, i] = gid
-                    cl[i, oid] -= vol[q] * cost[i, oid]
-                    cl[i, gid] += vol[q] * cost[i, gid]
-                    cands[i][gid].push(key[q], q)
-                    if choice == "best_gain":
-                        gains[i].push(-vol[q] * (cost[i, gid] - cost[i, i]) / max(nb[q], 1.0), q, gid)
-    return {"replicas": count, "bytes": added.tolist(), "rounds": rounds}
+                c.pop(q)
+                if self.nb[q] <= self.available[gid]:  # line 7 (free memory only shrinks: a miss is final)
+                    return q
+        return -1
+
+    def replicate(self, q: int, gid: int) -> None:
+        """Lines 9-20: store a replica of ``q`` on ``gid``; peers re-point to it when it is cheaper."""
+        holders, fetch, cost, vol, cl = self.holders, self.fetch, self.cost, self.vol, self.cl
+        tid = int(fetch[q, gid])
+        holders[q, gid] = True  # lines 9-12
+        fetch[q, gid] = gid
+        cl[gid, tid] -= vol[q] * cost[gid, tid]
+        cl[gid, gid] += vol[q] * cost[gid, gid]
+        self.available[gid] -= self.nb[q]
+        self.added[gid] += self.nb[q]
+        self.count += 1
+        for i in range(self.m):  # lines 13-20: peers re-point to the new holder when it is cheaper
+            if i == gid or holders[q, i]:
+                continue
+            oid = int(fetch[q, i])
+            if cost[i, gid] < cost[i, oid]:
+                fetch[q, i] = gid
+                cl[i, oid] -= vol[q] * cost[i, oid]
+                cl[i, gid] += vol[q] * cost[i, gid]
+                self.cands[i][gid].push(self.key[q], q)
+                if self.choice == "best_gain":
+                    self.gains[i].push(-vol[q] * (cost[i, gid] - cost[i, i]) / max(self.nb[q], 1.0), q, gid)
 
 
 def training_hot_rows(heads: list[np.ndarray], row_bytes: np.ndarray, freq_threshold_count: float,
@@ -301,40 +323,72 @@ def training_fill(
     Returns:
         ``{"replicas": count, "bytes": per-rank bytes added}``.
     """
-    p, m = holders.shape
-    vol = np.asarray(part_volume, dtype=np.float64)
-    nb = np.asarray(part_bytes, dtype=np.float64)
-    ar = 1.0 / (allreduce_bw * 1e3)  # us per byte
-    loc = np.diag(cost)
-    g = float(grad_factor)
-    # a copy can only pay when it would even from the costliest source to the cheapest rank
-    remote = np.where(~np.eye(m, dtype=bool), cost, 0.0)
-    sv = None if sync_volume is None else np.asarray(sync_volume, dtype=np.float64)
+    fill = _TrainingFill(holders, fetch, part_volume, part_bytes, cost, available, total, allreduce_bw, grad_factor,
+                         sync_volume)
+    return fill.run(max_replicas)
 
-    def sync_added(q: np.ndarray, h: np.ndarray) -> np.ndarray:
+
+class _TrainingFill:
+    """``training_fill``'s state: the plan's arrays (edited in place) and the cost terms of one more copy."""
+
+    def __init__(self, holders, fetch, part_volume, part_bytes, cost, available, total, allreduce_bw, grad_factor,
+                 sync_volume) -> None:
+        self.holders, self.fetch, self.cost, self.available, self.total = holders, fetch, cost, available, total
+        self.p, self.m = holders.shape
+        self.vol = np.asarray(part_volume, dtype=np.float64)
+        self.nb = np.asarray(part_bytes, dtype=np.float64)
+        self.ar = 1.0 / (allreduce_bw * 1e3)  # us per byte
+        self.loc = np.diag(cost)
+        self.g = float(grad_factor)
+        # a copy can only pay when it would even from the costliest source to the cheapest rank
+        self.remote = np.where(~np.eye(self.m, dtype=bool), cost, 0.0)
+        self.sv = None if sync_volume is None else np.asarray(sync_volume, dtype=np.float64)
+
+    def sync_added(self, q: np.ndarray, h: np.ndarray) -> np.ndarray:
         """Summed cost one more holder adds to the replicas' sync: eq. 5's ``2 p.mem``, or the executor's
         sync on all ``m`` ranks when the partition had a single holder."""
-        if sv is None:
-            return 2.0 * ar * nb[q]
-        return np.where(h == 1, m * ar * sv[q], 0.0)
+        if self.sv is None:
+            return 2.0 * self.ar * self.nb[q]
+        return np.where(h == 1, self.m * self.ar * self.sv[q], 0.0)
 
-    best_case = vol * (g * remote.max() + loc.max() - loc.min()) - sync_added(np.arange(p), holders.sum(axis=1))
-    cand = np.flatnonzero((best_case > 0) & ~holders.all(axis=1))
-    added = np.zeros(m)
-    count = 0
-    ranks = np.arange(m)
-    while cand.size and count < max_replicas:
-        v, b, hl, f = vol[cand], nb[cand], holders[cand], fetch[cand]
+    def run(self, max_replicas: int) -> dict:
+        """Take the best copy while one lowers the summed cost and fits (at most ``max_replicas``)."""
+        vol, loc, m, holders = self.vol, self.loc, self.m, self.holders
+        best_case = (vol * (self.g * self.remote.max() + loc.max() - loc.min())
+                     - self.sync_added(np.arange(self.p), holders.sum(axis=1)))
+        cand = np.flatnonzero((best_case > 0) & ~holders.all(axis=1))
+        added = np.zeros(m)
+        count = 0
+        while cand.size and count < max_replicas:
+            gain, delta = self.copy_effects(cand)
+            chosen = self.choose(cand, gain, delta)
+            if chosen is None:
+                break
+            c, x = chosen
+            q = int(cand[c])
+            self.add_copy(q, x, delta[c, x])
+            added[x] += self.nb[q]
+            count += 1
+            if holders[q].all():
+                cand = cand[cand != q]
+        return {"replicas": count, "bytes": added.tolist()}
+
+    def copy_effects(self, cand: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For a copy of each candidate on each rank ``x``: the summed cost it saves (``gain``, ``[C, M]``) and
+        how it changes every rank's cost (``delta``, ``[C, M new holder, M rank]``), peers re-pointing to
+        ``x`` included (Algorithm 1 lines 13-20)."""
+        cost, loc, g, m = self.cost, self.loc, self.g, self.m
+        v, b, hl, f = self.vol[cand], self.nb[cand], self.holders[cand], self.fetch[cand]
         h = hl.sum(axis=1).astype(np.float64)
-        ar_new, ar_old = 2.0 * h / (h + 1) * b * ar, 2.0 * (h - 1) / h * b * ar
-        added_sync = sync_added(cand, h)
+        ar_new, ar_old = 2.0 * h / (h + 1) * b * self.ar, 2.0 * (h - 1) / h * b * self.ar
+        added_sync = self.sync_added(cand, h)
         delta = np.zeros((cand.size, m, m))  # [candidate, new holder x, rank]
         gain = np.zeros((cand.size, m))
         for x in range(m):
             src = f[:, x]
             gain[:, x] = v * (g * cost[x, src] + loc[src] - loc[x]) - added_sync
             dx = delta[:, x, :]
-            if sv is None:
+            if self.sv is None:
                 dx += hl * (ar_new - ar_old)[:, None]  # the holders' AllReduce share grows
                 dx[:, x] += ar_new
             else:  # every rank takes part in the executor's sync, holder or not
@@ -351,28 +405,31 @@ def training_fill(
                     dx[k, i] += g * v[k] * (cost[i, x] - cost[i, o[k]])
                     dx[k, x] += v[k] * loc[x]
                     np.subtract.at(dx, (k, o[k]), v[k] * loc[o[k]])
-        ok = ~hl & (b[:, None] <= available[None, :]) & (gain > 0)
+        return gain, delta
+
+    def choose(self, cand: np.ndarray, gain: np.ndarray, delta: np.ndarray) -> tuple[int, int] | None:
+        """The copy that saves the most per byte (OPER's hottest first) and fits; among equally good ones, the
+        rank it leaves the lowest (largest, second largest) per-rank cost. None when no copy pays and fits."""
+        b, hl = self.nb[cand], self.holders[cand]
+        ok = ~hl & (b[:, None] <= self.available[None, :]) & (gain > 0)
         if not ok.any():
-            break
-        # the copy that saves the most per byte (OPER's hottest first); among equally good ones, the
-        # rank it leaves the lowest (largest, second largest) per-rank cost
+            return None
         density = np.where(ok, gain / np.maximum(b, 1.0)[:, None], -np.inf)
         ok &= density >= density.max() * (1 - 1e-9)
-        new = total[None, None, :] + delta
+        new = self.total[None, None, :] + delta
         top2 = -np.partition(-new, 1, axis=2)[:, :, :2]
         inf = np.inf
         key = np.lexsort((np.where(ok, top2[:, :, 1], inf).ravel(), np.where(ok, top2[:, :, 0], inf).ravel()))[0]
         c, x = np.unravel_index(key, ok.shape)
-        q, x = int(cand[c]), int(x)
-        total += delta[c, x]
-        rp = ~holders[q] & (cost[:, x] < cost[ranks, fetch[q]])
+        return c, int(x)
+
+    def add_copy(self, q: int, x: int, delta: np.ndarray) -> None:
+        """Store a copy of ``q`` on ``x``; peers re-point to it when it is cheaper (Algorithm 1 lines 13-20)."""
+        holders, fetch, cost = self.holders, self.fetch, self.cost
+        self.total += delta
+        rp = ~holders[q] & (cost[:, x] < cost[np.arange(self.m), fetch[q]])
         rp[x] = False
         holders[q, x] = True
         fetch[q, x] = x
         fetch[q, rp] = x
-        available[x] -= nb[q]
-        added[x] += nb[q]
-        count += 1
-        if holders[q].all():
-            cand = cand[cand != q]
-    return {"replicas": count, "bytes": added.tolist()}
+        self.available[x] -= self.nb[q]
