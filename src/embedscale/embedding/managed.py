@@ -283,23 +283,15 @@ class ManagedIdTable:
         dev = self.device
         flat = ids.reshape(-1).to(dev, torch.int64)
         n = flat.numel()
-        H = len(self.hosted)
         self.step += 1
         t = self.step
-        empty = torch.zeros(0, dtype=torch.int64, device=dev)
         uniq, inv, cnt = torch.unique(flat, sorted=True, return_inverse=True, return_counts=True)
         u_ls = self._local_shard(uniq)
         first = torch.full((uniq.numel(),), n, dtype=torch.int64, device=dev)
         first.scatter_reduce_(0, inv, torch.arange(n, device=dev), reduce="amin")
-        # 2. hits
-        idx = self._find(self._sorted_ids, uniq)
-        hit = idx >= 0
-        hit_rows = self._sorted_rows[idx[hit]]
-        self.row_freq[hit_rows] += cnt[hit]
-        self.row_last[hit_rows] = t
-        evicted_rows = [empty]
-        # 3. TTL expiry of rows idle too long (touched rows have last == t)
-        if self.policy == "ttl":
+        hit, hit_rows = self._count_hits(uniq, cnt, t)  # 2.
+        evicted_rows = [torch.zeros(0, dtype=torch.int64, device=dev)]
+        if self.policy == "ttl":  # 3. TTL expiry of rows idle too long (touched rows have last == t)
             expired = torch.nonzero(self.row_used & (t - self.row_last > self.ttl), as_tuple=True)[0]
             evicted_rows.append(expired)
             self.row_used[expired] = False
@@ -309,54 +301,86 @@ class ManagedIdTable:
         p_idx = self._find(self.pend_ids, m_ids)
         total = m_cnt + self._gather(self.pend_count, p_idx)
         cand = torch.nonzero(total >= self.admit_after, as_tuple=True)[0]
-        cand = cand[torch.argsort(m_first[cand] if H == 1 else m_ls[cand] * (n + 1) + m_first[cand])]
-        c_ls = m_ls[cand]
-        c_rank = _rank_in_group(c_ls)
-        target = torch.full_like(cand, -1)  # the local row each candidate takes (-1: none)
-        if cand.numel():
-            shard_ids = torch.arange(H, device=dev)
-            free = torch.nonzero(~self.row_used, as_tuple=True)[0]  # ascending: grouped by shard, rows ascending
-            f_ls = self.row_shard[free]
-            f_n = _per_group(f_ls, H)
-            f_start = torch.searchsorted(f_ls, shard_ids)
-            c_free = f_n[c_ls]
-            gets_free = c_rank < c_free
-            if free.numel():  # the c_rank-th free row of the candidate's shard, where it has one
-                at = (f_start[c_ls] + c_rank).clamp_(max=free.numel() - 1)
-                target = torch.where(gets_free, free[at], target)
-            rest = ~gets_free
-            if self.policy in ("lru", "lfu") and bool(rest.any()):
-                eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
-                e_sh = self.row_shard[eligible] << _KEY_SHIFT
-                if self.policy == "lru":  # by (shard, last, row): rows ascend already, one stable sort
-                    order = eligible[torch.argsort(e_sh | self.row_last[eligible], stable=True)]
-                else:  # by (shard, freq, last, row)
-                    o = torch.argsort(self.row_last[eligible], stable=True)
-                    freq = self.row_freq[eligible].clamp(max=(1 << _KEY_SHIFT) - 1)
-                    order = eligible[o[torch.argsort((e_sh | freq)[o], stable=True)]]
-                e_ls = self.row_shard[order]
-                e_n = _per_group(e_ls, H)
-                e_start = torch.searchsorted(e_ls, shard_ids)
-                r2 = c_rank - c_free
-                ok = rest & (r2 < e_n[c_ls])
-                if order.numel():  # the r2-th victim of the candidate's shard, where it has one
-                    at = (e_start[c_ls] + r2).clamp_(min=0, max=order.numel() - 1)
-                    target = torch.where(ok, order[at], target)
-                    evicted_rows.append(torch.sort(target[ok]).values)
+        cand = cand[torch.argsort(m_first[cand] if len(self.hosted) == 1 else m_ls[cand] * (n + 1) + m_first[cand])]
+        target = self._admission_targets(m_ls[cand], t, evicted_rows)
         got = target >= 0
         adm, adm_rows = cand[got], target[got]
         ev_rows = torch.cat(evicted_rows)
         ev_ids = self.row_id[ev_rows].clone()
         adm_ids = m_ids[adm]
-        self.row_id[adm_rows] = adm_ids
-        self.row_used[adm_rows] = True
-        self.row_last[adm_rows] = t
-        self.row_freq[adm_rows] = total[adm]
+        self._admit(adm_rows, adm_ids, total[adm], t)
         if self._dirty is not None:  # every row whose entry this batch changed (hit, expired, evicted, admitted)
             self._dirty[hit_rows] = True
             self._dirty[ev_rows] = True
             self._dirty[adm_rows] = True
-        # 5./6. pending: the old entries not in this batch, plus this batch's misses not admitted; per-shard cap
+        self._update_pending(m_ids, m_ls, total, adm, p_idx, t)  # 5./6.
+        self._rebuild_index()
+        rows = self._rows_of_sorted(uniq)[inv]  # 7. rows of the batch after admission
+        self._count_lookups(u_ls[inv], rows, adm_rows, ev_rows)
+        return Assignment(rows.view(ids.shape), adm_ids, self.row_global[adm_rows], ev_ids,
+                          self.row_global[ev_rows])
+
+    def _count_hits(self, uniq: torch.Tensor, cnt: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 2: the batch's distinct ids that hold a row (mask) and those rows, their frequency and last
+        step updated."""
+        idx = self._find(self._sorted_ids, uniq)
+        hit = idx >= 0
+        hit_rows = self._sorted_rows[idx[hit]]
+        self.row_freq[hit_rows] += cnt[hit]
+        self.row_last[hit_rows] = t
+        return hit, hit_rows
+
+    def _admission_targets(self, c_ls: torch.Tensor, t: int, evicted_rows: list) -> torch.Tensor:
+        """Step 4: the local row each admission candidate (in order, ``c_ls`` their hosted shards) takes: the
+        shard's free rows first, then (LRU / LFU) its victims in eviction order, appended to ``evicted_rows``;
+        -1 for a candidate left without one."""
+        target = torch.full_like(c_ls, -1)
+        if not c_ls.numel():
+            return target
+        H = len(self.hosted)
+        c_rank = _rank_in_group(c_ls)
+        shard_ids = torch.arange(H, device=self.device)
+        free = torch.nonzero(~self.row_used, as_tuple=True)[0]  # ascending: grouped by shard, rows ascending
+        f_ls = self.row_shard[free]
+        c_free = _per_group(f_ls, H)[c_ls]
+        gets_free = c_rank < c_free
+        if free.numel():  # the c_rank-th free row of the candidate's shard, where it has one
+            at = (torch.searchsorted(f_ls, shard_ids)[c_ls] + c_rank).clamp_(max=free.numel() - 1)
+            target = torch.where(gets_free, free[at], target)
+        rest = ~gets_free
+        if self.policy not in ("lru", "lfu") or not bool(rest.any()):
+            return target
+        order = self._victims(t)
+        e_ls = self.row_shard[order]
+        r2 = c_rank - c_free
+        ok = rest & (r2 < _per_group(e_ls, H)[c_ls])
+        if order.numel():  # the r2-th victim of the candidate's shard, where it has one
+            at = (torch.searchsorted(e_ls, shard_ids)[c_ls] + r2).clamp_(min=0, max=order.numel() - 1)
+            target = torch.where(ok, order[at], target)
+            evicted_rows.append(torch.sort(target[ok]).values)
+        return target
+
+    def _victims(self, t: int) -> torch.Tensor:
+        """Rows that may be evicted (used, not touched at step ``t``) in eviction order within each shard: LRU by
+        (shard, last, row), LFU by (shard, freq, last, row)."""
+        eligible = torch.nonzero(self.row_used & (self.row_last < t), as_tuple=True)[0]  # ascending
+        e_sh = self.row_shard[eligible] << _KEY_SHIFT
+        if self.policy == "lru":  # rows ascend already: one stable sort
+            return eligible[torch.argsort(e_sh | self.row_last[eligible], stable=True)]
+        o = torch.argsort(self.row_last[eligible], stable=True)
+        freq = self.row_freq[eligible].clamp(max=(1 << _KEY_SHIFT) - 1)
+        return eligible[o[torch.argsort((e_sh | freq)[o], stable=True)]]
+
+    def _admit(self, rows: torch.Tensor, ids: torch.Tensor, freq: torch.Tensor, t: int) -> None:
+        self.row_id[rows] = ids
+        self.row_used[rows] = True
+        self.row_last[rows] = t
+        self.row_freq[rows] = freq
+
+    def _update_pending(self, m_ids, m_ls, total, adm, p_idx, t: int) -> None:
+        """Steps 5-6: the pending ids become the old entries not in this batch plus this batch's misses not
+        admitted (counts summed), sorted by id; a shard over its capacity drops its oldest (last, id) first."""
+        dev, H = self.device, len(self.hosted)
         admitted_mask = torch.zeros(m_ids.numel(), dtype=torch.bool, device=dev)
         admitted_mask[adm] = True
         seen = torch.zeros(self.pend_ids.numel(), dtype=torch.bool, device=dev)
@@ -380,11 +404,12 @@ class ManagedIdTable:
                 p_ids, p_cnt, p_last, p_ls = p_ids[keep], p_cnt[keep], p_last[keep], p_ls[keep]
                 self.shard_counters[:, 5] += excess
         self.pend_ids, self.pend_count, self.pend_last, self.pend_shard = p_ids, p_cnt, p_last, p_ls
-        self._rebuild_index()
-        # 7. rows of the batch after admission
-        rows = self._rows_of_sorted(uniq)[inv]
-        c = self.shard_counters
-        both = _per_group(u_ls[inv] * 2 + (rows == 0), 2 * H).view(H, 2)  # per shard: (hits, collisions)
+
+    def _count_lookups(self, v_ls: torch.Tensor, rows: torch.Tensor, adm_rows: torch.Tensor,
+                       ev_rows: torch.Tensor) -> None:
+        """Per hosted shard: lookups, hits, collisions (no row), admissions and evictions of this batch."""
+        H, c = len(self.hosted), self.shard_counters
+        both = _per_group(v_ls * 2 + (rows == 0), 2 * H).view(H, 2)  # per shard: (hits, collisions)
         collisions = both[:, 1]
         lookups = both[:, 0] + collisions
         c[:, 0] += lookups
@@ -392,8 +417,6 @@ class ManagedIdTable:
         c[:, 2] += collisions
         c[:, 3] += _per_group(self.row_shard[adm_rows], H)
         c[:, 4] += _per_group(self.row_shard[ev_rows], H)
-        return Assignment(rows.view(ids.shape), adm_ids, self.row_global[adm_rows], ev_ids,
-                          self.row_global[ev_rows])
 
     def mapping(self) -> dict[int, int]:
         """id -> row of every resident id of the hosted shards (a host copy, for inspection and tests)."""
