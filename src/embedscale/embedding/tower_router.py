@@ -196,59 +196,28 @@ class TowerRouter:
         the holder pools whole bags itself (weights travel as they are); row-wise, each value carries
         ``weight / bag length`` for mean tables and shards pool ``sum``, so partial bags add up.
         """
-        lay, pl = self.layout, self.placement
-        W, S = lay.world_size, lay.group_size
+        W = self.layout.world_size
         dev = features.values.device
         keys = features.keys
-        unknown = [k for k in keys if k not in self._feature_index]
-        missing = sorted(set(self.feature_names) - set(keys))
-        if unknown or missing or len(keys) != len(self.feature_names):
-            raise InputError(f"rank {self.rank}: tower routing got features {keys}; expected {self.feature_names}"
-                             f" (unknown {unknown}, missing {missing})")
+        self._check_keys(keys)
         B = features.batch_size
-        Fin = len(keys)
         values, lengths = features.values, features.lengths
         n = values.numel()
         key_model = torch.tensor([self._feature_index[k] for k in keys], dtype=torch.int64, device=dev)
-        bag = torch.repeat_interleave(torch.arange(Fin * B, device=dev), lengths, output_size=n)
+        bag = torch.repeat_interleave(torch.arange(len(keys) * B, device=dev), lengths, output_size=n)
         fv = key_model[bag // B] if n else bag
         b = bag % B
-        rows = self._dev(self._rows, dev)
-        message = None
-        if n:
-            bad = (values < 0) | (values >= rows[fv])
-            if bool(bad.any()):
-                i = int(torch.nonzero(bad)[0])
-                f = int(fv[i])
-                t = pl.tables[pl.feature_table[f]]
-                message = (f"rank {self.rank}: feature {self.feature_names[f]!r} (table {t.name!r}, tower group "
-                           f"{int(pl.feature_group[f])}): row id {int(values[i])} at sample {int(b[i])} is outside "
-                           f"[0, {t.num_rows})")
+        message = self._row_error(values, fv, b) if n else None
         sizes, weighted, bad_ranks = self.exchange_batch_sizes(B, features.weights is not None, dev,
                                                                message is not None)
         if bad_ranks:
             raise InputError(message or f"rank {self.rank}: rank(s) {bad_ranks} got row ids outside their tables "
                                         "(their errors name the feature); no rank looked anything up")
-        row_wise = pl.sharding == "row"
+        row_wise = self.placement.sharding == "row"
         use_weights = weighted or (row_wise and bool(self._mean.any()))
         slot = self._dev(self._slot, dev)[fv]
-        if row_wise:
-            bounds = self._dev(self._bounds, dev)[fv]  # [n, S + 1]
-            member = (values.unsqueeze(1) >= bounds[:, 1:S]).sum(1)
-            dest = self._dev(self._group_base, dev)[fv] + member
-            local = values - bounds.gather(1, member.unsqueeze(1)).squeeze(1)
-        else:
-            dest = self._dev(self._dest, dev)[fv]
-            local = values
-        scale = None
-        if use_weights:
-            scale = features.weights.to(torch.float32) if features.weights is not None else \
-                torch.ones(n, dtype=torch.float32, device=dev)
-            if row_wise:
-                mean = self._dev(self._mean, dev)[fv]
-                if bool(mean.any()):
-                    inv = 1.0 / lengths[bag].clamp(min=1).to(torch.float32)
-                    scale = torch.where(mean, scale * inv, scale)
+        dest, local = self._destinations(values, fv, row_wise)
+        scale = self._value_scales(features, fv, bag, row_wise) if use_weights else None
         M = self.max_slots
         key = (dest * M + slot) * B + b
         order = torch.argsort(key, stable=True)
@@ -256,8 +225,7 @@ class TowerRouter:
         counts = torch.bincount(key, minlength=W * M * B).view(W, M * B) if n else \
             torch.zeros((W, M * B), dtype=torch.int64, device=dev)
         send_len = [counts[d, : self.num_slots[d] * B] for d in range(W)]
-        me = self.rank
-        k = self.num_slots[me]
+        k = self.num_slots[self.rank]
         recv_len = self.comm.world.exchange(send_len, recv_counts=[k * s for s in sizes], kind="ids")
         per_src = [int(x.sum()) for x in recv_len]
         recv_val = self.comm.world.exchange(list(torch.split(local[order], per_dest)), recv_counts=per_src,
@@ -268,11 +236,61 @@ class TowerRouter:
                                               kind="ids")
         if k == 0:
             return RoutedBatch(None, sizes, False)
+        return self._assemble(recv_len, recv_val, recv_w, sizes, per_src, use_weights)
+
+    def _check_keys(self, keys) -> None:
+        unknown = [k for k in keys if k not in self._feature_index]
+        missing = sorted(set(self.feature_names) - set(keys))
+        if unknown or missing or len(keys) != len(self.feature_names):
+            raise InputError(f"rank {self.rank}: tower routing got features {keys}; expected {self.feature_names}"
+                             f" (unknown {unknown}, missing {missing})")
+
+    def _row_error(self, values: torch.Tensor, fv: torch.Tensor, b: torch.Tensor) -> str | None:
+        """The first row id outside its table, named (feature, table, tower group, sample), or ``None``."""
+        pl = self.placement
+        bad = (values < 0) | (values >= self._dev(self._rows, values.device)[fv])
+        if not bool(bad.any()):
+            return None
+        i = int(torch.nonzero(bad)[0])
+        f = int(fv[i])
+        t = pl.tables[pl.feature_table[f]]
+        return (f"rank {self.rank}: feature {self.feature_names[f]!r} (table {t.name!r}, tower group "
+                f"{int(pl.feature_group[f])}): row id {int(values[i])} at sample {int(b[i])} is outside "
+                f"[0, {t.num_rows})")
+
+    def _destinations(self, values: torch.Tensor, fv: torch.Tensor, row_wise: bool):
+        """Every value's holder rank and its row there (row-wise: the group member whose row range holds it)."""
+        dev = values.device
+        if not row_wise:
+            return self._dev(self._dest, dev)[fv], values
+        S = self.layout.group_size
+        bounds = self._dev(self._bounds, dev)[fv]  # [n, S + 1]
+        member = (values.unsqueeze(1) >= bounds[:, 1:S]).sum(1)
+        dest = self._dev(self._group_base, dev)[fv] + member
+        return dest, values - bounds.gather(1, member.unsqueeze(1)).squeeze(1)
+
+    def _value_scales(self, features: JaggedFeatures, fv: torch.Tensor, bag: torch.Tensor, row_wise: bool):
+        """Every value's weight as sent: the sample weight (1 without), over its bag's length for a mean table
+        sharded row-wise."""
+        dev, n = features.values.device, features.values.numel()
+        scale = features.weights.to(torch.float32) if features.weights is not None else \
+            torch.ones(n, dtype=torch.float32, device=dev)
+        if row_wise:
+            mean = self._dev(self._mean, dev)[fv]
+            if bool(mean.any()):
+                inv = 1.0 / features.lengths[bag].clamp(min=1).to(torch.float32)
+                scale = torch.where(mean, scale * inv, scale)
+        return scale
+
+    def _assemble(self, recv_len, recv_val, recv_w, sizes, per_src, use_weights: bool) -> RoutedBatch:
+        """This rank's global batch from what every source sent, slots in order, sources in peer order when
+        steps b and c are swapped (DMT 3.1.3: when ids are the smaller object)."""
+        W, k, dev = self.layout.world_size, self.num_slots[self.rank], recv_val[0].device
         peer = self.permute == "ids"
-        if self.permute == "auto":  # steps b and c swapped when ids are the smaller object (DMT 3.1.3)
+        if self.permute == "auto":
             id_bytes = sum(per_src) * (8 + (4 if use_weights else 0)) + k * sum(sizes) * 8
             peer = id_bytes < k * sum(sizes) * self.dim * 4
-        src_order = lay.peer_order() if peer else list(range(W))
+        src_order = self.layout.peer_order() if peer else list(range(W))
         L2 = [recv_len[s].view(k, sizes[s]) for s in range(W)]
         cnt = torch.stack([l.sum(1) for l in L2])  # [W, k] values per (source, slot)
         src_base = torch.cumsum(torch.tensor(per_src, device=dev), 0) - torch.tensor(per_src, device=dev)
