@@ -213,3 +213,23 @@ def test_shared_load_reads_every_table_in_place_from_the_file(trained, tmp_path)
     from embedscale.serve.encode import read_file
     enc = next(read_file(shared.encoder, tmp_path / "q.tsv"))
     assert np.array_equal(shared.logits(enc).numpy(), private.logits(enc).numpy())  # one-hot sums: the same bits
+
+
+def test_tt_tables_export_as_cores_and_predict_as_the_trained_model(tmp_path):
+    """TT tables (EL-Rec III) leave the checkpoint as their cores, never materialised, and score as the trained
+    model does (the same Eff-TT forward); an INT8 export quantizes the row tables and keeps the cores."""
+    run_dir, cfg = train_tiny(tmp_path, rows=600, model={"tt_min_rows": 1, "tt_rank": 2})
+    ck = json.loads((run_dir / "checkpoints" / "best" / "manifest.json").read_text())
+    assert ck["tt_tables"]
+    m = export(run_dir, tmp_path / "model")
+    tt = [t for t in m["tables"] if t["form"] == "tt"]
+    assert sorted(t["name"] for t in tt) == sorted(ck["tt_tables"])
+    for t in tt:  # cores only: far below the table's rows
+        assert t["bytes"] == 4 * sum(a * r0 * n * r1 for a, n, r0, r1 in zip(
+            t["row_shape"], t["dim_shape"], [1] + t["tt_ranks"], t["tt_ranks"] + [1]))
+    ref, rows = reference_logits(cfg, run_dir)
+    predict_file(tmp_path / "model", tmp_path / "train.tsv", tmp_path / "p.parquet")
+    z = pq.read_table(tmp_path / "p.parquet").column("logit").to_numpy()
+    assert np.array_equal(z, ref)  # the same Eff-TT forward over the same cores: bit for bit
+    m8 = export(run_dir, tmp_path / "m8", "int8")
+    assert {t["form"] for t in m8["tables"]} <= {"int8", "tt"}

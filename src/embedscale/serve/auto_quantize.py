@@ -33,11 +33,16 @@ class Scorer:
     """The served model over in-memory tables whose forms can be swapped, scoring fixed eval batches."""
 
     def __init__(self, model_cfg: dict, specs: list[TableSpec], num_dense: int, dense_state: dict,
-                 weights: dict[str, torch.Tensor], batches: list):
+                 weights: dict[str, torch.Tensor], batches: list, tt_tables: list[dict] = (),
+                 tt_tensors: dict | None = None):
+        """``specs``: every table in the trained model's order (the dense model's columns follow it); those
+        named in ``tt_tables`` are served as cores, the others start at FP32 from ``weights``."""
         self.weights = weights
-        tables = [{"name": t.name, "features": list(t.features), "num_rows": t.num_rows, "dim": t.dim,
-                   "pooling": t.pooling, "form": "fp32"} for t in specs]
-        self.emb = ServedEmbedding(tables, {n: w.contiguous() for n, w in weights.items()}, shared=True)
+        tt = {t["name"]: t for t in tt_tables}
+        tables = [tt.get(t.name) or {"name": t.name, "features": list(t.features), "num_rows": t.num_rows,
+                                     "dim": t.dim, "pooling": t.pooling, "form": "fp32"} for t in specs]
+        self.emb = ServedEmbedding(tables, {n: w.contiguous() for n, w in weights.items()}, shared=True,
+                                   tt=tt_tensors)
         torch.manual_seed(0)
         self.model = build_model(ModelConfig(**model_cfg), specs, num_dense, embedding=self.emb)
         self.model.load_state_dict(dense_state, strict=False)
@@ -70,7 +75,8 @@ def eval_batches(directory, start: int, stop: int, samples: int, batch_size: int
 
 def choose_forms(scorer: Scorer, specs: list[TableSpec], tolerance: float, budget: int | None = None,
                  progress: bool = True) -> tuple[dict[str, str], dict]:
-    """``({table: form}, report)``: the greedy narrowing of the module docstring."""
+    """``({table: form}, report)``: the greedy narrowing of the module docstring over the row tables ``specs``
+    (TT tables keep their cores)."""
     reference = scorer.auc()
     forms = {t.name: "fp32" for t in specs}
     trials = []

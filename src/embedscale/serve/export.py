@@ -16,8 +16,8 @@ of any world size), so an export of an N-rank run is the same as one of a single
 written under a temporary name beside ``--out`` and renamed into place (an export already there is replaced
 only once the new one is complete). ``export RUN --follow`` (:func:`follow_run`) keeps an export the latest
 checkpoint of a run still training (online training's delta checkpoints included), for a server that follows
-it (``serve --follow``): serving reads exports, never a run. Row-stored tables (device or host placed) are exported; TT-compressed
-tables, managed-id tables and DMT tower models are not yet (an error says so).
+it (``serve --follow``): serving reads exports, never a run. Row-stored tables (device or host placed) are exported in the form asked; TT-compressed tables
+as their cores (``serve.tt_tables``); managed-id tables and DMT tower models are not yet (an error says so).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json
 from embedscale.serve.auto_quantize import Scorer, choose_forms, eval_batches
 from embedscale.serve.quantize import FORMS, quantize_rows, row_bytes
+from embedscale.serve.tt_tables import tt_entry
 from embedscale.specs import RunConfig, from_dict
 from embedscale.train.checkpoint import best_checkpoint, latest_checkpoint, load_checkpoint, resolve_checkpoint
 from embedscale.train.checkpoint import read_manifest as read_checkpoint_manifest
@@ -90,7 +91,10 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
     _check_exportable(ck, m, cfg, state)
     prepared = split_existing(Path(data_dir), 0.0) if data_dir else prepare_data(cfg, progress=False)
     data = prepared.manifest
-    specs = tables_for(cfg, data)
+    all_specs = tables_for(cfg, data)
+    tt_names = set(m.get("tt_tables", []))
+    specs = [t for t in all_specs if t.name not in tt_names]  # row tables; TT ones go as cores
+    tt_tables, tt_tensors = _tt_tables(ck, state, [t for t in all_specs if t.name in tt_names])
     weights = {t.name: _table_weight(ck, state, t.name) for t in specs}
     for t in specs:
         if tuple(weights[t.name].shape) != (t.num_rows, t.dim):
@@ -101,16 +105,21 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
         if prepared.eval is None:
             raise ConfigError(f"{ck}: --quantize auto measures AUC on the run's eval split, and the run has none; "
                               "choose a form (fp32, fp16, int8, int4)")
-        scorer = Scorer({k: getattr(cfg.model, k) for k in MODEL_KEYS}, specs, data.num_dense, state["dense"], weights,
-                        eval_batches(prepared.eval.directory, prepared.eval.start, prepared.eval.stop, auto_samples))
+        scorer = Scorer({k: getattr(cfg.model, k) for k in MODEL_KEYS}, all_specs, data.num_dense, state["dense"],
+                        weights,
+                        eval_batches(prepared.eval.directory, prepared.eval.start, prepared.eval.stop, auto_samples),
+                        tt_tables, tt_tensors)
         quantize, auto = choose_forms(scorer, specs, tolerance, table_budget, progress)
     forms = table_forms(quantize, [t.name for t in specs])
     tensors: dict[str, torch.Tensor] = {f"dense.{k}": v.contiguous() for k, v in state["dense"].items()}
+    tensors.update(tt_tensors)
     tables = []
     for t in specs:
         tensors[f"table.{t.name}"] = quantize_rows(weights[t.name], forms[t.name])
         tables.append({"name": t.name, "features": list(t.features), "num_rows": t.num_rows, "dim": t.dim,
                        "pooling": t.pooling, "form": forms[t.name], "bytes_per_row": row_bytes(forms[t.name], t.dim)})
+    order = {t.name: i for i, t in enumerate(all_specs)}  # the trained embedding's table order
+    tables = sorted(tables + tt_tables, key=lambda t: order[t["name"]])
     encoding, vocab = _encoding(data, Path(prepared.train.directory))
     tensors.update({f"vocab.{n}": torch.from_numpy(np.ascontiguousarray(v).view(np.int64)) for n, v in vocab.items()})
     version = f"step{m['step']}-{str(m.get('id', ''))[:8]}-" + (
@@ -124,7 +133,8 @@ def export(source: str | Path, out: str | Path, quantize: str | dict = "fp32", d
         "eval": es.get("best") or es.get("eval") or {},
         "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}, "num_dense": data.num_dense,
         "tables": tables, "encoding": encoding, "weights": WEIGHTS,
-        "table_bytes": int(sum(t["bytes_per_row"] * t["num_rows"] for t in tables)),
+        "table_bytes": int(sum(t["bytes"] if t["form"] == "tt" else t["bytes_per_row"] * t["num_rows"]
+                               for t in tables)),
     }
     if auto:
         manifest["quantize_auto"] = auto
@@ -164,10 +174,21 @@ def follow_run(run: str | Path, out: str | Path, quantize: str | dict = "fp32", 
 def _check_exportable(ck: Path, m: dict, cfg: RunConfig, state: dict) -> None:
     if m.get("kind") == "dmt" or cfg.model.arch.startswith("dmt-"):
         raise FormatError(f"{ck}: a DMT tower model ({cfg.model.arch}); export serves dlrm and dcn models")
-    if m.get("tt_tables"):
-        raise FormatError(f"{ck}: TT-compressed tables {m['tt_tables']} are not exported yet; train them as rows")
     if state.get("managed"):
         raise FormatError(f"{ck}: managed-id tables are not exported yet (their id mappings change as they train)")
+
+
+def _tt_tables(ck: Path, state: dict, specs: list) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """The TT tables' manifest entries and tensors (``serve.tt_tables``: cores, hot rows, the reordering)."""
+    entries, tensors = [], {}
+    for t in specs:
+        entry, ts = tt_entry(t.name, list(t.features), t.num_rows, t.dim, t.pooling, state.get("tt") or {})
+        reorder = (state.get("reorder") or {}).get(t.name)
+        if reorder is not None:
+            ts[f"reorder.{t.name}"] = torch.as_tensor(np.asarray(reorder), dtype=torch.int64).contiguous()
+        entries.append(entry)
+        tensors.update(ts)
+    return entries, tensors
 
 
 def _table_weight(ck: Path, state: dict, name: str) -> torch.Tensor:

@@ -24,6 +24,7 @@ from embedscale.io import read_json
 from embedscale.models import build_model
 from embedscale.serve.encode import Encoded, RowEncoder, read_file
 from embedscale.serve.quantize import pooled_lookup_many, row_bytes
+from embedscale.serve.tt_tables import tt_module, tt_pool
 from embedscale.specs import ModelConfig, TableSpec
 
 EXPORT_FORMAT, EXPORT_VERSION, EXPORT_MANIFEST = "embedscale.export", 1, "export.json"
@@ -34,12 +35,17 @@ class ServedEmbedding(nn.Module):
     """The export's tables in their served forms; ``forward(JaggedFeatures) -> [B, sum of dims]`` with the
     features in table order (the trained embedding's order)."""
 
-    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False):
+    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False,
+                 tt: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.tables = tables
+        tt_tables = [t for t in tables if t["form"] == "tt"]  # served as cores (serve.tt_tables)
+        self.tt = nn.ModuleDict({t["name"]: tt_module(t, tt or {}) for t in tt_tables})
+        self._reorder = {t["name"]: (tt or {}).get(f"reorder.{t['name']}") for t in tt_tables}
         self.feature_names = [f for t in tables for f in t["features"]]
         self._dims = {f: t["dim"] for t in tables for f in t["features"]}
         self._of = {f: t for t in tables for f in t["features"]}
+        tables = [t for t in tables if t["form"] != "tt"]  # row tables: fp32 (LocalEmbeddingBags) or stored
         fp32 = [t for t in tables if t["form"] == "fp32" and not shared]  # shared: every table read in place
         self.rows = None
         if fp32:
@@ -62,7 +68,23 @@ class ServedEmbedding(nn.Module):
                 cols[f] = part
         if self.stored:
             self._pool_stored(jf, cols)
+        if len(self.tt):
+            self._pool_tt(jf, cols)
         return torch.cat([cols[f] for f in self.feature_names], dim=1)
+
+    def _pool_tt(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> None:
+        """Every feature of a TT table, pooled from its cores (EL-Rec's Eff-TT forward)."""
+        starts = np.concatenate([[0], np.cumsum(jf.length_per_key_list())])
+        B = jf.batch_size
+        for k, f in enumerate(jf.keys):
+            t = self._of.get(f)
+            if t is None or t["name"] not in self.tt:
+                continue
+            offsets = torch.zeros(B + 1, dtype=torch.int64)
+            torch.cumsum(jf.lengths[k * B:(k + 1) * B], 0, out=offsets[1:])
+            w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
+            cols[f] = tt_pool(self.tt[t["name"]], self._reorder[t["name"]], t, f,
+                              jf.values[starts[k]:starts[k + 1]], offsets, w)
 
     def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> None:
         """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``."""
@@ -140,6 +162,8 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
         raise FormatError(f"{path}: the weights cannot be read ({e})") from None
     stored = {}
     for t in m["tables"]:
+        if t["form"] == "tt":  # its cores and reordering: serve.tt_tables
+            continue
         key = f"table.{t['name']}"
         if key not in w:
             raise FormatError(f"{path}: no tensor {key!r} in the weights")
@@ -148,7 +172,8 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
             raise FormatError(f"{path}: {key} has shape {tuple(w[key].shape)}, the manifest says {want}")
         stored[t["name"]] = w[key]
     specs = [TableSpec(t["name"], t["num_rows"], t["dim"], list(t["features"]), t["pooling"]) for t in m["tables"]]
-    emb = ServedEmbedding(m["tables"], stored, shared)
+    emb = ServedEmbedding(m["tables"], stored, shared,
+                          tt={k: v for k, v in w.items() if k.startswith(("tt.", "reorder."))})
     torch.manual_seed(0)
     model = build_model(ModelConfig(**m["model"]), specs, int(m["num_dense"]), embedding=emb)
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
