@@ -2,7 +2,9 @@
 
 Input: a ``DriftingStream`` (``data.drift_stream``): two tables (``user``, ``item``) whose universe grows by
 ``--new-ids`` ids per step, a hot set rotating every ``--rotate`` steps, labels from the stream's teacher.
-Both models have the same tables of ``--rows`` rows each (the same embedding memory) and see the same batches:
+Both models get the same memory per table and see the same batches: the managed table ``--rows`` rows plus its
+mapping (measured at its fullest, :func:`managed_bytes`), the hashed table as many rows as those bytes hold
+(``--equal-rows``: the managed table's rows only, the mapping not counted):
 
 * ours: a *managed* table (``model.managed``: ``admit_after`` k, ``lru``/``lfu``/``ttl``): raw ids admitted
   to rows after k sightings, the rows of stale ids taken back (``embedding.managed_lookup``);
@@ -22,9 +24,7 @@ over the last ``--window`` samples) at the end of the run, and its mean over the
 second half (a stream's learning is judged while it runs). Per seed both runs, alternating which goes first;
 median and p90 over seeds of the figure and of the per-seed difference. The teacher's own AUC over the
 same final window is the ceiling. Seconds per run are reported too (1 torch thread, ``--threads``). Prints
-one JSON line with the load average. Memory: the managed mapping
-adds per row an id, a flag, a last step and a count (25 bytes) and up to ``4 x rows`` pending ids (24 bytes
-each) beside the ``rows x dim x 4`` bytes of weights both models hold.
+one JSON line with the load average and the bytes per table of both sides.
 
     .venv/bin/python benchmarks/bench_online_ids.py [--quick] [--seeds 3] [--steps 300] [--nproc 2]
 """
@@ -46,6 +46,7 @@ from embedscale import workflow
 from embedscale.data.drift_stream import DriftConfig, DriftingStream, write_drift_dataset
 from embedscale.data.metrics import binary_metrics
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
+from embedscale.embedding.managed import ManagedIdTable
 from embedscale.specs import RunConfig, from_dict, to_dict
 from embedscale.train.launch import spawn_local
 from embedscale.train.metrics import MetricsLog
@@ -69,6 +70,29 @@ def write_hashed(stream: DriftingStream, directory: Path, steps: int, rows: int)
             cols = stream.batch(s)
             w.write(cols.labels, cols.dense,
                     {t: (cols.sparse[t][0].view(np.uint64) % np.uint64(rows)).astype(np.int64) for t in cfg.tables})
+
+
+def managed_bytes(rows: int, admit_after: int, policy: str, ttl: int, pending_capacity: int, shards: int = 16
+                  ) -> int:
+    """Bytes of one managed table's mapping at its fullest, measured: a ``ManagedIdTable`` of the run's settings
+    fed distinct ids until every row is taken and the pending ids are at capacity, then every tensor it holds
+    (row ids, flags, last steps, counts, shard and global row maps, the sorted index, the pending ids with their
+    counts, last steps and shards) summed."""
+    t = ManagedIdTable("m", rows, admit_after=admit_after, policy=policy, ttl=ttl or None,
+                       pending_capacity=pending_capacity or None, device="cpu", shards=min(shards, rows - 1))
+    rng = np.random.default_rng(0)
+    for _ in range(4):  # admit_after sightings of a full table's ids, then a pending capacity's worth more
+        ids = torch.from_numpy(rng.integers(0, 2**62, t.num_rows + t.pending_capacity))
+        for _ in range(admit_after):
+            t.assign(ids[: t.num_rows])
+        t.assign(ids[t.num_rows:])
+    return int(sum(v.nbytes for v in vars(t).values() if isinstance(v, torch.Tensor)))
+
+
+def equal_memory_rows(rows: int, dim: int, mapping_bytes: int) -> int:
+    """The hashed table's rows at the managed table's total bytes: its own ``rows`` plus the mapping's bytes in
+    rows of ``dim`` float32 weights and one float32 of row-wise Adagrad state."""
+    return rows + mapping_bytes // (4 * dim + 4)
 
 
 def teacher_auc(stream: DriftingStream, steps: int, window: int) -> float:
@@ -134,6 +158,9 @@ def main():
     ap.add_argument("--admit-after", type=int, default=2)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--ttl", type=int, default=0)
+    ap.add_argument("--pending-capacity", type=int, default=0, help="managed: pending ids kept (0: 4 x rows)")
+    ap.add_argument("--equal-rows", action="store_true",
+                    help="give the hashed table the managed table's rows only (the mapping's memory not counted)")
     ap.add_argument("--nproc", type=int, default=1, help="local ranks (gloo) of both models")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both models (1: robust under "
                     "load; the mapping's small tensor ops slow down 20-40x with 2 contended threads)")
@@ -144,7 +171,12 @@ def main():
     dcfg = DriftConfig(tables=("user", "item"), initial_ids=args.initial_ids, new_ids_per_step=args.new_ids,
                        hot_ids=args.hot_ids, hot_share=0.8, rotate_every=args.rotate, batch_size=args.batch,
                        num_dense=4)
-    managed = {"admit_after": args.admit_after, "policy": args.policy, **({"ttl": args.ttl} if args.ttl else {})}
+    managed = {"admit_after": args.admit_after, "policy": args.policy, **({"ttl": args.ttl} if args.ttl else {}),
+               **({"pending_capacity": args.pending_capacity} if args.pending_capacity else {})}
+    mapping = managed_bytes(args.rows, args.admit_after, args.policy, args.ttl, args.pending_capacity)
+    hashed_rows = args.rows if args.equal_rows else equal_memory_rows(args.rows, args.dim, mapping)
+    print(f"managed: {args.rows} rows + {mapping:,} bytes of mapping a table; hashed: {hashed_rows} rows",
+          file=sys.stderr)
     res = {"managed": [], "hashed": [], "teacher": []}
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench_online_ids-") as tmp:
@@ -153,7 +185,7 @@ def main():
             stream = DriftingStream(dcfg, seed=seed)
             raw, hashed = tmp / f"raw-{seed}", tmp / f"hashed-{seed}"
             write_drift_dataset(stream, raw, args.steps, num_rows=args.rows)
-            write_hashed(stream, hashed, args.steps, args.rows)
+            write_hashed(stream, hashed, args.steps, hashed_rows)
             order = [("managed", raw, managed), ("hashed", hashed, {})]
             for name, d, m in (order if seed % 2 == 0 else order[::-1]):  # interleaved: alternate who goes first
                 res[name].append(run(d, tmp / f"{name}-{seed}", args, m))
@@ -178,6 +210,10 @@ def main():
                             "hashed": float(np.median([r["seconds"] for r in res["hashed"]]))},
         "managed_counters": res["managed"][0]["managed"],
         "nproc": args.nproc,
+        "memory": {"managed_rows": args.rows, "managed_mapping_bytes_per_table": mapping,
+                   "hashed_rows": hashed_rows, "equal_total_bytes": not args.equal_rows,
+                   "bytes_per_table": {"managed": args.rows * (4 * args.dim + 4) + mapping,
+                                       "hashed": hashed_rows * (4 * args.dim + 4)}},
         "managed_exchange_bytes_per_step": res["managed"][0]["exchange_bytes_per_step"],
         "managed_exchange_bytes": res["managed"][0]["exchange_bytes"],
         "former_all_gather_bytes_per_step": former_gather_bytes(args.nproc, args.batch, len(dcfg.tables)),
