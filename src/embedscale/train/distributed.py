@@ -3,7 +3,7 @@
 One process per rank (``embedscale train --nproc N`` on one machine, or ``torchrun ... -m embedscale
 train`` anywhere). Rank 0 prepares what every rank reads (data shards, access profile, plan) before the
 ranks join the process group; the others wait for its "ready" marker, so a long data preparation never
-runs into a collective timeout. Then every rank builds:
+runs into a collective timeout. Then every rank builds (``assemble.build_run``, once):
 
 - a ``ShardedEmbedding`` from the plan's address map (OPER 5.1), over a transport on its own process
   group (so embedding traffic never interleaves with the dense AllReduce);
