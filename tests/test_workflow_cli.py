@@ -94,7 +94,7 @@ def test_train_with_the_saved_plan_on_two_ranks(planned, tmp_path):
 def test_saved_plan_forms_are_what_training_builds(planned):
     """plan --tt-min-rows: the run builds the plan's TT tables without asking; a contradicting request fails."""
     from embedscale import workflow
-    from embedscale.train.distributed import run_tables
+    from embedscale.assemble import run_tables
 
     plan = Plan.load(planned / "plans_tt" / "oper")
     tt = {n for n, f in plan.forms.items() if f.kind == "tt"}

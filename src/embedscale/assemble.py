@@ -11,18 +11,25 @@ loops or writes a run's results: the run loop and the launcher (``embedscale.tra
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
-import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from embedscale.comm.collective import CollectiveTransport
+from embedscale.comm.hierarchical import TowerComm
+from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data import avazu, criteo, tabular
 from embedscale.data.loader import ShardLoader
 from embedscale.data.schema import Schema
@@ -30,12 +37,17 @@ from embedscale.data.profile import AccessProfile
 from embedscale.data.shards import MANIFEST, Manifest, read_shard
 from embedscale.data.stream import StreamLoader, complete_shards, read_stream_schema
 from embedscale.data.synthetic import GENERATOR_VERSION, generate_dataset
+from embedscale.device import on_host
+from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.errors import ConfigError, FormatError
 from embedscale.models.builder import (EmbeddingEnv, build_embedding, embedding_parts,  # noqa: F401
                                         hash_init)  # hash_init: re-exported
 from embedscale.embedding.managed_lookup import ManagedLookup, install
 from embedscale.units import human_bytes
-from embedscale.plan.forms import TableForm, config_forms, default_tables, reordered_tables, table_bytes
+from embedscale.pipeline.shared import local_group
+from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, default_tables, forms_for_run,
+                                   reordered_tables, table_bytes)
+from embedscale.plan.plan import Plan
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, auto_batch_size, feature_to_table,
                               managed_tables, to_dict)
 from embedscale.embedding.optim import set_weight_decay
@@ -354,16 +366,77 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
     built unrenamed and a checkpoint loaded into the model brings its maps (``train.trainer.load_reorder``), except
     row-group tables (``hot_rows``), which need it to be built.
     """
+    parts = _model_parts(cfg, tables, num_dense, device, comm=comm, assignment=assignment, validate=validate,
+                         reordering=reordering)
+    return parts.model, parts.opt
+
+
+@dataclass
+class RunParts:
+    """A run's parts, built once by :func:`build_run` and held by the run that trains or serves them (the
+    single-process ``Trainer``, an N-rank ``DistributedRun`` or ``DMTRun``; the run adds only what wraps them: DDP,
+    the drift monitor, the input pipeline). ``None``: the run has no such part."""
+
+    tables: list[TableSpec]  # every table of the model (facts)
+    forms: dict[str, TableForm]  # their forms: the plan's, else the config's requests decided
+    model: nn.Module
+    opt: torch.optim.Optimizer  # the dense optimizer (the embedding's is fused into it)
+    data: PreparedData | None = None
+    train_loader: object | None = None  # an inference run has none
+    eval_loader: ShardLoader | None = None
+    embedding: nn.Module | None = None  # the module holding the sharded (or local) rows
+    tt_embedding: nn.Module | None = None  # the MixedEmbedding of the TT tables
+    host_embedding: nn.Module | None = None  # the PipelinedEmbedding of the host parameter server's tables
+    managed: ManagedLookup | None = None  # the managed tables' id mapping
+    # N ranks: what the executor talks through, made in the same order on every rank
+    monitor_group: object = None  # gloo, every rank: finds the ranks that stopped answering
+    plan: Plan | None = None  # a flat run's plan, its sharded tables, their transport and the embedding's env
+    sharded_tables: list[TableSpec] = field(default_factory=list)
+    transport: object = None
+    env: EmbeddingEnv | None = None  # (a live re-plan rebuilds the sharded rows with it)
+    comm: TowerComm | None = None  # DMT: the tower transform's process groups
+
+
+def build_run(cfg: RunConfig, inputs: RunInputs, device: torch.device, *, rank: int = 0, world: int = 1,
+              plan_dir: Path | None = None, towers=None, inference: bool = False, assignment=None,
+              reordering=None, follow: tuple[Path, str] | None = None, storage_spare: float = 0.0) -> RunParts:
+    """The parts of a run (:class:`RunParts`), built once from its ``inputs`` (:func:`run_inputs`) on ``device``:
+    tables and forms, embedding modules, model, dense optimizer, loaders (an ``inference`` run: no training
+    loader), seeded by ``train.seed``.
+
+    Which run: rank ``rank`` of ``world`` under the plan in ``plan_dir`` (:func:`_planned_parts`; ``follow``:
+    a stream's follow file, ``storage_spare``: the PGAS heap's spare rows for live re-plans), rank ``rank`` of a
+    DMT run's ``towers`` (``(TowerLayout, TowerAssignment)``, :func:`_tower_parts`), or a world of one (the
+    config's forms; ``assignment``: a DMT model's towers, ``reordering``: the TT tables' index reordering,
+    :func:`build`)."""
+    if plan_dir is not None:
+        parts = _planned_parts(cfg, inputs, device, Path(plan_dir), rank, world, inference, storage_spare)
+    elif towers is not None:
+        parts = _tower_parts(cfg, inputs, device, *towers, inference)
+    else:
+        parts = _model_parts(cfg, inputs.tables, inputs.data.manifest.num_dense, device, assignment=assignment,
+                             validate=False, reordering=reordering)  # the ShardLoaders check every batch's ids
+    data = parts.data = inputs.data
+    if not inference:
+        parts.train_loader = train_loader(cfg, data, device, rank=rank, world=world, follow=follow,
+                                          pipelined=any(f.kind == "host" for f in parts.forms.values()),
+                                          tables=parts.tables)
+    if data.eval:
+        parts.eval_loader = eval_loader(cfg, data.eval, device, rank=rank, world=world, tables=parts.tables)
+    return parts
+
+
+def _model_parts(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch.device, *, comm=None,
+                 assignment=None, validate: bool = True, reordering=None) -> RunParts:
+    """A world of one's model and optimizer (:func:`build`), or a DMT rank's (``comm``), with their parts."""
     torch.manual_seed(cfg.train.seed)
     t = cfg.train
+    forms = config_forms(cfg.model, tables)
     if is_dmt_arch(cfg.model.arch):
         model = build_model(cfg.model, tables, num_dense, device=device, num_hosts=cfg.dist.topology_hosts, comm=comm,
                             assignment=assignment, sparse_optimizer=t.sparse_optimizer, lr_sparse=t.lr_sparse,
                             seed=t.seed)
-        set_dropout(model, t.dropout)
-        set_weight_decay(model, t.sparse_weight_decay)
-        return model, make_dense_optimizer(t, model.dense_parameters())
-    forms = config_forms(cfg.model, tables)
+        return RunParts(tables, forms, *_trained_by(t, model))
     covered = set(reordering.tables) if reordering is not None else set()
     forms = {n: (replace(f, reorder=n in covered or bool(f.hot_rows)) if f.kind == "tt" else f)
              for n, f in forms.items()}
@@ -371,11 +444,109 @@ def build(cfg: RunConfig, tables: list[TableSpec], num_dense: int, device: torch
                                                            lr=t.lr_sparse, tt_lr=tt_lr(t), seed=t.seed,
                                                            validate=validate, reordering=reordering),
                                 forms=forms)
-    install_managed(cfg, tables, embedding)  # managed tables: raw ids mapped to rows before every lookup
+    managed = install_managed(cfg, tables, embedding)  # managed tables: raw ids mapped to rows before every lookup
     model = build_model(cfg.model, tables, num_dense, embedding=embedding, device=device)
+    rows, tt, host = embedding_parts(embedding)
+    return RunParts(tables, forms, *_trained_by(t, model), embedding=rows, tt_embedding=tt, host_embedding=host,
+                    managed=managed)
+
+
+def _trained_by(t, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``model`` with its training settings (``train.dropout``, ``train.sparse_weight_decay``) and its dense
+    optimizer."""
     set_dropout(model, t.dropout)
     set_weight_decay(model, t.sparse_weight_decay)
     return model, make_dense_optimizer(t, model.dense_parameters())
+
+
+def _planned_parts(cfg: RunConfig, inputs: RunInputs, device: torch.device, plan_dir: Path, rank: int, world: int,
+                   inference: bool, storage_spare: float) -> RunParts:
+    """Rank ``rank``'s parts under the plan in ``plan_dir``: the tables in the plan's forms, the sharded ones'
+    address map (OPER 5.1) and transport on their own process group (embedding traffic never interleaves with
+    the dense AllReduce), the embedding (``models.builder.build_embedding``: sharded rows, TT replicas, host
+    tables), managed tables' id mapping (sharded over the ranks), model and dense optimizer."""
+    t, d = cfg.train, cfg.dist
+    plan = Plan.load(plan_dir)
+    if plan.world_size != world:
+        raise ConfigError(f"{plan_dir} is for {plan.world_size} ranks, this run has {world}")
+    tables, forms = run_tables(cfg, inputs.data.manifest, plan, plan_dir, inputs.tables)
+    sharded = planned_tables(tables, forms)  # host tables: a parameter server; TT tables: replicas
+    amap = address_map_from_plan(plan, sharded)
+    new_group = partial(rank_group, device, d.timeout_s)
+    emb_group = new_group()
+    # made now, while every rank answers: after a failure it finds the ranks that stopped (monitored barrier)
+    monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
+    max_batch = -(-max(t.batch_size, 8192) // world)  # per rank, the eval loader's batches included
+    transport = rank_transport(cfg, rank, world, emb_group, sharded, amap, max_batch)
+    torch.manual_seed(t.seed)
+    if t.pipeline_server not in ("per-rank", "shared"):
+        raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
+    if not inference:
+        say_embedding_memory(tables, forms, rank)
+    env = EmbeddingEnv(
+        device=device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
+        tt_lr=tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
+        grad_sync=d.grad_sync, transport=transport, address_map=amap, sync_group=emb_group,
+        pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
+        storage_spare=storage_spare, new_group=new_group,
+        new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
+        stats={}, reordering=plan_reordering(plan_dir, forms, tables))
+    built = build_embedding(tables, plan, env, forms=forms)
+    rows, tt, host = embedding_parts(built)
+    # managed tables: raw ids mapped to rows before every lookup, the mapping sharded (embedding.managed_lookup)
+    managed = install_managed(cfg, tables, built, forms, group=new_group())
+    model = build_model(cfg.model, tables, inputs.data.manifest.num_dense, embedding=host or tt or rows, device=device)
+    return RunParts(tables, forms, *_trained_by(t, model), embedding=rows, tt_embedding=tt, host_embedding=host,
+                    managed=managed, monitor_group=monitor_group, plan=plan, sharded_tables=sharded,
+                    transport=transport, env=env)
+
+
+def _tower_parts(cfg: RunConfig, inputs: RunInputs, device: torch.device, layout, assignment,
+                 inference: bool) -> RunParts:
+    """A DMT rank's parts: the process groups of the tower transform (``TowerComm`` of ``layout``: a tower group's,
+    a peer set's; DMT 3.1.1) and this rank's part of the model under the towers of ``assignment``."""
+    # made first, in the same order on every rank: the monitor group finds ranks that stopped answering
+    monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.dist.timeout_s))
+    comm = TowerComm(layout)
+    parts = _model_parts(cfg, inputs.tables, inputs.data.manifest.num_dense, device, comm=comm,
+                         assignment=assignment)
+    parts.monitor_group, parts.comm = monitor_group, comm
+    return parts
+
+
+def rank_group(device: torch.device, timeout_s: float):
+    """A process group of every rank (the sharded rows', the TT core gradients', the host rows' exchange): gloo
+    for rows on the host, the device's backend otherwise."""
+    return dist.new_group(backend="gloo" if on_host(device) else None, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_transport(cfg: RunConfig, rank: int, world: int, group, sharded: list[TableSpec], amap, max_batch: int):
+    """The sharded rows' transport (``dist.transport``) on ``group``: collectives, or PGAS one-sided reads and
+    writes with slots for ``max_batch`` ids per rank."""
+    d = cfg.dist
+    if d.transport == "collective":
+        return CollectiveTransport(rank, world, group=group)
+    if d.transport == "pgas":
+        return PgasTransport(rank, world, group=group, ranks_per_host=-(-world // d.topology_hosts),
+                             slot_bytes=slot_bytes_for(sharded, amap, max_batch, design=d.design),
+                             timeout_s=d.timeout_s)
+    raise ConfigError(f"dist.transport {d.transport!r} is not one of collective, pgas")
+
+
+def planned_tables(tables: list, forms: Mapping[str, TableForm]) -> list:
+    """The tables a plan places: those whose form is ``sharded``; not host tables (they live in a parameter
+    server) nor TT ones (replicated on every rank and trained data-parallel, EL-Rec VI-B)."""
+    return [t for t in tables if forms[t.name].kind == "sharded"]
+
+
+def run_tables(cfg: RunConfig, manifest, plan, plan_name,
+               tables: list | None = None) -> tuple[list, dict[str, TableForm]]:
+    """The tables a distributed run builds, ``(tables, forms)``: the config's (:func:`tables_for`, or ``tables``
+    when the caller made them) in the forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit request
+    contradicting them is a ``ConfigError``)."""
+    tables = tables_for(cfg, manifest) if tables is None else tables
+    check_plan_sizes(plan, tables, str(plan_name))
+    return tables, forms_for_run(plan.forms, config_forms(cfg.model, tables), str(plan_name))
 
 
 def run_reordering(cfg: RunConfig, data: PreparedData, tables: list[TableSpec], forms, directory: str | Path,

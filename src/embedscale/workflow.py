@@ -22,8 +22,7 @@ from embedscale.train.lock import RunLock
 from embedscale.assemble import (PreparedData, Split, _log, build, hash_init, make_dense_optimizer,  # noqa: F401
                                  new_run_dir, prepare_data, profile, say_embedding_memory, split_existing, tables_for,
                                  run_reordering, tt_lr)
-from embedscale.assemble import eval_loader as assemble_eval_loader, raw_id_features
-from embedscale.assemble import train_loader as assemble_train_loader
+from embedscale.assemble import RunInputs, build_run, raw_id_features
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import read_json
 from embedscale.models.dmt import is_dmt_arch
@@ -61,15 +60,11 @@ def train(cfg: RunConfig, run_dir: str | Path, data: PreparedData | None = None,
     forms = config_forms(cfg.model, tables)  # a world of one: the config's requests decided (build does the same)
     say_embedding_memory(tables, forms)
     assignment = _dmt_towers(cfg, tables, run_dir)
-    # the ShardLoaders below check every batch's ids: the embedding need not check them again
     # model.tt_reorder: the TT tables' index reordering (EL-Rec IV), kept in run_dir/reorder/
     reordering = run_reordering(cfg, data, tables, forms, run_dir, progress=progress)
-    model, opt = build(cfg, tables, data.manifest.num_dense, device, assignment=assignment, validate=False,
-                       reordering=reordering)
+    parts = build_run(cfg, RunInputs(data, tables), device, assignment=assignment, reordering=reordering)
+    model, opt, train_loader, eval_loader = parts.model, parts.opt, parts.train_loader, parts.eval_loader
     t = cfg.train
-    train_loader = assemble_train_loader(cfg, data, device, pipelined=any(f.kind == "host" for f in forms.values()),
-                                         tables=tables)
-    eval_loader = assemble_eval_loader(cfg, data.eval, device, tables=tables) if data.eval else None
     fields = None
     if assignment is not None:  # DMT: the checkpoint says which towers and model shape it holds
         fields = dmt_checkpoint_fields(cfg, assignment, world=1)

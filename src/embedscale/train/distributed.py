@@ -3,7 +3,7 @@
 One process per rank (``embedscale train --nproc N`` on one machine, or ``torchrun ... -m embedscale
 train`` anywhere). Rank 0 prepares what every rank reads (data shards, access profile, plan) before the
 ranks join the process group; the others wait for its "ready" marker, so a long data preparation never
-runs into a collective timeout. Then every rank builds:
+runs into a collective timeout. Then every rank builds (``assemble.build_run``, once):
 
 - a ``ShardedEmbedding`` from the plan's address map (OPER 5.1), over a transport on its own process
   group (so embedding traffic never interleaves with the dense AllReduce);
@@ -48,12 +48,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from embedscale import assemble
-from embedscale.device import HOST, on_host, process_group_backend, run_device
-from embedscale.models.builder import EmbeddingEnv, build_embedding, embedding_parts
+from embedscale.assemble import planned_tables
+from embedscale.device import HOST, process_group_backend, run_device
 from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
-from embedscale.pipeline.shared import local_group
 from embedscale.plan.auto import load_costs, write_explain
 from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.step import DenseModel
@@ -67,15 +66,12 @@ from embedscale.train.checkpoint import (delta_entry, is_delta, latest_checkpoin
                                         resolve_checkpoint, table_pieces)
 from embedscale.train.ckpt_rows import INDEX, RowReader
 from embedscale.train.run import RunState, param_names, table_entry
-from embedscale.train.persist import RunParts, restore_parts, write_rank
+from embedscale.train.persist import CheckpointParts, restore_parts, write_rank
 from embedscale.train.dmt_towers import prepare_towers
 from embedscale.train.lock import hold_run_dir
-from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor
+from embedscale.train.replan import PGAS_REPLAN_SPARE, DriftMonitor, resume_plan
 from embedscale.train.plan_trial import choose_by_trial
-from embedscale.comm.collective import CollectiveTransport
-from embedscale.comm.pgas import PgasTransport, slot_bytes_for
 from embedscale.data.profile import AccessProfile
-from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.embedding.input_pipeline import InputPipeline
@@ -83,9 +79,7 @@ from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
 from embedscale.embedding.wire import expected_wire_bytes
-from embedscale.models import build_model
-from embedscale.embedding.optim import set_weight_decay
-from embedscale.models.dlrm import set_dropout, set_dropout_rows
+from embedscale.models.dlrm import set_dropout_rows
 from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
@@ -210,12 +204,6 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
     atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
                                            "strategy": plan.meta.get("strategy", d.plan)})
     return plan
-
-
-def planned_tables(tables: list, forms: Mapping[str, TableForm]) -> list:
-    """The tables a plan places: those whose form is ``sharded``; not host tables (they live in a parameter
-    server) nor TT ones (replicated on every rank and trained data-parallel, EL-Rec VI-B)."""
-    return [t for t in tables if forms[t.name].kind == "sharded"]
 
 
 def check_auto_settings(cfg: RunConfig) -> None:
@@ -346,63 +334,66 @@ def make_run_plan(cfg: RunConfig, data, tables, plan_dir: Path, progress: bool,
     return plan
 
 
-def run_tables(cfg: RunConfig, manifest, plan, plan_name,
-               tables: list | None = None) -> tuple[list, dict[str, TableForm]]:
-    """The tables a distributed run builds, ``(tables, forms)``: the config's (``assemble.tables_for``, or
-    ``tables`` when the caller made them) in the forms ``plan`` recorded (``plan.forms.forms_for_run``: an explicit
-    request contradicting them is a ``ConfigError``)."""
-    tables = assemble.tables_for(cfg, manifest) if tables is None else tables
-    check_plan_sizes(plan, tables, str(plan_name))
-    return tables, forms_for_run(plan.forms, config_forms(cfg.model, tables), str(plan_name))
+def rank_device(cfg: RunConfig) -> torch.device:
+    """This rank's device: ``train.device``, ``cuda:LOCAL_RANK`` on GPUs."""
+    return run_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def stream_follow(run_dir: Path, world: int) -> tuple[Path, str]:
+    """The follow file by which rank 0 ends a stream for every rank (``data.stream``), and this attempt."""
+    return run_dir / STREAM_FOLLOW, attempt_token(world)
+
+
+@torch.no_grad()
+def evaluate_ranks(model: nn.Module, loader) -> dict:
+    """Exact figures of ``model`` over the whole eval split, every rank scoring its part of ``loader``'s batches
+    (collective: the logits gathered on every rank, so every rank returns the same figures)."""
+    model.eval()
+    zs, ys, ws = [], [], []
+    for batch in loader:
+        zs.append(model(batch.dense, batch.sparse).float())
+        ys.append(batch.labels.float())
+        ws.append(batch.weights)
+    model.train()
+    z, y, w = gather_logits(zs, ys, ws, weighted_data(loader))
+    return binary_metrics(y, z, w)
+
+
+def rank_figures(run, tables: list) -> dict:
+    """What the summary adds for every N-rank run, flat or DMT (collective: every rank calls it): the embedding
+    and gradient-sync bytes on wire per step summed over ranks, the run's plan and transport, and its ``tables``
+    in their forms (``run.forms``)."""
+    means = torch.tensor([float(np.mean(run.bytes_per_step)) if run.bytes_per_step else 0.0,
+                          float(np.mean(run.sync_bytes_per_step)) if run.sync_bytes_per_step else 0.0])
+    dist.all_reduce(means)
+    d, forms = run.cfg.dist, run.forms
+    return {"embedding_bytes_on_wire_per_step": means[0].item(), "grad_sync_bytes_per_step": means[1].item(),
+            "steps_measured": max(len(run.bytes_per_step), 1), "plan": run.plan_name, "design": d.design,
+            "transport": d.transport, "grad_sync": d.grad_sync, "teacher_auc": run.data.teacher_auc,
+            "num_tables": len(tables), "embedding_bytes": sum(table_bytes(tb, forms[tb.name]) for tb in tables),
+            "host_tables": sum(forms[tb.name].kind == "host" for tb in tables),
+            "tt_tables": sum(forms[tb.name].kind == "tt" for tb in tables)}
 
 
 class DistributedRun:
-    """Everything one rank holds for a distributed run (built by ``setup``)."""
+    """Everything one rank holds for a distributed run under a plan: the parts ``assemble.build_run`` made, DDP
+    over the dense arches, the drift monitor and the input pipeline."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
-                 inference: bool = False, inputs: assemble.RunInputs | None = None):
-        self._init_common(cfg, run_dir, rank, world, progress, inference, inputs)
+                 inference: bool = False, inputs: assemble.RunInputs | None = None,
+                 parts: assemble.RunParts | None = None):
+        """Rank ``rank``'s run: its parts (``parts``, else ``assemble.build_run`` under the run directory's plan from
+        ``inputs``, as :func:`join` prepared them, else read now), then what wraps them for training: DDP over the
+        dense arches, the drift monitor, the input pipeline."""
+        self._init_common(cfg, run_dir, rank, world, progress, inference)
         t, d = cfg.train, cfg.dist
-        self.plan = Plan.load(run_dir / "plan")
-        if self.plan.world_size != world:
-            raise ConfigError(f"{run_dir / 'plan'} is for {self.plan.world_size} ranks, this run has {world}")
-        # the plan's forms
-        self.all_tables, self.forms = run_tables(cfg, self.data.manifest, self.plan, run_dir / "plan", self.all_tables)
-        self.tables = planned_tables(self.all_tables, self.forms)  # the sharded ones; host tables: a parameter server
-        amap = address_map_from_plan(self.plan, self.tables)
-        self.emb_group = dist.new_group(backend="gloo" if on_host(self.device) else None,
-                                        timeout=datetime.timedelta(seconds=d.timeout_s))
-        # made now, while every rank answers: after a failure it finds the ranks that stopped (monitored barrier)
-        self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
-        max_batch = -(-max(t.batch_size, 8192) // world)  # per rank, the eval loader's batches included
-        self.transport = self._transport(d.transport, rank, world, amap, max_batch)
-        torch.manual_seed(t.seed)
-        self.inference = inference
-        if t.pipeline_server not in ("per-rank", "shared"):
-            raise ConfigError(f"train.pipeline_server {t.pipeline_server!r} is not 'per-rank' or 'shared'")
-        self.tt_stats: dict[str, int] = {}
-        if not inference:
-            assemble.say_embedding_memory(self.all_tables, self.forms, rank)
-        self.embedding_env = EmbeddingEnv(
-            device=self.device, optimizer=t.sparse_optimizer, inference=inference, lr=t.lr_sparse,
-            tt_lr=assemble.tt_lr(t), seed=t.seed, rank=rank, world_size=world, design=d.design,
-            grad_sync=d.grad_sync, transport=self.transport, address_map=amap, sync_group=self.emb_group,
-            pgas=d.transport == "pgas", max_batch_size=max_batch, validate=False,  # ShardLoader checked the ids
-            storage_spare=PGAS_REPLAN_SPARE if t.replan_every else 0.0,  # live re-plans migrate in the heap
-            new_group=self._new_group,
-            new_share_group=local_group if t.pipeline_server == "shared" else None, timeout_s=d.timeout_s,
-            stats=self.tt_stats, reordering=plan_reordering(run_dir / "plan", self.forms, self.all_tables))
-        built = build_embedding(self.all_tables, self.plan, self.embedding_env, forms=self.forms)
-        self.embedding, self.tt_embedding, self.host_embedding = embedding_parts(built)
-        # managed tables: raw ids mapped to rows before every lookup, the mapping sharded (embedding.managed_lookup)
-        self.managed = assemble.install_managed(cfg, self.all_tables, built, self.forms, group=self._new_group())
+        if parts is None:
+            parts = assemble.build_run(cfg, inputs or assemble.run_inputs(cfg, progress=False), self.device,
+                                       rank=rank, world=world, plan_dir=self.run_dir / "plan", inference=inference,
+                                       follow=stream_follow(self.run_dir, world),
+                                       storage_spare=PGAS_REPLAN_SPARE if t.replan_every else 0.0)
+        self._hold(parts)
         device_module = self.tt_embedding or self.embedding
-        self.model = build_model(cfg.model, self.all_tables, self.data.manifest.num_dense,
-                                 embedding=self.host_embedding or device_module, device=self.device)
-        set_dropout(self.model, t.dropout)
-        set_weight_decay(self.model, t.sparse_weight_decay)
-        self.opt = assemble.make_dense_optimizer(t, self.model.dense_parameters())
-        self._names = param_names(self.model, self.opt)
         self.monitor = None  # train.replan_every: the drift monitor (train.replan), made with the loaders
         if inference:
             return
@@ -414,9 +405,6 @@ class DistributedRun:
             warnings.simplefilter("ignore", FutureWarning)
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
-        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
-                                                  pipelined=self.host_embedding is not None,
-                                                  follow=self.stream_follow(), tables=self.all_tables)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
@@ -466,32 +454,31 @@ class DistributedRun:
             if managed_of(old) is self.managed:  # the hook sat on the old module itself (no TT module around it)
                 install(new, self.managed)
 
-    def _new_group(self):
-        """A process group of every rank (the TT core gradients', the host rows' exchange)."""
-        return dist.new_group(backend="gloo" if on_host(self.device) else None,
-                              timeout=datetime.timedelta(seconds=self.cfg.dist.timeout_s))
-
     def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
-                     inference: bool, inputs: assemble.RunInputs | None = None) -> None:
-        """What every distributed run holds (flat and DMT): config, rank, device, data, tables (``inputs``, as
-        :func:`join` prepared them; else read now), position, eval loader, byte counters."""
+                     inference: bool) -> None:
+        """What the run holds before its parts: config, rank, device, position, byte counters."""
         self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world
         self.progress = progress and rank == 0
         self.inference = inference
-        t = cfg.train
-        self.device = run_device(t.device, int(os.environ.get("LOCAL_RANK", 0)))  # cuda:LOCAL_RANK on GPUs
-        inputs = inputs or assemble.run_inputs(cfg, progress=False)
-        self.data, self.all_tables = inputs.data, inputs.tables
-        self.forms = config_forms(cfg.model, self.all_tables)  # a planned run: the plan's (DistributedRun)
+        self.device = rank_device(cfg)
         self.state = RunState()
         self.bytes_per_step: list[int] = []
         self.sync_bytes_per_step: list[int] = []
-        # the optional parts a flat run adds (DistributedRun); none in a DMT or an inference run
-        self.managed = self.monitor = None  # managed tables' id mapping; the drift monitor (train.replan)
         self.input_pipeline, self.pipeline_depth = False, 0  # next batch's ids converted ahead; host tables' depth
-        ev = self.data.eval
-        self.eval_loader = (assemble.eval_loader(cfg, ev, self.device, rank=rank, world=world, tables=self.all_tables)
-                            if ev else None)
+
+    def _hold(self, parts: assemble.RunParts) -> None:
+        """Hold the parts ``assemble.build_run`` made, by the names the run's step, checkpoints and live re-plans
+        (``train.replan``) read."""
+        self.data, self.all_tables, self.forms, self.plan = parts.data, parts.tables, parts.forms, parts.plan
+        self.tables = parts.sharded_tables  # the sharded ones; host tables: a parameter server
+        self.monitor_group, self.transport = parts.monitor_group, parts.transport
+        self.embedding_env, self.tt_stats = parts.env, parts.env.stats
+        self.embedding, self.tt_embedding = parts.embedding, parts.tt_embedding
+        self.host_embedding = parts.host_embedding
+        self.managed = parts.managed
+        self.model, self.opt = parts.model, parts.opt
+        self._names = param_names(self.model, self.opt)
+        self.train_loader, self.eval_loader = parts.train_loader, parts.eval_loader
 
     # the position, as attributes
     step = property(lambda self: self.state.step)
@@ -502,41 +489,17 @@ class DistributedRun:
     def barrier(self) -> None:
         dist.barrier()
 
-    def stream_follow(self) -> tuple[Path, str]:
-        """The follow file by which rank 0 ends a stream for every rank (``data.stream``), and this attempt."""
-        return self.run_dir / STREAM_FOLLOW, attempt_token(self.world)
-
     def step_error(self, err: RuntimeError) -> Exception:
-        return _diagnose(self, err)
-
-    def _transport(self, name: str, rank: int, world: int, amap, max_batch: int):
-        d = self.cfg.dist
-        if name == "collective":
-            return CollectiveTransport(rank, world, group=self.emb_group)
-        if name == "pgas":
-            return PgasTransport(rank, world, group=self.emb_group, ranks_per_host=-(-world // d.topology_hosts),
-                                 slot_bytes=slot_bytes_for(self.tables, amap, max_batch, design=d.design),
-                                 timeout_s=d.timeout_s)
-        raise ConfigError(f"dist.transport {name!r} is not one of collective, pgas")
+        return diagnose(self, err)
 
     @property
     def plan_name(self) -> str:
         return self.plan.meta.get("strategy", self.cfg.dist.plan)
 
     def figures(self) -> dict:
-        """What the summary adds (collective: every rank calls it): bytes on wire per step summed over ranks, the
-        run's tables, and this executor's own figures (:meth:`executor_figures`)."""
-        means = torch.tensor([float(np.mean(self.bytes_per_step)) if self.bytes_per_step else 0.0,
-                              float(np.mean(self.sync_bytes_per_step)) if self.sync_bytes_per_step else 0.0])
-        dist.all_reduce(means)
-        d = self.cfg.dist
-        out = {"embedding_bytes_on_wire_per_step": means[0].item(), "grad_sync_bytes_per_step": means[1].item(),
-               "steps_measured": max(len(self.bytes_per_step), 1), "plan": self.plan_name, "design": d.design,
-               "transport": d.transport, "grad_sync": d.grad_sync, "teacher_auc": self.data.teacher_auc,
-               "num_tables": len(self.all_tables),
-               "embedding_bytes": sum(table_bytes(tb, self.forms[tb.name]) for tb in self.all_tables),
-               "host_tables": sum(self.forms[tb.name].kind == "host" for tb in self.all_tables),
-               "tt_tables": sum(self.forms[tb.name].kind == "tt" for tb in self.all_tables)}
+        """What the summary adds (collective: every rank calls it): :func:`rank_figures`, the input pipeline's and
+        managed tables' figures, and this executor's own figures (:meth:`executor_figures`)."""
+        out = rank_figures(self, self.all_tables)
         if self.input_pipeline:  # steps whose ids were converted during the step before
             out["input_pipelined_steps"] = int(self.embedding.stats.get("prefetched_steps", 0))
         if self.pipeline_depth:  # host tables: the depth they ran (host_pipeline_depth)
@@ -587,17 +550,8 @@ class DistributedRun:
         return float(total) / batch.global_size
 
     # -- evaluation -----------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        self.model.eval()
-        zs, ys, ws = [], [], []
-        for batch in self.eval_loader:
-            zs.append(self.model(batch.dense, batch.sparse).float())
-            ys.append(batch.labels.float())
-            ws.append(batch.weights)
-        self.model.train()
-        z, y, w = gather_logits(zs, ys, ws, weighted_data(self.eval_loader))
-        return binary_metrics(y, z, w)
+        return evaluate_ranks(self.model, self.eval_loader)
 
     # -- checkpoints (train.checkpoint) ---------------------------------------------------------
     def save(self, ckpt_dir: Path, delta: bool = False, track: bool = False) -> dict:
@@ -625,7 +579,8 @@ class DistributedRun:
 
     def restore(self, ckpt_dir: Path) -> None:
         """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id);
-        a delta with its base under it (``checkpoint.read_shards``)."""
+        a delta with its base under it (``checkpoint.read_shards``); a run that re-plans live moves its rows onto
+        the plan the checkpoint's step ran under (``train.replan.resume_plan``)."""
         ckpt_dir = resolve_checkpoint(ckpt_dir)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != "plan":
@@ -664,11 +619,13 @@ class DistributedRun:
         assert filled == self.embedding.weight.shape[0]
         restore_parts(self.saved_parts(), ckpt_dir, m, shards, rank=self.rank, world=self.world,
                       inference=self.inference)
+        if self.monitor is not None:  # the plan the checkpoint's step ran under (train.replan)
+            resume_plan(self)
 
-    def saved_parts(self) -> RunParts:
+    def saved_parts(self) -> CheckpointParts:
         """What a checkpoint holds beside this rank's rows (``train.persist``)."""
         mixed = self.tt_embedding
-        return RunParts(self.model, self.opt, self._names, self.state, host=self.host_embedding,
+        return CheckpointParts(self.model, self.opt, self._names, self.state, host=self.host_embedding,
                         host_tables=[t.name for t in self.all_tables if self.forms[t.name].kind == "host"],
                         tt=mixed.tt if mixed is not None else None, mixed=mixed, managed=self.managed,
                         monitor=self.monitor)
@@ -796,7 +753,7 @@ def plan_figures(run: DistributedRun) -> dict:
     return out
 
 
-def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
+def diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
     """Turn a failed collective into an error that names the rank(s) that stopped answering.
 
     gloo's own message names a socket, not a rank; a monitored barrier (gloo) on a group made at setup
@@ -810,6 +767,6 @@ def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
         culprits = f" Diagnosis: {str(e2).splitlines()[0]}"
     except Exception:  # noqa: BLE001 - the diagnosis is best effort
         pass
-    return EmbedscaleError(f"rank {run.rank}: a collective with the other ranks failed at step {run.step} "
+    return EmbedscaleError(f"rank {run.rank}: a collective with the other ranks failed at step {run.state.step} "
                            f"(timeout dist.timeout_s = {run.cfg.dist.timeout_s:g} s): {str(err).splitlines()[0]}."
                            f"{culprits}")

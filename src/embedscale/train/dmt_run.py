@@ -35,7 +35,6 @@ transform.
 
 from __future__ import annotations
 
-import datetime
 import os
 from pathlib import Path
 
@@ -46,13 +45,12 @@ import torch.distributed as dist
 from embedscale.errors import ConfigError, FormatError
 from embedscale.specs import RunConfig, dump_config
 from embedscale.train.checkpoint import assemble_table, delta_entry, read_manifest, read_shards, resolve_checkpoint
-from embedscale.train.distributed import DistributedRun
+from embedscale.train.distributed import diagnose, evaluate_ranks, rank_device, rank_figures, stream_follow
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
-from embedscale.train.persist import RunParts, restore_parts, write_rank
-from embedscale.train.run import param_names, table_entry
+from embedscale.train.persist import CheckpointParts, restore_parts, write_rank
+from embedscale.train.run import RunState, param_names, table_entry
 from embedscale import assemble
-from embedscale.comm.hierarchical import TowerComm
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
 from embedscale.plan.towers import TowerAssignment
@@ -79,35 +77,57 @@ def dmt_checkpoint_fields(cfg: RunConfig, assignment, world: int) -> dict:
             "hosts_per_tower": cfg.model.hosts_per_tower if world > 1 else 1, "sharding": cfg.model.tower_sharding}
 
 
-class DMTRun(DistributedRun):
-    """Everything one rank holds for a distributed DMT run (see the module docstring).
+class DMTRun:
+    """Everything one rank holds for a distributed DMT run (see the module docstring): the parts
+    ``assemble.build_run`` made for its towers (the tower-transformed model, its process groups, the loaders).
 
-    The training loop, evaluation and summary are :class:`DistributedRun`'s (``train.distributed._fit``);
-    this class builds the tower-transformed model and owns its step, checkpoints and figures.
+    The training loop is the one of every run (``train.loop.fit``); evaluation, the common summary figures and a
+    failed step's diagnosis are those of every N-rank run (``train.distributed``: :func:`evaluate_ranks`,
+    :func:`rank_figures`); this class owns the tower transform's step, checkpoints and figures.
     """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool = True,
-                 inference: bool = False, inputs: assemble.RunInputs | None = None):
-        self._init_common(cfg, run_dir, rank, world, progress, inference, inputs)
-        t, d = cfg.train, cfg.dist
-        self.tables = self.all_tables
+                 inference: bool = False, inputs: assemble.RunInputs | None = None,
+                 parts: assemble.RunParts | None = None):
+        self.cfg, self.run_dir, self.rank, self.world = cfg, Path(run_dir), rank, world
+        self.progress = progress and rank == 0
+        self.inference = inference
+        self.device = rank_device(cfg)
         self.layout = dmt_layout(cfg, world)
-        path = run_dir / TOWERS_FILE
+        path = self.run_dir / TOWERS_FILE
         if not path.exists():
             raise ConfigError(f"{path} is missing: rank 0 writes it when it prepares the run (prepare_towers)")
         self.assignment = TowerAssignment.load(path)
-        # made first, in the same order on every rank: the monitor group finds ranks that stopped answering
-        self.monitor_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=d.timeout_s))
-        self.comm = TowerComm(self.layout)
-        self.model, self.opt = assemble.build(cfg, self.tables, self.data.manifest.num_dense, self.device,
-                                              comm=self.comm, assignment=self.assignment)
+        if parts is None:
+            parts = assemble.build_run(cfg, inputs or assemble.run_inputs(cfg, progress=False), self.device,
+                                       rank=rank, world=world, towers=(self.layout, self.assignment),
+                                       inference=inference, follow=stream_follow(self.run_dir, world))
+        self.data, self.tables, self.forms = parts.data, parts.tables, parts.forms
+        self.model, self.opt = parts.model, parts.opt
+        self.train_loader, self.eval_loader = parts.train_loader, parts.eval_loader
+        self.monitor_group, self.comm = parts.monitor_group, parts.comm
         self.towers = self.model.sparse_arch  # the TowerEmbedding (embedding.towers, built by build_embedding)
         self.embedding = self.towers.embedding  # this rank's LocalEmbeddingBags (None: it holds no rows)
-        self.plan = None
-        self.cross_host_bytes_per_step: list[int] = []
-        self.train_loader = assemble.train_loader(cfg, self.data, self.device, rank=rank, world=world,
-                                                  follow=self.stream_follow(), tables=self.all_tables)
         self._names = param_names(self.model, self.opt)
+        self.state = RunState()
+        self.bytes_per_step: list[int] = []
+        self.sync_bytes_per_step: list[int] = []
+        self.cross_host_bytes_per_step: list[int] = []
+
+    # -- what every N-rank run does alike (train.distributed) -------------------------------------
+    def evaluate(self) -> dict:
+        return evaluate_ranks(self.model, self.eval_loader)
+
+    def figures(self) -> dict:
+        """What the summary adds (collective: every rank calls it): :func:`rank_figures` and the towers'
+        (:meth:`executor_figures`)."""
+        return {**rank_figures(self, self.tables), **self.executor_figures()}
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def step_error(self, err: RuntimeError) -> Exception:
+        return diagnose(self, err)
 
     # -- one step -------------------------------------------------------------------------------
     def train_step(self, batch) -> float:
@@ -211,7 +231,7 @@ class DMTRun(DistributedRun):
         restore_parts(self.saved_parts(), ckpt_dir, m, shards, rank=self.rank, world=self.world,
                       inference=self.inference)
 
-    def saved_parts(self) -> RunParts:
+    def saved_parts(self) -> CheckpointParts:
         """What a checkpoint holds beside this rank's rows (``train.persist``): the dense state spread over the
         ranks, a tower group's first rank its towers' modules, rank 0 the other dense parameters."""
         tower_names = self._tower_names()
@@ -221,7 +241,7 @@ class DMTRun(DistributedRun):
             first_of_group = layout.local_index(rank) == 0
             return lambda n: (n in tower_names and first_of_group) or (n not in tower_names and rank == 0)
 
-        return RunParts(self.model, self.opt, self._names, self.state, spread=spread)
+        return CheckpointParts(self.model, self.opt, self._names, self.state, spread=spread)
 
     def _restore_tables(self, ckpt_dir: Path, shards: list[dict]) -> None:
         """Every row range this rank holds, from the rows of all rank files."""

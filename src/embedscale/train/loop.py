@@ -321,6 +321,82 @@ def _with_next(batches: Iterable) -> Iterator[tuple[Any, Any]]:
         cur = nxt
 
 
+class _Attempt:
+    """What the loop keeps of this attempt beside the run's ``RunState``: the metrics log, the checkpoint writes,
+    the progressive window, the progress bar, the train steps' times and samples, and the loss window of the
+    next logged row. Every step goes through :meth:`stepped`."""
+
+    def __init__(self, run: Run, loop: LoopConfig, total: int):
+        st = run.state
+        self.run, self.loop = run, loop
+        self.metrics = MetricsLog(run.run_dir, enabled=run.rank == 0)
+        self.metrics.restart(st.step)
+        self.ckpts = _Checkpoints(run, loop, self.metrics)
+        self.pv = ProgressiveWindow(loop.progressive_window) if loop.progressive_window else None
+        self.pv_last: dict = {}
+        self.bar = tqdm(total=total or None, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}",
+                        unit="step", disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
+        self.t_start = time.perf_counter()
+        self.train_s, self.trained = 0.0, 0
+        self.step_times = StepTimes()
+        self.window: list[float] = []
+        self.window_samples, self.t_window = 0, self.t_start
+
+    def evaluate_now(self) -> None:
+        """Score the eval split at the current step (once per step) and do the early-stopping bookkeeping."""
+        run, st = self.run, self.run.state
+        if st.eval_step == st.step:  # scored at this very step already (in this attempt or the restored one)
+            return
+        figures = run.evaluate()
+        m = figures
+        self.metrics.log_eval(st.step, st.epoch, st.samples, m["logloss"], m["auc"], time.perf_counter() - self.t_start,
+                              ne=m.get("ne", math.nan), calibration=m.get("calibration", math.nan))
+        _evaluated(run, self.loop, self.ckpts, figures)
+
+    def stepped(self, batch, loss: float, seconds: float, stream: bool) -> None:
+        """A train step of ``seconds`` on ``batch`` is done: the position, losses, times and progressive window;
+        then the metrics row, evaluation and checkpoint due at this step."""
+        run, loop, st = self.run, self.loop, self.run.state
+        self.train_s += seconds
+        self.step_times.add(seconds)
+        n = batch.global_size or batch.batch_size
+        logits = getattr(run, "step_logits", None)  # optional in the protocol: a run without it has no pv
+        if self.pv is not None and logits is not None:
+            self.pv.add(logits, batch.labels, batch.weights, n, epoch=st.epoch)
+        if stream:
+            st.stream = dict(batch.stream_position)
+        self.trained += n
+        self.window_samples += n
+        st.step += 1
+        st.batch_in_epoch += 1
+        st.samples += n
+        st.losses.append(loss)
+        self.window.append(loss)
+        self.bar.update(1)
+        if loop.log_every and st.step % loop.log_every == 0:
+            self.log_row()
+        if loop.eval_every and st.step % loop.eval_every == 0 and run.eval_loader is not None:
+            self.evaluate_now()
+        if loop.checkpoint_every and st.step % loop.checkpoint_every == 0:
+            self.ckpts.save(periodic=True)
+
+    def log_row(self) -> None:
+        """The metrics row of the steps since the last one: mean loss, samples/s, the progressive window's figures."""
+        st = self.run.state
+        now = time.perf_counter()
+        sps = self.window_samples / max(now - self.t_window, 1e-9)
+        mean = float(np.mean(self.window))
+        self.bar.set_postfix(loss=f"{mean:.4f}", sps=f"{sps:,.0f}")
+        row = MetricRow(st.step, st.epoch, st.samples, mean, samples_per_s=sps, seconds=now - self.t_start)
+        if self.pv is not None:
+            self.pv_last = progressive_figures(self.run, self.pv)
+            if self.pv_last:
+                row.pv_logloss, row.pv_auc, row.pv_ne = self.pv_last["logloss"], self.pv_last["auc"], self.pv_last["ne"]
+                row.pv_samples = self.pv_last["samples"]
+        self.metrics.log(row)
+        self.window, self.window_samples, self.t_window = [], 0, now
+
+
 def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str = "",
         ceiling_auc: float = math.nan, extra: dict | None = None) -> dict | None:
     """Train ``run`` from its current position to the end (``loop.epochs`` or ``loop.max_steps``, or an early
@@ -334,110 +410,73 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
     resumed run makes the same decisions. The summary reports the last evaluation (``eval_*``) and the
     best (``best``)."""
     st = run.state
-    metrics = MetricsLog(run.run_dir, enabled=run.rank == 0)
-    metrics.restart(st.step)
     stream = isinstance(run.train_loader, StreamLoader)  # one pass to its end condition, resumed by position
     per_epoch = 0 if stream else len(run.train_loader)
     epochs = auto_epochs(loop, per_epoch, run.eval_loader is not None)
     total = loop.max_steps or epochs * per_epoch
     # the warmup of an open-ended run (epochs: 0) is measured against its first pass, not its bound
     warmup = warmup_steps(loop, loop.max_steps or (per_epoch if not loop.epochs else total))
-    ckpts = _Checkpoints(run, loop, metrics)
-    pv = ProgressiveWindow(loop.progressive_window) if loop.progressive_window else None
-    pv_last: dict = {}
-    bar = tqdm(total=total or None, initial=st.step, desc="train" if run.world == 1 else f"train x{run.world}", unit="step",
-               disable=not run.progress, file=sys.stderr, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    train_s, trained = 0.0, 0
-    step_times = StepTimes()
-    window: list[float] = []
-    window_samples, t_window = 0, t_start
-
-    def evaluate_now() -> None:
-        if st.eval_step == st.step:  # scored at this very step already (in this attempt or the restored one)
-            return
-        figures = run.evaluate()
-        m = figures
-        metrics.log_eval(st.step, st.epoch, st.samples, m["logloss"], m["auc"], time.perf_counter() - t_start,
-                         ne=m.get("ne", math.nan), calibration=m.get("calibration", math.nan))
-        _evaluated(run, loop, ckpts, figures)
-
+    at = _Attempt(run, loop, total)
     done = lambda: st.stopped or (bool(loop.max_steps) and st.step >= loop.max_steps)  # noqa: E731
     while st.epoch < epochs and not done():
-        if stream:
-            run.train_loader.seek(st.stream)
-        else:
-            run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
-        # the next batch is read a step early only for a run that asks for it (a loader may act as it yields,
-        # e.g. a reference mapping ids); never from a stream, whose next batch may be minutes away
-        ahead = getattr(run, "prefetch_batch", None) if getattr(run, "input_pipeline", False) and not stream else None
-        batches = _with_next(run.train_loader) if ahead is not None else ((b, None) for b in run.train_loader)
-        for batch, upcoming in batches:
-            if ahead is not None and upcoming is not None and not (loop.max_steps and st.step + 1 >= loop.max_steps):
-                ahead(upcoming)
-            if fault_step is not None and st.step == fault_step:
-                inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
-            s0 = time.perf_counter()
-            warm_up_lr(run.opt, st.step, warmup)
-            try:
-                loss = run.train_step(batch)
-            except RuntimeError as e:
-                raise run.step_error(e) from e
-            dt = time.perf_counter() - s0
-            train_s += dt
-            step_times.add(dt)
-            n = batch.global_size or batch.batch_size
-            logits = getattr(run, "step_logits", None)  # optional in the protocol: a run without it has no pv
-            if pv is not None and logits is not None:
-                pv.add(logits, batch.labels, batch.weights, n, epoch=st.epoch)
-            if stream:
-                st.stream = dict(batch.stream_position)
-            trained += n
-            window_samples += n
-            st.step += 1
-            st.batch_in_epoch += 1
-            st.samples += n
-            st.losses.append(loss)
-            window.append(loss)
-            bar.update(1)
-            if loop.log_every and st.step % loop.log_every == 0:
-                now = time.perf_counter()
-                sps = window_samples / max(now - t_window, 1e-9)
-                mean = float(np.mean(window))
-                bar.set_postfix(loss=f"{mean:.4f}", sps=f"{sps:,.0f}")
-                row = MetricRow(st.step, st.epoch, st.samples, mean, samples_per_s=sps, seconds=now - t_start)
-                if pv is not None:
-                    pv_last = progressive_figures(run, pv)
-                    if pv_last:
-                        row.pv_logloss, row.pv_auc, row.pv_ne = pv_last["logloss"], pv_last["auc"], pv_last["ne"]
-                        row.pv_samples = pv_last["samples"]
-                metrics.log(row)
-                window, window_samples, t_window = [], 0, now
-            if loop.eval_every and st.step % loop.eval_every == 0 and run.eval_loader is not None:
-                evaluate_now()
-            if loop.checkpoint_every and st.step % loop.checkpoint_every == 0:
-                ckpts.save(periodic=True)
-            if done():
-                break
-        else:
-            st.epoch += 1
-            st.batch_in_epoch = 0
-            if stream:  # the stream ended (its END marker or idle): one pass, whatever loop.epochs says
-                st.epoch = max(st.epoch, epochs)
-                break
-            if epochs > 1 and st.epoch < epochs and run.eval_loader is not None and not done():
-                evaluate_now()  # an epoch's end: where a small data set can next stop early
-    bar.close()
+        if not _train_pass(run, loop, at, warmup, stream, done, fault_step):
+            break  # stopped within the pass
+        st.epoch += 1
+        st.batch_in_epoch = 0
+        if stream:  # the stream ended (its END marker or idle): one pass, whatever loop.epochs says
+            st.epoch = max(st.epoch, epochs)
+            break
+        if epochs > 1 and st.epoch < epochs and run.eval_loader is not None and not done():
+            at.evaluate_now()  # an epoch's end: where a small data set can next stop early
+    at.bar.close()
     if run.eval_loader is not None:
-        evaluate_now()  # the last model's figures (once per step)
+        at.evaluate_now()  # the last model's figures (once per step)
     final = {k: _nan(v) for k, v in st.eval.items()} if st.eval_step == st.step else {}
-    ckpts.save()
-    if pv is not None and pv.batches:
-        pv_last = progressive_figures(run, pv)  # the window at the end (collective for N ranks)
+    at.ckpts.save()
+    if at.pv is not None and at.pv.batches:
+        at.pv_last = progressive_figures(run, at.pv)  # the window at the end (collective for N ranks)
     figures = run.figures()  # every rank calls it (collective for N ranks)
     if run.rank != 0:
         return None
-    metrics.write()
+    at.metrics.write()
+    summary = _summary(run, loop, at, final, warmup, stream, {**(extra or {}), **figures})
+    _write_results(run, at.metrics, summary, title, ceiling_auc)
+    return summary
+
+
+def _train_pass(run: Run, loop: LoopConfig, at: _Attempt, warmup: int, stream: bool, done, fault_step) -> bool:
+    """One pass over the training data from the run's position (a stream: to its end condition); ``False`` when
+    the run stopped within it (``done()``: ``max_steps`` or an early stop)."""
+    st = run.state
+    if stream:
+        run.train_loader.seek(st.stream)
+    else:
+        run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
+    # the next batch is read a step early only for a run that asks for it (a loader may act as it yields,
+    # e.g. a reference mapping ids); never from a stream, whose next batch may be minutes away
+    ahead = getattr(run, "prefetch_batch", None) if getattr(run, "input_pipeline", False) and not stream else None
+    batches = _with_next(run.train_loader) if ahead is not None else ((b, None) for b in run.train_loader)
+    for batch, upcoming in batches:
+        if ahead is not None and upcoming is not None and not (loop.max_steps and st.step + 1 >= loop.max_steps):
+            ahead(upcoming)
+        if fault_step is not None and st.step == fault_step:
+            inject_fault(os.environ.get("EMBEDSCALE_FAULT", "kill"))
+        s0 = time.perf_counter()
+        warm_up_lr(run.opt, st.step, warmup)
+        try:
+            loss = run.train_step(batch)
+        except RuntimeError as e:
+            raise run.step_error(e) from e
+        at.stepped(batch, loss, time.perf_counter() - s0, stream)
+        if done():
+            return False
+    return True
+
+
+def _summary(run: Run, loop: LoopConfig, at: _Attempt, final: dict, warmup: int, stream: bool, extra: dict) -> dict:
+    """The run's summary (rank 0): position, throughput and steady step times, the last evaluation (``final``)
+    and the best, early stopping, the progressive window, the stream's or the shards' reading, and ``extra``."""
+    st = run.state
     last = st.losses[-max(loop.log_every, 1):]
     best = {}
     if st.best_step >= 0:
@@ -446,35 +485,40 @@ def fit(run: Run, loop: LoopConfig, *, fault_step: int | None = None, title: str
                 **({"checkpoint": str(best_pointer(run.run_dir))} if loop.keep_best else {})}
     summary = {
         "world_size": run.world, "steps": st.step, "samples": st.samples,
-        "train_samples_per_s": trained / train_s if train_s else math.nan,
-        "train_step_seconds": step_times.figures(),
+        "train_samples_per_s": at.trained / at.train_s if at.train_s else math.nan,
+        "train_step_seconds": at.step_times.figures(),
         "train_logloss": float(np.mean(last)) if last else math.nan,
         "eval_logloss": final.get("logloss", math.nan), "eval_auc": final.get("auc", math.nan),
         "eval_ne": final.get("ne", math.nan), "eval_calibration": final.get("calibration", math.nan),
         "eval_samples": final.get("samples", 0), "best": best, "stopped_early": st.stopped,
         "early_stopping": {"metric": loop.early_stopping_metric, "patience": loop.early_stopping_patience,
                            "min_delta": loop.early_stopping_min_delta, "bad_evals": st.bad_evals},
-        "lr_warmup_steps": warmup, "run_dir": str(run.run_dir), **(extra or {}), **figures,
+        "lr_warmup_steps": warmup, "run_dir": str(run.run_dir), **extra,
     }
-    if pv_last:
+    if at.pv_last:
         # epochs (1-based) of the window's batches: in epoch 1 every sample is scored before any training on it;
         # from epoch 2 on, earlier epochs trained on it
-        first, last = pv.epochs()
+        first, last = at.pv.epochs()
         summary["progressive"] = {"window": loop.progressive_window, "epochs": [first + 1, last + 1],
-                                  **{k: pv_last[k] for k in ("auc", "logloss", "ne", "calibration", "samples")}}
+                                  **{k: at.pv_last[k] for k in ("auc", "logloss", "ne", "calibration", "samples")}}
     if stream:
         src = run.train_loader
         summary["stream"] = {"position": dict(st.stream), "end": src.end_reason, "shards_read": src.shards_read,
                              "directory": str(src.directory)}
     elif hasattr(run.train_loader, "bytes_read"):  # rank 0's share of the shards, read in its last pass
         summary["data_bytes_read"] = {"rank": 0, "last_pass": int(run.train_loader.bytes_read)}
+    return summary
+
+
+def _write_results(run: Run, metrics: MetricsLog, summary: dict, title: str, ceiling_auc: float) -> None:
+    """Rank 0's results beside ``metrics.csv``: ``curves.png`` (and ``replans.png`` after live re-plans, earlier
+    attempts' included) and ``summary.json``."""
     replans = read_replans(run.run_dir)  # live re-plans (train.replan), earlier attempts' included
     plot_curves(metrics.rows, run.run_dir / "curves.png", title=title, ceiling_auc=ceiling_auc,
                 replan_steps=[int(r["step"]) for r in replans])
     if replans:
         plot_replans(replans, run.run_dir / "replans.png", title=title)
     atomic_write_json(run.run_dir / "summary.json", summary)
-    return summary
 
 
 __all__ = ["LoopConfig", "MONITORED", "auto_epochs", "fit", "improved", "inject_fault", "warm_up_lr", "warmup_steps"]

@@ -24,7 +24,7 @@ from embedscale.train.run import (RunState, dense_state, load_dense_state, load_
 
 
 @dataclass
-class RunParts:
+class CheckpointParts:
     """The parts of a Run a checkpoint holds beside its rows (``None``: the run has no such part).
 
     ``spread``: the dense parameters each rank writes (DMT: a tower group's first rank its towers' modules, rank
@@ -45,7 +45,7 @@ class RunParts:
     spread: Callable[[int], Callable[[str], bool]] | None = None
 
 
-def write_rank(parts: RunParts, ckpt_dir: Path, rank: int, world: int, tables: dict, *, delta: bool = False,
+def write_rank(parts: CheckpointParts, ckpt_dir: Path, rank: int, world: int, tables: dict, *, delta: bool = False,
                track: bool = False) -> None:
     """Write rank ``rank``'s file: its ``tables`` entries and the parts it keeps (``delta``: managed mappings as
     changed since their base, no rolling profile; ``track``: managed mappings start a new base)."""
@@ -74,7 +74,7 @@ def write_rank(parts: RunParts, ckpt_dir: Path, rank: int, world: int, tables: d
         p.managed.track()
 
 
-def restore_parts(parts: RunParts, ckpt_dir: Path, manifest: dict, shards: list[dict], *, rank: int = 0,
+def restore_parts(parts: CheckpointParts, ckpt_dir: Path, manifest: dict, shards: list[dict], *, rank: int = 0,
                   world: int = 1, inference: bool = False) -> None:
     """Load everything but the rows from ``shards`` (``checkpoint.read_shards``), then the run position
     (``inference``: no optimizer state)."""

@@ -19,7 +19,6 @@ from embedscale.train.distributed import DistributedRun, _log, join, serve_eval_
 from embedscale.train.dmt_run import DMTRun, infer_dmt
 from embedscale.train.launch import leave_group
 from embedscale.train.loop import LoopConfig, fit
-from embedscale.train.replan import resume_plan
 
 
 def infer_distributed(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, progress: bool = True,
@@ -58,14 +57,12 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
     j = join(cfg, run_dir, progress)
     rd, rank, world = j.run_dir, j.rank, j.world
     if is_dmt_arch(cfg.model.arch):
-        run: DistributedRun = DMTRun(cfg, rd, rank, world, progress, inputs=j.inputs)
+        run: DistributedRun | DMTRun = DMTRun(cfg, rd, rank, world, progress, inputs=j.inputs)
     else:
         run = DistributedRun(cfg, rd, rank, world, progress, inputs=j.inputs)
     ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
     if ck is not None:
-        run.restore(ck)
-        if run.monitor is not None:  # the plan the checkpoint's step ran under (train.replan)
-            resume_plan(run)
+        run.restore(ck)  # (a run that re-plans live: onto the plan the checkpoint's step ran under)
         _log(rank, f"resumed from {ck} (step {run.state.step})")
     if fault_step is None and os.environ.get("EMBEDSCALE_FAULT_STEP") and \
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":

@@ -34,7 +34,7 @@ from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, load_ma
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
-from embedscale.train.persist import RunParts, load_reorder, load_tt_state, restore_parts, write_rank
+from embedscale.train.persist import CheckpointParts, load_reorder, load_tt_state, restore_parts, write_rank
 from embedscale.train.run import (RunState, load_dense_state, load_whole_tables, local_tables, param_names,
                                   whole_table_entries)
 
@@ -219,9 +219,9 @@ class Trainer:
         load_whole_tables(self._tables, shards, ckpt_dir)
         restore_parts(self._saved_parts(), ckpt_dir, m, shards)
 
-    def _saved_parts(self) -> RunParts:
+    def _saved_parts(self) -> CheckpointParts:
         """What a checkpoint holds beside the rows (``train.persist``)."""
-        return RunParts(self.model, self.opt, self._names, self.state, host=self._host,
+        return CheckpointParts(self.model, self.opt, self._names, self.state, host=self._host,
                         host_tables=[s.name for s in self._host.server.tables] if self._host is not None else [],
                         tt=self._tt, mixed=self._mixed, managed=self._managed)
 
