@@ -48,7 +48,7 @@ from embedscale.serve.quantize import quantize_rows, row_bytes  # noqa: E402
 from embedscale.specs import ModelConfig, TableSpec  # noqa: E402
 
 
-def make_exports(out: Path, max_rows: int, dim: int) -> dict[str, Path]:
+def make_exports(out: Path, max_rows: int, dim: int, forms=("int8", "fp32")) -> dict[str, Path]:
     """One random DLRM exported with INT8 and with FP32 tables (id-encoded: request values are rows)."""
     rows = [min(int(r), max_rows) for r in PRESETS["criteo-kaggle"]]
     specs = [TableSpec(f"t_C{i + 1}", n, dim, [f"C{i + 1}"]) for i, n in enumerate(rows)]
@@ -62,7 +62,7 @@ def make_exports(out: Path, max_rows: int, dim: int) -> dict[str, Path]:
                 "sparse": [{"name": t.features[0], "num_rows": t.num_rows, "multi_hot": False} for t in specs],
                 "schema": None, "categorical": "ids", "dense_stats": None}
     paths = {}
-    for form in ("int8", "fp32"):
+    for form in forms:
         tensors = dict(dense)
         tables = []
         for t in specs:
