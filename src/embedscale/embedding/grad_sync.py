@@ -51,7 +51,7 @@ def all_gather_var(t: torch.Tensor, group=None, stats: dict | None = None) -> li
     n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     sizes = [torch.empty_like(n) for _ in range(world)]
     sent = counted_all_gather(sizes, n, group)
-    sizes_l = [int(s) for s in sizes]
+    sizes_l = torch.cat(sizes).tolist()  # one read of the sizes
     top = max(sizes_l)
     if t.shape[0] == top:
         pad = t.contiguous()
@@ -113,9 +113,17 @@ def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor, num_rows: int | None
     return aggregate_row_gradients(rows, grads, num_rows=num_rows)
 
 
+def gather_replica_grads(rows: torch.Tensor, grads: torch.Tensor, group=None, stats: dict | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``allgather`` method's exchange: every rank's ``(rows, grads)``, in rank order (the same on every
+    rank; summing them per row in that order is the method's result)."""
+    parts = all_gather_var(_pack(rows, grads), group, stats)
+    return [_unpack(p, grads.dtype, grads.shape[1]) for p in parts]
+
+
 def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows: int, *,
-                       method: str = "local_aggregated", group=None, stats: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       method: str = "local_aggregated", group=None, stats: dict | None = None,
+                       presorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum replica-row gradients over all ranks of ``group``.
 
     Args:
@@ -124,13 +132,15 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         num_replica_rows: how many replicated rows there are (the dense method's buffer size).
         method: ``local_aggregated`` | ``dense`` | ``allgather``.
         stats: if given, ``stats["bytes_sent"]`` is increased by the bytes this rank sends.
+        presorted: ``rows`` are unique and ascending already (``local_aggregated`` then sums nothing locally).
 
     Returns:
         ``(rows, grads)`` with sorted unique rows and gradients summed over all ranks, the same everywhere.
     """
     dim = grads.shape[1]
     if method == "local_aggregated":
-        uniq, local = aggregate_rows(rows, grads, num_replica_rows)  # step 1 (local part) and step 2
+        uniq, local = (rows, grads) if presorted else \
+            aggregate_rows(rows, grads, num_replica_rows)  # step 1 (local part) and step 2
         union = _union_by_bitmap(uniq, num_replica_rows, group, stats)  # step 1: union of unique indices
         padded = torch.zeros((union.numel(), dim), dtype=grads.dtype, device=grads.device)
         padded[torch.searchsorted(union, uniq)] = local  # zero-padding to the union
@@ -144,7 +154,6 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         # exactly as they were, so applying it everywhere is exact (and is what dense AllReduce costs).
         return torch.arange(num_replica_rows, device=grads.device), full
     if method == "allgather":
-        parts = all_gather_var(_pack(rows, grads), group, stats)
-        r_all, g_all = _unpack(torch.cat(parts), grads.dtype, dim)
-        return aggregate_rows(r_all, g_all, num_replica_rows)
+        parts = gather_replica_grads(rows, grads, group, stats)
+        return aggregate_rows(torch.cat([r for r, _g in parts]), torch.cat([g for _r, g in parts]), num_replica_rows)
     raise ValueError(f"grad sync method {method!r} is not one of {METHODS}")
