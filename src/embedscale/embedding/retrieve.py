@@ -135,15 +135,17 @@ def announce(mod, ctx: RetrieveContext) -> None:
     previous step did not carry them already (``COUNTED``: their counts rode the previous row exchange)."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
     fused = ctx.fused and ctx.training
-    blocks = ctx.blocks
+    dev = mod.weight.device
+    t_slots = ctx.t_slots.to(dev) if fused else None
+    if ctx.state is not Stage.ANNOUNCED:  # the requested offsets cross to the device (what peers get back)
+        blocks = [b.to(dev) for b in ctx.blocks]
     if ctx.state is Stage.COUNTED:
         rc = ctx.recv_counts  # as announced: with the replica slots when the batch was decoded fused
-        got = tr.exchange([torch.cat([b, ctx.t_slots]) if ctx.fused else b for b in blocks],
+        got = tr.exchange([torch.cat([b, ctx.t_slots.to(dev)]) if ctx.fused else b for b in blocks],
                           recv_counts=[a + b if p != me else 0 for p, (a, b) in enumerate(rc)], kind="ids")
         ctx.requests = [x[:a] for x, (a, _b) in zip(got, rc)]
         ctx.peer_slots = [x[a:] for x, (a, _b) in zip(got, rc)] if fused else None
     elif ctx.state is Stage.DECODED and fused:  # the replica rows the batch read travel with the requests
-        t_slots = ctx.t_slots
         cnt = tr.exchange_counts(torch.tensor([[c, t_slots.numel()] if p != me else [0, 0]
                                                for p, c in enumerate(ctx.per_rank)], dtype=torch.int64,
                                               device=mod.weight.device))
@@ -155,7 +157,7 @@ def announce(mod, ctx: RetrieveContext) -> None:
         ctx.requests = tr.exchange(blocks, kind="ids")
         ctx.peer_slots = None
     if fused:
-        ctx.peer_slots[me] = ctx.t_slots
+        ctx.peer_slots[me] = t_slots
         mod.stats["grad_sync_alltoall_bytes"] = mod.stats.get("grad_sync_alltoall_bytes", 0) + \
             (W - 1) * ctx.t_slots.numel() * (8 + mod.dim * mod.weight.element_size())
     elif ctx.state is Stage.ANNOUNCED:  # announced ahead, looked up without training: no replica slots
@@ -201,9 +203,9 @@ def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> list[torch.Tensor
     nxt = mod.queued_undistributed()
     hdr = nxt.header(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
     dev = mod.weight.device
-    got = tr.exchange_packed([[hdr[p].to(dev), replies[p]] for p in range(W)],
+    got = tr.exchange_packed([[hdr[p], replies[p]] for p in range(W)],
                              [[(torch.int64, (), 2), (mod.weight.dtype, (mod.dim,), c)] for c in per_rank],
-                             ["meta", "rows"])
+                             ["meta", "rows"], device=dev)
     fetched = [x[1] if x is not None else mod.weight[:0] for x in got]
     heads = torch.stack([x[0] for p, x in enumerate(got) if p != me]).view(-1, 2).tolist()
     if any((h[0] > 0) != (nxt is not None) for h in heads):
@@ -292,7 +294,7 @@ def grad_dist(mod, ctx: RetrieveContext, grad_out: torch.Tensor) -> None:
         rc = nxt.recv_counts
         got = tr.exchange_packed([[blocks[p], ids[p]] for p in range(W)],
                                  [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
-                                  for p, (a, b) in enumerate(rc)], ["grads", "ids"])
+                                  for p, (a, b) in enumerate(rc)], ["grads", "ids"], device=send.device)
         nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
         nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
         nxt.state = Stage.ANNOUNCED

@@ -45,7 +45,7 @@ def input_dist(mod, ctx: SendContext) -> None:
     ctx.recv_counts = [tuple(c) for c in cnt.tolist()]
     got = tr.exchange_packed([[i, sc] for i, sc in zip(torch.split(ids, v_counts), torch.split(s_ord, v_counts))],
                              [[(torch.int64, (2,), v), (s_ord.dtype, (), v)] for v, _b in ctx.recv_counts],
-                             ["ids", "ids"])
+                             ["ids", "ids"], device=mod.weight.device)
     ctx.recv_ids = [ids[:0] if x is None else x[0] for x in got]
     ctx.recv_scale = [s_ord[:0] if x is None else x[1] for x in got]
     a = sum(v_counts[:me])

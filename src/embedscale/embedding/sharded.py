@@ -1,7 +1,7 @@
 """``ShardedEmbedding``: execute any placement plan with one flat storage and one fused lookup per rank.
 
 OPER section 5 (all-in-one EMT). Each rank holds the rows it owns and the replicas it holds in one flat
-storage. The address map (``embedding.address_map``), kept as torch tensors on the storage's device,
+storage. The address map (``embedding.address_map``), kept as torch tensors in host memory (OPER 5.1),
 decodes every looked-up row to the rank it is read from and the offset there. Two designs, both measured
 on this same code (OPER section 8):
 
@@ -37,10 +37,13 @@ all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER
 ``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
 holder applies the same update, so replicas stay identical.
 
-Device: a batch's ids are decoded, deduplicated and pooled on the device of the storage (the run's
-device); only per-peer counts (``W`` numbers) and scalar checks are read on the host, never the ids. Every
-tensor goes to the transport on that device, and the transport moves it to the device its backend needs
-(``Transport.wire_device``: CUDA for NCCL, host for gloo). Designed for GPU; tested on CPU (gloo) only.
+Device: a batch's ids are decoded and deduplicated in host memory, where the address map is (on the input
+pipeline's worker thread when prefetched); the retrieve design plans the step there too (each value's pooling row,
+the per-row gradient segments, the replica picks: ``retrieve.DevicePlan``) and the plan crosses to the storage's
+device once. Rows are pooled and updated on the device and pooled rows never leave it; the host reads only
+counts (the next batch's requests, the rows updated, the replica union). Every tensor goes to the transport
+where it is, and the transport moves it to the device its backend needs (``Transport.wire_device``: CUDA for
+NCCL, host for gloo). Designed for GPU; tested on CPU (gloo) only.
 
 Gradient scale: the module applies exactly the gradient it receives. Data-parallel training that wants
 the single-process result uses a loss that is the sum over the local samples divided by the *global*
