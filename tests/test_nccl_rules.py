@@ -16,7 +16,9 @@ monitor's reductions alike) and checks each call against the rules of PyTorch's 
 The call then runs on gloo as before, so a training step runs to its end and reports every violation it makes,
 each with the collective and the library line that called it. The step tests run training steps of every
 configuration a run can take (the retrieve and send designs, with and without prefetching, every replica
-gradient sync, TT tables, host tables) on 2 gloo ranks and expect no violation at all.
+gradient sync, TT tables, host tables) on 2 gloo ranks and expect no violation at all (DDP's dense gradient
+buckets are covered too: its comm hook calls ``dist.all_reduce``; only DDP's start-up broadcast of the dense
+parameters goes from C++ to the process group, float tensors NCCL takes).
 """
 
 from __future__ import annotations
