@@ -122,7 +122,7 @@ def expected_step(batches, world: int, design: str, sync: str) -> list[dict]:
                  "pooled": sum(asked[q] * ROW for q in range(world) if q != me),
                  "grads": sum(pb[p] * ROW for p in peers),
                  "meta": 2 * (world - 1) * ID}  # ids and scales each swap counts once
-        bitmap = (REPLICATED + 7) // 8  # 2 replica rows: a 1-byte bitmap
+        bitmap = (REPLICATED * 2 + 7) // 8  # 2 replica rows, 2 bits each (a count of up to 3 ranks): 1 byte
         e["sync"] = 0 if sync == "alltoall" else ring * bitmap // world + ring * (len(union) * ROW) // world
         out.append(e)
     return out

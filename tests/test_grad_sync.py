@@ -61,7 +61,10 @@ def _worker(rank, world):
 def expected_bytes(world, union):
     """Bytes one rank sends per method, by hand (the same on every rank)."""
     ring = 2 * (world - 1)  # ring all_reduce: 2 (W - 1) / W x n, the division last (rounded down)
-    bitmap = (R + 7) // 8  # 50 replica rows -> 7 bytes
+    # the union bitmap: a field per row wide enough to count ``world`` ranks (NCCL has no bitwise OR, so the
+    # fields are summed): 2 bits up to 3 ranks, 4 up to 15 (50 rows -> 13 or 25 bytes); one bit alone
+    bits = 1 if world == 1 else 2 if world <= 3 else 4
+    bitmap = (R * bits + 7) // 8
     largest = rank_rows(world - 1)  # all_gather pads every rank's pairs to the largest rank's
     return {
         "local_aggregated": ring * bitmap // world + ring * (union * DIM * F64) // world,
@@ -100,3 +103,21 @@ def test_all_methods_equal_the_global_sum_and_send_the_hand_counted_bytes(world)
     for m in METHODS:
         assert all(torch.equal(results[0][m][1], res[m][1]) for res in results)
 
+
+
+def _union_worker(rank, world, bits):
+    from embedscale.embedding import grad_sync
+
+    grad_sync.union_bits = lambda w: bits  # the field width of a larger world, here on 2 ranks
+    rows, grads = rank_data(rank)
+    r, _g = sync_replica_grads(rows, grads, R, method="local_aggregated")
+    return r
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_the_union_bitmap_at_every_field_width_is_the_union_of_touched_rows(bits):
+    """2, 4 and 8 bits a row (8: a MAX of one byte a row) give the union; 1 bit summed carries (2 ranks
+    touching a row make a 0 bit and a carry into the next row's): the width must hold the rank count."""
+    touched = sorted(set(rank_data(0)[0].tolist()) | set(rank_data(1)[0].tolist()))
+    for r in spawn_local(_union_worker, 2, bits, timeout_s=300):
+        assert (r.tolist() == touched) == (bits > 1), (bits, r.tolist(), touched)

@@ -5,15 +5,20 @@ through ``dist.<collective>``: the transports' all-to-alls and the replica gradi
 monitor's reductions alike) and checks each call against the rules of PyTorch's NCCL process group
 (``ProcessGroupNCCL``: ``getNcclReduceOp``, its ``ncclDataType`` map), written out below as plain tables:
 
-- reduce ops: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM; BAND, BOR and BXOR are rejected; AVG of bool is rejected;
+- reduce ops: SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM; BAND, BOR and BXOR are rejected;
 - dtypes: int8, uint8, int32, int64, float16, bfloat16, float32, float64, bool (sent as uint8) and the float8
-  types; anything else (int16, uint16/32/64, complex) is rejected;
+  types; anything else (int16, uint16/32/64, complex) is rejected; a reduction of bool is rejected (older
+  NCCL process groups have none, and its meaning per op is the backend's choice);
+- ``gather`` and ``scatter`` are rejected (older NCCL process groups lack them; newer ones run them as
+  point-to-point sends): a step gathers with ``all_gather`` and scatters with ``all_to_all``;
 - a CUDA run's tensors are all on the accelerator (``device``): a host tensor handed to NCCL is rejected.
 
 The call then runs on gloo as before, so a training step runs to its end and reports every violation it makes,
-each with the collective and the library line that called it. ``KNOWN`` lists the violations the executor makes
-today, each with its reason; the step test fails on any other, and on a known one that is gone (the list only
-shrinks).
+each with the collective and the library line that called it. The step tests run training steps of every
+configuration a run can take (the retrieve and send designs, with and without prefetching, every replica
+gradient sync, TT tables, host tables) on 2 gloo ranks and expect no violation at all (DDP's dense gradient
+buckets are covered too: its comm hook calls ``dist.all_reduce``; only DDP's start-up broadcast of the dense
+parameters goes from C++ to the process group, float tensors NCCL takes).
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ import inspect
 import traceback
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -34,19 +38,12 @@ NCCL_OPS = {R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG, R.PREMUL_SUM}
 NCCL_DTYPES = {torch.int8, torch.uint8, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
                torch.float64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz,
                torch.float8_e5m2fnuz}
+REDUCTIONS = {"all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"}
+REJECTED = {"gather", "scatter"}
 COLLECTIVES = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "gather", "scatter",
                "send", "recv", "isend", "irecv")
 SRC = str(Path(__file__).resolve().parents[1] / "src" / "embedscale")
-
-# (collective, rule, library file): violations a 2-rank sharded step makes today, each with its reason
-KNOWN = {
-    ("all_reduce", "op BOR", "embedding/grad_sync.py"):
-        "the local-aggregated replica gradient sync ORs a packed row bitmap (one bit per replica row); NCCL has "
-        "no bitwise reduction: a MAX over one byte per row (8x the bytes) or an all_gather of the bitmaps and an "
-        "OR on the device would do",
-}
-
 
 def _tensors(x):
     if isinstance(x, torch.Tensor):
@@ -71,13 +68,15 @@ def violations_of(name: str, bound: inspect.BoundArguments, device: torch.device
     tensors = [t for v in bound.arguments.values() for t in _tensors(v)]
     bound.apply_defaults()
     op = bound.arguments.get("op")
+    if name in REJECTED:
+        out.append(f"collective {name}")
     if op is not None and op not in NCCL_OPS:
         out.append(f"op {str(op).split('.')[-1]}")
     for t in tensors:
         if t.dtype not in NCCL_DTYPES:
             out.append(f"dtype {t.dtype}")
-        if op == R.AVG and t.dtype == torch.bool:
-            out.append("op AVG on bool")
+        if name in REDUCTIONS and t.dtype == torch.bool:
+            out.append("reduction of bool")
         if device is not None and t.device != device:
             out.append(f"tensor on {t.device}, not {device}")
     return sorted(set(out))
@@ -89,12 +88,14 @@ class NcclRules:
 
     def __init__(self, device: torch.device | None = None, strict: bool = False):
         self.device, self.strict, self.found, self._real = device, strict, [], {}
+        self.calls: set[tuple[str, str]] = set()  # (collective, library file) of every call checked
 
     def _wrap(self, name, real):
         sig = inspect.signature(real)
 
         def call(*a, **k):
             bad = violations_of(name, sig.bind(*a, **k), self.device)
+            self.calls.add((name, _caller().rsplit(":", 1)[0]))
             self.found += [(name, b, _caller()) for b in bad]
             if bad and self.strict:
                 raise RuntimeError(f"NCCL rejects {name}: {', '.join(bad)} ({_caller()})")
@@ -120,7 +121,12 @@ def _calls(rank, world):
         (lambda: dist.all_reduce(torch.ones(3, dtype=torch.uint8), op=R.BOR), ["op BOR"]),
         (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), R.BAND), ["op BAND"]),
         (lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), ["dtype torch.int16"]),
-        (lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), []),  # bool SUM runs as MAX
+        (lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), ["reduction of bool"]),
+        (lambda: dist.all_gather([torch.zeros(2, dtype=torch.bool) for _ in range(world)],
+                                 torch.ones(2, dtype=torch.bool)), []),  # moved as bytes: no reduction
+        (lambda: dist.gather(torch.ones(2), [torch.zeros(2) for _ in range(world)] if rank == 0 else None, 0),
+         ["collective gather"]),
+        (lambda: dist.all_reduce(torch.ones(2, dtype=torch.complex64)), ["dtype torch.complex64"]),
         (lambda: dist.all_gather([torch.zeros(2, dtype=torch.int16) for _ in range(world)],
                                  torch.ones(2, dtype=torch.int16)), ["dtype torch.int16"]),
         (lambda: dist.all_to_all_single(torch.zeros(world), torch.ones(world)), []),
@@ -146,27 +152,66 @@ def test_rules_against_hand_listed_calls():
             assert got == want
 
 
-def _step(rank, world, cfg_dict, run_dir):
+def _steps(rank, world, runs):
+    """Every ``(name, config, run directory)`` of ``runs`` trained in turn on this rank, under the rules."""
     from embedscale.train.ranks import train_distributed
 
-    with NcclRules() as rules:
-        train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
-    return [list(v) for v in rules.found]
+    found = {}
+    for name, cfg_dict, run_dir in runs:
+        with NcclRules() as rules:
+            train_distributed(from_dict(RunConfig, cfg_dict), run_dir, progress=False)
+        found[name] = (sorted({f"{c} {b} ({w})" for c, b, w in rules.found}),
+                       sorted(f"{c} {w}" for c, w in rules.calls))
+    return found
 
 
-@pytest.mark.parametrize("design,grad_sync", [("retrieve", "local_aggregated"), ("retrieve", "alltoall"),
-                                              ("retrieve", "dense"), ("send", "allgather")])
-def test_a_sharded_training_step_uses_only_collectives_nccl_takes(tmp_path, design, grad_sync):
+def _run_all(runs, expect_calls):
+    """Train ``runs`` on 2 ranks; no call breaks a rule, and each run made the calls ``expect_calls[name]``
+    lists (``collective library-file``: the parts under test did run under the rules)."""
+    for res in spawn_local(_steps, 2, runs, timeout_s=900):
+        assert set(res) == {name for name, _c, _r in runs}
+        bad = {k: v[0] for k, v in res.items() if v[0]}
+        assert not bad, f"collectives NCCL would reject: {bad}"
+        for name, (_bad, calls) in res.items():
+            assert set(expect_calls[name]) <= set(calls), (name, calls)
+
+
+SYNC_CALLS = {"local_aggregated": ["all_reduce embedding/grad_sync.py"], "dense": ["all_reduce embedding/grad_sync.py"],
+              "allgather": ["all_gather embedding/grad_sync.py"], "alltoall": []}
+
+
+def test_sharded_training_steps_of_every_design_and_sync_use_only_collectives_nccl_takes(tmp_path):
     from test_distributed_train import config, hand_plan, make_data
 
     make_data(tmp_path / "data")
     hand_plan("replicas", 2).save(tmp_path / "plan")  # replicas: the gradient sync runs
-    cfg = config(tmp_path, tmp_path / "data", design=design, plan=str(tmp_path / "plan"))
-    cfg.dist.grad_sync = grad_sync
-    cfg.train.max_steps = 2
-    found = set()
-    for res in spawn_local(_step, 2, to_dict(cfg), str(tmp_path / "run"), timeout_s=600):
-        found |= {(name, rule, where.rsplit(":", 1)[0]) for name, rule, where in res}
-    known_here = {k for k in KNOWN if grad_sync == "local_aggregated" or "grad_sync" not in k[2]}
-    assert found == known_here, f"new NCCL violations: {found - known_here}; fixed, drop from KNOWN: " \
-                                f"{known_here - found}"
+    runs, expect = [], {}
+    for design, syncs in (("retrieve", ("local_aggregated", "alltoall", "dense", "allgather")),
+                          ("send", ("local_aggregated", "dense", "allgather"))):
+        for sync in syncs:
+            for prefetch in ((0, 2) if design == "retrieve" else (0,)):  # 2: the fused exchanges of prefetching
+                cfg = config(tmp_path, tmp_path / "data", design=design, plan=str(tmp_path / "plan"))
+                cfg.dist.grad_sync, cfg.train.prefetch, cfg.train.max_steps = sync, prefetch, 3
+                name = f"{design}-{sync}-prefetch{prefetch}"
+                runs.append((name, to_dict(cfg), str(tmp_path / name)))
+                expect[name] = [f"all_to_all_single embedding/{design}.py"] + SYNC_CALLS[sync]
+    _run_all(runs, expect)
+
+
+def test_tt_and_host_table_training_steps_use_only_collectives_nccl_takes(tmp_path):
+    import test_distributed_host as host
+    import test_tt_distributed as tt
+
+    tt.make_data(tmp_path / "tt-data")
+    tt.hand_plan("replicas", 2).save(tmp_path / "tt-plan")
+    host.make_data(tmp_path / "host-data")
+    runs = []
+    for design in ("retrieve", "send"):
+        cfg = tt.config(tmp_path, tmp_path / "tt-data", str(tmp_path / "tt-plan"), design, steps=3)
+        runs.append((f"tt-{design}", to_dict(cfg), str(tmp_path / f"tt-{design}")))
+    cfg = host.config(tmp_path, tmp_path / "host-data", host=True, depth=2, steps=3)
+    runs.append(("host", to_dict(cfg), str(tmp_path / "host")))
+    tt_sync = "all_reduce embedding/tt.py"  # the TT cores' gradient AllReduce
+    _run_all(runs, {"tt-retrieve": [tt_sync, "all_to_all_single embedding/retrieve.py"],
+                    "tt-send": [tt_sync, "all_to_all_single embedding/send.py"],
+                    "host": [tt_sync, "all_gather pipeline/embedding.py"]})  # the host pipeline's gather

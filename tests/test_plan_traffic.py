@@ -131,7 +131,7 @@ def test_replica_sync_is_charged_to_every_rank_as_the_executor_runs_it():
     glob = brute_distinct(plan, PROFILE, B, world=4)
     rb = np.array([t.row_bytes for t in plan.tables], dtype=np.float64)[plan.part_table]
     slots = int(plan.part_rows[rep].sum())
-    expect = 2 * 3 / 4 * (np.ceil(slots / 8) + (glob[rep] * rb[rep]).sum())
+    expect = 2 * 3 / 4 * (np.ceil(slots * 4 / 8) + (glob[rep] * rb[rep]).sum())  # 4 ranks: 4-bit counts a row
     np.testing.assert_allclose(cost.allreduce_bytes_per_rank, np.full(4, expect), rtol=1e-9)
     paper = evaluate(plan, PROFILE, topo, batch_size=B, traffic="access")
     assert not np.allclose(paper.allreduce_bytes_per_rank, paper.allreduce_bytes_per_rank[0])  # holders only

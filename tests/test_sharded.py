@@ -245,20 +245,22 @@ def test_host_read_spy_catches_a_cpu_copy():
     assert all(c[1] == 100 for c in spy.calls)
 
 
-def test_address_map_follows_the_storage_device():
-    """Moving the module moves its storage (a buffer); the address map and per-feature tables follow it at
-    the next lookup, so decoding runs where the storage is ('meta' stands in for an accelerator here)."""
+def test_address_map_stays_in_host_memory_when_the_storage_moves():
+    """Moving the module moves its storage (a buffer) and the replica slot -> storage row table the update
+    reads; the address map and the per-feature tables stay in host memory, where a batch's ids are decoded
+    (OPER 5.1: never a copy of the map on the accelerator; 'meta' stands in for one here)."""
     ts = tables()
     amap = AddressMap.build(ts, 1, [np.zeros(t.num_rows, dtype=np.int64) for t in ts], [np.array([1]), [], []])
     emb = ShardedEmbedding(ts, amap, CollectiveTransport(rank=0, world_size=1), 0, optimizer=None)
     assert emb.tmap.device == torch.device("cpu")
-    code = emb.tmap.row_code.clone()
+    code = emb.tmap.row_code
     emb.to(torch.device("meta"))
     assert emb._follow_storage() == torch.device("meta")
+    assert emb.replica_storage_rows.device == torch.device("meta")
     for t in (*emb.tmap.tensors().values(), emb._feature_rows, emb.region_slot):
-        assert t.device == torch.device("meta")
-    assert emb.tmap.row_code.shape == code.shape
-    assert emb.tmap.to("meta") is emb.tmap  # already there: no copy
+        assert t.device == torch.device("cpu")
+    assert emb.tmap.row_code is code  # not copied
+    assert len(emb.host_tensors()) == len(emb.tmap.tensors()) + 4
 
 
 PREFETCH_SCENARIOS = [("row_wise", "sgd", "local_aggregated"), ("oper_replicas", "rowwise_adagrad", "local_aggregated"),

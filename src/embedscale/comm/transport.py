@@ -124,15 +124,18 @@ class Transport(ABC):
         got[me] = counts[me:me + 1]
         return torch.cat(got)
 
-    def exchange_packed(self, parts: list, recv_parts: list, kinds: list[str]) -> list:
+    def exchange_packed(self, parts: list, recv_parts: list, kinds: list[str], device=None) -> list:
         """One exchange of several tensors per peer, sent as bytes: ``parts[p]`` the tensors for rank ``p``,
         ``recv_parts[p]`` the ``(dtype, tail, rows)`` of each tensor expected from rank ``p`` (both sides know
         them), ``kinds`` each tensor's label in the byte counter (``meta``: counted as metadata, as
         :meth:`exchange_counts` counts). Returns, per peer, the list of received tensors (``None`` for this
-        rank)."""
+        rank), on ``device`` (the run's; default: the first tensor's), where the parts are moved too (a part
+        decoded in host memory and one on the device travel together)."""
         W, me = self.world_size, self.rank
-        send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
-                for p, ts in enumerate(parts)]
+        dev = device if device is not None else next((ts[0].device for p, ts in enumerate(parts) if p != me and ts),
+                                                     None)
+        send = [torch.cat([_as_bytes(t if dev is None else t.to(dev)) for t in ts]) if p != me else
+                torch.zeros(0, dtype=torch.uint8, device=dev) for p, ts in enumerate(parts)]
         sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
                  for rp in recv_parts]
         main = next(k for k in kinds if k != "meta")

@@ -27,8 +27,8 @@ gather (a one-off measurement, benchmarks/results/history.md "The address map").
 
 The map is built from any plan (OPER, table-wise, row-wise, TorchRec's, hand-written) in O(rows) numpy,
 chunk by chunk (transient memory bounded by the chunk, not the tables), and lives in host memory, as in
-the paper; the executor decodes a batch through its torch view on the run's device
-(``TorchAddressMap``) and never re-decides placement.
+the paper; the executor decodes a batch through its torch view, in host memory too
+(``TorchAddressMap``), and never re-decides placement.
 """
 
 from __future__ import annotations
@@ -344,13 +344,12 @@ class AddressMap:
 
 
 class TorchAddressMap:
-    """Rank ``rank``'s view of the map as torch tensors on the run's device, for per-batch decoding.
+    """Rank ``rank``'s view of the map as torch tensors (in host memory), for per-batch decoding.
 
-    Built on the host from the numpy map (sharing its ``row_code``: on the CPU no copy per row, see
-    ``AddressMap.view``), then moved once with :meth:`to` to the device the embedding's storage lives on, so
-    a batch's ids are decoded by torch ops where they already are (no host round trip per step). On CUDA
-    the device copy of ``row_code`` costs 4 bytes per row of all tables (8 when a rank's storage exceeds the
-    32-bit layout); designed for GPU, tested on CPU only.
+    Built on the host from the numpy map (sharing its ``row_code``: no copy per row, see ``AddressMap.view``)
+    and kept there by the sharded executor (OPER 5.1): a batch's ids are decoded where the input pipeline
+    holds them, and only the decoded batch crosses to the device (no copy of ``row_code``, 4-8 bytes per row of
+    all tables, on any accelerator). :meth:`to` moves the view where a caller needs it elsewhere.
 
     ``codes(gids)`` gives every gid's ``(src, offset)`` from this rank's point of view packed into one int64,
     ``src << self.SHIFT | offset`` with ``self.REPLICA`` set when the row is a replica: the packed row codes,

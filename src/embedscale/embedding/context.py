@@ -89,6 +89,7 @@ class RetrieveContext(LookupContext):
     rep_g: torch.Tensor | None = None
     recv: list[torch.Tensor] | None = None
     peer_g: list[torch.Tensor] | None = None
+    plan: object | None = None  # the host-made lookup plan on the device (``retrieve.DevicePlan``), or None
 
     @property
     def kernel_pooled(self) -> bool:
@@ -108,8 +109,9 @@ class SendContext(LookupContext):
     """The send design: ids to their owners, owners pool partial bags, partial sums back.
 
     Decoded: every value's global id, bag and scale, ``nbags`` bags. Announced: the partial bags (one per
-    (owner, bag), rank-major) ``p_bag`` / ``p_counts``, the ``(offset, partial bag)`` pairs and scales each
-    peer sent (``recv_ids`` / ``recv_scale``; this rank's own ``my_ids`` / ``my_scale``). Pooled: ``pooled``,
+    (owner, bag), rank-major) ``p_bag`` / ``p_counts``, how many values and partial bags each peer sent
+    (``recv_counts``), the ``(offset, partial bag)`` pairs and scales each peer sent (``recv_ids`` /
+    ``recv_scale``; this rank's own ``my_ids`` / ``my_scale``). Pooled: ``pooled``,
     the partial sums this rank computed for every requester. Gradients sent: ``grads``, the partial bags'
     gradients each requester sent back.
     """
@@ -120,6 +122,7 @@ class SendContext(LookupContext):
     nbags: int = 0
     p_bag: torch.Tensor | None = None
     p_counts: list[int] = field(default_factory=list)
+    recv_counts: list[tuple[int, int]] | None = None  # per peer: (values, partial bags) it sent this rank
     recv_ids: list[torch.Tensor] | None = None
     recv_scale: list[torch.Tensor] | None = None
     my_ids: torch.Tensor | None = None

@@ -3,9 +3,11 @@
 Three ways to sum, over all ranks, the gradients of rows that every rank holds a replica of:
 
 - ``local_aggregated`` (OPER section 5.3, Fig. 5): (1) the union of the unique rows every rank touched
-  (one bitwise-OR AllReduce of a packed bitmap of the replicated rows), (2) each rank aggregates its
-  gradients per unique row locally and zero-pads them to that union, (3) one dense ring AllReduce of the
-  ``[union, dim]`` block.
+  (one AllReduce of a packed per-row bitmap of the replicated rows, :func:`union_bits` bits a row: NCCL has
+  no bitwise-OR reduction, so each row's field counts the ranks that touched it, summed, wide enough that
+  no count carries into the next row's field; one byte a row and a MAX from 16 ranks on), (2) each rank
+  aggregates its gradients per unique row locally and zero-pads them to that union, (3) one dense ring
+  AllReduce of the ``[union, dim]`` block.
 - ``dense``: one AllReduce of the gradient of *every* replicated row (zeros where untouched).
 - ``allgather``: every rank all_gathers everybody's (row, gradient) pairs and reduces them locally: one
   all_gather of the per-rank pair counts, one of the pairs (row id and gradient bytes packed side by side
@@ -19,7 +21,8 @@ handed to it, by the convention of ``comm.transport`` (ring all_reduce ``2 (W - 
 ``(W - 1) x n``). Per step, with ``R`` replica rows of ``dim`` values of ``s`` bytes, ``U`` rows in the
 union and ``m`` the largest rank's (row, gradient) pairs:
 
-- ``local_aggregated``: ``2 (W - 1) / W x (ceil(R / 8) + U dim s)`` (two all_reduces);
+- ``local_aggregated``: ``2 (W - 1) / W x (ceil(R b / 8) + U dim s)`` with ``b = union_bits(W)`` (two
+  all_reduces);
 - ``dense``: ``2 (W - 1) / W x R dim s`` (one all_reduce);
 - ``allgather``: ``(W - 1) x (8 + m (8 + dim s))`` (two all_gathers).
 """
@@ -48,7 +51,7 @@ def all_gather_var(t: torch.Tensor, group=None, stats: dict | None = None) -> li
     n = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     sizes = [torch.empty_like(n) for _ in range(world)]
     sent = counted_all_gather(sizes, n, group)
-    sizes_l = [int(s) for s in sizes]
+    sizes_l = torch.cat(sizes).tolist()  # one read of the sizes
     top = max(sizes_l)
     if t.shape[0] == top:
         pad = t.contiguous()
@@ -75,17 +78,33 @@ def _unpack(packed: torch.Tensor, dtype: torch.dtype, dim: int) -> tuple[torch.T
     return rows, grads
 
 
+def union_bits(world: int) -> int:
+    """Bits per row of the union bitmap over ``world`` ranks: the smallest field of 2, 4 or 8 bits (one that
+    tiles a byte) holding the count ``world`` (a SUM of 0/1 per rank never carries into the next field);
+    8 from 16 ranks on, where each byte is one row's 0/1 and the reduction a MAX (any number of ranks).
+    One rank sends nothing: 1."""
+    return 1 if world <= 1 else 2 if world <= 3 else 4 if world <= 15 else 8
+
+
 def _union_by_bitmap(uniq: torch.Tensor, num_rows: int, group=None, stats: dict | None = None) -> torch.Tensor:
-    """Sorted union over all ranks of ``uniq`` (rows in ``[0, num_rows)``): one bitwise-OR AllReduce of a
-    packed bitmap (``num_rows / 8`` bytes), whatever the number of ranks or of rows each touched."""
-    nbytes = (num_rows + 7) // 8
-    bits = torch.zeros(nbytes * 8, dtype=torch.uint8, device=uniq.device)
-    bits[uniq] = 1
-    weights = (2 ** torch.arange(8, device=uniq.device)).to(torch.uint8)
-    packed = (bits.view(nbytes, 8) * weights).sum(1, dtype=torch.uint8)
-    _add(stats, counted_all_reduce(packed, group, op=dist.ReduceOp.BOR))
-    unpacked = (packed.unsqueeze(1) & weights).ne(0).view(-1)[:num_rows]
-    return torch.nonzero(unpacked).view(-1)
+    """Sorted union over all ranks of ``uniq`` (rows in ``[0, num_rows)``): one AllReduce (SUM, or MAX at 8
+    bits a row) of a bitmap of :func:`union_bits` bits per row (``num_rows b / 8`` bytes), whatever the
+    number of rows each rank touched. Reduce ops and dtype (uint8) are ones NCCL takes."""
+    world = dist.get_world_size(group)
+    b = union_bits(world)
+    per = 8 // b  # rows per byte
+    nbytes = (num_rows + per - 1) // per
+    flags = torch.zeros(nbytes * per, dtype=torch.uint8, device=uniq.device)
+    flags[uniq] = 1
+    shifts = torch.arange(0, 8, b, dtype=torch.uint8, device=uniq.device)
+    if per == 1:
+        packed = flags
+    else:
+        packed = (flags.view(nbytes, per) << shifts).sum(1, dtype=torch.uint8)  # fields never overlap
+    _add(stats, counted_all_reduce(packed, group, op=dist.ReduceOp.MAX if per == 1 else dist.ReduceOp.SUM))
+    counts = packed.unsqueeze(1) >> shifts if per > 1 else packed.unsqueeze(1)
+    touched = (counts & ((1 << b) - 1)).ne(0).view(-1)[:num_rows]
+    return torch.nonzero(touched).view(-1)
 
 
 def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor, num_rows: int | None = None
@@ -94,9 +113,17 @@ def aggregate_rows(rows: torch.Tensor, grads: torch.Tensor, num_rows: int | None
     return aggregate_row_gradients(rows, grads, num_rows=num_rows)
 
 
+def gather_replica_grads(rows: torch.Tensor, grads: torch.Tensor, group=None, stats: dict | None = None
+                         ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``allgather`` method's exchange: every rank's ``(rows, grads)``, in rank order (the same on every
+    rank; summing them per row in that order is the method's result)."""
+    parts = all_gather_var(_pack(rows, grads), group, stats)
+    return [_unpack(p, grads.dtype, grads.shape[1]) for p in parts]
+
+
 def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows: int, *,
-                       method: str = "local_aggregated", group=None, stats: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       method: str = "local_aggregated", group=None, stats: dict | None = None,
+                       presorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum replica-row gradients over all ranks of ``group``.
 
     Args:
@@ -105,13 +132,15 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         num_replica_rows: how many replicated rows there are (the dense method's buffer size).
         method: ``local_aggregated`` | ``dense`` | ``allgather``.
         stats: if given, ``stats["bytes_sent"]`` is increased by the bytes this rank sends.
+        presorted: ``rows`` are unique and ascending already (``local_aggregated`` then sums nothing locally).
 
     Returns:
         ``(rows, grads)`` with sorted unique rows and gradients summed over all ranks, the same everywhere.
     """
     dim = grads.shape[1]
     if method == "local_aggregated":
-        uniq, local = aggregate_rows(rows, grads, num_replica_rows)  # step 1 (local part) and step 2
+        uniq, local = (rows, grads) if presorted else \
+            aggregate_rows(rows, grads, num_replica_rows)  # step 1 (local part) and step 2
         union = _union_by_bitmap(uniq, num_replica_rows, group, stats)  # step 1: union of unique indices
         padded = torch.zeros((union.numel(), dim), dtype=grads.dtype, device=grads.device)
         padded[torch.searchsorted(union, uniq)] = local  # zero-padding to the union
@@ -125,7 +154,6 @@ def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows
         # exactly as they were, so applying it everywhere is exact (and is what dense AllReduce costs).
         return torch.arange(num_replica_rows, device=grads.device), full
     if method == "allgather":
-        parts = all_gather_var(_pack(rows, grads), group, stats)
-        r_all, g_all = _unpack(torch.cat(parts), grads.dtype, dim)
-        return aggregate_rows(r_all, g_all, num_replica_rows)
+        parts = gather_replica_grads(rows, grads, group, stats)
+        return aggregate_rows(torch.cat([r for r, _g in parts]), torch.cat([g for _r, g in parts]), num_replica_rows)
     raise ValueError(f"grad sync method {method!r} is not one of {METHODS}")

@@ -20,10 +20,12 @@ fused optimizer) and the batch's context (``embedding.context``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from embedscale.device import on_host
+from embedscale.device import HOST, on_host
 from embedscale.embedding.address_map import TorchAddressMap
 from embedscale.embedding.context import RetrieveContext, Stage
 from embedscale.embedding.optim import aggregate_row_gradients
@@ -53,7 +55,72 @@ def decode(mod, ctx: RetrieveContext) -> None:
     ctx.t_slots = touched_replicas(mod, key, remote, r_slot) if ctx.fused else None
     ctx.key, ctx.ridx, ctx.rinv, ctx.per_rank, ctx.r_slot = key, ridx, rinv, per_rank, r_slot
     ctx.blocks = list(torch.split(runiq & tm.OFF_MASK, per_rank))
+    ctx.plan = device_plan(mod, ctx) if mod.kernel_ops() is None else None
     ctx.state = Stage.DECODED
+
+
+@dataclass
+class DevicePlan:
+    """Everything the device needs of a decoded batch, made on the host from its ids and the address map
+    (OPER 5.1: the index conversion is host work) and moved to the storage's device in one go, so the step's
+    pooling and its per-row gradient sums read no size the device computes.
+
+    Forward: the pooling table row of every value in sample-major bags (``pos_s``, ``offsets_s``, ``scale_s``).
+    Backward (training): the values sorted by pooling-table row (``src``: each one's bag, ``w``: its scale),
+    ``seg`` the bounds of each row's run, ``rows`` the rows in order, the first ``k`` of them storage rows (the
+    others the fetch area's, in request order), ``k_own`` of those owned; ``lrep`` / ``rsel`` pick the held
+    and the fetched replica rows' sums, ``rep_slots`` their replica slots and ``rep_order`` the order that
+    sorts those slots (``grad_sync``'s input, unique and ascending)."""
+
+    n: int
+    pos_s: torch.Tensor
+    offsets_s: torch.Tensor
+    scale_s: torch.Tensor | None
+    src: torch.Tensor | None = None
+    w: torch.Tensor | None = None
+    seg: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
+    k: int = 0
+    k_own: int = 0
+    lrep: torch.Tensor | None = None
+    rsel: torch.Tensor | None = None
+    rep_slots: torch.Tensor | None = None
+    rep_order: torch.Tensor | None = None
+
+
+def device_plan(mod, ctx: RetrieveContext) -> DevicePlan:
+    """The batch's :class:`DevicePlan`: computed on the host (where the decoded ids are), then moved to the
+    storage's device once (no copy on a CPU run)."""
+    n, dev = int(mod.weight.shape[0]), mod.weight.device
+    pos = (ctx.key & mod.tmap.OFF_MASK).index_copy_(0, ctx.ridx, ctx.rinv + n)  # storage row or fetch-area row
+    pos_s, scale_s, offsets_s, bag_s = sample_major(pos, ctx.scale, ctx.bag, ctx.offsets, ctx.B, ctx.one_hot)
+    plan = DevicePlan(n, pos_s, offsets_s, scale_s)
+    if ctx.training and pos.numel():
+        R = sum(ctx.per_rank)
+        keys = pos.to(torch.int32) if n + R <= torch.iinfo(torch.int32).max else pos
+        srt, perm = torch.sort(keys, stable=True)  # each row's values summed in batch order (optim)
+        rows, counts = torch.unique_consecutive(srt, return_counts=True)
+        plan.rows = rows.to(torch.int64)
+        plan.seg = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=plan.seg[1:])
+        plan.src = bag_s.index_select(0, perm)
+        plan.w = None if ctx.scale is None else ctx.scale.index_select(0, perm).to(mod.weight.dtype)
+        plan.k = int(torch.searchsorted(plan.rows, n))
+        plan.k_own = int(torch.searchsorted(plan.rows[:plan.k], mod.num_owned))
+        if mod.num_slots:
+            plan.lrep = torch.arange(plan.k_own, plan.k)
+            held = mod.region_slot.index_select(0, plan.rows[plan.k_own:plan.k] - mod.num_owned)
+            plan.rsel = torch.empty(0, dtype=torch.int64) if ctx.r_slot is None else \
+                (ctx.r_slot >= 0).nonzero().squeeze(1)
+            plan.rep_slots = held if ctx.r_slot is None else torch.cat([held, ctx.r_slot.index_select(0, plan.rsel)])
+            plan.rep_order = torch.argsort(plan.rep_slots)
+    if dev != HOST:  # the batch crosses to the device here, once
+        for name in ("pos_s", "offsets_s", "scale_s", "src", "w", "seg", "rows", "lrep", "rsel", "rep_slots",
+                     "rep_order"):
+            t = getattr(plan, name)
+            if t is not None:
+                setattr(plan, name, t.to(dev, non_blocking=True))
+    return plan
 
 
 def input_dist(mod, ctx: RetrieveContext) -> None:
@@ -68,15 +135,17 @@ def announce(mod, ctx: RetrieveContext) -> None:
     previous step did not carry them already (``COUNTED``: their counts rode the previous row exchange)."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
     fused = ctx.fused and ctx.training
-    blocks = ctx.blocks
+    dev = mod.weight.device
+    t_slots = ctx.t_slots.to(dev) if fused else None
+    if ctx.state is not Stage.ANNOUNCED:  # the requested offsets cross to the device (what peers get back)
+        blocks = [b.to(dev) for b in ctx.blocks]
     if ctx.state is Stage.COUNTED:
         rc = ctx.recv_counts  # as announced: with the replica slots when the batch was decoded fused
-        got = tr.exchange([torch.cat([b, ctx.t_slots]) if ctx.fused else b for b in blocks],
+        got = tr.exchange([torch.cat([b, ctx.t_slots.to(dev)]) if ctx.fused else b for b in blocks],
                           recv_counts=[a + b if p != me else 0 for p, (a, b) in enumerate(rc)], kind="ids")
         ctx.requests = [x[:a] for x, (a, _b) in zip(got, rc)]
         ctx.peer_slots = [x[a:] for x, (a, _b) in zip(got, rc)] if fused else None
     elif ctx.state is Stage.DECODED and fused:  # the replica rows the batch read travel with the requests
-        t_slots = ctx.t_slots
         cnt = tr.exchange_counts(torch.tensor([[c, t_slots.numel()] if p != me else [0, 0]
                                                for p, c in enumerate(ctx.per_rank)], dtype=torch.int64,
                                               device=mod.weight.device))
@@ -88,7 +157,7 @@ def announce(mod, ctx: RetrieveContext) -> None:
         ctx.requests = tr.exchange(blocks, kind="ids")
         ctx.peer_slots = None
     if fused:
-        ctx.peer_slots[me] = ctx.t_slots
+        ctx.peer_slots[me] = t_slots
         mod.stats["grad_sync_alltoall_bytes"] = mod.stats.get("grad_sync_alltoall_bytes", 0) + \
             (W - 1) * ctx.t_slots.numel() * (8 + mod.dim * mod.weight.element_size())
     elif ctx.state is Stage.ANNOUNCED:  # announced ahead, looked up without training: no replica slots
@@ -109,10 +178,18 @@ def compute(mod, ctx: RetrieveContext) -> None:
     fetched = exchange_rows(mod, ctx, replies)
     if R:
         torch.cat(fetched, out=table[n:n + R])
+    plan = ctx.plan
+    if plan is not None and plan.n == n and mod.kernel_ops() is None:  # the host-made plan: no size read here
+        ctx.out = F.embedding_bag(plan.pos_s, table[:n + R], plan.offsets_s, mode="sum", include_last_offset=True,
+                                  per_sample_weights=None if plan.scale_s is None else plan.scale_s.to(table.dtype))
+        ctx.pos, ctx.bag_s = None, plan.src  # (not None: the PyTorch ops pooled, kernel_pooled is false)
+        ctx.state = Stage.POOLED
+        return
+    ctx.plan = None
     out, pos, bag_s = pool_local_and_fetched(table[:n + R], n, ctx.key, ctx.ridx, ctx.rinv, ctx.scale, ctx.bag,
                                              ctx.offsets, ctx.B, ctx.one_hot, off_mask=mod.tmap.OFF_MASK,
                                              ops=mod.kernel_ops())
-    ctx.out, ctx.pos, ctx.bag_s = out, pos.to(dev), bag_s
+    ctx.out, ctx.pos, ctx.bag_s = out, pos.to(dev), None if bag_s is None else bag_s.to(dev)
     ctx.state = Stage.POOLED
 
 
@@ -126,9 +203,9 @@ def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> list[torch.Tensor
     nxt = mod.queued_undistributed()
     hdr = nxt.header(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
     dev = mod.weight.device
-    got = tr.exchange_packed([[hdr[p].to(dev), replies[p]] for p in range(W)],
+    got = tr.exchange_packed([[hdr[p], replies[p]] for p in range(W)],
                              [[(torch.int64, (), 2), (mod.weight.dtype, (mod.dim,), c)] for c in per_rank],
-                             ["meta", "rows"])
+                             ["meta", "rows"], device=dev)
     fetched = [x[1] if x is not None else mod.weight[:0] for x in got]
     heads = torch.stack([x[0] for p, x in enumerate(got) if p != me]).view(-1, 2).tolist()
     if any((h[0] > 0) != (nxt is not None) for h in heads):
@@ -158,6 +235,14 @@ def row_sums(mod, ctx: RetrieveContext, grad_out: torch.Tensor):
     n, R = ctx.n, sum(ctx.per_rank)
     if ctx.kernel_pooled:  # the C++ kernel: one pass, no sort; storage rows in first-seen order
         return mod.kernel_row_sums(ctx.pos, (ctx.offsets, ctx.one_hot, ctx.B), ctx.scale, grad_out, n, R)
+    plan = ctx.plan
+    if plan is not None:  # the host sorted the values by row: one segment sum (optim.aggregate_row_gradients)
+        if plan.rows is None:
+            return grad_out.new_empty(0, dtype=torch.int64), grad_out.new_zeros(0, mod.dim), \
+                grad_out.new_zeros(R, mod.dim)
+        g = F.embedding_bag(plan.src, grad_out.reshape(-1, mod.dim).contiguous(), plan.seg, mode="sum",
+                            per_sample_weights=plan.w, include_last_offset=True)
+        return plan.rows[:plan.k], g[:plan.k], g[plan.k:]
     dev = grad_out.device
     grad_out = grad_out.reshape(-1, mod.dim)  # a row per sample-major bag
     rows, g = aggregate_row_gradients(ctx.pos, grad_out, src_index=ctx.bag_s.to(dev),
@@ -170,6 +255,11 @@ def replica_grads(mod, ctx: RetrieveContext, rows_l, g_l, g_r, r_rep) -> None:
     """The gradients of the replica rows the batch read, in ``touched_replicas``' order: the held ones
     (ascending storage rows), then the fetched ones (request order); into ``ctx.rep_slots`` / ``ctx.rep_g``."""
     dev = g_l.device
+    plan = ctx.plan
+    if plan is not None:  # which sums are replicas' was decided on the host
+        ctx.rep_slots = plan.rep_slots
+        ctx.rep_g = torch.cat([g_l.index_select(0, plan.lrep), g_r.index_select(0, plan.rsel)])
+        return
     lrep = (rows_l >= mod.num_owned).nonzero().squeeze(1)
     if ctx.kernel_pooled and lrep.numel() > 1:  # ascending storage rows, as touched_replicas lists them
         lrep = lrep.index_select(0, torch.argsort(rows_l.index_select(0, lrep)))
@@ -204,7 +294,7 @@ def grad_dist(mod, ctx: RetrieveContext, grad_out: torch.Tensor) -> None:
         rc = nxt.recv_counts
         got = tr.exchange_packed([[blocks[p], ids[p]] for p in range(W)],
                                  [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
-                                  for p, (a, b) in enumerate(rc)], ["grads", "ids"])
+                                  for p, (a, b) in enumerate(rc)], ["grads", "ids"], device=send.device)
         nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
         nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
         nxt.state = Stage.ANNOUNCED
@@ -224,6 +314,9 @@ def update(mod, ctx: RetrieveContext) -> None:
     peer's rows unique and already summed there, added to this rank's sums (no second sort); one fused update."""
     me = mod.rank
     dev = ctx.g_l.device
+    if ctx.plan is not None and mod.optimizer is not None:
+        update_planned(mod, ctx)
+        return
     own = [(ctx.rows_l, ctx.g_l)] + [(r.to(dev), g) for p, (r, g) in enumerate(zip(ctx.requests, ctx.recv))
                                      if p != me and r.numel()]
     replicas = None
@@ -232,6 +325,28 @@ def update(mod, ctx: RetrieveContext) -> None:
     mod.apply_row_sums(own, replicas, kernel=ctx.kernel_pooled)
     if ctx.peer_slots is None and mod.num_slots:
         mod.sync_and_apply_replicas(ctx.rep_slots, ctx.rep_g)
+    ctx.state = Stage.UPDATED
+
+
+def update_planned(mod, ctx: RetrieveContext) -> None:
+    """``update`` of a batch pooled by its :class:`DevicePlan`: the replica gradients synced first, then one
+    fused update of the owned rows (this rank's sums, then each peer's) and the replica rows this rank holds
+    (every rank's sums in rank order, or the synced sums), reading one count on the host
+    (``RowUpdates.merge_and_apply``). The same rows and bits as the update of the other path."""
+    me, plan = mod.rank, ctx.plan
+    dev = ctx.g_l.device
+    owned = mod.num_owned
+    peers = [(torch.where(r.to(dev) < owned, r.to(dev), -1), g) for p, (r, g) in enumerate(zip(ctx.requests, ctx.recv))
+             if p != me and r.numel()]  # replica rows peers read here are synced instead
+    rmap = mod.replica_storage_rows  # replica slot -> storage row here, -1: not held here
+    if ctx.peer_slots is not None:  # every rank's replica sums, in rank order
+        replicas = [(rmap.index_select(0, s.to(dev)), g) for s, g in zip(ctx.peer_slots, ctx.peer_g)]
+    elif mod.num_slots:
+        replicas = [(rmap.index_select(0, s), g) for s, g in mod.sync_replica_lists(plan.rep_slots, ctx.rep_g,
+                                                                                    plan.rep_order)]
+    else:
+        replicas = []
+    mod.merge_and_apply((ctx.rows_l[:plan.k_own], ctx.g_l[:plan.k_own]), peers + replicas)
     ctx.state = Stage.UPDATED
 
 

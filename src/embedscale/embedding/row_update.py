@@ -12,8 +12,10 @@ from __future__ import annotations
 import torch
 
 from embedscale.embedding import kernels
-from embedscale.embedding.grad_sync import sync_replica_grads
+from embedscale.embedding.grad_sync import gather_replica_grads, sync_replica_grads
 from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
+
+_NONE = torch.iinfo(torch.int64).max  # no entry yet (``merge_and_apply``'s first-entry table)
 
 
 class RowUpdates:
@@ -127,6 +129,55 @@ class RowUpdates:
         slot_of.index_fill_(0, all_rows, -1)
         return all_rows, out
 
+    def merge_and_apply(self, first: tuple, more: list) -> None:
+        """One fused update from per-row sums with a single host synchronisation (the count of rows updated).
+
+        ``first``: ``(rows, grads)``, unique storage rows; ``more``: ``(rows, grads)`` lists in order, each
+        list's rows unique, ``-1`` for an entry to skip (a row another path updates). A row's sum adds the
+        lists in order from ``first``'s (or from zero), the association of :meth:`_merge_row_grads`; rows in
+        first-seen order. Every size but the number of distinct rows is known on the host: slots are
+        assigned by a scatter of each entry's first occurrence (no ``nonzero``, no ``unique``) into a buffer
+        sized for every entry, and cut to the rows once that count is read."""
+        rows0, g0 = first
+        dev, k = g0.device, rows0.numel()
+        more = [(r.to(dev), g) for r, g in more if r.numel()]
+        if not more:
+            self._update(rows0, g0)
+            return
+        n = self.weight.shape[0]
+        if self._slot_of is None or self._slot_of.numel() < n + 1 or self._slot_of.device != dev:
+            self._slot_of = torch.full((n + 1,), -1, dtype=torch.int64, device=dev)
+        slot_of = self._slot_of  # row -> slot (-1 outside this call); entry n: the skipped entries' row
+        slot_of.index_copy_(0, rows0, torch.arange(k, device=dev))
+        r_all = torch.cat([r for r, _g in more])
+        L = r_all.numel()
+        skip = r_all < 0
+        r_idx = torch.where(skip, n, r_all)
+        pos = torch.arange(L, device=dev)
+        if self._first_of is None or self._first_of.numel() != slot_of.numel() or self._first_of.device != dev:
+            self._first_of = torch.full_like(slot_of, _NONE)
+        first_pos = self._first_of  # row -> its first entry (_NONE outside this call)
+        first_pos.scatter_reduce_(0, r_idx, pos, "amin")
+        fresh = (slot_of.index_select(0, r_idx) < 0) & ~skip & (first_pos.index_select(0, r_idx) == pos)
+        m_dev = fresh.sum()
+        new_slot = torch.where(fresh, k + torch.cumsum(fresh, 0) - 1, -1)
+        slot_of.scatter_reduce_(0, r_idx, new_slot, "amax")
+        slots = torch.where(skip, k + L, slot_of.index_select(0, r_idx))  # skipped: the spare slot past all
+        out = g0.new_zeros((k + L + 1, g0.shape[1]))
+        out[:k] = g0
+        rows = torch.full((k + L + 1,), -1, dtype=torch.int64, device=dev)
+        rows[:k] = rows0
+        rows.index_copy_(0, torch.where(fresh, new_slot, k + L), torch.where(fresh, r_all, -1))
+        a = 0
+        for r, g in more:
+            out.index_add_(0, slots[a:a + r.numel()], g.to(out.dtype))
+            a += r.numel()
+        m = int(m_dev)  # the step's one read of a count the device computed
+        slot_of.index_fill_(0, rows[:k + m], -1)
+        slot_of[n] = -1
+        first_pos.index_fill_(0, r_idx, _NONE)
+        self._update(rows[:k + m], out[:k + m])
+
     def apply_partial_bag_grads(self, served, dtype) -> None:
         """Owner side of the send design's backward: for every peer, the rows it asked this rank to pool
         (``offsets``), each value's partial bag, its scale, and the gradients of those partial bags. Sums
@@ -159,6 +210,21 @@ class RowUpdates:
                                        group=self.sync_group, stats=st)
         self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
         self._apply_replicas(uslots, g)
+
+    def sync_replica_lists(self, slots: torch.Tensor, grads: torch.Tensor, order: torch.Tensor) -> list:
+        """The replica gradients summed over all ranks (OPER 5.3) as ``(slots, sums)`` lists whose per-slot sum
+        in list order is the synced gradient: one list, or one per rank in rank order (``allgather``, summed by
+        the caller's merge). ``slots`` unique, ``order`` the permutation that sorts them."""
+        if self.num_slots == 0 or self.optimizer is None:
+            return []
+        st: dict = {}
+        if self.grad_sync == "allgather":
+            out = gather_replica_grads(slots, grads, group=self.sync_group, stats=st)
+        else:
+            out = [sync_replica_grads(slots.index_select(0, order), grads.index_select(0, order), self.num_slots,
+                                      method=self.grad_sync, group=self.sync_group, stats=st, presorted=True)]
+        self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
+        return out
 
     def _apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply the summed gradients of replica ``slots`` (unique) to the ones this rank holds."""

@@ -23,8 +23,8 @@ from embedscale.embedding.retrieve import split_by_rank
 def input_dist(mod, ctx: SendContext) -> None:
     """Decode the batch, form its partial bags and send every owner the ids and scales of its values."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
-    dev = mod.weight.device
     ctx.gids, ctx.bag, ctx.scale, ctx.nbags, ctx.B = mod.flat_lookups(ctx.features)[:5]
+    dev = ctx.gids.device  # host memory, where the address map decodes (the ids cross in the exchange)
     nbags = ctx.nbags
     src, off, _slot = mod.tmap.decode(ctx.gids)
     key = src * nbags + ctx.bag  # partial bags: one per (source rank, bag) pair, numbered per source rank
@@ -38,8 +38,16 @@ def input_dist(mod, ctx: SendContext) -> None:
     v_counts = split_by_rank(src, W)
     ids = torch.stack([off[order], local_pbag[order]], 1)  # (offset on source, partial bag), rank-major
     s_ord = ctx.scale[order]
-    ctx.recv_ids = tr.exchange(list(torch.split(ids, v_counts)), kind="ids")
-    ctx.recv_scale = tr.exchange(list(torch.split(s_ord, v_counts)), kind="ids")
+    # one count swap (values and partial bags per peer: both sizes an owner allocates by), one exchange of the
+    # ids and scales together: the counts are the only data the host reads
+    cnt = tr.exchange_counts(torch.tensor([[v, b] if p != me else [0, 0] for p, (v, b) in
+                                           enumerate(zip(v_counts, ctx.p_counts))], dtype=torch.int64))
+    ctx.recv_counts = [tuple(c) for c in cnt.tolist()]
+    got = tr.exchange_packed([[i, sc] for i, sc in zip(torch.split(ids, v_counts), torch.split(s_ord, v_counts))],
+                             [[(torch.int64, (2,), v), (s_ord.dtype, (), v)] for v, _b in ctx.recv_counts],
+                             ["ids", "ids"], device=mod.weight.device)
+    ctx.recv_ids = [ids[:0] if x is None else x[0] for x in got]
+    ctx.recv_scale = [s_ord[:0] if x is None else x[1] for x in got]
     a = sum(v_counts[:me])
     ctx.my_ids, ctx.my_scale = ids[a:a + v_counts[me]], s_ord[a:a + v_counts[me]]
     ctx.state = Stage.ANNOUNCED
@@ -51,8 +59,7 @@ def _served(ctx: SendContext, q: int, me: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _partial_bags_of(ctx: SendContext, q: int, me: int) -> int:
-    ids = ctx.recv_ids[q]
-    return ctx.p_counts[me] if q == me else (int(ids[:, 1].max()) + 1 if ids.numel() else 0)
+    return ctx.p_counts[me] if q == me else ctx.recv_counts[q][1]
 
 
 def compute(mod, ctx: SendContext) -> None:

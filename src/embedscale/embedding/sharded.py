@@ -1,7 +1,7 @@
 """``ShardedEmbedding``: execute any placement plan with one flat storage and one fused lookup per rank.
 
 OPER section 5 (all-in-one EMT). Each rank holds the rows it owns and the replicas it holds in one flat
-storage. The address map (``embedding.address_map``), kept as torch tensors on the storage's device,
+storage. The address map (``embedding.address_map``), kept as torch tensors in host memory (OPER 5.1),
 decodes every looked-up row to the rank it is read from and the offset there. Two designs, both measured
 on this same code (OPER section 8):
 
@@ -37,10 +37,13 @@ all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER
 ``alltoall``: inside the retrieve design's backward all-to-all, no collective of its own), and every
 holder applies the same update, so replicas stay identical.
 
-Device: a batch's ids are decoded, deduplicated and pooled on the device of the storage (the run's
-device); only per-peer counts (``W`` numbers) and scalar checks are read on the host, never the ids. Every
-tensor goes to the transport on that device, and the transport moves it to the device its backend needs
-(``Transport.wire_device``: CUDA for NCCL, host for gloo). Designed for GPU; tested on CPU (gloo) only.
+Device: a batch's ids are decoded and deduplicated in host memory, where the address map is (on the input
+pipeline's worker thread when prefetched); the retrieve design plans the step there too (each value's pooling row,
+the per-row gradient segments, the replica picks: ``retrieve.DevicePlan``) and the plan crosses to the storage's
+device once. Rows are pooled and updated on the device and pooled rows never leave it; the host reads only
+counts (the next batch's requests, the rows updated, the replica union). Every tensor goes to the transport
+where it is, and the transport moves it to the device its backend needs (``Transport.wire_device``: CUDA for
+NCCL, host for gloo). Designed for GPU; tested on CPU (gloo) only.
 
 Gradient scale: the module applies exactly the gradient it receives. Data-parallel training that wants
 the single-process result uses a loss that is the sum over the local samples divided by the *global*
@@ -174,10 +177,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self._feature_table = torch.tensor([f2t[f] for f in self.feature_names], dtype=torch.int64)
         self._feature_rows = torch.tensor([self.tables[f2t[f]].num_rows for f in self.feature_names])
         self._feature_mean = torch.tensor([self.tables[f2t[f]].pooling == "mean" for f in self.feature_names])
-        self._set_map(amap, device)
-        self._feature_table = self._feature_table.to(device)
-        self._feature_rows = self._feature_rows.to(device)
-        self._feature_mean = self._feature_mean.to(device)
+        self._set_map(amap, device)  # (the map and the per-feature tables above stay in host memory)
         weight = initial_rows(self.tables, amap, rank, seed, init_index, dtype)
         self.register_buffer("weight", weight.to(device))
         if optimizer == "rowwise_adagrad":
@@ -197,6 +197,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self.input_lane = InputPipeline().lane("sharded", _MAX_AHEAD, _undistributed)
         self.prefetching = False  # set by the first ``prefetch``: training row exchanges carry a header
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
+        self._first_of: torch.Tensor | None = None  # storage row -> its first gradient entry (merge_and_apply)
         self._kslot: torch.Tensor | None = None  # the C++ kernel's int32 storage row -> slot map, all -1
         self._kscratch = RowGradientScratch()  # the C++ kernel's per-row gradient sums, kept across steps
 
@@ -210,14 +211,20 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
                              f"{self.feature_names}")
 
     def _follow_storage(self) -> torch.device:
-        """The storage's device; the address map and per-feature tables follow it there when the module was
-        moved (``.to(device)`` moves buffers only). A no-op check per step otherwise."""
+        """The storage's device; the replica slot -> storage row table (per replica slot, used by the update)
+        follows it there when the module was moved (``.to(device)`` moves buffers only). The address map and
+        the per-feature tables stay in host memory, where the ids are decoded (OPER 5.1). A no-op check per
+        step otherwise."""
         dev = self.weight.device
-        if self.tmap.device != dev:
-            self.tmap = self.tmap.to(dev)
-            for name in ("_feature_table", "_feature_rows", "_feature_mean", "region_slot", "replica_storage_rows"):
-                setattr(self, name, getattr(self, name).to(dev))
+        if self.replica_storage_rows.device != dev:
+            self.replica_storage_rows = self.replica_storage_rows.to(dev)
         return dev
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """What this module keeps in host memory on every run (OPER 5.1): the address map and the per-feature
+        tables the ids are decoded with, and the replica region's slots."""
+        return [*self.tmap.tensors().values(), self._feature_table, self._feature_rows, self._feature_mean,
+                self.region_slot]
 
     def flat_lookups(self, features: JaggedFeatures, ones: bool = True):
         """A mini-batch as flat lookups: ``(gids, bag, scale, nbags, B, offsets, one_hot)``.
@@ -227,12 +234,14 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         when every weight is 1 and ``ones`` is false; ``offsets``: ``[nbags + 1]`` start of every bag;
         ``one_hot``: every bag holds exactly one value.
         Values of feature ``f`` are one contiguous block, so table bases and bounds repeat per feature.
-        Everything is computed on the storage's device, where the ids stay (a batch on another device is
-        moved there once); with ``validate`` the ids are checked here, once, by one vectorised comparison
-        (a batch already checked by the loader against the same tables can skip it: ``validate=False``).
+        Everything is computed in host memory, where the address map is (OPER 5.1; a batch on another device
+        is moved there once): the decoded batch crosses to the storage's device afterwards, once; with
+        ``validate`` the ids are checked here, once, by one vectorised comparison (a batch already checked by
+        the loader against the same tables can skip it: ``validate=False``).
         """
         self._check_keys(features)
-        dev = self._follow_storage()
+        self._follow_storage()
+        dev = self.tmap.row_code.device
         F_, B = len(self.feature_names), features.batch_size
         lengths = features.lengths.to(dev)
         values = features.values.to(dev)
@@ -409,7 +418,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         the module a new map): the decode tables, the owned and slot counts, the replica region's global slots
         and the replica slot -> storage row map of the kernel's update."""
         me = self.rank
-        self.tmap = TorchAddressMap(amap, me).to(device)
+        self.tmap = TorchAddressMap(amap, me)  # host memory (OPER 5.1): never copied to the device
         self.num_owned = int(amap.num_owned()[me])
         self.num_slots = amap.num_slots
         # replica region index -> global slot (for gradients of replicas a peer read from this rank)
@@ -417,10 +426,11 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         if self.num_slots:
             held = np.flatnonzero(amap.replica_local[:, me] >= 0)
             region[amap.replica_local[held, me]] = held
-        self.region_slot = torch.from_numpy(region).to(device)
-        # replica slot -> this rank's storage row, or -1 where it holds no copy
+        self.region_slot = torch.from_numpy(region)
+        # replica slot -> this rank's storage row, or -1 where it holds no copy (on the storage's device)
         local = self.tmap.replica_local
-        self.replica_storage_rows = torch.where(local >= 0, local + self.num_owned, torch.full_like(local, -1))
+        self.replica_storage_rows = torch.where(local >= 0, local + self.num_owned,
+                                                torch.full_like(local, -1)).to(device)
 
 
 def initial_rows(tables: list[TableSpec], amap: AddressMap, rank: int, seed: int, init_index: list[int] | None,

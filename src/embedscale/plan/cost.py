@@ -25,8 +25,9 @@ row ``k`` (``p_k`` its share of the table's accesses) is in a rank's batch, ``U_
 global batch (``M n`` lookups):
 
 * eqs. 2-4 move ``S_k * u_k`` bytes per iteration where eq. 3 charges ``S_k * A_k``;
-* the replicas' sync costs every rank ``2 (M-1)/M * (R/8 + sum_{k replicated} U_k S_k) / BW_AR``
-  (``R`` replicated rows: the union bitmap, then the touched rows' gradients), where eq. 5 charges
+* the replicas' sync costs every rank ``2 (M-1)/M * (R b/8 + sum_{k replicated} U_k S_k) / BW_AR``
+  (``R`` replicated rows: the union bitmap of ``b`` = 2, 4 or 8 bits a row by ``M``, then the touched
+  rows' gradients), where eq. 5 charges
   ``2 (h-1)/h * S_k`` per holder for every replicated row.
 
 ``traffic="access"`` (``evaluate``'s default) is the paper's model, kept to reproduce it (OPER Table 2), for
@@ -290,7 +291,8 @@ def evaluate_arrays(
             ar_bytes = holders.T.astype(np.float64) @ arb
         else:  # the executor's sparse AllReduce over all ranks (OPER 5.3): bitmap, then the touched rows
             rep = h > 1
-            sync = float(np.ceil(part_rows[rep].sum() / 8) + (np.asarray(sync_rows)[rep] * s[rep]).sum())
+            bits = 2 if m <= 3 else 4 if m <= 15 else 8  # the bitmap's bits a row (grad_sync.union_bits)
+            sync = float(np.ceil(part_rows[rep].sum() * bits / 8) + (np.asarray(sync_rows)[rep] * s[rep]).sum())
             ar_bytes = np.full(m, 2.0 * (m - 1) / m * sync if rep.any() and m > 1 else 0.0)
         ar_cost = ar_bytes / (topo.allreduce_bw * 1e3)
     else:
