@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -356,30 +357,69 @@ def _ranking_rows(doc: dict):
     return rows
 
 
-ENV = "EMBEDSCALE_SERVE"  # a worker process's export directory and settings (JSON), from serve(workers=N)
+def _serve_prefork(export_dir: Path, host: str, port: int, cfg: ServeConfig, log_level: str, workers: int) -> int:
+    """``--workers N``: bind the port here, then fork N workers that each load the export with its tables
+    memory-mapped (``load_export(shared=True)``) and serve the inherited socket with uvicorn. Forked after
+    torch is imported and before any torch op runs (no thread pool yet), the workers share this process's pages
+    (torch's libraries, copy-on-write) as they share the tables' file mapping, so memory grows by what a worker
+    writes, not by a whole process. SIGTERM/SIGINT go to every worker (each drains); the exit code is 0 when all
+    drained, 2 when one could not start (its error names why)."""
+    read_manifest(export_dir)  # a path that is not an export: one error here, before any worker
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host.strip("[]"), port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    pids = []
+    for _ in range(workers):
+        pid = os.fork()
+        if pid == 0:  # a worker: never returns into the caller's code
+            code = 2
+            try:
+                code = _prefork_worker(sock, export_dir, cfg, log_level)
+            except BaseException as e:  # noqa: BLE001 - reported, then this worker ends
+                print(f"worker {os.getpid()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    sock.close()
+    print(f"serving {export_dir} with {workers} workers on http://{host}:{port}", file=sys.stderr, flush=True)
+    forward = lambda num, frame: [_signal_quietly(p, num) for p in pids]  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return 0 if all(c == 0 for c in codes) else 2
 
 
-def app_from_env():
-    """The application of one of ``--workers N`` processes (uvicorn's factory): the export of ``$EMBEDSCALE_SERVE``
-    with its tables memory-mapped read-only, so the workers share one copy of them."""
-    spec = json.loads(os.environ[ENV])
-    return make_app(load_export(spec["export"], shared=True), ServeConfig(**spec["config"]))
+def _signal_quietly(pid: int, num: int) -> None:
+    try:
+        os.kill(pid, num)
+    except ProcessLookupError:
+        pass
+
+
+def _prefork_worker(sock: socket.socket, export_dir: Path, cfg: ServeConfig, log_level: str) -> int:
+    import uvicorn
+
+    for s in (signal.SIGTERM, signal.SIGINT):  # uvicorn drains on them in run(), then re-raises them into these
+        signal.signal(s, lambda num, frame: None)
+    app = make_app(load_export(export_dir, shared=True), cfg)
+    server = uvicorn.Server(uvicorn.Config(app, fd=sock.fileno(), log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=30, lifespan="on"))
+    server.run()
+    return 0 if server.started else 2
 
 
 def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfig | None = None,
           log_level: str = "warning", workers: int = 1) -> int:
     """Load ``export_dir`` and serve it until SIGTERM or SIGINT (in-flight and queued requests are answered
     first); returns the exit code, 0 after a drain. ``workers`` > 1: that many processes on one port, each with
-    its own batcher, the tables memory-mapped from the export (one copy in memory)."""
+    its own batcher, the tables memory-mapped from the export (one copy in memory): :func:`_serve_prefork`."""
     import uvicorn
 
     if workers > 1:
-        load_export(export_dir, shared=True)  # a bad export is one error here, not one per worker
-        os.environ[ENV] = json.dumps({"export": str(export_dir), "config": vars(cfg or ServeConfig())})
-        print(f"serving {export_dir} with {workers} workers on http://{host}:{port}", file=sys.stderr, flush=True)
-        uvicorn.run("embedscale.serve.server:app_from_env", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level, access_log=False, timeout_graceful_shutdown=30, lifespan="on")
-        return 0
+        return _serve_prefork(Path(export_dir), host, port, cfg or ServeConfig(), log_level, workers)
     served = load_export(export_dir)
     app = make_app(served, cfg)
     got = []
@@ -397,4 +437,4 @@ def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfi
     return 0
 
 
-__all__ = ["Batcher", "Metrics", "ServeConfig", "app_from_env", "concat", "make_app", "serve"]
+__all__ = ["Batcher", "Metrics", "ServeConfig", "concat", "make_app", "serve"]
