@@ -253,6 +253,10 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, 
         if checkpoint_dir is not None:
             kwargs["cfg__train__checkpoint_dir"] = checkpoint_dir
         cfg = resolve_config(config_path, overrides, kwargs)
+        if cfg.train.checkpoint_dir:  # a bad URI or a missing bucket: named now, not once the data is prepared
+            from embedscale.storage import check_location
+
+            check_location(cfg.train.checkpoint_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             s = train_distributed(cfg, run_dir, progress=not no_progress)

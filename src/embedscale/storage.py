@@ -224,6 +224,14 @@ class ObjectPath:
                                "the URI and the endpoint (AWS_ENDPOINT_URL)") from None
 
 
+def check_location(x) -> None:
+    """A checkpoint location a run is about to use: a remote one must be reachable with its bucket there (a
+    named :class:`StorageError` within seconds, before any data is prepared); a local one needs nothing."""
+    loc = location(x)
+    if isinstance(loc, ObjectPath):
+        loc.check()
+
+
 def remove_tree(p: "Path | ObjectPath") -> None:
     """Remove a directory and everything under it (missing: nothing to do)."""
     if isinstance(p, ObjectPath):
@@ -246,4 +254,4 @@ def write_bytes(p: "Path | ObjectPath", data: bytes) -> None:
         f.write(data)
 
 
-__all__ = ["BYTES_READ", "ObjectPath", "StorageError", "is_uri", "location", "remove_tree", "write_bytes"]
+__all__ = ["BYTES_READ", "ObjectPath", "StorageError", "check_location", "is_uri", "location", "remove_tree", "write_bytes"]

@@ -121,13 +121,12 @@ def _matches(written, offset: int, t: torch.Tensor) -> bool:
 
 
 def read_remote_shard(path: ObjectPath, skip: dict | None = None) -> dict:
-    """A remote rank file (``torch.load(..., weights_only=True)``): whole, or without the ``weight`` and
-    ``momentum`` of the tables whose places ``skip`` (the file's entry of the manifest index) gives. Those byte
-    ranges are not fetched: the rest lands in a sparse temporary file that ``torch.load`` maps, and the skipped
-    tensors are removed from the result (never zeros in their place)."""
+    """A remote rank file (``torch.load(..., weights_only=True)``): whole, or without the table entries' tensors
+    (``rows``, ``weight``, ``momentum``) whose places ``skip`` (the file's entry of the manifest index) gives.
+    Those byte ranges are not fetched: the rest lands in a sparse temporary file that ``torch.load`` maps, and
+    the skipped tensors are removed from the result (never zeros in their place)."""
     holes = sorted((int(a["offset"]), int(a["offset"]) + _nbytes(a), name, key)
-                   for name, e in (skip or {}).items() for key, a in (e.get("at") or {}).items()
-                   if key != "rows")
+                   for name, e in (skip or {}).items() for key, a in (e.get("at") or {}).items())
     if not holes:
         return torch.load(io.BytesIO(path.read_bytes()), map_location=HOST, weights_only=True)
     size, starts, ends, at = path.size(), [], [], 0
