@@ -88,6 +88,7 @@ resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
 best_checkpoint = _Lazy("embedscale.train.checkpoint:best_checkpoint")
 best_pointer = _Lazy("embedscale.train.checkpoint:best_pointer")
 is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
+check_location = _Lazy("embedscale.storage:check_location")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
@@ -254,8 +255,6 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, 
             kwargs["cfg__train__checkpoint_dir"] = checkpoint_dir
         cfg = resolve_config(config_path, overrides, kwargs)
         if cfg.train.checkpoint_dir:  # a bad URI or a missing bucket: named now, not once the data is prepared
-            from embedscale.storage import check_location
-
             check_location(cfg.train.checkpoint_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterator
 
 from embedscale.errors import EmbedscaleError
+from embedscale.io import atomic_open
 
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _S3 = {"s3", "s3a"}
@@ -248,8 +249,6 @@ def write_bytes(p: "Path | ObjectPath", data: bytes) -> None:
     if isinstance(p, ObjectPath):
         p.write_bytes(data)
         return
-    from embedscale.io import atomic_open
-
     with atomic_open(p, "wb") as f:
         f.write(data)
 
