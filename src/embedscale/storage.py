@@ -215,11 +215,14 @@ class ObjectPath:
                 raise
 
     def check(self) -> None:
-        """Reach the store: the bucket (the first part of the path) must exist; a named error within
+        """Reach the store (on S3: the bucket, the first part of the path, must exist); a named error within
         seconds otherwise (module docstring)."""
+        if self.protocol not in _S3:
+            self._do(self.fs.exists, self.path)  # reaches the backend: its errors named
+            return
         root = self.path.split("/", 1)[0]
         try:
-            self._do(self.fs.ls, root, detail=False)
+            self._do(self.fs.info, root)  # the bucket itself (HEAD), not a listing of it
         except FileNotFoundError as e:
             raise StorageError(f"{self}: the bucket {root!r} does not exist or is not reachable ({e}); check "
                                "the URI and the endpoint (AWS_ENDPOINT_URL)") from None
