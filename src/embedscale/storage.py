@@ -256,4 +256,5 @@ def write_bytes(p: "Path | ObjectPath", data: bytes) -> None:
         f.write(data)
 
 
-__all__ = ["BYTES_READ", "ObjectPath", "StorageError", "check_location", "is_uri", "location", "remove_tree", "write_bytes"]
+__all__ = ["BYTES_READ", "ObjectPath", "StorageError", "check_location", "is_uri", "location", "remove_tree",
+           "write_bytes"]

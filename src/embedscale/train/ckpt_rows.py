@@ -151,6 +151,20 @@ def read_remote_shard(path: ObjectPath, skip: dict | None = None) -> dict:
     return payload
 
 
+def _rows_of(at: dict, parts: list[bytes], pos: np.ndarray, order: np.ndarray, sp: np.ndarray) -> torch.Tensor:
+    """The rows at positions ``pos`` of the tensor placed at ``at``, from the byte ranges ``parts`` of its runs of
+    distinct sorted positions (``sp`` = ``pos[order]``)."""
+    dtype, inner = getattr(torch, at["dtype"]), list(at["shape"][1:])
+    if pos.size == 0:
+        return torch.empty([0, *inner], dtype=dtype)
+    flat = torch.frombuffer(bytearray(b"".join(parts)), dtype=dtype).reshape([-1, *inner])
+    if pos.size < 2 or (np.diff(pos) > 0).all():  # ascending, each row once (a rank's runs): as fetched
+        return flat
+    out = torch.empty([pos.size, *inner], dtype=dtype)
+    out[torch.from_numpy(order)] = flat[torch.from_numpy(np.searchsorted(np.unique(sp), sp))]  # repeats: once
+    return out
+
+
 def _nbytes(at: dict) -> int:
     return int(np.prod(at["shape"], dtype=np.int64)) * getattr(torch, at["dtype"]).itemsize
 
@@ -211,7 +225,7 @@ class RowReader:
             if not entry or not entry["rows"]:
                 continue
             if entry["runs"] is None:  # scattered: the entry's row ids tell
-                ids = self._tensor(shard, table, "rows", None).numpy().astype(np.int64, copy=False)
+                ids = self._tensors(shard, table, ("rows",), None)[0].numpy().astype(np.int64, copy=False)
                 self.bytes_read += ids.nbytes
                 order = np.argsort(ids, kind="stable")
                 k = np.searchsorted(ids[order], rows)
@@ -227,42 +241,40 @@ class RowReader:
             raise FormatError(f"{self.dir}: no rank file holds row {int(rows[where_file < 0][0])} of table {table!r}")
         return self._gather(table, shards, where_file, where_pos)
 
-    def _tensor(self, shard: str, table: str, key: str, pos: np.ndarray | None) -> torch.Tensor | None:
-        """Entry ``key`` of ``table`` in rank file ``shard``, its rows at positions ``pos`` (all: ``None``); ``None``
-        when the entry has no such tensor. Remote with a place in the index: byte ranges of those rows only."""
+    def _tensors(self, shard: str, table: str, keys: tuple[str, ...], pos: np.ndarray | None) -> list:
+        """Entries ``keys`` of ``table`` in rank file ``shard``, their rows at positions ``pos`` (all: ``None``);
+        ``None`` for a tensor the entry lacks. Remote with places in the index: the byte ranges of those rows
+        only, every key's in one batch of ranged reads."""
         at = (self.index[shard].get(table) or {}).get("at") or {}
-        if not isinstance(self.dir, ObjectPath) or key not in at and "weight" not in at:
+        ranged = isinstance(self.dir, ObjectPath) and "weight" in at and \
+            all(k in at for k in keys if k != "momentum")  # no momentum place: the entry has none (SGD)
+        if not ranged:
             e = self._file(shard)["tables"][table]
-            if key not in e:
-                return None
-            return e[key] if pos is None else e[key].index_select(0, torch.from_numpy(pos))
-        if key not in at:
-            return None
-        a = at[key]
-        dtype, shape = getattr(torch, a["dtype"]), list(a["shape"])
-        row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
-        pos = np.arange(shape[0]) if pos is None else np.asarray(pos, dtype=np.int64)
-        if pos.size == 0:
-            return torch.empty([0, *shape[1:]], dtype=dtype)
+            return [None if k not in e else e[k] if pos is None else e[k].index_select(0, torch.from_numpy(pos))
+                    for k in keys]
+        places = [at.get(k) for k in keys]
+        some = next(a for a in places if a is not None)
+        pos = np.arange(some["shape"][0]) if pos is None else np.asarray(pos, dtype=np.int64)
         order = np.argsort(pos, kind="stable")
         sp = pos[order]
         cut = np.flatnonzero(np.diff(sp) > 1) + 1  # runs of neighbouring rows: one range each
-        lo, hi = sp[np.concatenate([[0], cut])], sp[np.concatenate([cut - 1, [sp.size - 1]])] + 1
-        parts = (self.dir / shard).read_ranges((a["offset"] + lo * row).tolist(), (a["offset"] + hi * row).tolist())
-        flat = torch.frombuffer(bytearray(b"".join(parts)), dtype=dtype).reshape([-1, *shape[1:]])
-        if pos.size < 2 or (np.diff(pos) > 0).all():  # ascending, each row once (a rank's runs): as fetched
-            return flat
-        uniq_idx = np.searchsorted(np.unique(sp), sp)  # rows asked twice are fetched once
-        out = torch.empty([pos.size, *shape[1:]], dtype=dtype)
-        out[torch.from_numpy(order)] = flat[torch.from_numpy(uniq_idx)]
-        return out
+        lo = sp[np.concatenate([[0], cut])] if sp.size else sp
+        hi = sp[np.concatenate([cut - 1, [sp.size - 1]])] + 1 if sp.size else sp
+        starts, ends = [], []
+        for a in places:
+            if a is not None:
+                row = _nbytes({**a, "shape": [1, *a["shape"][1:]]})
+                starts += (a["offset"] + lo * row).tolist()
+                ends += (a["offset"] + hi * row).tolist()
+        parts = iter((self.dir / shard).read_ranges(starts, ends))
+        return [None if a is None else _rows_of(a, [next(parts) for _ in range(lo.size)], pos, order, sp)
+                for a in places]
 
     def _gather(self, table, shards, where_file, where_pos):
         weight = momentum = None
         for f in np.unique(where_file).tolist():
             sel = np.flatnonzero(where_file == f)
-            w = self._tensor(shards[f], table, "weight", where_pos[sel])
-            m = self._tensor(shards[f], table, "momentum", where_pos[sel])
+            w, m = self._tensors(shards[f], table, ("weight", "momentum"), where_pos[sel])
             if weight is None:
                 weight = torch.empty((where_file.size, w.shape[1]), dtype=w.dtype)
                 momentum = torch.empty(where_file.size, dtype=m.dtype) if m is not None else None
@@ -276,7 +288,7 @@ class RowReader:
             if s is None:
                 return torch.zeros((0, 0)), None
             none = np.zeros(0, dtype=np.int64)
-            weight, momentum = self._tensor(s, table, "weight", none), self._tensor(s, table, "momentum", none)
+            weight, momentum = self._tensors(s, table, ("weight", "momentum"), none)
         return weight, momentum
 
 
