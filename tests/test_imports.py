@@ -32,7 +32,7 @@ LAYERS = [
     ("reorder",),
     ("plan",),  # numpy only (tests/test_architecture.py)
     ("data",),
-    ("specs", "units", "io", "errors", "threads", "device"),
+    ("specs", "units", "io", "errors", "threads", "device", "storage"),
 ]
 LEVEL = {name: len(LAYERS) - i for i, names in enumerate(LAYERS) for name in names}
 

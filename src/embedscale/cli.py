@@ -88,6 +88,7 @@ resolve_checkpoint = _Lazy("embedscale.train.checkpoint:resolve_checkpoint")
 best_checkpoint = _Lazy("embedscale.train.checkpoint:best_checkpoint")
 best_pointer = _Lazy("embedscale.train.checkpoint:best_pointer")
 is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
+check_location = _Lazy("embedscale.storage:check_location")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
@@ -236,9 +237,11 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Local ranks to launch (dist.nproc).")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="With --nproc: restart the ranks this many times after a failure (resumes from the last checkpoint).")
+@click.option("--checkpoint-dir", default=None, metavar="PATH|URI",
+              help="Where checkpoints/ goes (train.checkpoint_dir): a local path or any fsspec URI (s3://bucket/run).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_json, **kwargs):
+def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, no_progress, as_json, **kwargs):
     """Train (and evaluate) a model as the config says; resumes a run directory exactly.
 
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
@@ -248,7 +251,11 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_
     with _command(state):
         if nproc is not None:
             kwargs["cfg__dist__nproc"] = str(nproc)
+        if checkpoint_dir is not None:
+            kwargs["cfg__train__checkpoint_dir"] = checkpoint_dir
         cfg = resolve_config(config_path, overrides, kwargs)
+        if cfg.train.checkpoint_dir:  # a bad URI or a missing bucket: named now, not once the data is prepared
+            check_location(cfg.train.checkpoint_dir)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             s = train_distributed(cfg, run_dir, progress=not no_progress)

@@ -80,8 +80,8 @@ def read_yaml(path: str | os.PathLike, what: str = "file") -> Any:
 
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:
-    """Read JSON with an error that names the file."""
-    path = Path(path)
+    """Read JSON with an error that names the file (a local path, or a remote ``storage.ObjectPath``)."""
+    path = Path(path) if isinstance(path, (str, os.PathLike)) else path
     if not path.exists():
         raise FormatError(f"{what} not found: {path}")
     raw = path.read_bytes()

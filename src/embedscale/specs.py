@@ -408,6 +408,9 @@ class TrainConfig:
     # > 0: a full checkpoint every this many steps, deltas (rows updated since the last full one) in between;
     # 0 = every checkpoint full (train.checkpoint)
     checkpoint_full_every: int = 0
+    # where checkpoints/ goes: a local path or any fsspec URI (s3://bucket/runs/big; embedscale.storage);
+    # "" = the run directory
+    checkpoint_dir: str = ""
     # live re-planning (N ranks, train.replan): every this many steps the ranks' rolling access profile is summed,
     # the running plan and a fresh one are costed (plan.drift) and, when the fresh plan's predicted bottleneck is
     # lower by more than replan_min_gain, the rows migrate to it between two steps; 0 = off

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import io
 import json
 import os
 import re
@@ -73,8 +74,9 @@ import torch
 from embedscale.device import HOST
 from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
-from embedscale.io import atomic_open, atomic_write_json, read_json
-from embedscale.train.ckpt_rows import INDEX, collect_index, index_name, write_rank_index
+from embedscale.io import atomic_open, read_json
+from embedscale.storage import ObjectPath, location, remove_tree, write_bytes
+from embedscale.train.ckpt_rows import INDEX, collect_index, index_name, read_remote_shard, write_rank_index
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -85,36 +87,48 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 # -- paths ------------------------------------------------------------------------------------------
-def step_dir(run_dir: str | Path, step: int) -> Path:
-    """``<run dir>/checkpoints/step-NNNNNNNN``."""
-    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+def step_dir(run_dir: str | Path | ObjectPath, step: int) -> Path | ObjectPath:
+    """``<run dir>/checkpoints/step-NNNNNNNN`` (``run_dir``: a run directory or where its checkpoints go,
+    ``train.checkpoint_dir``: a local path or an fsspec URI)."""
+    return location(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def checkpoint_home(run_dir: str | Path, checkpoint_dir: str = "") -> Path | ObjectPath:
+    """Where a run's ``checkpoints/`` go: ``train.checkpoint_dir`` (a local path or any fsspec URI,
+    ``embedscale.storage``) when it is set, else the run directory."""
+    return location(checkpoint_dir) if checkpoint_dir else Path(run_dir)
 
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
-def temp_dir(ckpt_dir: str | Path) -> Path:
-    """Where ``ckpt_dir`` (``checkpoints/step-N``) is written until it is complete: ``checkpoints/.step-N.tmp``."""
-    ckpt_dir = Path(ckpt_dir)
+def temp_dir(ckpt_dir: str | Path | ObjectPath) -> Path | ObjectPath:
+    """Where ``ckpt_dir`` (``checkpoints/step-N``) is written until it is complete: ``checkpoints/.step-N.tmp``;
+    on an object store (no rename) ``ckpt_dir`` itself, which no reader takes before its manifest is there."""
+    ckpt_dir = location(ckpt_dir)
+    if isinstance(ckpt_dir, ObjectPath):
+        return ckpt_dir
     return ckpt_dir.with_name(f".{ckpt_dir.name}.tmp")
 
 
 def is_temp(path: str | Path) -> bool:
     """A checkpoint being written (or whose write was interrupted): never a checkpoint to a reader."""
-    name = Path(path).name
+    name = location(path).name
     return name.startswith(".") and name.endswith(".tmp")
 
 
 def is_checkpoint(path: str | Path) -> bool:
     """A complete checkpoint: a directory whose manifest has been written (a temporary directory never is)."""
-    return not is_temp(path) and (Path(path) / MANIFEST).is_file()
+    return not is_temp(path) and (location(path) / MANIFEST).is_file()
 
 
 def latest_checkpoint(path: str | Path) -> Path | None:
     """The complete checkpoint with the highest step of a run directory (or of its ``checkpoints/``);
     ``None`` if there is none. Directories without a manifest (interrupted writes) are skipped."""
-    d = Path(path)
+    d = location(path)
+    if isinstance(d, ObjectPath):
+        d.check()  # a missing bucket or an endpoint that does not answer: a named error now
     if (d / "checkpoints").is_dir():
         d = d / "checkpoints"
     if not d.is_dir():
@@ -123,19 +137,24 @@ def latest_checkpoint(path: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def best_pointer(run_dir: str | Path) -> Path:
+def best_pointer(run_dir: str | Path | ObjectPath) -> Path | ObjectPath:
     """``<run dir>/checkpoints/best``."""
-    return Path(run_dir) / "checkpoints" / BEST
+    return location(run_dir) / "checkpoints" / BEST
 
 
 def best_checkpoint(run_dir: str | Path) -> Path | None:
     """The step directory ``checkpoints/best`` points at (``run_dir`` a run directory or its ``checkpoints/``),
     or ``None`` without a pointer; a pointer to an incomplete checkpoint is a ``FormatError``."""
-    p = Path(run_dir)
+    p = location(run_dir)
     pointer = p / BEST if p.name == "checkpoints" else best_pointer(p)
-    if not pointer.is_symlink():
+    if isinstance(pointer, ObjectPath):  # no links on an object store: an object holding the step's name
+        if not pointer.is_file():
+            return None
+        target = pointer.parent / pointer.read_text().strip()
+    elif not pointer.is_symlink():
         return None
-    target = pointer.parent / os.readlink(pointer)
+    else:
+        target = pointer.parent / os.readlink(pointer)
     if not is_checkpoint(target):
         raise FormatError(f"{pointer}: points at {target}, which is not a complete checkpoint")
     return target
@@ -146,6 +165,9 @@ def write_best(run_dir: str | Path, step: int) -> Path:
     directory can move), made under a temporary name and renamed over the old one, so a reader sees the old
     best or the new one, never neither."""
     pointer = best_pointer(run_dir)
+    if isinstance(pointer, ObjectPath):  # one PUT of the step's name: the old pointer or the new one
+        pointer.write_text(step_dir(run_dir, step).name)
+        return pointer
     tmp = pointer.with_name(f".{BEST}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     os.symlink(step_dir(run_dir, step).name, tmp)
@@ -161,8 +183,8 @@ def resolve_checkpoint(path: str | Path, *, best: bool = False) -> Path:
     """A checkpoint directory from a checkpoint directory (``checkpoints/best`` included: the step directory
     it points at), or a run directory (its latest checkpoint; with ``best``, the one ``checkpoints/best``
     points at)."""
-    p = Path(path)
-    if p.is_symlink() and p.name == BEST:
+    p = location(path)
+    if p.name == BEST and (p.is_symlink() or (isinstance(p, ObjectPath) and p.is_file())):
         found = best_checkpoint(p.parent)
         assert found is not None
         return found
@@ -183,7 +205,7 @@ def resolve_checkpoint(path: str | Path, *, best: bool = False) -> Path:
 # -- reading ----------------------------------------------------------------------------------------
 def read_manifest(ckpt_dir: str | Path) -> dict:
     """The manifest of a complete checkpoint; another format or version is a ``FormatError``."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = location(ckpt_dir)
     if not is_checkpoint(ckpt_dir):
         raise FormatError(f"{ckpt_dir}: not a complete checkpoint (no {MANIFEST})")
     m = read_json(ckpt_dir / MANIFEST, "checkpoint manifest")
@@ -204,7 +226,7 @@ def is_delta(manifest: dict) -> bool:
 def delta_base(ckpt_dir: str | Path, manifest: dict) -> Path:
     """The full checkpoint a delta was written against (a sibling step directory), checked: missing,
     incomplete, itself a delta, or rewritten since (another ``id``) is a ``FormatError`` naming both."""
-    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir = location(ckpt_dir)
     d = manifest["delta"]
     base = ckpt_dir.parent / str(d["base"])
     what = f"delta checkpoint {ckpt_dir} (step {manifest.get('step')})"
@@ -228,7 +250,7 @@ def delta_base(ckpt_dir: str | Path, manifest: dict) -> Path:
 def bases_in_use(run_dir: str | Path) -> set[str]:
     """Names of the step directories that a complete delta checkpoint of the run names as its base (a
     directory a retention rule must keep). ``run_dir``: a run directory or its ``checkpoints/``."""
-    d = Path(run_dir)
+    d = location(run_dir)
     if d.name != "checkpoints":
         d = d / "checkpoints"
     out: set[str] = set()
@@ -245,13 +267,18 @@ def bases_in_use(run_dir: str | Path) -> set[str]:
     return out
 
 
-def read_shard(path: str | Path) -> dict:
-    """One rank file, read with ``weights_only=True``; a damaged file is a ``FormatError`` naming it."""
-    path = Path(path)
+def read_shard(path: str | Path | ObjectPath, skip: dict | None = None) -> dict:
+    """One rank file, read with ``weights_only=True``; a damaged file is a ``FormatError`` naming it. A local
+    file is memory-mapped (read as its tensors are used); a remote one is read whole, or with ``skip`` (its
+    entry of the manifest's row index) without its tables' rows (``ckpt_rows.read_remote_shard``)."""
+    path = location(path)
     if not path.is_file():
         raise FormatError(f"checkpoint file not found: {path}")
     try:
-        payload = torch.load(path, map_location=HOST, weights_only=True, mmap=True)  # read as tensors are used
+        if isinstance(path, ObjectPath):
+            payload = read_remote_shard(path, skip)
+        else:
+            payload = torch.load(path, map_location=HOST, weights_only=True, mmap=True)  # read as tensors are used
     except Exception as e:  # noqa: BLE001 - torch raises many kinds here
         raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
     if not isinstance(payload, dict) or "rank" not in payload:
@@ -259,12 +286,15 @@ def read_shard(path: str | Path) -> dict:
     return payload
 
 
-def read_shards(ckpt_dir: str | Path, manifest: dict) -> list[dict]:
+def read_shards(ckpt_dir: str | Path | ObjectPath, manifest: dict, tables: bool = True) -> list[dict]:
     """The rank files of a checkpoint. A delta's come with its base's rows under them: the base's rank files
     (their table rows the delta does not hold, nothing else; ranks ``-1, -2, ...``) then the delta's own, so
     every reader (:func:`table_pieces`, :func:`assemble_table`, :func:`merged`, :func:`rank0`) sees the
-    state at the delta's step, each row once."""
-    shards = [read_shard(Path(ckpt_dir) / name) for name in manifest["shards"]]
+    state at the delta's step, each row once. ``tables=False`` (a full checkpoint with a row index): the
+    tables' rows may be left out (a remote rank file is then read without them; the caller reads the rows it
+    needs with ``ckpt_rows.RowReader``)."""
+    index = manifest.get(INDEX) if not tables and not is_delta(manifest) else None
+    shards = [read_shard(location(ckpt_dir) / name, (index or {}).get(name)) for name in manifest["shards"]]
     if not is_delta(manifest):
         return shards
     return _overlay(ckpt_dir, manifest, shards)
@@ -419,9 +449,18 @@ def load_checkpoint(path: str | Path) -> dict:
 
 
 # -- writing ----------------------------------------------------------------------------------------
-def begin(ckpt_dir: Path) -> Path:
+def begin(ckpt_dir: Path | ObjectPath) -> Path | ObjectPath:
     """Rank 0, before any rank writes ``ckpt_dir``: remove the temporary directories earlier writes left (killed
-    or failed; the run's lock makes this the only writer) and make an empty one for this checkpoint."""
+    or failed; the run's lock makes this the only writer) and make an empty one for this checkpoint. On an
+    object store the step directories without a manifest are those leftovers, and a complete checkpoint of
+    this step (written again) loses its manifest first, then its parts: a reader never takes it half-rewritten."""
+    if isinstance(ckpt_dir, ObjectPath):
+        for p in ckpt_dir.parent.iterdir():
+            if _STEP.match(p.name) and p != ckpt_dir and not is_checkpoint(p):
+                remove_tree(p)
+        (ckpt_dir / MANIFEST).unlink(missing_ok=True)
+        remove_tree(ckpt_dir)
+        return ckpt_dir
     tmp = temp_dir(ckpt_dir)
     if tmp.parent.is_dir():
         for p in tmp.parent.iterdir():
@@ -455,7 +494,9 @@ def publish(tmp: Path, ckpt_dir: Path) -> None:
     """Rank 0, once ``tmp`` holds every rank file and the manifest: rename it to ``ckpt_dir``. A checkpoint of the
     same step there already (a step written again) is swapped out in one step and removed, so a reader finds the
     old one or the new one at ``ckpt_dir``, never neither (where the swap is unsupported, it is renamed aside
-    first: a moment without it)."""
+    first: a moment without it). On an object store ``tmp`` is ``ckpt_dir``, complete once its manifest is there."""
+    if isinstance(ckpt_dir, ObjectPath):
+        return
     if ckpt_dir.is_dir() and not ckpt_dir.is_symlink():
         if not _exchange(tmp, ckpt_dir):
             old = ckpt_dir.with_name(f".{ckpt_dir.name}.old.tmp")
@@ -498,12 +539,12 @@ def agree(rank: int, world: int, ckpt_dir: Path, error: BaseException | None) ->
     if not failed:
         return
     if rank == 0:
-        shutil.rmtree(temp_dir(ckpt_dir), ignore_errors=True)
+        remove_tree(temp_dir(ckpt_dir))
     if error is None or rank != failed[0]:
         raise SystemExit(2)
     if not isinstance(error, OSError) or not error.errno:
         raise error
-    name = Path(error.filename) if error.filename else None
+    name = location(error.filename) if error.filename else None
     where = f"{name.name if name.parent == temp_dir(ckpt_dir) else name}: " if name else ""
     others = (f" (rank{'s' if len(failed) > 2 else ''} {', '.join(map(str, failed[1:]))} failed too)"
               if failed[1:] else "")
@@ -514,11 +555,18 @@ def agree(rank: int, world: int, ckpt_dir: Path, error: BaseException | None) ->
                                f"{latest if latest is not None else 'none'}", error.errno) from None
 
 
-def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
-    """This rank's part, written atomically (a temporary file renamed)."""
+def write_rank_file(ckpt_dir: Path | ObjectPath, rank: int, payload: dict) -> Path | ObjectPath:
+    """This rank's part, written atomically (a temporary file renamed; on an object store one PUT)."""
+    ckpt_dir = location(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     path = ckpt_dir / rank_file(rank)
     try:
+        if isinstance(path, ObjectPath):
+            buf = io.BytesIO()
+            torch.save(payload, buf)
+            path.write_bytes(buf.getbuffer())
+            write_rank_index(path, payload, buf.getbuffer())
+            return path
         with atomic_open(path, "wb") as f:
             torch.save(payload, f)
     except RuntimeError as e:  # torch's zip writer wraps a failed write (a full disk) in a RuntimeError
@@ -526,7 +574,7 @@ def write_rank_file(ckpt_dir: Path, rank: int, payload: dict) -> Path:
         if cause is None:
             raise
         raise OSError(cause.errno, os.strerror(cause.errno), str(path)) from e
-    write_rank_index(path, payload)  # which rows it holds where, for restores that read only theirs (ckpt_rows)
+    write_rank_index(path, payload, path)  # which rows it holds where, for restores that read only theirs (ckpt_rows)
     return path
 
 
@@ -549,9 +597,9 @@ def write_manifest(ckpt_dir: Path, world: int, fields: dict, delta: dict | None 
     m = {"format": FORMAT, "version": VERSION if delta is None else DELTA_VERSION, "world_size": world, **fields,
          "id": uuid.uuid4().hex, **({"delta": dict(delta)} if delta is not None else {}),
          "shards": shards, **({INDEX: index} if index is not None else {})}
-    atomic_write_json(ckpt_dir / MANIFEST, m)
+    write_bytes(ckpt_dir / MANIFEST, (json.dumps(m, indent=2) + "\n").encode())
     for s in shards:  # the manifest holds every rank's index now; the step keeps its manifest and rank files only
-        (Path(ckpt_dir) / index_name(s)).unlink(missing_ok=True)
+        (ckpt_dir / index_name(s)).unlink(missing_ok=True)
     return ckpt_dir / MANIFEST
 
 

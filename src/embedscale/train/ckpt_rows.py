@@ -11,19 +11,28 @@ more than 4096 runs) is indexed by its row count only: its reader reads the entr
 :class:`RowReader` opens rank files memory-mapped (``torch.load(..., mmap=True, weights_only=True)``), only
 those whose runs hold a wanted row, and gathers the wanted rows of ``weight`` and ``momentum``, so only their
 pages are read; ``bytes_read`` counts the bytes of the rows it gathered and of any row ids it had to read.
+
+On an object store (``embedscale.storage``) there is no memory map: the index also says where each table
+entry's ``rows``, ``weight`` and ``momentum`` lie in the rank file (``at``: byte offset, dtype, shape; found
+when the file is written, by loading its structure without its data and checking the bytes there against the
+tensor), and the reader fetches the wanted rows as byte ranges. :func:`read_remote_shard` reads a remote rank
+file without its tables' rows (every other byte range, into a sparse temporary file that ``torch.load``
+maps), so a restore's dense state, optimizer state and run position cost their own bytes only.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from embedscale.device import HOST
-from embedscale.errors import FormatError
-from embedscale.io import atomic_write_text
+from embedscale.errors import EmbedscaleError, FormatError
+from embedscale.storage import ObjectPath, location, write_bytes
 
 INDEX = "index"  # the manifest's key
 SCATTERED = 64  # a table's rows are indexed as runs while runs <= rows / SCATTERED ...
@@ -48,25 +57,126 @@ def index_name(shard: str) -> str:
     return shard[:-len(".pt")] + ".index.json" if shard.endswith(".pt") else shard + ".index.json"
 
 
-def write_rank_index(path: Path, payload: dict) -> None:
-    """The index of the rank file ``path`` (written from its ``payload``, nothing read back) beside it."""
+TENSORS = ("rows", "weight", "momentum")  # a table entry's tensors whose place in the file the index gives
+
+
+def write_rank_index(path: Path | ObjectPath, payload: dict, written=None) -> None:
+    """The index of the rank file ``path`` (written from its ``payload``) beside it; with ``written`` (the file's
+    bytes, or its local path) the byte ranges of the tables' tensors too (module docstring)."""
     tables = {}
     for name, e in (payload.get("tables") or {}).items():
         if "rows" not in e:  # a delta's bitmap: not indexed (restore reads it whole)
             continue
         rows = e["rows"].numpy()
         tables[name] = {"rows": int(rows.size), "runs": row_runs(rows)}
-    atomic_write_text(path.parent / index_name(path.name), json.dumps({"tables": tables}, separators=(",", ":")))
+    if written is not None and tables:
+        for name, at in tensor_places(written, payload, list(tables)).items():
+            tables[name]["at"] = at
+    write_bytes(location(path).parent / index_name(location(path).name),
+                json.dumps({"tables": tables}, separators=(",", ":")).encode())
+
+
+def tensor_places(written, payload: dict, names: list[str]) -> dict:
+    """``{table: {tensor: {"offset", "dtype", "shape"}}}``: where the contiguous tensors of ``payload``'s table
+    entries lie in the rank file ``written`` (its bytes or its local path), from its structure loaded without
+    data; each place is checked against the tensor's first and last bytes, and left out when it does not match
+    (a reader then reads that file whole)."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        src = io.BytesIO(written) if not isinstance(written, (str, Path)) else written
+        with FakeTensorMode():
+            fake = torch.load(src, weights_only=True)
+    except Exception:  # noqa: BLE001 - no structure: no places (the index's runs still hold)
+        return {}
+    out: dict = {}
+    for name in names:
+        for key in TENSORS:
+            real, f = payload["tables"][name].get(key), (fake.get("tables") or {}).get(name, {}).get(key)
+            off = getattr(f.untyped_storage(), "_checkpoint_offset", None) if f is not None else None
+            if off is None or not real.is_contiguous() or not f.is_contiguous():
+                continue
+            off = int(off) + f.storage_offset() * f.element_size()
+            if _matches(written, off, real):
+                out.setdefault(name, {})[key] = {"offset": off, "dtype": str(real.dtype).removeprefix("torch."),
+                                                 "shape": list(real.shape)}
+    return out
+
+
+def _matches(written, offset: int, t: torch.Tensor) -> bool:
+    """Whether the bytes of ``written`` at ``offset`` start and end as ``t``'s do."""
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    k = min(64, raw.size)
+    heads = [(offset, raw[:k]), (offset + raw.size - k, raw[raw.size - k:])]
+    if isinstance(written, (str, Path)):
+        with open(written, "rb") as f:
+            got = []
+            for o, want in heads:
+                f.seek(o)
+                got.append(f.read(k))
+    else:
+        mv = memoryview(written)
+        got = [bytes(mv[o:o + k]) for o, _ in heads]
+    return all(g == w.tobytes() for g, (_, w) in zip(got, heads))
+
+
+def read_remote_shard(path: ObjectPath, skip: dict | None = None) -> dict:
+    """A remote rank file (``torch.load(..., weights_only=True)``): whole, or without the table entries' tensors
+    (``rows``, ``weight``, ``momentum``) whose places ``skip`` (the file's entry of the manifest index) gives.
+    Those byte ranges are not fetched: the rest lands in a sparse temporary file that ``torch.load`` maps, and
+    the skipped tensors are removed from the result (never zeros in their place)."""
+    holes = sorted((int(a["offset"]), int(a["offset"]) + _nbytes(a), name, key)
+                   for name, e in (skip or {}).items() for key, a in (e.get("at") or {}).items())
+    if not holes:
+        return torch.load(io.BytesIO(path.read_bytes()), map_location=HOST, weights_only=True)
+    size, starts, ends, at = path.size(), [], [], 0
+    for lo, hi, _, _ in holes:
+        if lo > at:
+            starts.append(at)
+            ends.append(lo)
+        at = max(at, hi)
+    if at < size:
+        starts.append(at)
+        ends.append(size)
+    parts = path.read_ranges(starts, ends)
+    with tempfile.NamedTemporaryFile(prefix="embedscale-shard-", suffix=".pt") as f:
+        f.truncate(size)
+        for s, b in zip(starts, parts):
+            f.seek(s)
+            f.write(b)
+        f.flush()
+        payload = torch.load(f.name, map_location=HOST, weights_only=True, mmap=True)
+    for _, _, name, key in holes:
+        payload["tables"][name].pop(key, None)
+    return payload
+
+
+def _rows_of(at: dict, parts: list[bytes], pos: np.ndarray, order: np.ndarray, sp: np.ndarray) -> torch.Tensor:
+    """The rows at positions ``pos`` of the tensor placed at ``at``, from the byte ranges ``parts`` of its runs of
+    distinct sorted positions (``sp`` = ``pos[order]``)."""
+    dtype, inner = getattr(torch, at["dtype"]), list(at["shape"][1:])
+    if pos.size == 0:
+        return torch.empty([0, *inner], dtype=dtype)
+    flat = torch.frombuffer(bytearray(b"".join(parts)), dtype=dtype).reshape([-1, *inner])
+    if pos.size < 2 or (np.diff(pos) > 0).all():  # ascending, each row once (a rank's runs): as fetched
+        return flat
+    out = torch.empty([pos.size, *inner], dtype=dtype)
+    out[torch.from_numpy(order)] = flat[torch.from_numpy(np.searchsorted(np.unique(sp), sp))]  # repeats: once
+    return out
+
+
+def _nbytes(at: dict) -> int:
+    return int(np.prod(at["shape"], dtype=np.int64)) * getattr(torch, at["dtype"]).itemsize
 
 
 def collect_index(ckpt_dir: Path, shards: list[str]) -> dict | None:
     """The manifest's ``index``: every rank file's index (``None`` when one is missing: no index)."""
     out = {}
     for s in shards:
-        p = Path(ckpt_dir) / index_name(s)
+        p = location(ckpt_dir) / index_name(s)
         try:
             out[s] = json.loads(p.read_text())["tables"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, EmbedscaleError):
             return None
     return out
 
@@ -80,7 +190,7 @@ class RowReader:
     """
 
     def __init__(self, ckpt_dir: str | Path, manifest: dict):
-        self.dir = Path(ckpt_dir)
+        self.dir = location(ckpt_dir)
         self.index = manifest.get(INDEX)
         if not isinstance(self.index, dict) or manifest.get("delta") is not None:
             raise FormatError(f"{self.dir}: the manifest has no row index (a delta, or written before it)")
@@ -92,7 +202,8 @@ class RowReader:
         if shard not in self._files:
             path = self.dir / shard
             try:
-                self._files[shard] = torch.load(path, map_location=HOST, weights_only=True, mmap=True)
+                self._files[shard] = (read_remote_shard(path) if isinstance(path, ObjectPath) else
+                                      torch.load(path, map_location=HOST, weights_only=True, mmap=True))
             except Exception as e:  # noqa: BLE001 - torch raises many kinds here
                 raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
         return self._files[shard]
@@ -114,7 +225,7 @@ class RowReader:
             if not entry or not entry["rows"]:
                 continue
             if entry["runs"] is None:  # scattered: the entry's row ids tell
-                ids = self._file(shard)["tables"][table]["rows"].numpy().astype(np.int64, copy=False)
+                ids = self._tensors(shard, table, ("rows",), None)[0].numpy().astype(np.int64, copy=False)
                 self.bytes_read += ids.nbytes
                 order = np.argsort(ids, kind="stable")
                 k = np.searchsorted(ids[order], rows)
@@ -130,29 +241,54 @@ class RowReader:
             raise FormatError(f"{self.dir}: no rank file holds row {int(rows[where_file < 0][0])} of table {table!r}")
         return self._gather(table, shards, where_file, where_pos)
 
+    def _tensors(self, shard: str, table: str, keys: tuple[str, ...], pos: np.ndarray | None) -> list:
+        """Entries ``keys`` of ``table`` in rank file ``shard``, their rows at positions ``pos`` (all: ``None``);
+        ``None`` for a tensor the entry lacks. Remote with places in the index: the byte ranges of those rows
+        only, every key's in one batch of ranged reads."""
+        at = (self.index[shard].get(table) or {}).get("at") or {}
+        ranged = isinstance(self.dir, ObjectPath) and "weight" in at and \
+            all(k in at for k in keys if k != "momentum")  # no momentum place: the entry has none (SGD)
+        if not ranged:
+            e = self._file(shard)["tables"][table]
+            return [None if k not in e else e[k] if pos is None else e[k].index_select(0, torch.from_numpy(pos))
+                    for k in keys]
+        places = [at.get(k) for k in keys]
+        some = next(a for a in places if a is not None)
+        pos = np.arange(some["shape"][0]) if pos is None else np.asarray(pos, dtype=np.int64)
+        order = np.argsort(pos, kind="stable")
+        sp = pos[order]
+        cut = np.flatnonzero(np.diff(sp) > 1) + 1  # runs of neighbouring rows: one range each
+        lo = sp[np.concatenate([[0], cut])] if sp.size else sp
+        hi = sp[np.concatenate([cut - 1, [sp.size - 1]])] + 1 if sp.size else sp
+        starts, ends = [], []
+        for a in places:
+            if a is not None:
+                row = _nbytes({**a, "shape": [1, *a["shape"][1:]]})
+                starts += (a["offset"] + lo * row).tolist()
+                ends += (a["offset"] + hi * row).tolist()
+        parts = iter((self.dir / shard).read_ranges(starts, ends))
+        return [None if a is None else _rows_of(a, [next(parts) for _ in range(lo.size)], pos, order, sp)
+                for a in places]
+
     def _gather(self, table, shards, where_file, where_pos):
         weight = momentum = None
         for f in np.unique(where_file).tolist():
-            e = self._file(shards[f])["tables"][table]
             sel = np.flatnonzero(where_file == f)
-            idx = torch.from_numpy(where_pos[sel])
-            w = e["weight"].index_select(0, idx)
+            w, m = self._tensors(shards[f], table, ("weight", "momentum"), where_pos[sel])
             if weight is None:
                 weight = torch.empty((where_file.size, w.shape[1]), dtype=w.dtype)
-                momentum = torch.empty(where_file.size, dtype=e["momentum"].dtype) if "momentum" in e else None
+                momentum = torch.empty(where_file.size, dtype=m.dtype) if m is not None else None
             weight[torch.from_numpy(sel)] = w
             self.bytes_read += w.nbytes
             if momentum is not None:
-                m = e["momentum"].index_select(0, idx)
                 momentum[torch.from_numpy(sel)] = m
                 self.bytes_read += m.nbytes
         if weight is None:  # no rows asked for: empty, shaped as the table's entries
-            e = next((self._file(s)["tables"][table] for s in shards if (self.index[s].get(table) or {}).get("rows")),
-                     None)
-            if e is None:
+            s = next((s for s in shards if (self.index[s].get(table) or {}).get("rows")), None)
+            if s is None:
                 return torch.zeros((0, 0)), None
-            weight = e["weight"][:0].clone()
-            momentum = e["momentum"][:0].clone() if "momentum" in e else None
+            none = np.zeros(0, dtype=np.int64)
+            weight, momentum = self._tensors(s, table, ("weight", "momentum"), none)
         return weight, momentum
 
 

@@ -62,8 +62,8 @@ from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
 from embedscale.units import parse_bytes
-from embedscale.train.checkpoint import (delta_entry, is_delta, latest_checkpoint, read_manifest, read_shards,
-                                        resolve_checkpoint, table_pieces)
+from embedscale.train.checkpoint import (checkpoint_home, delta_entry, is_delta, latest_checkpoint, read_manifest,
+                                        read_shards, resolve_checkpoint, table_pieces)
 from embedscale.train.ckpt_rows import INDEX, RowReader
 from embedscale.train.run import RunState, param_names, table_entry
 from embedscale.train.persist import CheckpointParts, restore_parts, write_rank
@@ -198,7 +198,8 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
         _log(0, f"re-planning {run_dir} with {d.plan!r} for {world} ranks (was {rec['plan']!r} on "
                 f"{rec['world_size']})")
     kept = None  # a re-plan of a run with checkpoints: they re-shard by row id within a table's form only
-    if rec is not None and (plan_dir / "plan.json").exists() and latest_checkpoint(run_dir) is not None:
+    if rec is not None and (plan_dir / "plan.json").exists() and \
+            latest_checkpoint(checkpoint_home(run_dir, cfg.train.checkpoint_dir)) is not None:
         kept = Plan.load(plan_dir).forms
     plan = make_run_plan(cfg, data, tables, plan_dir, progress, checkpoint_forms=kept)
     atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
@@ -590,11 +591,11 @@ class DistributedRun:
             if rows.get(t.name) != t.num_rows:
                 raise FormatError(f"{ckpt_dir}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint "
                                   f"(tables {m['tables']}), {t.num_rows} in this model")
-        shards = read_shards(ckpt_dir, m)  # memory-mapped: the table rows below are read as they are taken
+        reader = RowReader(ckpt_dir, m) if INDEX in m and not is_delta(m) else None  # only this rank's rows
+        shards = read_shards(ckpt_dir, m, tables=reader is None)  # local: memory-mapped, rows read as taken
         base = self.embedding.amap.table_base
         gids, weights, moms = [], [], []
         adagrad = self.cfg.train.sparse_optimizer == "rowwise_adagrad" and not self.inference
-        reader = RowReader(ckpt_dir, m) if INDEX in m and not is_delta(m) else None  # only this rank's rows
         mine = np.sort(self.embedding.amap.storage_gids(self.rank)) if reader is not None else None
         for t, spec in enumerate(self.tables):
             if reader is not None:

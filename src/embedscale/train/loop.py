@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,8 @@ from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
 from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
 from embedscale.train.plots import plot_curves, plot_replans
-from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, step_dir, write_best
+from embedscale.storage import remove_tree
+from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, checkpoint_home, step_dir, write_best
 from embedscale.train.replan import read_replans
 from embedscale.train.run import Run, save_checkpoint
 
@@ -82,6 +82,7 @@ class LoopConfig:
     early_stopping_min_delta: float = 0.0
     keep_best: bool = True
     checkpoint_full_every: int = 0
+    checkpoint_dir: str = ""  # where checkpoints/ goes (a local path or an fsspec URI); "" = the run directory
     progressive_window: int = 100_000
 
     def __post_init__(self) -> None:
@@ -107,7 +108,8 @@ class LoopConfig:
                    lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
                    early_stopping_metric=t.early_stopping_metric,
                    early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
-                   checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window)
+                   checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window,
+                   checkpoint_dir=t.checkpoint_dir)
 
 
 def auto_epochs(loop: LoopConfig, steps_per_epoch: int, has_eval: bool) -> int:
@@ -193,6 +195,7 @@ class _Checkpoints:
         self.saved: dict | None = None  # the run position (early-stopping state included) last written
         self.periodic: set[int] = set()
         self.base: dict | None = None  # checkpoint_full_every: the full checkpoint deltas build on (base_ref)
+        self.home = checkpoint_home(run.run_dir, loop.checkpoint_dir)  # where checkpoints/ goes
 
     def save(self, periodic: bool = False) -> None:
         """Checkpoint the current step, unless this very position (early-stopping state included) has just
@@ -207,9 +210,9 @@ class _Checkpoints:
             full_every, base = self.loop.checkpoint_full_every, self.base
             if full_every and base is not None and base["base_step"] != step and \
                     step // full_every == base["base_step"] // full_every:
-                save_checkpoint(self.run, base=base, before_publish=self.metrics.write)
+                save_checkpoint(self.run, base=base, before_publish=self.metrics.write, home=self.home)
             else:
-                d = save_checkpoint(self.run, track=bool(full_every), before_publish=self.metrics.write)
+                d = save_checkpoint(self.run, track=bool(full_every), before_publish=self.metrics.write, home=self.home)
                 self.base = base_ref(d) if full_every else None
             self.saved = position
 
@@ -220,12 +223,12 @@ class _Checkpoints:
         self.save()
         if run.rank == 0:
             st = run.state
-            write_best(run.run_dir, st.step)
-            old = step_dir(run.run_dir, previous)
+            write_best(self.home, st.step)
+            old = step_dir(self.home, previous)
             if 0 <= previous < st.step and previous not in self.periodic and \
                     (not self.loop.checkpoint_every or previous % self.loop.checkpoint_every) and old.is_dir() \
-                    and old.name != (self.base or {}).get("base") and old.name not in bases_in_use(run.run_dir):
-                shutil.rmtree(old, ignore_errors=True)
+                    and old.name != (self.base or {}).get("base") and old.name not in bases_in_use(self.home):
+                remove_tree(old)
         run.barrier()
 
 
@@ -482,7 +485,7 @@ def _summary(run: Run, loop: LoopConfig, at: _Attempt, final: dict, warmup: int,
     if st.best_step >= 0:
         best = {"step": st.best_step, "metric": loop.early_stopping_metric, "value": st.best_value,
                 **{f"eval_{k}": v for k, v in st.best.items() if k != "samples"},
-                **({"checkpoint": str(best_pointer(run.run_dir))} if loop.keep_best else {})}
+                **({"checkpoint": str(best_pointer(ckpts.home))} if loop.keep_best else {})}
     summary = {
         "world_size": run.world, "steps": st.step, "samples": st.samples,
         "train_samples_per_s": at.trained / at.train_s if at.train_s else math.nan,

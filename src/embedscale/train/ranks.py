@@ -14,7 +14,7 @@ from pathlib import Path
 
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.specs import RunConfig
-from embedscale.train.checkpoint import latest_checkpoint, resolve_checkpoint
+from embedscale.train.checkpoint import checkpoint_home, latest_checkpoint, resolve_checkpoint
 from embedscale.train.distributed import DistributedRun, _log, join, serve_eval_split
 from embedscale.train.dmt_run import DMTRun, infer_dmt
 from embedscale.train.launch import leave_group
@@ -60,7 +60,8 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
         run: DistributedRun | DMTRun = DMTRun(cfg, rd, rank, world, progress, inputs=j.inputs)
     else:
         run = DistributedRun(cfg, rd, rank, world, progress, inputs=j.inputs)
-    ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(rd)
+    home = checkpoint_home(rd, cfg.train.checkpoint_dir)  # where checkpoints/ goes (train.checkpoint_dir)
+    ck = resolve_checkpoint(resume_from) if resume_from else latest_checkpoint(home)
     if ck is not None:
         run.restore(ck)  # (a run that re-plans live: onto the plan the checkpoint's step ran under)
         _log(rank, f"resumed from {ck} (step {run.state.step})")

@@ -9,7 +9,6 @@ tables included), a ``DistributedRun`` (sharded rows under any plan, TT/host mix
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Protocol, runtime_checkable
@@ -21,6 +20,7 @@ from torch import nn
 from embedscale.device import HOST
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import FormatError
+from embedscale.storage import remove_tree
 from embedscale.train.checkpoint import agree, assemble_table, begin, publish, step_dir, temp_dir, write_manifest
 
 EMBEDDING_PREFIX = "sparse_arch.embedding."  # model state under it: the tables (saved by row, not by module)
@@ -121,13 +121,14 @@ class Run(Protocol):
 
 
 def save_checkpoint(run: Run, base: dict | None = None, track: bool = False,
-                    before_publish: Callable[[], None] | None = None) -> Path:
+                    before_publish: Callable[[], None] | None = None, home=None) -> Path:
     """``checkpoints/step-N/``: every rank writes its file, then rank 0 the manifest (the checkpoint is complete
     only once every rank file is), all in a temporary directory renamed into place at the end; a failed part is
     one error for every rank and leaves nothing (``checkpoint.agree``). ``base`` (``checkpoint.base_ref``): a
     delta checkpoint against that full one; ``track``: a full one that deltas will follow (``Run.save``);
-    ``before_publish``: what rank 0 writes beside it (``metrics.csv``), a failure of it failing the checkpoint."""
-    d = step_dir(run.run_dir, run.state.step)
+    ``before_publish``: what rank 0 writes beside it (``metrics.csv``), a failure of it failing the checkpoint;
+    ``home``: where ``checkpoints/`` goes (``checkpoint.checkpoint_home``; the run directory by default)."""
+    d = step_dir(run.run_dir if home is None else home, run.state.step)
     tmp = temp_dir(d)
     fields: dict = {}
 
@@ -139,7 +140,7 @@ def save_checkpoint(run: Run, base: dict | None = None, track: bool = False,
             raise
         except BaseException:  # a stop signal (every rank gets one): leave nothing half-written
             if run.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                remove_tree(tmp)
             raise
         agree(run.rank, run.world, d, None)
 

@@ -29,8 +29,9 @@ from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.loop import PipelinedLoader
 from embedscale.embedding.managed_lookup import managed_of
 from embedscale.reorder import Reordering, TableReordering
-from embedscale.train.checkpoint import (delta_entry, latest_checkpoint, load_managed, merged, rank0, read_manifest,
-                                        read_shards, resolve_checkpoint)
+from embedscale.storage import location
+from embedscale.train.checkpoint import (checkpoint_home, delta_entry, latest_checkpoint, load_managed, merged, rank0,
+                                        read_manifest, read_shards, resolve_checkpoint)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
@@ -210,7 +211,7 @@ class Trainer:
     def restore(self, ckpt_dir: Path) -> None:
         """Restore a checkpoint of any world size (rows by table and row id), a delta included (its base
         under it), and the run position."""
-        ckpt_dir = Path(ckpt_dir)
+        ckpt_dir = location(ckpt_dir)  # a local path or a remote one (embedscale.storage)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != self.fields["kind"]:
             raise FormatError(f"{ckpt_dir}: written by a {m.get('kind')!r} model, this run trains a "
@@ -228,7 +229,7 @@ class Trainer:
     # -- entry points ---------------------------------------------------------------------------
     def resume(self, path: str | Path | None = None) -> bool:
         """Restore from ``path`` or the latest checkpoint in the run dir; False if there is none."""
-        path = Path(path) if path else latest_checkpoint(self.run_dir)
+        path = path if path else latest_checkpoint(checkpoint_home(self.run_dir, self.loop.checkpoint_dir))
         if path is None:
             return False
         self.restore(path)
