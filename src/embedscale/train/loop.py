@@ -37,6 +37,7 @@ from embedscale.data.stream import StreamLoader
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
+from embedscale.models.dlrm import calibrate_logits
 from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
 from embedscale.train.plots import plot_curves, plot_replans
 from embedscale.train.checkpoint import base_ref, bases_in_use, best_pointer, step_dir, write_best
@@ -66,6 +67,9 @@ class LoopConfig:
     checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
         of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
     progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
+    calibrate: at every new best evaluation, compose the Platt scaling of the eval split's logits (``platt_scale``,
+        ``platt_shift`` of the figures) into the model's ``LogitCalibration`` before the best checkpoint is
+        written (inference only: training sees raw logits); the best's recorded figures are the calibrated ones.
     """
 
     epochs: int = 1
@@ -83,6 +87,7 @@ class LoopConfig:
     keep_best: bool = True
     checkpoint_full_every: int = 0
     progressive_window: int = 100_000
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.early_stopping_metric not in MONITORED:
@@ -107,7 +112,8 @@ class LoopConfig:
                    lr_warmup_fraction=t.lr_warmup_fraction, early_stopping_patience=t.early_stopping_patience,
                    early_stopping_metric=t.early_stopping_metric,
                    early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
-                   checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window)
+                   checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window,
+                   calibrate=t.calibrate)
 
 
 def auto_epochs(loop: LoopConfig, steps_per_epoch: int, has_eval: bool) -> int:
@@ -239,6 +245,9 @@ def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -
         previous = st.best_step
         st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
         st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
+        if loop.calibrate and getattr(run, "model", None) is not None and "platt_scale" in figures:
+            if calibrate_logits(run.model, figures["platt_scale"], figures["platt_shift"]):  # before it is saved
+                st.best.update({k: st.eval[f"platt_{k}"] for k in ("logloss", "ne", "calibration")})
         if loop.keep_best:
             ckpts.new_best(previous)
     else:
