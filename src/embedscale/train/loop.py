@@ -69,7 +69,8 @@ class LoopConfig:
     progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
     calibrate: at every new best evaluation, compose the Platt scaling of the eval split's logits (``platt_scale``,
         ``platt_shift`` of the figures) into the model's ``LogitCalibration`` before the best checkpoint is
-        written (inference only: training sees raw logits); the best's recorded figures are the calibrated ones.
+        written (inference only: training sees raw logits); that evaluation's recorded figures (the best's, the
+        summary's) become the calibrated ones, what its checkpoint predicts (``metrics.csv`` keeps the raw ones).
     """
 
     epochs: int = 1
@@ -244,10 +245,11 @@ def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -
     if improved(loop, value, st.best_value):
         previous = st.best_step
         st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
-        st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
         if loop.calibrate and getattr(run, "model", None) is not None and "platt_scale" in figures:
             if calibrate_logits(run.model, figures["platt_scale"], figures["platt_shift"]):  # before it is saved
-                st.best.update({k: st.eval[f"platt_{k}"] for k in ("logloss", "ne", "calibration")})
+                st.eval.update({k: st.eval[f"platt_{k}"] for k in ("logloss", "ne", "calibration")})
+                st.best_value = float(st.eval[loop.early_stopping_metric])  # later evaluations are calibrated
+        st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
         if loop.keep_best:
             ckpts.new_best(previous)
     else:
