@@ -1,43 +1,48 @@
 """DLRM and DCN at the library's defaults against a logistic regression, on public click logs.
 
-What a new user gets: each log goes through the README's path with no tuning flag (``embedscale data ...``
-with its defaults, then ``embedscale train --data-source shards --data-path DATASET``, here through the same
-Python API: ``workflow.train`` on ``load_config`` with only the data, the arch and the seed set). The figures
-are the eval split's, scored by the checkpoint ``checkpoints/best`` points to (what ``embedscale evaluate
-RUN`` scores). The baseline, fitted in the same run on the same split and the same encoded ids, is
-scikit-learn's ``LogisticRegression`` at its defaults (``C=1``, lbfgs; ``max_iter=1000``) on the one-hot
-encoding of every categorical feature plus the dense features standardised on the training rows. AUC and
-logloss of all models from ``embedscale.data.metrics``; the seeds are interleaved (each seed runs every
-model, the baseline is deterministic and fitted once per log).
+What a new user gets: each log comes as a training file and a test file and goes through the README's path
+with no tuning flag (``embedscale data ... --test TEST`` with its defaults, then ``embedscale train
+--data-source shards --data-path DATASET``, here through the same Python API: ``workflow.train`` on
+``load_config`` with only the data, the arch and the seed set, then ``embedscale evaluate RUN --split test``).
+Training holds out the last ``data.eval_fraction`` (0.2) of the training file as its eval split: early
+stopping and ``checkpoints/best`` see only that split; the figures are the test split's, scored by the best
+checkpoint, which no decision of the training has seen. The baseline, fitted in the same run on the same
+encoded ids, is scikit-learn's ``LogisticRegression`` at its defaults (``C=1``, lbfgs; ``max_iter=1000``) on
+the one-hot encoding of every categorical feature plus the dense features standardised on its training rows;
+it needs no eval split, so it is fitted on the whole training file (the eval split's rows included: the form a
+user would fit) and scored on the same test split (``baseline``); the same fit on the model's training split
+alone is reported beside it (``baseline_same_rows``). AUC and logloss of all models from
+``embedscale.data.metrics``; the seeds are interleaved (each seed runs every model, the baseline is
+deterministic and fitted once per log).
 
 The logs (none is in the repository; give their paths, a log whose files are absent is skipped with a
 message):
 
 - ``criteo``: the first 10,000 rows of the Criteo Kaggle Display Advertising Challenge log
-  (``criteo_kaggle_head10k.tsv``; label, 13 integer and 26 categorical fields). The first 8,000 train, the
-  last 2,000 evaluate (the default ``data.eval_fraction: 0.2``, file order), as in the README.
+  (``criteo_kaggle_head10k.tsv``; label, 13 integer and 26 categorical fields). The first 8,000 rows are the
+  training file (6,400 train, the last 1,600 the eval split), the last 2,000 the test file.
 - ``avazu``: 8,998 rows of the Avazu CTR log (Kaggle "Click-Through Rate Prediction", 21 categorical fields
   and the hour) as sampled in github.com/Lapis-Hong/Wide-ResDNN, ``data/avazu/train.csv`` (8,087 rows: the
-  training file) and ``data/avazu/dev.csv`` + ``data/avazu/test.csv`` (911 rows: the eval files; they have
+  training file) and ``data/avazu/dev.csv`` + ``data/avazu/test.csv`` (911 rows: the test files; they have
   no header line, so this script gives copies of them the training file's). Read by the Avazu preset
-  (``embedscale data avazu --train ... --eval ... --eval ...``).
+  (``embedscale data avazu --train ... --test ... --test ...``).
 - ``frappe``: the frappe app-usage log (Baltrunas et al. 2015, arXiv:1505.03014; 10 categorical context
   fields, 2 sampled negatives per positive) in libFM format as distributed with github.com/hexiangnan/
-  neural_factorization_machine, ``data/frappe/frappe.validation.libfm`` (57,721 rows: trained on) and
-  ``frappe.test.libfm`` (28,860 rows: the eval file); no dense features. Every row lists one index per field
+  neural_factorization_machine, ``data/frappe/frappe.validation.libfm`` (57,722 rows: the training file) and
+  ``frappe.test.libfm`` (28,860 rows: the test file); no dense features. Every row lists one index per field
   in field order, so this script writes it as a CSV of one categorical column per field (``f0``..``f9``,
   label 0/1) and reads it with ``embedscale data table --label label --sparse f0,...,f9``: the libFM reader of
   ``embedscale data table --format libfm`` reads the field-aware ``label field:index:value`` form.
 
     .venv/bin/python benchmarks/bench_vs_logreg.py --criteo ../shared/data/criteo_kaggle_head10k.tsv \\
-        --avazu-train avazu/train.csv --avazu-eval avazu/dev.csv --avazu-eval avazu/test.csv \\
-        --frappe-train frappe.validation.libfm --frappe-eval frappe.test.libfm --seeds 0 1 2 --jobs 6
+        --avazu-train avazu/train.csv --avazu-test avazu/dev.csv --avazu-test avazu/test.csv \\
+        --frappe-train frappe.validation.libfm --frappe-test frappe.test.libfm --seeds 0 1 2 --jobs 2
 
 ``--jobs N`` trains N models at a time (separate processes; the figures are AUC and logloss, never timings).
 ``--set`` and ``--data-flag`` leave the defaults, for exploring only; the bar is measured without them.
 
-Prints one JSON line per log and model on stdout (figure: our median eval AUC; baseline: the LR's; the
-differences in AUC and logloss; every seed's figures; load; config); progress on stderr.
+Prints one JSON line per log and model on stdout (figure: our median test AUC; baseline: the LR's; the
+differences in AUC and logloss; every seed's figures, the eval split's too; load; config); progress on stderr.
 """
 
 from __future__ import annotations
@@ -114,33 +119,44 @@ def with_header(path: str, like: str, tmp: Path) -> str:
     return str(tmp)
 
 
+def split_file(src: str, train_rows: int, tmp: Path) -> tuple[str, str]:
+    """The first ``train_rows`` lines of ``src`` as a training file, the rest as a test file (in ``tmp``)."""
+    tr, te = tmp / ("train-" + Path(src).name), tmp / ("test-" + Path(src).name)
+    with open(src) as f, open(tr, "w") as a, open(te, "w") as b:
+        for n, line in enumerate(f):
+            (a if n < train_rows else b).write(line)
+    return str(tr), str(te)
+
+
 def prepare(name: str, args, tmp: Path) -> Path | None:
-    """The log ``name`` encoded by ``embedscale data`` at its defaults; None when its files are absent."""
+    """The log ``name`` encoded by ``embedscale data`` at its defaults (a training file and ``--test``
+    files); None when its files are absent."""
     out = tmp / f"data-{name}"
     if name == "criteo":
         if not args.criteo or not Path(args.criteo).exists():
             log(f"criteo: skipped, {args.criteo or '--criteo'} not found")
             return None
-        embedscale_cli("data", "criteo", args.criteo, "--out", str(out), "--no-progress", *args.data_flags)
+        tr, te = split_file(args.criteo, args.criteo_train_rows, tmp)
+        embedscale_cli("data", "criteo", tr, "--test", te, "--out", str(out), "--no-progress", *args.data_flags)
     elif name == "avazu":
-        files = [args.avazu_train, *args.avazu_eval]
-        if not args.avazu_train or not args.avazu_eval or not all(Path(p).exists() for p in files):
+        files = [args.avazu_train, *args.avazu_test]
+        if not args.avazu_train or not args.avazu_test or not all(Path(p).exists() for p in files):
             log(f"avazu: skipped, files not found ({files})")
             return None
-        evals = [a for i, p in enumerate(args.avazu_eval) for a in ("--eval", with_header(p, args.avazu_train,
-                                                                                       tmp / f"avazu-eval{i}.csv"))]
-        embedscale_cli("data", "avazu", "--train", args.avazu_train, *evals, "--out", str(out), "--no-progress",
+        tests = [a for i, p in enumerate(args.avazu_test) for a in ("--test", with_header(p, args.avazu_train,
+                                                                                       tmp / f"avazu-test{i}.csv"))]
+        embedscale_cli("data", "avazu", "--train", args.avazu_train, *tests, "--out", str(out), "--no-progress",
                        *args.data_flags)
     elif name == "frappe":
-        files = [args.frappe_train, args.frappe_eval]
+        files = [args.frappe_train, args.frappe_test]
         if not all(p and Path(p).exists() for p in files):
             log(f"frappe: skipped, files not found ({files})")
             return None
-        tr, ev = tmp / "frappe-train.csv", tmp / "frappe-eval.csv"
+        tr, te = tmp / "frappe-train.csv", tmp / "frappe-test.csv"
         frappe_csv(Path(args.frappe_train), tr)
-        frappe_csv(Path(args.frappe_eval), ev)
+        frappe_csv(Path(args.frappe_test), te)
         sparse = ",".join(f"f{i}" for i in range(10))
-        embedscale_cli("data", "table", "--train", str(tr), "--eval", str(ev), "--label", "label", "--sparse",
+        embedscale_cli("data", "table", "--train", str(tr), "--test", str(te), "--label", "label", "--sparse",
                        sparse, "--out", str(out), "--no-progress", *args.data_flags)
     return out
 
@@ -157,34 +173,62 @@ def columns(split):
     return y[split.start:split.stop], d[split.start:split.stop], s[split.start:split.stop]
 
 
-def logistic_regression(dataset: Path) -> dict:
-    """scikit-learn ``LogisticRegression`` (defaults, ``max_iter=1000``) on one-hot ids + standardised dense."""
+def _fit_lr(train_parts, test) -> dict:
+    """scikit-learn ``LogisticRegression`` (defaults, ``max_iter=1000``) on one-hot ids + standardised dense,
+    fitted on the rows of ``train_parts`` (split columns), scored on ``test``'s."""
     from scipy import sparse as sp
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import OneHotEncoder
 
-    data = split_existing(dataset, load_config().data.eval_fraction)  # the splits training uses
-    (ytr, dtr, s_tr), (yev, dev, s_ev) = columns(data.train), columns(data.eval)
+    ytr, dtr, s_tr = (np.concatenate(c) for c in zip(*train_parts))
+    yte, dte, s_te = test
     enc = OneHotEncoder(handle_unknown="ignore")
     mu, sd = dtr.mean(0), dtr.std(0) + 1e-6
     xtr = sp.hstack([enc.fit_transform(s_tr), sp.csr_matrix((dtr - mu) / sd)]).tocsr()
-    xev = sp.hstack([enc.transform(s_ev), sp.csr_matrix((dev - mu) / sd)]).tocsr()
+    xte = sp.hstack([enc.transform(s_te), sp.csr_matrix((dte - mu) / sd)]).tocsr()
     t0 = time.perf_counter()
-    p = LogisticRegression(max_iter=1000).fit(xtr, ytr).predict_proba(xev)[:, 1]
-    return {"auc": roc_auc(yev, p), "logloss": logloss(yev, p), "seconds": time.perf_counter() - t0,
-            "train_rows": len(ytr), "eval_rows": len(yev)}
+    p = LogisticRegression(max_iter=1000).fit(xtr, ytr).predict_proba(xte)[:, 1]
+    return {"auc": roc_auc(yte, p), "logloss": logloss(yte, p), "seconds": time.perf_counter() - t0,
+            "train_rows": len(ytr), "test_rows": len(yte)}
+
+
+def logistic_regression(dataset: Path) -> tuple[dict, dict]:
+    """The baseline on the test split: fitted on the whole training file (train and eval splits), and on the
+    model's training split alone."""
+    data = split_existing(dataset, load_config().data.eval_fraction)  # the splits training uses
+    if data.test is None or data.eval is None:
+        sys.exit(f"{dataset}: the bench needs a test split and an eval split")
+    train, ev, test = columns(data.train), columns(data.eval), columns(data.test)
+    return _fit_lr([train, ev], test), _fit_lr([train], test)
+
+
+def evaluate_test(run_dir: Path) -> dict:
+    """``embedscale evaluate RUN --split test --json``: the run's best checkpoint on the test split."""
+    cmd = [sys.executable, "-m", "embedscale", "evaluate", str(run_dir), "--split", "test", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    if r.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    m = json.loads(r.stdout.strip().splitlines()[-1])
+    if m.get("chosen") != "best":
+        sys.exit(f"{run_dir}: evaluate scored the {m.get('chosen')} checkpoint, not the best")
+    return m
 
 
 def run_model(dataset: Path, arch: str, seed: int, sets: dict, root: Path) -> dict:
-    """``embedscale train --data-source shards --data-path DATASET`` (``--model-arch``, ``--train-seed``)."""
+    """``embedscale train --data-source shards --data-path DATASET`` (``--model-arch``, ``--train-seed``), then
+    its best checkpoint on the test split."""
     over = {"data.source": "shards", "data.path": str(dataset), "model.arch": arch, "train.seed": seed,
             "out_dir": str(root), **sets}
     cfg = load_config(None, over)
     t0 = time.perf_counter()
-    s = train(cfg, root / f"{dataset.name}-{arch}-{seed}", progress=False)
+    run_dir = root / f"{dataset.name}-{arch}-{seed}"
+    s = train(cfg, run_dir, progress=False)
     best = s.get("best") or {}
-    return {"auc": best.get("eval_auc", s["eval_auc"]), "logloss": best.get("eval_logloss", s["eval_logloss"]),
-            "best_step": best.get("step"), "steps": s["steps"], "stopped_early": s.get("stopped_early"),
+    test = evaluate_test(run_dir)
+    return {"auc": test["auc"], "logloss": test["logloss"], "calibration": test.get("calibration"),
+            "eval_auc": best.get("eval_auc", s["eval_auc"]),
+            "eval_logloss": best.get("eval_logloss", s["eval_logloss"]), "best_step": best.get("step"),
+            "test_step": test["step"], "steps": s["steps"], "stopped_early": s.get("stopped_early"),
             "seconds": time.perf_counter() - t0}
 
 
@@ -200,9 +244,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--criteo", default=str(ROOT.parent / "shared/data/criteo_kaggle_head10k.tsv"))
     ap.add_argument("--avazu-train")
-    ap.add_argument("--avazu-eval", action="append", default=[])
+    ap.add_argument("--criteo-train-rows", type=int, default=8000, help="the Criteo rows of the training file")
+    ap.add_argument("--avazu-test", action="append", default=[])
     ap.add_argument("--frappe-train")
-    ap.add_argument("--frappe-eval")
+    ap.add_argument("--frappe-test")
     ap.add_argument("--logs", nargs="+", default=["criteo", "avazu", "frappe"])
     ap.add_argument("--archs", nargs="+", default=["dlrm", "dcn"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -211,16 +256,19 @@ def main() -> None:
                     help="a config override (not the defaults: for exploring only)")
     ap.add_argument("--data-flag", dest="data_flags", action="append", default=[], metavar="FLAG",
                     help="a flag for `embedscale data` (not the defaults: for exploring only)")
+    ap.add_argument("--work", default=None, help="keep the datasets and runs in this (new) directory")
     args = ap.parse_args()
     sets = parse_sets(args.sets)
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
+        if args.work:
+            Path(args.work).mkdir(parents=True)
+        tmp = Path(args.work or tmp)
         for name in args.logs:
             dataset = prepare(name, args, tmp)
             if dataset is None:
                 continue
-            lr = logistic_regression(dataset)
-            log(f"{name} lr {json.dumps(lr)}")
+            lr, lr_same = logistic_regression(dataset)
+            log(f"{name} lr {json.dumps(lr)} (on the model's training split alone: {json.dumps(lr_same)})")
             runs: dict = {a: [] for a in args.archs}
             jobs = [(a, seed) for seed in args.seeds for a in args.archs]  # interleaved: each seed runs every model
             with concurrent.futures.ProcessPoolExecutor(max(1, args.jobs)) as pool:
@@ -233,12 +281,13 @@ def main() -> None:
                 ll = statistics.median(r["logloss"] for r in runs[a])
                 aucs = [r["auc"] for r in runs[a]]
                 print(json.dumps({
-                    "figure": f"{name}: {a} eval AUC at the defaults (median of {len(args.seeds)} seeds)",
+                    "figure": f"{name}: {a} test AUC at the defaults (median of {len(args.seeds)} seeds)",
                     "log": name, "model": a, "value": auc, "baseline": lr["auc"], "ratio": auc / lr["auc"],
                     "auc_diff": auc - lr["auc"], "logloss": ll, "baseline_logloss": lr["logloss"],
                     "logloss_diff": ll - lr["logloss"], "median": auc,
                     "p90": float(np.percentile(aucs, 90)), "bar_met": auc - lr["auc"] >= 0.005
-                    and ll <= lr["logloss"], "runs": runs[a], "baseline_run": lr, "load_avg": os.getloadavg(),
+                    and ll <= lr["logloss"], "runs": runs[a], "baseline_run": lr, "baseline_same_rows": lr_same,
+                    "load_avg": os.getloadavg(),
                     "config": {"sets": sets, "data_flags": args.data_flags, "seeds": args.seeds,
                                "threads": torch.get_num_threads(), "jobs": args.jobs}}), flush=True)
 

@@ -28,6 +28,7 @@ def test_defaults_are_auto():
     t = TrainConfig()
     assert t.batch_size == 0 and t.epochs == 0 and t.early_stopping_patience > 0
     assert RunConfig().data.categorical == "auto" and RunConfig().model.first_order
+    assert t.calibrate and t.lr_dense == 0.01  # Platt scaling of the best checkpoint; torch's Adagrad default
 
 
 @pytest.mark.parametrize("epochs,steps,batch,has_eval,expected", [

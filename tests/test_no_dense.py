@@ -43,7 +43,7 @@ def config(tmp_path, data_dir, arch) -> RunConfig:
         "data": {"source": "shards", "path": str(data_dir), "eval_fraction": 0.2},
         "model": {"arch": arch, "embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8], "cross_layers": 2},
         "train": {"batch_size": 40, "max_steps": 12, "lr_dense": 0.05, "lr_sparse": 0.2, "dropout": 0.0,
-                  "prefetch": 0, "eval_every": 0},
+                  "prefetch": 0, "eval_every": 0, "calibrate": False},  # the raw logit (the CLI test: calibrated)
     })
 
 
@@ -89,10 +89,13 @@ def logit_by_hand(ck: dict, arch: str, sample: np.ndarray) -> float:
     return mlp_by_hand(dense, "over_arch.model.", x) + wide
 
 
-def logloss_by_hand(ck, arch, y, x) -> float:
+def logloss_by_hand(ck, arch, y, x, calibrated: bool = False) -> float:
+    """``calibrated``: the logit's Platt scaling ``a z + b`` of the checkpoint (``calibration.scale_shift``) applied,
+    as the model predicts at inference."""
+    a, b = ck["dense"]["calibration.scale_shift"].double().tolist() if calibrated else (1.0, 0.0)
     total = 0.0
     for label, sample in zip(y, x):
-        p = 1.0 / (1.0 + math.exp(-logit_by_hand(ck, arch, sample)))
+        p = 1.0 / (1.0 + math.exp(-(a * logit_by_hand(ck, arch, sample) + b)))
         total -= math.log(p) if label else math.log(1.0 - p)
     return total / len(y)
 
@@ -129,7 +132,7 @@ def test_cli_trains_and_evaluates_a_log_without_dense_features(tmp_path, data_di
     ck = load_checkpoint(rd)
     y, x = eval_rows(data_dir)
     logloss = next(v for k, v in _flat(out) if k.endswith("logloss"))
-    assert logloss == pytest.approx(logloss_by_hand(ck, "dlrm", y, x), abs=1e-5)
+    assert logloss == pytest.approx(logloss_by_hand(ck, "dlrm", y, x, calibrated=True), abs=1e-5)
 
 
 def _flat(d, prefix=""):

@@ -83,12 +83,14 @@ def test_cli_train_writes_the_run_directory(tmp_path, data_dir):
     assert r2.exit_code == 0, r2.output
     got = json.loads(r2.output.strip().splitlines()[-1])
     assert got["step"] == summary["steps"] and got["checkpoint"] == str(ck)
-    assert abs(got["auc"] - summary["eval_auc"]) < 1e-9 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-9
+    # logloss: a best evaluation's figure is that of its logits Platt-scaled in float64 (train.calibrate), the
+    # checkpoint applies the map in float32
+    assert abs(got["auc"] - summary["eval_auc"]) < 1e-9 and abs(got["logloss"] - summary["eval_logloss"]) < 1e-7
     r2 = CliRunner().invoke(main, ["evaluate", str(rd), "--json"])  # a run directory: its best evaluation's
     assert r2.exit_code == 0, r2.output
     got, best = json.loads(r2.output.strip().splitlines()[-1]), summary["best"]
     assert got["step"] == best["step"] and abs(got["auc"] - best["eval_auc"]) < 1e-9
-    assert abs(got["logloss"] - best["eval_logloss"]) < 1e-9
+    assert abs(got["logloss"] - best["eval_logloss"]) < 1e-7
     r3 = CliRunner().invoke(main, ["infer", str(rd), "--run-dir", str(tmp_path / "served"), "--no-progress", "--json"])
     assert r3.exit_code == 0, r3.output
     got = json.loads(r3.output.strip().splitlines()[-1])

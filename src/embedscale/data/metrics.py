@@ -20,6 +20,12 @@ One-class inputs (no positive or no negative sample, or an empty split) leave AU
 are **NaN by definition**, never an error, so an evaluation on an unlucky batch still reports its logloss.
 Calibration is NaN when there is no positive (observed CTR 0). Weights must be finite and >= 0 with a
 positive sum (``ValueError`` otherwise).
+
+Platt scaling (Platt 1999, "Probabilistic outputs for support vector machines", section 2; the "Platt
+scaling" of Guo et al. 2017, "On calibration of modern neural networks", section 4.2): the ``(a, b)`` that
+minimise the weighted logloss of ``sigmoid(a z + b)`` over the split's logits ``z`` (``platt_scaling``);
+``binary_metrics`` reports them as ``platt_scale`` and ``platt_shift``. With ``a > 0`` the map keeps the
+order of the scores (AUC unchanged) and moves only the probabilities.
 """
 
 from __future__ import annotations
@@ -123,17 +129,64 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray, weights=None) -> float:
     return float(np.sum(pos * (neg_below + 0.5 * neg)) / (w_pos_total * w_neg_total))
 
 
+def _platt_loss(y, z, w, a: float, b: float) -> float:
+    t = a * z + b
+    return float(np.sum(w * (np.logaddexp(0.0, t) - y * t)) / w.sum())
+
+
+def platt_scaling(labels: np.ndarray, logits: np.ndarray, weights=None, iters: int = 50) -> tuple[float, float]:
+    """The Platt scaling ``(a, b)`` of a split's logits (module docstring): Newton's method on the weighted
+    mean logloss of ``sigmoid(a z + b)`` from ``(1, 0)``, each step halved until the loss does not rise (the
+    loss is convex in ``(a, b)``). ``(1.0, 0.0)`` (no change) when it is not defined: an empty or one-class
+    split, or a fit whose ``a`` is not positive (it would reverse the scores' order)."""
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    z = np.asarray(logits, dtype=np.float64).ravel()
+    w = _weights(weights, y.size)
+    if not y.size or not (0.0 < np.sum(w * y) < w.sum()) or not np.isfinite(z).all():
+        return 1.0, 0.0
+    a, b = 1.0, 0.0
+    loss = _platt_loss(y, z, w, a, b)
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-(a * z + b)))
+        r, h = w * (p - y), w * p * (1.0 - p)
+        grad = np.array([np.sum(r * z), np.sum(r)])
+        hess = np.array([[np.sum(h * z * z), np.sum(h * z)], [np.sum(h * z), np.sum(h)]])
+        try:
+            step = np.linalg.solve(hess + 1e-12 * hess.trace() * np.eye(2), grad)
+        except np.linalg.LinAlgError:
+            break
+        t = 1.0
+        while t > 1e-6 and _platt_loss(y, z, w, a - t * step[0], b - t * step[1]) > loss:
+            t *= 0.5
+        if t <= 1e-6:
+            break
+        a, b = a - t * step[0], b - t * step[1]
+        new = _platt_loss(y, z, w, a, b)
+        if loss - new <= 1e-13 * max(1.0, loss):
+            loss = new
+            break
+        loss = new
+    return (float(a), float(b)) if a > 0 and np.isfinite(a) and np.isfinite(b) else (1.0, 0.0)
+
+
 def binary_metrics(labels: np.ndarray, logits: np.ndarray, weights=None) -> dict:
     """Every figure of an evaluation from the model's logits: ``logloss``, ``auc``, ``ne``, ``calibration``,
-    ``samples`` and ``positive_rate`` (the observed CTR)."""
+    ``samples``, ``positive_rate`` (the observed CTR), the Platt scaling ``platt_scale``, ``platt_shift`` of
+    the logits (:func:`platt_scaling`) and the logloss, NE and calibration of the scaled logits
+    (``platt_logloss``, ``platt_ne``, ``platt_calibration``)."""
     y = np.asarray(labels, dtype=np.float64).ravel()
     z = np.asarray(logits, dtype=np.float64).ravel()
     p = 1.0 / (1.0 + np.exp(-z))
     w = _weights(weights, y.size)
+    a, b = platt_scaling(y, z, weights)
+    zc = z * a + b  # the scaled logits: their logloss, NE and calibration as platt_*
     return {"logloss": logloss_from_logits(y, z, weights), "auc": roc_auc(y, z, weights),
             "ne": normalized_entropy(y, z, weights, logits=True), "calibration": calibration(y, p, weights),
-            "samples": int(y.size), "positive_rate": float(np.sum(w * y) / w.sum()) if y.size else NAN}
+            "samples": int(y.size), "positive_rate": float(np.sum(w * y) / w.sum()) if y.size else NAN,
+            "platt_scale": a, "platt_shift": b, "platt_logloss": logloss_from_logits(y, zc, weights),
+            "platt_ne": normalized_entropy(y, zc, weights, logits=True),
+            "platt_calibration": calibration(y, 1.0 / (1.0 + np.exp(-zc)), weights)}
 
 
 __all__ = ["base_entropy", "binary_metrics", "calibration", "logloss", "logloss_from_logits", "normalized_entropy",
-           "roc_auc"]
+           "platt_scaling", "roc_auc"]

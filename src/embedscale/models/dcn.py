@@ -26,8 +26,8 @@ from torch import nn
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.errors import ConfigError, InputError
-from embedscale.models.dlrm import (DenseArch, FirstOrder, OverArch, SparseArch, _check_dense, _check_num_dense,
-                                    dense_parameters)
+from embedscale.models.dlrm import (DenseArch, FirstOrder, LogitCalibration, OverArch, SparseArch, _check_dense,
+                                    _check_num_dense, dense_parameters)
 
 __all__ = ["DCN", "CrossNet"]
 
@@ -166,6 +166,7 @@ class DCN(nn.Module):
         self.over_arch = OverArch(self.cross_net.in_features, list(top_mlp), device=device)
         self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
                             if first_order else None)
+        self.calibration = LogitCalibration(device=device)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
@@ -182,7 +183,7 @@ class DCN(nn.Module):
         logit = self.over_arch(self.cross_net(x0)).squeeze(-1)
         if self.first_order is not None:
             logit = logit + self.first_order(pooled, dense)
-        return logit
+        return self.calibration(logit)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """All parameters but the embedding module's (for a separate dense optimizer)."""

@@ -34,6 +34,7 @@ __all__ = [
     "DenseArch",
     "FirstOrder",
     "InteractionArch",
+    "LogitCalibration",
     "OverArch",
     "SparseArch",
     "check_dropout",
@@ -283,6 +284,44 @@ class FirstOrder(nn.Module):
         if self.dense is not None:
             out = out + dense @ self.dense
         return out
+
+
+class LogitCalibration(nn.Module):
+    """Platt scaling of the logit at inference: ``a z + b`` (Platt 1999, section 2; Guo et al. 2017, section
+    4.2), identity while training. The loop fits ``(a, b)`` on the eval split's logits at every new best
+    evaluation (``train.calibrate``, ``data.metrics.platt_scaling``) and composes it into this map before the
+    best checkpoint is written, so every checkpoint, export and server of the model predicts calibrated
+    probabilities; ``a > 0`` keeps the ranking (AUC) as it is. Stored as the buffer ``scale_shift = [a, b]``
+    (``[1, 0]``: no change; a checkpoint without it loads as that).
+
+        >>> import torch
+        >>> cal = LogitCalibration().eval()
+        >>> cal.compose(0.5, 1.0)
+        >>> cal(torch.tensor([2.0, -2.0])).tolist()
+        [2.0, 0.0]
+    """
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.register_buffer("scale_shift", torch.tensor([1.0, 0.0], device=device))
+
+    def compose(self, a: float, b: float) -> None:
+        """Apply ``z -> a z + b`` after the present map: ``[a0, b0]`` becomes ``[a a0, a b0 + b]``."""
+        a0, b0 = (float(v) for v in self.scale_shift.double())
+        self.scale_shift.copy_(torch.tensor([a * a0, a * b0 + b], dtype=torch.float64))
+
+    def forward(self, logit: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return logit
+        return logit * self.scale_shift[0] + self.scale_shift[1]
+
+
+def calibrate_logits(model: nn.Module, a: float, b: float) -> int:
+    """Compose the Platt scaling ``(a, b)`` into every :class:`LogitCalibration` of ``model``; returns how many."""
+    found = [m for m in model.modules() if isinstance(m, LogitCalibration)]
+    for m in found:
+        m.compose(a, b)
+    return len(found)
 
 
 class DenseArch(nn.Module):
@@ -609,6 +648,7 @@ class DLRM(nn.Module):
         self.over_arch = OverArch(self.inter_arch.output_dim(embedding_dim), list(top_mlp), device=device)
         self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
                             if first_order else None)
+        self.calibration = LogitCalibration(device=device)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
@@ -626,7 +666,7 @@ class DLRM(nn.Module):
         logit = self.over_arch(self.inter_arch(dense_out, sparse_out)).squeeze(-1)
         if self.first_order is not None:
             logit = logit + self.first_order(pooled, dense)
-        return logit
+        return self.calibration(logit)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """All parameters but the embedding module's (for a separate dense optimizer)."""

@@ -178,6 +178,8 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
     model = build_model(ModelConfig(**m["model"]), specs, int(m["num_dense"]), embedding=emb)
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
     dense = {k[len("dense."):]: v for k, v in w.items() if k.startswith("dense.")}
+    # an export written before the logit calibration predicts uncalibrated (the map's identity)
+    own = {k: v for k, v in own.items() if k in dense or not k.endswith("calibration.scale_shift")}
     for k, v in own.items():
         if k not in dense:
             raise FormatError(f"{path}: no tensor 'dense.{k}' in the weights")

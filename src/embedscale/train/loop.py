@@ -36,6 +36,7 @@ from embedscale.data.stream import StreamLoader
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
+from embedscale.models.dlrm import calibrate_logits
 from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
 from embedscale.train.plots import plot_curves, plot_replans
 from embedscale.storage import remove_tree
@@ -66,6 +67,10 @@ class LoopConfig:
     checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
         of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
     progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
+    calibrate: at every new best evaluation, compose the Platt scaling of the eval split's logits (``platt_scale``,
+        ``platt_shift`` of the figures) into the model's ``LogitCalibration`` before the best checkpoint is
+        written (inference only: training sees raw logits); that evaluation's recorded figures (the best's, the
+        summary's) become the calibrated ones, what its checkpoint predicts (``metrics.csv`` keeps the raw ones).
     """
 
     epochs: int = 1
@@ -84,6 +89,7 @@ class LoopConfig:
     checkpoint_full_every: int = 0
     checkpoint_dir: str = ""  # where checkpoints/ goes (a local path or an fsspec URI); "" = the run directory
     progressive_window: int = 100_000
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         if self.early_stopping_metric not in MONITORED:
@@ -109,7 +115,7 @@ class LoopConfig:
                    early_stopping_metric=t.early_stopping_metric,
                    early_stopping_min_delta=t.early_stopping_min_delta, keep_best=t.keep_best,
                    checkpoint_full_every=t.checkpoint_full_every, progressive_window=t.progressive_window,
-                   checkpoint_dir=t.checkpoint_dir)
+                   checkpoint_dir=t.checkpoint_dir, calibrate=t.calibrate)
 
 
 def auto_epochs(loop: LoopConfig, steps_per_epoch: int, has_eval: bool) -> int:
@@ -241,6 +247,10 @@ def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -
     if improved(loop, value, st.best_value):
         previous = st.best_step
         st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
+        if loop.calibrate and getattr(run, "model", None) is not None and "platt_scale" in figures:
+            if calibrate_logits(run.model, figures["platt_scale"], figures["platt_shift"]):  # before it is saved
+                st.eval.update({k: st.eval[f"platt_{k}"] for k in ("logloss", "ne", "calibration")})
+                st.best_value = float(st.eval[loop.early_stopping_metric])  # later evaluations are calibrated
         st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
         if loop.keep_best:
             ckpts.new_best(previous)
