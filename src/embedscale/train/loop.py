@@ -495,7 +495,7 @@ def _summary(run: Run, loop: LoopConfig, at: _Attempt, final: dict, warmup: int,
     if st.best_step >= 0:
         best = {"step": st.best_step, "metric": loop.early_stopping_metric, "value": st.best_value,
                 **{f"eval_{k}": v for k, v in st.best.items() if k != "samples"},
-                **({"checkpoint": str(best_pointer(ckpts.home))} if loop.keep_best else {})}
+                **({"checkpoint": str(best_pointer(at.ckpts.home))} if loop.keep_best else {})}
     summary = {
         "world_size": run.world, "steps": st.step, "samples": st.samples,
         "train_samples_per_s": at.trained / at.train_s if at.train_s else math.nan,
