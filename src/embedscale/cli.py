@@ -91,6 +91,7 @@ is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
+Nodes = _Lazy("embedscale.train.launch:Nodes")
 check_auto_settings = _Lazy("embedscale.train.distributed:check_auto_settings")
 infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
 train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
@@ -229,8 +230,36 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
     click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
 
 
+def node_options(fn):
+    """``--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id``: this machine's part of a run over several
+    (``train.launch.Nodes``; torchrun's c10d rendezvous)."""
+    opts = [click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+                         help="Machines (nodes) of the run; each runs this command with its --node-rank."),
+            click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                         help="This node's number; node 0 hosts the rendezvous at --rdzv-endpoint."),
+            click.option("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                         help="Node 0's address and a free port, the same on every node (c10d rendezvous)."),
+            click.option("--rdzv-id", default="", help="The run's rendezvous id, the same on every node "
+                         "(default: the run's name)."),
+            click.option("--rdzv-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+                         help="Seconds a node waits for the others to join.")]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, default_id: str):
+    nodes = Nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id or default_id)
+    nodes.check()
+    return nodes
+
+
+NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout")
+
+
 @main.command()
 @config_options
+@node_options
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Local ranks to launch (dist.nproc).")
@@ -238,24 +267,31 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
               help="With --nproc: restart the ranks this many times after a failure (resumes from the last checkpoint).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_json, **kwargs):
+def train(config_path, overrides, run_dir, nproc, max_restarts, no_progress, as_json, nnodes, node_rank,
+          rdzv_endpoint, rdzv_id, rdzv_timeout, **kwargs):
     """Train (and evaluate) a model as the config says; resumes a run directory exactly.
 
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
-    (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
+    (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part. On several machines
+    each runs `train --nnodes M --node-rank I --rdzv-endpoint HEAD:PORT --nproc N` with its own run directory.
     """
     state: dict = {"run_dir": run_dir}
     with _command(state):
         if nproc is not None:
             kwargs["cfg__dist__nproc"] = str(nproc)
         cfg = resolve_config(config_path, overrides, kwargs)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, cfg.name)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             s = train_distributed(cfg, run_dir, progress=not no_progress)
             if s is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
-        elif cfg.dist.nproc > 1:
-            s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
+        elif cfg.dist.nproc > 1 or nodes.multi:
+            s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts, nodes,
+                              rdzv_timeout)
+            if s is None:  # a node without rank 0: its part ended well, rank 0's node has the summary
+                click.echo(f"node {nodes.node_rank}: its ranks finished; the summary is on the node of rank 0")
+                return
         else:
             workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
@@ -272,26 +308,32 @@ def kwargs_argv(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts", "--run-dir"):
+        if a in ("--nproc", "--max-restarts", "--run-dir", *NODE_FLAGS):
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=", "--run-dir=")) or a == "--json":
+        if a.startswith(tuple(f"{f}=" for f in ("--nproc", "--max-restarts", "--run-dir", *NODE_FLAGS))) \
+                or a == "--json":
             continue
         out.append(a)
     return out
 
 
-def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
-    """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
+def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts, nodes=None,
+                  rdzv_timeout: float = 600.0) -> dict | None:
+    """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``); with
+    ``nodes``, this node's part of a multi-node run (None on a node where rank 0 did not run: no summary)."""
     check_auto_settings(cfg)  # dist.plan auto's budgets: a named error here, not N rank errors under torchrun
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     with RunLock(rd):  # before anything is written there: a second run into rd fails here
-        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc))
+        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc),
+                            nodes=nodes, join_timeout_s=rdzv_timeout)
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
+    if nodes is not None and nodes.multi and not (rd / "summary.json").exists():
+        return None
     return read_json(rd / "summary.json", "run summary")
 
 

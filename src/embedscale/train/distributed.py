@@ -90,7 +90,8 @@ from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
-from embedscale.train.launch import die_with_launcher, init_from_env
+from embedscale.train.launch import die_with_launcher, init_from_env, rendezvous_store
+from embedscale.train.nodes import Handoff, apply_launch_topology, node_of, set_node_dir_shared
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
@@ -139,20 +140,6 @@ def _marker(path: Path) -> tuple[str, str]:
     except FileNotFoundError:
         return "", ""
     return token, msg
-
-
-def _wait_for_rank0(run_dir: Path, token: str, timeout_s: float) -> None:
-    """Wait for rank 0's ready marker of this attempt (markers of earlier attempts are ignored)."""
-    t0 = time.monotonic()
-    while True:
-        tok, msg = _marker(run_dir / FAILED)
-        if tok == token:
-            raise EmbedscaleError(f"rank 0 failed while preparing the run {run_dir}: {msg.strip()}")
-        if _marker(run_dir / READY)[0] == token:
-            return
-        if time.monotonic() - t0 > timeout_s:
-            raise EmbedscaleError(f"rank 0 did not finish preparing {run_dir} within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> assemble.RunInputs:
@@ -755,15 +742,28 @@ def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.dist.nproc = world
+    apply_launch_topology(cfg, world)  # several nodes: the launch's hosts (train.nodes)
     rd = shared_run_dir(cfg, run_dir)
     token = attempt_token(world)
+    wait_s = max(cfg.dist.timeout_s, 3600.0)
+    # rank 0's plan reaches the other nodes through the launch's store, not the run directory (train.nodes)
+    handoff = Handoff(rendezvous_store(cfg.dist.timeout_s), token) if world > 1 else None
     if rank == 0:
         if not os.environ.get("EMBEDSCALE_LAUNCHED"):  # plain torchrun: rank 0 holds the run (train.lock)
             hold_run_dir(rd)
-        inputs = prepare_on_rank0(cfg, rd, progress, token)
-    else:
-        _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))
-        inputs = assemble.run_inputs(cfg, progress=False)  # rank 0's cache: read, not made
+        try:
+            inputs = prepare_on_rank0(cfg, rd, progress, token)
+            if handoff is not None:
+                handoff.publish(rd, inputs.tables)
+        except BaseException as e:
+            if handoff is not None:
+                handoff.fail("rank 0", e)
+            raise
+    else:  # the node's own data cache: read, or made by the node's first rank
+        inputs, shared = handoff.receive(rd, wait_s, lambda: assemble.run_inputs(cfg, progress=False))
+        set_node_dir_shared(shared)
+    if handoff is not None:
+        handoff.wait_all_nodes(node_of()[2], wait_s)
     backend = cfg.dist.backend or process_group_backend(torch.device(cfg.train.device))
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
     return Joined(rd, rank, world, inputs)
