@@ -430,9 +430,11 @@ def _infer_fn(cfg):
 @click.option("--design", type=click.Choice(["retrieve", "send"]), default="retrieve", show_default=True)
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key of the run's config.")
+@node_options
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
+def infer(checkpoint, nproc, plan, design, run_dir, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_id,
+          rdzv_timeout, no_progress, as_json):
     """Sharded inference: score the eval split with a checkpoint (a run's checkpoints/step-N of any world size, or a
     run directory: its latest) under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
     through the tower transform with the checkpoint's towers (--plan and --design do not apply; on several
@@ -457,6 +459,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             check_fits(ck, read_manifest(ck), {t.name: t.num_rows for t in workflow.tables_for(cfg, other.manifest)},
                        other.train.directory)
         infer_fn = _infer_fn(cfg)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, f"{cfg.name}-infer")
         if "RANK" in os.environ and world > 1:
             out = infer_fn(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
             if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
@@ -465,13 +468,18 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
-                if nproc > 1:
+                if nproc > 1 or nodes.multi:
                     args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
                             "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
                             *(["--no-progress"] if no_progress else [])]
-                    code = launch_ranks(nproc, args, run_dir=rd, env=rank_env(nproc))
+                    code = launch_ranks(nproc, args, run_dir=rd, env=rank_env(nproc), nodes=nodes,
+                                        join_timeout_s=rdzv_timeout)
                     if code != 0:
                         raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
+                    if nodes.multi and not (rd / "inference.json").exists():
+                        click.echo(f"node {nodes.node_rank}: its ranks finished; the figures are on the node of "
+                                   "rank 0")
+                        return
                     out = read_json(rd / "inference.json", "inference result")
                 else:
                     out = infer_fn(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
@@ -867,8 +875,9 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 @click.option("--host-depth", type=int, default=2, show_default=True, help="--ranks: pipeline depth of host tables.")
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
               help="--ranks: keep the data, plans and runs here (default: a temporary directory).")
+@node_options
 def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, ranks, rank_steps, rank_repeats,
-              host_depth, work_dir):
+              host_depth, work_dir, nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout):
     """Measure the per-row costs plan --strategy auto reads (--costs): exact, TT and host-table steps; with
     --ranks N also the distributed executor's own work per table form, from real N-rank steps."""
     try:
@@ -880,10 +889,15 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
             raise EmbedscaleError(f"--ranks: 0 (off) or at least 2, got {ranks}")
         costs = calibrate_costs(device=device, rows=rows, dim=dim, batch=batch, tt_ranks=tt, repeats=repeats,
                                 links=links)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, "calibrate")
+        if nodes.multi and not ranks:
+            raise EmbedscaleError("--nnodes: only calibrate --ranks N runs on several nodes")
         if ranks:
             costs = calibrate_ranks(costs, ranks=ranks, batch=batch, rows=rows, dim=dim, steps=rank_steps,
                                     repeats=rank_repeats, host_depth=host_depth, device=costs.notes["device"],
-                                    work=work_dir)
+                                    work=work_dir, nodes=nodes)
+            if costs is None:
+                return
         costs.save(out_path)
     except EmbedscaleError as e:
         _fail(e)
