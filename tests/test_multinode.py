@@ -17,9 +17,12 @@ Several launchers start here: about a minute on a loaded 2-core machine (``multi
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -67,8 +70,8 @@ def one_node(world: int, items: dict[str, str], run_dir: Path, out_dir: Path) ->
     spawn_local(_rank, world, to_dict(cfg), str(run_dir), timeout_s=RUN_TIMEOUT_S)
 
 
-def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
-    """Train on 2 nodes x 2 ranks, each node its own run and output directory; returns the run directories."""
+def start_nodes(tmp: Path, items: dict[str, str]) -> tuple[list[subprocess.Popen], list[Path]]:
+    """2 launchers of 2 ranks each (nodes 0 and 1), each its own run and output directory."""
     port = free_port()
     procs, dirs = [], []
     for node in (0, 1):
@@ -79,6 +82,12 @@ def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
                "--out-dir", str(tmp / f"node{node}" / "out"), "--no-progress", *flags(items)]
         env = {**os.environ, "PET_LOCAL_ADDR": f"127.0.0.{node + 1}", "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs, dirs
+
+
+def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
+    """Train on 2 nodes x 2 ranks, each node its own run and output directory; returns the run directories."""
+    procs, dirs = start_nodes(tmp, items)
     try:
         outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
     finally:
@@ -171,3 +180,75 @@ def test_resume_on_one_node_of_three_ranks(runs, data, tmp_path):
     assert read_manifest(latest_checkpoint(gathered))["world_size"] == 3 and len(a[0]) == MORE
     assert a[0][:STEPS] == rows_and_losses(ref)[0]  # continued from step 4, not started again
     assert_same(a, b, "resumed on 1 node x 3 ranks")
+
+
+def rank_pids(launchers: list[subprocess.Popen]) -> dict[int, int]:
+    """rank -> pid of the ranks these launchers started (by the launcher's pid in their environment)."""
+    mine = {str(p.pid).encode() for p in launchers}
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = dict(e.split(b"=", 1) for e in (d / "environ").read_bytes().split(b"\0") if b"=" in e)
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if env.get(b"EMBEDSCALE_LAUNCHER_PID") in mine and b"LOCAL_RANK" in env and b"torch.distributed.run" not in cmd \
+                and b"embedscale" in cmd:
+            out[int(env[b"RANK"])] = int(d.name)
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return True
+    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+
+
+def test_a_stopped_rank_is_named_by_every_other_within_the_timeout(data, tmp_path):
+    """SIGSTOP rank 3 (node 1's second rank) mid-run: ranks 0-2 end within dist.timeout_s + 5 s of the stop,
+    each with an error naming rank 3 and the collective it waited in, and nothing of either node is left."""
+    timeout = 10
+    items = {**settings(data, 10**6), "dist.timeout_s": str(timeout), "train.epochs": "10000",
+             "train.early_stopping_patience": "0", "train.checkpoint_every": "0"}
+    procs, (n0, _) = start_nodes(tmp_path, items)
+    victim, ended, trees = None, {}, set()
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ((n0 / "metrics.csv").is_file() and len((n0 / "metrics.csv").read_text().splitlines()) > 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+            time.sleep(0.2)
+        ranks = rank_pids(procs)
+        assert sorted(ranks) == [0, 1, 2, 3]
+        trees = set(ranks.values())
+        victim = ranks[3]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout + 60 and len(ended) < 3:
+            for r in (0, 1, 2):
+                if r not in ended and gone(ranks[r]):
+                    ended[r] = time.monotonic() - t0
+            time.sleep(0.05)
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if victim is not None and not gone(victim):
+            os.kill(victim, signal.SIGKILL)
+    err = "".join(e for _, e in outs)
+    assert all(p.returncode != 0 for p in procs)
+    for r in (0, 1, 2):
+        assert r in ended, f"rank {r} did not end within {timeout + 60} s of the stop:\n{err[-3000:]}"
+        assert re.search(rf"error: rank {r}: .*rank 3 stopped answering", err), err[-3000:]
+    for line in err.splitlines():
+        if "rank 3 stopped answering" in line:
+            assert re.search(r"(this rank was in|failed) \w+ ?\(called from embedscale\.", line) or \
+                   re.search(r"in (all_\w+|broadcast|barrier|recv|send) \(called from", line), line
+    print(f"ranks 0-2 ended {ended} s after rank 3 was stopped (timeout {timeout} s)")
+    assert max(ended.values()) <= timeout + 5, f"ranks ended {ended} s after the stop (timeout {timeout} s)"
+    assert not [p for p in trees if not gone(p)], "a process of the run is left"

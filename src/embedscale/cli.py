@@ -145,6 +145,10 @@ def resolve_config(config_path, overrides, kwargs) -> RunConfig:
 
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
+    if getattr(e, "exit_now", False):  # a rank whose peers stopped answering: no orderly exit waits on them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(getattr(e, "exit_code", 2))
     sys.exit(getattr(e, "exit_code", 2))  # 2; a run stopped by a signal: 128 + the signal (lock.Stopped)
 
 
@@ -153,6 +157,8 @@ def _stopped(signum: int, run_dir) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     who = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and world > 1 else ""
     where = f"; {run_dir} keeps its last complete checkpoint" if run_dir and not who else ""
+    if who and "embedscale.train.watchdog" in sys.modules:  # stopped because a peer stopped answering?
+        where = sys.modules["embedscale.train.watchdog"].lost_note()
     click.echo(f"error: {who}stopped by {signal.Signals(signum).name}{where}", err=True)
     if who:  # a rank: its clean-ups ran while unwinding; skip the slow interpreter teardown (gloo, threads)
         sys.stdout.flush()

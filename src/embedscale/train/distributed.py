@@ -91,6 +91,7 @@ from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
 from embedscale.train.launch import die_with_launcher, init_from_env, rendezvous_store
+from embedscale.train import watchdog
 from embedscale.train.nodes import Handoff, apply_launch_topology, node_of, set_node_dir_shared
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
@@ -766,6 +767,7 @@ def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
         handoff.wait_all_nodes(node_of()[2], wait_s)
     backend = cfg.dist.backend or process_group_backend(torch.device(cfg.train.device))
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    watchdog.start(rank, world, token, cfg.dist.timeout_s)  # a frozen or lost rank named by the others (_diagnose)
     return Joined(rd, rank, world, inputs)
 
 
@@ -799,9 +801,18 @@ def plan_figures(run: DistributedRun) -> dict:
 def _diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
     """Turn a failed collective into an error that names the rank(s) that stopped answering.
 
-    gloo's own message names a socket, not a rank; a monitored barrier (gloo) on a group made at setup
-    finds which ranks do not respond (rank 0 names them).
+    gloo's own message names a socket, not a rank. The ranks' heartbeats (``train.watchdog``) name the ranks
+    that are frozen or gone, with the collective this rank waited in (a :class:`watchdog.PeerLost`: the rank
+    ends at once); when every rank still beats (one stuck in Python), a monitored barrier (gloo) on a group made
+    at setup finds which ranks do not respond (rank 0 names them).
     """
+    stopped, collective = watchdog.diagnose()
+    if stopped:
+        return watchdog.PeerLost(
+            f"rank {run.rank}: {collective} failed at step {run.step}: rank{'s' if len(stopped) > 1 else ''} "
+            f"{', '.join(map(str, stopped))} stopped answering (no heartbeat for {watchdog.STALE_S:g} s: frozen, "
+            f"killed or its node lost; timeout dist.timeout_s = {run.cfg.dist.timeout_s:g} s): "
+            f"{str(err).splitlines()[0]}")
     culprits = ""
     try:
         dist.monitored_barrier(group=run.monitor_group, wait_all_ranks=True,

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import ctypes
 import datetime
+import functools
 import io
 import math
 import os
@@ -122,6 +123,9 @@ def leave_group(before_destroy=None) -> None:
     made (a test's ``spawn_local`` worker, a caller's ``init_process_group``) is left to its maker after the
     barrier."""
     global _JOINED_HERE
+    from embedscale.train import watchdog
+
+    watchdog.stop_watch()  # the others may end before this rank does: no longer a lost rank
     if dist.is_initialized():
         dist.barrier()
     if before_destroy is not None:
@@ -331,6 +335,7 @@ def _end_self(launcher_gone: bool) -> None:
 
 STOP_GRACE_S = 5.0  # after SIGTERM, how long ranks may take to finish (e.g. an atomic checkpoint write)
 KILL_WAIT_S = 3.0  # after SIGKILL, how long to wait for the processes to be gone
+FROZEN_GRACE_S = 1.0  # a stopped rank asked to end (SIGTERM pending) is SIGKILLed after this
 
 
 def _proc_table() -> dict[int, tuple[int, int, str]]:
@@ -431,6 +436,31 @@ def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
                 continue  # inside a directory removed already
             removed.append(p)
     return removed
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals pending for ``pid`` (thread and process, ``/proc/PID/status``) as a bit mask; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return functools.reduce(lambda m, line: m | int(line.split()[1], 16), (
+                line for line in f if line.startswith(("SigPnd:", "ShdPnd:"))), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def kill_frozen(pids: set[int], pending_since: dict[int, float]) -> None:
+    """SIGKILL the processes of ``pids`` that are stopped (SIGSTOP, a debugger) with a SIGTERM pending for
+    ``FROZEN_GRACE_S``: torchrun asked them to end (a peer failed) and they cannot; torchrun would wait 30 s
+    for them whatever its ``--shutdown-timeout``. A run frozen as a whole and asked nothing is left alone.
+    ``pending_since``: pid -> when its SIGTERM was first seen pending (kept between calls)."""
+    table, now = _proc_table(), time.monotonic()
+    for pid in pids:
+        if table.get(pid, (0, 0, ""))[2] in ("T", "t") and _pending_signals(pid) & (1 << (signal.SIGTERM - 1)):
+            if now - pending_since.setdefault(pid, now) >= FROZEN_GRACE_S:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            pending_since.pop(pid, None)
 
 
 _TRACEBACK = b"Traceback (most recent call last):"
@@ -539,7 +569,9 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     nodes = nodes or Nodes()
     nodes.check()
     cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(join_timeout_s),
-           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
+           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           f"--shutdown-timeout={math.ceil(STOP_GRACE_S)}",  # then SIGKILL: a frozen rank never handles SIGTERM
+           "-m", "embedscale", *module_args]
     if sys.platform.startswith("linux"):  # torchrun dies with this process (parent-death signal)
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
     full_env = dict(os.environ)
@@ -563,7 +595,7 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
         relay = threading.Thread(target=forward_stderr, args=(proc.stderr.fileno(), sys.stderr.buffer),
                                  name="torchrun-stderr", daemon=True)
         relay.start()
-        sessions, seen = {proc.pid}, set()
+        sessions, seen, frozen = {proc.pid}, set(), {}
         while True:
             try:
                 code = proc.wait(timeout=0.2)
@@ -578,9 +610,11 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                 raise Stopped(received[0], f"ended the run's {n} process(es){where}"
                               + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
             found = run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
-            if run_dir is not None and not found <= seen:  # the run's lock lists every process of the run
+            kill_frozen(found - {proc.pid}, frozen)
+            if not found <= seen:  # the run's lock lists every process of the run
                 seen |= found
-                record_run_processes(run_dir, found)
+                if run_dir is not None:
+                    record_run_processes(run_dir, found)
         left = run_processes(proc.pid, sessions)
         if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
             _signal_all(left, sessions, signal.SIGKILL)
