@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from embedscale.errors import EmbedscaleError
-from embedscale.io import read_json
+from embedscale.io import atomic_write_json, read_json
 from embedscale.specs import RunConfig, SyntheticConfig, TableConfig, Topology, from_dict, leaf_fields, load_config
 from embedscale.specs import set_dotted
 from embedscale.threads import apply_threads, rank_env, set_wait_policy
@@ -494,6 +494,72 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, nnodes, node_rank
     else:
         click.echo(f"{out['samples']:,} samples on {out['world_size']} rank(s), plan {out['plan']}: "
                    f"logloss {out['logloss']:.5f}  AUC {out['auc']:.5f}  {out['samples_per_s']:,.0f} samples/s")
+
+
+doctor_mod = _Lazy("embedscale.doctor")
+DOCTOR_REPORT = "doctor-ranks.json"  # rank 0's part of the report, in its node's run directory
+
+
+def _without(argv: list[str], command: str, drop: tuple[str, ...], flags: tuple[str, ...] = ("--json",)) -> list[str]:
+    """``command``'s arguments in ``argv`` without the options ``drop`` (each with its value) and ``flags``."""
+    out, skip = [], False
+    for a in argv[argv.index(command) + 1:] if command in argv else []:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif not a.startswith(tuple(f"{d}=" for d in drop)) and a not in flags:
+            out.append(a)
+    return out
+
+
+@main.command()
+@config_options
+@node_options
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Local ranks (as the run's).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default="runs/doctor", show_default=True,
+              help="The directory to test for sharing with rank 0's node (the run's, or its parent).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="The measured topology (default RUN_DIR/topology.json on rank 0's node).")
+@click.option("--reach-timeout", type=click.FloatRange(min=0.5), default=8.0, show_default=True,
+              help="Seconds a node tries to reach the rendezvous endpoint.")
+@click.option("--json", "as_json", is_flag=True)
+def doctor(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout, nproc, run_dir,
+           out_path, reach_timeout, as_json, **kwargs):
+    """Check a run over several machines before it starts: the rendezvous endpoint, the network interface, the
+    clocks, a shared run directory or not, every rank's batches per epoch (with the run's config) and the links
+    between every pair of ranks, written as the planner's topology (embedscale plan --topology). Run it on every
+    node with the run's --nnodes/--node-rank/--rdzv-endpoint/--nproc."""
+    state: dict = {}
+    with _command(state):
+        given = config_path is not None or overrides or any(v is not None for v in kwargs.values())
+        rd = Path(run_dir)
+        out = Path(out_path) if out_path else rd / "topology.json"
+        if "RANK" in os.environ:  # a rank under torchrun
+            cfg = resolve_config(config_path, overrides, kwargs) if given else None
+            rep = doctor_mod.rank_checks(rd, out, cfg)
+            if rep is not None:
+                atomic_write_json(rd / DOCTOR_REPORT, rep)
+            return
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, "embedscale-doctor")
+        node_rep, lis = ({"endpoint": "(one node)", "role": "standalone", "interface": None, "address": "",
+                          "hint": "", "problems": []}, None)
+        if nodes.multi:
+            node_rep, lis = doctor_mod.node_checks(nodes.endpoint, nodes.node_rank, reach_timeout)
+        (rd / DOCTOR_REPORT).unlink(missing_ok=True)
+        args = ["doctor", *_without(sys.argv, "doctor", (*NODE_FLAGS, "--nproc", "--run-dir", "--out",
+                                                          "--reach-timeout")), "--run-dir", str(rd), "--out", str(out)]
+        if lis is not None:
+            lis.close()  # the rendezvous takes the port now
+        code = launch_ranks(nproc, args, env=rank_env(nproc), nodes=nodes, join_timeout_s=rdzv_timeout)
+        if code != 0:
+            raise EmbedscaleError(f"doctor: the ranks' checks failed (torchrun exit code {code}); see above")
+        ranks = read_json(rd / DOCTOR_REPORT, "doctor report") if (rd / DOCTOR_REPORT).exists() else None
+        problems = node_rep["problems"] + (ranks["problems"] if ranks else [])
+        click.echo(json.dumps({"node": node_rep, "ranks": ranks}) if as_json else doctor_mod.format_report(
+            node_rep, ranks))
+        if problems:
+            sys.exit(1)
 
 
 @main.group()
