@@ -96,6 +96,7 @@ def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
                 p.kill()
                 p.wait()
     for node, (p, (out, err)) in enumerate(zip(procs, outs)):
+        (tmp / f"node{node}.err").write_text(err)
         assert p.returncode == 0, f"node {node} exited {p.returncode}:\n{out}\n{err[-4000:]}"
     return dirs
 
@@ -252,3 +253,32 @@ def test_a_stopped_rank_is_named_by_every_other_within_the_timeout(data, tmp_pat
     print(f"ranks 0-2 ended {ended} s after rank 3 was stopped (timeout {timeout} s)")
     assert max(ended.values()) <= timeout + 5, f"ranks ended {ended} s after the stop (timeout {timeout} s)"
     assert not [p for p in trees if not gone(p)], "a process of the run is left"
+
+
+def test_a_node_without_rank0s_checkpoint_is_a_named_error(runs, data, tmp_path):
+    """Both nodes' run directories resumed as they are: node 0's holds a complete checkpoint, node 1's only its
+    ranks' files of it. Node 1 must not start afresh beside a resuming rank 0: every launcher ends with the
+    error naming the checkpoint and node 1's directory, long before any timeout."""
+    _, (n0, n1) = runs
+    tmp = tmp_path / "again"
+    for node, src in enumerate((n0, n1)):
+        shutil.copytree(src, tmp / f"node{node}" / "run", symlinks=True)
+    t0 = time.monotonic()
+    procs, _ = start_nodes(tmp, {**settings(data, MORE), "dist.timeout_s": "600"})
+    try:
+        outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    took = time.monotonic() - t0
+    err = "".join(e for _, e in outs)
+    assert all(p.returncode != 0 for p in procs), err[-3000:]
+    assert "node 1: rank 0 resumes from" in err and "checkpoints/step-00000004" in err, err[-3000:]
+    assert f"this node's run directory {tmp / 'node1' / 'run'} holds no complete checkpoint" in err
+    for r in (0, 1, 3):  # the others end with node 1's error, not a timeout
+        assert re.search(rf"error: rank {r}: node 1 failed while preparing the run: ConfigError: node 1: rank 0 "
+                         "resumes from", err), err[-3000:]
+    print(f"node 1 without rank 0's checkpoint: both launchers ended after {took:.0f} s")
+    assert took < 300  # the preparation's wait would have been an hour; the collective timeout 600 s

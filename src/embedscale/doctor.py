@@ -31,7 +31,17 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from embedscale import assemble
 from embedscale.errors import EmbedscaleError
+from embedscale.io import atomic_write_json
+from embedscale.plan.topology import LinkTopology
+from embedscale.specs import Topology
+from embedscale.train.launch import init_from_env, leave_group
+from embedscale.train.nodes import launch_topology, node_of
 
 REACH_TIMEOUT_S = 8.0  # how long a node tries to reach the rendezvous endpoint
 SIZES = (1 << 12, 1 << 20)  # message sizes of the pair exchange (latency from the small, bandwidth from the pair)
@@ -83,7 +93,6 @@ def interface_hint(local_ip: str, env=os.environ) -> dict:
 @dataclass
 class Listener:
     """Node 0's answer on the endpoint's port while its checks run (closed before its ranks start)."""
-
     sock: socket.socket
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -157,8 +166,6 @@ def node_checks(endpoint: str, node_rank: int, reach_timeout_s: float = REACH_TI
 # -- the ranks' part (under torchrun) ---------------------------------------------------------------------------
 
 def _gather_floats(values: list[float]):
-    import torch
-    import torch.distributed as dist
 
     t = torch.tensor(values, dtype=torch.float64)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
@@ -174,8 +181,6 @@ def _gather_text(text: str, width: int = 64) -> list[str]:
 
 def clock_offsets_ms() -> list[float]:
     """Every rank's wall clock against rank 0's at a common barrier, in ms (within the barrier's spread)."""
-    import torch.distributed as dist
-
     dist.barrier()
     t = time.time()
     v = _gather_floats([t])[:, 0]
@@ -184,8 +189,6 @@ def clock_offsets_ms() -> list[float]:
 
 def shared_dir(run_dir: Path, rank: int) -> list[bool]:
     """Whether each rank sees rank 0's file in ``run_dir`` (the directory shared with rank 0's node)."""
-    import torch.distributed as dist
-
     token = uuid.uuid4().hex if rank == 0 else ""
     token = _gather_text(token)[0]
     path = run_dir / f".doctor-{token}"
@@ -207,12 +210,6 @@ def shared_dir(run_dir: Path, rank: int) -> list[bool]:
 def batch_counts(cfg, rank: int, world: int) -> list[tuple[int, int]]:
     """Every rank's ``(batches per epoch, training rows)`` from its own node's copy of the data (the node's
     first rank prepares it, the others read its cache)."""
-    import torch
-    import torch.distributed as dist
-
-    from embedscale import assemble
-    from embedscale.train.nodes import node_of
-
     local = node_of()[1]
     data = None
     if local == 0:
@@ -228,10 +225,6 @@ def batch_counts(cfg, rank: int, world: int) -> list[tuple[int, int]]:
 def pair_times(sizes=SIZES, repeats: int = REPEATS):
     """``times[dst, src, k]``: the median seconds for rank ``src`` to send ``sizes[k]`` bytes to ``dst`` (every
     ordered pair in turn, the others waiting at a barrier), summed over the ranks onto every rank."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     res = torch.zeros(world, world, len(sizes), dtype=torch.float64)
     bufs = [torch.ones(s // 4, dtype=torch.float32) for s in sizes]
@@ -259,11 +252,6 @@ def link_topology(times, hosts: int, per_host: int, sizes=SIZES, repeats: int = 
     """The measured ``LinkTopology``: per ordered pair the bandwidth from the two sizes' difference and the
     latency the small message leaves over it (as ``plan.measure``); the diagonal (a rank's own lookups) and
     the AllReduce from ``specs.Topology``'s figures, which this exchange does not measure."""
-    import numpy as np
-
-    from embedscale.plan.topology import LinkTopology
-    from embedscale.specs import Topology
-
     s0, s1 = sizes
     t0, t1 = times[..., 0], times[..., 1]
     bw = np.where(t1 > t0, (s1 - s0) / np.maximum(t1 - t0, 1e-9), s1 / np.maximum(t1, 1e-9))  # bytes/s
@@ -282,10 +270,6 @@ def link_topology(times, hosts: int, per_host: int, sizes=SIZES, repeats: int = 
 def rank_checks(run_dir: Path, out: Path | None, cfg=None) -> dict | None:
     """Every rank under torchrun: the checks that need all ranks; rank 0 writes the topology to ``out`` and
     returns the report (the others None)."""
-    from embedscale.io import atomic_write_json
-    from embedscale.train.launch import init_from_env, leave_group
-    from embedscale.train.nodes import launch_topology
-
     rank, world = init_from_env("gloo", timeout_s=120)
     hosts, per = launch_topology(world)
     names = _gather_text(socket.gethostname())

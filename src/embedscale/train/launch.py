@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embedscale.errors import EmbedscaleError
+from embedscale.train import watchdog
 from embedscale.train.lock import Stopped, proc_files, record_run_processes
 
 
@@ -123,11 +124,10 @@ def leave_group(before_destroy=None) -> None:
     made (a test's ``spawn_local`` worker, a caller's ``init_process_group``) is left to its maker after the
     barrier."""
     global _JOINED_HERE
-    from embedscale.train import watchdog
-
     watchdog.stop_watch()  # the others may end before this rank does: no longer a lost rank
     if dist.is_initialized():
         dist.barrier()
+    watchdog.stop()
     if before_destroy is not None:
         before_destroy()
     if dist.is_initialized() and _JOINED_HERE:

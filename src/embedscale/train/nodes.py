@@ -14,7 +14,7 @@ VMs). Rank 0 puts the files the ranks read (``plan/``, ``run-plan.json``, ``conf
 towers) into the launch's key-value store (torchrun's rendezvous store, reachable before the process group
 exists), under this attempt's token. On every other node its first rank (``LOCAL_RANK`` 0) waits for them,
 writes them into the node's own run directory unless that directory is rank 0's (a shared file system: rank
-0's ready marker of this attempt is there), prepares the node's data (its own cache: each machine converts or
+0's nonce of this launch is there), prepares the node's data (its own cache: each machine converts or
 generates its copy, and the tables must match rank 0's), then tells its node's other ranks. A failure on any
 node is put in the store too: every rank waiting ends with an error naming the node and its cause within a
 poll (``POLL_S``), instead of waiting for a timeout.
@@ -26,14 +26,19 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Callable
 
+import torch.distributed as dist
+
 from embedscale.errors import ConfigError, EmbedscaleError
 from embedscale.io import atomic_open, atomic_write_text
+from embedscale.train.checkpoint import latest_checkpoint
 
 POLL_S = 0.2  # how often a waiting rank looks at the store
 SAY_EVERY_S = 60.0  # a waiting node's first rank says what it waits for this often
+HANDOFF = ".handoff"  # rank 0's nonce of this launch, in its run directory
 HANDED_FILES = ("run-plan.json", "config.yaml", "towers.json", "checkpoint_towers.json")  # beside plan/
 
 
@@ -90,8 +95,6 @@ class Handoff:
     (``launch.rendezvous_store``); the keys of another attempt are never read."""
 
     def __init__(self, store, token: str):
-        import torch.distributed as dist
-
         self.store = dist.PrefixStore(f"embedscale/prepared/{token}", store)
         self.token = token
 
@@ -99,9 +102,13 @@ class Handoff:
     def publish(self, run_dir: Path, tables) -> None:
         """Rank 0, once the run is prepared: the files every rank reads, the tables, then ``ready``."""
         files = handed_files(run_dir)
+        nonce = uuid.uuid4().hex  # this launch's, in rank 0's directory: a node that reads it there shares it
+        atomic_write_text(run_dir / HANDOFF, nonce)
         for rel in files:
             self.store.set(f"file/{rel}", (run_dir / rel).read_bytes())
-        self.store.set("ready", json.dumps({"files": files, "tables": table_sizes(tables)}))
+        self.store.set("ready", json.dumps({"files": files, "tables": table_sizes(tables),
+                                            "checkpoint": latest_name(run_dir), "run_dir": str(run_dir),
+                                            "nonce": nonce}))
         self.store.set("node/0/ready", "rank 0")
 
     def fail(self, where: str, err: BaseException) -> None:
@@ -121,7 +128,8 @@ class Handoff:
         while True:
             for k, who in watch:
                 if self.store.check([k]):
-                    raise NodeFailed(f"{who} failed while preparing the run: {self.store.get(k).decode()}")
+                    me = f"rank {os.environ.get('RANK', '0')}: "
+                    raise NodeFailed(f"{me}{who} failed while preparing the run: {self.store.get(k).decode()}")
             if self.store.check([key]):
                 return self.store.get(key)
             now = time.monotonic()
@@ -146,8 +154,9 @@ class Handoff:
         try:
             say = (lambda m: print(f"rank {rank} (node {node}): {m}", file=sys.stderr, flush=True))
             meta = json.loads(self.wait("ready", watch, "rank 0 to prepare the run", timeout_s, say))
-            shared = _ready_token(run_dir) == self.token
+            shared = _read(run_dir / HANDOFF) == meta["nonce"]
             if not shared:
+                check_same_checkpoint(meta, run_dir, node)
                 self._write_files(run_dir, meta["files"])
             inputs = make_inputs()
             check_same_tables(meta["tables"], table_sizes(inputs.tables), node)
@@ -161,15 +170,12 @@ class Handoff:
             raise
 
     def _write_files(self, run_dir: Path, files: list[str]) -> None:
-        from embedscale.train.distributed import READY
-
         run_dir.mkdir(parents=True, exist_ok=True)
         for rel in files:
             dst = run_dir / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             with atomic_open(dst, "wb") as f:
                 f.write(self.store.get(f"file/{rel}"))
-        atomic_write_text(run_dir / READY, f"{self.token}\nok (from rank 0 through the rendezvous store)\n")
 
     def wait_all_nodes(self, nodes: int, timeout_s: float) -> None:
         """Every rank, its part prepared: wait until every node is, ending at once with the error of one that
@@ -188,6 +194,27 @@ def handed_files(run_dir: Path) -> list[str]:
     return sorted(out)
 
 
+def latest_name(run_dir: Path) -> str | None:
+    """The latest complete checkpoint of ``run_dir`` (the one a resumed run restores), relative to it."""
+    ck = latest_checkpoint(run_dir)
+    return ck.relative_to(run_dir).as_posix() if ck is not None else None
+
+
+def check_same_checkpoint(rank0: dict, run_dir: Path, node: int) -> None:
+    """A node whose own run directory does not resume from rank 0's checkpoint (none there: no shared file
+    system) is a ``ConfigError`` naming both: its ranks would restore another step than rank 0's."""
+    theirs, mine = rank0.get("checkpoint"), latest_name(run_dir)
+    if theirs != mine:
+        have = f"holds {mine}" if mine else "holds no complete checkpoint"
+        raise ConfigError(f"node {node}: rank 0 resumes from {rank0.get('run_dir')}/{theirs}; this node's run "
+                          f"directory {run_dir} {have}. Without a shared file system every node needs that "
+                          f"checkpoint: put rank 0's {theirs} (its manifest and every node's rank files) into each "
+                          "node's run directory, or give the nodes a shared checkpoint directory"
+                          if theirs else
+                          f"node {node}: rank 0 starts {rank0.get('run_dir')} afresh; this node's run directory "
+                          f"{run_dir} {have}: start it in an empty run directory")
+
+
 def table_sizes(tables) -> list[list]:
     return [[t.name, int(t.num_rows)] for t in tables]
 
@@ -202,10 +229,8 @@ def check_same_tables(rank0: list, mine: list, node: int) -> None:
                               f"{a.get(name)}: every node must read the same dataset (data.path, data.seed)")
 
 
-def _ready_token(run_dir: Path) -> str:
-    from embedscale.train.distributed import READY
-
+def _read(path: Path) -> str:
     try:
-        return (run_dir / READY).read_text().partition("\n")[0]
+        return path.read_text()
     except OSError:
         return ""

@@ -18,6 +18,7 @@ with the error within the timeout plus about ``STALE_S``.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import functools
 import os
@@ -91,8 +92,17 @@ class Heartbeat:
         for k in self.keys:  # every counter exists from now on (multi_get never waits for a missing key)
             self.store.add(k, 0)
         self.watching = True
+        self.ended = threading.Event()
         self.thread = threading.Thread(target=self._run, name="embedscale-heartbeat", daemon=True)
         self.thread.start()
+
+    def close(self) -> None:
+        """End the thread and drop its connection while the interpreter is whole (a thread left in the store's
+        C++ code at exit can abort the process, as gloo's can: ``launch._destroy_at_exit``)."""
+        self.watching = False
+        self.ended.set()
+        self.thread.join(timeout=BEAT_S + 2 * STORE_TIMEOUT_S)
+        self.store = None
 
     def _connect(self):
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -105,8 +115,7 @@ class Heartbeat:
         last = [-1] * self.world
         self.changed = changed = [time.monotonic()] * self.world
         prev = time.monotonic()
-        while True:
-            time.sleep(BEAT_S)
+        while not self.ended.wait(BEAT_S):
             try:
                 self.store.add(self.keys[self.rank], 1)
                 now_counts = [int(v) for v in self.store.multi_get(self.keys)]
@@ -187,9 +196,17 @@ def start(rank: int, world: int, token: str, timeout_s: float) -> Heartbeat | No
     if _state["beat"] is None:
         try:
             _state["beat"] = Heartbeat(rank, world, token, timeout_s)
+            atexit.register(stop)
         except Exception:  # noqa: BLE001 - no heartbeat: the diagnosis falls back to the monitored barrier
             _state["beat"] = None
     return _state["beat"]
+
+
+def stop() -> None:
+    """End this rank's heartbeat (a rank leaving the group, and at exit)."""
+    beat, _state["beat"] = _state["beat"], None
+    if beat is not None:
+        beat.close()
 
 
 def diagnose() -> tuple[list[int] | None, str]:
