@@ -16,6 +16,7 @@ Several launchers start here: about a minute on a loaded 2-core machine (``multi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -147,6 +148,8 @@ def test_two_nodes_own_directories_equal_one_node_bitwise(runs):
     ref, (n0, n1) = runs
     # rank 0 ran on node 0 (its summary), node 1 got rank 0's plan through the rendezvous, not its directory
     assert (n0 / "summary.json").is_file() and not (n1 / "summary.json").exists()
+    topo = json.loads((n0 / "plan" / "plan.json").read_text())["meta"]["topology"]
+    assert (topo["num_hosts"], topo["ranks_per_host"]) == (2, 2)  # the launch's: 2 nodes of 2 ranks, not set by hand
     files = sorted(f.relative_to(n0) for f in (n0 / "plan").rglob("*") if f.is_file())
     assert files and files == sorted(f.relative_to(n1) for f in (n1 / "plan").rglob("*") if f.is_file())
     for rel in files:

@@ -134,15 +134,6 @@ def attempt_token(world: int) -> str:
     return f"{run_id}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:{world}"
 
 
-def _marker(path: Path) -> tuple[str, str]:
-    """``(attempt token, message)`` of a marker file (``("", "")`` if it vanished meanwhile)."""
-    try:
-        token, _, msg = path.read_text().partition("\n")
-    except FileNotFoundError:
-        return "", ""
-    return token, msg
-
-
 def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> assemble.RunInputs:
     """Data, profile and plan (rank 0 only, every attempt); ``config.yaml`` once they are valid, the ready
     marker of this attempt last, or a failure marker. Returns the data and tables (the rank's run receives
