@@ -22,7 +22,7 @@ MAX_FUNCTION_LEVEL = 2
 LAYERS = [
     ("__main__",),
     ("cli",),
-    ("workflow", "calibrate", "calibrate_ranks", "towers"),  # what the commands run
+    ("workflow", "calibrate", "calibrate_ranks", "towers", "doctor"),  # what the commands run
     ("serve",),
     ("train",),
     ("assemble",),

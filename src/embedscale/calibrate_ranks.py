@@ -103,19 +103,27 @@ def plan_forms(tables, kind: str, big: int, tt_rank: int, host_depth: int) -> di
 
 
 def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: int, steps: int, depth: int,
-           device: str, dim: int) -> float:
+           device: str, dim: int, nodes=None, round_: int = 0) -> float | None:
     """One ``embedscale train --nproc ranks`` run; its steady-state step in seconds (the summary's
-    ``train_step_seconds`` median: the loop's timer, the warm-up steps left out)."""
+    ``train_step_seconds`` median: the loop's timer, the warm-up steps left out). ``nodes``
+    (``train.launch.Nodes``): this node's part of a run over several, under a rendezvous id of its own
+    (``None`` on a node without rank 0: rank 0's node has the summary)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "embedscale", "train", "--data-source", "shards", "--data-path", str(work / "data"),
            "--train-batch-size", str(global_batch), "--train-max-steps", str(steps), "--train-eval-every", "0",
            "--train-checkpoint-every", "0", "--nproc", str(ranks), "--dist-plan", str(plan_dir),
            "--train-pipeline-depth", str(depth), "--train-device", device, "--model-embedding-dim", str(dim),
            "--run-dir", str(run_dir), "--no-progress"]
+    if nodes is not None and nodes.multi:
+        cmd += ["--nnodes", str(nodes.nnodes), "--node-rank", str(nodes.node_rank), "--rdzv-endpoint",
+                nodes.endpoint, "--rdzv-id", f"{nodes.rdzv_id}-{run_dir.name}-{round_}"]
     p = subprocess.run(cmd, cwd=work, capture_output=True, text=True)
     if p.returncode:
         raise EmbedscaleError(f"calibrate --ranks: the {ranks}-rank run under {plan_dir.name} failed (exit "
                               f"{p.returncode}):\n{p.stderr[-2000:]}")
+    if not (run_dir / "summary.json").exists():  # a node without rank 0
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return None
     s = json.loads((run_dir / "summary.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
     return float(s["train_step_seconds"]["median"])
@@ -124,12 +132,14 @@ def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: 
 def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: int = 1_000_000, dim: int = 16,
                     steps: int = 60, repeats: int = 3, tt_rank: int = 32, host_depth: int = 2, big: int = 5,
                     device: str = TrainConfig.device, seed: int = 0, work: str | os.PathLike | None = None,
-                    log: Callable[[str], None] | None = None) -> Costs:
+                    log: Callable[[str], None] | None = None, nodes=None) -> Costs | None:
     """``costs`` (single-process, :func:`embedscale.calibrate.calibrate` at the same ``batch`` and ``dim``) with
     the executor overheads of ``ranks`` ranks fitted (module docstring). ``batch``: samples per rank and step;
     ``rows``: the cap on every table's rows of the generated data (0: the preset's full sizes); ``work``: a
     directory to keep the data, plans and timings in (default: a temporary one, removed); data already in
-    ``work / "data"`` (e.g. a link to the run's own data) is used as it is, not generated."""
+    ``work / "data"`` (e.g. a link to the run's own data) is used as it is, not generated. ``nodes``
+    (``train.launch.Nodes``): run on every node with the same flags; ``ranks`` is then per node, the topology
+    the nodes' (``nnodes`` hosts); the node of rank 0 fits and returns the costs, the others ``None``."""
     if ranks < 2:
         raise ConfigError(f"calibrate --ranks: at least 2 ranks needed to time the distributed executor, got {ranks}")
     if steps < 2 or repeats < 1 or big < 1 or batch < 1 or not (rows == 0 or rows >= 8):
@@ -143,16 +153,17 @@ def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: in
     work = Path(work).resolve()
     try:
         return _calibrate_ranks(costs, work, ranks, batch, rows, dim, steps, repeats, tt_rank, host_depth, big,
-                                str(device), seed, say)
+                                str(device), seed, say, nodes)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
 def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats, tt_rank, host_depth, big, device,
-                     seed, say) -> Costs:
+                     seed, say, nodes=None) -> Costs | None:
     work.mkdir(parents=True, exist_ok=True)
-    global_batch = ranks * batch
+    hosts = nodes.nnodes if nodes is not None else 1
+    global_batch = ranks * hosts * batch
     t0 = time.perf_counter()
     if not (work / "data" / "manifest.json").exists():
         generate_dataset(SyntheticConfig(preset="criteo-kaggle", max_rows=rows), work / "data", global_batch * steps,
@@ -160,7 +171,7 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
     prof = AccessProfile.from_shards(work / "data", progress=False)
     prof.save(work / "profile")
     tables = tables_from_profile(prof, dim)
-    topo = Topology(num_hosts=1, ranks_per_host=ranks)
+    topo = Topology(num_hosts=hosts, ranks_per_host=ranks)
     dense = DenseModel(num_features=len(tables), embedding_dim=dim)
     forms = {k: plan_forms(tables, k, big, tt_rank, host_depth) for k in PLANS}
     for k, f in forms.items():
@@ -173,9 +184,13 @@ def _calibrate_ranks(costs, work: Path, ranks, batch, rows, dim, steps, repeats,
     for i in range(repeats):
         for k in PLANS:
             step_s[k].append(_train(work, work / f"run-{k}", work / f"plan-{k}" / "oper", ranks, global_batch, steps,
-                                    host_depth, device, dim))
-            say(f"  {k} round {i}: {step_s[k][-1] * 1e3:.1f} ms/step")
+                                    host_depth, device, dim, nodes, i))
+            if step_s[k][-1] is not None:
+                say(f"  {k} round {i}: {step_s[k][-1] * 1e3:.1f} ms/step")
         load.append(list(os.getloadavg()))
+    if any(s is None for v in step_s.values() for s in v):
+        say(f"calibrate --ranks: node {nodes.node_rank} ran its ranks' part; the node of rank 0 writes the costs")
+        return None
     base = Costs(**{**costs.__dict__, "executor_overhead_s": {}, "executor_world": 0})
     if not base.notes.get("links_measured"):  # the topology's links, so that the scale applies to them too
         base = with_topology_links(base, resolve_topology(topo))

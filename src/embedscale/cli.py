@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from embedscale.errors import EmbedscaleError
-from embedscale.io import read_json
+from embedscale.io import atomic_write_json, read_json
 from embedscale.specs import RunConfig, SyntheticConfig, TableConfig, Topology, from_dict, leaf_fields, load_config
 from embedscale.specs import set_dotted
 from embedscale.threads import apply_threads, rank_env, set_wait_policy
@@ -92,6 +92,7 @@ check_location = _Lazy("embedscale.storage:check_location")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
 launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
+Nodes = _Lazy("embedscale.train.launch:Nodes")
 check_auto_settings = _Lazy("embedscale.train.distributed:check_auto_settings")
 infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
 train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
@@ -145,6 +146,10 @@ def resolve_config(config_path, overrides, kwargs) -> RunConfig:
 
 def _fail(e: Exception) -> None:
     click.echo(f"error: {e}", err=True)
+    if getattr(e, "exit_now", False):  # a rank whose peers stopped answering: no orderly exit waits on them
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(getattr(e, "exit_code", 2))
     sys.exit(getattr(e, "exit_code", 2))  # 2; a run stopped by a signal: 128 + the signal (lock.Stopped)
 
 
@@ -153,6 +158,8 @@ def _stopped(signum: int, run_dir) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     who = f"rank {os.environ['RANK']}: " if "RANK" in os.environ and world > 1 else ""
     where = f"; {run_dir} keeps its last complete checkpoint" if run_dir and not who else ""
+    if who and "embedscale.train.watchdog" in sys.modules:  # stopped because a peer stopped answering?
+        where = sys.modules["embedscale.train.watchdog"].lost_note()
     click.echo(f"error: {who}stopped by {signal.Signals(signum).name}{where}", err=True)
     if who:  # a rank: its clean-ups ran while unwinding; skip the slow interpreter teardown (gloo, threads)
         sys.stdout.flush()
@@ -230,8 +237,36 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
     click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
 
 
+def node_options(fn):
+    """``--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id``: this machine's part of a run over several
+    (``train.launch.Nodes``; torchrun's c10d rendezvous)."""
+    opts = [click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+                         help="Machines (nodes) of the run; each runs this command with its --node-rank."),
+            click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                         help="This node's number; node 0 hosts the rendezvous at --rdzv-endpoint."),
+            click.option("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                         help="Node 0's address and a free port, the same on every node (c10d rendezvous)."),
+            click.option("--rdzv-id", default="", help="The run's rendezvous id, the same on every node "
+                         "(default: the run's name)."),
+            click.option("--rdzv-timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+                         help="Seconds a node waits for the others to join.")]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, default_id: str):
+    nodes = Nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id or default_id)
+    nodes.check()
+    return nodes
+
+
+NODE_FLAGS = ("--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-timeout")
+
+
 @main.command()
 @config_options
+@node_options
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (resumes from its latest checkpoint if it has one). Default: a new one.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help="Local ranks to launch (dist.nproc).")
@@ -241,11 +276,13 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
               help="Where checkpoints/ goes (train.checkpoint_dir): a local path or any fsspec URI (s3://bucket/run).")
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, no_progress, as_json, **kwargs):
+def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, no_progress, as_json, nnodes, node_rank,
+          rdzv_endpoint, rdzv_id, rdzv_timeout, **kwargs):
     """Train (and evaluate) a model as the config says; resumes a run directory exactly.
 
     With --nproc N (N > 1) it launches N local ranks under torchrun; under torchrun itself
-    (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part.
+    (`torchrun --nproc-per-node N -m embedscale train ...`) every rank runs its part. On several machines
+    each runs `train --nnodes M --node-rank I --rdzv-endpoint HEAD:PORT --nproc N` with its own run directory.
     """
     state: dict = {"run_dir": run_dir}
     with _command(state):
@@ -256,13 +293,18 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, 
         cfg = resolve_config(config_path, overrides, kwargs)
         if cfg.train.checkpoint_dir:  # a bad URI or a missing bucket: named now, not once the data is prepared
             check_location(cfg.train.checkpoint_dir)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, cfg.name)
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if "RANK" in os.environ and world > 1:
             s = train_distributed(cfg, run_dir, progress=not no_progress)
             if s is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
                 return
-        elif cfg.dist.nproc > 1:
-            s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts)
+        elif cfg.dist.nproc > 1 or nodes.multi:
+            s = _launch_local(cfg, config_path, overrides, kwargs_argv(sys.argv), run_dir, max_restarts, nodes,
+                              rdzv_timeout)
+            if s is None:  # a node without rank 0: its part ended well, rank 0's node has the summary
+                click.echo(f"node {nodes.node_rank}: its ranks finished; the summary is on the node of rank 0")
+                return
         else:
             workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
@@ -279,26 +321,32 @@ def kwargs_argv(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--nproc", "--max-restarts", "--run-dir"):
+        if a in ("--nproc", "--max-restarts", "--run-dir", *NODE_FLAGS):
             skip = True
             continue
-        if a.startswith(("--nproc=", "--max-restarts=", "--run-dir=")) or a == "--json":
+        if a.startswith(tuple(f"{f}=" for f in ("--nproc", "--max-restarts", "--run-dir", *NODE_FLAGS))) \
+                or a == "--json":
             continue
         out.append(a)
     return out
 
 
-def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts) -> dict:
-    """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``)."""
+def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts, nodes=None,
+                  rdzv_timeout: float = 600.0) -> dict | None:
+    """``train --nproc N``: hold the run directory and run the ranks under the launcher (``launch_ranks``); with
+    ``nodes``, this node's part of a multi-node run (None on a node where rank 0 did not run: no summary)."""
     check_auto_settings(cfg)  # dist.plan auto's budgets: a named error here, not N rank errors under torchrun
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
     rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     with RunLock(rd):  # before anything is written there: a second run into rd fails here
-        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc))
+        code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc),
+                            nodes=nodes, join_timeout_s=rdzv_timeout)
     if code != 0:
         raise EmbedscaleError(f"distributed training failed (torchrun exit code {code}); see the rank errors above")
+    if nodes is not None and nodes.multi and not (rd / "summary.json").exists():
+        return None
     return read_json(rd / "summary.json", "run summary")
 
 
@@ -395,9 +443,11 @@ def _infer_fn(cfg):
 @click.option("--design", type=click.Choice(["retrieve", "send"]), default="retrieve", show_default=True)
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a key of the run's config.")
+@node_options
 @click.option("--no-progress", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
-def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_json):
+def infer(checkpoint, nproc, plan, design, run_dir, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_id,
+          rdzv_timeout, no_progress, as_json):
     """Sharded inference: score the eval split with a checkpoint (a run's checkpoints/step-N of any world size, or a
     run directory: its best evaluation's checkpoint, else its latest) under an inference plan; writes predictions.npy and inference.json. DMT models (dmt-dlrm, dmt-dcn) run
     through the tower transform with the checkpoint's towers (--plan and --design do not apply; on several
@@ -422,6 +472,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             check_fits(ck, read_manifest(ck), {t.name: t.num_rows for t in workflow.tables_for(cfg, other.manifest)},
                        other.train.directory)
         infer_fn = _infer_fn(cfg)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, f"{cfg.name}-infer")
         if "RANK" in os.environ and world > 1:
             out = infer_fn(cfg, str(ck.resolve()), run_dir, progress=not no_progress)
             if out is None or os.environ.get("EMBEDSCALE_LAUNCHED"):
@@ -430,13 +481,18 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
             workflow.check_one_process(cfg)  # before the run directory is made
             rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
-                if nproc > 1:
+                if nproc > 1 or nodes.multi:
                     args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,
                             "--run-dir", str(rd), *[a for o in overrides for a in ("--set", o)],
                             *(["--no-progress"] if no_progress else [])]
-                    code = launch_ranks(nproc, args, run_dir=rd, env=rank_env(nproc))
+                    code = launch_ranks(nproc, args, run_dir=rd, env=rank_env(nproc), nodes=nodes,
+                                        join_timeout_s=rdzv_timeout)
                     if code != 0:
                         raise EmbedscaleError(f"distributed inference failed (torchrun exit code {code})")
+                    if nodes.multi and not (rd / "inference.json").exists():
+                        click.echo(f"node {nodes.node_rank}: its ranks finished; the figures are on the node of "
+                                   "rank 0")
+                        return
                     out = read_json(rd / "inference.json", "inference result")
                 else:
                     out = infer_fn(cfg, str(ck.resolve()), str(rd), progress=not no_progress)
@@ -445,6 +501,72 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, no_progress, as_j
     else:
         click.echo(f"{out['samples']:,} samples on {out['world_size']} rank(s), plan {out['plan']}: "
                    f"logloss {out['logloss']:.5f}  AUC {out['auc']:.5f}  {out['samples_per_s']:,.0f} samples/s")
+
+
+doctor_mod = _Lazy("embedscale.doctor")
+DOCTOR_REPORT = "doctor-ranks.json"  # rank 0's part of the report, in its node's run directory
+
+
+def _without(argv: list[str], command: str, drop: tuple[str, ...], flags: tuple[str, ...] = ("--json",)) -> list[str]:
+    """``command``'s arguments in ``argv`` without the options ``drop`` (each with its value) and ``flags``."""
+    out, skip = [], False
+    for a in argv[argv.index(command) + 1:] if command in argv else []:
+        if skip:
+            skip = False
+        elif a in drop:
+            skip = True
+        elif not a.startswith(tuple(f"{d}=" for d in drop)) and a not in flags:
+            out.append(a)
+    return out
+
+
+@main.command()
+@config_options
+@node_options
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Local ranks (as the run's).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default="runs/doctor", show_default=True,
+              help="The directory to test for sharing with rank 0's node (the run's, or its parent).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="The measured topology (default RUN_DIR/topology.json on rank 0's node).")
+@click.option("--reach-timeout", type=click.FloatRange(min=0.5), default=8.0, show_default=True,
+              help="Seconds a node tries to reach the rendezvous endpoint.")
+@click.option("--json", "as_json", is_flag=True)
+def doctor(config_path, overrides, nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout, nproc, run_dir,
+           out_path, reach_timeout, as_json, **kwargs):
+    """Check a run over several machines before it starts: the rendezvous endpoint, the network interface, the
+    clocks, a shared run directory or not, every rank's batches per epoch (with the run's config) and the links
+    between every pair of ranks, written as the planner's topology (embedscale plan --topology). Run it on every
+    node with the run's --nnodes/--node-rank/--rdzv-endpoint/--nproc."""
+    state: dict = {}
+    with _command(state):
+        given = config_path is not None or overrides or any(v is not None for v in kwargs.values())
+        rd = Path(run_dir)
+        out = Path(out_path) if out_path else rd / "topology.json"
+        if "RANK" in os.environ:  # a rank under torchrun
+            cfg = resolve_config(config_path, overrides, kwargs) if given else None
+            rep = doctor_mod.rank_checks(rd, out, cfg)
+            if rep is not None:
+                atomic_write_json(rd / DOCTOR_REPORT, rep)
+            return
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, "embedscale-doctor")
+        node_rep, lis = ({"endpoint": "(one node)", "role": "standalone", "interface": None, "address": "",
+                          "hint": "", "problems": []}, None)
+        if nodes.multi:
+            node_rep, lis = doctor_mod.node_checks(nodes.endpoint, nodes.node_rank, reach_timeout)
+        (rd / DOCTOR_REPORT).unlink(missing_ok=True)
+        args = ["doctor", *_without(sys.argv, "doctor", (*NODE_FLAGS, "--nproc", "--run-dir", "--out",
+                                                          "--reach-timeout")), "--run-dir", str(rd), "--out", str(out)]
+        if lis is not None:
+            lis.close()  # the rendezvous takes the port now
+        code = launch_ranks(nproc, args, env=rank_env(nproc), nodes=nodes, join_timeout_s=rdzv_timeout)
+        if code != 0:
+            raise EmbedscaleError(f"doctor: the ranks' checks failed (torchrun exit code {code}); see above")
+        ranks = read_json(rd / DOCTOR_REPORT, "doctor report") if (rd / DOCTOR_REPORT).exists() else None
+        problems = node_rep["problems"] + (ranks["problems"] if ranks else [])
+        click.echo(json.dumps({"node": node_rep, "ranks": ranks}) if as_json else doctor_mod.format_report(
+            node_rep, ranks))
+        if problems:
+            sys.exit(1)
 
 
 @main.group()
@@ -832,8 +954,9 @@ def plan(tables_path, preset, max_rows, dim, profile_path, zipf, topology_path, 
 @click.option("--host-depth", type=int, default=2, show_default=True, help="--ranks: pipeline depth of host tables.")
 @click.option("--work", "work_dir", type=click.Path(file_okay=False), default=None,
               help="--ranks: keep the data, plans and runs here (default: a temporary directory).")
+@node_options
 def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, ranks, rank_steps, rank_repeats,
-              host_depth, work_dir):
+              host_depth, work_dir, nnodes, node_rank, rdzv_endpoint, rdzv_id, rdzv_timeout):
     """Measure the per-row costs plan --strategy auto reads (--costs): exact, TT and host-table steps; with
     --ranks N also the distributed executor's own work per table form, from real N-rank steps."""
     try:
@@ -845,10 +968,15 @@ def calibrate(out_path, device, rows, dim, batch, tt_ranks, repeats, links, rank
             raise EmbedscaleError(f"--ranks: 0 (off) or at least 2, got {ranks}")
         costs = calibrate_costs(device=device, rows=rows, dim=dim, batch=batch, tt_ranks=tt, repeats=repeats,
                                 links=links)
+        nodes = _nodes(nnodes, node_rank, rdzv_endpoint, rdzv_id, "calibrate")
+        if nodes.multi and not ranks:
+            raise EmbedscaleError("--nnodes: only calibrate --ranks N runs on several nodes")
         if ranks:
             costs = calibrate_ranks(costs, ranks=ranks, batch=batch, rows=rows, dim=dim, steps=rank_steps,
                                     repeats=rank_repeats, host_depth=host_depth, device=costs.notes["device"],
-                                    work=work_dir)
+                                    work=work_dir, nodes=nodes)
+            if costs is None:
+                return
         costs.save(out_path)
     except EmbedscaleError as e:
         _fail(e)

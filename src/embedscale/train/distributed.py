@@ -84,7 +84,9 @@ from embedscale.pipeline import PipelinedLoader
 from embedscale.plan.api import make_plan
 from embedscale.plan.cost import evaluate
 from embedscale.specs import Topology
-from embedscale.train.launch import die_with_launcher, init_from_env
+from embedscale.train.launch import die_with_launcher, init_from_env, rendezvous_store
+from embedscale.train import watchdog
+from embedscale.train.nodes import Handoff, apply_launch_topology, node_of, set_node_dir_shared
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
@@ -124,29 +126,6 @@ def attempt_token(world: int) -> str:
     of the attempt, different from any earlier attempt's under torchrun)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("EMBEDSCALE_RUN_ID", "")
     return f"{run_id}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}:{world}"
-
-
-def _marker(path: Path) -> tuple[str, str]:
-    """``(attempt token, message)`` of a marker file (``("", "")`` if it vanished meanwhile)."""
-    try:
-        token, _, msg = path.read_text().partition("\n")
-    except FileNotFoundError:
-        return "", ""
-    return token, msg
-
-
-def _wait_for_rank0(run_dir: Path, token: str, timeout_s: float) -> None:
-    """Wait for rank 0's ready marker of this attempt (markers of earlier attempts are ignored)."""
-    t0 = time.monotonic()
-    while True:
-        tok, msg = _marker(run_dir / FAILED)
-        if tok == token:
-            raise EmbedscaleError(f"rank 0 failed while preparing the run {run_dir}: {msg.strip()}")
-        if _marker(run_dir / READY)[0] == token:
-            return
-        if time.monotonic() - t0 > timeout_s:
-            raise EmbedscaleError(f"rank 0 did not finish preparing {run_dir} within {timeout_s:.0f} s")
-        time.sleep(0.2)
 
 
 def prepare_on_rank0(cfg: RunConfig, run_dir: Path, progress: bool, token: str = "") -> assemble.RunInputs:
@@ -713,17 +692,31 @@ def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.dist.nproc = world
+    apply_launch_topology(cfg, world)  # several nodes: the launch's hosts (train.nodes)
     rd = shared_run_dir(cfg, run_dir)
     token = attempt_token(world)
+    wait_s = max(cfg.dist.timeout_s, 3600.0)
+    # rank 0's plan reaches the other nodes through the launch's store, not the run directory (train.nodes)
+    handoff = Handoff(rendezvous_store(cfg.dist.timeout_s), token) if world > 1 else None
     if rank == 0:
         if not os.environ.get("EMBEDSCALE_LAUNCHED"):  # plain torchrun: rank 0 holds the run (train.lock)
             hold_run_dir(rd)
-        inputs = prepare_on_rank0(cfg, rd, progress, token)
-    else:
-        _wait_for_rank0(rd, token, timeout_s=max(cfg.dist.timeout_s, 3600.0))
-        inputs = assemble.run_inputs(cfg, progress=False)  # rank 0's cache: read, not made
+        try:
+            inputs = prepare_on_rank0(cfg, rd, progress, token)
+            if handoff is not None:
+                handoff.publish(rd, inputs.tables)
+        except BaseException as e:
+            if handoff is not None:
+                handoff.fail("rank 0", e)
+            raise
+    else:  # the node's own data cache: read, or made by the node's first rank
+        inputs, shared = handoff.receive(rd, wait_s, lambda: assemble.run_inputs(cfg, progress=False))
+        set_node_dir_shared(shared)
+    if handoff is not None:
+        handoff.wait_all_nodes(node_of()[2], wait_s)
     backend = cfg.dist.backend or process_group_backend(torch.device(cfg.train.device))
     init_from_env(backend, timeout_s=cfg.dist.timeout_s)
+    watchdog.start(rank, world, token, cfg.dist.timeout_s)  # a frozen or lost rank named by the others (_diagnose)
     return Joined(rd, rank, world, inputs)
 
 
@@ -757,9 +750,18 @@ def plan_figures(run: DistributedRun) -> dict:
 def diagnose(run: DistributedRun, err: RuntimeError) -> EmbedscaleError:
     """Turn a failed collective into an error that names the rank(s) that stopped answering.
 
-    gloo's own message names a socket, not a rank; a monitored barrier (gloo) on a group made at setup
-    finds which ranks do not respond (rank 0 names them).
+    gloo's own message names a socket, not a rank. The ranks' heartbeats (``train.watchdog``) name the ranks
+    that are frozen or gone, with the collective this rank waited in (a :class:`watchdog.PeerLost`: the rank
+    ends at once); when every rank still beats (one stuck in Python), a monitored barrier (gloo) on a group made
+    at setup finds which ranks do not respond (rank 0 names them).
     """
+    stopped, collective = watchdog.diagnose()
+    if stopped:
+        return watchdog.PeerLost(
+            f"rank {run.rank}: {collective} failed at step {run.step}: rank{'s' if len(stopped) > 1 else ''} "
+            f"{', '.join(map(str, stopped))} stopped answering (no heartbeat for {watchdog.STALE_S:g} s: frozen, "
+            f"killed or its node lost; timeout dist.timeout_s = {run.cfg.dist.timeout_s:g} s): "
+            f"{str(err).splitlines()[0]}")
     culprits = ""
     try:
         dist.monitored_barrier(group=run.monitor_group, wait_all_ranks=True,

@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import ctypes
 import datetime
+import functools
 import io
 import math
 import os
@@ -29,6 +30,7 @@ import threading
 import time
 import traceback
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from embedscale.errors import EmbedscaleError
+from embedscale.train import watchdog
 from embedscale.train.lock import Stopped, proc_files, record_run_processes
 
 
@@ -65,16 +69,41 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     backend = backend or ("nccl" if torch.cuda.is_available() and os.environ.get("EMBEDSCALE_BACKEND") != "gloo"
                           else "gloo")
     timeout = datetime.timedelta(seconds=timeout_s)
+    store = _STORE.pop((addr, port), None) or _tcp_store(addr, port, rank, world, timeout_s)
+    store.set_timeout(timeout)
     # Under torchrun the store may be the agent's, which outlives a restart: keys of the failed attempt
     # (the dead ranks' addresses) would be read by the new one. A prefix per attempt keeps them apart.
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(addr, port, world,
-                          is_master=(rank == 0 and not agent_store), timeout=timeout, wait_for_workers=False)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"embedscale/attempt-{attempt}", store), rank=rank,
                             world_size=world, timeout=timeout)
     atexit.register(_destroy_at_exit)
     return rank, world
+
+
+_STORE: dict = {}  # (addr, port) -> the store rendezvous_store connected before the group was made
+
+
+def _tcp_store(addr: str, port: int, rank: int, world: int, timeout_s: float):
+    """The launch's key-value store: torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``, hosted by the
+    rendezvous), else one rank 0 hosts."""
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(addr, port, world, is_master=(rank == 0 and not agent_store),
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def rendezvous_store(timeout_s: float = 300.0):
+    """The store every rank of this launch reaches before the process group exists (the default group's
+    store once it does): rank 0 hands the run's plan to the other nodes through it (``train.nodes``).
+    ``init_from_env`` makes its group on the same store."""
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ.get("MASTER_PORT", "29500"))
+    if (addr, port) not in _STORE:
+        _STORE[(addr, port)] = _tcp_store(addr, port, rank, world, timeout_s)
+    return _STORE[(addr, port)]
 
 
 def _destroy_at_exit() -> None:
@@ -95,8 +124,10 @@ def leave_group(before_destroy=None) -> None:
     made (a test's ``spawn_local`` worker, a caller's ``init_process_group``) is left to its maker after the
     barrier."""
     global _JOINED_HERE
+    watchdog.stop_watch()  # the others may end before this rank does: no longer a lost rank
     if dist.is_initialized():
         dist.barrier()
+    watchdog.stop()
     if before_destroy is not None:
         before_destroy()
     if dist.is_initialized() and _JOINED_HERE:
@@ -304,6 +335,7 @@ def _end_self(launcher_gone: bool) -> None:
 
 STOP_GRACE_S = 5.0  # after SIGTERM, how long ranks may take to finish (e.g. an atomic checkpoint write)
 KILL_WAIT_S = 3.0  # after SIGKILL, how long to wait for the processes to be gone
+FROZEN_GRACE_S = 1.0  # a stopped rank asked to end (SIGTERM pending) is SIGKILLed after this
 
 
 def _proc_table() -> dict[int, tuple[int, int, str]]:
@@ -406,6 +438,31 @@ def remove_orphan_temps(run_dir: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _pending_signals(pid: int) -> int:
+    """The signals pending for ``pid`` (thread and process, ``/proc/PID/status``) as a bit mask; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return functools.reduce(lambda m, line: m | int(line.split()[1], 16), (
+                line for line in f if line.startswith(("SigPnd:", "ShdPnd:"))), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def kill_frozen(pids: set[int], pending_since: dict[int, float]) -> None:
+    """SIGKILL the processes of ``pids`` that are stopped (SIGSTOP, a debugger) with a SIGTERM pending for
+    ``FROZEN_GRACE_S``: torchrun asked them to end (a peer failed) and they cannot; torchrun would wait 30 s
+    for them whatever its ``--shutdown-timeout``. A run frozen as a whole and asked nothing is left alone.
+    ``pending_since``: pid -> when its SIGTERM was first seen pending (kept between calls)."""
+    table, now = _proc_table(), time.monotonic()
+    for pid in pids:
+        if table.get(pid, (0, 0, ""))[2] in ("T", "t") and _pending_signals(pid) & (1 << (signal.SIGTERM - 1)):
+            if now - pending_since.setdefault(pid, now) >= FROZEN_GRACE_S:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        else:
+            pending_since.pop(pid, None)
+
+
 _TRACEBACK = b"Traceback (most recent call last):"
 
 
@@ -454,10 +511,50 @@ def forward_stderr(src, dst) -> None:
         dst.flush()
 
 
+@dataclass
+class Nodes:
+    """Where this launch's local ranks stand among the run's machines (``--nnodes/--node-rank/--rdzv-endpoint``).
+
+    ``nnodes`` nodes meet at ``endpoint`` (``host:port``) through torchrun's c10d rendezvous, under ``rdzv_id``
+    (the same on every node). Node ``node_rank`` 0 hosts the rendezvous store at the endpoint (its address);
+    the order of the nodes' ranks is the rendezvous's (torchrun sorts the nodes by address)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str = ""
+    rdzv_id: str = ""
+
+    @property
+    def multi(self) -> bool:
+        return self.nnodes > 1
+
+    def check(self) -> None:
+        """A named error for flags that cannot describe a launch."""
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise EmbedscaleError(f"--node-rank {self.node_rank}: expected 0 <= node rank < --nnodes {self.nnodes}")
+        if self.multi and not self.endpoint:
+            raise EmbedscaleError(f"--nnodes {self.nnodes}: every node needs --rdzv-endpoint HOST:PORT (the address "
+                                  "of node 0, which hosts the rendezvous)")
+        if self.endpoint:
+            host, sep, port = self.endpoint.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise EmbedscaleError(f"--rdzv-endpoint {self.endpoint!r}: expected HOST:PORT, e.g. head:29400")
+
+    def torchrun_args(self, timeout_s: float) -> list[str]:
+        """torchrun's flags for this node: c10d rendezvous (``is_host`` on node 0), or ``--standalone``."""
+        if not self.multi:
+            return ["--standalone"]
+        conf = f"is_host={'1' if self.node_rank == 0 else '0'},join_timeout={max(1, math.ceil(timeout_s))}"
+        return [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-id={self.rdzv_id or 'embedscale'}", f"--rdzv-conf={conf}"]
+
+
 def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, env: dict | None = None,
-                 run_dir: str | os.PathLike | None = None) -> int:
-    """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone) and
-    own them; returns torchrun's exit code. Every command that starts ranks goes through here.
+                 run_dir: str | os.PathLike | None = None, nodes: Nodes | None = None,
+                 join_timeout_s: float = 600.0) -> int:
+    """Run ``python -m embedscale <module_args>`` on ``nproc`` local ranks under torchrun (standalone, or this
+    node's part of a multi-node run: ``nodes``, c10d rendezvous waiting up to ``join_timeout_s`` for the other
+    nodes) and own them; returns torchrun's exit code. Every command that starts ranks goes through here.
 
     torchrun supervises the ranks: a rank that dies ends the others and torchrun reports which rank failed
     and how; with ``max_restarts`` it restarts the group, and the run resumes from its last complete
@@ -469,8 +566,12 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     launcher's pid and a launch id (:func:`die_with_launcher`: nothing of the run outlives this process, SIGKILL
     included); the lock on ``run_dir`` lists torchrun and each rank as they start (``lock.RunLock.record``).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", "-m", "embedscale", *module_args]
+    nodes = nodes or Nodes()
+    nodes.check()
+    cmd = [sys.executable, "-m", "torch.distributed.run", *nodes.torchrun_args(join_timeout_s),
+           f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+           f"--shutdown-timeout={math.ceil(STOP_GRACE_S)}",  # then SIGKILL: a frozen rank never handles SIGTERM
+           "-m", "embedscale", *module_args]
     if sys.platform.startswith("linux"):  # torchrun dies with this process (parent-death signal)
         cmd = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
     full_env = dict(os.environ)
@@ -494,7 +595,7 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
         relay = threading.Thread(target=forward_stderr, args=(proc.stderr.fileno(), sys.stderr.buffer),
                                  name="torchrun-stderr", daemon=True)
         relay.start()
-        sessions, seen = {proc.pid}, set()
+        sessions, seen, frozen = {proc.pid}, set(), {}
         while True:
             try:
                 code = proc.wait(timeout=0.2)
@@ -509,9 +610,11 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
                 raise Stopped(received[0], f"ended the run's {n} process(es){where}"
                               + (f" (removed {len(removed)} unfinished temporary file(s))" if removed else ""))
             found = run_processes(proc.pid, sessions)  # learn the ranks' sessions while torchrun is there to find them
-            if run_dir is not None and not found <= seen:  # the run's lock lists every process of the run
+            kill_frozen(found - {proc.pid}, frozen)
+            if not found <= seen:  # the run's lock lists every process of the run
                 seen |= found
-                record_run_processes(run_dir, found)
+                if run_dir is not None:
+                    record_run_processes(run_dir, found)
         left = run_processes(proc.pid, sessions)
         if left:  # torchrun ended but something it started did not: nothing of the run outlives the launcher
             _signal_all(left, sessions, signal.SIGKILL)

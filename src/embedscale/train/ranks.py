@@ -17,6 +17,7 @@ from embedscale.specs import RunConfig
 from embedscale.train.checkpoint import checkpoint_home, latest_checkpoint, resolve_checkpoint
 from embedscale.train.distributed import DistributedRun, _log, join, serve_eval_split
 from embedscale.train.dmt_run import DMTRun, infer_dmt
+from embedscale.train import watchdog
 from embedscale.train.launch import leave_group
 from embedscale.train.loop import LoopConfig, fit
 
@@ -70,7 +71,12 @@ def train_distributed(cfg: RunConfig, run_dir: str | None = None, *, progress: b
         fault_step = int(os.environ["EMBEDSCALE_FAULT_STEP"])  # fault injection (tests): first attempt only
     if rank != int(os.environ.get("EMBEDSCALE_FAULT_RANK", "1")):
         fault_step = None
-    out = fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
-              title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
+    try:
+        out = fit(run, LoopConfig.from_train(cfg.train), fault_step=fault_step,
+                  title=f"{cfg.model.arch} x{world} ranks ({run.plan_name})", ceiling_auc=run.data.teacher_auc)
+    except RuntimeError as e:  # a collective of an evaluation or a checkpoint (a step's: the loop's own error)
+        if not watchdog.collective_failure(e):
+            raise
+        raise run.step_error(e) from e
     leave_run(run)
     return out

@@ -22,6 +22,7 @@ from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import FormatError
 from embedscale.storage import remove_tree
 from embedscale.train.checkpoint import agree, assemble_table, begin, publish, step_dir, temp_dir, write_manifest
+from embedscale.train.nodes import writes_node_dir
 
 EMBEDDING_PREFIX = "sparse_arch.embedding."  # model state under it: the tables (saved by row, not by module)
 
@@ -145,7 +146,7 @@ def save_checkpoint(run: Run, base: dict | None = None, track: bool = False,
         agree(run.rank, run.world, d, None)
 
     def prepare() -> None:
-        if run.rank == 0:
+        if run.rank == 0 or writes_node_dir(run.rank):  # a node without rank 0's directory: its own (train.nodes)
             begin(d)
 
     def write() -> None:
@@ -157,6 +158,8 @@ def save_checkpoint(run: Run, base: dict | None = None, track: bool = False,
             if before_publish is not None:
                 before_publish()
             write_manifest(tmp, run.world, {**fields, **run.state.position()}, delta=base)
+            publish(tmp, d)
+        elif writes_node_dir(run.rank):  # this node's rank files, beside no manifest
             publish(tmp, d)
 
     for stage in (prepare, write, complete):
