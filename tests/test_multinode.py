@@ -285,3 +285,42 @@ def test_a_node_without_rank0s_checkpoint_is_a_named_error(runs, data, tmp_path)
                          "resumes from", err), err[-3000:]
     print(f"node 1 without rank 0's checkpoint: both launchers ended after {took:.0f} s")
     assert took < 300  # the preparation's wait would have been an hour; the collective timeout 600 s
+
+
+def test_two_nodes_checkpoint_to_s3_and_resume_on_one_node_of_three(runs, data, tmp_path):
+    """No shared disk at all: the 2 x 2 run checkpoints to a local S3-compatible server (moto's, on loopback), each
+    node's ranks writing their own files there, and 1 node x 3 ranks resumes from it. The reference: the 4-rank
+    one-node run's local checkpoint continued on 3 ranks."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    from embedscale.storage import location
+
+    ref = runs[0]
+    port = free_port()
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # every launcher and rank started below inherits it
+    try:
+        location("s3://mn-ckpt").fs.mkdir("mn-ckpt")
+        uri = "s3://mn-ckpt/run"
+        two_nodes(tmp_path, {**settings(data, STEPS), "train.checkpoint_dir": uri})
+        assert_same(rows_and_losses(uri), rows_and_losses(ref), "2 nodes x 2 ranks, checkpoints on S3")
+        resumed = tmp_path / "resumed"
+        shutil.copytree(tmp_path / "node0" / "run", resumed, symlinks=True)  # rank 0's run directory, not its rows
+        one_node(3, {**settings(data, MORE, hosts=1), "train.checkpoint_dir": uri}, resumed, tmp_path / "out-a")
+        ref_copy = tmp_path / "ref"
+        shutil.copytree(ref, ref_copy, symlinks=True)
+        one_node(3, settings(data, MORE, hosts=1), ref_copy, tmp_path / "out-b")
+        a = rows_and_losses(uri)
+        assert read_manifest(latest_checkpoint(uri))["world_size"] == 3 and len(a[0]) == MORE
+        assert_same(a, rows_and_losses(ref_copy), "resumed from S3 on 1 node x 3 ranks")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
