@@ -149,6 +149,7 @@ class DriftMonitor:
             raise ConfigError(f"train.replan_lag {self.lag}: the steps a check plans beside training must be at "
                               f"least 0 and fewer than train.replan_every ({self.every})")
         self._pending: PendingCheck | None = None  # the check started and not yet taken
+        self.plan_seconds: float | None = None  # rank 0: the last check's planning seconds (_cannot_pay)
 
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
@@ -202,7 +203,10 @@ class DriftMonitor:
         try:
             if _CHECK_DELAY_S:  # a test's slow check (tests/test_replan_lag.py)
                 time.sleep(_CHECK_DELAY_S)
+            t1 = time.perf_counter()
             report, fresh = self._check(run, prof, p.step)
+            if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
+                self.plan_seconds = time.perf_counter() - t1
             if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
                 self._weigh_costs(run, report, time.perf_counter() - t0, p.step)
             d = run.run_dir / "replans" / f"step-{p.apply_at}"
@@ -283,9 +287,7 @@ class DriftMonitor:
         (default: the run's) moves the rows ``replan_lag`` steps later: the gain counts from there."""
         after, new = report["after"]["max_rank_cost"], report["replanned"]["max_rank_cost"]
         gain = max(0.0, after - new) * 1e-6  # plan.cost: microseconds per step
-        step = run.state.step if step is None else step
-        left = run.cfg.train.max_steps - step if run.cfg.train.max_steps > 0 else self.every
-        steps = max(0, min(self.every, left) - getattr(self, "lag", 0))
+        steps = self._gain_steps(run, run.state.step if step is None else step)
         nbytes = float(report.get("bytes_moved", 0)) + 4.0 * float(report.get("rows_moved", 0))  # + row-wise state
         last = next((r for r in reversed(self.records) if float(r["bytes"]) > 0), None)
         topo = Topology()  # the links as the check's plans see them (its default figures)
@@ -316,6 +318,8 @@ class DriftMonitor:
                 report["reason"] = (f"the plan's bottleneck cost moved by {report['max_rank_cost_ratio'] - 1:+.1%} "
                                     f"(<= {self.min_gain:.0%}) and its balance holds: keep the plan")
                 return report, None
+            if self._cannot_pay(run, report, run.state.step if step is None else step):
+                return report, None
         report, fresh = drift_and_plan(plan, prof, topo, extra_memory=d.extra_memory, dob_floor=DOB_FLOOR, **kw)
         if fresh is not None:
             fresh = self._prefer_incremental(plan, fresh, prof, topo, report, d.mode,
@@ -326,6 +330,33 @@ class DriftMonitor:
                     fresh.meta[key] = plan.meta[key]
             fresh.meta["replanned_at_step"] = run.state.step if step is None else step
         return report, fresh
+
+    def _cannot_pay(self, run, report: dict, step: int) -> bool:
+        """Rank 0, before planning: whether no plan could pay for the check (:func:`replan_pays` with the best
+        gain any plan can have: the running bottleneck less the ranks' mean lookup, ``plan.drift``'s
+        ``lookup_mean``, against the last planning's measured seconds; no migration counted). Then the plan is
+        kept without the search (counted in ``replans_declined``)."""
+        plan_s = getattr(self, "plan_seconds", None)
+        if plan_s is None or not getattr(run.cfg.train, "replan_weigh_costs", True):
+            return False
+        after = report["after"]
+        bound = max(0.0, after["max_rank_cost"] - after["lookup_mean"]) * 1e-6  # plan.cost: us a step
+        steps = self._gain_steps(run, step)
+        if replan_pays(bound, steps, plan_s, 0.0):
+            return False
+        self.declined += 1
+        report["replan"] = False
+        report["replan_costs"] = {"gain_bound_per_step_s": bound, "steps_to_next_check": steps, "check_s": plan_s,
+                                  "pays": False}
+        report["reason"] = (f"no plan saves more than {bound * 1e3:.3f} ms a step (the bottleneck less the mean "
+                            f"lookup) x {steps} steps, not more than planning ({plan_s * 1e3:.1f} ms): keep the plan")
+        return True
+
+    def _gain_steps(self, run, step: int) -> int:
+        """The steps a plan taken at the check of ``step`` runs before the next check: from ``step + lag`` to
+        ``step + every``, or to the run's end."""
+        left = run.cfg.train.max_steps - step if run.cfg.train.max_steps > 0 else self.every
+        return max(0, min(self.every, left) - getattr(self, "lag", 0))
 
     def _prefer_incremental(self, plan: Plan, fresh: Plan, prof, topo, report: dict, mode: str, batch: int) -> Plan:
         """The incremental plan (``plan.incremental``: the running placement, the fresh plan's replicas, the
