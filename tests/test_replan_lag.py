@@ -152,3 +152,19 @@ def test_a_slow_check_does_not_stall_the_other_ranks(tmp_path):
     pause = {e["step"]: e["monitor_s"] for e in log[3]}
     assert pause[EVERY] < step and pause[EVERY + 3] < step, (pause, step)
     assert {e["step"]: e["monitor_s"] for e in log[0]}[EVERY] >= delay
+
+
+def test_a_lag_beyond_the_monitoring_period_is_a_named_error():
+    """Two checks in flight at once are refused: lag 5 with a check every 4 steps names the setting and both
+    values; lag 4 (the verdict taken as the next check starts) and 0 are accepted."""
+    import torch
+    from types import SimpleNamespace
+
+    from embedscale.errors import ConfigError
+    from embedscale.specs import TableSpec
+    from embedscale.train.replan import DriftMonitor
+
+    run = SimpleNamespace(host_embedding=None, device=torch.device("cpu"), tables=[TableSpec("t", 10, 4, features=["f"])])
+    with pytest.raises(ConfigError, match=r"train\.replan_lag 5.*train\.replan_every \(4\)"):
+        DriftMonitor(run, 4, 0.05, 5)
+    assert DriftMonitor(run, 4, 0.05, 4).lag == 4 and DriftMonitor(run, 4, 0.05, 0).lag == 0

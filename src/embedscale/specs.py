@@ -418,7 +418,7 @@ class TrainConfig:
     replan_weigh_costs: bool = True
     # the steps rank 0 plans beside training: a check at step N runs in a thread while every rank trains on, and
     # its verdict is taken (the rows migrate) between steps N + replan_lag and N + replan_lag + 1; 0 = the other
-    # ranks wait for the check (train.replan); less than replan_every
+    # ranks wait for the check (train.replan); at most replan_every
     replan_lag: int = 1
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off

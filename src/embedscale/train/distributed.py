@@ -418,7 +418,7 @@ class DistributedRun:
                                                   pipelined=self.host_embedding is not None,
                                                   follow=self.stream_follow(), tables=self.all_tables)
         if t.replan_every:
-            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
+            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
         # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
         # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2

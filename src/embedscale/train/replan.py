@@ -27,13 +27,24 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
    bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally;
    ``in_place``: 1 when the running module moved in place, 0 when the plan's module was built and filled),
-   the slowest rank's seconds (all of it; the check: profile sum, plans
-   and verdict; the migration: edit, move, swap), the predicted gain and the max / mean
+   the slowest rank's seconds (all of its pause; the check: profile sum and wait for the verdict; the
+   migration: edit, move, swap; ``plan_seconds``: rank 0's check in its thread; ``checked_at``: the check's
+   step), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
-A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
-plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
-plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every full checkpoint
+Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L < N): the profiles are summed at the check's
+step N (every rank, one ``all_reduce``), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
+(:meth:`DriftMonitor._decide`: plain CPU work on the summed profile and the running plan, no tensor of the run)
+while every rank trains on, and at step M = N + L joins it, waiting only for what is left, and broadcasts the
+verdict: the re-plan (``replans/step-M/``) happens between step M and M+1, after the loop's checkpoint of step
+M (written under the old plan, restorable under any), and the run continues exactly as one restarted from that
+checkpoint with the new plan (tests/test_migrate.py, tests/test_replan_lag.py). L is fixed, so every rank knows
+M without a collective and the run is reproducible; with L = 0 the other ranks wait for the check (M = N).
+Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
+bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
+even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
+N+1..M) waits for the verdict first (:meth:`DriftMonitor.settle`), which is on disk with its check step in the
+plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`). Each rank's rolling profile is in its rank file of every full checkpoint
 (:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
 bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
 uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
@@ -131,7 +142,7 @@ class PendingCheck:
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float):
+    def __init__(self, run, every: int, min_gain: float, lag: int = 0):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
@@ -144,10 +155,10 @@ class DriftMonitor:
         self.declined = 0  # checks whose re-plan did not pay for itself (replan_pays)
         self.check_seconds: list[float] = []  # this rank's pause at every check (profile sum, wait for the verdict)
         self._checked_at = -1
-        self.lag = int(getattr(run.cfg.train, "replan_lag", 0))
-        if not 0 <= self.lag < self.every:
+        self.lag = int(lag)  # train.replan_lag: the check of step N is taken at N + lag
+        if not 0 <= self.lag <= self.every:  # one check in flight at a time
             raise ConfigError(f"train.replan_lag {self.lag}: the steps a check plans beside training must be at "
-                              f"least 0 and fewer than train.replan_every ({self.every})")
+                              f"least 0 and at most train.replan_every ({self.every})")
         self._pending: PendingCheck | None = None  # the check started and not yet taken
         self.plan_seconds: float | None = None  # rank 0: the last check's planning seconds (_cannot_pay)
 
@@ -353,10 +364,11 @@ class DriftMonitor:
         return True
 
     def _gain_steps(self, run, step: int) -> int:
-        """The steps a plan taken at the check of ``step`` runs before the next check: from ``step + lag`` to
-        ``step + every``, or to the run's end."""
-        left = run.cfg.train.max_steps - step if run.cfg.train.max_steps > 0 else self.every
-        return max(0, min(self.every, left) - getattr(self, "lag", 0))
+        """The steps a plan taken at the check of ``step`` runs before the next check's verdict could change it:
+        ``every`` steps from ``step + lag``, or to the run's end."""
+        lag = getattr(self, "lag", 0)
+        left = run.cfg.train.max_steps - step - lag if run.cfg.train.max_steps > 0 else self.every
+        return max(0, min(self.every, left))
 
     def _prefer_incremental(self, plan: Plan, fresh: Plan, prof, topo, report: dict, mode: str, batch: int) -> Plan:
         """The incremental plan (``plan.incremental``: the running placement, the fresh plan's replicas, the
