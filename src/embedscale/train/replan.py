@@ -137,6 +137,7 @@ class PendingCheck:
     error: BaseException | None = None
     check_s: float = 0.0  # rank 0: the check's seconds (in its thread)
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
+    total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
 
 
 class DriftMonitor:
@@ -190,14 +191,16 @@ class DriftMonitor:
         return out
 
     def _begin(self, run, step: int) -> "PendingCheck":
-        """Collective: the ranks' profiles summed; rank 0 starts the check of step ``step`` (:meth:`_decide`) in a
-        thread (in line with ``replan_lag`` 0) while every rank trains on."""
+        """Collective: the ranks' profiles summed (started now; with ``replan_lag`` > 0 it completes beside the
+        next step); rank 0 starts the check of step ``step`` (:meth:`_decide`) in a thread (in line with
+        ``replan_lag`` 0) while every rank trains on."""
         t0 = time.perf_counter()
-        total = self.profile.all_reduce()  # every rank's slices: the global batches' rows
         p = PendingCheck(step=step, apply_at=step + self.lag, begin_s=0.0)
+        p.total = self.profile.all_reduce_async()  # every rank's slices: the global batches' rows
+        if self.lag == 0:
+            p.total = p.total()
         if run.rank == 0:
-            prof = total.to_access_profile()
-            args = (run, prof, p, t0)
+            args = (run, p, t0)
             if self.lag == 0:
                 self._decide(*args)
             else:
@@ -206,7 +209,7 @@ class DriftMonitor:
         p.begin_s = time.perf_counter() - t0
         return p
 
-    def _decide(self, run, prof, p: "PendingCheck", t0: float) -> None:
+    def _decide(self, run, p: "PendingCheck", t0: float) -> None:
         """Rank 0 (a thread with ``replan_lag`` > 0): the check of step ``p.step`` and its verdict, written
         before it returns (``replans/step-M/`` for the step M = ``p.apply_at`` the rows move at; the plan left in
         ``before/`` and ``<run dir>/plan``, so a checkpoint taken in between resumes under it: :func:`resume_plan`).
@@ -214,6 +217,9 @@ class DriftMonitor:
         try:
             if _CHECK_DELAY_S:  # a test's slow check (tests/test_replan_lag.py)
                 time.sleep(_CHECK_DELAY_S)
+            if callable(p.total):
+                p.total = p.total()
+            prof = p.total.to_access_profile()
             t1 = time.perf_counter()
             report, fresh = self._check(run, prof, p.step)
             if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
@@ -249,6 +255,8 @@ class DriftMonitor:
         (:func:`move_to_plan`) and rank 0 records it (``replans.csv``)."""
         t0 = time.perf_counter()
         step = p.apply_at
+        if callable(p.total):  # the profiles' sum, long done: its work released
+            p.total()
         if p.known is None:
             flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
             if run.rank == 0:
