@@ -121,6 +121,8 @@ def test_resume_inside_the_lag_window_equals_the_uninterrupted_run(tmp_path, at)
     rows move) resumes to the same losses, rows, row-wise state, dense state and replans.csv row as the
     uninterrupted run (its verdict was on disk before the checkpoint: the resumed run cannot check step 4 again,
     its profile has moved on)."""
+    from embedscale.plan.plan import Plan
+
     data = tmp_path / "data"
     drift_data(data)
     whole = tmp_path / "whole"
@@ -128,12 +130,20 @@ def test_resume_inside_the_lag_window_equals_the_uninterrupted_run(tmp_path, at)
     spawn_local(_drift_rank, W, cfg, str(whole), None, timeout_s=600)
     cut = tmp_path / "cut"
     shutil.copytree(whole, cut)
-    spawn_local(_drift_rank, W, cfg, str(cut), str(step_dir(cut, at)), timeout_s=600)
+    (cut / "replans.csv").unlink()  # written again by the resumed run
+    spawn_local(_plans_rank, W, cfg, str(cut), str(step_dir(cut, at)), str(tmp_path / "log"), 0.0, 0.0,
+                timeout_s=600)
     assert_same_run(whole, cut, 7)
     keys = ("step", "checked_at", "reason", "gain", "rows_moved", "bytes", "balance_before", "balance_after")
     want = [{k: r[k] for k in keys} for r in read_replans(whole)]
     assert [int(r["step"]) for r in want] == [EVERY + 2]
     assert [{k: r[k] for k in keys} for r in read_replans(cut)] == want
+    # the plan each resumed step ran under (the model), and the one a later resume starts from (plan/)
+    model = plan_in_force(7, EVERY, 2, {EVERY})[at:]
+    for rank in range(W):
+        assert [e["plan_checked_at"] for e in _log(tmp_path / "log", rank) if "step_s" in e] == model, rank
+    a, b = Plan.load(whole / "replans" / f"step-{EVERY + 2}"), Plan.load(cut / "plan")
+    assert np.array_equal(a.owner_of_part, b.owner_of_part) and np.array_equal(a.holders, b.holders)
 
 
 def test_a_slow_check_does_not_stall_the_other_ranks(tmp_path):

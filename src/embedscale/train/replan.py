@@ -277,6 +277,8 @@ class DriftMonitor:
             self.check_seconds.append(p.begin_s + t_wait - t0)
             return None
         new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
+        if p.known is not None and run.rank == 0:  # resume_plan left plan/ at the plan the rows leave now
+            new_plan.save(run.run_dir / "plan")
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
         self.check_seconds.append(p.begin_s + t_wait - t0)
