@@ -211,12 +211,19 @@ def pauses(step: np.ndarray, pause: np.ndarray, every: int, lag: int) -> dict:
             "total_s": round(float(pause.sum()), 4)}
 
 
-def against_static(step: dict, pause: dict, n: str) -> dict:
+def against_static(step: dict, pause: dict, n: str, every: int, lag: int) -> dict:
     """Run ``n`` (steps and its monitor's pauses) against the static plan over the whole run: the ratio of total
-    seconds, and the median of the paired per-step ratios (each step's runs ran back to back)."""
+    seconds, the median of the paired per-step ratios (each step's runs ran back to back), the pauses' share, and
+    the steps that follow a check or a verdict (rank 0's check thread beside them) against the others."""
     on, st = step[n][1:] + pause[n][1:], step["static"][1:]
+    s = np.arange(1, len(step[n]))
+    checks = (s % every == 0) | ((s - lag) % every == 0) & (s > lag)
     return {"ratio_total": round(float(on.sum() / st.sum()), 4),
-            "ratio_paired_median": round(float(np.median(on / st)), 4)}
+            "ratio_paired_median": round(float(np.median(on / st)), 4),
+            "pause_share_of_static": round(float(pause[n][1:].sum() / st.sum()), 4),
+            "step_ratio_at_checks": round(float(step[n][1:][checks].sum() / st[checks].sum()), 4) if checks.any()
+            else None,
+            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4)}
 
 
 def q(v) -> dict:
@@ -327,7 +334,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     ratios = [x["ratio_online_hindsight_paired_median"] for x in windows]
     monitors = {n: {"replan_lag": 0 if n == LAG0 else a.lag, "pause": pauses(step[n], pause[n], a.every,
                                                                              0 if n == LAG0 else a.lag),
-                    "vs_static": against_static(step, pause, n), "declined": res[0]["declined"][n]}
+                    "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag),
+                    "declined": res[0]["declined"][n]}
                 for n in pause}
     return {
         "figure": "online training on a drifting stream: lookup DoB, step time, migration, delta checkpoint",

@@ -161,7 +161,9 @@ class DriftMonitor:
             raise ConfigError(f"train.replan_lag {self.lag}: the steps a check plans beside training must be at "
                               f"least 0 and at most train.replan_every ({self.every})")
         self._pending: PendingCheck | None = None  # the check started and not yet taken
-        self.plan_seconds: float | None = None  # rank 0: the last check's planning seconds (_cannot_pay)
+        # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
+        plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
+        self.plan_seconds: float | None = float(plan_s) if plan_s else None
 
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
