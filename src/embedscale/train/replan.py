@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -86,6 +87,9 @@ DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (resume_plan)
 KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (an earlier attempt's re-plan void)
+# the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
+# this long for the GIL the check's Python holds (the check runs slower by a few switches)
+CHECK_SWITCH_S = 0.0005
 _CHECK_DELAY_S = 0.0  # a test hook: seconds every check sleeps first (a slow check)
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
            "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
@@ -138,6 +142,7 @@ class PendingCheck:
     check_s: float = 0.0  # rank 0: the check's seconds (in its thread)
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
     total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
+    switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
 
 
 class DriftMonitor:
@@ -205,7 +210,9 @@ class DriftMonitor:
             args = (run, p, t0)
             if self.lag == 0:
                 self._decide(*args)
-            else:
+            else:  # the training thread takes the GIL back within CHECK_SWITCH_S while the check runs
+                p.switch_s = sys.getswitchinterval()
+                sys.setswitchinterval(min(p.switch_s, CHECK_SWITCH_S))
                 p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
                 p.thread.start()
         p.begin_s = time.perf_counter() - t0
@@ -243,6 +250,9 @@ class DriftMonitor:
             p.report = report
         except BaseException as e:  # every rank stops with it, none waits for a verdict
             p.error, p.verdict = e, -1
+        finally:
+            if p.switch_s is not None:
+                sys.setswitchinterval(p.switch_s)
         p.check_s = time.perf_counter() - t0
 
     def settle(self) -> None:
