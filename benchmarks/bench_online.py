@@ -405,7 +405,8 @@ def main():
                     help="Zipf exponent over the hot set's members (0 = uniform draw)")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=16)
-    ap.add_argument("--lag", type=int, default=getattr(RunConfig().train, "replan_lag", 0), help="train.replan_lag of 'online'")
+    ap.add_argument("--lag", type=int, default=getattr(RunConfig().train, "replan_lag", 0),
+                    help="train.replan_lag of 'online'")
     ap.add_argument("--compare-lag0", action="store_true",
                     help="a fourth run, 'online_lag0': the same monitor with train.replan_lag 0, interleaved")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")

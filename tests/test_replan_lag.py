@@ -175,7 +175,8 @@ def test_a_lag_beyond_the_monitoring_period_is_a_named_error():
     from embedscale.specs import TableSpec
     from embedscale.train.replan import DriftMonitor
 
-    run = SimpleNamespace(host_embedding=None, device=torch.device("cpu"), tables=[TableSpec("t", 10, 4, features=["f"])])
+    run = SimpleNamespace(host_embedding=None, device=torch.device("cpu"),
+                          tables=[TableSpec("t", 10, 4, features=["f"])])
     with pytest.raises(ConfigError, match=r"train\.replan_lag 5.*train\.replan_every \(4\)"):
         DriftMonitor(run, 4, 0.05, 5)
     assert DriftMonitor(run, 4, 0.05, 4).lag == 4 and DriftMonitor(run, 4, 0.05, 0).lag == 0

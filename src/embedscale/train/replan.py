@@ -32,8 +32,8 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
    step), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
-Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L < N): the profiles are summed at the check's
-step N (every rank, one ``all_reduce``), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
+Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L <= N): the profiles' sum starts at the check's
+step N (every rank, one ``all_reduce``; with L > 0 it completes beside the next step), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
 (:meth:`DriftMonitor._decide`: plain CPU work on the summed profile and the running plan, no tensor of the run)
 while every rank trains on, and at step M = N + L joins it, waiting only for what is left, and broadcasts the
 verdict: the re-plan (``replans/step-M/``) happens between step M and M+1, after the loop's checkpoint of step
@@ -44,7 +44,8 @@ Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._can
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
 N+1..M) waits for the verdict first (:meth:`DriftMonitor.settle`), which is on disk with its check step in the
-plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`). Each rank's rolling profile is in its rank file of every full checkpoint
+plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`).
+Each rank's rolling profile is in its rank file of every full checkpoint
 (:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
 bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
 uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
