@@ -9,7 +9,8 @@ built in every rank process, the same model and seed, each under its own plan:
 * ``static``: the OPER plan of window 0's true profile (the shards present when the run starts), kept;
 * ``online``: starts from the same plan, with the drift monitor on (``train.replan_every``, ``train.replan``):
   rolling profile, a check every N steps, a live migration when re-planning gains enough (to the incremental
-  plan, ``plan.incremental``; ``--fresh-plans``: to OPER's plan from scratch);
+  plan, ``plan.incremental``), rank 0 planning beside training for ``--lag`` steps (``train.replan_lag``;
+  ``--compare-lag0``: a fourth run, ``online_lag0``, the same monitor waiting for each check, interleaved);
 * ``hindsight``: at the first step of every window, moved (``train.replan.move_to_plan``, untimed: an oracle)
   to the OPER plan of that window's true profile.
 
@@ -39,6 +40,10 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
    hold every rank's rolling profile, 8 bytes a row of every table, ``train.replan``; deltas do not.)
 
     nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
+
+5. each check's pause (``monitors``: the slowest rank's seconds in ``maybe_replan`` at the check and at the step
+   its verdict is taken, in median steps) and the online run's steps plus pauses against the static plan's.
+   Bars: the pause at most 1 step; online within 3% of static (on a stream where balance does not pay).
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
@@ -75,6 +80,8 @@ from embedscale.train.replan import move_to_plan
 from embedscale.train.run import dense_state, optimizer_state, save_checkpoint
 
 RUNS = ("static", "online", "hindsight")
+HAS_LAG = hasattr(RunConfig().train, "replan_lag")  # else: an earlier monitor (every check waits, lag 0)
+LAG0 = "online_lag0"  # --compare-lag0: the monitor with train.replan_lag 0 (the other ranks wait for each check)
 TABLES = ("C1", "C2", "C3", "C4")
 DENSE = 4
 
@@ -118,7 +125,8 @@ def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
         "train": {"batch_size": a.batch, "max_steps": a.steps, "lr_dense": 0.05, "lr_sparse": 0.05, "log_every": 0,
                   "eval_every": 0, "checkpoint_every": 0, "sparse_optimizer": "rowwise_adagrad",
                   "dense_optimizer": "adagrad", "prefetch": 0, "seed": 0,
-                  "replan_every": a.every if name == "online" else 0, "replan_min_gain": a.min_gain},
+                  "replan_every": a.every if name.startswith("online") else 0, "replan_min_gain": a.min_gain,
+                  **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {})},
         "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800}})
 
 
@@ -132,16 +140,16 @@ def plan_for(tables, forms, prof, world: int, batch: int) -> Plan:
 def worker(rank, world, job):
     torch.set_num_threads(1)
     root, K, steps = Path(job["root"]), job["rotate"], job["steps"]
+    names = tuple(job["cfg"])
     runs = {n: DistributedRun(from_dict(RunConfig, job["cfg"][n]), root / n, rank, world, progress=False)
-            for n in RUNS}
+            for n in names}
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
-    step_s = {n: np.zeros(steps) for n in RUNS}
-    check_s = np.zeros(steps)
-    losses = {n: [] for n in RUNS}
+    step_s = {n: np.zeros(steps) for n in names}
+    pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
+    losses = {n: [] for n in names}
     full_at, delta_at = K, 2 * K  # full checkpoint before step K, delta after step 2K - 1 (window 1)
     ckpt = {}
     online = runs["online"]
-    online.monitor.incremental = not job["fresh_plans"]
     observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
     observe = online.monitor.observe
 
@@ -163,14 +171,14 @@ def worker(rank, world, job):
         if s == full_at:
             online.state.step = s
             ckpt["full"] = str(save_checkpoint(online, track=True))
-        for n in RUNS[s % 3:] + RUNS[:s % 3]:
+        for n in names[s % len(names):] + names[:s % len(names)]:
             run = runs[n]
             run.state.step = s
             dist.barrier()
-            if n == "online":
+            if n in pause_s:
                 t0 = time.perf_counter()
                 run.monitor.maybe_replan(run)  # train_step's own call then returns at once (already checked)
-                check_s[s] = time.perf_counter() - t0
+                pause_s[n][s] = time.perf_counter() - t0
                 dist.barrier()
             t0 = time.perf_counter()
             loss = run.train_step(batch)
@@ -189,9 +197,38 @@ def worker(rank, world, job):
                     tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
                 ckpt["dense_bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
     dist.barrier()
-    return {"step_s": {n: torch.from_numpy(v) for n, v in step_s.items()}, "check_s": torch.from_numpy(check_s),
+    return {"step_s": {n: torch.from_numpy(v) for n, v in step_s.items()},
+            "pause_s": {n: torch.from_numpy(v) for n, v in pause_s.items()},
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
+            "declined": {n: runs[n].monitor.declined for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
+
+
+def pauses(step: np.ndarray, pause: np.ndarray, every: int, lag: int) -> dict:
+    """Each check's pause (the slowest rank's seconds in ``maybe_replan`` at the check's step and, with a lag,
+    at the step its verdict is taken, migration included) in the run's median steps."""
+    med = float(np.median(step[1:]))
+    per = [float(pause[s] + (pause[s + lag] if lag and s + lag < len(pause) else 0.0))
+           for s in range(every, len(pause), every)]
+    inst = np.asarray(per or [0.0]) / med
+    return {"checks": len(per), "median_steps": round(float(np.median(inst)), 3),
+            "p90_steps": round(float(np.percentile(inst, 90)), 3), "max_steps": round(float(inst.max()), 3),
+            "total_s": round(float(pause.sum()), 4)}
+
+
+def against_static(step: dict, pause: dict, n: str, every: int, lag: int) -> dict:
+    """Run ``n`` (steps and its monitor's pauses) against the static plan over the whole run: the ratio of total
+    seconds, the median of the paired per-step ratios (each step's runs ran back to back), the pauses' share, and
+    the steps that follow a check or a verdict (rank 0's check thread beside them) against the others."""
+    on, st = step[n][1:] + pause[n][1:], step["static"][1:]
+    s = np.arange(1, len(step[n]))
+    checks = (s % every == 0) | ((s - lag) % every == 0) & (s > lag)
+    return {"ratio_total": round(float(on.sum() / st.sum()), 4),
+            "ratio_paired_median": round(float(np.median(on / st)), 4),
+            "pause_share_of_static": round(float(pause[n][1:].sum() / st.sum()), 4),
+            "step_ratio_at_checks": round(float(step[n][1:][checks].sum() / st[checks].sum()), 4) if checks.any()
+            else None,
+            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4)}
 
 
 def q(v) -> dict:
@@ -232,21 +269,22 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
     plan_s = (time.perf_counter() - t0) / W
     cfgs = {}
-    for n in RUNS:
+    for n in RUNS + ((LAG0,) if a.compare_lag0 else ()):
         hind[0].save(root / n / "plan")  # every run starts from window 0's plan (the static plan)
         cfgs[n] = to_dict(run_config(a, root, data, n, world))
     for w in range(1, W):
         hind[w].save(root / "hindsight-plans" / f"w{w}")
     job = {"root": str(root), "rotate": K, "steps": steps, "cfg": cfgs,
            "hindsight": {str(w): str(root / "hindsight-plans" / f"w{w}") for w in range(1, W)},
-           "first_ids": idx[tables[0].features[0]][0].tolist(), "fresh_plans": a.fresh_plans}
+           "first_ids": idx[tables[0].features[0]][0].tolist()}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = spawn_local(worker, world, job, timeout_s=3600)
     wall = time.perf_counter() - t0
     load1 = os.getloadavg()[0]
-    step = {n: np.max(np.stack([r["step_s"][n].numpy() for r in res]), axis=0) for n in RUNS}
-    check = np.max(np.stack([r["check_s"].numpy() for r in res]), axis=0)
+    step = {n: np.max(np.stack([r["step_s"][n].numpy() for r in res]), axis=0) for n in cfgs}
+    pause = {n: np.max(np.stack([r["pause_s"][n].numpy() for r in res]), axis=0) for n in res[0]["pause_s"]}
+    check = pause["online"]
     replans = res[0]["replans"]
     # the online run's plan timeline: (first step, plan)
     timeline = [(0, hind[0])] + [(int(r["step"]), Plan.load(root / "online" / "replans" / f"step-{r['step']}"))
@@ -299,6 +337,11 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     static_dobs = [x["dob_lookup"]["static"] for x in windows]
     online_dobs = [x["dob_lookup"]["online_as_run"] for x in windows]
     ratios = [x["ratio_online_hindsight_paired_median"] for x in windows]
+    monitors = {n: {"replan_lag": 0 if n == LAG0 else a.lag, "pause": pauses(step[n], pause[n], a.every,
+                                                                             0 if n == LAG0 else a.lag),
+                    "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag),
+                    "declined": res[0]["declined"][n]}
+                for n in pause}
     return {
         "figure": "online training on a drifting stream: lookup DoB, step time, migration, delta checkpoint",
         "world": world,
@@ -307,7 +350,10 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "dob_online_at_least_0.95": all(d >= 0.95 for d in online_dobs),
             "step_online_within_10pct_of_hindsight": all(r <= 1.10 for r in ratios),
             "migration_below_2_steps": all(m["migrate_in_steps"] < 2 for m in migs),
-            "delta_at_most_1.1x": delta_bytes / ref <= 1.10},
+            "delta_at_most_1.1x": delta_bytes / ref <= 1.10,
+            "online_within_3pct_of_static": monitors["online"]["vs_static"]["ratio_total"] <= 1.03,
+            "pause_at_most_1_step": monitors["online"]["pause"]["max_steps"] <= 1.0},
+        "monitors": monitors,
         "windows": windows,
         "dob_lookup_mean": {"static": round(float(np.mean(static_dobs)), 4),
                             "online_as_run": round(float(np.mean(online_dobs)), 4)},
@@ -339,7 +385,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                    "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share, "hot_alpha": a.hot_alpha,
                    "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
                    "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
-                   "online_plans": "oper from scratch" if a.fresh_plans else "incremental (plan.incremental)"}}
+                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0,
+                   "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)"}}
 
 
 def main():
@@ -358,8 +405,10 @@ def main():
                     help="Zipf exponent over the hot set's members (0 = uniform draw)")
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=16)
-    ap.add_argument("--fresh-plans", action="store_true",
-                    help="the monitor migrates to OPER's plans from scratch (no incremental plan)")
+    ap.add_argument("--lag", type=int, default=getattr(RunConfig().train, "replan_lag", 0),
+                    help="train.replan_lag of 'online'")
+    ap.add_argument("--compare-lag0", action="store_true",
+                    help="a fourth run, 'online_lag0': the same monitor with train.replan_lag 0, interleaved")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--dob-only", action="store_true",
                     help="plan only: the static plan's lookup DoB on every window, no training (bar 1's premise)")

@@ -62,7 +62,7 @@ def test_managed_run_replans_and_equals_restart_under_new_plan(tmp_path, data_di
 
     live = tmp_path / "live"
     cfg = config(tmp_path, data_dir, design, transport, replan_every=EVERY, replan_min_gain=0.0,
-                 replan_weigh_costs=False)
+                 replan_weigh_costs=False, replan_lag=0)
     spawn_local(_rank, 2, to_dict(cfg), str(live), None, timeout_s=600)
     rows = read_replans(live)
     assert [int(r["step"]) for r in rows] == [EVERY], rows

@@ -457,7 +457,7 @@ def test_run_replans_and_equals_restart_under_new_plan(tmp_path):
     live = tmp_path / "live"
     # full checkpoint at step 4 (before the re-plan), a delta at step 7: the rows tracked across the migration
     cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, replan_weigh_costs=False,
-                       checkpoint_full_every=2 * EVERY)
+                       replan_lag=0, checkpoint_full_every=2 * EVERY)  # the re-plan at the check (restart below)
     spawn_local(_drift_rank, W, to_dict(cfg), str(live), None, timeout_s=600)
     assert read_manifest(step_dir(live, DRIFT_STEPS))["delta"]["base_step"] == EVERY
     rows = read_replans(live)
@@ -510,7 +510,7 @@ def test_resume_restores_the_rolling_profile_and_replans_alike(tmp_path):
     data = tmp_path / "data"
     drift_data(data)
     cfg = drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, replan_weigh_costs=False,
-                       max_steps=2 * EVERY + 1)
+                       replan_lag=0, max_steps=2 * EVERY + 1)  # the re-plan at the check step
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     spawn_local(_drift_rank, W, to_dict(cfg), str(whole), None, timeout_s=600)
     spawn_local(_drift_rank, W, to_dict(cfg), str(resumed), str(step_dir(whole, EVERY)), timeout_s=600)

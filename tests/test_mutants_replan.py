@@ -254,7 +254,7 @@ def test_delta_resume_and_a_resume_at_a_logged_step_of_a_replanning_run(tmp_path
     def config(max_steps, full_every):
         return to_dict(drift_config(tmp_path, data, replan_every=EVERY, replan_min_gain=0.0, max_steps=max_steps,
                                     checkpoint_every=2, checkpoint_full_every=full_every,
-                                    replan_weigh_costs=False))
+                                    replan_weigh_costs=False, replan_lag=0))
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     spawn_local(_drift_rank, 2, config(steps, EVERY), str(whole), None, timeout_s=600)

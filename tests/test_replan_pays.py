@@ -71,3 +71,41 @@ def test_the_steps_left_in_the_run_cap_the_gain_and_a_measured_migration_prices_
     rep = _report(1000)
     mon._weigh_costs(_run(10, 100), rep, 3e-4)
     assert rep["replan"] is False and rep["replan_costs"]["migrate_s"] == pytest.approx(2.5e-4, rel=1e-9)
+
+
+def test_a_check_that_no_plan_could_pay_for_keeps_the_plan_without_planning():
+    """Before it plans, the monitor bounds the gain of any plan: every access is looked up once, by some rank,
+    at the local bandwidth (OPER eq. 2), so no plan's bottleneck is below the ranks' mean lookup. A plan of 2
+    ranks whose hot rows sit on rank 0: the bound (its bottleneck less the mean lookup, worked by hand with
+    OPER's equations, tests/test_migrate.py ``hand_cost``) x 5 steps against the last planning's seconds just
+    above it: kept, no fresh plan, one decline; just below: the monitor plans (and re-plans)."""
+    import numpy as np
+
+    from embedscale.data.profile import AccessProfile
+    from embedscale.plan.api import make_plan
+    from embedscale.specs import DistConfig, TableSpec, Topology
+
+    from test_migrate import hand_cost
+
+    ts = [TableSpec("a", 3000, 8, features=["a"]), TableSpec("b", 2000, 8, features=["b"])]
+    rng = np.random.default_rng(1)
+    old = AccessProfile({t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}, 10_000)
+    W, B = 2, 128
+    topo = Topology(ranks_per_host=W)
+    plan = make_plan("oper", ts, old, topo, batch_size=B // W)
+    counts = {t.name: rng.poisson(5, t.num_rows).astype(float) for t in ts}
+    counts["a"][np.flatnonzero(plan.owner("a", np.arange(3000)) == 0)[:16]] += 2000.0
+    new = AccessProfile(counts, 10_000)
+    hand = hand_cost(plan, counts, new.samples, topo, B // W)
+    bound = (hand["total"].max() - hand["lookup"].mean()) * 1e-6  # seconds a step
+    run = SimpleNamespace(cfg=SimpleNamespace(dist=DistConfig(), train=SimpleNamespace(
+        batch_size=B, max_steps=100, replan_weigh_costs=True)), world=W, plan=plan, state=SimpleNamespace(step=10))
+    for scale, kept in ((1.001, True), (0.999, False)):
+        mon = _monitor(5)
+        mon.min_gain, mon.lag, mon.plan_seconds = 0.05, 0, bound * 5 * scale
+        report, fresh = mon._check(run, new)
+        assert (fresh is None) == kept and mon.declined == int(kept), (scale, report["reason"])
+        assert report["replan"] is not kept
+        if kept:
+            assert report["replan_costs"]["gain_bound_per_step_s"] == pytest.approx(bound, rel=1e-9)
+            assert "no plan saves" in report["reason"]

@@ -419,6 +419,10 @@ class TrainConfig:
     # re-plan only when the predicted gain over the steps to the next check outweighs the check and the migration
     # (train.replan.replan_pays); false: whenever the plan taken gains more than replan_min_gain (tests of migration)
     replan_weigh_costs: bool = True
+    # the steps rank 0 plans beside training: a check at step N runs in a thread while every rank trains on, and
+    # its verdict is taken (the rows migrate) between steps N + replan_lag and N + replan_lag + 1; 0 = the other
+    # ranks wait for the check (train.replan); at most replan_every
+    replan_lag: int = 1
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3
@@ -662,7 +666,7 @@ NUMBERS.update({
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
                   "epoch_samples": _AT_LEAST_1,
                   "sparse_weight_decay": (0.0, True, None),
-                  "replan_min_gain": (0.0, True, None),
+                  "replan_min_gain": (0.0, True, None), "replan_lag": _AT_LEAST_0,
                   "batch_size": _AT_LEAST_0, "epochs": _AT_LEAST_0, "max_steps": _AT_LEAST_0,
                   "eval_every": _AT_LEAST_0, "log_every": _AT_LEAST_0, "checkpoint_every": _AT_LEAST_0,
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,

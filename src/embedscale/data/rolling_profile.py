@@ -28,7 +28,7 @@ its own per batch, and the monitor sums them every ``replan_every`` steps.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -146,17 +146,27 @@ class RollingProfile:
 
         Collective: every rank of ``group`` calls it with the same tables. Returns a new profile; this
         rank's own counts are unchanged."""
+        return self.all_reduce_async(group)()
+
+    @torch.no_grad()
+    def all_reduce_async(self, group: dist.ProcessGroup | None = None) -> Callable[[], "RollingProfile"]:
+        """:meth:`all_reduce` started now on a snapshot of the counts (this rank may go on updating them):
+        returns the function that waits for it and returns the summed profile (any thread may call it)."""
         names = self.table_names
         flat = torch.cat([self.counts(n) for n in names]
                          + [torch.tensor([self.samples], dtype=self._counts[names[0]].dtype, device=self.device)])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        out = RollingProfile({n: self._counts[n].numel() for n in names}, self.decay, self.device,
-                             self._counts[names[0]].dtype)
-        out.steps = self.steps
-        for n, part in zip(names, torch.split(flat[:-1], [self._counts[n].numel() for n in names])):
-            out._counts[n].copy_(part)
-        out._samples = float(flat[-1])
-        return out
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        sizes, decay, steps, dtype = [self._counts[n].numel() for n in names], self.decay, self.steps, flat.dtype
+
+        def summed() -> "RollingProfile":
+            work.wait()
+            out = RollingProfile(dict(zip(names, sizes)), decay, self.device, dtype)
+            out.steps = steps
+            for n, part in zip(names, torch.split(flat[:-1], sizes)):
+                out._counts[n].copy_(part)
+            out._samples = float(flat[-1])
+            return out
+        return summed
 
     def to_access_profile(self, feature_to_table: Mapping[str, str] | None = None) -> AccessProfile:
         """An :class:`AccessProfile` of float64 expected counts (its ``samples`` is the decayed sample

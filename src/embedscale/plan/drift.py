@@ -193,7 +193,10 @@ def _figures(c) -> dict[str, float]:
     mean = float(total.mean()) if total.size else 0.0
     return {"dob_memory": c.dob_memory, "dob_lookup": c.dob_lookup, "dob_comm": c.dob_comm,
             "comm_mean": c.comm_mean, "max_rank_cost": c.max_rank_cost,
-            "balance": c.max_rank_cost / mean if mean > 0 else 1.0}
+            "balance": c.max_rank_cost / mean if mean > 0 else 1.0,
+            # a floor under any plan's bottleneck: every access is looked up once, by some rank, at the local
+            # bandwidth (eq. 2), so the ranks' lookups sum to the same whatever the placement
+            "lookup_mean": float(c.lookup_per_rank.mean()) if c.lookup_per_rank.size else 0.0}
 
 
 def drift_command(plan_dir, new_profile, topology, *, json_output: bool = False, out_path=None, old_profile=None,

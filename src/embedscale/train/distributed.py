@@ -386,7 +386,7 @@ class DistributedRun:
             self.ddp = DDP(self.model, broadcast_buffers=False)
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         if t.replan_every:
-            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
+            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag)
         # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
         # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
         # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2

@@ -50,6 +50,8 @@ def write_rank(parts: CheckpointParts, ckpt_dir: Path, rank: int, world: int, ta
     """Write rank ``rank``'s file: its ``tables`` entries and the parts it keeps (``delta``: managed mappings as
     changed since their base, no rolling profile; ``track``: managed mappings start a new base)."""
     p = parts
+    if p.monitor is not None:  # a re-plan check in flight: its verdict on disk before this (DriftMonitor.settle)
+        p.monitor.settle()
     shard = {"rank": rank, "world_size": world, "tables": tables}
     if p.spread is not None:  # dense parameters spread over ranks: each writes those it keeps
         keep = p.spread(rank)

@@ -27,13 +27,25 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 3. each re-plan is one row of ``<run dir>/replans.csv`` (:data:`COLUMNS`: the step, the reason, rows and
    bytes moved summed over the ranks (and ``rows_written``: storage rows written, received or moved locally;
    ``in_place``: 1 when the running module moved in place, 0 when the plan's module was built and filled),
-   the slowest rank's seconds (all of it; the check: profile sum, plans
-   and verdict; the migration: edit, move, swap), the predicted gain and the max / mean
+   the slowest rank's seconds (all of its pause; the check: profile sum and wait for the verdict; the
+   migration: edit, move, swap; ``plan_seconds``: rank 0's check in its thread; ``checked_at``: the check's
+   step), the predicted gain and the max / mean
    per-rank cost of the running and of the new plan on the profile) and of the summary's ``replans``.
 
-A re-plan happens between step N and N+1, after the loop's checkpoint of step N (written under the old
-plan, restorable under any): the run continues exactly as one restarted from that checkpoint with the new
-plan (tests/test_migrate.py). Each rank's rolling profile is in its rank file of every full checkpoint
+Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L <= N): the profiles' sum starts at the check's
+step N (every rank, one ``all_reduce``; with L > 0 it completes beside the next step), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
+(:meth:`DriftMonitor._decide`: plain CPU work on the summed profile and the running plan, no tensor of the run)
+while every rank trains on, and at step M = N + L joins it, waiting only for what is left, and broadcasts the
+verdict: the re-plan (``replans/step-M/``) happens between step M and M+1, after the loop's checkpoint of step
+M (written under the old plan, restorable under any), and the run continues exactly as one restarted from that
+checkpoint with the new plan (tests/test_migrate.py, tests/test_replan_lag.py). L is fixed, so every rank knows
+M without a collective and the run is reproducible; with L = 0 the other ranks wait for the check (M = N).
+Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
+bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
+even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
+N+1..M) waits for the verdict first (:meth:`DriftMonitor.settle`), which is on disk with its check step in the
+plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`).
+Each rank's rolling profile is in its rank file of every full checkpoint
 (:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
 bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
 uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
@@ -46,8 +58,10 @@ from __future__ import annotations
 
 import csv
 import io
+import sys
+import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -73,9 +87,14 @@ PGAS_REPLAN_SPARE = 0.25  # a PGAS run that re-plans: heap room for a quarter mo
 DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a re-plan
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (resume_plan)
+KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (an earlier attempt's re-plan void)
+# the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
+# this long for the GIL the check's Python holds (the check runs slower by a few switches)
+CHECK_SWITCH_S = 0.0005
+_CHECK_DELAY_S = 0.0  # a test hook: seconds every check sleeps first (a slow check)
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
            "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
-           "in_place"]
+           "in_place", "checked_at", "plan_seconds"]
 
 
 def replan_pays(gain_per_step_s: float, steps_to_next_check: int, check_s: float, migrate_s: float) -> bool:
@@ -102,10 +121,35 @@ def migration_seconds(bytes_moved: float, link_gbs: float, measured: tuple[float
     return 2.0 * float(bytes_moved) / (float(link_gbs) * 1e9)
 
 
+def record_fields(report: dict) -> dict:
+    """The figures of a check's report that go into its ``replans.csv`` row (kept in the new plan's meta, so a
+    run resumed between the check and the migration records the same row)."""
+    return {"reason": report["reason"], "gain": round(float(report["replan_gain"]), 6),
+            "balance_before": round(float(report["after"]["balance"]), 6),
+            "balance_after": round(float(report["replanned"]["balance"]), 6),
+            "strategy": report["replan_strategy"]}
+
+
+@dataclass
+class PendingCheck:
+    """A check started at step ``step`` whose verdict is taken at ``apply_at`` (``step + replan_lag``)."""
+    step: int
+    apply_at: int
+    begin_s: float = 0.0  # this rank's seconds at the check's step (the profiles' sum)
+    thread: threading.Thread | None = None  # rank 0: the check beside training
+    verdict: int = 0  # rank 0, once decided: 1 re-plan, 0 keep, -1 failed
+    report: dict | None = None
+    error: BaseException | None = None
+    check_s: float = 0.0  # rank 0: the check's seconds (in its thread)
+    known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
+    total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
+    switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
+
+
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float):
+    def __init__(self, run, every: int, min_gain: float, lag: int = 0):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
@@ -116,8 +160,16 @@ class DriftMonitor:
         self.records: list[dict] = []
         self.checks = 0
         self.declined = 0  # checks whose re-plan did not pay for itself (replan_pays)
-        self.check_seconds: list[float] = []  # this rank's seconds of every check (profile sum, plans, verdict)
+        self.check_seconds: list[float] = []  # this rank's pause at every check (profile sum, wait for the verdict)
         self._checked_at = -1
+        self.lag = int(lag)  # train.replan_lag: the check of step N is taken at N + lag
+        if not 0 <= self.lag <= self.every:  # one check in flight at a time
+            raise ConfigError(f"train.replan_lag {self.lag}: the steps a check plans beside training must be at "
+                              f"least 0 and at most train.replan_every ({self.every})")
+        self._pending: PendingCheck | None = None  # the check started and not yet taken
+        # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
+        plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
+        self.plan_seconds: float | None = float(plan_s) if plan_s else None
 
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
@@ -127,66 +179,149 @@ class DriftMonitor:
         self.profile.update(rows, steps=1, samples=samples)
 
     def maybe_replan(self, run) -> dict | None:
-        """Every ``replan_every`` steps (collective: every rank calls it before each step): check, and migrate
-        when the fresh plan gains enough. Returns the re-plan's record, else ``None``."""
+        """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
+        plans in a thread, :meth:`_begin`), and ``replan_lag`` steps later take its verdict and migrate when the
+        new plan pays (:meth:`_conclude`). Returns the re-plan's record (rank 0), else ``None``."""
         step = run.state.step
+        out = None
+        pending = self._pending
+        if pending is not None and step >= pending.apply_at:
+            self._pending = None
+            out = self._conclude(run, pending)
         if step == 0 or step % self.every or step == self._checked_at or self.profile.steps == 0:
-            return None
+            return out
         self._checked_at = step
         self.checks += 1
+        self._pending = self._begin(run, step)
+        if self.lag == 0:  # the other ranks wait for the verdict now
+            pending, self._pending = self._pending, None
+            out = self._conclude(run, pending)
+        return out
+
+    def _begin(self, run, step: int) -> "PendingCheck":
+        """Collective: the ranks' profiles summed (started now; with ``replan_lag`` > 0 it completes beside the
+        next step); rank 0 starts the check of step ``step`` (:meth:`_decide`) in a thread (in line with
+        ``replan_lag`` 0) while every rank trains on."""
         t0 = time.perf_counter()
-        total = self.profile.all_reduce()  # every rank's slices: the global batches' rows
-        flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
-        report, failure = None, None
+        p = PendingCheck(step=step, apply_at=step + self.lag, begin_s=0.0)
+        p.total = self.profile.all_reduce_async()  # every rank's slices: the global batches' rows
+        if self.lag == 0:
+            p.total = p.total()
         if run.rank == 0:
-            try:
-                report, fresh = self._check(run, total)
-                if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
-                    self._weigh_costs(run, report, time.perf_counter() - t0)
-                if report["replan"]:
-                    fresh.save(run.run_dir / "replans" / f"step-{step}")
-                    run.plan.save(run.run_dir / "replans" / f"step-{step}" / BEFORE)  # for resume_plan
-                    fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
-                    flag[0] = 1
-            except EmbedscaleError as e:  # every rank stops with it, none waits for a verdict
-                failure, flag[0] = e, -1
-        dist.broadcast(flag, 0, group=run.monitor_group)
-        if int(flag[0]) < 0:
-            raise failure or EmbedscaleError(f"rank {run.rank}: rank 0's re-plan check at step {step} failed "
-                                             "(its error says why)")
-        if not int(flag[0]):
-            self.check_seconds.append(time.perf_counter() - t0)
+            args = (run, p, t0)
+            if self.lag == 0:
+                self._decide(*args)
+            else:  # the training thread takes the GIL back within CHECK_SWITCH_S while the check runs
+                p.switch_s = sys.getswitchinterval()
+                sys.setswitchinterval(min(p.switch_s, CHECK_SWITCH_S))
+                p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
+                p.thread.start()
+        p.begin_s = time.perf_counter() - t0
+        return p
+
+    def _decide(self, run, p: "PendingCheck", t0: float) -> None:
+        """Rank 0 (a thread with ``replan_lag`` > 0): the check of step ``p.step`` and its verdict, written
+        before it returns (``replans/step-M/`` for the step M = ``p.apply_at`` the rows move at; the plan left in
+        ``before/`` and ``<run dir>/plan``, so a checkpoint taken in between resumes under it: :func:`resume_plan`).
+        Touches no tensor of the run and nothing a step changes (the step comes as ``p.step``)."""
+        try:
+            if _CHECK_DELAY_S:  # a test's slow check (tests/test_replan_lag.py)
+                time.sleep(_CHECK_DELAY_S)
+            if callable(p.total):
+                p.total = p.total()
+            prof = p.total.to_access_profile()
+            t1 = time.perf_counter()
+            report, fresh = self._check(run, prof, p.step)
+            if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
+                self.plan_seconds = time.perf_counter() - t1
+            if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
+                self._weigh_costs(run, report, time.perf_counter() - t0, p.step)
+            d = run.run_dir / "replans" / f"step-{p.apply_at}"
+            if report["replan"]:
+                fresh.meta["replan_record"] = record_fields(report)
+                fresh.save(d)
+                run.plan.save(d / BEFORE)  # for resume_plan
+                fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
+                (d / KEPT).unlink(missing_ok=True)
+                p.verdict = 1
+            else:
+                if self.lag and (d / "plan.json").exists():  # an earlier attempt's re-plan, not this run's
+                    atomic_write_text(d / KEPT, f"the check of step {p.step} kept the plan\n")
+                p.verdict = 0
+            p.report = report
+        except BaseException as e:  # every rank stops with it, none waits for a verdict
+            p.error, p.verdict = e, -1
+        finally:
+            if p.switch_s is not None:
+                sys.setswitchinterval(p.switch_s)
+        p.check_s = time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """Rank 0, before a checkpoint is written: wait for a pending check, so its verdict is on disk (under
+        ``replans/``) before the checkpoint is, and a resume from it takes the verdict at the same step."""
+        if self._pending is not None and self._pending.thread is not None:
+            self._pending.thread.join()
+
+    def _conclude(self, run, p: "PendingCheck") -> dict | None:
+        """Collective: rank 0 waits for what is left of the check and broadcasts its verdict (a check restored from
+        ``replans/`` by :func:`resume_plan` needs none); on a re-plan every rank moves the rows
+        (:func:`move_to_plan`) and rank 0 records it (``replans.csv``)."""
+        t0 = time.perf_counter()
+        step = p.apply_at
+        if callable(p.total):  # the profiles' sum, long done: its work released
+            p.total()
+        if p.known is None:
+            flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
+            if run.rank == 0:
+                if p.thread is not None:
+                    p.thread.join()
+                flag[0] = p.verdict
+            dist.broadcast(flag, 0, group=run.monitor_group)
+            verdict = int(flag[0])
+        else:
+            verdict = p.known
+        t_wait = time.perf_counter()
+        if verdict < 0:
+            if p.error is not None:  # rank 0: the check's own error
+                raise p.error
+            raise EmbedscaleError(f"rank {run.rank}: rank 0's re-plan check at step {p.step} failed "
+                                  "(its error says why)")
+        if not verdict:
+            self.check_seconds.append(p.begin_s + t_wait - t0)
             return None
         new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
-        t1 = time.perf_counter()
+        if p.known is not None and run.rank == 0:  # resume_plan left plan/ at the plan the rows leave now
+            new_plan.save(run.run_dir / "plan")
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
-        self.check_seconds.append(t1 - t0)
+        self.check_seconds.append(p.begin_s + t_wait - t0)
         figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped,
                              mig.rows_written], dtype=torch.float64)
         dist.all_reduce(figs, group=run.monitor_group)
-        secs = torch.tensor([t2 - t0, t1 - t0, t2 - t1], dtype=torch.float64)
+        # the pause of this rank: the profiles' sum at the check, the wait for the verdict, the migration
+        secs = torch.tensor([p.begin_s + t2 - t0, p.begin_s + t_wait - t0, t2 - t_wait], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX, group=run.monitor_group)
         if run.rank != 0:
             return None
-        rec = {"step": step, "reason": report["reason"], "gain": round(float(report["replan_gain"]), 6),
+        fields = new_plan.meta.get("replan_record") or record_fields(p.report)
+        rec = {"step": step, "reason": fields["reason"], "gain": fields["gain"],
                "rows_moved": int(figs[0]), "bytes": int(figs[1]), "seconds": round(float(secs[0]), 6),
                "check_seconds": round(float(secs[1]), 6), "migrate_seconds": round(float(secs[2]), 6),
                "replicas_added": int(figs[2]), "replicas_dropped": int(figs[3]),
-               "balance_before": round(float(report["after"]["balance"]), 6),
-               "balance_after": round(float(report["replanned"]["balance"]), 6),
-               "strategy": report["replan_strategy"], "rows_written": int(figs[4]), "in_place": int(mig.in_place)}
+               "balance_before": fields["balance_before"], "balance_after": fields["balance_after"],
+               "strategy": fields["strategy"], "rows_written": int(figs[4]), "in_place": int(mig.in_place),
+               "checked_at": p.step, "plan_seconds": round(float(p.check_s), 6) if p.known is None else ""}
         self.records.append(rec)
         write_replans(run.run_dir, rec)
         return rec
 
-    def _weigh_costs(self, run, report: dict, check_s: float) -> None:
+    def _weigh_costs(self, run, report: dict, check_s: float, step: int | None = None) -> None:
         """Rank 0: keep the running plan unless the new one pays for the check and the migration before the next
-        check (:func:`replan_pays`); the terms go into ``report["replan_costs"]``."""
+        check (:func:`replan_pays`); the terms go into ``report["replan_costs"]``. The check of step ``step``
+        (default: the run's) moves the rows ``replan_lag`` steps later: the gain counts from there."""
         after, new = report["after"]["max_rank_cost"], report["replanned"]["max_rank_cost"]
         gain = max(0.0, after - new) * 1e-6  # plan.cost: microseconds per step
-        left = run.cfg.train.max_steps - run.state.step if run.cfg.train.max_steps > 0 else self.every
-        steps = max(0, min(self.every, left))
+        steps = self._gain_steps(run, run.state.step if step is None else step)
         nbytes = float(report.get("bytes_moved", 0)) + 4.0 * float(report.get("rows_moved", 0))  # + row-wise state
         last = next((r for r in reversed(self.records) if float(r["bytes"]) > 0), None)
         topo = Topology()  # the links as the check's plans see them (its default figures)
@@ -202,10 +337,11 @@ class DriftMonitor:
                                 f"not more than the check ({check_s * 1e3:.1f} ms) and the migration "
                                 f"({mig * 1e3:.1f} ms): keep the plan")
 
-    def _check(self, run, total: RollingProfile):
-        """Rank 0: the running plan and a fresh one costed on the summed profile (``plan.drift``)."""
+    def _check(self, run, total, step: int | None = None):
+        """Rank 0: the running plan and a fresh one costed on the summed profile (``plan.drift``; ``total``: the
+        summed ``RollingProfile`` or its ``AccessProfile``) at step ``step`` (default: the run's)."""
         d, world = run.cfg.dist, run.world
-        prof = total.to_access_profile()
+        prof = total.to_access_profile() if hasattr(total, "to_access_profile") else total
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
         plan = run.plan
         kw = dict(old_profile=None if plan.part_counts is not None else prof, mode=d.mode,
@@ -216,6 +352,8 @@ class DriftMonitor:
                 report["reason"] = (f"the plan's bottleneck cost moved by {report['max_rank_cost_ratio'] - 1:+.1%} "
                                     f"(<= {self.min_gain:.0%}) and its balance holds: keep the plan")
                 return report, None
+            if self._cannot_pay(run, report, run.state.step if step is None else step):
+                return report, None
         report, fresh = drift_and_plan(plan, prof, topo, extra_memory=d.extra_memory, dob_floor=DOB_FLOOR, **kw)
         if fresh is not None:
             fresh = self._prefer_incremental(plan, fresh, prof, topo, report, d.mode,
@@ -224,8 +362,36 @@ class DriftMonitor:
             for key in ("forms", "replicated_tables", "topology"):
                 if key in plan.meta:
                     fresh.meta[key] = plan.meta[key]
-            fresh.meta["replanned_at_step"] = run.state.step
+            fresh.meta["replanned_at_step"] = run.state.step if step is None else step
         return report, fresh
+
+    def _cannot_pay(self, run, report: dict, step: int) -> bool:
+        """Rank 0, before planning: whether no plan could pay for the check (:func:`replan_pays` with the best
+        gain any plan can have: the running bottleneck less the ranks' mean lookup, ``plan.drift``'s
+        ``lookup_mean``, against the last planning's measured seconds; no migration counted). Then the plan is
+        kept without the search (counted in ``replans_declined``)."""
+        plan_s = getattr(self, "plan_seconds", None)
+        if plan_s is None or not getattr(run.cfg.train, "replan_weigh_costs", True):
+            return False
+        after = report["after"]
+        bound = max(0.0, after["max_rank_cost"] - after["lookup_mean"]) * 1e-6  # plan.cost: us a step
+        steps = self._gain_steps(run, step)
+        if replan_pays(bound, steps, plan_s, 0.0):
+            return False
+        self.declined += 1
+        report["replan"] = False
+        report["replan_costs"] = {"gain_bound_per_step_s": bound, "steps_to_next_check": steps, "check_s": plan_s,
+                                  "pays": False}
+        report["reason"] = (f"no plan saves more than {bound * 1e3:.3f} ms a step (the bottleneck less the mean "
+                            f"lookup) x {steps} steps, not more than planning ({plan_s * 1e3:.1f} ms): keep the plan")
+        return True
+
+    def _gain_steps(self, run, step: int) -> int:
+        """The steps a plan taken at the check of ``step`` runs before the next check's verdict could change it:
+        ``every`` steps from ``step + lag``, or to the run's end."""
+        lag = getattr(self, "lag", 0)
+        left = run.cfg.train.max_steps - step - lag if run.cfg.train.max_steps > 0 else self.every
+        return max(0, min(self.every, left))
 
     def _prefer_incremental(self, plan: Plan, fresh: Plan, prof, topo, report: dict, mode: str, batch: int) -> Plan:
         """The incremental plan (``plan.incremental``: the running placement, the fresh plan's replicas, the
@@ -291,7 +457,8 @@ def resume_plan(run) -> None:
     """Collective (every rank, after ``restore``): the checkpoint of step s was written under the plan the run
     held then, but ``<run dir>/plan`` is the last re-plan's. When an earlier attempt re-planned at a step
     N >= s, move the rows onto the plan it left at the first such N (``replans/step-N/before/``), so the resumed
-    run checks, re-plans and trains as the uninterrupted one (and ``replans.csv`` gets that run's rows again)."""
+    run checks, re-plans and trains as the uninterrupted one (and ``replans.csv`` gets that run's rows again).
+    A checkpoint taken after that re-plan's check (``replan_lag`` > 0) also takes its verdict at step N."""
     d = run.run_dir / "replans"
     step = run.state.step
     later = sorted(int(p.name[5:]) for p in d.glob("step-*") if p.name[5:].isdigit()
@@ -304,6 +471,11 @@ def resume_plan(run) -> None:
     move_to_plan(run, plan)
     if run.rank == 0:
         plan.save(run.run_dir / "plan")
+    checked = Plan.load(d / f"step-{later[0]}").meta.get("replanned_at_step")
+    if checked is not None and int(checked) < step and not (d / f"step-{later[0]}" / KEPT).exists():
+        # the checkpoint fell between that re-plan's check and its migration (train.replan_lag): its verdict,
+        # on disk before the checkpoint was (DriftMonitor.settle), is taken at the same step
+        run.monitor._pending = PendingCheck(step=int(checked), apply_at=later[0], known=1)
 
 
 def move_to_plan(run, plan: Plan):
