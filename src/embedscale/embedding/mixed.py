@@ -431,6 +431,7 @@ class MixedEmbedding(nn.Module):
 
     def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
         """Prefetch on ``pipeline`` (the run's) from now on, the sharded module's batches included."""
+        self.input_lane.leave()
         self.input_lane = pipeline.lane("tt", 2)
         if isinstance(self.local, ShardedEmbedding):
             self.local.attach_input_pipeline(pipeline)

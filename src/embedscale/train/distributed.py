@@ -78,7 +78,7 @@ from embedscale.data.profile import AccessProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
-from embedscale.embedding.input_pipeline import InputPipeline
+from embedscale.embedding.input_pipeline import InputPipeline, not_pipelined
 from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -419,38 +419,30 @@ class DistributedRun:
                                                   follow=self.stream_follow(), tables=self.all_tables)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain)
-        # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
-        # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
-        # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2
-        # (its server takes a batch from the loader before the step before it; at depth 1 only after that
-        # step's backward), and not with the drift monitor (a migration needs no batch in flight)
-        dm = device_module
-        self._prefetcher = (dm if dm is self.embedding
-                            else dm if isinstance(dm, MixedEmbedding) and dm.local is self.embedding else None)
-        self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
-                                   and self.managed is None  # (managed: raw ids become rows at their own step)
-                                   and isinstance(self.embedding, ShardedEmbedding) and self._prefetcher is not None)
+        # the run's input pipeline (embedding.input_pipeline): the loop hands it the next batch before this step
+        # (prefetch_batch); not_pipelined is the one place that says when it cannot run
+        self.inputs = InputPipeline(f"input-r{rank}")
+        entry = device_module if isinstance(device_module, (ShardedEmbedding, MixedEmbedding)) else None
+        mods = self.host_embedding.device_modules if self.host_embedding is not None else []
+        self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth) if self.host_embedding else 0
+        self.not_pipelined = not_pipelined(enabled=d.input_pipeline, entry=entry is not None,
+                                           host_depth=self.pipeline_depth, managed=self.managed is not None,
+                                           host_entry=len(mods) == 1 and mods[0] is device_module)
+        self.input_pipeline = self.not_pipelined is None
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
-            self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
-            mods = self.host_embedding.device_modules
-            self.input_pipeline = self.input_pipeline and self.pipeline_depth >= 2 \
-                and len(mods) == 1 and mods[0] is device_module
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s,
-                                                lookahead=self.input_pipeline)
-        if self.input_pipeline:  # the run's input pipeline: every form's lane (sharded decode, TT inputs)
-            self.inputs = InputPipeline(f"input-r{rank}")
-            self._prefetcher.attach_input_pipeline(self.inputs)
+                                                lookahead=self.input_pipeline, inputs=self.inputs)
+        if self.input_pipeline:
+            self.inputs.drive(entry)
 
     def prefetch_batch(self, batch) -> None:
-        """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while
-        this step computes (``ShardedEmbedding.prefetch``: OPER 5.1 pipelined with the previous step; the step
-        whose batch was prefetched sends two all-to-alls instead of four). Same results either way."""
-        if self.input_pipeline:
-            if self.host_embedding is not None:  # the device module's selection, as the server made it
-                self._prefetcher.prefetch(self.train_loader.device_features(batch)[0])
-            else:
-                self._prefetcher.prefetch(batch.sparse)
+        """Run protocol (optional): ``batch`` is the next step's; the input pipeline prepares its input now, on
+        worker threads, while this step computes (OPER 5.1 pipelined with the previous step: the retrieve design's
+        prefetched step sends two all-to-alls instead of four). Same results either way. Not before a step a live
+        re-plan may precede (``train.replan``): a migration needs no batch in flight."""
+        if self.input_pipeline and not (self.monitor is not None and (self.state.step + 1) % self.monitor.every == 0):
+            self.inputs.prefetch(batch)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
         """Look up through ``new`` (the sharded module a live re-plan migrated the rows into, ``train.replan``)
@@ -461,6 +453,9 @@ class DistributedRun:
                 if child is old:
                     setattr(parent, name, new)
         self.embedding, self.plan = new, plan
+        if new is not old and self.input_pipeline:  # the new module's lane on the run's input pipeline
+            old.input_lane.leave()
+            self.inputs.drive(new if self.inputs.entry is old else self.inputs.entry)
         if new is not old and self.managed is not None:  # managed ids: reset rows in, and map before, the new module
             self.managed.rows = new
             if managed_of(old) is self.managed:  # the hook sat on the old module itself (no TT module around it)
