@@ -195,20 +195,18 @@ def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry
                   managed: bool = False) -> str | None:
     """Why a run does not run its input pipeline, or ``None`` when it does: the one place that decides it.
 
-    The pipeline runs for every design (retrieve and send), both transports (over PGAS the sharded rows have
-    nothing to prepare ahead: ``PgasShardedEmbedding.prefetch``; TT inputs still do), TT, host and managed tables,
-    streams and live re-planning. It does not run when
+    The pipeline runs for both designs (retrieve and send), both transports (over PGAS the sharded rows have
+    nothing to prepare ahead, ``PgasShardedEmbedding.prefetch``; TT inputs still do), sharded, TT, host and managed
+    tables, streams and live re-planning. It does not run when
 
     * the run asks for none (``enabled``: ``dist.input_pipeline``);
     * no form prepares a batch ahead (``entry``: the device module is a sharded module or a ``MixedEmbedding``);
     * host tables run at pipeline depth 1 (``host_depth``): EL-Rec's sequential schedule takes a batch from the
       loader only after the backward of the step before, so no batch is known during the step before its own;
-      or the host pipeline's device side is not the entry form alone (``host_entry``).
+      or the host pipeline's device side is not the entry form alone (``host_entry``); or managed tables sit
+      beside host tables (``managed``): their mapping would rename ids the host server already read ahead.
 
-    What stays per step: a step after which a live re-plan may migrate the rows gets no batch prefetched during
-    it (a migration needs no batch in flight: its requests name rows by the old map; the run's ``prefetch_batch``).
-    Managed tables (``managed``) map a batch's raw ids at its own step; the input pipeline then maps the next batch
-    during the step before ... (``embedding.managed_lookup``).
+    Per step, :func:`held_back` says which batches the run does not hand over.
     """
     if not enabled:
         return "dist.input_pipeline is false"
@@ -217,8 +215,29 @@ def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry
     if host_depth == 1:
         return ("host tables at pipeline depth 1: the host server takes a batch from the loader only after the "
                 "step before's backward")
-    if managed:
-        return "managed tables map a batch's raw ids at its own step"
     if host_depth and not host_entry:
         return "the host pipeline's device side is not one module the input pipeline drives"
+    if host_depth and managed:
+        return "managed tables beside host tables: their mapping renames ids the host server read ahead"
     return None
+
+
+def held_back(step: int, *, replan_every: int = 0, managed: bool = False, eval_every: int = 0,
+              checkpoint_every: int = 0) -> bool:
+    """Whether a pipelined run keeps the batch of step ``step`` (0-based: ``step`` steps trained before it) from
+    its input pipeline during the step before, so that nothing is in flight between the two steps:
+
+    * a live re-plan may migrate the rows before it or before the step before it (``step`` or ``step - 1`` a
+      positive multiple of ``replan_every``, ``train.replan``; the loop hands a batch over before the step before
+      it runs, the drift monitor migrates at a step's start): a prefetched batch's requests name rows by the old
+      address map;
+    * managed tables (``managed``) and the run is evaluated or checkpointed between the two steps (``step`` a
+      multiple of ``eval_every`` or ``checkpoint_every``): the mapping would already hold the ids of a batch not
+      trained yet (``embedding.managed_lookup``).
+
+    The loop itself never hands over the batch after the last step of a pass or of the run."""
+    def at(every: int) -> bool:
+        return bool(every) and step % every == 0
+
+    replan = bool(replan_every) and (at(replan_every) or (step > 1 and (step - 1) % replan_every == 0))
+    return replan or (managed and (at(eval_every) or at(checkpoint_every)))

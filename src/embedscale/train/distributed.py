@@ -78,7 +78,7 @@ from embedscale.data.profile import AccessProfile
 from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
-from embedscale.embedding.input_pipeline import InputPipeline, not_pipelined
+from embedscale.embedding.input_pipeline import InputPipeline, held_back, not_pipelined
 from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -423,6 +423,7 @@ class DistributedRun:
         # (prefetch_batch); not_pipelined is the one place that says when it cannot run
         self.inputs = InputPipeline(f"input-r{rank}")
         entry = device_module if isinstance(device_module, (ShardedEmbedding, MixedEmbedding)) else None
+        entry = self.managed if entry is not None and self.managed is not None else entry  # (maps, then hands on)
         mods = self.host_embedding.device_modules if self.host_embedding is not None else []
         self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth) if self.host_embedding else 0
         self.not_pipelined = not_pipelined(enabled=d.input_pipeline, entry=entry is not None,
@@ -439,9 +440,12 @@ class DistributedRun:
     def prefetch_batch(self, batch) -> None:
         """Run protocol (optional): ``batch`` is the next step's; the input pipeline prepares its input now, on
         worker threads, while this step computes (OPER 5.1 pipelined with the previous step: the retrieve design's
-        prefetched step sends two all-to-alls instead of four). Same results either way. Not before a step a live
-        re-plan may precede (``train.replan``): a migration needs no batch in flight."""
-        if self.input_pipeline and not (self.monitor is not None and (self.state.step + 1) % self.monitor.every == 0):
+        prefetched step sends two all-to-alls instead of four). Same results either way. ``held_back`` says which
+        steps' batches wait for their own step."""
+        t = self.cfg.train
+        if self.input_pipeline and not held_back(self.state.step + 1, managed=self.managed is not None,
+                                                 replan_every=self.monitor.every if self.monitor is not None else 0,
+                                                 eval_every=t.eval_every, checkpoint_every=t.checkpoint_every):
             self.inputs.prefetch(batch)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
@@ -453,13 +457,13 @@ class DistributedRun:
                 if child is old:
                     setattr(parent, name, new)
         self.embedding, self.plan = new, plan
-        if new is not old and self.input_pipeline:  # the new module's lane on the run's input pipeline
-            old.input_lane.leave()
-            self.inputs.drive(new if self.inputs.entry is old else self.inputs.entry)
         if new is not old and self.managed is not None:  # managed ids: reset rows in, and map before, the new module
             self.managed.rows = new
             if managed_of(old) is self.managed:  # the hook sat on the old module itself (no TT module around it)
                 install(new, self.managed)
+        if new is not old and self.input_pipeline:  # the new module's lane on the run's input pipeline
+            old.input_lane.leave()
+            self.inputs.drive(new if self.inputs.entry is old else self.inputs.entry)
 
     def _new_group(self):
         """A process group of every rank (the TT core gradients', the host rows' exchange)."""
