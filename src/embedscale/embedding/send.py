@@ -2,7 +2,8 @@
 
 ``input_dist``: every value's id is decoded to its owner; the values of one bag held by one owner form a partial
 bag (one per (owner, bag), numbered per owner); the ``(offset, partial bag)`` pairs and the values' scales go to
-their owners (the local half, ``decode``, runs on the input pipeline's worker when the batch was prefetched). ``compute``: each owner pools, for every requester, the partial bags it was sent.
+their owners (the local half, ``decode``, runs on the input pipeline's worker when the batch was prefetched).
+``compute``: each owner pools, for every requester, the partial bags it was sent.
 ``output_dist``: the partial sums go back, and the requester adds them per bag in rank order, then lays the
 bags out per sample (``[B, F * D]``). ``grad_dist``: the partial bags' gradients go back to their owners.
 ``update``: each owner expands them to rows, sums per row and applies the fused optimizer (replicas through

@@ -334,8 +334,9 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         themselves: a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead
         of four. Exact: requests are row addresses, which no update changes, and the rows travel in their own
         step, after the previous update. The send design decodes the batch ahead (its partial bags and the
-        messages to their owners, ``send.decode``); the messages go out in the batch's own step. A ``forward`` of another batch in training, once the peers were told
-        of the prefetched one, is an ``InputError``; inference lookups of other batches leave the queue alone.
+        messages to their owners, ``send.decode``); the messages go out in the batch's own step. A ``forward`` of
+        another batch in training, once the peers were told of the prefetched one, is an ``InputError``;
+        inference lookups of other batches leave the queue alone.
         """
         jf = as_jagged(features)[0]
         self._check_keys(jf)
