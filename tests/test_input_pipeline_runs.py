@@ -1,4 +1,5 @@
-"""The run's input pipeline in the runs it newly covers: the send design, host tables, managed tables and a stream.
+"""The run's input pipeline in the runs it newly covers: host tables, managed tables and a stream; the send design's
+decode ahead at the module (a run does not drive it: ``input_pipeline.not_pipelined``).
 
 Reference: the same run with ``dist.input_pipeline: false`` (every step prepares its own input at its own step).
 Two gloo ranks each; the prefetched run must give the same bits: every step's loss, every table's rows and
@@ -22,6 +23,7 @@ from embedscale.train.launch import spawn_local
 
 import test_distributed_host as host_case
 import test_distributed_train as send_case
+import test_sharded as sharded_case
 import test_managed_train as managed_case
 import test_stream_train as stream_case
 
@@ -62,14 +64,49 @@ def assert_same_bits(a: dict, b: dict) -> None:
         assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, k
 
 
-def test_send_design_prefetched_equals_not_prefetched(tmp_path):
-    data = tmp_path / "data"
-    send_case.make_data(data)
-    send_case.hand_plan("replicas", 2).save(tmp_path / "plan")
-    cfg = send_case.config(tmp_path, data, design="send", plan=str(tmp_path / "plan"))
-    on, off, summary = prefetched_and_not(cfg, tmp_path)
-    assert_same_bits(on, off)
-    assert summary["input_pipelined_steps"] == send_case.STEPS - 1  # every step's but the first decoded ahead
+def _send_worker(rank, world):
+    from embedscale.comm.collective import CollectiveTransport
+    from embedscale.embedding.address_map import AddressMap
+    from embedscale.embedding.sharded import ShardedEmbedding
+
+    ts = sharded_case.tables()
+    owner, replicas, holders = sharded_case.plans(world)["oper_replicas"]
+    amap = AddressMap.build(ts, world, owner, replicas, holders)
+    data = sharded_case.batches()
+    B, steps = sharded_case.B, 2 * len(data)
+    parts = [jf.slice_batch(B * rank // world, B * (rank + 1) // world) for jf, _ in data]
+    lo, hi = B * rank // world, B * (rank + 1) // world
+    out = {}
+    for prefetch in (False, True):
+        emb = ShardedEmbedding(ts, amap, CollectiveTransport(), rank, design="send", optimizer="rowwise_adagrad",
+                               lr=sharded_case.LR, eps=sharded_case.EPS)
+        ys = []
+        for s in range(steps):
+            if prefetch and s + 1 < steps:  # the next batch decoded on the input pipeline's worker
+                emb.prefetch(parts[(s + 1) % len(data)])
+            y = emb(parts[s % len(data)])
+            ys.append(y.detach().clone())
+            ((y * data[s % len(data)][1][lo:hi]).sum() / B).backward()
+        out[prefetch] = (ys, emb.weight.clone(), emb.momentum.clone(), emb.stats.get("prefetched_steps", 0))
+    return out
+
+
+def test_send_design_prefetched_equals_not_prefetched():
+    """The send design's ``ShardedEmbedding.prefetch`` (its batches decoded ahead, ``send.decode``; the messages
+    sent in their own step): the same outputs, rows and row-wise state bit for bit over 6 steps on 2 ranks, with
+    replicated rows. (A run does not drive it: ``input_pipeline.not_pipelined`` says why.)"""
+    for res in spawn_local(_send_worker, 2, timeout_s=600):
+        ys, w, m, n = res[True]
+        ref_ys, ref_w, ref_m, ref_n = res[False]
+        assert n == len(ys) - 1 and ref_n == 0
+        assert all(torch.equal(a, b) for a, b in zip(ys, ref_ys)) and torch.equal(w, ref_w) and torch.equal(m, ref_m)
+
+
+def test_a_send_run_does_not_pipeline_and_says_why(tmp_path):
+    from embedscale.embedding.input_pipeline import not_pipelined
+
+    assert "send design" in not_pipelined(enabled=True, entry=True, design="send")
+    assert not_pipelined(enabled=True, entry=True, design="retrieve") is None
 
 
 def test_host_tables_prefetched_equal_not_prefetched(tmp_path):
