@@ -58,3 +58,49 @@ def test_lane_hands_a_preparation_error_to_the_step_that_takes_it():
     with pytest.raises(InputError, match="row id -7"):
         bad.value
     pipe.close()
+
+
+def test_a_fed_lane_hands_the_producers_batches_in_order_then_its_end_or_error():
+    """The host lane's rules: a producer thread puts batches, the trainer waits for the head; after ``end`` an
+    empty lane says ``None``; the producer's error is raised to the waiter; ``close`` opens the next pass."""
+    import threading
+
+    pipe = InputPipeline("t")
+    lane = pipe.lane("host", 3)
+    made = list(range(5))
+
+    def produce():
+        for x in made:
+            lane.put(x, x * 10)
+        lane.end()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    seen = []
+    while (head := lane.wait_head(60)) is not None:
+        seen.append((head.features, head.value))
+        lane.pop()
+    t.join()
+    assert seen == [(x, 10 * x) for x in made]
+    lane.close()  # the next pass: not ended, nothing queued
+    with pytest.raises(InputError, match="the server stopped"):
+        lane.wait_head(60, lambda: InputError("the server stopped"))
+    lane.leave()
+    assert pipe.find("host") is None and pipe.lanes == []
+
+
+@pytest.mark.parametrize("every", [3, 4])
+def test_held_back_keeps_the_batches_around_a_replan_check_and_managed_reads(every):
+    """Plain-Python schedule: the drift monitor checks before steps k * every (k >= 1); the batch of such a step
+    and the one after it are not handed over; managed tables also keep the batch of a step right after an
+    evaluation or a checkpoint."""
+    from embedscale.embedding.input_pipeline import held_back
+
+    steps = range(1, 20)
+    checks = {k * every for k in range(1, 20)}
+    want = [s for s in steps if s in checks or s - 1 in checks]
+    assert [s for s in steps if held_back(s, replan_every=every)] == want
+    assert [s for s in steps if held_back(s, eval_every=every, checkpoint_every=5)] == []  # (nothing to keep)
+    assert [s for s in steps if held_back(s, managed=True, eval_every=every, checkpoint_every=5)] == \
+        [s for s in steps if s % every == 0 or s % 5 == 0]
+    assert not any(held_back(s) for s in steps)

@@ -108,7 +108,8 @@ class RetrieveContext(LookupContext):
 class SendContext(LookupContext):
     """The send design: ids to their owners, owners pool partial bags, partial sums back.
 
-    Decoded: every value's global id, bag and scale, ``nbags`` bags. Announced: the partial bags (one per
+    Decoded: every value's global id, bag and scale, ``nbags`` bags, the partial bags ``p_bag`` / ``p_counts`` and
+    the messages to every owner ``out_ids`` / ``out_scale``. Announced: the partial bags (one per
     (owner, bag), rank-major) ``p_bag`` / ``p_counts``, how many values and partial bags each peer sent
     (``recv_counts``), the ``(offset, partial bag)`` pairs and scales each peer sent (``recv_ids`` /
     ``recv_scale``; this rank's own ``my_ids`` / ``my_scale``). Pooled: ``pooled``,
@@ -123,6 +124,8 @@ class SendContext(LookupContext):
     p_bag: torch.Tensor | None = None
     p_counts: list[int] = field(default_factory=list)
     recv_counts: list[tuple[int, int]] | None = None  # per peer: (values, partial bags) it sent this rank
+    out_ids: list[torch.Tensor] | None = None
+    out_scale: list[torch.Tensor] | None = None
     recv_ids: list[torch.Tensor] | None = None
     recv_scale: list[torch.Tensor] | None = None
     my_ids: torch.Tensor | None = None

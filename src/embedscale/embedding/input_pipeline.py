@@ -1,19 +1,34 @@
 """The input pipeline: upcoming batches' ``input_dist`` run ahead of their steps, on worker threads.
 
 OPER 5.1 pipelined with the previous step, as TorchRec's ``TrainPipelineSparseDist`` runs the next batch's input
-distribution during the current step. A run owns one :class:`InputPipeline`; every form whose lookup prepares a
-batch ahead opens a :class:`Lane` on it: a sharded module (``ShardedEmbedding.prefetch``: the batch's ids checked
-and decoded, its remote rows deduplicated by owner) and the TT tables of a ``MixedEmbedding`` (their ids renamed,
-selected per table, and each table's reuse plan). ``Lane.push(features, work)`` queues a batch, in step order, and
-runs ``work(features)`` on the lane's worker thread; the form's lookup takes the result when it looks that batch up
-(``data.batch.same_batch`` tells it is the one prepared). A module used without a run makes a pipeline of its own.
+distribution during the current step. A run owns one :class:`InputPipeline` and hands it every upcoming training
+batch (:meth:`InputPipeline.prefetch`, before the step before the batch's own); the pipeline gives the batch's
+features to its *entry* form, and every form whose lookup prepares a batch ahead opens a :class:`Lane` on it:
+
+* ``sharded``: a sharded module (``ShardedEmbedding.prefetch``): the batch's ids checked and decoded; in the
+  retrieve design its remote rows deduplicated by owner (their counts and requests then ride the step before's
+  exchanges), in the send design its partial bags and the messages to their owners;
+* ``tt``: the TT tables of a ``MixedEmbedding``: their ids renamed, selected per table, each table's reuse plan;
+* ``host``: the host parameter server's lookahead (``pipeline.loop``): the server takes each batch from the loader
+  before it waits for older gradients and *puts* it here with its device modules' selection of it (a lane fed by
+  another thread); the run's loop takes the next step's batch from this lane (:meth:`Lane.wait_head`) and the
+  pipeline hands the entry form the selection the server made (the objects its lookup will get).
+
+``Lane.push(features, work)`` queues a batch, in step order, and runs ``work(features)`` on the lane's worker
+thread; the form's lookup takes the result when it looks that batch up (``data.batch.same_batch`` tells it is the
+one prepared). A module used without a run makes a pipeline of its own. Results are the same bits with or without
+the pipeline: only the place and time of the preparation change.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+from embedscale.errors import EmbedscaleError
 
 
 class Ahead:
@@ -39,7 +54,8 @@ class Ahead:
 
 
 class Lane:
-    """One form's queue of upcoming batches, in step order, with its worker thread.
+    """One form's queue of upcoming batches, in step order, with its worker thread (or a producer thread of its own
+    that :meth:`put` s prepared batches, e.g. the host parameter server).
 
     ``max_ahead``: batches kept at most; when full, a push first drops the oldest batches ``droppable`` says may go
     (never consumed: a step that did not run)."""
@@ -48,6 +64,8 @@ class Lane:
         self.pipeline, self.name, self.max_ahead, self.droppable = pipeline, name, max_ahead, droppable
         self._queue: deque[Ahead] = deque()
         self._pool: ThreadPoolExecutor | None = None
+        self._fed = threading.Condition()  # a producer's puts and its end
+        self._ended = False
 
     def push(self, features, work: Callable[[Any], Any], background: bool = True) -> None:
         """Queue ``features`` and prepare them with ``work`` (on the worker, or now without ``background``)."""
@@ -59,6 +77,35 @@ class Lane:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.pipeline.name}-{self.name}")
         self._queue.append(Ahead(features, future=self._pool.submit(work, features)))
+
+    def put(self, features, value: Any) -> None:
+        """Queue a batch a producer thread prepared (``value``), waking :meth:`wait_head`."""
+        with self._fed:
+            self._queue.append(Ahead(features, value=value))
+            self._fed.notify_all()
+
+    def end(self) -> None:
+        """The producer queues no more batches (until :meth:`close`)."""
+        with self._fed:
+            self._ended = True
+            self._fed.notify_all()
+
+    def wait_head(self, timeout_s: float, failed: Callable[[], BaseException | None] = lambda: None) -> Ahead | None:
+        """The oldest queued batch, waiting for the producer to put one; ``None`` once it ended without more.
+        ``failed``: the producer's error, if it stopped with one (raised here)."""
+        deadline = time.monotonic() + timeout_s
+        with self._fed:
+            while not self._queue:
+                err = failed()
+                if err is not None:
+                    raise err
+                if self._ended:
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LaneTimeout(f"input pipeline lane {self.name!r}: no batch within {timeout_s:.0f} s")
+                self._fed.wait(min(left, 0.5))
+            return self._queue[0]
 
     def head(self) -> Ahead | None:
         """The oldest queued batch, or ``None``."""
@@ -72,25 +119,68 @@ class Lane:
         return len(self._queue)
 
     def close(self) -> None:
-        """Forget the queued batches and stop the worker (after the running preparation)."""
-        self._queue.clear()
+        """Forget the queued batches and stop the worker (after the running preparation); a producer may feed the
+        lane again."""
+        with self._fed:
+            self._queue.clear()
+            self._ended = False
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def leave(self) -> None:
+        """Close the lane and take it off its pipeline (its form prefetches on another lane from now on)."""
+        self.close()
+        if self in self.pipeline.lanes:
+            self.pipeline.lanes.remove(self)
+
+
+class LaneTimeout(EmbedscaleError, RuntimeError):
+    """A lane's producer put no batch in time."""
+
 
 class InputPipeline:
-    """The lanes of every form that prepares batches ahead (see the module docstring)."""
+    """The lanes of every form that prepares batches ahead, and the form a run hands each upcoming batch to (see
+    the module docstring)."""
 
     def __init__(self, name: str = "input"):
         self.name = name
         self.lanes: list[Lane] = []
+        self.entry = None  # the form whose ``prefetch(features)`` takes each upcoming batch (``drive``)
+        self.prefetched = 0  # batches handed to the entry
 
     def lane(self, name: str, max_ahead: int, droppable: Callable[[Ahead], bool] = lambda a: True) -> Lane:
         """A new lane for one form."""
         lane = Lane(self, name, max_ahead, droppable)
         self.lanes.append(lane)
         return lane
+
+    def find(self, name: str) -> Lane | None:
+        """The (first) lane called ``name``, or ``None``."""
+        return next((lane for lane in self.lanes if lane.name == name), None)
+
+    def drive(self, entry) -> None:
+        """Hand every upcoming batch to ``entry`` (a form with ``prefetch(features)`` and
+        ``attach_input_pipeline(pipeline)``, which opens its lanes, and its inner forms', here)."""
+        entry.attach_input_pipeline(self)
+        self.entry = entry
+
+    def prefetch(self, batch) -> None:
+        """``batch`` (a ``Batch``) is an upcoming training step's: its features go to the entry form now. Behind the
+        host lane, the entry gets the selection of the batch the host server made (the lane's head, the batch the
+        loop peeked), the objects the lookup of that step gets."""
+        if self.entry is None:
+            return
+        host = self.find("host")
+        if host is None:
+            self.entry.prefetch(batch.sparse)
+        else:
+            head = host.head()
+            if head is None or head.features is not batch:
+                raise EmbedscaleError(f"input pipeline {self.name!r}: behind the host lane only the batch the loop "
+                                      "peeked (the lane's head) can be prefetched")
+            self.entry.prefetch(head.value[0])
+        self.prefetched += 1
 
     def pending(self) -> int:
         """Batches queued on every lane."""
@@ -99,3 +189,62 @@ class InputPipeline:
     def close(self) -> None:
         for lane in self.lanes:
             lane.close()
+
+
+def not_pipelined(*, enabled: bool, entry: bool, design: str = "retrieve", host_depth: int = 0,
+                  host_entry: bool = True, managed: bool = False) -> str | None:
+    """Why a run does not run its input pipeline, or ``None`` when it does: the one place that decides it.
+
+    The pipeline runs for both transports (over PGAS the sharded rows have nothing to prepare ahead,
+    ``PgasShardedEmbedding.prefetch``; TT inputs still do), sharded, TT, host and managed tables, streams and live
+    re-planning. It does not run when
+
+    * the run asks for none (``enabled``: ``dist.input_pipeline``);
+    * no form prepares a batch ahead (``entry``: the device module is a sharded module or a ``MixedEmbedding``);
+    * the send design (``design``): nothing of its step rides an earlier exchange (its ids go out in their own
+      step), so decoding ahead (``ShardedEmbedding.prefetch`` does it, the same bits) only moves the decode onto a
+      worker thread that competes with the step for the cores: on 2 loaded CPU cores, 2 ranks, the main job's
+      steady step was slower with it (medians 0.18-0.30 s against 0.10-0.24 s, 4 interleaved pairs);
+    * host tables run at pipeline depth 1 (``host_depth``): EL-Rec's sequential schedule takes a batch from the
+      loader only after the backward of the step before, so no batch is known during the step before its own;
+      or the host pipeline's device side is not the entry form alone (``host_entry``); or managed tables sit
+      beside host tables (``managed``): their mapping would rename ids the host server already read ahead.
+
+    Per step, :func:`held_back` says which batches the run does not hand over.
+    """
+    if not enabled:
+        return "dist.input_pipeline is false"
+    if not entry:
+        return "no form of the run prepares a batch ahead"
+    if design == "send":
+        return "the send design: nothing rides an earlier exchange, and the decode ahead competes for the cores"
+    if host_depth == 1:
+        return ("host tables at pipeline depth 1: the host server takes a batch from the loader only after the "
+                "step before's backward")
+    if host_depth and not host_entry:
+        return "the host pipeline's device side is not one module the input pipeline drives"
+    if host_depth and managed:
+        return "managed tables beside host tables: their mapping renames ids the host server read ahead"
+    return None
+
+
+def held_back(step: int, *, replan_every: int = 0, managed: bool = False, eval_every: int = 0,
+              checkpoint_every: int = 0, replan_lag: int = 0) -> bool:
+    """Whether a pipelined run keeps the batch of step ``step`` (0-based: ``step`` steps trained before it) from
+    its input pipeline during the step before, so that nothing is in flight between the two steps:
+
+    * a live re-plan may migrate the rows before it or before the step before it (``step - replan_lag`` or
+      ``step - replan_lag - 1`` a positive multiple of ``replan_every``, ``train.replan``: the check of step N
+      migrates before step N + ``replan_lag``; the loop hands a batch over before the step before it runs, the
+      drift monitor migrates at a step's start): a prefetched batch's requests name rows by the old address map;
+    * managed tables (``managed``) and the run is evaluated or checkpointed between the two steps (``step`` a
+      multiple of ``eval_every`` or ``checkpoint_every``): the mapping would already hold the ids of a batch not
+      trained yet (``embedding.managed_lookup``).
+
+    The loop itself never hands over the batch after the last step of a pass or of the run."""
+    def at(every: int) -> bool:
+        return bool(every) and step % every == 0
+
+    m = step - replan_lag  # the check step whose migration comes before this step
+    replan = bool(replan_every) and m > 0 and (m % replan_every == 0 or (m > 1 and (m - 1) % replan_every == 0))
+    return replan or (managed and (at(eval_every) or at(checkpoint_every)))

@@ -47,6 +47,14 @@ each time); a migration that builds a new module (a PGAS heap too small to migra
 (``DistributedRun.swap_sharded``). The drift monitor profiles the rows a batch read (:attr:`ManagedLookup.last`),
 not its raw ids (tests/test_managed_replan.py).
 
+**Input pipeline** (``embedding.input_pipeline``): a run hands the lookup each upcoming training batch
+(:meth:`ManagedLookup.prefetch`, before the step before its own); the hook of that step maps it right after the
+step's own batch (so ids are assigned in step order, every rank together) and hands the mapped batch to the module
+it sits on, which prepares its lookup during the step. The rows its mapping resets are reset when the batch's own
+step takes it (after the step before's update, as mapping at its own step does), and :attr:`ManagedLookup.last`
+names it then. Between the two the mapping already holds that batch's ids: a run evaluates and checkpoints only
+after a step whose successor was not mapped ahead (``embedding.input_pipeline.held_back``).
+
 A reset row takes its initial value again (``embedding.init.uniform_rows`` of the table's index among all
 tables: placement-independent, so one process and N ranks reset alike) and row-wise optimizer state 0, and
 counts as updated for a delta checkpoint. Everything per id is a tensor operation on the run's device; the
@@ -65,9 +73,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from embedscale.comm.collective import CollectiveTransport
-from embedscale.data.batch import JaggedFeatures
+from embedscale.data.batch import JaggedFeatures, same_batch
 from embedscale.device import HOST
 from embedscale.embedding.init import uniform_rows
+from embedscale.embedding.input_pipeline import InputPipeline
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.embedding.managed import ManagedIds, ManagedIdTable, shard_of
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -124,16 +133,64 @@ class ManagedLookup:
         self._back_dtype = torch.int32 if total < 2**31 else torch.int64
         self.stats: dict[str, int] = {}  # training steps' bytes sent (bytes_sent = ids + rows + meta), steps
         self.last: JaggedFeatures | None = None  # the mapped features of the last training batch
+        self.inner: nn.Module | None = None  # the module the hook sits on (install): prefetch hands it mapped batches
+        # upcoming training batches mapped ahead (prefetch): (mapped features, their resets), in step order
+        self.input_lane = InputPipeline().lane("managed", 2)
+        self._upcoming: JaggedFeatures | None = None  # the next training batch, mapped by the next hook
 
     # -- the hook --------------------------------------------------------------------------------
     def __call__(self, module: nn.Module, args: tuple):
-        """Forward pre-hook: the batch's features with the managed ids replaced by rows."""
+        """Forward pre-hook: the batch's features with the managed ids replaced by rows (a training batch mapped
+        ahead is taken, its resets applied now); then the upcoming batch :meth:`prefetch` was given is mapped."""
         features = args[0]
-        return (self.map(features, training=module.training), *args[1:])
+        if not module.training:
+            return (self.map(features, training=False), *args[1:])
+        head = self.input_lane.head()
+        if head is not None and same_batch(head.features, features):
+            mapped, resets = self.input_lane.pop().value
+            resets()
+            self.last = mapped
+        else:
+            mapped = self.map(features, training=True)
+        upcoming, self._upcoming = self._upcoming, None
+        if upcoming is not None:
+            ahead = self._mapped(upcoming, True)
+            self.input_lane.push(upcoming, lambda f: ahead, background=False)
+            inner = getattr(self.inner, "prefetch", None)
+            if inner is not None:
+                inner(ahead[0])
+        return (mapped, *args[1:])
 
     def map(self, features: JaggedFeatures, *, training: bool) -> JaggedFeatures:
         """``features`` with every managed feature's raw ids replaced by their rows (``assign`` while
         training, ``rows_of`` otherwise; on N ranks every rank calls it together)."""
+        mapped, resets = self._mapped(features, training)
+        resets()
+        if training:
+            self.last = mapped
+        return mapped
+
+    # -- the input pipeline (embedding.input_pipeline) ----------------------------------------------
+    def prefetch(self, features: JaggedFeatures) -> None:
+        """``features`` are the next training step's (given before the step before theirs): the hook of that step
+        maps them after its own batch and hands them on to the module it sits on (its ``prefetch``)."""
+        self._upcoming = features
+
+    def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
+        """Map ahead on ``pipeline`` (the run's) from now on, the inner module's lanes there too."""
+        self.input_lane.leave()
+        self.input_lane = pipeline.lane("managed", 2)
+        inner = getattr(self.inner, "attach_input_pipeline", None)
+        if inner is not None:
+            inner(pipeline)
+
+    @property
+    def pending_batches(self) -> int:
+        """Training batches mapped ahead and not looked up yet."""
+        return len(self.input_lane)
+
+    def _mapped(self, features: JaggedFeatures, training: bool):
+        """``(features mapped, a function that applies the resets of the mapping)``."""
         keys = features.keys
         missing = [f for f in self.features if f not in keys]
         if missing:
@@ -146,15 +203,12 @@ class ManagedLookup:
         span = {k: (bounds[i], bounds[i + 1]) for i, k in enumerate(keys)}
         values = features.values
         local = {f: values[span[f][0]:span[f][1]].to(self.device, torch.int64) for f in self.features}
-        rows = self._map_local(local, training) if self.world == 1 else self._map_exchange(local, training)
+        rows, resets = self._map_local(local, training) if self.world == 1 else self._map_exchange(local, training)
         out = values.clone()
         for f in self.features:
             a, b = span[f]
             out[a:b] = rows[f].to(out.device, out.dtype)
-        mapped = JaggedFeatures(keys, out, features.lengths, features.weights)
-        if training:
-            self.last = mapped
-        return mapped
+        return JaggedFeatures(keys, out, features.lengths, features.weights), resets
 
     def _table_of(self, feature: str) -> str:
         return self._table[feature]
@@ -177,17 +231,20 @@ class ManagedLookup:
                 out.append(self.ids[name].rows_of(part))
         return (torch.cat(out) if out else ids.new_zeros(0)), resets
 
-    def _map_local(self, local: dict[str, torch.Tensor], training: bool) -> dict[str, torch.Tensor]:
-        """A world of one: every shard is here."""
+    def _map_local(self, local: dict[str, torch.Tensor], training: bool):
+        """A world of one: every shard is here. Returns the rows and a function that resets the rows to reset."""
         sizes = [local[f].numel() for f in self.features]
         rows, resets = self._run_tables(torch.cat([local[f] for f in self.features]), sizes, training)
-        for name, r in resets.items():
-            self.reset(name, r)
-        return dict(zip(self.features, torch.split(rows, sizes)))
 
-    def _map_exchange(self, local: dict[str, torch.Tensor], training: bool) -> dict[str, torch.Tensor]:
+        def reset():
+            for name, r in resets.items():
+                self.reset(name, r)
+
+        return dict(zip(self.features, torch.split(rows, sizes))), reset
+
+    def _map_exchange(self, local: dict[str, torch.Tensor], training: bool):
         """N ranks: ids to their shard's host, ``assign`` there, rows (and the resets each rank holds) back
-        (the module docstring's steps 1-4)."""
+        (the module docstring's steps 1-4). Returns the rows and a function that resets the rows to reset."""
         tr, W, F, dev = self.transport, self.world, len(self.features), self.device
         counter = tr.counter
         before = (int(counter.by_kind.get("ids", 0)), int(counter.by_kind.get("rows", 0)), int(counter.meta))
@@ -216,15 +273,16 @@ class ManagedLookup:
             back = tr.exchange([b.to(bt) for b in back], send_n, kind="rows")
         mine = torch.empty_like(vals)
         mine[order] = torch.cat([m[:n] for m, n in zip(back, send_n)]).to(torch.int64)
+        gids = None
         if training:
-            self._reset_gids(torch.cat([m[n:] for m, n in zip(back, send_n)]).to(torch.int64))
+            gids = torch.cat([m[n:] for m, n in zip(back, send_n)]).to(torch.int64)
             now = (int(counter.by_kind.get("ids", 0)), int(counter.by_kind.get("rows", 0)), int(counter.meta))
             st = self.stats
             for k, b, a in zip(("ids_bytes", "rows_bytes", "meta_bytes"), before, now):
                 st[k] = st.get(k, 0) + a - b
             st["bytes_sent"] = st.get("bytes_sent", 0) + sum(now) - sum(before)
             st["steps"] = st.get("steps", 0) + 1
-        return dict(zip(self.features, torch.split(mine, sizes)))
+        return dict(zip(self.features, torch.split(mine, sizes))), lambda: gids is not None and self._reset_gids(gids)
 
     def _reset_gids_by_rank(self, resets: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The reset rows of this rank's shards as global ids of the rows module, split by the ranks that hold
@@ -360,6 +418,7 @@ def install(embedding: nn.Module, lookup: ManagedLookup) -> ManagedLookup:
     (parameter names and the module tree unchanged). :func:`managed_of` finds it again."""
     embedding.register_forward_pre_hook(lookup)
     setattr(embedding, _ATTR, lookup)
+    lookup.inner = embedding
     return lookup
 
 

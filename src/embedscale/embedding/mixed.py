@@ -136,27 +136,10 @@ class MixedEmbedding(nn.Module):
                  local: nn.Module | None = None, init_index: list[int] | None = None,
                  hot_rows: Mapping[str, int] | None = None) -> None:
         super().__init__()
-        if not tables:
-            raise ConfigError("MixedEmbedding: no tables")
-        feature_to_table(tables)
-        self.tables = list(tables)
-        self.table_names = [t.name for t in tables]
-        self._spec = {t.name: t for t in tables}
+        plain, compressed, init_index = self._check_tables(tables, tt, init_index)
         self.optimizer = optimizer
         self.validate = validate
-        for t in tables:
-            if "." in t.name or not t.name:
-                raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
-        unknown = sorted(set(tt) - set(self.table_names))
-        if unknown:
-            raise ConfigError(f"MixedEmbedding: TT ranks given for tables {unknown} that are not among the tables "
-                              f"{self.table_names}")
-        self.tt_ranks = {t.name: tt[t.name] for t in tables if t.name in tt}
-        plain = [t for t in tables if t.name not in tt]
-        compressed = [t for t in tables if t.name in tt]
-        init_index = list(range(len(tables))) if init_index is None else list(init_index)
-        if len(init_index) != len(tables):
-            raise ConfigError(f"MixedEmbedding: {len(init_index)} init indices for {len(tables)} tables")
+        self.tt_ranks = {t.name: tt[t.name] for t in compressed}
         if local is not None:
             expected = [f for t in plain if t.pooling != "none" for f in t.features]
             got = list(getattr(local, "feature_names", []))
@@ -171,39 +154,79 @@ class MixedEmbedding(nn.Module):
             if optimizer not in _TT_DEFAULT:
                 raise ConfigError(f"MixedEmbedding: optimizer {optimizer!r} is not one of sgd, rowwise_adagrad or None")
             tt_optimizer = _TT_DEFAULT[optimizer]
-        options = dict(tt_options or {})
         hot_rows = {n: int(h) for n, h in (hot_rows or {}).items() if h}
         bad = sorted(set(hot_rows) - set(tt))
         if bad:
             raise ConfigError(f"MixedEmbedding: hot rows given for tables {bad} that are not TT tables")
+        self.hot_rows = hot_rows
         self.tt = nn.ModuleDict()
-        for i, t in enumerate(compressed):
-            if t.pooling == "none":
-                raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
+        for t in compressed:
             tseed = None if seed is None else seed + 1 + init_index[self.tables.index(t)]
-            if t.name in hot_rows:  # row groups: the hot rows exact, the rest TT (embedding.hybrid)
-                m = HybridTTEmbeddingBag(t.num_rows, t.dim, tt[t.name], hot_rows=hot_rows[t.name], mode=t.pooling,
-                                         include_last_offset=True, optimizer=optimizer, lr=lr, eps=eps,
-                                         hot_init=_hot_init(t, hot_rows[t.name], reordering, seed,
-                                                            init_index[self.tables.index(t)]),
-                                         tt_optimizer=tt_optimizer, tt_lr=lr if tt_lr is None else tt_lr,
-                                         init_std=tt_init_std, seed=tseed, device=device, name=t.name,
-                                         validate=validate, **options)
-            else:
-                m = TTEmbeddingBag.from_spec(t, tt[t.name], include_last_offset=True, optimizer=tt_optimizer,
-                                             lr=lr if tt_lr is None else tt_lr, eps=eps, init_std=tt_init_std,
-                                             seed=tseed, device=device, validate=validate, **options)
-            self.tt[t.name] = m
+            self.tt[t.name] = self._tt_table(t, tt[t.name], tseed, init_index[self.tables.index(t)], reordering,
+                                             dict(optimizer=optimizer, lr=lr, eps=eps, tt_optimizer=tt_optimizer,
+                                                  tt_lr=lr if tt_lr is None else tt_lr, init_std=tt_init_std,
+                                                  seed=seed, device=device, validate=validate,
+                                                  options=dict(tt_options or {})))
         # one sum across ranks per step for all TT tables (tt.GradSyncBucket), not one per table
         self.grad_sync_bucket = (GradSyncBucket(grad_sync, [t.name for t in compressed])
                                  if grad_sync is not None and compressed else None)
         for m in self.tt.values():
             m.grad_sync = self.grad_sync_bucket
-        self.hot_rows = hot_rows
+        self._feature_columns()
+        # the TT tables' inputs of upcoming batches (``prefetch``), on a pipeline of its own until a run attaches its own
+        self.input_lane = InputPipeline().lane("tt", 2)
+        self.prefetched_tt_steps = 0  # lookups that took their TT inputs from prefetch
+        self.remap = nn.Module()
+        self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
+        if reordering is not None:
+            self._install_reordering(reordering)
+
+    def _check_tables(self, tables: list[TableSpec], tt: Mapping, init_index: list[int] | None):
+        """Keep ``tables`` (after checking their names, features and the TT tables ``tt`` names); return the
+        uncompressed and the TT tables and every table's init index."""
+        if not tables:
+            raise ConfigError("MixedEmbedding: no tables")
+        feature_to_table(tables)
+        self.tables = list(tables)
+        self.table_names = [t.name for t in tables]
+        self._spec = {t.name: t for t in tables}
+        for t in tables:
+            if "." in t.name or not t.name:
+                raise ConfigError(f"MixedEmbedding: table name {t.name!r} cannot name a submodule (no '.', not empty)")
+        unknown = sorted(set(tt) - set(self.table_names))
+        if unknown:
+            raise ConfigError(f"MixedEmbedding: TT ranks given for tables {unknown} that are not among the tables "
+                              f"{self.table_names}")
+        init_index = list(range(len(tables))) if init_index is None else list(init_index)
+        if len(init_index) != len(tables):
+            raise ConfigError(f"MixedEmbedding: {len(init_index)} init indices for {len(tables)} tables")
+        for t in tables:
+            if t.name in tt and t.pooling == "none":
+                raise ConfigError(f"table {t.name!r}: TT tables pool (sum or mean), pooling 'none' is not supported")
+        return [t for t in tables if t.name not in tt], [t for t in tables if t.name in tt], init_index
+
+    def _tt_table(self, t: TableSpec, rank, tseed: int | None, index: int, reordering, o: dict) -> nn.Module:
+        """Table ``t``'s TT module of TT rank ``rank``: a ``TTEmbeddingBag``, or with hot rows a
+        ``HybridTTEmbeddingBag`` (row groups: the hot rows exact, the rest TT, ``embedding.hybrid``)."""
+        if t.name in self.hot_rows:
+            hot = self.hot_rows[t.name]
+            return HybridTTEmbeddingBag(t.num_rows, t.dim, rank, hot_rows=hot, mode=t.pooling,
+                                        include_last_offset=True, optimizer=o["optimizer"], lr=o["lr"], eps=o["eps"],
+                                        hot_init=_hot_init(t, hot, reordering, o["seed"], index),
+                                        tt_optimizer=o["tt_optimizer"], tt_lr=o["tt_lr"], init_std=o["init_std"],
+                                        seed=tseed, device=o["device"], name=t.name, validate=o["validate"],
+                                        **o["options"])
+        return TTEmbeddingBag.from_spec(t, rank, include_last_offset=True, optimizer=o["tt_optimizer"],
+                                        lr=o["tt_lr"], eps=o["eps"], init_std=o["init_std"], seed=tseed,
+                                        device=o["device"], validate=o["validate"], **o["options"])
+
+    def _feature_columns(self) -> None:
+        """The output columns: pooled features in table order (``feature_names``, ``feature_dims``), each feature's
+        table, the unpooled features ``local`` serves and the widths of ``local``'s output."""
         self.feature_names: list[str] = []
         self.feature_dims: list[int] = []
         self._feature_table: dict[str, TableSpec] = {}
-        for t in tables:
+        for t in self.tables:
             for f in t.features:
                 self._feature_table[f] = t
                 if t.pooling != "none":
@@ -212,13 +235,6 @@ class MixedEmbedding(nn.Module):
         self.sequence_feature_names = list(getattr(self.local, "sequence_feature_names", []))
         self._local_dims = [self._feature_table[f].dim for f in self.local.feature_names] if self.local is not None \
             else []
-        # the TT tables' inputs of upcoming batches (``prefetch``), on a pipeline of its own until a run attaches its own
-        self.input_lane = InputPipeline().lane("tt", 2)
-        self.prefetched_tt_steps = 0  # lookups that took their TT inputs from prefetch
-        self.remap = nn.Module()
-        self._remapped: dict[str, str] = {}  # feature -> table whose map renames it
-        if reordering is not None:
-            self._install_reordering(reordering)
 
     # -- reordering --------------------------------------------------------------------------------
     def _install_reordering(self, reordering) -> None:
@@ -415,6 +431,7 @@ class MixedEmbedding(nn.Module):
 
     def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
         """Prefetch on ``pipeline`` (the run's) from now on, the sharded module's batches included."""
+        self.input_lane.leave()
         self.input_lane = pipeline.lane("tt", 2)
         if isinstance(self.local, ShardedEmbedding):
             self.local.attach_input_pipeline(pipeline)

@@ -26,7 +26,7 @@
 namespace {
 
 constexpr int64_t MAX_DIM = 1024;
-constexpr int64_t PREFETCH = 16;  // ids ahead whose rows are prefetched (random rows miss the caches)
+constexpr int64_t PREFETCH = 48;  // ids ahead whose rows are prefetched (random rows miss the caches)
 
 struct Feature {
   const uint8_t* rows;   // the table's stored bytes, row-major

@@ -2,7 +2,8 @@
 
 ``input_dist``: every value's id is decoded to its owner; the values of one bag held by one owner form a partial
 bag (one per (owner, bag), numbered per owner); the ``(offset, partial bag)`` pairs and the values' scales go to
-their owners. ``compute``: each owner pools, for every requester, the partial bags it was sent.
+their owners (the local half, ``decode``, runs on the input pipeline's worker when the batch was prefetched).
+``compute``: each owner pools, for every requester, the partial bags it was sent.
 ``output_dist``: the partial sums go back, and the requester adds them per bag in rank order, then lays the
 bags out per sample (``[B, F * D]``). ``grad_dist``: the partial bags' gradients go back to their owners.
 ``update``: each owner expands them to rows, sums per row and applies the fused optimizer (replicas through
@@ -21,8 +22,31 @@ from embedscale.embedding.retrieve import split_by_rank
 
 
 def input_dist(mod, ctx: SendContext) -> None:
-    """Decode the batch, form its partial bags and send every owner the ids and scales of its values."""
-    W, me, tr = mod.world_size, mod.rank, mod.transport
+    """Decode the batch (unless ``prefetch`` did) and send every owner the ids and scales of its values."""
+    if ctx.state is Stage.NEW:
+        decode(mod, ctx)
+    me, tr = mod.rank, mod.transport
+    v_counts = [len(x) for x in ctx.out_ids]
+    # one count swap (values and partial bags per peer: both sizes an owner allocates by), one exchange of the
+    # ids and scales together: the counts are the only data the host reads
+    cnt = tr.exchange_counts(torch.tensor([[v, b] if p != me else [0, 0] for p, (v, b) in
+                                           enumerate(zip(v_counts, ctx.p_counts))], dtype=torch.int64))
+    ctx.recv_counts = [tuple(c) for c in cnt.tolist()]
+    ids0, s0 = ctx.out_ids[me][:0], ctx.out_scale[me][:0]
+    got = tr.exchange_packed([[i, sc] for i, sc in zip(ctx.out_ids, ctx.out_scale)],
+                             [[(torch.int64, (2,), v), (s0.dtype, (), v)] for v, _b in ctx.recv_counts],
+                             ["ids", "ids"], device=mod.weight.device)
+    ctx.recv_ids = [ids0 if x is None else x[0] for x in got]
+    ctx.recv_scale = [s0 if x is None else x[1] for x in got]
+    ctx.my_ids, ctx.my_scale = ctx.out_ids[me], ctx.out_scale[me]
+    ctx.out_ids = ctx.out_scale = None
+    ctx.state = Stage.ANNOUNCED
+
+
+def decode(mod, ctx: SendContext) -> None:
+    """``input_dist``'s local half (thread-safe: the prefetch thread runs it ahead): the batch's flat lookups, its
+    partial bags and, per owner, the ``(offset, partial bag)`` pairs and scales of the values it owns."""
+    W = mod.world_size
     ctx.gids, ctx.bag, ctx.scale, ctx.nbags, ctx.B = mod.flat_lookups(ctx.features)[:5]
     dev = ctx.gids.device  # host memory, where the address map decodes (the ids cross in the exchange)
     nbags = ctx.nbags
@@ -37,20 +61,9 @@ def input_dist(mod, ctx: SendContext) -> None:
     order = torch.argsort(src, stable=True)
     v_counts = split_by_rank(src, W)
     ids = torch.stack([off[order], local_pbag[order]], 1)  # (offset on source, partial bag), rank-major
-    s_ord = ctx.scale[order]
-    # one count swap (values and partial bags per peer: both sizes an owner allocates by), one exchange of the
-    # ids and scales together: the counts are the only data the host reads
-    cnt = tr.exchange_counts(torch.tensor([[v, b] if p != me else [0, 0] for p, (v, b) in
-                                           enumerate(zip(v_counts, ctx.p_counts))], dtype=torch.int64))
-    ctx.recv_counts = [tuple(c) for c in cnt.tolist()]
-    got = tr.exchange_packed([[i, sc] for i, sc in zip(torch.split(ids, v_counts), torch.split(s_ord, v_counts))],
-                             [[(torch.int64, (2,), v), (s_ord.dtype, (), v)] for v, _b in ctx.recv_counts],
-                             ["ids", "ids"], device=mod.weight.device)
-    ctx.recv_ids = [ids[:0] if x is None else x[0] for x in got]
-    ctx.recv_scale = [s_ord[:0] if x is None else x[1] for x in got]
-    a = sum(v_counts[:me])
-    ctx.my_ids, ctx.my_scale = ids[a:a + v_counts[me]], s_ord[a:a + v_counts[me]]
-    ctx.state = Stage.ANNOUNCED
+    ctx.out_ids = list(torch.split(ids, v_counts))
+    ctx.out_scale = list(torch.split(ctx.scale[order], v_counts))
+    ctx.state = Stage.DECODED
 
 
 def _served(ctx: SendContext, q: int, me: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -305,7 +305,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         ``prefetch`` did not do it ahead: then ``ctx`` takes over the prefetched batch's progress)."""
         features = as_jagged(features)[0]
         if ctx.state is Stage.NEW:
-            ahead = self._take_prefetched(features, ctx.training) if self.stages is RETRIEVE else None
+            ahead = self._take_prefetched(features, ctx.training)
             if ahead is not None:
                 ctx.take_over(ahead)
             else:
@@ -333,7 +333,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         """Run an upcoming training batch's ``input_dist`` ahead of its step (OPER 5.1 pipelined with the previous
         step, as TorchRec's ``TrainPipelineSparseDist`` distributes the next batch's input during the current step).
 
-        Optional; retrieve design. Call it with every upcoming training batch, in the order of their steps,
+        Optional. Call it with every upcoming training batch, in the order of their steps,
         before the ``forward`` of the step *before* theirs (``emb.prefetch(next_batch); loss(emb(batch))
         .backward()``; or further ahead); every rank for the same steps. The batch's ids are checked and
         decoded, its remote rows deduplicated and sorted by owner (with ``background``, on a worker thread,
@@ -342,20 +342,20 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         owner how many rows it will be asked for, and that step's gradient exchange carries the requests
         themselves: a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead
         of four. Exact: requests are row addresses, which no update changes, and the rows travel in their own
-        step, after the previous update. A ``forward`` of another batch in training, once the peers were told
-        of the prefetched one, is an ``InputError``; inference lookups of other batches leave the queue alone.
+        step, after the previous update. The send design decodes the batch ahead (its partial bags and the
+        messages to their owners, ``send.decode``); the messages go out in the batch's own step. A ``forward`` of
+        another batch in training, once the peers were told of the prefetched one, is an ``InputError``;
+        inference lookups of other batches leave the queue alone.
         """
-        if self.design != "retrieve":
-            return
         jf = as_jagged(features)[0]
         self._check_keys(jf)
         self.prefetching = True
         self.input_lane.push(jf, self._decode_ahead, background)  # (drops batches never consumed nor announced)
 
-    def _decode_ahead(self, features: JaggedFeatures) -> RetrieveContext:
-        ctx = RetrieveContext(features, True)
+    def _decode_ahead(self, features: JaggedFeatures) -> LookupContext:
+        ctx = self.stages.context(features, True)
         with torch.no_grad():
-            retrieve.decode(self, ctx)
+            (retrieve.decode if self.stages is RETRIEVE else send.decode)(self, ctx)
         return ctx
 
     def attach_input_pipeline(self, pipeline: InputPipeline) -> None:
@@ -363,6 +363,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         if len(self.input_lane):
             raise InputError(f"sharded embedding (rank {self.rank}): {len(self.input_lane)} batch(es) prefetched "
                              "before the input pipeline was attached")
+        self.input_lane.leave()
         self.input_lane = pipeline.lane("sharded", _MAX_AHEAD, _undistributed)
 
     @property

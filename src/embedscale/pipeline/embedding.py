@@ -124,6 +124,28 @@ class PipelinedEmbedding(nn.Module):
                 self.feature_names.append(f)
                 self.feature_dims.append(spec.dim)
         dims = dict(zip(self.feature_names, self.feature_dims))
+        self._check_producers(dims)
+        device = torch.device(device if device is not None else self._default_device())
+        col_perm, host_perm = self._output_perms(dims)
+        self.register_buffer("_col_perm", None if col_perm is None else torch.tensor(col_perm, device=device),
+                             persistent=False)
+        self.register_buffer("_anchor_dev", torch.empty(0, device=device), persistent=False)
+        self.register_buffer("_host_perm", None if host_perm is None else torch.tensor(host_perm, device=device),
+                             persistent=False)
+        self.cache = LifeCycleCache(server.dims if server is not None else [], device=device,
+                                    dtype=server.dtype if server is not None else torch.float32,
+                                    with_momentum=server is not None and server.optimizer == "rowwise_adagrad")
+        self.process_group = process_group
+        # set by a running pipeline (embedscale.pipeline.loop)
+        self._pending: PrefetchedBatch | None = None
+        self._sink: Callable[[GradientBatch], None] | None = None
+        self._track_updates = False  # update local copies and fill the cache (pipelined, depth > 1)
+        self._sync_read_hook: Callable[[], None] | None = None  # before a read outside the schedule
+        self.host_lookups = 0
+
+    def _check_producers(self, dims: dict[str, int]) -> None:
+        """Every pooled feature produced by exactly one device module or by the server (``_device_keys``, each
+        device module's features; ``host_feature_names``), at the dim its table has."""
         self._device_keys: list[list[str]] = []
         produced: dict[str, str] = {}
         for i, m in enumerate(self.device_modules):
@@ -135,6 +157,7 @@ class PipelinedEmbedding(nn.Module):
                 if f in produced:
                     raise ConfigError(f"feature {f!r} is produced by {produced[f]} and device module {i}")
                 produced[f] = f"device module {i}"
+        server = self.server
         self.host_feature_names = list(server.feature_names) if server is not None else []
         for f in self.host_feature_names:
             if f in produced:
@@ -146,55 +169,32 @@ class PipelinedEmbedding(nn.Module):
         missing = [f for f in self.feature_names if f not in produced]
         if missing:
             raise ConfigError(f"features {missing} are produced by no device module and not by the server")
-        if server is not None:
-            host_dims = {f: dims[f] for f in self.host_feature_names}
-            for lay in server.layouts:
-                for f in lay.features:
-                    if host_dims[f] != lay.dim:
-                        raise ConfigError(f"feature {f!r}: dim {host_dims[f]} in the tables, {lay.dim} on the server")
+        for lay in server.layouts if server is not None else []:
+            for f in lay.features:
+                if dims[f] != lay.dim:
+                    raise ConfigError(f"feature {f!r}: dim {dims[f]} in the tables, {lay.dim} on the server")
 
-        # Output assembly: [device module 0 | ... | host (server feature order)] -> feature order.
+    def _default_device(self) -> torch.device:
+        """The first device module's buffer's (or parameter's) device, else torch's default device."""
+        buf = next(iter(self.device_modules.buffers()), None) if len(self.device_modules) else None
+        par = next(iter(self.device_modules.parameters()), None) if len(self.device_modules) else None
+        t = buf if buf is not None else par
+        return t.device if t is not None else torch.get_default_device()
+
+    def _output_perms(self, dims: dict[str, int]) -> tuple[list[int] | None, list[int] | None]:
+        """The column permutations of the output: ``[device module 0 | ... | host]`` to feature order, and inside
+        the host part the server's dim groups (one after another) to server feature order; ``None`` where it is
+        the identity."""
         order = [f for keys in self._device_keys for f in keys] + self.host_feature_names
-        col0 = {}
-        c = 0
-        for f in order:
-            col0[f] = c
-            c += dims[f]
-        perm = [col0[f] + j for f in self.feature_names for j in range(dims[f])]
-        identity = perm == list(range(len(perm)))
-
-        if device is None:
-            buf = next(iter(self.device_modules.buffers()), None) if len(self.device_modules) else None
-            par = next(iter(self.device_modules.parameters()), None) if len(self.device_modules) else None
-            t = buf if buf is not None else par
-            device = t.device if t is not None else torch.get_default_device()
-        device = torch.device(device)
-        self.register_buffer("_col_perm", None if identity else torch.tensor(perm, device=device), persistent=False)
-        self.register_buffer("_anchor_dev", torch.empty(0, device=device), persistent=False)
-
-        # Host output inside the host part: groups one after another; permute to server feature order.
+        perm = [c + j for f, c in zip(self.feature_names, _starts(order, dims, self.feature_names))
+                for j in range(dims[f])]
         host_perm = None
-        if server is not None:
-            grouped = [f for lay in server.layouts for f in lay.features]
-            hc = {}
-            c = 0
-            for f in grouped:
-                hc[f] = c
-                c += dims[f]
-            hp = [hc[f] + j for f in self.host_feature_names for j in range(dims[f])]
-            if hp != list(range(len(hp))):
-                host_perm = torch.tensor(hp, device=device)
-        self.register_buffer("_host_perm", host_perm, persistent=False)
-        self.cache = LifeCycleCache(server.dims if server is not None else [], device=device,
-                                    dtype=server.dtype if server is not None else torch.float32,
-                                    with_momentum=server is not None and server.optimizer == "rowwise_adagrad")
-        self.process_group = process_group
-        # set by a running pipeline (embedscale.pipeline.loop)
-        self._pending: PrefetchedBatch | None = None
-        self._sink: Callable[[GradientBatch], None] | None = None
-        self._track_updates = False  # update local copies and fill the cache (pipelined, depth > 1)
-        self._sync_read_hook: Callable[[], None] | None = None  # before a read outside the schedule
-        self.host_lookups = 0
+        if self.server is not None:
+            grouped = [f for lay in self.server.layouts for f in lay.features]
+            hp = [c + j for f, c in zip(self.host_feature_names, _starts(grouped, dims, self.host_feature_names))
+                  for j in range(dims[f])]
+            host_perm = None if hp == list(range(len(hp))) else hp
+        return (None if perm == list(range(len(perm))) else perm), host_perm
 
     @classmethod
     def from_tables(cls, tables: list[TableSpec], forms: Mapping[str, TableForm], *,
@@ -460,6 +460,15 @@ class PipelinedEmbedding(nn.Module):
         result = self.server.store.load_state_dict(sub, strict=False)
         missing_keys.extend(prefix + "host." + k for k in result.missing_keys)
         unexpected_keys.extend(prefix + "host." + k for k in result.unexpected_keys)
+
+
+def _starts(order: list[str], dims: dict[str, int], features: list[str]) -> list[int]:
+    """The first column of each of ``features`` in an output whose features come in ``order`` (widths ``dims``)."""
+    col0, c = {}, 0
+    for f in order:
+        col0[f] = c
+        c += dims[f]
+    return [col0[f] for f in features]
 
 
 def _all_gather_rows(t: torch.Tensor, sizes: list[int], group) -> list[torch.Tensor]:

@@ -36,6 +36,7 @@ from typing import Iterable, Iterator
 
 
 from embedscale.data.batch import Batch
+from embedscale.embedding.input_pipeline import InputPipeline, Lane, LaneTimeout
 from embedscale.errors import ConfigError
 from embedscale.pipeline.embedding import PipelinedEmbedding
 from embedscale.pipeline.queues import END, FINISH, GradientBatch, PipelineError, PrefetchedBatch, get_from
@@ -55,6 +56,10 @@ class Pipeline:
         use_cache: patch stale prefetched rows from the life-cycle cache. Off, pipelined training at
             ``depth >= 2`` reads stale rows and no longer equals sequential training (tests show it).
         timeout_s: a queue that stays empty this long is an error, not a hang.
+        lookahead: the ``host`` lane of an input pipeline (``embedding.input_pipeline``; ``True``: one of its own):
+            the server puts every batch it takes from the loader there, with its device modules' features, before
+            it waits for older gradients; :meth:`peek` gives the trainer the batch after the one it trains, so the
+            device modules prepare its input during this step (depth >= 2).
 
     Attributes:
         stats: after the pass: batches, rows patched, cache peak rows, seconds the trainer waited for the
@@ -63,10 +68,10 @@ class Pipeline:
     """
 
     def __init__(self, embedding: PipelinedEmbedding, batches: Iterable, depth: int, *, use_cache: bool = True,
-                 timeout_s: float = 300.0, lookahead: bool = False) -> None:
+                 timeout_s: float = 300.0, lookahead: bool | Lane = False) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"pipeline depth must be an integer >= 1, got {depth!r}")
-        if lookahead and depth < 2:
+        if lookahead is not False and depth < 2:
             raise ConfigError(_LOOKAHEAD_DEPTH)
         if embedding.pipelined:
             raise PipelineError("this PipelinedEmbedding already runs a pipeline")
@@ -93,12 +98,12 @@ class Pipeline:
         self._serving = True
         self.thread = threading.Thread(target=self._serve, name="embedscale-parameter-server", daemon=True)
         # lookahead: the server takes batch s from the loader (and selects its device modules' features) before
-        # it waits for the gradients of batch s - depth, and publishes it: peek() hands the trainer the batch
-        # after the one it trains, so device modules convert its input during this step (their input pipeline)
-        self.lookahead = lookahead
-        self._loaded: dict[int, tuple] = {}  # index -> (batch, device features), published by the server
-        self._loaded_end: int | None = None  # the pass has this many batches (the loader ended)
-        self._loaded_cv = threading.Condition()
+        # it waits for the gradients of batch s - depth, and puts it on the host lane of the input pipeline
+        self.lane: Lane | None = None
+        if lookahead is not False:
+            self.lane = lookahead if isinstance(lookahead, Lane) else InputPipeline("host").lane("host", depth + 1)
+            self.lane.close()  # this pass's batches only
+        self.lookahead = self.lane is not None
         self.stats = {"batches": 0, "patched_rows": 0, "cache_peak_rows": 0, "wait_s": 0.0, "server_wait_s": 0.0,
                       "server_cpu_s": 0.0, "patcher_cpu_s": 0.0}
 
@@ -111,15 +116,13 @@ class Pipeline:
         try:
             while True:
                 dev = None
-                if self.lookahead:  # the loader first: the trainer may peek at this batch during step s - 1
+                if self.lane is not None:  # the loader first: the trainer may peek at this batch during step s - 1
                     batch = next(it, None)
                     if batch is None:
-                        self._end_loaded(s)
+                        self.lane.end()
                         break
                     dev = self.embedding.device_features(batch.sparse)
-                    with self._loaded_cv:
-                        self._loaded[s] = (batch, dev)
-                        self._loaded_cv.notify_all()
+                    self.lane.put(batch, dev)
                 # the gradient due first, then the loader: a gradient pushed is applied whatever the loader does
                 if s >= self.depth and not self._pull_and_apply(s - self.depth):
                     break
@@ -146,7 +149,8 @@ class Pipeline:
             self.prefetch_q.put(e)
         finally:
             self.stats["server_cpu_s"] = time.thread_time() - cpu0
-            self._end_loaded(s)
+            if self.lane is not None:
+                self.lane.end()
             with self._applied_cv:
                 self._serving = False
                 self._applied_cv.notify_all()
@@ -156,12 +160,6 @@ class Pipeline:
                     close()
                 except Exception:  # noqa: BLE001
                     pass
-
-    def _end_loaded(self, batches: int) -> None:
-        with self._loaded_cv:
-            if self._loaded_end is None:
-                self._loaded_end = batches
-            self._loaded_cv.notify_all()
 
     def _pull_and_apply(self, expected: int | None) -> bool:
         """Pull one gradient batch and apply it; False when the trainer has finished (nothing more comes)."""
@@ -270,31 +268,22 @@ class Pipeline:
         else:
             self.embedding._pending = item
         self.consumed += 1
-        if self.lookahead:
-            with self._loaded_cv:
-                self._loaded.pop(item.index, None)
+        if self.lane is not None and len(self.lane) and self.lane.head().features is item.batch:
+            self.lane.pop()  # (the lane's head is the next batch from here on)
         return item
 
     def peek(self) -> tuple | None:
         """``(batch, device features)`` of the batch the next :meth:`next` hands out, taken from the loader by
-        the server (lookahead); ``None`` at the end of the pass. Waits for the server, which takes that batch
-        as soon as it has put the one before on the prefetch queue: before the trainer could train on it."""
-        if not self.lookahead:
+        the server (the host lane's head); ``None`` at the end of the pass. Waits for the server, which takes that
+        batch as soon as it has put the one before on the prefetch queue: before the trainer could train on it."""
+        if self.lane is None:
             raise PipelineError("peek needs a pipeline with lookahead")
-        want = self.consumed
-        deadline = time.monotonic() + self.timeout_s
-        with self._loaded_cv:
-            while want not in self._loaded:
-                if self.error is not None:
-                    raise self.error
-                if self._loaded_end is not None and want >= self._loaded_end:
-                    return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PipelineError(f"the server took no batch {want} from the loader within "
-                                        f"{self.timeout_s:.0f} s")
-                self._loaded_cv.wait(min(left, 0.5))
-            return self._loaded[want]  # (next() drops each batch it hands out)
+        try:
+            head = self.lane.wait_head(self.timeout_s, lambda: self.error)
+        except LaneTimeout:
+            raise PipelineError(f"the server took no batch {self.consumed} from the loader within "
+                                f"{self.timeout_s:.0f} s") from None
+        return None if head is None else (head.features, head.value)  # (next() pops each batch it hands out)
 
     def finish(self) -> None:
         """Tell the server no more gradients come, wait until it has applied all it got, detach."""
@@ -317,6 +306,8 @@ class Pipeline:
         if self.thread.is_alive():
             raise PipelineError(f"the parameter server thread did not finish within {self.timeout_s:.0f} s")
         emb.cache.reset()  # every gradient is applied: the server is current
+        if self.lane is not None:
+            self.lane.close()
         if self.error is not None and not isinstance(self.error, PipelineError):
             pass  # already raised on the trainer side through the prefetch queue
 
@@ -337,13 +328,14 @@ class PipelinedLoader:
         use_cache: see :class:`Pipeline`.
         lookahead: during a step, :meth:`peek` gives the batch of the next one (depth >= 2; see
             :class:`Pipeline`): the device modules' input pipeline runs behind the host pipeline.
+        inputs: the run's input pipeline, on which the lookahead opens its ``host`` lane (default: one of its own).
 
     Attributes:
         last_stats: the finished pass's :attr:`Pipeline.stats`.
     """
 
     def __init__(self, loader, embedding: PipelinedEmbedding, depth: int = 2, *, use_cache: bool = True,
-                 timeout_s: float = 300.0, lookahead: bool = False) -> None:
+                 timeout_s: float = 300.0, lookahead: bool = False, inputs: InputPipeline | None = None) -> None:
         if not isinstance(embedding, PipelinedEmbedding):
             raise ConfigError(f"PipelinedLoader needs a PipelinedEmbedding, got {type(embedding).__name__}")
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
@@ -356,6 +348,8 @@ class PipelinedLoader:
         self.use_cache = use_cache
         self.timeout_s = timeout_s
         self.lookahead = lookahead
+        # the host lane: every pass's lookahead on it (the run's input pipeline, or one of its own)
+        self.lane = (inputs or InputPipeline("host")).lane("host", depth + 1) if lookahead else None
         self.last_stats: dict = {}
         self.pipeline: Pipeline | None = None
         self._peeked: tuple | None = None
@@ -383,7 +377,7 @@ class PipelinedLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         pipe = Pipeline(self.embedding, self.loader, self.depth, use_cache=self.use_cache, timeout_s=self.timeout_s,
-                        lookahead=self.lookahead)
+                        lookahead=self.lane if self.lane is not None else False)
         self.pipeline = pipe
         pipe.start()
         try:

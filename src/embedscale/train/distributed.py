@@ -74,7 +74,7 @@ from embedscale.train.plan_trial import choose_by_trial
 from embedscale.data.profile import AccessProfile
 from embedscale.embedding.compression import table_bytes
 from embedscale.embedding.grad_sync import all_gather_var
-from embedscale.embedding.input_pipeline import InputPipeline
+from embedscale.embedding.input_pipeline import InputPipeline, held_back, not_pipelined
 from embedscale.embedding.managed_lookup import install, managed_of
 from embedscale.embedding.mixed import MixedEmbedding
 from embedscale.embedding.sharded import ShardedEmbedding
@@ -387,38 +387,35 @@ class DistributedRun:
         self.ddp.register_comm_hook(None, _allreduce_sum_hook)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag)
-        # dist.input_pipeline: the loop hands the next batch over before this step (prefetch_batch); where the
-        # sharded rows are the model's whole embedding, or its local part beside TT replicas (MixedEmbedding
-        # hands the sharded module its selection of the batch); behind the host pipeline only at depth >= 2
-        # (its server takes a batch from the loader before the step before it; at depth 1 only after that
-        # step's backward), and not with the drift monitor (a migration needs no batch in flight)
-        dm = device_module
-        self._prefetcher = (dm if dm is self.embedding
-                            else dm if isinstance(dm, MixedEmbedding) and dm.local is self.embedding else None)
-        self.input_pipeline = bool(d.input_pipeline and d.design == "retrieve" and self.monitor is None
-                                   and self.managed is None  # (managed: raw ids become rows at their own step)
-                                   and isinstance(self.embedding, ShardedEmbedding) and self._prefetcher is not None)
+        # the run's input pipeline (embedding.input_pipeline): the loop hands it the next batch before this step
+        # (prefetch_batch); not_pipelined is the one place that says when it cannot run
+        self.inputs = InputPipeline(f"input-r{rank}")
+        entry = device_module if isinstance(device_module, (ShardedEmbedding, MixedEmbedding)) else None
+        entry = self.managed if entry is not None and self.managed is not None else entry  # (maps, then hands on)
+        mods = self.host_embedding.device_modules if self.host_embedding is not None else []
+        self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth) if self.host_embedding else 0
+        self.not_pipelined = not_pipelined(enabled=d.input_pipeline, entry=entry is not None, design=d.design,
+                                           host_depth=self.pipeline_depth, managed=self.managed is not None,
+                                           host_entry=len(mods) == 1 and mods[0] is device_module)
+        self.input_pipeline = self.not_pipelined is None
         if self.host_embedding is not None:  # host rows prefetched ahead by the server (EL-Rec V)
-            self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth)  # the plan's host forms'
-            mods = self.host_embedding.device_modules
-            self.input_pipeline = self.input_pipeline and self.pipeline_depth >= 2 \
-                and len(mods) == 1 and mods[0] is device_module
             self.train_loader = PipelinedLoader(self.train_loader, self.host_embedding, self.pipeline_depth,
                                                 use_cache=t.pipeline_cache, timeout_s=d.timeout_s,
-                                                lookahead=self.input_pipeline)
-        if self.input_pipeline:  # the run's input pipeline: every form's lane (sharded decode, TT inputs)
-            self.inputs = InputPipeline(f"input-r{rank}")
-            self._prefetcher.attach_input_pipeline(self.inputs)
+                                                lookahead=self.input_pipeline, inputs=self.inputs)
+        if self.input_pipeline:
+            self.inputs.drive(entry)
 
     def prefetch_batch(self, batch) -> None:
-        """Run protocol (optional): ``batch`` is the next step's; convert its ids now, on a worker thread, while
-        this step computes (``ShardedEmbedding.prefetch``: OPER 5.1 pipelined with the previous step; the step
-        whose batch was prefetched sends two all-to-alls instead of four). Same results either way."""
-        if self.input_pipeline:
-            if self.host_embedding is not None:  # the device module's selection, as the server made it
-                self._prefetcher.prefetch(self.train_loader.device_features(batch)[0])
-            else:
-                self._prefetcher.prefetch(batch.sparse)
+        """Run protocol (optional): ``batch`` is the next step's; the input pipeline prepares its input now, on
+        worker threads, while this step computes (OPER 5.1 pipelined with the previous step: the retrieve design's
+        prefetched step sends two all-to-alls instead of four). Same results either way. ``held_back`` says which
+        steps' batches wait for their own step."""
+        t = self.cfg.train
+        if self.input_pipeline and not held_back(self.state.step + 1, managed=self.managed is not None,
+                                                 replan_every=self.monitor.every if self.monitor is not None else 0,
+                                                 replan_lag=self.monitor.lag if self.monitor is not None else 0,
+                                                 eval_every=t.eval_every, checkpoint_every=t.checkpoint_every):
+            self.inputs.prefetch(batch)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:
         """Look up through ``new`` (the sharded module a live re-plan migrated the rows into, ``train.replan``)
@@ -433,6 +430,9 @@ class DistributedRun:
             self.managed.rows = new
             if managed_of(old) is self.managed:  # the hook sat on the old module itself (no TT module around it)
                 install(new, self.managed)
+        if new is not old and self.input_pipeline:  # the new module's lane on the run's input pipeline
+            old.input_lane.leave()
+            self.inputs.drive(new if self.inputs.entry is old else self.inputs.entry)
 
     def _init_common(self, cfg: RunConfig, run_dir: Path, rank: int, world: int, progress: bool,
                      inference: bool) -> None:

@@ -467,7 +467,10 @@ def _train_pass(run: Run, loop: LoopConfig, at: _Attempt, warmup: int, stream: b
         run.train_loader.set_epoch(st.epoch, skip_batches=st.batch_in_epoch)
     # the next batch is read a step early only for a run that asks for it (a loader may act as it yields,
     # e.g. a reference mapping ids); never from a stream, whose next batch may be minutes away
-    ahead = getattr(run, "prefetch_batch", None) if getattr(run, "input_pipeline", False) and not stream else None
+    # the next batch is read a step early only for a run that asks for it (a loader may act as it yields,
+    # e.g. a reference mapping ids); from a stream too: a step then starts once the batch after it is read (the
+    # stream's own read-ahead usually holds it; its last batch waits for the stream's end)
+    ahead = getattr(run, "prefetch_batch", None) if getattr(run, "input_pipeline", False) else None
     batches = _with_next(run.train_loader) if ahead is not None else ((b, None) for b in run.train_loader)
     for batch, upcoming in batches:
         if ahead is not None and upcoming is not None and not (loop.max_steps and st.step + 1 >= loop.max_steps):

@@ -83,7 +83,7 @@ class Run(Protocol):
     ``opt`` (the dense optimizer, for the learning-rate warmup), ``progress`` (this rank draws bars);
     optionally ``step_logits``: this rank's logits of the last ``train_step``'s forward, taken before its update
     (the loop's progressive validation scores them; a run without them has none); optionally
-    ``prefetch_batch(batch)``: called with the next step's batch before each step of a finite loader when the
+    ``prefetch_batch(batch)``: called with the next step's batch before each step (a stream's too) when the
     run's ``input_pipeline`` is true (it converts its input ahead, e.g. the sharded rows' ids, OPER 5.1
     pipelined).
     """
