@@ -33,7 +33,7 @@ def input_dist(mod, ctx: SendContext) -> None:
                                            enumerate(zip(v_counts, ctx.p_counts))], dtype=torch.int64))
     ctx.recv_counts = [tuple(c) for c in cnt.tolist()]
     ids0, s0 = ctx.out_ids[me][:0], ctx.out_scale[me][:0]
-    got = tr.exchange_packed([[i, sc] for i, sc in zip(ctx.out_ids, ctx.out_scale)],
+    got = tr.exchange_packed([[i.contiguous(), sc.contiguous()] for i, sc in zip(ctx.out_ids, ctx.out_scale)],
                              [[(torch.int64, (2,), v), (s0.dtype, (), v)] for v, _b in ctx.recv_counts],
                              ["ids", "ids"], device=mod.weight.device)
     ctx.recv_ids = [ids0 if x is None else x[0] for x in got]

@@ -105,7 +105,10 @@ def tensor_places(written, payload: dict, names: list[str]) -> dict:
 
 def _matches(written, offset: int, t: torch.Tensor) -> bool:
     """Whether the bytes of ``written`` at ``offset`` start and end as ``t``'s do."""
-    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    flat = t.detach().reshape(-1)
+    if flat.numel() <= 1:  # a one-element or empty tensor may carry any stride (0): a fresh copy has stride 1
+        flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+    raw = flat.view(torch.uint8).numpy()
     k = min(64, raw.size)
     heads = [(offset, raw[:k]), (offset + raw.size - k, raw[raw.size - k:])]
     if isinstance(written, (str, Path)):
