@@ -241,6 +241,21 @@ def test_budget_too_small_is_a_named_error():
                        other_budgets=False)
 
 
+def test_tt_lookup_costs_are_taken_non_decreasing_in_the_rank():
+    """A loaded machine measured rank 16 dearer than rank 32: pooled by hand, both are their mean, 15 us; rank 24
+    between them is 15 us too; ranks 8 and 64 keep their figures. A run of three falling figures pools all three
+    (10, 9, 8 -> 9). Figures that already rise are kept as measured."""
+    c = Costs(exact_lookup_s=1e-6, tt_lookup_s={8: 7e-6, 16: 16e-6, 32: 14e-6, 64: 39e-6})
+    assert c.tt(16) == pytest.approx(15e-6, rel=1e-12) and c.tt(32) == pytest.approx(15e-6, rel=1e-12)
+    assert c.tt(24) == pytest.approx(15e-6, rel=1e-12)
+    assert c.tt(8) == 7e-6 and c.tt(64) == 39e-6
+    three = Costs(exact_lookup_s=1e-6, tt_lookup_s={8: 10e-6, 16: 9e-6, 32: 8e-6, 64: 20e-6})
+    assert [three.tt(r) for r in (8, 16, 32)] == [pytest.approx(9e-6, rel=1e-12)] * 3 and three.tt(64) == 20e-6
+    rising = {8: 4.737e-6, 16: 5.579e-6, 32: 6.897e-6, 64: 19.98e-6}
+    assert {r: Costs(tt_lookup_s=rising).tt(r) for r in rising} == rising
+    assert Costs(tt_lookup_s={8: 7e-6, 16: 16e-6, 32: 14e-6}).tt_lookup_s[16] == 16e-6  # the file keeps what it measured
+
+
 def test_costs_file_round_trip_and_errors(tmp_path):
     c = Costs(exact_lookup_s=1e-8, tt_lookup_s={8: 2e-8, 32: 8e-8}, source="measured")
     c.save(tmp_path / "c.json")
