@@ -87,10 +87,11 @@ class Stages:
     output_dist: Callable
     grad_dist: Callable
     update: Callable
+    start: Callable | None = None  # compute's exchange started, not waited for (``ShardedEmbedding.start``)
 
 
 RETRIEVE = Stages(RetrieveContext, retrieve.input_dist, retrieve.compute, retrieve.output_dist, retrieve.grad_dist,
-                  retrieve.update)
+                  retrieve.update, retrieve.start_rows)
 SEND = Stages(SendContext, send.input_dist, send.compute, send.output_dist, send.grad_dist, send.update)
 
 
@@ -284,6 +285,23 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
             return self._keyed_forward(features)
         ctx = self.create_context()
         self.input_dist(ctx, features)
+        return _Lookup.apply(self.anchor, self, ctx)
+
+    def start(self, features: JaggedFeatures) -> LookupContext | None:
+        """Begin a lookup ahead of its result (OPER 5.2): ``input_dist``, then ``compute``'s exchange started and
+        not waited for (the retrieve design's rows); :meth:`finish` completes it, the same bits as ``forward``.
+        The model computes its bottom MLP in between. ``None``: this lookup runs only whole (another design or
+        transport, a TorchRec KJT, or a forward hook on the module, such as a managed-id mapping)."""
+        features, kjt = as_jagged(features)
+        if kjt or self.stages.start is None or self._forward_pre_hooks or self._forward_hooks:
+            return None
+        ctx = self.create_context()
+        self.input_dist(ctx, features)
+        self.stages.start(self, ctx)
+        return ctx
+
+    def finish(self, ctx: LookupContext) -> torch.Tensor:
+        """The result of a lookup :meth:`start` began: ``forward``'s ``[B, F * D]``."""
         return _Lookup.apply(self.anchor, self, ctx)
 
     # -- the stages (TorchRec's ShardedModule); each design's in its own module ------------------------
