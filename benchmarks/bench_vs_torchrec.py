@@ -7,9 +7,13 @@ Ours: ``ShardedEmbedding`` under the ``oper`` plan (5% extra memory; a training 
 inference plan, hot rows replicated by OPER Algorithm 1, for inference), retrieve design, collective
 transport, fused row-wise Adagrad (or SGD), replica gradients in the backward all-to-all (``--grad-sync``,
 default ``alltoall``); inference over the PGAS transport (``--inference-transport``, default ``pgas``:
-``PgasShardedEmbedding``, one-sided gets from the peer's shared memory); dense arches (``build_model``) in
-DDP with a sum hook and a loss of sum / global batch, as ``train.distributed`` does. The report's
-*ceiling* is TorchRec's step over its dense time: what ours would reach with an embedding that cost nothing.
+``PgasShardedEmbedding``, one-sided gets from the peer's shared memory); dense arches (``build_model``,
+without the first-order term: TorchRec's DLRM has none) in DDP with a sum hook and a loss of sum / global
+batch, wrapped as ``train.distributed`` wraps them (``dense_ddp``: gradients as bucket views, as TorchRec's
+DMP does); the model's forward starts the embedding's row exchange before the bottom MLP and waits for it
+after (OPER 5.2). Both sides run in the same rank processes, so with the same thread settings: one intra-op
+thread per rank (2 ranks on 2 cores). The report's *ceiling* is TorchRec's step over its dense time: what
+ours would reach with an embedding that cost nothing.
 
 TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
 TorchRec's own ``EmbeddingShardingPlanner`` (default settings, compute device cpu, the same 2-rank
@@ -84,7 +88,6 @@ def _log(rank, msg):
 def worker(rank, world, cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import _torchrec_dlrm as trh
     from embedscale.comm.collective import CollectiveTransport
@@ -96,6 +99,7 @@ def worker(rank, world, cfg):
     from embedscale.models import build_model
     from embedscale.plan.api import make_plan
     from embedscale.specs import ModelConfig, SyntheticConfig, Topology
+    from embedscale.train.distributed import dense_ddp
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     warnings.filterwarnings("ignore")
@@ -121,7 +125,9 @@ def worker(rank, world, cfg):
                         "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
                         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
                         "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
-    mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"])
+    # TorchRec's DLRM has no first-order term: ours without it, the same model (checked below)
+    mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"],
+                       first_order=False)
     opt_name, lr, eps = cfg["optimizer"], cfg["lr"], cfg["eps"]
     topo = Topology(ranks_per_host=world)
 
@@ -137,12 +143,8 @@ def worker(rank, world, cfg):
                            grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
     torch.manual_seed(0)
     ours = build_model(mcfg, tables, 13, embedding=emb)
-    ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
-    ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
-    DDP._set_params_and_buffers_to_ignore_for_model(ours, ignore)
-    ddp = DDP(ours, broadcast_buffers=False)
     ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch
-    ddp.register_comm_hook(ours_dense_hook, trh.counting_allreduce_hook)
+    ddp = dense_ddp(ours, emb, trh.counting_allreduce_hook, ours_dense_hook)  # as train.distributed wraps it
     ours_opt = torch.optim.SGD(ours.dense_parameters(), lr=cfg["dense_lr"])
     pgas_tr = None
     if cfg["inference_transport"] == "pgas":  # one host: one-sided gets from the peers' shared segments
