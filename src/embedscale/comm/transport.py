@@ -142,7 +142,7 @@ class Transport(ABC):
 
     def exchange_packed_start(self, parts: list, recv_parts: list, kinds: list[str]) -> PendingExchange:
         """Start :meth:`exchange_packed` (over :meth:`exchange_start`); ``wait()`` gives what it returns."""
-        W, me = self.world_size, self.rank
+        me = self.rank
         send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
                 for p, ts in enumerate(parts)]
         sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
