@@ -109,6 +109,20 @@ def start_rows(mod, ctx: RetrieveContext) -> None:
     ctx.state = Stage.FETCHING
 
 
+def start_ahead(mod, ctx: RetrieveContext) -> None:
+    """``start_rows`` ahead of the bottom MLP when it need not wait: not while the next batch's counts, which ride
+    this row exchange, are still being decoded on the input pipeline's worker (the MLP overlaps that decoding
+    instead; ``compute`` starts the exchange after it)."""
+    if not (rides_header(mod, ctx) and not mod.next_ready()):
+        start_rows(mod, ctx)
+
+
+def rides_header(mod, ctx: RetrieveContext) -> bool:
+    """Whether this batch's row exchange carries the next batch's counts (training with prefetched batches over a
+    fusing transport)."""
+    return bool(ctx.training and mod.prefetching and mod.transport.fuses_exchanges and mod.world_size > 1)
+
+
 def compute(mod, ctx: RetrieveContext) -> None:
     """Owners reply with the rows asked of them (unless ``start_rows`` did); the fetched rows land after the
     storage; one lookup pools all."""
@@ -133,7 +147,7 @@ def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> PendingExchange:
     transport, it carries a header: how many rows each rank will request next step (``ctx.nxt``)."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
     per_rank = ctx.per_rank
-    ctx.with_header = bool(ctx.training and mod.prefetching and tr.fuses_exchanges and W > 1)
+    ctx.with_header = rides_header(mod, ctx)
     if not ctx.with_header:
         return tr.exchange_start(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
                                  kind="rows")

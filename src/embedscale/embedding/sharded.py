@@ -91,7 +91,7 @@ class Stages:
 
 
 RETRIEVE = Stages(RetrieveContext, retrieve.input_dist, retrieve.compute, retrieve.output_dist, retrieve.grad_dist,
-                  retrieve.update, retrieve.start_rows)
+                  retrieve.update, retrieve.start_ahead)
 SEND = Stages(SendContext, send.input_dist, send.compute, send.output_dist, send.grad_dist, send.update)
 
 
@@ -383,6 +383,11 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         """The context of the next prefetched batch (joins its decoding), or ``None``."""
         head = self.input_lane.head()
         return head.value if head is not None else None
+
+    def next_ready(self) -> bool:
+        """Whether the next prefetched batch, if any, is decoded (its context read without waiting)."""
+        head = self.input_lane.head()
+        return head is None or head.ready
 
     def queued_undistributed(self) -> RetrieveContext | None:
         """The next prefetched batch's context while no peer has heard of it (its counts ride the coming row
