@@ -58,11 +58,17 @@ class CollectiveTransport(Transport):
 
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
-        return self.exchange_start(send, recv_counts, kind).wait()
+        return self._all_to_all(send, recv_counts, kind, background=False).wait()
 
     def exchange_start(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                        kind: str = "data") -> PendingExchange:
         """The all-to-all started in the background (``async_op``); ``wait()`` returns the received tensors."""
+        return self._all_to_all(send, recv_counts, kind, background=True)
+
+    def _all_to_all(self, send: list[torch.Tensor], recv_counts: list[int] | None, kind: str,
+                    background: bool) -> PendingExchange:
+        """One ``all_to_all_single``: in the background, or blocking (``exchange``: no hand-over to the backend's
+        worker thread and back, whose wake-ups cost milliseconds on a loaded machine)."""
         W = self.world_size
         if len(send) != W:
             raise ValueError(f"exchange needs one tensor per rank ({W}), got {len(send)}")
@@ -79,10 +85,11 @@ class CollectiveTransport(Transport):
             torch.empty((0, *tail), dtype=dtype, device=wire)
         flat_out = torch.empty((sum(recv_counts), *tail), dtype=dtype, device=wire)
         work = dist.all_to_all_single(flat_out, flat_in.contiguous(), output_split_sizes=recv_counts,
-                                      input_split_sizes=counts, group=self.group, async_op=True)
+                                      input_split_sizes=counts, group=self.group, async_op=background)
 
         def finish() -> list[torch.Tensor]:
-            work.wait()
+            if work is not None:
+                work.wait()
             recv = list(torch.split(flat_out.to(device), recv_counts))  # back on the caller's device
             self._count(send, recv, kind)
             return recv

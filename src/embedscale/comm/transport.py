@@ -138,18 +138,21 @@ class Transport(ABC):
         them), ``kinds`` each tensor's label in the byte counter (``meta``: counted as metadata, as
         :meth:`exchange_counts` counts). Returns, per peer, the list of received tensors (``None`` for this
         rank)."""
-        return self.exchange_packed_start(parts, recv_parts, kinds).wait()
+        return self.exchange_packed_start(parts, recv_parts, kinds, background=False).wait()
 
-    def exchange_packed_start(self, parts: list, recv_parts: list, kinds: list[str]) -> PendingExchange:
-        """Start :meth:`exchange_packed` (over :meth:`exchange_start`); ``wait()`` gives what it returns."""
+    def exchange_packed_start(self, parts: list, recv_parts: list, kinds: list[str],
+                              background: bool = True) -> PendingExchange:
+        """Start :meth:`exchange_packed` (over :meth:`exchange_start`; ``background=False``: over :meth:`exchange`,
+        done when this returns); ``wait()`` gives what it returns."""
         me = self.rank
         send = [torch.cat([_as_bytes(t) for t in ts]) if p != me else torch.zeros(0, dtype=torch.uint8)
                 for p, ts in enumerate(parts)]
         sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
                  for rp in recv_parts]
         main = next(k for k in kinds if k != "meta")
-        pending = self.exchange_start(send, recv_counts=[sum(sz) if p != me else 0 for p, sz in enumerate(sizes)],
-                                      kind=main)
+        counts = [sum(sz) if p != me else 0 for p, sz in enumerate(sizes)]
+        pending = self.exchange_start(send, recv_counts=counts, kind=main) if background else \
+            PendingExchange(self.exchange(send, recv_counts=counts, kind=main))
         return PendingExchange(finish=lambda: self._unpack(pending.wait(), parts, recv_parts, kinds, sizes, main))
 
     def _unpack(self, got: list, parts: list, recv_parts: list, kinds: list[str], sizes: list, main: str) -> list:

@@ -98,14 +98,15 @@ def announce(mod, ctx: RetrieveContext) -> None:
 
 
 # -- compute -----------------------------------------------------------------------------------------------
-def start_rows(mod, ctx: RetrieveContext) -> None:
+def start_rows(mod, ctx: RetrieveContext, background: bool = True) -> None:
     """``compute``'s first half: owners reply with the rows asked of them, the row exchange started and not
-    waited for (``ShardedEmbedding.start``: the model computes its bottom MLP meanwhile, OPER 5.2)."""
+    waited for (``ShardedEmbedding.start``: the model computes its bottom MLP meanwhile, OPER 5.2); without
+    ``background``, exchanged now (nothing to overlap: a blocking all-to-all is cheaper)."""
     me = mod.rank
     dev = mod.weight.device
     replies = [mod.weight.index_select(0, r.to(dev)) if p != me else mod.weight[:0]
                for p, r in enumerate(ctx.requests)]
-    ctx.fetching = exchange_rows(mod, ctx, replies)
+    ctx.fetching = exchange_rows(mod, ctx, replies, background)
     ctx.state = Stage.FETCHING
 
 
@@ -127,7 +128,7 @@ def compute(mod, ctx: RetrieveContext) -> None:
     """Owners reply with the rows asked of them (unless ``start_rows`` did); the fetched rows land after the
     storage; one lookup pools all."""
     if ctx.state is not Stage.FETCHING:
-        start_rows(mod, ctx)
+        start_rows(mod, ctx, background=False)
     R = sum(ctx.per_rank)
     dev = mod.weight.device
     ctx.n = n = mod.weight.shape[0]
@@ -142,21 +143,22 @@ def compute(mod, ctx: RetrieveContext) -> None:
     ctx.state = Stage.POOLED
 
 
-def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> PendingExchange:
+def exchange_rows(mod, ctx: RetrieveContext, replies: list, background: bool) -> PendingExchange:
     """The row exchange, started (``rows_received`` waits for it). Training with prefetched batches over a fusing
     transport, it carries a header: how many rows each rank will request next step (``ctx.nxt``)."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
     per_rank = ctx.per_rank
     ctx.with_header = rides_header(mod, ctx)
     if not ctx.with_header:
-        return tr.exchange_start(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)],
-                                 kind="rows")
+        counts = [c if p != me else 0 for p, c in enumerate(per_rank)]
+        return tr.exchange_start(replies, recv_counts=counts, kind="rows") if background else \
+            PendingExchange(tr.exchange(replies, recv_counts=counts, kind="rows"))
     ctx.nxt = nxt = mod.queued_undistributed()
     hdr = nxt.header(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
     dev = mod.weight.device
     return tr.exchange_packed_start([[hdr[p].to(dev), replies[p]] for p in range(W)],
                                     [[(torch.int64, (), 2), (mod.weight.dtype, (mod.dim,), c)] for c in per_rank],
-                                    ["meta", "rows"])
+                                    ["meta", "rows"], background=background)
 
 
 def rows_received(mod, ctx: RetrieveContext) -> list[torch.Tensor]:
