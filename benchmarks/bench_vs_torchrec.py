@@ -7,9 +7,13 @@ Ours: ``ShardedEmbedding`` under the ``oper`` plan (5% extra memory; a training 
 inference plan, hot rows replicated by OPER Algorithm 1, for inference), retrieve design, collective
 transport, fused row-wise Adagrad (or SGD), replica gradients in the backward all-to-all (``--grad-sync``,
 default ``alltoall``); inference over the PGAS transport (``--inference-transport``, default ``pgas``:
-``PgasShardedEmbedding``, one-sided gets from the peer's shared memory); dense arches (``build_model``) in
-DDP with a sum hook and a loss of sum / global batch, as ``train.distributed`` does. The report's
-*ceiling* is TorchRec's step over its dense time: what ours would reach with an embedding that cost nothing.
+``PgasShardedEmbedding``, one-sided gets from the peer's shared memory); dense arches (``build_model``,
+without the first-order term: TorchRec's DLRM has none) in DDP with a sum hook and a loss of sum / global
+batch, wrapped as ``train.distributed`` wraps them (``dense_ddp``: gradients as bucket views, as TorchRec's
+DMP does); the model's forward starts the embedding's row exchange before the bottom MLP and waits for it
+after (OPER 5.2). Both sides run in the same rank processes, so with the same thread settings: one intra-op
+thread per rank (2 ranks on 2 cores). The report's *ceiling* is TorchRec's step over its dense time: what
+ours would reach with an embedding that cost nothing.
 
 TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
 TorchRec's own ``EmbeddingShardingPlanner`` (default settings, compute device cpu, the same 2-rank
@@ -23,7 +27,9 @@ copied into TorchRec's shards), and the benchmark checks they compute the same l
 training step before it times anything. Steps of the two alternate (the order flips every step) so that the
 noise of a shared machine hits both alike; a step's time is the slowest rank's; figures are medians after
 warm-up. Breakdown: an embedding-only step (lookup + communication + fused update, with a fixed output
-gradient) timed the same way; dense = full step - embedding step. Bytes on wire: every ``all_to_all_single``
+gradient) timed the same way; dense = full step - embedding step; each step's process CPU time too (the busier
+rank's, medians: ``cpu_dense_ms``, the dense parts' work, which a loaded machine inflates far less than their
+wall time; the JSON line's ``dense``). Bytes on wire: every ``all_to_all_single``
 of either side is counted by one wrapper (bytes sent to other ranks), DDP's AllReduces by counting comm
 hooks (ring model, 2 (W-1)/W of the bucket), our replica-gradient sync by its own counter.
 
@@ -84,7 +90,6 @@ def _log(rank, msg):
 def worker(rank, world, cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import _torchrec_dlrm as trh
     from embedscale.comm.collective import CollectiveTransport
@@ -96,6 +101,7 @@ def worker(rank, world, cfg):
     from embedscale.models import build_model
     from embedscale.plan.api import make_plan
     from embedscale.specs import ModelConfig, SyntheticConfig, Topology
+    from embedscale.train.distributed import dense_ddp
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     warnings.filterwarnings("ignore")
@@ -121,7 +127,9 @@ def worker(rank, world, cfg):
                         "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
                         "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
                         "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
-    mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"])
+    # TorchRec's DLRM has no first-order term: ours without it, the same model (checked below)
+    mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"],
+                       first_order=False)
     opt_name, lr, eps = cfg["optimizer"], cfg["lr"], cfg["eps"]
     topo = Topology(ranks_per_host=world)
 
@@ -137,12 +145,8 @@ def worker(rank, world, cfg):
                            grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
     torch.manual_seed(0)
     ours = build_model(mcfg, tables, 13, embedding=emb)
-    ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
-    ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
-    DDP._set_params_and_buffers_to_ignore_for_model(ours, ignore)
-    ddp = DDP(ours, broadcast_buffers=False)
     ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch
-    ddp.register_comm_hook(ours_dense_hook, trh.counting_allreduce_hook)
+    ddp = dense_ddp(ours, emb, trh.counting_allreduce_hook, ours_dense_hook)  # as train.distributed wraps it
     ours_opt = torch.optim.SGD(ours.dense_parameters(), lr=cfg["dense_lr"])
     pgas_tr = None
     if cfg["inference_transport"] == "pgas":  # one host: one-sided gets from the peers' shared segments
@@ -211,6 +215,7 @@ def worker(rank, world, cfg):
     # -- timing: the two alternate, order flipped every step --------------------------------------------
     def timed(fns, n_steps, warmup):
         times = {k: [] for k in fns}
+        cpu = {k: [] for k in fns}  # the process's CPU time: a figure the machine's load inflates far less
         bytes_ = {k: [] for k in fns}
         names = list(fns)
         for s in range(warmup + n_steps):
@@ -219,19 +224,23 @@ def worker(rank, world, cfg):
                 fn, counters = fns[name]
                 before = [c() for c in counters]
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn(b)
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 if s >= warmup:
                     times[name].append(dt)
+                    cpu[name].append(dc)
                     bytes_[name].append([c() - x for c, x in zip(counters, before)])
         out = {}
         for name in names:
             t = torch.tensor(times[name], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+            c = torch.tensor(cpu[name], dtype=torch.float64)
+            dist.all_reduce(c, op=dist.ReduceOp.MAX)  # the busier rank's
             by = torch.tensor(bytes_[name], dtype=torch.float64).mean(0) if bytes_[name] else torch.zeros(0)
             dist.all_reduce(by)  # summed over ranks
             out[name] = {"median_s": float(t.median()), "p90_s": float(torch.quantile(t, 0.9)) if t.numel() else 0.0,
+                         "cpu_median_s": float(c.median()) if c.numel() else 0.0,
                          "times_s": [round(x, 5) for x in t.tolist()], "bytes": by.tolist()}
         return out
 
@@ -355,8 +364,11 @@ def summarise(res: list, cfg: dict) -> dict:
             full = r0[phase][side]["median_s"]
             e = r0[emb_phase][side]["median_s"]
             by = r0[phase][side]["bytes"]
+            cf, ce = r0[phase][side]["cpu_median_s"], r0[emb_phase][side]["cpu_median_s"]
             d = {"samples_per_s": B / full, "step_ms": 1e3 * full, "embedding_ms": 1e3 * e,
-                 "dense_ms": 1e3 * max(full - e, 0.0)}
+                 "dense_ms": 1e3 * max(full - e, 0.0),
+                 # CPU time of the busier rank's process (medians): what the load inflates far less than wall time
+                 "cpu_step_ms": 1e3 * cf, "cpu_embedding_ms": 1e3 * ce, "cpu_dense_ms": 1e3 * max(cf - ce, 0.0)}
             if phase == "train":
                 d["bytes_per_step"] = {"embedding_a2a": by[0], "embedding_sync": by[1],
                                        "embedding_total": by[0] + by[1], "dense_allreduce": by[2]}
@@ -365,6 +377,8 @@ def summarise(res: list, cfg: dict) -> dict:
             d["all_to_alls_per_step_per_rank"] = by[-1] / len(res)
             ph[side] = d
         ph["ratio"] = ph["ours"]["samples_per_s"] / ph["torchrec"]["samples_per_s"]
+        ph["dense_ratio"] = ph["ours"]["dense_ms"] / max(ph["torchrec"]["dense_ms"], 1e-9)  # ours / TorchRec's
+        ph["cpu_dense_ratio"] = ph["ours"]["cpu_dense_ms"] / max(ph["torchrec"]["cpu_dense_ms"], 1e-9)
         # step by step (same batch, adjacent in time): less exposed to the machine's load drifting
         ph["paired_ratio"] = float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
                                              np.array(r0[phase]["ours"]["times_s"])))
@@ -527,7 +541,10 @@ def main():
         tr, inf = results[name]["train"], results[name]["inference"]
         print(f"  [{name}] train {tr['ours']['samples_per_s']:.0f} vs {tr['torchrec']['samples_per_s']:.0f} samples/s "
               f"({tr['ratio']:.2f}x); inference {inf['ours']['samples_per_s']:.0f} vs "
-              f"{inf['torchrec']['samples_per_s']:.0f} ({inf['ratio']:.2f}x); check {results[name]['check']}; "
+              f"{inf['torchrec']['samples_per_s']:.0f} ({inf['ratio']:.2f}x); training dense part "
+              f"{tr['ours']['dense_ms']:.1f} vs {tr['torchrec']['dense_ms']:.1f} ms ({tr['dense_ratio']:.3f}x; CPU "
+              f"{tr['ours']['cpu_dense_ms']:.1f} vs {tr['torchrec']['cpu_dense_ms']:.1f} ms); "
+              f"check {results[name]['check']}; "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     main_cfg = names[0]
     m = results[main_cfg]
@@ -535,6 +552,10 @@ def main():
         "benchmark": "vs_torchrec", "figure": m["train"]["ours"]["samples_per_s"],
         "baseline": m["train"]["torchrec"]["samples_per_s"], "ratio": m["train"]["ratio"], "unit": "samples/s",
         "paired_ratio": m["train"]["paired_ratio"],
+        "dense": {"ours_ms": m["train"]["ours"]["dense_ms"], "torchrec_ms": m["train"]["torchrec"]["dense_ms"],
+                  "ratio": m["train"]["dense_ratio"], "ours_cpu_ms": m["train"]["ours"]["cpu_dense_ms"],
+                  "torchrec_cpu_ms": m["train"]["torchrec"]["cpu_dense_ms"],
+                  "cpu_ratio": m["train"]["cpu_dense_ratio"]},
         "inference": {"figure": m["inference"]["ours"]["samples_per_s"],
                       "baseline": m["inference"]["torchrec"]["samples_per_s"], "ratio": m["inference"]["ratio"],
                       "paired_ratio": m["inference"]["paired_ratio"], "unit": "samples/s",

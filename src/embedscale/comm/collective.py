@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from embedscale.comm.transport import Transport, nbytes
+from embedscale.comm.transport import PendingExchange, Transport, nbytes
 from embedscale.device import HOST, backend_device
 
 
@@ -58,6 +58,17 @@ class CollectiveTransport(Transport):
 
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
+        return self._all_to_all(send, recv_counts, kind, background=False).wait()
+
+    def exchange_start(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
+                       kind: str = "data") -> PendingExchange:
+        """The all-to-all started in the background (``async_op``); ``wait()`` returns the received tensors."""
+        return self._all_to_all(send, recv_counts, kind, background=True)
+
+    def _all_to_all(self, send: list[torch.Tensor], recv_counts: list[int] | None, kind: str,
+                    background: bool) -> PendingExchange:
+        """One ``all_to_all_single``: in the background, or blocking (``exchange``: no hand-over to the backend's
+        worker thread and back, whose wake-ups cost milliseconds on a loaded machine)."""
         W = self.world_size
         if len(send) != W:
             raise ValueError(f"exchange needs one tensor per rank ({W}), got {len(send)}")
@@ -68,13 +79,18 @@ class CollectiveTransport(Transport):
         if recv_counts is None:
             recv_counts = self._exchange_counts(counts, device)
         if W == 1:
-            return [send[0]]
+            return PendingExchange([send[0]])
         wire = self.wire_device
         flat_in = torch.cat([self.to_wire(t).reshape(t.shape[0], *tail) for t in send]) if sum(counts) else \
             torch.empty((0, *tail), dtype=dtype, device=wire)
         flat_out = torch.empty((sum(recv_counts), *tail), dtype=dtype, device=wire)
-        dist.all_to_all_single(flat_out, flat_in.contiguous(), output_split_sizes=recv_counts,
-                               input_split_sizes=counts, group=self.group)
-        recv = list(torch.split(flat_out.to(device), recv_counts))  # back on the caller's device
-        self._count(send, recv, kind)
-        return recv
+        work = dist.all_to_all_single(flat_out, flat_in.contiguous(), output_split_sizes=recv_counts,
+                                      input_split_sizes=counts, group=self.group, async_op=background)
+
+        def finish() -> list[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            recv = list(torch.split(flat_out.to(device), recv_counts))  # back on the caller's device
+            self._count(send, recv, kind)
+            return recv
+        return PendingExchange(finish=finish)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import numpy as np
 import torch
@@ -106,6 +107,13 @@ class Transport(ABC):
         bytes in the counter (``rows``, ``ids``, ``grads``, ``pooled``) so each can be checked on its own.
         """
 
+    def exchange_start(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
+                       kind: str = "data") -> PendingExchange:
+        """Start :meth:`exchange` and return at once; its ``wait()`` gives what ``exchange`` returns (the caller
+        computes meanwhile, OPER 5.2). This default exchanges now; a transport whose collective runs in the
+        background overrides it. ``send`` must not change until the wait."""
+        return PendingExchange(self.exchange(send, recv_counts, kind))
+
     def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Swap small per-peer count vectors: ``counts`` int64 ``[W, k]`` (row ``p`` goes to rank ``p``);
         returns ``[W, k]`` on ``counts``' device, row ``p`` what rank ``p`` sent here. Counted as metadata.
@@ -131,7 +139,13 @@ class Transport(ABC):
         :meth:`exchange_counts` counts). Returns, per peer, the list of received tensors (``None`` for this
         rank), on ``device`` (the run's; default: the first tensor's), where the parts are moved too (a part
         decoded in host memory and one on the device travel together)."""
-        W, me = self.world_size, self.rank
+        return self.exchange_packed_start(parts, recv_parts, kinds, background=False, device=device).wait()
+
+    def exchange_packed_start(self, parts: list, recv_parts: list, kinds: list[str],
+                              background: bool = True, device=None) -> PendingExchange:
+        """Start :meth:`exchange_packed` (over :meth:`exchange_start`; ``background=False``: over :meth:`exchange`,
+        done when this returns); ``wait()`` gives what it returns."""
+        me = self.rank
         dev = device if device is not None else next((ts[0].device for p, ts in enumerate(parts) if p != me and ts),
                                                      None)
         send = [torch.cat([_as_bytes(t if dev is None else t.to(dev)) for t in ts]) if p != me else
@@ -139,7 +153,14 @@ class Transport(ABC):
         sizes = [[rows * math.prod(tail) * torch.empty(0, dtype=dt).element_size() for dt, tail, rows in rp]
                  for rp in recv_parts]
         main = next(k for k in kinds if k != "meta")
-        got = self.exchange(send, recv_counts=[sum(sz) if p != me else 0 for p, sz in enumerate(sizes)], kind=main)
+        counts = [sum(sz) if p != me else 0 for p, sz in enumerate(sizes)]
+        pending = self.exchange_start(send, recv_counts=counts, kind=main) if background else \
+            PendingExchange(self.exchange(send, recv_counts=counts, kind=main))
+        return PendingExchange(finish=lambda: self._unpack(pending.wait(), parts, recv_parts, kinds, sizes, main))
+
+    def _unpack(self, got: list, parts: list, recv_parts: list, kinds: list[str], sizes: list, main: str) -> list:
+        """:meth:`exchange_packed`'s received bytes as its tensors, every part counted under its own kind."""
+        W, me = self.world_size, self.rank
         for p in range(W):  # count every part under its own kind
             if p == me:
                 continue
@@ -201,6 +222,19 @@ class Transport(ABC):
             self.counter.recv[p] += nbytes(recv[p])
         self.counter.by_kind[kind] = self.counter.by_kind.get(kind, 0) + total
         self.counter.calls += 1
+
+
+class PendingExchange:
+    """An exchange in flight (:meth:`Transport.exchange_start`): :meth:`wait` blocks until it is done and returns
+    what :meth:`Transport.exchange` would have returned; once."""
+
+    def __init__(self, result: list | None = None, finish: Callable[[], list] | None = None):
+        self._result, self._finish = result, finish
+
+    def wait(self) -> list:
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from embedscale.comm.transport import PendingExchange
 from embedscale.data.batch import JaggedFeatures
 
 
@@ -23,6 +24,7 @@ class Stage(enum.Enum):
     DECODED = enum.auto()  # input_dist's local half: ids checked and decoded to (rank, offset), here only
     COUNTED = enum.auto()  # every owner knows how many rows it will be asked for (rode a previous exchange)
     ANNOUNCED = enum.auto()  # input_dist done: every owner holds this rank's requests
+    FETCHING = enum.auto()  # compute started: the rows (or partial sums) on their way, not waited for yet
     POOLED = enum.auto()  # compute done: the bags pooled (output_dist lays them out per sample)
     GRADS_SENT = enum.auto()  # grad_dist done: every gradient is at the rank that applies it
     UPDATED = enum.auto()  # update done: the optimizer applied them
@@ -56,6 +58,7 @@ class RetrieveContext(LookupContext):
     ``t_slots`` the replica slots the batch reads (``fused``: they ride the request and gradient exchanges).
     Announced: ``recv_counts`` per peer ``(rows, replica slots)`` it will ask of this rank, then
     ``requests`` (the offsets each peer asked) and ``peer_slots``.
+    Fetching: ``fetching``, the row exchange in flight (``with_header``: the next batch's counts ride it).
     Pooled: ``out`` (``[B * F, D]`` sample-major), each value's pooling-table row ``pos``, its sample-major
     bag ``bag_s`` (``None`` when the C++ kernel pooled), ``n`` storage rows, ``nxt`` the next batch's context
     whose counts rode this step's row exchange.
@@ -78,6 +81,8 @@ class RetrieveContext(LookupContext):
     recv_counts: list[tuple[int, int]] | None = None
     requests: list[torch.Tensor] | None = None
     peer_slots: list[torch.Tensor] | None = None
+    fetching: PendingExchange | None = None
+    with_header: bool = False
     out: torch.Tensor | None = None
     pos: torch.Tensor | None = None
     bag_s: torch.Tensor | None = None

@@ -48,6 +48,11 @@ class Ahead:
         return self._value
 
     @property
+    def ready(self) -> bool:
+        """Whether :attr:`value` is there without waiting for the worker."""
+        return self._future is None or self._future.done()
+
+    @property
     def joined(self) -> bool:
         """Whether the worker's result was taken (the form may have advanced it since)."""
         return self._future is None

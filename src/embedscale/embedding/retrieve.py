@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from embedscale.comm.transport import PendingExchange
 from embedscale.device import HOST, on_host
 from embedscale.embedding.address_map import TorchAddressMap
 from embedscale.embedding.context import RetrieveContext, Stage
@@ -166,16 +167,42 @@ def announce(mod, ctx: RetrieveContext) -> None:
 
 
 # -- compute -----------------------------------------------------------------------------------------------
-def compute(mod, ctx: RetrieveContext) -> None:
-    """Owners reply with the rows asked of them; the fetched rows land after the storage; one lookup pools all."""
+def start_rows(mod, ctx: RetrieveContext, background: bool = True) -> None:
+    """``compute``'s first half: owners reply with the rows asked of them, the row exchange started and not
+    waited for (``ShardedEmbedding.start``: the model computes its bottom MLP meanwhile, OPER 5.2); without
+    ``background``, exchanged now (nothing to overlap: a blocking all-to-all is cheaper)."""
     me = mod.rank
     dev = mod.weight.device
-    R = sum(ctx.per_rank)
     replies = [mod.weight.index_select(0, r.to(dev)) if p != me else mod.weight[:0]
                for p, r in enumerate(ctx.requests)]
+    ctx.fetching = exchange_rows(mod, ctx, replies, background)
+    ctx.state = Stage.FETCHING
+
+
+def start_ahead(mod, ctx: RetrieveContext) -> None:
+    """``start_rows`` ahead of the bottom MLP when it need not wait: not while the next batch's counts, which ride
+    this row exchange, are still being decoded on the input pipeline's worker (the MLP overlaps that decoding
+    instead; ``compute`` starts the exchange after it)."""
+    if not (rides_header(mod, ctx) and not mod.next_ready()):
+        start_rows(mod, ctx)
+
+
+def rides_header(mod, ctx: RetrieveContext) -> bool:
+    """Whether this batch's row exchange carries the next batch's counts (training with prefetched batches over a
+    fusing transport)."""
+    return bool(ctx.training and mod.prefetching and mod.transport.fuses_exchanges and mod.world_size > 1)
+
+
+def compute(mod, ctx: RetrieveContext) -> None:
+    """Owners reply with the rows asked of them (unless ``start_rows`` did); the fetched rows land after the
+    storage; one lookup pools all."""
+    if ctx.state is not Stage.FETCHING:
+        start_rows(mod, ctx, background=False)
+    R = sum(ctx.per_rank)
+    dev = mod.weight.device
     ctx.n = n = mod.weight.shape[0]
     table = mod.pool_table(R)
-    fetched = exchange_rows(mod, ctx, replies)
+    fetched = rows_received(mod, ctx)
     if R:
         torch.cat(fetched, out=table[n:n + R])
     plan = ctx.plan
@@ -193,19 +220,31 @@ def compute(mod, ctx: RetrieveContext) -> None:
     ctx.state = Stage.POOLED
 
 
-def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> list[torch.Tensor]:
-    """The row exchange. Training with prefetched batches over a fusing transport, it carries a header: how many
-    rows each rank will request next step (the next batch's context becomes ``COUNTED``)."""
+def exchange_rows(mod, ctx: RetrieveContext, replies: list, background: bool) -> PendingExchange:
+    """The row exchange, started (``rows_received`` waits for it). Training with prefetched batches over a fusing
+    transport, it carries a header: how many rows each rank will request next step (``ctx.nxt``)."""
     W, me, tr = mod.world_size, mod.rank, mod.transport
     per_rank = ctx.per_rank
-    if not (ctx.training and mod.prefetching and tr.fuses_exchanges and W > 1):
-        return tr.exchange(replies, recv_counts=[c if p != me else 0 for p, c in enumerate(per_rank)], kind="rows")
-    nxt = mod.queued_undistributed()
+    ctx.with_header = rides_header(mod, ctx)
+    if not ctx.with_header:
+        counts = [c if p != me else 0 for p, c in enumerate(per_rank)]
+        return tr.exchange_start(replies, recv_counts=counts, kind="rows") if background else \
+            PendingExchange(tr.exchange(replies, recv_counts=counts, kind="rows"))
+    ctx.nxt = nxt = mod.queued_undistributed()
     hdr = nxt.header(me, W) if nxt is not None else torch.zeros((W, 2), dtype=torch.int64)
     dev = mod.weight.device
-    got = tr.exchange_packed([[hdr[p], replies[p]] for p in range(W)],
-                             [[(torch.int64, (), 2), (mod.weight.dtype, (mod.dim,), c)] for c in per_rank],
-                             ["meta", "rows"], device=dev)
+    return tr.exchange_packed_start([[hdr[p], replies[p]] for p in range(W)],
+                                    [[(torch.int64, (), 2), (mod.weight.dtype, (mod.dim,), c)] for c in per_rank],
+                                    ["meta", "rows"], background=background, device=dev)
+
+
+def rows_received(mod, ctx: RetrieveContext) -> list[torch.Tensor]:
+    """Wait for the row exchange: the fetched rows from every rank (with a header: the next batch's context
+    becomes ``COUNTED``)."""
+    got, ctx.fetching = ctx.fetching.wait(), None
+    if not ctx.with_header:
+        return got
+    W, me, nxt = mod.world_size, mod.rank, ctx.nxt
     fetched = [x[1] if x is not None else mod.weight[:0] for x in got]
     heads = torch.stack([x[0] for p, x in enumerate(got) if p != me]).view(-1, 2).tolist()
     if any((h[0] > 0) != (nxt is not None) for h in heads):
@@ -217,7 +256,6 @@ def exchange_rows(mod, ctx: RetrieveContext, replies: list) -> list[torch.Tensor
             rc[p] = (h[0] - 1, h[1])
         nxt.recv_counts = rc
         nxt.state = Stage.COUNTED
-    ctx.nxt = nxt
     return fetched
 
 

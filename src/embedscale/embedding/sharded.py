@@ -90,10 +90,11 @@ class Stages:
     output_dist: Callable
     grad_dist: Callable
     update: Callable
+    start: Callable | None = None  # compute's exchange started, not waited for (``ShardedEmbedding.start``)
 
 
 RETRIEVE = Stages(RetrieveContext, retrieve.input_dist, retrieve.compute, retrieve.output_dist, retrieve.grad_dist,
-                  retrieve.update)
+                  retrieve.update, retrieve.start_ahead)
 SEND = Stages(SendContext, send.input_dist, send.compute, send.output_dist, send.grad_dist, send.update)
 
 
@@ -295,6 +296,23 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self.input_dist(ctx, features)
         return _Lookup.apply(self.anchor, self, ctx)
 
+    def start(self, features: JaggedFeatures) -> LookupContext | None:
+        """Begin a lookup ahead of its result (OPER 5.2): ``input_dist``, then ``compute``'s exchange started and
+        not waited for (the retrieve design's rows); :meth:`finish` completes it, the same bits as ``forward``.
+        The model computes its bottom MLP in between. ``None``: this lookup runs only whole (another design or
+        transport, a TorchRec KJT, or a forward hook on the module, such as a managed-id mapping)."""
+        features, kjt = as_jagged(features)
+        if kjt or self.stages.start is None or self._forward_pre_hooks or self._forward_hooks:
+            return None
+        ctx = self.create_context()
+        self.input_dist(ctx, features)
+        self.stages.start(self, ctx)
+        return ctx
+
+    def finish(self, ctx: LookupContext) -> torch.Tensor:
+        """The result of a lookup :meth:`start` began: ``forward``'s ``[B, F * D]``."""
+        return _Lookup.apply(self.anchor, self, ctx)
+
     # -- the stages (TorchRec's ShardedModule); each design's in its own module ------------------------
     def create_context(self, training: bool | None = None) -> LookupContext:
         """A new batch context of this design (``training``: default, whether autograd records)."""
@@ -375,6 +393,11 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         """The context of the next prefetched batch (joins its decoding), or ``None``."""
         head = self.input_lane.head()
         return head.value if head is not None else None
+
+    def next_ready(self) -> bool:
+        """Whether the next prefetched batch, if any, is decoded (its context read without waiting)."""
+        head = self.input_lane.head()
+        return head is None or head.ready
 
     def queued_undistributed(self) -> RetrieveContext | None:
         """The next prefetched batch's context while no peer has heard of it (its counts ride the coming row

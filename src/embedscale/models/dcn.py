@@ -167,6 +167,7 @@ class DCN(nn.Module):
         self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
                             if first_order else None)
         self.calibration = LogitCalibration(device=device)
+        self.overlap = True  # as DLRM's: the embedding's exchange in flight during the bottom MLP
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
@@ -178,8 +179,14 @@ class DCN(nn.Module):
             torch.Tensor: logits ``[B]``.
         """
         _check_dense(dense, self.dense_in_features, sparse)
-        pooled = self.sparse_arch.pooled(sparse)
-        x0 = torch.cat([self.dense_arch(dense), pooled], dim=1) if self.dense_arch is not None else pooled
+        if self.overlap and self.dense_arch is not None:  # the exchange in flight during the bottom MLP (OPER 5.2)
+            started = self.sparse_arch.start(sparse)
+            dense_out = self.dense_arch(dense)
+            pooled = self.sparse_arch.pooled(sparse, started)
+            x0 = torch.cat([dense_out, pooled], dim=1)
+        else:
+            pooled = self.sparse_arch.pooled(sparse)
+            x0 = torch.cat([self.dense_arch(dense), pooled], dim=1) if self.dense_arch is not None else pooled
         logit = self.over_arch(self.cross_net(x0)).squeeze(-1)
         if self.first_order is not None:
             logit = logit + self.first_order(pooled, dense)

@@ -422,15 +422,23 @@ class SparseArch(nn.Module):
         # One D shared by every feature, or None when dims differ (fine for DCN, not for the dot interaction).
         self.embedding_dim: int | None = dims[0] if len(set(dims)) == 1 else None
 
-    def pooled(self, features: JaggedFeatures) -> torch.Tensor:
+    def start(self, features: JaggedFeatures):
+        """Begin the lookup of ``features`` ahead of its result, where the embedding can (its ``start``: the
+        exchange in flight while the caller computes, OPER 5.2); hand what it returns to :meth:`pooled`.
+        ``None``: the lookup runs whole in :meth:`pooled`."""
+        start = getattr(self.embedding, "start", None)
+        return start(features) if start is not None else None
+
+    def pooled(self, features: JaggedFeatures, started=None) -> torch.Tensor:
         """
         Args:
             features: the sparse features of a batch of ``B`` samples.
+            started: what :meth:`start` returned for them (its lookup completed here), or ``None``.
 
         Returns:
             torch.Tensor: ``[B, sum of feature dims]``, features in ``feature_names`` order.
         """
-        out = self.embedding(features)
+        out = self.embedding(features) if started is None else self.embedding.finish(started)
         expected = [features.batch_size, self.out_features]
         if out.dim() != 2 or list(out.shape) != expected:
             raise ConfigError(
@@ -611,6 +619,10 @@ class DLRM(nn.Module):
         device: where to allocate the dense parameters (the embedding module is used as given).
         first_order: add the first-order (wide) term (:class:`FirstOrder`) to the logit.
 
+    ``overlap`` (default ``True``): an embedding that can start its lookup ahead (``ShardedEmbedding.start``)
+    has its exchange in flight while the bottom MLP computes, and the lookup completed after it (OPER 5.2);
+    ``False`` runs the bottom MLP, then the whole lookup. The same results either way.
+
     Example::
 
         >>> import torch
@@ -649,6 +661,7 @@ class DLRM(nn.Module):
         self.first_order = (FirstOrder(self.sparse_arch.feature_dims, dense_in_features, device=device)
                             if first_order else None)
         self.calibration = LogitCalibration(device=device)
+        self.overlap = True
 
     def forward(self, dense: torch.Tensor, sparse: JaggedFeatures) -> torch.Tensor:
         """
@@ -660,8 +673,10 @@ class DLRM(nn.Module):
             torch.Tensor: logits ``[B]`` (apply a sigmoid, or use ``BCEWithLogitsLoss``).
         """
         _check_dense(dense, self.dense_in_features, sparse)
+        # the embedding's exchange in flight while the bottom MLP computes (OPER 5.2; the same bits either way)
+        started = self.sparse_arch.start(sparse) if self.overlap and self.dense_arch is not None else None
         dense_out = self.dense_arch(dense) if self.dense_arch is not None else None
-        pooled = self.sparse_arch.pooled(sparse)
+        pooled = self.sparse_arch.pooled(sparse, started)
         sparse_out = self.sparse_arch.vectors(pooled)
         logit = self.over_arch(self.inter_arch(dense_out, sparse_out)).squeeze(-1)
         if self.first_order is not None:

@@ -108,6 +108,22 @@ def _allreduce_sum_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+def dense_ddp(model: nn.Module, embedding: nn.Module, hook=_allreduce_sum_hook, state=None) -> DDP:
+    """``model``'s dense arches in ``DistributedDataParallel``, as every run trains them: the embedding's rank-local
+    parameters and buffers left out, no buffer broadcast, a *sum* AllReduce ``hook`` (``state`` its state), and
+    the gradients living in DDP's buckets (``gradient_as_bucket_view``: no copy into the bucket and back each
+    step; TorchRec's ``DistributedModelParallel`` wraps its dense part so too). ``embedding`` is the module at
+    ``model.sparse_arch.embedding``."""
+    ignore = [f"sparse_arch.embedding.{n}" for n, _ in embedding.named_parameters()]
+    ignore += [f"sparse_arch.embedding.{n}" for n, _ in embedding.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: rank-local storage
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+    ddp.register_comm_hook(state, hook)
+    return ddp
+
+
 STREAM_FOLLOW = "stream-follow.json"  # rank 0's record of a stream's admitted shards and its end (data.stream)
 
 
@@ -377,14 +393,8 @@ class DistributedRun:
         self.monitor = None  # train.replan_every: the drift monitor (train.replan), made with the loaders
         if inference:
             return
-        emb = self.host_embedding or device_module  # rank-local rows and TT replicas (own sync): never DDP's
-        ignore = [f"sparse_arch.embedding.{n}" for n, _ in emb.named_parameters()]
-        ignore += [f"sparse_arch.embedding.{n}" for n, _ in emb.named_buffers()]
-        DDP._set_params_and_buffers_to_ignore_for_model(self.model, ignore)
-        with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: rank-local storage
-            warnings.simplefilter("ignore", FutureWarning)
-            self.ddp = DDP(self.model, broadcast_buffers=False)
-        self.ddp.register_comm_hook(None, _allreduce_sum_hook)
+        # rank-local rows and TT replicas (own sync): never DDP's
+        self.ddp = dense_ddp(self.model, self.host_embedding or device_module)
         if t.replan_every:
             self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag)
         # the run's input pipeline (embedding.input_pipeline): the loop hands it the next batch before this step
