@@ -23,6 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from s3_server import local_s3  # noqa: E402
 from test_distributed_train import config  # noqa: E402
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
@@ -52,22 +53,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on loopback; the AWS environment points every process (the ranks too) at it."""
-    port = _free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    fs = location("s3://ckpt-tests").fs
-    fs.mkdir("ckpt-tests")
-    yield fs
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    with local_s3("ckpt-tests") as fs:
+        yield fs
 
 
 @pytest.fixture(scope="module")

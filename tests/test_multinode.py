@@ -31,6 +31,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from s3_server import local_s3  # noqa: E402
 from test_distributed_train import make_data  # noqa: E402
 
 from embedscale.cli import _flag, _param, resolve_config  # noqa: E402
@@ -291,20 +292,10 @@ def test_two_nodes_checkpoint_to_s3_and_resume_on_one_node_of_three(runs, data, 
     """No shared disk at all: the 2 x 2 run checkpoints to a local S3-compatible server (moto's, on loopback), each
     node's ranks writing their own files there, and 1 node x 3 ranks resumes from it. The reference: the 4-rank
     one-node run's local checkpoint continued on 3 ranks."""
-    moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] (the test extra) is not installed")
     pytest.importorskip("s3fs", reason="s3fs is not installed")
-    from embedscale.storage import location
-
     ref = runs[0]
-    port = free_port()
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # every launcher and rank started below inherits it
-    try:
-        location("s3://mn-ckpt").fs.mkdir("mn-ckpt")
+    with local_s3("mn-ckpt"):  # every launcher and rank started below inherits its environment
         uri = "s3://mn-ckpt/run"
         two_nodes(tmp_path, {**settings(data, STEPS), "train.checkpoint_dir": uri})
         assert_same(rows_and_losses(uri), rows_and_losses(ref), "2 nodes x 2 ranks, checkpoints on S3")
@@ -317,10 +308,3 @@ def test_two_nodes_checkpoint_to_s3_and_resume_on_one_node_of_three(runs, data, 
         a = rows_and_losses(uri)
         assert read_manifest(latest_checkpoint(uri))["world_size"] == 3 and len(a[0]) == MORE
         assert_same(a, rows_and_losses(ref_copy), "resumed from S3 on 1 node x 3 ranks")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
