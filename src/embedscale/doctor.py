@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from embedscale import assemble
+from embedscale.device import HOST
 from embedscale.errors import EmbedscaleError
 from embedscale.io import atomic_write_json
 from embedscale.plan.topology import LinkTopology
@@ -217,7 +218,7 @@ def batch_counts(cfg, rank: int, world: int) -> list[tuple[int, int]]:
     dist.barrier()
     if data is None:
         data = assemble.prepare_data(cfg, progress=False)
-    loader = assemble.train_loader(cfg, data, torch.device("cpu"), rank=rank, world=world)
+    loader = assemble.train_loader(cfg, data, HOST, rank=rank, world=world)
     rows = data.train.stop - data.train.start
     return [(int(a), int(b)) for a, b in _gather_floats([float(len(loader)), float(rows)])]
 

@@ -137,6 +137,9 @@ def shared_run_dir(cfg: RunConfig, run_dir: str | None) -> Path:
     return Path(cfg.out_dir) / f"{cfg.name}-{run_id}"
 
 
+_JOINS = [0]  # join() calls of this process: every rank makes the same calls in the same order
+
+
 def attempt_token(world: int) -> str:
     """This attempt of the run: torchrun's run id and restart count and the world size (the same on every rank
     of the attempt, different from any earlier attempt's under torchrun)."""
@@ -704,7 +707,8 @@ def join(cfg: RunConfig, run_dir: str | None, progress: bool) -> Joined:
     cfg.dist.nproc = world
     apply_launch_topology(cfg, world)  # several nodes: the launch's hosts (train.nodes)
     rd = shared_run_dir(cfg, run_dir)
-    token = attempt_token(world)
+    _JOINS[0] += 1  # runs one after another in the same processes (tests, tools) keep apart in the store
+    token = f"{attempt_token(world)}:{_JOINS[0]}"
     wait_s = max(cfg.dist.timeout_s, 3600.0)
     # rank 0's plan reaches the other nodes through the launch's store, not the run directory (train.nodes)
     handoff = Handoff(rendezvous_store(cfg.dist.timeout_s), token) if world > 1 else None

@@ -223,7 +223,8 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
             p.kill()
     if errors:
         rank, msg = sorted(errors)[0]
-        raise RankFailed(f"rank {rank} failed:\n{msg}")
+        others = "".join(f"\nrank {r} failed too:\n{m}" for r, m in sorted(errors)[1:])
+        raise RankFailed(f"rank {rank} failed:\n{msg}{others}")
     return [out[r] for r in range(world_size)]
 
 
