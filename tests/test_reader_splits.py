@@ -81,7 +81,8 @@ def test_train_evaluate_test_split_and_a_dataset_of_another_encoding(files, tmp_
     assert ev["samples"] == 600  # the eval file, not the last 20% of the training rows
     best = summary.get("best") or {}
     if best.get("eval_auc") is not None:  # evaluate RUN scores the best evaluation's checkpoint
-        assert abs(best["eval_auc"] - ev["auc"]) < 1e-9
+        # (its logit calibration applied in float32: near-ties of 600 samples may order otherwise)
+        assert abs(best["eval_auc"] - ev["auc"]) < 1e-4
     test = json.loads(cli("evaluate", t / "run", "--split", "test", "--json").stdout)
     same = json.loads(cli("evaluate", t / "run", "--data", t / "same", "--json").stdout)
     assert test["samples"] == same["samples"] == 600
