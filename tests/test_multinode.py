@@ -87,16 +87,21 @@ def start_nodes(tmp: Path, items: dict[str, str]) -> tuple[list[subprocess.Popen
     return procs, dirs
 
 
-def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
-    """Train on 2 nodes x 2 ranks, each node its own run and output directory; returns the run directories."""
-    procs, dirs = start_nodes(tmp, items)
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[str, str]]:
+    """Every launcher's (stdout, stderr) once it ended; any still running after ``timeout_s`` is killed."""
     try:
-        outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
+        return [p.communicate(timeout=timeout_s) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def two_nodes(tmp: Path, items: dict[str, str]) -> list[Path]:
+    """Train on 2 nodes x 2 ranks, each node its own run and output directory; returns the run directories."""
+    procs, dirs = start_nodes(tmp, items)
+    outs = finish(procs, RUN_TIMEOUT_S)
     for node, (p, (out, err)) in enumerate(zip(procs, outs)):
         (tmp / f"node{node}.err").write_text(err)
         assert p.returncode == 0, f"node {node} exited {p.returncode}:\n{out}\n{err[-4000:]}"
@@ -269,13 +274,7 @@ def test_a_node_without_rank0s_checkpoint_is_a_named_error(runs, data, tmp_path)
         shutil.copytree(src, tmp / f"node{node}" / "run", symlinks=True)
     t0 = time.monotonic()
     procs, _ = start_nodes(tmp, {**settings(data, MORE), "dist.timeout_s": "600"})
-    try:
-        outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = finish(procs, RUN_TIMEOUT_S)
     took = time.monotonic() - t0
     err = "".join(e for _, e in outs)
     assert all(p.returncode != 0 for p in procs), err[-3000:]

@@ -50,8 +50,7 @@ class Scorer:
         self.batches = batches
 
     def set_form(self, name: str, form: str) -> None:
-        self.emb.stored[name] = quantize_rows(self.weights[name], form)
-        self.emb._form[name] = form
+        self.emb.set_table(name, quantize_rows(self.weights[name], form), form)
 
     def auc(self) -> float:
         z, y = [], []

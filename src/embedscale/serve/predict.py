@@ -60,6 +60,12 @@ class ServedEmbedding(nn.Module):
         self._dim = {t["name"]: t["dim"] for t in tables}
         self.use_kernel = True  # the fused quantized lookup when built (tests compare it against the other path)
 
+    def set_table(self, name: str, stored: torch.Tensor, form: str) -> None:
+        """Serve ``name`` (a table read in place, ``shared``) from ``stored`` rows of ``form`` from now on."""
+        if name not in self.stored:
+            raise KeyError(f"table {name!r} is not served from stored rows here")
+        self.stored[name], self._form[name] = stored, form
+
     def forward(self, jf: JaggedFeatures) -> torch.Tensor:
         cols: dict[str, torch.Tensor] = {}
         if self.rows is not None:
