@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 KERNELS := $(VENV)/.kernels
 
-.PHONY: run test torchrec kernels clean
+.PHONY: run test torchrec kernels clean FORCE
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,9 +21,13 @@ $(VENV)/.torchrec: $(STAMP)
 # The fused C++ CPU kernels (embedding/kernels.cpp: training; embedding/quant_kernels.cpp: the quantized
 # serving lookup), compiled once here into
 # .venv/var/embedscale-kernels, never during training or tests (without a build the PyTorch path runs).
-$(KERNELS): $(STAMP) src/embedscale/embedding/kernels.cpp src/embedscale/embedding/quant_kernels.cpp src/embedscale/embedding/kernels.py
+# The build step runs every time (a second or two when done: builds are named by a hash of their source and
+# flags), so a stale timestamp can never leave a changed kernel unbuilt.
+$(KERNELS): $(STAMP) FORCE
 	$(BIN)/python -m embedscale.embedding.kernels --build || echo "warning: fused CPU kernel not built; the PyTorch path is used"
 	touch $(KERNELS)
+
+FORCE:
 
 run: $(STAMP) $(KERNELS)
 	$(BIN)/embedscale run

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import importlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -161,11 +162,13 @@ def _stopped(signum: int, run_dir) -> None:
     if who and "embedscale.train.watchdog" in sys.modules:  # stopped because a peer stopped answering?
         where = sys.modules["embedscale.train.watchdog"].lost_note()
     click.echo(f"error: {who}stopped by {signal.Signals(signum).name}{where}", err=True)
-    if who:  # a rank: its clean-ups ran while unwinding; skip the slow interpreter teardown (gloo, threads)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(128 + signum)
-    sys.exit(128 + signum)
+    # The clean-ups ran while unwinding. Skip the interpreter's teardown: it is slow on a rank (gloo), and
+    # background threads still inside a torch op (data prefetch, input pipeline) may outlive the closing of
+    # sys.stderr there and abort the process instead of exiting 128 + signum.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + signum)
 
 
 @contextlib.contextmanager
