@@ -18,7 +18,13 @@ run launched with the same environment reaches the same store. For S3 the connec
 retries few, so an unreachable endpoint or a missing bucket is a :class:`StorageError` naming the URI within
 seconds, never a silent wait.
 
-``BYTES_READ`` counts the bytes this process read from remote locations (whole objects and ranges).
+``BYTES_READ`` counts the bytes this process read from remote locations (whole objects and ranges);
+``LOCAL_BYTES_READ`` those :func:`fetch_ranges` read from local files.
+
+:func:`fetch_ranges` reads many byte ranges of many files at once: the ranges of one object that touch or lie
+within :data:`MAX_GAP` bytes of each other become one request, and every request of one file system goes out in
+one batch (fsspec's ``cat_ranges``: concurrent on an asynchronous file system such as S3's, at most
+``concurrency`` requests in flight); local files are read with ``pread``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ _S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60,
                 "use_listings_cache": False}
 _S3_RETRIES = 2  # s3fs's own retries of a failed call (its default: 5, backing off)
 BYTES_READ = [0]  # a list: a counter the readers add to (tests and benchmarks read and reset it)
+LOCAL_BYTES_READ = [0]  # the same for local files read by fetch_ranges
+MAX_GAP = 4096  # fetch_ranges: ranges of one object this close are one request (a request costs more than 4 KiB)
 
 
 class StorageError(EmbedscaleError):
@@ -228,6 +236,74 @@ class ObjectPath:
                                "the URI and the endpoint (AWS_ENDPOINT_URL)") from None
 
 
+def coalesce(starts: list[int], ends: list[int], max_gap: int = MAX_GAP) -> tuple[list[int], list[int], list[int]]:
+    """Merge the ranges ``[starts[i], ends[i])`` of one object that overlap, touch or lie within ``max_gap`` bytes
+    of each other: ``(merged starts, merged ends, which merged range holds each input range)``."""
+    order = sorted(range(len(starts)), key=lambda i: starts[i])
+    ms: list[int] = []
+    me: list[int] = []
+    home = [0] * len(starts)
+    for i in order:
+        if ms and starts[i] <= me[-1] + max_gap:
+            me[-1] = max(me[-1], ends[i])
+        else:
+            ms.append(starts[i])
+            me.append(ends[i])
+        home[i] = len(ms) - 1
+    return ms, me, home
+
+
+def fetch_ranges(requests: list[tuple["Path | ObjectPath", int, int]], *, max_gap: int = MAX_GAP,
+                 concurrency: int | None = None) -> list[bytes]:
+    """The bytes of every ``(path, start, end)`` of ``requests``, in order (module docstring): nearby ranges of a
+    file coalesced, one batch of requests per file system (``concurrency``: at most this many in flight; ``None``
+    the file system's default)."""
+    out: list[bytes] = [b""] * len(requests)
+    by_file: dict = {}
+    for i, (p, s, e) in enumerate(requests):
+        if e > s:
+            by_file.setdefault(p, []).append(i)
+    merged = []  # (path, start, end, [(request, offset in the merged range)])
+    for p, idx in by_file.items():
+        ms, me, home = coalesce([requests[i][1] for i in idx], [requests[i][2] for i in idx], max_gap)
+        parts: list[list] = [[] for _ in ms]
+        for i, h in zip(idx, home):
+            parts[h].append((i, requests[i][1] - ms[h]))
+        merged += [(p, a, b, q) for a, b, q in zip(ms, me, parts)]
+    groups: dict = {}
+    for k, (p, _, _, _) in enumerate(merged):
+        groups.setdefault(id(p.fs) if isinstance(p, ObjectPath) else None, []).append(k)
+    for key, ks in groups.items():
+        if key is None:
+            datas = [_pread(merged[k][0], merged[k][1], merged[k][2]) for k in ks]
+        else:
+            datas = _cat_ranges([merged[k] for k in ks], concurrency)
+        for k, data in zip(ks, datas):
+            for i, off in merged[k][3]:
+                out[i] = data[off:off + requests[i][2] - requests[i][1]]
+    return out
+
+
+def _cat_ranges(ranges: list[tuple], concurrency: int | None) -> list[bytes]:
+    """One ``cat_ranges`` batch over the object ranges ``(path, start, end, _)`` of one file system."""
+    p0 = ranges[0][0]
+    kw = {"batch_size": concurrency} if concurrency and getattr(p0.fs, "async_impl", False) else {}
+    try:
+        got = p0._do(p0.fs.cat_ranges, [r[0].path for r in ranges], [r[1] for r in ranges], [r[2] for r in ranges],
+                     on_error="raise", **kw)
+    except FileNotFoundError as e:
+        raise _failed(str(p0), e) from None
+    BYTES_READ[0] += sum(len(b) for b in got)
+    return got
+
+
+def _pread(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        data = os.pread(f.fileno(), end - start, start)
+    LOCAL_BYTES_READ[0] += len(data)
+    return data
+
+
 def check_location(x) -> None:
     """A checkpoint location a run is about to use: a remote one must be reachable with its bucket there (a
     named :class:`StorageError` within seconds, before any data is prepared); a local one needs nothing."""
@@ -256,5 +332,5 @@ def write_bytes(p: "Path | ObjectPath", data: bytes) -> None:
         f.write(data)
 
 
-__all__ = ["BYTES_READ", "ObjectPath", "StorageError", "check_location", "is_uri", "location", "remove_tree",
-           "write_bytes"]
+__all__ = ["BYTES_READ", "LOCAL_BYTES_READ", "MAX_GAP", "ObjectPath", "StorageError", "check_location", "coalesce",
+           "fetch_ranges", "is_uri", "location", "remove_tree", "write_bytes"]

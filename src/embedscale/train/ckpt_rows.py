@@ -32,7 +32,7 @@ import torch
 
 from embedscale.device import HOST
 from embedscale.errors import EmbedscaleError, FormatError
-from embedscale.storage import ObjectPath, location, write_bytes
+from embedscale.storage import ObjectPath, fetch_ranges, location, write_bytes
 
 INDEX = "index"  # the manifest's key
 SCATTERED = 64  # a table's rows are indexed as runs while runs <= rows / SCATTERED ...
@@ -128,12 +128,24 @@ def read_remote_shard(path: ObjectPath, skip: dict | None = None) -> dict:
     (``rows``, ``weight``, ``momentum``) whose places ``skip`` (the file's entry of the manifest index) gives.
     Those byte ranges are not fetched: the rest lands in a sparse temporary file that ``torch.load`` maps, and
     the skipped tensors are removed from the result (never zeros in their place)."""
-    holes = sorted((int(a["offset"]), int(a["offset"]) + _nbytes(a), name, key)
-                   for name, e in (skip or {}).items() for key, a in (e.get("at") or {}).items())
+    holes = _holes(skip)
     if not holes:
         return torch.load(io.BytesIO(path.read_bytes()), map_location=HOST, weights_only=True)
-    size, starts, ends, at = path.size(), [], [], 0
-    for lo, hi, _, _ in holes:
+    size = path.size()
+    starts, ends = _kept(size, holes)
+    return _load_sparse(size, starts, path.read_ranges(starts, ends), holes)
+
+
+def _holes(skip: dict | None) -> list[tuple[int, int, str, str]]:
+    """``(start, end, table, tensor)`` of the table tensors a rank file's index entry ``skip`` places, sorted."""
+    return sorted((int(a["offset"]), int(a["offset"]) + _nbytes(a), name, key)
+                  for name, e in (skip or {}).items() for key, a in (e.get("at") or {}).items())
+
+
+def _kept(size: int, holes: list[tuple]) -> tuple[list[int], list[int]]:
+    """The byte ranges of a file of ``size`` bytes outside ``holes``."""
+    starts, ends, at = [], [], 0
+    for lo, hi, *_ in holes:
         if lo > at:
             starts.append(at)
             ends.append(lo)
@@ -141,7 +153,12 @@ def read_remote_shard(path: ObjectPath, skip: dict | None = None) -> dict:
     if at < size:
         starts.append(at)
         ends.append(size)
-    parts = path.read_ranges(starts, ends)
+    return starts, ends
+
+
+def _load_sparse(size: int, starts: list[int], parts: list[bytes], holes: list[tuple]) -> dict:
+    """A rank file of ``size`` bytes from its ranges ``parts`` (at ``starts``), without the tensors in ``holes``:
+    written into a sparse temporary file that ``torch.load`` maps; the tensors of the holes removed."""
     with tempfile.NamedTemporaryFile(prefix="embedscale-shard-", suffix=".pt") as f:
         f.truncate(size)
         for s, b in zip(starts, parts):
@@ -190,14 +207,17 @@ class RowReader:
     Args:
         ckpt_dir: a complete full checkpoint whose manifest has an ``index``.
         manifest: its manifest (``checkpoint.read_manifest``).
+        concurrency: remote byte ranges in flight at once (``None``: the file system's default; 1: one at a time).
     """
 
-    def __init__(self, ckpt_dir: str | Path, manifest: dict):
+    def __init__(self, ckpt_dir: str | Path, manifest: dict, concurrency: int | None = None):
         self.dir = location(ckpt_dir)
         self.index = manifest.get(INDEX)
         if not isinstance(self.index, dict) or manifest.get("delta") is not None:
             raise FormatError(f"{self.dir}: the manifest has no row index (a delta, or written before it)")
         self.num_rows = dict(zip(manifest["tables"], manifest["table_rows"]))
+        self.shard_names = list(manifest.get("shards") or self.index)
+        self.concurrency = concurrency
         self._files: dict[str, dict] = {}
         self.bytes_read = 0
 
@@ -214,6 +234,31 @@ class RowReader:
     def read(self, table: str, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(weight [k, dim], momentum [k] or None)`` of ``rows`` (row ids of ``table``, any order); a row no
         rank file holds is a ``FormatError`` naming table and row."""
+        return self.read_many({table: rows})[table]
+
+    def read_many(self, wanted: dict[str, np.ndarray], extra: list[tuple] = ()) -> dict:
+        """``{table: (weight, momentum)}`` of the rows ``wanted[table]`` (as :meth:`read`). Every remote byte range
+        of every table and rank file goes out in one batch (``storage.fetch_ranges``: nearby ranges coalesced,
+        requests concurrent), with the ``extra`` ranges ``(path, start, end)`` a caller adds (their bytes in
+        ``self.extra_parts``)."""
+        jobs, requests = [], []
+        for table, rows in wanted.items():
+            shards, where_file, where_pos = self._locate(table, rows)
+            for f in np.unique(where_file).tolist():
+                sel = np.flatnonzero(where_file == f)
+                reqs, finish = self._plan(shards[f], table, ("weight", "momentum"), where_pos[sel])
+                jobs.append((table, sel, len(requests), len(reqs), finish))
+                requests += reqs
+        got = fetch_ranges(requests + list(extra), concurrency=self.concurrency)
+        self.extra_parts = got[len(requests):]
+        pieces: dict[str, list] = {t: [] for t in wanted}
+        for table, sel, at, k, finish in jobs:
+            pieces[table].append((sel, *finish(got[at:at + k])))
+        return {t: self._assemble(t, len(wanted[t]), pieces[t]) for t in wanted}
+
+    def _locate(self, table: str, rows: np.ndarray) -> tuple[list[str], np.ndarray, np.ndarray]:
+        """``(rank files, file of each row, its position in the file's entry)``; a row outside the table or held
+        by no rank file is a ``FormatError`` naming table and row."""
         rows = np.asarray(rows, dtype=np.int64)
         n = self.num_rows.get(table)
         if n is None:
@@ -242,19 +287,28 @@ class RowReader:
             where_file[ok], where_pos[ok] = f, runs[k[ok], 2] + rows[ok] - runs[k[ok], 0]
         if (where_file < 0).any():
             raise FormatError(f"{self.dir}: no rank file holds row {int(rows[where_file < 0][0])} of table {table!r}")
-        return self._gather(table, shards, where_file, where_pos)
+        return shards, where_file, where_pos
 
     def _tensors(self, shard: str, table: str, keys: tuple[str, ...], pos: np.ndarray | None) -> list:
         """Entries ``keys`` of ``table`` in rank file ``shard``, their rows at positions ``pos`` (all: ``None``);
-        ``None`` for a tensor the entry lacks. Remote with places in the index: the byte ranges of those rows
-        only, every key's in one batch of ranged reads."""
+        ``None`` for a tensor the entry lacks."""
+        requests, finish = self._plan(shard, table, keys, pos)
+        return finish(fetch_ranges(requests, concurrency=self.concurrency))
+
+    def _plan(self, shard: str, table: str, keys: tuple[str, ...], pos: np.ndarray | None):
+        """``(byte ranges, finish)``: the ranges to fetch for :meth:`_tensors` and the function turning their
+        bytes into its result. Remote with places in the index: the ranges of those rows only (runs of
+        neighbouring positions one range each); otherwise none, the rows taken from the file (local:
+        memory-mapped)."""
         at = (self.index[shard].get(table) or {}).get("at") or {}
         ranged = isinstance(self.dir, ObjectPath) and "weight" in at and \
             all(k in at for k in keys if k != "momentum")  # no momentum place: the entry has none (SGD)
         if not ranged:
-            e = self._file(shard)["tables"][table]
-            return [None if k not in e else e[k] if pos is None else e[k].index_select(0, torch.from_numpy(pos))
-                    for k in keys]
+            def whole(_parts):
+                e = self._file(shard)["tables"][table]
+                return [None if k not in e else e[k] if pos is None else e[k].index_select(0, torch.from_numpy(pos))
+                        for k in keys]
+            return [], whole
         places = [at.get(k) for k in keys]
         some = next(a for a in places if a is not None)
         pos = np.arange(some["shape"][0]) if pos is None else np.asarray(pos, dtype=np.int64)
@@ -263,36 +317,137 @@ class RowReader:
         cut = np.flatnonzero(np.diff(sp) > 1) + 1  # runs of neighbouring rows: one range each
         lo = sp[np.concatenate([[0], cut])] if sp.size else sp
         hi = sp[np.concatenate([cut - 1, [sp.size - 1]])] + 1 if sp.size else sp
-        starts, ends = [], []
+        path, requests = self.dir / shard, []
         for a in places:
             if a is not None:
                 row = _nbytes({**a, "shape": [1, *a["shape"][1:]]})
-                starts += (a["offset"] + lo * row).tolist()
-                ends += (a["offset"] + hi * row).tolist()
-        parts = iter((self.dir / shard).read_ranges(starts, ends))
-        return [None if a is None else _rows_of(a, [next(parts) for _ in range(lo.size)], pos, order, sp)
-                for a in places]
+                requests += [(path, s, e) for s, e in zip((a["offset"] + lo * row).tolist(),
+                                                          (a["offset"] + hi * row).tolist())]
 
-    def _gather(self, table, shards, where_file, where_pos):
+        def finish(parts):
+            it = iter(parts)
+            return [None if a is None else _rows_of(a, [next(it) for _ in range(lo.size)], pos, order, sp)
+                    for a in places]
+        return requests, finish
+
+    def _assemble(self, table: str, k: int, pieces: list) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``k`` rows of ``table`` from ``pieces`` ``(positions among them, weight, momentum)``."""
         weight = momentum = None
-        for f in np.unique(where_file).tolist():
-            sel = np.flatnonzero(where_file == f)
-            w, m = self._tensors(shards[f], table, ("weight", "momentum"), where_pos[sel])
+        for sel, w, m in pieces:
             if weight is None:
-                weight = torch.empty((where_file.size, w.shape[1]), dtype=w.dtype)
-                momentum = torch.empty(where_file.size, dtype=m.dtype) if m is not None else None
+                weight = torch.empty((k, w.shape[1]), dtype=w.dtype)
+                momentum = torch.empty(k, dtype=m.dtype) if m is not None else None
             weight[torch.from_numpy(sel)] = w
             self.bytes_read += w.nbytes
             if momentum is not None:
                 momentum[torch.from_numpy(sel)] = m
                 self.bytes_read += m.nbytes
         if weight is None:  # no rows asked for: empty, shaped as the table's entries
-            s = next((s for s in shards if (self.index[s].get(table) or {}).get("rows")), None)
+            s = next((s for s in self.index if (self.index[s].get(table) or {}).get("rows")), None)
             if s is None:
                 return torch.zeros((0, 0)), None
-            none = np.zeros(0, dtype=np.int64)
-            weight, momentum = self._tensors(s, table, ("weight", "momentum"), none)
+            weight, momentum = self._tensors(s, table, ("weight", "momentum"), np.zeros(0, dtype=np.int64))
         return weight, momentum
 
+    def restore(self, wanted: dict[str, np.ndarray], group=None) -> tuple[list[dict], dict]:
+        """A re-sharding restore's reads: ``(rank files without their tables' rows, read_many(wanted))``. With
+        ``group`` (a CPU process group of every rank restoring), the rank files' other bytes (dense and optimizer
+        state, run position) are read once over the group: each rank fetches 1/N of them, in the same batch as
+        its rows, and one all_gather hands every rank the rest (:func:`spread_ranges`)."""
+        import torch.distributed as dist
 
-__all__ = ["INDEX", "RowReader", "collect_index", "row_runs", "write_rank_index"]
+        if group is None or dist.get_world_size(group) == 1:
+            from embedscale.train.checkpoint import read_shard
+
+            shards = [read_shard(self.dir / s, self.index.get(s)) for s in self.shard_names]
+            return shards, self.read_many(wanted)
+        files = [self._layout(s) for s in self.shard_names]
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        mine, sizes = spread_ranges(files, rank, world)
+        error, rows = None, {}
+        try:
+            rows = self.read_many(wanted, extra=mine)
+        except Exception as e:  # noqa: BLE001 - told to every rank before anyone waits in the all_gather
+            error = e
+        agree_read(error, group, self.dir)
+        everything = _all_gather_bytes(b"".join(self.extra_parts), sizes, group)
+        return [self._sparse_file(f, parts) for f, parts in zip(files, _split_back(files, everything))], rows
+
+    def _layout(self, shard: str) -> tuple:
+        """``(path, size, kept starts, kept ends, holes)`` of a rank file: the bytes outside its tables' rows."""
+        path = self.dir / shard
+        size = path.size() if isinstance(path, ObjectPath) else path.stat().st_size
+        holes = _holes(self.index.get(shard))
+        return (path, size, *_kept(size, holes), holes)
+
+    def _sparse_file(self, layout: tuple, parts: list[bytes]) -> dict:
+        path, size, starts, _, holes = layout
+        try:
+            payload = _load_sparse(size, starts, parts, holes)
+        except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+            raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
+        if not isinstance(payload, dict) or "rank" not in payload:
+            raise FormatError(f"{path}: not an embedscale checkpoint rank file")
+        return payload
+
+
+def spread_ranges(files: list[tuple], rank: int, world: int) -> tuple[list[tuple], list[int]]:
+    """Rank ``rank``'s slice of the rank files' kept bytes (``files``: layouts ``(path, size, starts, ends, holes)``)
+    and every rank's slice length: the kept ranges of all files in order are one sequence of ``T`` bytes, rank
+    ``q`` reads ``[T q / N, T (q + 1) / N)`` of it, as ``(path, start, end)`` pieces."""
+    total = sum(e - s for f in files for s, e in zip(f[2], f[3]))
+    bounds = [total * q // world for q in range(world + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    mine, at = [], 0
+    for path, _, starts, ends, _ in files:
+        for s, e in zip(starts, ends):
+            a, b = max(lo, at), min(hi, at + e - s)
+            if a < b:
+                mine.append((path, s + a - at, s + b - at))
+            at += e - s
+    return mine, [bounds[q + 1] - bounds[q] for q in range(world)]
+
+
+def _split_back(files: list[tuple], everything: bytes) -> list[list[bytes]]:
+    """The kept ranges' bytes of each file, cut from the sequence of all of them (:func:`spread_ranges`)."""
+    mv, at, out = memoryview(everything), 0, []
+    for _, _, starts, ends, _ in files:
+        parts = []
+        for s, e in zip(starts, ends):
+            parts.append(mv[at:at + e - s])
+            at += e - s
+        out.append(parts)
+    return out
+
+
+def _all_gather_bytes(mine: bytes, sizes: list[int], group) -> bytes:
+    """Every rank's ``mine`` (rank ``q``'s ``sizes[q]`` bytes long), concatenated in rank order: one all_gather
+    over ``group`` of the slices padded to the longest."""
+    import torch.distributed as dist
+
+    top = max(sizes)
+    pad = torch.zeros(top, dtype=torch.uint8)
+    if mine:
+        pad[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    out = [torch.empty(top, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(out, pad, group=group)
+    return b"".join(o[:n].numpy().tobytes() for o, n in zip(out, sizes))
+
+
+def agree_read(error: BaseException | None, group, where) -> None:
+    """Every rank, its part of a restore read: all learn whether any rank failed (one all_gather), so none waits
+    for the failed one in a collective. The failing rank raises its error, the others an error naming it."""
+    import torch.distributed as dist
+
+    ok = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+    out = [torch.empty_like(ok) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, ok, group=group)
+    failed = [q for q, t in enumerate(out) if int(t)]
+    if error is not None:
+        raise error
+    if failed:
+        raise EmbedscaleError(f"{where}: rank {failed[0]} could not read its part of the checkpoint (its error "
+                              "says why)")
+
+
+__all__ = ["INDEX", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges", "write_rank_index"]

@@ -584,15 +584,19 @@ class DistributedRun:
                 raise FormatError(f"{ckpt_dir}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint "
                                   f"(tables {m['tables']}), {t.num_rows} in this model")
         reader = RowReader(ckpt_dir, m) if INDEX in m and not is_delta(m) else None  # only this rank's rows
-        shards = read_shards(ckpt_dir, m, tables=reader is None)  # local: memory-mapped, rows read as taken
         base = self.embedding.amap.table_base
         gids, weights, moms = [], [], []
         adagrad = self.cfg.train.sparse_optimizer == "rowwise_adagrad" and not self.inference
-        mine = np.sort(self.embedding.amap.storage_gids(self.rank)) if reader is not None else None
+        if reader is not None:  # this rank's rows, and 1/N of the rest of the rank files, all-gathered (ckpt_rows)
+            mine = np.sort(self.embedding.amap.storage_gids(self.rank))
+            wanted = {spec.name: mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
+                      for t, spec in enumerate(self.tables)}
+            shards, got = reader.restore(wanted, self.monitor_group)
+        else:
+            shards = read_shards(ckpt_dir, m)  # local: memory-mapped, rows read as taken
         for t, spec in enumerate(self.tables):
             if reader is not None:
-                r = mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
-                w, mo = reader.read(spec.name, r)
+                r, (w, mo) = wanted[spec.name], got[spec.name]
             else:
                 r, w, mo = table_pieces(shards, spec.name)
             if adagrad and mo is None:
