@@ -76,7 +76,7 @@ from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, read_json
 from embedscale.storage import ObjectPath, location, remove_tree, write_bytes
-from embedscale.train.ckpt_rows import INDEX, collect_index, index_name, read_remote_shard, write_rank_index
+from embedscale.train.ckpt_rows import INDEX, SIZES, collect_index, index_name, read_remote_shard, write_rank_index
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -593,10 +593,11 @@ def write_manifest(ckpt_dir: Path, world: int, fields: dict, delta: dict | None 
     """The manifest (rank 0, after every rank file is written): marks the checkpoint complete. ``delta``:
     the base of a delta checkpoint (:func:`base_ref`)."""
     shards = [rank_file(r) for r in range(world)]
-    index = collect_index(ckpt_dir, shards) if delta is None else None
+    index, sizes = collect_index(ckpt_dir, shards) if delta is None else (None, None)
     m = {"format": FORMAT, "version": VERSION if delta is None else DELTA_VERSION, "world_size": world, **fields,
          "id": uuid.uuid4().hex, **({"delta": dict(delta)} if delta is not None else {}),
-         "shards": shards, **({INDEX: index} if index is not None else {})}
+         "shards": shards, **({INDEX: index} if index is not None else {}),
+         **({SIZES: sizes} if index is not None and sizes is not None else {})}
     write_bytes(ckpt_dir / MANIFEST, (json.dumps(m, indent=2) + "\n").encode())
     for s in shards:  # the manifest holds every rank's index now; the step keeps its manifest and rank files only
         (ckpt_dir / index_name(s)).unlink(missing_ok=True)

@@ -35,6 +35,7 @@ from embedscale.errors import EmbedscaleError, FormatError
 from embedscale.storage import ObjectPath, fetch_ranges, location, write_bytes
 
 INDEX = "index"  # the manifest's key
+SIZES = "shard_bytes"  # the manifest's key of the rank files' sizes (a restore then asks the store for none)
 SCATTERED = 64  # a table's rows are indexed as runs while runs <= rows / SCATTERED ...
 MAX_RUNS = 4096  # ... and at most this many per rank file (the manifest stays small)
 
@@ -69,11 +70,14 @@ def write_rank_index(path: Path | ObjectPath, payload: dict, written=None) -> No
             continue
         rows = e["rows"].numpy()
         tables[name] = {"rows": int(rows.size), "runs": row_runs(rows)}
-    if written is not None and tables:
-        for name, at in tensor_places(written, payload, list(tables)).items():
-            tables[name]["at"] = at
+    extra = {}
+    if written is not None:
+        extra["bytes"] = Path(written).stat().st_size if isinstance(written, (str, Path)) else len(written)
+        if tables:
+            for name, at in tensor_places(written, payload, list(tables)).items():
+                tables[name]["at"] = at
     write_bytes(location(path).parent / index_name(location(path).name),
-                json.dumps({"tables": tables}, separators=(",", ":")).encode())
+                json.dumps({"tables": tables, **extra}, separators=(",", ":")).encode())
 
 
 def tensor_places(written, payload: dict, names: list[str]) -> dict:
@@ -189,16 +193,19 @@ def _nbytes(at: dict) -> int:
     return int(np.prod(at["shape"], dtype=np.int64)) * getattr(torch, at["dtype"]).itemsize
 
 
-def collect_index(ckpt_dir: Path, shards: list[str]) -> dict | None:
-    """The manifest's ``index``: every rank file's index (``None`` when one is missing: no index)."""
-    out = {}
+def collect_index(ckpt_dir: Path, shards: list[str]) -> tuple[dict | None, list[int] | None]:
+    """The manifest's ``index`` (every rank file's; ``None`` when one is missing: no index) and ``shard_bytes``
+    (the rank files' sizes; ``None`` when one is not known)."""
+    out, sizes = {}, []
     for s in shards:
         p = location(ckpt_dir) / index_name(s)
         try:
-            out[s] = json.loads(p.read_text())["tables"]
+            got = json.loads(p.read_text())
+            out[s] = got["tables"]
         except (OSError, ValueError, KeyError, EmbedscaleError):
-            return None
-    return out
+            return None, None
+        sizes.append(got.get("bytes"))
+    return out, (sizes if all(isinstance(n, int) for n in sizes) else None)
 
 
 class RowReader:
@@ -217,6 +224,7 @@ class RowReader:
             raise FormatError(f"{self.dir}: the manifest has no row index (a delta, or written before it)")
         self.num_rows = dict(zip(manifest["tables"], manifest["table_rows"]))
         self.shard_names = list(manifest.get("shards") or self.index)
+        self.sizes = dict(zip(self.shard_names, manifest.get(SIZES) or []))  # else asked of the store
         self.concurrency = concurrency
         self._files: dict[str, dict] = {}
         self.bytes_read = 0
@@ -376,7 +384,7 @@ class RowReader:
     def _layout(self, shard: str) -> tuple:
         """``(path, size, kept starts, kept ends, holes)`` of a rank file: the bytes outside its tables' rows."""
         path = self.dir / shard
-        size = path.size() if isinstance(path, ObjectPath) else path.stat().st_size
+        size = self.sizes.get(shard) or (path.size() if isinstance(path, ObjectPath) else path.stat().st_size)
         holes = _holes(self.index.get(shard))
         return (path, size, *_kept(size, holes), holes)
 
@@ -450,4 +458,4 @@ def agree_read(error: BaseException | None, group, where) -> None:
                               "says why)")
 
 
-__all__ = ["INDEX", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges", "write_rank_index"]
+__all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges", "write_rank_index"]
