@@ -78,10 +78,10 @@ def _filesystem(protocol: str, uri: str):
     defaults."""
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import known_implementations, registry
     except ImportError:  # pragma: no cover - a pinned dependency
         raise StorageError(f"{uri}: fsspec is not installed (pip install fsspec)") from None
-    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+    if protocol not in known_implementations and protocol not in registry:  # registry: registered at run time
         raise StorageError(f"{uri}: unknown storage protocol {protocol!r} (a local path, or an fsspec URI such as "
                            "s3://bucket/path)")
     try:
