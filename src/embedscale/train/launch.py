@@ -235,6 +235,35 @@ def spawn_local(fn: Callable, world_size: int, *args: Any, timeout_s: float = 12
 
 LAUNCHER_PID_ENV = "EMBEDSCALE_LAUNCHER_PID"  # the launcher's pid, in every rank it starts
 LAUNCH_ID_ENV = "EMBEDSCALE_LAUNCH_ID"  # new for every launch, in the environment of every process of it
+NODE_RANK_ENV = "EMBEDSCALE_NODE_RANK"  # the node's --node-rank, in every rank a multi-node launch starts
+
+
+def follow_node_rank(env=os.environ) -> bool:
+    """Number a multi-node launch's ranks by ``--node-rank`` (``EMBEDSCALE_NODE_RANK``), before anything reads
+    them: ``GROUP_RANK`` the node rank, ``RANK = node rank * LOCAL_WORLD_SIZE + LOCAL_RANK``. torchrun's c10d
+    rendezvous ignores ``--node-rank`` and numbers the nodes by sorting (host name, agent pid): on one host the
+    node started first, across hosts ``worker-10`` before ``worker-2``. The ranks meet in the agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE``), which no rank hosts, so any numbering joins the same group; without it
+    (rank 0 would host the store at node 0's address) torchrun's order stays. Two nodes with the same node rank
+    are an ``EmbedscaleError`` naming it. Returns whether the ranks were renumbered; torchrun's own messages
+    keep its numbering (``EMBEDSCALE_TORCHRUN_RANK``)."""
+    node = env.get(NODE_RANK_ENV)
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
+    if node is None or nodes <= 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return False
+    node, local = int(node), int(env.get("LOCAL_RANK", "0"))
+    per = int(env.get("LOCAL_WORLD_SIZE", "1"))
+    if not 0 <= node < nodes:
+        raise EmbedscaleError(f"--node-rank {node}: this launch has {nodes} nodes (0 .. {nodes - 1})")
+    if local == 0:  # one claim per node of its node rank, per launch attempt
+        key = (f"embedscale/node-rank/{env.get('TORCHELASTIC_RUN_ID', '')}/"
+               f"{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{node}")
+        if rendezvous_store().add(key, 1) > 1:
+            raise EmbedscaleError(f"--node-rank {node} is given to two nodes: every node needs its own "
+                                  f"(0 .. {nodes - 1})")
+    env.setdefault("EMBEDSCALE_TORCHRUN_RANK", env.get("RANK", "0"))
+    env.update({"GROUP_RANK": str(node), "ROLE_RANK": str(node * per + local), "RANK": str(node * per + local)})
+    return True
 WATCH_INTERVAL_S = 0.25  # how often a rank looks whether its parent and its launcher still live
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 _watching = False
@@ -518,7 +547,7 @@ class Nodes:
 
     ``nnodes`` nodes meet at ``endpoint`` (``host:port``) through torchrun's c10d rendezvous, under ``rdzv_id``
     (the same on every node). Node ``node_rank`` 0 hosts the rendezvous store at the endpoint (its address);
-    the order of the nodes' ranks is the rendezvous's (torchrun sorts the nodes by address)."""
+    the nodes' ranks follow ``node_rank`` (:func:`follow_node_rank`), not the rendezvous's order."""
 
     nnodes: int = 1
     node_rank: int = 0
@@ -580,6 +609,8 @@ def launch_ranks(nproc: int, module_args: list[str], *, max_restarts: int = 0, e
     full_env["EMBEDSCALE_LAUNCHED"] = "1"
     full_env[LAUNCHER_PID_ENV] = str(os.getpid())
     full_env[LAUNCH_ID_ENV] = uuid.uuid4().hex
+    if nodes.multi:  # the ranks number themselves by it (follow_node_rank)
+        full_env[NODE_RANK_ENV] = str(nodes.node_rank)
     full_env.update(env or {})
     if run_dir is not None:  # before torchrun starts: the run's lock finds every process of it by this marker
         record_run_processes(run_dir, (), marker=f"{LAUNCH_ID_ENV}={full_env[LAUNCH_ID_ENV]}")
