@@ -18,6 +18,13 @@ when the file is written, by loading its structure without its data and checking
 tensor), and the reader fetches the wanted rows as byte ranges. :func:`read_remote_shard` reads a remote rank
 file without its tables' rows (every other byte range, into a sparse temporary file that ``torch.load``
 maps), so a restore's dense state, optimizer state and run position cost their own bytes only.
+
+A re-sharding restore on N ranks (:meth:`RowReader.restore` with the ranks' CPU group) reads those other bytes
+once over the ranks, not once per rank: the bytes of every rank file beside its tables' rows form one sequence,
+each rank fetches 1/N of it (:func:`spread_ranges`) in the same batch as its rows (``storage.fetch_ranges``:
+nearby ranges coalesced, requests concurrent), and one all_gather hands every rank the rest. A rank then reads
+its rows plus 1/N of the rest: about its share of the checkpoint, where reading the dense state on every rank
+cost N times it. The manifest's ``shard_bytes`` (the rank files' sizes) spare a size request per file.
 """
 
 from __future__ import annotations
