@@ -246,7 +246,8 @@ def follow_node_rank(env=os.environ) -> bool:
     (``TORCHELASTIC_USE_AGENT_STORE``), which no rank hosts, so any numbering joins the same group; without it
     (rank 0 would host the store at node 0's address) torchrun's order stays. Two nodes with the same node rank
     are an ``EmbedscaleError`` naming it. Returns whether the ranks were renumbered; torchrun's own messages
-    keep its numbering (``EMBEDSCALE_TORCHRUN_RANK``)."""
+    keep its numbering (``EMBEDSCALE_TORCHRUN_RANK``). ``launch_ranks`` sets the variable; under plain torchrun
+    a node sets it itself (``EMBEDSCALE_NODE_RANK=1 torchrun ...``), or keeps torchrun's order."""
     node = env.get(NODE_RANK_ENV)
     nodes = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
     if node is None or nodes <= 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

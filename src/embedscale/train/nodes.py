@@ -3,7 +3,7 @@ every node without a shared file system.
 
 Topology. torchrun tells every rank where it stands: ``GROUP_WORLD_SIZE`` nodes (machines), ``LOCAL_WORLD_SIZE``
 ranks on each, ``GROUP_RANK`` its node. Ranks ``h * ranks_per_host ...`` are node ``h`` (torchrun numbers the
-ranks node by node). A launch over several nodes is the run's topology (:func:`launch_topology`): the planner
+ranks node by node; our launcher's nodes by ``--node-rank``, ``launch.follow_node_rank``). A launch over several nodes is the run's topology (:func:`launch_topology`): the planner
 costs links by it (OPER 3.2's matrix L: fast within a host, slow across), PGAS shares memory within a host and
 reaches the other hosts by the collective, DMT forms its towers from its hosts; ``dist.topology_hosts`` set by
 hand only simulates hosts on one machine.
