@@ -376,11 +376,11 @@ class RowReader:
 
             shards = [read_shard(self.dir / s, self.index.get(s)) for s in self.shard_names]
             return shards, self.read_many(wanted)
-        files = [self._layout(s) for s in self.shard_names]
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        mine, sizes = spread_ranges(files, rank, world)
-        error, rows = None, {}
+        error, rows, files, sizes = None, {}, [], []
         try:
+            files = [self._layout(s) for s in self.shard_names]
+            mine, sizes = spread_ranges(files, rank, world)
             rows = self.read_many(wanted, extra=mine)
         except Exception as e:  # noqa: BLE001 - told to every rank before anyone waits in the all_gather
             error = e
