@@ -12,7 +12,9 @@
   re-sharding restore over 3 ranks reads at most 1.2x a rank's share on every rank, its rows and dense state
   bitwise equal to the tables materialised here, where every rank reading the rank files' dense state itself
   reads far more; ``fetch_ranges`` returns the bytes of a materialised blob, one request per group of nearby
-  ranges (counted by the wrapper, groups found by brute force here).
+  ranges (counted by the wrapper, groups found by brute force here); a rank that cannot read its part ends
+  every rank with an error naming it, not a wait in the all_gather;
+- a process whose S3 endpoint changed (one local server stopped, another started) reaches the new one.
 """
 
 from __future__ import annotations
@@ -332,3 +334,51 @@ def test_fetch_ranges_coalesces_nearby_ranges_into_one_request_each(tmp_path):
         else:
             end = max(end, e)
     assert CountingFS.counted[1] == groups < len(ranges)
+
+
+def _failing_restore(rank, world, where):
+    """Rank 1 asks for a row the tables do not have: ``[error type, message]`` of every rank."""
+    import torch.distributed as dist
+
+    from embedscale.train.ckpt_rows import RowReader
+
+    d = location(where)
+    m = read_manifest(d)
+    wanted = {"t0": np.arange(CROWS[0], CROWS[0] + 1) if rank == 1 else np.arange(10)}
+    try:
+        RowReader(d, m).restore(wanted, dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 - what each rank ends with is the result
+        return [type(e).__name__, str(e)]
+    return ["", ""]
+
+
+def test_a_rank_that_cannot_read_its_part_ends_every_rank_with_a_named_error(tmp_path):
+    d = location(f"countfs://{tmp_path}/checkpoints/step-00000001")
+    _write_counted_checkpoint(d)
+    t0 = time.monotonic()
+    out = spawn_local(_failing_restore, 2, str(d), timeout_s=600)
+    assert out[1][0] == "FormatError" and f"row {CROWS[0]} outside" in out[1][1], out
+    assert out[0][0] == "EmbedscaleError" and "rank 1 could not read its part" in out[0][1], out
+    assert time.monotonic() - t0 < 300  # no rank waited for the group's timeout
+
+
+def test_a_process_whose_endpoint_changed_reaches_the_new_one(tmp_path):
+    """The AWS environment of the moment picks the file system: a process that used one server, stopped it and
+    started another (another endpoint) writes to and reads from the new one. A fresh process: the first file
+    system it makes must be the one bound to the stopped server."""
+    import subprocess
+
+    script = tmp_path / "two_servers.py"
+    script.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from s3_server import local_s3\n"
+        "from embedscale.storage import location\n"
+        "for bucket in ('first-server', 'second-server'):\n"
+        "    with local_s3(bucket):\n"
+        "        p = location(f's3://{bucket}/probe')\n"
+        "        p.write_text(bucket)\n"
+        "        print(p.read_text())\n")
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["first-server", "second-server"]

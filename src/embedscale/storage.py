@@ -73,9 +73,14 @@ def location(x: str | os.PathLike | "ObjectPath") -> "Path | ObjectPath":
     return ObjectPath.from_uri(s)
 
 
+_ENV = ("AWS_", "FSSPEC_", "GOOGLE_", "AZURE_")  # the environment a file system reads when it is made
+_FILESYSTEMS: dict = {}  # (protocol, pid, that environment) -> file system
+
+
 def _filesystem(protocol: str, uri: str):
-    """The fsspec file system of ``protocol`` (fsspec keeps one per process and options), with S3's fail-fast
-    defaults."""
+    """The file system of ``protocol`` with S3's fail-fast defaults: one per process and environment (fsspec's
+    own cache ignores the environment, so a process whose ``AWS_ENDPOINT_URL`` changed would keep the old
+    endpoint)."""
     try:
         import fsspec
         from fsspec.registry import known_implementations, registry
@@ -84,10 +89,14 @@ def _filesystem(protocol: str, uri: str):
     if protocol not in known_implementations and protocol not in registry:  # registry: registered at run time
         raise StorageError(f"{uri}: unknown storage protocol {protocol!r} (a local path, or an fsspec URI such as "
                            "s3://bucket/path)")
+    key = (protocol, os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_ENV))))
+    if key in _FILESYSTEMS:
+        return _FILESYSTEMS[key]
     try:
-        fs = fsspec.filesystem(protocol, **(_S3_DEFAULTS if protocol in _S3 else {}))
+        fs = fsspec.filesystem(protocol, skip_instance_cache=True, **(_S3_DEFAULTS if protocol in _S3 else {}))
         if protocol in _S3:
             fs.retries = _S3_RETRIES
+        _FILESYSTEMS[key] = fs
     except ImportError as e:
         raise StorageError(f"{uri}: the {protocol}:// file system needs a package that is not installed ({e})") \
             from None
