@@ -16,8 +16,8 @@ bytes are those fetched (``storage.BYTES_READ``); locally, ``storage.LOCAL_BYTES
 ``pread``) plus the bytes of the rows the reader takes from memory-mapped files (``RowReader.bytes_read``; for
 ``per_rank`` also every file's bytes beside its tables' rows, paged in from the maps), and for ``whole`` the files'
 sizes. Times: per rank, from the manifest read to every row and rank file in memory, the
-slowest rank's per repeat (after one uncounted round of every way); median and p90 over the repeats. Each rank checks its rows and dense state against
-``whole``'s (bitwise). One JSON line per store and world size.
+slowest rank's per repeat (after one uncounted round of every way); median and p90 over the repeats. Each rank
+checks its rows and dense state against ``whole``'s (bitwise). One JSON line per store and world size.
 
     python benchmarks/bench_restore_bytes.py [--rows 100000] [--repeats 3] [--worlds 2,4,8]
 """

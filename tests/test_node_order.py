@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 SCRIPT = """
 import json, os, sys
@@ -66,7 +65,8 @@ def _run(tmp_path: Path, ranks: tuple[int, int]) -> tuple[list, list[str]]:
                 p.kill()
                 p.wait()
         errs.append(err.decode(errors="replace"))
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4) if (out / f"rank-{r}.json").exists()], errs
+    files = [out / f"rank-{r}.json" for r in range(4)]
+    return [json.loads(f.read_text()) for f in files if f.exists()], errs
 
 
 def test_ranks_follow_the_node_rank_not_the_rendezvous_order(tmp_path):

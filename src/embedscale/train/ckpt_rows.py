@@ -465,4 +465,5 @@ def agree_read(error: BaseException | None, group, where) -> None:
                               "says why)")
 
 
-__all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges", "write_rank_index"]
+__all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges",
+           "write_rank_index"]
