@@ -180,3 +180,25 @@ def test_a_lag_beyond_the_monitoring_period_is_a_named_error():
     with pytest.raises(ConfigError, match=r"train\.replan_lag 5.*train\.replan_every \(4\)"):
         DriftMonitor(run, 4, 0.05, 5)
     assert DriftMonitor(run, 4, 0.05, 4).lag == 4 and DriftMonitor(run, 4, 0.05, 0).lag == 0
+
+
+def test_a_check_that_outlasts_the_lag_is_taken_a_period_later_and_no_rank_waits(tmp_path):
+    """Lag 1, a check every 4 steps, 12 steps of 0.5 s; the check of step 4 sleeps 0.8 s (the test hook), so it is
+    not done at step 5: rank 0 answers "not ready" and every rank asks again at step 9 (no check starts at step 8
+    while one is in flight), where it re-plans. The model: steps 0-8 under the initial plan, 9-11 under the
+    check of step 4's; no step of rank 1 exceeds its median step by one step or more (the lag-0 run of
+    test_a_slow_check_does_not_stall_the_other_ranks shows the wait this replaces)."""
+    data = tmp_path / "data"
+    drift_data(data)
+    spawn_local(_plans_rank, W, _cfg(tmp_path, data, 1, max_steps=12), str(tmp_path / "run"), None,
+                str(tmp_path / "log"), 0.8, 0.5, timeout_s=600)
+    rows = read_replans(tmp_path / "run")
+    assert [(int(r["step"]), int(r["checked_at"])) for r in rows] == [(EVERY * 2 + 1, EVERY)], rows
+    want = [0] * (EVERY * 2 + 1) + [EVERY] * (12 - EVERY * 2 - 1)
+    for rank in range(W):
+        got = [e["plan_checked_at"] for e in _log(tmp_path / "log", rank) if "step_s" in e]
+        assert got == want, (rank, got, want)
+    log = _log(tmp_path / "log", 1)
+    step = float(np.median([e["step_s"] for e in log if "step_s" in e]))
+    stall = {e["step"]: e["monitor_s"] + e["step_s"] - step for e in log if "step_s" in e}
+    assert all(v < step for v in stall.values()), (stall, step)

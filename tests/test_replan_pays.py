@@ -109,3 +109,18 @@ def test_a_check_that_no_plan_could_pay_for_keeps_the_plan_without_planning():
         if kept:
             assert report["replan_costs"]["gain_bound_per_step_s"] == pytest.approx(bound, rel=1e-9)
             assert "no plan saves" in report["reason"]
+
+
+def test_checks_that_keep_the_plan_without_a_search_space_out_the_next_ones():
+    """The periods to the next check, worked by hand: each check that kept the plan without planning (it held, or
+    no plan could pay) doubles them (2, 4, 8, then capped at 8); a check that planned resets them to 1."""
+    from embedscale.train.replan import MAX_QUIET_PERIODS, PendingCheck
+
+    assert MAX_QUIET_PERIODS == 8
+    mon = _monitor(5)
+    mon._quiet_streak = 0
+    searched = [False, False, False, False, False, True, False, True, True]
+    want = [2, 4, 8, 8, 8, 1, 2, 1, 1]
+    got = [mon._quiet_periods(PendingCheck(step=5 * (i + 1), apply_at=5 * (i + 1) + 1, searched=s))
+           for i, s in enumerate(searched)]
+    assert got == want
