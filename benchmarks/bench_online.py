@@ -203,6 +203,7 @@ def worker(rank, world, job):
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
             "declined": {n: runs[n].monitor.declined for n in pause_s},
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
+            "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
 
 
@@ -239,6 +240,21 @@ def pauses(step: np.ndarray, pause: np.ndarray, every: int, lag: int, events=Non
             "p90_steps": round(float(np.percentile(inst, 90)), 3), "max_steps": round(float(inst.max()), 3),
             "max_one_step_steps": round(one, 3), "total_s": round(float(pause.sum()), 4),
             "deferred_verdicts": sum(max(0, len(ev) - 2) for ev in events)}
+
+
+def pause_parts(per_rank: list, med: float) -> dict:
+    """The pauses' parts (``DriftMonitor.pause_parts``: the check's start, the wait for the profiles' sum, the
+    verdict's broadcast, the migration), the slowest rank's per occurrence, in median steps: median and max."""
+    worst: dict[tuple[int, str], float] = {}
+    for parts in per_rank:
+        for step, name, sec in parts:
+            worst[(step, name)] = max(worst.get((step, name), 0.0), sec)
+    out = {}
+    for name in sorted({k[1] for k in worst}):
+        v = np.asarray([s for k, s in worst.items() if k[1] == name]) / med
+        out[name] = {"n": int(v.size), "median_steps": round(float(np.median(v)), 3),
+                     "max_steps": round(float(v.max()), 3)}
+    return out
 
 
 def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events=None) -> dict:
@@ -368,7 +384,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                     "pause": pauses(step[n], pause[n], a.every, 0 if n == LAG0 else a.lag, res[0]["events"][n]),
                     "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag,
                                                 res[0]["events"][n]),
-                    "declined": res[0]["declined"][n], "deferred": res[0]["deferred"][n]}
+                    "declined": res[0]["declined"][n], "deferred": res[0]["deferred"][n],
+                    "pause_parts": pause_parts([r["pause_parts"][n] for r in res], float(np.median(step[n][1:])))}
                 for n in pause}
     return {
         "figure": "online training on a drifting stream: lookup DoB, step time, migration, delta checkpoint",

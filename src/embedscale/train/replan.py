@@ -184,6 +184,7 @@ class DriftMonitor:
         self.deferred = 0  # verdict steps a check was not ready at (NOT_READY: taken a period later)
         self._quiet_until = 0  # no check starts before this step (checks that cannot pay space out)
         self._quiet_streak = 0  # rank 0: the checks in a row that no plan could pay for
+        self.pause_parts: list[tuple[int, str, float]] = []  # (step, part, seconds) of this rank's pauses
         # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
         plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
         self.plan_seconds: float | None = float(plan_s) if plan_s else None
@@ -235,6 +236,7 @@ class DriftMonitor:
                 p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
                 p.thread.start()
         p.begin_s = time.perf_counter() - t0
+        self.pause_parts.append((step, "begin", p.begin_s))
         return p
 
     def _decide(self, run, p: "PendingCheck", t0: float) -> None:
@@ -309,6 +311,7 @@ class DriftMonitor:
         step = p.apply_at
         if callable(p.total):  # the profiles' sum, long done: its work released
             p.total()
+        t_sum = time.perf_counter()
         quiet = 1
         if p.known is None:
             flag = torch.zeros(2, dtype=torch.int64)  # rank 0's verdict (1 re-plan, 0 keep, -1 failed), periods
@@ -323,6 +326,7 @@ class DriftMonitor:
         else:
             verdict = p.known
         t_wait = time.perf_counter()
+        self.pause_parts += [(step, "sum_wait", t_sum - t0), (step, "verdict", t_wait - t_sum)]
         if verdict == NOT_READY:  # the check still runs: its verdict one monitoring period later
             p.apply_at += self.every
             p.deferred += 1
@@ -344,6 +348,7 @@ class DriftMonitor:
             new_plan.save(run.run_dir / "plan")
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
+        self.pause_parts.append((step, "migrate", t2 - t_wait))
         self.check_seconds.append(p.begin_s + t_wait - t0)
         figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped,
                              mig.rows_written], dtype=torch.float64)
