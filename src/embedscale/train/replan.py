@@ -98,6 +98,9 @@ KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (a
 STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
 NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
 MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
+# while checks are spaced out, batches are counted only in this many periods before the next check (an older
+# batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
+QUIET_OBSERVE_PERIODS = 2
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
@@ -183,6 +186,7 @@ class DriftMonitor:
         self._pending: PendingCheck | None = None  # the check started and not yet taken
         self.deferred = 0  # verdict steps a check was not ready at (NOT_READY: taken a period later)
         self._quiet_until = 0  # no check starts before this step (checks that cannot pay space out)
+        self._step = 0  # the step maybe_replan saw last (the batch observe counts)
         self._quiet_streak = 0  # rank 0: the checks in a row that no plan could pay for
         self.pause_parts: list[tuple[int, str, float]] = []  # (step, part, seconds) of this rank's pauses
         # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
@@ -191,7 +195,11 @@ class DriftMonitor:
 
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
-        """Count the rows this rank's slice of a batch reads (one decay step)."""
+        """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
+        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone)."""
+        if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
+            self.profile.update({}, steps=1)
+            return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
         self.profile.update(rows, steps=1, samples=samples)
@@ -200,7 +208,7 @@ class DriftMonitor:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
         plans in a thread, :meth:`_begin`), and ``replan_lag`` steps later take its verdict and migrate when the
         new plan pays (:meth:`_conclude`). Returns the re-plan's record (rank 0), else ``None``."""
-        step = run.state.step
+        step = self._step = run.state.step
         out = None
         pending = self._pending
         if pending is not None and step >= pending.apply_at:
