@@ -41,8 +41,11 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
 
     nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
 
-5. each check's pause (``monitors``: the slowest rank's seconds in ``maybe_replan`` at the check and at the step
-   its verdict is taken, in median steps) and the online run's steps plus pauses against the static plan's.
+5. each check's pause (``monitors``: the slowest rank's seconds in ``maybe_replan`` at the check's step and at
+   each step its verdict was asked for, in median steps; ``max_one_step_steps`` the longest single one;
+   ``pause_parts`` split into the check's start, the profiles' sum, the verdict and the migration; ``deferred``:
+   verdicts asked for before the check was done, taken a period later) and the online run's steps plus pauses
+   against the static plan's.
    Bars: the pause at most 1 step; online within 3% of static (on a stream where balance does not pay).
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
