@@ -274,7 +274,9 @@ def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events
             "pause_share_of_static": round(float(pause[n][1:].sum() / st.sum()), 4),
             "step_ratio_at_checks": round(float(step[n][1:][checks].sum() / st[checks].sum()), 4) if checks.any()
             else None,
-            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4)}
+            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4),
+            "paired_median_by_40_steps": [round(float(np.median(on[i:i + 40] / st[i:i + 40])), 3)
+                                          for i in range(0, len(on), 40)]}
 
 
 def q(v) -> dict:
