@@ -41,8 +41,11 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
 
     nice -n 19 env PYTHONPATH=src .venv/bin/python benchmarks/bench_online.py [--quick] [--worlds 2,4]
 
-5. each check's pause (``monitors``: the slowest rank's seconds in ``maybe_replan`` at the check and at the step
-   its verdict is taken, in median steps) and the online run's steps plus pauses against the static plan's.
+5. each check's pause (``monitors``: the slowest rank's seconds in ``maybe_replan`` at the check's step and at
+   each step its verdict was asked for, in median steps; ``max_one_step_steps`` the longest single one;
+   ``pause_parts`` split into the check's start, the profiles' sum, the verdict and the migration; ``deferred``:
+   verdicts asked for before the check was done, taken a period later) and the online run's steps plus pauses
+   against the static plan's.
    Bars: the pause at most 1 step; online within 3% of static (on a stream where balance does not pay).
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
@@ -159,6 +162,7 @@ def worker(rank, world, job):
         observe_s.append(time.perf_counter() - t0)
 
     online.monitor.observe = timed_observe
+    events = {n: _log_checks(runs[n].monitor) for n in pause_s}  # each check's steps: its start, its verdict tries
     it = iter(online.train_loader)
     for s in range(steps):
         batch = next(it)
@@ -201,34 +205,78 @@ def worker(rank, world, job):
             "pause_s": {n: torch.from_numpy(v) for n, v in pause_s.items()},
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
             "declined": {n: runs[n].monitor.declined for n in pause_s},
+            "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
+            "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
 
 
-def pauses(step: np.ndarray, pause: np.ndarray, every: int, lag: int) -> dict:
-    """Each check's pause (the slowest rank's seconds in ``maybe_replan`` at the check's step and, with a lag,
-    at the step its verdict is taken, migration included) in the run's median steps."""
+def _log_checks(monitor) -> list[list[int]]:
+    """Wrap ``monitor``'s check start and verdict: the list it returns gets, per check, the steps of its start
+    and of every verdict broadcast (a check not ready at its verdict step is asked again a period later)."""
+    log: list[list[int]] = []
+    begin, conclude = monitor._begin, monitor._conclude
+
+    def _begin(run, step):
+        log.append([step])
+        return begin(run, step)
+
+    def _conclude(run, p):
+        if log and log[-1][0] == p.step:
+            log[-1].append(run.state.step)
+        return conclude(run, p)
+
+    monitor._begin, monitor._conclude = _begin, _conclude
+    return log
+
+
+def pauses(step: np.ndarray, pause: np.ndarray, every: int, lag: int, events=None) -> dict:
+    """Each check's pause (the slowest rank's seconds in ``maybe_replan`` at the check's step and at each step its
+    verdict was asked for, migration included) in the run's median steps; ``max_one_step_steps``: the longest
+    single step's pause. Without ``events`` (an earlier monitor): the multiples of ``every`` and ``lag`` after."""
     med = float(np.median(step[1:]))
-    per = [float(pause[s] + (pause[s + lag] if lag and s + lag < len(pause) else 0.0))
-           for s in range(every, len(pause), every)]
+    if events is None:
+        events = [[s] + ([s + lag] if lag and s + lag < len(pause) else []) for s in range(every, len(pause), every)]
+    per = [float(sum(pause[s] for s in sorted(set(ev)))) for ev in events]
     inst = np.asarray(per or [0.0]) / med
+    one = max((float(pause[s]) for ev in events for s in ev), default=0.0) / med
     return {"checks": len(per), "median_steps": round(float(np.median(inst)), 3),
             "p90_steps": round(float(np.percentile(inst, 90)), 3), "max_steps": round(float(inst.max()), 3),
-            "total_s": round(float(pause.sum()), 4)}
+            "max_one_step_steps": round(one, 3), "total_s": round(float(pause.sum()), 4),
+            "deferred_verdicts": sum(max(0, len(ev) - 2) for ev in events)}
 
 
-def against_static(step: dict, pause: dict, n: str, every: int, lag: int) -> dict:
+def pause_parts(per_rank: list, med: float) -> dict:
+    """The pauses' parts (``DriftMonitor.pause_parts``: the check's start, the wait for the profiles' sum, the
+    verdict's broadcast, the migration), the slowest rank's per occurrence, in median steps: median and max."""
+    worst: dict[tuple[int, str], float] = {}
+    for parts in per_rank:
+        for step, name, sec in parts:
+            worst[(step, name)] = max(worst.get((step, name), 0.0), sec)
+    out = {}
+    for name in sorted({k[1] for k in worst}):
+        v = np.asarray([s for k, s in worst.items() if k[1] == name]) / med
+        out[name] = {"n": int(v.size), "median_steps": round(float(np.median(v)), 3),
+                     "max_steps": round(float(v.max()), 3)}
+    return out
+
+
+def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events=None) -> dict:
     """Run ``n`` (steps and its monitor's pauses) against the static plan over the whole run: the ratio of total
     seconds, the median of the paired per-step ratios (each step's runs ran back to back), the pauses' share, and
     the steps that follow a check or a verdict (rank 0's check thread beside them) against the others."""
     on, st = step[n][1:] + pause[n][1:], step["static"][1:]
     s = np.arange(1, len(step[n]))
     checks = (s % every == 0) | ((s - lag) % every == 0) & (s > lag)
+    if events is not None:  # the steps a check started or its verdict was asked for
+        checks = np.isin(s, [x for ev in events for x in ev])
     return {"ratio_total": round(float(on.sum() / st.sum()), 4),
             "ratio_paired_median": round(float(np.median(on / st)), 4),
             "pause_share_of_static": round(float(pause[n][1:].sum() / st.sum()), 4),
             "step_ratio_at_checks": round(float(step[n][1:][checks].sum() / st[checks].sum()), 4) if checks.any()
             else None,
-            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4)}
+            "step_ratio_elsewhere": round(float(step[n][1:][~checks].sum() / st[~checks].sum()), 4),
+            "paired_median_by_40_steps": [round(float(np.median(on[i:i + 40] / st[i:i + 40])), 3)
+                                          for i in range(0, len(on), 40)]}
 
 
 def q(v) -> dict:
@@ -337,10 +385,12 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     static_dobs = [x["dob_lookup"]["static"] for x in windows]
     online_dobs = [x["dob_lookup"]["online_as_run"] for x in windows]
     ratios = [x["ratio_online_hindsight_paired_median"] for x in windows]
-    monitors = {n: {"replan_lag": 0 if n == LAG0 else a.lag, "pause": pauses(step[n], pause[n], a.every,
-                                                                             0 if n == LAG0 else a.lag),
-                    "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag),
-                    "declined": res[0]["declined"][n]}
+    monitors = {n: {"replan_lag": 0 if n == LAG0 else a.lag,
+                    "pause": pauses(step[n], pause[n], a.every, 0 if n == LAG0 else a.lag, res[0]["events"][n]),
+                    "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag,
+                                                res[0]["events"][n]),
+                    "declined": res[0]["declined"][n], "deferred": res[0]["deferred"][n],
+                    "pause_parts": pause_parts([r["pause_parts"][n] for r in res], float(np.median(step[n][1:])))}
                 for n in pause}
     return {
         "figure": "online training on a drifting stream: lookup DoB, step time, migration, delta checkpoint",

@@ -180,3 +180,68 @@ def test_a_lag_beyond_the_monitoring_period_is_a_named_error():
     with pytest.raises(ConfigError, match=r"train\.replan_lag 5.*train\.replan_every \(4\)"):
         DriftMonitor(run, 4, 0.05, 5)
     assert DriftMonitor(run, 4, 0.05, 4).lag == 4 and DriftMonitor(run, 4, 0.05, 0).lag == 0
+
+
+def test_a_check_that_outlasts_the_lag_is_taken_a_period_later_and_no_rank_waits(tmp_path):
+    """Lag 1, a check every 4 steps, 12 steps of 0.5 s; the check of step 4 sleeps 0.8 s (the test hook), so it is
+    not done at step 5: rank 0 answers "not ready" and every rank asks again at step 9 (no check starts at step 8
+    while one is in flight), where it re-plans. The model: steps 0-8 under the initial plan, 9-11 under the
+    check of step 4's; no step of rank 1 exceeds its median step by one step or more (the lag-0 run of
+    test_a_slow_check_does_not_stall_the_other_ranks shows the wait this replaces). A resume from the checkpoint of
+    step 8, inside the deferred window, equals the uninterrupted run."""
+    data = tmp_path / "data"
+    drift_data(data)
+    spawn_local(_plans_rank, W, _cfg(tmp_path, data, 1, max_steps=12), str(tmp_path / "run"), None,
+                str(tmp_path / "log"), 0.8, 0.5, timeout_s=600)
+    rows = read_replans(tmp_path / "run")
+    assert [(int(r["step"]), int(r["checked_at"])) for r in rows] == [(EVERY * 2 + 1, EVERY)], rows
+    want = [0] * (EVERY * 2 + 1) + [EVERY] * (12 - EVERY * 2 - 1)
+    for rank in range(W):
+        got = [e["plan_checked_at"] for e in _log(tmp_path / "log", rank) if "step_s" in e]
+        assert got == want, (rank, got, want)
+    log = _log(tmp_path / "log", 1)
+    step = float(np.median([e["step_s"] for e in log if "step_s" in e]))
+    stall = {e["step"]: e["monitor_s"] + e["step_s"] - step for e in log if "step_s" in e}
+    assert all(v < step for v in stall.values()), (stall, step)
+    # resumed from the checkpoint of step 8 (inside the deferred window), the run takes the verdict at step 9 and
+    # equals the uninterrupted run (losses, rows, row-wise and dense state)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "run", cut)
+    (cut / "replans.csv").unlink()
+    spawn_local(_drift_rank, W, _cfg(tmp_path, data, 1, max_steps=12), str(cut), str(step_dir(cut, 2 * EVERY)),
+                timeout_s=600)
+    assert_same_run(tmp_path / "run", cut, 12)
+    assert [(int(r["step"]), int(r["checked_at"])) for r in read_replans(cut)] == [(EVERY * 2 + 1, EVERY)]
+
+
+def test_a_checkpoint_inside_the_window_publishes_the_verdict_first(tmp_path):
+    """``settle`` (before a checkpoint is written) waits for the check still running and publishes its verdict for
+    the step it will be taken at: the staged plans (``replans/check-4/``) become ``replans/step-9/`` (a check of
+    step 4, lag 1, deferred once: 4 + 1 + 4) and ``plan/`` holds the new plan's files, byte for byte."""
+    import threading
+    import time
+
+    from embedscale.train.replan import DriftMonitor, PendingCheck
+
+    stage = tmp_path / "replans" / "check-4"
+    (stage / "before").mkdir(parents=True)
+    files = {"rows_by_partition.npy": b"order", "partitions.npz": b"parts", "plan.json": b'{"new": 1}'}
+    for name, data in files.items():
+        (stage / name).write_bytes(data)
+        (stage / "before" / name).write_bytes(b"old " + data)
+    p = PendingCheck(step=4, apply_at=9, run_dir=tmp_path, deferred=1)
+
+    def check():  # a check that finishes after settle is called
+        time.sleep(0.3)
+        p.verdict = 1
+
+    p.thread = threading.Thread(target=check)
+    p.thread.start()
+    mon = DriftMonitor.__new__(DriftMonitor)
+    mon.lag, mon._pending = 1, p
+    mon.settle()
+    assert p.verdict == 1 and not stage.exists()
+    for name, data in files.items():
+        assert (tmp_path / "replans" / "step-9" / name).read_bytes() == data
+        assert (tmp_path / "replans" / "step-9" / "before" / name).read_bytes() == b"old " + data
+        assert (tmp_path / "plan" / name).read_bytes() == data

@@ -109,3 +109,41 @@ def test_a_check_that_no_plan_could_pay_for_keeps_the_plan_without_planning():
         if kept:
             assert report["replan_costs"]["gain_bound_per_step_s"] == pytest.approx(bound, rel=1e-9)
             assert "no plan saves" in report["reason"]
+
+
+def test_checks_that_keep_the_plan_without_a_search_space_out_the_next_ones():
+    """The periods to the next check, worked by hand: each check that kept the plan without planning (it held, or
+    no plan could pay) doubles them (2, 4, 8, then capped at 8); a check that planned resets them to 1."""
+    from embedscale.train.replan import MAX_QUIET_PERIODS, PendingCheck
+
+    assert MAX_QUIET_PERIODS == 8
+    mon = _monitor(5)
+    mon._quiet_streak = 0
+    searched = [False, False, False, False, False, True, False, True, True]
+    want = [2, 4, 8, 8, 8, 1, 2, 1, 1]
+    got = [mon._quiet_periods(PendingCheck(step=5 * (i + 1), apply_at=5 * (i + 1) + 1, searched=s))
+           for i, s in enumerate(searched)]
+    assert got == want
+
+
+def test_while_checks_are_spaced_out_only_the_batches_of_the_last_two_periods_are_counted():
+    """A check every 5 steps whose next check is at step 40 (spaced out): the batches of steps 0-29 only decay the
+    profile, those of steps 30-39 are counted. The reference: the decayed count worked in float64 by hand, an
+    access at step s weighing q^(39 - s) at the end of step 39 (q = 0.5^(1/5))."""
+    import torch
+
+    from embedscale.specs import TableSpec
+    from test_mutants_replan import _Sparse
+
+    run = SimpleNamespace(host_embedding=None, device=torch.device("cpu"),
+                          tables=[TableSpec("t", 4, 2, features=["f"])])
+    mon = DriftMonitor(run, 5, 0.05)
+    mon._quiet_until = 40
+    for s in range(40):
+        mon._step = s
+        mon.observe(_Sparse({"f": [s % 4]}), samples=1)
+    q = 0.5 ** (1 / 5)
+    want = [sum(q ** (39 - s) for s in range(30, 40) if s % 4 == r) for r in range(4)]
+    got = mon.profile.counts("t").double().tolist()
+    assert got == pytest.approx(want, rel=1e-9)
+    assert mon.profile.samples == pytest.approx(sum(q ** (39 - s) for s in range(30, 40)), rel=1e-9)

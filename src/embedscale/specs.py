@@ -420,8 +420,8 @@ class TrainConfig:
     # (train.replan.replan_pays); false: whenever the plan taken gains more than replan_min_gain (tests of migration)
     replan_weigh_costs: bool = True
     # the steps rank 0 plans beside training: a check at step N runs in a thread while every rank trains on, and
-    # its verdict is taken (the rows migrate) between steps N + replan_lag and N + replan_lag + 1; 0 = the other
-    # ranks wait for the check (train.replan); at most replan_every
+    # its verdict is taken (the rows migrate) between steps N + replan_lag and N + replan_lag + 1, or a period later
+    # while the check still runs; 0 = the other ranks wait for the check (train.replan); at most replan_every
     replan_lag: int = 1
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off

@@ -35,11 +35,16 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L <= N): the profiles' sum starts at the check's
 step N (every rank, one ``all_reduce``; with L > 0 it completes beside the next step), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
 (:meth:`DriftMonitor._decide`: plain CPU work on the summed profile and the running plan, no tensor of the run)
-while every rank trains on, and at step M = N + L joins it, waiting only for what is left, and broadcasts the
-verdict: the re-plan (``replans/step-M/``) happens between step M and M+1, after the loop's checkpoint of step
-M (written under the old plan, restorable under any), and the run continues exactly as one restarted from that
-checkpoint with the new plan (tests/test_migrate.py, tests/test_replan_lag.py). L is fixed, so every rank knows
-M without a collective and the run is reproducible; with L = 0 the other ranks wait for the check (M = N).
+while every rank trains on, and at step M = N + L broadcasts the verdict if the check is done, else
+:data:`NOT_READY`, and every rank asks again one monitoring period later (M = N + L + kN, no new check started
+meanwhile): no rank waits for a plan. The re-plan (``replans/step-M/``) happens between step M and M+1, after
+the loop's checkpoint of step M (written under the old plan, restorable under any), and the run continues
+exactly as one restarted from that checkpoint with the new plan (tests/test_migrate.py,
+tests/test_replan_lag.py). M is N + L unless the check outlasts L steps (then the migration step depends on
+timing, always a verdict step of the input pipeline's ``held_back``); with L = 0 the other ranks wait for the
+check (M = N). A check that kept the plan without a search (the plan holds, or no plan could pay for the check:
+:meth:`DriftMonitor._cannot_pay`) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
+broadcasts them with the verdict): on a stream where balance does not pay the checks become rare.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
@@ -58,6 +63,8 @@ from __future__ import annotations
 
 import csv
 import io
+import os
+import shutil
 import sys
 import threading
 import time
@@ -77,7 +84,7 @@ from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
 from embedscale.plan.drift import drift_and_plan, rows_moved
 from embedscale.plan.incremental import incremental_plan
-from embedscale.plan.plan import Plan
+from embedscale.plan.plan import ORDER_NPY, PARTS_NPZ, PLAN_JSON, Plan
 from embedscale.specs import Topology
 from embedscale.train.checkpoint import ROLLING_PROFILE
 
@@ -88,6 +95,12 @@ DOB_FLOOR = 0.9  # plan.drift's default dob_floor: a balance below it asks for a
 INCREMENTAL_SLACK = 0.02  # the incremental plan's bottleneck may exceed the fresh plan's by this much
 BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (resume_plan)
 KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (an earlier attempt's re-plan void)
+STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
+NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
+MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
+# while checks are spaced out, batches are counted only in this many periods before the next check (an older
+# batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
+QUIET_OBSERVE_PERIODS = 2
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
@@ -144,6 +157,10 @@ class PendingCheck:
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
     total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
     switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
+    run_dir: object = None  # rank 0: where the verdict goes (:meth:`DriftMonitor._publish`)
+    published: bool = False  # rank 0: the verdict is on disk under replans/step-<apply_at>
+    deferred: int = 0  # the apply steps this check was not ready at (each one monitoring period later)
+    searched: bool = True  # rank 0: the check made a fresh plan (else the running one held, or none could pay)
 
 
 class DriftMonitor:
@@ -167,13 +184,22 @@ class DriftMonitor:
             raise ConfigError(f"train.replan_lag {self.lag}: the steps a check plans beside training must be at "
                               f"least 0 and at most train.replan_every ({self.every})")
         self._pending: PendingCheck | None = None  # the check started and not yet taken
+        self.deferred = 0  # verdict steps a check was not ready at (NOT_READY: taken a period later)
+        self._quiet_until = 0  # no check starts before this step (checks that cannot pay space out)
+        self._step = 0  # the step maybe_replan saw last (the batch observe counts)
+        self._quiet_streak = 0  # rank 0: the checks in a row that no plan could pay for
+        self.pause_parts: list[tuple[int, str, float]] = []  # (step, part, seconds) of this rank's pauses
         # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
         plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
         self.plan_seconds: float | None = float(plan_s) if plan_s else None
 
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
-        """Count the rows this rank's slice of a batch reads (one decay step)."""
+        """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
+        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone)."""
+        if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
+            self.profile.update({}, steps=1)
+            return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
         self.profile.update(rows, steps=1, samples=samples)
@@ -182,13 +208,14 @@ class DriftMonitor:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
         plans in a thread, :meth:`_begin`), and ``replan_lag`` steps later take its verdict and migrate when the
         new plan pays (:meth:`_conclude`). Returns the re-plan's record (rank 0), else ``None``."""
-        step = run.state.step
+        step = self._step = run.state.step
         out = None
         pending = self._pending
         if pending is not None and step >= pending.apply_at:
             self._pending = None
             out = self._conclude(run, pending)
-        if step == 0 or step % self.every or step == self._checked_at or self.profile.steps == 0:
+        if (step == 0 or step % self.every or step == self._checked_at or self.profile.steps == 0
+                or self._pending is not None or step < self._quiet_until):  # a check in flight, or spaced out
             return out
         self._checked_at = step
         self.checks += 1
@@ -203,7 +230,7 @@ class DriftMonitor:
         next step); rank 0 starts the check of step ``step`` (:meth:`_decide`) in a thread (in line with
         ``replan_lag`` 0) while every rank trains on."""
         t0 = time.perf_counter()
-        p = PendingCheck(step=step, apply_at=step + self.lag, begin_s=0.0)
+        p = PendingCheck(step=step, apply_at=step + self.lag, begin_s=0.0, run_dir=run.run_dir)
         p.total = self.profile.all_reduce_async()  # every rank's slices: the global batches' rows
         if self.lag == 0:
             p.total = p.total()
@@ -217,13 +244,13 @@ class DriftMonitor:
                 p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
                 p.thread.start()
         p.begin_s = time.perf_counter() - t0
+        self.pause_parts.append((step, "begin", p.begin_s))
         return p
 
     def _decide(self, run, p: "PendingCheck", t0: float) -> None:
-        """Rank 0 (a thread with ``replan_lag`` > 0): the check of step ``p.step`` and its verdict, written
-        before it returns (``replans/step-M/`` for the step M = ``p.apply_at`` the rows move at; the plan left in
-        ``before/`` and ``<run dir>/plan``, so a checkpoint taken in between resumes under it: :func:`resume_plan`).
-        Touches no tensor of the run and nothing a step changes (the step comes as ``p.step``)."""
+        """Rank 0 (a thread with ``replan_lag`` > 0): the check of step ``p.step`` and its verdict. A re-plan's plan
+        and the plan it leaves (``before/``) are staged in ``replans/check-N/``; the verdict step publishes them
+        (:meth:`_publish`). Touches no tensor of the run and nothing a step changes (the step comes as ``p.step``)."""
         try:
             if _CHECK_DELAY_S:  # a test's slow check (tests/test_replan_lag.py)
                 time.sleep(_CHECK_DELAY_S)
@@ -232,23 +259,18 @@ class DriftMonitor:
             prof = p.total.to_access_profile()
             t1 = time.perf_counter()
             report, fresh = self._check(run, prof, p.step)
+            p.searched = fresh is not None
             if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
                 self.plan_seconds = time.perf_counter() - t1
             if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
                 self._weigh_costs(run, report, time.perf_counter() - t0, p.step)
-            d = run.run_dir / "replans" / f"step-{p.apply_at}"
             if report["replan"]:
+                stage = p.run_dir / "replans" / f"{STAGED}{p.step}"
+                shutil.rmtree(stage, ignore_errors=True)  # an earlier attempt's
                 fresh.meta["replan_record"] = record_fields(report)
-                fresh.save(d)
-                run.plan.save(d / BEFORE)  # for resume_plan
-                fresh.save(run.run_dir / "plan")  # a resume continues under the plan the rows are in
-                (d / KEPT).unlink(missing_ok=True)
-                p.verdict = 1
-            else:
-                if self.lag and (d / "plan.json").exists():  # an earlier attempt's re-plan, not this run's
-                    atomic_write_text(d / KEPT, f"the check of step {p.step} kept the plan\n")
-                p.verdict = 0
-            p.report = report
+                fresh.save(stage)
+                run.plan.save(stage / BEFORE)  # for resume_plan
+            p.report, p.verdict = report, 1 if report["replan"] else 0
         except BaseException as e:  # every rank stops with it, none waits for a verdict
             p.error, p.verdict = e, -1
         finally:
@@ -256,31 +278,71 @@ class DriftMonitor:
                 sys.setswitchinterval(p.switch_s)
         p.check_s = time.perf_counter() - t0
 
+    def _publish(self, p: "PendingCheck") -> None:
+        """Rank 0, once the check is done and before its verdict is broadcast: the verdict on disk for the step
+        ``p.apply_at`` it is taken at. A re-plan's staged plans become ``replans/step-M/`` (renamed) and the run's
+        ``plan/`` (hard links, ``plan.json`` last), so a resume continues under it; a kept plan voids an earlier
+        attempt's re-plan of step M (``kept``)."""
+        if p.published or p.verdict < 0:
+            return
+        d = p.run_dir / "replans" / f"step-{p.apply_at}"
+        if p.verdict == 1:
+            shutil.rmtree(d, ignore_errors=True)  # an earlier attempt's re-plan of the same step
+            os.replace(p.run_dir / "replans" / f"{STAGED}{p.step}", d)
+            _link_plan(d, p.run_dir / "plan")
+        elif self.lag and (d / PLAN_JSON).exists():  # an earlier attempt's re-plan, not this run's
+            atomic_write_text(d / KEPT, f"the check of step {p.step} kept the plan\n")
+        p.published = True
+
     def settle(self) -> None:
-        """Rank 0, before a checkpoint is written: wait for a pending check, so its verdict is on disk (under
-        ``replans/``) before the checkpoint is, and a resume from it takes the verdict at the same step."""
-        if self._pending is not None and self._pending.thread is not None:
-            self._pending.thread.join()
+        """Rank 0, before a checkpoint is written: wait for a pending check and publish its verdict, so it is on
+        disk (under ``replans/``) before the checkpoint is, and a resume from it takes it at the same step."""
+        p = self._pending
+        if p is not None and p.thread is not None:
+            p.thread.join()
+            self._publish(p)
+
+    def _quiet_periods(self, p: "PendingCheck") -> int:
+        """Rank 0: the monitoring periods to the next check. A check that kept the plan without a search (its
+        cost held within ``replan_min_gain`` and its balance, or no plan could pay, :meth:`_cannot_pay`) doubles
+        them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less often (a
+        drift is seen that many periods late at most); a check that planned resets them to one."""
+        self._quiet_streak = 0 if p.searched else self._quiet_streak + 1
+        return min(MAX_QUIET_PERIODS, 2 ** self._quiet_streak)
 
     def _conclude(self, run, p: "PendingCheck") -> dict | None:
-        """Collective: rank 0 waits for what is left of the check and broadcasts its verdict (a check restored from
-        ``replans/`` by :func:`resume_plan` needs none); on a re-plan every rank moves the rows
-        (:func:`move_to_plan`) and rank 0 records it (``replans.csv``)."""
+        """Collective: rank 0 broadcasts the verdict if its check is done (publishing it first), else
+        :data:`NOT_READY`, and every rank takes it one monitoring period later: no rank waits for a plan. A check
+        restored from ``replans/`` by :func:`resume_plan` needs no broadcast. On a re-plan every rank moves the
+        rows (:func:`move_to_plan`) and rank 0 records it (``replans.csv``)."""
         t0 = time.perf_counter()
         step = p.apply_at
         if callable(p.total):  # the profiles' sum, long done: its work released
             p.total()
+        t_sum = time.perf_counter()
+        quiet = 1
         if p.known is None:
-            flag = torch.zeros(1, dtype=torch.int64)  # rank 0's verdict: 1 re-plan, 0 keep, -1 failed
+            flag = torch.zeros(2, dtype=torch.int64)  # rank 0's verdict (1 re-plan, 0 keep, -1 failed), periods
             if run.rank == 0:
-                if p.thread is not None:
-                    p.thread.join()
-                flag[0] = p.verdict
+                ready = p.thread is None or not p.thread.is_alive()
+                if ready:
+                    self._publish(p)
+                flag[0] = p.verdict if ready else NOT_READY
+                flag[1] = self._quiet_periods(p) if ready and p.verdict >= 0 else 1
             dist.broadcast(flag, 0, group=run.monitor_group)
-            verdict = int(flag[0])
+            verdict, quiet = int(flag[0]), int(flag[1])
         else:
             verdict = p.known
         t_wait = time.perf_counter()
+        self.pause_parts += [(step, "sum_wait", t_sum - t0), (step, "verdict", t_wait - t_sum)]
+        if verdict == NOT_READY:  # the check still runs: its verdict one monitoring period later
+            p.apply_at += self.every
+            p.deferred += 1
+            p.begin_s += t_wait - t0
+            self.deferred += 1
+            self._pending = p
+            return None
+        self._quiet_until = p.step + quiet * self.every
         if verdict < 0:
             if p.error is not None:  # rank 0: the check's own error
                 raise p.error
@@ -289,11 +351,12 @@ class DriftMonitor:
         if not verdict:
             self.check_seconds.append(p.begin_s + t_wait - t0)
             return None
-        new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")
+        new_plan = Plan.load(run.run_dir / "replans" / f"step-{step}")  # published by rank 0 before the broadcast
         if p.known is not None and run.rank == 0:  # resume_plan left plan/ at the plan the rows leave now
             new_plan.save(run.run_dir / "plan")
         mig = move_to_plan(run, new_plan)
         t2 = time.perf_counter()
+        self.pause_parts.append((step, "migrate", t2 - t_wait))
         self.check_seconds.append(p.begin_s + t_wait - t0)
         figs = torch.tensor([mig.rows_sent, mig.bytes_sent, mig.replicas_added, mig.replicas_dropped,
                              mig.rows_written], dtype=torch.float64)
@@ -448,7 +511,7 @@ class DriftMonitor:
         self._checked_at = -1
 
     def figures(self) -> dict:
-        return {"replan_every": self.every, "replan_checks": self.checks,
+        return {"replan_every": self.every, "replan_checks": self.checks, "replan_deferred": self.deferred,
                 "replan_check_seconds": round(sum(self.check_seconds), 6), "replans_declined": self.declined,
                 "replans": list(self.records)}
 
@@ -494,6 +557,17 @@ def move_to_plan(run, plan: Plan):
         mig = migrate(run.embedding, emb)
     run.swap_sharded(emb, plan)
     return mig
+
+
+def _link_plan(src, dst) -> None:
+    """The plan directory ``src`` as ``dst`` without copying: its files hard-linked in (each replaced atomically,
+    ``plan.json`` last, as ``Plan.save`` writes them)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in (ORDER_NPY, PARTS_NPZ, PLAN_JSON):
+        tmp = dst / f".{name}.link"
+        tmp.unlink(missing_ok=True)
+        os.link(src / name, tmp)
+        os.replace(tmp, dst / name)
 
 
 def read_replans(run_dir) -> list[dict]:
