@@ -2,12 +2,16 @@
 
 ``input_dist``: every value's id is decoded to its owner; the values of one bag held by one owner form a partial
 bag (one per (owner, bag), numbered per owner); the ``(offset, partial bag)`` pairs and the values' scales go to
-their owners (the local half, ``decode``, runs on the input pipeline's worker when the batch was prefetched).
+their owners, after one count swap that gives every owner each size of the step (values, partial bags and the
+distinct owned and replica rows they read, counted by the requester on the host). Prefetched, the local half,
+``decode``, runs on the input pipeline's worker, the counts ride the step before's pooled exchange and the ids
+its gradient exchange: two all-to-alls a step instead of four.
 ``compute``: each owner pools, for every requester, the partial bags it was sent.
 ``output_dist``: the partial sums go back, and the requester adds them per bag in rank order, then lays the
 bags out per sample (``[B, F * D]``). ``grad_dist``: the partial bags' gradients go back to their owners.
 ``update``: each owner expands them to rows, sums per row and applies the fused optimizer (replicas through
-``grad_sync``).
+``grad_sync``). The host reads, per step, the swapped counts, the number of rows updated and the replica sync's
+union or sizes: every other size is known from the counts.
 
 Every stage function takes the module (a ``ShardedEmbedding``: its storage, address map, transport and
 fused optimizer) and the batch's context (``embedding.context``).
