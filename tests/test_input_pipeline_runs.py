@@ -83,7 +83,7 @@ def _send_worker(rank, world):
         ys = []
         for s in range(steps):
             if prefetch and s + 1 < steps:  # the next batch decoded on the input pipeline's worker
-                emb.prefetch(parts[(s + 1) % len(data)])
+                emb.prefetch(parts[(s + 1) % len(data)], background=True)
             y = emb(parts[s % len(data)])
             ys.append(y.detach().clone())
             ((y * data[s % len(data)][1][lo:hi]).sum() / B).backward()

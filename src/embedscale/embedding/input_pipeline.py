@@ -23,29 +23,36 @@ the pipeline: only the place and time of the preparation change.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+import torch
+
 from embedscale.errors import EmbedscaleError
+from embedscale.threads import available_cores
 
 
 class Ahead:
     """A batch queued on a lane and its prepared input, computed on the lane's worker until first needed."""
 
-    __slots__ = ("features", "_future", "_value")
+    __slots__ = ("features", "_future", "_value", "_work")
 
-    def __init__(self, features, future: Future | None = None, value: Any = None):
-        self.features, self._future, self._value = features, future, value
+    def __init__(self, features, future: Future | None = None, value: Any = None,
+                 work: Callable[[Any], Any] | None = None):
+        self.features, self._future, self._value, self._work = features, future, value, work
 
     @property
     def value(self) -> Any:
-        """The prepared input (joins the worker; re-raises its error, e.g. an ``InputError``)."""
+        """The prepared input: the worker's (joined; its error, e.g. an ``InputError``, re-raised), or, when the
+        worker has not started it yet (a thread still waiting for a core on a busy machine), computed here by the
+        same work: no hand-over to wait for."""
         if self._future is not None:
-            self._value = self._future.result()
-            self._future = None
+            self._value = self._work(self.features) if self._future.cancel() else self._future.result()
+            self._future = self._work = None
         return self._value
 
     @property
@@ -82,7 +89,7 @@ class Lane:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.pipeline.name}-{self.name}")
-        self._queue.append(Ahead(features, future=self._pool.submit(work, features)))
+        self._queue.append(Ahead(features, future=self._pool.submit(work, features), work=work))
 
     def put(self, features, value: Any) -> None:
         """Queue a batch a producer thread prepared (``value``), waking :meth:`wait_head`."""
@@ -195,6 +202,15 @@ class InputPipeline:
     def close(self) -> None:
         for lane in self.lanes:
             lane.close()
+
+
+def spare_core(world_size: int) -> bool:
+    """Whether a lane's worker thread would have a core of its own: the cores this process may run on
+    (``threads.available_cores``) exceed the intra-op threads (``torch.get_num_threads()``, as ``threads.py`` gives
+    each rank) of the ranks on this machine (``LOCAL_WORLD_SIZE``; one machine: ``world_size``). Without one, the
+    worker only takes turns with the step's threads for the same cores."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return available_cores() > local * torch.get_num_threads()
 
 
 def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry: bool = True,
