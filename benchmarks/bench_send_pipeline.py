@@ -13,7 +13,8 @@ same state train on the same batches, alternating every ``--steps`` steps (the o
   ``prefetch(background=False)``): what the worker thread itself costs or buys.
 
 The copies must stay bitwise equal (losses and rows; checked). Figures: rank 0's wall time per step (forward,
-backward, dense optimizer), median and p90 over every measured step of every round. The headline is the variant a
+backward, dense optimizer), median and p90 over every measured step of every round, and its CPU time per step
+(every thread of the process), less sensitive to other work on the machine than wall time. The headline is the variant a
 run takes on this machine (``ShardedEmbedding.prefetch``'s default: the worker only with a core of its own,
 ``input_pipeline.spare_core``) against the baseline. Prints one JSON line.
 
@@ -83,11 +84,11 @@ def make(a, rank: int, world: int) -> tuple[Model, torch.optim.Optimizer]:
     return m, torch.optim.SGD(dense, lr=0.01)
 
 
-def _steps(m, opt, a, first: int, rank: int, world: int, variant: str) -> tuple[list[float], list[float]]:
-    times, losses = [], []
+def _steps(m, opt, a, first: int, rank: int, world: int, variant: str) -> tuple[list[float], list[float], list]:
+    times, cpu, losses = [], [], []
     for s in range(first, first + a.steps):
         sparse, dense, label = batch(a, s, rank)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if variant != "unpipelined" and s + 1 < first + a.steps:  # not across a switch of variants
             m.emb.prefetch(batch(a, s + 1, rank)[0], background=variant == "pipelined")
         loss = nn.functional.binary_cross_entropy_with_logits(m(sparse, dense), label)
@@ -98,25 +99,28 @@ def _steps(m, opt, a, first: int, rank: int, world: int, variant: str) -> tuple[
             p.grad /= world
         opt.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)  # every thread of the process: the worker's decoding included
         losses.append(loss.item())
-    return times, losses
+    return times, cpu, losses
 
 
 def _worker(rank: int, world: int, a) -> dict:
     torch.set_num_threads(threads_per_process(available_cores(), world))
     variants = {v: make(a, rank, world) for v in ("unpipelined", "pipelined", "inline")}
     times = {k: [] for k in variants}
+    cpu = {k: [] for k in variants}
     losses = {k: [] for k in variants}
     for r in range(a.rounds):
         order = list(variants)[r % 3:] + list(variants)[:r % 3]
         for name in order:
             m, opt = variants[name]
-            t, lo = _steps(m, opt, a, r * a.steps, rank, world, name)
+            t, c, lo = _steps(m, opt, a, r * a.steps, rank, world, name)
             times[name] += t[a.warmup if r == 0 else 0:]
+            cpu[name] += c[a.warmup if r == 0 else 0:]
             losses[name] += lo
     same = all(losses[v] == losses["unpipelined"] and
                torch.equal(variants[v][0].emb.weight, variants["unpipelined"][0].emb.weight) for v in variants)
-    return {"times": times, "same_bits": same, "threads": torch.get_num_threads(),
+    return {"times": times, "cpu": cpu, "same_bits": same, "threads": torch.get_num_threads(),
             "run_takes": "pipelined" if spare_core(world) else "inline"}
 
 
@@ -151,6 +155,7 @@ def main() -> None:
         "value": round(1e3 * med, 2), "baseline": round(1e3 * bmed, 2), "ratio": round(bmed / med, 3),
         "median_ms": {k: round(1e3 * statistics.median(v), 2) for k, v in t.items()},
         "p90_ms": {k: round(1e3 * q(v, 0.9), 2) for k, v in t.items()},
+        "cpu_ms_median": {k: round(1e3 * statistics.median(v), 2) for k, v in res[0]["cpu"].items()},
         "same_bits": all(r["same_bits"] for r in res), "load": [round(load0, 2), round(os.getloadavg()[0], 2)],
         "config": {**vars(a), "ranks": 2, "threads_per_rank": res[0]["threads"], "cores": available_cores()}}))
 
