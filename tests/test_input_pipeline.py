@@ -104,3 +104,44 @@ def test_held_back_keeps_the_batches_around_a_replan_check_and_managed_reads(eve
     assert [s for s in steps if held_back(s, managed=True, eval_every=every, checkpoint_every=5)] == \
         [s for s in steps if s % every == 0 or s % 5 == 0]
     assert not any(held_back(s) for s in steps)
+
+
+def test_a_head_its_worker_has_not_started_is_prepared_by_the_thread_that_takes_it():
+    """The worker busy with a batch that waits: the next batch's preparation, not started, runs on the taking thread
+    (its result the work's own, by hand: the square), and the worker never runs it."""
+    import threading
+
+    pipe = InputPipeline("t")
+    lane = pipe.lane("l", 4)
+    release, ran_on = threading.Event(), {}
+
+    def work(x):
+        if x == 0:
+            release.wait(30)
+        ran_on[x] = threading.get_ident()
+        return x * x
+
+    lane.push(0, work)
+    lane.push(3, work)
+    lane._queue.popleft()  # the blocked batch leaves (its step did not run): the one behind it is the head
+    assert lane.head().value == 9 and ran_on[3] == threading.get_ident()
+    release.set()
+    lane.close()
+    assert ran_on[0] != threading.get_ident()
+
+
+@pytest.mark.parametrize("cores,ranks,threads,spare", [(2, 2, 1, False), (2, 1, 2, False), (2, 1, 1, True),
+                                                        (8, 2, 3, True), (8, 4, 2, False)])
+def test_a_worker_has_a_core_of_its_own_only_beyond_the_ranks_threads(monkeypatch, cores, ranks, threads, spare):
+    import torch
+
+    from embedscale.embedding import input_pipeline
+
+    monkeypatch.setattr(input_pipeline, "available_cores", lambda: cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert input_pipeline.spare_core(world_size=99) is spare  # the machine's ranks, not the world's
+    finally:
+        torch.set_num_threads(before)
