@@ -88,9 +88,11 @@ def _steps(m, opt, a, first: int, rank: int, world: int, variant: str) -> tuple[
     times, cpu, losses = [], [], []
     for s in range(first, first + a.steps):
         sparse, dense, label = batch(a, s, rank)
+        ahead = variant != "unpipelined" and s + 1 < first + a.steps  # not across a switch of variants
+        upcoming = batch(a, s + 1, rank)[0] if ahead else None  # (made outside the timed step, as its own)
         t0, c0 = time.perf_counter(), time.process_time()
-        if variant != "unpipelined" and s + 1 < first + a.steps:  # not across a switch of variants
-            m.emb.prefetch(batch(a, s + 1, rank)[0], background=variant == "pipelined")
+        if ahead:
+            m.emb.prefetch(upcoming, background=variant == "pipelined")
         loss = nn.functional.binary_cross_entropy_with_logits(m(sparse, dense), label)
         opt.zero_grad()
         loss.backward()
