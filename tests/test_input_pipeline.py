@@ -128,20 +128,3 @@ def test_a_head_its_worker_has_not_started_is_prepared_by_the_thread_that_takes_
     release.set()
     lane.close()
     assert ran_on[0] != threading.get_ident()
-
-
-@pytest.mark.parametrize("cores,ranks,threads,spare", [(2, 2, 1, False), (2, 1, 2, False), (2, 1, 1, True),
-                                                        (8, 2, 3, True), (8, 4, 2, False)])
-def test_a_worker_has_a_core_of_its_own_only_beyond_the_ranks_threads(monkeypatch, cores, ranks, threads, spare):
-    import torch
-
-    from embedscale.embedding import input_pipeline
-
-    monkeypatch.setattr(input_pipeline, "available_cores", lambda: cores)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert input_pipeline.spare_core(world_size=99) is spare  # the machine's ranks, not the world's
-    finally:
-        torch.set_num_threads(before)

@@ -23,17 +23,13 @@ the pipeline: only the place and time of the preparation change.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-import torch
-
 from embedscale.errors import EmbedscaleError
-from embedscale.threads import available_cores
 
 
 class Ahead:
@@ -202,15 +198,6 @@ class InputPipeline:
     def close(self) -> None:
         for lane in self.lanes:
             lane.close()
-
-
-def spare_core(world_size: int) -> bool:
-    """Whether a lane's worker thread would have a core of its own: the cores this process may run on
-    (``threads.available_cores``) exceed the intra-op threads (``torch.get_num_threads()``, as ``threads.py`` gives
-    each rank) of the ranks on this machine (``LOCAL_WORLD_SIZE``; one machine: ``world_size``). Without one, the
-    worker only takes turns with the step's threads for the same cores."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    return available_cores() > local * torch.get_num_threads()
 
 
 def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry: bool = True,

@@ -67,7 +67,7 @@ from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.context import LookupContext, RetrieveContext, SendContext, Stage
 from embedscale.embedding.grad_sync import METHODS as _SYNC_METHODS
 from embedscale.embedding.init import uniform_rows
-from embedscale.embedding.input_pipeline import Ahead, InputPipeline, spare_core
+from embedscale.embedding.input_pipeline import Ahead, InputPipeline
 from embedscale.embedding.interop import as_jagged, keyed_tensor
 from embedscale.embedding.optim import RowGradientScratch
 from embedscale.embedding.row_update import RowUpdates
@@ -348,7 +348,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         self.stages.update(self, ctx)
 
     # -- the next batch's input_dist ahead of its step (OPER 5.1 pipelined) ----------------------------
-    def prefetch(self, features: JaggedFeatures, *, background: bool | None = None) -> None:
+    def prefetch(self, features: JaggedFeatures, *, background: bool = True) -> None:
         """Run an upcoming training batch's ``input_dist`` ahead of its step (OPER 5.1 pipelined with the previous
         step, as TorchRec's ``TrainPipelineSparseDist`` distributes the next batch's input during the current step).
 
@@ -356,10 +356,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         before the ``forward`` of the step *before* theirs (``emb.prefetch(next_batch); loss(emb(batch))
         .backward()``; or further ahead); every rank for the same steps. The batch's ids are checked and
         decoded, its remote rows deduplicated and sorted by owner (with ``background``, on a worker thread,
-        while this rank computes and waits for its peers; the step that needs the result joins it; by default
-        always in the retrieve design, and in the send design, whose decode is short, only when the worker has
-        a core of its own, ``input_pipeline.spare_core``: on 2 loaded cores and 2 ranks the worker made its step
-        slower, decoding on the step's thread did not, ``benchmarks/bench_send_pipeline.py``). Then,
+        while this rank computes and waits for its peers; the step that needs the result joins it). Then,
         over a transport that fuses exchanges, the row exchange of the step before the batch's tells every
         owner how many rows it will be asked for, and that step's gradient exchange carries the requests
         themselves: a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead
@@ -374,8 +371,6 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         jf = as_jagged(features)[0]
         self._check_keys(jf)
         self.prefetching = True
-        if background is None:  # the send design's decode is short: a worker pays only with a core of its own
-            background = self.stages is RETRIEVE or spare_core(self.world_size)
         self.input_lane.push(jf, self._decode_ahead, background)  # (drops batches never consumed nor announced)
 
     def _decode_ahead(self, features: JaggedFeatures) -> LookupContext:
