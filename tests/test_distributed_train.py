@@ -125,10 +125,10 @@ def test_n_rank_training_equals_single_process(tmp_path, data_dir, reference, wo
     cfg = config(tmp_path, data_dir, design=design, plan=str(plan_dir))
     losses, w, dense = distributed(cfg, tmp_path / "dist", world)
     assert len(losses) == STEPS
-    # dist.input_pipeline (on by default): a retrieve run converts every step's ids but the first during the step
-    # before (ShardedEmbedding.prefetch); the send design has no such pipeline
+    # dist.input_pipeline (on by default): a run converts every step's ids but the first during the step before
+    # (ShardedEmbedding.prefetch), in either design
     summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
-    assert summary.get("input_pipelined_steps", 0) == (STEPS - 1 if design == "retrieve" else 0), summary
+    assert summary.get("input_pipelined_steps", 0) == STEPS - 1, summary
     np.testing.assert_allclose(losses, ref_losses, rtol=0, atol=1e-5)
     torch.testing.assert_close(w, ref_w, rtol=0, atol=1e-5)
     for k, v in ref_dense.items():

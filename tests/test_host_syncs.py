@@ -21,8 +21,8 @@ device data counts as host-side (on CPU the two look the same): a small undercou
 
 The C++ CPU kernel (``cpu_kernel``) runs on host memory only, so the count is taken on the PyTorch ops that a
 CUDA run takes (``cpu_kernel = False``). The bar: at most 3 per steady (prefetched) step of a sharded
-embedding on 2 ranks in the retrieve design (the default), for every replica gradient sync (``BAR``; the send
-design has a ceiling of its own); the counted steps give the same bits as the C++
+embedding on 2 ranks, in both designs, for every replica gradient sync (``BAR``); the send design's step makes
+exactly the reads counted by hand in ``SEND_READS``; the counted steps give the same bits as the C++
 kernel's (outputs and rows).
 """
 
@@ -49,9 +49,14 @@ aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten._unique, aten._unique2, aten.unique_dim,
             aten.unique_consecutive, aten.unique_dim_consecutive, aten.masked_select, aten.bincount,
             aten.equal, aten.nonzero_numpy}
-# per design: the retrieve design (the default) meets the bar; the send design's owner-side update still sorts
-# the rows its peers sent and compacts the owned and replica ones (its ceiling: it may only go down)
-BAR = {"retrieve": 3, "send": 10}
+BAR = {"retrieve": 3, "send": 3}
+# the send design's step, by hand: the swapped counts read once (values, partial bags and distinct rows per
+# peer: every size of the step), the number of rows the fused update applies; with replicas, the replica sync's
+# union (``local_aggregated``: the bitmap's set rows) or the ranks' pair counts (``allgather``); ``dense`` none
+SEND_READS = {"local_aggregated": ["tolist", "nonzero", "_local_scalar_dense"],
+              "dense": ["tolist", "_local_scalar_dense"],
+              "allgather": ["tolist", "tolist", "_local_scalar_dense"]}
+NO_REPLICAS = ["tolist", "_local_scalar_dense"]
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -178,12 +183,16 @@ SCENARIOS = [("oper_replicas", "retrieve", "local_aggregated", "rowwise_adagrad"
              ("oper_replicas", "retrieve", "dense", "sgd"),
              ("oper_replicas", "retrieve", "allgather", "rowwise_adagrad"),
              ("oper_replicas", "send", "local_aggregated", "rowwise_adagrad"),
+             ("partial_replicas", "send", "allgather", "rowwise_adagrad"),
+             ("oper_replicas", "send", "dense", "sgd"),
+             ("row_wise", "send", "local_aggregated", "sgd"),
              ("row_wise", "retrieve", "local_aggregated", "sgd")]
 
 
 def test_a_steady_sharded_step_makes_at_most_3_host_synchronisations():
     """Retrieve design: one read of the next batch's request counts, one of the rows the optimizer updates,
-    and the replica sync's union (``local_aggregated``) or gathered sizes (``allgather``)."""
+    and the replica sync's union (``local_aggregated``) or gathered sizes (``allgather``). Send design: the
+    reads of ``SEND_READS``, no more."""
     steps = 5
     results = spawn_local(_worker, 2, SCENARIOS, steps, timeout_s=600)
     for rank, res in enumerate(results):
@@ -197,6 +206,9 @@ def test_a_steady_sharded_step_makes_at_most_3_host_synchronisations():
             per_step = counted[2]
             for s, where in enumerate(per_step[1:], 1):  # steady: the step's batch was prefetched
                 assert len(where) <= BAR[sc[1]], (rank, sc, s, where)
+                if sc[1] == "send":
+                    want = NO_REPLICAS if sc[0] == "row_wise" else SEND_READS[sc[2]]
+                    assert sorted(op for op, _line in where) == sorted(want), (rank, sc, s, where)
 
 
 def test_the_counter_counts_device_side_reads_and_not_host_work():

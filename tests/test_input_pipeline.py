@@ -104,3 +104,27 @@ def test_held_back_keeps_the_batches_around_a_replan_check_and_managed_reads(eve
     assert [s for s in steps if held_back(s, managed=True, eval_every=every, checkpoint_every=5)] == \
         [s for s in steps if s % every == 0 or s % 5 == 0]
     assert not any(held_back(s) for s in steps)
+
+
+def test_a_head_its_worker_has_not_started_is_prepared_by_the_thread_that_takes_it():
+    """The worker busy with a batch that waits: the next batch's preparation, not started, runs on the taking thread
+    (its result the work's own, by hand: the square), and the worker never runs it."""
+    import threading
+
+    pipe = InputPipeline("t")
+    lane = pipe.lane("l", 4)
+    release, ran_on = threading.Event(), {}
+
+    def work(x):
+        if x == 0:
+            release.wait(30)
+        ran_on[x] = threading.get_ident()
+        return x * x
+
+    lane.push(0, work)
+    lane.push(3, work)
+    lane._queue.popleft()  # the blocked batch leaves (its step did not run): the one behind it is the head
+    assert lane.head().value == 9 and ran_on[3] == threading.get_ident()
+    release.set()
+    lane.close()
+    assert ran_on[0] != threading.get_ident()

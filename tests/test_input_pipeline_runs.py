@@ -1,5 +1,5 @@
-"""The run's input pipeline in the runs it newly covers: host tables, managed tables and a stream; the send design's
-decode ahead at the module (a run does not drive it: ``input_pipeline.not_pipelined``).
+"""The run's input pipeline in the runs it newly covers: host tables, managed tables, a stream and the send design
+(at the module, and a run).
 
 Reference: the same run with ``dist.input_pipeline: false`` (every step prepares its own input at its own step).
 Two gloo ranks each; the prefetched run must give the same bits: every step's loss, every table's rows and
@@ -83,7 +83,7 @@ def _send_worker(rank, world):
         ys = []
         for s in range(steps):
             if prefetch and s + 1 < steps:  # the next batch decoded on the input pipeline's worker
-                emb.prefetch(parts[(s + 1) % len(data)])
+                emb.prefetch(parts[(s + 1) % len(data)], background=True)
             y = emb(parts[s % len(data)])
             ys.append(y.detach().clone())
             ((y * data[s % len(data)][1][lo:hi]).sum() / B).backward()
@@ -92,9 +92,9 @@ def _send_worker(rank, world):
 
 
 def test_send_design_prefetched_equals_not_prefetched():
-    """The send design's ``ShardedEmbedding.prefetch`` (its batches decoded ahead, ``send.decode``; the messages
-    sent in their own step): the same outputs, rows and row-wise state bit for bit over 6 steps on 2 ranks, with
-    replicated rows. (A run does not drive it: ``input_pipeline.not_pipelined`` says why.)"""
+    """The send design's ``ShardedEmbedding.prefetch`` (its batches decoded ahead, ``send.decode``; their counts
+    riding the step before's pooled exchange and their ids its gradient exchange): the same outputs, rows and
+    row-wise state bit for bit over 6 steps on 2 ranks, with replicated rows."""
     for res in spawn_local(_send_worker, 2, timeout_s=600):
         ys, w, m, n = res[True]
         ref_ys, ref_w, ref_m, ref_n = res[False]
@@ -102,11 +102,16 @@ def test_send_design_prefetched_equals_not_prefetched():
         assert all(torch.equal(a, b) for a, b in zip(ys, ref_ys)) and torch.equal(w, ref_w) and torch.equal(m, ref_m)
 
 
-def test_a_send_run_does_not_pipeline_and_says_why(tmp_path):
-    from embedscale.embedding.input_pipeline import not_pipelined
-
-    assert "send design" in not_pipelined(enabled=True, entry=True, design="send")
-    assert not_pipelined(enabled=True, entry=True, design="retrieve") is None
+def test_send_run_prefetched_equals_not_prefetched(tmp_path):
+    """A send-design run with replicated hot rows: its pipeline prepares every step's input but the first during
+    the step before, and gives the same bits as the run without it."""
+    data = tmp_path / "data"
+    send_case.make_data(data)
+    send_case.hand_plan("replicas", 2).save(tmp_path / "plan")
+    cfg = send_case.config(tmp_path, data, design="send", plan=str(tmp_path / "plan"))
+    on, off, summary = prefetched_and_not(cfg, tmp_path)
+    assert_same_bits(on, off)
+    assert summary["input_pipelined_steps"] == send_case.STEPS - 1
 
 
 def test_host_tables_prefetched_equal_not_prefetched(tmp_path):

@@ -156,8 +156,8 @@ def test_two_ranks_with_tt_tables_equal_single_process(tmp_path, data_dir, refer
     # beside TT replicas the sharded rows' ids still go through the input pipeline (MixedEmbedding.prefetch):
     # every step's but the first converted during the step before, and the losses above unchanged by it
     summary = __import__("json").loads((tmp_path / "d" / "summary.json").read_text())
-    assert summary.get("input_pipelined_steps", 0) == (STEPS - 1 if design == "retrieve" else 0), summary
-    assert int(replicas[0]["prefetched_tt_steps"]) == (STEPS - 1 if design == "retrieve" else 0)  # TT inputs too
+    assert summary.get("input_pipelined_steps", 0) == STEPS - 1, summary  # either design
+    assert int(replicas[0]["prefetched_tt_steps"]) == STEPS - 1  # TT inputs too
 
 
 def test_two_rank_checkpoint_with_tt_tables_resumes_exactly(tmp_path, data_dir, reference):

@@ -114,9 +114,11 @@ class SendContext(LookupContext):
     """The send design: ids to their owners, owners pool partial bags, partial sums back.
 
     Decoded: every value's global id, bag and scale, ``nbags`` bags, the partial bags ``p_bag`` / ``p_counts`` and
-    the messages to every owner ``out_ids`` / ``out_scale``. Announced: the partial bags (one per
-    (owner, bag), rank-major) ``p_bag`` / ``p_counts``, how many values and partial bags each peer sent
-    (``recv_counts``), the ``(offset, partial bag)`` pairs and scales each peer sent (``recv_ids`` /
+    the messages to every owner ``out_ids`` / ``out_scale`` (``v_counts`` values each), the distinct owned and
+    replica rows they read there ``u_counts``. Announced: the partial bags (one per
+    (owner, bag), rank-major) ``p_bag`` / ``p_counts``, how many values and partial bags each peer sent and how
+    many distinct owned and replica rows they read here (``recv_counts``; ``COUNTED`` when they rode the step
+    before's pooled exchange, whose batch names this one ``nxt``), the ``(offset, partial bag)`` pairs and scales each peer sent (``recv_ids`` /
     ``recv_scale``; this rank's own ``my_ids`` / ``my_scale``). Pooled: ``pooled``,
     the partial sums this rank computed for every requester. Gradients sent: ``grads``, the partial bags'
     gradients each requester sent back.
@@ -128,7 +130,9 @@ class SendContext(LookupContext):
     nbags: int = 0
     p_bag: torch.Tensor | None = None
     p_counts: list[int] = field(default_factory=list)
-    recv_counts: list[tuple[int, int]] | None = None  # per peer: (values, partial bags) it sent this rank
+    v_counts: list[int] = field(default_factory=list)  # values sent to each owner
+    u_counts: list[tuple[int, int]] = field(default_factory=list)  # distinct (owned, replica) rows read per owner
+    recv_counts: list[tuple[int, int, int, int]] | None = None  # per peer: values, partial bags, distinct rows
     out_ids: list[torch.Tensor] | None = None
     out_scale: list[torch.Tensor] | None = None
     recv_ids: list[torch.Tensor] | None = None
@@ -136,6 +140,7 @@ class SendContext(LookupContext):
     my_ids: torch.Tensor | None = None
     my_scale: torch.Tensor | None = None
     pooled: list[torch.Tensor] | None = None
+    nxt: SendContext | None = None  # the next batch, whose counts rode this batch's pooled exchange
     grads: list[torch.Tensor] | None = None
 
 

@@ -121,6 +121,24 @@ def gather_replica_grads(rows: torch.Tensor, grads: torch.Tensor, group=None, st
     return [_unpack(p, grads.dtype, grads.shape[1]) for p in parts]
 
 
+def sync_replica_entries(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows: int, *,
+                         method: str = "local_aggregated", group=None, stats: dict | None = None) -> list:
+    """:func:`sync_replica_grads` of entries whose rows may repeat, summed in entry order where they are added,
+    with no local sort (whose row count the host would read): ``(rows, grads)`` lists whose per-row sums, added
+    in list order, are the synced gradients: one list (``local_aggregated``: the union, its block zero-padded and
+    the entries added into it before the ring AllReduce; ``dense``), or one per rank in rank order
+    (``allgather``)."""
+    if method == "local_aggregated":
+        union = _union_by_bitmap(rows, num_replica_rows, group, stats)
+        padded = torch.zeros((union.numel(), grads.shape[1]), dtype=grads.dtype, device=grads.device)
+        padded.index_add_(0, torch.searchsorted(union, rows), grads)
+        _add(stats, counted_all_reduce(padded, group))
+        return [(union, padded)]
+    if method == "allgather":
+        return gather_replica_grads(rows, grads, group, stats)
+    return [sync_replica_grads(rows, grads, num_replica_rows, method=method, group=group, stats=stats)]
+
+
 def sync_replica_grads(rows: torch.Tensor, grads: torch.Tensor, num_replica_rows: int, *,
                        method: str = "local_aggregated", group=None, stats: dict | None = None,
                        presorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

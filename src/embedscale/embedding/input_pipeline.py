@@ -7,7 +7,8 @@ features to its *entry* form, and every form whose lookup prepares a batch ahead
 
 * ``sharded``: a sharded module (``ShardedEmbedding.prefetch``): the batch's ids checked and decoded; in the
   retrieve design its remote rows deduplicated by owner (their counts and requests then ride the step before's
-  exchanges), in the send design its partial bags and the messages to their owners;
+  exchanges), in the send design its partial bags and the messages to their owners (their counts then ride the
+  step before's pooled exchange, the messages its gradient exchange);
 * ``tt``: the TT tables of a ``MixedEmbedding``: their ids renamed, selected per table, each table's reuse plan;
 * ``host``: the host parameter server's lookahead (``pipeline.loop``): the server takes each batch from the loader
   before it waits for older gradients and *puts* it here with its device modules' selection of it (a lane fed by
@@ -34,17 +35,20 @@ from embedscale.errors import EmbedscaleError
 class Ahead:
     """A batch queued on a lane and its prepared input, computed on the lane's worker until first needed."""
 
-    __slots__ = ("features", "_future", "_value")
+    __slots__ = ("features", "_future", "_value", "_work")
 
-    def __init__(self, features, future: Future | None = None, value: Any = None):
-        self.features, self._future, self._value = features, future, value
+    def __init__(self, features, future: Future | None = None, value: Any = None,
+                 work: Callable[[Any], Any] | None = None):
+        self.features, self._future, self._value, self._work = features, future, value, work
 
     @property
     def value(self) -> Any:
-        """The prepared input (joins the worker; re-raises its error, e.g. an ``InputError``)."""
+        """The prepared input: the worker's (joined; its error, e.g. an ``InputError``, re-raised), or, when the
+        worker has not started it yet (a thread still waiting for a core on a busy machine), computed here by the
+        same work: no hand-over to wait for."""
         if self._future is not None:
-            self._value = self._future.result()
-            self._future = None
+            self._value = self._work(self.features) if self._future.cancel() else self._future.result()
+            self._future = self._work = None
         return self._value
 
     @property
@@ -81,7 +85,7 @@ class Lane:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.pipeline.name}-{self.name}")
-        self._queue.append(Ahead(features, future=self._pool.submit(work, features)))
+        self._queue.append(Ahead(features, future=self._pool.submit(work, features), work=work))
 
     def put(self, features, value: Any) -> None:
         """Queue a batch a producer thread prepared (``value``), waking :meth:`wait_head`."""
@@ -196,20 +200,17 @@ class InputPipeline:
             lane.close()
 
 
-def not_pipelined(*, enabled: bool, entry: bool, design: str = "retrieve", host_depth: int = 0,
-                  host_entry: bool = True, managed: bool = False) -> str | None:
+def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry: bool = True,
+                  managed: bool = False) -> str | None:
     """Why a run does not run its input pipeline, or ``None`` when it does: the one place that decides it.
 
     The pipeline runs for both transports (over PGAS the sharded rows have nothing to prepare ahead,
-    ``PgasShardedEmbedding.prefetch``; TT inputs still do), sharded, TT, host and managed tables, streams and live
-    re-planning. It does not run when
+    ``PgasShardedEmbedding.prefetch``; TT inputs still do), both designs (the send design's next batch decoded
+    ahead, its counts riding the pooled exchange and its ids the gradient exchange: two all-to-alls a step
+    instead of four), sharded, TT, host and managed tables, streams and live re-planning. It does not run when
 
     * the run asks for none (``enabled``: ``dist.input_pipeline``);
     * no form prepares a batch ahead (``entry``: the device module is a sharded module or a ``MixedEmbedding``);
-    * the send design (``design``): nothing of its step rides an earlier exchange (its ids go out in their own
-      step), so decoding ahead (``ShardedEmbedding.prefetch`` does it, the same bits) only moves the decode onto a
-      worker thread that competes with the step for the cores: on 2 loaded CPU cores, 2 ranks, the main job's
-      steady step was slower with it (medians 0.18-0.30 s against 0.10-0.24 s, 4 interleaved pairs);
     * host tables run at pipeline depth 1 (``host_depth``): EL-Rec's sequential schedule takes a batch from the
       loader only after the backward of the step before, so no batch is known during the step before its own;
       or the host pipeline's device side is not the entry form alone (``host_entry``); or managed tables sit
@@ -221,8 +222,6 @@ def not_pipelined(*, enabled: bool, entry: bool, design: str = "retrieve", host_
         return "dist.input_pipeline is false"
     if not entry:
         return "no form of the run prepares a batch ahead"
-    if design == "send":
-        return "the send design: nothing rides an earlier exchange, and the decode ahead competes for the cores"
     if host_depth == 1:
         return ("host tables at pipeline depth 1: the host server takes a batch from the loader only after the "
                 "step before's backward")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from embedscale.embedding import kernels
-from embedscale.embedding.grad_sync import gather_replica_grads, sync_replica_grads
+from embedscale.embedding.grad_sync import gather_replica_grads, sync_replica_entries, sync_replica_grads
 from embedscale.embedding.optim import aggregate_row_gradients, rowwise_adagrad_update_, sgd_update_
 
 _NONE = torch.iinfo(torch.int64).max  # no entry yet (``merge_and_apply``'s first-entry table)
@@ -200,6 +200,28 @@ class RowUpdates:
             self.sync_and_apply_replicas(
                 torch.cat(rep_slots) if rep_slots else torch.zeros(0, dtype=torch.int64, device=dev),
                 torch.cat(rep_grads) if rep_grads else torch.zeros((0, self.dim), dtype=dtype, device=dev))
+
+    def apply_owned_and_replica_sums(self, owned: list, replicas: list) -> None:
+        """One fused update from per-row sums (the send design's owner side): ``owned`` lists ``(storage rows,
+        sums)`` in order, each list's rows unique and owned; ``replicas`` lists ``(storage rows, sums)`` of replica
+        rows held here, summed over all ranks first (OPER 5.3, ``grad_sync.sync_replica_entries``); a row's sum
+        adds the lists in order. Reads one count on the host (``merge_and_apply``), plus the replica sync's."""
+        if self.optimizer is None:
+            return
+        dev = self.weight.device
+        lists = list(owned)
+        if self.num_slots:
+            rs = self.region_slot.to(dev)
+            slots = torch.cat([rs.index_select(0, r - self.num_owned) for r, _g in replicas]) if replicas else \
+                torch.zeros(0, dtype=torch.int64, device=dev)
+            grads = torch.cat([g for _r, g in replicas]) if replicas else self.weight.new_zeros(0, self.dim)
+            st: dict = {}
+            synced = sync_replica_entries(slots, grads, self.num_slots, method=self.grad_sync, group=self.sync_group,
+                                          stats=st)
+            self.stats["grad_sync_bytes"] = self.stats.get("grad_sync_bytes", 0) + st.get("bytes_sent", 0)
+            lists += [(self.replica_storage_rows.index_select(0, s), g) for s, g in synced]
+        self.merge_and_apply((torch.zeros(0, dtype=torch.int64, device=dev), self.weight.new_zeros(0, self.dim)),
+                             lists)
 
     def sync_and_apply_replicas(self, slots: torch.Tensor, grads: torch.Tensor) -> None:
         """Sum replica gradients over all ranks (OPER 5.3) and apply them on every holder."""

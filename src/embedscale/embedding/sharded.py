@@ -29,8 +29,9 @@ counts, ids, rows, gradients) and sums each row's gradients once (one sort of th
 its peers' per-row sums to its own without sorting again, and updates owned and replica rows in one fused call).
 ``ShardedEmbedding.prefetch`` runs the next batch's ``input_dist`` ahead, as TorchRec's
 ``TrainPipelineSparseDist`` does: the next batch is decoded on a worker thread, its request counts ride in the
-current step's row all-to-all and its ids in the current gradient all-to-all, so a prefetched step makes two
-all-to-alls; the results are the same bits.
+current step's row all-to-all (send design: pooled all-to-all) and its ids in the current gradient all-to-all, so
+a prefetched step makes two all-to-alls; the results are the same bits. Either design's steady step reads at most
+three values on the host (the next batch's counts, the rows updated, the replica sync's union or sizes).
 
 Replicated rows (data parallel, OPER 4.3) are read locally where held; their gradients are summed over
 all ranks with ``grad_sync`` (local-aggregated sparse AllReduce by default, OPER 5.3; or, for few ranks,
@@ -361,7 +362,9 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         themselves: a step whose batch was prefetched sends only rows and gradients, two all-to-alls instead
         of four. Exact: requests are row addresses, which no update changes, and the rows travel in their own
         step, after the previous update. The send design decodes the batch ahead (its partial bags and the
-        messages to their owners, ``send.decode``); the messages go out in the batch's own step. A ``forward`` of
+        messages to their owners, ``send.decode``); the pooled exchange of the step before tells every owner how
+        many values, partial bags and distinct rows it will get, and that step's gradient exchange carries the
+        messages: two all-to-alls a step instead of four, the same bits. A ``forward`` of
         another batch in training, once the peers were told of the prefetched one, is an ``InputError``;
         inference lookups of other batches leave the queue alone.
         """

@@ -407,7 +407,7 @@ class DistributedRun:
         entry = self.managed if entry is not None and self.managed is not None else entry  # (maps, then hands on)
         mods = self.host_embedding.device_modules if self.host_embedding is not None else []
         self.pipeline_depth = host_pipeline_depth(self.forms, t.pipeline_depth) if self.host_embedding else 0
-        self.not_pipelined = not_pipelined(enabled=d.input_pipeline, entry=entry is not None, design=d.design,
+        self.not_pipelined = not_pipelined(enabled=d.input_pipeline, entry=entry is not None,
                                            host_depth=self.pipeline_depth, managed=self.managed is not None,
                                            host_entry=len(mods) == 1 and mods[0] is device_module)
         self.input_pipeline = self.not_pipelined is None
