@@ -69,6 +69,9 @@ from embedscale.specs import load_config
 from embedscale.workflow import train
 
 ROOT = Path(__file__).resolve().parents[1]
+# the baseline's encoding: every distinct training value its own column (a raw one-hot encoding), whatever the
+# library's defaults for the models' tables are
+ONE_HOT = ["--categorical", "vocab", "--min-frequency", "1"]
 
 
 def log(msg: str) -> None:
@@ -128,16 +131,16 @@ def split_file(src: str, train_rows: int, tmp: Path) -> tuple[str, str]:
     return str(tr), str(te)
 
 
-def prepare(name: str, args, tmp: Path) -> Path | None:
-    """The log ``name`` encoded by ``embedscale data`` at its defaults (a training file and ``--test``
-    files); None when its files are absent."""
-    out = tmp / f"data-{name}"
+def prepare(name: str, args, tmp: Path, flags: list[str], tag: str = "") -> Path | None:
+    """The log ``name`` encoded by ``embedscale data`` with ``flags`` (a training file and ``--test`` files);
+    None when its files are absent."""
+    out = tmp / f"data-{name}{tag}"
     if name == "criteo":
         if not args.criteo or not Path(args.criteo).exists():
             log(f"criteo: skipped, {args.criteo or '--criteo'} not found")
             return None
         tr, te = split_file(args.criteo, args.criteo_train_rows, tmp)
-        embedscale_cli("data", "criteo", tr, "--test", te, "--out", str(out), "--no-progress", *args.data_flags)
+        embedscale_cli("data", "criteo", tr, "--test", te, "--out", str(out), "--no-progress", *flags)
     elif name == "avazu":
         files = [args.avazu_train, *args.avazu_test]
         if not args.avazu_train or not args.avazu_test or not all(Path(p).exists() for p in files):
@@ -146,7 +149,7 @@ def prepare(name: str, args, tmp: Path) -> Path | None:
         tests = [a for i, p in enumerate(args.avazu_test) for a in ("--test", with_header(p, args.avazu_train,
                                                                                        tmp / f"avazu-test{i}.csv"))]
         embedscale_cli("data", "avazu", "--train", args.avazu_train, *tests, "--out", str(out), "--no-progress",
-                       *args.data_flags)
+                       *flags)
     elif name == "frappe":
         files = [args.frappe_train, args.frappe_test]
         if not all(p and Path(p).exists() for p in files):
@@ -157,7 +160,7 @@ def prepare(name: str, args, tmp: Path) -> Path | None:
         frappe_csv(Path(args.frappe_test), te)
         sparse = ",".join(f"f{i}" for i in range(10))
         embedscale_cli("data", "table", "--train", str(tr), "--test", str(te), "--label", "label", "--sparse",
-                       sparse, "--out", str(out), "--no-progress", *args.data_flags)
+                       sparse, "--out", str(out), "--no-progress", *flags)
     return out
 
 
@@ -264,10 +267,10 @@ def main() -> None:
             Path(args.work).mkdir(parents=True)
         tmp = Path(args.work or tmp)
         for name in args.logs:
-            dataset = prepare(name, args, tmp)
+            dataset = prepare(name, args, tmp, args.data_flags)
             if dataset is None:
                 continue
-            lr, lr_same = logistic_regression(dataset)
+            lr, lr_same = logistic_regression(prepare(name, args, tmp, ONE_HOT, "-one-hot"))
             log(f"{name} lr {json.dumps(lr)} (on the model's training split alone: {json.dumps(lr_same)})")
             runs: dict = {a: [] for a in args.archs}
             jobs = [(a, seed) for seed in args.seeds for a in args.archs]  # interleaved: each seed runs every model
