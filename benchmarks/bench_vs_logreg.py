@@ -4,11 +4,13 @@ What a new user gets: each log comes as a training file and a test file and goes
 with no tuning flag (``embedscale data ... --test TEST`` with its defaults, then ``embedscale train
 --data-source shards --data-path DATASET``, here through the same Python API: ``workflow.train`` on
 ``load_config`` with only the data, the arch and the seed set, then ``embedscale evaluate RUN --split test``).
-Training holds out the last ``data.eval_fraction`` (0.2) of the training file as its eval split: early
+Training holds out the last ``data.eval_fraction`` (0.1) of the training file as its eval split: early
 stopping and ``checkpoints/best`` see only that split; the figures are the test split's, scored by the best
 checkpoint, which no decision of the training has seen. The baseline, fitted in the same run on the same
-encoded ids, is scikit-learn's ``LogisticRegression`` at its defaults (``C=1``, lbfgs; ``max_iter=1000``) on
-the one-hot encoding of every categorical feature plus the dense features standardised on its training rows;
+files (encoded by ``embedscale data --categorical vocab --min-frequency 1``: every distinct training value its
+own column, whatever the models' encoding defaults), is scikit-learn's ``LogisticRegression`` at its defaults
+(``C=1``, lbfgs; ``max_iter=1000``) on the one-hot encoding of every categorical feature plus the dense features
+standardised on its training rows;
 it needs no eval split, so it is fitted on the whole training file (the eval split's rows included: the form a
 user would fit) and scored on the same test split (``baseline``); the same fit on the model's training split
 alone is reported beside it (``baseline_same_rows``). AUC and logloss of all models from
@@ -20,7 +22,7 @@ message):
 
 - ``criteo``: the first 10,000 rows of the Criteo Kaggle Display Advertising Challenge log
   (``criteo_kaggle_head10k.tsv``; label, 13 integer and 26 categorical fields). The first 8,000 rows are the
-  training file (6,400 train, the last 1,600 the eval split), the last 2,000 the test file.
+  training file (7,200 train, the last 800 the eval split), the last 2,000 the test file.
 - ``avazu``: 8,998 rows of the Avazu CTR log (Kaggle "Click-Through Rate Prediction", 21 categorical fields
   and the hour) as sampled in github.com/Lapis-Hong/Wide-ResDNN, ``data/avazu/train.csv`` (8,087 rows: the
   training file) and ``data/avazu/dev.csv`` + ``data/avazu/test.csv`` (911 rows: the test files; they have
