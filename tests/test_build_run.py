@@ -55,7 +55,7 @@ def test_parts_of_a_world_of_one_train_as_the_hand_built_model(tmp_path):
     cfg = config(tmp_path, tmp_path / "data")
     inputs = assemble.run_inputs(cfg, progress=False)
     parts = assemble.build_run(cfg, inputs, CPU)
-    assert cfg.train.sparse_weight_decay == 1e-3  # 320 training rows until early stopping: several passes
+    assert cfg.train.sparse_weight_decay == 0.0  # 6 steps of 50 of 320 training rows: within the first pass
     assert [t.name for t in parts.tables] == [f"t_C{i}" for i in range(1, 5)]  # one table per feature
     assert all(type(t) is TableSpec for t in parts.tables) and {f.kind for f in parts.forms.values()} == {"sharded"}
     model, opt = hand_built(cfg, parts.tables, inputs.data.manifest.num_dense)

@@ -115,6 +115,16 @@ def test_auto_sparse_weight_decay_only_when_rows_are_passed_over_again(rows, epo
     assert auto_sparse_weight_decay(rows, epochs, 1_000_000, has_eval) == expected
 
 
+@pytest.mark.parametrize("max_steps,batch,expected", [
+    (50, 128, 0.0),     # 6,400 samples of 6,470 rows: within the first pass
+    (51, 128, 1e-3),    # 6,528 samples: into the second
+    (8, 1024, 1e-3),    # 8,192 samples
+    (0, 128, 1e-3),     # no step limit: until early stopping
+])
+def test_auto_sparse_weight_decay_none_when_max_steps_ends_the_first_pass(max_steps, batch, expected):
+    assert auto_sparse_weight_decay(6470, 0, 1_000_000, True, max_steps, batch) == expected
+
+
 def _small_log(path, n: int = 1000) -> None:
     rng = np.random.default_rng(3)
     with ShardWriter(path, ["x"], [SparseFeatureInfo("C1", 20)]) as w:

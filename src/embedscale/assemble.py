@@ -105,7 +105,8 @@ def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress:
     if t.batch_size == 0:
         t.batch_size = auto_batch_size(rows)
     if t.sparse_weight_decay < 0:
-        t.sparse_weight_decay = auto_sparse_weight_decay(rows, t.epochs, t.epoch_samples, data.eval is not None)
+        t.sparse_weight_decay = auto_sparse_weight_decay(rows, t.epochs, t.epoch_samples, data.eval is not None,
+                                                         t.max_steps, t.batch_size)
     return data
 
 
