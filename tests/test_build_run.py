@@ -11,6 +11,7 @@ from test_distributed_train import config, make_data  # noqa: E402
 
 from embedscale import assemble  # noqa: E402
 from embedscale.data.loader import ShardLoader  # noqa: E402
+from embedscale.embedding.optim import set_weight_decay  # noqa: E402
 from embedscale.models import build_model  # noqa: E402
 from embedscale.models.builder import EmbeddingEnv, build_embedding  # noqa: E402
 from embedscale.models.dlrm import set_dropout  # noqa: E402
@@ -30,6 +31,7 @@ def hand_built(cfg, tables, num_dense):
                           forms=config_forms(cfg.model, tables))
     model = build_model(cfg.model, tables, num_dense, embedding=emb, device=CPU)
     set_dropout(model, t.dropout)
+    set_weight_decay(model, t.sparse_weight_decay)  # the run's rows' L2 (resolved from the data: several passes)
     emb_ids = {id(p) for p in emb.parameters()}
     opt = torch.optim.Adagrad([p for p in model.parameters() if id(p) not in emb_ids], lr=t.lr_dense)
     return model, opt
@@ -53,6 +55,7 @@ def test_parts_of_a_world_of_one_train_as_the_hand_built_model(tmp_path):
     cfg = config(tmp_path, tmp_path / "data")
     inputs = assemble.run_inputs(cfg, progress=False)
     parts = assemble.build_run(cfg, inputs, CPU)
+    assert cfg.train.sparse_weight_decay == 0.0  # 6 steps of 50 of 320 training rows: within the first pass
     assert [t.name for t in parts.tables] == [f"t_C{i}" for i in range(1, 5)]  # one table per feature
     assert all(type(t) is TableSpec for t in parts.tables) and {f.kind for f in parts.forms.values()} == {"sharded"}
     model, opt = hand_built(cfg, parts.tables, inputs.data.manifest.num_dense)

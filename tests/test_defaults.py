@@ -11,7 +11,9 @@ import pytest
 from embedscale import workflow
 from embedscale.data.categorical import CategoricalEncoder
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
-from embedscale.specs import RunConfig, TrainConfig, auto_batch_size, from_dict
+from embedscale.assemble import prepare_data
+from embedscale.embedding.local import LocalEmbeddingBags
+from embedscale.specs import RunConfig, TrainConfig, auto_batch_size, auto_sparse_weight_decay, from_dict
 from embedscale.train.loop import LoopConfig, auto_epochs
 
 
@@ -91,10 +93,58 @@ def test_a_small_log_trains_several_passes_until_early_stopping(tmp_path):
     with ShardWriter(tmp_path / "data", ["x"], [SparseFeatureInfo("C1", 50), SparseFeatureInfo("C2", 9)]) as w:
         w.write(y, rng.normal(size=(n, 1)).astype(np.float32), {"C1": ids[0], "C2": ids[1]})
     cfg = from_dict(RunConfig, {"out_dir": str(tmp_path / "runs"),
-                                "data": {"source": "shards", "path": str(tmp_path / "data")},
+                                "data": {"source": "shards", "path": str(tmp_path / "data"), "eval_fraction": 0.2},
                                 "model": {"embedding_dim": 4, "bottom_mlp": [8], "top_mlp": [8]},
                                 "train": {"prefetch": 0, "lr_dense": 0.2, "lr_sparse": 0.5}})
     s = workflow.train(cfg, tmp_path / "run", resume=False, progress=False)
     assert cfg.train.batch_size == 32  # resolved from the 640 training rows
     assert s["stopped_early"] and s["steps"] > 20 and s["steps"] % 20 == 0
     assert s["best"]["step"] <= s["steps"] - 3 * 20 + 20  # the last patience evaluations did not improve
+
+
+@pytest.mark.parametrize("rows,epochs,has_eval,expected", [
+    (6470, 0, True, 1e-3),       # a small log until early stopping: several passes, the rows decayed
+    (999_999, 0, True, 1e-3),    # one row short of epoch_samples: a second pass
+    (1_000_000, 0, True, 0.0),   # epoch_samples rows or more: one pass, no decay
+    (6470, 0, False, 0.0),       # no eval split: one pass
+    (6470, 1, True, 0.0),        # one pass given
+    (2_000_000, 3, True, 1e-3),  # passes given
+    (0, 0, True, 0.0),           # a stream: one pass
+])
+def test_auto_sparse_weight_decay_only_when_rows_are_passed_over_again(rows, epochs, has_eval, expected):
+    assert auto_sparse_weight_decay(rows, epochs, 1_000_000, has_eval) == expected
+
+
+@pytest.mark.parametrize("max_steps,batch,expected", [
+    (50, 128, 0.0),     # 6,400 samples of 6,470 rows: within the first pass
+    (51, 128, 1e-3),    # 6,528 samples: into the second
+    (8, 1024, 1e-3),    # 8,192 samples
+    (0, 128, 1e-3),     # no step limit: until early stopping
+])
+def test_auto_sparse_weight_decay_none_when_max_steps_ends_the_first_pass(max_steps, batch, expected):
+    assert auto_sparse_weight_decay(6470, 0, 1_000_000, True, max_steps, batch) == expected
+
+
+def _small_log(path, n: int = 1000) -> None:
+    rng = np.random.default_rng(3)
+    with ShardWriter(path, ["x"], [SparseFeatureInfo("C1", 20)]) as w:
+        w.write((rng.random(n) < 0.3).astype(np.int8), rng.normal(size=(n, 1)).astype(np.float32),
+                {"C1": rng.integers(0, 20, n)})
+
+
+@pytest.mark.parametrize("given,expected", [({}, 1e-3), ({"sparse_weight_decay": 0.0}, 0.0),
+                                            ({"sparse_weight_decay": 0.05}, 0.05), ({"epochs": 1}, 0.0)])
+def test_a_run_resolves_the_eval_split_and_row_decay_from_its_data(tmp_path, given, expected):
+    """1,000 rows at the defaults: the last 10% (100 rows) are the eval split, the run passes over the 900 others
+    until early stopping, so its rows are decayed by 1e-3 and the model's embedding carries that decay; a decay
+    or one pass given is kept."""
+    _small_log(tmp_path / "data")
+    cfg = from_dict(RunConfig, {"data": {"source": "shards", "path": str(tmp_path / "data")}, "train": given})
+    assert cfg.train.sparse_weight_decay == given.get("sparse_weight_decay", -1.0)
+    data = prepare_data(cfg, progress=False)
+    assert (data.train.start, data.train.stop, data.eval.start, data.eval.stop) == (0, 900, 900, 1000)
+    assert cfg.train.sparse_weight_decay == expected
+    tables = workflow.tables_for(cfg, data.manifest)
+    model = workflow.build(cfg, tables, data.manifest.num_dense, "cpu")[0]
+    decays = [m.weight_decay for m in model.modules() if isinstance(m, LocalEmbeddingBags)]
+    assert decays == [expected]

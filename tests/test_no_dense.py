@@ -120,6 +120,7 @@ def test_cli_trains_and_evaluates_a_log_without_dense_features(tmp_path, data_di
     rd = tmp_path / "cli"
     cmd = [sys.executable, "-m", "embedscale", "train", "--data-source", "shards", "--data-path", str(data_dir),
            "--train-max-steps", "6", "--train-batch-size", "40", "--model-embedding-dim", "4",
+           "--data-eval-fraction", "0.2",
            "--run-dir", str(rd), "--no-progress", "--json"]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -49,7 +49,7 @@ from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, de
                                    reordered_tables, table_bytes)
 from embedscale.plan.plan import Plan
 from embedscale.specs import (ManagedConfig, RunConfig, TableConfig, TableSpec, auto_batch_size, feature_to_table,
-                              managed_tables, to_dict)
+                              auto_sparse_weight_decay, managed_tables, to_dict)
 from embedscale.embedding.optim import set_weight_decay
 from embedscale.models import build_model
 from embedscale.models.dlrm import set_dropout
@@ -97,11 +97,16 @@ def _file_identity(path: str) -> dict:
 
 
 def prepare_data(cfg: RunConfig, cache_root: str | Path | None = None, progress: bool = True) -> PreparedData:
-    """:func:`_prepare_data`, and ``train.batch_size: 0`` resolved from the training rows
-    (``specs.auto_batch_size``; in ``cfg``, so the run and its saved config train at that batch)."""
+    """:func:`_prepare_data`, and ``train.batch_size: 0`` and ``train.sparse_weight_decay < 0`` resolved from the
+    training rows (``specs.auto_batch_size``, ``specs.auto_sparse_weight_decay``; in ``cfg``, so the run trains
+    with them)."""
     data = _prepare_data(cfg, cache_root, progress)
-    if cfg.train.batch_size == 0:
-        cfg.train.batch_size = auto_batch_size(0 if data.stream else data.train.stop - data.train.start)
+    t, rows = cfg.train, 0 if data.stream else data.train.stop - data.train.start
+    if t.batch_size == 0:
+        t.batch_size = auto_batch_size(rows)
+    if t.sparse_weight_decay < 0:
+        t.sparse_weight_decay = auto_sparse_weight_decay(rows, t.epochs, t.epoch_samples, data.eval is not None,
+                                                         t.max_steps, t.batch_size)
     return data
 
 
@@ -455,7 +460,7 @@ def _trained_by(t, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """``model`` with its training settings (``train.dropout``, ``train.sparse_weight_decay``) and its dense
     optimizer."""
     set_dropout(model, t.dropout)
-    set_weight_decay(model, t.sparse_weight_decay)
+    set_weight_decay(model, max(t.sparse_weight_decay, 0.0))  # < 0: auto, resolved by prepare_data (else none)
     return model, make_dense_optimizer(t, model.dense_parameters())
 
 
