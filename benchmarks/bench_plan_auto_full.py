@@ -316,6 +316,11 @@ def main() -> None:
         log(f"{name}: predicted step {predicted[name] * 1e3:.1f} ms (without the executor overheads "
             f"{predicted_single[name] * 1e3:.1f} ms); forms {forms_of[name]}; "
             f"device {mem[name]['device_bytes'] / 2**20:.1f} MiB host {mem[name]['host_bytes'] / 2**20:.1f} MiB")
+    # the model's own ceiling: every table sharded exact, no budget (1.1 GB a rank: it does not fit), what no plan
+    # within the budget can beat by the model
+    unbounded = predict_plan_forms(tables, work / "profile", topo, {}, costs=costs, batch_size=per_rank, dense=dense,
+                                   host_depth=args.depth)["step_seconds"]
+    log(f"all sharded exact, no budget: predicted step {unbounded * 1e3:.1f} ms")
     torchrec = {f"ddr_{label}": ask_torchrec(tables, work / "profile", per_rank, cap)
                 for label, cap in (("device_budget", dev_b), ("device_plus_host_budget", dev_b + host_b))}
     torchrec["gpu_topology_uvm_caching"] = ask_torchrec_uvm(tables, work / "profile", per_rank, dev_b, host_b)
@@ -397,7 +402,7 @@ def main() -> None:
          prediction_error=err_r, prediction_error_each_run=err_each, recalibrated=args.recalibrate,
          within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
-         plan_trials=trials, load_average_after=os.getloadavg())
+         plan_trials=trials, predicted_all_exact_no_budget_s=unbounded, load_average_after=os.getloadavg())
 
 
 if __name__ == "__main__":

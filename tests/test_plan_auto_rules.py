@@ -7,6 +7,8 @@ model's documented terms (``plan.auto``'s module docstring), not by the planner'
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -148,3 +150,58 @@ def test_a_rules_tt_table_keeps_its_hot_rows_exact_under_the_guard():
     p = np.asarray(prof.sorted_counts("big"), dtype=np.float64)
     p = p / p.sum()
     assert f.hot_rows == pytest.approx(int(np.sum(p * 2 * 1024 >= 1.0)), rel=0.05, abs=2)
+
+
+def _brute_force(stats, dev: float, host: float, c: Costs):
+    """The cheapest plan by the documented sums (``_ref_plan``) over every form of every table (sharded, replicated,
+    host, TT of every calibrated rank) that fits the budgets and keeps an exact table."""
+    forms = ["sharded", "replicated", "host-2"] + [f"tt-{r}" for r in TT_RANKS]
+    best = None
+    for combo in itertools.product(forms, repeat=len(stats)):
+        plan = dict(zip([s.name for s in stats], combo))
+        secs, d, h, exact = _ref_plan(stats, plan, c)
+        if d <= dev and h <= host and exact and (best is None or secs < best[0]):
+            best = (secs, plan)
+    return best[1]
+
+
+def _big_and_small():
+    tabs = [TableSpec("big", 2_000_000, 16), TableSpec("small", 5_000, 16)]
+    stats = []
+    for t in tabs:
+        p = np.arange(1, t.num_rows + 1, dtype=np.float64) ** -0.9
+        stats.append(table_stats(t, np.round(p / p.sum() * 2e6).astype(np.int64), 1e6, 1024, WORLD,
+                                 hot_touch=1e9, tt_min_rows=1))
+    return tabs, stats
+
+
+def test_a_hand_built_case_where_a_rule_is_the_brute_force_optimum():
+    """One 2M-row table that fits the 8 MiB device budget only as TT, one small table; a slow all-reduce (1 GB/s)
+    makes replicating the small table dear; the search is given TT rank 64 only. A brute force over every form of
+    both tables, each plan priced by the documented sums, finds EL-Rec's rule at rank 8 best (worked by hand: a
+    rank-8 lookup costs 62.5 ns against 850 ns at rank 64); auto returns exactly that plan and names the rule;
+    without the rules it keeps rank 64 (the rule is what changed it)."""
+    tabs, stats = _big_and_small()
+    slow = Costs(**{**COSTS.__dict__, "allreduce_gbs": 1.0})
+    dev, host = 8 * 2**20, 0.0
+    assert _brute_force(stats, dev, host, slow) == {"big": "tt-8", "small": "sharded"}
+    res = decide(tabs, None, 1e6, WORLD, dev, host, costs=slow, tt_rank_list=(64,), host_depth=2, stats=stats)
+    assert {n: res.chosen(i).label for i, n in enumerate(res.names)} == {"big": "tt-8", "small": "sharded"}
+    assert res.rule == "EL-Rec rule: tables of >= 2,000,000 rows TT rank 8"
+    plain = decide(tabs, None, 1e6, WORLD, dev, host, costs=slow, tt_rank_list=(64,), host_depth=2, stats=stats,
+                   rules=False)
+    assert plain.chosen(0).label == "tt-64" and plain.rule is None
+
+
+def test_a_rules_plan_is_a_start_the_search_improves_to_the_brute_force_optimum():
+    """The same tables with a fast all-reduce (40 GB/s): replicating the small table is cheaper than sharding it
+    (the brute force says so), so the rule's plan is improved by one form change and auto returns the brute
+    force's optimum, naming the rule and the change."""
+    tabs, stats = _big_and_small()
+    fast = Costs(**{**COSTS.__dict__, "allreduce_gbs": 40.0})
+    dev, host = 8 * 2**20, 0.0
+    best = _brute_force(stats, dev, host, fast)
+    assert best == {"big": "tt-8", "small": "replicated"}
+    res = decide(tabs, None, 1e6, WORLD, dev, host, costs=fast, tt_rank_list=(64,), host_depth=2, stats=stats)
+    assert {n: res.chosen(i).label for i, n in enumerate(res.names)} == best
+    assert res.rule == "EL-Rec rule: tables of >= 2,000,000 rows TT rank 8, then 1 table(s) in another form by the search"

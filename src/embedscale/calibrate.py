@@ -12,6 +12,8 @@ are differences, are not the load's drift; the load average is recorded in ``not
   row-wise Adagrad update in place), per lookup;
 * ``tt_lookup_s[R]``: a :class:`~embedscale.embedding.tt.TTEmbeddingBag` step of rank ``R`` (EL-Rec III: forward,
   backward, core update), per lookup, for every candidate rank;
+* ``tt_size_slope``: the smallest rank's TT step again on a table of 16 times the rows, the relative growth per
+  doubling of the rows (``Costs.tt``: a TT lookup into a table of another size is scaled by it);
 * ``host_row_s``: a :class:`~embedscale.pipeline.PipelinedEmbedding` step of a host table (EL-Rec V: the
   parameter server reads the batch's distinct rows, the trainer pools them, the update goes back to the
   server), minus the exact step, per distinct row of the batch;
@@ -56,6 +58,10 @@ from embedscale.plan.measure import measure_topology
 from embedscale.plan.step import DenseModel
 from embedscale.plan.topology import SAME_HOST
 from embedscale.specs import TableSpec
+
+
+#: ``tt_size_slope``: the smallest rank's TT lookup timed again on a table of this many times the rows
+SIZE_RATIO = 16
 
 
 def _zipf_ids(rng: np.random.Generator, rows: int, n: int, alpha: float, permute: bool = True) -> np.ndarray:
@@ -183,6 +189,12 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
         steps[f"tt-{int(r)}"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(tt), ids)
+    # the same lookup into a table of 16 times the rows (Costs.tt_size_slope): the smallest rank, its cores small
+    big_rows = rows * SIZE_RATIO
+    big_ids = [torch.from_numpy(_zipf_ids(rng, big_rows, batch, alpha)).to(dev) for _ in range(4)]
+    tt_big = TTEmbeddingBag(big_rows, dim, int(min(tt_ranks)), optimizer="rowwise_adagrad", lr=0.01, seed=seed,
+                            device=dev, name="t", validate=False)
+    steps["tt-big"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(tt_big), big_ids)
     # row groups (embedding.hybrid): the hottest rows exact, the rest TT, against the same TT table, on
     # frequency-ordered ids (a row-group table is reordered): what the second lookup and the hot update cost
     r0 = int(min(tt_ranks))
@@ -215,7 +227,9 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     step_over = resid[f_hi][1] - f_hi * per_table
     if step_over < 0:  # noise made the two unknowns' split negative: keep their sum at the full feature count
         per_table, step_over = max(0.0, resid[f_hi][1]) / f_hi, 0.0
-    costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s, row_group_overhead_s=max(0.0, t["rg"] - t["rg-tt"]),
+    slope = (t["tt-big"] / t[f"tt-{int(min(tt_ranks))}"] - 1.0) / np.log2(SIZE_RATIO)
+    costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s, tt_rows=int(rows), tt_size_slope=float(slope),
+                  row_group_overhead_s=max(0.0, t["rg"] - t["rg-tt"]),
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   dense_flops_per_s=rate, step_overhead_s=step_over, table_overhead_s=per_table,
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,

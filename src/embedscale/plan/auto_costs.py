@@ -99,6 +99,12 @@ class Costs:
         row_group_overhead_s: seconds per step a row-group table (hot rows exact, the rest TT,
             ``embedding.hybrid``) pays beyond its parts' lookups: the second lookup over the batch, the hot rows'
             gradient sum and update (a row-group table against the same TT table on the same batches).
+        tt_rows, tt_size_slope: the rows of the table ``tt_lookup_s`` was measured on, and the relative growth of a
+            TT lookup's seconds per doubling of the table's rows (Eff-TT reuses the first cores' slices among a
+            batch's rows, EL-Rec III-A: a larger table's factorisation has more slices per core, fewer shared;
+            measured: a rank-8 lookup 1.49 us at 1M rows, 2.11 us at 10M, single thread). :meth:`tt` scales by
+            ``1 + tt_size_slope * log2(rows / tt_rows)`` (:meth:`tt_size_factor`); ``tt_rows = 0``: not measured,
+            no scaling. Fitted by ``embedscale calibrate`` from its table and one of 16 times its rows.
         executor_overhead_s, executor_world: form kind (``sharded``, ``tt``, ``host``) -> seconds per table and
             step that a real ``executor_world``-rank training step pays beyond everything above (bucketing ids by
             owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
@@ -119,6 +125,8 @@ class Costs:
     step_overhead_s: float = 5e-3
     table_overhead_s: float = 50e-6
     row_group_overhead_s: float = 100e-6
+    tt_rows: int = 0
+    tt_size_slope: float = 0.0
     executor_overhead_s: dict = field(default_factory=dict)
     executor_world: int = 0
     source: str = "default"
@@ -181,11 +189,22 @@ class Costs:
             return 0.0
         return sum(n * float(self.executor_overhead_s.get(k, 0.0)) for k, n in step_terms(kinds).items())
 
-    def tt(self, rank: int) -> float:
-        """Seconds per TT lookup at ``rank``: the measured figures made non-decreasing in the rank
+    def tt_size_factor(self, rows: int | None) -> float:
+        """What a TT lookup into a table of ``rows`` rows costs relative to one into the calibration's table
+        (``1 + tt_size_slope * log2(rows / tt_rows)``, at least 0.5; 1 when either is unknown)."""
+        if not rows or not self.tt_rows or not self.tt_size_slope:
+            return 1.0
+        return max(0.5, 1.0 + float(self.tt_size_slope) * math.log2(float(rows) / float(self.tt_rows)))
+
+    def tt(self, rank: int, rows: int | None = None) -> float:
+        """Seconds per TT lookup at ``rank`` into a table of ``rows`` rows (:meth:`tt_size_factor`; ``None``: the
+        calibration's table): the measured figures made non-decreasing in the rank
         (:func:`non_decreasing`: a lookup of a higher rank does more work, EL-Rec III-A, so a measured inversion
         is the load's noise), measured ranks at those figures, others by ``a + b R^2`` through the two nearest
         measured ranks, never below the exact lookup."""
+        return self._tt_at_calibration_rows(rank) * self.tt_size_factor(rows)
+
+    def _tt_at_calibration_rows(self, rank: int) -> float:
         pts = non_decreasing(sorted((int(r), float(s)) for r, s in self.tt_lookup_s.items()))
         if not pts:
             raise ConfigError("costs: tt_lookup_s is empty")
@@ -224,10 +243,12 @@ class Costs:
             v = float(getattr(out, name))
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a positive number, got {v}")
-        for name in ("link_latency_us", "step_overhead_s", "table_overhead_s", "row_group_overhead_s"):
+        for name in ("link_latency_us", "step_overhead_s", "table_overhead_s", "row_group_overhead_s", "tt_rows"):
             v = float(getattr(out, name))
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a number >= 0, got {v}")
+        if not math.isfinite(float(out.tt_size_slope)):
+            raise ConfigError(f"{where}: tt_size_slope must be a finite number, got {out.tt_size_slope}")
         try:
             out.executor_overhead_s = {str(k): float(v) for k, v in dict(out.executor_overhead_s).items()}
             out.executor_world = int(out.executor_world)

@@ -27,6 +27,7 @@ from typing import Sequence
 
 from embedscale.plan.auto_candidates import MAX_HOT_ROW_SHARE, STATE_BYTES_PER_ROW, Candidate, TableStats
 from embedscale.plan.auto_costs import CandidateKind, Costs, exchange_latency_of
+from embedscale.plan.auto_search import improve
 from embedscale.plan.forms import SHARDED, FormKind, TableForm
 from embedscale.plan.step import candidate_of
 
@@ -141,4 +142,22 @@ def best_of_rules(cands: list[list[Candidate]], stats: Sequence[TableStats], cho
             cands[i].append(c)
             j = len(cands[i]) - 1
         out.append(j)
-    return out, best[0].name, priced
+    return _improved(cands, out, best[0].name, dev_budget, host_budget, world, costs) + (priced,)
+
+
+def _improved(cands, choice: list[int], name: str, dev_budget: float, host_budget: float, world: int,
+              costs: Costs) -> tuple[list[int], str]:
+    """A rule's ``choice`` improved by the search's single and paired form changes within the budgets
+    (:func:`~embedscale.plan.auto_search.improve`), kept when the whole plan's seconds (the terms a plan pays once
+    per kind of table included) fall: a rule's plan is a start, not a ceiling (one table of the rule in another
+    form may be cheaper still). The name says how many tables changed."""
+    def secs(ch):
+        cs = [cands[i][j] for i, j in enumerate(ch)]
+        return float(sum(c.seconds for c in cs)) + exchange_latency_of([c.kind for c in cs], world, costs)
+
+    better = improve(cands, choice, dev_budget, host_budget, pairs=True)
+    exact = any(cands[i][j].kind in (CandidateKind.SHARDED, CandidateKind.REPLICATED) for i, j in enumerate(better))
+    changed = sum(a != b for a, b in zip(better, choice))
+    if changed and exact and secs(better) < secs(choice) * (1 - 1e-12):
+        return better, f"{name}, then {changed} table(s) in another form by the search"
+    return list(choice), name

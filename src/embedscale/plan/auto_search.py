@@ -70,7 +70,7 @@ def _repair(cands, choice, dev_budget, host_budget, arrays=None) -> list[int]:
     return [int(x) for x in ch]
 
 
-def _improve(cands, choice, dev_budget, host_budget, pairs: bool) -> list[int]:
+def improve(cands, choice, dev_budget, host_budget, pairs: bool) -> list[int]:
     """Take the single move, then (``pairs``) the pair of moves, that saves the most seconds within the
     budgets, until none does."""
     choice = list(choice)
@@ -117,7 +117,7 @@ def search_greedy(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_
     Lagrangian starts: for multipliers ``(a, b)`` on a grid, every table takes the form minimising
     ``seconds + a * device_bytes / device_budget + b * host_bytes / host_budget`` (``a = b = 0``: the fastest
     form); each start is repaired (:func:`_repair`: the moves that remove the most over-budget per second lost)
-    and improved by single moves; the best is then improved by single and paired moves (:func:`_improve`)."""
+    and improved by single moves; the best is then improved by single and paired moves (:func:`improve`)."""
     fastest = [int(np.argmin([c.seconds for c in cs])) for cs in cands]
     scale = max(_totals(cands, fastest)[0], 1e-30)
     grid = [0.0] + list(scale * np.geomspace(1e-3, 1e2, max(1, multipliers - 1)))
@@ -136,14 +136,14 @@ def search_greedy(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_
             t, d, h = _totals(cands, ch)
             over = _over(d, h, dev_budget, host_budget)
             if over == 0:
-                ch = _improve(cands, ch, dev_budget, host_budget, pairs=False)
+                ch = improve(cands, ch, dev_budget, host_budget, pairs=False)
                 t = _totals(cands, ch)[0]
             key = (over, t)
             if best_key is None or key < best_key:
                 best, best_key = ch, key
     if best_key[0] > 0:
         return best
-    return _improve(cands, best, dev_budget, host_budget, pairs=pairs)
+    return improve(cands, best, dev_budget, host_budget, pairs=pairs)
 
 
 def search_milp(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_budget: float,

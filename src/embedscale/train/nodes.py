@@ -39,6 +39,7 @@ from embedscale.train.checkpoint import latest_checkpoint
 POLL_S = 0.2  # how often a waiting rank looks at the store
 SAY_EVERY_S = 60.0  # a waiting node's first rank says what it waits for this often
 HANDOFF = ".handoff"  # rank 0's nonce of this launch, in its run directory
+STORE_PART = 4 << 20  # bytes of a handed file per store value (torchrun's libuv store refuses more than 8 MiB)
 HANDED_FILES = ("run-plan.json", "config.yaml", "towers.json", "checkpoint_towers.json")  # beside plan/
 
 
@@ -104,8 +105,12 @@ class Handoff:
         files = handed_files(run_dir)
         nonce = uuid.uuid4().hex  # this launch's, in rank 0's directory: a node that reads it there shares it
         atomic_write_text(run_dir / HANDOFF, nonce)
-        for rel in files:
-            self.store.set(f"file/{rel}", (run_dir / rel).read_bytes())
+        for rel in files:  # in parts: torchrun's store takes values of at most 8 MiB (a full-size plan's rows: 135 MB)
+            data = (run_dir / rel).read_bytes()
+            parts = max(1, -(-len(data) // STORE_PART))
+            self.store.set(f"file/{rel}/parts", str(parts))
+            for i in range(parts):
+                self.store.set(f"file/{rel}/{i}", data[i * STORE_PART:(i + 1) * STORE_PART])
         self.store.set("ready", json.dumps({"files": files, "tables": table_sizes(tables),
                                             "checkpoint": latest_name(run_dir), "run_dir": str(run_dir),
                                             "nonce": nonce}))
@@ -175,7 +180,8 @@ class Handoff:
             dst = run_dir / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             with atomic_open(dst, "wb") as f:
-                f.write(self.store.get(f"file/{rel}"))
+                for i in range(int(self.store.get(f"file/{rel}/parts"))):
+                    f.write(self.store.get(f"file/{rel}/{i}"))
 
     def wait_all_nodes(self, nodes: int, timeout_s: float) -> None:
         """Every rank, its part prepared: wait until every node is, ending at once with the error of one that
