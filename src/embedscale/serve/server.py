@@ -319,6 +319,9 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
+    batcher = state["batcher"]
+    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
+        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
     served = state["served"]  # one model for this request: its encoding and its scores
     try:
         enc = served.encoder.encode_rows(rows)
@@ -327,15 +330,18 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, msg, field=e.field, row=e.row)
     if enc.rows == 0:
         return JSONResponse({"model_version": served.version, "probabilities": []})
-    batcher = state["batcher"]
     if not state["ready"] or batcher is None:
         return _error(503, "the server is not ready (starting or draining)")
     fut = batcher.submit(enc, served)
     if fut is None:
-        return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
-                           "retry later")
+        return _queue_full(batcher, cfg)
     version, probs = await fut
     return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _queue_full(batcher: Batcher, cfg: ServeConfig):
+    return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
+                       "retry later")
 
 
 def _ranking_rows(doc: dict):
