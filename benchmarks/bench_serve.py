@@ -105,7 +105,7 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tup
                              "--queue-rows", str(args.queue_rows)],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
@@ -297,12 +297,14 @@ def main() -> None:
         paths = make_exports(Path(tmp), args.max_rows, args.dim, ("int8",) if args.no_fp32 else ("int8", "fp32"))
         print(f"exports made in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         bodies = request_bodies(64, args.rows, table_rows(args.max_rows), ranking=args.ranking)
-        servers = {form: start(p, args) for form, p in paths.items()}
-        if not args.no_torchrec:
-            servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
-        runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
+        servers: dict = {}
         over = None
         try:
+            for form, p in paths.items():
+                servers[form] = start(p, args)
+            if not args.no_torchrec:
+                servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
+            runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
             for rep in range(args.repeats):
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))  # interleaved, rotated
                 for form in order:

@@ -33,7 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serve import closed_loop, free_port, request_bodies  # noqa: E402
+from bench_serve import Client, closed_loop, free_port, request_bodies  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
@@ -57,28 +57,24 @@ def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
 
 async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds: float) -> list[tuple]:
     """``(sent at, latency s, status, model_version)`` of every request of a fixed-rate schedule."""
-    import httpx
-
     out: list[tuple] = []
+    c = Client(url)
 
-    async def one(c, i: int, t_send: float) -> None:
+    async def one(i: int, t_send: float) -> None:
         t0 = time.perf_counter()
-        try:
-            r = await c.post(url + "/v1/predict", content=bodies[i % len(bodies)])
-            version = r.json().get("model_version") if r.status_code == 200 else None
-            out.append((t_send, time.perf_counter() - t0, r.status_code, version))
-        except httpx.HTTPError:
-            out.append((t_send, time.perf_counter() - t0, 0, None))
+        status, body = await c.post("/v1/predict", bodies[i % len(bodies)])
+        version = json.loads(body).get("model_version") if status == 200 else None
+        out.append((t_send, time.perf_counter() - t0, status, version))
 
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=512)) as c:
-        tasks = []
-        for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
-            delay = t0 + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(c, i, time.monotonic() - t0)))
-        await asyncio.gather(*tasks)
+    tasks = []
+    for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
+        delay = t0 + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, time.monotonic() - t0)))
+    await asyncio.gather(*tasks)
+    c.close()
     return sorted(out)
 
 
@@ -107,6 +103,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=100, help="candidates a request")
     ap.add_argument("--max-rows", type=int, default=10_000, help="rows a table at most")
     ap.add_argument("--checkpoint-every", type=int, default=30)
+    ap.add_argument("--export-every", type=float, default=14.0,
+                    help="seconds between the exporter's looks at the run (a new version at most this often)")
     ap.add_argument("--quick", action="store_true", help="60 s of load")
     args = ap.parse_args()
     if args.quick:
@@ -127,7 +125,7 @@ def main() -> int:
             run = ck.parent.parent.parent
             live = w / "live"
             procs.append(embedscale("export", str(run), "--follow", "--quantize", "int8", "--out", str(live),
-                                    "--poll-s", "1", log=w / "export.log"))
+                                    "--poll-s", str(args.export_every), log=w / "export.log"))
             wait_for("first export", lambda: (live / "export.json").exists(), 600, procs)
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",

@@ -128,3 +128,32 @@ def test_a_full_queue_refuses_before_encoding(tmp_path):
         r = client.post("/v1/predict", content=json.dumps({"rows": rows}))
         assert r.status_code == 200 and calls == [4]
         np.testing.assert_allclose(r.json()["probabilities"], probs, rtol=2e-6, atol=1e-7)
+
+
+def test_a_followed_model_is_warmed_on_the_last_batch_before_the_swap(tmp_path, monkeypatch):
+    """``load_and_warm`` (what ``--follow`` runs off the serving thread) scores the last batch served with the new
+    model before handing it over, and its scores then are the reference's (``predict``); a batch the new model
+    cannot score leaves it loaded, cold."""
+    from serve_fixtures import train_tiny, write_criteo
+
+    from embedscale.serve.export import export
+    from embedscale.serve.predict import ServedModel, load_export, predict_file
+    from embedscale.serve.server import load_and_warm
+
+    run_dir, _ = train_tiny(tmp_path)
+    export(run_dir, tmp_path / "model", "int8")
+    rows = write_criteo(tmp_path / "q.tsv", 5, seed=9)
+    predict_file(tmp_path / "model", tmp_path / "q.tsv", tmp_path / "q.parquet")
+    import pyarrow.parquet as pq
+
+    probs = pq.read_table(tmp_path / "q.parquet").column("probability").to_numpy()
+    sample = load_export(tmp_path / "model").encoder.encode_rows(rows)
+    scored = []
+    logits = ServedModel.logits
+    monkeypatch.setattr(ServedModel, "logits", lambda self, enc: scored.append(enc.rows) or logits(self, enc))
+    new = load_and_warm(tmp_path / "model", sample)
+    assert scored == [5]
+    np.testing.assert_allclose(torch.sigmoid(new.logits(sample)).numpy(), probs, rtol=2e-6, atol=1e-7)
+    bad = sample.__class__(sample.dense, sample.sparse.__class__(sample.sparse.keys, sample.sparse.values + 10 ** 9,
+                                                                 sample.sparse.lengths))
+    assert load_and_warm(tmp_path / "model", bad).version == new.version
