@@ -147,17 +147,26 @@ class Client:
         if host.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
             raise SystemExit(f"{url}: load goes to loopback addresses only")
         self.host, self.port, self.timeout, self.idle = host.strip("[]"), int(port), timeout, []
+        self.errors: list[str] = []
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """``(status, body)``; status 0 when the connection failed or timed out."""
-        conn = self.idle.pop() if self.idle else None
-        try:
-            if conn is None:
-                conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout)
-            status, data, keep = await asyncio.wait_for(self._exchange(conn, path, body), self.timeout)
-        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
-            if conn is not None:
-                conn[1].close()
+        """``(status, body)``; status 0 when the connection failed or timed out. A kept-alive connection the
+        server has closed meanwhile (its idle timeout) is replaced once."""
+        for attempt in range(2):
+            reused = bool(self.idle)
+            conn = self.idle.pop() if reused else None
+            try:
+                if conn is None:
+                    conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout)
+                status, data, keep = await asyncio.wait_for(self._exchange(conn, path, body), self.timeout)
+                break
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+                if conn is not None:
+                    conn[1].close()
+                if not (reused and isinstance(e, (IndexError, ConnectionError, asyncio.IncompleteReadError))):
+                    self.errors.append(repr(e))
+                    return 0, b""
+        else:
             return 0, b""
         if keep:
             self.idle.append(conn)
@@ -204,6 +213,8 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: 
     await asyncio.gather(*(client(k) for k in range(concurrency)))
     wall = time.monotonic() - t0
     c.close()
+    if c.errors:
+        print(f"{url}: {len(c.errors)} requests failed, first: {c.errors[0]}", file=sys.stderr)
     return summary(lat, codes, wall)
 
 
@@ -228,6 +239,8 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float) 
     await asyncio.gather(*tasks)
     wall = time.monotonic() - t0
     c.close()
+    if c.errors:
+        print(f"{url}: {len(c.errors)} requests failed, first: {c.errors[0]}", file=sys.stderr)
     return summary(lat, codes, wall)
 
 
@@ -315,7 +328,8 @@ def main() -> None:
                           f"{runs['closed', form][-1]['p99_ms']:.1f} ms, open p99 "
                           f"{runs['open', form][-1]['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
             if args.overload_seconds:
-                saturation = statistics.median(r["qps"] for r in runs["closed", "int8"])
+                # the best closed-loop rate seen: on a shared host the median undershoots the server's capacity
+                saturation = max(r["qps"] for r in runs["closed", "int8"])
                 over = overload(servers["int8"][1], servers["int8"][0].pid, bodies, saturation, args.overload_seconds)
         finally:
             for proc, _ in servers.values():

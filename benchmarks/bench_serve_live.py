@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,8 +40,10 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
 def embedscale(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
+    proc = subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
 
 
 def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
@@ -49,8 +52,11 @@ def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
         found = check()
         if found:
             return found
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a process ended while waiting for {what}")
+        ended = [p for p in procs if p.poll() is not None]
+        if ended:
+            log = Path(ended[0].log).read_text()[-3000:]
+            raise SystemExit(f"{' '.join(map(str, ended[0].args[2:4]))} ended (exit {ended[0].returncode}) while "
+                             f"waiting for {what}:\n{log}")
         time.sleep(0.5)
     raise SystemExit(f"no {what} within {timeout:.0f} s")
 
@@ -89,7 +95,9 @@ def analyse(rows: list[tuple], window: float = 1.0) -> dict:
     during = [r[1] for r in ok if near(r[0])]
     steady = [r[1] for r in ok if not near(r[0])]
     p99 = lambda x: float(np.percentile(x, 99)) * 1e3 if x else float("nan")  # noqa: E731
-    return {"requests": len(rows), "failed": len(rows) - len(ok), "swaps": len(swaps),
+    return {"requests": len(rows), "failed": len(rows) - len(ok), "failed_by_status": {
+                str(c): sum(1 for r in rows if r[2] == c) for c in sorted({r[2] for r in rows} - {200})},
+            "swaps": len(swaps),
             "versions": len({r[3] for r in ok}), "p99_steady_ms": p99(steady), "p99_swaps_ms": p99(during),
             "p50_steady_ms": float(np.median(steady)) * 1e3 if steady else float("nan"),
             "requests_during_swaps": len(during)}
@@ -106,6 +114,7 @@ def main() -> int:
     ap.add_argument("--export-every", type=float, default=14.0,
                     help="seconds between the exporter's looks at the run (a new version at most this often)")
     ap.add_argument("--quick", action="store_true", help="60 s of load")
+    ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
         args.seconds = 60.0
@@ -150,6 +159,11 @@ def main() -> int:
                     p.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     p.kill()
+            if args.keep_logs:
+                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                for log in ("train.log", "export.log", "serve.log"):
+                    if (w / log).exists():
+                        shutil.copy(w / log, Path(args.keep_logs) / log)
         res = analyse(rows)
     ratio = res["p99_swaps_ms"] / res["p99_steady_ms"] if res["swaps"] else None
     print(json.dumps({"benchmark": "serve_live_swaps", "figure": ratio, "unit": "p99 during swaps / steady p99",
