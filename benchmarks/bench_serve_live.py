@@ -81,6 +81,8 @@ async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds
         tasks.append(asyncio.create_task(one(i, time.monotonic() - t0)))
     await asyncio.gather(*tasks)
     c.close()
+    if c.errors:
+        print(f"{len(c.errors)} requests without an answer, first: {c.errors[0]}", file=sys.stderr)
     return sorted(out)
 
 
@@ -114,6 +116,8 @@ def main() -> int:
     ap.add_argument("--export-every", type=float, default=14.0,
                     help="seconds between the exporter's looks at the run (a new version at most this often)")
     ap.add_argument("--quick", action="store_true", help="60 s of load")
+    ap.add_argument("--queue-rows", type=int, default=65536,
+                    help="the server's queue: room for the stalls of a shared host at half saturation")
     ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
@@ -139,6 +143,7 @@ def main() -> int:
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
                                     "--host", "127.0.0.1", "--port", str(port), "--max-rows", "1024",
+                                    "--queue-rows", str(args.queue_rows),
                                     log=w / "serve.log"))
             url = f"http://127.0.0.1:{port}"
             import httpx
