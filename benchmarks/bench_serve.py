@@ -153,7 +153,7 @@ class Client:
         """``(status, body)``; status 0 when the connection failed or timed out. A kept-alive connection the
         server has closed meanwhile (its idle timeout) is replaced once."""
         for attempt in range(2):
-            reused = bool(self.idle)
+            reused = bool(self.idle) and attempt == 0  # the retry opens a new connection
             conn = self.idle.pop() if reused else None
             try:
                 if conn is None:

@@ -132,7 +132,8 @@ def main() -> int:
                 "--data-synthetic-max-rows", str(args.max_rows), "--data-train-samples", "200000",
                 "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
                 "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.epochs=1000",
-                "--set", "train.eval_every=0", "--set", "train.batch_size=1024", log=w / "train.log"))
+                "--set", "train.eval_every=0", "--set", "train.early_stopping_patience=0",
+                "--set", "train.batch_size=1024", log=w / "train.log"))
             ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
                                                            None), 1800, procs)
             run = ck.parent.parent.parent
