@@ -12,8 +12,11 @@ by round so machine load hits them alike:
 * open loop: requests sent at a fixed offered rate (``--rate`` per second) whatever the answers, so queueing
   shows in the latency (a request that finds the queue full is counted as a 503, not retried).
 
-A request is a ranking call: ``--rows`` candidate rows of raw ids (the export is id-encoded). Every loop is
-bounded in requests and seconds. Prints one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9
+A request holds ``--rows`` rows of raw ids (the export is id-encoded); ``--ranking``: one user context (the 13
+counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call. ``--max-rows 0``: full-size tables
+(33.8M rows). ``--overload-seconds``: then ours at half, twice and half again the best closed-loop rate: the
+503s' latency, the server's resident memory and the steady p99 before and after (one more JSON line). The load
+goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9
 latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
 average, the config.
 
@@ -345,11 +348,12 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
         med = {form: {k: statistics.median(r[k] for r in runs[mode, form]) for k in runs[mode, form][0]}
                for form in servers}
         p90 = {form: float(np.percentile([r["qps"] for r in runs[mode, form]], 90)) for form in servers}
-        base = "torchrec-int8" if "torchrec-int8" in med else "fp32"
+        base = "torchrec-int8" if "torchrec-int8" in med else "fp32" if "fp32" in med else "int8"  # int8: alone
         print(json.dumps({"figure": f"serve_{mode}_loop_qps_int8", "value": med["int8"]["qps"],
                           "baseline": ("the same INT8 model with TorchRec's quantized EmbeddingBagCollection as its "
-                                       "lookup, same server, same run") if base != "fp32" else
-                                      "the same model's FP32 export, same server, same run",
+                                       "lookup, same server, same run") if base == "torchrec-int8" else
+                                      "the same model's FP32 export, same server, same run" if base == "fp32" else
+                                      "none (ours alone: --no-torchrec --no-fp32)",
                           "baseline_value": med[base]["qps"],
                           "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
                           "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
