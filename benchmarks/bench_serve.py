@@ -16,8 +16,8 @@ A request holds ``--rows`` rows of raw ids (the export is id-encoded); ``--ranki
 counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call. ``--max-rows 0``: full-size tables
 (33.8M rows). ``--overload-seconds``: then ours at half, twice and half again the best closed-loop rate: the
 503s' latency, the server's resident memory and the steady p99 before and after (one more JSON line). The load
-goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9
-latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
+goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints
+one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9 latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
 average, the config.
 
     .venv/bin/python benchmarks/bench_serve.py [--quick]
