@@ -25,8 +25,10 @@ from embedscale.serve.quantize import dequantize_rows  # noqa: E402
 class TorchRecQuantEmbedding(nn.Module):
     """``ServedEmbedding``'s interface over TorchRec's quantized EmbeddingBagCollection (INT8 weights)."""
 
-    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False):
+    def __init__(self, tables: list[dict], stored: dict[str, torch.Tensor], shared: bool = False, tt=None):
         super().__init__()
+        if any(t["form"] == "tt" for t in tables):
+            raise SystemExit("the TorchRec baseline serves row tables only, not TT cores")
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
         from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection

@@ -12,9 +12,12 @@ by round so machine load hits them alike:
 * open loop: requests sent at a fixed offered rate (``--rate`` per second) whatever the answers, so queueing
   shows in the latency (a request that finds the queue full is counted as a 503, not retried).
 
-A request is a ranking call: ``--rows`` candidate rows of raw ids (the export is id-encoded). Every loop is
-bounded in requests and seconds. Prints one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9
-latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
+A request holds ``--rows`` rows of raw ids (the export is id-encoded); ``--ranking``: one user context (the 13
+counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call. ``--max-rows 0``: full-size tables
+(33.8M rows). ``--overload-seconds``: then ours at half, twice and half again the best closed-loop rate: the
+503s' latency, the server's resident memory and the steady p99 before and after (one more JSON line). The load
+goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints
+one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9 latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
 average, the config.
 
     .venv/bin/python benchmarks/bench_serve.py [--quick]
@@ -48,9 +51,14 @@ from embedscale.serve.quantize import quantize_rows, row_bytes  # noqa: E402
 from embedscale.specs import ModelConfig, TableSpec  # noqa: E402
 
 
+def table_rows(max_rows: int) -> list[int]:
+    """criteo-kaggle's table sizes, capped at ``max_rows`` (0: full size, 33.8M rows in all)."""
+    return [min(int(r), max_rows) if max_rows else int(r) for r in PRESETS["criteo-kaggle"]]
+
+
 def make_exports(out: Path, max_rows: int, dim: int, forms=("int8", "fp32")) -> dict[str, Path]:
     """One random DLRM exported with INT8 and with FP32 tables (id-encoded: request values are rows)."""
-    rows = [min(int(r), max_rows) for r in PRESETS["criteo-kaggle"]]
+    rows = table_rows(max_rows)
     specs = [TableSpec(f"t_C{i + 1}", n, dim, [f"C{i + 1}"]) for i, n in enumerate(rows)]
     cfg = ModelConfig(arch="dlrm", embedding_dim=dim, bottom_mlp=[512, 256, 64], top_mlp=[512, 256])
     torch.manual_seed(0)
@@ -96,11 +104,12 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tup
         [sys.executable, "-m", "embedscale", "serve"]
     proc = subprocess.Popen([*cmd, str(export), "--host", "127.0.0.1",
                              "--port", str(port), "--max-batch", str(args.max_batch), "--max-wait-ms",
-                             str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024))],
+                             str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024)),
+                             "--queue-rows", str(args.queue_rows)],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
                 return proc, url
@@ -110,86 +119,189 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tup
     raise SystemExit(f"{export}: the server did not start")
 
 
-def request_bodies(n: int, rows: int, tables: list[int], seed: int = 0) -> list[bytes]:
+def request_bodies(n: int, rows: int, tables: list[int], seed: int = 0, ranking: bool = False) -> list[bytes]:
+    """``n`` request bodies of ``rows`` rows each; ``ranking``: one user context (the 13 counts and C1-C13) and
+    ``rows`` candidates (C14-C26), the common ranking call."""
     rng = np.random.default_rng(seed)
     out = []
+    cat = lambda j: int(min(rng.zipf(1.2), tables[j]) - 1)  # noqa: E731 - power-law ids, hot rows first
     for _ in range(n):
+        if ranking:
+            ctx = {f"I{i}": int(rng.integers(0, 100)) for i in range(1, 14)}
+            ctx.update({f"C{j + 1}": cat(j) for j in range(13)})
+            cands = [{f"C{j + 1}": cat(j) for j in range(13, len(tables))} for _ in range(rows)]
+            out.append(json.dumps({"context": ctx, "candidates": cands}).encode())
+            continue
         reqs = []
         for _ in range(rows):
             r = {f"I{i}": int(rng.integers(0, 100)) for i in range(1, 14)}
-            r.update({f"C{j + 1}": int(min(rng.zipf(1.2), t) - 1) for j, t in enumerate(tables)})
+            r.update({f"C{j + 1}": cat(j) for j in range(len(tables))})
             reqs.append(r)
         out.append(json.dumps({"rows": reqs}).encode())
     return out
 
 
-async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
-    import httpx
+class Client:
+    """A lean HTTP/1.1 client over asyncio streams for the load loops (keep-alive connections, pooled; loopback
+    only): the load generator shares the host's 2 cores with the servers, and a light one leaves them more."""
 
+    def __init__(self, url: str, timeout: float = 60.0):
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        if host.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+            raise SystemExit(f"{url}: load goes to loopback addresses only")
+        self.host, self.port, self.timeout, self.idle = host.strip("[]"), int(port), timeout, []
+        self.errors: list[str] = []
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """``(status, body)``; status 0 when the connection failed or timed out. A kept-alive connection the
+        server has closed meanwhile (its idle timeout) is replaced once."""
+        for attempt in range(2):
+            reused = bool(self.idle) and attempt == 0  # the retry opens a new connection
+            conn = self.idle.pop() if reused else None
+            try:
+                if conn is None:
+                    conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout)
+                status, data, keep = await asyncio.wait_for(self._exchange(conn, path, body), self.timeout)
+                break
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+                if conn is not None:
+                    conn[1].close()
+                if not (reused and isinstance(e, (IndexError, ConnectionError, asyncio.IncompleteReadError))):
+                    self.errors.append(repr(e))
+                    return 0, b""
+        else:
+            return 0, b""
+        if keep:
+            self.idle.append(conn)
+        else:
+            conn[1].close()
+        return status, data
+
+    async def _exchange(self, conn, path: str, body: bytes) -> tuple[int, bytes, bool]:
+        r, w = conn
+        w.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), self.host.encode(), len(body)) + body)
+        await w.drain()
+        status = int((await r.readline()).split()[1])
+        length, keep = 0, True
+        while (line := await r.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            if k.lower() == "content-length":
+                length = int(v)
+            elif k.lower() == "connection" and v.strip().lower() == "close":
+                keep = False
+        return status, await r.readexactly(length), keep
+
+    def close(self) -> None:
+        for _, w in self.idle:
+            w.close()
+        self.idle = []
+
+
+async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     lat, codes = [], []
     t_end = time.monotonic() + seconds
+    c = Client(url)
 
     async def client(k: int) -> None:
-        async with httpx.AsyncClient(timeout=60) as c:
-            i = k
-            while time.monotonic() < t_end and i < 100_000:  # bounded in time and count
-                t0 = time.perf_counter()
-                r = await c.post(url + "/v1/predict", content=bodies[i % len(bodies)])
-                lat.append(time.perf_counter() - t0)
-                codes.append(r.status_code)
-                i += concurrency
+        i = k
+        while time.monotonic() < t_end and i < 100_000:  # bounded in time and count
+            t0 = time.perf_counter()
+            status, _ = await c.post("/v1/predict", bodies[i % len(bodies)])
+            lat.append(time.perf_counter() - t0)
+            codes.append(status)
+            i += concurrency
 
     t0 = time.monotonic()
     await asyncio.gather(*(client(k) for k in range(concurrency)))
-    return summary(lat, codes, time.monotonic() - t0)
+    wall = time.monotonic() - t0
+    c.close()
+    if c.errors:
+        print(f"{url}: {len(c.errors)} requests failed, first: {c.errors[0]}", file=sys.stderr)
+    return summary(lat, codes, wall)
 
 
 async def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float) -> dict:
-    import httpx
-
     lat, codes = [], []
     n = int(rate * seconds)
+    c = Client(url)
 
-    async def one(c, i: int) -> None:
+    async def one(i: int) -> None:
         t0 = time.perf_counter()
-        try:
-            r = await c.post(url + "/v1/predict", content=bodies[i % len(bodies)])
-            codes.append(r.status_code)
-        except httpx.HTTPError:
-            codes.append(0)
+        status, _ = await c.post("/v1/predict", bodies[i % len(bodies)])
+        codes.append(status)
         lat.append(time.perf_counter() - t0)
 
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=512)) as c:
-        tasks = []
-        for i in range(n):  # a fixed schedule: request i at i / rate
-            delay = t0 + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(c, i)))
-        await asyncio.gather(*tasks)
-    return summary(lat, codes, time.monotonic() - t0)
+    tasks = []
+    for i in range(n):  # a fixed schedule: request i at i / rate
+        delay = t0 + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    wall = time.monotonic() - t0
+    c.close()
+    if c.errors:
+        print(f"{url}: {len(c.errors)} requests failed, first: {c.errors[0]}", file=sys.stderr)
+    return summary(lat, codes, wall)
 
 
 def summary(lat: list[float], codes: list[int], wall: float) -> dict:
     ok = [x for x, c in zip(lat, codes) if c == 200]
+    busy = [x for x, c in zip(lat, codes) if c == 503]
     q = (lambda p: float(np.percentile(ok, p)) * 1000) if ok else (lambda p: float("nan"))
+    q503 = (lambda p: float(np.percentile(busy, p)) * 1000) if busy else (lambda p: float("nan"))
     return {"requests": len(codes), "ok": len(ok), "503": codes.count(503), "failed": len(codes) - len(ok)
             - codes.count(503), "qps": len(ok) / wall, "p50_ms": q(50), "p90_ms": q(90), "p99_ms": q(99),
-            "p999_ms": q(99.9)}
+            "p999_ms": q(99.9), "p50_503_ms": q503(50), "p99_503_ms": q503(99), "max_503_ms": q503(100)}
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid`` in MB (``VmRSS``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]]:
+    """Run a load ``coro`` while sampling process ``pid``'s resident memory every ``every`` s."""
+    samples = [rss_mb(pid)]
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        await asyncio.sleep(every)
+        samples.append(rss_mb(pid))
+    return await task, samples
+
+
+def overload(url: str, pid: int, bodies: list[bytes], saturation: float, seconds: float) -> dict:
+    """Steady load (half the saturation rate), then twice the saturation rate, then the steady load again: the
+    503s' latency, the server's resident memory through it all, and the steady p99 before and after."""
+    before, mem0 = asyncio.run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
+    over, mem1 = asyncio.run(sampled(open_loop(url, bodies, 2 * saturation, seconds), pid))
+    after, mem2 = asyncio.run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
+    return {"saturation_qps": saturation, "steady_before": before, "overload": over, "steady_after": after,
+            "rss_mb": {"before": max(mem0), "peak_overload": max(mem1), "after": max(mem2)},
+            "recovery_p99_ratio": after["p99_ms"] / before["p99_ms"] if before["p99_ms"] else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--max-rows", type=int, default=100_000)
+    ap.add_argument("--max-rows", type=int, default=100_000, help="rows a table at most (0: full size, 33.8M rows)")
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--rows", type=int, default=100, help="candidate rows per request")
+    ap.add_argument("--ranking", action="store_true", help="requests of one user context and --rows candidates")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rate", type=float, default=20.0, help="open loop: requests per second offered")
     ap.add_argument("--seconds", type=float, default=10.0, help="per load run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
+    ap.add_argument("--queue-rows", type=int, default=8192, help="rows queued at most (beyond: 503)")
+    ap.add_argument("--no-fp32", action="store_true", help="without the FP32 export beside (full size: 2.2 GB)")
+    ap.add_argument("--overload-seconds", type=float, default=0.0,
+                    help="then ours at half, twice and half again the saturation rate, this long each (0: not)")
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
     ap.add_argument("--no-torchrec", action="store_true", help="without the TorchRec baseline (torchrec not installed)")
     args = ap.parse_args()
@@ -197,41 +309,62 @@ def main() -> None:
         args.max_rows, args.seconds, args.repeats, args.rows = 10_000, 3.0, 2, 20
     load0 = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = make_exports(Path(tmp), args.max_rows, args.dim)
-        tables = [min(int(r), args.max_rows) for r in PRESETS["criteo-kaggle"]]
-        bodies = request_bodies(64, args.rows, tables)
-        servers = {form: start(p, args) for form, p in paths.items()}
-        if not args.no_torchrec:
-            servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
-        runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
+        t0 = time.monotonic()
+        paths = make_exports(Path(tmp), args.max_rows, args.dim, ("int8",) if args.no_fp32 else ("int8", "fp32"))
+        print(f"exports made in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        bodies = request_bodies(64, args.rows, table_rows(args.max_rows), ranking=args.ranking)
+        servers: dict = {}
+        over = None
         try:
+            for form, p in paths.items():
+                servers[form] = start(p, args)
+            if not args.no_torchrec:
+                servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
+            runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
             for rep in range(args.repeats):
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))  # interleaved, rotated
                 for form in order:
                     url = servers[form][1]
                     runs["closed", form].append(asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)))
                     runs["open", form].append(asyncio.run(open_loop(url, bodies, args.rate, args.seconds)))
-                    print(f"round {rep}: {form} closed {runs['closed', form][-1]['qps']:.1f} qps, open p99 "
-                          f"{runs['open', form][-1]['p99_ms']:.1f} ms", file=sys.stderr)
+                    print(f"round {rep}: {form} closed {runs['closed', form][-1]['qps']:.1f} qps p99 "
+                          f"{runs['closed', form][-1]['p99_ms']:.1f} ms, open p99 "
+                          f"{runs['open', form][-1]['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
+            if args.overload_seconds:
+                # the best closed-loop rate seen: on a shared host the median undershoots the server's capacity
+                saturation = max(r["qps"] for r in runs["closed", "int8"])
+                over = overload(servers["int8"][1], servers["int8"][0].pid, bodies, saturation, args.overload_seconds)
         finally:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
+    report(args, runs, servers, over, load0)
+
+
+def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
+    """One JSON line per load mode (and one for the overload phase when run)."""
     config = {k: v for k, v in vars(args).items()}
     for mode in ("closed", "open"):
         med = {form: {k: statistics.median(r[k] for r in runs[mode, form]) for k in runs[mode, form][0]}
                for form in servers}
         p90 = {form: float(np.percentile([r["qps"] for r in runs[mode, form]], 90)) for form in servers}
-        base = "torchrec-int8" if "torchrec-int8" in med else "fp32"
+        base = "torchrec-int8" if "torchrec-int8" in med else "fp32" if "fp32" in med else "int8"  # int8: alone
         print(json.dumps({"figure": f"serve_{mode}_loop_qps_int8", "value": med["int8"]["qps"],
                           "baseline": ("the same INT8 model with TorchRec's quantized EmbeddingBagCollection as its "
-                                       "lookup, same server, same run") if base != "fp32" else
-                                      "the same model's FP32 export, same server, same run",
+                                       "lookup, same server, same run") if base == "torchrec-int8" else
+                                      "the same model's FP32 export, same server, same run" if base == "fp32" else
+                                      "none (ours alone: --no-torchrec --no-fp32)",
                           "baseline_value": med[base]["qps"],
                           "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
-                          "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"] if med["fp32"]["qps"] else None,
-                          "median": med, "p90_qps": p90, "load": {"start": load0, "end": os.getloadavg()},
-                          "config": config}))
+                          "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
+                          if "fp32" in med and med["fp32"]["qps"] else None,
+                          "median": med, "p90_qps": p90, "rounds": {f: runs[mode, f] for f in servers},
+                          "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
+    if over is not None:
+        print(json.dumps({"figure": "serve_overload_503_p99_ms", "value": over["overload"]["p99_503_ms"],
+                          "baseline": "10 ms (the bar); steady p99 at half saturation before and after",
+                          "ratio": over["recovery_p99_ratio"], **over,
+                          "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,14 +34,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_serve import closed_loop, free_port, request_bodies  # noqa: E402
+from bench_serve import Client, closed_loop, free_port, request_bodies  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
 def embedscale(*args: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
+    proc = subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT)
+    proc.log = log
+    return proc
 
 
 def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
@@ -49,36 +52,37 @@ def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
         found = check()
         if found:
             return found
-        if any(p.poll() is not None for p in procs):
-            raise SystemExit(f"a process ended while waiting for {what}")
+        ended = [p for p in procs if p.poll() is not None]
+        if ended:
+            log = Path(ended[0].log).read_text()[-3000:]
+            raise SystemExit(f"{' '.join(map(str, ended[0].args[2:4]))} ended (exit {ended[0].returncode}) while "
+                             f"waiting for {what}:\n{log}")
         time.sleep(0.5)
     raise SystemExit(f"no {what} within {timeout:.0f} s")
 
 
 async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds: float) -> list[tuple]:
     """``(sent at, latency s, status, model_version)`` of every request of a fixed-rate schedule."""
-    import httpx
-
     out: list[tuple] = []
+    c = Client(url)
 
-    async def one(c, i: int, t_send: float) -> None:
+    async def one(i: int, t_send: float) -> None:
         t0 = time.perf_counter()
-        try:
-            r = await c.post(url + "/v1/predict", content=bodies[i % len(bodies)])
-            version = r.json().get("model_version") if r.status_code == 200 else None
-            out.append((t_send, time.perf_counter() - t0, r.status_code, version))
-        except httpx.HTTPError:
-            out.append((t_send, time.perf_counter() - t0, 0, None))
+        status, body = await c.post("/v1/predict", bodies[i % len(bodies)])
+        version = json.loads(body).get("model_version") if status == 200 else None
+        out.append((t_send, time.perf_counter() - t0, status, version))
 
     t0 = time.monotonic()
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=512)) as c:
-        tasks = []
-        for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
-            delay = t0 + i / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(c, i, time.monotonic() - t0)))
-        await asyncio.gather(*tasks)
+    tasks = []
+    for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
+        delay = t0 + i / rate - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, time.monotonic() - t0)))
+    await asyncio.gather(*tasks)
+    c.close()
+    if c.errors:
+        print(f"{len(c.errors)} requests without an answer, first: {c.errors[0]}", file=sys.stderr)
     return sorted(out)
 
 
@@ -93,7 +97,9 @@ def analyse(rows: list[tuple], window: float = 1.0) -> dict:
     during = [r[1] for r in ok if near(r[0])]
     steady = [r[1] for r in ok if not near(r[0])]
     p99 = lambda x: float(np.percentile(x, 99)) * 1e3 if x else float("nan")  # noqa: E731
-    return {"requests": len(rows), "failed": len(rows) - len(ok), "swaps": len(swaps),
+    return {"requests": len(rows), "failed": len(rows) - len(ok), "failed_by_status": {
+                str(c): sum(1 for r in rows if r[2] == c) for c in sorted({r[2] for r in rows} - {200})},
+            "swaps": len(swaps),
             "versions": len({r[3] for r in ok}), "p99_steady_ms": p99(steady), "p99_swaps_ms": p99(during),
             "p50_steady_ms": float(np.median(steady)) * 1e3 if steady else float("nan"),
             "requests_during_swaps": len(during)}
@@ -107,7 +113,12 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=100, help="candidates a request")
     ap.add_argument("--max-rows", type=int, default=10_000, help="rows a table at most")
     ap.add_argument("--checkpoint-every", type=int, default=30)
+    ap.add_argument("--export-every", type=float, default=14.0,
+                    help="seconds between the exporter's looks at the run (a new version at most this often)")
     ap.add_argument("--quick", action="store_true", help="60 s of load")
+    ap.add_argument("--queue-rows", type=int, default=65536,
+                    help="the server's queue: room for the stalls of a shared host at half saturation")
+    ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
         args.seconds = 60.0
@@ -121,17 +132,19 @@ def main() -> int:
                 "--data-synthetic-max-rows", str(args.max_rows), "--data-train-samples", "200000",
                 "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
                 "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.epochs=1000",
-                "--set", "train.eval_every=0", "--set", "train.batch_size=1024", log=w / "train.log"))
+                "--set", "train.eval_every=0", "--set", "train.early_stopping_patience=0",
+                "--set", "train.batch_size=1024", log=w / "train.log"))
             ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
                                                            None), 1800, procs)
             run = ck.parent.parent.parent
             live = w / "live"
             procs.append(embedscale("export", str(run), "--follow", "--quantize", "int8", "--out", str(live),
-                                    "--poll-s", "1", log=w / "export.log"))
+                                    "--poll-s", str(args.export_every), log=w / "export.log"))
             wait_for("first export", lambda: (live / "export.json").exists(), 600, procs)
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
                                     "--host", "127.0.0.1", "--port", str(port), "--max-rows", "1024",
+                                    "--queue-rows", str(args.queue_rows),
                                     log=w / "serve.log"))
             url = f"http://127.0.0.1:{port}"
             import httpx
@@ -152,6 +165,11 @@ def main() -> int:
                     p.wait(timeout=120)
                 except subprocess.TimeoutExpired:
                     p.kill()
+            if args.keep_logs:
+                Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                for log in ("train.log", "export.log", "serve.log"):
+                    if (w / log).exists():
+                        shutil.copy(w / log, Path(args.keep_logs) / log)
         res = analyse(rows)
     ratio = res["p99_swaps_ms"] / res["p99_steady_ms"] if res["swaps"] else None
     print(json.dumps({"benchmark": "serve_live_swaps", "figure": ratio, "unit": "p99 during swaps / steady p99",

@@ -111,6 +111,7 @@ class Batcher:
         self.held = None  # a request of another model than the batch being gathered: first of the next batch
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
         self.task: asyncio.Task | None = None
+        self.last_input: Encoded | None = None  # the last batch scored: a model about to be swapped in warms on it
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -185,7 +186,9 @@ class Batcher:
     def _forward(self, served: ServedModel, parts: list[Encoded]) -> np.ndarray:
         if self.cfg.delay_ms:
             time.sleep(self.cfg.delay_ms / 1000)
-        return torch.sigmoid(served.logits(concat(parts))).numpy()
+        enc = concat(parts)
+        self.last_input = enc
+        return torch.sigmoid(served.logits(enc)).numpy()
 
 
 def _error(status: int, message: str, field=None, row=None):
@@ -279,7 +282,7 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
             seen = key
             if read_manifest(path)["model_version"] == state["served"].version:
                 continue
-            new = await loop.run_in_executor(None, load_export, path)
+            new = await loop.run_in_executor(None, load_and_warm, path, state["batcher"].last_input)
         except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
             print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
                   flush=True)
@@ -288,6 +291,19 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
         state["served"], state["previous"] = new, old
         metrics.swapped(old.version, new.version)
         print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
+
+
+def load_and_warm(path: Path, sample: Encoded | None) -> ServedModel:
+    """Load the export at ``path`` and score ``sample`` (the last batch served) with it once, off the serving
+    thread: its memory is touched and its first pass run before the swap, not on the first requests after it.
+    A sample the new model cannot score (other tables) only leaves it cold."""
+    new = load_export(path)
+    if sample is not None:
+        try:
+            new.logits(sample)
+        except Exception as e:  # noqa: BLE001 - warming is an optimisation; the model itself loaded
+            print(f"follow {path}: not warmed ({e})", file=sys.stderr, flush=True)
+    return new
 
 
 async def _predict(request, cfg: ServeConfig, state: dict):
@@ -319,6 +335,9 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
+    batcher = state["batcher"]
+    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
+        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
     served = state["served"]  # one model for this request: its encoding and its scores
     try:
         enc = served.encoder.encode_rows(rows)
@@ -327,15 +346,18 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, msg, field=e.field, row=e.row)
     if enc.rows == 0:
         return JSONResponse({"model_version": served.version, "probabilities": []})
-    batcher = state["batcher"]
     if not state["ready"] or batcher is None:
         return _error(503, "the server is not ready (starting or draining)")
     fut = batcher.submit(enc, served)
     if fut is None:
-        return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
-                           "retry later")
+        return _queue_full(batcher, cfg)
     version, probs = await fut
     return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _queue_full(batcher: Batcher, cfg: ServeConfig):
+    return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
+                       "retry later")
 
 
 def _ranking_rows(doc: dict):
