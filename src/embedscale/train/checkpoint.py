@@ -76,7 +76,7 @@ from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, read_json
 from embedscale.storage import ObjectPath, location, remove_tree, write_bytes
-from embedscale.train.ckpt_rows import INDEX, SIZES, collect_index, index_name, read_remote_shard, write_rank_index
+from embedscale.train.ckpt_rows import INDEX, SIZES, collect_index, index_name, read_shard, write_rank_index
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -265,25 +265,6 @@ def bases_in_use(run_dir: str | Path) -> set[str]:
             if isinstance(m, dict) and isinstance(m.get("delta"), dict):
                 out.add(str(m["delta"].get("base")))
     return out
-
-
-def read_shard(path: str | Path | ObjectPath, skip: dict | None = None) -> dict:
-    """One rank file, read with ``weights_only=True``; a damaged file is a ``FormatError`` naming it. A local
-    file is memory-mapped (read as its tensors are used); a remote one is read whole, or with ``skip`` (its
-    entry of the manifest's row index) without its tables' rows (``ckpt_rows.read_remote_shard``)."""
-    path = location(path)
-    if not path.is_file():
-        raise FormatError(f"checkpoint file not found: {path}")
-    try:
-        if isinstance(path, ObjectPath):
-            payload = read_remote_shard(path, skip)
-        else:
-            payload = torch.load(path, map_location=HOST, weights_only=True, mmap=True)  # read as tensors are used
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
-        raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
-    if not isinstance(payload, dict) or "rank" not in payload:
-        raise FormatError(f"{path}: not an embedscale checkpoint rank file")
-    return payload
 
 
 def read_shards(ckpt_dir: str | Path | ObjectPath, manifest: dict, tables: bool = True) -> list[dict]:

@@ -372,8 +372,6 @@ class RowReader:
         import torch.distributed as dist
 
         if group is None or dist.get_world_size(group) == 1:
-            from embedscale.train.checkpoint import read_shard
-
             shards = [read_shard(self.dir / s, self.index.get(s)) for s in self.shard_names]
             return shards, self.read_many(wanted)
         rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -467,3 +465,22 @@ def agree_read(error: BaseException | None, group, where) -> None:
 
 __all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges",
            "write_rank_index"]
+
+
+def read_shard(path: str | Path | ObjectPath, skip: dict | None = None) -> dict:
+    """One rank file, read with ``weights_only=True``; a damaged file is a ``FormatError`` naming it. A local
+    file is memory-mapped (read as its tensors are used); a remote one is read whole, or with ``skip`` (its
+    entry of the manifest's row index) without its tables' rows (``ckpt_rows.read_remote_shard``)."""
+    path = location(path)
+    if not path.is_file():
+        raise FormatError(f"checkpoint file not found: {path}")
+    try:
+        if isinstance(path, ObjectPath):
+            payload = read_remote_shard(path, skip)
+        else:
+            payload = torch.load(path, map_location=HOST, weights_only=True, mmap=True)  # read as tensors are used
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+        raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or "rank" not in payload:
+        raise FormatError(f"{path}: not an embedscale checkpoint rank file")
+    return payload
