@@ -35,7 +35,7 @@ run: $(STAMP) $(KERNELS)
 # Two pytest workers (pytest-xdist), a test file each at a time: on 2 cores a single-process test leaves the
 # other core idle, and the multi-rank tests are built to pass under load (1.55x faster, 543 s against 843 s).
 test: $(VENV)/.torchrec $(KERNELS)
-	$(BIN)/pytest -q -n 2 --dist loadfile tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Optional: TorchRec as baseline and interop partner (its own deps pull a GPU fbgemm, hence --no-deps).
 torchrec: $(VENV)/.torchrec

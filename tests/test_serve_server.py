@@ -38,7 +38,21 @@ def free_port() -> int:
 
 
 def start(export_dir: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
+    """A server on a free loopback port; a port taken by another process between the probe and the server's bind
+    (the tests run beside others) is tried again on a new one, up to three times."""
+    for _ in range(3):
+        try:
+            return _start_on(free_port(), export_dir, *args)
+        except _PortTaken:
+            continue
+    raise AssertionError("three free ports were taken before the server could bind them")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _start_on(port: int, export_dir: Path, *args: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "embedscale", "serve", str(export_dir), "--host", "127.0.0.1",
                              "--port", str(port), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -46,7 +60,10 @@ def start(export_dir: Path, *args: str) -> tuple[subprocess.Popen, str]:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"the server exited with {proc.returncode}: {proc.stdout.read().decode()}")
+            out = proc.stdout.read().decode()
+            if "address already in use" in out:
+                raise _PortTaken(out)
+            raise AssertionError(f"the server exited with {proc.returncode}: {out}")
         try:
             if httpx.get(url + "/readyz", timeout=2).status_code == 200:
                 return proc, url
