@@ -54,3 +54,33 @@ def test_a_command_still_runs_through_the_lazy_names(tmp_path):
                                       str(tmp_path / "t.json")], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "t.json").read_text())
+
+
+LAUNCH_PROBE = """
+import json, sys
+import embedscale.train.launcher as launcher
+seen = {}
+def fake_launch(nproc, args, **kw):  # what the launcher has loaded when it would start torchrun
+    seen["loaded"] = [m for m in %r if m in sys.modules]
+    seen["nproc"] = nproc
+    return 3
+launcher.launch_ranks = fake_launch
+from embedscale.cli import main
+try:
+    main(sys.argv[1:], prog_name="embedscale")
+except SystemExit as e:
+    seen["code"] = e.code
+print(json.dumps(seen))
+""" % (HEAVY,)
+
+
+def test_the_launcher_of_ranks_loads_no_torch(tmp_path):
+    """`train --nproc 2` only starts torchrun and watches it: the launcher process has not imported torch (nor scipy)
+    when it starts the ranks, which pay for it themselves."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-c", LAUNCH_PROBE, "train", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+                        "--data-source", "synthetic", "--train-max-steps", "2"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["nproc"] == 2 and seen["code"] == 2, (seen, r.stderr[-2000:])  # torchrun's "exit 3" is an error
+    assert "torch" not in seen["loaded"] and "scipy" not in seen["loaded"], seen

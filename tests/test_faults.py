@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_distributed_train import hand_plan, make_data  # noqa: E402
 from test_lifecycle import START_TIMEOUT_S, alive, signal_all, tree  # noqa: E402
 
-HANG_TIMEOUT_S = 20
+HANG_TIMEOUT_S = 12
 TIMEOUT_S = 300
 
 

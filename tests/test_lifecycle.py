@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from embedscale.train.launch import KILL_WAIT_S, STOP_GRACE_S, end_run_processes, run_processes
+from embedscale.train.launcher import KILL_WAIT_S, STOP_GRACE_S, end_run_processes, run_processes
 from embedscale.train.lock import LOCK_NAME, RunDirBusy, RunLock, read_holder
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree from /proc")

@@ -595,17 +595,6 @@ def make_dense_optimizer(t, params) -> torch.optim.Optimizer:
     raise ConfigError(f"train.dense_optimizer {t.dense_optimizer!r} is not one of sgd, adagrad, adam")
 
 
-def new_run_dir(cfg: RunConfig) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}"
-    n = 1
-    while path.exists():
-        path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}-{n}"
-        n += 1
-    path.mkdir(parents=True)
-    return path
-
-
 def profile(data: PreparedData, out_dir: str | Path, tables: list[TableSpec] | None = None, progress: bool = True,
             raw_ids=()):
     """Per-row access counts of the training data (the planner's input), saved under ``out_dir``.

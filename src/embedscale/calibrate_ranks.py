@@ -106,7 +106,7 @@ def _train(work: Path, run_dir: Path, plan_dir: Path, ranks: int, global_batch: 
            device: str, dim: int, nodes=None, round_: int = 0) -> float | None:
     """One ``embedscale train --nproc ranks`` run; its steady-state step in seconds (the summary's
     ``train_step_seconds`` median: the loop's timer, the warm-up steps left out). ``nodes``
-    (``train.launch.Nodes``): this node's part of a run over several, under a rendezvous id of its own
+    (``train.launcher.Nodes``): this node's part of a run over several, under a rendezvous id of its own
     (``None`` on a node without rank 0: rank 0's node has the summary)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "embedscale", "train", "--data-source", "shards", "--data-path", str(work / "data"),
@@ -138,7 +138,7 @@ def calibrate_ranks(costs: Costs, *, ranks: int = 2, batch: int = 1024, rows: in
     ``rows``: the cap on every table's rows of the generated data (0: the preset's full sizes); ``work``: a
     directory to keep the data, plans and timings in (default: a temporary one, removed); data already in
     ``work / "data"`` (e.g. a link to the run's own data) is used as it is, not generated. ``nodes``
-    (``train.launch.Nodes``): run on every node with the same flags; ``ranks`` is then per node, the topology
+    (``train.launcher.Nodes``): run on every node with the same flags; ``ranks`` is then per node, the topology
     the nodes' (``nnodes`` hosts); the node of rank 0 fits and returns the costs, the others ``None``."""
     if ranks < 2:
         raise ConfigError(f"calibrate --ranks: at least 2 ranks needed to time the distributed executor, got {ranks}")

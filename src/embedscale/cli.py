@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 from embedscale.errors import EmbedscaleError
-from embedscale.io import atomic_write_json, read_json
+from embedscale.io import atomic_write_json, new_run_dir, read_json
 from embedscale.specs import RunConfig, SyntheticConfig, TableConfig, Topology, from_dict, leaf_fields, load_config
 from embedscale.specs import set_dotted
 from embedscale.threads import apply_threads, rank_env, set_wait_policy
@@ -74,6 +74,7 @@ calibrate_costs = _Lazy("embedscale.calibrate:calibrate")
 calibrate_ranks = _Lazy("embedscale.calibrate_ranks:calibrate_ranks")
 check_fits = _Lazy("embedscale.data.compat:check_fits")
 workflow = _Lazy("embedscale.workflow")
+format_summary = _Lazy("embedscale.train.summary:format_summary")
 ShardLoader = _Lazy("embedscale.data.loader:ShardLoader")
 AccessProfile = _Lazy("embedscale.data.profile:AccessProfile")
 SyntheticGenerator = _Lazy("embedscale.data.synthetic:SyntheticGenerator")
@@ -92,9 +93,9 @@ is_checkpoint = _Lazy("embedscale.train.checkpoint:is_checkpoint")
 check_location = _Lazy("embedscale.storage:check_location")
 checkpoint_towers = _Lazy("embedscale.train.dmt_run:checkpoint_towers")
 infer_dmt = _Lazy("embedscale.train.dmt_run:infer_dmt")
-launch_ranks = _Lazy("embedscale.train.launch:launch_ranks")
-Nodes = _Lazy("embedscale.train.launch:Nodes")
-check_auto_settings = _Lazy("embedscale.train.distributed:check_auto_settings")
+launch_ranks = _Lazy("embedscale.train.launcher:launch_ranks")
+Nodes = _Lazy("embedscale.train.launcher:Nodes")
+check_auto_settings = _Lazy("embedscale.plan.auto_settings:check_auto_settings")
 infer_distributed = _Lazy("embedscale.train.ranks:infer_distributed")
 train_distributed = _Lazy("embedscale.train.ranks:train_distributed")
 eval_model = _Lazy("embedscale.train.trainer:evaluate")
@@ -237,12 +238,12 @@ def run(config_path, overrides, no_progress, as_json, **kwargs):
             kwargs["cfg__dist__nproc"] = str(MAIN_JOB_RANKS)  # the embedded default runs on local ranks
         cfg = resolve_config(config_path, overrides, kwargs)
         s = workflow.run_main(cfg, progress=not no_progress)
-    click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
+    click.echo(json.dumps(s, default=str) if as_json else format_summary(s))
 
 
 def node_options(fn):
     """``--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id``: this machine's part of a run over several
-    (``train.launch.Nodes``; torchrun's c10d rendezvous)."""
+    (``train.launcher.Nodes``; torchrun's c10d rendezvous)."""
     opts = [click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
                          help="Machines (nodes) of the run; each runs this command with its --node-rank."),
             click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
@@ -310,10 +311,10 @@ def train(config_path, overrides, run_dir, nproc, max_restarts, checkpoint_dir, 
                 return
         else:
             workflow.check_one_process(cfg)  # before the run directory is made
-            rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            rd = state["run_dir"] = Path(run_dir) if run_dir else new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
                 s = workflow.train(cfg, rd, resume=True, progress=not no_progress)
-    click.echo(json.dumps(s, default=str) if as_json else workflow.format_summary(s))
+    click.echo(json.dumps(s, default=str) if as_json else format_summary(s))
 
 
 def kwargs_argv(argv: list[str]) -> list[str]:
@@ -341,7 +342,7 @@ def _launch_local(cfg, config_path, overrides, user_args, run_dir, max_restarts,
     check_auto_settings(cfg)  # dist.plan auto's budgets: a named error here, not N rank errors under torchrun
     if Path(cfg.dist.plan).exists():  # a saved plan: a damaged one fails here, not on every rank under torchrun
         Plan.load(cfg.dist.plan, mmap=True)
-    rd = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+    rd = Path(run_dir) if run_dir else new_run_dir(cfg)
     args = ["train", *user_args, "--run-dir", str(rd), "--set", f"dist.nproc={cfg.dist.nproc}"]
     with RunLock(rd):  # before anything is written there: a second run into rd fails here
         code = launch_ranks(cfg.dist.nproc, args, max_restarts=max_restarts, run_dir=rd, env=rank_env(cfg.dist.nproc),
@@ -482,7 +483,7 @@ def infer(checkpoint, nproc, plan, design, run_dir, overrides, nnodes, node_rank
                 return
         else:
             workflow.check_one_process(cfg)  # before the run directory is made
-            rd = state["run_dir"] = Path(run_dir) if run_dir else workflow.new_run_dir(cfg)
+            rd = state["run_dir"] = Path(run_dir) if run_dir else new_run_dir(cfg)
             with RunLock(rd):  # one run per directory, for as long as it runs
                 if nproc > 1 or nodes.multi:
                     args = ["infer", str(ck.resolve()), "--plan", plan, "--design", design,

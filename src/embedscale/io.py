@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import IO, Any, Iterator
 
@@ -95,3 +96,15 @@ def read_json(path: str | os.PathLike, what: str = "file") -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise FormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+
+
+def new_run_dir(cfg) -> Path:
+    """A new run directory ``cfg.out_dir / NAME-YYYYmmdd-HHMMSS`` (``-1``, ``-2``, ... when that one exists)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}"
+    n = 1
+    while path.exists():
+        path = Path(cfg.out_dir) / f"{cfg.name}-{stamp}-{n}"
+        n += 1
+    path.mkdir(parents=True)
+    return path

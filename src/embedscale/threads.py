@@ -16,8 +16,11 @@ threads.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
-from collections.abc import MutableMapping
+import sys
+from collections.abc import Callable, MutableMapping
 
 from embedscale.errors import ConfigError
 
@@ -65,14 +68,53 @@ def chosen_threads(env: MutableMapping[str, str] = os.environ, cores: int | None
     return threads_per_process(available_cores() if cores is None else cores, int(env.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def apply_threads(env: MutableMapping[str, str] = os.environ) -> int:
-    """Set torch's intra-op threads by :func:`chosen_threads`; returns the count in effect."""
-    import torch
+def apply_threads(env: MutableMapping[str, str] = os.environ) -> int | None:
+    """Set torch's intra-op threads by :func:`chosen_threads`; returns the count in effect. Before torch is
+    imported the setting waits for its import (:class:`_AfterImport`) and this returns ``None``: a command that
+    never needs torch (a launcher of ranks, ``data``, ``plan``) never loads it."""
+    global _pending
+    if "torch" in sys.modules:
+        return _set_threads(env)
+    if _pending is None:
+        _pending = _AfterImport("torch", lambda: _set_threads(env))
+        sys.meta_path.insert(0, _pending)
+    return None
 
+
+def _set_threads(env: MutableMapping[str, str]) -> int:
+    torch = sys.modules["torch"]
     n = chosen_threads(env)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then`` once the module ``name`` has been imported the first time, by whoever imports it."""
+
+    def __init__(self, name: str, then: Callable[[], object]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            global _pending
+            load(module)
+            _pending = None
+            self.then()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_pending: _AfterImport | None = None
 
 
 def rank_env(nproc: int, env: MutableMapping[str, str] = os.environ) -> dict[str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto_candidates import Candidate
@@ -164,6 +163,8 @@ def search_milp(cands: Sequence[Sequence[Candidate]], dev_budget: float, host_bu
     a[-1] = [c.host_bytes / max(host_budget, 1.0) for c in flat]
     lo = np.r_[np.ones(len(cands)), -np.inf, -np.inf]
     hi = np.r_[np.ones(len(cands)), 1.0, host_budget / max(host_budget, 1.0)]
+    from scipy.optimize import Bounds, LinearConstraint, milp  # scipy on first use: a training rank never searches
+
     res = milp(cost, constraints=LinearConstraint(a, lo, hi), integrality=np.ones(nv), bounds=Bounds(0, 1),
                options={"time_limit": time_limit, "mip_rel_gap": 1e-9})
     if res.x is None:

@@ -23,8 +23,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from embedscale.errors import ConfigError
 from embedscale.plan.cost import check_mode, profile_samples
@@ -173,6 +171,9 @@ class _UnitsMilp:
     def solve(self, time_limit: float) -> dict:
         """Minimise ``z`` with HiGHS (scipy ``milp``); the placement of the best solution found, if any."""
         nvar, ow, oz, p, m = self.nvar, self.ow, self.oz, self.p, self.m
+        from scipy.optimize import Bounds, LinearConstraint, milp  # scipy on first use: most runs never solve a MILP
+        from scipy.sparse import coo_matrix
+
         a_mat = coo_matrix((self.vals, (self.rows, self.cols)), shape=(self.r, nvar)).tocsr()
         c = np.zeros(nvar)
         c[oz] = 1.0

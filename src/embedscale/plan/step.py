@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from scipy.optimize import nnls
 
 from embedscale.errors import ConfigError
 from embedscale.plan.auto_candidates import Candidate, TableStats, candidates, hybrid_candidate
@@ -261,6 +260,8 @@ def fit_executor_overheads(runs: Sequence[Mapping[str, Any]]) -> dict[str, float
             kinds, a = kinds[:i] + kinds[i + 1:], np.delete(a, i, axis=1)
     if np.linalg.matrix_rank(a) < len(kinds):
         raise ConfigError(f"fit_executor_overheads: the plans' form counts {a.tolist()} do not separate the kinds {kinds}")
+    from scipy.optimize import nnls  # scipy on first use: a training rank never fits costs
+
     x, _ = nnls(a, y)
     return {k: float(v) for k, v in zip(kinds, x)}
 

@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
-from scipy.special import comb
 
 from embedscale.errors import ConfigError, FormatError, InputError
 from embedscale.io import atomic_write_json, read_json
@@ -239,6 +237,8 @@ def _assign(sqdist: np.ndarray, m: int, M: int) -> np.ndarray:
     cost = np.repeat(sqdist, M, axis=1)  # column c * M + s
     slot = np.tile(np.arange(M), k)
     cost = cost - np.where(slot < m, big, 0.0)[None, :]
+    from scipy.optimize import linear_sum_assignment  # scipy on first use: only the towers command assigns
+
     rows, cols = linear_sum_assignment(cost)
     labels = np.empty(F, dtype=np.int64)
     labels[rows] = cols // M
@@ -301,6 +301,8 @@ def adjusted_rand_index(a: Sequence[int], b: Sequence[int]) -> float:
     _, bi = np.unique(b, return_inverse=True)
     table = np.zeros((ai.max() + 1, bi.max() + 1), dtype=np.int64)
     np.add.at(table, (ai, bi), 1)
+    from scipy.special import comb  # scipy on first use (see _assign)
+
     sum_comb = comb(table, 2).sum()
     sa = comb(table.sum(1), 2).sum()
     sb = comb(table.sum(0), 2).sum()

@@ -54,6 +54,7 @@ from embedscale.errors import ConfigError, EmbedscaleError, FormatError
 from embedscale.io import atomic_open, atomic_write_json, atomic_write_text, read_json
 from embedscale.models.dmt import is_dmt_arch
 from embedscale.plan.auto import load_costs, write_explain
+from embedscale.plan.auto_settings import AUTO, check_auto_settings
 from embedscale.plan.autoplan import make_auto_plan
 from embedscale.plan.step import DenseModel
 from embedscale.plan.forms import (TableForm, check_plan_sizes, config_forms, forms_for_run, host_pipeline_depth,
@@ -91,8 +92,6 @@ from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import binary_metrics
 
 READY, FAILED = ".ready", ".failed"
-AUTO = "auto"  # dist.plan: every table's form decided under dist.device_memory / dist.host_memory
-AUTO_KEYS = ("device_memory", "host_memory", "costs", "plan_trial_steps")  # the DistConfig keys only dist.plan auto reads
 EXPLAIN_FILES = ("explain.txt", "explain.json", "memory.png")  # an auto plan's report (plan.auto.write_explain)
 RUN_PLAN = "run-plan.json"  # the plan a run directory was trained with: dist.plan and world size
 
@@ -203,32 +202,6 @@ def ensure_run_plan(cfg: RunConfig, data, tables, run_dir: Path, progress: bool)
     atomic_write_json(run_dir / RUN_PLAN, {"plan": d.plan, "world_size": world,
                                            "strategy": plan.meta.get("strategy", d.plan)})
     return plan
-
-
-def check_auto_settings(cfg: RunConfig) -> None:
-    """``dist.plan auto`` decides every table's form itself under ``dist.device_memory`` (required) and
-    ``dist.host_memory``: a form requested in the config (``model.tt_min_rows``, ``model.host_min_rows``; a
-    ``model.tables`` entry's compression / placement is refused by ``make_auto_plan``) is a ``ConfigError``,
-    and so are the budgets (and ``dist.costs``) under any other ``dist.plan``, which would ignore them."""
-    d, m = cfg.dist, cfg.model
-    if d.plan != AUTO:
-        given = [f"dist.{k}" for k in AUTO_KEYS if getattr(d, k)]
-        if given:
-            raise ConfigError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read by dist.plan auto only; "
-                              f"this run's dist.plan is {d.plan!r}: drop {'it' if len(given) == 1 else 'them'} or "
-                              "plan with --dist-plan auto")
-        return
-    asked = [f"model.{k} {getattr(m, k)}" for k in ("tt_min_rows", "host_min_rows") if getattr(m, k)]
-    if asked:
-        raise ConfigError(f"dist.plan auto decides every table's form itself; the config asks for forms by "
-                          f"{', '.join(asked)}: drop the request or plan with another dist.plan")
-    if not d.device_memory:
-        raise ConfigError("dist.plan auto needs the device memory per rank: set dist.device_memory "
-                          "(--dist-device-memory, e.g. 256MiB)")
-    parse_bytes(d.device_memory, "dist.device_memory")
-    parse_bytes(d.host_memory or 0, "dist.host_memory")
-    if d.costs and not Path(d.costs).is_file():
-        raise ConfigError(f"dist.costs {d.costs}: no such file (write one with embedscale calibrate --out)")
 
 
 def make_auto_run_plan(cfg: RunConfig, prof, tables, topo: Topology, plan_dir: Path, num_dense: int):

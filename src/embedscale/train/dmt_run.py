@@ -51,6 +51,7 @@ from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers,
 from embedscale.train.persist import CheckpointParts, restore_parts, write_rank
 from embedscale.train.run import RunState, param_names, table_entry
 from embedscale import assemble
+from embedscale.io import new_run_dir
 from embedscale.models.dlrm import set_dropout_rows
 from embedscale.models.dmt import TOWER_FIELDS, sync_dense_gradients
 from embedscale.plan.towers import TowerAssignment
@@ -286,7 +287,7 @@ def infer_dmt(cfg: RunConfig, checkpoint: str, run_dir: str | None = None, *, pr
     if run_dir is None:
         if world > 1:
             raise ConfigError("DMT inference on several ranks needs a run directory shared by the ranks (--run-dir)")
-        run_dir = str(assemble.new_run_dir(cfg))
+        run_dir = str(new_run_dir(cfg))
     ck = Path(checkpoint)
     towers = checkpoint_towers(ck)
     if towers is not None:  # rank 0 resolves the run's towers (prepare_towers) from this file, then the ranks
