@@ -9,8 +9,12 @@ Batches, and each rank's slice of them, are planned from the manifest's row coun
 only the rows of its own slices from the memory-mapped shards (``shards.ShardRows``), so the bytes read per
 rank and epoch are the dataset's over the world size (``bytes_read`` counts them, per pass). A shuffle block
 keeps rows that are neighbours on disk together, which is what keeps a rank's reads in runs of whole pages
-(a per-row shuffle would have every rank touch every page). ``skip_batches`` fast-forwards without reading,
-which is how a resumed run continues exactly where its checkpoint stopped.
+(a per-row shuffle would have every rank touch every page); with the shards' page-aligned layout
+(``data.shards``) a run of 1,024k rows that starts at a multiple of 1,024 reads only its own pages. A range
+whose rows are not a multiple of the block has a short block, which shifts every later block against the
+batches: ranks' slices then split blocks off page boundaries and both neighbours read the page at each split.
+``skip_batches`` fast-forwards without reading, which is how a resumed run continues exactly where its
+checkpoint stopped.
 
 Every batch is checked before it leaves the loader: dense values finite, labels 0 or 1, row ids inside
 their table (except the ``raw_ids`` features: a managed table's raw 64-bit ids, any int64). A failure names the shard file, the row in it, and the feature.
