@@ -56,16 +56,16 @@ def layout(path: Path) -> list[tuple[str, int, int, dict]]:
     return out
 
 
-def rank_rows(W: int, r: int, shuffle: bool, block: int = 1024, seed: int = 1) -> np.ndarray:
+def rank_rows(W: int, r: int, shuffle: bool, block: int = 1024, seed: int = 1, rows: int = ROWS) -> np.ndarray:
     """The rule: the sequence (rows, or blocks of rows in ``default_rng([seed, 0]).permutation`` order) cut
-    into global batches of BATCH; rank r of W takes positions [b * r // W, b * (r + 1) // W) of each."""
+    into global batches of BATCH (the last, short one dropped); rank r of W takes positions
+    [BATCH * r // W, BATCH * (r + 1) // W) of each."""
     if shuffle:
-        blocks = [np.arange(a, min(a + block, ROWS)) for a in range(0, ROWS, block)]
+        blocks = [np.arange(a, min(a + block, rows)) for a in range(0, rows, block)]
         order = np.concatenate([blocks[j] for j in np.random.default_rng([seed, 0]).permutation(len(blocks))])
     else:
-        order = np.arange(ROWS)
-    mine = [order[a + BATCH * r // W:a + BATCH * (r + 1) // W] for a in range(0, ROWS, BATCH)
-            for b in [min(BATCH, ROWS - a)] if b == BATCH]
+        order = np.arange(rows)
+    mine = [order[a + BATCH * r // W:a + BATCH * (r + 1) // W] for a in range(0, rows - BATCH + 1, BATCH)]
     return np.concatenate(mine)
 
 
@@ -183,3 +183,58 @@ def test_a_rank_reads_only_the_pages_of_its_rows(tmp_path, shuffle):
         for f in files:
             assert read[f.name] <= want.get(f.name, set()), (r, f.name, sorted(read[f.name] - want[f.name])[:5])
         assert sum(map(len, read.values())) >= 0.9 * sum(len(want[n] - framing[n]) for n in want)  # it read them
+
+
+def test_sector_edges_read_the_rank_s_bytes_only(tmp_path, monkeypatch):
+    """Shuffled with a short block (61,140 rows: 724 rows past the last whole block; seed 4 puts it first) every
+    later block is split between ranks off page boundaries. With ``sector_edges`` a rank reads the partial pages by sector: every
+    direct read (a counting wrapper of ``os.preadv``) is sector-aligned and inside one page its rows lie on, the
+    page cache holds no page of a column it has no row on, and pages plus sectors come to <= 1.1 / W of the
+    dataset. The rows are the rule's, compared with the arrays written."""
+    from embedscale.data import page_edges
+
+    rows = ROWS - 300
+    raw = write(tmp_path, rows=rows)
+    files = sorted(tmp_path.glob("shard-*.arrow"))
+    if not page_edges.EdgeReader(files[0]).active:
+        pytest.skip("this file system refuses O_DIRECT reads")
+    if mmap.PAGESIZE != PAGE:
+        pytest.skip(f"pages of {mmap.PAGESIZE} bytes here; the layout aligns to {PAGE}")
+    lay = layout(tmp_path)
+    framing = framing_pages(files, lay)
+    total = rows * (1 + 4 * D + 8 * S)
+    direct = []
+    real = os.preadv
+
+    def counting(fd, buffers, offset):
+        direct.append((os.readlink(f"/proc/self/fd/{fd}"), offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(page_edges.os, "preadv", counting)
+    W = 4
+    for shuffle in (True, False):
+        for r in range(W):
+            mine = rank_rows(W, r, shuffle, seed=4, rows=rows)
+            want = pages_of(mine, lay)
+            drop(files)
+            if any(resident(f) for f in files):
+                pytest.skip("the page cache of the shard files could not be dropped on this filesystem")
+            direct.clear()
+            loader = ShardLoader(tmp_path, BATCH, rank=r, world_size=W, shuffle=shuffle, seed=4, shuffle_block=1024,
+                                 drop_last=True, prefetch=0, sector_edges=True)
+            got = list(loader)
+            del loader
+            gc.collect()
+            assert np.array_equal(np.concatenate([b.labels.numpy() for b in got]), raw["label"][mine])
+            assert np.array_equal(np.concatenate([b.dense.numpy() for b in got]), raw["dense"][mine])
+            ids = np.concatenate([b.sparse.values.numpy().reshape(S, -1) for b in got], axis=1)
+            assert np.array_equal(ids, np.stack([raw[f"C{i}"][mine] for i in range(S)]))
+            read = {f.name: resident(f) - framing[f.name] for f in files}
+            for f in files:
+                assert read[f.name] <= want.get(f.name, set()), (shuffle, r, f.name)
+            for path, off, n in direct:
+                name = Path(path).name
+                assert off % 512 == 0 and n % 512 == 0 and off // PAGE == (off + n - 1) // PAGE, (off, n)
+                assert off // PAGE in want[name], (shuffle, r, name, off)
+            assert sum(map(len, read.values())) * PAGE + sum(n for _, _, n in direct) <= 1.1 * total / W
+            assert direct or not shuffle  # the split blocks' partial pages were read by sector

@@ -22,6 +22,7 @@ their table (except the ``raw_ids`` features: a managed table's raw 64-bit ids, 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -90,6 +91,10 @@ class ShardLoader:
         validate: check dense, labels and row ids of every batch.
         raw_ids: features whose values are raw 64-bit ids (the features of managed tables, ``specs.ManagedConfig``):
             any int64 passes; the others' ids must lie in ``[0, num_rows)`` of their table.
+        sector_edges: read the partial pages at the ends of this rank's runs by 512-byte sector (``O_DIRECT``,
+            ``data.page_edges``) rather than whole through the page cache, so no rank reads its neighbours'
+            bytes. ``None``: when the ranks span machines (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``); the ranks of
+            one machine share its page cache, which reads a shared page once and keeps it for the next epoch.
 
     After (or during) a pass, ``bytes_read`` is what this rank has read of the shards in it (``ShardRows``).
 
@@ -103,7 +108,8 @@ class ShardLoader:
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  start: int = 0, stop: int | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, prefetch: int = 2, device: torch.device | str | None = None,
-                 validate: bool = True, raw_ids=(), shuffle_block: int | None = None):
+                 validate: bool = True, raw_ids=(), shuffle_block: int | None = None,
+                 sector_edges: bool | None = None):
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         total = self.manifest.rows
@@ -135,6 +141,9 @@ class ShardLoader:
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
         self.id_weighted = {s.name for s in self.manifest.sparse if s.id_weights}  # features with id weights
         self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
+        if sector_edges is None:
+            sector_edges = world_size > int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+        self.sector_edges = bool(sector_edges) and world_size > 1
 
     @property
     def rows(self) -> int:
@@ -211,7 +220,7 @@ class ShardLoader:
             if len(self._open) >= _OPEN_SHARDS:
                 del self._open[next(iter(self._open))]
             self._open[i] = ShardRows(self.directory / self.manifest.shards[i]["file"], self.manifest.num_dense,
-                                      random_access=self.world_size > 1)
+                                      random_access=self.world_size > 1, sector_edges=self.sector_edges)
         return self._open[i]
 
     def _rank_pieces(self, pieces):

@@ -39,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from embedscale.data.page_edges import EdgeReader
 from embedscale.errors import FormatError
 from embedscale.io import atomic_write_json, read_json
 
@@ -381,10 +382,13 @@ class ShardRows:
     batch the range crosses, whose arrays are views of just those rows, and adds their size to ``bytes_read``:
     per row its label, dense values, sample weight, one-hot ids, and for a list column (multi-hot ids, id
     weights) an offset plus its values. Those are the bytes a consumer copies out of the map; the operating
-    system pages them in 4 KiB pages, so a range shorter than a page per column costs a page.
+    system pages them in 4 KiB pages, so a range shorter than a page per column costs a page. With
+    ``random_access`` and ``sector_edges`` a column's partial first and last page are read by sector instead
+    (``page_edges``: the arrays are then copies), so ranks whose rows share a page do not each read all of it.
     """
 
-    def __init__(self, path: str | os.PathLike, num_dense: int, random_access: bool = False):
+    def __init__(self, path: str | os.PathLike, num_dense: int, random_access: bool = False,
+                 sector_edges: bool = False):
         self.path = Path(path)
         self.num_dense = num_dense
         try:
@@ -399,6 +403,7 @@ class ShardRows:
         self._firsts = np.cumsum([0] + [len(p["label"]) for p in self._parts])
         self.rows = int(self._firsts[-1])
         self.bytes_read = 0
+        self._edges = EdgeReader(self.path) if sector_edges and self._mm is not None else None
 
     def read(self, lo: int, hi: int) -> list[tuple[int, Columns]]:
         """The rows ``[lo, hi)`` (``0 <= lo <= hi <= rows``) as ``(first row, Columns)`` pieces."""
@@ -412,8 +417,20 @@ class ShardRows:
                 cols, nbytes = _part_rows(part, a, max(a, b))
                 self.bytes_read += nbytes
                 self._advise(cols)
-                out.append((first + a, cols))
+                out.append((first + a, self._take_edges(cols)))
         return out
+
+    def _take_edges(self, cols: Columns) -> Columns:
+        """The columns with their partial first and last pages read by sector (``EdgeReader``)."""
+        if self._edges is None or not self._edges.active:
+            return cols
+
+        def take(v):
+            start = -1 if v is None else v.__array_interface__["data"][0] - self._base
+            return v if v is None or not 0 <= start <= len(self._mm) - v.nbytes else self._edges.take(v, start)
+
+        return Columns(take(cols.labels), take(cols.dense), {k: (take(v), ln) for k, (v, ln) in cols.sparse.items()},
+                       take(cols.weights), {k: take(v) for k, v in cols.id_weights.items()})
 
     def _advise(self, cols: Columns) -> None:
         """With ``random_access``: ask the kernel for the pages of these rows now (``MADV_WILLNEED``), every
@@ -428,8 +445,10 @@ class ShardRows:
                 continue
             start = v.__array_interface__["data"][0] - self._base
             if 0 <= start and start + v.nbytes <= len(self._mm):
-                lo = start - start % page
-                self._mm.madvise(mmap.MADV_WILLNEED, lo, start + v.nbytes - lo)
+                lo, hi = (self._edges.whole_pages(start, v.nbytes) if self._edges is not None
+                          else (start - start % page, start + v.nbytes))
+                if hi > lo:
+                    self._mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
 
 
 def mapped(path: str | os.PathLike, random_access: bool = False) -> pa.Buffer:
