@@ -76,7 +76,8 @@ def pages_of(rows: np.ndarray, lay) -> dict[str, set[int]]:
         mine = rows[(rows >= first) & (rows < first + n)] - first
         for off, size in cols.values():
             lo = off + mine * size
-            out.setdefault(name, set()).update(np.unique(np.concatenate([lo // PAGE, (lo + size - 1) // PAGE])).tolist())
+            pages = np.unique(np.concatenate([lo // PAGE, (lo + size - 1) // PAGE]))
+            out.setdefault(name, set()).update(pages.tolist())
     return out
 
 
@@ -187,10 +188,10 @@ def test_a_rank_reads_only_the_pages_of_its_rows(tmp_path, shuffle):
 
 def test_sector_edges_read_the_rank_s_bytes_only(tmp_path, monkeypatch):
     """Shuffled with a short block (61,140 rows: 724 rows past the last whole block; seed 4 puts it first) every
-    later block is split between ranks off page boundaries. With ``sector_edges`` a rank reads the partial pages by sector: every
-    direct read (a counting wrapper of ``os.preadv``) is sector-aligned and inside one page its rows lie on, the
-    page cache holds no page of a column it has no row on, and pages plus sectors come to <= 1.1 / W of the
-    dataset. The rows are the rule's, compared with the arrays written."""
+    later block is split between ranks off page boundaries. With ``sector_edges`` a rank reads the partial
+    pages by sector: every direct read (a counting wrapper of ``os.preadv``) is sector-aligned and inside one
+    page its rows lie on, the page cache holds no page of a column it has no row on, and pages plus sectors
+    come to <= 1.1 / W of the dataset. The rows are the rule's, compared with the arrays written."""
     from embedscale.data import page_edges
 
     rows = ROWS - 300
