@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -20,10 +21,20 @@ PAGE = 4096
 SECTOR = 512  # the logical block of almost every device; a device with larger ones refuses and is read by page
 
 
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The threads that issue a batch's sector reads (shared by every reader of the process)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="embedscale-sectors"))
+    return _POOL[0]
+
+
 class EdgeReader:
-    """Partial pages of a memory-mapped file, read by sector. ``take(view, start)`` returns the bytes of ``view``
-    (a contiguous array over the map, at file offset ``start``): the view itself when it covers whole pages,
-    else a copy whose partial first and last pages were read by sector. ``direct_bytes`` counts those reads."""
+    """Partial pages of a memory-mapped file, read by sector. ``take`` returns the bytes of contiguous arrays
+    over the map (each with its file offset), their partial first and last pages read by sector;
+    ``direct_bytes`` counts those reads."""
 
     def __init__(self, path: str | os.PathLike):
         self.direct_bytes = 0
@@ -34,40 +45,64 @@ class EdgeReader:
             except OSError:
                 self._fd = None
         if self._fd is not None:
-            self._buf = mmap.mmap(-1, PAGE)  # page-aligned, as O_DIRECT needs
             weakref.finalize(self, os.close, self._fd)
 
     @property
     def active(self) -> bool:
         return self._fd is not None
 
-    def take(self, view: np.ndarray, start: int) -> np.ndarray:
-        end = start + view.nbytes
-        if self._fd is None or not view.nbytes or (start % PAGE == 0 and end % PAGE == 0):
-            return view
-        flat = view.reshape(-1).view(np.uint8)
-        out = np.empty(view.nbytes, np.uint8)
-        head = min(end, start - start % PAGE + PAGE) if start % PAGE else start  # end of a partial first page
-        tail = max(head, end - end % PAGE) if end % PAGE else end  # start of a partial last page
-        for a, b in ((start, head), (tail, end)):
-            if a < b:
-                out[a - start:b - start] = self._sectors(a, b, flat[a - start:b - start])
-        out[head - start:tail - start] = flat[head - start:tail - start]
-        return out.view(view.dtype).reshape(view.shape)
+    def take(self, views: list[tuple[np.ndarray, int]]) -> list[np.ndarray]:
+        """Each ``(view, file offset)``'s bytes: the view itself when it covers whole pages, else a copy whose
+        partial first and last pages were read by sector, all of them at once (``_read``)."""
+        cuts, reads = [], []
+        for view, start in views:
+            end = start + view.nbytes
+            if self._fd is None or not view.nbytes or (start % PAGE == 0 and end % PAGE == 0):
+                cuts.append(None)
+                continue
+            head = min(end, start - start % PAGE + PAGE) if start % PAGE else start  # end of a partial first page
+            tail = max(head, end - end % PAGE) if end % PAGE else end  # start of a partial last page
+            cuts.append((head, tail))
+            reads += [(a, b) for a, b in ((start, head), (tail, end)) if a < b]
+        got = iter(self._read(reads))
+        out = []
+        for (view, start), cut in zip(views, cuts):
+            if cut is None:
+                out.append(view)
+                continue
+            flat, head, tail = view.reshape(-1).view(np.uint8), cut[0] - start, cut[1] - start
+            copy = np.empty(view.nbytes, np.uint8)
+            copy[head:tail] = flat[head:tail]
+            for a, b in ((0, head), (tail, view.nbytes)):
+                if a < b:
+                    sectors = next(got)
+                    copy[a:b] = flat[a:b] if sectors is None else sectors
+            out.append(copy.view(view.dtype).reshape(view.shape))
+        return out
 
-    def _sectors(self, a: int, b: int, mapped: np.ndarray) -> np.ndarray:
-        """File bytes ``[a, b)`` (within one page) by an ``O_DIRECT`` read of their sectors; on a refusal the
-        mapped bytes, and every later read through the map."""
-        lo, hi = a - a % SECTOR, -(-b // SECTOR) * SECTOR
-        try:
-            n = os.preadv(self._fd, [memoryview(self._buf)[:hi - lo]], lo)
-        except OSError:
-            n = -1
-        if n < b - lo:
+    def _read(self, ranges: list[tuple[int, int]]) -> list[np.ndarray | None]:
+        """File bytes ``[a, b)`` (each within one page) by ``O_DIRECT`` reads of their sectors, issued together
+        on a few threads (a read waits on the device; several in flight overlap). ``None`` for every range
+        when one is refused (then every later read goes through the map)."""
+        if not ranges:
+            return []
+        buf = mmap.mmap(-1, PAGE * len(ranges))  # page-aligned, as O_DIRECT needs; a page per range
+
+        def one(i: int) -> bool:
+            a, b = ranges[i]
+            lo, hi = a - a % SECTOR, -(-b // SECTOR) * SECTOR
+            try:
+                return os.preadv(self._fd, [memoryview(buf)[i * PAGE:i * PAGE + hi - lo]], lo) >= b - lo
+            except OSError:
+                return False
+
+        ok = list(_pool().map(one, range(len(ranges)))) if len(ranges) > 1 else [one(0)]
+        if not all(ok):
             self._fd = None  # the finalizer closes it
-            return mapped
-        self.direct_bytes += hi - lo
-        return np.frombuffer(self._buf, np.uint8, count=b - a, offset=a - lo)
+            return [None] * len(ranges)
+        self.direct_bytes += sum(-(-b // SECTOR) * SECTOR - (a - a % SECTOR) for a, b in ranges)
+        return [np.frombuffer(buf, np.uint8, count=b - a, offset=i * PAGE + a % SECTOR)
+                for i, (a, b) in enumerate(ranges)]
 
     def whole_pages(self, start: int, nbytes: int) -> tuple[int, int]:
         """The range of whole pages in ``[start, start + nbytes)`` (what the map reads when edges are direct), or

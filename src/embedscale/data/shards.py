@@ -424,13 +424,16 @@ class ShardRows:
         """The columns with their partial first and last pages read by sector (``EdgeReader``)."""
         if self._edges is None or not self._edges.active:
             return cols
-
-        def take(v):
-            start = -1 if v is None else v.__array_interface__["data"][0] - self._base
-            return v if v is None or not 0 <= start <= len(self._mm) - v.nbytes else self._edges.take(v, start)
-
-        return Columns(take(cols.labels), take(cols.dense), {k: (take(v), ln) for k, (v, ln) in cols.sparse.items()},
-                       take(cols.weights), {k: take(v) for k, v in cols.id_weights.items()})
+        arrays = [cols.labels, cols.dense, cols.weights, *(v for v, _ in cols.sparse.values()),
+                  *cols.id_weights.values()]
+        mine = [i for i, v in enumerate(arrays) if v is not None
+                and 0 <= v.__array_interface__["data"][0] - self._base <= len(self._mm) - v.nbytes]  # in the map
+        for i, v in zip(mine, self._edges.take([(arrays[i], arrays[i].__array_interface__["data"][0] - self._base)
+                                                for i in mine])):
+            arrays[i] = v
+        k = len(cols.sparse)
+        sparse = {n: (v, ln) for (n, (_, ln)), v in zip(cols.sparse.items(), arrays[3:3 + k])}
+        return Columns(arrays[0], arrays[1], sparse, arrays[2], dict(zip(cols.id_weights, arrays[3 + k:])))
 
     def _advise(self, cols: Columns) -> None:
         """With ``random_access``: ask the kernel for the pages of these rows now (``MADV_WILLNEED``), every
