@@ -10,7 +10,7 @@ only the rows of its own slices from the memory-mapped shards (``shards.ShardRow
 rank and epoch are the dataset's over the world size (``bytes_read`` counts them, per pass). A shuffle block
 keeps rows that are neighbours on disk together, which is what keeps a rank's reads in runs of whole pages
 (a per-row shuffle would have every rank touch every page); with the shards' page-aligned layout
-(``data.shards``) a run of 1,024k rows that starts at a multiple of 1,024 reads only its own pages. A range
+(``data.shards``) a run of a multiple of 1,024 rows starting at such a row reads only its own pages. A range
 whose rows are not a multiple of the block has a short block, which shifts every later block against the
 batches: ranks' slices then split blocks off page boundaries and both neighbours read the page at each split.
 ``skip_batches`` fast-forwards without reading, which is how a resumed run continues exactly where its

@@ -19,9 +19,9 @@ without a manifest is an unfinished write and is never read as a dataset.
 
 Page-aligned layout (``write_shard_file``): a shard's record batches are cut at the dataset rows that are
 multiples of ``ALIGN_ROWS`` (4,096 rows: a page of int8 labels), and each record batch's body starts on a
-4 KiB page (its message metadata padded through a custom-metadata entry). A fixed-width column of a batch of
-4,096k rows then fills whole pages, and so does every run of 1,024k rows of a 4- or 8-byte column that
-starts at a dataset row that is a multiple of 1,024: a rank's slice of a global batch (``data.loader``)
+4 KiB page (its message metadata padded through a custom-metadata entry). A fixed-width column of a batch
+whose rows are a multiple of 4,096 then fills whole pages, and so does a 4- or 8-byte column's run of a
+multiple of 1,024 rows starting at a dataset row that is a multiple of 1,024: a rank's slice of a global batch (``data.loader``)
 reads no page of its neighbours' rows, except the shared pages of the one-byte labels. Shards written
 before this layout read the same, with up to a page more per column and run (they need no rewrite, but a
 rewrite makes each rank's reads divide by the ranks).
