@@ -198,23 +198,40 @@ def test_every_format_reads_into_identical_shards(table, tmp_path, categorical):
 
 def test_criteo_preset_is_bitwise_todays_reader(tmp_path):
     """The shards of the real 10k rows, hash with 1,000,003 rows and vocab with min_frequency 2, 4,000 rows per
-    shard (sha256 of each file). Labels and categorical columns are the bytes the Criteo reader wrote before it
-    became a schema of the tabular reader; the dense column is log1p computed in float64 and rounded once
-    (``decode.log1p_float32``), the same bits on every CPU, where that reader's float32 log1p differed from it
-    by one ulp in 3-4% of values depending on the CPU's SIMD path."""
+    shard (sha256 of each shard's columns: name, then the values' bytes, column by column). Labels and
+    categorical columns are the bytes the Criteo reader wrote before it became a schema of the tabular reader;
+    the dense column is log1p computed in float64 and rounded once (``decode.log1p_float32``), the same bits on
+    every CPU, where that reader's float32 log1p differed from it by one ulp in 3-4% of values depending on the
+    CPU's SIMD path. The column hashes were taken from the files of the single-record-batch layout (whose
+    sha256 were 8ed89ab5.., 70238dd9.., 3989ae6b..; 9f14998e.., 11b868bf.., 3d04b47f..); the page-aligned layout
+    (``data.shards``) writes the same values in other record batches."""
     if not REAL.exists():
         pytest.skip(f"real Criteo sample not found at {REAL} (see shared/data/README.md)")
     before = {
-        "hash": ["8ed89ab50f9ba12a8f6b9eb899efbbf6f22d7c6580f9769e582b1bef3adfed24",
-                 "70238dd901c7aeb664397169dbac1abe7a91ec0b042a86b853190e6ac6db36d6",
-                 "3989ae6b2db39092d0db7f699305e7201f34d2a7b9b1fd3d0c72922d37a75084"],
-        "vocab": ["9f14998ef2e93320051e78562a74e15f98a648fd6feb5a089ab988ec9694d140",
-                  "11b868bf7d4cb455493602c836d4ecb9b9c5db9c21ef2f1206ee6e192687096e",
-                  "3d04b47faa2a79b20e4c9f128273283c4314911e9b99484d6a73482a77a065f5"]}
+        "hash": ["520cd0e11579c97efa84008e1f032cd0bc438ed93a28c809f50b4961aca4f181",
+                 "5ab4f6b2eede1e6fc089d0a702f96c9b3c9d78009c4040d03472aee5e56eb6f8",
+                 "6eaf0faa71acbe3a5f51272a1dac50acec39c8aa2dcd78f78e491b2a21e9b521"],
+        "vocab": ["2aaf10500d42576ae33329bbf4c2e781624a66199a626036735b9ee70c1e3600",
+                  "2f36662c8c710060d558da0366a29c596261bb547578e658aaeeffef8a3cb35b",
+                  "5141ad9c8ba8205ce249e7d54fa1fad183eeb64246cc20bfbd44b7b03e128a47"]}
     for mode, kw in (("hash", {"table_rows": 1_000_003}), ("vocab", {"categorical": "vocab", "min_frequency": 2})):
         m = convert_criteo(REAL, tmp_path / mode, shard_rows=4000, progress=False, **kw)
-        got = [hashlib.sha256((tmp_path / mode / s["file"]).read_bytes()).hexdigest() for s in m.shards]
+        got = [columns_sha256(tmp_path / mode / s["file"]) for s in m.shards]
         assert got == before[mode], mode
+
+
+def columns_sha256(path: Path) -> str:
+    """sha256 of an Arrow file's columns (pyarrow): each column's name, then its values' bytes."""
+    import pyarrow.ipc as ipc
+
+    table = ipc.open_file(pa.py_buffer(path.read_bytes())).read_all()
+    h = hashlib.sha256()
+    for name in table.column_names:
+        col = table.column(name).combine_chunks()
+        col = col.flatten() if pa.types.is_fixed_size_list(col.type) else col
+        h.update(name.encode())
+        h.update(col.to_numpy().tobytes())
+    return h.hexdigest()
 
 
 def test_vocabulary_carries_to_another_file(tmp_path):

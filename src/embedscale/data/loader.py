@@ -9,8 +9,12 @@ Batches, and each rank's slice of them, are planned from the manifest's row coun
 only the rows of its own slices from the memory-mapped shards (``shards.ShardRows``), so the bytes read per
 rank and epoch are the dataset's over the world size (``bytes_read`` counts them, per pass). A shuffle block
 keeps rows that are neighbours on disk together, which is what keeps a rank's reads in runs of whole pages
-(a per-row shuffle would have every rank touch every page). ``skip_batches`` fast-forwards without reading,
-which is how a resumed run continues exactly where its checkpoint stopped.
+(a per-row shuffle would have every rank touch every page); with the shards' page-aligned layout
+(``data.shards``) a run of a multiple of 1,024 rows starting at such a row reads only its own pages. A range
+whose rows are not a multiple of the block has a short block, which shifts every later block against the
+batches: ranks' slices then split blocks off page boundaries and both neighbours read the page at each split.
+``skip_batches`` fast-forwards without reading, which is how a resumed run continues exactly where its
+checkpoint stopped.
 
 Every batch is checked before it leaves the loader: dense values finite, labels 0 or 1, row ids inside
 their table (except the ``raw_ids`` features: a managed table's raw 64-bit ids, any int64). A failure names the shard file, the row in it, and the feature.
@@ -18,6 +22,7 @@ their table (except the ``raw_ids`` features: a managed table's raw 64-bit ids, 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -86,6 +91,10 @@ class ShardLoader:
         validate: check dense, labels and row ids of every batch.
         raw_ids: features whose values are raw 64-bit ids (the features of managed tables, ``specs.ManagedConfig``):
             any int64 passes; the others' ids must lie in ``[0, num_rows)`` of their table.
+        sector_edges: read the partial pages at the ends of this rank's runs by 512-byte sector (``O_DIRECT``,
+            ``data.page_edges``) rather than whole through the page cache, so no rank reads its neighbours'
+            bytes. ``None``: when the ranks span machines (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``); the ranks of
+            one machine share its page cache, which reads a shared page once and keeps it for the next epoch.
 
     After (or during) a pass, ``bytes_read`` is what this rank has read of the shards in it (``ShardRows``).
 
@@ -99,7 +108,8 @@ class ShardLoader:
     def __init__(self, directory: str | Path, batch_size: int, *, rank: int = 0, world_size: int = 1,
                  start: int = 0, stop: int | None = None, shuffle: bool = False, seed: int = 0,
                  drop_last: bool = False, prefetch: int = 2, device: torch.device | str | None = None,
-                 validate: bool = True, raw_ids=(), shuffle_block: int | None = None):
+                 validate: bool = True, raw_ids=(), shuffle_block: int | None = None,
+                 sector_edges: bool | None = None):
         self.directory = Path(directory)
         self.manifest = Manifest.load(self.directory)
         total = self.manifest.rows
@@ -131,6 +141,9 @@ class ShardLoader:
         self._num_rows = {s.name: s.num_rows for s in self.manifest.sparse}
         self.id_weighted = {s.name for s in self.manifest.sparse if s.id_weights}  # features with id weights
         self.raw_ids = check_raw_ids(raw_ids, self.feature_names, self.directory)
+        if sector_edges is None:
+            sector_edges = world_size > int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+        self.sector_edges = bool(sector_edges) and world_size > 1
 
     @property
     def rows(self) -> int:
@@ -207,7 +220,7 @@ class ShardLoader:
             if len(self._open) >= _OPEN_SHARDS:
                 del self._open[next(iter(self._open))]
             self._open[i] = ShardRows(self.directory / self.manifest.shards[i]["file"], self.manifest.num_dense,
-                                      random_access=self.world_size > 1)
+                                      random_access=self.world_size > 1, sector_edges=self.sector_edges)
         return self._open[i]
 
     def _rank_pieces(self, pieces):

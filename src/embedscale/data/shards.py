@@ -16,6 +16,15 @@ their table.
 
 Shards are written through a temporary name and renamed; the manifest is written last, so a directory
 without a manifest is an unfinished write and is never read as a dataset.
+
+Page-aligned layout (``write_shard_file``): a shard's record batches are cut at the dataset rows that are
+multiples of ``ALIGN_ROWS`` (4,096 rows: a page of int8 labels), and each record batch's body starts on a
+4 KiB page (its message metadata padded through a custom-metadata entry). A fixed-width column of a batch
+whose rows are a multiple of 4,096 then fills whole pages, and so does a 4- or 8-byte column's run of a
+multiple of 1,024 rows starting at a dataset row that is a multiple of 1,024: a rank's slice of a global batch (``data.loader``)
+reads no page of its neighbours' rows, except the shared pages of the one-byte labels. Shards written
+before this layout read the same, with up to a page more per column and run (they need no rewrite, but a
+rewrite makes each rank's reads divide by the ranks).
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from embedscale.data.page_edges import EdgeReader
 from embedscale.errors import FormatError
 from embedscale.io import atomic_write_json, read_json
 
@@ -39,6 +49,9 @@ VERSION = 1
 
 
 ID_WEIGHTS = "/weights"  # the column of a feature's per-id weights: "<feature>/weights"
+PAGE = 4096  # bytes: the page a record batch's body is aligned to (x86-64 and most arm64 kernels)
+ALIGN_ROWS = PAGE  # rows: record batches start at dataset rows that are multiples of this (module docstring)
+_PAD_KEY = "embedscale.pad"  # the custom-metadata entry whose length puts a batch's body on a page
 
 
 @dataclass
@@ -222,8 +235,7 @@ class ShardWriter:
         tmp = self.dir / f".{name}.tmp"
         table = pa.Table.from_batches(self._pending, schema=self.schema).combine_chunks()
         try:
-            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, self.schema) as w:
-                w.write_table(table, max_chunksize=max(1, table.num_rows))
+            write_shard_file(tmp, self.schema, table, self.manifest.rows)
             os.replace(tmp, self.dir / name)
         except OSError as e:  # Arrow's errors name no file: say which one (a full disk, a read-only directory)
             tmp.unlink(missing_ok=True)
@@ -245,6 +257,65 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+
+
+def write_shard_file(path: str | os.PathLike, schema: pa.Schema, table: pa.Table, first_row: int) -> None:
+    """``table`` as an Arrow IPC file in the page-aligned layout (module docstring), its first row being row
+    ``first_row`` of the dataset: record batches cut by ``aligned_cuts``, each body starting on a page."""
+    rb = table.combine_chunks().to_batches()
+    rb = rb[0] if rb else pa.RecordBatch.from_pylist([], schema=schema)
+    with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, schema) as w:
+        for lo, hi in aligned_cuts(first_row, rb.num_rows):
+            piece = rb.slice(lo, hi - lo)
+            # the file's magic (8 bytes) and its schema go out with the first batch
+            at = sink.tell() or 8 + _message_lengths(schema, piece, 0)[0]
+            w.write_batch(piece, custom_metadata={_PAD_KEY: " " * _page_pad(schema, piece, at)})
+
+
+def aligned_cuts(first_row: int, rows: int) -> list[tuple[int, int]]:
+    """A shard's record batches as row ranges ``[lo, hi)`` of the shard, cut where the dataset row
+    ``first_row + lo`` is a multiple of ``ALIGN_ROWS``: a head up to the first such row, the rows between the
+    first and the last such row, and a tail; the whole shard when no ``ALIGN_ROWS`` rows between two such rows
+    lie in it (a small shard gains nothing from cuts). One empty range for an empty shard."""
+    head = min(rows, -first_row % ALIGN_ROWS)
+    body = head + (rows - head) // ALIGN_ROWS * ALIGN_ROWS
+    if body == head:
+        return [(0, rows)]
+    cuts = sorted({0, head, body, rows})
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b] or [(0, 0)]
+
+
+_LENGTHS: dict[tuple[bytes, int, int], tuple[int, int]] = {}  # (schema, rows > 0, pad) -> _message_lengths, per process
+
+
+def _message_lengths(schema: pa.Schema, batch: pa.RecordBatch, pad: int) -> tuple[int, int]:
+    """Bytes of the schema message, and of a record batch message's prefix and metadata (what precedes its
+    body), with a pad entry of ``pad`` bytes: measured on a one-row probe, whose metadata has the size of any
+    batch's of the schema (buffers and lengths are fixed-size fields of the flatbuffer); kept per schema."""
+    key = (schema.serialize().to_pybytes(), min(1, batch.num_rows), pad)
+    if key not in _LENGTHS:
+        sink = pa.BufferOutputStream()
+        with ipc.new_stream(sink, schema) as w:
+            w.write_batch(batch.slice(0, min(1, batch.num_rows)), custom_metadata={_PAD_KEY: " " * pad})
+        head = sink.getvalue().to_pybytes()
+        schema_len = 8 + int.from_bytes(head[4:8], "little")
+        if len(_LENGTHS) > 65_536:
+            _LENGTHS.clear()
+        _LENGTHS[key] = schema_len, 8 + int.from_bytes(head[schema_len + 4:schema_len + 8], "little")
+    return _LENGTHS[key]
+
+
+def _page_pad(schema: pa.Schema, batch: pa.RecordBatch, at: int) -> int:
+    """The pad entry's length that starts the body of a batch message written at file offset ``at`` on a
+    page. The message grows by 8 bytes for about every 8 bytes of pad, so a length near the shortfall hits
+    the page; 0 when none does (the file is then valid, only not aligned)."""
+    short = -(at + _message_lengths(schema, batch, 0)[1]) % PAGE
+    for guess in (short, short + PAGE):
+        for step in range(33):
+            pad = guess + (step + 1) // 2 * (1 if step % 2 else -1)  # guess, guess + 1, guess - 1, ...
+            if pad >= 0 and (at + _message_lengths(schema, batch, pad)[1]) % PAGE == 0:
+                return pad
+    return 0
 
 
 @dataclass
@@ -311,10 +382,13 @@ class ShardRows:
     batch the range crosses, whose arrays are views of just those rows, and adds their size to ``bytes_read``:
     per row its label, dense values, sample weight, one-hot ids, and for a list column (multi-hot ids, id
     weights) an offset plus its values. Those are the bytes a consumer copies out of the map; the operating
-    system pages them in 4 KiB pages, so a range shorter than a page per column costs a page.
+    system pages them in 4 KiB pages, so a range shorter than a page per column costs a page. With
+    ``random_access`` and ``sector_edges`` a column's partial first and last page are read by sector instead
+    (``page_edges``: the arrays are then copies), so ranks whose rows share a page do not each read all of it.
     """
 
-    def __init__(self, path: str | os.PathLike, num_dense: int, random_access: bool = False):
+    def __init__(self, path: str | os.PathLike, num_dense: int, random_access: bool = False,
+                 sector_edges: bool = False):
         self.path = Path(path)
         self.num_dense = num_dense
         try:
@@ -329,6 +403,7 @@ class ShardRows:
         self._firsts = np.cumsum([0] + [len(p["label"]) for p in self._parts])
         self.rows = int(self._firsts[-1])
         self.bytes_read = 0
+        self._edges = EdgeReader(self.path) if sector_edges and self._mm is not None else None
 
     def read(self, lo: int, hi: int) -> list[tuple[int, Columns]]:
         """The rows ``[lo, hi)`` (``0 <= lo <= hi <= rows``) as ``(first row, Columns)`` pieces."""
@@ -342,8 +417,23 @@ class ShardRows:
                 cols, nbytes = _part_rows(part, a, max(a, b))
                 self.bytes_read += nbytes
                 self._advise(cols)
-                out.append((first + a, cols))
+                out.append((first + a, self._take_edges(cols)))
         return out
+
+    def _take_edges(self, cols: Columns) -> Columns:
+        """The columns with their partial first and last pages read by sector (``EdgeReader``)."""
+        if self._edges is None or not self._edges.active:
+            return cols
+        arrays = [cols.labels, cols.dense, cols.weights, *(v for v, _ in cols.sparse.values()),
+                  *cols.id_weights.values()]
+        mine = [i for i, v in enumerate(arrays) if v is not None
+                and 0 <= v.__array_interface__["data"][0] - self._base <= len(self._mm) - v.nbytes]  # in the map
+        for i, v in zip(mine, self._edges.take([(arrays[i], arrays[i].__array_interface__["data"][0] - self._base)
+                                                for i in mine])):
+            arrays[i] = v
+        k = len(cols.sparse)
+        sparse = {n: (v, ln) for (n, (_, ln)), v in zip(cols.sparse.items(), arrays[3:3 + k])}
+        return Columns(arrays[0], arrays[1], sparse, arrays[2], dict(zip(cols.id_weights, arrays[3 + k:])))
 
     def _advise(self, cols: Columns) -> None:
         """With ``random_access``: ask the kernel for the pages of these rows now (``MADV_WILLNEED``), every
@@ -358,8 +448,10 @@ class ShardRows:
                 continue
             start = v.__array_interface__["data"][0] - self._base
             if 0 <= start and start + v.nbytes <= len(self._mm):
-                lo = start - start % page
-                self._mm.madvise(mmap.MADV_WILLNEED, lo, start + v.nbytes - lo)
+                lo, hi = (self._edges.whole_pages(start, v.nbytes) if self._edges is not None
+                          else (start - start % page, start + v.nbytes))
+                if hi > lo:
+                    self._mm.madvise(mmap.MADV_WILLNEED, lo, hi - lo)
 
 
 def mapped(path: str | os.PathLike, random_access: bool = False) -> pa.Buffer:

@@ -50,7 +50,8 @@ import torch
 
 from embedscale.data.loader import (ShardLoader, block_sparse, check_batching, check_raw_ids, _Block, _prefetched,
                                      _sel_len, _slice_sparse)
-from embedscale.data.shards import MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch
+from embedscale.data.shards import (MANIFEST, Manifest, SparseFeatureInfo, arrow_schema, read_shard, record_batch,
+                                    write_shard_file)
 from embedscale.errors import ConfigError, FormatError
 from embedscale.io import atomic_write_json, atomic_write_text, read_json
 
@@ -148,8 +149,7 @@ class StreamWriter:
         name = shard_name(self.shards)
         tmp = self.dir / f".{name}.tmp"
         try:
-            with pa.OSFile(str(tmp), "wb") as sink, ipc.new_file(sink, self.schema) as w:
-                w.write_table(table, max_chunksize=max(1, n))
+            write_shard_file(tmp, self.schema, table, 0)  # page-aligned from the shard's own first row
             os.replace(tmp, self.dir / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
