@@ -73,11 +73,22 @@ class RollingProfile:
         if not num_rows:
             raise ConfigError("RollingProfile: no tables")
         dev = torch.device(device) if device is not None else torch.get_default_device()
-        self._counts = {n: torch.zeros(int(r), dtype=dtype, device=dev) for n, r in num_rows.items()}
+        sizes = [int(r) for r in num_rows.values()]
+        self._flat = torch.zeros(sum(sizes), dtype=dtype, device=dev)  # every table's counts, one after another
+        self._counts = dict(zip(num_rows, torch.split(self._flat, sizes)))  # views of it, by table
+        starts = [0]
+        for r in sizes[:-1]:
+            starts.append(starts[-1] + r)
+        self.table_offsets = dict(zip(num_rows, starts))  # each table's first row in :meth:`update_flat`'s ids
+        self._ones: torch.Tensor | None = None  # update_flat's source (one access per id, scaled by alpha)
 
     @property
     def table_names(self) -> list[str]:
         return list(self._counts)
+
+    @property
+    def num_rows(self) -> dict[str, int]:
+        return {n: c.numel() for n, c in self._counts.items()}
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +140,31 @@ class RollingProfile:
             c = self._counts[name]
             rows = rows.reshape(-1).to(c.device, torch.int64)
             c.index_add_(0, rows, torch.full(rows.shape, self._scale, dtype=c.dtype, device=c.device))
+        self._samples += samples * self._scale
+
+    @torch.no_grad()
+    def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True) -> None:
+        """:meth:`update` with the rows of every table in one tensor: ``ids`` index the tables' rows laid one
+        after another in :attr:`table_names` order (row ``r`` of table ``t`` is ``table_offsets[t] + r``), so a
+        batch is counted in one ``index_add_`` (the drift monitor's per-batch path). ``check``: refuse ids outside
+        the whole range (a caller that checked each table's range itself passes ``False``). Same counts, bit for
+        bit, as :meth:`update` with the ids split by table."""
+        if int(steps) < 0:
+            raise ConfigError(f"RollingProfile.update_flat: steps must be >= 0, got {steps}")
+        ids = ids.reshape(-1).to(self._flat.device, torch.int64)
+        if check and ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= self._flat.numel():
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise InputError(f"rolling profile: row {bad} outside the tables' 0..{self._flat.numel() - 1}")
+        if steps:
+            self.steps += int(steps)
+            if self.decay < 1.0:
+                self._advance(int(steps))
+        n = ids.numel()
+        if self._ones is None or self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 1024), dtype=self._flat.dtype, device=self._flat.device)
+        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale)
         self._samples += samples * self._scale
 
     def counts(self, name: str) -> torch.Tensor:

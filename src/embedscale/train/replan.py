@@ -70,6 +70,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -79,7 +80,7 @@ from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.models.builder import build_sharded
 from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
 from embedscale.embedding.pgas_lookup import HeapTooSmall
-from embedscale.errors import ConfigError, EmbedscaleError
+from embedscale.errors import ConfigError, EmbedscaleError, InputError
 from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
 from embedscale.plan.drift import drift_and_plan, rows_moved
@@ -174,6 +175,7 @@ class DriftMonitor:
         self.decay = 0.5 ** (1.0 / self.every)  # an access weighs half after one monitoring period
         self.profile = RollingProfile({t.name: t.num_rows for t in run.tables}, decay=self.decay, device=run.device)
         self._features = {t.name: list(t.features) for t in run.tables}
+        self._flat_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _flat_ids: by keys and lengths
         self.records: list[dict] = []
         self.checks = 0
         self.declined = 0  # checks whose re-plan did not pay for itself (replan_pays)
@@ -200,9 +202,47 @@ class DriftMonitor:
         if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
             self.profile.update({}, steps=1)
             return
+        flat = self._flat_ids(sparse)
+        if flat is not None:  # one index_add_ for the whole batch (RollingProfile.update_flat)
+            self.profile.update_flat(flat, steps=1, samples=samples, check=False)
+            return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
         self.profile.update(rows, steps=1, samples=samples)
+
+    def _flat_ids(self, sparse) -> torch.Tensor | None:
+        """The batch's row ids as :meth:`RollingProfile.update_flat` counts them (each value plus its table's
+        offset), each checked against its table's rows; ``None`` when a key of the batch is no profiled table's
+        feature (then the rows are counted table by table). The per-value offsets and bounds are kept for the
+        batch's keys and lengths (the same for every full batch)."""
+        keys = getattr(sparse, "keys", None)
+        if keys is None or not hasattr(sparse, "length_per_key_list"):
+            return None
+        lpk = sparse.length_per_key_list()
+        key = (tuple(keys), tuple(lpk))
+        cached = self._flat_cache.get(key)
+        if cached is None:
+            table_of = {f: t for t, feats in self._features.items() for f in feats}
+            if any(k not in table_of for k in keys):
+                return None
+            off = self.profile.table_offsets
+            rows = self.profile.num_rows
+            sizes = torch.tensor(lpk, dtype=torch.int64)
+            cached = (torch.repeat_interleave(torch.tensor([off[table_of[k]] for k in keys]), sizes),
+                      torch.repeat_interleave(torch.tensor([rows[table_of[k]] - 1 for k in keys]), sizes))
+            cached = tuple(c.to(self.profile.device) for c in cached)
+            if len(self._flat_cache) >= 8:  # a few shapes (the last, short batch): never grows without bound
+                self._flat_cache.clear()
+            self._flat_cache[key] = cached
+        off, last = cached
+        vals = sparse.values.to(off.device, torch.int64)
+        # 0 <= v <= last for every value: neither v nor last - v is negative (their bitwise or has no sign bit)
+        if vals.numel() and int(torch.bitwise_or(vals, last - vals).min()) < 0:
+            i = int(torch.nonzero((vals < 0) | (vals > last))[0])
+            k = int(np.searchsorted(np.cumsum(lpk), i, side="right"))
+            raise InputError(f"drift monitor: feature {keys[k]!r}: row id {int(vals[i])} outside its table "
+                             f"[0, {int(last[i]) + 1})")
+        return vals + off
 
     def maybe_replan(self, run) -> dict | None:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
