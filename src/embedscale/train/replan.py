@@ -98,6 +98,7 @@ BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (re
 KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (an earlier attempt's re-plan void)
 STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
 NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
+SPACING_KEY = "spacing"  # DriftMonitor.state_dict: the checks' spacing (DriftMonitor._spacing)
 MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
@@ -156,6 +157,8 @@ class PendingCheck:
     error: BaseException | None = None
     check_s: float = 0.0  # rank 0: the check's seconds (in its thread)
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
+    known_quiet: int = 1  # with ``known``: the periods to the next check it sets (a kept verdict's, restored)
+    known_streak: int | None = None  # with ``known``: rank 0's streak after it (None: 0 after a re-plan)
     total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
     switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
     run_dir: object = None  # rank 0: where the verdict goes (:meth:`DriftMonitor._publish`)
@@ -371,8 +374,9 @@ class DriftMonitor:
                 flag[1] = self._quiet_periods(p) if ready and p.verdict >= 0 else 1
             dist.broadcast(flag, 0, group=run.monitor_group)
             verdict, quiet = int(flag[0]), int(flag[1])
-        else:
-            verdict = p.known
+        else:  # restored (resume_plan, DriftMonitor._restore_spacing): the spacing it sets, as the broadcast would
+            verdict, quiet = p.known, p.known_quiet
+            self._quiet_streak = p.known_streak if p.known_streak is not None else 0
         t_wait = time.perf_counter()
         self.pause_parts += [(step, "sum_wait", t_sum - t0), (step, "verdict", t_wait - t_sum)]
         if verdict == NOT_READY:  # the check still runs: its verdict one monitoring period later
@@ -525,9 +529,41 @@ class DriftMonitor:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's rolling profile (``RollingProfile.state_dict``), for its rank file of a checkpoint
-        (``DistributedRun.save``: key :data:`CHECKPOINT_KEY`)."""
-        return {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
+        """This rank's rolling profile (``RollingProfile.state_dict``) and the checks' spacing
+        (:data:`SPACING_KEY`, :meth:`_spacing`), for its rank file of a checkpoint (``DistributedRun.save``: key
+        :data:`CHECKPOINT_KEY`)."""
+        out = {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
+        out[SPACING_KEY] = self._spacing()
+        return out
+
+    def _spacing(self) -> torch.Tensor:
+        """The checks' spacing, 7 numbers (float64): the step before which no check starts, rank 0's streak of
+        checks that kept the plan without a search, its last planning's seconds (NaN: none), and a check whose
+        verdict "keep" is known (rank 0, after :meth:`settle`) but not yet taken: its step, its verdict step, the
+        periods and the streak it sets (-1: none). A re-plan's verdict is restored from ``replans/`` instead
+        (:func:`resume_plan`)."""
+        kept = [-1.0] * 4
+        p = getattr(self, "_pending", None)
+        done = p is not None and (p.known == 0 or (p.known is None and p.thread is not None
+                                                   and not p.thread.is_alive() and p.verdict == 0))
+        if done:
+            streak = p.known_streak if p.known is not None else (0 if p.searched else self._quiet_streak + 1)
+            kept = [p.step, p.apply_at, min(MAX_QUIET_PERIODS, 2 ** streak), streak]
+        plan_s = self.plan_seconds if self.plan_seconds is not None else float("nan")
+        return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept], dtype=torch.float64)
+
+    def _restore_spacing(self, spacing: torch.Tensor | None) -> None:
+        """Rank 0's :meth:`_spacing` of a checkpoint, on every rank (the step before which no check starts is the
+        same on all; the rest only rank 0 reads). A checkpoint without one: the spacing starts afresh."""
+        if spacing is None:
+            return
+        v = spacing.tolist()
+        self._quiet_until, self._quiet_streak = int(v[0]), int(v[1])
+        if v[2] == v[2]:  # not NaN
+            self.plan_seconds = float(v[2])
+        if v[3] >= 0:  # a kept verdict, taken at its step (resume_plan drops it when the run is past that step)
+            self._pending = PendingCheck(step=int(v[3]), apply_at=int(v[4]), known=0, known_quiet=int(v[5]),
+                                         known_streak=int(v[6]))
 
     def restore(self, shards: list[dict], rank: int, world: int) -> None:
         """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
@@ -549,6 +585,7 @@ class DriftMonitor:
             for _r, st in states[1:]:
                 self.profile.add_state(st)
         self._checked_at = -1
+        self._restore_spacing(states[0][1].get(SPACING_KEY))
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks, "replan_deferred": self.deferred,
@@ -564,6 +601,9 @@ def resume_plan(run) -> None:
     A checkpoint taken after that re-plan's check (``replan_lag`` > 0) also takes its verdict at step N."""
     d = run.run_dir / "replans"
     step = run.state.step
+    mon = run.monitor
+    if mon._pending is not None and mon._pending.apply_at < step:  # a kept verdict of a delta's base: taken
+        mon._pending = None
     later = sorted(int(p.name[5:]) for p in d.glob("step-*") if p.name[5:].isdigit()
                    and int(p.name[5:]) >= step and (p / BEFORE / "plan.json").exists()) if d.is_dir() else []
     if not later:
