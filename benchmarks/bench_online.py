@@ -402,6 +402,15 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     cpu = {n: np.sum(np.stack([r["cpu_s"][n].numpy() for r in res]), axis=0) for n in cfgs}
     paired["cpu_online_static"] = rounds(cpu["online"][1:], cpu["static"][1:], a.round_steps)
     paired["cpu_noise_floor_static_twin_static"] = rounds(cpu[TWIN][1:], cpu["static"][1:], a.round_steps)
+    # where a placement can pay on this machine: the busiest rank's share of the step's CPU (1 / world when
+    # balanced) and the step a machine of --cores cores cannot beat, max(total / cores, the busiest rank's), per
+    # run after window 0, against static's
+    per_rank = {n: np.stack([r["cpu_s"][n].numpy() for r in res])[:, K:] for n in cfgs}
+    bound = {n: np.maximum(v.sum(axis=0) / a.cores, v.max(axis=0)) for n, v in per_rank.items()}
+    paired["cpu_busiest_rank_share"] = {n: round(float(np.median(v.max(axis=0) / v.sum(axis=0))), 4)
+                                        for n, v in per_rank.items()}
+    paired["cpu_bound_static_over_run"] = {n: round(float(np.median(bound["static"] / bound[n])), 4)
+                                           for n in cfgs if n != "static"}
     paired["cpu_check_thread_share"] = round(float(res[0]["check_cpu_s"]["online"] / cpu["static"][1:].sum()), 5)
     if a.dump:  # every run's per-step seconds (the slowest rank's) and the online run's pauses, for a closer look
         np.savez(f"{a.dump}-w{world}.npz", **{f"step_{n}": v for n, v in step.items()},
@@ -557,6 +566,8 @@ def main():
                     help="steps per round of the paired online / static and static_twin / static ratios")
     ap.add_argument("--no-first-built", action="store_true",
                     help="time the first run the process builds (by default one more run is built first, not timed)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores the ranks share (the CPU bound of a step, cpu_bound_static_over_run)")
     ap.add_argument("--dump", default=None, help="save the per-step seconds to <dump>-w<world>.npz")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--dob-only", action="store_true",

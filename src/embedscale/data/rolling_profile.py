@@ -189,8 +189,9 @@ class RollingProfile:
         """:meth:`all_reduce` started now on a snapshot of the counts (this rank may go on updating them):
         returns the function that waits for it and returns the summed profile (any thread may call it)."""
         names = self.table_names
-        flat = torch.cat([self.counts(n) for n in names]
-                         + [torch.tensor([self.samples], dtype=self._counts[names[0]].dtype, device=self.device)])
+        flat = torch.empty(self._flat.numel() + 1, dtype=self._flat.dtype, device=self.device)
+        torch.div(self._flat, self._scale, out=flat[:-1])  # every table's counts (the tables laid end to end)
+        flat[-1] = self.samples
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         sizes, decay, steps, dtype = [self._counts[n].numel() for n in names], self.decay, self.steps, flat.dtype
 

@@ -52,9 +52,11 @@ N+1..M) waits for the verdict first (:meth:`DriftMonitor.settle`), which is on d
 plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`).
 Each rank's rolling profile is in its rank file of every full checkpoint
 (:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
-bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
-uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
-between them).
+bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`, rank 0's, on every rank), so a
+run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
+none and a resume from it takes its base's (a lag of the steps between them).
+A counted batch is one ``index_add_`` over every table's rows laid end to end (:meth:`DriftMonitor._flat_ids`,
+``RollingProfile.update_flat``; each id checked against its own table first).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
