@@ -500,6 +500,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "migration_below_2_steps": all(m["migrate_in_steps"] < 2 for m in migs),
             "delta_at_most_1.1x": delta_bytes / ref <= 1.10,
             "online_within_3pct_of_static": paired["online_static"]["median"] <= 1.03,
+            "online_within_3pct_of_static_cpu": paired["cpu_online_static"]["median"] <= 1.03,
             "pause_at_most_1_step": monitors["online"]["pause"]["max_steps"] <= 1.0},
         "online_vs_static_rounds": paired,
         "monitors": monitors,
