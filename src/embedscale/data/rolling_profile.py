@@ -73,8 +73,12 @@ class RollingProfile:
         if not num_rows:
             raise ConfigError("RollingProfile: no tables")
         dev = torch.device(device) if device is not None else torch.get_default_device()
+        self._hold(torch.zeros(sum(int(r) for r in num_rows.values()), dtype=dtype, device=dev), num_rows)
+
+    def _hold(self, flat: torch.Tensor, num_rows: Mapping[str, int]) -> None:
+        """Keep ``flat`` as the stored counts of the tables ``num_rows`` names, one after another."""
         sizes = [int(r) for r in num_rows.values()]
-        self._flat = torch.zeros(sum(sizes), dtype=dtype, device=dev)  # every table's counts, one after another
+        self._flat = flat  # every table's counts, one after another
         self._counts = dict(zip(num_rows, torch.split(self._flat, sizes)))  # views of it, by table
         starts = [0]
         for r in sizes[:-1]:
@@ -197,10 +201,9 @@ class RollingProfile:
 
         def summed() -> "RollingProfile":
             work.wait()
-            out = RollingProfile(dict(zip(names, sizes)), decay, self.device, dtype)
+            out = RollingProfile({names[0]: 1}, decay, self.device, dtype)
+            out._hold(flat[:-1], dict(zip(names, sizes)))  # the received sum itself, no copy
             out.steps = steps
-            for n, part in zip(names, torch.split(flat[:-1], sizes)):
-                out._counts[n].copy_(part)
             out._samples = float(flat[-1])
             return out
         return summed
