@@ -159,6 +159,7 @@ def worker(rank, world, job):
                            progress=False) if job.get("first_built") else None
     runs = {n: DistributedRun(from_dict(RunConfig, job["cfg"][n]), root / n, rank, world, progress=False)
             for n in names}
+    runs_built_first = [first]  # kept to the end, never stepped
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
     step_s = {n: np.zeros(steps) for n in names}
     pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
@@ -235,7 +236,7 @@ def worker(rank, world, job):
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
-            "counted": torch.tensor(counted)}
+            "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first)}
 
 
 def _time_checks(monitor) -> list[tuple[int, float]]:
@@ -423,13 +424,13 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     touched = np.isin(np.arange(a.steps), [x for ev in res[0]["events"]["online"] for x in ev])
     for name, sel in (("counted", counted & ~touched), ("not_counted", ~counted & ~touched)):
         sel[0] = False
+        def med(x, y, sel=sel):
+            return round(float(np.median(x[sel] / y[sel])), 4) if sel.any() else None
+
         paired[f"step_online_static_{name}"] = {
-            "steps": int(sel.sum()),
-            "paired_median": round(float(np.median(step["online"][sel] / step["static"][sel])), 4) if sel.any() else None,
-            "twin_paired_median": round(float(np.median(step[TWIN][sel] / step["static"][sel])), 4) if sel.any() else None,
-            "cpu_paired_median": round(float(np.median(cpu["online"][sel] / cpu["static"][sel])), 4) if sel.any() else None,
-            "cpu_twin_paired_median": round(float(np.median(cpu[TWIN][sel] / cpu["static"][sel])), 4) if sel.any()
-            else None}
+            "steps": int(sel.sum()), "paired_median": med(step["online"], step["static"]),
+            "twin_paired_median": med(step[TWIN], step["static"]),
+            "cpu_paired_median": med(cpu["online"], cpu["static"]), "cpu_twin_paired_median": med(cpu[TWIN], cpu["static"])}
     check = pause["online"]
     replans = res[0]["replans"]
     # the online run's plan timeline: (first step, plan)
