@@ -430,7 +430,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
         paired[f"step_online_static_{name}"] = {
             "steps": int(sel.sum()), "paired_median": med(step["online"], step["static"]),
             "twin_paired_median": med(step[TWIN], step["static"]),
-            "cpu_paired_median": med(cpu["online"], cpu["static"]), "cpu_twin_paired_median": med(cpu[TWIN], cpu["static"])}
+            "cpu_paired_median": med(cpu["online"], cpu["static"]),
+            "cpu_twin_paired_median": med(cpu[TWIN], cpu["static"])}
     check = pause["online"]
     replans = res[0]["replans"]
     # the online run's plan timeline: (first step, plan)
