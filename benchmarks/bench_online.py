@@ -47,6 +47,14 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
    verdicts asked for before the check was done, taken a period later) and the online run's steps plus pauses
    against the static plan's.
    Bars: the pause at most 1 step; online within 3% of static (on a stream where balance does not pay).
+6. ``online_vs_static_rounds``: a fourth run, ``static_twin``, holds the static plan too (the same-plan pair: what
+   two runs of the same code and plan differ by here, the comparison's noise floor). The steps are cut into rounds
+   of ``--round-steps`` (20); each round's ratio is one run's seconds over static's in it (online: its steps and
+   pauses); median, p10 and p90 over the rounds and the median's 95% interval (bootstrap over the rounds), for
+   online / static and static_twin / static, in wall-clock seconds (the bar: the median within 3%) and in CPU
+   seconds (every rank's step thread, and rank 0's check thread charged to its check's step: the work online
+   adds, which a loaded machine's waits for a core hide in the wall clock); ``step_online_static_counted`` /
+   ``_not_counted``: the per-step paired medians where the monitor counted the batch and where it did not.
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
@@ -79,10 +87,11 @@ from embedscale.specs import RunConfig, Topology, from_dict, to_dict
 from embedscale.train.checkpoint import base_ref, read_manifest
 from embedscale.train.distributed import DistributedRun
 from embedscale.train.launch import spawn_local
-from embedscale.train.replan import move_to_plan
+from embedscale.train.replan import QUIET_OBSERVE_PERIODS, move_to_plan
 from embedscale.train.run import dense_state, optimizer_state, save_checkpoint
 
 RUNS = ("static", "online", "hindsight")
+TWIN = "static_twin"  # a second run of the static plan: the same-plan pair (static_twin / static) is the noise floor
 HAS_LAG = hasattr(RunConfig().train, "replan_lag")  # else: an earlier monitor (every check waits, lag 0)
 LAG0 = "online_lag0"  # --compare-lag0: the monitor with train.replan_lag 0 (the other ranks wait for each check)
 TABLES = ("C1", "C2", "C3", "C4")
@@ -144,11 +153,18 @@ def worker(rank, world, job):
     torch.set_num_threads(1)
     root, K, steps = Path(job["root"]), job["rotate"], job["steps"]
     names = tuple(job["cfg"])
+    # a run built first and never stepped: the first run a process builds measured slower than a later one of
+    # the same plan (about 2.5% CPU), so no timed run is the first
+    first = DistributedRun(from_dict(RunConfig, job["cfg"]["static"]), root / "first-built", rank, world,
+                           progress=False) if job.get("first_built") else None
     runs = {n: DistributedRun(from_dict(RunConfig, job["cfg"][n]), root / n, rank, world, progress=False)
             for n in names}
+    runs_built_first = [first]  # kept to the end, never stepped
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
     step_s = {n: np.zeros(steps) for n in names}
     pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
+    cpu_s = {n: np.zeros(steps) for n in names}  # this rank's CPU seconds in each step (main thread; online:
+    # its pause too, and rank 0's check thread charged to the check's step)
     losses = {n: [] for n in names}
     full_at, delta_at = K, 2 * K  # full checkpoint before step K, delta after step 2K - 1 (window 1)
     ckpt = {}
@@ -156,13 +172,18 @@ def worker(rank, world, job):
     observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
     observe = online.monitor.observe
 
+    counted = []  # per online step: whether observe counted the batch (else the decay alone: checks spaced out)
+
     def timed_observe(sparse, samples):
+        mon = online.monitor
+        counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every)
         t0 = time.perf_counter()
         observe(sparse, samples)
         observe_s.append(time.perf_counter() - t0)
 
     online.monitor.observe = timed_observe
     events = {n: _log_checks(runs[n].monitor) for n in pause_s}  # each check's steps: its start, its verdict tries
+    check_cpu = {n: _time_checks(runs[n].monitor) for n in pause_s}  # rank 0: (check step, its thread's CPU s)
     it = iter(online.train_loader)
     for s in range(steps):
         batch = next(it)
@@ -180,13 +201,15 @@ def worker(rank, world, job):
             run.state.step = s
             dist.barrier()
             if n in pause_s:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 run.monitor.maybe_replan(run)  # train_step's own call then returns at once (already checked)
                 pause_s[n][s] = time.perf_counter() - t0
+                cpu_s[n][s] += time.thread_time() - c0
                 dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             loss = run.train_step(batch)
             step_s[n][s] = time.perf_counter() - t0
+            cpu_s[n][s] += time.thread_time() - c0
             losses[n].append(loss)
             run.state.losses.append(loss)
             run.state.step, run.state.samples = s + 1, run.state.samples + batch.global_size
@@ -201,13 +224,36 @@ def worker(rank, world, job):
                     tensors += [v for v in st.values() if isinstance(v, torch.Tensor)]
                 ckpt["dense_bytes"] = int(sum(t.numel() * t.element_size() for t in tensors))
     dist.barrier()
+    for n, got in check_cpu.items():
+        for at, sec in got:
+            cpu_s[n][at] += sec
     return {"step_s": {n: torch.from_numpy(v) for n, v in step_s.items()},
+            "cpu_s": {n: torch.from_numpy(v) for n, v in cpu_s.items()},
+            "check_cpu_s": {n: sum(sec for _, sec in got) for n, got in check_cpu.items()},
             "pause_s": {n: torch.from_numpy(v) for n, v in pause_s.items()},
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
             "declined": {n: runs[n].monitor.declined for n in pause_s},
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
-            "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s)}
+            "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
+            "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first)}
+
+
+def _time_checks(monitor) -> list[tuple[int, float]]:
+    """Wrap ``monitor``'s check (rank 0's thread, ``DriftMonitor._decide``): the list it returns gets, per check,
+    its step and the CPU seconds of its thread (its share of the cores, beside the ranks' steps)."""
+    log: list[tuple[int, float]] = []
+    decide = monitor._decide
+
+    def _decide(run, p, t0):
+        c0 = time.thread_time()
+        try:
+            return decide(run, p, t0)
+        finally:
+            log.append((p.step, time.thread_time() - c0))
+
+    monitor._decide = _decide
+    return log
 
 
 def _log_checks(monitor) -> list[list[int]]:
@@ -279,6 +325,22 @@ def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events
                                           for i in range(0, len(on), 40)]}
 
 
+def rounds(on: np.ndarray, st: np.ndarray, size: int, seed: int = 0) -> dict:
+    """Paired per-round ratios of two runs' seconds (``on`` / ``st``, step by step, the same steps): a round is
+    ``size`` consecutive steps (every run took each of them back to back, in rotated order), its ratio the sum of
+    ``on`` over the sum of ``st``. Median, p10 and p90 over the rounds, the median's 95% interval (bootstrap over
+    the rounds, 2,000 resamples), and the per-step paired median."""
+    n = len(on) // size
+    r = np.asarray([on[i * size:(i + 1) * size].sum() / st[i * size:(i + 1) * size].sum() for i in range(n)])
+    rng = np.random.default_rng(seed)
+    boot = np.median(r[rng.integers(0, n, size=(2000, n))], axis=1)
+    return {"rounds": n, "round_steps": size, "median": round(float(np.median(r)), 4),
+            "p10": round(float(np.percentile(r, 10)), 4), "p90": round(float(np.percentile(r, 90)), 4),
+            "median_ci95": [round(float(np.percentile(boot, 2.5)), 4), round(float(np.percentile(boot, 97.5)), 4)],
+            "per_step_paired_median": round(float(np.median(on / st)), 4), "ratio_total": round(float(on.sum()
+                                                                                                    / st.sum()), 4)}
+
+
 def q(v) -> dict:
     v = np.asarray(v, dtype=np.float64)
     return {"median_s": round(float(np.median(v)), 6), "p90_s": round(float(np.percentile(v, 90)), 6)}
@@ -317,12 +379,13 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
     plan_s = (time.perf_counter() - t0) / W
     cfgs = {}
-    for n in RUNS + ((LAG0,) if a.compare_lag0 else ()):
+    for n in RUNS + (TWIN,) + ((LAG0,) if a.compare_lag0 else ()):
         hind[0].save(root / n / "plan")  # every run starts from window 0's plan (the static plan)
         cfgs[n] = to_dict(run_config(a, root, data, n, world))
     for w in range(1, W):
         hind[w].save(root / "hindsight-plans" / f"w{w}")
-    job = {"root": str(root), "rotate": K, "steps": steps, "cfg": cfgs,
+    hind[0].save(root / "first-built" / "plan")
+    job = {"root": str(root), "rotate": K, "steps": steps, "cfg": cfgs, "first_built": not a.no_first_built,
            "hindsight": {str(w): str(root / "hindsight-plans" / f"w{w}") for w in range(1, W)},
            "first_ids": idx[tables[0].features[0]][0].tolist()}
     load0 = os.getloadavg()[0]
@@ -332,6 +395,43 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     load1 = os.getloadavg()[0]
     step = {n: np.max(np.stack([r["step_s"][n].numpy() for r in res]), axis=0) for n in cfgs}
     pause = {n: np.max(np.stack([r["pause_s"][n].numpy() for r in res]), axis=0) for n in res[0]["pause_s"]}
+    # online (steps and pauses) against static, and the same-plan pair (the noise floor), in paired rounds
+    paired = {"online_static": rounds(step["online"][1:] + pause["online"][1:], step["static"][1:], a.round_steps),
+              "noise_floor_static_twin_static": rounds(step[TWIN][1:], step["static"][1:], a.round_steps)}
+    # the same in CPU seconds (every rank's main thread summed, and rank 0's check thread): the work each run adds,
+    # which the machine's load (a rank waiting for a core) hides in the wall-clock figure
+    cpu = {n: np.sum(np.stack([r["cpu_s"][n].numpy() for r in res]), axis=0) for n in cfgs}
+    paired["cpu_online_static"] = rounds(cpu["online"][1:], cpu["static"][1:], a.round_steps)
+    paired["cpu_noise_floor_static_twin_static"] = rounds(cpu[TWIN][1:], cpu["static"][1:], a.round_steps)
+    # where a placement can pay on this machine: the busiest rank's share of the step's CPU (1 / world when
+    # balanced) and the step a machine of --cores cores cannot beat, max(total / cores, the busiest rank's), per
+    # run after window 0, against static's
+    per_rank = {n: np.stack([r["cpu_s"][n].numpy() for r in res])[:, K:] for n in cfgs}
+    bound = {n: np.maximum(v.sum(axis=0) / a.cores, v.max(axis=0)) for n, v in per_rank.items()}
+    paired["cpu_busiest_rank_share"] = {n: round(float(np.median(v.max(axis=0) / v.sum(axis=0))), 4)
+                                        for n, v in per_rank.items()}
+    paired["cpu_bound_static_over_run"] = {n: round(float(np.median(bound["static"] / bound[n])), 4)
+                                           for n in cfgs if n != "static"}
+    paired["cpu_check_thread_share"] = round(float(res[0]["check_cpu_s"]["online"] / cpu["static"][1:].sum()), 5)
+    if a.dump:  # every run's per-step seconds (the slowest rank's) and the online run's pauses, for a closer look
+        np.savez(f"{a.dump}-w{world}.npz", **{f"step_{n}": v for n, v in step.items()},
+                 **{f"cpu_{n}": v for n, v in cpu.items()},
+                 **{f"pause_{n}": v for n, v in pause.items()}, counted=res[0]["counted"].numpy(),
+                 order=np.array(list(cfgs)), check_steps=np.array([ev[0] for ev in res[0]["events"]["online"]]),
+                 observe_s=np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0))
+    # per-step paired medians (online's step alone) where the monitor counted the batch, and where it did not
+    counted = res[0]["counted"].numpy().astype(bool)
+    touched = np.isin(np.arange(a.steps), [x for ev in res[0]["events"]["online"] for x in ev])
+    for name, sel in (("counted", counted & ~touched), ("not_counted", ~counted & ~touched)):
+        sel[0] = False
+        def med(x, y, sel=sel):
+            return round(float(np.median(x[sel] / y[sel])), 4) if sel.any() else None
+
+        paired[f"step_online_static_{name}"] = {
+            "steps": int(sel.sum()), "paired_median": med(step["online"], step["static"]),
+            "twin_paired_median": med(step[TWIN], step["static"]),
+            "cpu_paired_median": med(cpu["online"], cpu["static"]),
+            "cpu_twin_paired_median": med(cpu[TWIN], cpu["static"])}
     check = pause["online"]
     replans = res[0]["replans"]
     # the online run's plan timeline: (first step, plan)
@@ -401,8 +501,10 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "step_online_within_10pct_of_hindsight": all(r <= 1.10 for r in ratios),
             "migration_below_2_steps": all(m["migrate_in_steps"] < 2 for m in migs),
             "delta_at_most_1.1x": delta_bytes / ref <= 1.10,
-            "online_within_3pct_of_static": monitors["online"]["vs_static"]["ratio_total"] <= 1.03,
+            "online_within_3pct_of_static": paired["online_static"]["median"] <= 1.03,
+            "online_within_3pct_of_static_cpu": paired["cpu_online_static"]["median"] <= 1.03,
             "pause_at_most_1_step": monitors["online"]["pause"]["max_steps"] <= 1.0},
+        "online_vs_static_rounds": paired,
         "monitors": monitors,
         "windows": windows,
         "dob_lookup_mean": {"static": round(float(np.mean(static_dobs)), 4),
@@ -418,6 +520,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                                                            / step["hindsight"][K:].mean()), 4)},
         "migrations": migs, "checks": res[0]["checks"],
         "observe_s_rank_max": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)),
+        "observe_s_rank_max_counted": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)[
+            res[0]["counted"].numpy().astype(bool)]),
         "check_s_without_replan": q([c for s, c in enumerate(check) if s and s % a.every == 0 and s not in
                                      {m["step"] for m in migs}] or [0.0]),
         "check_s_total": round(float(check.sum()), 4),
@@ -429,13 +533,15 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                              "reference_bytes": ref, "ratio": round(delta_bytes / ref, 4),
                              "rolling_profile_bytes_in_full": sum(r["ckpt"].get("profile_bytes", 0) for r in res)},
         "final_loss": {n: round(float(np.mean(res[0]["losses"][n][-K:])), 5) for n in RUNS},
+        "static_twin_same_losses": res[0]["losses"][TWIN] == res[0]["losses"]["static"],
         "wall_s": round(wall, 1), "load_average": [round(load0, 2), round(load1, 2)],
         "config": {"world": world, "steps": steps, "rotate_every": K, "tables": len(TABLES),
                    "rows_per_table": stream.universe_size(steps), "initial_ids": a.initial_ids,
                    "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share, "hot_alpha": a.hot_alpha,
                    "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
                    "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
-                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0,
+                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "round_steps": a.round_steps,
+                   "runs_interleaved": list(cfgs), "untimed_run_built_first": not a.no_first_built,
                    "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)"}}
 
 
@@ -459,6 +565,13 @@ def main():
                     help="train.replan_lag of 'online'")
     ap.add_argument("--compare-lag0", action="store_true",
                     help="a fourth run, 'online_lag0': the same monitor with train.replan_lag 0, interleaved")
+    ap.add_argument("--round-steps", type=int, default=20,
+                    help="steps per round of the paired online / static and static_twin / static ratios")
+    ap.add_argument("--no-first-built", action="store_true",
+                    help="time the first run the process builds (by default one more run is built first, not timed)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores the ranks share (the CPU bound of a step, cpu_bound_static_over_run)")
+    ap.add_argument("--dump", default=None, help="save the per-step seconds to <dump>-w<world>.npz")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("--dob-only", action="store_true",
                     help="plan only: the static plan's lookup DoB on every window, no training (bar 1's premise)")

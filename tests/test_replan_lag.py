@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -82,25 +83,40 @@ def _log(path, rank=0):
     return json.loads(open(f"{path}.{rank}").read())
 
 
-def test_lag_moves_the_rows_lag_steps_after_the_check_as_a_restart_would(tmp_path):
+@pytest.fixture(scope="module")
+def lagged(tmp_path_factory):
+    """The run with lag 2 and a checkpoint every step (7 steps; its check of step 4 re-plans, taken at step 6),
+    each step's plan logged: one run for the tests that read it (they copy it before resuming)."""
+    root = tmp_path_factory.mktemp("lagged")
+    data = root / "data"
+    drift_data(data)
+    spawn_local(_plans_rank, W, _cfg(root, data, 2, checkpoint_every=1), str(root / "lagged"), None,
+                str(root / "log"), 0.0, 0.0, timeout_s=600)
+    return SimpleNamespace(root=root, data=data, run=root / "lagged", log=root / "log")
+
+
+def test_lag_moves_the_rows_lag_steps_after_the_check_as_a_restart_would(tmp_path, lagged):
     """Lag 2, a check every 4 steps, 7 steps: the check of step 4 re-plans and steps 0-5 run under the initial
     plan, step 6 under the new one (the model); the new plan is the one the lag-0 run made at step 4 (the same
     profile); and the run equals the run without a monitor checkpointed at step 6 and restarted from there under
-    that plan: losses, rows, row-wise state and dense state bit for bit."""
+    that plan: losses, rows, row-wise state and dense state bit for bit. The lag-0 run's check sleeps 1.5 s (the
+    test hook): rank 1 waits for the whole check at step 4 (>= 1.5 s in the monitor), the wait a lag removes
+    (test_a_slow_check_does_not_stall_the_other_ranks)."""
     from embedscale.plan.plan import Plan
 
-    data = tmp_path / "data"
-    drift_data(data)
-    lag = 2
-    now, lagged, static = tmp_path / "now", tmp_path / "lagged", tmp_path / "static"
-    spawn_local(_drift_rank, W, _cfg(tmp_path, data, 0), str(now), None, timeout_s=600)
-    spawn_local(_plans_rank, W, _cfg(tmp_path, data, lag, checkpoint_every=1), str(lagged), None,
-                str(tmp_path / "log"), 0.0, 0.0, timeout_s=600)
+    data = lagged.data
+    lag, delay = 2, 1.5
+    now, static = tmp_path / "now", tmp_path / "static"
+    spawn_local(_plans_rank, W, _cfg(tmp_path, data, 0), str(now), None, str(tmp_path / "log0"), delay, 0.0,
+                timeout_s=600)
+    assert [int(r["step"]) for r in read_replans(now)] == [EVERY]
+    assert {e["step"]: e["monitor_s"] for e in _log(tmp_path / "log0", 1)}[EVERY] >= delay
+    lagged = lagged.run
     rows = read_replans(lagged)
     assert [(int(r["step"]), int(r["checked_at"])) for r in rows] == [(EVERY + lag, EVERY)], rows
     want = plan_in_force(7, EVERY, lag, {EVERY})
     for rank in range(W):
-        got = [e["plan_checked_at"] for e in _log(tmp_path / "log", rank) if "step_s" in e]
+        got = [e["plan_checked_at"] for e in _log(lagged.parent / "log", rank) if "step_s" in e]
         assert got == want, (rank, got, want)
     a, b = Plan.load(now / "replans" / f"step-{EVERY}"), Plan.load(lagged / "replans" / f"step-{EVERY + lag}")
     for name in ("part_table", "part_start", "part_stop", "owner_of_part", "holders", "fetch"):
@@ -116,18 +132,15 @@ def test_lag_moves_the_rows_lag_steps_after_the_check_as_a_restart_would(tmp_pat
 
 
 @pytest.mark.parametrize("at", [EVERY + 1, EVERY + 2])
-def test_resume_inside_the_lag_window_equals_the_uninterrupted_run(tmp_path, at):
+def test_resume_inside_the_lag_window_equals_the_uninterrupted_run(tmp_path, at, lagged):
     """Lag 2: the check of step 4 is taken at step 6. A checkpoint at step 5 or 6 (after the check, before the
     rows move) resumes to the same losses, rows, row-wise state, dense state and replans.csv row as the
     uninterrupted run (its verdict was on disk before the checkpoint: the resumed run cannot check step 4 again,
     its profile has moved on)."""
     from embedscale.plan.plan import Plan
 
-    data = tmp_path / "data"
-    drift_data(data)
-    whole = tmp_path / "whole"
-    cfg = _cfg(tmp_path, data, 2, checkpoint_every=1)
-    spawn_local(_drift_rank, W, cfg, str(whole), None, timeout_s=600)
+    whole = lagged.run
+    cfg = _cfg(lagged.root, lagged.data, 2, checkpoint_every=1)
     cut = tmp_path / "cut"
     shutil.copytree(whole, cut)
     (cut / "replans.csv").unlink()  # written again by the resumed run
@@ -149,20 +162,18 @@ def test_resume_inside_the_lag_window_equals_the_uninterrupted_run(tmp_path, at)
 def test_a_slow_check_does_not_stall_the_other_ranks(tmp_path):
     """8 steps. The check sleeps 1.5 s (the test hook); every step sleeps 0.6 s. Lag 3: the three steps after the
     check (>= 1.8 s) outlast it, so no step of rank 1 (its time in the monitor and in the step, where it would
-    wait for rank 0 in the step's collectives) exceeds its median step by one step or more. Lag 0, the same run:
-    rank 1 waits for the whole check at step 4 (>= 1.5 s in the monitor)."""
+    wait for rank 0 in the step's collectives) exceeds its median step by one step or more. (The same check with
+    lag 0 holds rank 1 for all of it: test_lag_moves_the_rows_lag_steps_after_the_check_as_a_restart_would.)"""
     data = tmp_path / "data"
     drift_data(data)
-    delay, sleep = 1.5, 0.6
-    for lag in (3, 0):
-        spawn_local(_plans_rank, W, _cfg(tmp_path, data, lag, max_steps=8), str(tmp_path / f"lag{lag}"), None,
-                    str(tmp_path / f"log{lag}"), delay, sleep, timeout_s=600)
-        assert [int(r["step"]) for r in read_replans(tmp_path / f"lag{lag}")] == [EVERY + lag]
-    log = {lag: _log(tmp_path / f"log{lag}", 1) for lag in (3, 0)}
-    step = float(np.median([e["step_s"] for e in log[3] if "step_s" in e]))
-    stall = {e["step"]: e["monitor_s"] + e["step_s"] - step for e in log[3] if "step_s" in e}
+    delay, sleep, lag = 1.5, 0.6, 3
+    spawn_local(_plans_rank, W, _cfg(tmp_path, data, lag, max_steps=8), str(tmp_path / f"lag{lag}"), None,
+                str(tmp_path / f"log{lag}"), delay, sleep, timeout_s=600)
+    assert [int(r["step"]) for r in read_replans(tmp_path / f"lag{lag}")] == [EVERY + lag]
+    log = _log(tmp_path / f"log{lag}", 1)
+    step = float(np.median([e["step_s"] for e in log if "step_s" in e]))
+    stall = {e["step"]: e["monitor_s"] + e["step_s"] - step for e in log if "step_s" in e}
     assert all(v < step for v in stall.values()), (stall, step)
-    assert {e["step"]: e["monitor_s"] for e in log[0]}[EVERY] >= delay
 
 
 def test_a_lag_beyond_the_monitoring_period_is_a_named_error():

@@ -73,11 +73,26 @@ class RollingProfile:
         if not num_rows:
             raise ConfigError("RollingProfile: no tables")
         dev = torch.device(device) if device is not None else torch.get_default_device()
-        self._counts = {n: torch.zeros(int(r), dtype=dtype, device=dev) for n, r in num_rows.items()}
+        self._hold(torch.zeros(sum(int(r) for r in num_rows.values()), dtype=dtype, device=dev), num_rows)
+
+    def _hold(self, flat: torch.Tensor, num_rows: Mapping[str, int]) -> None:
+        """Keep ``flat`` as the stored counts of the tables ``num_rows`` names, one after another."""
+        sizes = [int(r) for r in num_rows.values()]
+        self._flat = flat  # every table's counts, one after another
+        self._counts = dict(zip(num_rows, torch.split(self._flat, sizes)))  # views of it, by table
+        starts = [0]
+        for r in sizes[:-1]:
+            starts.append(starts[-1] + r)
+        self.table_offsets = dict(zip(num_rows, starts))  # each table's first row in :meth:`update_flat`'s ids
+        self._ones: torch.Tensor | None = None  # update_flat's source (one access per id, scaled by alpha)
 
     @property
     def table_names(self) -> list[str]:
         return list(self._counts)
+
+    @property
+    def num_rows(self) -> dict[str, int]:
+        return {n: c.numel() for n, c in self._counts.items()}
 
     @property
     def device(self) -> torch.device:
@@ -131,6 +146,31 @@ class RollingProfile:
             c.index_add_(0, rows, torch.full(rows.shape, self._scale, dtype=c.dtype, device=c.device))
         self._samples += samples * self._scale
 
+    @torch.no_grad()
+    def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True) -> None:
+        """:meth:`update` with the rows of every table in one tensor: ``ids`` index the tables' rows laid one
+        after another in :attr:`table_names` order (row ``r`` of table ``t`` is ``table_offsets[t] + r``), so a
+        batch is counted in one ``index_add_`` (the drift monitor's per-batch path). ``check``: refuse ids outside
+        the whole range (a caller that checked each table's range itself passes ``False``). Same counts, bit for
+        bit, as :meth:`update` with the ids split by table."""
+        if int(steps) < 0:
+            raise ConfigError(f"RollingProfile.update_flat: steps must be >= 0, got {steps}")
+        ids = ids.reshape(-1).to(self._flat.device, torch.int64)
+        if check and ids.numel():
+            lo, hi = torch.aminmax(ids)
+            if int(lo) < 0 or int(hi) >= self._flat.numel():
+                bad = int(lo) if int(lo) < 0 else int(hi)
+                raise InputError(f"rolling profile: row {bad} outside the tables' 0..{self._flat.numel() - 1}")
+        if steps:
+            self.steps += int(steps)
+            if self.decay < 1.0:
+                self._advance(int(steps))
+        n = ids.numel()
+        if self._ones is None or self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 1024), dtype=self._flat.dtype, device=self._flat.device)
+        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale)
+        self._samples += samples * self._scale
+
     def counts(self, name: str) -> torch.Tensor:
         """The decayed count of every row of table ``name`` (a new tensor on the device)."""
         return self._table(name) / self._scale
@@ -153,17 +193,17 @@ class RollingProfile:
         """:meth:`all_reduce` started now on a snapshot of the counts (this rank may go on updating them):
         returns the function that waits for it and returns the summed profile (any thread may call it)."""
         names = self.table_names
-        flat = torch.cat([self.counts(n) for n in names]
-                         + [torch.tensor([self.samples], dtype=self._counts[names[0]].dtype, device=self.device)])
+        flat = torch.empty(self._flat.numel() + 1, dtype=self._flat.dtype, device=self.device)
+        torch.div(self._flat, self._scale, out=flat[:-1])  # every table's counts (the tables laid end to end)
+        flat[-1] = self.samples
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         sizes, decay, steps, dtype = [self._counts[n].numel() for n in names], self.decay, self.steps, flat.dtype
 
         def summed() -> "RollingProfile":
             work.wait()
-            out = RollingProfile(dict(zip(names, sizes)), decay, self.device, dtype)
+            out = RollingProfile({names[0]: 1}, decay, self.device, dtype)
+            out._hold(flat[:-1], dict(zip(names, sizes)))  # the received sum itself, no copy
             out.steps = steps
-            for n, part in zip(names, torch.split(flat[:-1], sizes)):
-                out._counts[n].copy_(part)
             out._samples = float(flat[-1])
             return out
         return summed

@@ -52,9 +52,11 @@ N+1..M) waits for the verdict first (:meth:`DriftMonitor.settle`), which is on d
 plan's meta, so a resume from it takes that verdict at M (:func:`resume_plan`).
 Each rank's rolling profile is in its rank file of every full checkpoint
 (:data:`CHECKPOINT_KEY`) and restored on resume (:meth:`DriftMonitor.restore`: the same world size bit for
-bit, another one as the same sum), so a run resumed from a full checkpoint checks and re-plans as the
-uninterrupted one; a delta checkpoint carries none and a resume from it takes its base's (a lag of the steps
-between them).
+bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`, rank 0's, on every rank), so a
+run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
+none and a resume from it takes its base's (a lag of the steps between them).
+A counted batch is one ``index_add_`` over every table's rows laid end to end (:meth:`DriftMonitor._flat_ids`,
+``RollingProfile.update_flat``; each id checked against its own table first).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
@@ -70,6 +72,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -79,7 +82,7 @@ from embedscale.embedding.address_map import address_map_from_plan
 from embedscale.models.builder import build_sharded
 from embedscale.embedding.migrate import Placement, migrate, migrate_in_place
 from embedscale.embedding.pgas_lookup import HeapTooSmall
-from embedscale.errors import ConfigError, EmbedscaleError
+from embedscale.errors import ConfigError, EmbedscaleError, InputError
 from embedscale.io import atomic_write_text
 from embedscale.plan.cost import evaluate
 from embedscale.plan.drift import drift_and_plan, rows_moved
@@ -97,6 +100,7 @@ BEFORE = "before"  # replans/step-N/before/: the plan the run left at step N (re
 KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (an earlier attempt's re-plan void)
 STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
 NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
+SPACING_KEY = "spacing"  # DriftMonitor.state_dict: the checks' spacing (DriftMonitor._spacing)
 MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
@@ -155,6 +159,8 @@ class PendingCheck:
     error: BaseException | None = None
     check_s: float = 0.0  # rank 0: the check's seconds (in its thread)
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
+    known_quiet: int = 1  # with ``known``: the periods to the next check it sets (a kept verdict's, restored)
+    known_streak: int | None = None  # with ``known``: rank 0's streak after it (None: 0 after a re-plan)
     total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
     switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
     run_dir: object = None  # rank 0: where the verdict goes (:meth:`DriftMonitor._publish`)
@@ -174,6 +180,7 @@ class DriftMonitor:
         self.decay = 0.5 ** (1.0 / self.every)  # an access weighs half after one monitoring period
         self.profile = RollingProfile({t.name: t.num_rows for t in run.tables}, decay=self.decay, device=run.device)
         self._features = {t.name: list(t.features) for t in run.tables}
+        self._flat_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # _flat_ids: by keys and lengths
         self.records: list[dict] = []
         self.checks = 0
         self.declined = 0  # checks whose re-plan did not pay for itself (replan_pays)
@@ -200,9 +207,47 @@ class DriftMonitor:
         if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
             self.profile.update({}, steps=1)
             return
+        flat = self._flat_ids(sparse)
+        if flat is not None:  # one index_add_ for the whole batch (RollingProfile.update_flat)
+            self.profile.update_flat(flat, steps=1, samples=samples, check=False)
+            return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
         self.profile.update(rows, steps=1, samples=samples)
+
+    def _flat_ids(self, sparse) -> torch.Tensor | None:
+        """The batch's row ids as :meth:`RollingProfile.update_flat` counts them (each value plus its table's
+        offset), each checked against its table's rows; ``None`` when a key of the batch is no profiled table's
+        feature (then the rows are counted table by table). The per-value offsets and bounds are kept for the
+        batch's keys and lengths (the same for every full batch)."""
+        keys = getattr(sparse, "keys", None)
+        if keys is None or not hasattr(sparse, "length_per_key_list"):
+            return None
+        lpk = sparse.length_per_key_list()
+        key = (tuple(keys), tuple(lpk))
+        cached = self._flat_cache.get(key)
+        if cached is None:
+            table_of = {f: t for t, feats in self._features.items() for f in feats}
+            if any(k not in table_of for k in keys):
+                return None
+            off = self.profile.table_offsets
+            rows = self.profile.num_rows
+            sizes = torch.tensor(lpk, dtype=torch.int64)
+            cached = (torch.repeat_interleave(torch.tensor([off[table_of[k]] for k in keys]), sizes),
+                      torch.repeat_interleave(torch.tensor([rows[table_of[k]] - 1 for k in keys]), sizes))
+            cached = tuple(c.to(self.profile.device) for c in cached)
+            if len(self._flat_cache) >= 8:  # a few shapes (the last, short batch): never grows without bound
+                self._flat_cache.clear()
+            self._flat_cache[key] = cached
+        off, last = cached
+        vals = sparse.values.to(off.device, torch.int64)
+        # 0 <= v <= last for every value: neither v nor last - v is negative (their bitwise or has no sign bit)
+        if vals.numel() and int(torch.bitwise_or(vals, last - vals).min()) < 0:
+            i = int(torch.nonzero((vals < 0) | (vals > last))[0])
+            k = int(np.searchsorted(np.cumsum(lpk), i, side="right"))
+            raise InputError(f"drift monitor: feature {keys[k]!r}: row id {int(vals[i])} outside its table "
+                             f"[0, {int(last[i]) + 1})")
+        return vals + off
 
     def maybe_replan(self, run) -> dict | None:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
@@ -331,8 +376,9 @@ class DriftMonitor:
                 flag[1] = self._quiet_periods(p) if ready and p.verdict >= 0 else 1
             dist.broadcast(flag, 0, group=run.monitor_group)
             verdict, quiet = int(flag[0]), int(flag[1])
-        else:
-            verdict = p.known
+        else:  # restored (resume_plan, DriftMonitor._restore_spacing): the spacing it sets, as the broadcast would
+            verdict, quiet = p.known, p.known_quiet
+            self._quiet_streak = p.known_streak if p.known_streak is not None else 0
         t_wait = time.perf_counter()
         self.pause_parts += [(step, "sum_wait", t_sum - t0), (step, "verdict", t_wait - t_sum)]
         if verdict == NOT_READY:  # the check still runs: its verdict one monitoring period later
@@ -485,9 +531,41 @@ class DriftMonitor:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's rolling profile (``RollingProfile.state_dict``), for its rank file of a checkpoint
-        (``DistributedRun.save``: key :data:`CHECKPOINT_KEY`)."""
-        return {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
+        """This rank's rolling profile (``RollingProfile.state_dict``) and the checks' spacing
+        (:data:`SPACING_KEY`, :meth:`_spacing`), for its rank file of a checkpoint (``DistributedRun.save``: key
+        :data:`CHECKPOINT_KEY`)."""
+        out = {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
+        out[SPACING_KEY] = self._spacing()
+        return out
+
+    def _spacing(self) -> torch.Tensor:
+        """The checks' spacing, 7 numbers (float64): the step before which no check starts, rank 0's streak of
+        checks that kept the plan without a search, its last planning's seconds (NaN: none), and a check whose
+        verdict "keep" is known (rank 0, after :meth:`settle`) but not yet taken: its step, its verdict step, the
+        periods and the streak it sets (-1: none). A re-plan's verdict is restored from ``replans/`` instead
+        (:func:`resume_plan`)."""
+        kept = [-1.0] * 4
+        p = getattr(self, "_pending", None)
+        done = p is not None and (p.known == 0 or (p.known is None and p.thread is not None
+                                                   and not p.thread.is_alive() and p.verdict == 0))
+        if done:
+            streak = p.known_streak if p.known is not None else (0 if p.searched else self._quiet_streak + 1)
+            kept = [p.step, p.apply_at, min(MAX_QUIET_PERIODS, 2 ** streak), streak]
+        plan_s = self.plan_seconds if self.plan_seconds is not None else float("nan")
+        return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept], dtype=torch.float64)
+
+    def _restore_spacing(self, spacing: torch.Tensor | None) -> None:
+        """Rank 0's :meth:`_spacing` of a checkpoint, on every rank (the step before which no check starts is the
+        same on all; the rest only rank 0 reads). A checkpoint without one: the spacing starts afresh."""
+        if spacing is None:
+            return
+        v = spacing.tolist()
+        self._quiet_until, self._quiet_streak = int(v[0]), int(v[1])
+        if v[2] == v[2]:  # not NaN
+            self.plan_seconds = float(v[2])
+        if v[3] >= 0:  # a kept verdict, taken at its step (resume_plan drops it when the run is past that step)
+            self._pending = PendingCheck(step=int(v[3]), apply_at=int(v[4]), known=0, known_quiet=int(v[5]),
+                                         known_streak=int(v[6]))
 
     def restore(self, shards: list[dict], rank: int, world: int) -> None:
         """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
@@ -509,6 +587,7 @@ class DriftMonitor:
             for _r, st in states[1:]:
                 self.profile.add_state(st)
         self._checked_at = -1
+        self._restore_spacing(states[0][1].get(SPACING_KEY))
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks, "replan_deferred": self.deferred,
@@ -524,6 +603,9 @@ def resume_plan(run) -> None:
     A checkpoint taken after that re-plan's check (``replan_lag`` > 0) also takes its verdict at step N."""
     d = run.run_dir / "replans"
     step = run.state.step
+    mon = run.monitor
+    if mon._pending is not None and mon._pending.apply_at < step:  # a kept verdict of a delta's base: taken
+        mon._pending = None
     later = sorted(int(p.name[5:]) for p in d.glob("step-*") if p.name[5:].isdigit()
                    and int(p.name[5:]) >= step and (p / BEFORE / "plan.json").exists()) if d.is_dir() else []
     if not later:

@@ -1,0 +1,84 @@
+"""The checks' spacing survives a checkpoint: a run resumed from one checks at the same steps, counts the same
+batches and keeps the same profile as the uninterrupted run (the reference), in one process (a gloo group of 1).
+
+A stationary stream on one rank: every check keeps the plan without a search, so the periods to the next check
+double (a check every 4 steps, lag 1: checks at 4, 12, 28, 60) and only the batches of the two periods before a
+check are counted (DriftMonitor.observe)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from embedscale.data.batch import JaggedFeatures
+from embedscale.data.profile import AccessProfile
+from embedscale.plan.api import make_plan
+from embedscale.specs import DistConfig, TableSpec, Topology
+from embedscale.train.replan import CHECKPOINT_KEY, DriftMonitor, resume_plan
+
+EVERY, LAG, STEPS = 4, 1, 64
+TABLES = [TableSpec("a", 50, 4, features=["x"]), TableSpec("b", 30, 4, features=["y"])]
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _batch(step):
+    rng = np.random.default_rng(step)  # the same distribution every step: the plan always holds
+    return JaggedFeatures.from_dense(["x", "y"], torch.from_numpy(np.stack(
+        [rng.integers(0, 50, 16), rng.integers(0, 30, 16)], axis=1)))
+
+
+def _run(tmp_path):
+    counts = {"a": np.ones(50), "b": np.ones(30)}
+    plan = make_plan("oper", TABLES, AccessProfile(counts, 16), Topology(ranks_per_host=1), batch_size=16)
+    return SimpleNamespace(host_embedding=None, device=torch.device("cpu"), tables=TABLES, plan=plan, rank=0,
+                           world=1, monitor_group=None, run_dir=tmp_path, state=SimpleNamespace(step=0),
+                           cfg=SimpleNamespace(dist=DistConfig(), train=SimpleNamespace(
+                               batch_size=16, max_steps=STEPS, replan_weigh_costs=True)))
+
+
+def _steps(run, mon, start, stop, log):
+    """Steps ``start``..``stop - 1`` as ``DistributedRun.train_step`` drives the monitor; each check is done
+    before its verdict is asked for (``settle``: no verdict deferred by the machine's timing)."""
+    for s in range(start, stop):
+        run.state.step = s
+        mon.settle()
+        before = mon.checks
+        mon.maybe_replan(run)
+        if mon.checks > before:
+            log.append(s)
+        mon.observe(_batch(s), 16)
+
+
+def test_a_resume_checks_and_counts_as_the_uninterrupted_run(tmp_path, group):
+    run = _run(tmp_path)
+    whole, log = DriftMonitor(run, EVERY, 0.05, LAG), []
+    run.monitor = whole
+    _steps(run, whole, 0, STEPS, log)
+    assert log == [4, 12, 28, 60], log  # the reference run's checks: each kept the plan, the periods doubled
+    for cut in (5, 13, 16, 29):  # at a verdict step (the check kept, not yet taken), inside a quiet stretch
+        first, got = DriftMonitor(run, EVERY, 0.05, LAG), []
+        run.monitor = first
+        _steps(run, first, 0, cut, got)
+        first.settle()  # as a checkpoint is written (train.persist)
+        state = {k: v.clone() for k, v in first.state_dict().items()}
+        resumed = DriftMonitor(run, EVERY, 0.05, LAG)
+        run.monitor, run.state.step = resumed, cut
+        resumed.restore([{"rank": 0, CHECKPOINT_KEY: state}], 0, 1)
+        resume_plan(run)
+        _steps(run, resumed, cut, STEPS, got)
+        assert got == log, (cut, got)
+        a, b = whole.profile.state_dict(), resumed.profile.state_dict()
+        assert all(torch.equal(a[k], b[k]) for k in a), cut  # the same batches counted, bit for bit
+        assert resumed._quiet_until == whole._quiet_until and resumed._quiet_streak == whole._quiet_streak
