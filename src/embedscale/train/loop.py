@@ -67,12 +67,11 @@ class LoopConfig:
     checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
         of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
     progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
-    calibrate: at every new best evaluation, set the model's ``LogitCalibration`` to the beta calibration of the
-        eval split's raw logits (``beta_scale``, ``beta_shift``, ``beta_tail`` of the figures; Platt's map when
-        that fits as well) before the best checkpoint is written (inference only: training sees raw logits);
-        that evaluation's recorded figures (the best's, the summary's) become the calibrated ones, what its
-        checkpoint predicts (``metrics.csv`` keeps the raw ones), and a logloss or NE monitored for early
-        stopping is the calibrated one of every evaluation.
+    calibrate: at every evaluation, set the model's ``LogitCalibration`` to the beta calibration of the eval
+        split's raw logits (``beta_scale``, ``beta_shift``, ``beta_tail`` of the figures; Platt's map when that
+        fits as well) before a checkpoint of that step (the best one included) is written (inference only:
+        training sees raw logits); the evaluation's recorded figures (the best's, the summary's, the early
+        stopping's) become the calibrated ones, what its checkpoint predicts (``metrics.csv`` keeps the raw ones).
     """
 
     epochs: int = 1
@@ -245,16 +244,15 @@ def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -
     figures are the same on all of them, so they decide alike)."""
     st = run.state
     st.eval_step, st.eval = st.step, _finite(figures)
-    calibrate = loop.calibrate and getattr(run, "model", None) is not None and "beta_scale" in figures
-    # the figures are of the raw logits (evaluate_now): a calibrated run compares what its map would make of them
-    value = figures.get(f"beta_{loop.early_stopping_metric}" if calibrate and loop.early_stopping_metric != "auc"
-                        else loop.early_stopping_metric)
+    # the figures are of the raw logits (evaluate_now); the map fitted on them is set before any checkpoint of
+    # this step is written, and the recorded figures become what the model now predicts
+    if (loop.calibrate and getattr(run, "model", None) is not None and "beta_scale" in figures
+            and calibrate_logits(run.model, figures["beta_scale"], figures["beta_shift"], figures["beta_tail"])):
+        st.eval.update({k: st.eval[f"beta_{k}"] for k in ("logloss", "ne", "calibration")})
+    value = st.eval.get(loop.early_stopping_metric)
     if improved(loop, value, st.best_value):
         previous = st.best_step
         st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
-        if calibrate and calibrate_logits(run.model, figures["beta_scale"], figures["beta_shift"],
-                                          figures["beta_tail"]):  # before it is saved
-            st.eval.update({k: st.eval[f"beta_{k}"] for k in ("logloss", "ne", "calibration")})
         st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
         if loop.keep_best:
             ckpts.new_best(previous)
