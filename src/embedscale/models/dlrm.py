@@ -292,9 +292,9 @@ class LogitCalibration(nn.Module):
     """The logit's calibration map at inference, identity while training: beta calibration (Kull et al. 2017,
     eq. 4; ``data.metrics.beta_calibration``) ``a z + b + d softplus(-z)``, which is Platt scaling ``a z + b``
     (Platt 1999, section 2; Guo et al. 2017, section 4.2) when ``d = 0``: slope ``a`` for high scores, ``a - d``
-    for low ones. The loop fits it on the eval split's raw logits at every new best evaluation
-    (``train.calibrate``) and sets it here before the best checkpoint is written, so every checkpoint, export
-    and server of the model predicts calibrated probabilities; both slopes positive keep the ranking (AUC) as it
+    for low ones. The loop fits it on the eval split's raw logits at every evaluation (``train.calibrate``) and
+    sets it here before that step's checkpoints (the best one among them) are written, so every checkpoint,
+    export and server of the model predicts calibrated probabilities; both slopes positive keep the ranking (AUC) as it
     is. Stored as the buffers ``scale_shift = [a, b]`` and ``tail = [d]`` (``[1, 0]``, ``[0]``: no change; a
     checkpoint without them loads as that).
 
