@@ -90,12 +90,14 @@ def logit_by_hand(ck: dict, arch: str, sample: np.ndarray) -> float:
 
 
 def logloss_by_hand(ck, arch, y, x, calibrated: bool = False) -> float:
-    """``calibrated``: the logit's Platt scaling ``a z + b`` of the checkpoint (``calibration.scale_shift``) applied,
-    as the model predicts at inference."""
+    """``calibrated``: the logit's calibration map ``a z + b + d ln(1 + e^-z)`` of the checkpoint
+    (``calibration.scale_shift``, ``calibration.tail``) applied, as the model predicts at inference."""
     a, b = ck["dense"]["calibration.scale_shift"].double().tolist() if calibrated else (1.0, 0.0)
+    d = float(ck["dense"]["calibration.tail"].double()[0]) if calibrated else 0.0
     total = 0.0
     for label, sample in zip(y, x):
-        p = 1.0 / (1.0 + math.exp(-(a * logit_by_hand(ck, arch, sample) + b)))
+        z = logit_by_hand(ck, arch, sample)
+        p = 1.0 / (1.0 + math.exp(-(a * z + b + d * math.log1p(math.exp(-z)))))
         total -= math.log(p) if label else math.log(1.0 - p)
     return total / len(y)
 

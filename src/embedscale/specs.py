@@ -454,8 +454,9 @@ class TrainConfig:
     early_stopping_metric: str = "auc"  # auc | logloss | ne
     early_stopping_min_delta: float = 0.0
     keep_best: bool = True  # checkpoints/best points at the best evaluation's checkpoint (written when it improves)
-    # Platt scaling at inference (models.dlrm.LogitCalibration): fitted on the eval split's logits at every new
-    # best evaluation and saved with it, so the best checkpoint's probabilities are calibrated (AUC unchanged)
+    # beta calibration of the logit at inference (models.dlrm.LogitCalibration; Platt scaling and a second slope
+    # for the low scores): fitted on the eval split's raw logits at every evaluation and saved with that step's
+    # checkpoints, so the best checkpoint's probabilities are calibrated (AUC unchanged)
     calibrate: bool = True
     # progressive validation (train.loop): AUC/logloss/NE of every batch's pre-update logits over the last
     # this-many samples, in every logged metrics row (pv_*); 0 = off

@@ -20,10 +20,12 @@ so ``torch.manual_seed`` makes a model bit-for-bit reproducible.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from embedscale.data.batch import JaggedFeatures
@@ -287,12 +289,14 @@ class FirstOrder(nn.Module):
 
 
 class LogitCalibration(nn.Module):
-    """Platt scaling of the logit at inference: ``a z + b`` (Platt 1999, section 2; Guo et al. 2017, section
-    4.2), identity while training. The loop fits ``(a, b)`` on the eval split's logits at every new best
-    evaluation (``train.calibrate``, ``data.metrics.platt_scaling``) and composes it into this map before the
-    best checkpoint is written, so every checkpoint, export and server of the model predicts calibrated
-    probabilities; ``a > 0`` keeps the ranking (AUC) as it is. Stored as the buffer ``scale_shift = [a, b]``
-    (``[1, 0]``: no change; a checkpoint without it loads as that).
+    """The logit's calibration map at inference, identity while training: beta calibration (Kull et al. 2017,
+    eq. 4; ``data.metrics.beta_calibration``) ``a z + b + d softplus(-z)``, which is Platt scaling ``a z + b``
+    (Platt 1999, section 2; Guo et al. 2017, section 4.2) when ``d = 0``: slope ``a`` for high scores, ``a - d``
+    for low ones. The loop fits it on the eval split's raw logits at every evaluation (``train.calibrate``) and
+    sets it here before that step's checkpoints (the best one among them) are written, so every checkpoint,
+    export and server of the model predicts calibrated probabilities; both slopes positive keep the ranking (AUC) as it
+    is. Stored as the buffers ``scale_shift = [a, b]`` and ``tail = [d]`` (``[1, 0]``, ``[0]``: no change; a
+    checkpoint without them loads as that).
 
         >>> import torch
         >>> cal = LogitCalibration().eval()
@@ -304,24 +308,51 @@ class LogitCalibration(nn.Module):
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.register_buffer("scale_shift", torch.tensor([1.0, 0.0], device=device))
+        self.register_buffer("tail", torch.tensor([0.0], device=device))
+        self.bypass = False  # uncalibrated(): the raw logit in eval mode too
 
     def compose(self, a: float, b: float) -> None:
-        """Apply ``z -> a z + b`` after the present map: ``[a0, b0]`` becomes ``[a a0, a b0 + b]``."""
+        """Apply ``z -> a z + b`` after the present map: ``[a0, b0]`` becomes ``[a a0, a b0 + b]``, ``d0`` ``a d0``."""
         a0, b0 = (float(v) for v in self.scale_shift.double())
         self.scale_shift.copy_(torch.tensor([a * a0, a * b0 + b], dtype=torch.float64))
+        self.tail.mul_(a)
+
+    def set(self, a: float, b: float, d: float = 0.0) -> None:
+        """Replace the map by ``z -> a z + b + d softplus(-z)``."""
+        self.scale_shift.copy_(torch.tensor([a, b], dtype=torch.float64))
+        self.tail.fill_(d)
 
     def forward(self, logit: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training or self.bypass:
             return logit
-        return logit * self.scale_shift[0] + self.scale_shift[1]
+        out = logit * self.scale_shift[0] + self.scale_shift[1]
+        # the tail only where it is set: softplus(-z) of z = -inf is inf, and 0 * inf is NaN
+        return torch.where(self.tail != 0, out + self.tail * F.softplus(-logit), out)
 
 
-def calibrate_logits(model: nn.Module, a: float, b: float) -> int:
-    """Compose the Platt scaling ``(a, b)`` into every :class:`LogitCalibration` of ``model``; returns how many."""
+def calibrate_logits(model: nn.Module, a: float, b: float, d: float | None = None) -> int:
+    """Compose the Platt scaling ``(a, b)`` into every :class:`LogitCalibration` of ``model``, or with ``d`` given
+    replace each map by the beta map ``(a, b, d)``; returns how many."""
     found = [m for m in model.modules() if isinstance(m, LogitCalibration)]
     for m in found:
-        m.compose(a, b)
+        if d is None:
+            m.compose(a, b)
+        else:
+            m.set(a, b, d)
     return len(found)
+
+
+@contextlib.contextmanager
+def uncalibrated(model: nn.Module | None):
+    """Within: every :class:`LogitCalibration` of ``model`` passes the raw logit (the loop fits the map on it)."""
+    found = [m for m in model.modules() if isinstance(m, LogitCalibration)] if model is not None else []
+    for m in found:
+        m.bypass = True
+    try:
+        yield
+    finally:
+        for m in found:
+            m.bypass = False
 
 
 class DenseArch(nn.Module):

@@ -185,7 +185,7 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
     dense = {k[len("dense."):]: v for k, v in w.items() if k.startswith("dense.")}
     # an export written before the logit calibration predicts uncalibrated (the map's identity)
-    own = {k: v for k, v in own.items() if k in dense or not k.endswith("calibration.scale_shift")}
+    own = {k: v for k, v in own.items() if k in dense or not k.endswith(("calibration.scale_shift", "calibration.tail"))}
     for k, v in own.items():
         if k not in dense:
             raise FormatError(f"{path}: no tensor 'dense.{k}' in the weights")

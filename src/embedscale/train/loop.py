@@ -36,7 +36,7 @@ from embedscale.data.stream import StreamLoader
 from embedscale.embedding.grad_sync import all_gather_var
 from embedscale.errors import ConfigError
 from embedscale.io import atomic_write_json
-from embedscale.models.dlrm import calibrate_logits
+from embedscale.models.dlrm import calibrate_logits, uncalibrated
 from embedscale.train.metrics import MetricRow, MetricsLog, ProgressiveWindow
 from embedscale.train.plots import plot_curves, plot_replans
 from embedscale.storage import remove_tree
@@ -67,10 +67,11 @@ class LoopConfig:
     checkpoint_full_every: M > 0: a full checkpoint when the step enters a new multiple of M (and the first
         of a process), deltas in between (``train.checkpoint``); 0 = every checkpoint full.
     progressive_window: samples in the progressive-validation window (0 = off), figures in every logged row.
-    calibrate: at every new best evaluation, compose the Platt scaling of the eval split's logits (``platt_scale``,
-        ``platt_shift`` of the figures) into the model's ``LogitCalibration`` before the best checkpoint is
-        written (inference only: training sees raw logits); that evaluation's recorded figures (the best's, the
-        summary's) become the calibrated ones, what its checkpoint predicts (``metrics.csv`` keeps the raw ones).
+    calibrate: at every evaluation, set the model's ``LogitCalibration`` to the beta calibration of the eval
+        split's raw logits (``beta_scale``, ``beta_shift``, ``beta_tail`` of the figures; Platt's map when that
+        fits as well) before a checkpoint of that step (the best one included) is written (inference only:
+        training sees raw logits); the evaluation's recorded figures (the best's, the summary's, the early
+        stopping's) become the calibrated ones, what its checkpoint predicts (``metrics.csv`` keeps the raw ones).
     """
 
     epochs: int = 1
@@ -243,14 +244,15 @@ def _evaluated(run: Run, loop: LoopConfig, ckpts: _Checkpoints, figures: dict) -
     figures are the same on all of them, so they decide alike)."""
     st = run.state
     st.eval_step, st.eval = st.step, _finite(figures)
-    value = figures.get(loop.early_stopping_metric)
+    # the figures are of the raw logits (evaluate_now); the map fitted on them is set before any checkpoint of
+    # this step is written, and the recorded figures become what the model now predicts
+    if (loop.calibrate and getattr(run, "model", None) is not None and "beta_scale" in figures
+            and calibrate_logits(run.model, figures["beta_scale"], figures["beta_shift"], figures["beta_tail"])):
+        st.eval.update({k: st.eval[f"beta_{k}"] for k in ("logloss", "ne", "calibration")})
+    value = st.eval.get(loop.early_stopping_metric)
     if improved(loop, value, st.best_value):
         previous = st.best_step
         st.best_step, st.best_value, st.bad_evals = st.step, float(value), 0
-        if loop.calibrate and getattr(run, "model", None) is not None and "platt_scale" in figures:
-            if calibrate_logits(run.model, figures["platt_scale"], figures["platt_shift"]):  # before it is saved
-                st.eval.update({k: st.eval[f"platt_{k}"] for k in ("logloss", "ne", "calibration")})
-                st.best_value = float(st.eval[loop.early_stopping_metric])  # later evaluations are calibrated
         st.best = {k: st.eval[k] for k in ("logloss", "auc", "ne", "calibration", "samples") if k in st.eval}
         if loop.keep_best:
             ckpts.new_best(previous)
@@ -360,7 +362,8 @@ class _Attempt:
         run, st = self.run, self.run.state
         if st.eval_step == st.step:  # scored at this very step already (in this attempt or the restored one)
             return
-        figures = run.evaluate()
+        with uncalibrated(getattr(run, "model", None)):  # the map is fitted on the raw logits (_evaluated)
+            figures = run.evaluate()
         m = figures
         self.metrics.log_eval(st.step, st.epoch, st.samples, m["logloss"], m["auc"], time.perf_counter() - self.t_start,
                               ne=m.get("ne", math.nan), calibration=m.get("calibration", math.nan))

@@ -224,7 +224,7 @@ def load_dense_state(model: nn.Module, dense: dict, where) -> None:
     ``FormatError`` naming it."""
     own = {k: v for k, v in model.state_dict().items() if not k.startswith(EMBEDDING_PREFIX)}
     # a checkpoint written before the logit calibration: its model predicts uncalibrated (the map's identity)
-    own = {k: v for k, v in own.items() if k in dense or not k.endswith("calibration.scale_shift")}
+    own = {k: v for k, v in own.items() if k in dense or not k.endswith(("calibration.scale_shift", "calibration.tail"))}
     missing = sorted(set(own) - set(dense))
     if missing and all(k.startswith("first_order.") for k in missing):
         raise FormatError(f"{where}: no saved values for {missing} (a model without the first-order term: load it "
