@@ -105,7 +105,8 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tup
     proc = subprocess.Popen([*cmd, str(export), "--host", "127.0.0.1",
                              "--port", str(port), "--max-batch", str(args.max_batch), "--max-wait-ms",
                              str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024)),
-                             "--queue-rows", str(args.queue_rows)],
+                             "--queue-rows", str(args.queue_rows), "--workers", str(args.workers),
+                             "--threads", str(args.threads), "--dense", args.dense],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
@@ -258,11 +259,17 @@ def summary(lat: list[float], codes: list[int], wall: float) -> dict:
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of process ``pid`` in MB (``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident memory of process ``pid`` and its children (``--workers``) in MB (``VmRSS``, summed)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0.0
+        for p in [pid, *map(int, kids)]:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        return total
+    except OSError:
+        return float("nan")
 
 
 async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]]:
@@ -299,6 +306,10 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
     ap.add_argument("--queue-rows", type=int, default=8192, help="rows queued at most (beyond: 503)")
+    ap.add_argument("--workers", type=int, default=1, help="server processes, each side")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per server process")
+    ap.add_argument("--dense", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="the dense model's precision, both sides (serve --dense)")
     ap.add_argument("--no-fp32", action="store_true", help="without the FP32 export beside (full size: 2.2 GB)")
     ap.add_argument("--overload-seconds", type=float, default=0.0,
                     help="then ours at half, twice and half again the saturation rate, this long each (0: not)")

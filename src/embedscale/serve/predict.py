@@ -119,19 +119,55 @@ class ServedEmbedding(nn.Module):
             cols[f] = part
 
 
+DENSE_PRECISIONS = ("fp32", "bf16", "int8")
+
+
 class ServedModel:
-    """An export loaded: ``manifest``, ``version``, ``encoder`` (raw rows -> inputs), ``model`` (eval mode)."""
+    """An export loaded: ``manifest``, ``version``, ``encoder`` (raw rows -> inputs), ``model`` (eval mode),
+    ``dense`` (the dense model's precision: :meth:`set_dense`)."""
 
     def __init__(self, manifest: dict, model: nn.Module, encoder: RowEncoder, path: Path):
         self.manifest, self.model, self.encoder, self.path = manifest, model, encoder, path
         self.version = manifest["model_version"]
+        self.dense = "fp32"
 
-    @torch.no_grad()
+    def set_dense(self, precision: str) -> None:
+        """Compute the dense model (MLPs, interaction) in ``precision``: ``fp32`` (as trained: an FP32 export
+        scores bit for bit as the trained model), ``bf16`` (autocast: the Linear layers and the interaction's
+        matrix products in bfloat16, weights kept in float32) or ``int8`` (dynamic quantization of the Linear
+        layers in place: INT8 weights per tensor, activations quantized per batch, FBGEMM's CPU kernels). The
+        tables are untouched. Numbers change with bf16 and int8: their eval AUC is measured
+        (``benchmarks/bench_serve_quality.py``)."""
+        if precision not in DENSE_PRECISIONS:
+            raise InputError(f"dense precision {precision!r}: one of {', '.join(DENSE_PRECISIONS)}")
+        if self.dense == "int8" and precision != "int8":
+            raise InputError("the dense model is INT8 already: load the export again for another precision")
+        if precision == "int8" and self.dense != "int8":
+            import warnings
+
+            from torch.ao.quantization import quantize_dynamic
+
+            torch.backends.quantized.engine = "fbgemm"
+            with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao's, not gone
+                warnings.simplefilter("ignore")
+                quantize_dynamic(self.model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        self.dense = precision
+
+    def autocast(self):
+        """The context the dense model runs in (bfloat16 autocast for ``bf16``, else nothing)."""
+        import contextlib
+
+        if self.dense == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
     def logits(self, enc: Encoded) -> torch.Tensor:
         """The model's logits ``[N]`` for encoded rows."""
         if enc.rows == 0:
             return torch.zeros(0)
-        return self.model(enc.dense, enc.sparse).float()
+        with self.autocast():
+            return self.model(enc.dense, enc.sparse).float()
 
     def predict_rows(self, rows: list[dict]) -> list[float]:
         """Probabilities of raw JSON rows (checked: a bad row is a ``RequestError`` naming row and feature)."""
@@ -197,14 +233,17 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
     return ServedModel(m, model, RowEncoder(m["encoding"], vocab), path)
 
 
-def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batch_rows: int = 65536) -> dict:
+def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batch_rows: int = 65536,
+                 dense: str = "fp32") -> dict:
     """Score every row of ``data`` (a file of the export's schema, labeled or not) into ``out`` (Parquet:
-    ``probability``, ``logit`` and, labeled, ``label``; written to a temporary file, then renamed). Returns
-    ``{rows, labeled, model_version}`` and, labeled, the figures of ``data.metrics.binary_metrics``."""
+    ``probability``, ``logit`` and, labeled, ``label``; written to a temporary file, then renamed), the dense
+    model in precision ``dense`` (:meth:`ServedModel.set_dense`). Returns ``{rows, labeled, model_version}``
+    and, labeled, the figures of ``data.metrics.binary_metrics``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     served = load_export(export_dir)
+    served.set_dense(dense)
     logits, labels = [], []
     labeled = True
     for enc in read_file(served.encoder, data, batch_rows):
@@ -230,4 +269,4 @@ def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batc
     return result
 
 
-__all__ = ["ServedEmbedding", "ServedModel", "load_export", "predict_file", "read_manifest"]
+__all__ = ["DENSE_PRECISIONS", "ServedEmbedding", "ServedModel", "load_export", "predict_file", "read_manifest"]
