@@ -272,6 +272,21 @@ def rss_mb(pid: int) -> float:
         return float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and its children (``--workers``) so far, in seconds: the
+    server's work per request, which the host's load does not inflate as it does the wall-clock figures."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0
+        for p in [pid, *map(int, kids)]:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        return total / tick
+    except OSError:
+        return float("nan")
+
+
 async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]]:
     """Run a load ``coro`` while sampling process ``pid``'s resident memory every ``every`` s."""
     samples = [rss_mb(pid)]
@@ -336,7 +351,10 @@ def main() -> None:
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))  # interleaved, rotated
                 for form in order:
                     url = servers[form][1]
+                    cpu0 = cpu_seconds(servers[form][0].pid)
                     runs["closed", form].append(asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)))
+                    done = runs["closed", form][-1]
+                    done["cpu_ms_per_request"] = (cpu_seconds(servers[form][0].pid) - cpu0) * 1e3 / max(done["ok"], 1)
                     runs["open", form].append(asyncio.run(open_loop(url, bodies, args.rate, args.seconds)))
                     print(f"round {rep}: {form} closed {runs['closed', form][-1]['qps']:.1f} qps p99 "
                           f"{runs['closed', form][-1]['p99_ms']:.1f} ms, open p99 "
@@ -369,6 +387,9 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
                           "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
                           "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
                           if "fp32" in med and med["fp32"]["qps"] else None,
+                          "cpu_ms_per_request": {f: med[f].get("cpu_ms_per_request") for f in servers},
+                          "cpu_ratio": med[base]["cpu_ms_per_request"] / med["int8"]["cpu_ms_per_request"]
+                          if mode == "closed" and med["int8"].get("cpu_ms_per_request") else None,
                           "median": med, "p90_qps": p90, "rounds": {f: runs[mode, f] for f in servers},
                           "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
     if over is not None:

@@ -73,7 +73,9 @@ class ServedEmbedding(nn.Module):
             for f, part in zip(self.rows.feature_names, torch.split(out, self.rows.feature_dims, dim=1)):
                 cols[f] = part
         if self.stored:
-            self._pool_stored(jf, cols)
+            whole = self._pool_stored(jf, cols)
+            if whole is not None:
+                return whole
         if len(self.tt):
             self._pool_tt(jf, cols)
         return torch.cat([cols[f] for f in self.feature_names], dim=1)
@@ -92,31 +94,45 @@ class ServedEmbedding(nn.Module):
             cols[f] = tt_pool(self.tt[t["name"]], self._reorder[t["name"]], t, f,
                               jf.values[starts[k]:starts[k + 1]], offsets, w)
 
-    def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> None:
-        """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``."""
+    def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``;
+        returns the lookup's output itself when it holds every feature in ``feature_names`` order (no copy)."""
         lpk = jf.length_per_key_list()
-        starts = np.concatenate([[0], np.cumsum(lpk)])
         B = jf.batch_size
         names = list(self.stored)
         tables = [(self.stored[n], self._form[n], self._dim[n]) for n in names]
         index = {n: i for i, n in enumerate(names)}
+        offsets = torch.zeros(len(jf.keys), B + 1, dtype=torch.int64)  # every feature's offsets in one cumsum
+        torch.cumsum(jf.lengths.view(len(jf.keys), B), 1, out=offsets[:, 1:])
+        self._check_ids(jf, lpk)
+        values = torch.split(jf.values, lpk)
+        weights = torch.split(jf.weights, lpk) if jf.weights is not None else [None] * len(lpk)
         features, order = [], []
         for k, f in enumerate(jf.keys):
             t = self._of.get(f)
             if t is None or t["name"] not in self.stored:
                 continue
-            ids = jf.values[starts[k]:starts[k + 1]]
-            lengths = jf.lengths[k * B:(k + 1) * B]
-            offsets = torch.zeros(B + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t["num_rows"]):
-                raise InputError(f"feature {f!r}: row id outside table {t['name']!r} [0, {t['num_rows']})")
-            w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
-            features.append((index[t["name"]], ids, offsets, t["pooling"], w))
+            features.append((index[t["name"]], values[k], offsets[k], t["pooling"], weights[k]))
             order.append(f)
         out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        if order == self.feature_names:
+            return out
         for f, part in zip(order, torch.split(out, [self._dims[f] for f in order], dim=1)):
             cols[f] = part
+        return None
+
+    def _check_ids(self, jf: JaggedFeatures, lpk: list[int]) -> None:
+        """Every id of a stored table's feature within its table's rows, checked over all features at once."""
+        rows = [self._of[f]["num_rows"] if f in self._of and self._of[f]["name"] in self.stored else -1
+                for f in jf.keys]
+        if not jf.values.numel():
+            return
+        bound = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lpk))
+        bad = ((jf.values < 0) | (jf.values >= bound)) & (bound >= 0)
+        if bool(bad.any()):
+            k = int(torch.searchsorted(torch.tensor(lpk).cumsum(0), int(bad.nonzero()[0, 0]), right=True))
+            f = jf.keys[k]
+            raise InputError(f"feature {f!r}: row id outside table {self._of[f]['name']!r} [0, {rows[k]})")
 
 
 DENSE_PRECISIONS = ("fp32", "bf16", "int8")
