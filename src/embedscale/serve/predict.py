@@ -104,7 +104,7 @@ class ServedEmbedding(nn.Module):
         index = {n: i for i, n in enumerate(names)}
         offsets = torch.zeros(len(jf.keys), B + 1, dtype=torch.int64)  # every feature's offsets in one cumsum
         torch.cumsum(jf.lengths.view(len(jf.keys), B), 1, out=offsets[:, 1:])
-        self._check_ids(jf, lpk)
+        offsets = offsets.unbind(0)
         values = torch.split(jf.values, lpk)
         weights = torch.split(jf.weights, lpk) if jf.weights is not None else [None] * len(lpk)
         features, order = [], []
@@ -114,7 +114,13 @@ class ServedEmbedding(nn.Module):
                 continue
             features.append((index[t["name"]], values[k], offsets[k], t["pooling"], weights[k]))
             order.append(f)
-        out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        if not self.use_kernel:
+            self._check_ids(jf, lpk)
+        try:  # the kernel checks every id against its table; a row outside is then named here
+            out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        except RuntimeError:
+            self._check_ids(jf, lpk)
+            raise
         if order == self.feature_names:
             return out
         for f, part in zip(order, torch.split(out, [self._dims[f] for f in order], dim=1)):

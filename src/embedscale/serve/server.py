@@ -57,6 +57,7 @@ class ServeConfig:
     follow_poll_s: float = 1.0
     threads: int = 1  # torch's intra-op threads per server process (one core each; the event loop has the rest)
     dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
+    by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
 
 
 class Metrics:
@@ -346,7 +347,7 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
         return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
     try:
-        enc = _encode(served, rows)
+        enc = _encode(served, rows, cfg.by_context)
     except RequestError as e:
         return _error(422, str(e), field=e.field, row=e.row)
     if enc.rows == 0:
@@ -360,13 +361,14 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     return JSONResponse({"model_version": version, "probabilities": probs})
 
 
-def _encode(served: ServedModel, rows: list):
+def _encode(served: ServedModel, rows: list, by_context: bool = True):
     """Rows, or a ranking call's candidates (:class:`_Candidates`), as the model's inputs: a DLRM gets a ranking
     call as context and candidates (``serve.ranking``), another model its expanded rows. A bad value is a
     ``RequestError`` naming the row, the candidate or the context."""
     if not isinstance(rows, _Candidates):
         return served.encoder.encode_rows(rows)
-    enc = encode_ranking(served.encoder, rows.context, rows) if ranks_by_context(served.model) else None
+    enc = encode_ranking(served.encoder, rows.context, rows) if by_context and ranks_by_context(served.model) \
+        else None
     if enc is not None:
         return enc
     try:  # the expanded rows' checks name what is missing or unknown
