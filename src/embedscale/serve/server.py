@@ -313,8 +313,6 @@ def load_and_warm(path: Path, sample, cfg: ServeConfig | None = None) -> ServedM
 
 async def _predict(request, cfg: ServeConfig, state: dict):
     batcher = state["batcher"]
-    if batcher is not None and batcher.queued_rows >= cfg.queue_rows:
-        return _queue_full(batcher, cfg)  # not even one row fits: refused before the body is read
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
         return _error(413, f"request body of {size} bytes is over the limit of {cfg.max_body}")
@@ -323,6 +321,9 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         body += chunk
         if len(body) > cfg.max_body:
             return _error(413, f"request body over the limit of {cfg.max_body} bytes")
+    if batcher is not None and batcher.queued_rows >= cfg.queue_rows:
+        # not even one row fits: refused before the body is parsed (read first: the connection stays reusable)
+        return _queue_full(batcher, cfg)
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
