@@ -122,3 +122,22 @@ def test_dense_precisions_stay_near_the_float64_model(precision, bound):
     for got in (plain, ranked):
         assert np.abs(got - ref).max() <= bound * max(scale, 1.0)
         assert np.abs(got - ref).max() > 0  # it did run in the lower precision
+
+
+def test_another_model_scores_the_expanded_rows():
+    """A DCN is not scored per context: its ranking call is encoded as the expanded rows, with the same scores as
+    those rows sent as such."""
+    from embedscale.serve.server import _Candidates, _encode, score
+
+    s = served(False)
+    specs = [TableSpec(f"t_{f}", n, 8, [f]) for f, n in zip(SPARSE, ROWS)]
+    torch.manual_seed(0)
+    s.model = build_model(ModelConfig(arch="dcn", embedding_dim=8, bottom_mlp=[16], top_mlp=[16], cross_layers=1),
+                          specs, len(DENSE)).eval()
+    assert not ranks_by_context(s.model)
+    ctx, cands = request(np.random.default_rng(3), SPLITS["dense and C1-C3 in the context"], 6)
+    call = _Candidates(cands)
+    call.context = ctx
+    enc = _encode(s, call)
+    assert not hasattr(enc, "context_features")
+    np.testing.assert_allclose(score(s, [enc]).numpy(), expanded_logits(s, [(ctx, cands)]), rtol=1e-6, atol=1e-6)
