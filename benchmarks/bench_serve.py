@@ -13,7 +13,12 @@ by round so machine load hits them alike:
   shows in the latency (a request that finds the queue full is counted as a 503, not retried).
 
 A request holds ``--rows`` rows of raw ids (the export is id-encoded); ``--ranking``: one user context (the 13
-counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call. ``--max-rows 0``: full-size tables
+counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call, which every server scores once
+per context (``serve.ranking``: the dense-side work is the same for the baseline); ``--expanded`` adds ours
+scoring each candidate as a whole row (what per-context scoring saves). The closed-loop line also gives each
+server's CPU milliseconds per answered request (``/proc``), which the host's load does not inflate as it does
+the wall-clock figures. ``--workers``, ``--threads``, ``--dense``: the servers' options, alike on every side.
+``--max-rows 0``: full-size tables
 (33.8M rows). ``--overload-seconds``: then ours at half, twice and half again the best closed-loop rate: the
 503s' latency, the server's resident memory and the steady p99 before and after (one more JSON line). The load
 goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints
@@ -94,7 +99,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tuple[subprocess.Popen, str]:
+def start(export: Path, args: argparse.Namespace, torchrec: bool = False,
+          expand: bool = False) -> tuple[subprocess.Popen, str]:
     """One server on 127.0.0.1: ``embedscale serve``, or with ``torchrec`` the same server with TorchRec's
     quantized EmbeddingBagCollection as its lookup (``_torchrec_serve.py``)."""
     import httpx
@@ -105,7 +111,9 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False) -> tup
     proc = subprocess.Popen([*cmd, str(export), "--host", "127.0.0.1",
                              "--port", str(port), "--max-batch", str(args.max_batch), "--max-wait-ms",
                              str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024)),
-                             "--queue-rows", str(args.queue_rows)],
+                             "--queue-rows", str(args.queue_rows), "--workers", str(args.workers),
+                             "--threads", str(args.threads), "--dense", args.dense,
+                             *(["--expand-ranking"] if expand else [])],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
@@ -258,11 +266,32 @@ def summary(lat: list[float], codes: list[int], wall: float) -> dict:
 
 
 def rss_mb(pid: int) -> float:
-    """Resident memory of process ``pid`` in MB (``VmRSS``)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """Resident memory of process ``pid`` and its children (``--workers``) in MB (``VmRSS``, summed)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0.0
+        for p in [pid, *map(int, kids)]:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) / 1024
+        return total
+    except OSError:
+        return float("nan")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of process ``pid`` and its children (``--workers``) so far, in seconds: the
+    server's work per request, which the host's load does not inflate as it does the wall-clock figures."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        total = 0
+        for p in [pid, *map(int, kids)]:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        return total / tick
+    except OSError:
+        return float("nan")
 
 
 async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]]:
@@ -299,6 +328,12 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1024)
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
     ap.add_argument("--queue-rows", type=int, default=8192, help="rows queued at most (beyond: 503)")
+    ap.add_argument("--workers", type=int, default=1, help="server processes, each side")
+    ap.add_argument("--expanded", action="store_true",
+                    help="--ranking: also ours scoring the candidates as expanded rows (serve --expand-ranking)")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per server process")
+    ap.add_argument("--dense", choices=("fp32", "bf16", "int8"), default="fp32",
+                    help="the dense model's precision, both sides (serve --dense)")
     ap.add_argument("--no-fp32", action="store_true", help="without the FP32 export beside (full size: 2.2 GB)")
     ap.add_argument("--overload-seconds", type=float, default=0.0,
                     help="then ours at half, twice and half again the saturation rate, this long each (0: not)")
@@ -320,12 +355,17 @@ def main() -> None:
                 servers[form] = start(p, args)
             if not args.no_torchrec:
                 servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
+            if args.ranking and args.expanded:  # ours scoring each candidate as a whole row: what per-context saves
+                servers["int8-expanded"] = start(paths["int8"], args, expand=True)
             runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
             for rep in range(args.repeats):
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))  # interleaved, rotated
                 for form in order:
                     url = servers[form][1]
+                    cpu0 = cpu_seconds(servers[form][0].pid)
                     runs["closed", form].append(asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)))
+                    done = runs["closed", form][-1]
+                    done["cpu_ms_per_request"] = (cpu_seconds(servers[form][0].pid) - cpu0) * 1e3 / max(done["ok"], 1)
                     runs["open", form].append(asyncio.run(open_loop(url, bodies, args.rate, args.seconds)))
                     print(f"round {rep}: {form} closed {runs['closed', form][-1]['qps']:.1f} qps p99 "
                           f"{runs['closed', form][-1]['p99_ms']:.1f} ms, open p99 "
@@ -356,8 +396,13 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
                                       "none (ours alone: --no-torchrec --no-fp32)",
                           "baseline_value": med[base]["qps"],
                           "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
+                          "ratio_vs_expanded": med["int8"]["qps"] / med["int8-expanded"]["qps"]
+                          if "int8-expanded" in med and med["int8-expanded"]["qps"] else None,
                           "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
                           if "fp32" in med and med["fp32"]["qps"] else None,
+                          "cpu_ms_per_request": {f: med[f].get("cpu_ms_per_request") for f in servers},
+                          "cpu_ratio": med[base]["cpu_ms_per_request"] / med["int8"]["cpu_ms_per_request"]
+                          if mode == "closed" and med["int8"].get("cpu_ms_per_request") else None,
                           "median": med, "p90_qps": p90, "rounds": {f: runs[mode, f] for f in servers},
                           "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
     if over is not None:

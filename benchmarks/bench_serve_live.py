@@ -39,9 +39,9 @@ from bench_serve import Client, closed_loop, free_port, request_bodies  # noqa: 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
 
-def embedscale(*args: str, log: Path) -> subprocess.Popen:
+def embedscale(*args: str, log: Path, nice: int = 0) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "embedscale", *args], env=ENV, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)
+                            stderr=subprocess.STDOUT, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     proc.log = log
     return proc
 
@@ -118,6 +118,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="60 s of load")
     ap.add_argument("--queue-rows", type=int, default=65536,
                     help="the server's queue: room for the stalls of a shared host at half saturation")
+    ap.add_argument("--train-nice", type=int, default=0,
+                    help="run the training job at this lower priority (nice), the server's cores first; 0: same "
+                         "priority (the saturation is then measured while the job runs, and half of it offered)")
     ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
@@ -133,7 +136,7 @@ def main() -> int:
                 "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
                 "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.epochs=1000",
                 "--set", "train.eval_every=0", "--set", "train.early_stopping_patience=0",
-                "--set", "train.batch_size=1024", log=w / "train.log"))
+                "--set", "train.batch_size=1024", log=w / "train.log", nice=args.train_nice))
             ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
                                                            None), 1800, procs)
             run = ck.parent.parent.parent

@@ -39,11 +39,12 @@ from embedscale.specs import RunConfig, from_dict  # noqa: E402
 from embedscale.workflow import run_main  # noqa: E402
 
 
-def served_auc(export_dir: Path, batches: list) -> tuple[float, float]:
+def served_auc(export_dir: Path, batches: list, dense_precision: str = "fp32") -> tuple[float, float]:
     """(AUC, logloss) of the eval batches scored by the export loaded as the server loads it."""
     served = load_export(export_dir, shared=True)
+    served.set_dense(dense_precision)
     z, y = [], []
-    with torch.no_grad():
+    with torch.no_grad(), served.autocast():
         for dense, sparse, labels in batches:
             z.append(served.model(dense, sparse).double().numpy())
             y.append(labels)
@@ -65,7 +66,7 @@ def forms_on_synthetic(args, root: Path) -> dict:
     (run_dir,) = [p.parent for p in (root / "runs").glob("*/checkpoints")]
     prepared = prepare_data(cfg, progress=False)
     batches = eval_batches(prepared.eval.directory, prepared.eval.start, prepared.eval.stop, args.eval)
-    return each_form(run_dir, root, lambda d: served_auc(d, batches))
+    return each_form(run_dir, root, lambda d, dense="fp32": served_auc(d, batches, dense))
 
 
 def forms_on_real(root: Path, real: Path) -> dict:
@@ -81,8 +82,8 @@ def forms_on_real(root: Path, real: Path) -> dict:
     run_main(cfg, progress=False)
     (run_dir,) = [p.parent for p in (root / "runs").glob("*/checkpoints")]
 
-    def score(d: Path) -> tuple[float, float]:
-        r = predict_file(d, root / "eval.tsv", root / "p.parquet")
+    def score(d: Path, dense: str = "fp32") -> tuple[float, float]:
+        r = predict_file(d, root / "eval.tsv", root / "p.parquet", dense=dense)
         return float(r["auc"]), float(r["logloss"])
 
     return each_form(run_dir, root, score)
@@ -95,6 +96,10 @@ def each_form(run_dir: Path, root: Path, score) -> dict:
         auc, logloss = score(root / form)
         forms[form] = {"auc": auc, "logloss": logloss, "table_bytes": m["table_bytes"]}
         print(f"{form}: AUC {auc:.6f} logloss {logloss:.6f} table bytes {m['table_bytes']:,}", file=sys.stderr)
+        for dense in ("bf16", "int8") if form == "int8" else ():  # the served dense precisions (serve --dense)
+            auc, logloss = score(root / form, dense)
+            forms[f"int8+dense-{dense}"] = {"auc": auc, "logloss": logloss, "table_bytes": m["table_bytes"]}
+            print(f"int8 tables, dense {dense}: AUC {auc:.6f} logloss {logloss:.6f}", file=sys.stderr)
         if form != "fp32":
             (root / form / "weights.safetensors").unlink()  # disk: one export at a time beside FP32
     return forms
@@ -102,7 +107,7 @@ def each_form(run_dir: Path, root: Path, score) -> dict:
 
 def report(data: str, forms: dict, args, load0, seconds: float) -> None:
     ref = forms["fp32"]
-    for form, bar in (("int8", 0.001), ("int4", 0.003)):
+    for form, bar in (("int8", 0.001), ("int4", 0.003), ("int8+dense-bf16", 0.001), ("int8+dense-int8", 0.001)):
         f = forms[form]
         print(json.dumps({"figure": f"served_auc_delta_{form}_vs_fp32", "data": data, "value": f["auc"] - ref["auc"],
                           "baseline": "the same model's FP32 export, same eval rows", "baseline_value": ref["auc"],

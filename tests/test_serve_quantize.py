@@ -160,3 +160,30 @@ def test_fbgemm_fused_layout(form):
     assert torch.equal(ours, theirs)  # the same bytes: tables move between the two unchanged
     back = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(ours, BITS[form])
     assert torch.equal(dequantize_rows(ours, form, 16), back)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_served_lookup_names_the_feature_of_a_row_outside_its_table(use_kernel):
+    """The served tables' lookup pools as a per-feature dequantise-then-pool in float64, and a row id outside a
+    table is an error naming the feature and the table (the fused kernel's check, or the one before the other
+    path)."""
+    from embedscale.data.batch import JaggedFeatures
+    from embedscale.errors import InputError
+    from embedscale.serve.predict import ServedEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    w = {"ta": torch.randn(9, 8, generator=g), "tb": torch.randn(4, 8, generator=g)}
+    tables = [{"name": n, "features": [f], "num_rows": w[n].shape[0], "dim": 8, "pooling": "sum", "form": "int8"}
+              for n, f in (("ta", "fa"), ("tb", "fb"))]
+    emb = ServedEmbedding(tables, {n: quantize_rows(v, "int8") for n, v in w.items()})
+    emb.use_kernel = use_kernel
+    jf = JaggedFeatures.from_lists({"fa": [[1, 8], [], [0]], "fb": [[3], [2, 2], []]})
+    want = []
+    for f, n in (("fa", "ta"), ("fb", "tb")):
+        rows = dequantize_rows(quantize_rows(w[n], "int8"), "int8", 8).double()
+        bags = {"fa": [[1, 8], [], [0]], "fb": [[3], [2, 2], []]}[f]
+        want.append(torch.stack([rows[b].sum(0) if b else torch.zeros(8, dtype=torch.float64) for b in bags]))
+    torch.testing.assert_close(emb(jf).double(), torch.cat(want, 1), rtol=1e-5, atol=1e-5)
+    bad = JaggedFeatures.from_lists({"fa": [[1], [], [0]], "fb": [[3], [4], []]})
+    with pytest.raises(InputError, match=r"feature 'fb': row id outside table 'tb' \[0, 4\)"):
+        emb(bad)

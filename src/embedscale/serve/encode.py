@@ -79,19 +79,21 @@ class RowEncoder:
         self._kinds.update({c.name: ("sparse", c) for c in self.schema.sparse})
 
     # -- JSON rows ---------------------------------------------------------------------------------
-    def check_rows(self, rows) -> None:
-        """Every row a JSON object holding exactly the schema's features with values of their kind
-        (dense: a number or null; categorical: a string, an integer or null; multi-hot: a list of them);
-        the first problem is a :class:`RequestError` naming the row and the feature."""
+    def check_rows(self, rows, features: list[str] | None = None) -> None:
+        """Every row a JSON object holding exactly the schema's features (or ``features``, a part of them) with
+        values of their kind (dense: a number or null; categorical: a string, an integer or null; multi-hot: a
+        list of them); the first problem is a :class:`RequestError` naming the row and the feature."""
         if not isinstance(rows, list):
             raise RequestError("'rows' must be a list of objects, one per row to score", field="rows")
-        want = set(self.features)
-        if _plain_rows(rows, want, self.dense_names, self.sparse_names):
+        features = self.features if features is None else features
+        want = set(features)
+        if _plain_rows(rows, want, [f for f in self.dense_names if f in want],
+                       [f for f in self.sparse_names if f in want]):
             return  # the common request, checked column by column at once; any other gets the checks below
         for i, r in enumerate(rows):
             if not isinstance(r, dict):
                 raise RequestError(f"row {i}: expected an object of features, got {type(r).__name__}", row=i)
-            missing = [f for f in self.features if f not in r]
+            missing = [f for f in features if f not in r]
             if missing:
                 raise RequestError(f"row {i}: missing feature {missing[0]!r}"
                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
@@ -100,7 +102,7 @@ class RowEncoder:
             if extra:
                 raise RequestError(f"row {i}: unknown feature {extra[0]!r} (the schema's features: "
                                    f"{', '.join(self.features)})", row=i, field=str(extra[0]))
-            for f in self.features:
+            for f in features:
                 why = self._bad_value(f, r[f])
                 if why:
                     raise RequestError(f"row {i}, feature {f!r}: {why}", row=i, field=f)
@@ -131,20 +133,27 @@ class RowEncoder:
     def _multi_hot(self, f: str) -> bool:
         return bool(self.sparse[self.sparse_names.index(f)]["multi_hot"])
 
-    def encode_rows(self, rows: list[dict]) -> Encoded:
+    def encode_rows(self, rows: list[dict], features: list[str] | None = None) -> Encoded:
         """Checked JSON rows -> model inputs (a value the schema's parser rejects, e.g. ``"xyz"`` for a hex
-        key, is a :class:`RequestError` naming row and feature)."""
-        self.check_rows(rows)
+        key, is a :class:`RequestError` naming row and feature). ``features``: the rows hold these features
+        only (a ranking call's context or its candidates); the others are encoded as missing values, and only
+        the given features' inputs are meant to be read (``serve.ranking``)."""
+        self.check_rows(rows, features)
+        given = set(self.features if features is None else features)
         if self.schema is None:
-            return self._ids(rows)
-        cols = {LABEL: pa.array([b"0"] * len(rows), pa.binary())}
+            return self._ids(rows, given)
+        n = len(rows)
+        cols = {LABEL: pa.array([b"0"] * n, pa.binary())}
         if self.schema.weight is not None:
-            cols[WEIGHT] = pa.array([1.0] * len(rows), pa.float64())
+            cols[WEIGHT] = pa.array([1.0] * n, pa.float64())
         for f in self.dense_names:
             # as the text of a file: the training reader's parsers (and their errors) apply unchanged
-            cols[f] = pa.array([None if r[f] is None else repr(r[f]) for r in rows], pa.string())
+            cols[f] = pa.array([None if r[f] is None else repr(r[f]) for r in rows], pa.string()) \
+                if f in given else pa.nulls(n, pa.string())
         for f in self.sparse_names:
-            if self._multi_hot(f):
+            if f not in given:
+                cols[f] = pa.nulls(n, pa.list_(pa.string()) if self._multi_hot(f) else pa.string())
+            elif self._multi_hot(f):
                 vals = [None if r[f] is None else [str(x) for x in (r[f] if isinstance(r[f], list) else [r[f]])]
                         for r in rows]
                 cols[f] = pa.array(vals, pa.list_(pa.string()))
@@ -184,32 +193,41 @@ class RowEncoder:
         return Encoded(torch.from_numpy(np.ascontiguousarray(dec.dense, np.float32)), sparse,
                        dec.labels if labeled else None, dec.weights if labeled else None)
 
-    def _ids(self, rows: list[dict]) -> Encoded:
-        """Rows of an id-encoded dataset: dense values as given (missing 0), categorical values their rows."""
-        dense = torch.tensor([[0.0 if r[f] is None else float(r[f]) for f in self.dense_names] for r in rows],
-                             dtype=torch.float32).reshape(len(rows), len(self.dense_names))
+    def _ids(self, rows: list[dict], given: set[str]) -> Encoded:
+        """Rows of an id-encoded dataset: dense values as given (missing 0), categorical values their rows; a
+        feature not ``given`` is missing in every row (dense 0, an empty bag)."""
+        n_rows = len(rows)
+        dense = np.zeros((n_rows, len(self.dense_names)), np.float32)
+        for j, f in enumerate(self.dense_names):
+            if f in given:
+                dense[:, j] = [0.0 if r[f] is None else float(r[f]) for r in rows]
         values, lengths = [], []
         for s in self.sparse:
             f, n = s["name"], s["num_rows"]
+            if f not in given:
+                lengths.append(np.zeros(n_rows, np.int64))
+                continue
             col = [r[f] for r in rows]
-            small = set(map(type, col)) <= {int} and -n <= min(col, default=0) and max(col, default=0) <= n
-            if small:  # one id a row, every one a small int: checked as an array
-                ids = np.array(col, dtype=np.int64)
+            if set(map(type, col)) <= {int} and -n <= min(col, default=0) and max(col, default=0) <= n:
+                ids = np.array(col, dtype=np.int64)  # one id a row, every one a small int: checked as an array
                 if not ids.size or (0 <= ids.min() and ids.max() < n):
-                    values.extend(col)
-                    lengths.extend([1] * len(col))
+                    values.append(ids)
+                    lengths.append(np.ones(n_rows, np.int64))
                     continue
+            ids, lens = [], []
             for i, r in enumerate(rows):
                 v = r[f]
-                ids = [] if v is None else (v if isinstance(v, list) else [v])
-                for x in ids:
+                bag = [] if v is None else (v if isinstance(v, list) else [v])
+                for x in bag:
                     if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < n:
                         raise RequestError(f"row {i}, feature {f!r}: {_show(x)} is not a row id in [0, {n}) "
                                            "(this model was trained on id-encoded data)", row=i, field=f)
-                values.extend(ids)
-                lengths.append(len(ids))
-        return Encoded(dense, JaggedFeatures(self.sparse_names, torch.tensor(values, dtype=torch.int64),
-                                             torch.tensor(lengths, dtype=torch.int64)))
+                ids.extend(bag)
+                lens.append(len(bag))
+            values.append(np.array(ids, np.int64))
+            lengths.append(np.array(lens, np.int64))
+        cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))  # noqa: E731
+        return Encoded(torch.from_numpy(dense), JaggedFeatures(self.sparse_names, cat(values), cat(lengths)))
 
 
 _NONE = type(None)

@@ -73,7 +73,9 @@ class ServedEmbedding(nn.Module):
             for f, part in zip(self.rows.feature_names, torch.split(out, self.rows.feature_dims, dim=1)):
                 cols[f] = part
         if self.stored:
-            self._pool_stored(jf, cols)
+            whole = self._pool_stored(jf, cols)
+            if whole is not None:
+                return whole
         if len(self.tt):
             self._pool_tt(jf, cols)
         return torch.cat([cols[f] for f in self.feature_names], dim=1)
@@ -92,46 +94,102 @@ class ServedEmbedding(nn.Module):
             cols[f] = tt_pool(self.tt[t["name"]], self._reorder[t["name"]], t, f,
                               jf.values[starts[k]:starts[k + 1]], offsets, w)
 
-    def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> None:
-        """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``."""
+    def _pool_stored(self, jf: JaggedFeatures, cols: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Every feature of a stored (non-fp32, or shared) table in one fused lookup, its columns into ``cols``;
+        returns the lookup's output itself when it holds every feature in ``feature_names`` order (no copy)."""
         lpk = jf.length_per_key_list()
-        starts = np.concatenate([[0], np.cumsum(lpk)])
         B = jf.batch_size
         names = list(self.stored)
         tables = [(self.stored[n], self._form[n], self._dim[n]) for n in names]
         index = {n: i for i, n in enumerate(names)}
+        offsets = torch.zeros(len(jf.keys), B + 1, dtype=torch.int64)  # every feature's offsets in one cumsum
+        torch.cumsum(jf.lengths.view(len(jf.keys), B), 1, out=offsets[:, 1:])
+        offsets = offsets.unbind(0)
+        values = torch.split(jf.values, lpk)
+        weights = torch.split(jf.weights, lpk) if jf.weights is not None else [None] * len(lpk)
         features, order = [], []
         for k, f in enumerate(jf.keys):
             t = self._of.get(f)
             if t is None or t["name"] not in self.stored:
                 continue
-            ids = jf.values[starts[k]:starts[k + 1]]
-            lengths = jf.lengths[k * B:(k + 1) * B]
-            offsets = torch.zeros(B + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= t["num_rows"]):
-                raise InputError(f"feature {f!r}: row id outside table {t['name']!r} [0, {t['num_rows']})")
-            w = jf.weights[starts[k]:starts[k + 1]] if jf.weights is not None else None
-            features.append((index[t["name"]], ids, offsets, t["pooling"], w))
+            features.append((index[t["name"]], values[k], offsets[k], t["pooling"], weights[k]))
             order.append(f)
-        out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        if not self.use_kernel:
+            self._check_ids(jf, lpk)
+        try:  # the kernel checks every id against its table; a row outside is then named here
+            out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+        except RuntimeError:
+            self._check_ids(jf, lpk)
+            raise
+        if order == self.feature_names:
+            return out
         for f, part in zip(order, torch.split(out, [self._dims[f] for f in order], dim=1)):
             cols[f] = part
+        return None
+
+    def _check_ids(self, jf: JaggedFeatures, lpk: list[int]) -> None:
+        """Every id of a stored table's feature within its table's rows, checked over all features at once."""
+        rows = [self._of[f]["num_rows"] if f in self._of and self._of[f]["name"] in self.stored else -1
+                for f in jf.keys]
+        if not jf.values.numel():
+            return
+        bound = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lpk))
+        bad = ((jf.values < 0) | (jf.values >= bound)) & (bound >= 0)
+        if bool(bad.any()):
+            k = int(torch.searchsorted(torch.tensor(lpk).cumsum(0), int(bad.nonzero()[0, 0]), right=True))
+            f = jf.keys[k]
+            raise InputError(f"feature {f!r}: row id outside table {self._of[f]['name']!r} [0, {rows[k]})")
+
+
+DENSE_PRECISIONS = ("fp32", "bf16", "int8")
 
 
 class ServedModel:
-    """An export loaded: ``manifest``, ``version``, ``encoder`` (raw rows -> inputs), ``model`` (eval mode)."""
+    """An export loaded: ``manifest``, ``version``, ``encoder`` (raw rows -> inputs), ``model`` (eval mode),
+    ``dense`` (the dense model's precision: :meth:`set_dense`)."""
 
     def __init__(self, manifest: dict, model: nn.Module, encoder: RowEncoder, path: Path):
         self.manifest, self.model, self.encoder, self.path = manifest, model, encoder, path
         self.version = manifest["model_version"]
+        self.dense = "fp32"
 
-    @torch.no_grad()
+    def set_dense(self, precision: str) -> None:
+        """Compute the dense model (MLPs, interaction) in ``precision``: ``fp32`` (as trained: an FP32 export
+        scores bit for bit as the trained model), ``bf16`` (autocast: the Linear layers and the interaction's
+        matrix products in bfloat16, weights kept in float32) or ``int8`` (dynamic quantization of the Linear
+        layers in place: INT8 weights per tensor, activations quantized per batch, FBGEMM's CPU kernels). The
+        tables are untouched. Numbers change with bf16 and int8: their eval AUC is measured
+        (``benchmarks/bench_serve_quality.py``)."""
+        if precision not in DENSE_PRECISIONS:
+            raise InputError(f"dense precision {precision!r}: one of {', '.join(DENSE_PRECISIONS)}")
+        if self.dense == "int8" and precision != "int8":
+            raise InputError("the dense model is INT8 already: load the export again for another precision")
+        if precision == "int8" and self.dense != "int8":
+            import warnings
+
+            from torch.ao.quantization import quantize_dynamic
+
+            torch.backends.quantized.engine = "fbgemm"
+            with warnings.catch_warnings():  # torch.ao's eager quantization is deprecated for torchao's, not gone
+                warnings.simplefilter("ignore")
+                quantize_dynamic(self.model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+        self.dense = precision
+
+    def autocast(self):
+        """The context the dense model runs in (bfloat16 autocast for ``bf16``, else nothing)."""
+        import contextlib
+
+        if self.dense == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
     def logits(self, enc: Encoded) -> torch.Tensor:
         """The model's logits ``[N]`` for encoded rows."""
         if enc.rows == 0:
             return torch.zeros(0)
-        return self.model(enc.dense, enc.sparse).float()
+        with self.autocast():
+            return self.model(enc.dense, enc.sparse).float()
 
     def predict_rows(self, rows: list[dict]) -> list[float]:
         """Probabilities of raw JSON rows (checked: a bad row is a ``RequestError`` naming row and feature)."""
@@ -197,14 +255,17 @@ def load_export(path: str | Path, shared: bool = False) -> ServedModel:
     return ServedModel(m, model, RowEncoder(m["encoding"], vocab), path)
 
 
-def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batch_rows: int = 65536) -> dict:
+def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batch_rows: int = 65536,
+                 dense: str = "fp32") -> dict:
     """Score every row of ``data`` (a file of the export's schema, labeled or not) into ``out`` (Parquet:
-    ``probability``, ``logit`` and, labeled, ``label``; written to a temporary file, then renamed). Returns
-    ``{rows, labeled, model_version}`` and, labeled, the figures of ``data.metrics.binary_metrics``."""
+    ``probability``, ``logit`` and, labeled, ``label``; written to a temporary file, then renamed), the dense
+    model in precision ``dense`` (:meth:`ServedModel.set_dense`). Returns ``{rows, labeled, model_version}``
+    and, labeled, the figures of ``data.metrics.binary_metrics``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     served = load_export(export_dir)
+    served.set_dense(dense)
     logits, labels = [], []
     labeled = True
     for enc in read_file(served.encoder, data, batch_rows):
@@ -230,4 +291,4 @@ def predict_file(export_dir: str | Path, data: str | Path, out: str | Path, batc
     return result
 
 
-__all__ = ["ServedEmbedding", "ServedModel", "load_export", "predict_file", "read_manifest"]
+__all__ = ["DENSE_PRECISIONS", "ServedEmbedding", "ServedModel", "load_export", "predict_file", "read_manifest"]

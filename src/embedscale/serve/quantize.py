@@ -125,10 +125,13 @@ def pooled_lookup_many(tables: list[tuple[torch.Tensor, str, int]], features: li
     return ops.quantized_pooled_forward(
         [stored.contiguous() for stored, _, _ in tables], [FORM_BITS[form] for _, form, _ in tables],
         [dim for _, _, dim in tables], [t for t, *_ in features],
-        [ids.to(torch.int64).contiguous() for _, ids, _, _, _ in features],
-        [offsets.to(torch.int64).contiguous() for _, _, offsets, _, _ in features],
+        [_int64(ids) for _, ids, _, _, _ in features], [_int64(offsets) for _, _, offsets, _, _ in features],
         [none if w is None else w.to(torch.float32).contiguous() for *_, w in features],
         [mode == "mean" for _, _, _, mode, _ in features], batch_size)
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def max_row_error(stored: torch.Tensor, form: str) -> torch.Tensor:

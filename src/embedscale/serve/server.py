@@ -38,9 +38,9 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from embedscale.data.batch import JaggedFeatures
 from embedscale.serve.encode import Encoded, RequestError
 from embedscale.serve.predict import ServedModel, load_export, read_manifest
+from embedscale.serve.ranking import RankingInput, concat, encode_ranking, rank_logits, ranks_by_context
 
 
 @dataclass
@@ -55,23 +55,9 @@ class ServeConfig:
     delay_ms: float = 0.0  # added to every forward pass (tests: a slow model fills the queue)
     follow: str | None = None  # an export directory to watch: a new export there is swapped in between batches
     follow_poll_s: float = 1.0
-
-
-def concat(parts: list[Encoded]) -> Encoded:
-    """Several requests' inputs as one batch (rows in order; key-major jagged features re-joined per key)."""
-    if len(parts) == 1:
-        return parts[0]
-    keys = parts[0].sparse.keys
-    F = len(keys)
-    vals, lens = [[] for _ in range(F)], [[] for _ in range(F)]
-    for p in parts:
-        for k, v in enumerate(torch.split(p.sparse.values, p.sparse.length_per_key_list())):
-            vals[k].append(v)
-        for k, ln in enumerate(p.sparse.lengths.view(F, -1)):
-            lens[k].append(ln)
-    sparse = JaggedFeatures(keys, torch.cat([t for k in range(F) for t in vals[k]]),
-                            torch.cat([t for k in range(F) for t in lens[k]]))
-    return Encoded(torch.cat([p.dense for p in parts]), sparse)
+    threads: int = 1  # torch's intra-op threads per server process (one core each; the event loop has the rest)
+    dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
+    by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
 
 
 class Metrics:
@@ -102,7 +88,7 @@ class Metrics:
 class Batcher:
     """The bounded queue and the batching loop (one per server). A queued request carries the model that
     encoded it; a batch holds requests of one model only (a swap falls between two batches), so no answer mixes
-    two versions."""
+    two versions, and of one kind (rows, or ranking calls with one split of the features)."""
 
     def __init__(self, cfg: ServeConfig, metrics: Metrics):
         self.cfg, self.metrics = cfg, metrics
@@ -111,7 +97,7 @@ class Batcher:
         self.held = None  # a request of another model than the batch being gathered: first of the next batch
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
         self.task: asyncio.Task | None = None
-        self.last_input: Encoded | None = None  # the last batch scored: a model about to be swapped in warms on it
+        self.last_input: list | None = None  # the last batch scored: a model about to be swapped in warms on it
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())
@@ -154,8 +140,9 @@ class Batcher:
                     await asyncio.sleep(min(left, 0.0005))
                     continue
                 item = self.queue.get_nowait()
-                if item[1] is not items[0][1] or rows + item[0].rows > self.cfg.max_batch:
-                    self.held = item  # another model's request, or one past max_batch: it starts the next batch
+                if (item[1] is not items[0][1] or _kind(item[0]) != _kind(items[0][0])
+                        or rows + item[0].rows > self.cfg.max_batch):
+                    self.held = item  # another model's or kind's request, or one past max_batch: the next batch
                     break
                 items.append(item)
                 rows += item[0].rows
@@ -183,12 +170,24 @@ class Batcher:
                 fut.set_result((served.version, probs[start:start + enc.rows].tolist()))
             start += enc.rows
 
-    def _forward(self, served: ServedModel, parts: list[Encoded]) -> np.ndarray:
+    def _forward(self, served: ServedModel, parts: list) -> np.ndarray:
         if self.cfg.delay_ms:
             time.sleep(self.cfg.delay_ms / 1000)
-        enc = concat(parts)
-        self.last_input = enc
-        return torch.sigmoid(served.logits(enc)).numpy()
+        self.last_input = parts
+        return torch.sigmoid(score(served, parts)).numpy()
+
+
+def _kind(enc) -> tuple | None:
+    """What a batch must share: ``None`` for rows, the context's features for a ranking call."""
+    return enc.context_features if isinstance(enc, RankingInput) else None
+
+
+def score(served: ServedModel, parts: list) -> torch.Tensor:
+    """The logits of a batch: encoded rows, or ranking calls of one split (``serve.ranking``)."""
+    if isinstance(parts[0], RankingInput):
+        with served.autocast():
+            return rank_logits(served.model, served.encoder, parts)
+    return served.logits(concat(parts))
 
 
 def _error(status: int, message: str, field=None, row=None):
@@ -204,6 +203,8 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
     cfg = cfg or ServeConfig()
     metrics = Metrics(served.version)
     state = {"ready": False, "batcher": None, "served": served, "previous": None}
+    torch.set_num_threads(cfg.threads)
+    served.set_dense(cfg.dense)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -282,7 +283,7 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
             seen = key
             if read_manifest(path)["model_version"] == state["served"].version:
                 continue
-            new = await loop.run_in_executor(None, load_and_warm, path, state["batcher"].last_input)
+            new = await loop.run_in_executor(None, load_and_warm, path, state["batcher"].last_input, cfg)
         except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
             print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
                   flush=True)
@@ -293,20 +294,25 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
         print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
 
 
-def load_and_warm(path: Path, sample: Encoded | None) -> ServedModel:
-    """Load the export at ``path`` and score ``sample`` (the last batch served) with it once, off the serving
-    thread: its memory is touched and its first pass run before the swap, not on the first requests after it.
-    A sample the new model cannot score (other tables) only leaves it cold."""
+def load_and_warm(path: Path, sample, cfg: ServeConfig | None = None) -> ServedModel:
+    """Load the export at ``path`` and score ``sample`` (the last batch served: its parts, or encoded rows) with
+    it once, off the serving thread: its memory is touched and its first pass run before the swap, not on the
+    first requests after it. A sample the new model cannot score (other tables) only leaves it cold."""
+    if isinstance(sample, (Encoded, RankingInput)):
+        sample = [sample]
     new = load_export(path)
+    if cfg is not None:
+        new.set_dense(cfg.dense)
     if sample is not None:
         try:
-            new.logits(sample)
+            score(new, sample)
         except Exception as e:  # noqa: BLE001 - warming is an optimisation; the model itself loaded
             print(f"follow {path}: not warmed ({e})", file=sys.stderr, flush=True)
     return new
 
 
 async def _predict(request, cfg: ServeConfig, state: dict):
+    batcher = state["batcher"]
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > cfg.max_body):
         return _error(413, f"request body of {size} bytes is over the limit of {cfg.max_body}")
@@ -315,6 +321,9 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         body += chunk
         if len(body) > cfg.max_body:
             return _error(413, f"request body over the limit of {cfg.max_body} bytes")
+    if batcher is not None and batcher.queued_rows >= cfg.queue_rows:
+        # not even one row fits: refused before the body is parsed (read first: the connection stays reusable)
+        return _queue_full(batcher, cfg)
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -327,6 +336,7 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if extra:
         return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}} or {{\"context\": "
                            "{...}, \"candidates\": [...]}})", field=extra[0])
+    served = state["served"]  # one model for this request: its encoding and its scores
     rows = _ranking_rows(doc) if ranking else doc.get("rows")
     if isinstance(rows, tuple):  # a malformed ranking call: (message, field, candidate)
         return _error(422, rows[0], field=rows[1], row=rows[2])
@@ -335,15 +345,12 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
-    batcher = state["batcher"]
     if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
         return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
-    served = state["served"]  # one model for this request: its encoding and its scores
     try:
-        enc = served.encoder.encode_rows(rows)
+        enc = _encode(served, rows, cfg.by_context)
     except RequestError as e:
-        msg = str(e).replace("row ", "candidate ", 1) if ranking else str(e)
-        return _error(422, msg, field=e.field, row=e.row)
+        return _error(422, str(e), field=e.field, row=e.row)
     if enc.rows == 0:
         return JSONResponse({"model_version": served.version, "probabilities": []})
     if not state["ready"] or batcher is None:
@@ -355,28 +362,55 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     return JSONResponse({"model_version": version, "probabilities": probs})
 
 
+def _encode(served: ServedModel, rows: list, by_context: bool = True):
+    """Rows, or a ranking call's candidates (:class:`_Candidates`), as the model's inputs: a DLRM gets a ranking
+    call as context and candidates (``serve.ranking``), another model its expanded rows. A bad value is a
+    ``RequestError`` naming the row, the candidate or the context."""
+    if not isinstance(rows, _Candidates):
+        return served.encoder.encode_rows(rows)
+    enc = encode_ranking(served.encoder, rows.context, rows) if by_context and ranks_by_context(served.model) \
+        else None
+    if enc is not None:
+        return enc
+    try:  # the expanded rows' checks name what is missing or unknown
+        return served.encoder.encode_rows(rows.expand())
+    except RequestError as e:
+        raise RequestError(str(e).replace("row ", "candidate ", 1), row=e.row, field=e.field) from None
+
+
 def _queue_full(batcher: Batcher, cfg: ServeConfig):
     return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
                        "retry later")
 
 
+class _Candidates(list):
+    """A ranking call's candidates (a list of them) with its ``context``; :meth:`expand` gives its rows."""
+
+    context: dict
+
+    def expand(self) -> list[dict]:
+        return [{**self.context, **c} for c in self]
+
+
 def _ranking_rows(doc: dict):
-    """The rows of a ranking call ``{"context": {features shared by all}, "candidates": [{the others}, ...]}``:
-    one row per candidate, the context's features added; a problem is ``(message, field, candidate)``."""
+    """The candidates of a ranking call ``{"context": {features shared by all}, "candidates": [{the others},
+    ...]}`` (a :class:`_Candidates`: one row per candidate, the context's features added when expanded); a
+    problem is ``(message, field, candidate)``."""
     ctx, cands = doc.get("context", {}), doc.get("candidates")
     if not isinstance(ctx, dict):
         return ("'context' must be an object of the features every candidate shares", "context", None)
     if not isinstance(cands, list):
         return ("'candidates' must be a list of objects, one per candidate to score", "candidates", None)
-    rows = []
+    shared = ctx.keys()
     for i, c in enumerate(cands):
         if not isinstance(c, dict):
             return (f"candidate {i}: expected an object of features, got {type(c).__name__}", None, i)
-        both = sorted(set(c) & set(ctx))
-        if both:
+        if not shared.isdisjoint(c):
+            both = sorted(set(c) & set(ctx))
             return (f"candidate {i}: feature {both[0]!r} is in the context too", both[0], i)
-        rows.append({**ctx, **c})
-    return rows
+    out = _Candidates(cands)
+    out.context = ctx
+    return out
 
 
 def _serve_prefork(export_dir: Path, host: str, port: int, cfg: ServeConfig, log_level: str, workers: int) -> int:
@@ -459,4 +493,4 @@ def serve(export_dir, host: str = "127.0.0.1", port: int = 8080, cfg: ServeConfi
     return 0
 
 
-__all__ = ["Batcher", "Metrics", "ServeConfig", "concat", "make_app", "serve"]
+__all__ = ["Batcher", "Metrics", "ServeConfig", "concat", "make_app", "score", "serve"]
