@@ -117,8 +117,9 @@ def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path
     parts = [json.loads((work / f"{out}.{i}.json").read_text()) for i in range(n)]
     links = json.loads(links_from.read_text())
     merged = dict(parts[0])
-    for k in ("exact_lookup_s", "host_row_s", "dense_flops_per_s", "step_overhead_s", "table_overhead_s"):
-        merged[k] = float(np.mean([q[k] for q in parts]))
+    for k in ("exact_lookup_s", "host_row_s", "dense_flops_per_s", "step_overhead_s", "table_overhead_s",
+              "row_group_overhead_s", "tt_size_slope", "tt_replica_factor"):
+        merged[k] = float(np.mean([q.get(k, Costs.__dataclass_fields__[k].default) for q in parts]))
     merged["tt_lookup_s"] = {r: float(np.mean([q["tt_lookup_s"][r] for q in parts])) for r in parts[0]["tt_lookup_s"]}
     for k in ("link_bandwidth_gbs", "link_latency_us", "allreduce_gbs"):
         merged[k] = links[k]

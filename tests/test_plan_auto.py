@@ -287,6 +287,8 @@ def test_calibrate_measures_every_cost():
     assert c.source == "measured" and sorted(c.tt_lookup_s) == [2, 4]
     assert c.exact_lookup_s > 0 and c.host_row_s > 0 and all(v > 0 for v in c.tt_lookup_s.values())
     assert 0 < c.notes["distinct_rows_per_batch"] <= 256
+    by_rank = c.notes["tt_replica_factor_by_rank"]  # the replica path timed at every rank, its median kept
+    assert set(by_rank) == {"2", "4"} and c.tt_replica_factor == pytest.approx(float(np.median(list(by_rank.values()))))
     assert c.dense_flops_per_s > 1e6 and c.step_overhead_s >= 0 and c.table_overhead_s >= 0
     assert c.notes["threads"] == 1 and set(c.notes["model_step_s"]) == {"6", "26"}  # 26 features and a quarter
     assert torch.get_num_threads() >= 1  # restored
