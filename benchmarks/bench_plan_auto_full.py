@@ -403,7 +403,20 @@ def main() -> None:
          prediction_error=err_r, prediction_error_each_run=err_each, recalibrated=args.recalibrate,
          within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
-         plan_trials=trials, predicted_all_exact_no_budget_s=unbounded, load_average_after=os.getloadavg())
+         plan_trials=trials, predicted_all_exact_no_budget_s=unbounded,
+         model_ceiling=model_ceiling(predicted, unbounded), load_average_after=os.getloadavg())
+
+
+def model_ceiling(predicted: dict, unbounded: float) -> dict:
+    """What the cost model itself allows: the best rule's predicted step over auto's (the search's best plan under
+    the budget, by the model), and over every table sharded exact with no budget (no plan within the budget is
+    priced below it)."""
+    rules = {k: v for k, v in predicted.items() if k != "auto"}
+    if not rules or "auto" not in predicted:
+        return {}
+    best = min(rules, key=rules.get)
+    return {"best_rule_by_model": best, "best_rule_over_auto": rules[best] / predicted["auto"],
+            "best_rule_over_all_exact_no_budget": rules[best] / unbounded}
 
 
 if __name__ == "__main__":
