@@ -110,9 +110,9 @@ class Costs:
             backward accumulates one dense gradient per core and the update is applied to the whole core
             (``TTEmbeddingBag.grad_sync``) instead of the fused per-slice update of one process; measured by
             ``embedscale calibrate`` as the same TT step with a dense gradient against the fused one (the
-            median over the calibrated ranks; measured 0.82-0.88, the dense path the cheaper: at these core
-            sizes one pass over the core costs less than gathering and scattering its touched slices). The
-            all-reduce itself is the model's core-bytes term. 1 = not measured.
+            median over the calibrated ranks: 0.82-0.88 at ranks 8 and 32 on 1M and 8M rows in one measurement
+            at load 17, 0.86-1.11 in one calibration at load 20, so the load decides it as much as the path).
+            The all-reduce itself is the model's core-bytes term. 1 = not measured.
         executor_overhead_s, executor_world: form kind (``sharded``, ``tt``, ``host``) -> seconds per table and
             step that a real ``executor_world``-rank training step pays beyond everything above (bucketing ids by
             owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
