@@ -44,7 +44,8 @@ their figures averaged) and the run predicted with them and the setup's executor
 line: figure = auto's steady-state train samples/s (global batch / measured step), baseline = the best
 hand-made plan's, ratio (and ``all_steps_ratio``, the same from the all-steps figures; ``round_ratios``: in each
 round, the best hand plan's step over auto's, and their median), and per plan the
-runs, the predicted and measured step and the prediction's error; the load average before and after.
+runs, the predicted and measured step and the prediction's error; the model's own ceiling (``model_ceiling``: the
+best rule's predicted step over auto's, and over every table exact with no budget); the load average before and after.
 """
 
 import argparse
