@@ -44,7 +44,8 @@ their figures averaged) and the run predicted with them and the setup's executor
 line: figure = auto's steady-state train samples/s (global batch / measured step), baseline = the best
 hand-made plan's, ratio (and ``all_steps_ratio``, the same from the all-steps figures; ``round_ratios``: in each
 round, the best hand plan's step over auto's, and their median), and per plan the
-runs, the predicted and measured step and the prediction's error; the load average before and after.
+runs, the predicted and measured step and the prediction's error; the model's own ceiling (``model_ceiling``: the
+best rule's predicted step over auto's, and over every table exact with no budget); the load average before and after.
 """
 
 import argparse
@@ -117,8 +118,9 @@ def calibrate_concurrently(work: Path, out: str, per_rank: int, links_from: Path
     parts = [json.loads((work / f"{out}.{i}.json").read_text()) for i in range(n)]
     links = json.loads(links_from.read_text())
     merged = dict(parts[0])
-    for k in ("exact_lookup_s", "host_row_s", "dense_flops_per_s", "step_overhead_s", "table_overhead_s"):
-        merged[k] = float(np.mean([q[k] for q in parts]))
+    for k in ("exact_lookup_s", "host_row_s", "dense_flops_per_s", "step_overhead_s", "table_overhead_s",
+              "row_group_overhead_s", "tt_size_slope", "tt_replica_factor"):
+        merged[k] = float(np.mean([q.get(k, Costs.__dataclass_fields__[k].default) for q in parts]))
     merged["tt_lookup_s"] = {r: float(np.mean([q["tt_lookup_s"][r] for q in parts])) for r in parts[0]["tt_lookup_s"]}
     for k in ("link_bandwidth_gbs", "link_latency_us", "allreduce_gbs"):
         merged[k] = links[k]
@@ -402,7 +404,20 @@ def main() -> None:
          prediction_error=err_r, prediction_error_each_run=err_each, recalibrated=args.recalibrate,
          within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
-         plan_trials=trials, predicted_all_exact_no_budget_s=unbounded, load_average_after=os.getloadavg())
+         plan_trials=trials, predicted_all_exact_no_budget_s=unbounded,
+         model_ceiling=model_ceiling(predicted, unbounded), load_average_after=os.getloadavg())
+
+
+def model_ceiling(predicted: dict, unbounded: float) -> dict:
+    """What the cost model itself allows: the best rule's predicted step over auto's (the search's best plan under
+    the budget, by the model), and over every table sharded exact with no budget (no plan within the budget is
+    priced below it)."""
+    rules = {k: v for k, v in predicted.items() if k != "auto"}
+    if not rules or "auto" not in predicted:
+        return {}
+    best = min(rules, key=rules.get)
+    return {"best_rule_by_model": best, "best_rule_over_auto": rules[best] / predicted["auto"],
+            "best_rule_over_all_exact_no_budget": rules[best] / unbounded}
 
 
 if __name__ == "__main__":

@@ -287,6 +287,8 @@ def test_calibrate_measures_every_cost():
     assert c.source == "measured" and sorted(c.tt_lookup_s) == [2, 4]
     assert c.exact_lookup_s > 0 and c.host_row_s > 0 and all(v > 0 for v in c.tt_lookup_s.values())
     assert 0 < c.notes["distinct_rows_per_batch"] <= 256
+    by_rank = c.notes["tt_replica_factor_by_rank"]  # the replica path timed at every rank, its median kept
+    assert set(by_rank) == {"2", "4"} and c.tt_replica_factor == pytest.approx(float(np.median(list(by_rank.values()))))
     assert c.dense_flops_per_s > 1e6 and c.step_overhead_s >= 0 and c.table_overhead_s >= 0
     assert c.notes["threads"] == 1 and set(c.notes["model_step_s"]) == {"6", "26"}  # 26 features and a quarter
     assert torch.get_num_threads() >= 1  # restored
@@ -462,28 +464,52 @@ def test_calibrate_ranks_rows_cap_is_zero_for_full_size_or_at_least_8(tmp_path):
             calibrate_ranks(Costs(), rows=bad, work=tmp_path)
 
 
-def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path):
-    """``calibrate --ranks 2`` end to end on a tiny case (the figures are timings: not asserted): five real
-    2-rank runs (sharded, TT, host, host-few, TT beside host); the costs it returns predict each timed plan,
-    through the same planner entry the benchmarks use, at its prediction without overheads plus its tables'
-    overheads by form and the per-step costs (host, host beside TT), and at its measured step when no overhead
-    was held at 0 (five plans, five unknowns: the fit is then exact)."""
+def test_calibrate_ranks_times_a_plan_of_each_form_and_its_fit_reproduces_them(tmp_path, monkeypatch):
+    """``calibrate --ranks 2`` on a tiny case, its N-rank runs answered by a stand-in timer (the figures are
+    timings, never asserted; the 2-rank runs of TT and host plans themselves are tested in
+    ``test_auto_plan_trains_on_two_ranks_like_one_process`` and ``test_distributed_host``): it writes five plans
+    whose saved forms are the documented ones (sharded; the 3 largest tables TT; on the host; the 2 largest on
+    the host; those 2 on the host beside the third TT), times them in turns, every round; the costs it returns
+    predict each timed plan, through the same planner entry the benchmarks use, at its prediction without
+    overheads plus its tables' overheads by form and the per-step costs (host, host beside TT), and at its
+    measured step when no overhead was held at 0 (five plans, five unknowns: the fit is then exact)."""
+    import embedscale.calibrate_ranks as cr
+
+    step_of = {"sharded": 0.040, "tt": 0.058, "host": 0.075, "host-few": 0.066, "tt-host": 0.081}
+    calls = []
+
+    def timer(work, run_dir, plan_dir, ranks, global_batch, steps, depth, device, dim, nodes=None, round_=0):
+        kind = plan_dir.parent.name.removeprefix("plan-")
+        forms = Plan.load(plan_dir).forms
+        calls.append((kind, round_, ranks, global_batch, steps, depth,
+                      {n: (f.kind, f.tt_rank, f.pipeline_depth) for n, f in forms.items() if f.kind != "sharded"}))
+        return step_of[kind]
+
+    monkeypatch.setattr(cr, "_train", timer)
     base = Costs(source="measured", notes={"device": "cpu"})
-    c = calibrate_ranks(base, ranks=2, batch=32, rows=300, dim=4, steps=3, repeats=1, big=3, tt_rank=4,
+    c = calibrate_ranks(base, ranks=2, batch=32, rows=300, dim=4, steps=3, repeats=2, big=3, tt_rank=4,
                         host_depth=2, work=tmp_path, log=lambda m: None)
+    tables = tables_from_profile(AccessProfile.load(tmp_path / "profile"), 4)
+    big = [t.name for t in sorted(tables, key=lambda t: (-t.num_rows, t.name))[:3]]
+    tt, host = ("tt", 4, 0), ("host", 0, 2)
+    want = {"sharded": {}, "tt": dict.fromkeys(big, tt), "host": dict.fromkeys(big, host),
+            "host-few": dict.fromkeys(big[:2], host), "tt-host": {**dict.fromkeys(big[:2], host), big[2]: tt}}
+    assert [(k, r) for k, r, *_ in calls] == [(k, r) for r in range(2) for k in want]  # in turns, every round
+    for kind, _, ranks, gb, steps, depth, forms in calls:
+        assert (ranks, gb, steps, depth) == (2, 64, 3, 2) and forms == want[kind], kind
     assert c.executor_world == 2
     assert set(c.executor_overhead_s) == {"sharded", "tt", "host", "host_step", "host_tt_step"}
     runs = c.notes["executor"]["plans"]
+    assert {k: r["measured_s"] for k, r in runs.items()} == step_of
     assert runs["tt"]["tables"] == {"sharded": 23, "tt": 3, "host": 0, "host_step": 0, "host_tt_step": 0}
     assert runs["host"]["tables"]["host"] == 3 and runs["host-few"]["tables"]["host"] == 2
     assert runs["tt-host"]["tables"] == {"sharded": 23, "tt": 1, "host": 2, "host_step": 1, "host_tt_step": 1}
-    tables = tables_from_profile(AccessProfile.load(tmp_path / "profile"), 4)
     for k, run in runs.items():
         p = predict_plan_forms(tables, tmp_path / "profile", Topology(ranks_per_host=2), plan_forms(tables, k, 3, 4, 2),
                                costs=c, batch_size=32, dense=DenseModel(num_features=26, embedding_dim=4), host_depth=2)
-        want = c.notes["executor"]["scale"] * run["predicted_s"] + sum(n * c.executor_overhead_s[f]
-                                                                      for f, n in run["tables"].items())
-        assert p["step_seconds"] == pytest.approx(want, rel=1e-6)
+        want_s = c.notes["executor"]["scale"] * run["predicted_s"] + sum(n * c.executor_overhead_s[f]
+                                                                        for f, n in run["tables"].items())
+        assert p["step_seconds"] == pytest.approx(want_s, rel=1e-6)
         if min(c.executor_overhead_s.values()) > 0:
             assert p["step_seconds"] == pytest.approx(run["measured_s"], rel=1e-6)
 

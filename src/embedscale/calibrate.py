@@ -14,6 +14,9 @@ are differences, are not the load's drift; the load average is recorded in ``not
   backward, core update), per lookup, for every candidate rank;
 * ``tt_size_slope``: the smallest rank's TT step again on a table of 16 times the rows, the relative growth per
   doubling of the rows (``Costs.tt``: a TT lookup into a table of another size is scaled by it);
+* ``tt_replica_factor``: every rank's TT step again with the gradient path of replicated cores (a dense gradient
+  per core for the all-reduce, the update applied to the whole core: ``TTEmbeddingBag.grad_sync``, here a sum
+  over one rank), over the fused step; the median over the ranks (``Costs.tt`` on several ranks);
 * ``host_row_s``: a :class:`~embedscale.pipeline.PipelinedEmbedding` step of a host table (EL-Rec V: the
   parameter server reads the batch's distinct rows, the trainer pools them, the update goes back to the
   server), minus the exact step, per distinct row of the batch;
@@ -100,6 +103,10 @@ def _interleaved_blocks(steps: dict, repeats: int, block_s: float = 0.05) -> dic
                 step(batches[(i * k + j) % len(batches)])
             times[name].append((time.perf_counter() - t0) / k)
     return {k: float(np.median(v)) for k, v in times.items()}
+
+
+def _one_rank_sum(grads) -> None:
+    """The cores' gradient sum across ranks on one rank: nothing to add (``TTEmbeddingBag.grad_sync``)."""
 
 
 def _mlp_step(dense: DenseModel, batch: int, dev: torch.device, seed: int):
@@ -189,6 +196,10 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
         tt = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
                             name="t", validate=False)
         steps[f"tt-{int(r)}"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(tt), ids)
+        rep = TTEmbeddingBag(rows, dim, int(r), optimizer="rowwise_adagrad", lr=0.01, seed=seed, device=dev,
+                             name="t", validate=False)
+        rep.grad_sync = _one_rank_sum  # replicated cores: dense gradients summed (over one rank), applied whole
+        steps[f"tt-replica-{int(r)}"] = ((lambda m: lambda b: m(b, offsets).sum().backward())(rep), ids)
     # the same lookup into a table of 16 times the rows (Costs.tt_size_slope): the smallest rank, its cores small
     big_rows = rows * SIZE_RATIO
     big_ids = [torch.from_numpy(_zipf_ids(rng, big_rows, batch, alpha)).to(dev) for _ in range(4)]
@@ -228,13 +239,16 @@ def _calibrate(device, rows, dim, batch, tt_ranks, repeats, alpha, links, seed, 
     if step_over < 0:  # noise made the two unknowns' split negative: keep their sum at the full feature count
         per_table, step_over = max(0.0, resid[f_hi][1]) / f_hi, 0.0
     slope = (t["tt-big"] / t[f"tt-{int(min(tt_ranks))}"] - 1.0) / np.log2(SIZE_RATIO)
+    replica = {int(r): t[f"tt-replica-{int(r)}"] / t[f"tt-{int(r)}"] for r in tt_ranks}
     costs = Costs(exact_lookup_s=exact_s, tt_lookup_s=tt_s, tt_rows=int(rows), tt_size_slope=float(slope),
+                  tt_replica_factor=float(np.median(list(replica.values()))),
                   row_group_overhead_s=max(0.0, t["rg"] - t["rg-tt"]),
                   host_row_s=max(t_host - t_exact, 1e-3 * t_exact) / max(distinct, 1.0), source="measured",
                   dense_flops_per_s=rate, step_overhead_s=step_over, table_overhead_s=per_table,
                   notes={"device": str(dev), "rows": rows, "dim": dim, "batch": batch, "alpha": alpha,
                          "repeats": repeats, "statistic": "median of 50 ms blocks, interleaved", "threads": torch.get_num_threads(),
                          "distinct_rows_per_batch": distinct, "links_measured": False,
+                         "tt_replica_factor_by_rank": {str(r): v for r, v in replica.items()},
                          "exact_step_s": t_exact, "host_step_s": t_host, "dense_model": dense.to_dict(),
                          "model_step_s": {str(f): v[0] for f, v in resid.items()},
                          "model_step_residual_s": {str(f): v[1] for f, v in resid.items()},

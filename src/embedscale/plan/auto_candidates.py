@@ -134,7 +134,7 @@ def hybrid_candidate(s: TableStats, rank: int, hot_rows: int, world: int, costs:
     d = min(1.0, s.distinct_of_rows(hot_rows) / max(s.distinct_rank, 1e-12))
     cb = tt_core_bytes(s.num_rows, s.dim, int(rank))  # the cores cover every row (embedding.hybrid)
     sync = (cb + hot_rows * s.row_bytes) * 2 * (m - 1) / m / (costs.allreduce_gbs * 1e9)
-    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank), s.num_rows)) + sync \
+    sec = s.lookups_rank * (a * costs.exact_lookup_s + (1 - d) * costs.tt(int(rank), s.num_rows, m)) + sync \
         + costs.row_group_overhead_s
     return Candidate(f"tt-{rank}-hot{hot_rows}",
                      TableForm(FormKind.TT, tt_rank=int(rank), reorder=True, hot_rows=int(hot_rows)), sec,
@@ -176,7 +176,7 @@ def candidates(s: TableStats, world: int, costs: Costs, *, tt_rank_list: Sequenc
             if cb >= full and not keep_larger:  # a TT table larger than the table itself is never worth it
                 continue
             out.append(Candidate(f"tt-{r}", TableForm(FormKind.TT, tt_rank=int(r)),
-                                 s.lookups_rank * costs.tt(int(r), s.num_rows) + cb * 2 * frac / ar,
+                                 s.lookups_rank * costs.tt(int(r), s.num_rows, m) + cb * 2 * frac / ar,
                                  float(cb), 0.0, CandidateKind.TT))
         for r in (tt_rank_list if hot_rows else ()):
             c = hybrid_candidate(s, int(r), hot_rows, m, costs)

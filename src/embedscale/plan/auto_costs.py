@@ -105,6 +105,14 @@ class Costs:
             measured: a rank-8 lookup 1.49 us at 1M rows, 2.11 us at 10M, single thread). :meth:`tt` scales by
             ``1 + tt_size_slope * log2(rows / tt_rows)`` (:meth:`tt_size_factor`); ``tt_rows = 0``: not measured,
             no scaling. Fitted by ``embedscale calibrate`` from its table and one of 16 times its rows.
+        tt_replica_factor: what a TT lookup costs on several ranks relative to ``tt_lookup_s`` (one process). On
+            several ranks the cores are replicated and their gradients summed across ranks (EL-Rec VI-B), so the
+            backward accumulates one dense gradient per core and the update is applied to the whole core
+            (``TTEmbeddingBag.grad_sync``) instead of the fused per-slice update of one process; measured by
+            ``embedscale calibrate`` as the same TT step with a dense gradient against the fused one (the
+            median over the calibrated ranks: 0.82-0.88 at ranks 8 and 32 on 1M and 8M rows in one measurement
+            at load 17, 0.86-1.11 in one calibration at load 20, so the load decides it as much as the path).
+            The all-reduce itself is the model's core-bytes term. 1 = not measured.
         executor_overhead_s, executor_world: form kind (``sharded``, ``tt``, ``host``) -> seconds per table and
             step that a real ``executor_world``-rank training step pays beyond everything above (bucketing ids by
             owner, the exchanges beyond their bytes, host tables' all-gathers and server reads, the ranks and
@@ -127,6 +135,7 @@ class Costs:
     row_group_overhead_s: float = 100e-6
     tt_rows: int = 0
     tt_size_slope: float = 0.0
+    tt_replica_factor: float = 1.0
     executor_overhead_s: dict = field(default_factory=dict)
     executor_world: int = 0
     source: str = "default"
@@ -196,13 +205,15 @@ class Costs:
             return 1.0
         return max(0.5, 1.0 + float(self.tt_size_slope) * math.log2(float(rows) / float(self.tt_rows)))
 
-    def tt(self, rank: int, rows: int | None = None) -> float:
+    def tt(self, rank: int, rows: int | None = None, world: int = 1) -> float:
         """Seconds per TT lookup at ``rank`` into a table of ``rows`` rows (:meth:`tt_size_factor`; ``None``: the
-        calibration's table): the measured figures made non-decreasing in the rank
+        calibration's table) on ``world`` ranks (several: times ``tt_replica_factor``, the dense gradient path
+        of replicated cores): the measured figures made non-decreasing in the rank
         (:func:`non_decreasing`: a lookup of a higher rank does more work, EL-Rec III-A, so a measured inversion
         is the load's noise), measured ranks at those figures, others by ``a + b R^2`` through the two nearest
         measured ranks, never below the exact lookup."""
-        return self._tt_at_calibration_rows(rank) * self.tt_size_factor(rows)
+        replica = float(self.tt_replica_factor) if world > 1 else 1.0
+        return self._tt_at_calibration_rows(rank) * self.tt_size_factor(rows) * replica
 
     def _tt_at_calibration_rows(self, rank: int) -> float:
         pts = non_decreasing(sorted((int(r), float(s)) for r, s in self.tt_lookup_s.items()))
@@ -247,6 +258,8 @@ class Costs:
             v = float(getattr(out, name))
             if not (v >= 0 and math.isfinite(v)):
                 raise ConfigError(f"{where}: {name} must be a number >= 0, got {v}")
+        if not (float(out.tt_replica_factor) > 0 and math.isfinite(float(out.tt_replica_factor))):
+            raise ConfigError(f"{where}: tt_replica_factor must be a positive number, got {out.tt_replica_factor}")
         if not math.isfinite(float(out.tt_size_slope)):
             raise ConfigError(f"{where}: tt_size_slope must be a finite number, got {out.tt_size_slope}")
         try:
