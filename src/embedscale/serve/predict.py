@@ -18,6 +18,7 @@ from torch import nn
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.data.metrics import binary_metrics
+from embedscale.device import HOST
 from embedscale.embedding.local import LocalEmbeddingBags
 from embedscale.errors import FormatError, InputError
 from embedscale.io import read_json
@@ -180,7 +181,7 @@ class ServedModel:
         import contextlib
 
         if self.dense == "bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(HOST.type, dtype=torch.bfloat16)  # a served model runs in host memory
         return contextlib.nullcontext()
 
     @torch.inference_mode()
