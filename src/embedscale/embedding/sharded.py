@@ -92,10 +92,11 @@ class Stages:
     grad_dist: Callable
     update: Callable
     start: Callable | None = None  # compute's exchange started, not waited for (``ShardedEmbedding.start``)
+    grads_received: Callable | None = None  # the wait for a gradient exchange grad_dist left in flight
 
 
 RETRIEVE = Stages(RetrieveContext, retrieve.input_dist, retrieve.compute, retrieve.output_dist, retrieve.grad_dist,
-                  retrieve.update, retrieve.start_ahead)
+                  retrieve.update, retrieve.start_ahead, retrieve.grads_received)
 SEND = Stages(SendContext, send.input_dist, send.compute, send.output_dist, send.grad_dist, send.update)
 
 
@@ -496,9 +497,20 @@ class _Lookup(torch.autograd.Function):
         mod, ctx = fctx.mod, fctx.batch
         fctx.batch = None  # the batch's tensors go with this step
         mod.grad_dist(ctx, grad_out)
-        mod.update(ctx)
-        ctx.nxt = None
+        if ctx.state is Stage.GRADS_SENDING:  # in flight: the rest of the backward (the bottom MLP's) runs beside
+            # it; the wait and the update at the backward's end (the engine's final callbacks, OPER 5.2)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_backward(mod, ctx))
+        else:
+            _finish_backward(mod, ctx)
         return torch.zeros_like(mod.anchor), None, None
+
+
+def _finish_backward(mod, ctx: LookupContext) -> None:
+    """A lookup's backward after ``grad_dist``: its exchange waited for (when left in flight), then ``update``."""
+    if ctx.state is Stage.GRADS_SENDING:
+        mod.stages.grads_received(mod, ctx)
+    mod.update(ctx)
+    ctx.nxt = None
 
 
 def _undistributed(ahead: Ahead) -> bool:
