@@ -12,10 +12,18 @@ shared by the ranks of one machine), at least one.
 What the user set wins: ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` as given, and ``EMBEDSCALE_THREADS``:
 ``auto`` (the default: the rule above), ``torch`` (leave torch's and OpenMP's defaults alone) or a number of
 threads.
+
+The same processes keep the memory a step frees for the next step (:func:`keep_freed_memory`): by default glibc's
+``malloc`` hands a freed heap top above a few MB back to the kernel and serves a block of a few MB by ``mmap``,
+so every step's activations (MBs each at DLRM's batch sizes) are faulted in page by page again; the dense
+forward of OPER Table 1's MLPs at 2,048 samples took 31-33 ms of CPU so, 24 ms with the freed memory kept
+(``benchmarks/bench_vs_torchrec.py`` runs both of its sides so). ``GLIBC_TUNABLES`` or a ``MALLOC_*``
+variable the user set, or ``EMBEDSCALE_THREADS=torch``, leave ``malloc`` as it is.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from collections.abc import MutableMapping
 
@@ -23,6 +31,9 @@ from embedscale.errors import ConfigError
 
 KNOB = "EMBEDSCALE_THREADS"
 WAIT_POLICY = "PASSIVE"
+HEAP_KEPT = 256 << 20  # bytes of freed heap top malloc keeps for reuse (M_TRIM_THRESHOLD)
+MMAP_ABOVE = 32 << 20  # blocks served by mmap from this size (M_MMAP_THRESHOLD; glibc's largest)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def available_cores() -> int:
@@ -65,9 +76,26 @@ def chosen_threads(env: MutableMapping[str, str] = os.environ, cores: int | None
     return threads_per_process(available_cores() if cores is None else cores, int(env.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def keep_freed_memory(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Have glibc's ``malloc`` keep up to :data:`HEAP_KEPT` bytes of freed heap for reuse and serve blocks below
+    :data:`MMAP_ABOVE` from the heap (module docstring), unless the user tuned ``malloc`` or chose torch's
+    defaults. Returns whether it did (``False`` also where the C library has no ``mallopt``)."""
+    if _knob(env) == "torch" or "GLIBC_TUNABLES" in env or any(k.startswith("MALLOC_") for k in env):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_ABOVE)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT))
+
+
 def apply_threads(env: MutableMapping[str, str] = os.environ) -> int:
-    """Set torch's intra-op threads by :func:`chosen_threads`; returns the count in effect."""
+    """Set torch's intra-op threads by :func:`chosen_threads` (and keep freed memory, :func:`keep_freed_memory`);
+    returns the count in effect."""
     import torch
+
+    keep_freed_memory(env)
 
     n = chosen_threads(env)
     if n is not None and n != torch.get_num_threads():
