@@ -15,10 +15,11 @@ threads.
 
 The same processes keep the memory a step frees for the next step (:func:`keep_freed_memory`): by default glibc's
 ``malloc`` hands a freed heap top above a few MB back to the kernel and serves a block of a few MB by ``mmap``,
-so every step's activations (MBs each at DLRM's batch sizes) are faulted in page by page again; the dense
-forward of OPER Table 1's MLPs at 2,048 samples took 31-33 ms of CPU so, 24 ms with the freed memory kept
-(``benchmarks/bench_vs_torchrec.py`` runs both of its sides so). ``GLIBC_TUNABLES`` or a ``MALLOC_*``
-variable the user set, or ``EMBEDSCALE_THREADS=torch``, leave ``malloc`` as it is.
+so every step's activations (MBs each at DLRM's batch sizes) are faulted in page by page again: the dense
+forward of OPER Table 1's DLRM at 2,048 samples on one thread took 1,431 page faults and 32.7 ms of CPU a step
+so, none and 30.4 ms with the freed memory kept (forward + backward 96.5 and 94.2 ms;
+``benchmarks/bench_malloc.py``). ``GLIBC_TUNABLES`` or a ``MALLOC_*`` variable the user set, or
+``EMBEDSCALE_THREADS=torch``, leave ``malloc`` as it is.
 """
 
 from __future__ import annotations
