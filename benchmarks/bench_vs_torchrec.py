@@ -12,8 +12,9 @@ without the first-order term: TorchRec's DLRM has none) in DDP with a sum hook a
 batch, wrapped as ``train.distributed`` wraps them (``dense_ddp``: gradients as bucket views, as TorchRec's
 DMP does); the model's forward starts the embedding's row exchange before the bottom MLP and waits for it
 after, and its backward the gradient exchange before the bottom MLP's backward, waited for at the backward's
-end (OPER 5.2); ``--prefetch 1``: the next batch's input_dist ahead of its step, as ``embedscale run`` trains
-(TorchRec then still steps without its train pipeline). Both sides run in the same rank processes, so with
+end (OPER 5.2); ``--prefetch 1``: the next batch's input_dist ahead of its step, as ``embedscale run`` trains,
+and TorchRec's step then runs in its ``TrainPipelineSparseDist`` (the next batch's input distribution during
+the step, as TorchRec trains; on CPU without streams). Both sides run in the same rank processes, so with
 the same thread and allocator settings: one intra-op thread per rank (2 ranks on 2 cores), freed memory kept
 for the next step (``threads.keep_freed_memory``, as every embedscale rank keeps it). The report's *ceiling* is TorchRec's step over its dense time: what
 ours would reach with an embedding that cost nothing.
@@ -263,10 +264,17 @@ def worker(rank, world, cfg):
     if not emb_only:
         _log(rank, "  training ...")
         ahead["left"] = W + S - 1 if cfg.get("prefetch", 0) else 0
+        trec_step, detach = trec_train, None
+        if cfg.get("prefetch", 0):  # TorchRec pipelined too: its TrainPipelineSparseDist, the same batch order
+            step, detach = trh.train_pipeline(dmp, [(b["dense"], b["kjt"], b["labels"]) for b in batches],
+                                              trec_opt, trec_dp_opt)
+            trec_step = lambda b: step()  # noqa: E731
         res["train"] = timed({
             "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
-            "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
+            "torchrec": (trec_step, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
         }, S, W)
+        if detach is not None:
+            detach()
 
     dmp.eval()
 
@@ -506,7 +514,7 @@ def main():
                     help="ours converts the batches of the next DEPTH steps ahead (ShardedEmbedding.prefetch, "
                          "OPER 5.1 pipelined), as a pipelined training loop does; our synchronous embedding step is "
                          "timed beside it in the same run; the whole training step takes DEPTH 1 (as embedscale "
-                         "run trains); TorchRec steps without its train pipeline either way")
+                         "run trains), TorchRec's then its TrainPipelineSparseDist")
     ap.add_argument("--no-cpu-kernel", action="store_true",
                     help="our side on its PyTorch ops (EMBEDSCALE_NO_KERNELS=1), not the C++ CPU kernel")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
