@@ -12,11 +12,12 @@ without the first-order term: TorchRec's DLRM has none) in DDP with a sum hook a
 batch, wrapped as ``train.distributed`` wraps them (``dense_ddp``: gradients as bucket views, as TorchRec's
 DMP does); the model's forward starts the embedding's row exchange before the bottom MLP and waits for it
 after, and its backward the gradient exchange before the bottom MLP's backward, waited for at the backward's
-end (OPER 5.2); ``--prefetch 1``: the next batch's input_dist ahead of its step, as ``embedscale run`` trains,
-and TorchRec's step then runs in its ``TrainPipelineSparseDist`` (the next batch's input distribution during
-the step, as TorchRec trains; on CPU without streams). Both sides run in the same rank processes, so with
-the same thread and allocator settings: one intra-op thread per rank (2 ranks on 2 cores), freed memory kept
-for the next step (``threads.keep_freed_memory``, as every embedscale rank keeps it). The report's *ceiling* is TorchRec's step over its dense time: what
+end (OPER 5.2; ``overlap_backward``, opt-in, on here); ``--prefetch 1``: the next batch's input_dist ahead of
+its step, as ``embedscale run`` trains, and TorchRec's step then runs in its ``TrainPipelineSparseDist`` (the
+next batch's input distribution during the step, as TorchRec trains; on CPU without streams). Both sides run
+in the same rank processes, so with the same thread and allocator settings: one intra-op thread per rank (2
+ranks on 2 cores), freed memory kept for the next step (``threads.keep_freed_memory``, as every embedscale
+rank keeps it). The report's *ceiling* is TorchRec's step over its dense time: what
 ours would reach with an embedding that cost nothing.
 
 TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
@@ -147,6 +148,7 @@ def worker(rank, world, cfg):
     amap_tr, amap_inf = address_map_from_plan(plan_tr, tables), address_map_from_plan(plan_inf, tables)
     emb = ShardedEmbedding(tables, amap_tr, tr, rank, design="retrieve", optimizer=opt_name, lr=lr, eps=eps,
                            grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
+    emb.overlap_backward = True  # the gradient exchange beside the bottom MLP's backward (opt-in; same bits)
     torch.manual_seed(0)
     ours = build_model(mcfg, tables, 13, embedding=emb)
     ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch

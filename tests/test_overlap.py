@@ -8,9 +8,9 @@ exchange then carries its counts), and the overlapped run must really start the 
 MLP runs (no all-to-all of the forward is called after the bottom MLP; without the overlap, the rows' is),
 except while the next batch is still being decoded on the input pipeline's worker: then the bottom MLP
 overlaps that decoding and the exchange starts after it (a decoding held until the bottom MLP ran never
-makes the step wait for it). In the backward, the overlapped run starts the gradient all-to-all before the
-bottom MLP's backward and updates the rows after it (the exchange in flight beside it); without the overlap
-the rows are updated before the bottom MLP's backward begins.
+makes the step wait for it). In the backward (``overlap_backward``), the overlapped run starts the gradient
+all-to-all before the bottom MLP's backward and updates the rows after it (the exchange in flight beside it);
+without the overlap the rows are updated before the bottom MLP's backward begins.
 """
 
 import threading
@@ -69,6 +69,7 @@ def _run(rank, world, overlap, prefetch, log):
     torch.manual_seed(0)
     model = DLRM(5, emb, DIM, bottom_mlp=[8], top_mlp=[8], first_order=True)
     model.overlap = overlap
+    emb.overlap_backward = overlap  # (off by default)
     model.dense_arch.register_forward_pre_hook(lambda *_: log.append("bottom_mlp"))
     model.dense_arch.register_forward_hook(lambda *_: log.append("bottom_mlp_done"))
     model.dense_arch.model[0].weight.register_hook(lambda g: log.append("bottom_mlp_backward_done"))

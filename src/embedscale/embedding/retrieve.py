@@ -182,9 +182,9 @@ def start_rows(mod, ctx: RetrieveContext, background: bool = True) -> None:
 def start_ahead(mod, ctx: RetrieveContext) -> None:
     """``start_rows`` ahead of the bottom MLP when it need not wait: not while the next batch's counts, which ride
     this row exchange, are still being decoded on the input pipeline's worker (the MLP overlaps that decoding
-    instead; ``compute`` starts the exchange after it). Its gradient exchange overlaps the bottom MLP's backward
-    too (``grad_dist``)."""
-    ctx.overlap = True
+    instead; ``compute`` starts the exchange after it). With ``overlap_backward``, its gradient exchange overlaps
+    the bottom MLP's backward too (``grad_dist``)."""
+    ctx.overlap = bool(mod.overlap_backward)
     if not (rides_header(mod, ctx) and not mod.next_ready()):
         start_rows(mod, ctx)
 

@@ -199,6 +199,10 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         # prefetched batches, in step order (``prefetch``), on a pipeline of its own until a run attaches its own
         self.input_lane = InputPipeline().lane("sharded", _MAX_AHEAD, _undistributed)
         self.prefetching = False  # set by the first ``prefetch``: training row exchanges carry a header
+        # a lookup started ahead leaves its gradient all-to-all in flight beside the bottom MLP's backward (OPER 5.2;
+        # the same bits). Off by default: the backend's worker thread that runs it costs wake-ups that made the main
+        # job's step slower on a loaded 2-core machine (BENCHMARKS.md)
+        self.overlap_backward = False
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
         self._first_of: torch.Tensor | None = None  # storage row -> its first gradient entry (merge_and_apply)
         self._kslot: torch.Tensor | None = None  # the C++ kernel's int32 storage row -> slot map, all -1
