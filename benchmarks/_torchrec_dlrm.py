@@ -232,3 +232,58 @@ def copy_embeddings(dmp, tables, seed: int = 0) -> int:
                 tensor.copy_(torch.from_numpy(full[:, c0:c0 + tensor.shape[1]]))
             n += tensor.shape[0]
     return n
+
+
+# -- TorchRec's train pipeline (its best form of a training step) -----------------------------------------------
+
+class _Optimizers:
+    """Several optimizers stepped as one (what ``TrainPipelineSparseDist`` takes)."""
+
+    def __init__(self, *opts):
+        self.opts = [o for o in opts if o is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+
+def train_pipeline(dmp, batches, dense_opt, dp_opt):
+    """TorchRec's ``TrainPipelineSparseDist`` over ``dmp`` (CPU: no streams): the next batch's input
+    distribution (its KJT all-to-alls) started during the current step, as TorchRec trains. ``batches`` are the
+    steps' ``(dense, kjt, labels)`` in order (cycled). The DLRM inside takes a torchrec ``Batch`` while the
+    pipeline runs (its loss: the mean BCE, TorchRec's convention). Returns ``(step, detach)``: ``step()`` trains
+    the next batch; ``detach()`` gives the model back its own forward (for the inference phases)."""
+    import torch.nn.functional as F
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.models.dlrm import DLRM
+
+    class DLRMOnBatch(DLRM):
+        def forward(self, batch):  # noqa: D102 - DLRMTrain's contract: (loss, output)
+            logits = DLRM.forward(self, batch.dense_features, batch.sparse_features).squeeze(-1)
+            return F.binary_cross_entropy_with_logits(logits, batch.labels), logits.detach()
+
+    inner = inner_dlrm(dmp)
+    inner.__class__ = DLRMOnBatch
+
+    def feed():
+        k = 0
+        while True:
+            dense, kjt, labels = batches[k % len(batches)]
+            yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+            k += 1
+
+    it = feed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = TrainPipelineSparseDist(dmp, _Optimizers(dense_opt, dp_opt), torch.device("cpu"))
+
+    def detach():
+        pipe.detach()
+        inner.__class__ = DLRM
+
+    return (lambda: pipe.progress(it)), detach

@@ -11,8 +11,13 @@ default ``alltoall``); inference over the PGAS transport (``--inference-transpor
 without the first-order term: TorchRec's DLRM has none) in DDP with a sum hook and a loss of sum / global
 batch, wrapped as ``train.distributed`` wraps them (``dense_ddp``: gradients as bucket views, as TorchRec's
 DMP does); the model's forward starts the embedding's row exchange before the bottom MLP and waits for it
-after (OPER 5.2). Both sides run in the same rank processes, so with the same thread settings: one intra-op
-thread per rank (2 ranks on 2 cores). The report's *ceiling* is TorchRec's step over its dense time: what
+after, and its backward the gradient exchange before the bottom MLP's backward, waited for at the backward's
+end (OPER 5.2; ``overlap_backward``, opt-in, on here); ``--prefetch 1``: the next batch's input_dist ahead of
+its step, as ``embedscale run`` trains, and TorchRec's step then runs in its ``TrainPipelineSparseDist`` (the
+next batch's input distribution during the step, as TorchRec trains; on CPU without streams). Both sides run
+in the same rank processes, so with the same thread and allocator settings: one intra-op thread per rank (2
+ranks on 2 cores), freed memory kept for the next step (``threads.keep_freed_memory``, as every embedscale
+rank keeps it). The report's *ceiling* is TorchRec's step over its dense time: what
 ours would reach with an embedding that cost nothing.
 
 TorchRec: ``torchrec.models.dlrm.DLRM`` over an ``EmbeddingBagCollection`` of the same tables, sharded by
@@ -143,6 +148,7 @@ def worker(rank, world, cfg):
     amap_tr, amap_inf = address_map_from_plan(plan_tr, tables), address_map_from_plan(plan_inf, tables)
     emb = ShardedEmbedding(tables, amap_tr, tr, rank, design="retrieve", optimizer=opt_name, lr=lr, eps=eps,
                            grad_sync=cfg["grad_sync"], sync_group=emb_group, seed=0)
+    emb.overlap_backward = True  # the gradient exchange beside the bottom MLP's backward (opt-in; same bits)
     torch.manual_seed(0)
     ours = build_model(mcfg, tables, 13, embedding=emb)
     ours_dense_hook = trh.HookCounter(mean=False)  # sum: the loss already divides by the global batch
@@ -173,7 +179,14 @@ def worker(rank, world, cfg):
     _log(rank, f"  setup {time.perf_counter() - t_setup:.1f} s; torchrec plan: "
                f"{sorted(set(trh.sharding_types(trec_plan).values()))}")
 
+    # --prefetch 1: ours trains as its runs do (``embedscale run``'s input pipeline): the next batch's input_dist
+    # ahead of its step; the last step of a timed phase prefetches none, so the queue ends empty
+    ahead = {"left": 0}
+
     def ours_train(b):
+        if ahead["left"]:
+            ahead["left"] -= 1
+            emb.prefetch(batches[(b["i"] + 1) % nb]["jf"])
         logits = ddp(b["dense"], b["jf"])
         loss = F.binary_cross_entropy_with_logits(logits, b["labels"], reduction="sum") / B
         ours_opt.zero_grad(set_to_none=True)
@@ -252,10 +265,18 @@ def worker(rank, world, cfg):
     emb_only = cfg.get("embedding_only", False)
     if not emb_only:
         _log(rank, "  training ...")
+        ahead["left"] = W + S - 1 if cfg.get("prefetch", 0) else 0
+        trec_step, detach = trec_train, None
+        if cfg.get("prefetch", 0):  # TorchRec pipelined too: its TrainPipelineSparseDist, the same batch order
+            step, detach = trh.train_pipeline(dmp, [(b["dense"], b["kjt"], b["labels"]) for b in batches],
+                                              trec_opt, trec_dp_opt)
+            trec_step = lambda b: step()  # noqa: E731
         res["train"] = timed({
             "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
-            "torchrec": (trec_train, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
+            "torchrec": (trec_step, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
         }, S, W)
+        if detach is not None:
+            detach()
 
     dmp.eval()
 
@@ -278,7 +299,7 @@ def worker(rank, world, cfg):
     g = torch.randn(Bl, len(tables) * cfg["dim"], generator=torch.Generator().manual_seed(rank)) * 1e-3
     dmp.train()
 
-    depth, calls_so_far = cfg.get("prefetch", 0) if emb_only else 0, [0]
+    depth, calls_so_far = cfg.get("prefetch", 0), [0]  # the embedding step in the form the full step took
 
     def ours_emb_train(b):
         if depth:  # the batches of the next `depth` steps (converted on the prefetch thread; the next one's
@@ -492,9 +513,10 @@ def main():
                          "EmbeddingBagCollection under DMP), training and inference, interleaved; one JSON line, "
                          "no markdown")
     ap.add_argument("--prefetch", type=int, default=0, metavar="DEPTH",
-                    help="with --embedding-only: ours converts the batches of the next DEPTH steps ahead "
-                         "(ShardedEmbedding.prefetch, OPER 5.1 pipelined), as a pipelined training loop does; "
-                         "our synchronous step is timed beside it in the same run")
+                    help="ours converts the batches of the next DEPTH steps ahead (ShardedEmbedding.prefetch, "
+                         "OPER 5.1 pipelined), as a pipelined training loop does; our synchronous embedding step is "
+                         "timed beside it in the same run; the whole training step takes DEPTH 1 (as embedscale "
+                         "run trains), TorchRec's then its TrainPipelineSparseDist")
     ap.add_argument("--no-cpu-kernel", action="store_true",
                     help="our side on its PyTorch ops (EMBEDSCALE_NO_KERNELS=1), not the C++ CPU kernel")
     ap.add_argument("--configs", default=None, help="comma-separated subset of " + ",".join(CONFIGS))
@@ -507,8 +529,6 @@ def main():
     args.out = args.out or (str(RESULTS_MD) if args.record else "")
     if args.from_json and not args.out:
         ap.error("--from-json renders a report: give --out PATH or --record")
-    if args.prefetch and not args.embedding_only:
-        ap.error("--prefetch times the embedding-only step: add --embedding-only")
     if args.no_cpu_kernel:  # the ranks inherit the environment
         os.environ["EMBEDSCALE_NO_KERNELS"] = "1"
     if args.from_json:
@@ -527,6 +547,9 @@ def main():
             "profile_samples": 200_000, "distinct_batches": 8,
             "steps": args.steps or (6 if args.quick else 30), "warmup": 2 if args.quick else 5,
             "prefetch": args.prefetch}
+    if args.prefetch > 1 and not args.embedding_only:
+        ap.error(f"--prefetch {args.prefetch}: the whole training step prefetches 1 batch ahead (as embedscale run "
+                 "trains); a deeper queue only with --embedding-only")
     if args.embedding_only:
         main_embedding_only(args, base)
         return

@@ -8,7 +8,9 @@ exchange then carries its counts), and the overlapped run must really start the 
 MLP runs (no all-to-all of the forward is called after the bottom MLP; without the overlap, the rows' is),
 except while the next batch is still being decoded on the input pipeline's worker: then the bottom MLP
 overlaps that decoding and the exchange starts after it (a decoding held until the bottom MLP ran never
-makes the step wait for it).
+makes the step wait for it). In the backward (``overlap_backward``), the overlapped run starts the gradient
+all-to-all before the bottom MLP's backward and updates the rows after it (the exchange in flight beside it);
+without the overlap the rows are updated before the bottom MLP's backward begins.
 """
 
 import threading
@@ -67,8 +69,12 @@ def _run(rank, world, overlap, prefetch, log):
     torch.manual_seed(0)
     model = DLRM(5, emb, DIM, bottom_mlp=[8], top_mlp=[8], first_order=True)
     model.overlap = overlap
+    emb.overlap_backward = overlap  # (off by default)
     model.dense_arch.register_forward_pre_hook(lambda *_: log.append("bottom_mlp"))
     model.dense_arch.register_forward_hook(lambda *_: log.append("bottom_mlp_done"))
+    model.dense_arch.model[0].weight.register_hook(lambda g: log.append("bottom_mlp_backward_done"))
+    update = emb.update
+    emb.update = lambda ctx: (log.append("update"), update(ctx))[1]
     if prefetch == "gated":  # the next batch's decoding held until this step's bottom MLP ran (at most 10 s)
         gate, decode = threading.Event(), emb._decode_ahead
 
@@ -137,6 +143,26 @@ def _all_to_alls_after_bottom_mlp(log: list[str]) -> list[int]:
     return out
 
 
+def _backward_order(log: list[str]) -> list[tuple[bool, bool]]:
+    """Per step's backward (after its forward): whether an all-to-all was called before the bottom MLP's backward
+    finished, and whether the rows were updated after it."""
+    out, phase = [], None
+    for e in log:
+        if e == "forward_done":
+            phase = {"a2a_before": False, "update_after": False, "done": False}
+        elif phase is None:
+            continue
+        elif e == "bottom_mlp_backward_done":
+            phase["done"] = True
+        elif e.startswith("a2a") and not phase["done"]:
+            phase["a2a_before"] = True
+        elif e == "update":
+            phase["update_after"] = phase["done"]
+            out.append((phase["a2a_before"], phase["update_after"]))
+            phase = None
+    return out
+
+
 def test_overlapped_rows_exchange_gives_the_same_bits():
     results = spawn_local(_worker, 2, timeout_s=600)
     for rank, res in enumerate(results):
@@ -155,5 +181,8 @@ def test_overlapped_rows_exchange_gives_the_same_bits():
             assert min(_all_to_alls_after_bottom_mlp(ref_log)) >= 1, f"{what}: {ref_log}"
             if prefetch in (None, "inline"):  # (on the worker: started early only if the next batch is decoded)
                 assert _all_to_alls_after_bottom_mlp(got_log) == [0] * STEPS, f"{what}: {got_log}"
+            # the backward: the gradient exchange in flight beside the bottom MLP's backward, the update after it
+            assert _backward_order(got_log) == [(True, True)] * STEPS, f"{what}: {got_log}"
+            assert _backward_order(ref_log) == [(True, False)] * STEPS, f"{what}: {ref_log}"
             # the overlap never waits for the next batch's decoding before the bottom MLP
             assert "decode_waited_out" not in got_log + ref_log, f"{what}: {got_log}"

@@ -12,10 +12,19 @@ shared by the ranks of one machine), at least one.
 What the user set wins: ``OMP_WAIT_POLICY`` and ``OMP_NUM_THREADS`` as given, and ``EMBEDSCALE_THREADS``:
 ``auto`` (the default: the rule above), ``torch`` (leave torch's and OpenMP's defaults alone) or a number of
 threads.
+
+The same processes keep the memory a step frees for the next step (:func:`keep_freed_memory`): by default glibc's
+``malloc`` hands a freed heap top above a few MB back to the kernel and serves a block of a few MB by ``mmap``,
+so every step's activations (MBs each at DLRM's batch sizes) are faulted in page by page again: the dense
+forward of OPER Table 1's DLRM at 2,048 samples on one thread took 1,431 page faults and 32.7 ms of CPU a step
+so, none and 30.4 ms with the freed memory kept (forward + backward 96.5 and 94.2 ms;
+``benchmarks/bench_malloc.py``). ``GLIBC_TUNABLES`` or a ``MALLOC_*`` variable the user set, or
+``EMBEDSCALE_THREADS=torch``, leave ``malloc`` as it is.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.util
 import os
@@ -26,6 +35,9 @@ from embedscale.errors import ConfigError
 
 KNOB = "EMBEDSCALE_THREADS"
 WAIT_POLICY = "PASSIVE"
+HEAP_KEPT = 256 << 20  # bytes of freed heap top malloc keeps for reuse (M_TRIM_THRESHOLD)
+MMAP_ABOVE = 32 << 20  # blocks served by mmap from this size (M_MMAP_THRESHOLD; glibc's largest)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def available_cores() -> int:
@@ -68,11 +80,27 @@ def chosen_threads(env: MutableMapping[str, str] = os.environ, cores: int | None
     return threads_per_process(available_cores() if cores is None else cores, int(env.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def keep_freed_memory(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Have glibc's ``malloc`` keep up to :data:`HEAP_KEPT` bytes of freed heap for reuse and serve blocks below
+    :data:`MMAP_ABOVE` from the heap (module docstring), unless the user tuned ``malloc`` or chose torch's
+    defaults. Returns whether it did (``False`` also where the C library has no ``mallopt``)."""
+    if _knob(env) == "torch" or "GLIBC_TUNABLES" in env or any(k.startswith("MALLOC_") for k in env):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_ABOVE)) and bool(mallopt(_M_TRIM_THRESHOLD, HEAP_KEPT))
+
+
 def apply_threads(env: MutableMapping[str, str] = os.environ) -> int | None:
-    """Set torch's intra-op threads by :func:`chosen_threads`; returns the count in effect. Before torch is
-    imported the setting waits for its import (:class:`_AfterImport`) and this returns ``None``: a command that
-    never needs torch (a launcher of ranks, ``data``, ``plan``) never loads it."""
+    """Set torch's intra-op threads by :func:`chosen_threads` (and keep freed memory, :func:`keep_freed_memory`);
+    returns the count in effect. Before torch is imported the setting waits for its import (:class:`_AfterImport`)
+    and this returns ``None``: a command that never needs torch (a launcher of ranks, ``data``, ``plan``) never
+    loads it."""
     global _pending
+    keep_freed_memory(env)
     if "torch" in sys.modules:
         return _set_threads(env)
     if _pending is None:

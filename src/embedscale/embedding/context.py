@@ -26,6 +26,7 @@ class Stage(enum.Enum):
     ANNOUNCED = enum.auto()  # input_dist done: every owner holds this rank's requests
     FETCHING = enum.auto()  # compute started: the rows (or partial sums) on their way, not waited for yet
     POOLED = enum.auto()  # compute done: the bags pooled (output_dist lays them out per sample)
+    GRADS_SENDING = enum.auto()  # grad_dist's exchange in flight beside the rest of the backward, not waited for
     GRADS_SENT = enum.auto()  # grad_dist done: every gradient is at the rank that applies it
     UPDATED = enum.auto()  # update done: the optimizer applied them
 
@@ -62,6 +63,8 @@ class RetrieveContext(LookupContext):
     Pooled: ``out`` (``[B * F, D]`` sample-major), each value's pooling-table row ``pos``, its sample-major
     bag ``bag_s`` (``None`` when the C++ kernel pooled), ``n`` storage rows, ``nxt`` the next batch's context
     whose counts rode this step's row exchange.
+    Gradients sending: ``grads_in``, the gradient exchange in flight (``with_ids``: the next batch's requests
+    ride it), started beside the rest of the backward when the model started the lookup ahead (``overlap``).
     Gradients sent: this rank's row sums ``rows_l`` / ``g_l``, the replica gradients ``rep_slots`` / ``rep_g``,
     what each peer sent back ``recv`` (and ``peer_g``, their replica sums).
     """
@@ -94,6 +97,9 @@ class RetrieveContext(LookupContext):
     rep_g: torch.Tensor | None = None
     recv: list[torch.Tensor] | None = None
     peer_g: list[torch.Tensor] | None = None
+    overlap: bool = False
+    grads_in: PendingExchange | None = None
+    with_ids: bool = False
     plan: object | None = None  # the host-made lookup plan on the device (``retrieve.DevicePlan``), or None
 
     @property

@@ -182,7 +182,9 @@ def start_rows(mod, ctx: RetrieveContext, background: bool = True) -> None:
 def start_ahead(mod, ctx: RetrieveContext) -> None:
     """``start_rows`` ahead of the bottom MLP when it need not wait: not while the next batch's counts, which ride
     this row exchange, are still being decoded on the input pipeline's worker (the MLP overlaps that decoding
-    instead; ``compute`` starts the exchange after it)."""
+    instead; ``compute`` starts the exchange after it). With ``overlap_backward``, its gradient exchange overlaps
+    the bottom MLP's backward too (``grad_dist``)."""
+    ctx.overlap = bool(mod.overlap_backward)
     if not (rides_header(mod, ctx) and not mod.next_ready()):
         start_rows(mod, ctx)
 
@@ -312,7 +314,9 @@ def replica_grads(mod, ctx: RetrieveContext, rows_l, g_l, g_r, r_rep) -> None:
 
 def grad_dist(mod, ctx: RetrieveContext, grad_out: torch.Tensor) -> None:
     """The fetched rows' gradient sums back to their owners (replica sums behind them with
-    ``grad_sync="alltoall"``; the next batch's requests behind them when its counts rode the row exchange)."""
+    ``grad_sync="alltoall"``; the next batch's requests behind them when its counts rode the row exchange).
+    A lookup the model started ahead (``ctx.overlap``: its bottom MLP ran beside the row exchange) leaves the
+    exchange in flight, its bottom MLP's backward beside it (OPER 5.2), and ``grads_received`` waits for it."""
     me, W, tr = mod.rank, mod.world_size, mod.transport
     rows_l, g_l, g_r = row_sums(mod, ctx, grad_out)
     r_rep = (ctx.r_slot >= 0).to(g_r.device) if ctx.r_slot is not None else None
@@ -326,23 +330,39 @@ def grad_dist(mod, ctx: RetrieveContext, grad_out: torch.Tensor) -> None:
         blocks = [torch.cat([b, ctx.rep_g]) if p != me else b for p, b in enumerate(blocks)]
     g_counts = [r.numel() + (peer_slots[p].numel() if peer_slots is not None else 0) if p != me else 0
                 for p, r in enumerate(requests)]
-    nxt = ctx.nxt
-    if nxt is not None and nxt.state is Stage.COUNTED:
+    nxt, background = ctx.nxt, ctx.overlap
+    ctx.with_ids = nxt is not None and nxt.state is Stage.COUNTED
+    if ctx.with_ids:
         ids = [torch.cat([b, nxt.t_slots]) if nxt.fused else b for b in nxt.blocks]
+        ctx.grads_in = tr.exchange_packed_start([[blocks[p], ids[p]] for p in range(W)],
+                                                [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
+                                                 for p, (a, b) in enumerate(nxt.recv_counts)], ["grads", "ids"],
+                                                background=background, device=send.device)
+    elif background:
+        ctx.grads_in = tr.exchange_start(blocks, recv_counts=g_counts, kind="grads")
+    else:
+        ctx.grads_in = PendingExchange(tr.exchange(blocks, recv_counts=g_counts, kind="grads"))
+    ctx.rows_l, ctx.g_l = rows_l, g_l
+    ctx.state = Stage.GRADS_SENDING
+    if not background:
+        grads_received(mod, ctx)
+
+
+def grads_received(mod, ctx: RetrieveContext) -> None:
+    """Wait for ``grad_dist``'s exchange: what every peer sent back (and, riding it, the next batch's requests
+    from every peer: that context becomes ``ANNOUNCED``)."""
+    me, requests, nxt = mod.rank, ctx.requests, ctx.nxt
+    got, ctx.grads_in = ctx.grads_in.wait(), None
+    if ctx.with_ids:
         rc = nxt.recv_counts
-        got = tr.exchange_packed([[blocks[p], ids[p]] for p in range(W)],
-                                 [[(send.dtype, (mod.dim,), g_counts[p]), (torch.int64, (), a + b)]
-                                  for p, (a, b) in enumerate(rc)], ["grads", "ids"], device=send.device)
         nxt.requests = [nxt.blocks[me][:0] if x is None else x[1][:a] for x, (a, _b) in zip(got, rc)]
         nxt.peer_slots = [None if x is None else x[1][a:] for x, (a, _b) in zip(got, rc)] if nxt.fused else None
         nxt.state = Stage.ANNOUNCED
-        got = [send[:0] if x is None else x[0] for x in got]
-    else:
-        got = tr.exchange(blocks, recv_counts=g_counts, kind="grads")
+        empty = ctx.g_l.new_empty((0, mod.dim))
+        got = [empty if x is None else x[0] for x in got]
     ctx.recv = [x[:r.numel()] for x, r in zip(got, requests)]
-    if peer_slots is not None:
+    if ctx.peer_slots is not None:
         ctx.peer_g = [ctx.rep_g if p == me else x[r.numel():] for p, (x, r) in enumerate(zip(got, requests))]
-    ctx.rows_l, ctx.g_l = rows_l, g_l
     ctx.state = Stage.GRADS_SENT
 
 

@@ -92,10 +92,11 @@ class Stages:
     grad_dist: Callable
     update: Callable
     start: Callable | None = None  # compute's exchange started, not waited for (``ShardedEmbedding.start``)
+    grads_received: Callable | None = None  # the wait for a gradient exchange grad_dist left in flight
 
 
 RETRIEVE = Stages(RetrieveContext, retrieve.input_dist, retrieve.compute, retrieve.output_dist, retrieve.grad_dist,
-                  retrieve.update, retrieve.start_ahead)
+                  retrieve.update, retrieve.start_ahead, retrieve.grads_received)
 SEND = Stages(SendContext, send.input_dist, send.compute, send.output_dist, send.grad_dist, send.update)
 
 
@@ -198,6 +199,10 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         # prefetched batches, in step order (``prefetch``), on a pipeline of its own until a run attaches its own
         self.input_lane = InputPipeline().lane("sharded", _MAX_AHEAD, _undistributed)
         self.prefetching = False  # set by the first ``prefetch``: training row exchanges carry a header
+        # a lookup started ahead leaves its gradient all-to-all in flight beside the bottom MLP's backward (OPER 5.2;
+        # the same bits). Off by default: the backend's worker thread that runs it costs wake-ups that made the main
+        # job's step slower on a loaded 2-core machine (BENCHMARKS.md)
+        self.overlap_backward = False
         self._slot_of: torch.Tensor | None = None  # storage row -> gradient slot, -1 outside a backward
         self._first_of: torch.Tensor | None = None  # storage row -> its first gradient entry (merge_and_apply)
         self._kslot: torch.Tensor | None = None  # the C++ kernel's int32 storage row -> slot map, all -1
@@ -496,9 +501,20 @@ class _Lookup(torch.autograd.Function):
         mod, ctx = fctx.mod, fctx.batch
         fctx.batch = None  # the batch's tensors go with this step
         mod.grad_dist(ctx, grad_out)
-        mod.update(ctx)
-        ctx.nxt = None
+        if ctx.state is Stage.GRADS_SENDING:  # in flight: the rest of the backward (the bottom MLP's) runs beside
+            # it; the wait and the update at the backward's end (the engine's final callbacks, OPER 5.2)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish_backward(mod, ctx))
+        else:
+            _finish_backward(mod, ctx)
         return torch.zeros_like(mod.anchor), None, None
+
+
+def _finish_backward(mod, ctx: LookupContext) -> None:
+    """A lookup's backward after ``grad_dist``: its exchange waited for (when left in flight), then ``update``."""
+    if ctx.state is Stage.GRADS_SENDING:
+        mod.stages.grads_received(mod, ctx)
+    mod.update(ctx)
+    ctx.nxt = None
 
 
 def _undistributed(ahead: Ahead) -> bool:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from embedscale.errors import EmbedscaleError
+from embedscale.threads import keep_freed_memory
 from embedscale.train import watchdog
 from embedscale.train.launcher import LAUNCHER_PID_ENV, NODE_RANK_ENV, STOP_GRACE_S
 
@@ -143,6 +144,7 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, results
     # attempt by it, so a marker an earlier launch left in the run directory is never taken for this one's
     os.environ.setdefault("EMBEDSCALE_RUN_ID", f"local-{port}")
     torch.set_num_threads(1)
+    keep_freed_memory()
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
         out = fn(rank, world, *args)
