@@ -8,6 +8,7 @@ The kernel is built once by the install step (``python -m embedscale.embedding.k
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +278,22 @@ def test_sharded_conversion_kernels_match_torch():
     assert ops.sharded_feature_gids(values, per, base, rows, True, gids_out) == 3  # 9 is past the second table
     assert ops.sharded_feature_gids(values, per, base, rows, False, gids_out) == -1
     assert gids_out.tolist() == [0, 4, 7, 14, 6]
+
+
+def test_building_one_kernel_leaves_the_names_of_the_others(monkeypatch, tmp_path):
+    """`--build` compiles both sources in one process: the first build must not change the name (a hash of source,
+    flags and torch version) under which the second is built and later looked up by a fresh process. torch's load()
+    appends its libraries to the flag lists it is given; the stand-in does the same."""
+    import torch.utils.cpp_extension as ext
+
+    def load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        extra_cflags.append("-DADDED_BY_LOAD")
+        extra_ldflags.append("-ltorch")
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setenv("EMBEDSCALE_KERNELS_DIR", str(tmp_path))
+    monkeypatch.setattr(ext, "load", load)
+    names = [kernels.build_name(s) for s in kernels.SOURCES]
+    built = [kernels.build(source=s) for s in kernels.SOURCES]
+    assert [p.stem for p in built] == names
+    assert [kernels.build_name(s) for s in kernels.SOURCES] == names

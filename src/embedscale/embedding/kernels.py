@@ -106,7 +106,9 @@ def build(verbose: bool = False, source: Path = SOURCE) -> Path:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     try:
-        load(name=name, sources=[str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        # copies of the flags: load() appends torch's libraries to the list it is given, which would rename every
+        # later build of this process (build_name hashes the flags)
+        load(name=name, sources=[str(source)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
              build_directory=str(work), verbose=verbose)
         if not (work / f"{name}.so").exists():  # pragma: no cover - load() raises on a failed build
             raise RuntimeError(f"build of {source} produced no {work / f'{name}.so'}")
