@@ -24,7 +24,7 @@ from embedscale.errors import FormatError, InputError
 from embedscale.io import read_json
 from embedscale.models import build_model
 from embedscale.serve.encode import Encoded, RowEncoder, read_file
-from embedscale.serve.quantize import pooled_lookup_many, row_bytes
+from embedscale.serve.quantize import pooled_lookup_many, quant_ops, row_bytes
 from embedscale.serve.tt_tables import tt_module, tt_pool
 from embedscale.specs import ModelConfig, TableSpec
 
@@ -115,7 +115,7 @@ class ServedEmbedding(nn.Module):
                 continue
             features.append((index[t["name"]], values[k], offsets[k], t["pooling"], weights[k]))
             order.append(f)
-        if not self.use_kernel:
+        if not self.use_kernel or quant_ops() is None:  # the PyTorch path checks nothing itself
             self._check_ids(jf, lpk)
         try:  # the kernel checks every id against its table; a row outside is then named here
             out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
