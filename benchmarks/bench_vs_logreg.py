@@ -161,19 +161,16 @@ def prepare(name: str, args, tmp: Path, flags: list[str], tag: str = "") -> Path
                                                                                        tmp / f"avazu-test{i}.csv"))]
         embedscale_cli("data", "avazu", "--train", args.avazu_train, *tests, "--out", str(out), "--no-progress",
                        *flags)
-    elif name == "frappe":
-        files = [args.frappe_train, args.frappe_test]
+    elif name in ONE_HOT_FIELDS:
+        files = [getattr(args, f"{name}_train"), getattr(args, f"{name}_test")]
         if not all(p and Path(p).exists() for p in files):
-            log(f"frappe: skipped, files not found ({files})")
+            log(f"{name}: skipped, files not found ({files})")
             return None
-        return one_hot_log(name, args.frappe_train, args.frappe_test, 10, tmp, out, flags)
-    elif name == "ipinyou":
-        files = [args.ipinyou_train, args.ipinyou_test]
-        if not all(p and Path(p).exists() for p in files):
-            log(f"ipinyou: skipped, files not found ({files})")
-            return None
-        return one_hot_log(name, args.ipinyou_train, args.ipinyou_test, 16, tmp, out, flags)
+        return one_hot_log(name, *files, ONE_HOT_FIELDS[name], tmp, out, flags)
     return out
+
+
+ONE_HOT_FIELDS = {"frappe": 10, "ipinyou": 16}  # libFM logs of one-hot fields: the fields of a row
 
 
 def one_hot_log(name: str, train_file: str, test_file: str, fields: int, tmp: Path, out: Path,
