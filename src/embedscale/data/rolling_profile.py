@@ -27,6 +27,7 @@ its own per batch, and the monitor sums them every ``replan_every`` steps.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Mapping
 
@@ -80,10 +81,7 @@ class RollingProfile:
         sizes = [int(r) for r in num_rows.values()]
         self._flat = flat  # every table's counts, one after another
         self._counts = dict(zip(num_rows, torch.split(self._flat, sizes)))  # views of it, by table
-        starts = [0]
-        for r in sizes[:-1]:
-            starts.append(starts[-1] + r)
-        self.table_offsets = dict(zip(num_rows, starts))  # each table's first row in :meth:`update_flat`'s ids
+        self.table_offsets = dict(zip(num_rows, itertools.accumulate([0, *sizes[:-1]])))  # each table's first row in :meth:`update_flat`'s ids
         self._ones: torch.Tensor | None = None  # update_flat's source (one access per id, scaled by alpha)
 
     @property
@@ -136,15 +134,10 @@ class RollingProfile:
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= c.numel()):
                 bad = int(rows.min()) if int(rows.min()) < 0 else int(rows.max())
                 raise InputError(f"rolling profile: table {name!r}: row {bad} outside 0..{c.numel() - 1}")
-        if steps:
-            self.steps += int(steps)
-            if self.decay < 1.0:
-                self._advance(int(steps))
-        for name, rows in rows_by_table.items():
-            c = self._counts[name]
-            rows = rows.reshape(-1).to(c.device, torch.int64)
-            c.index_add_(0, rows, torch.full(rows.shape, self._scale, dtype=c.dtype, device=c.device))
-        self._samples += samples * self._scale
+        flat = [rows.reshape(-1).to(self._flat.device, torch.int64) + self.table_offsets[name]
+                for name, rows in rows_by_table.items()]
+        ids = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64, device=self._flat.device)
+        self.update_flat(ids, steps, samples, check=False)
 
     @torch.no_grad()
     def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True) -> None:

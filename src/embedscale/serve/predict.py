@@ -115,10 +115,11 @@ class ServedEmbedding(nn.Module):
                 continue
             features.append((index[t["name"]], values[k], offsets[k], t["pooling"], weights[k]))
             order.append(f)
-        if not self.use_kernel or quant_ops() is None:  # the PyTorch path checks nothing itself
+        kernel = self.use_kernel and quant_ops() is not None
+        if not kernel:  # the PyTorch path checks nothing itself
             self._check_ids(jf, lpk)
         try:  # the kernel checks every id against its table; a row outside is then named here
-            out = pooled_lookup_many(tables, features, B, use_kernel=self.use_kernel)
+            out = pooled_lookup_many(tables, features, B, use_kernel=kernel)
         except RuntimeError:
             self._check_ids(jf, lpk)
             raise
