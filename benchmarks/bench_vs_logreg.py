@@ -43,23 +43,35 @@ message):
   exchange, domain, slot id/width/height/visibility/format, creative, advertiser, slot price), one
   ``index:1`` per field in field order, written and read as frappe's. Its 50 test clicks make its AUC
   noisy (a standard error of about 0.03).
+- ``movielens``: MovieLens 100K (GroupLens; Harper and Konstan 2015, ACM TiiS 5(4); ``u.data``, ``u.user``,
+  ``u.item`` in ``--movielens-dir``) as a click log the way AutoInt (Song et al. 2019, section 5.1.1) uses
+  MovieLens-1M: a rating above 3 a click, below 3 none, 3 removed (72,855 rows left). Split by time as a click log
+  is: the ratings sorted by timestamp, the first 80% the training file, the last 20% the test file
+  (:func:`movielens_csv`). Written as a CSV with a header and read with ``embedscale data table --sparse
+  user,item,age,gender,occupation,zip3,year,hour,weekday --multi-hot genres:|``: every field categorical (age
+  the user's age in years, zip3 the first three characters of the zip code, year the item's release year,
+  hour and weekday of the rating in UTC) and the item's genres a bag per row (multi-hot; the LR gets one 0/1
+  column per training genre).
 
     .venv/bin/python benchmarks/bench_vs_logreg.py --criteo ../shared/data/criteo_kaggle_head10k.tsv \\
         --avazu-train avazu/train.csv --avazu-test avazu/dev.csv --avazu-test avazu/test.csv \\
         --frappe-train frappe.validation.libfm --frappe-test frappe.test.libfm \\
-        --ipinyou-train deep-ctr/data/train.fm.txt --ipinyou-test deep-ctr/data/test.fm.txt --seeds 0 1 2 --jobs 2
+        --ipinyou-train deep-ctr/data/train.fm.txt --ipinyou-test deep-ctr/data/test.fm.txt \\
+        --movielens-dir ../shared/data/ml-100k --seeds 0 1 2 --jobs 2
 
 ``--jobs N`` trains N models at a time (separate processes; the figures are AUC and logloss, never timings).
 ``--set`` and ``--data-flag`` leave the defaults, for exploring only; the bar is measured without them.
 
 Prints one JSON line per log and model on stdout (figure: our median test AUC; baseline: the LR's; the
-differences in AUC and logloss; every seed's figures, the eval split's too; load; config); progress on stderr.
+differences in AUC and logloss; the test split's AUC standard error (Hanley and McNeil 1982, eq. 2, at the LR's
+AUC); every seed's figures, the eval split's too; load; config); progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
 import json
 import os
 import statistics
@@ -75,7 +87,7 @@ import yaml
 
 from embedscale.data.metrics import logloss, roc_auc
 from embedscale.assemble import split_existing
-from embedscale.data.shards import iter_shards
+from embedscale.data.shards import Manifest, iter_shards
 from embedscale.specs import load_config
 from embedscale.workflow import train
 
@@ -161,6 +173,15 @@ def prepare(name: str, args, tmp: Path, flags: list[str], tag: str = "") -> Path
                                                                                        tmp / f"avazu-test{i}.csv"))]
         embedscale_cli("data", "avazu", "--train", args.avazu_train, *tests, "--out", str(out), "--no-progress",
                        *flags)
+    elif name == "movielens":
+        d = Path(args.movielens_dir)
+        if not all((d / f).exists() for f in ("u.data", "u.user", "u.item")):
+            log(f"movielens: skipped, u.data, u.user and u.item not all found in {d} (--movielens-dir)")
+            return None
+        tr, te = movielens_csv(d, tmp)
+        embedscale_cli("data", "table", "--train", str(tr), "--test", str(te), "--label", "label", "--sparse",
+                       ",".join(MOVIELENS_FIELDS), "--multi-hot", "genres:|", "--out", str(out), "--no-progress",
+                       *flags)
     elif name in ONE_HOT_FIELDS:
         files = [getattr(args, f"{name}_train"), getattr(args, f"{name}_test")]
         if not all(p and Path(p).exists() for p in files):
@@ -185,16 +206,96 @@ def one_hot_log(name: str, train_file: str, test_file: str, fields: int, tmp: Pa
     return out
 
 
+MOVIELENS_FIELDS = ["user", "item", "age", "gender", "occupation", "zip3", "year", "hour", "weekday"]
+RATINGS = ("1", "2", "3", "4", "5")
+
+
+def movielens_rows(d: Path) -> list[tuple[int, list[str]]]:
+    """MovieLens 100K's ratings as click rows ``(timestamp, [label, *MOVIELENS_FIELDS, genres])`` in time order
+    (ties in file order): a rating above 3 is a click, below 3 none, 3 is dropped (AutoInt, section 5.1.1)."""
+    users = {}
+    for line in (d / "u.user").read_text(encoding="latin-1").splitlines():
+        uid, age, gender, occupation, zipcode = line.split("|")
+        users[uid] = [age, gender, occupation, zipcode[:3]]
+    genres = (d / "u.genre").read_text(encoding="latin-1").split() if (d / "u.genre").exists() else []
+    genre_names = [g.rpartition("|")[0] for g in genres] or [str(i) for i in range(19)]
+    items = {}
+    for line in (d / "u.item").read_text(encoding="latin-1").splitlines():
+        f = line.split("|")
+        year = f[2][-4:] if f[2] else "unknown"
+        items[f[0]] = [year, "|".join(g for g, flag in zip(genre_names, f[5:]) if flag == "1")]
+    rows = []
+    for n, line in enumerate((d / "u.data").read_text().splitlines(), 1):
+        f = line.split("\t")
+        if len(f) != 4 or f[0] not in users or f[1] not in items or f[2] not in RATINGS or not f[3].isdigit():
+            sys.exit(f"{d / 'u.data'}:{n}: expected user, item (of u.user, u.item), rating 1-5, time; got {line!r}")
+        uid, iid, rating, ts = f
+        if rating == "3":
+            continue
+        t = datetime.datetime.fromtimestamp(int(ts), datetime.timezone.utc)
+        year, bag = items[iid]
+        rows.append((int(ts), ["1" if int(rating) > 3 else "0", uid, iid, *users[uid], year, str(t.hour),
+                               str(t.weekday()), bag]))
+    rows.sort(key=lambda r: r[0])  # stable: ties keep the file's order
+    return rows
+
+
+def movielens_csv(d: Path, tmp: Path, test_fraction: float = 0.2) -> tuple[Path, Path]:
+    """The click rows of :func:`movielens_rows` as a training CSV (the first ``1 - test_fraction`` in time)
+    and a test CSV (the rest), with a header."""
+    rows = movielens_rows(d)
+    cut = len(rows) - int(round(test_fraction * len(rows)))
+    header = ",".join(["label", *MOVIELENS_FIELDS, "genres"]) + "\n"
+    paths = tmp / "movielens-train.csv", tmp / "movielens-test.csv"
+    for path, part in zip(paths, (rows[:cut], rows[cut:])):
+        with open(path, "w") as out:
+            out.write(header)
+            out.writelines(",".join(r) + "\n" for _, r in part)
+    log(f"movielens: {len(rows)} click rows ({sum(r[0] == '1' for _, r in rows)} clicks); training file {cut} "
+        f"rows to {datetime.datetime.fromtimestamp(rows[cut - 1][0], datetime.timezone.utc):%Y-%m-%d}, "
+        f"test file {len(rows) - cut}")
+    return paths
+
+
 def columns(split):
-    """Labels, dense values and the one id per categorical feature of a split's rows."""
-    ys, ds, ss = [], [], []
+    """Labels, dense values, the one id per one-hot categorical feature, and the bags of the multi-hot ones
+    (name -> (ids, lengths)) of a split's rows."""
+    ys, ds, ss, bags = [], [], [], {}
+    multi = {f.name for f in Manifest.load(split.directory).sparse if f.multi_hot}
     for c in iter_shards(split.directory):
-        names = sorted(c.sparse)
+        names = sorted(set(c.sparse) - multi)
         ys.append(c.labels)
         ds.append(c.dense)
         ss.append(np.stack([c.sparse[k][0] for k in names], 1))
+        for k in sorted(multi):
+            bags.setdefault(k, []).append(c.sparse[k])
     y, d, s = np.concatenate(ys), np.concatenate(ds), np.concatenate(ss)
-    return y[split.start:split.stop], d[split.start:split.stop], s[split.start:split.stop]
+    rows = slice(split.start, split.stop)
+    cut = {}
+    for k, parts in bags.items():
+        ids, lengths = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        cut[k] = (ids[ends[split.start]:ends[split.stop]], lengths[rows])
+    return y[rows], d[rows], s[rows], cut
+
+
+def _bag_columns(bags: list[dict], vocab: dict | None = None):
+    """The multi-hot features of ``bags`` (one dict per part of rows) as 0/1 columns, one per id seen in the
+    training rows (``vocab``: name -> sorted ids; built from ``bags`` when None); an unseen id has none."""
+    from scipy import sparse as sp
+
+    names = sorted(bags[0])
+    if vocab is None:
+        vocab = {k: np.unique(np.concatenate([b[k][0] for b in bags])) for k in names}
+    mats = []
+    for k in names:
+        ids, lengths = np.concatenate([b[k][0] for b in bags]), np.concatenate([b[k][1] for b in bags])
+        rows = np.repeat(np.arange(len(lengths)), lengths)
+        col = np.searchsorted(vocab[k], ids).clip(max=len(vocab[k]) - 1)
+        seen = vocab[k][col] == ids
+        m = sp.csr_matrix((np.ones(seen.sum()), (rows[seen], col[seen])), shape=(len(lengths), len(vocab[k])))
+        mats.append((m > 0).astype(np.float64))
+    return mats, vocab
 
 
 def _fit_lr(train_parts, test) -> dict:
@@ -204,16 +305,27 @@ def _fit_lr(train_parts, test) -> dict:
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import OneHotEncoder
 
-    ytr, dtr, s_tr = (np.concatenate(c) for c in zip(*train_parts))
-    yte, dte, s_te = test
+    ytr, dtr, s_tr = (np.concatenate(c) for c in list(zip(*train_parts))[:3])
+    yte, dte, s_te, bags_te = test
     enc = OneHotEncoder(handle_unknown="ignore")
     mu, sd = dtr.mean(0), dtr.std(0) + 1e-6
-    xtr = sp.hstack([enc.fit_transform(s_tr), sp.csr_matrix((dtr - mu) / sd)]).tocsr()
-    xte = sp.hstack([enc.transform(s_te), sp.csr_matrix((dte - mu) / sd)]).tocsr()
+    bag_tr, vocab = _bag_columns([t[3] for t in train_parts]) if bags_te else ([], None)
+    bag_te = _bag_columns([bags_te], vocab)[0] if bags_te else []
+    xtr = sp.hstack([enc.fit_transform(s_tr), *bag_tr, sp.csr_matrix((dtr - mu) / sd)]).tocsr()
+    xte = sp.hstack([enc.transform(s_te), *bag_te, sp.csr_matrix((dte - mu) / sd)]).tocsr()
     t0 = time.perf_counter()
     p = LogisticRegression(max_iter=1000).fit(xtr, ytr).predict_proba(xte)[:, 1]
-    return {"auc": roc_auc(yte, p), "logloss": logloss(yte, p), "seconds": time.perf_counter() - t0,
-            "train_rows": len(ytr), "test_rows": len(yte)}
+    auc, clicks = roc_auc(yte, p), int(yte.sum())
+    return {"auc": auc, "logloss": logloss(yte, p), "seconds": time.perf_counter() - t0,
+            "train_rows": len(ytr), "test_rows": len(yte), "test_clicks": clicks,
+            "test_auc_se": hanley_mcneil_se(auc, clicks, len(yte) - clicks)}
+
+
+def hanley_mcneil_se(auc: float, pos: int, neg: int) -> float:
+    """The standard error of an AUC from ``pos`` clicks and ``neg`` non-clicks (Hanley and McNeil 1982, eq. 2)."""
+    q1, q2 = auc / (2 - auc), 2 * auc * auc / (1 + auc)
+    var = (auc * (1 - auc) + (pos - 1) * (q1 - auc * auc) + (neg - 1) * (q2 - auc * auc)) / (pos * neg)
+    return float(np.sqrt(max(var, 0.0)))
 
 
 def logistic_regression(dataset: Path) -> tuple[dict, dict]:
@@ -274,7 +386,9 @@ def main() -> None:
     ap.add_argument("--frappe-test")
     ap.add_argument("--ipinyou-train")
     ap.add_argument("--ipinyou-test")
-    ap.add_argument("--logs", nargs="+", default=["criteo", "avazu", "frappe", "ipinyou"])
+    ap.add_argument("--movielens-dir", default=str(ROOT.parent / "shared/data/ml-100k"),
+                    help="MovieLens 100K's u.data, u.user, u.item (and u.genre)")
+    ap.add_argument("--logs", nargs="+", default=["criteo", "avazu", "frappe", "ipinyou", "movielens"])
     ap.add_argument("--archs", nargs="+", default=["dlrm", "dcn"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1, help="model runs at a time (processes; figures are not timings)")
@@ -311,7 +425,8 @@ def main() -> None:
                     "log": name, "model": a, "value": auc, "baseline": lr["auc"], "ratio": auc / lr["auc"],
                     "auc_diff": auc - lr["auc"], "logloss": ll, "baseline_logloss": lr["logloss"],
                     "logloss_diff": ll - lr["logloss"], "median": auc,
-                    "p90": float(np.percentile(aucs, 90)), "bar_met": auc - lr["auc"] >= 0.005
+                    "p90": float(np.percentile(aucs, 90)), "test_auc_se": lr["test_auc_se"],
+                    "bar_met": auc - lr["auc"] >= 0.005
                     and ll <= lr["logloss"], "runs": runs[a], "baseline_run": lr, "baseline_same_rows": lr_same,
                     "load_avg": os.getloadavg(),
                     "config": {"sets": sets, "data_flags": args.data_flags, "seeds": args.seeds,
