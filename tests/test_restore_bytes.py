@@ -223,3 +223,27 @@ def test_one_process_reads_every_byte_once(tmp_path, request, where):
         (read, delta_total, base_total, replaced)
     w, m = at_delta()
     assert all(torch.equal(rows[f"t{t}"][0], w[t]) and torch.equal(rows[f"t{t}"][1], m[t]) for t in range(3))
+
+
+def test_a_dmt_run_resumed_from_a_delta_continues_exactly(tmp_path):
+    """DMT towers on 2 ranks, a checkpoint every step (full at step 1, deltas at 2 and 3): resumed from the delta
+    at step 3 (each rank reading its row ranges only), step 4 equals the uninterrupted run's, bitwise."""
+    from test_delta_checkpoint import assert_same_state
+    from test_distributed_train import _rank, make_data
+    from test_dmt_workflow import config as dmt_config
+
+    from embedscale.specs import to_dict
+    from embedscale.train.checkpoint import load_checkpoint
+
+    data = tmp_path / "data"
+    data.mkdir()
+    make_data(data)
+    cfg = dmt_config(tmp_path, data, train__max_steps=4, train__checkpoint_every=1, train__eval_every=0,
+                     train__checkpoint_full_every=4, dist__timeout_s=300)
+    spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "whole"), None, timeout_s=600)
+    delta = step_dir(tmp_path / "whole", 3)
+    assert read_manifest(delta)["delta"]["base_step"] == 1 and read_manifest(delta)["kind"] == "dmt"
+    spawn_local(_rank, 2, to_dict(cfg), str(tmp_path / "resumed"), str(delta), timeout_s=600)
+    got, want = load_checkpoint(tmp_path / "resumed"), load_checkpoint(step_dir(tmp_path / "whole", 4))
+    assert got["step"] == 4 and got["losses"] == want["losses"]
+    assert_same_state(got, want)
