@@ -31,7 +31,7 @@ from embedscale.embedding.managed_lookup import managed_of
 from embedscale.reorder import Reordering, TableReordering
 from embedscale.storage import location
 from embedscale.train.checkpoint import (checkpoint_home, delta_entry, latest_checkpoint, load_managed, merged, rank0,
-                                        read_manifest, read_rows, read_shards, resolve_checkpoint)
+                                        read_manifest, read_shards, resolve_checkpoint)
 from embedscale.train.loop import LoopConfig, fit, warm_up_lr
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.metrics import MetricRow, MetricsLog, binary_metrics
@@ -216,19 +216,10 @@ class Trainer:
         if m.get("kind", "plan") != self.fields["kind"]:
             raise FormatError(f"{ckpt_dir}: written by a {m.get('kind')!r} model, this run trains a "
                               f"{self.fields['kind']!r} model (model.arch dmt-* is 'dmt')")
-        rows = dict(zip(m["tables"], m["table_rows"]))
-        sizes = {name: mod.table_weight(name).shape[0] for name, mod in self._tables.items()}
-        for name, n in sizes.items():
-            if name in rows and rows[name] != n:
-                raise FormatError(f"{ckpt_dir}: table {name!r} has {rows[name]} rows in the checkpoint, {n} in this "
-                                  "model")
-        # one process holds every row: each byte of the rank files read once (a delta: no base row it replaces)
-        got = read_rows(ckpt_dir, m, {name: np.arange(n) for name, n in sizes.items() if name in rows})
-        shards = got[0] if got is not None else read_shards(ckpt_dir, m)
-        load_whole_tables(self._tables, shards if got is None else [
-            {"rank": -1, "tables": {name: {"rows": torch.arange(sizes[name]), "weight": w,
-                                           **({"momentum": mo} if mo is not None else {})}
-                                    for name, (w, mo) in got[1].items()}}], ckpt_dir)
+        # one process holds every row, so its share is every rank file: each read whole, each byte once (a delta's
+        # with its base's; reading only the base rows the delta does not replace costs more requests than it saves)
+        shards = read_shards(ckpt_dir, m)
+        load_whole_tables(self._tables, shards, ckpt_dir)
         restore_parts(self._saved_parts(), ckpt_dir, m, shards)
 
     def _saved_parts(self) -> CheckpointParts:
