@@ -1,12 +1,12 @@
 """Restores that read only what a rank needs, counted by the file system (not by the code's own counters).
 
 A checkpoint is materialised here (tables, row-wise state, a dense state) and written by 4 ranks; a delta over
-it replaces a known set of rows. Restoring through ``checkpoint.read_rows`` (what the sharded, DMT and
-single-process restores call):
+it replaces a known set of rows. Restoring through ``checkpoint.read_rows`` (what the sharded and DMT restores
+call) and ``checkpoint.read_shards`` (the single-process trainer's):
 
 - a delta on 3 ranks: each rank's rows bitwise equal to the materialised tables with the delta's rows laid
-  over them, and the bytes the file system served it at most 1.2x its share of the two checkpoints' files,
-  for a local directory (``countfs://``, a counting wrapper of the local file system) and a local S3 server
+  over them, and the bytes the file system served it at most 1.2x its share of the two checkpoints' files
+  (their bytes times the part of all rows the rank restores), for a local directory (``countfs://``, a counting wrapper of the local file system) and a local S3 server
   (moto's, bytes counted in s3fs's own ranged read); each rank reading the rank files' other bytes itself
   reads far more (the test tells the two apart);
 - DMT's row ranges (a tower group's contiguous rows) on 2 ranks: the same bound and rows;
@@ -186,7 +186,8 @@ def test_a_delta_restore_reads_a_rank_s_share_counted_by_the_file_system(tmp_pat
                 i = int(t[1:])
                 assert torch.equal(rows[t][0], w[i][torch.from_numpy(want)]), (q, t)
                 assert torch.equal(rows[t][1], m[i][torch.from_numpy(want)]), (q, t)
-        worst = max(o[0] for o in out) / (total / world)
+        shares = [total * sum(r.size for r in share(kind, q, world).values()) / sum(ROWS) for q in range(world)]
+        worst = max(o[0] / sh for o, sh in zip(out, shares))  # a rank's share: its rows' part of the files
         if spread:
             assert worst <= 1.2, worst
         else:  # every rank reading the rank files' other bytes itself: well over the bar
