@@ -13,12 +13,13 @@ in the same processes:
 
 ``--restores delta,dmt`` (at 1, 2 and 4 ranks with ``--worlds 1,2,4``): the restore of a delta checkpoint (10%
 of every table's rows replaced over a 4-rank base) and of a DMT run (row ranges of whole tables per tower group,
-one table split), through ``checkpoint.read_rows`` (``ours``: what the sharded, DMT and single-process restores
-call) against ``whole``, what they did before: every rank reads every rank file (a delta: and its base's) whole
-(``checkpoint.read_shards``, concurrently on S3). Bytes there are counted by the file system itself: a counting
-wrapper of the local one (``countfs://``) and s3fs's ranged read; a rank's share is the bytes of every rank file
-the restore needs (a delta: its own and its base's) times the part of all rows the rank restores (an equal
-split: 1/N; DMT's whole tables per tower group are not equal).
+one table split), through ``checkpoint.read_rows`` (``ours``: what the sharded and DMT restores call) against
+``whole``, what they did before: every rank reads every rank file (a delta: and its base's) whole
+(``checkpoint.read_shards``). One process holds every row: ours then reads every file whole too (each byte
+once). Bytes there are counted by the file system itself: a counting wrapper of the local one (``countfs://``)
+and s3fs's ranged read; a rank's share is the bytes of every rank file the restore needs (a delta: its own and
+its base's) times the part of all rows the rank restores (an equal split: 1/N; DMT's whole tables per tower
+group are not equal).
 
 Figure: the most a rank reads, over a rank's share of the checkpoint (its total bytes / N); bar <= 1.2. On S3 the
 bytes are those fetched (``storage.BYTES_READ``); locally, ``storage.LOCAL_BYTES_READ`` (ranges read with
@@ -260,9 +261,10 @@ def kind_restore(d, kind: str, mode: str, q: int, world: int) -> dict:
 
     m = read_manifest(d)
     want = (dmt_wanted if kind == "dmt" else wanted)(m, q, world)
-    if mode == "ours":
-        return read_rows(d, m, want, dist.group.WORLD if world > 1 else None)[1]
-    shards = read_shards(d, m)  # every rank file whole (a delta: and its base's)
+    got = read_rows(d, m, want, dist.group.WORLD if world > 1 else None) if mode == "ours" else None
+    if got is not None:
+        return got[1]
+    shards = read_shards(d, m)  # one process (ours too: it holds every row) or the baseline  # every rank file whole (a delta: and its base's)
     out = {}
     for name, r in want.items():
         w, mom = assemble_table(shards, name, dict(zip(m["tables"], m["table_rows"]))[name], d)

@@ -2,17 +2,16 @@
 
 A checkpoint is materialised here (tables, row-wise state, a dense state) and written by 4 ranks; a delta over
 it replaces a known set of rows. Restoring through ``checkpoint.read_rows`` (what the sharded and DMT restores
-call) and ``checkpoint.read_shards`` (the single-process trainer's):
+call; one process: ``checkpoint.read_shards``):
 
 - a delta on 3 ranks: each rank's rows bitwise equal to the materialised tables with the delta's rows laid
   over them, and the bytes the file system served it at most 1.2x its share of the two checkpoints' files
-  (their bytes times the part of all rows the rank restores), for a local directory (``countfs://``, a counting wrapper of the local file system) and a local S3 server
-  (moto's, bytes counted in s3fs's own ranged read); each rank reading the rank files' other bytes itself
-  reads far more (the test tells the two apart);
+  (their bytes times the part of all rows the rank restores), for a local directory (``countfs://``, a
+  counting wrapper of the local file system) and a local S3 server (moto's, bytes counted in s3fs's own ranged
+  read); each rank reading the rank files' other bytes itself reads far more (the test tells the two apart);
 - DMT's row ranges (a tower group's contiguous rows) on 2 ranks: the same bound and rows;
-- one process (it holds every row: its share is the whole checkpoint): the single-process trainer reads every
-  rank file whole, each byte exactly once (a delta: with its base's); a 1-rank sharded or DMT restore by index
-  at most once, all but the row ids the index's runs stand for (a delta: less the base rows it replaces);
+- one process (the single-process trainer, a 1-rank sharded or DMT run: it holds every row, its share is the
+  whole checkpoint) reads every rank file whole, each byte exactly once (a delta: with its base's);
 - end to end, a 2-rank DMT run resumed from a delta continues as the uninterrupted run, bitwise.
 """
 
@@ -194,48 +193,33 @@ def test_a_delta_restore_reads_a_rank_s_share_counted_by_the_file_system(tmp_pat
             assert worst > 1.4, worst
 
 
-def _one(where, how: str):
-    """A restore by one process of every row: ``read_rows`` (a 1-rank sharded or DMT run) or ``read_shards``
-    (the single-process trainer): the bytes served and ``{table: (weight, momentum)}``."""
+def _one(where):
+    """A restore by one process (the single-process trainer, a 1-rank sharded or DMT run): the bytes served and
+    ``{table: (weight, momentum)}``."""
     count_s3()
     d = location(where)
     m = read_manifest(d)
     reset()
-    if how == "read_rows":
-        rows = read_rows(d, m, {f"t{t}": np.arange(n) for t, n in enumerate(ROWS)})[1]
-        return served(), rows
+    assert read_rows(d, m, {f"t{t}": np.arange(n) for t, n in enumerate(ROWS)}) is None  # no group: every file
     shards = read_shards(d, m)
     got = {f"t{t}": assemble_table(shards, f"t{t}", n, d) for t, n in enumerate(ROWS)}
     return served(), got
 
 
-@pytest.mark.parametrize("how", ["read_rows", "read_shards"])
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_one_process_reads_every_byte_once(tmp_path, request, where, how):
-    """One process holds every row: its share is the whole checkpoint. The single-process trainer reads every
-    rank file whole: each byte exactly once (a delta: its files, its base's, and the base's manifest read to
-    check it, twice). The 1-rank sharded or DMT restore (by index): no byte twice, none missed but the row ids
-    the index's runs stand for, and of a delta not the base rows it replaces (the 4 KiB coalescing gaps around
-    them may be read anyway)."""
+def test_one_process_reads_every_byte_once(tmp_path, request, where):
+    """One process holds every row: its share is the whole checkpoint. It reads every rank file whole: each byte
+    exactly once (a delta: its files and its base's, and the base's manifest read to check it, twice)."""
     home, mirror = homes(where, tmp_path, request)
     full, delta = write_checkpoints(home)
     manifest = os.path.getsize(step_dir(mirror, 1) / "manifest.json")
     base_total, delta_total = file_bytes(step_dir(mirror, 1)), file_bytes(step_dir(mirror, 2))
-    ids = sum(ROWS) * 8  # the rows' ids (int64): the index's runs say them, a restore by index need not read them
-    replaced = sum(t.size for t in materialised()[3]) * (DIM * 4 + 4)  # weight + momentum of the delta's rows
-    read, rows = _one(str(full), how)
-    if how == "read_shards":
-        assert read == base_total
-    else:
-        assert base_total - ids <= read <= base_total, (read, base_total)
+    read, rows = _one(str(full))
+    assert read == base_total
     w, m, *_ = materialised()
     assert all(torch.equal(rows[f"t{t}"][0], w[t]) and torch.equal(rows[f"t{t}"][1], m[t]) for t in range(3))
-    read, rows = _one(str(delta), how)
-    if how == "read_shards":
-        assert read == delta_total + base_total + 2 * manifest
-    else:
-        assert delta_total + base_total - replaced - ids <= read <= delta_total + base_total + 2 * manifest, \
-            (read, delta_total, base_total, replaced)
+    read, rows = _one(str(delta))
+    assert read == delta_total + base_total + 2 * manifest
     w, m = at_delta()
     assert all(torch.equal(rows[f"t{t}"][0], w[t]) and torch.equal(rows[f"t{t}"][1], m[t]) for t in range(3))
 

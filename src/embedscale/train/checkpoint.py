@@ -353,7 +353,12 @@ def read_rows(ckpt_dir: str | Path | ObjectPath, manifest: dict, wanted: dict[st
     ``group`` (each rank 1/N, all-gathered: ``ckpt_rows.read_spread``), the wanted rows it holds taken from them,
     only the others read from its base (``RowReader``), the base's other bytes spread as well; no row of the base
     that the delta replaces is read. ``None`` when the checkpoint (a delta: its base) has no row index: the
-    caller reads the rank files (:func:`read_shards`)."""
+    caller reads the rank files (:func:`read_shards`); ``None`` as well without a group of several ranks: one
+    process holds every row, its share is every rank file, read whole (each byte once, fewest requests)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return None
     ckpt_dir = location(ckpt_dir)
     if not is_delta(manifest):
         if INDEX not in manifest:

@@ -544,8 +544,8 @@ class DistributedRun:
 
     def restore(self, ckpt_dir: Path) -> None:
         """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id);
-        a delta with its base under it (``checkpoint.read_shards``); a run that re-plans live moves its rows onto
-        the plan the checkpoint's step ran under (``train.replan.resume_plan``)."""
+        a delta with its base under it, reading only this rank's rows (``checkpoint.read_rows``); a run that
+        re-plans live moves its rows onto the plan the checkpoint's step ran under (``train.replan.resume_plan``)."""
         ckpt_dir = resolve_checkpoint(ckpt_dir)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != "plan":

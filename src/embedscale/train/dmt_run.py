@@ -254,7 +254,7 @@ class DMTRun:
         for _, (i, lo, hi) in held:
             wanted.setdefault(pl.tables[i].name, []).append(np.arange(lo, hi))
         wanted = {t: np.concatenate(r) for t, r in wanted.items()}
-        got = read_rows(ckpt_dir, m, wanted, self.monitor_group if self.world > 1 else None)
+        got = read_rows(ckpt_dir, m, wanted, self.monitor_group if self.world > 1 else None)  # None: every file
         shards = got[0] if got is not None else read_shards(ckpt_dir, m)
         at = dict.fromkeys(wanted, 0)
         with torch.no_grad():
