@@ -24,7 +24,9 @@ once over the ranks, not once per rank: the bytes of every rank file beside its 
 each rank fetches 1/N of it (:func:`spread_ranges`) in the same batch as its rows (``storage.fetch_ranges``:
 nearby ranges coalesced, requests concurrent), and one all_gather hands every rank the rest. A rank then reads
 its rows plus 1/N of the rest: about its share of the checkpoint, where reading the dense state on every rank
-cost N times it. The manifest's ``shard_bytes`` (the rank files' sizes) spare a size request per file.
+cost N times it. The manifest's ``shard_bytes`` (the rank files' sizes) spare a size request per file. A delta
+checkpoint's own rank files (no index: every rank needs its rows that changed) are read whole the same way, once
+over the ranks (:func:`read_spread`); ``checkpoint.read_rows`` then reads from its base only the rows it lacks.
 """
 
 from __future__ import annotations
