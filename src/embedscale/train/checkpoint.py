@@ -371,10 +371,12 @@ def read_rows(ckpt_dir: str | Path | ObjectPath, manifest: dict, wanted: dict[st
     if INDEX not in bm:
         return None
     delta = read_spread([ckpt_dir / s for s in manifest["shards"]], group, ckpt_dir)
-    found, rest = {}, {}
+    found, rest, sizes = {}, {}, dict(zip(manifest["tables"], manifest["table_rows"]))
     for table, rows in wanted.items():  # the wanted rows the delta holds (its own row ids), the rest from the base
+        if table not in sizes:
+            raise FormatError(f"{ckpt_dir}: no table {table!r} in the checkpoint")
         rows = np.asarray(rows, dtype=np.int64)
-        pos = _delta_positions(delta, table, int(dict(zip(manifest["tables"], manifest["table_rows"]))[table]))
+        pos = _delta_positions(delta, table, int(sizes[table]), ckpt_dir)
         at = pos[rows] if rows.size else rows
         found[table] = at
         rest[table] = rows[at < 0]
@@ -399,13 +401,12 @@ def read_rows(ckpt_dir: str | Path | ObjectPath, manifest: dict, wanted: dict[st
     return shards, out, nbytes
 
 
-def _delta_positions(delta: list[dict], table: str, num_rows: int) -> np.ndarray:
+def _delta_positions(delta: list[dict], table: str, num_rows: int, where) -> np.ndarray:
     """For every row of ``table``: its position among the delta's rows of it (``table_pieces`` order), -1 for a
     row the delta does not hold."""
     rows, _, _ = table_pieces(delta, table)
     if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
-        raise FormatError(f"delta checkpoint: table {table!r} has a saved row {int(rows.max())} outside "
-                          f"[0, {num_rows})")
+        raise FormatError(f"{where}: table {table!r} has a saved row {int(rows.max())} outside [0, {num_rows})")
     pos = np.full(num_rows, -1, dtype=np.int64)
     pos[rows] = np.arange(rows.size)
     return pos
