@@ -76,7 +76,8 @@ from embedscale.embedding.managed import apply_delta
 from embedscale.errors import CheckpointWriteError, FormatError
 from embedscale.io import atomic_open, read_json
 from embedscale.storage import ObjectPath, location, remove_tree, write_bytes
-from embedscale.train.ckpt_rows import INDEX, SIZES, collect_index, index_name, read_shard, write_rank_index
+from embedscale.train.ckpt_rows import (INDEX, SIZES, RowReader, collect_index, index_name, read_shard, read_spread,
+                                        write_rank_index)
 
 FORMAT = "embedscale.checkpoint"
 VERSION = 2
@@ -289,13 +290,16 @@ def entry_rows(e: dict) -> np.ndarray:
     return e["rows"].numpy().astype(np.int64, copy=False)
 
 
-def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[dict]:
-    base = delta_base(ckpt_dir, manifest)
-    bm = read_manifest(base)
-    try:
-        base_shards = [read_shard(base / name) for name in bm["shards"]]
-    except FormatError as e:
-        raise FormatError(f"delta checkpoint {ckpt_dir}: its base is damaged: {e}") from None
+def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict], base_shards: list[dict] | None = None
+             ) -> list[dict]:
+    """The delta's rank files over its base's (:func:`read_shards`); ``base_shards``: the base's rank files
+    already read (without their tables: :func:`read_rows`)."""
+    if base_shards is None:
+        base = delta_base(ckpt_dir, manifest)
+        try:
+            base_shards = [read_shard(base / name) for name in read_manifest(base)["shards"]]
+        except FormatError as e:
+            raise FormatError(f"delta checkpoint {ckpt_dir}: its base is damaged: {e}") from None
     fresh: dict[str, np.ndarray] = {}
     for name, n in zip(manifest["tables"], manifest["table_rows"]):
         mask = np.zeros(int(n), dtype=bool)
@@ -339,6 +343,73 @@ def _overlay(ckpt_dir: str | Path, manifest: dict, delta: list[dict]) -> list[di
             sh.pop(MANAGED, None)
         delta[0][MANAGED] = whole
     return out + delta
+
+
+def read_rows(ckpt_dir: str | Path | ObjectPath, manifest: dict, wanted: dict[str, np.ndarray], group=None
+              ) -> tuple[list[dict], dict, int] | None:
+    """A restore reading only the rows ``wanted`` (``{table: row ids}``, a rank's share): ``(rank files without
+    their tables' rows, {table: (weight, momentum)} of the wanted rows in their order, bytes of rows read)``.
+    A full checkpoint: ``ckpt_rows.RowReader.restore``. A delta: its own rank files read once over the ranks of
+    ``group`` (each rank 1/N, all-gathered: ``ckpt_rows.read_spread``), the wanted rows it holds taken from them,
+    only the others read from its base (``RowReader``), the base's other bytes spread as well; no row of the base
+    that the delta replaces is read. ``None`` when the checkpoint (a delta: its base) has no row index: the
+    caller reads the rank files (:func:`read_shards`); ``None`` as well without a group of several ranks: one
+    process holds every row, its share is every rank file, read whole (each byte once, fewest requests)."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    ckpt_dir = location(ckpt_dir)
+    if not is_delta(manifest):
+        if INDEX not in manifest:
+            return None
+        reader = RowReader(ckpt_dir, manifest)
+        shards, got = reader.restore(wanted, group)
+        return shards, got, reader.bytes_read
+    base = delta_base(ckpt_dir, manifest)
+    bm = read_manifest(base)
+    if INDEX not in bm:
+        return None
+    delta = read_spread([ckpt_dir / s for s in manifest["shards"]], group, ckpt_dir)
+    found, rest, sizes = {}, {}, dict(zip(manifest["tables"], manifest["table_rows"]))
+    for table, rows in wanted.items():  # the wanted rows the delta holds (its own row ids), the rest from the base
+        if table not in sizes:
+            raise FormatError(f"{ckpt_dir}: no table {table!r} in the checkpoint")
+        rows = np.asarray(rows, dtype=np.int64)
+        pos = _delta_positions(delta, table, int(sizes[table]), ckpt_dir)
+        at = pos[rows] if rows.size else rows
+        found[table] = at
+        rest[table] = rows[at < 0]
+    reader = RowReader(base, bm)
+    base_files, got = reader.restore(rest, group)
+    shards = _overlay(ckpt_dir, manifest, delta, [{**sh, "tables": {}} for sh in base_files])
+    out, nbytes = {}, reader.bytes_read
+    for table, at in found.items():
+        _, dw, dm = table_pieces(shards, table)
+        bw, bmom = got[table]
+        hit = torch.from_numpy(at >= 0)
+        dw = dw if dw is not None else bw[:0]
+        w = torch.empty((at.size, dw.shape[1]), dtype=dw.dtype)
+        w[~hit], w[hit] = bw, dw[torch.from_numpy(at[at >= 0])]
+        mom = None
+        if bmom is not None or (dm is not None and hit.any()):
+            dm = dm if dm is not None else bmom[:0]
+            mom = torch.empty(at.size, dtype=dm.dtype)
+            mom[~hit], mom[hit] = bmom, dm[torch.from_numpy(at[at >= 0])]
+        nbytes += int(hit.sum()) * (w.shape[1] * w.element_size() + (mom.element_size() if mom is not None else 0))
+        out[table] = (w, mom)
+    return shards, out, nbytes
+
+
+def _delta_positions(delta: list[dict], table: str, num_rows: int, where) -> np.ndarray:
+    """For every row of ``table``: its position among the delta's rows of it (``table_pieces`` order), -1 for a
+    row the delta does not hold."""
+    rows, _, _ = table_pieces(delta, table)
+    if rows.size and (rows.min() < 0 or rows.max() >= num_rows):
+        raise FormatError(f"{where}: table {table!r} has a saved row {int(rows.max())} outside [0, {num_rows})")
+    pos = np.full(num_rows, -1, dtype=np.int64)
+    pos[rows] = np.arange(rows.size)
+    return pos
 
 
 ROLLING_PROFILE = "rolling_profile"  # a full checkpoint's rank file: that rank's rolling profile (train.replan)
@@ -621,5 +692,5 @@ def delta_entry(rows: np.ndarray | torch.Tensor, weight: torch.Tensor, momentum:
 __all__ = ["BEST", "DELTA_VERSION", "FORMAT", "MANIFEST", "VERSION", "agree", "assemble_table", "base_ref",
            "bases_in_use", "begin", "best_checkpoint", "best_pointer", "delta_base", "delta_entry", "entry_rows",
            "is_checkpoint", "is_delta", "is_temp", "latest_checkpoint", "load_checkpoint", "merged", "publish",
-           "rank0", "rank_file", "read_manifest", "read_shard", "read_shards", "resolve_checkpoint", "step_dir",
+           "rank0", "rank_file", "read_manifest", "read_rows", "read_shard", "read_shards", "resolve_checkpoint", "step_dir",
            "table_pieces", "temp_dir", "write_best", "write_manifest", "write_rank_file"]

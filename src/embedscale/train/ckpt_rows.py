@@ -24,7 +24,9 @@ once over the ranks, not once per rank: the bytes of every rank file beside its 
 each rank fetches 1/N of it (:func:`spread_ranges`) in the same batch as its rows (``storage.fetch_ranges``:
 nearby ranges coalesced, requests concurrent), and one all_gather hands every rank the rest. A rank then reads
 its rows plus 1/N of the rest: about its share of the checkpoint, where reading the dense state on every rank
-cost N times it. The manifest's ``shard_bytes`` (the rank files' sizes) spare a size request per file.
+cost N times it. The manifest's ``shard_bytes`` (the rank files' sizes) spare a size request per file. A delta
+checkpoint's own rank files (no index: every rank needs its rows that changed) are read whole the same way, once
+over the ranks (:func:`read_spread`); ``checkpoint.read_rows`` then reads from its base only the rows it lacks.
 """
 
 from __future__ import annotations
@@ -384,7 +386,7 @@ class RowReader:
             error = e
         agree_read(error, group, self.dir)
         everything = _all_gather_bytes(b"".join(self.extra_parts), sizes, group)
-        return [self._sparse_file(f, parts) for f, parts in zip(files, _split_back(files, everything))], rows
+        return [_sparse_file(f, parts) for f, parts in zip(files, _split_back(files, everything))], rows
 
     def _layout(self, shard: str) -> tuple:
         """``(path, size, kept starts, kept ends, holes)`` of a rank file: the bytes outside its tables' rows."""
@@ -393,15 +395,39 @@ class RowReader:
         holes = _holes(self.index.get(shard))
         return (path, size, *_kept(size, holes), holes)
 
-    def _sparse_file(self, layout: tuple, parts: list[bytes]) -> dict:
-        path, size, starts, _, holes = layout
-        try:
-            payload = _load_sparse(size, starts, parts, holes)
-        except Exception as e:  # noqa: BLE001 - torch raises many kinds here
-            raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
-        if not isinstance(payload, dict) or "rank" not in payload:
-            raise FormatError(f"{path}: not an embedscale checkpoint rank file")
-        return payload
+
+def read_spread(paths: list, group, where) -> list[dict]:
+    """Rank files read whole, once over the ranks of ``group`` (a CPU process group of every rank restoring):
+    each rank fetches 1/N of their bytes (:func:`spread_ranges`), one all_gather hands every rank the rest. Without
+    a group (or a group of one): each file read as :func:`read_shard` reads it."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return [read_shard(p) for p in paths]
+    error, files, sizes, got = None, [], [], []
+    try:
+        for p in map(location, paths):
+            size = p.size() if isinstance(p, ObjectPath) else p.stat().st_size
+            files.append((p, size, [0], [size], []))
+        mine, sizes = spread_ranges(files, dist.get_rank(group), dist.get_world_size(group))
+        got = fetch_ranges(mine)
+    except Exception as e:  # noqa: BLE001 - told to every rank before anyone waits in the all_gather
+        error = e
+    agree_read(error, group, where)
+    everything = _all_gather_bytes(b"".join(got), sizes, group)
+    return [_sparse_file(f, parts) for f, parts in zip(files, _split_back(files, everything))]
+
+
+def _sparse_file(layout: tuple, parts: list[bytes]) -> dict:
+    """A rank file from the bytes ``parts`` of its kept ranges (``layout``: ``(path, size, starts, ends, holes)``)."""
+    path, size, starts, _, holes = layout
+    try:
+        payload = _load_sparse(size, starts, parts, holes)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+        raise FormatError(f"{path}: not a readable checkpoint file ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or "rank" not in payload:
+        raise FormatError(f"{path}: not an embedscale checkpoint rank file")
+    return payload
 
 
 def spread_ranges(files: list[tuple], rank: int, world: int) -> tuple[list[tuple], list[int]]:
@@ -463,7 +489,7 @@ def agree_read(error: BaseException | None, group, where) -> None:
                               "says why)")
 
 
-__all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "row_runs", "spread_ranges",
+__all__ = ["INDEX", "SIZES", "RowReader", "agree_read", "collect_index", "read_spread", "row_runs", "spread_ranges",
            "write_rank_index"]
 
 

@@ -63,9 +63,8 @@ from embedscale.plan.plan import Plan
 from embedscale.reorder import PLAN_REORDER_DIR, plan_reordering, reordering_meta
 from embedscale.specs import RunConfig, dump_config
 from embedscale.units import parse_bytes
-from embedscale.train.checkpoint import (checkpoint_home, delta_entry, is_delta, latest_checkpoint, read_manifest,
+from embedscale.train.checkpoint import (checkpoint_home, delta_entry, latest_checkpoint, read_manifest, read_rows,
                                         read_shards, resolve_checkpoint, table_pieces)
-from embedscale.train.ckpt_rows import INDEX, RowReader
 from embedscale.train.run import RunState, param_names, table_entry
 from embedscale.train.persist import CheckpointParts, restore_parts, write_rank
 from embedscale.train.dmt_towers import prepare_towers
@@ -545,8 +544,8 @@ class DistributedRun:
 
     def restore(self, ckpt_dir: Path) -> None:
         """Load a checkpoint written by any world size or plan, one process included (re-sharding by row id);
-        a delta with its base under it (``checkpoint.read_shards``); a run that re-plans live moves its rows onto
-        the plan the checkpoint's step ran under (``train.replan.resume_plan``)."""
+        a delta with its base under it, reading only this rank's rows (``checkpoint.read_rows``); a run that
+        re-plans live moves its rows onto the plan the checkpoint's step ran under (``train.replan.resume_plan``)."""
         ckpt_dir = resolve_checkpoint(ckpt_dir)
         m = read_manifest(ckpt_dir)
         if m.get("kind", "plan") != "plan":
@@ -556,17 +555,18 @@ class DistributedRun:
             if rows.get(t.name) != t.num_rows:
                 raise FormatError(f"{ckpt_dir}: table {t.name!r} has {rows.get(t.name)} rows in the checkpoint "
                                   f"(tables {m['tables']}), {t.num_rows} in this model")
-        reader = RowReader(ckpt_dir, m) if INDEX in m and not is_delta(m) else None  # only this rank's rows
         base = self.embedding.amap.table_base
         gids, weights, moms = [], [], []
         adagrad = self.cfg.train.sparse_optimizer == "rowwise_adagrad" and not self.inference
-        if reader is not None:  # this rank's rows, and 1/N of the rest of the rank files, all-gathered (ckpt_rows)
-            mine = np.sort(self.embedding.amap.storage_gids(self.rank))
-            wanted = {spec.name: mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
-                      for t, spec in enumerate(self.tables)}
-            shards, got = reader.restore(wanted, self.monitor_group)
+        mine = np.sort(self.embedding.amap.storage_gids(self.rank))
+        wanted = {spec.name: mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
+                  for t, spec in enumerate(self.tables)}
+        # this rank's rows, and 1/N of the rest of the rank files, all-gathered (a delta: over its base's)
+        reader = read_rows(ckpt_dir, m, wanted, self.monitor_group)
+        if reader is not None:
+            shards, got, rows_read = reader
         else:
-            shards = read_shards(ckpt_dir, m)  # local: memory-mapped, rows read as taken
+            shards = read_shards(ckpt_dir, m)  # no row index: every rank file (local: memory-mapped)
         for t, spec in enumerate(self.tables):
             if reader is not None:
                 r, (w, mo) = wanted[spec.name], got[spec.name]
@@ -578,7 +578,7 @@ class DistributedRun:
             weights.append(w)
             moms.append(mo)
         g = np.concatenate(gids)
-        self.restore_bytes_read = reader.bytes_read if reader is not None else None  # else: every rank file
+        self.restore_bytes_read = rows_read if reader is not None else None  # else: every rank file
         # (the reader found every row this rank stores, or named the one it did not)
         n = self.embedding.amap.num_rows
         if reader is None and (np.unique(g).size != n or g.size != n):

@@ -44,7 +44,8 @@ import torch.distributed as dist
 
 from embedscale.errors import ConfigError, FormatError
 from embedscale.specs import RunConfig, dump_config
-from embedscale.train.checkpoint import assemble_table, delta_entry, read_manifest, read_shards, resolve_checkpoint
+from embedscale.train.checkpoint import (assemble_table, delta_entry, read_manifest, read_rows, read_shards,
+                                        resolve_checkpoint)
 from embedscale.train.distributed import diagnose, evaluate_ranks, rank_device, rank_figures, stream_follow
 from embedscale.train.loss import batch_loss_sum
 from embedscale.train.dmt_towers import TOWERS_FILE, dmt_layout, prepare_towers, resolve_run_towers  # noqa: F401
@@ -227,8 +228,7 @@ class DMTRun:
                                    or m.get("dense_optimizer") != dense_opt):
             raise ConfigError(f"{ckpt_dir}: optimizers {m.get('optimizer')}/{m.get('dense_optimizer')} differ from this "
                               f"run's {self.cfg.train.sparse_optimizer}/{dense_opt}")
-        shards = read_shards(ckpt_dir, m)
-        self._restore_tables(ckpt_dir, shards)
+        shards = self._restore_tables(ckpt_dir, m)
         restore_parts(self.saved_parts(), ckpt_dir, m, shards, rank=self.rank, world=self.world,
                       inference=self.inference)
 
@@ -244,20 +244,36 @@ class DMTRun:
 
         return CheckpointParts(self.model, self.opt, self._names, self.state, spread=spread)
 
-    def _restore_tables(self, ckpt_dir: Path, shards: list[dict]) -> None:
-        """Every row range this rank holds, from the rows of all rank files."""
-        if self.embedding is None:
-            return
+    def _restore_tables(self, ckpt_dir: Path, m: dict) -> list[dict]:
+        """Every row range this rank holds, reading only those rows (``checkpoint.read_rows``: the rank files' other
+        bytes once over the ranks); a checkpoint without a row index: from the rows of all rank files. Returns
+        the rank files (without their rows when read by index) for ``restore_parts``."""
         pl = self.towers.placement
+        held = list(zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank])) if self.embedding is not None else []
+        wanted: dict[str, list] = {}
+        for _, (i, lo, hi) in held:
+            wanted.setdefault(pl.tables[i].name, []).append(np.arange(lo, hi))
+        wanted = {t: np.concatenate(r) for t, r in wanted.items()}
+        got = read_rows(ckpt_dir, m, wanted, self.monitor_group if self.world > 1 else None)  # None: every file
+        shards = got[0] if got is not None else read_shards(ckpt_dir, m)
+        at = dict.fromkeys(wanted, 0)
         with torch.no_grad():
-            for spec, (i, lo, hi) in zip(pl.shard_tables(self.rank), pl.rank_tables[self.rank]):
+            for spec, (i, lo, hi) in held:
                 table = pl.tables[i]
-                w, mom = assemble_table(shards, table.name, table.num_rows, ckpt_dir)
-                self.embedding.table_weight(spec.name)[: hi - lo].copy_(w[lo:hi])
+                if got is not None:
+                    w, mom = got[1][table.name]
+                    k = at[table.name]
+                    at[table.name] = k + hi - lo
+                    w, mom = w[k:k + hi - lo], (mom[k:k + hi - lo] if mom is not None else None)
+                else:
+                    w, mom = assemble_table(shards, table.name, table.num_rows, ckpt_dir)
+                    w, mom = w[lo:hi], (mom[lo:hi] if mom is not None else None)
+                self.embedding.table_weight(spec.name)[: hi - lo].copy_(w)
                 if self.embedding.momentum is not None:
                     if mom is None:
                         raise FormatError(f"{ckpt_dir}: table {table.name!r} has no row-wise Adagrad state")
-                    self.embedding.table_momentum(spec.name)[: hi - lo].copy_(mom[lo:hi])
+                    self.embedding.table_momentum(spec.name)[: hi - lo].copy_(mom)
+        return shards
 
 
 def checkpoint_towers(checkpoint: Path):

@@ -216,6 +216,8 @@ class Trainer:
         if m.get("kind", "plan") != self.fields["kind"]:
             raise FormatError(f"{ckpt_dir}: written by a {m.get('kind')!r} model, this run trains a "
                               f"{self.fields['kind']!r} model (model.arch dmt-* is 'dmt')")
+        # one process holds every row, so its share is every rank file: each read whole, each byte once (a delta's
+        # with its base's; reading only the base rows the delta does not replace costs more requests than it saves)
         shards = read_shards(ckpt_dir, m)
         load_whole_tables(self._tables, shards, ckpt_dir)
         restore_parts(self._saved_parts(), ckpt_dir, m, shards)
