@@ -315,6 +315,51 @@ def overload(url: str, pid: int, bodies: list[bytes], saturation: float, seconds
             "recovery_p99_ratio": after["p99_ms"] / before["p99_ms"] if before["p99_ms"] else None}
 
 
+def breakdown(export: Path, bodies: list[bytes], batch_requests: int, repeats: int = 30) -> dict:
+    """Server CPU per request by stage, in this process on one thread (medians over ``repeats`` passes of
+    ``batch_requests`` requests scored together, as the batcher does): ``parse`` (the body's JSON and the
+    ranking call's checks), ``encode`` (raw values to model inputs), ``lookup`` (the pooled lookup of every
+    table, context and candidates at once), ``dense`` (the rest of the forward: bottom MLP, interaction, top
+    MLP), ``respond`` (the answer's JSON). What the HTTP stack and batching add is the closed loop's CPU per
+    request less their sum."""
+    from embedscale.serve.predict import load_export
+    from embedscale.serve.ranking import concat
+    from embedscale.serve.server import _encode, _ranking_rows, score
+    from fastapi.responses import JSONResponse
+
+    torch.set_num_threads(1)
+    served = load_export(export)
+    sa = served.model.sparse_arch
+    t = {k: [] for k in ("parse", "encode", "lookup", "forward", "respond")}
+    clock = time.perf_counter
+    for rep in range(repeats):
+        chunk = [bodies[(rep * batch_requests + i) % len(bodies)] for i in range(batch_requests)]
+        t0 = clock()
+        docs = [json.loads(b) for b in chunk]
+        rows = [_ranking_rows(d) if "candidates" in d else d["rows"] for d in docs]
+        t1 = clock()
+        parts = [_encode(served, r) for r in rows]
+        t2 = clock()
+        with torch.inference_mode():
+            whole = concat([p.context for p in parts] + [p.candidates for p in parts]) \
+                if hasattr(parts[0], "context") else concat(parts)
+            sa.pooled(whole.sparse) if hasattr(sa, "pooled") else sa(whole.sparse)
+        t3 = clock()
+        probs = torch.sigmoid(score(served, parts)).numpy()
+        t4 = clock()
+        start = 0
+        for p in parts:
+            JSONResponse({"model_version": served.version, "probabilities": probs[start:start + p.rows].tolist()})
+            start += p.rows
+        t5 = clock()
+        for k, a, b in (("parse", t0, t1), ("encode", t1, t2), ("lookup", t2, t3), ("forward", t3, t4),
+                        ("respond", t4, t5)):
+            t[k].append((b - a) * 1e3 / batch_requests)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    med["dense"] = max(med.pop("forward") - med["lookup"], 0.0)  # the forward's own lookup counted once
+    return {k: round(med[k], 4) for k in ("parse", "encode", "lookup", "dense", "respond")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-rows", type=int, default=100_000, help="rows a table at most (0: full size, 33.8M rows)")
@@ -338,6 +383,8 @@ def main() -> None:
     ap.add_argument("--overload-seconds", type=float, default=0.0,
                     help="then ours at half, twice and half again the saturation rate, this long each (0: not)")
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the server CPU per request by stage (parse, encode, lookup, dense, respond)")
     ap.add_argument("--no-torchrec", action="store_true", help="without the TorchRec baseline (torchrec not installed)")
     args = ap.parse_args()
     if args.quick:
@@ -350,6 +397,8 @@ def main() -> None:
         bodies = request_bodies(64, args.rows, table_rows(args.max_rows), ranking=args.ranking)
         servers: dict = {}
         over = None
+        stages = {n: breakdown(paths["int8"], bodies, n) for n in (1, max(args.max_batch // max(args.rows, 1), 1))} \
+            if args.breakdown else None
         try:
             for form, p in paths.items():
                 servers[form] = start(p, args)
@@ -378,10 +427,10 @@ def main() -> None:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=120)
-    report(args, runs, servers, over, load0)
+    report(args, runs, servers, over, load0, stages)
 
 
-def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
+def report(args, runs: dict, servers: dict, over: dict | None, load0, stages: dict | None = None) -> None:
     """One JSON line per load mode (and one for the overload phase when run)."""
     config = {k: v for k, v in vars(args).items()}
     for mode in ("closed", "open"):
@@ -403,7 +452,7 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0) -> None:
                           "cpu_ms_per_request": {f: med[f].get("cpu_ms_per_request") for f in servers},
                           "cpu_ratio": med[base]["cpu_ms_per_request"] / med["int8"]["cpu_ms_per_request"]
                           if mode == "closed" and med["int8"].get("cpu_ms_per_request") else None,
-                          "median": med, "p90_qps": p90, "rounds": {f: runs[mode, f] for f in servers},
+                          "cpu_ms_per_request_by_stage": stages, "median": med, "p90_qps": p90, "rounds": {f: runs[mode, f] for f in servers},
                           "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
     if over is not None:
         print(json.dumps({"figure": "serve_overload_503_p99_ms", "value": over["overload"]["p99_503_ms"],
