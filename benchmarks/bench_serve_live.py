@@ -119,11 +119,11 @@ async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds
 
 def analyse(rows: list[tuple], window: float = 1.0) -> dict:
     ok = [r for r in rows if r[2] == 200]
-    swaps, last = [], None
-    for t, _, _, v in ok:
-        if last is not None and v != last:
+    swaps, seen = [], set()
+    for t, _, _, v in ok:  # a swap: the first answer of a new version (answers of the old one may still follow)
+        if seen and v not in seen:
             swaps.append(t)
-        last = v
+        seen.add(v)
     near = lambda t: any(abs(t - s) <= window for s in swaps)  # noqa: E731
     during = [r[1] for r in ok if near(r[0])]
     steady = [r[1] for r in ok if not near(r[0])]
