@@ -77,6 +77,16 @@ def step_seconds(w: Path, args) -> float:
     return float(json.loads(found.read_text())["train_step_seconds"]["mean"])
 
 
+def size_cadence(w: Path, args) -> float | None:
+    """``--checkpoint-every 0``: set it from the job's measured step time (returned) and ``--version-every``."""
+    if args.checkpoint_every:
+        return None
+    step_s = step_seconds(w, args)
+    args.checkpoint_every = max(1, int(args.version_every / step_s))
+    print(f"training step {step_s * 1e3:.0f} ms: a checkpoint every {args.checkpoint_every} steps", file=sys.stderr)
+    return step_s
+
+
 def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -165,12 +175,7 @@ def main() -> int:
         w = Path(tmp)
         procs: list[subprocess.Popen] = []
         try:
-            step_s = None
-            if not args.checkpoint_every:
-                step_s = step_seconds(w, args)
-                args.checkpoint_every = max(1, int(args.version_every / step_s))
-                print(f"training step {step_s * 1e3:.0f} ms: a checkpoint every {args.checkpoint_every} steps",
-                      file=sys.stderr)
+            step_s = size_cadence(w, args)
             procs.append(embedscale(*train_args(w / "runs", args.max_rows, args.checkpoint_every),
                                     log=w / "train.log", nice=args.train_nice))
             ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
