@@ -321,8 +321,8 @@ def overload(url: str, pid: int, bodies: list[bytes], saturation: float, seconds
 
 def breakdown(export: Path, bodies: list[bytes], batch_requests: int, repeats: int = 30) -> dict:
     """Server CPU per request by stage, in this process on one thread (its CPU time, so the host's load does
-    not inflate it; medians over ``repeats`` passes of
-    ``batch_requests`` requests scored together, as the batcher does): ``parse`` (the body's JSON and the
+    not inflate it; medians over ``repeats`` passes of ``batch_requests`` requests scored together, as the
+    batcher does): ``parse`` (the body's JSON and the
     ranking call's checks), ``encode`` (raw values to model inputs), ``lookup`` (the pooled lookup of every
     table, context and candidates at once), ``dense`` (the rest of the forward: bottom MLP, interaction, top
     MLP), ``respond`` (the answer's JSON). What the HTTP stack and batching add is the closed loop's CPU per
