@@ -166,6 +166,9 @@ def main() -> int:
     ap.add_argument("--train-nice", type=int, default=0,
                     help="run the training job at this lower priority (nice), the server's cores first; 0: same "
                          "priority (the saturation is then measured while the job runs, and half of it offered)")
+    ap.add_argument("--compute-nice", type=int, default=0,
+                    help="the server's --compute-nice; 0 (not its default, 10): its compute thread shares the cores "
+                         "with the training job's ranks at their priority instead of yielding to them")
     ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
@@ -188,7 +191,7 @@ def main() -> int:
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
                                     "--host", "127.0.0.1", "--port", str(port), "--max-rows", "1024",
-                                    "--queue-rows", str(args.queue_rows),
+                                    "--queue-rows", str(args.queue_rows), "--compute-nice", str(args.compute_nice),
                                     log=w / "serve.log"))
             url = f"http://127.0.0.1:{port}"
             import httpx
