@@ -9,7 +9,8 @@ Three processes of ours run on this host, as a user would run them:
    version is published about every ``--version-every`` seconds at that step time whatever the host's load
    (2.5 s: about 7.5 s under the serving load, whose share of 2 cores slows the steps about 3x);
 2. ``embedscale export RUN --follow --quantize int8 --out LIVE``: each new checkpoint becomes the export LIVE;
-3. ``embedscale serve LIVE --follow LIVE``: each new export is swapped in between batches.
+3. ``embedscale serve LIVE --follow LIVE``: each new export is swapped in between batches (``--compute-nice``:
+   the server's, 0 by default: its compute thread at the training job's priority).
 
 The server's saturation rate is measured first (closed loop, ``--concurrency`` clients, 10 s), then an open-loop
 load at ``--load`` (0.5) of it runs for ``--seconds`` (loopback only; bounded in requests and time). Every answer's
