@@ -3,9 +3,14 @@
 Three processes of ours run on this host, as a user would run them:
 
 1. ``embedscale train --nproc 2`` on synthetic Criteo-shaped data (tables capped at ``--max-rows``), a checkpoint
-   every ``--checkpoint-every`` steps (a full one, deltas between: online training's checkpoints);
+   every ``--checkpoint-every`` steps (a full one, deltas between: online training's checkpoints). The cadence
+   is in steps (the library checkpoints by steps); by default it is sized from the job's step time measured on
+   this host just before (a 40-step run of the same job, its mean step after the warm-up), so that a new
+   version is published about every ``--version-every`` seconds at that step time whatever the host's load
+   (2.5 s: about 7.5 s under the serving load, whose share of 2 cores slows the steps about 3x);
 2. ``embedscale export RUN --follow --quantize int8 --out LIVE``: each new checkpoint becomes the export LIVE;
-3. ``embedscale serve LIVE --follow LIVE``: each new export is swapped in between batches.
+3. ``embedscale serve LIVE --follow LIVE``: each new export is swapped in between batches (``--compute-nice``:
+   the server's, 0 by default: its compute thread at the training job's priority).
 
 The server's saturation rate is measured first (closed loop, ``--concurrency`` clients, 10 s), then an open-loop
 load at ``--load`` (0.5) of it runs for ``--seconds`` (loopback only; bounded in requests and time). Every answer's
@@ -44,6 +49,43 @@ def embedscale(*args: str, log: Path, nice: int = 0) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     proc.log = log
     return proc
+
+
+def train_args(out: Path, max_rows: int, checkpoint_every: int, *extra: str) -> list[str]:
+    """The online-training job: 2 ranks on synthetic Criteo-shaped data, no evaluation or early stop."""
+    return ["train", "--nproc", "2", "--out-dir", str(out), "--name", "live", "--no-progress",
+            "--data-synthetic-max-rows", str(max_rows), "--data-train-samples", "200000",
+            "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
+            "--set", f"train.checkpoint_every={checkpoint_every}", "--set", "train.epochs=1000",
+            "--set", "train.eval_every=0", "--set", "train.early_stopping_patience=0",
+            "--set", "train.batch_size=1024", *extra]
+
+
+def step_seconds(w: Path, args) -> float:
+    """The job's mean step time (after its warm-up) on this host now: 40 steps of the same job, no checkpoint
+    but the last."""
+    proc = embedscale(*train_args(w / "calibrate", args.max_rows, 0, "--set", "train.max_steps=40"),
+                      log=w / "calibrate.log", nice=args.train_nice)
+    try:
+        proc.wait(timeout=900)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise SystemExit("the 40-step calibration run of the training job did not end within 900 s")
+    found = next((w / "calibrate").glob("*/summary.json"), None)
+    if proc.returncode != 0 or found is None:
+        raise SystemExit(f"the calibration run failed (exit {proc.returncode}):\n"
+                         f"{(w / 'calibrate.log').read_text()[-3000:]}")
+    return float(json.loads(found.read_text())["train_step_seconds"]["mean"])
+
+
+def size_cadence(w: Path, args) -> float | None:
+    """``--checkpoint-every 0``: set it from the job's measured step time (returned) and ``--version-every``."""
+    if args.checkpoint_every:
+        return None
+    step_s = step_seconds(w, args)
+    args.checkpoint_every = max(1, int(args.version_every / step_s))
+    print(f"training step {step_s * 1e3:.0f} ms: a checkpoint every {args.checkpoint_every} steps", file=sys.stderr)
+    return step_s
 
 
 def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
@@ -88,11 +130,11 @@ async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds
 
 def analyse(rows: list[tuple], window: float = 1.0) -> dict:
     ok = [r for r in rows if r[2] == 200]
-    swaps, last = [], None
-    for t, _, _, v in ok:
-        if last is not None and v != last:
+    swaps, seen = [], set()
+    for t, _, _, v in ok:  # a swap: the first answer of a new version (answers of the old one may still follow)
+        if seen and v not in seen:
             swaps.append(t)
-        last = v
+        seen.add(v)
     near = lambda t: any(abs(t - s) <= window for s in swaps)  # noqa: E731
     during = [r[1] for r in ok if near(r[0])]
     steady = [r[1] for r in ok if not near(r[0])]
@@ -112,8 +154,12 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--rows", type=int, default=100, help="candidates a request")
     ap.add_argument("--max-rows", type=int, default=10_000, help="rows a table at most")
-    ap.add_argument("--checkpoint-every", type=int, default=30)
-    ap.add_argument("--export-every", type=float, default=14.0,
+    ap.add_argument("--checkpoint-every", type=int, default=0,
+                    help="steps between the job's checkpoints (0: sized from a measured step time, --version-every)")
+    ap.add_argument("--version-every", type=float, default=2.5,
+                    help="seconds between the job's checkpoints at the step time measured before the load "
+                         "(--checkpoint-every 0); under the load the steps take about 3x longer on 2 cores")
+    ap.add_argument("--export-every", type=float, default=3.0,
                     help="seconds between the exporter's looks at the run (a new version at most this often)")
     ap.add_argument("--quick", action="store_true", help="60 s of load")
     ap.add_argument("--queue-rows", type=int, default=65536,
@@ -121,6 +167,9 @@ def main() -> int:
     ap.add_argument("--train-nice", type=int, default=0,
                     help="run the training job at this lower priority (nice), the server's cores first; 0: same "
                          "priority (the saturation is then measured while the job runs, and half of it offered)")
+    ap.add_argument("--compute-nice", type=int, default=0,
+                    help="the server's --compute-nice; 0 (not its default, 10): its compute thread shares the cores "
+                         "with the training job's ranks at their priority instead of yielding to them")
     ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
@@ -130,13 +179,9 @@ def main() -> int:
         w = Path(tmp)
         procs: list[subprocess.Popen] = []
         try:
-            procs.append(embedscale(
-                "train", "--nproc", "2", "--out-dir", str(w / "runs"), "--name", "live", "--no-progress",
-                "--data-synthetic-max-rows", str(args.max_rows), "--data-train-samples", "200000",
-                "--data-eval-samples", "4096", "--model-bottom-mlp", "64,16", "--model-top-mlp", "64",
-                "--set", f"train.checkpoint_every={args.checkpoint_every}", "--set", "train.epochs=1000",
-                "--set", "train.eval_every=0", "--set", "train.early_stopping_patience=0",
-                "--set", "train.batch_size=1024", log=w / "train.log", nice=args.train_nice))
+            step_s = size_cadence(w, args)
+            procs.append(embedscale(*train_args(w / "runs", args.max_rows, args.checkpoint_every),
+                                    log=w / "train.log", nice=args.train_nice))
             ck = wait_for("first checkpoint", lambda: next((w / "runs").glob("*/checkpoints/step-*/manifest.json"),
                                                            None), 1800, procs)
             run = ck.parent.parent.parent
@@ -147,7 +192,7 @@ def main() -> int:
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
                                     "--host", "127.0.0.1", "--port", str(port), "--max-rows", "1024",
-                                    "--queue-rows", str(args.queue_rows),
+                                    "--queue-rows", str(args.queue_rows), "--compute-nice", str(args.compute_nice),
                                     log=w / "serve.log"))
             url = f"http://127.0.0.1:{port}"
             import httpx
@@ -177,7 +222,8 @@ def main() -> int:
     ratio = res["p99_swaps_ms"] / res["p99_steady_ms"] if res["swaps"] else None
     print(json.dumps({"benchmark": "serve_live_swaps", "figure": ratio, "unit": "p99 during swaps / steady p99",
                       "baseline": "the same server between swaps (steady)", **res, "saturation_qps": sat,
-                      "offered_qps": rate, "load": {"start": load0, "end": os.getloadavg()},
+                      "offered_qps": rate, "train_step_s": step_s,
+                      "load": {"start": load0, "end": os.getloadavg()},
                       "config": vars(args)}))
     return 0
 

@@ -1209,16 +1209,19 @@ def predict_command(export_dir, data_file, out_path, as_json):
               help="Compute threads per worker (one core each; add --workers to use more cores).")
 @click.option("--dense", type=click.Choice(["fp32", "bf16", "int8"]), default="fp32", show_default=True,
               help="The dense model's precision (bf16: autocast; int8: dynamic quantization of its Linear layers).")
+@click.option("--compute-nice", type=click.IntRange(0, 19), default=10, show_default=True,
+              help="How much lower the compute thread's priority is than the thread reading requests (Linux): "
+                   "under overload requests are read, and refused when the queue is full, first.")
 @click.option("--expand-ranking", is_flag=True, hidden=True, help="Score ranking calls as expanded rows (benchmarks).")
 @click.option("--test-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, max_rows, max_body_bytes,
-                  follow_dir, follow_poll_s, workers, threads, dense, expand_ranking, test_delay_ms):
+                  follow_dir, follow_poll_s, workers, threads, dense, compute_nice, expand_ranking, test_delay_ms):
     """Serve an export over HTTP: POST /v1/predict {"rows": [...]}, /v1/model, /healthz, /readyz, /metrics.
     SIGTERM answers what is in flight, then exits 0."""
     cfg = ServeConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, queue_rows=queue_rows, max_rows=max_rows,
                       max_body=max_body_bytes, delay_ms=test_delay_ms, follow=follow_dir,
                       follow_poll_s=follow_poll_s, threads=threads, dense=dense,
-                      by_context=not expand_ranking)
+                      by_context=not expand_ranking, compute_nice=compute_nice)
     sys.exit(serve_export(export_dir, host, port, cfg, workers=workers))
 
 

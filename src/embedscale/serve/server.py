@@ -12,6 +12,9 @@ is answered 4xx at once and never reaches the model), then queued; one batcher t
 ``max_batch`` rows or until ``max_wait`` has passed since the first of them, scores them in one forward pass
 (in a worker thread, so the event loop keeps accepting) and hands each request its slice. The queue is
 bounded in rows (``queue_rows``): a request that does not fit is answered 503 at once instead of waiting.
+The compute thread runs at a lower priority than the event loop (``compute_nice``): under overload the thread
+that reads requests and refuses what does not fit gets a core first, so a refusal does not queue behind a
+forward pass for the CPU.
 
 Bad requests are 4xx JSON errors ``{"error": ..., "field": ..., "row": ...}``: a body over ``max_body``
 bytes (413), not JSON or not an object (400), more than ``max_rows`` rows (413), a missing, unknown or
@@ -28,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +62,7 @@ class ServeConfig:
     threads: int = 1  # torch's intra-op threads per server process (one core each; the event loop has the rest)
     dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
     by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
+    compute_nice: int = 10  # the compute thread's niceness above the event loop's (Batcher._lower_priority)
 
 
 class Metrics:
@@ -95,9 +100,19 @@ class Batcher:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.queued_rows = 0
         self.held = None  # a request of another model than the batch being gathered: first of the next batch
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model")
+        self.compute_tid: int | None = None  # the compute thread's native id (its priority is lowered)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model",
+                                       initializer=self._lower_priority)
         self.task: asyncio.Task | None = None
         self.last_input: list | None = None  # the last batch scored: a model about to be swapped in warms on it
+
+    def _lower_priority(self) -> None:
+        """In the compute thread: raise its niceness by ``compute_nice`` (Linux ``setpriority`` on a thread id
+        acts on that thread alone), so that the event loop's thread wins the CPU when both are runnable."""
+        self.compute_tid = threading.get_native_id()
+        if self.cfg.compute_nice > 0 and sys.platform.startswith("linux"):
+            now = os.getpriority(os.PRIO_PROCESS, self.compute_tid)
+            os.setpriority(os.PRIO_PROCESS, self.compute_tid, min(now + self.cfg.compute_nice, 19))
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._run())

@@ -1,0 +1,107 @@
+"""Overload: a request that does not fit the queue is refused (503) while the compute thread is still busy with
+an earlier batch (here: blocked on an event), i.e. the refusal never waits on it; the compute thread runs at a
+lower priority than the thread reading requests, as the operating system reports it; what was admitted is then
+answered, equal to the model's own scores. The application runs in this process (its lifespan entered by hand)
+and is reached through httpx's in-process ASGI transport: no socket, no timing assertion."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import httpx
+import pytest
+import torch
+
+from embedscale.models import build_model
+from embedscale.serve.export import FORMAT, VERSION, write_export
+from embedscale.serve.predict import load_export
+from embedscale.serve.quantize import quantize_rows, row_bytes
+from embedscale.serve.server import ServeConfig, make_app
+from embedscale.specs import ModelConfig, TableSpec
+
+WAIT_S = 60  # generous: the machine may be loaded; nothing below waits this long when the code is right
+
+
+def tiny_export(path):
+    """A random two-table DLRM exported with INT8 tables (id-encoded: request values are row ids)."""
+    specs = [TableSpec("t_C1", 50, 8, ["C1"]), TableSpec("t_C2", 30, 8, ["C2"])]
+    cfg = ModelConfig(arch="dlrm", embedding_dim=8, bottom_mlp=[16, 8], top_mlp=[16])
+    torch.manual_seed(0)
+    model = build_model(cfg, specs, 2)
+    emb = model.sparse_arch.embedding
+    tensors = {f"dense.{k}": v.contiguous() for k, v in model.state_dict().items()
+               if not k.startswith("sparse_arch.embedding.")}
+    tables = []
+    for t in specs:
+        tensors[f"table.{t.name}"] = quantize_rows(emb.table_weight(t.name).detach(), "int8")
+        tables.append({"name": t.name, "features": list(t.features), "num_rows": t.num_rows, "dim": 8,
+                       "pooling": "sum", "form": "int8", "bytes_per_row": row_bytes("int8", 8)})
+    encoding = {"dense": ["I1", "I2"], "schema": None, "categorical": "ids", "dense_stats": None,
+                "sparse": [{"name": t.features[0], "num_rows": t.num_rows, "multi_hot": False} for t in specs]}
+    manifest = {"format": FORMAT, "version": VERSION, "model_version": "tiny", "created": "", "source": {},
+                "eval": {}, "num_dense": 2, "tables": tables, "encoding": encoding, "weights": "weights.safetensors",
+                "model": {k: getattr(cfg, k) for k in ("arch", "embedding_dim", "bottom_mlp", "top_mlp",
+                                                       "cross_layers", "cross_low_rank")},
+                "table_bytes": sum(t["bytes_per_row"] * t["num_rows"] for t in tables)}
+    write_export(path, manifest, tensors)
+    return path
+
+
+def rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"I1": int(torch.randint(0, 9, (), generator=g)), "I2": 0.5 * k,
+             "C1": int(torch.randint(0, 50, (), generator=g)), "C2": int(torch.randint(0, 30, (), generator=g))}
+            for k in range(n)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
+def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
+    export = tiny_export(tmp_path / "model")
+    reference = load_export(export)  # the model scored directly, in this thread: what the answers must equal
+    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=2, max_wait_ms=0, compute_nice=5))
+    release, entered, seen = threading.Event(), threading.Event(), {}
+
+    def blocked_forward(forward):
+        def run(served, parts):
+            tid = threading.get_native_id()
+            seen["nice"], seen["tid"] = os.getpriority(os.PRIO_PROCESS, tid), tid
+            entered.set()
+            assert release.wait(WAIT_S), "the test never released the compute thread"
+            return forward(served, parts)
+        return run
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            batcher = app.state.serve["batcher"]
+            batcher._forward = blocked_forward(batcher._forward)
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=WAIT_S) as c:
+                post = lambda body: c.post("/v1/predict", json=body)  # noqa: E731
+                first = asyncio.ensure_future(post({"rows": rows(2, 1)}))  # taken into a batch: compute blocks
+                assert await loop.run_in_executor(None, entered.wait, WAIT_S)
+                queued = [asyncio.ensure_future(post({"rows": rows(2, s)})) for s in (2, 3)]  # fill the queue
+                for _ in range(2000):  # bounded: until both wait in the queue (4 rows of 4)
+                    if batcher.queued_rows == 4:
+                        break
+                    await asyncio.sleep(0.005)
+                assert batcher.queued_rows == 4
+                refused = await asyncio.wait_for(post({"rows": rows(1, 4)}), WAIT_S)
+                busy = not release.is_set() and not first.done() and not any(q.done() for q in queued)
+                release.set()
+                answered = await asyncio.wait_for(asyncio.gather(first, *queued), WAIT_S)
+        return refused, busy, answered
+
+    refused, busy, answered = asyncio.run(scenario())
+    assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
+    assert busy, "the refusal came only after the compute thread was released"
+    for r, seed in zip(answered, (1, 2, 3)):
+        assert r.status_code == 200, r.text
+        expected = reference.predict_rows(rows(2, seed))
+        assert r.json()["probabilities"] == pytest.approx(expected, rel=2e-6, abs=1e-7)
+    # the compute thread ran 5 steps nicer than this (the event loop's) thread, as the OS reports it
+    assert seen["tid"] != threading.get_native_id()
+    assert seen["nice"] == min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 5, 19)
