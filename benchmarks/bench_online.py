@@ -196,6 +196,9 @@ def worker(rank, world, job):
         if s == full_at:
             online.state.step = s
             ckpt["full"] = str(save_checkpoint(online, track=True))
+            for n in names:  # every run records its updated rows from here, as online must for its delta
+                if n != "online":  # checkpoint (not online's own work: a static run with deltas does the same)
+                    runs[n].embedding.track_touched()
         for n in names[s % len(names):] + names[:s % len(names)]:
             run = runs[n]
             run.state.step = s

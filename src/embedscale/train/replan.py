@@ -203,13 +203,15 @@ class DriftMonitor:
     @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
-        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone)."""
+        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
+        touched). A counted batch's ids are checked and held; the profile adds the held batches in one
+        ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
         if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
             self.profile.update({}, steps=1)
             return
         flat = self._flat_ids(sparse)
-        if flat is not None:  # one index_add_ for the whole batch (RollingProfile.update_flat)
-            self.profile.update_flat(flat, steps=1, samples=samples, check=False)
+        if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
+            self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True)
             return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
@@ -240,14 +242,26 @@ class DriftMonitor:
                 self._flat_cache.clear()
             self._flat_cache[key] = cached
         off, last = cached
-        vals = sparse.values.to(off.device, torch.int64)
+        vals = sparse.values
+        if vals.dtype != torch.int64 or vals.device != off.device:
+            vals = vals.to(off.device, torch.int64)
         # 0 <= v <= last for every value: neither v nor last - v is negative (their bitwise or has no sign bit)
-        if vals.numel() and int(torch.bitwise_or(vals, last - vals).min()) < 0:
+        if (vals.numel() and not self._within_smallest(vals)
+                and int(torch.bitwise_or(vals, last - vals).min()) < 0):
             i = int(torch.nonzero((vals < 0) | (vals > last))[0])
             k = int(np.searchsorted(np.cumsum(lpk), i, side="right"))
             raise InputError(f"drift monitor: feature {keys[k]!r}: row id {int(vals[i])} outside its table "
                              f"[0, {int(last[i]) + 1})")
         return vals + off
+
+    def _within_smallest(self, vals: torch.Tensor) -> bool:
+        """Whether every value lies in ``[0, rows)`` of the smallest profiled table (then in its own table's range):
+        one reduction, the per-value check of :meth:`_flat_ids` only when not."""
+        smallest = getattr(self, "_smallest_last", None)
+        if smallest is None:
+            smallest = self._smallest_last = min(self.profile.num_rows.values()) - 1
+        lo, hi = torch.aminmax(vals)
+        return int(lo) >= 0 and int(hi) <= smallest
 
     def maybe_replan(self, run) -> dict | None:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
