@@ -14,7 +14,11 @@ Cost on the training path: ``O(batch)`` per table and update, on the run's devic
 lazily as one scale factor (stored values are ``count * scale`` with ``scale = decay^-elapsed``, so an
 update is an ``index_add_`` of the batch's rows scaled by ``scale``); the tables are rescaled in one
 pass only when the scale passes ``1e150`` (``1e18`` in float32; the stored values stay finite and keep their relative
-precision). Reading the counts costs one division per row.
+precision). Reading the counts costs one division per row. Two cheaper forms for a caller that counts every step
+(the drift monitor): an update with no rows is the decay alone, kept as a step count and taken into the scale when
+the profile is next used (no tensor touched); ``update_flat(..., defer=True)`` holds the batch's ids with the
+step's scale and adds every held batch in one ``index_add_`` when the counts are next read (the same adds in the
+same order: the same counts, bit for bit).
 
 Across ranks: :meth:`RollingProfile.all_reduce` sums every rank's counts with one ``all_reduce`` of
 one flat tensor through a given process group, when the drift monitor asks (not per step).

@@ -55,8 +55,10 @@ Each rank's rolling profile is in its rank file of every full checkpoint
 bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`, rank 0's, on every rank), so a
 run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
 none and a resume from it takes its base's (a lag of the steps between them).
-A counted batch is one ``index_add_`` over every table's rows laid end to end (:meth:`DriftMonitor._flat_ids`,
-``RollingProfile.update_flat``; each id checked against its own table first).
+A counted batch's ids are checked against their own tables (:meth:`DriftMonitor._flat_ids`: one ``aminmax`` when
+they all fit the smallest table) and held; the profile adds the held batches in one ``index_add_`` over every
+table's rows laid end to end when the check reads it (``RollingProfile.update_flat``, ``defer``). A batch not
+counted touches no tensor (its decay is kept in the profile's scale).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
