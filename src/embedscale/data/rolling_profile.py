@@ -156,6 +156,12 @@ class RollingProfile:
         ids = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64, device=self._flat.device)
         self.update_flat(ids, steps, samples, check=False)
 
+    def decay_only(self, steps: int = 1) -> None:
+        """:meth:`update` with no rows and no samples: ``steps`` of decay, kept as a step count and taken into the
+        scale when the profile is next used (plain Python, no tensor and no grad mode touched)."""
+        self.steps += steps
+        self._idle += steps
+
     def _decay_steps(self, steps: int) -> None:
         self.steps += steps
         self._idle += steps

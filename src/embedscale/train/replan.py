@@ -202,14 +202,13 @@ class DriftMonitor:
         plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
         self.plan_seconds: float | None = float(plan_s) if plan_s else None
 
-    @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
         only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
         touched). A counted batch's ids are checked and held; the profile adds the held batches in one
         ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
         if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
-            self.profile.update({}, steps=1)
+            self.profile.decay_only(1)
             return
         flat = self._flat_ids(sparse)
         if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
