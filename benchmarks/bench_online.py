@@ -15,8 +15,9 @@ built in every rank process, the same model and seed, each under its own plan:
   to the OPER plan of that window's true profile.
 
 Every step every run trains on the same batch, in an order drawn step by step (a permutation seeded by the step:
-interleaved, the load the machine is under hits all runs alike, and every run follows every other equally often); each timed step starts after a barrier; a step's time is the slowest
-rank's. The online run's check and migration are timed apart from its step (``maybe_replan`` is called first).
+interleaved, the load the machine is under hits all runs alike, and every run follows every other equally
+often); each timed step starts after a barrier; a step's time is the slowest rank's. The online run's check and
+migration are timed apart from its step (``maybe_replan`` is called first).
 
 Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one; its
 paired step ratios, ``window0_paired_median``, are the comparison's own noise and overhead):
@@ -54,7 +55,9 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
    online / static and static_twin / static, in wall-clock seconds (the bar: the median within 3%) and in CPU
    seconds (every rank's step thread, and rank 0's check thread charged to its check's step: the work online
    adds, which a loaded machine's waits for a core hide in the wall clock); ``step_online_static_counted`` /
-   ``_not_counted``: the per-step paired medians where the monitor counted the batch and where it did not.
+   ``_not_counted``: the per-step paired medians where the monitor counted the batch and where it did not;
+   ``cpu_monitor_share``: the monitor's own CPU seconds (every rank's ``observe`` and ``maybe_replan``, rank 0's
+   check thread) over static's, timed where the work runs (no second run's spread in it).
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
@@ -163,6 +166,7 @@ def worker(rank, world, job):
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
     step_s = {n: np.zeros(steps) for n in names}
     pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
+    replan_cpu = {n: np.zeros(steps) for n in names if n.startswith("online")}  # CPU seconds in maybe_replan
     cpu_s = {n: np.zeros(steps) for n in names}  # this rank's CPU seconds in each step (main thread; online:
     # its pause too, and rank 0's check thread charged to the check's step)
     losses = {n: [] for n in names}
@@ -170,6 +174,7 @@ def worker(rank, world, job):
     ckpt = {}
     online = runs["online"]
     observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
+    observe_cpu = []  # the same in this thread's CPU seconds
     observe = online.monitor.observe
 
     counted = []  # per online step: whether observe counted the batch (else the decay alone: checks spaced out)
@@ -177,9 +182,10 @@ def worker(rank, world, job):
     def timed_observe(sparse, samples):
         mon = online.monitor
         counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         observe(sparse, samples)
         observe_s.append(time.perf_counter() - t0)
+        observe_cpu.append(time.thread_time() - c0)
 
     online.monitor.observe = timed_observe
     events = {n: _log_checks(runs[n].monitor) for n in pause_s}  # each check's steps: its start, its verdict tries
@@ -211,6 +217,7 @@ def worker(rank, world, job):
                 run.monitor.maybe_replan(run)  # train_step's own call then returns at once (already checked)
                 pause_s[n][s] = time.perf_counter() - t0
                 cpu_s[n][s] += time.thread_time() - c0
+                replan_cpu[n][s] = time.thread_time() - c0
                 dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             loss = run.train_step(batch)
@@ -242,6 +249,7 @@ def worker(rank, world, job):
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
+            "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
             "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first)}
 
 
@@ -333,8 +341,8 @@ def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events
 
 def rounds(on: np.ndarray, st: np.ndarray, size: int, seed: int = 0) -> dict:
     """Paired per-round ratios of two runs' seconds (``on`` / ``st``, step by step, the same steps): a round is
-    ``size`` consecutive steps (every run took each of them back to back, in the step's drawn order), its ratio the sum of
-    ``on`` over the sum of ``st``. Median, p10 and p90 over the rounds, the median's 95% interval (bootstrap over
+    ``size`` consecutive steps (every run took each of them back to back, in the step's drawn order), its ratio the
+    sum of ``on`` over the sum of ``st``. Median, p10 and p90 over the rounds, the median's 95% interval (bootstrap over
     the rounds, 2,000 resamples), and the per-step paired median."""
     n = len(on) // size
     r = np.asarray([on[i * size:(i + 1) * size].sum() / st[i * size:(i + 1) * size].sum() for i in range(n)])
@@ -419,6 +427,10 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     paired["cpu_bound_static_over_run"] = {n: round(float(np.median(bound["static"] / bound[n])), 4)
                                            for n in cfgs if n != "static"}
     paired["cpu_check_thread_share"] = round(float(res[0]["check_cpu_s"]["online"] / cpu["static"][1:].sum()), 5)
+    # the monitor's own work, timed where it runs (every rank's observe and maybe_replan, rank 0's check thread)
+    # against static's CPU: what online adds directly, without the run-to-run spread of two runs' totals
+    mon_cpu = sum(r["monitor_cpu_s"] for r in res) + res[0]["check_cpu_s"]["online"]
+    paired["cpu_monitor_share"] = round(float(mon_cpu / cpu["static"].sum()), 5)
     if a.dump:  # every run's per-step seconds (the slowest rank's) and the online run's pauses, for a closer look
         np.savez(f"{a.dump}-w{world}.npz", **{f"step_{n}": v for n, v in step.items()},
                  **{f"cpu_{n}": v for n, v in cpu.items()},
