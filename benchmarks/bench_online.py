@@ -141,7 +141,8 @@ def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
                   "eval_every": 0, "checkpoint_every": 0, "sparse_optimizer": "rowwise_adagrad",
                   "dense_optimizer": "adagrad", "prefetch": 0, "seed": 0,
                   "replan_every": a.every if name.startswith("online") else 0, "replan_min_gain": a.min_gain,
-                  **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {})},
+                  **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {}),
+                  **({"replan_count_every": a.count_every} if a.count_every > 1 else {})},
         "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800}})
 
 
@@ -558,7 +559,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                    "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share, "hot_alpha": a.hot_alpha,
                    "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
                    "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
-                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "round_steps": a.round_steps,
+                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "replan_count_every": a.count_every,
+                   "round_steps": a.round_steps,
                    "runs_interleaved": list(cfgs), "untimed_run_built_first": not a.no_first_built,
                    "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)"}}
 
@@ -581,6 +583,8 @@ def main():
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--lag", type=int, default=getattr(RunConfig().train, "replan_lag", 0),
                     help="train.replan_lag of 'online'")
+    ap.add_argument("--count-every", type=int, default=1,
+                    help="train.replan_count_every of the monitored runs (each batch counted with probability 1/k)")
     ap.add_argument("--compare-lag0", action="store_true",
                     help="a fourth run, 'online_lag0': the same monitor with train.replan_lag 0, interleaved")
     ap.add_argument("--round-steps", type=int, default=20,

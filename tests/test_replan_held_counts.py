@@ -129,3 +129,36 @@ def test_batches_not_counted_only_decay():
     assert mon.profile.steps == 9
     assert mon.profile.counts("big")[[3, 4, 5]].tolist() == pytest.approx([2 * q ** 8, 0.0, 0.0], rel=1e-12)
     assert mon.profile.samples == pytest.approx(2 * q ** 8, rel=1e-12)
+
+
+def test_sampled_counting_is_unbiased_with_the_stated_variance():
+    """``train.replan_count_every`` k = 4: each batch counted with probability 1/4, weighted 4. Over 400 seeds, per
+    row, the estimates' mean is the full decayed count (brute force in float64, within 5 standard errors) and
+    their variance the stated ``(k - 1) * sum_s (q^(T - s) n_s)^2`` (within [0.6, 1.6] of it)."""
+    k, steps, seeds = 4, 20, 400
+    q = 0.5 ** (1 / 4)
+    rng = np.random.default_rng(7)
+    batches = [{"x": [[int(v)] for v in rng.zipf(1.5, 6).clip(max=100) - 1], "y": [[int(v)] for v in
+                                                                                  rng.integers(0, 6, 6)]}
+               for _ in range(steps)]
+    full, var = np.zeros(106), np.zeros(106)  # big's 100 rows, then small's 6
+    for s, b in enumerate(batches):
+        n = np.bincount([r[0] for r in b["x"]], minlength=100).tolist() + np.bincount(
+            [r[0] for r in b["y"]], minlength=6).tolist()
+        w = q ** (steps - 1 - s)
+        full += w * np.asarray(n, dtype=np.float64)
+        var += (k - 1) * (w * np.asarray(n, dtype=np.float64)) ** 2
+    est = np.zeros((seeds, 106))
+    for seed in range(seeds):
+        run = SimpleNamespace(host_embedding=None, device=torch.device("cpu"), tables=TABLES)
+        mon = DriftMonitor(run, 4, 0.05, count_every=k, seed=seed)
+        for s, b in enumerate(batches):
+            mon._step = s
+            mon.observe(JaggedFeatures.from_lists(b), samples=6)
+        est[seed] = torch.cat([mon.profile.counts("big"), mon.profile.counts("small")]).numpy()
+    hit = var > 0
+    assert hit.sum() >= 6, "too few rows to test"
+    assert np.all(np.abs(est.mean(0) - full) <= 5 * np.sqrt(var / seeds) + 1e-12)
+    ratio = est.var(0, ddof=1)[hit] / var[hit]
+    assert 0.6 <= ratio.min() and ratio.max() <= 1.6, ratio
+    assert np.array_equal(est[:, ~hit], np.zeros((seeds, int((~hit).sum()))))

@@ -133,7 +133,8 @@ class RollingProfile:
         self._scale *= math.exp(grow)
 
     @torch.no_grad()
-    def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0) -> None:
+    def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0,
+               weight: float = 1.0) -> None:
         """Decay every table by ``decay^steps``, then add one access per row id of ``rows_by_table``
         (and ``samples`` to the sample count). Tables not named get only the decay; with no rows at all it is
         the decay alone, kept in the scale factor (no tensor touched: the drift monitor's batches not counted)."""
@@ -144,7 +145,7 @@ class RollingProfile:
             self._idle += int(steps)
             if samples:
                 self._sync()
-                self._samples += samples * self._scale
+                self._samples += samples * self._scale * weight
             return
         for name, rows in rows_by_table.items():  # check all before changing anything
             c = self._table(name)
@@ -154,7 +155,7 @@ class RollingProfile:
         flat = [rows.reshape(-1).to(self._flat.device, torch.int64) + self.table_offsets[name]
                 for name, rows in rows_by_table.items()]
         ids = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64, device=self._flat.device)
-        self.update_flat(ids, steps, samples, check=False)
+        self.update_flat(ids, steps, samples, check=False, weight=weight)
 
     def decay_only(self, steps: int = 1) -> None:
         """:meth:`update` with no rows and no samples: ``steps`` of decay, kept as a step count and taken into the
@@ -176,7 +177,7 @@ class RollingProfile:
 
     @torch.no_grad()
     def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True,
-                    defer: bool = False) -> None:
+                    defer: bool = False, weight: float = 1.0) -> None:
         """:meth:`update` with the rows of every table in one tensor: ``ids`` index the tables' rows laid one
         after another in :attr:`table_names` order (row ``r`` of table ``t`` is ``table_offsets[t] + r``), so a
         batch is counted in one ``index_add_`` (the drift monitor's per-batch path). ``check``: refuse ids outside
@@ -184,7 +185,8 @@ class RollingProfile:
         bit, as :meth:`update` with the ids split by table. ``defer``: hold ``ids`` (not copied: the caller must not
         change them) with the step's scale and add every held batch in one ``index_add_`` when the counts are next
         read or the scale is reset (:meth:`_flush`): the same adds in the same order, so the same counts bit for bit,
-        at one list append a batch."""
+        at one list append a batch. ``weight``: each id (and each sample) counts this many accesses (a batch
+        sampled with probability ``1 / weight``: the expected count is the full one)."""
         if int(steps) < 0:
             raise ConfigError(f"RollingProfile.update_flat: steps must be >= 0, got {steps}")
         if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device != self._flat.device:
@@ -196,17 +198,17 @@ class RollingProfile:
                 raise InputError(f"rolling profile: row {bad} outside the tables' 0..{self._flat.numel() - 1}")
         self._decay_steps(int(steps))
         if defer:
-            self._held.append((ids, self._scale))
+            self._held.append((ids, self._scale * weight))
             self._held_ids += ids.numel()
-            self._samples += samples * self._scale
+            self._samples += samples * self._scale * weight
             if self._held_ids >= _HOLD_IDS:  # a bound on the memory held between reads
                 self._flush()
             return
         n = ids.numel()
         if self._ones is None or self._ones.numel() < n:
             self._ones = torch.ones(max(n, 1024), dtype=self._flat.dtype, device=self._flat.device)
-        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale)
-        self._samples += samples * self._scale
+        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale * weight)
+        self._samples += samples * self._scale * weight
 
     @torch.no_grad()
     def _flush(self) -> None:

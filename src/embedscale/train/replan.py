@@ -107,6 +107,18 @@ MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many mo
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
 QUIET_OBSERVE_PERIODS = 2
+
+
+def counted_step(seed: int, step: int, every: int) -> bool:
+    """Whether the drift monitor counts the batch of ``step`` under ``train.replan_count_every`` = ``every``: a
+    draw with probability ``1 / every`` from a 64-bit mix (splitmix64) of ``seed`` and ``step``, the same on every
+    rank and in a resumed run. A counted batch weighs ``every``, so the expected rolling count is the full one;
+    its variance, per row, is ``(every - 1) * sum_s (decay^(T - s) * n_s)^2`` (independent draws per step)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z % every == 0
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
@@ -174,7 +186,7 @@ class PendingCheck:
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float, lag: int = 0):
+    def __init__(self, run, every: int, min_gain: float, lag: int = 0, count_every: int = 1, seed: int = 0):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
@@ -201,22 +213,27 @@ class DriftMonitor:
         # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
         plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
         self.plan_seconds: float | None = float(plan_s) if plan_s else None
+        if int(count_every) < 1:
+            raise ConfigError(f"train.replan_count_every {count_every}: must be at least 1")
+        self.count_every, self._seed = int(count_every), int(seed)  # sampled counting (:func:`counted_step`)
 
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
         only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
         touched). A counted batch's ids are checked and held; the profile adds the held batches in one
         ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
-        if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
+        k = getattr(self, "count_every", 1)
+        if (self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
+                or (k > 1 and not counted_step(self._seed, self._step, k))):
             self.profile.decay_only(1)
             return
         flat = self._flat_ids(sparse)
         if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
-            self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True)
+            self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True, weight=k)
             return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
-        self.profile.update(rows, steps=1, samples=samples)
+        self.profile.update(rows, steps=1, samples=samples, weight=k)
 
     def _flat_ids(self, sparse) -> torch.Tensor | None:
         """The batch's row ids as :meth:`RollingProfile.update_flat` counts them (each value plus its table's
