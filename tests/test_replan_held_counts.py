@@ -1,7 +1,8 @@
 """The drift monitor's cheap per-step path: a counted batch held and added when the profile is read
 (``RollingProfile.update_flat(defer=True)``), a batch not counted only decaying (no tensor touched), and the ids'
-range check by one reduction when they fit the smallest table. References: the decay rule worked in float64 by a
-plain-Python loop, and the same profile counting every batch at once (bit for bit)."""
+range check by one reduction when they fit the smallest table, and the sampled count (``train.replan_count_every``).
+References: the decay rule worked in float64 by a plain-Python loop, the same profile counting every batch at once
+(bit for bit), and the brute-force count's mean and stated variance over many seeds."""
 
 from __future__ import annotations
 

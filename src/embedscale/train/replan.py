@@ -58,7 +58,9 @@ none and a resume from it takes its base's (a lag of the steps between them).
 A counted batch's ids are checked against their own tables (:meth:`DriftMonitor._flat_ids`: one ``aminmax`` when
 they all fit the smallest table) and held; the profile adds the held batches in one ``index_add_`` over every
 table's rows laid end to end when the check reads it (``RollingProfile.update_flat``, ``defer``). A batch not
-counted touches no tensor (its decay is kept in the profile's scale).
+counted touches no tensor (its decay is kept in the profile's scale). With ``train.replan_count_every`` k > 1 a
+batch of the counting periods is counted with probability 1/k and weight k (:func:`counted_step`: the same expected
+counts).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
