@@ -14,9 +14,10 @@ built in every rank process, the same model and seed, each under its own plan:
 * ``hindsight``: at the first step of every window, moved (``train.replan.move_to_plan``, untimed: an oracle)
   to the OPER plan of that window's true profile.
 
-Every step every run trains on the same batch, in an order rotated step by step (interleaved: the load the
-machine is under hits all three alike); each timed step starts after a barrier; a step's time is the slowest
-rank's. The online run's check and migration are timed apart from its step (``maybe_replan`` is called first).
+Every step every run trains on the same batch, in an order drawn step by step (a permutation seeded by the step:
+interleaved, the load the machine is under hits all runs alike, and every run follows every other equally
+often); each timed step starts after a barrier; a step's time is the slowest rank's. The online run's check and
+migration are timed apart from its step (``maybe_replan`` is called first).
 
 Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one; its
 paired step ratios, ``window0_paired_median``, are the comparison's own noise and overhead):
@@ -54,7 +55,9 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
    online / static and static_twin / static, in wall-clock seconds (the bar: the median within 3%) and in CPU
    seconds (every rank's step thread, and rank 0's check thread charged to its check's step: the work online
    adds, which a loaded machine's waits for a core hide in the wall clock); ``step_online_static_counted`` /
-   ``_not_counted``: the per-step paired medians where the monitor counted the batch and where it did not.
+   ``_not_counted``: the per-step paired medians where the monitor counted the batch and where it did not;
+   ``cpu_monitor_share``: the monitor's own CPU seconds (every rank's ``observe`` and ``maybe_replan``, rank 0's
+   check thread) over static's, timed where the work runs (no second run's spread in it).
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
@@ -138,7 +141,8 @@ def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
                   "eval_every": 0, "checkpoint_every": 0, "sparse_optimizer": "rowwise_adagrad",
                   "dense_optimizer": "adagrad", "prefetch": 0, "seed": 0,
                   "replan_every": a.every if name.startswith("online") else 0, "replan_min_gain": a.min_gain,
-                  **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {})},
+                  **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {}),
+                  **({"replan_count_every": a.count_every} if a.count_every > 1 else {})},
         "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800}})
 
 
@@ -163,6 +167,7 @@ def worker(rank, world, job):
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
     step_s = {n: np.zeros(steps) for n in names}
     pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
+    replan_cpu = {n: np.zeros(steps) for n in names if n.startswith("online")}  # CPU seconds in maybe_replan
     cpu_s = {n: np.zeros(steps) for n in names}  # this rank's CPU seconds in each step (main thread; online:
     # its pause too, and rank 0's check thread charged to the check's step)
     losses = {n: [] for n in names}
@@ -170,6 +175,7 @@ def worker(rank, world, job):
     ckpt = {}
     online = runs["online"]
     observe_s = []  # the monitor's per-batch share of the online step (the rolling profile's update)
+    observe_cpu = []  # the same in this thread's CPU seconds
     observe = online.monitor.observe
 
     counted = []  # per online step: whether observe counted the batch (else the decay alone: checks spaced out)
@@ -177,9 +183,10 @@ def worker(rank, world, job):
     def timed_observe(sparse, samples):
         mon = online.monitor
         counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         observe(sparse, samples)
         observe_s.append(time.perf_counter() - t0)
+        observe_cpu.append(time.thread_time() - c0)
 
     online.monitor.observe = timed_observe
     events = {n: _log_checks(runs[n].monitor) for n in pause_s}  # each check's steps: its start, its verdict tries
@@ -196,7 +203,13 @@ def worker(rank, world, job):
         if s == full_at:
             online.state.step = s
             ckpt["full"] = str(save_checkpoint(online, track=True))
-        for n in names[s % len(names):] + names[:s % len(names)]:
+            for n in names:  # every run records its updated rows from here, as online must for its delta
+                if n != "online":  # checkpoint (not online's own work: a static run with deltas does the same)
+                    runs[n].embedding.track_touched()
+        # the runs' order this step: a permutation drawn from the step (the same on every rank), so every run
+        # follows every other one equally often (a fixed rotation gave each run the same predecessor and
+        # measured the run after static up to 3% slower with the monitor switched off)
+        for n in (names[i] for i in np.random.default_rng(s).permutation(len(names))):
             run = runs[n]
             run.state.step = s
             dist.barrier()
@@ -205,6 +218,7 @@ def worker(rank, world, job):
                 run.monitor.maybe_replan(run)  # train_step's own call then returns at once (already checked)
                 pause_s[n][s] = time.perf_counter() - t0
                 cpu_s[n][s] += time.thread_time() - c0
+                replan_cpu[n][s] = time.thread_time() - c0
                 dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             loss = run.train_step(batch)
@@ -236,6 +250,7 @@ def worker(rank, world, job):
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
+            "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
             "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first)}
 
 
@@ -327,8 +342,8 @@ def against_static(step: dict, pause: dict, n: str, every: int, lag: int, events
 
 def rounds(on: np.ndarray, st: np.ndarray, size: int, seed: int = 0) -> dict:
     """Paired per-round ratios of two runs' seconds (``on`` / ``st``, step by step, the same steps): a round is
-    ``size`` consecutive steps (every run took each of them back to back, in rotated order), its ratio the sum of
-    ``on`` over the sum of ``st``. Median, p10 and p90 over the rounds, the median's 95% interval (bootstrap over
+    ``size`` consecutive steps (every run took each of them back to back, in the step's drawn order), its ratio the
+    sum of ``on`` over the sum of ``st``. Median, p10 and p90 over the rounds, the median's 95% interval (bootstrap over
     the rounds, 2,000 resamples), and the per-step paired median."""
     n = len(on) // size
     r = np.asarray([on[i * size:(i + 1) * size].sum() / st[i * size:(i + 1) * size].sum() for i in range(n)])
@@ -413,6 +428,10 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     paired["cpu_bound_static_over_run"] = {n: round(float(np.median(bound["static"] / bound[n])), 4)
                                            for n in cfgs if n != "static"}
     paired["cpu_check_thread_share"] = round(float(res[0]["check_cpu_s"]["online"] / cpu["static"][1:].sum()), 5)
+    # the monitor's own work, timed where it runs (every rank's observe and maybe_replan, rank 0's check thread)
+    # against static's CPU: what online adds directly, without the run-to-run spread of two runs' totals
+    mon_cpu = sum(r["monitor_cpu_s"] for r in res) + res[0]["check_cpu_s"]["online"]
+    paired["cpu_monitor_share"] = round(float(mon_cpu / cpu["static"].sum()), 5)
     if a.dump:  # every run's per-step seconds (the slowest rank's) and the online run's pauses, for a closer look
         np.savez(f"{a.dump}-w{world}.npz", **{f"step_{n}": v for n, v in step.items()},
                  **{f"cpu_{n}": v for n, v in cpu.items()},
@@ -540,7 +559,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                    "new_ids_per_step": a.new_ids, "hot_ids": a.hot_ids, "hot_share": a.hot_share, "hot_alpha": a.hot_alpha,
                    "batch_global": a.batch, "dim": a.dim, "replan_every": a.every, "replan_min_gain": a.min_gain,
                    "threads_per_rank": 1, "model": "dlrm bottom [32] top [32]", "plan": "oper",
-                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "round_steps": a.round_steps,
+                   "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "replan_count_every": a.count_every,
+                   "round_steps": a.round_steps,
                    "runs_interleaved": list(cfgs), "untimed_run_built_first": not a.no_first_built,
                    "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)"}}
 
@@ -563,6 +583,8 @@ def main():
     ap.add_argument("--dim", type=int, default=16)
     ap.add_argument("--lag", type=int, default=getattr(RunConfig().train, "replan_lag", 0),
                     help="train.replan_lag of 'online'")
+    ap.add_argument("--count-every", type=int, default=1,
+                    help="train.replan_count_every of the monitored runs (each batch counted with probability 1/k)")
     ap.add_argument("--compare-lag0", action="store_true",
                     help="a fourth run, 'online_lag0': the same monitor with train.replan_lag 0, interleaved")
     ap.add_argument("--round-steps", type=int, default=20,

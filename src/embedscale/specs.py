@@ -448,6 +448,9 @@ class TrainConfig:
     # its verdict is taken (the rows migrate) between steps N + replan_lag and N + replan_lag + 1, or a period later
     # while the check still runs; 0 = the other ranks wait for the check (train.replan); at most replan_every
     replan_lag: int = 1
+    # the drift monitor counts each batch of its counting periods with probability 1 / replan_count_every, weighted
+    # by replan_count_every (an unbiased estimate of the full count, drawn from train.seed and the step); 1 = all
+    replan_count_every: int = 1
     # early stopping (train.loop): stop after this many evaluations in a row (every eval_every steps and at
     # each epoch's end) without improving early_stopping_metric by more than early_stopping_min_delta; 0 = off
     early_stopping_patience: int = 3
@@ -692,7 +695,7 @@ NUMBERS.update({
                   "progressive_window": (0.0, True, None), "replan_every": (0.0, True, None),
                   "epoch_samples": _AT_LEAST_1,
                   "sparse_weight_decay": (-1.0, True, None),
-                  "replan_min_gain": (0.0, True, None), "replan_lag": _AT_LEAST_0,
+                  "replan_min_gain": (0.0, True, None), "replan_lag": _AT_LEAST_0, "replan_count_every": _AT_LEAST_1,
                   "batch_size": _AT_LEAST_0, "epochs": _AT_LEAST_0, "max_steps": _AT_LEAST_0,
                   "eval_every": _AT_LEAST_0, "log_every": _AT_LEAST_0, "checkpoint_every": _AT_LEAST_0,
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,

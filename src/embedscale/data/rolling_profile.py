@@ -14,7 +14,11 @@ Cost on the training path: ``O(batch)`` per table and update, on the run's devic
 lazily as one scale factor (stored values are ``count * scale`` with ``scale = decay^-elapsed``, so an
 update is an ``index_add_`` of the batch's rows scaled by ``scale``); the tables are rescaled in one
 pass only when the scale passes ``1e150`` (``1e18`` in float32; the stored values stay finite and keep their relative
-precision). Reading the counts costs one division per row.
+precision). Reading the counts costs one division per row. Two cheaper forms for a caller that counts every step
+(the drift monitor): an update with no rows is the decay alone, kept as a step count and taken into the scale when
+the profile is next used (no tensor touched); ``update_flat(..., defer=True)`` holds the batch's ids with the
+step's scale and adds every held batch in one ``index_add_`` when the counts are next read (the same adds in the
+same order: the same counts, bit for bit).
 
 Across ranks: :meth:`RollingProfile.all_reduce` sums every rank's counts with one ``all_reduce`` of
 one flat tensor through a given process group, when the drift monitor asks (not per step).
@@ -39,6 +43,7 @@ from embedscale.device import HOST
 from embedscale.errors import ConfigError, FormatError, InputError
 
 _RESCALE_AT = {torch.float64: 1e150, torch.float32: 1e18}  # stored values stay finite
+_HOLD_IDS = 1 << 20  # update_flat(defer=True): held ids are added once this many wait (8 MiB of int64)
 
 
 class RollingProfile:
@@ -70,6 +75,7 @@ class RollingProfile:
         self.decay = float(decay)
         self.steps = 0
         self._scale = 1.0
+        self._idle = 0  # steps counted in ``steps`` whose decay is not yet in the scale (:meth:`_sync`)
         self._samples = 0.0  # stored like the counts (times the scale)
         if not num_rows:
             raise ConfigError("RollingProfile: no tables")
@@ -83,6 +89,8 @@ class RollingProfile:
         self._counts = dict(zip(num_rows, torch.split(self._flat, sizes)))  # views of it, by table
         self.table_offsets = dict(zip(num_rows, itertools.accumulate([0, *sizes[:-1]])))  # each table's first row in :meth:`update_flat`'s ids
         self._ones: torch.Tensor | None = None  # update_flat's source (one access per id, scaled by alpha)
+        self._held: list[tuple[torch.Tensor, float]] = []  # update_flat(defer=True): (ids, scale), not yet added
+        self._held_ids = 0
 
     @property
     def table_names(self) -> list[str]:
@@ -103,6 +111,7 @@ class RollingProfile:
             raise InputError(f"rolling profile has no table {name!r}; tables: {self.table_names}") from None
 
     def _rescale(self) -> None:
+        self._flush()  # the held batches' weights are in the current scale's units
         for c in self._counts.values():
             c.div_(self._scale)
         self._samples /= self._scale
@@ -116,7 +125,7 @@ class RollingProfile:
         if math.log(self._scale) + grow > limit:
             self._rescale()
             if grow > limit:  # a long gap: decay the tables directly (may underflow to 0, never overflows)
-                f = self.decay ** steps
+                f = self.decay ** steps  # (the held batches were added by _rescale)
                 for c in self._counts.values():
                     c.mul_(f)
                 self._samples *= f
@@ -124,11 +133,20 @@ class RollingProfile:
         self._scale *= math.exp(grow)
 
     @torch.no_grad()
-    def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0) -> None:
+    def update(self, rows_by_table: Mapping[str, torch.Tensor], steps: int = 1, samples: int = 0,
+               weight: float = 1.0) -> None:
         """Decay every table by ``decay^steps``, then add one access per row id of ``rows_by_table``
-        (and ``samples`` to the sample count). Tables not named get only the decay."""
+        (and ``samples`` to the sample count). Tables not named get only the decay; with no rows at all it is
+        the decay alone, kept in the scale factor (no tensor touched: the drift monitor's batches not counted)."""
         if int(steps) < 0:
             raise ConfigError(f"RollingProfile.update: steps must be >= 0, got {steps}")
+        if not rows_by_table:  # the decay alone: the steps are taken into the scale when it is next used
+            self.steps += int(steps)
+            self._idle += int(steps)
+            if samples:
+                self._sync()
+                self._samples += samples * self._scale * weight
+            return
         for name, rows in rows_by_table.items():  # check all before changing anything
             c = self._table(name)
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= c.numel()):
@@ -137,40 +155,83 @@ class RollingProfile:
         flat = [rows.reshape(-1).to(self._flat.device, torch.int64) + self.table_offsets[name]
                 for name, rows in rows_by_table.items()]
         ids = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int64, device=self._flat.device)
-        self.update_flat(ids, steps, samples, check=False)
+        self.update_flat(ids, steps, samples, check=False, weight=weight)
+
+    def decay_only(self, steps: int = 1) -> None:
+        """:meth:`update` with no rows and no samples: ``steps`` of decay, kept as a step count and taken into the
+        scale when the profile is next used (plain Python, no tensor and no grad mode touched)."""
+        self.steps += steps
+        self._idle += steps
+
+    def _decay_steps(self, steps: int) -> None:
+        self.steps += steps
+        self._idle += steps
+        self._sync()
+
+    def _sync(self) -> None:
+        """Take the steps decayed without a count (:meth:`update` with no rows) into the scale."""
+        if self._idle:
+            steps, self._idle = self._idle, 0
+            if self.decay < 1.0:
+                self._advance(steps)
 
     @torch.no_grad()
-    def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True) -> None:
+    def update_flat(self, ids: torch.Tensor, steps: int = 1, samples: int = 0, check: bool = True,
+                    defer: bool = False, weight: float = 1.0) -> None:
         """:meth:`update` with the rows of every table in one tensor: ``ids`` index the tables' rows laid one
         after another in :attr:`table_names` order (row ``r`` of table ``t`` is ``table_offsets[t] + r``), so a
         batch is counted in one ``index_add_`` (the drift monitor's per-batch path). ``check``: refuse ids outside
         the whole range (a caller that checked each table's range itself passes ``False``). Same counts, bit for
-        bit, as :meth:`update` with the ids split by table."""
+        bit, as :meth:`update` with the ids split by table. ``defer``: hold ``ids`` (not copied: the caller must not
+        change them) with the step's scale and add every held batch in one ``index_add_`` when the counts are next
+        read or the scale is reset (:meth:`_flush`): the same adds in the same order, so the same counts bit for bit,
+        at one list append a batch. ``weight``: each id (and each sample) counts this many accesses (a batch
+        sampled with probability ``1 / weight``: the expected count is the full one)."""
         if int(steps) < 0:
             raise ConfigError(f"RollingProfile.update_flat: steps must be >= 0, got {steps}")
-        ids = ids.reshape(-1).to(self._flat.device, torch.int64)
+        if ids.dim() != 1 or ids.dtype != torch.int64 or ids.device != self._flat.device:
+            ids = ids.reshape(-1).to(self._flat.device, torch.int64)
         if check and ids.numel():
             lo, hi = torch.aminmax(ids)
             if int(lo) < 0 or int(hi) >= self._flat.numel():
                 bad = int(lo) if int(lo) < 0 else int(hi)
                 raise InputError(f"rolling profile: row {bad} outside the tables' 0..{self._flat.numel() - 1}")
-        if steps:
-            self.steps += int(steps)
-            if self.decay < 1.0:
-                self._advance(int(steps))
+        self._decay_steps(int(steps))
+        if defer:
+            self._held.append((ids, self._scale * weight))
+            self._held_ids += ids.numel()
+            self._samples += samples * self._scale * weight
+            if self._held_ids >= _HOLD_IDS:  # a bound on the memory held between reads
+                self._flush()
+            return
         n = ids.numel()
         if self._ones is None or self._ones.numel() < n:
             self._ones = torch.ones(max(n, 1024), dtype=self._flat.dtype, device=self._flat.device)
-        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale)
-        self._samples += samples * self._scale
+        self._flat.index_add_(0, ids, self._ones[:n], alpha=self._scale * weight)
+        self._samples += samples * self._scale * weight
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Add the batches :meth:`update_flat` held (``defer``): one ``index_add_`` of their ids, each weighted by
+        the scale of its step (the value its own ``index_add_`` would have added)."""
+        if not self._held:
+            return
+        held, self._held, self._held_ids = self._held, [], 0
+        ids = torch.cat([i for i, _ in held]) if len(held) > 1 else held[0][0]
+        w = torch.tensor([sc for _, sc in held], dtype=self._flat.dtype)
+        sizes = torch.tensor([i.numel() for i, _ in held], dtype=torch.int64)
+        self._flat.index_add_(0, ids, torch.repeat_interleave(w, sizes).to(self._flat.device))
 
     def counts(self, name: str) -> torch.Tensor:
         """The decayed count of every row of table ``name`` (a new tensor on the device)."""
+        self._sync()
+        self._flush()
         return self._table(name) / self._scale
 
     @property
     def samples(self) -> float:
         """The decayed number of samples counted."""
+        self._sync()
         return self._samples / self._scale
 
     @torch.no_grad()
@@ -186,6 +247,8 @@ class RollingProfile:
         """:meth:`all_reduce` started now on a snapshot of the counts (this rank may go on updating them):
         returns the function that waits for it and returns the summed profile (any thread may call it)."""
         names = self.table_names
+        self._sync()
+        self._flush()
         flat = torch.empty(self._flat.numel() + 1, dtype=self._flat.dtype, device=self.device)
         torch.div(self._flat, self._scale, out=flat[:-1])  # every table's counts (the tables laid end to end)
         flat[-1] = self.samples
@@ -212,6 +275,8 @@ class RollingProfile:
         """Tensors only (``torch.load(..., weights_only=True)``): the stored (scaled) counts by table and
         ``meta = [decay, steps, stored samples, scale]``, so a restored profile continues bit for bit as the
         saved one would have (a checkpoint's, ``train.replan``)."""
+        self._sync()
+        self._flush()
         out = {f"stored.{n}": c.clone() for n, c in self._counts.items()}
         out["meta"] = torch.tensor([self.decay, float(self.steps), self._samples, self._scale], dtype=torch.float64)
         return out
@@ -230,6 +295,7 @@ class RollingProfile:
             if key not in state or tuple(state[key].shape) != tuple(c.shape):
                 got = tuple(state[key].shape) if key in state else "missing"
                 raise FormatError(f"rolling profile state: table {n!r}: {got}, expected {tuple(c.shape)}")
+        self._held, self._held_ids, self._idle = [], 0, 0  # replaced by the state's counts
         for n, c in self._counts.items():
             c.copy_(state[f"{prefix}.{n}"])
         self._scale = float(scale)
@@ -246,6 +312,8 @@ class RollingProfile:
         other.load_state_dict(state)
         if other.steps != self.steps:
             raise FormatError(f"rolling profile state: {other.steps} steps, this profile {self.steps}")
+        self._sync()
+        self._flush()
         for n, c in self._counts.items():
             c.add_(other.counts(n).to(c.device), alpha=self._scale)
         self._samples += other.samples * self._scale

@@ -371,7 +371,8 @@ class DistributedRun:
         # rank-local rows and TT replicas (own sync): never DDP's
         self.ddp = dense_ddp(self.model, self.host_embedding or device_module)
         if t.replan_every:
-            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag)
+            self.monitor = DriftMonitor(self, t.replan_every, t.replan_min_gain, t.replan_lag,
+                                        count_every=t.replan_count_every, seed=t.seed)
         # the run's input pipeline (embedding.input_pipeline): the loop hands it the next batch before this step
         # (prefetch_batch); not_pipelined is the one place that says when it cannot run
         self.inputs = InputPipeline(f"input-r{rank}")

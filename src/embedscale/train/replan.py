@@ -55,8 +55,12 @@ Each rank's rolling profile is in its rank file of every full checkpoint
 bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`, rank 0's, on every rank), so a
 run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
 none and a resume from it takes its base's (a lag of the steps between them).
-A counted batch is one ``index_add_`` over every table's rows laid end to end (:meth:`DriftMonitor._flat_ids`,
-``RollingProfile.update_flat``; each id checked against its own table first).
+A counted batch's ids are checked against their own tables (:meth:`DriftMonitor._flat_ids`: one ``aminmax`` when
+they all fit the smallest table) and held; the profile adds the held batches in one ``index_add_`` over every
+table's rows laid end to end when the check reads it (``RollingProfile.update_flat``, ``defer``). A batch not
+counted touches no tensor (its decay is kept in the profile's scale). With ``train.replan_count_every`` k > 1 a
+batch of the counting periods is counted with probability 1/k and weight k (:func:`counted_step`: the same expected
+counts).
 Forms are kept (the fresh plan places the same sharded tables; TT and host tables stay as they are).
 Not supported yet: host-placed tables beside the sharded ones (their pipeline holds the device module).
 """
@@ -105,6 +109,18 @@ MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many mo
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
 QUIET_OBSERVE_PERIODS = 2
+
+
+def counted_step(seed: int, step: int, every: int) -> bool:
+    """Whether the drift monitor counts the batch of ``step`` under ``train.replan_count_every`` = ``every``: a
+    draw with probability ``1 / every`` from a 64-bit mix (splitmix64) of ``seed`` and ``step``, the same on every
+    rank and in a resumed run. A counted batch weighs ``every``, so the expected rolling count is the full one;
+    its variance, per row, is ``(every - 1) * sum_s (decay^(T - s) * n_s)^2`` (independent draws per step)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    z ^= z >> 31
+    return z % every == 0
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
@@ -172,7 +188,7 @@ class PendingCheck:
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
-    def __init__(self, run, every: int, min_gain: float, lag: int = 0):
+    def __init__(self, run, every: int, min_gain: float, lag: int = 0, count_every: int = 1, seed: int = 0):
         if run.host_embedding is not None:
             raise ConfigError("train.replan_every: live re-planning of a run with host-placed tables is not "
                               "supported yet; set train.replan_every 0")
@@ -199,21 +215,27 @@ class DriftMonitor:
         # rank 0: the last planning's seconds (_cannot_pay); before the first check, the running plan's own
         plan_s = getattr(run, "plan", None) and run.plan.meta.get("plan_seconds")
         self.plan_seconds: float | None = float(plan_s) if plan_s else None
+        if int(count_every) < 1:
+            raise ConfigError(f"train.replan_count_every {count_every}: must be at least 1")
+        self.count_every, self._seed = int(count_every), int(seed)  # sampled counting (:func:`counted_step`)
 
-    @torch.no_grad()
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
-        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone)."""
-        if self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every:
-            self.profile.update({}, steps=1)
+        only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
+        touched). A counted batch's ids are checked and held; the profile adds the held batches in one
+        ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
+        k = getattr(self, "count_every", 1)
+        if (self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
+                or (k > 1 and not counted_step(self._seed, self._step, k))):
+            self.profile.decay_only(1)
             return
         flat = self._flat_ids(sparse)
-        if flat is not None:  # one index_add_ for the whole batch (RollingProfile.update_flat)
-            self.profile.update_flat(flat, steps=1, samples=samples, check=False)
+        if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
+            self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True, weight=k)
             return
         parts = sparse.to_dict()
         rows = {t: torch.cat([parts[f][0].reshape(-1) for f in feats]) for t, feats in self._features.items()}
-        self.profile.update(rows, steps=1, samples=samples)
+        self.profile.update(rows, steps=1, samples=samples, weight=k)
 
     def _flat_ids(self, sparse) -> torch.Tensor | None:
         """The batch's row ids as :meth:`RollingProfile.update_flat` counts them (each value plus its table's
@@ -240,14 +262,26 @@ class DriftMonitor:
                 self._flat_cache.clear()
             self._flat_cache[key] = cached
         off, last = cached
-        vals = sparse.values.to(off.device, torch.int64)
+        vals = sparse.values
+        if vals.dtype != torch.int64 or vals.device != off.device:
+            vals = vals.to(off.device, torch.int64)
         # 0 <= v <= last for every value: neither v nor last - v is negative (their bitwise or has no sign bit)
-        if vals.numel() and int(torch.bitwise_or(vals, last - vals).min()) < 0:
+        if (vals.numel() and not self._within_smallest(vals)
+                and int(torch.bitwise_or(vals, last - vals).min()) < 0):
             i = int(torch.nonzero((vals < 0) | (vals > last))[0])
             k = int(np.searchsorted(np.cumsum(lpk), i, side="right"))
             raise InputError(f"drift monitor: feature {keys[k]!r}: row id {int(vals[i])} outside its table "
                              f"[0, {int(last[i]) + 1})")
         return vals + off
+
+    def _within_smallest(self, vals: torch.Tensor) -> bool:
+        """Whether every value lies in ``[0, rows)`` of the smallest profiled table (then in its own table's range):
+        one reduction, the per-value check of :meth:`_flat_ids` only when not."""
+        smallest = getattr(self, "_smallest_last", None)
+        if smallest is None:
+            smallest = self._smallest_last = min(self.profile.num_rows.values()) - 1
+        lo, hi = torch.aminmax(vals)
+        return int(lo) >= 0 and int(hi) <= smallest
 
     def maybe_replan(self, run) -> dict | None:
         """Collective (every rank calls it before each step): every ``replan_every`` steps start a check (rank 0
