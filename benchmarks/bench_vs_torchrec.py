@@ -34,7 +34,10 @@ noise of a shared machine hits both alike; a step's time is the slowest rank's; 
 warm-up. Breakdown: an embedding-only step (lookup + communication + fused update, with a fixed output
 gradient) timed the same way; dense = full step - embedding step; each step's process CPU time too (the busier
 rank's, medians: ``cpu_dense_ms``, the dense parts' work, which a loaded machine inflates far less than their
-wall time; the JSON line's ``dense``). Bytes on wire: every ``all_to_all_single``
+wall time; the JSON line's ``dense``), and the calling thread's alone (``main_thread_cpu_*``: the rest is the
+communication backend's threads). Our step is timed a second way in the same run (``ours_serial``: the model's
+start-ahead and the backward overlap off, the exchanges and the bottom MLP one after the other), interleaved with
+the other two: what the overlap costs or hides on this machine. Bytes on wire: every ``all_to_all_single``
 of either side is counted by one wrapper (bytes sent to other ranks), DDP's AllReduces by counting comm
 hooks (ring model, 2 (W-1)/W of the bucket), our replica-gradient sync by its own counter.
 
