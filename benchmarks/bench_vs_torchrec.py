@@ -34,7 +34,10 @@ noise of a shared machine hits both alike; a step's time is the slowest rank's; 
 warm-up. Breakdown: an embedding-only step (lookup + communication + fused update, with a fixed output
 gradient) timed the same way; dense = full step - embedding step; each step's process CPU time too (the busier
 rank's, medians: ``cpu_dense_ms``, the dense parts' work, which a loaded machine inflates far less than their
-wall time; the JSON line's ``dense``). Bytes on wire: every ``all_to_all_single``
+wall time; the JSON line's ``dense``), and the calling thread's alone (``main_thread_cpu_*``: the rest is the
+communication backend's threads). Our step is timed a second way in the same run (``ours_serial``: the model's
+start-ahead and the backward overlap off, the exchanges and the bottom MLP one after the other), interleaved with
+the other two: what the overlap costs or hides on this machine. Bytes on wire: every ``all_to_all_single``
 of either side is counted by one wrapper (bytes sent to other ranks), DDP's AllReduces by counting comm
 hooks (ring model, 2 (W-1)/W of the bucket), our replica-gradient sync by its own counter.
 
@@ -193,6 +196,13 @@ def worker(rank, world, cfg):
         loss.backward()
         ours_opt.step()
 
+    def ours_serial_train(b):  # the same step with the bottom MLP and the embedding's exchanges one after the other
+        ours.overlap, emb.overlap_backward = False, False
+        try:
+            ours_train(b)
+        finally:
+            ours.overlap, emb.overlap_backward = True, True
+
     def trec_train(b):
         logits = dmp(b["dense"], b["kjt"]).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, b["labels"])  # TorchRec's convention: local mean
@@ -229,6 +239,7 @@ def worker(rank, world, cfg):
     def timed(fns, n_steps, warmup):
         times = {k: [] for k in fns}
         cpu = {k: [] for k in fns}  # the process's CPU time: a figure the machine's load inflates far less
+        main_cpu = {k: [] for k in fns}  # the calling thread's alone (the rest: the backend's and workers' threads)
         bytes_ = {k: [] for k in fns}
         names = list(fns)
         for s in range(warmup + n_steps):
@@ -237,12 +248,14 @@ def worker(rank, world, cfg):
                 fn, counters = fns[name]
                 before = [c() for c in counters]
                 dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
                 fn(b)
                 dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                dm = time.thread_time() - m0
                 if s >= warmup:
                     times[name].append(dt)
                     cpu[name].append(dc)
+                    main_cpu[name].append(dm)
                     bytes_[name].append([c() - x for c, x in zip(counters, before)])
         out = {}
         for name in names:
@@ -250,10 +263,13 @@ def worker(rank, world, cfg):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
             c = torch.tensor(cpu[name], dtype=torch.float64)
             dist.all_reduce(c, op=dist.ReduceOp.MAX)  # the busier rank's
+            m = torch.tensor(main_cpu[name], dtype=torch.float64)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX)
             by = torch.tensor(bytes_[name], dtype=torch.float64).mean(0) if bytes_[name] else torch.zeros(0)
             dist.all_reduce(by)  # summed over ranks
             out[name] = {"median_s": float(t.median()), "p90_s": float(torch.quantile(t, 0.9)) if t.numel() else 0.0,
                          "cpu_median_s": float(c.median()) if c.numel() else 0.0,
+                         "main_thread_cpu_median_s": float(m.median()) if m.numel() else 0.0,
                          "times_s": [round(x, 5) for x in t.tolist()], "bytes": by.tolist()}
         return out
 
@@ -274,6 +290,8 @@ def worker(rank, world, cfg):
         res["train"] = timed({
             "ours": (ours_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls]),
             "torchrec": (trec_step, [a2a, lambda: trec_dp_hook.bytes, lambda: trec_dense_hook.bytes, calls]),
+            **({"ours_serial": (ours_serial_train, [a2a, ours_sync, lambda: ours_dense_hook.bytes, calls])}
+               if not cfg.get("prefetch", 0) else {}),
         }, S, W)
         if detach is not None:
             detach()
@@ -389,7 +407,10 @@ def summarise(res: list, cfg: dict) -> dict:
             d = {"samples_per_s": B / full, "step_ms": 1e3 * full, "embedding_ms": 1e3 * e,
                  "dense_ms": 1e3 * max(full - e, 0.0),
                  # CPU time of the busier rank's process (medians): what the load inflates far less than wall time
-                 "cpu_step_ms": 1e3 * cf, "cpu_embedding_ms": 1e3 * ce, "cpu_dense_ms": 1e3 * max(cf - ce, 0.0)}
+                 "cpu_step_ms": 1e3 * cf, "cpu_embedding_ms": 1e3 * ce, "cpu_dense_ms": 1e3 * max(cf - ce, 0.0),
+                 # the calling thread's alone (process - this: the backend's and worker threads')
+                 "main_thread_cpu_step_ms": 1e3 * r0[phase][side].get("main_thread_cpu_median_s", 0.0),
+                 "main_thread_cpu_embedding_ms": 1e3 * r0[emb_phase][side].get("main_thread_cpu_median_s", 0.0)}
             if phase == "train":
                 d["bytes_per_step"] = {"embedding_a2a": by[0], "embedding_sync": by[1],
                                        "embedding_total": by[0] + by[1], "dense_allreduce": by[2]}
@@ -406,6 +427,13 @@ def summarise(res: list, cfg: dict) -> dict:
         ph["bytes_ratio"] = (ph["ours"]["bytes_per_step"]["embedding_total"] /
                              max(ph["torchrec"]["bytes_per_step"]["embedding_total"], 1.0))
         ph["embedding_speedup"] = ph["torchrec"]["embedding_ms"] / max(ph["ours"]["embedding_ms"], 1e-9)
+        serial = r0[phase].get("ours_serial")
+        if serial is not None:  # our step without start-ahead and backward overlap, same run
+            ph["ours_serial"] = {"step_ms": 1e3 * serial["median_s"], "cpu_step_ms": 1e3 * serial["cpu_median_s"],
+                                 "main_thread_cpu_step_ms": 1e3 * serial["main_thread_cpu_median_s"],
+                                 "ratio": r0[phase]["torchrec"]["median_s"] / serial["median_s"],
+                                 "paired_ratio": float(np.median(np.array(r0[phase]["torchrec"]["times_s"]) /
+                                                                 np.array(serial["times_s"])))}
         out[phase] = ph
     out["check"] = r0["check"]
     out["plans"] = r0["plans"]
@@ -567,6 +595,8 @@ def main():
               f"{inf['torchrec']['samples_per_s']:.0f} ({inf['ratio']:.2f}x); training dense part "
               f"{tr['ours']['dense_ms']:.1f} vs {tr['torchrec']['dense_ms']:.1f} ms ({tr['dense_ratio']:.3f}x; CPU "
               f"{tr['ours']['cpu_dense_ms']:.1f} vs {tr['torchrec']['cpu_dense_ms']:.1f} ms); "
+              + (f"ours serial {tr['ours_serial']['step_ms']:.1f} ms ({tr['ours_serial']['ratio']:.2f}x); "
+                 if "ours_serial" in tr else "") +
               f"check {results[name]['check']}; "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     main_cfg = names[0]

@@ -588,3 +588,28 @@ def test_a_checkpoint_without_the_first_order_term_is_named_as_such():
     with pytest.raises(FormatError, match="first_order.dense.*model.first_order false"):
         load_dense_state(new, dense_state(old), "ckpt")
     load_dense_state(old, dense_state(old), "ckpt")  # the same shape loads
+
+
+def test_mlps_match_a_plain_linear_relu_reference_forward_and_backward():
+    """The MLPs' in-place ReLUs give the values and gradients of out-of-place Linear + ReLU layers (float64
+    reference built from the same weights)."""
+    from embedscale.models.dlrm import OverArch
+
+    torch.manual_seed(0)
+    bottom, top = DenseArch(13, [32, 16, 8]), OverArch(8, [16, 4])
+    x = torch.rand(64, 13)
+    out = top(bottom(x))
+    (out ** 2).sum().backward()
+    linears = [m for m in list(bottom.modules()) + list(top.modules()) if isinstance(m, torch.nn.Linear)]
+    ws = [m.weight.detach().double().requires_grad_() for m in linears]
+    bs = [m.bias.detach().double().requires_grad_() for m in linears]
+    h = x.double()
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        h = h @ w.t() + b
+        if i != len(ws) - 1:  # every layer but the logit's has its ReLU
+            h = torch.relu(h)
+    (h ** 2).sum().backward()
+    torch.testing.assert_close(out.double(), h.detach(), rtol=1e-5, atol=1e-6)
+    for m, w, b in zip(linears, ws, bs):
+        torch.testing.assert_close(m.weight.grad.double(), w.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(m.bias.grad.double(), b.grad, rtol=1e-4, atol=1e-6)

@@ -89,12 +89,15 @@ def _check_sizes(what: str, in_features: int, layer_sizes: Sequence[int]) -> lis
 
 
 def _relu_mlp(in_features: int, layer_sizes: Sequence[int], device: torch.device | str | None) -> nn.Sequential:
-    """Linear + ReLU per entry of ``layer_sizes`` (ReLU after the last layer too)."""
+    """Linear + ReLU per entry of ``layer_sizes`` (ReLU after the last layer too). Each ReLU works in place on its
+    Linear's output, which nothing else reads (the Linear's backward keeps its input and weight, the ReLU's its
+    result): the same values, one buffer fewer per layer (3-4% of a table1 dense forward + backward on one CPU
+    thread)."""
     layers: list[nn.Module] = []
     width = in_features
     for size in layer_sizes:
         layers.append(init_linear_(nn.Linear(width, size, device=device)))
-        layers.append(nn.ReLU())
+        layers.append(nn.ReLU(inplace=True))
         width = size
     return nn.Sequential(*layers)
 

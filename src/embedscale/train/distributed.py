@@ -106,18 +106,24 @@ def _allreduce_sum_hook(state, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+DENSE_BUCKET_MB = 25  # DDP's bucket cap, given explicitly: its first bucket is as large as the others
+
+
 def dense_ddp(model: nn.Module, embedding: nn.Module, hook=_allreduce_sum_hook, state=None) -> DDP:
     """``model``'s dense arches in ``DistributedDataParallel``, as every run trains them: the embedding's rank-local
     parameters and buffers left out, no buffer broadcast, a *sum* AllReduce ``hook`` (``state`` its state), and
     the gradients living in DDP's buckets (``gradient_as_bucket_view``: no copy into the bucket and back each
-    step; TorchRec's ``DistributedModelParallel`` wraps its dense part so too). ``embedding`` is the module at
-    ``model.sparse_arch.embedding``."""
+    step). Buckets of :data:`DENSE_BUCKET_MB` from the first one on (DDP's default opens with a 1 MB bucket,
+    whose AllReduce then runs on the backend's thread beside the rest of the backward: on a CPU rank that
+    thread takes the core from the backward's GEMMs and hides nothing), so a DLRM's dense gradients (a few MB)
+    go in one AllReduce after the backward. TorchRec's ``DistributedModelParallel`` wraps its dense part so
+    too. ``embedding`` is the module at ``model.sparse_arch.embedding``."""
     ignore = [f"sparse_arch.embedding.{n}" for n, _ in embedding.named_parameters()]
     ignore += [f"sparse_arch.embedding.{n}" for n, _ in embedding.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
     with warnings.catch_warnings():  # broadcast_buffers=False is what we mean: rank-local storage
         warnings.simplefilter("ignore", FutureWarning)
-        ddp = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True)
+        ddp = DDP(model, broadcast_buffers=False, gradient_as_bucket_view=True, bucket_cap_mb=DENSE_BUCKET_MB)
     ddp.register_comm_hook(state, hook)
     return ddp
 
