@@ -95,13 +95,33 @@ def _log(rank, msg):
         print(msg, file=sys.stderr, flush=True)
 
 
+def rank_batches(gen, keys, rank, world, batch, nb, start):
+    """``nb`` one-hot batches of ``batch`` samples from ``gen`` (from sample ``start`` on), each cut to this rank's
+    share, as both sides take them: our ``JaggedFeatures`` and TorchRec's ``KeyedJaggedTensor`` of the same ids,
+    the dense features and the labels."""
+    from embedscale.data.batch import JaggedFeatures
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    bl = batch // world
+    data = gen.sample(start, batch * nb)
+    out = []
+    for s in range(nb):
+        lo, hi = s * batch + bl * rank, s * batch + bl * (rank + 1)
+        values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
+        lengths = torch.ones(values.numel(), dtype=torch.int64)
+        out.append({"i": s, "jf": JaggedFeatures(keys, values, lengths),
+                    "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
+                    "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
+                    "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
+    return out
+
+
 def worker(rank, world, cfg):
     import torch.distributed as dist
     import torch.nn.functional as F
 
     import _torchrec_dlrm as trh
     from embedscale.comm.collective import CollectiveTransport
-    from embedscale.data.batch import JaggedFeatures
     from embedscale.data.profile import AccessProfile
     from embedscale.data.synthetic import SyntheticGenerator
     from embedscale.embedding.address_map import address_map_from_plan
@@ -110,7 +130,6 @@ def worker(rank, world, cfg):
     from embedscale.plan.api import make_plan
     from embedscale.specs import ModelConfig, SyntheticConfig, Topology
     from embedscale.train.distributed import dense_ddp
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -125,16 +144,7 @@ def worker(rank, world, cfg):
     cols = gen.sample(0, P)
     profile = AccessProfile({t.name: np.bincount(cols.sparse[t.name][0], minlength=t.num_rows) for t in tables}, P)
     nb = cfg["distinct_batches"]
-    data = gen.sample(P, B * nb)
-    batches = []
-    for s in range(nb):
-        lo, hi = s * B + Bl * rank, s * B + Bl * (rank + 1)
-        values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
-        lengths = torch.ones(values.numel(), dtype=torch.int64)
-        batches.append({"i": s, "jf": JaggedFeatures(keys, values, lengths),
-                        "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
-                        "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
-                        "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
+    batches = rank_batches(gen, keys, rank, world, B, nb, P)
     # TorchRec's DLRM has no first-order term: ours without it, the same model (checked below)
     mcfg = ModelConfig(arch="dlrm", embedding_dim=cfg["dim"], bottom_mlp=cfg["bottom_mlp"], top_mlp=cfg["top_mlp"],
                        first_order=False)

@@ -43,29 +43,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_vs_torchrec import rank_batches  # noqa: E402  (the same batches as the whole-step benchmark)
 
 VARIANTS = ["torchrec", "ours", "ours_serial", "dense_ours", "dense_ours_1mb", "dense_torchrec", "emb_ours",
             "emb_torchrec"]
 B, DIM, MAX_ROWS = 4096, 16, 100_000
 BOTTOM, TOP = [512, 256, 64], [512, 256]
-
-
-def _batches(gen, keys, rank, world, nb=8, profile_samples=200_000):
-    from embedscale.data.batch import JaggedFeatures
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    Bl = B // world
-    data = gen.sample(profile_samples, B * nb)
-    out = []
-    for s in range(nb):
-        lo, hi = s * B + Bl * rank, s * B + Bl * (rank + 1)
-        values = torch.from_numpy(np.concatenate([data.sparse[k][0][lo:hi] for k in keys])).to(torch.int64)
-        lengths = torch.ones(values.numel(), dtype=torch.int64)
-        out.append({"jf": JaggedFeatures(keys, values, lengths),
-                    "kjt": KeyedJaggedTensor(keys=keys, values=values, lengths=lengths),
-                    "dense": torch.from_numpy(np.ascontiguousarray(data.dense[lo:hi])),
-                    "labels": torch.from_numpy(data.labels[lo:hi].astype(np.float32))})
-    return out
 
 
 class _FixedPooled(torch.nn.Module):
@@ -249,7 +232,7 @@ def worker(rank, world, cfg):
     cols = gen.sample(0, 200_000)
     profile = AccessProfile({t.name: np.bincount(cols.sparse[t.name][0], minlength=t.num_rows) for t in tables},
                             200_000)
-    batches = _batches(gen, [t.name for t in tables], rank, world)
+    batches = rank_batches(gen, [t.name for t in tables], rank, world, B, 8, 200_000)
     fns = _variants(rank, world, tables, profile)
     fns = {k: fns[k] for k in cfg["variants"]}
     out = {"timing": _time(fns, batches, cfg["steps"], cfg["warmup"])}
