@@ -129,6 +129,43 @@ def test_interaction_gradients_equal_per_pair_products(F):
     torch.testing.assert_close(got[1], s2.grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("with_dense", [True, False])
+def test_interaction_same_bits_as_plain_autograd_and_float64_pairs(with_dense):
+    """float32 at table1's width (26 features, D 16): the output and both gradients bit for bit those of the
+    plain autograd composition (cat, bmm with the transposed view, the pairs gathered by advanced indexing),
+    and within float32 rounding of an explicit float64 sum of products per pair."""
+    torch.manual_seed(2)
+    B, F, D = 96, 26, 16
+    dense = torch.randn(B, D, requires_grad=True)
+    sparse = torch.randn(B, F, D, requires_grad=True)
+    width = (D + (F + 1) * F // 2) if with_dense else F * (F - 1) // 2
+    weights = torch.randn(B, width)
+    inter = InteractionArch(F, with_dense=with_dense)
+    out = inter(dense if with_dense else None, sparse)
+    (out * weights).sum().backward()
+
+    d2, s2 = (x.detach().clone().requires_grad_(True) for x in (dense, sparse))
+    v = torch.cat([d2.unsqueeze(1), s2], dim=1) if with_dense else s2
+    i, j = torch.triu_indices(v.shape[1], v.shape[1], offset=1)
+    pairs = torch.bmm(v, v.transpose(1, 2))[:, i, j]
+    plain = torch.cat([d2, pairs], dim=1) if with_dense else pairs
+    (plain * weights).sum().backward()
+    assert torch.equal(out, plain)
+    assert torch.equal(sparse.grad, s2.grad)
+    if with_dense:
+        assert torch.equal(dense.grad, d2.grad)
+
+    d3, s3 = (x.detach().double().requires_grad_(True) for x in (dense, sparse))
+    vecs = ([d3] if with_dense else []) + [s3[:, f] for f in range(F)]
+    cols = ([d3] if with_dense else []) + [(vecs[a] * vecs[b]).sum(1, keepdim=True)
+                                           for a in range(len(vecs)) for b in range(a + 1, len(vecs))]
+    (torch.cat(cols, dim=1) * weights.double()).sum().backward()
+    torch.testing.assert_close(out.double(), torch.cat(cols, dim=1).detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sparse.grad.double(), s3.grad, rtol=1e-4, atol=1e-4)
+    if with_dense:
+        torch.testing.assert_close(dense.grad.double(), d3.grad, rtol=1e-4, atol=1e-4)
+
+
 def test_interaction_rejects_wrong_shapes():
     with pytest.raises(InputError, match=r"\[B, 3, D\]"):
         InteractionArch(3)(torch.randn(2, 4), torch.randn(2, 2, 4))

