@@ -141,8 +141,7 @@ class RollingProfile:
         if int(steps) < 0:
             raise ConfigError(f"RollingProfile.update: steps must be >= 0, got {steps}")
         if not rows_by_table:  # the decay alone: the steps are taken into the scale when it is next used
-            self.steps += int(steps)
-            self._idle += int(steps)
+            self.decay_only(int(steps))
             if samples:
                 self._sync()
                 self._samples += samples * self._scale * weight
@@ -164,8 +163,7 @@ class RollingProfile:
         self._idle += steps
 
     def _decay_steps(self, steps: int) -> None:
-        self.steps += steps
-        self._idle += steps
+        self.decay_only(steps)
         self._sync()
 
     def _sync(self) -> None:

@@ -569,13 +569,13 @@ class DistributedRun:
         wanted = {spec.name: mine[(mine >= base[t]) & (mine < base[t] + spec.num_rows)] - base[t]
                   for t, spec in enumerate(self.tables)}
         # this rank's rows, and 1/N of the rest of the rank files, all-gathered (a delta: over its base's)
-        reader = read_rows(ckpt_dir, m, wanted, self.monitor_group)
-        if reader is not None:
-            shards, got, rows_read = reader
+        by_index = read_rows(ckpt_dir, m, wanted, self.monitor_group)
+        if by_index is not None:
+            shards, got, rows_read = by_index
         else:
             shards = read_shards(ckpt_dir, m)  # no row index: every rank file (local: memory-mapped)
         for t, spec in enumerate(self.tables):
-            if reader is not None:
+            if by_index is not None:
                 r, (w, mo) = wanted[spec.name], got[spec.name]
             else:
                 r, w, mo = table_pieces(shards, spec.name)
@@ -585,10 +585,10 @@ class DistributedRun:
             weights.append(w)
             moms.append(mo)
         g = np.concatenate(gids)
-        self.restore_bytes_read = rows_read if reader is not None else None  # else: every rank file
-        # (the reader found every row this rank stores, or named the one it did not)
+        self.restore_bytes_read = rows_read if by_index is not None else None  # else: every rank file
+        # (read_rows found every row this rank stores, or named the one it did not)
         n = self.embedding.amap.num_rows
-        if reader is None and (np.unique(g).size != n or g.size != n):
+        if by_index is None and (np.unique(g).size != n or g.size != n):
             raise FormatError(f"{ckpt_dir}: rank files hold {g.size} rows ({np.unique(g).size} distinct), "
                               f"the model has {self.embedding.amap.num_rows}")
         mom = torch.cat(moms) if adagrad else None

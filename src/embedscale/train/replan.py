@@ -110,6 +110,14 @@ MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many mo
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
 QUIET_OBSERVE_PERIODS = 2
 
+# the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
+# this long for the GIL the check's Python holds (the check runs slower by a few switches)
+CHECK_SWITCH_S = 0.0005
+_CHECK_DELAY_S = 0.0  # a test hook: seconds every check sleeps first (a slow check)
+COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
+           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
+           "in_place", "checked_at", "plan_seconds"]
+
 
 def counted_step(seed: int, step: int, every: int) -> bool:
     """Whether the drift monitor counts the batch of ``step`` under ``train.replan_count_every`` = ``every``: a
@@ -121,13 +129,7 @@ def counted_step(seed: int, step: int, every: int) -> bool:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     z ^= z >> 31
     return z % every == 0
-# the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
-# this long for the GIL the check's Python holds (the check runs slower by a few switches)
-CHECK_SWITCH_S = 0.0005
-_CHECK_DELAY_S = 0.0  # a test hook: seconds every check sleeps first (a slow check)
-COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
-           "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
-           "in_place", "checked_at", "plan_seconds"]
+
 
 
 def replan_pays(gain_per_step_s: float, steps_to_next_check: int, check_s: float, migrate_s: float) -> bool:
