@@ -61,6 +61,15 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
+
+``--link-gbit G [--link-latency-us L]``: a *simulated* network link per rank (``comm.hierarchical``: every rank its
+own host, its embedding transport a ``HostAwareTransport`` whose ``LinkModel`` sleeps ``L + max(bytes sent,
+received) * 8 / G`` after each exchange; the replicas' and the dense gradients' AllReduces charged to the same link
+after each step), the same in every run (static, online, hindsight, static_twin): the wall time of communication
+on ranks of separate machines, which ranks sharing this machine's cores cannot show. The plans and the monitor's
+cost model see the same rate (``comm.hierarchical.link_topology``, ``dist.link_gbit_s``). ``--design send`` (the
+owners pool, so a rank's link carries every access of the rows it serves) and ``--extra-memory`` (OPER's replica
+budget) set every run's and plan's. JSON: ``config.link``, with each run's modelled link seconds a step.
 """
 
 from __future__ import annotations
@@ -148,9 +157,10 @@ def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
         "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800, **link_dist(a)}})
 
 
-def plan_for(tables, forms, prof, world: int, batch: int, link_gbit: float = 0.0, traffic: str = "distinct") -> Plan:
+def plan_for(tables, forms, prof, world: int, batch: int, link_gbit: float = 0.0, traffic: str = "distinct",
+             extra_memory: float = 0.05) -> Plan:
     plan = make_plan("oper", tables, prof, link_topology(Topology(ranks_per_host=world), link_gbit), forms=forms,
-                     mode="training", extra_memory=0.05, batch_size=max(1, batch // world), traffic=traffic)
+                     mode="training", extra_memory=extra_memory, batch_size=max(1, batch // world), traffic=traffic)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     return plan
 
@@ -165,16 +175,20 @@ def add_link_options(ap) -> None:
     ap.add_argument("--link-latency-us", type=float, default=0.0, help="the simulated link's latency per exchange")
     ap.add_argument("--design", default="retrieve", choices=("retrieve", "send"),
                     help="dist.design of every run (send: ids to the rows' owners, pooled sums back)")
+    ap.add_argument("--extra-memory", type=float, default=0.05,
+                    help="OPER's replica budget (dist.extra_memory) of every plan, the monitor's too (0: no replicas)")
 
 
 def link_dist(a) -> dict:
     """The runs' ``dist`` settings of the link options: the design, and the link's rate for the monitor's costs."""
-    return {"design": a.design, **({"link_gbit_s": a.link_gbit} if a.link_gbit > 0 else {})}
+    return {"design": a.design, "extra_memory": a.extra_memory, **({"link_gbit_s": a.link_gbit} if a.link_gbit > 0
+                                                                      else {})}
 
 
 def plan_link(a) -> dict:
     """``plan_for``'s options: the link's rate in the plans' topology; the send design's traffic is every access."""
-    return {"link_gbit": a.link_gbit, "traffic": "access" if a.design == "send" else "distinct"}
+    return {"link_gbit": a.link_gbit, "traffic": "access" if a.design == "send" else "distinct",
+            "extra_memory": a.extra_memory}
 
 
 def link_job(a) -> dict | None:
@@ -216,6 +230,7 @@ def link_figures(a, res, K: int) -> dict | None:
     return {"simulated": "a network link per rank (comm.hierarchical.HostAwareTransport + LinkModel): every rank "
                          "its own host; each exchange sleeps latency + max(bytes sent, received) * 8 / rate",
             "gbit_s": a.link_gbit, "latency_us": a.link_latency_us, "hosts": "one per rank", "design": a.design,
+            "extra_memory": a.extra_memory,
             "runs_on_the_link": sorted(per), "modelled_s_per_step_busiest_rank":
                 {n: round(float(np.median(v[K:])), 6) for n, v in per.items()}}
 

@@ -177,11 +177,12 @@ def test_bench_option_puts_every_run_on_the_same_link():
     b = _bench()
     ap = argparse.ArgumentParser()
     b.add_link_options(ap)
-    a = ap.parse_args(["--link-gbit", "0.001", "--link-latency-us", "50", "--design", "send"])
+    a = ap.parse_args(["--link-gbit", "0.001", "--link-latency-us", "50", "--design", "send", "--extra-memory", "0"])
     a.dim, a.batch, a.steps, a.every, a.min_gain, a.lag, a.count_every = 8, 64, 10, 5, 0.05, 1, 1
     for name in b.RUNS + (b.TWIN,):  # every run: the same design and the link's rate for the monitor's costs
         cfg = b.run_config(a, Path("/tmp/x"), Path("/tmp/d"), name, 4)
-        assert (cfg.dist.design, cfg.dist.link_gbit_s) == ("send", 0.001), name
+        assert (cfg.dist.design, cfg.dist.link_gbit_s, cfg.dist.extra_memory) == ("send", 0.001, 0.0), name
+    assert b.plan_link(a) == {"link_gbit": 0.001, "traffic": "access", "extra_memory": 0.0}  # the plans' topology
     job = b.link_job(a)
     runs = {n: _fake_run(sync_bytes=100 * (i + 1)) for i, n in enumerate(b.RUNS + (b.TWIN,))}
     per_step = {n: b.attach_link(r, job) for n, r in runs.items()}
