@@ -232,7 +232,9 @@ def link_figures(a, res, K: int) -> dict | None:
             "gbit_s": a.link_gbit, "latency_us": a.link_latency_us, "hosts": "one per rank", "design": a.design,
             "extra_memory": a.extra_memory,
             "runs_on_the_link": sorted(per), "modelled_s_per_step_busiest_rank":
-                {n: round(float(np.median(v[K:])), 6) for n, v in per.items()}}
+                {n: round(float(np.median(v[K:])), 6) for n, v in per.items()},
+            "online_replans": [{"step": int(r["step"]), "predicted_gain": r["gain"], "reason": r["reason"]}
+                               for r in res[0]["replans"]]}
 
 
 def worker(rank, world, job):
