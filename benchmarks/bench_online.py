@@ -61,6 +61,15 @@ paired step ratios, ``window0_paired_median``, are the comparison's own noise an
 
 ``--dob-only`` plans without training: the static plan's lookup DoB on each window, for any stream shape
 (``--initial-ids``, ``--hot-ids``, ...): what bar 1 asks of the workload before any run.
+
+``--link-gbit G [--link-latency-us L]``: a *simulated* network link per rank (``comm.hierarchical``: every rank its
+own host, its embedding transport a ``HostAwareTransport`` whose ``LinkModel`` sleeps ``L + max(bytes sent,
+received) * 8 / G`` after each exchange; the replicas' and the dense gradients' AllReduces charged to the same link
+after each step), the same in every run (static, online, hindsight, static_twin): the wall time of communication
+on ranks of separate machines, which ranks sharing this machine's cores cannot show. The plans and the monitor's
+cost model see the same rate (``comm.hierarchical.link_topology``, ``dist.link_gbit_s``). ``--design send`` (the
+owners pool, so a rank's link carries every access of the rows it serves) and ``--extra-memory`` (OPER's replica
+budget) set every run's and plan's. JSON: ``config.link``, with each run's modelled link seconds a step.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +89,7 @@ import torch
 import torch.distributed as dist
 
 from embedscale.assemble import prepare_data, tables_for
+from embedscale.comm.hierarchical import HostAwareTransport, LinkModel, link_topology
 from embedscale.data.drift_stream import DriftConfig, DriftingStream
 from embedscale.data.profile import AccessProfile
 from embedscale.data.shards import ShardWriter, SparseFeatureInfo
@@ -143,14 +154,87 @@ def run_config(a, root: Path, data: Path, name: str, world: int) -> RunConfig:
                   "replan_every": a.every if name.startswith("online") else 0, "replan_min_gain": a.min_gain,
                   **({"replan_lag": 0 if name == LAG0 else a.lag} if HAS_LAG else {}),
                   **({"replan_count_every": a.count_every} if a.count_every > 1 else {})},
-        "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800}})
+        "dist": {"plan": "oper", "nproc": world, "timeout_s": 1800, **link_dist(a)}})
 
 
-def plan_for(tables, forms, prof, world: int, batch: int) -> Plan:
-    plan = make_plan("oper", tables, prof, Topology(ranks_per_host=world), forms=forms, mode="training",
-                     extra_memory=0.05, batch_size=max(1, batch // world))
+def plan_for(tables, forms, prof, world: int, batch: int, link_gbit: float = 0.0, traffic: str = "distinct",
+             extra_memory: float = 0.05) -> Plan:
+    plan = make_plan("oper", tables, prof, link_topology(Topology(ranks_per_host=world), link_gbit), forms=forms,
+                     mode="training", extra_memory=extra_memory, batch_size=max(1, batch // world), traffic=traffic)
     plan.meta["forms"] = {n: f.to_dict() for n, f in forms.items()}
     return plan
+
+
+# --link-gbit: a simulated network link per rank (comm.hierarchical), the same for every run ----------------------
+
+
+def add_link_options(ap) -> None:
+    ap.add_argument("--link-gbit", type=float, default=0.0,
+                    help="every rank its own simulated network link of this many Gbit/s (one rank per host; 0 = none): "
+                         "each exchange sleeps latency + max(bytes sent, received) * 8 / rate, in every run")
+    ap.add_argument("--link-latency-us", type=float, default=0.0, help="the simulated link's latency per exchange")
+    ap.add_argument("--design", default="retrieve", choices=("retrieve", "send"),
+                    help="dist.design of every run (send: ids to the rows' owners, pooled sums back)")
+    ap.add_argument("--extra-memory", type=float, default=0.05,
+                    help="OPER's replica budget (dist.extra_memory) of every plan, the monitor's too (0: no replicas)")
+
+
+def link_dist(a) -> dict:
+    """The runs' ``dist`` settings of the link options: the design, and the link's rate for the monitor's costs."""
+    return {"design": a.design, "extra_memory": a.extra_memory, **({"link_gbit_s": a.link_gbit} if a.link_gbit > 0
+                                                                      else {})}
+
+
+def plan_link(a) -> dict:
+    """``plan_for``'s options: the link's rate in the plans' topology; the send design's traffic is every access."""
+    return {"link_gbit": a.link_gbit, "traffic": "access" if a.design == "send" else "distinct",
+            "extra_memory": a.extra_memory}
+
+
+def link_job(a) -> dict | None:
+    return {"gbit_s": a.link_gbit, "latency_us": a.link_latency_us} if a.link_gbit > 0 else None
+
+
+def attach_link(run, link: dict) -> list:
+    """Put ``run``'s embedding traffic on a simulated per-rank link (``HostAwareTransport``, one rank per host, a
+    ``LinkModel`` of ``link``); the step's collectives outside that transport (the replicas' gradient AllReduce,
+    counted by the executor, and the dense gradients' ring AllReduce, ``2 (W - 1) / W`` of their bytes) are charged
+    to the same link after each step. Returns the list each step appends its modelled link seconds to."""
+    model = LinkModel(link["gbit_s"], link["latency_us"])
+    tr = HostAwareTransport(run.embedding.transport, list(range(run.world)), 1, model)
+    run.embedding.transport = run.transport = tr
+    run.embedding_env = replace(run.embedding_env, transport=tr)  # a module a re-plan builds talks through it too
+    dense = sum(p.numel() * p.element_size() for p in run.model.dense_parameters())
+    ring = 2 * (run.world - 1) * dense // run.world
+    out, step = [], run.train_step
+
+    def train_step(batch):
+        t0 = tr.modelled_seconds
+        loss = step(batch)
+        sync = run.sync_bytes_per_step[-1] if run.sync_bytes_per_step else 0
+        extra = model.seconds(ring, ring) + model.seconds(sync, sync)
+        HostAwareTransport._sleep(extra)
+        out.append(tr.modelled_seconds - t0 + extra)
+        return loss
+
+    run.train_step = train_step
+    return out
+
+
+def link_figures(a, res, K: int) -> dict | None:
+    """The simulated link (JSON ``config.link``): its settings and, per run, the busiest rank's modelled link
+    seconds per step (median after window 0; the step's exchanges and its AllReduces)."""
+    if a.link_gbit <= 0:
+        return None
+    per = {n: np.max(np.stack([r["link_s"][n].numpy() for r in res]), axis=0) for n in res[0]["link_s"]}
+    return {"simulated": "a network link per rank (comm.hierarchical.HostAwareTransport + LinkModel): every rank "
+                         "its own host; each exchange sleeps latency + max(bytes sent, received) * 8 / rate",
+            "gbit_s": a.link_gbit, "latency_us": a.link_latency_us, "hosts": "one per rank", "design": a.design,
+            "extra_memory": a.extra_memory,
+            "runs_on_the_link": sorted(per), "modelled_s_per_step_busiest_rank":
+                {n: round(float(np.median(v[K:])), 6) for n, v in per.items()},
+            "online_replans": [{"step": int(r["step"]), "predicted_gain": r["gain"], "reason": r["reason"]}
+                               for r in res[0]["replans"]]}
 
 
 def worker(rank, world, job):
@@ -164,6 +248,7 @@ def worker(rank, world, job):
     runs = {n: DistributedRun(from_dict(RunConfig, job["cfg"][n]), root / n, rank, world, progress=False)
             for n in names}
     runs_built_first = [first]  # kept to the end, never stepped
+    link_s = {n: attach_link(r, job["link"]) for n, r in runs.items()} if job.get("link") else {}  # --link-gbit
     hind_plans = {int(w): Plan.load(p) for w, p in job["hindsight"].items()}
     step_s = {n: np.zeros(steps) for n in names}
     pause_s = {n: np.zeros(steps) for n in names if n.startswith("online")}  # maybe_replan: each step's pause
@@ -251,7 +336,8 @@ def worker(rank, world, job):
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
             "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
-            "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first)}
+            "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first),
+            "link_s": {n: torch.tensor(v, dtype=torch.float64) for n, v in link_s.items()}}
 
 
 def _time_checks(monitor) -> list[tuple[int, float]]:
@@ -381,7 +467,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     forms = config_forms(tmp_cfg.model, tables)
     wprof = [profile_of(idx, tables, w * K, (w + 1) * K) for w in range(W)]
     if a.dob_only:  # planning only: the static plan's lookup DoB on every window (no training)
-        static = plan_for(tables, forms, wprof[0], world, a.batch)
+        static = plan_for(tables, forms, wprof[0], world, a.batch, **plan_link(a))
         topo = Topology(ranks_per_host=world)
         dobs = [round(evaluate(static, wprof[w], topo, mode="training", batch_size=max(1, a.batch // world))
                       .dob_lookup, 4) for w in range(W)]
@@ -391,7 +477,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                            "hot_share": a.hot_share, "hot_alpha": a.hot_alpha, "new_ids_per_step": a.new_ids, "batch_global": a.batch,
                            "tables": len(TABLES), "rows_per_table": stream.universe_size(steps)}}
     t0 = time.perf_counter()
-    hind = [plan_for(tables, forms, wprof[w], world, a.batch) for w in range(W)]
+    hind = [plan_for(tables, forms, wprof[w], world, a.batch, **plan_link(a)) for w in range(W)]
     plan_s = (time.perf_counter() - t0) / W
     cfgs = {}
     for n in RUNS + (TWIN,) + ((LAG0,) if a.compare_lag0 else ()):
@@ -402,7 +488,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     hind[0].save(root / "first-built" / "plan")
     job = {"root": str(root), "rotate": K, "steps": steps, "cfg": cfgs, "first_built": not a.no_first_built,
            "hindsight": {str(w): str(root / "hindsight-plans" / f"w{w}") for w in range(1, W)},
-           "first_ids": idx[tables[0].features[0]][0].tolist()}
+           "first_ids": idx[tables[0].features[0]][0].tolist(), "link": link_job(a)}
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     res = spawn_local(worker, world, job, timeout_s=3600)
@@ -562,7 +648,8 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                    "replan_lag": a.lag, "compare_lag0": a.compare_lag0, "replan_count_every": a.count_every,
                    "round_steps": a.round_steps,
                    "runs_interleaved": list(cfgs), "untimed_run_built_first": not a.no_first_built,
-                   "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)"}}
+                   "online_plans": "incremental when within 2% of OPER's fresh plan (train.replan)",
+                   "link": link_figures(a, res, K)}}
 
 
 def main():
@@ -595,6 +682,7 @@ def main():
                     help="cores the ranks share (the CPU bound of a step, cpu_bound_static_over_run)")
     ap.add_argument("--dump", default=None, help="save the per-step seconds to <dump>-w<world>.npz")
     ap.add_argument("--root", default=None, help="keep the runs here (default: a temporary directory)")
+    add_link_options(ap)
     ap.add_argument("--dob-only", action="store_true",
                     help="plan only: the static plan's lookup DoB on every window, no training (bar 1's premise)")
     a = ap.parse_args()

@@ -488,6 +488,9 @@ class DistConfig:
     timeout_s: float = 300.0  # a rank that dies or hangs becomes an error on the others after this
     backend: str = ""  # gloo | nccl; empty = nccl when the device is a GPU, else gloo
     topology_hosts: int = 1  # hosts the ranks are spread over (ranks per host = nproc / hosts)
+    # every rank's own network link, Gbit/s, as the drift monitor's cost model sees it (comm.hierarchical.link_topology:
+    # what a rank serves and fetches at that rate); 0 = the topology's default links
+    link_gbit_s: float = 0.0
     replan: bool = False  # resume a run directory under another dist.plan: re-plan it (else a ConfigError)
     # the next batch's ids checked, decoded and announced to their owners during this step (OPER 5.1 pipelined,
     # as TorchRec's TrainPipelineSparseDist): sharded rows, retrieve design, no live re-plan (behind host tables:
@@ -702,7 +705,7 @@ NUMBERS.update({
                   "pipeline_depth": _AT_LEAST_0},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None), "nproc": _AT_LEAST_1,
                  "plan_trial_steps": _AT_LEAST_0,
-                 "topology_hosts": _AT_LEAST_1},
+                 "topology_hosts": _AT_LEAST_1, "link_gbit_s": (0.0, True, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},
 })

@@ -10,7 +10,10 @@ Byte accounting: :class:`HostAwareTransport` counts the payload bytes of every e
 whether the peer is on this rank's host or another host. Its optional :class:`LinkModel` injects slower
 links: after an exchange it sleeps for the modelled transfer time of this rank's cross-host bytes (and,
 optionally, intra-host bytes) at the given rates (a documented bandwidth model for one machine, where
-every "host" is a group of local processes).
+every "host" is a group of local processes); an exchange started in the background waits, when waited for,
+until that time has passed since its start (the link works while the caller computes). With one rank per
+host it is a simulated network link per rank: any run's transport wrapped in it (``benchmarks/bench_online.py
+--link-gbit``) pays its busiest rank's bytes in wall time, not CPU.
 
 Designed for GPUs with NCCL (every tensor stays on the device of its input), tested on CPU with gloo.
 """
@@ -18,16 +21,17 @@ Designed for GPUs with NCCL (every tensor stays on the device of its input), tes
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from embedscale.comm.collective import CollectiveTransport
-from embedscale.comm.transport import Transport
+from embedscale.comm.transport import PendingExchange, Transport
 from embedscale.errors import ConfigError
 from embedscale.plan.tower_placement import TowerLayout
+from embedscale.specs import Topology
 
 
 # --------------------------------------------------------------------------------------------------
@@ -61,6 +65,25 @@ class LinkModel:
         if cross == 0.0 and intra == 0.0:
             return 0.0
         return self.latency_us * 1e-6 + max(cross, intra)
+
+
+def link_topology(topology: Topology, link_gbit_s: float, mode: str = "training") -> Topology:
+    """``topology`` as the plan cost model (OPER 3.2, ``plan.cost``) sees ranks that each have their own network
+    link of ``link_gbit_s`` Gbit/s (one rank per host, as :class:`LinkModel` models it); 0: ``topology`` as it is.
+
+    Every link between ranks and the replicas' AllReduce run at that rate. The model charges a rank for what it
+    fetches (eqs. 3-4), not for what it serves; a rank's lookup (eq. 2: every row it serves, to itself and to
+    the others) is therefore charged at the link's rate too, halved in training (a served row crosses the
+    server's link twice: the row or its pooled sum out, its gradient back, the fetching side's factor 2 of
+    eq. 4). So a plan that puts the hot rows on one rank costs that rank's link, as the wall clock pays it.
+    """
+    if not link_gbit_s >= 0:
+        raise ConfigError(f"link model: link_gbit_s must be >= 0, got {link_gbit_s}")
+    if link_gbit_s == 0:
+        return topology
+    gbs = link_gbit_s / 8.0
+    return replace(topology, intra_host_bw=gbs, inter_host_bw=gbs, allreduce_bw=gbs,
+                   local_bw=gbs / 2 if mode == "training" else gbs)
 
 
 class HostAwareTransport(Transport):
@@ -102,9 +125,44 @@ class HostAwareTransport(Transport):
         self.intra_bytes: dict[str, int] = {}
         self.modelled_seconds = 0.0
 
+    @property
+    def fuses_exchanges(self) -> bool:
+        return self.inner.fuses_exchanges  # the executor takes the inner transport's path, link or not
+
     def exchange(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
                  kind: str = "data") -> list[torch.Tensor]:
         recv = self.inner.exchange(send, recv_counts, kind)
+        self._sleep(self._charge(send, recv, kind))
+        return recv
+
+    def exchange_start(self, send: list[torch.Tensor], recv_counts: list[int] | None = None,
+                       kind: str = "data") -> PendingExchange:
+        """The inner exchange started in the background; ``wait()`` returns once the link's modelled time since
+        the start has passed (the link moves the bytes while the caller computes)."""
+        t0 = time.perf_counter()
+        pending = self.inner.exchange_start(send, recv_counts, kind)
+
+        def finish() -> list[torch.Tensor]:
+            recv = pending.wait()
+            self._sleep(self._charge(send, recv, kind) - (time.perf_counter() - t0))
+            return recv
+        return PendingExchange(finish=finish)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """The inner transport's count swap, charged to the link as one exchange of ``meta`` bytes."""
+        got = self.inner.exchange_counts(counts)
+        rows = [counts[p:p + 1] for p in range(self.world_size)]
+        self._sleep(self._charge(rows, [got[p:p + 1] for p in range(self.world_size)], "meta"))
+        return got
+
+    @staticmethod
+    def _sleep(seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def _charge(self, send: list[torch.Tensor], recv: list[torch.Tensor], kind: str) -> float:
+        """Count one exchange's bytes to other ranks by host and return its modelled seconds on the link (0
+        without a link), added to ``modelled_seconds``."""
         sc = rc = ic = irc = 0
         for p in range(self.world_size):
             if p == self.rank:
@@ -120,12 +178,9 @@ class HostAwareTransport(Transport):
         self.cross_bytes[kind] = self.cross_bytes.get(kind, 0) + sc
         self.cross_recv_bytes[kind] = self.cross_recv_bytes.get(kind, 0) + rc
         self.intra_bytes[kind] = self.intra_bytes.get(kind, 0) + ic
-        if self.link is not None:
-            delay = self.link.seconds(sc, rc, max(ic, irc))
-            if delay > 0:
-                self.modelled_seconds += delay
-                time.sleep(delay)
-        return recv
+        delay = self.link.seconds(sc, rc, max(ic, irc)) if self.link is not None else 0.0
+        self.modelled_seconds += delay
+        return delay
 
     def allreduce_sum_(self, tensor: torch.Tensor, group, kind: str = "dense_grads") -> torch.Tensor:
         """Sum ``tensor`` over the group in place, counting the cross-host bytes of a hierarchical ring.

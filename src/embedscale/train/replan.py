@@ -80,6 +80,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from embedscale.comm.hierarchical import link_topology
 from embedscale.device import HOST
 from embedscale.data.rolling_profile import RollingProfile
 from embedscale.embedding.address_map import address_map_from_plan
@@ -469,7 +470,7 @@ class DriftMonitor:
         steps = self._gain_steps(run, run.state.step if step is None else step)
         nbytes = float(report.get("bytes_moved", 0)) + 4.0 * float(report.get("rows_moved", 0))  # + row-wise state
         last = next((r for r in reversed(self.records) if float(r["bytes"]) > 0), None)
-        topo = Topology()  # the links as the check's plans see them (its default figures)
+        topo = link_topology(Topology(), getattr(run.cfg.dist, "link_gbit_s", 0.0))  # the links the check's plans see
         link = topo.intra_host_bw if run.cfg.dist.topology_hosts <= 1 else topo.inter_host_bw
         mig = migration_seconds(nbytes, link, (float(last["migrate_seconds"]), float(last["bytes"])) if last else None)
         pays = replan_pays(gain, steps, check_s, mig)
@@ -488,6 +489,7 @@ class DriftMonitor:
         d, world = run.cfg.dist, run.world
         prof = total.to_access_profile() if hasattr(total, "to_access_profile") else total
         topo = Topology(num_hosts=d.topology_hosts, ranks_per_host=world // d.topology_hosts)
+        topo = link_topology(topo, getattr(d, "link_gbit_s", 0.0), d.mode)  # dist.link_gbit_s: every rank's own link
         plan = run.plan
         kw = dict(old_profile=None if plan.part_counts is not None else prof, mode=d.mode,
                   batch_size=max(1, run.cfg.train.batch_size // world), min_gain=self.min_gain)
