@@ -147,3 +147,39 @@ def test_while_checks_are_spaced_out_only_the_batches_of_the_last_two_periods_ar
     got = mon.profile.counts("t").double().tolist()
     assert got == pytest.approx(want, rel=1e-9)
     assert mon.profile.samples == pytest.approx(sum(q ** (39 - s) for s in range(30, 40)), rel=1e-9)
+
+
+def test_gain_seconds_by_hand():
+    # the model's 100 us of a 1000 us bottleneck is a tenth of the step: of a measured 12 ms step, 1.2 ms
+    from embedscale.train.replan import gain_seconds
+
+    assert gain_seconds(100.0, 1000.0, 0.012) == pytest.approx(1.2e-3, rel=1e-12)
+    assert gain_seconds(100.0, 1000.0, None) == pytest.approx(1e-4, rel=1e-12)  # no step measured: the model's
+    assert gain_seconds(100.0, 0.0, 0.012) == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_the_monitor_weighs_the_gain_in_the_runs_measured_step_seconds():
+    """The run measured steps of 11, 12, 13, 40 and 12 ms (median 12 ms). The new plan lowers the model's
+    bottleneck from 1000 to 900 us: a tenth of the step, 1.2 ms a step x 5 steps = 6 ms. An earlier migration of
+    1.6e4 bytes measured 2 ms, so the same move costs 2 ms: with a 5 ms check 7 ms > 6 ms, declined; with a 3 ms
+    check 5 ms < 6 ms, taken. In the model's own microseconds (0.1 ms x 5 = 0.5 ms) both would be declined."""
+    from collections import deque
+
+    def monitor():
+        mon = _monitor(5, [{"bytes": 16_000, "migrate_seconds": 2e-3}])
+        mon._step_times = deque(maxlen=32)
+        for s in (0.011, 0.012, 0.013, 0.040, 0.012):
+            mon.stepped(s)
+        mon._step_s = mon.measured_step_s()  # as the check's start takes it (rank 0)
+        assert mon._step_s == 0.012
+        return mon
+
+    for check_s, taken in ((5e-3, False), (3e-3, True)):
+        mon, rep = monitor(), _report(1000)
+        mon._weigh_costs(_run(10, 100), rep, check_s)
+        assert rep["replan"] is taken and mon.declined == int(not taken), rep
+        assert rep["replan_costs"]["gain_per_step_s"] == pytest.approx(1.2e-3, rel=1e-9)
+        assert rep["replan_costs"]["migrate_s"] == pytest.approx(2e-3, rel=1e-9)
+        mon, rep = _monitor(5, [{"bytes": 16_000, "migrate_seconds": 2e-3}]), _report(1000)  # no step measured
+        mon._weigh_costs(_run(10, 100), rep, check_s)
+        assert rep["replan"] is False
