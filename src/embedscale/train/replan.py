@@ -48,7 +48,8 @@ tests/test_replan_lag.py). M is N + L unless the check outlasts L steps (then th
 timing, always a verdict step of the input pipeline's ``held_back``); with L = 0 the other ranks wait for the
 check (M = N). A check that kept the plan without a search (the plan holds, or no plan could pay for the check:
 :meth:`DriftMonitor._cannot_pay`) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
-broadcasts them with the verdict): on a stream where balance does not pay the checks become rare.
+sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
+stream where balance does not pay the checks become rare.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
@@ -111,10 +112,13 @@ KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (a
 STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
 NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
 SPACING_KEY = "spacing"  # DriftMonitor.state_dict: the checks' spacing (DriftMonitor._spacing)
-MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
+MAX_QUIET_PERIODS = 16  # checks that cannot pay space out to one in this many monitoring periods (at most)
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
 QUIET_OBSERVE_PERIODS = 2
+# and those of the earlier of the two (weighing a half to a quarter at the check) with probability 1 / this, weighted
+# by it (counted_step: the same expected counts)
+QUIET_COUNT_EVERY = 4
 
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
@@ -208,6 +212,7 @@ class PendingCheck:
     published: bool = False  # rank 0: the verdict is on disk under replans/step-<apply_at>
     deferred: int = 0  # the apply steps this check was not ready at (each one monitoring period later)
     searched: bool = True  # rank 0: the check made a fresh plan (else the running one held, or none could pay)
+    idle: bool = False  # rank 0: not even a plan that removed the whole measured step could pay (_cannot_pay)
 
 
 class DriftMonitor:
@@ -265,9 +270,11 @@ class DriftMonitor:
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
         only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
-        touched). A counted batch's ids are checked and held; the profile adds the held batches in one
+        touched), the earlier of them sampled (:data:`QUIET_COUNT_EVERY`, :func:`counted_step`). A counted batch's ids are checked and held; the profile adds the held batches in one
         ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
         k = getattr(self, "count_every", 1)
+        if self._step < self._quiet_until - self.every:  # spaced out: not the last period before the next check
+            k *= QUIET_COUNT_EVERY  # the earlier counting period: sampled (the ones before it: skipped below)
         if (self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
                 or (k > 1 and not counted_step(self._seed, self._step, k))):
             self.profile.decay_only(1)
@@ -386,6 +393,7 @@ class DriftMonitor:
             t1 = time.perf_counter()
             report, fresh = self._check(run, prof, p.step)
             p.searched = fresh is not None
+            p.idle = bool(report.get("replan_costs", {}).get("whole_step_cannot_pay", False))
             if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
                 self.plan_seconds = time.perf_counter() - t1
             if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
@@ -490,8 +498,15 @@ class DriftMonitor:
         cost held within ``replan_min_gain`` and its balance, or no plan could pay, :meth:`_cannot_pay`) doubles
         them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less often (a
         drift is seen that many periods late at most); a check that planned resets them to one."""
-        self._quiet_streak = 0 if p.searched else self._quiet_streak + 1
+        self._quiet_streak = self._next_streak(p)
         return min(MAX_QUIET_PERIODS, 2 ** self._quiet_streak)
+
+    def _next_streak(self, p: "PendingCheck") -> int:
+        """Rank 0: the streak after check ``p`` (:meth:`_quiet_periods`): 0 after a search, else one more; a check
+        where no plan could pay even by removing the whole measured step (``p.idle``) goes straight to the streak
+        of the longest spacing (the step or the planning's seconds must change before any check could pay)."""
+        streak = 0 if p.searched else self._quiet_streak + 1
+        return max(streak, MAX_QUIET_PERIODS.bit_length() - 1) if p.idle else streak
 
     def _conclude(self, run, p: "PendingCheck") -> dict | None:
         """Collective: rank 0 broadcasts the verdict if its check is done (publishing it first), else
@@ -623,7 +638,8 @@ class DriftMonitor:
         self.declined += 1
         report["replan"] = False
         report["replan_costs"] = {"gain_bound_per_step_s": bound, "steps_to_next_check": steps, "check_s": plan_s,
-                                  "pays": False, "measured_step_s": step_s}
+                                  "pays": False, "measured_step_s": step_s,
+                                  "whole_step_cannot_pay": step_s is not None and step_s * steps <= plan_s}
         report["reason"] = (f"no plan saves more than {bound * 1e3:.3f} ms a step (the bottleneck less the mean "
                             f"lookup) x {steps} steps, not more than planning ({plan_s * 1e3:.1f} ms): keep the plan")
         return True
@@ -684,7 +700,7 @@ class DriftMonitor:
         if done and p.sent:  # its message sent by the check's thread: the spacing it set is the monitor's
             kept = [p.step, p.apply_at, p.sent, self._quiet_streak]
         elif done:
-            streak = p.known_streak if p.known is not None else (0 if p.searched else self._quiet_streak + 1)
+            streak = p.known_streak if p.known is not None else self._next_streak(p)
             kept = [p.step, p.apply_at, min(MAX_QUIET_PERIODS, 2 ** streak), streak]
         plan_s = self.plan_seconds if self.plan_seconds is not None else float("nan")
         return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept], dtype=torch.float64)
