@@ -112,19 +112,21 @@ def test_a_check_that_no_plan_could_pay_for_keeps_the_plan_without_planning():
 
 
 def test_checks_that_keep_the_plan_without_a_search_space_out_the_next_ones():
-    """The periods to the next check, worked by hand: each check that kept the plan without planning (it held, or
-    no plan could pay) doubles them (2, 4, 8, 16, then capped at 16); a check that planned resets them to 1; a check
-    where not even a plan that removed the whole measured step could pay goes straight to 16."""
+    """The periods to the next check, worked by hand: each check that kept the plan (it held, no plan could pay, or
+    the plan it searched did not pay) doubles them (2, 4, 8, 16, then capped at 16); a check that re-planned resets
+    them to 1; a check where not even a plan that removed the whole measured step could pay goes straight to 16."""
     from embedscale.train.replan import MAX_QUIET_PERIODS, PendingCheck
 
     assert MAX_QUIET_PERIODS == 16
     mon = _monitor(5)
     mon._quiet_streak = 0
-    searched = [False, False, False, False, False, False, True, False, True, True, False, False, True]
-    idle = [False] * 10 + [True, False, False]
-    want = [2, 4, 8, 16, 16, 16, 1, 2, 1, 1, 16, 16, 1]
-    got = [mon._quiet_periods(PendingCheck(step=5 * (i + 1), apply_at=5 * (i + 1) + 1, searched=s, idle=d))
-           for i, (s, d) in enumerate(zip(searched, idle))]
+    searched = [False, False, False, False, False, False, True, False, True, True, False, False, True, True, True]
+    replanned = [False] * 6 + [True, False, True, True, False, False, True, False, False]
+    idle = [False] * 10 + [True, False, False, False, False]
+    want = [2, 4, 8, 16, 16, 16, 1, 2, 1, 1, 16, 16, 1, 2, 4]
+    got = [mon._quiet_periods(PendingCheck(step=5 * (i + 1), apply_at=5 * (i + 1) + 1, searched=s, idle=d,
+                                           verdict=int(r)))
+           for i, (s, d, r) in enumerate(zip(searched, idle, replanned))]
     assert got == want
 
 

@@ -46,8 +46,8 @@ the loop's checkpoint of step M (written under the old plan, restorable under an
 exactly as one restarted from that checkpoint with the new plan (tests/test_migrate.py,
 tests/test_replan_lag.py). M is N + L unless the check outlasts L steps (then the migration step depends on
 timing, always a verdict step of the input pipeline's ``held_back``); with L = 0 the other ranks wait for the
-check (M = N). A check that kept the plan without a search (the plan holds, or no plan could pay for the check:
-:meth:`DriftMonitor._cannot_pay`) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
+check (M = N). A check that kept the plan (the plan holds, no plan could pay for the check:
+:meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
 sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
 stream where balance does not pay the checks become rare.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
@@ -494,18 +494,19 @@ class DriftMonitor:
             self._publish(p)
 
     def _quiet_periods(self, p: "PendingCheck") -> int:
-        """Rank 0: the monitoring periods to the next check. A check that kept the plan without a search (its
-        cost held within ``replan_min_gain`` and its balance, or no plan could pay, :meth:`_cannot_pay`) doubles
-        them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less often (a
-        drift is seen that many periods late at most); a check that planned resets them to one."""
+        """Rank 0: the monitoring periods to the next check. A check that kept the plan (its cost held within
+        ``replan_min_gain`` and its balance, no plan could pay, :meth:`_cannot_pay`, or the plan searched did not
+        pay) doubles them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less
+        often (a drift is seen that many periods late at most); a check that re-planned resets them to one."""
         self._quiet_streak = self._next_streak(p)
         return min(MAX_QUIET_PERIODS, 2 ** self._quiet_streak)
 
     def _next_streak(self, p: "PendingCheck") -> int:
-        """Rank 0: the streak after check ``p`` (:meth:`_quiet_periods`): 0 after a search, else one more; a check
-        where no plan could pay even by removing the whole measured step (``p.idle``) goes straight to the streak
-        of the longest spacing (the step or the planning's seconds must change before any check could pay)."""
-        streak = 0 if p.searched else self._quiet_streak + 1
+        """Rank 0: the streak after check ``p`` (:meth:`_quiet_periods`): 0 after a re-plan, else one more (a search
+        whose plan did not pay keeps the plan too: its gain is known small); a check where no plan could pay even
+        by removing the whole measured step (``p.idle``) goes straight to the streak of the longest spacing (the
+        step or the planning's seconds must change before any check could pay)."""
+        streak = 0 if p.verdict == 1 else self._quiet_streak + 1
         return max(streak, MAX_QUIET_PERIODS.bit_length() - 1) if p.idle else streak
 
     def _conclude(self, run, p: "PendingCheck") -> dict | None:
