@@ -61,7 +61,7 @@ bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`
 run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
 none and a resume from it takes its base's (a lag of the steps between them).
 A counted batch's ids are checked against their own tables (:meth:`DriftMonitor._flat_ids`: one ``aminmax`` when
-they all fit the smallest table) and held; the profile adds the held batches in one ``index_add_`` over every
+they all fit the smallest table) and held; the profile adds the held batches (an ``index_add_`` each) over every
 table's rows laid end to end when the check reads it (``RollingProfile.update_flat``, ``defer``). A batch not
 counted touches no tensor (its decay is kept in the profile's scale). With ``train.replan_count_every`` k > 1 a
 batch of the counting periods is counted with probability 1/k and weight k (:func:`counted_step`: the same expected
@@ -280,7 +280,7 @@ class DriftMonitor:
             self.profile.decay_only(1)
             return
         flat = self._flat_ids(sparse)
-        if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
+        if flat is not None:  # held, added (an index_add_ each) when the check reads it (RollingProfile.update_flat)
             self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True, weight=k)
             return
         parts = sparse.to_dict()
