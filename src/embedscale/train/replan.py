@@ -77,6 +77,7 @@ import io
 import os
 import shutil
 import sys
+import queue
 import threading
 import time
 from collections import deque
@@ -215,6 +216,20 @@ class PendingCheck:
     idle: bool = False  # rank 0: not even a plan that removed the whole measured step could pay (_cannot_pay)
 
 
+class CheckJob:
+    """Rank 0: a check handed to the monitor's check thread (:meth:`DriftMonitor._checker`), awaited as a thread is
+    (``is_alive``, ``join``)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
+
+
 class DriftMonitor:
     """One rank's drift monitor (module docstring): ``observe`` every batch, ``maybe_replan`` before each step."""
 
@@ -257,6 +272,8 @@ class DriftMonitor:
         if self.lag and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             timeout = timedelta(seconds=float(getattr(getattr(run, "cfg", None) and run.cfg.dist, "timeout_s", 1800)))
             self._verdicts = dist.new_group(backend="gloo", timeout=timeout)
+        if self.lag and getattr(run, "rank", None) == 0:
+            self._checker()  # the check thread, started before the first check
 
     def stepped(self, seconds: float) -> None:
         """The run's measured seconds of a step (``DistributedRun.train_step``, the monitor's pause excluded): the
@@ -374,8 +391,8 @@ class DriftMonitor:
             else:  # the training thread takes the GIL back within CHECK_SWITCH_S while the check runs
                 p.switch_s = sys.getswitchinterval()
                 sys.setswitchinterval(min(p.switch_s, CHECK_SWITCH_S))
-                p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
-                p.thread.start()
+                p.thread = CheckJob()
+                self._checker().put((p.thread, args))  # no wait for a new thread to be scheduled
         p.begin_s = time.perf_counter() - t0
         self.pause_parts.append((step, "begin", p.begin_s))
         return p
@@ -417,6 +434,25 @@ class DriftMonitor:
                     self._publish(p)
                     p.sent = self._quiet_periods(p) if p.verdict >= 0 else 1
                     p.flag, p.work = self._send([p.verdict, p.sent])
+
+    def _checker(self) -> "queue.SimpleQueue":
+        """Rank 0: the queue of the monitor's check thread, started once (a daemon): each check is handed to it
+        instead of a thread of its own, so the step that starts a check does not wait for a new thread to be
+        scheduled (on a loaded machine a thread's start waits for a core)."""
+        jobs = getattr(self, "_jobs", None)
+        if jobs is None:
+            jobs = self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="replan-check", daemon=True).start()
+        return jobs
+
+    def _serve(self, jobs: "queue.SimpleQueue") -> None:
+        """The check thread: run each check handed to it (:meth:`_decide`, which never raises), then mark it done."""
+        while True:
+            job, args = jobs.get()
+            try:
+                self._decide(*args)
+            finally:
+                job._done.set()
 
     def _posts(self, run, apply_at: int) -> bool:
         """Whether the verdict taken at ``apply_at`` travels on the verdicts' group (sent by rank 0's check thread
