@@ -313,14 +313,18 @@ def pause_parts(per_rank: list, med: float) -> dict:
     """The pauses' parts (``DriftMonitor.pause_parts``: the check's start, the wait for the profiles' sum, the
     verdict's broadcast, the migration), the slowest rank's per occurrence, in median steps: median and max."""
     worst: dict[tuple[int, str], float] = {}
-    for parts in per_rank:
+    who: dict[tuple[int, str], int] = {}  # the slowest rank of each
+    for rank, parts in enumerate(per_rank):
         for step, name, sec in parts:
-            worst[(step, name)] = max(worst.get((step, name), 0.0), sec)
+            if sec >= worst.get((step, name), 0.0):
+                worst[(step, name)], who[(step, name)] = sec, rank
     out = {}
     for name in sorted({k[1] for k in worst}):
         v = np.asarray([s for k, s in worst.items() if k[1] == name]) / med
+        top = sorted(((s, k[0], who[k]) for k, s in worst.items() if k[1] == name), reverse=True)[:3]
         out[name] = {"n": int(v.size), "median_steps": round(float(np.median(v)), 3),
-                     "max_steps": round(float(v.max()), 3)}
+                     "max_steps": round(float(v.max()), 3),
+                     "largest": [{"step": st, "rank": r, "steps": round(s / med, 3)} for s, st, r in top]}
     return out
 
 
