@@ -193,6 +193,12 @@ def test_the_monitor_weighs_the_gain_in_the_runs_measured_step_seconds():
         assert mon._step_s == 0.012
         return mon
 
+    even = _monitor(5)  # an even count: the mean of the middle two, 11 and 13 ms
+    even._step_times = deque(maxlen=32)
+    for s in (0.010, 0.013, 0.011, 0.040):
+        even.stepped(s)
+    assert even.measured_step_s() == pytest.approx(0.012, rel=1e-12)
+
     for check_s, taken in ((5e-3, False), (3e-3, True)):
         mon, rep = monitor(), _report(1000)
         mon._weigh_costs(_run(10, 100), rep, check_s)
