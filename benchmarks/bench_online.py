@@ -101,7 +101,7 @@ from embedscale.specs import RunConfig, Topology, from_dict, to_dict
 from embedscale.train.checkpoint import base_ref, read_manifest
 from embedscale.train.distributed import DistributedRun
 from embedscale.train.launch import spawn_local
-from embedscale.train.replan import QUIET_OBSERVE_PERIODS, move_to_plan
+from embedscale.train.replan import QUIET_OBSERVE_PERIODS, counted_step, move_to_plan
 from embedscale.train.run import dense_state, optimizer_state, save_checkpoint
 
 RUNS = ("static", "online", "hindsight")
@@ -267,7 +267,9 @@ def worker(rank, world, job):
 
     def timed_observe(sparse, samples):
         mon = online.monitor
-        counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every)
+        k = getattr(mon, "count_every", 1)
+        counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every
+                       and (k == 1 or counted_step(mon._seed, mon._step, k)))
         t0, c0 = time.perf_counter(), time.thread_time()
         observe(sparse, samples)
         observe_s.append(time.perf_counter() - t0)
@@ -336,6 +338,7 @@ def worker(rank, world, job):
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
             "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
+            "observe_cpu": torch.tensor(observe_cpu), "replan_cpu": torch.from_numpy(replan_cpu["online"]),
             "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first),
             "link_s": {n: torch.tensor(v, dtype=torch.float64) for n, v in link_s.items()}}
 
@@ -396,14 +399,18 @@ def pause_parts(per_rank: list, med: float) -> dict:
     """The pauses' parts (``DriftMonitor.pause_parts``: the check's start, the wait for the profiles' sum, the
     verdict's broadcast, the migration), the slowest rank's per occurrence, in median steps: median and max."""
     worst: dict[tuple[int, str], float] = {}
-    for parts in per_rank:
+    who: dict[tuple[int, str], int] = {}  # the slowest rank of each
+    for rank, parts in enumerate(per_rank):
         for step, name, sec in parts:
-            worst[(step, name)] = max(worst.get((step, name), 0.0), sec)
+            if sec >= worst.get((step, name), 0.0):
+                worst[(step, name)], who[(step, name)] = sec, rank
     out = {}
     for name in sorted({k[1] for k in worst}):
         v = np.asarray([s for k, s in worst.items() if k[1] == name]) / med
+        top = sorted(((s, k[0], who[k]) for k, s in worst.items() if k[1] == name), reverse=True)[:3]
         out[name] = {"n": int(v.size), "median_steps": round(float(np.median(v)), 3),
-                     "max_steps": round(float(v.max()), 3)}
+                     "max_steps": round(float(v.max()), 3),
+                     "largest": [{"step": st, "rank": r, "steps": round(s / med, 3)} for s, st, r in top]}
     return out
 
 
@@ -438,8 +445,34 @@ def rounds(on: np.ndarray, st: np.ndarray, size: int, seed: int = 0) -> dict:
     return {"rounds": n, "round_steps": size, "median": round(float(np.median(r)), 4),
             "p10": round(float(np.percentile(r, 10)), 4), "p90": round(float(np.percentile(r, 90)), 4),
             "median_ci95": [round(float(np.percentile(boot, 2.5)), 4), round(float(np.percentile(boot, 97.5)), 4)],
+            "median_ci95_width": round(float(np.percentile(boot, 97.5) - np.percentile(boot, 2.5)), 4),
             "per_step_paired_median": round(float(np.median(on / st)), 4), "ratio_total": round(float(on.sum()
                                                                                                     / st.sum()), 4)}
+
+
+def monitor_parts(res: list, static_cpu: float) -> dict:
+    """The monitor's own CPU seconds by part, summed over the ranks, as shares of static's CPU: ``observe`` of the
+    batches counted and of those not counted, ``maybe_replan`` at the checks' starts, at their verdict steps and
+    at the other steps, and rank 0's check thread."""
+    counted = res[0]["counted"].numpy().astype(bool)
+    ev = res[0]["events"]["online"]
+    starts = np.isin(np.arange(len(counted)), [e[0] for e in ev])
+    verdicts = np.isin(np.arange(len(counted)), [x for e in ev for x in e[1:]]) & ~starts
+    obs = sum(r["observe_cpu"].numpy() for r in res)
+    rep = sum(r["replan_cpu"].numpy() for r in res)
+    parts = {"observe_counted": obs[counted].sum(), "observe_not_counted": obs[~counted].sum(),
+             "check_start": rep[starts].sum(), "verdict": rep[verdicts].sum(),
+             "other_steps": rep[~starts & ~verdicts].sum(), "check_thread": res[0]["check_cpu_s"]["online"]}
+    out = {k: round(float(v / static_cpu), 5) for k, v in parts.items()}
+    out["counted_batches"], out["checks"] = int(counted.sum()), len(ev)
+    return out
+
+
+def on_interval(r: dict, bar: float = 1.03) -> str:
+    """The bar "at most ``bar``" judged on a :func:`rounds` median's 95% interval: ``met`` when its upper end is
+    within the bar, ``missed`` when its lower end is beyond it, else ``unresolved`` (the interval straddles it)."""
+    lo, hi = r["median_ci95"]
+    return "met" if hi <= bar else "missed" if lo > bar else "unresolved"
 
 
 def q(v) -> dict:
@@ -518,6 +551,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
     # against static's CPU: what online adds directly, without the run-to-run spread of two runs' totals
     mon_cpu = sum(r["monitor_cpu_s"] for r in res) + res[0]["check_cpu_s"]["online"]
     paired["cpu_monitor_share"] = round(float(mon_cpu / cpu["static"].sum()), 5)
+    paired["cpu_monitor_parts"] = monitor_parts(res, cpu["static"].sum())
     if a.dump:  # every run's per-step seconds (the slowest rank's) and the online run's pauses, for a closer look
         np.savez(f"{a.dump}-w{world}.npz", **{f"step_{n}": v for n, v in step.items()},
                  **{f"cpu_{n}": v for n, v in cpu.items()},
@@ -608,6 +642,11 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "delta_at_most_1.1x": delta_bytes / ref <= 1.10,
             "online_within_3pct_of_static": paired["online_static"]["median"] <= 1.03,
             "online_within_3pct_of_static_cpu": paired["cpu_online_static"]["median"] <= 1.03,
+            # the verdict on the median's 95% interval, beside the same-plan pair's (the noise floor)
+            "online_within_3pct_of_static_interval": on_interval(paired["online_static"]),
+            "online_within_3pct_of_static_cpu_interval": on_interval(paired["cpu_online_static"]),
+            "noise_floor_within_3pct_interval": on_interval(paired["noise_floor_static_twin_static"]),
+            "noise_floor_within_3pct_cpu_interval": on_interval(paired["cpu_noise_floor_static_twin_static"]),
             "pause_at_most_1_step": monitors["online"]["pause"]["max_steps"] <= 1.0},
         "online_vs_static_rounds": paired,
         "monitors": monitors,

@@ -498,6 +498,7 @@ class DistributedRun:
             self.monitor.maybe_replan(self)
             if self.managed is None:
                 self.monitor.observe(batch.sparse, batch.batch_size)
+        t_step = time.perf_counter()  # the measured step the drift monitor's gains are calibrated on
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)
         set_dropout_rows(self.model, batch.global_size, (batch.global_size * self.rank) // self.world)
@@ -519,6 +520,8 @@ class DistributedRun:
         self.sync_bytes_per_step.append(self.embedding.stats.get("grad_sync_bytes", 0)
                                         + self.tt_stats.get("tt_grad_sync_bytes", 0) - sync_before)
         total_work.wait()
+        if self.monitor is not None:
+            self.monitor.stepped(time.perf_counter() - t_step)
         return float(total) / batch.global_size
 
     # -- evaluation -----------------------------------------------------------------------------

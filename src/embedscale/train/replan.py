@@ -17,7 +17,8 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 2. when the plan taken lowers the predicted bottleneck by more than ``train.replan_min_gain`` (default
    5%), or a degree of balance fell below 0.9, and (``train.replan_weigh_costs``, the default) the step seconds
    it saves over the steps to the next check outweigh the check's measured seconds and the migration's predicted
-   ones (:func:`replan_pays`; else the check is counted in the summary's ``replans_declined``), every rank loads
+   ones (:func:`replan_pays`; the model's gain taken as its share of the modelled bottleneck times the run's
+   measured step, :func:`gain_seconds`; else the check is counted in the summary's ``replans_declined``), every rank loads
    that plan (rank 0 saves it:
    ``<run dir>/replans/step-N/`` and the run's ``plan/``, so a resume continues under it; the plan it leaves in
    ``replans/step-N/before/``, so a resume from a checkpoint at or before step N starts under that one:
@@ -35,16 +36,20 @@ slice, decayed with a half-life of N steps) and, before the step that follows ev
 Rank 0 plans beside training (``train.replan_lag`` L, 0 <= L <= N): the profiles' sum starts at the check's
 step N (every rank, one ``all_reduce``; with L > 0 it completes beside the next step), rank 0 runs the check of step 1 and the weighing of step 2 in a thread
 (:meth:`DriftMonitor._decide`: plain CPU work on the summed profile and the running plan, no tensor of the run)
-while every rank trains on, and at step M = N + L broadcasts the verdict if the check is done, else
+while every rank trains on; at step M = N + L the verdict is taken if the check is done, else
 :data:`NOT_READY`, and every rank asks again one monitoring period later (M = N + L + kN, no new check started
-meanwhile): no rank waits for a plan. The re-plan (``replans/step-M/``) happens between step M and M+1, after
+meanwhile): no rank waits for a plan. With L > 0 on N ranks the verdict travels on its own gloo group: the other
+ranks post its receive at step N, rank 0's check thread sends it (published first) as soon as it is done, so at M
+they take a message already there instead of meeting rank 0 in a broadcast (rank 0 sends :data:`NOT_READY` at M
+itself when its check still runs); a verdict step past the run's known end is not posted (nothing in flight). The re-plan (``replans/step-M/``) happens between step M and M+1, after
 the loop's checkpoint of step M (written under the old plan, restorable under any), and the run continues
 exactly as one restarted from that checkpoint with the new plan (tests/test_migrate.py,
 tests/test_replan_lag.py). M is N + L unless the check outlasts L steps (then the migration step depends on
 timing, always a verdict step of the input pipeline's ``held_back``); with L = 0 the other ranks wait for the
-check (M = N). A check that kept the plan without a search (the plan holds, or no plan could pay for the check:
-:meth:`DriftMonitor._cannot_pay`) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
-broadcasts them with the verdict): on a stream where balance does not pay the checks become rare.
+check (M = N). A check that kept the plan (the plan holds, no plan could pay for the check:
+:meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
+sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
+stream where balance does not pay the checks become rare.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
@@ -56,7 +61,7 @@ bit, another one as the same sum), with the checks' spacing (:data:`SPACING_KEY`
 run resumed from a full checkpoint checks, counts and re-plans as the uninterrupted one; a delta checkpoint carries
 none and a resume from it takes its base's (a lag of the steps between them).
 A counted batch's ids are checked against their own tables (:meth:`DriftMonitor._flat_ids`: one ``aminmax`` when
-they all fit the smallest table) and held; the profile adds the held batches in one ``index_add_`` over every
+they all fit the smallest table) and held; the profile adds the held batches (an ``index_add_`` each) over every
 table's rows laid end to end when the check reads it (``RollingProfile.update_flat``, ``defer``). A batch not
 counted touches no tensor (its decay is kept in the profile's scale). With ``train.replan_count_every`` k > 1 a
 batch of the counting periods is counted with probability 1/k and weight k (:func:`counted_step`: the same expected
@@ -72,9 +77,12 @@ import io
 import os
 import shutil
 import sys
+import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -106,14 +114,18 @@ KEPT = "kept"  # replans/step-N/kept: the last check for step N kept the plan (a
 STAGED = "check-"  # replans/check-N/: the plan rank 0's check of step N made, before its verdict step is known
 NOT_READY = 2  # the verdict broadcast when the check still runs: taken one monitoring period later
 SPACING_KEY = "spacing"  # DriftMonitor.state_dict: the checks' spacing (DriftMonitor._spacing)
-MAX_QUIET_PERIODS = 8  # checks that cannot pay space out to one in this many monitoring periods (at most)
+MAX_QUIET_PERIODS = 16  # checks that cannot pay space out to one in this many monitoring periods (at most)
 # while checks are spaced out, batches are counted only in this many periods before the next check (an older
 # batch weighs a quarter or less at it: the profile's half-life is one period); the others only decay it
 QUIET_OBSERVE_PERIODS = 2
+# and those of the earlier of the two (weighing a half to a quarter at the check) with probability 1 / this, weighted
+# by it (counted_step: the same expected counts)
+QUIET_COUNT_EVERY = 4
 
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
+STEP_TIMES_KEPT = 32  # the measured steps (their median) a check's model gains are calibrated on (gain_seconds)
 _CHECK_DELAY_S = 0.0  # a test hook: seconds every check sleeps first (a slow check)
 COLUMNS = ["step", "reason", "gain", "rows_moved", "bytes", "seconds", "check_seconds", "migrate_seconds",
            "replicas_added", "replicas_dropped", "balance_before", "balance_after", "strategy", "rows_written",
@@ -145,6 +157,18 @@ def replan_pays(gain_per_step_s: float, steps_to_next_check: int, check_s: float
     sum and the plans, while the other ranks wait); ``migrate_s``: the migration's (:func:`migration_seconds`).
     The gain beyond the next check is not counted: that check weighs the plan afresh."""
     return gain_per_step_s * max(0, int(steps_to_next_check)) > check_s + migrate_s
+
+
+def gain_seconds(cost_us: float, running_us: float, step_s: float | None) -> float:
+    """A cost-model figure (``plan.cost``: microseconds a step of its default links) in the run's measured seconds:
+    its share of the running plan's modelled bottleneck (``running_us``, the model's step) times the measured step
+    ``step_s`` (the median of the run's last :data:`STEP_TIMES_KEPT` steps, the monitor's own pause excluded).
+    Without a measured step, the model's microseconds as seconds. The whole measured step is taken to scale with
+    the bottleneck (the dense arches and the optimizer do not shrink with a placement), so the calibrated gain
+    is an upper bound: the monitor errs toward re-planning, while the costs it is weighed against are measured."""
+    if step_s is not None and step_s > 0 and running_us > 0:
+        return float(cost_us) / float(running_us) * float(step_s)
+    return float(cost_us) * 1e-6
 
 
 def migration_seconds(bytes_moved: float, link_gbs: float, measured: tuple[float, float] | None = None) -> float:
@@ -180,12 +204,31 @@ class PendingCheck:
     known: int | None = None  # every rank: the verdict restored from replans/ (resume_plan), no broadcast
     known_quiet: int = 1  # with ``known``: the periods to the next check it sets (a kept verdict's, restored)
     known_streak: int | None = None  # with ``known``: rank 0's streak after it (None: 0 after a re-plan)
+    flag: torch.Tensor | None = None  # the verdict's message (:meth:`DriftMonitor._send`): [verdict, periods]
+    work: object = None  # its broadcast: rank 0's send of the verdict, the others' receive (posted ahead)
+    posted: bool = False  # the verdict travels on the verdicts' group, sent when ready (DriftMonitor._send)
+    sent: int = 0  # rank 0: the periods to the next check its check thread sent with its verdict (0: not sent)
     total: object = None  # the profiles' sum (RollingProfile), or the function that waits for it
     switch_s: float | None = None  # rank 0: the interpreter's switch interval before the check's thread
     run_dir: object = None  # rank 0: where the verdict goes (:meth:`DriftMonitor._publish`)
     published: bool = False  # rank 0: the verdict is on disk under replans/step-<apply_at>
     deferred: int = 0  # the apply steps this check was not ready at (each one monitoring period later)
     searched: bool = True  # rank 0: the check made a fresh plan (else the running one held, or none could pay)
+    idle: bool = False  # rank 0: not even a plan that removed the whole measured step could pay (_cannot_pay)
+
+
+class CheckJob:
+    """Rank 0: a check handed to the monitor's check thread (:meth:`DriftMonitor._checker`), awaited as a thread is
+    (``is_alive``, ``join``)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+
+    def is_alive(self) -> bool:
+        return not self._done.is_set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._done.wait(timeout)
 
 
 class DriftMonitor:
@@ -221,19 +264,45 @@ class DriftMonitor:
         if int(count_every) < 1:
             raise ConfigError(f"train.replan_count_every {count_every}: must be at least 1")
         self.count_every, self._seed = int(count_every), int(seed)  # sampled counting (:func:`counted_step`)
+        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)  # the run's measured steps (stepped)
+        self._step_s: float | None = None  # rank 0: the measured step a check's gains are calibrated on
+        self._lock = threading.Lock()  # rank 0: the verdict's message is sent once, by the check or at its step
+        # lag > 0 on N ranks: the verdicts' own gloo group; rank 0's check thread sends the verdict as soon as it is
+        # done and the other ranks take it, long arrived, at the verdict step (_send, _take_verdict)
+        self._verdicts = None
+        if self.lag and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            timeout = timedelta(seconds=float(getattr(getattr(run, "cfg", None) and run.cfg.dist, "timeout_s", 1800)))
+            self._verdicts = dist.new_group(backend="gloo", timeout=timeout)
+        if self.lag and getattr(run, "rank", None) == 0:
+            self._checker()  # the check thread, started before the first check
+
+    def stepped(self, seconds: float) -> None:
+        """The run's measured seconds of a step (``DistributedRun.train_step``, the monitor's pause excluded): the
+        median of the last :data:`STEP_TIMES_KEPT` calibrates a check's model gains (:func:`gain_seconds`)."""
+        self._step_times.append(float(seconds))
+
+    def measured_step_s(self) -> float | None:
+        """The median of the run's last measured steps (``None`` before the first): plain Python on at most
+        :data:`STEP_TIMES_KEPT` numbers (NumPy's first ``median`` of a process took 18 ms, a step, at a check's start)."""
+        if not self._step_times:
+            return None
+        v, n = sorted(self._step_times), len(self._step_times)
+        return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
     def observe(self, sparse, samples: int) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
         only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
-        touched). A counted batch's ids are checked and held; the profile adds the held batches in one
+        touched), the earlier of them sampled (:data:`QUIET_COUNT_EVERY`, :func:`counted_step`). A counted batch's ids are checked and held; the profile adds the held batches in one
         ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
         k = getattr(self, "count_every", 1)
+        if self._step < self._quiet_until - self.every:  # spaced out: not the last period before the next check
+            k *= QUIET_COUNT_EVERY  # the earlier counting period: sampled (the ones before it: skipped below)
         if (self._step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
                 or (k > 1 and not counted_step(self._seed, self._step, k))):
             self.profile.decay_only(1)
             return
         flat = self._flat_ids(sparse)
-        if flat is not None:  # held, added in one index_add_ when the check reads it (RollingProfile.update_flat)
+        if flat is not None:  # held, added (an index_add_ each) when the check reads it (RollingProfile.update_flat)
             self.profile.update_flat(flat, steps=1, samples=samples, check=False, defer=True, weight=k)
             return
         parts = sparse.to_dict()
@@ -316,15 +385,19 @@ class DriftMonitor:
         p.total = self.profile.all_reduce_async()  # every rank's slices: the global batches' rows
         if self.lag == 0:
             p.total = p.total()
+        p.posted = self._posts(run, p.apply_at)
+        if p.posted and run.rank != 0:  # the verdict's receive, posted now: taken at the verdict step
+            self._receive(p)
         if run.rank == 0:
+            self._step_s = self.measured_step_s()  # the check's gains in the run's measured seconds (gain_seconds)
             args = (run, p, t0)
             if self.lag == 0:
                 self._decide(*args)
             else:  # the training thread takes the GIL back within CHECK_SWITCH_S while the check runs
                 p.switch_s = sys.getswitchinterval()
                 sys.setswitchinterval(min(p.switch_s, CHECK_SWITCH_S))
-                p.thread = threading.Thread(target=self._decide, args=args, name=f"replan-check-{step}", daemon=True)
-                p.thread.start()
+                p.thread = CheckJob()
+                self._checker().put((p.thread, args))  # no wait for a new thread to be scheduled
         p.begin_s = time.perf_counter() - t0
         self.pause_parts.append((step, "begin", p.begin_s))
         return p
@@ -342,6 +415,7 @@ class DriftMonitor:
             t1 = time.perf_counter()
             report, fresh = self._check(run, prof, p.step)
             p.searched = fresh is not None
+            p.idle = bool(report.get("replan_costs", {}).get("whole_step_cannot_pay", False))
             if fresh is not None:  # the planning's seconds: what the next check weighs before it plans
                 self.plan_seconds = time.perf_counter() - t1
             if fresh is not None and report["replan"] and getattr(run.cfg.train, "replan_weigh_costs", True):
@@ -359,6 +433,82 @@ class DriftMonitor:
             if p.switch_s is not None:
                 sys.setswitchinterval(p.switch_s)
         p.check_s = time.perf_counter() - t0
+        if p.posted:  # the verdict goes out now (published first): the others take it at the verdict step
+            with self._lock:
+                if p.posted and not p.sent:  # (the verdict step may have passed meanwhile: _take_verdict)
+                    self._publish(p)
+                    p.sent = self._quiet_periods(p) if p.verdict >= 0 else 1
+                    p.flag, p.work = self._send([p.verdict, p.sent])
+
+    def _checker(self) -> "queue.SimpleQueue":
+        """Rank 0: the queue of the monitor's check thread, started once (a daemon): each check is handed to it
+        instead of a thread of its own, so the step that starts a check does not wait for a new thread to be
+        scheduled (on a loaded machine a thread's start waits for a core)."""
+        jobs = getattr(self, "_jobs", None)
+        if jobs is None:
+            jobs = self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), name="replan-check", daemon=True).start()
+        return jobs
+
+    def _serve(self, jobs: "queue.SimpleQueue") -> None:
+        """The check thread: run each check handed to it (:meth:`_decide`, which never raises), then mark it done."""
+        while True:
+            job, args = jobs.get()
+            try:
+                self._decide(*args)
+            finally:
+                job._done.set()
+
+    def _posts(self, run, apply_at: int) -> bool:
+        """Whether the verdict taken at ``apply_at`` travels on the verdicts' group (sent by rank 0's check thread
+        when done, received ahead by the others): with ``replan_lag`` > 0 on N ranks, when the run's steps are
+        known and the verdict step falls inside them (no message is left in flight when the run ends)."""
+        max_steps = run.cfg.train.max_steps
+        return self._verdicts is not None and 0 < max_steps and apply_at < max_steps
+
+    def _send(self, flag: list[int]):
+        """Rank 0: the verdict's message ``[verdict, periods to the next check]``, broadcast without waiting."""
+        t = torch.tensor(flag, dtype=torch.int64)
+        return t, dist.broadcast(t, 0, group=self._verdicts, async_op=True)
+
+    def _receive(self, p: "PendingCheck") -> None:
+        """The other ranks: the verdict's receive posted ahead (``p.flag``, ``p.work``)."""
+        p.flag = torch.zeros(2, dtype=torch.int64)
+        p.work = dist.broadcast(p.flag, 0, group=self._verdicts, async_op=True)
+
+    def _take_verdict(self, run, p: "PendingCheck") -> tuple[int, int]:
+        """Every rank at the verdict step: rank 0's verdict and the periods to the next check. On the verdicts'
+        group (``p.posted``) rank 0 sent it when its check was done, else sends :data:`NOT_READY` now (the check
+        is then taken one monitoring period later, published for that step: ``apply_at`` moves under the lock);
+        the others wait for a message that has mostly arrived. Else one blocking broadcast on the monitor group."""
+        if not p.posted:
+            flag = torch.zeros(2, dtype=torch.int64)  # rank 0's verdict (1 re-plan, 0 keep, -1 failed), periods
+            if run.rank == 0:
+                ready = p.thread is None or not p.thread.is_alive()
+                if ready:
+                    self._publish(p)
+                flag[0] = p.verdict if ready else NOT_READY
+                flag[1] = self._quiet_periods(p) if ready and p.verdict >= 0 else 1
+            dist.broadcast(flag, 0, group=run.monitor_group)
+            return int(flag[0]), int(flag[1])
+        if run.rank == 0:
+            with self._lock:
+                if p.sent:
+                    flag, work = p.flag, p.work
+                else:  # the check still runs: "not ready", and its verdict is sent for a period later
+                    flag, work = self._send([NOT_READY, 1])
+                    p.apply_at += self.every
+                    p.posted = self._posts(run, p.apply_at)
+        else:
+            flag, work = p.flag, p.work
+        work.wait()
+        verdict, quiet = int(flag[0]), int(flag[1])
+        if verdict == NOT_READY and run.rank != 0:
+            p.apply_at += self.every
+            p.posted = self._posts(run, p.apply_at)
+            if p.posted:
+                self._receive(p)
+        return verdict, quiet
 
     def _publish(self, p: "PendingCheck") -> None:
         """Rank 0, once the check is done and before its verdict is broadcast: the verdict on disk for the step
@@ -385,12 +535,20 @@ class DriftMonitor:
             self._publish(p)
 
     def _quiet_periods(self, p: "PendingCheck") -> int:
-        """Rank 0: the monitoring periods to the next check. A check that kept the plan without a search (its
-        cost held within ``replan_min_gain`` and its balance, or no plan could pay, :meth:`_cannot_pay`) doubles
-        them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less often (a
-        drift is seen that many periods late at most); a check that planned resets them to one."""
-        self._quiet_streak = 0 if p.searched else self._quiet_streak + 1
+        """Rank 0: the monitoring periods to the next check. A check that kept the plan (its cost held within
+        ``replan_min_gain`` and its balance, no plan could pay, :meth:`_cannot_pay`, or the plan searched did not
+        pay) doubles them, up to :data:`MAX_QUIET_PERIODS`: a stream where balance does not pay is checked ever less
+        often (a drift is seen that many periods late at most); a check that re-planned resets them to one."""
+        self._quiet_streak = self._next_streak(p)
         return min(MAX_QUIET_PERIODS, 2 ** self._quiet_streak)
+
+    def _next_streak(self, p: "PendingCheck") -> int:
+        """Rank 0: the streak after check ``p`` (:meth:`_quiet_periods`): 0 after a re-plan, else one more (a search
+        whose plan did not pay keeps the plan too: its gain is known small); a check where no plan could pay even
+        by removing the whole measured step (``p.idle``) goes straight to the streak of the longest spacing (the
+        step or the planning's seconds must change before any check could pay)."""
+        streak = 0 if p.verdict == 1 else self._quiet_streak + 1
+        return max(streak, MAX_QUIET_PERIODS.bit_length() - 1) if p.idle else streak
 
     def _conclude(self, run, p: "PendingCheck") -> dict | None:
         """Collective: rank 0 broadcasts the verdict if its check is done (publishing it first), else
@@ -402,24 +560,17 @@ class DriftMonitor:
         if callable(p.total):  # the profiles' sum, long done: its work released
             p.total()
         t_sum = time.perf_counter()
-        quiet = 1
+        quiet, posted = 1, p.posted
         if p.known is None:
-            flag = torch.zeros(2, dtype=torch.int64)  # rank 0's verdict (1 re-plan, 0 keep, -1 failed), periods
-            if run.rank == 0:
-                ready = p.thread is None or not p.thread.is_alive()
-                if ready:
-                    self._publish(p)
-                flag[0] = p.verdict if ready else NOT_READY
-                flag[1] = self._quiet_periods(p) if ready and p.verdict >= 0 else 1
-            dist.broadcast(flag, 0, group=run.monitor_group)
-            verdict, quiet = int(flag[0]), int(flag[1])
+            verdict, quiet = self._take_verdict(run, p)
         else:  # restored (resume_plan, DriftMonitor._restore_spacing): the spacing it sets, as the broadcast would
             verdict, quiet = p.known, p.known_quiet
             self._quiet_streak = p.known_streak if p.known_streak is not None else 0
         t_wait = time.perf_counter()
         self.pause_parts += [(step, "sum_wait", t_sum - t0), (step, "verdict", t_wait - t_sum)]
         if verdict == NOT_READY:  # the check still runs: its verdict one monitoring period later
-            p.apply_at += self.every
+            if not posted:  # (on the verdicts' group _take_verdict moved it)
+                p.apply_at += self.every
             p.deferred += 1
             p.begin_s += t_wait - t0
             self.deferred += 1
@@ -466,7 +617,8 @@ class DriftMonitor:
         check (:func:`replan_pays`); the terms go into ``report["replan_costs"]``. The check of step ``step``
         (default: the run's) moves the rows ``replan_lag`` steps later: the gain counts from there."""
         after, new = report["after"]["max_rank_cost"], report["replanned"]["max_rank_cost"]
-        gain = max(0.0, after - new) * 1e-6  # plan.cost: microseconds per step
+        step_s = getattr(self, "_step_s", None)  # the measured step (gain_seconds; None: the model's seconds)
+        gain = gain_seconds(max(0.0, after - new), after, step_s)
         steps = self._gain_steps(run, run.state.step if step is None else step)
         nbytes = float(report.get("bytes_moved", 0)) + 4.0 * float(report.get("rows_moved", 0))  # + row-wise state
         last = next((r for r in reversed(self.records) if float(r["bytes"]) > 0), None)
@@ -475,7 +627,7 @@ class DriftMonitor:
         mig = migration_seconds(nbytes, link, (float(last["migrate_seconds"]), float(last["bytes"])) if last else None)
         pays = replan_pays(gain, steps, check_s, mig)
         report["replan_costs"] = {"gain_per_step_s": gain, "steps_to_next_check": steps, "check_s": check_s,
-                                  "migrate_s": mig, "pays": pays}
+                                  "migrate_s": mig, "pays": pays, "measured_step_s": step_s}
         if not pays:
             self.declined += 1
             report["replan"] = False
@@ -521,14 +673,16 @@ class DriftMonitor:
         if plan_s is None or not getattr(run.cfg.train, "replan_weigh_costs", True):
             return False
         after = report["after"]
-        bound = max(0.0, after["max_rank_cost"] - after["lookup_mean"]) * 1e-6  # plan.cost: us a step
+        step_s = getattr(self, "_step_s", None)  # the measured step (gain_seconds; None: the model's seconds)
+        bound = gain_seconds(max(0.0, after["max_rank_cost"] - after["lookup_mean"]), after["max_rank_cost"], step_s)
         steps = self._gain_steps(run, step)
         if replan_pays(bound, steps, plan_s, 0.0):
             return False
         self.declined += 1
         report["replan"] = False
         report["replan_costs"] = {"gain_bound_per_step_s": bound, "steps_to_next_check": steps, "check_s": plan_s,
-                                  "pays": False}
+                                  "pays": False, "measured_step_s": step_s,
+                                  "whole_step_cannot_pay": step_s is not None and step_s * steps <= plan_s}
         report["reason"] = (f"no plan saves more than {bound * 1e3:.3f} ms a step (the bottleneck less the mean "
                             f"lookup) x {steps} steps, not more than planning ({plan_s * 1e3:.1f} ms): keep the plan")
         return True
@@ -586,8 +740,10 @@ class DriftMonitor:
         p = getattr(self, "_pending", None)
         done = p is not None and (p.known == 0 or (p.known is None and p.thread is not None
                                                    and not p.thread.is_alive() and p.verdict == 0))
-        if done:
-            streak = p.known_streak if p.known is not None else (0 if p.searched else self._quiet_streak + 1)
+        if done and p.sent:  # its message sent by the check's thread: the spacing it set is the monitor's
+            kept = [p.step, p.apply_at, p.sent, self._quiet_streak]
+        elif done:
+            streak = p.known_streak if p.known is not None else self._next_streak(p)
             kept = [p.step, p.apply_at, min(MAX_QUIET_PERIODS, 2 ** streak), streak]
         plan_s = self.plan_seconds if self.plan_seconds is not None else float("nan")
         return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept], dtype=torch.float64)
