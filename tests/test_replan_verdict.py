@@ -3,7 +3,7 @@ when done, the other ranks posted its receive when the check started and take it
 not wait there for rank 0 (2 gloo ranks, the drifting stream of tests/test_migrate.py: its check of step 4
 re-plans).
 
-Reference: the same run where rank 0 arrives at the verdict step late by a known delay (1.5 s, after its check is
+Reference: the same run where rank 0 arrives at the verdict step late by a known delay (5 s, after its check is
 done); a rank that waited for rank 0's broadcast there would spend the whole delay in the monitor. The re-plan's
 step is the plain-Python model's (tests/test_replan_lag.py ``plan_in_force``)."""
 
@@ -18,7 +18,7 @@ from embedscale.train.replan import read_replans
 from test_migrate import EVERY, drift_config, drift_data
 from test_replan_lag import plan_in_force
 
-W, LAG, STEPS, LATE_S, STEP_SLEEP_S = 2, 3, 8, 1.5, 0.6
+W, LAG, STEPS, LATE_S, STEP_SLEEP_S = 2, 3, 8, 5.0, 1.0  # wide: the check may take seconds under load
 
 
 def _late_rank(rank, world, cfg_dict, run_dir, out_path, late_s, step_sleep):
@@ -65,8 +65,8 @@ def _late_rank(rank, world, cfg_dict, run_dir, out_path, late_s, step_sleep):
 
 
 def test_the_other_ranks_take_the_verdict_without_waiting_for_rank_0(tmp_path):
-    """Lag 3, a check every 4 steps, 8 steps of 0.6 s: the check of step 4 re-plans at step 7 (the model). Rank 0
-    reaches step 7's verdict 1.5 s late; rank 1's wait for the verdict there stays far below that (it arrived when
+    """Lag 3, a check every 4 steps, 8 steps of 1 s: the check of step 4 re-plans at step 7 (the model). Rank 0
+    reaches step 7's verdict 5 s late; rank 1's wait for the verdict there stays far below that (it arrived when
     rank 0's check finished; the migration that follows is collective and meets rank 0 as a step would), and
     both ranks run step 7 under the new plan."""
     data = tmp_path / "data"
@@ -84,5 +84,5 @@ def test_the_other_ranks_take_the_verdict_without_waiting_for_rank_0(tmp_path):
         got = [e["plan_checked_at"] for e in logs[r] if e["step"] < STEPS][:STEPS]
         assert got == want, (r, got, want)
     wait = out[1]["verdict_s"]
-    assert list(wait) == [str(EVERY + LAG)] and wait[str(EVERY + LAG)] < LATE_S / 2, wait  # blocking: >= 1.5 s
+    assert list(wait) == [str(EVERY + LAG)] and wait[str(EVERY + LAG)] < LATE_S / 2, wait  # blocking: >= LATE_S
     assert {e["step"]: e["monitor_s"] for e in logs[0]}[EVERY + LAG] >= LATE_S  # the delay did happen
