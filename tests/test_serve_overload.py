@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -105,3 +106,62 @@ def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
     # the compute thread ran 5 steps nicer than this (the event loop's) thread, as the OS reports it
     assert seen["tid"] != threading.get_native_id()
     assert seen["nice"] == min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 5, 19)
+
+
+def test_full_queue_refused_before_routing_with_the_clock_stamped(tmp_path):
+    """A full queue's refusal is made in front of the routing: the prediction route's handler never runs for it
+    (counted by wrapping the route), even for a body that is not JSON (not parsed), which, once the queue has
+    room, the handler answers 400. Every answer's ``x-embedscale-clock`` (arrival, answer) lies within the
+    client's own send and read on the same monotonic clock, in that order. While serving, the interpreter's
+    switch interval is the configured one; after, Python's again."""
+    export = tiny_export(tmp_path / "model")
+    cfg = ServeConfig(queue_rows=2, max_batch=2, max_wait_ms=0, timing_headers=True, switch_interval_ms=0.5)
+    app = make_app(load_export(export), cfg)
+    release, entered, handled = threading.Event(), threading.Event(), []
+    (route,) = [r for r in app.router.routes if getattr(r, "path", None) == "/v1/predict"]
+    handler = route.app
+
+    async def counting(scope, receive, send):
+        handled.append(scope["path"])
+        await handler(scope, receive, send)
+
+    route.app = counting
+    before = sys.getswitchinterval()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            switch = sys.getswitchinterval()
+            batcher = app.state.serve["batcher"]
+            forward = batcher._forward
+            batcher._forward = lambda s, p: (entered.set(), release.wait(WAIT_S), forward(s, p))[2]
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=WAIT_S) as c:
+                first = asyncio.ensure_future(c.post("/v1/predict", json={"rows": rows(2, 1)}))
+                assert await loop.run_in_executor(None, entered.wait, WAIT_S)
+                queued = asyncio.ensure_future(c.post("/v1/predict", json={"rows": rows(2, 2)}))
+                for _ in range(2000):  # bounded: until it waits in the queue
+                    if batcher.queued_rows == 2:
+                        break
+                    await asyncio.sleep(0.005)
+                n_handled = len(handled)
+                sent = time.monotonic_ns()
+                refused = await asyncio.wait_for(c.post("/v1/predict", content=b"not json"), WAIT_S)
+                read = time.monotonic_ns()
+                refused_handled = len(handled) - n_handled
+                release.set()
+                answered = await asyncio.wait_for(asyncio.gather(first, queued), WAIT_S)
+                bad = await c.post("/v1/predict", content=b"not json")
+        return switch, refused, (sent, read), refused_handled, answered, bad
+
+    switch, refused, (sent, read), refused_handled, answered, bad = asyncio.run(scenario())
+    assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
+    assert refused_handled == 0, "the refused request reached the route's handler"
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]
+    assert [r.status_code for r in answered] == [200, 200]
+    arrived, answer = map(int, refused.headers["x-embedscale-clock"].split())
+    assert sent <= arrived <= answer <= read
+    for r in (*answered, bad):
+        arrived, answer = map(int, r.headers["x-embedscale-clock"].split())
+        assert arrived <= answer
+    assert switch == pytest.approx(0.0005) and sys.getswitchinterval() == before

@@ -63,6 +63,9 @@ class ServeConfig:
     dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
     by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
     compute_nice: int = 10  # the compute thread's niceness above the event loop's (Batcher._lower_priority)
+    switch_interval_ms: float = 1.0  # the interpreter's GIL switch interval while serving (0: Python's, 5 ms)
+    refuse_in_handler: bool = False  # a full queue refused in the handler only, after routing (benchmarks: as before)
+    timing_headers: bool = False  # every prediction answer carries x-embedscale-clock (benchmarks: where time goes)
 
 
 class Metrics:
@@ -205,6 +208,47 @@ def score(served: ServedModel, parts: list) -> torch.Tensor:
     return served.logits(concat(parts))
 
 
+class Admission:
+    """ASGI middleware in front of the routing: ``POST /v1/predict`` that finds the queue without room for even one
+    row is answered 503 here, before Starlette routes it, FastAPI builds a request or a handler runs; its body is
+    left unread (uvicorn discards the rest of a request answered whole and keeps the connection). Under overload
+    the event loop's thread refuses at the smallest cost it can in Python. With ``timing_headers`` every
+    prediction answer carries ``x-embedscale-clock: <arrival ns> <answer ns>`` (``time.monotonic_ns``: the host's
+    monotonic clock, which a client on the same host reads too, so it can split a request's time into before,
+    in and after the server's Python code)."""
+
+    def __init__(self, app, state: dict, cfg: ServeConfig, metrics: Metrics):
+        self.app, self.state, self.cfg, self.metrics = app, state, cfg, metrics
+        self.refused = metrics.requests.labels(code="503")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/predict":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        if self.cfg.timing_headers:
+            send = _stamped(send, time.monotonic_ns())
+        batcher = self.state["batcher"]
+        if (self.cfg.refuse_in_handler or batcher is None or scope["method"] != "POST"
+                or batcher.queued_rows < self.cfg.queue_rows):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": _full_message(batcher, self.cfg), "field": None, "row": None}).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+        self.refused.inc()
+        self.metrics.latency.observe(time.perf_counter() - t0)
+
+
+def _stamped(send, arrived_ns: int):
+    """``send`` adding ``x-embedscale-clock: <arrived_ns> <now ns>`` to the response's start."""
+    async def stamped(message):
+        if message["type"] == "http.response.start":
+            clock = b"%d %d" % (arrived_ns, time.monotonic_ns())
+            message = {**message, "headers": [*message.get("headers", []), (b"x-embedscale-clock", clock)]}
+        await send(message)
+    return stamped
+
+
 def _error(status: int, message: str, field=None, row=None):
     return JSONResponse({"error": message, "field": field, "row": row}, status_code=status)
 
@@ -223,6 +267,9 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        switch = sys.getswitchinterval()
+        if cfg.switch_interval_ms:  # how long a thread waiting for the GIL waits before asking its holder for it
+            sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         state["batcher"] = Batcher(cfg, metrics)
         state["batcher"].start()
         follower = asyncio.get_running_loop().create_task(follow(state, cfg, metrics)) if cfg.follow else None
@@ -234,8 +281,10 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
             if follower is not None:
                 follower.cancel()
             await state["batcher"].stop()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="embedscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Admission, state=state, cfg=cfg, metrics=metrics)
 
     @app.post("/v1/predict")
     async def predict(request: Request):
@@ -394,8 +443,11 @@ def _encode(served: ServedModel, rows: list, by_context: bool = True):
 
 
 def _queue_full(batcher: Batcher, cfg: ServeConfig):
-    return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
-                       "retry later")
+    return _error(503, _full_message(batcher, cfg))
+
+
+def _full_message(batcher: Batcher, cfg: ServeConfig) -> str:
+    return f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); retry later"
 
 
 class _Candidates(list):
