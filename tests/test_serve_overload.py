@@ -59,10 +59,12 @@ def rows(n: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
-def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
+@pytest.mark.parametrize("encode_thread", [False, True])
+def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path, encode_thread):
     export = tiny_export(tmp_path / "model")
     reference = load_export(export)  # the model scored directly, in this thread: what the answers must equal
-    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=2, max_wait_ms=0, compute_nice=5))
+    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=2, max_wait_ms=0, compute_nice=5,
+                                                    encode_thread=encode_thread))
     release, entered, seen = threading.Event(), threading.Event(), {}
 
     def blocked_forward(forward):
@@ -94,9 +96,13 @@ def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
                 busy = not release.is_set() and not first.done() and not any(q.done() for q in queued)
                 release.set()
                 answered = await asyncio.wait_for(asyncio.gather(first, *queued), WAIT_S)
-        return refused, busy, answered
+                bad = rows(2, 5)
+                bad[1]["I2"] = "many"  # not a number: named by row and feature (encoded beside the loop or on it)
+                invalid = await asyncio.wait_for(post({"rows": bad}), WAIT_S)
+        return refused, busy, answered, invalid
 
-    refused, busy, answered = asyncio.run(scenario())
+    refused, busy, answered, invalid = asyncio.run(scenario())
+    assert invalid.status_code == 422 and (invalid.json()["row"], invalid.json()["field"]) == (1, "I2")
     assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
     assert busy, "the refusal came only after the compute thread was released"
     for r, seed in zip(answered, (1, 2, 3)):

@@ -63,9 +63,10 @@ class ServeConfig:
     dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
     by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
     compute_nice: int = 10  # the compute thread's niceness above the event loop's (Batcher._lower_priority)
-    switch_interval_ms: float = 1.0  # the interpreter's GIL switch interval while serving (0: Python's, 5 ms)
+    switch_interval_ms: float = 0.5  # the interpreter's GIL switch interval while serving (0: Python's, 5 ms)
     refuse_in_handler: bool = False  # a full queue refused in the handler only, after routing (benchmarks: as before)
     timing_headers: bool = False  # every prediction answer carries x-embedscale-clock (benchmarks: where time goes)
+    encode_thread: bool = True  # encode a request's rows in a thread beside the event loop
 
 
 class Metrics:
@@ -106,6 +107,8 @@ class Batcher:
         self.compute_tid: int | None = None  # the compute thread's native id (its priority is lowered)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model",
                                        initializer=self._lower_priority)
+        self.encoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-encode") \
+            if cfg.encode_thread else None
         self.task: asyncio.Task | None = None
         self.last_input: list | None = None  # the last batch scored: a model about to be swapped in warms on it
 
@@ -126,6 +129,8 @@ class Batcher:
         if self.task is not None:
             self.task.cancel()
         self.pool.shutdown(wait=True)
+        if self.encoding is not None:
+            self.encoding.shutdown(wait=True)
 
     def submit(self, enc: Encoded, served: ServedModel) -> asyncio.Future | None:
         """Queue a request's rows (encoded by ``served``); ``None`` when the queue has no room for them (the caller
@@ -347,7 +352,7 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
             seen = key
             if read_manifest(path)["model_version"] == state["served"].version:
                 continue
-            new = await loop.run_in_executor(None, load_and_warm, path, state["batcher"].last_input, cfg)
+            new, wall, cpu = await loop.run_in_executor(None, _timed_load, path, state["batcher"].last_input, cfg)
         except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
             print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
                   flush=True)
@@ -355,7 +360,15 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
         old = state["served"]
         state["served"], state["previous"] = new, old
         metrics.swapped(old.version, new.version)
-        print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
+        print(f"follow {path}: now serving {new.version} (was {old.version}; loaded in {wall:.1f} ms (thread CPU "
+              f"{cpu:.1f} ms))", file=sys.stderr, flush=True)
+
+
+def _timed_load(path: Path, sample, cfg: ServeConfig) -> tuple[ServedModel, float, float]:
+    """:func:`load_and_warm` with its wall and this thread's CPU time (ms)."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    new = load_and_warm(path, sample, cfg)
+    return new, (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def load_and_warm(path: Path, sample, cfg: ServeConfig | None = None) -> ServedModel:
@@ -388,6 +401,32 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if batcher is not None and batcher.queued_rows >= cfg.queue_rows:
         # not even one row fits: refused before the body is parsed (read first: the connection stays reusable)
         return _queue_full(batcher, cfg)
+    rows = _parsed(body, cfg)
+    if isinstance(rows, Response):
+        return rows
+    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
+        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
+    served = state["served"]  # one model for this request: its encoding and its scores
+    if cfg.encode_thread and batcher is not None:  # encoded beside the event loop, which reads the next requests
+        enc = await asyncio.get_running_loop().run_in_executor(batcher.encoding, _encoded, served, rows, cfg)
+    else:
+        enc = _encoded(served, rows, cfg)
+    if isinstance(enc, Response):
+        return enc
+    if enc.rows == 0:
+        return JSONResponse({"model_version": served.version, "probabilities": []})
+    if not state["ready"] or batcher is None:
+        return _error(503, "the server is not ready (starting or draining)")
+    fut = batcher.submit(enc, served)
+    if fut is None:
+        return _queue_full(batcher, cfg)
+    version, probs = await fut
+    return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _parsed(body: bytes, cfg: ServeConfig):
+    """A request's body parsed and its shape checked: its rows (a list, or a ranking call's
+    :class:`_Candidates`), or the error response (4xx)."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -400,7 +439,6 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if extra:
         return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}} or {{\"context\": "
                            "{...}, \"candidates\": [...]}})", field=extra[0])
-    served = state["served"]  # one model for this request: its encoding and its scores
     rows = _ranking_rows(doc) if ranking else doc.get("rows")
     if isinstance(rows, tuple):  # a malformed ranking call: (message, field, candidate)
         return _error(422, rows[0], field=rows[1], row=rows[2])
@@ -409,21 +447,15 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
-    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
-        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
+    return rows
+
+
+def _encoded(served: ServedModel, rows: list, cfg: ServeConfig):
+    """:func:`_encode`, a bad value answered 422 naming its row and feature."""
     try:
-        enc = _encode(served, rows, cfg.by_context)
+        return _encode(served, rows, cfg.by_context)
     except RequestError as e:
         return _error(422, str(e), field=e.field, row=e.row)
-    if enc.rows == 0:
-        return JSONResponse({"model_version": served.version, "probabilities": []})
-    if not state["ready"] or batcher is None:
-        return _error(503, "the server is not ready (starting or draining)")
-    fut = batcher.submit(enc, served)
-    if fut is None:
-        return _queue_full(batcher, cfg)
-    version, probs = await fut
-    return JSONResponse({"model_version": version, "probabilities": probs})
 
 
 def _encode(served: ServedModel, rows: list, by_context: bool = True):
