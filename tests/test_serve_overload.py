@@ -171,3 +171,54 @@ def test_full_queue_refused_before_routing_with_the_clock_stamped(tmp_path):
         arrived, answer = map(int, r.headers["x-embedscale-clock"].split())
         assert arrived <= answer
     assert switch == pytest.approx(0.0005) and sys.getswitchinterval() == before
+
+
+def test_rows_being_encoded_count_against_the_queue(tmp_path, monkeypatch):
+    """A request's rows count as waiting from the moment it is admitted, while it is still being encoded beside
+    the event loop: with room for 4 rows and a 3-row request held in its encoding, a 2-row request is refused
+    (3 + 2 > 4: a plain count) and a 1-row one admitted; a request whose encoding fails (422) gives its rows
+    back. The answers equal the model's own scores."""
+    import embedscale.serve.server as server
+
+    export = tiny_export(tmp_path / "model")
+    reference = load_export(export)
+    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=8, max_wait_ms=0, encode_thread=True))
+    release, held = threading.Event(), threading.Event()
+    encoded = server._encoded
+
+    def slow_first(served, rows_, cfg):
+        if len(rows_) == 3 and not release.is_set():
+            held.set()
+            assert release.wait(WAIT_S), "the test never released the encoding"
+        return encoded(served, rows_, cfg)
+
+    monkeypatch.setattr(server, "_encoded", slow_first)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            batcher = app.state.serve["batcher"]
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=WAIT_S) as c:
+                post = lambda body: c.post("/v1/predict", json=body)  # noqa: E731
+                first = asyncio.ensure_future(post({"rows": rows(3, 1)}))
+                assert await loop.run_in_executor(None, held.wait, WAIT_S)
+                waiting = batcher.queued_rows
+                too_many = await asyncio.wait_for(post({"rows": rows(2, 2)}), WAIT_S)
+                release.set()
+                one = await asyncio.wait_for(post({"rows": rows(1, 3)}), WAIT_S)
+                answered = await asyncio.wait_for(first, WAIT_S)
+                bad = rows(3, 4)
+                bad[2]["I2"] = "many"
+                invalid = await asyncio.wait_for(post({"rows": bad}), WAIT_S)
+                after = batcher.queued_rows
+        return waiting, too_many, one, answered, invalid, after
+
+    waiting, too_many, one, answered, invalid, after = asyncio.run(scenario())
+    assert waiting == 3, "the rows being encoded were not counted as waiting"
+    assert too_many.status_code == 503 and "queue is full" in too_many.json()["error"]
+    assert invalid.status_code == 422 and invalid.json()["row"] == 2
+    assert after == 0, "a request answered 422 kept its rows counted"
+    for r, (n, seed) in ((one, (1, 3)), (answered, (3, 1))):
+        assert r.status_code == 200, r.text
+        assert r.json()["probabilities"] == pytest.approx(reference.predict_rows(rows(n, seed)), rel=2e-6, abs=1e-7)

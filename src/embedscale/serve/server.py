@@ -132,13 +132,27 @@ class Batcher:
         if self.encoding is not None:
             self.encoding.shutdown(wait=True)
 
-    def submit(self, enc: Encoded, served: ServedModel) -> asyncio.Future | None:
-        """Queue a request's rows (encoded by ``served``); ``None`` when the queue has no room for them (the caller
-        answers 503)."""
-        if self.queued_rows + enc.rows > self.cfg.queue_rows:
+    def reserve(self, rows: int) -> bool:
+        """Count ``rows`` of a request still being encoded as waiting (the queue's bound holds them too); ``False``
+        when they do not fit (the caller answers 503)."""
+        if self.queued_rows + rows > self.cfg.queue_rows:
+            return False
+        self.queued_rows += rows
+        self.metrics.queue.set(self.queued_rows)
+        return True
+
+    def release(self, rows: int) -> None:
+        """Give back a reservation whose request will not be queued (a bad value, a drain)."""
+        self.queued_rows -= rows
+        self.metrics.queue.set(self.queued_rows)
+
+    def submit(self, enc: Encoded, served: ServedModel, reserved: int = 0) -> asyncio.Future | None:
+        """Queue a request's rows (encoded by ``served``; ``reserved`` of them counted already by
+        :meth:`reserve`); ``None`` when the queue has no room for them (the caller answers 503)."""
+        if not reserved and self.queued_rows + enc.rows > self.cfg.queue_rows:
             return None
         fut = asyncio.get_running_loop().create_future()
-        self.queued_rows += enc.rows
+        self.queued_rows += enc.rows - reserved
         self.metrics.queue.set(self.queued_rows)
         self.queue.put_nowait((enc, served, fut))
         return fut
@@ -404,22 +418,28 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     rows = _parsed(body, cfg)
     if isinstance(rows, Response):
         return rows
-    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
+    reserved = len(rows) if rows and batcher is not None else 0
+    if reserved and not batcher.reserve(reserved):
         return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
-    served = state["served"]  # one model for this request: its encoding and its scores
-    if cfg.encode_thread and batcher is not None:  # encoded beside the event loop, which reads the next requests
-        enc = await asyncio.get_running_loop().run_in_executor(batcher.encoding, _encoded, served, rows, cfg)
-    else:
-        enc = _encoded(served, rows, cfg)
-    if isinstance(enc, Response):
-        return enc
-    if enc.rows == 0:
-        return JSONResponse({"model_version": served.version, "probabilities": []})
-    if not state["ready"] or batcher is None:
-        return _error(503, "the server is not ready (starting or draining)")
-    fut = batcher.submit(enc, served)
-    if fut is None:
-        return _queue_full(batcher, cfg)
+    try:  # the rows count as waiting from here: requests being encoded cannot overfill the queue
+        served = state["served"]  # one model for this request: its encoding and its scores
+        if cfg.encode_thread and batcher is not None:  # encoded beside the event loop, which reads the next ones
+            enc = await asyncio.get_running_loop().run_in_executor(batcher.encoding, _encoded, served, rows, cfg)
+        else:
+            enc = _encoded(served, rows, cfg)
+        if isinstance(enc, Response):
+            return enc
+        if enc.rows == 0:
+            return JSONResponse({"model_version": served.version, "probabilities": []})
+        if not state["ready"] or batcher is None:
+            return _error(503, "the server is not ready (starting or draining)")
+        fut = batcher.submit(enc, served, reserved)
+        if fut is None:
+            return _queue_full(batcher, cfg)
+        reserved = 0  # the batcher's now
+    finally:
+        if reserved:
+            batcher.release(reserved)
     version, probs = await fut
     return JSONResponse({"model_version": version, "probabilities": probs})
 
