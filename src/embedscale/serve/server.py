@@ -11,10 +11,14 @@ Dynamic micro-batching: a request's rows are checked and encoded in the request'
 is answered 4xx at once and never reaches the model), then queued; one batcher takes queued requests until
 ``max_batch`` rows or until ``max_wait`` has passed since the first of them, scores them in one forward pass
 (in a worker thread, so the event loop keeps accepting) and hands each request its slice. The queue is
-bounded in rows (``queue_rows``): a request that does not fit is answered 503 at once instead of waiting.
-The compute thread runs at a lower priority than the event loop (``compute_nice``): under overload the thread
-that reads requests and refuses what does not fit gets a core first, so a refusal does not queue behind a
-forward pass for the CPU.
+bounded in rows (``queue_rows``, counting a request's rows from its admission, while it is encoded): a request
+that does not fit is answered 503 at once instead of waiting; when not even one row fits, an ASGI middleware
+in front of the routing answers it (:class:`Admission`: no handler runs, the body is not read). The event loop
+parses a request and a thread beside it encodes it (``encode_thread``), so the loop reads and refuses the next
+ones meanwhile; the interpreter's switch interval is shortened while serving (``switch_interval_ms``) so that
+a thread waiting for the GIL gets it sooner. The compute thread runs at a lower priority than the event loop
+(``compute_nice``): under overload the thread that reads requests and refuses what does not fit gets a core
+first, so a refusal does not queue behind a forward pass for the CPU.
 
 Bad requests are 4xx JSON errors ``{"error": ..., "field": ..., "row": ...}``: a body over ``max_body``
 bytes (413), not JSON or not an object (400), more than ``max_rows`` rows (413), a missing, unknown or
