@@ -18,11 +18,16 @@ per context (``serve.ranking``: the dense-side work is the same for the baseline
 scoring each candidate as a whole row (what per-context scoring saves). The closed-loop line also gives each
 server's CPU milliseconds per answered request (``/proc``), which the host's load does not inflate as it does
 the wall-clock figures. ``--workers``, ``--threads``, ``--dense``: the servers' options, alike on every side.
-``--max-rows 0``: full-size tables
-(33.8M rows). ``--overload-seconds``: then ours at half, twice and half again the best closed-loop rate: the
-503s' latency, the server's resident memory and the steady p99 before and after (one more JSON line), twice,
-interleaved with the same server whose compute thread runs at the event loop's priority (``--compute-nice 0``;
-ours lowers it by ``--compute-nice``, 10). ``--breakdown``: the server CPU a request by stage (parse, encode,
+``--max-rows 0``: full-size tables (33.8M rows). ``--overload-seconds``: then each server at half,
+twice and half again its closed-loop rate measured just before in the same round (``--no-own-saturation``:
+ours of the first rounds): the 503s' latency, the server's resident memory and the steady p99 before and after
+(one more JSON line), twice, ours interleaved with the same server under other options
+(``--overload-against``; by default as before: the GIL's switch interval at Python's 5 ms, the full queue
+refused after routing, requests encoded on the event loop; and ours encoding on the loop). Every server stamps
+its answers (``serve --timing-headers``), so a 503's time is split into the way to the server's Python code,
+the server's own time and the way back; the event loop's and the compute thread's CPU, CPU wait and sleep
+through the overload come from ``/proc``
+(schedstat). ``--breakdown``: the server CPU a request by stage (parse, encode,
 lookup, dense, respond; :func:`breakdown`), in the first line. The load
 goes to 127.0.0.1 through a lean keep-alive HTTP client; every loop is bounded in requests and seconds. Prints
 one JSON line per load mode on stdout: QPS and p50/p90/p99/p99.9 latency of ours (INT8) and the baseline (TorchRec INT8; FP32 beside it), the ratio of their QPS, the load
@@ -102,10 +107,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run(coro):
+    """``asyncio.run`` on uvloop when installed (the ``serve`` extra): a load generator that takes less of the
+    cores the servers share with it."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def start(export: Path, args: argparse.Namespace, torchrec: bool = False,
-          expand: bool = False, compute_nice: int | None = None) -> tuple[subprocess.Popen, str]:
+          expand: bool = False, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """One server on 127.0.0.1: ``embedscale serve``, or with ``torchrec`` the same server with TorchRec's
-    quantized EmbeddingBagCollection as its lookup (``_torchrec_serve.py``)."""
+    quantized EmbeddingBagCollection as its lookup (``_torchrec_serve.py``); ``extra``: more serve options (they
+    win over the ones given here)."""
     import httpx
 
     port = free_port()
@@ -116,8 +132,8 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False,
                              str(args.max_wait_ms), "--max-rows", str(max(args.rows, 1024)),
                              "--queue-rows", str(args.queue_rows), "--workers", str(args.workers),
                              "--threads", str(args.threads), "--dense", args.dense,
-                             "--compute-nice", str(args.compute_nice if compute_nice is None else compute_nice),
-                             *(["--expand-ranking"] if expand else [])],
+                             "--compute-nice", str(args.compute_nice), "--timing-headers",
+                             *(["--expand-ranking"] if expand else []), *extra],
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
@@ -163,46 +179,78 @@ class Client:
             raise SystemExit(f"{url}: load goes to loopback addresses only")
         self.host, self.port, self.timeout, self.idle = host.strip("[]"), int(port), timeout, []
         self.errors: list[str] = []
+        self.made: dict = {}
+
+    async def warm(self, n: int) -> None:
+        """Open ``n`` keep-alive connections before the load starts (its requests then do not pay a connect)."""
+        for _ in range(n):
+            try:
+                self.idle.append(await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout))
+            except (OSError, asyncio.TimeoutError) as e:
+                self.errors.append(repr(e))
+                return
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """``(status, body)``; status 0 when the connection failed or timed out. A kept-alive connection the
-        server has closed meanwhile (its idle timeout) is replaced once."""
+        """``(status, body)``; status 0 when the connection failed or timed out."""
+        status, data, _ = await self.post_clock(path, body)
+        return status, data
+
+    async def post_clock(self, path: str, body: bytes) -> tuple[int, bytes, tuple | None]:
+        """``(status, body, clock)``: ``clock`` is ``(sent, arrived, answered, read)`` in ns of the host's
+        monotonic clock when the server stamps ``x-embedscale-clock`` (``serve --timing-headers``: its arrival
+        in the server's Python code and its answer), else ``None``. A kept-alive connection the server has
+        closed meanwhile (its idle timeout) is replaced once."""
         for attempt in range(2):
             reused = bool(self.idle) and attempt == 0  # the retry opens a new connection
             conn = self.idle.pop() if reused else None
             try:
                 if conn is None:
                     conn = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout)
-                status, data, keep = await asyncio.wait_for(self._exchange(conn, path, body), self.timeout)
+                sent = time.monotonic_ns()
+                status, data, keep, stamp = await asyncio.wait_for(self._exchange(conn, path, body), self.timeout)
+                read = time.monotonic_ns()
                 break
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                    ValueError, IndexError) as e:
                 if conn is not None:
                     conn[1].close()
                 if not (reused and isinstance(e, (IndexError, ConnectionError, asyncio.IncompleteReadError))):
                     self.errors.append(repr(e))
-                    return 0, b""
+                    return 0, b"", None
         else:
-            return 0, b""
+            return 0, b"", None
         if keep:
             self.idle.append(conn)
         else:
             conn[1].close()
-        return status, data
+        return status, data, (sent, *stamp, read) if stamp else None
 
-    async def _exchange(self, conn, path: str, body: bytes) -> tuple[int, bytes, bool]:
+    def _request(self, path: str, body: bytes) -> bytes:
+        """The request's bytes, made once per body (the load loops send the same bodies again)."""
+        key = (path, id(body))
+        if key not in self.made:
+            self.made[key] = (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: %d\r\n\r\n" % (path.encode(), self.host.encode(), len(body)) + body,
+                              body)  # the body kept alive: its id stays its own
+        return self.made[key][0]
+
+    async def _exchange(self, conn, path: str, body: bytes) -> tuple[int, bytes, bool, tuple | None]:
         r, w = conn
-        w.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % (path.encode(), self.host.encode(), len(body)) + body)
+        w.write(self._request(path, body))
         await w.drain()
-        status = int((await r.readline()).split()[1])
-        length, keep = 0, True
-        while (line := await r.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode("latin-1").partition(":")
-            if k.lower() == "content-length":
+        head = (await r.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split()[1])
+        length, keep, stamp = 0, True, None
+        for line in head[1:]:
+            k, _, v = line.partition(":")
+            k = k.lower()
+            if k == "content-length":
                 length = int(v)
-            elif k.lower() == "connection" and v.strip().lower() == "close":
+            elif k == "connection" and v.strip().lower() == "close":
                 keep = False
-        return status, await r.readexactly(length), keep
+            elif k == "x-embedscale-clock":
+                stamp = tuple(int(x) for x in v.split())
+        return status, await r.readexactly(length), keep, stamp
 
     def close(self) -> None:
         for _, w in self.idle:
@@ -233,16 +281,18 @@ async def closed_loop(url: str, bodies: list[bytes], concurrency: int, seconds: 
     return summary(lat, codes, wall)
 
 
-async def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float) -> dict:
-    lat, codes = [], []
+async def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float, warm: int = 64) -> dict:
+    lat, codes, clocks = [], [], []
     n = int(rate * seconds)
     c = Client(url)
+    await c.warm(warm)
 
     async def one(i: int) -> None:
         t0 = time.perf_counter()
-        status, _ = await c.post("/v1/predict", bodies[i % len(bodies)])
+        status, _, clock = await c.post_clock("/v1/predict", bodies[i % len(bodies)])
         codes.append(status)
         lat.append(time.perf_counter() - t0)
+        clocks.append(clock)
 
     t0 = time.monotonic()
     tasks = []
@@ -256,7 +306,24 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, seconds: float) 
     c.close()
     if c.errors:
         print(f"{url}: {len(c.errors)} requests failed, first: {c.errors[0]}", file=sys.stderr)
-    return summary(lat, codes, wall)
+    return {**summary(lat, codes, wall), "503_split": split_503(codes, clocks)}
+
+
+def split_503(codes: list[int], clocks: list) -> dict | None:
+    """Where a refused request's time went (ms, p50 / p99 / max; ``serve --timing-headers``): ``to_server`` from
+    the client's send to the server's Python code (the kernel, the accept, the event loop's backlog),
+    ``in_server`` there until the answer starts, ``back`` from then to the client's read of the answer (the
+    kernel and the client's own loop), ``total`` (send to read, on one clock)."""
+    parts = {"to_server": [], "in_server": [], "back": [], "total": []}
+    for code, c in zip(codes, clocks):
+        if code == 503 and c:
+            sent, arrived, answered, read = c
+            for k, v in (("to_server", arrived - sent), ("in_server", answered - arrived), ("back", read - answered),
+                         ("total", read - sent)):
+                parts[k].append(v / 1e6)
+    if not parts["total"]:
+        return None
+    return {k: [round(float(np.percentile(v, q)), 3) for q in (50, 99, 100)] for k, v in parts.items()}
 
 
 def summary(lat: list[float], codes: list[int], wall: float) -> dict:
@@ -298,6 +365,31 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def schedstat(pid: int) -> dict[int, tuple[float, float]]:
+    """Every thread of process ``pid``: ``(ms on a CPU, ms runnable but waiting for one)`` so far
+    (``/proc/PID/task/TID/schedstat``). Over a phase, a thread's wall time less these two is time it slept:
+    idle, or waiting for a lock (the GIL)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            run_ns, wait_ns, _ = Path(task, "schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        out[int(task.name)] = (int(run_ns) / 1e6, int(wait_ns) / 1e6)
+    return out
+
+
+def thread_split(pid: int, before: dict, after: dict, wall_s: float) -> dict:
+    """Over a phase of ``wall_s`` seconds: the event loop's thread (the main one) and the busiest other (the
+    compute thread): ms on a CPU, ms waiting for a CPU, ms asleep (idle or waiting for the GIL), per second."""
+    delta = {t: (after[t][0] - before.get(t, (0, 0))[0], after[t][1] - before.get(t, (0, 0))[1]) for t in after}
+    main = delta.get(pid, (0.0, 0.0))
+    others = sorted((v for t, v in delta.items() if t != pid), reverse=True)
+    per_s = lambda v: {"run": round(v[0] / wall_s, 1), "wait_cpu": round(v[1] / wall_s, 1),  # noqa: E731
+                       "asleep": round(1000 - (v[0] + v[1]) / wall_s, 1)}
+    return {"loop": per_s(main), "compute": per_s(others[0]) if others else None}
+
+
 async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]]:
     """Run a load ``coro`` while sampling process ``pid``'s resident memory every ``every`` s."""
     samples = [rss_mb(pid)]
@@ -311,9 +403,11 @@ async def sampled(coro, pid: int, every: float = 0.1) -> tuple[dict, list[float]
 def overload(url: str, pid: int, bodies: list[bytes], saturation: float, seconds: float) -> dict:
     """Steady load (half the saturation rate), then twice the saturation rate, then the steady load again: the
     503s' latency, the server's resident memory through it all, and the steady p99 before and after."""
-    before, mem0 = asyncio.run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
-    over, mem1 = asyncio.run(sampled(open_loop(url, bodies, 2 * saturation, seconds), pid))
-    after, mem2 = asyncio.run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
+    before, mem0 = run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
+    s0, t0 = schedstat(pid), time.monotonic()
+    over, mem1 = run(sampled(open_loop(url, bodies, 2 * saturation, seconds), pid))
+    over["threads_ms_per_s"] = thread_split(pid, s0, schedstat(pid), time.monotonic() - t0)
+    after, mem2 = run(sampled(open_loop(url, bodies, saturation / 2, seconds), pid))
     return {"saturation_qps": saturation, "steady_before": before, "overload": over, "steady_after": after,
             "rss_mb": {"before": max(mem0), "peak_overload": max(mem1), "after": max(mem2)},
             "recovery_p99_ratio": after["p99_ms"] / before["p99_ms"] if before["p99_ms"] else None}
@@ -389,6 +483,16 @@ def main() -> None:
     ap.add_argument("--no-fp32", action="store_true", help="without the FP32 export beside (full size: 2.2 GB)")
     ap.add_argument("--overload-seconds", type=float, default=0.0,
                     help="then ours at half, twice and half again the saturation rate, this long each (0: not)")
+    ap.add_argument("--own-saturation", action=argparse.BooleanOptionalAction, default=True,
+                    help="each overload phase at multiples of its server's own closed-loop rate measured just before "
+                         "(on a shared host the rate of the first rounds says little about later ones); else of ours "
+                         "in the first rounds")
+    ap.add_argument("--overload-against", nargs="*", metavar="NAME=OPTIONS",
+                    default=["before=--switch-interval-ms 0 --refuse-in-handler --no-encode-thread",
+                             "loop-encodes=--no-encode-thread"],
+                    help="the overload phase also runs these servers, ours with other serve options, interleaved "
+                         "(default: as before, the GIL's switch interval left at Python's, the full queue refused "
+                         "after routing and requests encoded on the event loop; and ours encoding on the loop)")
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the server CPU per request by stage (parse, encode, lookup, dense, respond)")
@@ -419,23 +523,31 @@ def main() -> None:
                 for form in order:
                     url = servers[form][1]
                     cpu0 = cpu_seconds(servers[form][0].pid)
-                    runs["closed", form].append(asyncio.run(closed_loop(url, bodies, args.concurrency, args.seconds)))
+                    runs["closed", form].append(run(closed_loop(url, bodies, args.concurrency, args.seconds)))
                     done = runs["closed", form][-1]
                     done["cpu_ms_per_request"] = (cpu_seconds(servers[form][0].pid) - cpu0) * 1e3 / max(done["ok"], 1)
-                    runs["open", form].append(asyncio.run(open_loop(url, bodies, args.rate, args.seconds)))
+                    runs["open", form].append(run(open_loop(url, bodies, args.rate, args.seconds)))
                     print(f"round {rep}: {form} closed {runs['closed', form][-1]['qps']:.1f} qps p99 "
                           f"{runs['closed', form][-1]['p99_ms']:.1f} ms, open p99 "
                           f"{runs['open', form][-1]['p99_ms']:.1f} ms, load {os.getloadavg()[0]:.1f}", file=sys.stderr)
             if args.overload_seconds:
                 # the best closed-loop rate seen: on a shared host the median undershoots the server's capacity
                 saturation = max(r["qps"] for r in runs["closed", "int8"])
-                if args.compute_nice:  # the same server with its compute thread at the event loop's priority
-                    servers["int8-nice0"] = start(paths["int8"], args, compute_nice=0)
+                against = dict(v.split("=", 1) for v in args.overload_against)
+                for name, extra in against.items():  # the same server with other options, beside ours
+                    servers[f"int8-{name}"] = start(paths["int8"], args, extra=tuple(extra.split()))
                 over = {}
                 for rep in range(2):  # interleaved, rotated
-                    for form in [f for f in ("int8", "int8-nice0") if f in servers][::1 if rep == 0 else -1]:
-                        over.setdefault(form, []).append(overload(servers[form][1], servers[form][0].pid, bodies,
-                                                                  saturation, args.overload_seconds))
+                    for form in ["int8", *(f"int8-{n}" for n in against)][::1 if rep == 0 else -1]:
+                        url, pid = servers[form][1], servers[form][0].pid
+                        sat = run(closed_loop(url, bodies, args.concurrency, args.seconds))  # its own saturation
+                        base = sat["qps"] if args.own_saturation else saturation
+                        over.setdefault(form, []).append({**overload(url, pid, bodies, base,
+                                                                     args.overload_seconds), "closed_loop": sat})
+                        r = over[form][-1]["overload"]
+                        print(f"overload {rep}: {form} saturation {sat['qps']:.1f} qps; at 2x 503 p50 "
+                              f"{r['p50_503_ms']:.1f} p99 {r['p99_503_ms']:.1f} ms, split {r['503_split']}, threads {r['threads_ms_per_s']}, "
+                              f"load {os.getloadavg()[0]:.1f}", file=sys.stderr)
         finally:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
@@ -475,11 +587,16 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0, stages: di
                           "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
     if over:
         worst = lambda form: float(np.nanmax([r["overload"]["p99_503_ms"] for r in over[form]]))  # noqa: E731
+        others = [f for f in over if f != "int8"]
         print(json.dumps({"figure": "serve_overload_503_p99_ms", "value": worst("int8"),
-                          "baseline": "10 ms (the bar); beside it the same server with its compute thread at the "
-                                      "event loop's priority (--compute-nice 0); steady p99 at half saturation "
-                                      "before and after",
-                          "baseline_value": worst("int8-nice0") if "int8-nice0" in over else None,
+                          "baseline": "10 ms (the bar); beside it the same server with other options "
+                                      f"({', '.join(args.overload_against)}), interleaved; steady p99 at half "
+                                      "saturation before and after",
+                          "baseline_value": {f: worst(f) for f in others},
+                          "p50_503_ms": {f: [r["overload"]["p50_503_ms"] for r in over[f]] for f in over},
+                          "p99_503_ms": {f: [r["overload"]["p99_503_ms"] for r in over[f]] for f in over},
+                          "split_503": {f: [r["overload"]["503_split"] for r in over[f]] for f in over},
+                          "saturation_qps": {f: [r["closed_loop"]["qps"] for r in over[f]] for f in over},
                           "recovery_p99_ratio": [r["recovery_p99_ratio"] for r in over["int8"]], "runs": over,
                           "load": {"start": load0, "end": os.getloadavg()}, "config": config}))
 

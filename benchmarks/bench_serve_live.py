@@ -15,8 +15,12 @@ Three processes of ours run on this host, as a user would run them:
 The server's saturation rate is measured first (closed loop, ``--concurrency`` clients, 10 s), then an open-loop
 load at ``--load`` (0.5) of it runs for ``--seconds`` (loopback only; bounded in requests and time). Every answer's
 ``model_version`` is recorded: a swap is the first answer of a new version. Requests sent within 1 s of a swap
-are "during swaps", the rest steady. Prints one JSON line: swaps, failed requests (any status but 200, or no
-answer), p99 during swaps over steady p99 (the bar: zero failures, at most 1.5x), QPS, load average, config.
+are "during swaps", the rest steady. Where a swap's cost comes from: the p99 of requests sent within 1 s after a
+new checkpoint is complete, after a new export is renamed into place, near a swap and away from all three
+(``by_stage``), and the server's own time to load and warm each version (its log: wall and thread CPU).
+``--export-nice``: the exporter at a lower priority (a background job yielding the cores to the server).
+Prints one JSON line: swaps, failed requests (any status but 200, or no answer), p99 during swaps over steady
+p99 (the bar: zero failures, at most 1.5x), QPS, load average, config.
 
     .venv/bin/python benchmarks/bench_serve_live.py [--quick] [--seconds 300]
 """
@@ -40,6 +44,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_serve import Client, closed_loop, free_port, request_bodies  # noqa: E402
+from bench_serve import run as run_loop  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
 
@@ -103,10 +108,36 @@ def wait_for(what: str, check, timeout: float, procs: list[subprocess.Popen]):
     raise SystemExit(f"no {what} within {timeout:.0f} s")
 
 
-async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds: float) -> list[tuple]:
-    """``(sent at, latency s, status, model_version)`` of every request of a fixed-rate schedule."""
+async def watch(events: dict, t0: float, run: Path, live: Path, every: float = 0.05) -> None:
+    """Note when (seconds after ``t0``) each new checkpoint of ``run`` is complete (``checkpoints``) and each new
+    export is renamed into ``live`` (``exports``), until cancelled: the stages before a swap, whose cost to the
+    requests around them is reported beside the swaps'."""
+    seen: dict = {"checkpoints": set(), "exports": None}
+    while True:
+        now = time.monotonic() - t0
+        for m in run.glob("checkpoints/step-*/manifest.json"):
+            if m.parent.name not in seen["checkpoints"]:
+                seen["checkpoints"].add(m.parent.name)
+                events["checkpoints"].append(now)
+        try:
+            st = (live / "export.json").stat()
+            key = (st.st_ino, st.st_mtime_ns)
+            if key != seen["exports"]:
+                seen["exports"] = key
+                events["exports"].append(now)
+        except OSError:
+            pass
+        await asyncio.sleep(every)
+
+
+async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds: float,
+                             events: dict | None = None, run: Path | None = None,
+                             live: Path | None = None) -> list[tuple]:
+    """``(sent at, latency s, status, model_version)`` of every request of a fixed-rate schedule; with
+    ``events``, the times of new checkpoints and exports are noted into it (:func:`watch`)."""
     out: list[tuple] = []
     c = Client(url)
+    await c.warm(16)
 
     async def one(i: int, t_send: float) -> None:
         t0 = time.perf_counter()
@@ -115,6 +146,7 @@ async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds
         out.append((t_send, time.perf_counter() - t0, status, version))
 
     t0 = time.monotonic()
+    watcher = asyncio.create_task(watch(events, t0, run, live)) if events is not None else None
     tasks = []
     for i in range(int(rate * seconds)):  # bounded: rate x seconds requests
         delay = t0 + i / rate - time.monotonic()
@@ -122,10 +154,40 @@ async def open_loop_versions(url: str, bodies: list[bytes], rate: float, seconds
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i, time.monotonic() - t0)))
     await asyncio.gather(*tasks)
+    if watcher is not None:
+        watcher.cancel()
     c.close()
     if c.errors:
         print(f"{len(c.errors)} requests without an answer, first: {c.errors[0]}", file=sys.stderr)
     return sorted(out)
+
+
+def by_stage(rows: list[tuple], events: dict, swaps: list[float], window: float = 1.0) -> dict:
+    """p99 (ms) and count of answered requests sent within ``window`` s after a new checkpoint, after a new
+    export, within ``window`` s of a swap, and of the rest (none of these): which stage of the pipeline costs
+    the requests around it."""
+    ok = [r for r in rows if r[2] == 200]
+    after = lambda t, ts: any(0 <= t - s <= window for s in ts)  # noqa: E731
+    near = lambda t, ts: any(abs(t - s) <= window for s in ts)  # noqa: E731
+    groups = {"checkpoint": [r[1] for r in ok if after(r[0], events["checkpoints"])],
+              "export": [r[1] for r in ok if after(r[0], events["exports"])],
+              "swap": [r[1] for r in ok if near(r[0], swaps)],
+              "none": [r[1] for r in ok if not (after(r[0], events["checkpoints"]) or after(r[0], events["exports"])
+                                                 or near(r[0], swaps))]}
+    return {k: {"requests": len(v), "p99_ms": round(float(np.percentile(v, 99)) * 1e3, 1) if v else None,
+                "p50_ms": round(float(np.median(v)) * 1e3, 1) if v else None} for k, v in groups.items()}
+
+
+def swap_times(rows: list[tuple]) -> list[float]:
+    """When each new version was first answered (its request's send time)."""
+    swaps, seen = [], set()
+    for t, _, status, v in rows:
+        if status != 200:
+            continue
+        if seen and v not in seen:
+            swaps.append(t)
+        seen.add(v)
+    return swaps
 
 
 def analyse(rows: list[tuple], window: float = 1.0) -> dict:
@@ -170,6 +232,9 @@ def main() -> int:
     ap.add_argument("--compute-nice", type=int, default=0,
                     help="the server's --compute-nice; 0 (not its default, 10): its compute thread shares the cores "
                          "with the training job's ranks at their priority instead of yielding to them")
+    ap.add_argument("--export-nice", type=int, default=0,
+                    help="run the exporter (export --follow) at this lower priority (nice): a background job that "
+                         "yields the cores to the server it feeds")
     ap.add_argument("--keep-logs", default="", help="copy the three processes' logs into this directory")
     args = ap.parse_args()
     if args.quick:
@@ -187,7 +252,8 @@ def main() -> int:
             run = ck.parent.parent.parent
             live = w / "live"
             procs.append(embedscale("export", str(run), "--follow", "--quantize", "int8", "--out", str(live),
-                                    "--poll-s", str(args.export_every), log=w / "export.log"))
+                                    "--poll-s", str(args.export_every), log=w / "export.log",
+                                    nice=args.export_nice))
             wait_for("first export", lambda: (live / "export.json").exists(), 600, procs)
             port = free_port()
             procs.append(embedscale("serve", str(live), "--follow", str(live), "--follow-poll-s", "0.2",
@@ -200,10 +266,11 @@ def main() -> int:
             wait_for("server", lambda: _ready(httpx, url), 300, procs)
             tables = [t["num_rows"] for t in json.loads((live / "export.json").read_text())["tables"]]
             bodies = request_bodies(64, args.rows, tables)
-            sat = asyncio.run(closed_loop(url, bodies, args.concurrency, 10.0))["qps"]
+            sat = run_loop(closed_loop(url, bodies, args.concurrency, 10.0))["qps"]
             rate = max(args.load * sat, 0.5)
             print(f"saturation {sat:.1f} qps; offering {rate:.1f} for {args.seconds:.0f} s", file=sys.stderr)
-            rows = asyncio.run(open_loop_versions(url, bodies, rate, args.seconds))
+            events = {"checkpoints": [], "exports": []}
+            rows = run_loop(open_loop_versions(url, bodies, rate, args.seconds, events, run, live))
         finally:
             for p in reversed(procs):
                 if p.poll() is None:
@@ -219,6 +286,9 @@ def main() -> int:
                     if (w / log).exists():
                         shutil.copy(w / log, Path(args.keep_logs) / log)
         res = analyse(rows)
+        res["by_stage"] = by_stage(rows, events, swap_times(rows))
+        res["events"] = {k: len(v) for k, v in events.items()}
+        res["swap_log"] = swap_log(w / "serve.log")
     ratio = res["p99_swaps_ms"] / res["p99_steady_ms"] if res["swaps"] else None
     print(json.dumps({"benchmark": "serve_live_swaps", "figure": ratio, "unit": "p99 during swaps / steady p99",
                       "baseline": "the same server between swaps (steady)", **res, "saturation_qps": sat,
@@ -226,6 +296,23 @@ def main() -> int:
                       "load": {"start": load0, "end": os.getloadavg()},
                       "config": vars(args)}))
     return 0
+
+
+def swap_log(log: Path) -> dict | None:
+    """The server's own account of its swaps (``serve --follow`` logs each load's wall and CPU time): median and
+    max, ms."""
+    import re
+
+    try:
+        found = [tuple(map(float, m)) for m in re.findall(r"loaded in ([\d.]+) ms \(thread CPU ([\d.]+) ms\)",
+                                                          log.read_text())]
+    except OSError:
+        return None
+    if not found:
+        return None
+    wall, cpu = zip(*found)
+    return {"loads": len(found), "wall_ms": [round(float(np.median(wall)), 1), round(max(wall), 1)],
+            "cpu_ms": [round(float(np.median(cpu)), 1), round(max(cpu), 1)]}
 
 
 def _ready(httpx, url: str) -> bool:

@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -58,10 +59,12 @@ def rows(n: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities are Linux's")
-def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
+@pytest.mark.parametrize("encode_thread", [False, True])
+def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path, encode_thread):
     export = tiny_export(tmp_path / "model")
     reference = load_export(export)  # the model scored directly, in this thread: what the answers must equal
-    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=2, max_wait_ms=0, compute_nice=5))
+    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=2, max_wait_ms=0, compute_nice=5,
+                                                    encode_thread=encode_thread))
     release, entered, seen = threading.Event(), threading.Event(), {}
 
     def blocked_forward(forward):
@@ -93,9 +96,13 @@ def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
                 busy = not release.is_set() and not first.done() and not any(q.done() for q in queued)
                 release.set()
                 answered = await asyncio.wait_for(asyncio.gather(first, *queued), WAIT_S)
-        return refused, busy, answered
+                bad = rows(2, 5)
+                bad[1]["I2"] = "many"  # not a number: named by row and feature (encoded beside the loop or on it)
+                invalid = await asyncio.wait_for(post({"rows": bad}), WAIT_S)
+        return refused, busy, answered, invalid
 
-    refused, busy, answered = asyncio.run(scenario())
+    refused, busy, answered, invalid = asyncio.run(scenario())
+    assert invalid.status_code == 422 and (invalid.json()["row"], invalid.json()["field"]) == (1, "I2")
     assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
     assert busy, "the refusal came only after the compute thread was released"
     for r, seed in zip(answered, (1, 2, 3)):
@@ -105,3 +112,113 @@ def test_full_queue_refused_while_the_compute_thread_is_blocked(tmp_path):
     # the compute thread ran 5 steps nicer than this (the event loop's) thread, as the OS reports it
     assert seen["tid"] != threading.get_native_id()
     assert seen["nice"] == min(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + 5, 19)
+
+
+def test_full_queue_refused_before_routing_with_the_clock_stamped(tmp_path):
+    """A full queue's refusal is made in front of the routing: the prediction route's handler never runs for it
+    (counted by wrapping the route), even for a body that is not JSON (not parsed), which, once the queue has
+    room, the handler answers 400. Every answer's ``x-embedscale-clock`` (arrival, answer) lies within the
+    client's own send and read on the same monotonic clock, in that order. While serving, the interpreter's
+    switch interval is the configured one; after, Python's again."""
+    export = tiny_export(tmp_path / "model")
+    cfg = ServeConfig(queue_rows=2, max_batch=2, max_wait_ms=0, timing_headers=True, switch_interval_ms=0.5)
+    app = make_app(load_export(export), cfg)
+    release, entered, handled = threading.Event(), threading.Event(), []
+    (route,) = [r for r in app.router.routes if getattr(r, "path", None) == "/v1/predict"]
+    handler = route.app
+
+    async def counting(scope, receive, send):
+        handled.append(scope["path"])
+        await handler(scope, receive, send)
+
+    route.app = counting
+    before = sys.getswitchinterval()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            switch = sys.getswitchinterval()
+            batcher = app.state.serve["batcher"]
+            forward = batcher._forward
+            batcher._forward = lambda s, p: (entered.set(), release.wait(WAIT_S), forward(s, p))[2]
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=WAIT_S) as c:
+                first = asyncio.ensure_future(c.post("/v1/predict", json={"rows": rows(2, 1)}))
+                assert await loop.run_in_executor(None, entered.wait, WAIT_S)
+                queued = asyncio.ensure_future(c.post("/v1/predict", json={"rows": rows(2, 2)}))
+                for _ in range(2000):  # bounded: until it waits in the queue
+                    if batcher.queued_rows == 2:
+                        break
+                    await asyncio.sleep(0.005)
+                n_handled = len(handled)
+                sent = time.monotonic_ns()
+                refused = await asyncio.wait_for(c.post("/v1/predict", content=b"not json"), WAIT_S)
+                read = time.monotonic_ns()
+                refused_handled = len(handled) - n_handled
+                release.set()
+                answered = await asyncio.wait_for(asyncio.gather(first, queued), WAIT_S)
+                bad = await c.post("/v1/predict", content=b"not json")
+        return switch, refused, (sent, read), refused_handled, answered, bad
+
+    switch, refused, (sent, read), refused_handled, answered, bad = asyncio.run(scenario())
+    assert refused.status_code == 503 and "queue is full" in refused.json()["error"]
+    assert refused_handled == 0, "the refused request reached the route's handler"
+    assert bad.status_code == 400 and "not JSON" in bad.json()["error"]
+    assert [r.status_code for r in answered] == [200, 200]
+    arrived, answer = map(int, refused.headers["x-embedscale-clock"].split())
+    assert sent <= arrived <= answer <= read
+    for r in (*answered, bad):
+        arrived, answer = map(int, r.headers["x-embedscale-clock"].split())
+        assert arrived <= answer
+    assert switch == pytest.approx(0.0005) and sys.getswitchinterval() == before
+
+
+def test_rows_being_encoded_count_against_the_queue(tmp_path, monkeypatch):
+    """A request's rows count as waiting from the moment it is admitted, while it is still being encoded beside
+    the event loop: with room for 4 rows and a 3-row request held in its encoding, a 2-row request is refused
+    (3 + 2 > 4: a plain count) and a 1-row one admitted; a request whose encoding fails (422) gives its rows
+    back. The answers equal the model's own scores."""
+    import embedscale.serve.server as server
+
+    export = tiny_export(tmp_path / "model")
+    reference = load_export(export)
+    app = make_app(load_export(export), ServeConfig(queue_rows=4, max_batch=8, max_wait_ms=0, encode_thread=True))
+    release, held = threading.Event(), threading.Event()
+    encoded = server._encoded
+
+    def slow_first(served, rows_, cfg):
+        if len(rows_) == 3 and not release.is_set():
+            held.set()
+            assert release.wait(WAIT_S), "the test never released the encoding"
+        return encoded(served, rows_, cfg)
+
+    monkeypatch.setattr(server, "_encoded", slow_first)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            batcher = app.state.serve["batcher"]
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1", timeout=WAIT_S) as c:
+                post = lambda body: c.post("/v1/predict", json=body)  # noqa: E731
+                first = asyncio.ensure_future(post({"rows": rows(3, 1)}))
+                assert await loop.run_in_executor(None, held.wait, WAIT_S)
+                waiting = batcher.queued_rows
+                too_many = await asyncio.wait_for(post({"rows": rows(2, 2)}), WAIT_S)
+                release.set()
+                one = await asyncio.wait_for(post({"rows": rows(1, 3)}), WAIT_S)
+                answered = await asyncio.wait_for(first, WAIT_S)
+                bad = rows(3, 4)
+                bad[2]["I2"] = "many"
+                invalid = await asyncio.wait_for(post({"rows": bad}), WAIT_S)
+                after = batcher.queued_rows
+        return waiting, too_many, one, answered, invalid, after
+
+    waiting, too_many, one, answered, invalid, after = asyncio.run(scenario())
+    assert waiting == 3, "the rows being encoded were not counted as waiting"
+    assert too_many.status_code == 503 and "queue is full" in too_many.json()["error"]
+    assert invalid.status_code == 422 and invalid.json()["row"] == 2
+    assert after == 0, "a request answered 422 kept its rows counted"
+    for r, (n, seed) in ((one, (1, 3)), (answered, (3, 1))):
+        assert r.status_code == 200, r.text
+        assert r.json()["probabilities"] == pytest.approx(reference.predict_rows(rows(n, seed)), rel=2e-6, abs=1e-7)

@@ -1212,16 +1212,25 @@ def predict_command(export_dir, data_file, out_path, as_json):
 @click.option("--compute-nice", type=click.IntRange(0, 19), default=10, show_default=True,
               help="How much lower the compute thread's priority is than the thread reading requests (Linux): "
                    "under overload requests are read, and refused when the queue is full, first.")
+@click.option("--switch-interval-ms", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="The interpreter's GIL switch interval while serving (0: Python's own, 5 ms).")
 @click.option("--expand-ranking", is_flag=True, hidden=True, help="Score ranking calls as expanded rows (benchmarks).")
+@click.option("--refuse-in-handler", is_flag=True, hidden=True, help="A full queue refused after routing (benchmarks).")
+@click.option("--timing-headers", is_flag=True, hidden=True, help="x-embedscale-clock on answers (benchmarks).")
+@click.option("--encode-thread/--no-encode-thread", default=True, show_default=True,
+              help="Encode requests in a thread beside the event loop (which then reads and refuses sooner).")
 @click.option("--test-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, max_rows, max_body_bytes,
-                  follow_dir, follow_poll_s, workers, threads, dense, compute_nice, expand_ranking, test_delay_ms):
+                  follow_dir, follow_poll_s, workers, threads, dense, compute_nice, switch_interval_ms,
+                  expand_ranking, refuse_in_handler, timing_headers, encode_thread, test_delay_ms):
     """Serve an export over HTTP: POST /v1/predict {"rows": [...]}, /v1/model, /healthz, /readyz, /metrics.
     SIGTERM answers what is in flight, then exits 0."""
     cfg = ServeConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, queue_rows=queue_rows, max_rows=max_rows,
                       max_body=max_body_bytes, delay_ms=test_delay_ms, follow=follow_dir,
                       follow_poll_s=follow_poll_s, threads=threads, dense=dense,
-                      by_context=not expand_ranking, compute_nice=compute_nice)
+                      by_context=not expand_ranking, compute_nice=compute_nice,
+                      switch_interval_ms=switch_interval_ms, refuse_in_handler=refuse_in_handler,
+                      timing_headers=timing_headers, encode_thread=encode_thread)
     sys.exit(serve_export(export_dir, host, port, cfg, workers=workers))
 
 

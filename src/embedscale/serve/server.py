@@ -11,10 +11,14 @@ Dynamic micro-batching: a request's rows are checked and encoded in the request'
 is answered 4xx at once and never reaches the model), then queued; one batcher takes queued requests until
 ``max_batch`` rows or until ``max_wait`` has passed since the first of them, scores them in one forward pass
 (in a worker thread, so the event loop keeps accepting) and hands each request its slice. The queue is
-bounded in rows (``queue_rows``): a request that does not fit is answered 503 at once instead of waiting.
-The compute thread runs at a lower priority than the event loop (``compute_nice``): under overload the thread
-that reads requests and refuses what does not fit gets a core first, so a refusal does not queue behind a
-forward pass for the CPU.
+bounded in rows (``queue_rows``, counting a request's rows from its admission, while it is encoded): a request
+that does not fit is answered 503 at once instead of waiting; when not even one row fits, an ASGI middleware
+in front of the routing answers it (:class:`Admission`: no handler runs, the body is not read). The event loop
+parses a request and a thread beside it encodes it (``encode_thread``), so the loop reads and refuses the next
+ones meanwhile; the interpreter's switch interval is shortened while serving (``switch_interval_ms``) so that
+a thread waiting for the GIL gets it sooner. The compute thread runs at a lower priority than the event loop
+(``compute_nice``): under overload the thread that reads requests and refuses what does not fit gets a core
+first, so a refusal does not queue behind a forward pass for the CPU.
 
 Bad requests are 4xx JSON errors ``{"error": ..., "field": ..., "row": ...}``: a body over ``max_body``
 bytes (413), not JSON or not an object (400), more than ``max_rows`` rows (413), a missing, unknown or
@@ -63,6 +67,10 @@ class ServeConfig:
     dense: str = "fp32"  # the dense model's precision: fp32, bf16 or int8 (ServedModel.set_dense)
     by_context: bool = True  # a DLRM scores a ranking call once per context (serve.ranking); False: expanded rows
     compute_nice: int = 10  # the compute thread's niceness above the event loop's (Batcher._lower_priority)
+    switch_interval_ms: float = 0.5  # the interpreter's GIL switch interval while serving (0: Python's, 5 ms)
+    refuse_in_handler: bool = False  # a full queue refused in the handler only, after routing (benchmarks: as before)
+    timing_headers: bool = False  # every prediction answer carries x-embedscale-clock (benchmarks: where time goes)
+    encode_thread: bool = True  # encode a request's rows in a thread beside the event loop
 
 
 class Metrics:
@@ -103,6 +111,8 @@ class Batcher:
         self.compute_tid: int | None = None  # the compute thread's native id (its priority is lowered)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-model",
                                        initializer=self._lower_priority)
+        self.encoding = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedscale-encode") \
+            if cfg.encode_thread else None
         self.task: asyncio.Task | None = None
         self.last_input: list | None = None  # the last batch scored: a model about to be swapped in warms on it
 
@@ -123,14 +133,30 @@ class Batcher:
         if self.task is not None:
             self.task.cancel()
         self.pool.shutdown(wait=True)
+        if self.encoding is not None:
+            self.encoding.shutdown(wait=True)
 
-    def submit(self, enc: Encoded, served: ServedModel) -> asyncio.Future | None:
-        """Queue a request's rows (encoded by ``served``); ``None`` when the queue has no room for them (the caller
-        answers 503)."""
-        if self.queued_rows + enc.rows > self.cfg.queue_rows:
+    def reserve(self, rows: int) -> bool:
+        """Count ``rows`` of a request still being encoded as waiting (the queue's bound holds them too); ``False``
+        when they do not fit (the caller answers 503)."""
+        if self.queued_rows + rows > self.cfg.queue_rows:
+            return False
+        self.queued_rows += rows
+        self.metrics.queue.set(self.queued_rows)
+        return True
+
+    def release(self, rows: int) -> None:
+        """Give back a reservation whose request will not be queued (a bad value, a drain)."""
+        self.queued_rows -= rows
+        self.metrics.queue.set(self.queued_rows)
+
+    def submit(self, enc: Encoded, served: ServedModel, reserved: int = 0) -> asyncio.Future | None:
+        """Queue a request's rows (encoded by ``served``; ``reserved`` of them counted already by
+        :meth:`reserve`); ``None`` when the queue has no room for them (the caller answers 503)."""
+        if not reserved and self.queued_rows + enc.rows > self.cfg.queue_rows:
             return None
         fut = asyncio.get_running_loop().create_future()
-        self.queued_rows += enc.rows
+        self.queued_rows += enc.rows - reserved
         self.metrics.queue.set(self.queued_rows)
         self.queue.put_nowait((enc, served, fut))
         return fut
@@ -205,6 +231,47 @@ def score(served: ServedModel, parts: list) -> torch.Tensor:
     return served.logits(concat(parts))
 
 
+class Admission:
+    """ASGI middleware in front of the routing: ``POST /v1/predict`` that finds the queue without room for even one
+    row is answered 503 here, before Starlette routes it, FastAPI builds a request or a handler runs; its body is
+    left unread (uvicorn discards the rest of a request answered whole and keeps the connection). Under overload
+    the event loop's thread refuses at the smallest cost it can in Python. With ``timing_headers`` every
+    prediction answer carries ``x-embedscale-clock: <arrival ns> <answer ns>`` (``time.monotonic_ns``: the host's
+    monotonic clock, which a client on the same host reads too, so it can split a request's time into before,
+    in and after the server's Python code)."""
+
+    def __init__(self, app, state: dict, cfg: ServeConfig, metrics: Metrics):
+        self.app, self.state, self.cfg, self.metrics = app, state, cfg, metrics
+        self.refused = metrics.requests.labels(code="503")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/v1/predict":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        if self.cfg.timing_headers:
+            send = _stamped(send, time.monotonic_ns())
+        batcher = self.state["batcher"]
+        if (self.cfg.refuse_in_handler or batcher is None or scope["method"] != "POST"
+                or batcher.queued_rows < self.cfg.queue_rows):
+            return await self.app(scope, receive, send)
+        body = json.dumps({"error": _full_message(batcher, self.cfg), "field": None, "row": None}).encode()
+        await send({"type": "http.response.start", "status": 503, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+        self.refused.inc()
+        self.metrics.latency.observe(time.perf_counter() - t0)
+
+
+def _stamped(send, arrived_ns: int):
+    """``send`` adding ``x-embedscale-clock: <arrived_ns> <now ns>`` to the response's start."""
+    async def stamped(message):
+        if message["type"] == "http.response.start":
+            clock = b"%d %d" % (arrived_ns, time.monotonic_ns())
+            message = {**message, "headers": [*message.get("headers", []), (b"x-embedscale-clock", clock)]}
+        await send(message)
+    return stamped
+
+
 def _error(status: int, message: str, field=None, row=None):
     return JSONResponse({"error": message, "field": field, "row": row}, status_code=status)
 
@@ -223,6 +290,9 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        switch = sys.getswitchinterval()
+        if cfg.switch_interval_ms:  # how long a thread waiting for the GIL waits before asking its holder for it
+            sys.setswitchinterval(cfg.switch_interval_ms / 1000)
         state["batcher"] = Batcher(cfg, metrics)
         state["batcher"].start()
         follower = asyncio.get_running_loop().create_task(follow(state, cfg, metrics)) if cfg.follow else None
@@ -234,8 +304,10 @@ def make_app(served: ServedModel, cfg: ServeConfig | None = None):
             if follower is not None:
                 follower.cancel()
             await state["batcher"].stop()
+            sys.setswitchinterval(switch)
 
     app = FastAPI(title="embedscale", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Admission, state=state, cfg=cfg, metrics=metrics)
 
     @app.post("/v1/predict")
     async def predict(request: Request):
@@ -298,7 +370,7 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
             seen = key
             if read_manifest(path)["model_version"] == state["served"].version:
                 continue
-            new = await loop.run_in_executor(None, load_and_warm, path, state["batcher"].last_input, cfg)
+            new, wall, cpu = await loop.run_in_executor(None, _timed_load, path, state["batcher"].last_input, cfg)
         except Exception as e:  # noqa: BLE001 - a half-made or damaged export never stops the server
             print(f"follow {path}: not loaded ({e}); still serving {state['served'].version}", file=sys.stderr,
                   flush=True)
@@ -306,7 +378,15 @@ async def follow(state: dict, cfg: ServeConfig, metrics: Metrics) -> None:
         old = state["served"]
         state["served"], state["previous"] = new, old
         metrics.swapped(old.version, new.version)
-        print(f"follow {path}: now serving {new.version} (was {old.version})", file=sys.stderr, flush=True)
+        print(f"follow {path}: now serving {new.version} (was {old.version}; loaded in {wall:.1f} ms (thread CPU "
+              f"{cpu:.1f} ms))", file=sys.stderr, flush=True)
+
+
+def _timed_load(path: Path, sample, cfg: ServeConfig) -> tuple[ServedModel, float, float]:
+    """:func:`load_and_warm` with its wall and this thread's CPU time (ms)."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    new = load_and_warm(path, sample, cfg)
+    return new, (time.perf_counter() - w0) * 1e3, (time.thread_time() - c0) * 1e3
 
 
 def load_and_warm(path: Path, sample, cfg: ServeConfig | None = None) -> ServedModel:
@@ -339,6 +419,38 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if batcher is not None and batcher.queued_rows >= cfg.queue_rows:
         # not even one row fits: refused before the body is parsed (read first: the connection stays reusable)
         return _queue_full(batcher, cfg)
+    rows = _parsed(body, cfg)
+    if isinstance(rows, Response):
+        return rows
+    reserved = len(rows) if rows and batcher is not None else 0
+    if reserved and not batcher.reserve(reserved):
+        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
+    try:  # the rows count as waiting from here: requests being encoded cannot overfill the queue
+        served = state["served"]  # one model for this request: its encoding and its scores
+        if cfg.encode_thread and batcher is not None:  # encoded beside the event loop, which reads the next ones
+            enc = await asyncio.get_running_loop().run_in_executor(batcher.encoding, _encoded, served, rows, cfg)
+        else:
+            enc = _encoded(served, rows, cfg)
+        if isinstance(enc, Response):
+            return enc
+        if enc.rows == 0:
+            return JSONResponse({"model_version": served.version, "probabilities": []})
+        if not state["ready"] or batcher is None:
+            return _error(503, "the server is not ready (starting or draining)")
+        fut = batcher.submit(enc, served, reserved)
+        if fut is None:
+            return _queue_full(batcher, cfg)
+        reserved = 0  # the batcher's now
+    finally:
+        if reserved:
+            batcher.release(reserved)
+    version, probs = await fut
+    return JSONResponse({"model_version": version, "probabilities": probs})
+
+
+def _parsed(body: bytes, cfg: ServeConfig):
+    """A request's body parsed and its shape checked: its rows (a list, or a ranking call's
+    :class:`_Candidates`), or the error response (4xx)."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -351,7 +463,6 @@ async def _predict(request, cfg: ServeConfig, state: dict):
     if extra:
         return _error(422, f"unknown key {extra[0]!r} (a request is {{\"rows\": [...]}} or {{\"context\": "
                            "{...}, \"candidates\": [...]}})", field=extra[0])
-    served = state["served"]  # one model for this request: its encoding and its scores
     rows = _ranking_rows(doc) if ranking else doc.get("rows")
     if isinstance(rows, tuple):  # a malformed ranking call: (message, field, candidate)
         return _error(422, rows[0], field=rows[1], row=rows[2])
@@ -360,21 +471,15 @@ async def _predict(request, cfg: ServeConfig, state: dict):
         return _error(422, "'rows' must be a list of objects, one per row to score", field="rows")
     if len(rows) > cfg.max_rows:
         return _error(413, f"{len(rows)} {what}; at most {cfg.max_rows} a request", field=what)
-    if rows and batcher is not None and batcher.queued_rows + len(rows) > cfg.queue_rows:
-        return _queue_full(batcher, cfg)  # before encoding: under overload a refusal costs no encoding
+    return rows
+
+
+def _encoded(served: ServedModel, rows: list, cfg: ServeConfig):
+    """:func:`_encode`, a bad value answered 422 naming its row and feature."""
     try:
-        enc = _encode(served, rows, cfg.by_context)
+        return _encode(served, rows, cfg.by_context)
     except RequestError as e:
         return _error(422, str(e), field=e.field, row=e.row)
-    if enc.rows == 0:
-        return JSONResponse({"model_version": served.version, "probabilities": []})
-    if not state["ready"] or batcher is None:
-        return _error(503, "the server is not ready (starting or draining)")
-    fut = batcher.submit(enc, served)
-    if fut is None:
-        return _queue_full(batcher, cfg)
-    version, probs = await fut
-    return JSONResponse({"model_version": version, "probabilities": probs})
 
 
 def _encode(served: ServedModel, rows: list, by_context: bool = True):
@@ -394,8 +499,11 @@ def _encode(served: ServedModel, rows: list, by_context: bool = True):
 
 
 def _queue_full(batcher: Batcher, cfg: ServeConfig):
-    return _error(503, f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); "
-                       "retry later")
+    return _error(503, _full_message(batcher, cfg))
+
+
+def _full_message(batcher: Batcher, cfg: ServeConfig) -> str:
+    return f"the queue is full ({batcher.queued_rows} rows waiting, at most {cfg.queue_rows}); retry later"
 
 
 class _Candidates(list):
