@@ -202,3 +202,16 @@ def test_the_margin_is_relative_to_the_whole_step():
     assert cands[0]["families"] == ["search"]
     assert [c["name"] for c in trial_plans(cands, 0.29)[0]] == ["auto", "mix"]
     assert [c["name"] for c in trial_plans(cands, 0.22)[0]] == ["auto"]
+
+
+def test_the_trials_prediction_errors_worked_by_hand():
+    """Three candidates predicted 100, 110, 120 ms, measured 200, 220, 300 ms: errors -50%, -50%, -60%; each
+    prediction scaled by the median measured / predicted of the other two (out of sample), worked below."""
+    t = Timer({"a": [0.200], "b": [0.220], "c": [0.300]})
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 0.100), ("b", 0.110), ("c", 0.120))]
+    out = measured_choice(plans, 0.5, t)
+    got = {c["name"]: (c["prediction_error"], c["scaled_error"]) for c in out["candidates"]}
+    # ratios measured / predicted: a 2.0, b 2.0, c 2.5; a's others: median(2.0, 2.5) = 2.25 -> 225 / 200 - 1
+    assert got["a"] == (pytest.approx(-0.5), pytest.approx(0.125))
+    assert got["b"] == (pytest.approx(-0.5), pytest.approx(0.110 * 2.25 / 0.220 - 1))
+    assert got["c"] == (pytest.approx(0.120 / 0.300 - 1), pytest.approx(0.120 * 2.0 / 0.300 - 1))

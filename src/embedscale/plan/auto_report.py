@@ -187,8 +187,10 @@ def _trial_lines(mc: Mapping[str, Any] | None) -> list[str]:
              f"{mc['trial_seconds']:.1f} s"]
     for c in mc["candidates"]:
         fam = f" [{', '.join(c['families'])}]" if c.get("families") else ""
+        err = (f" (error {c['prediction_error']:+.0%}; scaled by the other plans' timings {c['scaled_error']:+.0%})"
+               if "scaled_error" in c else "")
         lines.append(f"  {c['name']}{fam}: predicted {c['predicted_seconds'] * 1e3:.1f} ms, measured "
-                     f"{c.get('measured_median_seconds', float('nan')) * 1e3:.1f} ms")
+                     f"{c.get('measured_median_seconds', float('nan')) * 1e3:.1f} ms{err}")
     if mc.get("left_out"):
         lines.append(f"  not timed (the trial's limit): {', '.join(mc['left_out'])}")
     return lines

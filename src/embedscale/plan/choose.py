@@ -110,4 +110,18 @@ def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
         c["steps_timed"] = len(steps)
     out["trial_seconds"] = time.perf_counter() - t0
     out["chosen"] = min(out["candidates"], key=lambda c: c["measured_median_seconds"])["name"]
+    prediction_errors(out["candidates"])
     return out
+
+
+def prediction_errors(cands: Sequence[dict]) -> None:
+    """The model's error on the plans a trial timed, in the run's own conditions: per candidate (``predicted_seconds``,
+    ``measured_median_seconds``) ``prediction_error`` (predicted / measured - 1) and ``scaled_error``: its prediction
+    times the median of measured / predicted over the other candidates, against its measurement (out of sample:
+    the machine's state at the trial taken from the others, the plan's own step left out). In place."""
+    ratio = [c["measured_median_seconds"] / c["predicted_seconds"] if c["predicted_seconds"] > 0 else float("nan")
+             for c in cands]
+    for i, c in enumerate(cands):
+        c["prediction_error"] = c["predicted_seconds"] / c["measured_median_seconds"] - 1
+        others = [r for j, r in enumerate(ratio) if j != i]
+        c["scaled_error"] = c["predicted_seconds"] * float(np.median(others)) / c["measured_median_seconds"] - 1
