@@ -215,3 +215,24 @@ def test_the_trials_prediction_errors_worked_by_hand():
     assert got["a"] == (pytest.approx(-0.5), pytest.approx(0.125))
     assert got["b"] == (pytest.approx(-0.5), pytest.approx(0.110 * 2.25 / 0.220 - 1))
     assert got["c"] == (pytest.approx(0.120 / 0.300 - 1), pytest.approx(0.120 * 2.0 / 0.300 - 1))
+
+
+def test_a_candidate_that_cannot_run_is_not_chosen_and_the_report_says_why():
+    from embedscale.errors import ConfigError, EmbedscaleError
+
+    def timer(name):
+        if name == "b":
+            raise EmbedscaleError("plan trial under b failed (exit 1): out of memory")
+        return {"a": [0.05], "c": [0.04]}[name]
+
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 1.0), ("b", 1.01), ("c", 1.02))]
+    out = measured_choice(plans, 0.10, timer)
+    assert out["chosen"] == "c"  # b never measured (it would be the model's second), c the fastest measured
+    b = next(c for c in out["candidates"] if c["name"] == "b")
+    assert "out of memory" in b["error"] and "measured_median_seconds" not in b
+
+    def broken(name):
+        raise EmbedscaleError(f"{name} failed")
+
+    with pytest.raises(ConfigError, match="no candidate ran: a: a failed; b: b failed; c: c failed"):
+        measured_choice(plans, 0.10, broken)

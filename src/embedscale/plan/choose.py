@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from embedscale.errors import ConfigError
+from embedscale.errors import ConfigError, EmbedscaleError
 
 #: the relative margin within which the model's plans are taken as tied when the calibration measured no error
 DEFAULT_MARGIN = 0.10
@@ -88,8 +88,9 @@ def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
                     max_plans: int = MAX_TRIAL_PLANS) -> dict[str, Any]:
     """The plans of :func:`trial_plans` timed by ``time_plan`` (a plan's name -> its steps' seconds) and the one
     of least median step chosen. Returns ``chosen`` (a name), ``trial`` (whether anything ran), ``margin``, per
-    candidate its predicted and measured median step, steps timed and the rule families it stands for, the
-    families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing, which the run
+    candidate its predicted and measured median step, steps timed and the rule families it stands for (or the
+    ``error`` that stopped it: a candidate ``time_plan`` cannot run raises ``EmbedscaleError`` and is not chosen),
+    the families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing, which the run
     counts as its own)."""
     close, left_out = trial_plans(plans, margin, limit, max_plans)
     if not close:
@@ -103,14 +104,22 @@ def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
         return out
     t0 = time.perf_counter()
     for c in out["candidates"]:
-        steps = [float(s) for s in time_plan(c["name"])]
+        try:
+            steps = [float(s) for s in time_plan(c["name"])]
+        except EmbedscaleError as e:  # a candidate that cannot run is not chosen; the report says why
+            c["error"] = str(e)[-1000:]
+            continue
         if not steps:
             raise ConfigError(f"plan trial: plan {c['name']!r} timed no step")
         c["measured_median_seconds"] = float(np.median(steps))
         c["steps_timed"] = len(steps)
     out["trial_seconds"] = time.perf_counter() - t0
-    out["chosen"] = min(out["candidates"], key=lambda c: c["measured_median_seconds"])["name"]
-    prediction_errors(out["candidates"])
+    timed = [c for c in out["candidates"] if "measured_median_seconds" in c]
+    if not timed:
+        raise ConfigError("plan trial: no candidate ran: " + "; ".join(f"{c['name']}: {c['error'][-300:]}"
+                                                                       for c in out["candidates"]))
+    out["chosen"] = min(timed, key=lambda c: c["measured_median_seconds"])["name"]
+    prediction_errors(timed)
     return out
 
 

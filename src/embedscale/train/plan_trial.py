@@ -127,13 +127,23 @@ def choose_by_trial(cfg: RunConfig, plan: Plan, data, tables: Sequence, prof, to
         return plan
     t0 = time.perf_counter()
     work = plan_dir.parent / TRIAL_DIR
-    dirs: dict[str, Path] = {}
+    dirs: dict[str, Path | EmbedscaleError] = {}
     for i, c in enumerate(timed):
-        cand = plan if c["name"] == "auto" else _build(cfg, tables, prof, topo, c["table_forms"])
-        dirs[c["name"]] = _save(cfg, data, tables, prof, cand, work / str(i) / "plan", progress)
+        try:
+            cand = plan if c["name"] == "auto" else _build(cfg, tables, prof, topo, c["table_forms"])
+            dirs[c["name"]] = _save(cfg, data, tables, prof, cand, work / str(i) / "plan", progress)
+        except EmbedscaleError as e:  # not buildable (e.g. OPER finds no placement): not timed, the report says why
+            dirs[c["name"]] = EmbedscaleError(f"plan trial: building {c['name']!r} failed: {e}")
     build = time.perf_counter() - t0
     steps = int(cfg.dist.plan_trial_steps)
-    choice = measured_choice(cands, margin, lambda n: _time(cfg, dirs[n], dirs[n].parent / "run", steps))
+
+    def time_plan(name: str) -> list[float]:
+        d = dirs[name]
+        if isinstance(d, EmbedscaleError):
+            raise d
+        return _time(cfg, d, d.parent / "run", steps)
+
+    choice = measured_choice(cands, margin, time_plan)
     choice.update(build_seconds=build, trial_seconds=choice["trial_seconds"] + build)
     rep["measured_choice"] = choice
     if choice["chosen"] == "auto":
