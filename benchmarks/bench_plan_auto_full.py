@@ -19,8 +19,8 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
   the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
 * with ``--trial-steps N``, auto is trained as a user runs it, ``train --dist-plan auto`` with
-  ``dist.plan_trial_steps N``: the run measures the model's plans within its error of the best and keeps the
-  fastest (``train.plan_trial``); the line's ``plan_trials`` gives each run's trial seconds and the plan kept (the
+  ``dist.plan_trial_steps N``: the run measures the model's plans within its error of the best (its closest,
+  and the best-priced plan of every rule family within that error) and keeps the fastest (``train.plan_trial``); the line's ``plan_trials`` gives each run's trial seconds and the plan kept (the
   steady step is the kept plan's; its prediction stays the search's plan's);
 * ``exact_unbounded``: every table sharded exact by OPER with no budget (about 1.1 GB of rows and state a rank:
   it does not fit 256 MiB, it fits this machine's RAM): the measured ceiling, ``measured_ceiling`` = the best
@@ -408,8 +408,9 @@ def main() -> None:
     err_scaled_each = {k: [pv / m - 1 for pv, m in zip(scaled[k], steady[k])] for k in med}
     err_scaled = {k: float(np.median(scaled[k])) / measured[k] - 1 for k in med}
     for k in med:
+        runs = ", ".join(f"{e:+.0%}" for e in err_scaled_each[k])
         log(f"{k}: measured {measured[k] * 1e3:.0f} ms; predicted, round-scaled "
-            f"{float(np.median(scaled[k])) * 1e3:.0f} ms ({err_scaled[k]:+.1%}; runs {', '.join(f'{e:+.0%}' for e in err_scaled_each[k])})")
+            f"{float(np.median(scaled[k])) * 1e3:.0f} ms ({err_scaled[k]:+.1%}; runs {runs})")
     hand = {k: v for k, v in med.items() if k not in ("auto", CEILING)}
     best = max(hand, key=hand.get) if hand else None
     a = med.get("auto", float("nan"))
