@@ -103,6 +103,8 @@ def _mixture_yaml(path: Path, tables, tt: list[str], host: list[str], rank: int)
 def _mixtures(tables, host_budget: float, n_big: int) -> dict[str, tuple[list[str], list[str]]]:
     """Largest tables TT until the remaining large ones (>= 1M rows) fit the host budget, and one more TT."""
     big = sorted([t for t in tables if t.num_rows >= 1_000_000], key=lambda t: -t.num_rows)
+    if not big:  # (tables capped below 1M rows: no mixture)
+        return {}
     row = 4 * big[0].dim + 4  # a host row and its row-wise Adagrad state, as the planner counts it
     out = {}
     for k in range(len(big) + 1):
