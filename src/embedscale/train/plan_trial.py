@@ -110,6 +110,7 @@ def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[flo
     if p.returncode:
         raise EmbedscaleError(f"plan trial under {plan_dir} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     s = json.loads((run_dir / "run" / "summary.json").read_text())
+    shutil.rmtree(run_dir / "run" / "checkpoints", ignore_errors=True)  # a timing, not a model (1+ GB a candidate)
     return [float(s["train_step_seconds"]["median"])]
 
 
