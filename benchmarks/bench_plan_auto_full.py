@@ -19,9 +19,13 @@ budget 512 MiB per rank. The plans, all made by ``embedscale plan`` from the sam
   TT rank 32 until the others fit on the host parameter server (3 TT and 2 host tables: the 2 host tables are
   the largest pair that fits 512 MiB), and one more TT table (4 TT, 1 host); pipeline depth 2;
 * with ``--trial-steps N``, auto is trained as a user runs it, ``train --dist-plan auto`` with
-  ``dist.plan_trial_steps N``: the run measures the model's plans within its error of the best and keeps the
-  fastest (``train.plan_trial``); the line's ``plan_trials`` gives each run's trial seconds and the plan kept (the
+  ``dist.plan_trial_steps N``: the run measures the model's plans within its error of the best (its closest,
+  and the best-priced plan of every rule family within that error) and keeps the fastest (``train.plan_trial``); the line's ``plan_trials`` gives each run's trial seconds and the plan kept (the
   steady step is the kept plan's; its prediction stays the search's plan's);
+* ``exact_unbounded``: every table sharded exact by OPER with no budget (about 1.1 GB of rows and state a rank:
+  it does not fit 256 MiB, it fits this machine's RAM): the measured ceiling, ``measured_ceiling`` = the best
+  rule's step over its step (exact lookups are the cheapest form, so it bounds the plans within the budget from
+  below when the measurement agrees: ``exact_unbounded_fastest``); not a rule (left out of the best rule);
 * TorchRec's ``EmbeddingShardingPlanner`` asked for the same budget (``plan.torchrec_plan``, its CPU topology:
   DDR capacity = the device budget, and again = device + host budget; and a GPU topology of HBM = the device
   budget and DDR = the host budget, where it may choose UVM caching); what it answers is reported (it has no
@@ -40,12 +44,18 @@ the executor overheads, i.e. what a single-process calibration predicts). With `
 single-process costs are also measured again just before every run (``--calibrate-procs`` processes at once,
 their figures averaged) and the run predicted with them and the setup's executor overheads
 (``prediction_error``: the median of a plan's predictions against its median measured step,
-``prediction_error_each_run`` run by run). Prints one JSON
+``prediction_error_each_run`` run by run). Every run is also predicted by the setup costs scaled by the same
+round's other runs (``prediction_error_round_scaled``, out of sample: the median over the round's other plans of
+measured / predicted step, times this plan's predicted step; the machine's state in that round is measured by
+the others, the plan's own step never enters its prediction). The plan a run is predicted for is the one it ran
+(auto's after a measured choice: the plan kept). Prints one JSON
 line: figure = auto's steady-state train samples/s (global batch / measured step), baseline = the best
 hand-made plan's, ratio (and ``all_steps_ratio``, the same from the all-steps figures; ``round_ratios``: in each
 round, the best hand plan's step over auto's, and their median), and per plan the
 runs, the predicted and measured step and the prediction's error; the model's own ceiling (``model_ceiling``: the
-best rule's predicted step over auto's, and over every table exact with no budget); the load average before and after.
+best rule's predicted step over auto's, and over every table exact with no budget); auto's measured choices
+(``plan_trials``: each candidate's families, predicted and measured step, the seconds with the candidates'
+building, the families left out); the load average before and after.
 """
 
 import argparse
@@ -71,6 +81,8 @@ from embedscale.plan.step import DenseModel
 from embedscale.plan.torchrec_plan import plan_torchrec
 from embedscale.specs import Topology
 
+CEILING = "exact_unbounded"  # every table sharded exact, no budget: the measured ceiling, not a rule
+
 
 def _es(*args, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
     p = subprocess.run([sys.executable, "-m", "embedscale", *args], cwd=cwd, capture_output=True, text=True)
@@ -91,6 +103,8 @@ def _mixture_yaml(path: Path, tables, tt: list[str], host: list[str], rank: int)
 def _mixtures(tables, host_budget: float, n_big: int) -> dict[str, tuple[list[str], list[str]]]:
     """Largest tables TT until the remaining large ones (>= 1M rows) fit the host budget, and one more TT."""
     big = sorted([t for t in tables if t.num_rows >= 1_000_000], key=lambda t: -t.num_rows)
+    if not big:  # (tables capped below 1M rows: no mixture)
+        return {}
     row = 4 * big[0].dim + 4  # a host row and its row-wise Adagrad state, as the planner counts it
     out = {}
     for k in range(len(big) + 1):
@@ -292,6 +306,9 @@ def main() -> None:
                 _es("plan", *common, "--tables", f"{name}{sfx}.yaml", "--strategy", "oper", "--out", d.name,
                     cwd=work)
             plans[f"{name}{sfx}"] = f"{d.name}/oper"
+    if not (work / "plans-exact" / "oper" / "plan.json").exists():  # every table exact, no budget (the ceiling)
+        _es("plan", *common, "--strategy", "oper", "--out", "plans-exact", cwd=work)
+    plans[CEILING] = "plans-exact/oper"
     topo = Topology(num_hosts=1, ranks_per_host=2)
     dense = DenseModel(num_features=len(tables), embedding_dim=16)
     if args.predict_only:
@@ -336,15 +353,13 @@ def main() -> None:
     pred_rounds: dict[str, list[float]] = {k: [] for k in names}
     trials: list[dict] = []  # --trial-steps: auto's measured choice in each of its runs (its seconds, the plan kept)
     load_runs = os.getloadavg()
+    pred_setup: dict[str, list[float]] = {k: [] for k in names}  # the setup costs' prediction of the plan run
     for rep in range(args.repeats):
         for name in names[rep % len(names):] + names[:rep % len(names)]:  # each round starts one plan later
             rc = costs
             if args.recalibrate:  # the costs again, just before this run, as the machine's load makes them
                 rc = load_costs(calibrate_concurrently(work, f"costs-{name}-{rep}", per_rank, work / "costs.json",
                                                        n=args.calibrate_procs))
-            p = predict_plan_forms(tables, work / "profile", topo, Plan.load(work / plans[name]).forms, costs=rc,
-                                   batch_size=per_rank, dense=dense, host_depth=args.depth)
-            pred_rounds[name].append(p["step_seconds"])
             rd = work / "runs" / f"{name}-{rep}"
             shutil.rmtree(rd, ignore_errors=True)
             depth = host_pipeline_depth(Plan.load(work / plans[name]).forms, args.depth)
@@ -357,17 +372,28 @@ def main() -> None:
                 "--train-max-steps", str(args.steps), "--train-eval-every", "0", "--nproc", "2", *how,
                 "--train-pipeline-depth", str(max(depth, args.depth)), "--run-dir", str(rd),
                 "--no-progress", cwd=work)
+            wall = time.perf_counter() - t
             s = json.loads((rd / "summary.json").read_text())
+            ran = Plan.load(rd / "plan").forms if (rd / "plan" / "plan.json").exists() else \
+                Plan.load(work / plans[name]).forms  # auto after a measured choice: the plan kept
+            for costs_of, into in ((rc, pred_rounds), (costs, pred_setup)):
+                into[name].append(predict_plan_forms(tables, work / "profile", topo, ran, costs=costs_of,
+                                                     batch_size=per_rank, dense=dense,
+                                                     host_depth=args.depth)["step_seconds"])
             if "plan_trial_seconds" in s:
-                trials.append({"round": rep, "seconds": s["plan_trial_seconds"], "chosen": s["plan_trial_chosen"]})
-                log(f"auto run {rep}: measured choice {s['plan_trial_chosen']!r} in {s['plan_trial_seconds']:.0f} s")
+                trials.append(trial_of(rep, s, rd, wall))
+                log(f"auto run {rep}: measured choice {s['plan_trial_chosen']!r} in {s['plan_trial_seconds']:.0f} s: "
+                    + "; ".join(f"{c['name']} predicted {c['predicted_seconds'] * 1e3:.0f} measured "
+                                f"{c.get('measured_median_seconds', float('nan')) * 1e3:.0f} ms"
+                                for c in trials[-1]["candidates"]))
             sps[name].append(float(s["train_samples_per_s"]))
             steady[name].append(float(s["train_step_seconds"]["median"]))
             log(f"{name} run {rep}: steady {steady[name][-1] * 1e3:.0f} ms/step (p90 "
                 f"{s['train_step_seconds']['p90'] * 1e3:.0f}); all steps {sps[name][-1]:,.0f} samples/s = "
                 f"{args.batch / sps[name][-1] * 1e3:.0f} ms/step "
                 f"(predicted {pred_rounds[name][-1] * 1e3:.0f} ms: dense {rc.dense_flops_per_s / 1e9:.1f} GFLOP/s, "
-                f"table {rc.table_overhead_s * 1e6:.0f} us; {time.perf_counter() - t:.0f} s wall); "
+                f"table {rc.table_overhead_s * 1e6:.0f} us; setup costs {pred_setup[name][-1] * 1e3:.0f} ms; "
+                f"{wall:.0f} s wall); "
                 f"load {os.getloadavg()[0]:.1f}")
             shutil.rmtree(rd / "checkpoints", ignore_errors=True)
     # the figure: the steady state (each run's median step after its warm-up, train_step_seconds; the median over
@@ -380,14 +406,21 @@ def main() -> None:
     pred_r = {k: float(np.median(v)) for k, v in pred_rounds.items()}
     err_r = {k: (pred_r[k] - measured[k]) / measured[k] for k in med}
     err_each = {k: [pv / m - 1 for pv, m in zip(pred_rounds[k], steady[k])] for k in med}
-    hand = {k: v for k, v in med.items() if k != "auto"}
+    scaled = round_scaled(pred_setup, steady, args.repeats)
+    err_scaled_each = {k: [pv / m - 1 for pv, m in zip(scaled[k], steady[k])] for k in med}
+    err_scaled = {k: float(np.median(scaled[k])) / measured[k] - 1 for k in med}
+    for k in med:
+        runs = ", ".join(f"{e:+.0%}" for e in err_scaled_each[k])
+        log(f"{k}: measured {measured[k] * 1e3:.0f} ms; predicted, round-scaled "
+            f"{float(np.median(scaled[k])) * 1e3:.0f} ms ({err_scaled[k]:+.1%}; runs {runs})")
+    hand = {k: v for k, v in med.items() if k not in ("auto", CEILING)}
     best = max(hand, key=hand.get) if hand else None
     a = med.get("auto", float("nan"))
     b = hand[best] if best else float("nan")
-    hand_all = {k: v for k, v in med_all_steps.items() if k != "auto"}
+    hand_all = {k: v for k, v in med_all_steps.items() if k not in ("auto", CEILING)}
     # paired by round: auto's step against the best hand plan's in the same round (the rounds' machine states differ)
-    rounds = [min(steady[k][r] for k in steady if k != "auto") / steady["auto"][r]
-              for r in range(args.repeats)] if "auto" in steady and len(steady) > 1 else []
+    rounds = [min(steady[k][r] for k in steady if k not in ("auto", CEILING)) / steady["auto"][r]
+              for r in range(args.repeats)] if "auto" in steady and len(set(steady) - {CEILING}) > 1 else []
     emit("plan_auto_full_2ranks", a, b, f"steady-state train samples/s (global batch / median over {args.repeats} "
          f"interleaved runs of each run's median step after its first 10)",
          {"data": "synthetic criteo-kaggle" + (f" capped at {args.max_rows} rows" if args.max_rows else ", full size"),
@@ -405,14 +438,50 @@ def main() -> None:
          within_20pct={k: abs(v) <= 0.2 for k, v in err.items()}, forms=forms_of, memory=mem,
          costs=costs.to_dict(), torchrec=torchrec, load_average_before=load0, load_average_runs_start=load_runs,
          plan_trials=trials, predicted_all_exact_no_budget_s=unbounded,
-         model_ceiling=model_ceiling(predicted, unbounded), load_average_after=os.getloadavg())
+         predicted_step_s_setup_costs_each_run=pred_setup, predicted_step_s_round_scaled=scaled,
+         prediction_error_round_scaled=err_scaled, prediction_error_round_scaled_each_run=err_scaled_each,
+         within_10pct_round_scaled={k: abs(v) <= 0.1 for k, v in err_scaled.items()},
+         **measured_ceiling(measured, steady, best), model_ceiling=model_ceiling(predicted, unbounded),
+         load_average_after=os.getloadavg())
+
+
+def trial_of(rnd: int, summary: dict, rd: Path, wall: float) -> dict:
+    """An auto run's measured choice (its explain report's ``measured_choice``): the plan kept, the seconds (the
+    candidates' building and timing), each candidate, the families left out; the run's wall time with the trial."""
+    mc = json.loads((rd / "plan" / "explain.json").read_text()).get("measured_choice", {})
+    return {"round": rnd, "seconds": summary["plan_trial_seconds"], "chosen": summary["plan_trial_chosen"],
+            "build_seconds": mc.get("build_seconds"), "margin": mc.get("margin"), "left_out": mc.get("left_out", []),
+            "candidates": mc.get("candidates", []), "run_wall_seconds_with_trial": wall}
+
+
+def round_scaled(pred: dict, steady: dict, repeats: int) -> dict:
+    """Every run's prediction scaled by its round's other runs: ``pred[k][r]`` times the median over the other
+    plans ``q`` of ``steady[q][r] / pred[q][r]`` (out of sample: a plan's own step never enters its prediction)."""
+    out = {k: [] for k in pred}
+    for r in range(repeats):
+        ratio = {k: steady[k][r] / pred[k][r] for k in pred}
+        for k in pred:
+            others = [v for q, v in ratio.items() if q != k]
+            out[k].append(pred[k][r] * float(np.median(others)) if others else float("nan"))
+    return out
+
+
+def measured_ceiling(measured: dict, steady: dict, best: str | None) -> dict:
+    """The measured reach of the bar: the best rule's step over every table exact with no budget (median, and
+    round by round), and whether that plan measured fastest of all (then it bounds the budget's plans from below
+    by measurement)."""
+    if CEILING not in measured or best is None:
+        return {}
+    return {"measured_ceiling": measured[best] / measured[CEILING],
+            "measured_ceiling_rounds": [a / b for a, b in zip(steady[best], steady[CEILING])],
+            "exact_unbounded_fastest": all(measured[CEILING] <= v for v in measured.values())}
 
 
 def model_ceiling(predicted: dict, unbounded: float) -> dict:
     """What the cost model itself allows: the best rule's predicted step over auto's (the search's best plan under
     the budget, by the model), and over every table sharded exact with no budget (no plan within the budget is
     priced below it)."""
-    rules = {k: v for k, v in predicted.items() if k != "auto"}
+    rules = {k: v for k, v in predicted.items() if k not in ("auto", CEILING)}
     if not rules or "auto" not in predicted:
         return {}
     best = min(rules, key=rules.get)

@@ -14,6 +14,7 @@ from embedscale.io import atomic_write_json, atomic_write_text
 from embedscale.plan.auto_candidates import STATE_BYTES_PER_ROW
 from embedscale.plan.auto_costs import CandidateKind, Costs, exchange_latency_of
 from embedscale.plan.auto_decide import AutoResult, plan_seconds
+from embedscale.plan.auto_rules import reported_rules
 from embedscale.plan.auto_search import _totals
 from embedscale.units import human_bytes
 
@@ -119,7 +120,7 @@ def explain(res: AutoResult, per_rank: Mapping[str, Any], costs: Costs, alternat
             "other_budgets": dict(alternatives),
             # the rules a user writes, priced by the same model (plan.auto_rules); the one kept when it beat the
             # search's plan
-            "chosen_by": f"rule: {res.rule}" if res.rule else "search", "rules": list(res.rules[:12]),
+            "chosen_by": f"rule: {res.rule}" if res.rule else "search", "rules": reported_rules(res.rules),
             "plan_model_seconds": plan_seconds(res.cands, res.choice, world, costs),  # the rules' terms
             "notes": ["predicted step = the embedding part on the bottleneck rank (lookups, updates, communication) "
                       "+ the dense model's FLOPs at the calibrated rate + its all-reduce + fixed overheads "
@@ -172,8 +173,27 @@ def explain_text(rep: Mapping[str, Any]) -> str:
             f"; the best rule that fits: {best['rule']}, predicted {best['predicted_seconds'] * 1e3:.3f} ms "
             f"(this plan so: {rep['plan_model_seconds'] * 1e3:.3f} ms; both without the terms every plan pays)"
             if best else "; no rule fits the budgets"))
+    lines += _trial_lines(rep.get("measured_choice"))
     lines += [""] + [f"note: {n}" for n in rep["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def _trial_lines(mc: Mapping[str, Any] | None) -> list[str]:
+    """The measured choice (``train.plan_trial``) for people: each plan timed, predicted and measured, the plan
+    kept and the seconds the trial took."""
+    if not mc or not mc.get("trial"):
+        return []
+    lines = [f"measured choice (margin {mc['margin']:.0%} of the step): kept {mc['chosen']!r} after "
+             f"{mc['trial_seconds']:.1f} s"]
+    for c in mc["candidates"]:
+        fam = f" [{', '.join(c['families'])}]" if c.get("families") else ""
+        err = (f" (error {c['prediction_error']:+.0%}; scaled by the other plans' timings {c['scaled_error']:+.0%})"
+               if "scaled_error" in c else "")
+        lines.append(f"  {c['name']}{fam}: predicted {c['predicted_seconds'] * 1e3:.1f} ms, measured "
+                     f"{c.get('measured_median_seconds', float('nan')) * 1e3:.1f} ms{err}")
+    if mc.get("left_out"):
+        lines.append(f"  not timed (the trial's limit): {', '.join(mc['left_out'])}")
+    return lines
 
 
 def write_explain(rep: Mapping[str, Any], out_dir: str | Path, png: bool = True) -> None:

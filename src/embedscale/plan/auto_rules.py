@@ -34,10 +34,13 @@ from embedscale.plan.step import candidate_of
 
 @dataclass(frozen=True)
 class RulePlan:
-    """A rule's plan: its name for people and the form of every table it does not leave sharded."""
+    """A rule's plan: its name for people, the form of every table it does not leave sharded, and its family (the
+    rule with its size threshold left open: ``EL-Rec rule, TT rank 8``; a measured choice times each family's
+    best, ``plan.choose.trial_plans``)."""
 
     name: str
     forms: dict = field(default_factory=dict)  # table name -> TableForm
+    family: str = ""
 
 
 def _tt(rank: int) -> TableForm:
@@ -48,13 +51,13 @@ def rule_plans(stats: Sequence[TableStats], host_budget: float, tt_ranks: Sequen
                host_depth: int = 1) -> list[RulePlan]:
     """Every rule's plan for tables ``stats`` (module docstring); a mixture only where its host tables fit
     ``host_budget`` (their rows and row-wise state, per rank)."""
-    out = [RulePlan("all sharded exact")]
+    out = [RulePlan("all sharded exact", family="all sharded exact")]
     host = TableForm(FormKind.HOST, pipeline_depth=max(1, int(host_depth)))
     for n_min in sorted({int(s.num_rows) for s in stats}, reverse=True):
         big = sorted([s for s in stats if s.num_rows >= n_min], key=lambda s: -s.num_rows)
         for r in sorted({int(x) for x in tt_ranks}):
             out.append(RulePlan(f"EL-Rec rule: tables of >= {n_min:,} rows TT rank {r}",
-                                {s.name: _tt(r) for s in big}))
+                                {s.name: _tt(r) for s in big}, f"EL-Rec rule, TT rank {r}"))
             for k in range(len(big)):
                 rest = big[k:]
                 if sum(s.num_rows * (s.row_bytes + STATE_BYTES_PER_ROW) for s in rest) > host_budget:
@@ -62,12 +65,12 @@ def rule_plans(stats: Sequence[TableStats], host_budget: float, tt_ranks: Sequen
                 for j in (k, k + 1):
                     if j == 0 and r == min(int(x) for x in tt_ranks):  # no TT table: one rule, whatever the rank
                         out.append(RulePlan(f"host rule: the {len(big)} tables of >= {n_min:,} rows on the host",
-                                            {s.name: host for s in big}))
+                                            {s.name: host for s in big}, "host rule"))
                     elif 0 < j < len(big):
                         out.append(RulePlan(f"mixture: the {j} largest of >= {n_min:,} rows TT rank {r}, "
                                             f"{len(big) - j} on the host",
                                             {**{s.name: _tt(r) for s in big[:j]},
-                                             **{s.name: host for s in big[j:]}}))
+                                             **{s.name: host for s in big[j:]}}, f"mixture, TT rank {r}"))
                 break
     return out
 
@@ -127,11 +130,12 @@ def best_of_rules(cands: list[list[Candidate]], stats: Sequence[TableStats], cho
         dev, host = sum(c.device_bytes for c in cs), sum(c.host_bytes for c in cs)
         exact = any(c.kind in (CandidateKind.SHARDED, CandidateKind.REPLICATED) for c in cs)  # (OPER needs one)
         ok = dev <= dev_budget and host <= host_budget and exact
-        priced.append({"rule": rule.name, "predicted_seconds": secs, "fits": bool(ok), **_forms_of(stats, cs)})
+        priced.append({"rule": rule.name, "family": rule.family, "predicted_seconds": secs, "fits": bool(ok),
+                       **_forms_of(stats, cs)})
         if ok and secs < base * (1 - 1e-12) and (best is None or secs < best[1]):
             best = (rule, secs, cs)
     priced.sort(key=lambda r: (not r["fits"], r["predicted_seconds"]))
-    priced.insert(0, {"rule": "search", "predicted_seconds": base, "fits": base < float("inf"),
+    priced.insert(0, {"rule": "search", "family": "search", "predicted_seconds": base, "fits": base < float("inf"),
                       **_forms_of(stats, chosen)})  # the search's own plan (a measured choice may take it)
     if best is None:
         return list(choice), None, priced
@@ -143,6 +147,19 @@ def best_of_rules(cands: list[list[Candidate]], stats: Sequence[TableStats], cho
             j = len(cands[i]) - 1
         out.append(j)
     return _improved(cands, out, best[0].name, dev_budget, host_budget, world, costs) + (priced,)
+
+
+def reported_rules(priced: Sequence[dict], n: int = 12) -> list[dict]:
+    """The rules an explain report keeps of :func:`best_of_rules`' ``priced`` (lowest first): the ``n`` first, and
+    the lowest-priced fitting plan of every family beyond them (a measured choice may time it,
+    ``plan.choose.trial_plans``)."""
+    out = list(priced[:n])
+    have = {r.get("family") for r in out if r["fits"]}
+    for r in priced[n:]:
+        if r["fits"] and r.get("family") and r["family"] not in have:
+            have.add(r["family"])
+            out.append(r)
+    return out
 
 
 def _improved(cands, choice: list[int], name: str, dev_budget: float, host_budget: float, world: int,

@@ -3,10 +3,14 @@
 The auto planner ranks plans by a model whose predictions miss by some percent (``embedscale calibrate`` reports
 how much on the plans it timed). Where the model's best plans are within that error of each other, its ranking
 among them says little: :func:`close_plans` names them (every plan whose predicted step is within ``margin`` of
-the best, relative, at most ``limit``), and :func:`measured_choice` runs each for a few steps (``time_plan``: a
-plan's name -> the seconds of its steps) and keeps the one of least median step. With one clear winner nothing
-is timed. The choice, every candidate's predicted and measured step and the seconds the trial took go into the
-explain report; the run counts those seconds in its own time.
+the best, relative, at most ``limit``). A rule the model misprices would never be among them when the model's
+error is wide and its closest plans are the search's variants of one form, so :func:`trial_plans` adds, to those,
+the best-priced plan of every rule family (EL-Rec's rule at each TT rank, the host mixtures at each rank, the
+host rule: ``plan.auto_rules``) whose prediction is within the same margin, at most ``max_plans`` in all (the
+families priced lowest first; those left out are named). :func:`measured_choice` runs each for a few steps
+(``time_plan``: a plan's name -> the seconds of its steps) and keeps the one of least median step. With one clear
+winner nothing is timed. The choice, every candidate's predicted and measured step and the seconds the trial took
+go into the explain report; the run counts those seconds in its own time.
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from embedscale.errors import ConfigError
+from embedscale.errors import ConfigError, EmbedscaleError
 
 #: the relative margin within which the model's plans are taken as tied when the calibration measured no error
 DEFAULT_MARGIN = 0.10
+#: the most plans a trial times: its few steps each are paid once per run, so the families priced highest go first
+MAX_TRIAL_PLANS = 10
 
 
 def prediction_margin(costs_notes: Mapping[str, Any] | None, default: float = DEFAULT_MARGIN) -> float:
@@ -46,28 +52,85 @@ def close_plans(plans: Sequence[Mapping[str, Any]], margin: float, limit: int = 
     return [p for p in ranked if float(p["predicted_seconds"]) <= best * (1 + margin)][:max(1, int(limit))]
 
 
-def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
-                    time_plan: Callable[[str], Sequence[float]], limit: int = 3) -> dict[str, Any]:
-    """The model's close plans (:func:`close_plans`) timed by ``time_plan`` (a plan's name -> its steps' seconds)
-    and the one of least median step chosen. Returns ``chosen`` (a name), ``trial`` (whether anything ran),
-    ``margin``, per candidate its predicted and measured median step and steps timed, and ``trial_seconds``
-    (the wall time of the timing, which the run counts as its own)."""
+def _families(p: Mapping[str, Any]) -> list[str]:
+    """The rule families a plan stands for (``families``, else its ``family``; several when plans of the same
+    forms were taken once)."""
+    fam = p.get("families")
+    return [str(f) for f in fam] if fam else ([str(p["family"])] if p.get("family") else [])
+
+
+def trial_plans(plans: Sequence[Mapping[str, Any]], margin: float, limit: int = 3,
+                max_plans: int = MAX_TRIAL_PLANS) -> tuple[list[Mapping[str, Any]], list[str]]:
+    """The plans a trial times: the model's ``limit`` closest (:func:`close_plans`), then the best-priced plan of
+    every family (``family`` / ``families`` of a plan) not among them whose prediction is within ``margin`` of the
+    best plan's, lowest first, until ``max_plans``. Returns them (in that order) and the families left out by
+    ``max_plans``."""
     close = close_plans(plans, margin, limit)
+    if not close:
+        return [], []
+    top = float(close[0]["predicted_seconds"]) * (1 + margin)
+    covered = {f for p in close for f in _families(p)}
+    taken, extra = {p["name"] for p in close}, []
+    for p in sorted(plans, key=lambda p: float(p["predicted_seconds"])):
+        new = [f for f in _families(p) if f not in covered]
+        if float(p["predicted_seconds"]) > top or not new:
+            continue
+        covered.update(new)
+        if p["name"] not in taken:
+            taken.add(p["name"])
+            extra.append((p, new))
+    room = max(0, int(max_plans) - len(close))
+    return close + [p for p, _ in extra[:room]], [f for _, fs in extra[room:] for f in fs]
+
+
+def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
+                    time_plan: Callable[[str], Sequence[float]], limit: int = 3,
+                    max_plans: int = MAX_TRIAL_PLANS) -> dict[str, Any]:
+    """The plans of :func:`trial_plans` timed by ``time_plan`` (a plan's name -> its steps' seconds) and the one
+    of least median step chosen. Returns ``chosen`` (a name), ``trial`` (whether anything ran), ``margin``, per
+    candidate its predicted and measured median step, steps timed and the rule families it stands for (or the
+    ``error`` that stopped it: a candidate ``time_plan`` cannot run raises ``EmbedscaleError`` and is not chosen),
+    the families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing, which the run
+    counts as its own)."""
+    close, left_out = trial_plans(plans, margin, limit, max_plans)
     if not close:
         raise ConfigError("plan trial: no plan to choose from")
     out: dict[str, Any] = {"margin": float(margin), "trial": len(close) > 1, "trial_seconds": 0.0,
-                           "candidates": [{"name": p["name"], "predicted_seconds": float(p["predicted_seconds"])}
-                                          for p in close]}
+                           "left_out": left_out,
+                           "candidates": [{"name": p["name"], "predicted_seconds": float(p["predicted_seconds"]),
+                                           "families": _families(p)} for p in close]}
     if len(close) == 1:
         out["chosen"] = close[0]["name"]
         return out
     t0 = time.perf_counter()
     for c in out["candidates"]:
-        steps = [float(s) for s in time_plan(c["name"])]
+        try:
+            steps = [float(s) for s in time_plan(c["name"])]
+        except EmbedscaleError as e:  # a candidate that cannot run is not chosen; the report says why
+            c["error"] = str(e)[-1000:]
+            continue
         if not steps:
             raise ConfigError(f"plan trial: plan {c['name']!r} timed no step")
         c["measured_median_seconds"] = float(np.median(steps))
         c["steps_timed"] = len(steps)
     out["trial_seconds"] = time.perf_counter() - t0
-    out["chosen"] = min(out["candidates"], key=lambda c: c["measured_median_seconds"])["name"]
+    timed = [c for c in out["candidates"] if "measured_median_seconds" in c]
+    if not timed:
+        raise ConfigError("plan trial: no candidate ran: " + "; ".join(f"{c['name']}: {c['error'][-300:]}"
+                                                                       for c in out["candidates"]))
+    out["chosen"] = min(timed, key=lambda c: c["measured_median_seconds"])["name"]
+    prediction_errors(timed)
     return out
+
+
+def prediction_errors(cands: Sequence[dict]) -> None:
+    """The model's error on the plans a trial timed, in the run's own conditions: per candidate (``predicted_seconds``,
+    ``measured_median_seconds``) ``prediction_error`` (predicted / measured - 1) and ``scaled_error``: its prediction
+    times the median of measured / predicted over the other candidates, against its measurement (out of sample:
+    the machine's state at the trial taken from the others, the plan's own step left out). In place."""
+    ratio = [c["measured_median_seconds"] / c["predicted_seconds"] if c["predicted_seconds"] > 0 else float("nan")
+             for c in cands]
+    for i, c in enumerate(cands):
+        c["prediction_error"] = c["predicted_seconds"] / c["measured_median_seconds"] - 1
+        others = [r for j, r in enumerate(ratio) if j != i]
+        c["scaled_error"] = c["predicted_seconds"] * float(np.median(others)) / c["measured_median_seconds"] - 1

@@ -1,6 +1,7 @@
 """The measured choice of a ``dist.plan auto`` run (``dist.plan_trial_steps`` > 0): where the cost model's best
 plans (the search's plan and the rules' plans it weighed, ``plan.auto_rules``) are within its own error of each
-other (``plan.choose.prediction_margin``: the calibration's measured prediction error, else 10%), each runs
+other (``plan.choose.prediction_margin``: the calibration's measured prediction error, else 10%, of the whole
+step), each of the closest and the best of every rule family within that error (``plan.choose.trial_plans``) runs
 ``dist.plan_trial_steps`` steps on the run's ranks and data (``embedscale train`` under that plan, in
 ``<run dir>/plan-trial/<n>/``) and the one of least steady-state step is the run's plan
 (:func:`embedscale.plan.choose.measured_choice`). The choice, the candidates' predicted and measured steps and the
@@ -15,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -23,7 +25,7 @@ from embedscale import assemble
 from embedscale.errors import EmbedscaleError
 from embedscale.io import atomic_write_text
 from embedscale.plan.api import make_plan
-from embedscale.plan.choose import close_plans, measured_choice, prediction_margin
+from embedscale.plan.choose import measured_choice, prediction_margin, trial_plans
 from embedscale.plan.forms import TableForm, replicated_tables_meta, with_reorder
 from embedscale.plan.plan import Plan
 from embedscale.reorder import reordering_meta
@@ -34,20 +36,28 @@ TRIAL_DIR = "plan-trial"
 
 def candidate_plans(rep: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The plans an auto plan's explain data (``plan.meta["auto"]``) weighed, by the model's prediction: the plan
-    chosen (``auto``) and every other that fits (the search's own, the rules'), each once by its forms (a
-    replicated table's form is the sharded one: a candidate other than the auto plan is built with its exact
-    tables placed by OPER)."""
+    chosen (``auto``) and every other that fits (the search's own, the rules'), each once by its forms, with the
+    rule families it stands for (a replicated table's form is the sharded one: a candidate other than the auto
+    plan is built with its exact tables placed by OPER). Each prediction is the whole step: the rules' seconds
+    plus the terms every plan pays (the dense model, its all-reduce, the fixed overheads), so a margin relative
+    to the step (the calibration's error) is applied to the step."""
     by = rep["chosen_by"]
     name = by[len("rule: "):] if by.startswith("rule: ") else "search"
+    fixed = float(rep.get("predicted_step_seconds", 0.0)) - float(rep.get("predicted_embedding_step_seconds", 0.0))
     chosen = next((r for r in rep.get("rules", ()) if r["rule"] == name), None)
-    out = [{"name": "auto", "predicted_seconds": float(rep["plan_model_seconds"]),
-            "table_forms": dict(chosen["table_forms"]) if chosen else None}]
-    seen = [out[0]["table_forms"]]
+    out = [{"name": "auto", "predicted_seconds": float(rep["plan_model_seconds"]) + fixed,
+            "table_forms": dict(chosen["table_forms"]) if chosen else None,
+            "families": [chosen["family"]] if chosen and chosen.get("family") else []}]
     for r in rep.get("rules", ()):
-        if r["fits"] and r["table_forms"] not in seen:
-            seen.append(r["table_forms"])
-            out.append({"name": r["rule"], "predicted_seconds": float(r["predicted_seconds"]),
-                        "table_forms": dict(r["table_forms"])})
+        if not r["fits"]:
+            continue
+        same = next((c for c in out if c["table_forms"] == r["table_forms"]), None)
+        if same is None:
+            out.append({"name": r["rule"], "predicted_seconds": float(r["predicted_seconds"]) + fixed,
+                        "table_forms": dict(r["table_forms"]), "families": []})
+            same = out[-1]
+        if r.get("family") and r["family"] not in same["families"]:
+            same["families"].append(r["family"])
     return out
 
 
@@ -100,26 +110,42 @@ def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[flo
     if p.returncode:
         raise EmbedscaleError(f"plan trial under {plan_dir} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     s = json.loads((run_dir / "run" / "summary.json").read_text())
+    shutil.rmtree(run_dir / "run" / "checkpoints", ignore_errors=True)  # a timing, not a model (1+ GB a candidate)
     return [float(s["train_step_seconds"]["median"])]
 
 
 def choose_by_trial(cfg: RunConfig, plan: Plan, data, tables: Sequence, prof, topo, plan_dir: Path,
                     progress: bool, costs_notes: Mapping[str, Any] | None = None) -> Plan:
-    """``plan`` (an auto plan), or the candidate the trial measured fastest among the model's close plans
-    (module docstring); the choice is recorded in ``plan.meta["auto"]["measured_choice"]``."""
+    """``plan`` (an auto plan), or the candidate the trial measured fastest among the model's close plans and the
+    rule families' best within its error (module docstring); the choice is recorded in
+    ``plan.meta["auto"]["measured_choice"]``, its ``trial_seconds`` counting the candidates' building too."""
     rep = plan.meta["auto"]
     cands = candidate_plans(rep)
     margin = prediction_margin(costs_notes)
-    if len(close_plans(cands, margin)) < 2:
+    timed, _ = trial_plans(cands, margin)
+    if len(timed) < 2:
         rep["measured_choice"] = measured_choice(cands, margin, lambda _n: [])
         return plan
+    t0 = time.perf_counter()
     work = plan_dir.parent / TRIAL_DIR
-    dirs: dict[str, Path] = {}
-    for i, c in enumerate(close_plans(cands, margin)):
-        cand = plan if c["name"] == "auto" else _build(cfg, tables, prof, topo, c["table_forms"])
-        dirs[c["name"]] = _save(cfg, data, tables, prof, cand, work / str(i) / "plan", progress)
+    dirs: dict[str, Path | EmbedscaleError] = {}
+    for i, c in enumerate(timed):
+        try:
+            cand = plan if c["name"] == "auto" else _build(cfg, tables, prof, topo, c["table_forms"])
+            dirs[c["name"]] = _save(cfg, data, tables, prof, cand, work / str(i) / "plan", progress)
+        except EmbedscaleError as e:  # not buildable (e.g. OPER finds no placement): not timed, the report says why
+            dirs[c["name"]] = EmbedscaleError(f"plan trial: building {c['name']!r} failed: {e}")
+    build = time.perf_counter() - t0
     steps = int(cfg.dist.plan_trial_steps)
-    choice = measured_choice(cands, margin, lambda n: _time(cfg, dirs[n], dirs[n].parent / "run", steps))
+
+    def time_plan(name: str) -> list[float]:
+        d = dirs[name]
+        if isinstance(d, EmbedscaleError):
+            raise d
+        return _time(cfg, d, d.parent / "run", steps)
+
+    choice = measured_choice(cands, margin, time_plan)
+    choice.update(build_seconds=build, trial_seconds=choice["trial_seconds"] + build)
     rep["measured_choice"] = choice
     if choice["chosen"] == "auto":
         return plan
