@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -110,6 +111,8 @@ def free_port() -> int:
 def run(coro):
     """``asyncio.run`` on uvloop when installed (the ``serve`` extra): a load generator that takes less of the
     cores the servers share with it."""
+    gc.collect()  # the generator's own full collections stalled it 50-160 ms (counted as the servers' latency)
+    gc.freeze()
     try:
         import uvloop
     except ImportError:
@@ -488,11 +491,12 @@ def main() -> None:
                          "(on a shared host the rate of the first rounds says little about later ones); else of ours "
                          "in the first rounds")
     ap.add_argument("--overload-against", nargs="*", metavar="NAME=OPTIONS",
-                    default=["before=--switch-interval-ms 0 --refuse-in-handler --no-encode-thread",
-                             "loop-encodes=--no-encode-thread"],
+                    default=["before=--switch-interval-ms 0 --refuse-in-handler --no-encode-thread --no-gc-freeze",
+                             "no-gc-freeze=--no-gc-freeze"],
                     help="the overload phase also runs these servers, ours with other serve options, interleaved "
                          "(default: as before, the GIL's switch interval left at Python's, the full queue refused "
-                         "after routing and requests encoded on the event loop; and ours encoding on the loop)")
+                         "after routing, requests encoded on the event loop and no gc.freeze; and ours without gc.freeze; "
+                         "e.g. loop-encodes=--no-encode-thread: ours encoding on the loop)")
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
     ap.add_argument("--breakdown", action="store_true",
                     help="also the server CPU per request by stage (parse, encode, lookup, dense, respond)")

@@ -1219,10 +1219,13 @@ def predict_command(export_dir, data_file, out_path, as_json):
 @click.option("--timing-headers", is_flag=True, hidden=True, help="x-embedscale-clock on answers (benchmarks).")
 @click.option("--encode-thread/--no-encode-thread", default=True, show_default=True,
               help="Encode requests in a thread beside the event loop (which then reads and refuses sooner).")
+@click.option("--gc-freeze/--no-gc-freeze", default=True, show_default=True,
+              help="Leave the objects alive after loading out of Python's full garbage collections (gc.freeze): "
+                   "no stall of the server while one walks the model's objects.")
 @click.option("--test-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, max_rows, max_body_bytes,
                   follow_dir, follow_poll_s, workers, threads, dense, compute_nice, switch_interval_ms,
-                  expand_ranking, refuse_in_handler, timing_headers, encode_thread, test_delay_ms):
+                  expand_ranking, refuse_in_handler, timing_headers, encode_thread, gc_freeze, test_delay_ms):
     """Serve an export over HTTP: POST /v1/predict {"rows": [...]}, /v1/model, /healthz, /readyz, /metrics.
     SIGTERM answers what is in flight, then exits 0."""
     cfg = ServeConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, queue_rows=queue_rows, max_rows=max_rows,
@@ -1230,7 +1233,7 @@ def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, ma
                       follow_poll_s=follow_poll_s, threads=threads, dense=dense,
                       by_context=not expand_ranking, compute_nice=compute_nice,
                       switch_interval_ms=switch_interval_ms, refuse_in_handler=refuse_in_handler,
-                      timing_headers=timing_headers, encode_thread=encode_thread)
+                      timing_headers=timing_headers, encode_thread=encode_thread, gc_freeze=gc_freeze)
     sys.exit(serve_export(export_dir, host, port, cfg, workers=workers))
 
 
