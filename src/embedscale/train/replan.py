@@ -270,6 +270,7 @@ class DriftMonitor:
         # lag > 0 on N ranks: the verdicts' own gloo group; rank 0's check thread sends the verdict as soon as it is
         # done and the other ranks take it, long arrived, at the verdict step (_send, _take_verdict)
         self._verdicts = None
+        self._jobs: "queue.SimpleQueue | None" = None  # rank 0: the check thread's queue (_checker)
         if self.lag and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             timeout = timedelta(seconds=float(getattr(getattr(run, "cfg", None) and run.cfg.dist, "timeout_s", 1800)))
             self._verdicts = dist.new_group(backend="gloo", timeout=timeout)
@@ -444,7 +445,7 @@ class DriftMonitor:
         """Rank 0: the queue of the monitor's check thread, started once (a daemon): each check is handed to it
         instead of a thread of its own, so the step that starts a check does not wait for a new thread to be
         scheduled (on a loaded machine a thread's start waits for a core)."""
-        jobs = getattr(self, "_jobs", None)
+        jobs = self._jobs
         if jobs is None:
             jobs = self._jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(jobs,), name="replan-check", daemon=True).start()
