@@ -113,6 +113,7 @@ def run(coro):
     cores the servers share with it."""
     gc.collect()  # the generator's own full collections stalled it 50-160 ms (counted as the servers' latency)
     gc.freeze()
+    gc.set_threshold(10_000, *gc.get_threshold()[1:])  # and its young ones (as the server's --gc-young)
     try:
         import uvloop
     except ImportError:
@@ -491,11 +492,12 @@ def main() -> None:
                          "(on a shared host the rate of the first rounds says little about later ones); else of ours "
                          "in the first rounds")
     ap.add_argument("--overload-against", nargs="*", metavar="NAME=OPTIONS",
-                    default=["before=--switch-interval-ms 0 --refuse-in-handler --no-encode-thread --no-gc-freeze",
-                             "no-gc-freeze=--no-gc-freeze"],
+                    default=["before=--switch-interval-ms 0 --refuse-in-handler --no-encode-thread --no-gc-freeze "
+                             "--gc-young 0", "gc-young-700=--gc-young 0"],
                     help="the overload phase also runs these servers, ours with other serve options, interleaved "
                          "(default: as before, the GIL's switch interval left at Python's, the full queue refused "
-                         "after routing, requests encoded on the event loop and no gc.freeze; and ours without gc.freeze; "
+                         "after routing, requests encoded on the event loop, no gc.freeze, Python's young "
+                         "collections; and ours with Python's young collections (--gc-young 0); "
                          "e.g. loop-encodes=--no-encode-thread: ours encoding on the loop)")
     ap.add_argument("--quick", action="store_true", help="small tables, short runs")
     ap.add_argument("--breakdown", action="store_true",

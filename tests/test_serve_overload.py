@@ -247,3 +247,42 @@ def test_the_loaded_model_is_left_out_of_full_collections(tmp_path, freeze):
     else:
         assert frozen == 0 and tracked >= 0.9 * tracked_before, (frozen, tracked, tracked_before)
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("young", [10_000, 0])
+def test_young_collections_wait_for_gc_young_allocations(tmp_path, young):
+    """While serving, Python's collector runs its young generation only after ``gc_young`` net allocations
+    (0: Python's own 700): 5,000 containers alive at once (a burst of requests' objects) trigger no collection
+    at 10,000 and at least one at 700, counted by the collector's own statistics; garbage in cycles is still
+    collected once 20,000 of it are alive (a weak reference to one of them is cleared); afterwards Python's
+    thresholds are back."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    app = make_app(load_export(tiny_export(tmp_path / "model")), ServeConfig(gc_young=young))
+    before = gc.get_threshold()
+
+    async def scenario():
+        async with app.router.lifespan_context(app):
+            gc.collect(0)  # the count of allocations starts at 0 here
+            n0 = gc.get_stats()[0]["collections"]
+            burst = [[i] for i in range(5_000)]
+            n1 = gc.get_stats()[0]["collections"]
+            del burst
+            first = Node()
+            first.self = first
+            probe = weakref.ref(first)
+            del first
+            for _ in range(20_000):
+                cycle = Node()
+                cycle.self = cycle
+            del cycle
+            return n1 - n0, probe() is None
+
+    burst_collections, cycle_freed = asyncio.run(scenario())
+    assert (burst_collections == 0) if young == 10_000 else (burst_collections >= 1), burst_collections
+    assert cycle_freed, "garbage in cycles was never collected while serving"
+    assert gc.get_threshold() == before

@@ -1222,10 +1222,14 @@ def predict_command(export_dir, data_file, out_path, as_json):
 @click.option("--gc-freeze/--no-gc-freeze", default=True, show_default=True,
               help="Leave the objects alive after loading out of Python's full garbage collections (gc.freeze): "
                    "no stall of the server while one walks the model's objects.")
+@click.option("--gc-young", type=click.IntRange(min=0), default=10_000, show_default=True,
+              help="Python's young-generation collection threshold while serving (net allocations between "
+                   "collections; 0: Python's own, 700).")
 @click.option("--test-delay-ms", type=click.FloatRange(min=0), default=0.0, hidden=True)
 def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, max_rows, max_body_bytes,
                   follow_dir, follow_poll_s, workers, threads, dense, compute_nice, switch_interval_ms,
-                  expand_ranking, refuse_in_handler, timing_headers, encode_thread, gc_freeze, test_delay_ms):
+                  expand_ranking, refuse_in_handler, timing_headers, encode_thread, gc_freeze, gc_young,
+                  test_delay_ms):
     """Serve an export over HTTP: POST /v1/predict {"rows": [...]}, /v1/model, /healthz, /readyz, /metrics.
     SIGTERM answers what is in flight, then exits 0."""
     cfg = ServeConfig(max_batch=max_batch, max_wait_ms=max_wait_ms, queue_rows=queue_rows, max_rows=max_rows,
@@ -1233,7 +1237,8 @@ def serve_command(export_dir, host, port, max_batch, max_wait_ms, queue_rows, ma
                       follow_poll_s=follow_poll_s, threads=threads, dense=dense,
                       by_context=not expand_ranking, compute_nice=compute_nice,
                       switch_interval_ms=switch_interval_ms, refuse_in_handler=refuse_in_handler,
-                      timing_headers=timing_headers, encode_thread=encode_thread, gc_freeze=gc_freeze)
+                      timing_headers=timing_headers, encode_thread=encode_thread, gc_freeze=gc_freeze,
+                      gc_young=gc_young)
     sys.exit(serve_export(export_dir, host, port, cfg, workers=workers))
 
 
