@@ -15,9 +15,11 @@ by round so machine load hits them alike:
 A request holds ``--rows`` rows of raw ids (the export is id-encoded); ``--ranking``: one user context (the 13
 counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call, which every server scores once
 per context (``serve.ranking``: the dense-side work is the same for the baseline); ``--expanded`` adds ours
-scoring each candidate as a whole row (what per-context scoring saves). The closed-loop line also gives each
-server's CPU milliseconds per answered request (``/proc``), which the host's load does not inflate as it does
-the wall-clock figures. ``--workers``, ``--threads``, ``--dense``: the servers' options, alike on every side.
+scoring each candidate as a whole row (what per-context scoring saves); ``--torchrec-expanded`` the baseline
+so, as TorchRec's DLRM serves a ranking call (one sample a candidate, the context's features repeated in
+each). The closed-loop line also gives each server's CPU milliseconds per answered request (``/proc``), which
+the host's load does not inflate as it does the wall-clock figures. ``--workers``, ``--threads``, ``--dense``:
+the servers' options, alike on every side.
 ``--max-rows 0``: full-size tables (33.8M rows). ``--overload-seconds``: then each server at half,
 twice and half again its closed-loop rate measured just before in the same round (``--no-own-saturation``:
 ours of the first rounds): the 503s' latency, the server's resident memory and the steady p99 before and after
@@ -479,6 +481,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1, help="server processes, each side")
     ap.add_argument("--expanded", action="store_true",
                     help="--ranking: also ours scoring the candidates as expanded rows (serve --expand-ranking)")
+    ap.add_argument("--torchrec-expanded", action="store_true",
+                    help="--ranking: also the TorchRec baseline scoring each candidate as a whole row, as TorchRec's "
+                         "DLRM serves a ranking call (it has no per-context scoring)")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per server process")
     ap.add_argument("--dense", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="the dense model's precision, both sides (serve --dense)")
@@ -523,6 +528,8 @@ def main() -> None:
                 servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
             if args.ranking and args.expanded:  # ours scoring each candidate as a whole row: what per-context saves
                 servers["int8-expanded"] = start(paths["int8"], args, expand=True)
+            if args.ranking and args.torchrec_expanded and not args.no_torchrec:
+                servers["torchrec-int8-expanded"] = start(paths["int8"], args, torchrec=True, expand=True)
             runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
             for rep in range(args.repeats):
                 order = list(servers) if rep % 2 == 0 else list(reversed(servers))  # interleaved, rotated
@@ -579,6 +586,8 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0, stages: di
                           "ratio": med["int8"]["qps"] / med[base]["qps"] if med[base]["qps"] else None,
                           "ratio_vs_expanded": med["int8"]["qps"] / med["int8-expanded"]["qps"]
                           if "int8-expanded" in med and med["int8-expanded"]["qps"] else None,
+                          "ratio_vs_torchrec_expanded": med["int8"]["qps"] / med["torchrec-int8-expanded"]["qps"]
+                          if "torchrec-int8-expanded" in med and med["torchrec-int8-expanded"]["qps"] else None,
                           "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
                           if "fp32" in med and med["fp32"]["qps"] else None,
                           "cpu_ms_per_request": {f: med[f].get("cpu_ms_per_request") for f in servers},
