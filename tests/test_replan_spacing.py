@@ -88,3 +88,47 @@ def test_a_resume_checks_and_counts_as_the_uninterrupted_run(tmp_path, group):
         a, b = whole.profile.state_dict(), resumed.profile.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a), cut  # the same batches counted, bit for bit
         assert resumed._quiet_until == whole._quiet_until and resumed._quiet_streak == whole._quiet_streak
+
+
+def _migration_steps_possible(handover: int, every: int, lag: int, quiet_until: int, pending_apply_at,
+                              horizon: int = 200) -> set[int]:
+    """Plain-Python model of the monitor's schedule, seen when the loop hands over the batch of step
+    ``handover`` (steps before ``handover - 1`` have run): a check in flight takes its verdict at its verdict step
+    or a whole number of periods later (not ready); a check not started yet may start at any multiple of
+    ``every`` from ``handover - 1`` on, not before ``quiet_until``, when none is in flight, and takes its verdict
+    ``lag`` steps later or whole periods after. Every step a migration may happen at."""
+    out = set()
+    if pending_apply_at is not None:
+        out |= set(range(pending_apply_at, horizon, every))
+        return out  # no check starts while one is in flight (its verdict ends it first: covered above)
+    for c in range(max(handover - 1, 1), horizon):
+        if c % every == 0 and c >= quiet_until:
+            out |= set(range(c + lag, horizon, every))
+    return out
+
+
+@pytest.mark.parametrize("every,lag", [(3, 0), (3, 1), (4, 1), (4, 3), (5, 5), (2, 2)])
+def test_the_input_pipeline_holds_back_only_batches_a_migration_may_precede(every, lag):
+    """``DriftMonitor.may_migrate_before(t)`` (asked when the batch of step t is handed over, before step t - 1
+    runs) is true exactly when the plain-Python schedule allows a migration at the start of step t - 1 or t,
+    over spaced-out checks, checks in flight and deferred verdicts; while the checks are spaced out 16 periods,
+    only the batches around the next check are held back (the monitor's every multiple were before)."""
+    from types import SimpleNamespace
+
+    from embedscale.train.replan import DriftMonitor
+
+    mon = DriftMonitor.__new__(DriftMonitor)
+    mon.every, mon.lag = every, lag
+    for quiet_until in (0, every, 16 * every, 7 * every):
+        for handover in range(2, 20 * every):
+            for pending in (None, *range(handover - 1, handover + 3 * every)):
+                if pending is not None and pending < lag:
+                    continue
+                mon._quiet_until = quiet_until
+                mon._pending = None if pending is None else SimpleNamespace(apply_at=pending)
+                want = bool(_migration_steps_possible(handover, every, lag, quiet_until, pending)
+                            & {handover - 1, handover})
+                assert mon.may_migrate_before(handover) == want, (handover, quiet_until, pending)
+    mon._pending, mon._quiet_until = None, 16 * every
+    held = [t for t in range(2, 16 * every + 2) if mon.may_migrate_before(t)]
+    assert held == [t for t in (16 * every, 16 * every + 1) if 16 * every + lag in (t - 1, t)], held

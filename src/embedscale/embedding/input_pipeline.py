@@ -232,15 +232,14 @@ def not_pipelined(*, enabled: bool, entry: bool, host_depth: int = 0, host_entry
     return None
 
 
-def held_back(step: int, *, replan_every: int = 0, managed: bool = False, eval_every: int = 0,
-              checkpoint_every: int = 0, replan_lag: int = 0) -> bool:
+def held_back(step: int, *, migrates: bool = False, managed: bool = False, eval_every: int = 0,
+              checkpoint_every: int = 0) -> bool:
     """Whether a pipelined run keeps the batch of step ``step`` (0-based: ``step`` steps trained before it) from
     its input pipeline during the step before, so that nothing is in flight between the two steps:
 
-    * a live re-plan may migrate the rows before it or before the step before it (``step - replan_lag`` or
-      ``step - replan_lag - 1`` a positive multiple of ``replan_every``, ``train.replan``: the check of step N
-      migrates before step N + ``replan_lag``; the loop hands a batch over before the step before it runs, the
-      drift monitor migrates at a step's start): a prefetched batch's requests name rows by the old address map;
+    * a live re-plan may migrate the rows before it or before the step before it (``migrates``: the drift
+      monitor's :meth:`~embedscale.train.replan.DriftMonitor.may_migrate_before`, which knows the checks in
+      flight and the ones that may still start): a prefetched batch's requests name rows by the old address map;
     * managed tables (``managed``) and the run is evaluated or checkpointed between the two steps (``step`` a
       multiple of ``eval_every`` or ``checkpoint_every``): the mapping would already hold the ids of a batch not
       trained yet (``embedding.managed_lookup``).
@@ -249,6 +248,4 @@ def held_back(step: int, *, replan_every: int = 0, managed: bool = False, eval_e
     def at(every: int) -> bool:
         return bool(every) and step % every == 0
 
-    m = step - replan_lag  # the check step whose migration comes before this step
-    replan = bool(replan_every) and m > 0 and (m % replan_every == 0 or (m > 1 and (m - 1) % replan_every == 0))
-    return replan or (managed and (at(eval_every) or at(checkpoint_every)))
+    return migrates or (managed and (at(eval_every) or at(checkpoint_every)))

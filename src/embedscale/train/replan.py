@@ -45,7 +45,8 @@ itself when its check still runs); a verdict step past the run's known end is no
 the loop's checkpoint of step M (written under the old plan, restorable under any), and the run continues
 exactly as one restarted from that checkpoint with the new plan (tests/test_migrate.py,
 tests/test_replan_lag.py). M is N + L unless the check outlasts L steps (then the migration step depends on
-timing, always a verdict step of the input pipeline's ``held_back``); with L = 0 the other ranks wait for the
+timing; the input pipeline holds back the batches around each verdict step a check in flight may take, and
+around the next check's: :meth:`DriftMonitor.may_migrate_before`); with L = 0 the other ranks wait for the
 check (M = N). A check that kept the plan (the plan holds, no plan could pay for the check:
 :meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
 sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
@@ -276,6 +277,19 @@ class DriftMonitor:
             self._verdicts = dist.new_group(backend="gloo", timeout=timeout)
         if self.lag and getattr(run, "rank", None) == 0:
             self._checker()  # the check thread, started before the first check
+
+    def may_migrate_before(self, step: int) -> bool:
+        """Whether a re-plan may migrate the rows at the start of step ``step - 1`` or ``step``, asked when the
+        loop hands the batch of ``step`` to the input pipeline (before step ``step - 1`` runs; ``held_back``):
+        a check in flight whose verdict step is at most ``step`` (its verdict may come then), or, none in flight,
+        a check that may still start at ``step - 1`` (or at ``step`` with ``replan_lag`` 0) and take its verdict by ``step``: a
+        multiple of ``replan_every`` not before the spaced-out checks' next one. Only these batches wait for their
+        own step; while the checks are spaced out nearly all batches are prepared ahead."""
+        p = self._pending
+        if p is not None:  # no other check starts before its verdict
+            return p.apply_at <= step
+        return any(c > 0 and c % self.every == 0 and c >= self._quiet_until
+                   for c in (step - 1, step) if c + self.lag <= step)
 
     def stepped(self, seconds: float) -> None:
         """The run's measured seconds of a step (``DistributedRun.train_step``, the monitor's pause excluded): the
