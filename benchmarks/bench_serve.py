@@ -17,7 +17,7 @@ counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call, wh
 per context (``serve.ranking``: the dense-side work is the same for the baseline); ``--expanded`` adds ours
 scoring each candidate as a whole row (what per-context scoring saves); ``--torchrec-expanded`` the baseline
 so, as TorchRec's DLRM serves a ranking call (one sample a candidate, the context's features repeated in
-each). The closed-loop line also gives each server's CPU milliseconds per answered request (``/proc``), which
+each); ``--malloc-default`` ours with glibc's default ``malloc`` (what keeping freed memory saves). The closed-loop line also gives each server's CPU milliseconds per answered request (``/proc``), which
 the host's load does not inflate as it does the wall-clock figures. ``--workers``, ``--threads``, ``--dense``:
 the servers' options, alike on every side.
 ``--max-rows 0``: full-size tables (33.8M rows). ``--overload-seconds``: then each server at half,
@@ -124,10 +124,10 @@ def run(coro):
 
 
 def start(export: Path, args: argparse.Namespace, torchrec: bool = False,
-          expand: bool = False, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+          expand: bool = False, extra: tuple[str, ...] = (), env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """One server on 127.0.0.1: ``embedscale serve``, or with ``torchrec`` the same server with TorchRec's
     quantized EmbeddingBagCollection as its lookup (``_torchrec_serve.py``); ``extra``: more serve options (they
-    win over the ones given here)."""
+    win over the ones given here); ``env``: more environment for it."""
     import httpx
 
     port = free_port()
@@ -140,7 +140,7 @@ def start(export: Path, args: argparse.Namespace, torchrec: bool = False,
                              "--threads", str(args.threads), "--dense", args.dense,
                              "--compute-nice", str(args.compute_nice), "--timing-headers",
                              *(["--expand-ranking"] if expand else []), *extra],
-                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900  # full-size tables under load: TorchRec's from_float takes minutes
     while time.monotonic() < deadline and proc.poll() is None:
@@ -484,6 +484,8 @@ def main() -> None:
     ap.add_argument("--torchrec-expanded", action="store_true",
                     help="--ranking: also the TorchRec baseline scoring each candidate as a whole row, as TorchRec's "
                          "DLRM serves a ranking call (it has no per-context scoring)")
+    ap.add_argument("--malloc-default", action="store_true",
+                    help="also ours with glibc's default malloc (EMBEDSCALE_THREADS=torch), not keeping freed memory")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per server process")
     ap.add_argument("--dense", choices=("fp32", "bf16", "int8"), default="fp32",
                     help="the dense model's precision, both sides (serve --dense)")
@@ -528,6 +530,8 @@ def main() -> None:
                 servers["torchrec-int8"] = start(paths["int8"], args, torchrec=True)
             if args.ranking and args.expanded:  # ours scoring each candidate as a whole row: what per-context saves
                 servers["int8-expanded"] = start(paths["int8"], args, expand=True)
+            if args.malloc_default:  # ours with glibc's default malloc (freed memory handed back to the system)
+                servers["int8-malloc-default"] = start(paths["int8"], args, env={"EMBEDSCALE_THREADS": "torch"})
             if args.ranking and args.torchrec_expanded and not args.no_torchrec:
                 servers["torchrec-int8-expanded"] = start(paths["int8"], args, torchrec=True, expand=True)
             runs = {(mode, form): [] for mode in ("closed", "open") for form in servers}
@@ -588,6 +592,8 @@ def report(args, runs: dict, servers: dict, over: dict | None, load0, stages: di
                           if "int8-expanded" in med and med["int8-expanded"]["qps"] else None,
                           "ratio_vs_torchrec_expanded": med["int8"]["qps"] / med["torchrec-int8-expanded"]["qps"]
                           if "torchrec-int8-expanded" in med and med["torchrec-int8-expanded"]["qps"] else None,
+                          "ratio_vs_malloc_default": med["int8"]["qps"] / med["int8-malloc-default"]["qps"]
+                          if "int8-malloc-default" in med and med["int8-malloc-default"]["qps"] else None,
                           "ratio_vs_fp32": med["int8"]["qps"] / med["fp32"]["qps"]
                           if "fp32" in med and med["fp32"]["qps"] else None,
                           "cpu_ms_per_request": {f: med[f].get("cpu_ms_per_request") for f in servers},

@@ -286,3 +286,55 @@ def test_young_collections_wait_for_gc_young_allocations(tmp_path, young):
     assert (burst_collections == 0) if young == 10_000 else (burst_collections >= 1), burst_collections
     assert cycle_freed, "garbage in cycles was never collected while serving"
     assert gc.get_threshold() == before
+
+
+SERVE_LOOP = """
+import resource, sys, threading
+import numpy as np
+import uvicorn
+from embedscale.serve import server
+
+def batch():  # a batch's buffers in the compute thread: eight 2 MB blocks, written and freed
+    blocks = [np.ones((512, 1024), dtype=np.float32) for _ in range(8)]
+    del blocks
+
+def run(self):  # in place of serving: the compute thread's allocations, counted by the kernel
+    def work():
+        for _ in range(3):
+            batch()
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        for _ in range(20):
+            batch()
+        print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    self.started = True
+
+uvicorn.Server.run = run
+sys.exit(server.serve(sys.argv[1], port=0))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage's fault counts")
+def test_the_server_process_reuses_freed_memory_without_new_page_faults(tmp_path):
+    """A process started by ``serve`` keeps the memory a batch frees for the next one: a thread that allocates,
+    writes and frees a batch's buffers (eight 2 MB blocks) 20 times faults their pages in once, counted by the
+    kernel (minor faults of the thread), against the same server entry with glibc's default ``malloc``
+    (``EMBEDSCALE_THREADS=torch``), which faults every batch's blocks in again."""
+    import subprocess
+
+    export = tiny_export(tmp_path / "model")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GLIBC_TUNABLES", "EMBEDSCALE_THREADS") and not k.startswith("MALLOC_")}
+
+    def faults(extra: dict) -> int:
+        out = subprocess.run([sys.executable, "-c", SERVE_LOOP, str(export)], env={**env, **extra},
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return int(out.stdout.split()[-1])
+
+    pages = 20 * 8 * (2 << 20) // 4096
+    kept, default = faults({}), faults({"EMBEDSCALE_THREADS": "torch"})
+    assert default > pages // 2, default  # glibc's default: most blocks faulted in again every batch
+    assert kept < pages // 20, (kept, default)
