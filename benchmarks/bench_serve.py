@@ -17,9 +17,10 @@ counts, C1-C13) and ``--rows`` candidates (C14-C26), the common ranking call, wh
 per context (``serve.ranking``: the dense-side work is the same for the baseline); ``--expanded`` adds ours
 scoring each candidate as a whole row (what per-context scoring saves); ``--torchrec-expanded`` the baseline
 so, as TorchRec's DLRM serves a ranking call (one sample a candidate, the context's features repeated in
-each); ``--malloc-default`` ours with glibc's default ``malloc`` (what keeping freed memory saves). The closed-loop line also gives each server's CPU milliseconds per answered request (``/proc``), which
-the host's load does not inflate as it does the wall-clock figures. ``--workers``, ``--threads``, ``--dense``:
-the servers' options, alike on every side.
+each); ``--malloc-default`` ours with glibc's default ``malloc`` (what keeping freed memory saves). The
+closed-loop line also gives each server's CPU milliseconds per answered request (``/proc``), which the host's
+load does not inflate as it does the wall-clock figures. ``--workers``, ``--threads``, ``--dense``: the
+servers' options, alike on every side.
 ``--max-rows 0``: full-size tables (33.8M rows). ``--overload-seconds``: then each server at half,
 twice and half again its closed-loop rate measured just before in the same round (``--no-own-saturation``:
 ours of the first rounds): the 503s' latency, the server's resident memory and the steady p99 before and after
