@@ -215,6 +215,27 @@ def test_shared_load_reads_every_table_in_place_from_the_file(trained, tmp_path)
     assert np.array_equal(shared.logits(enc).numpy(), private.logits(enc).numpy())  # one-hot sums: the same bits
 
 
+def test_private_load_copies_quantized_tables_out_of_the_file(trained, tmp_path):
+    """One process serving alone (not ``shared``) holds its INT8 tables in its own memory, outside every mapping of
+    the weights file (the kernel's /proc/self/maps): rows read at random from a file mapping slowed the whole
+    server by a quarter at full size. The shared load still reads them in place, and both score alike."""
+    root, run_dir, cfg = trained
+    export(run_dir, tmp_path / "model", quantize="int8")
+    weights = (tmp_path / "model" / "weights.safetensors").resolve()
+    shared = load_export(tmp_path / "model", shared=True)
+    private = load_export(tmp_path / "model")
+    ranges = _file_ranges(weights)
+    assert ranges and len(private.model.sparse_arch.embedding.stored) == 26
+    for name, t in private.model.sparse_arch.embedding.stored.items():
+        assert not any(lo <= t.data_ptr() < hi for lo, hi in ranges), name
+    for name, t in shared.model.sparse_arch.embedding.stored.items():
+        assert any(lo <= t.data_ptr() < hi for lo, hi in ranges), name
+    write_criteo(tmp_path / "q.tsv", 30, seed=4)
+    from embedscale.serve.encode import read_file
+    enc = next(read_file(shared.encoder, tmp_path / "q.tsv"))
+    assert np.array_equal(shared.logits(enc).numpy(), private.logits(enc).numpy())
+
+
 def test_tt_tables_export_as_cores_and_predict_as_the_trained_model(tmp_path):
     """TT tables (EL-Rec III) leave the checkpoint as their cores, never materialised, and score as the trained
     model does (the same Eff-TT forward); an INT8 export quantizes the row tables and keeps the cores."""
