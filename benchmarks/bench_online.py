@@ -279,8 +279,9 @@ def worker(rank, world, job):
     events = {n: _log_checks(runs[n].monitor) for n in pause_s}  # each check's steps: its start, its verdict tries
     check_cpu = {n: _time_checks(runs[n].monitor) for n in pause_s}  # rank 0: (check step, its thread's CPU s)
     it = iter(online.train_loader)
+    upcoming = next(it)
     for s in range(steps):
-        batch = next(it)
+        batch, upcoming = upcoming, (next(it) if s + 1 < steps else None)
         if s == 0 and rank == 0:  # the loader's global batch 0 is the stream's step 0 (rank 0's slice)
             (feat,) = online.tables[0].features
             got = batch.sparse.to_dict()[feat][0].cpu().numpy()
@@ -299,6 +300,10 @@ def worker(rank, world, job):
         for n in (names[i] for i in np.random.default_rng(s).permutation(len(names))):
             run = runs[n]
             run.state.step = s
+            # the next batch to the run's input pipeline before this step, as the training loop hands it over
+            # (held back where the run says so); hindsight's is kept before it moves to a window's plan
+            if upcoming is not None and run.input_pipeline and not (n == "hindsight" and (s + 1) % K == 0):
+                run.prefetch_batch(upcoming)
             dist.barrier()
             if n in pause_s:
                 t0, c0 = time.perf_counter(), time.thread_time()
@@ -340,7 +345,10 @@ def worker(rank, world, job):
             "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
             "observe_cpu": torch.tensor(observe_cpu), "replan_cpu": torch.from_numpy(replan_cpu["online"]),
             "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first),
-            "link_s": {n: torch.tensor(v, dtype=torch.float64) for n, v in link_s.items()}}
+            "link_s": {n: torch.tensor(v, dtype=torch.float64) for n, v in link_s.items()},
+            # steps whose input was prepared ahead (online: since its last re-plan's new embedding)
+            "prefetched_steps": {n: int(getattr(runs[n].embedding, "stats", {}).get("prefetched_steps", 0))
+                                 for n in names}}
 
 
 def _time_checks(monitor) -> list[tuple[int, float]]:
@@ -663,6 +671,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
             "mean_with_checks_and_migrations": round(float((step["online"][K:] + check[K:]).mean()
                                                            / step["hindsight"][K:].mean()), 4)},
         "migrations": migs, "checks": res[0]["checks"],
+        "prefetched_steps_rank0": res[0].get("prefetched_steps"),
         "observe_s_rank_max": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)),
         "observe_s_rank_max_counted": q(np.max(np.stack([r["observe_s"].numpy() for r in res]), axis=0)[
             res[0]["counted"].numpy().astype(bool)]),
