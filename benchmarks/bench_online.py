@@ -16,7 +16,9 @@ built in every rank process, the same model and seed, each under its own plan:
 
 Every step every run trains on the same batch, in an order drawn step by step (a permutation seeded by the step:
 interleaved, the load the machine is under hits all runs alike, and every run follows every other equally
-often); each timed step starts after a barrier; a step's time is the slowest rank's. The online run's check and
+often); each timed step starts after a barrier; a step's time is the slowest rank's. Each run's input pipeline
+is driven as the training loop drives it (the next batch handed over before each step, where the run does not hold
+it back; hindsight's kept before it moves to a window's plan). The online run's check and
 migration are timed apart from its step (``maybe_replan`` is called first).
 
 Figures (one JSON line per world size), windows 1.. (window 0 is where every plan is the hindsight one; its
