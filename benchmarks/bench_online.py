@@ -349,8 +349,7 @@ def worker(rank, world, job):
             "counted": torch.tensor(counted), "untimed_runs": sum(r is not None for r in runs_built_first),
             "link_s": {n: torch.tensor(v, dtype=torch.float64) for n, v in link_s.items()},
             # steps whose input was prepared ahead (online: since its last re-plan's new embedding)
-            "prefetched_steps": {n: int(getattr(runs[n].embedding, "stats", {}).get("prefetched_steps", 0))
-                                 for n in names}}
+            "prefetched_steps": {n: int(runs[n].embedding.stats.get("prefetched_steps", 0)) for n in names}}
 
 
 def _time_checks(monitor) -> list[tuple[int, float]]:

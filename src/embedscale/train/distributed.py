@@ -402,10 +402,12 @@ class DistributedRun:
         worker threads, while this step computes (OPER 5.1 pipelined with the previous step: the retrieve design's
         prefetched step sends two all-to-alls instead of four). Same results either way. ``held_back`` says which
         steps' batches wait for their own step."""
+        if not self.input_pipeline:
+            return
         t, step = self.cfg.train, self.state.step + 1
         migrates = self.monitor is not None and self.monitor.may_migrate_before(step)
-        if self.input_pipeline and not held_back(step, migrates=migrates, managed=self.managed is not None,
-                                                 eval_every=t.eval_every, checkpoint_every=t.checkpoint_every):
+        if not held_back(step, migrates=migrates, managed=self.managed is not None, eval_every=t.eval_every,
+                         checkpoint_every=t.checkpoint_every):
             self.inputs.prefetch(batch)
 
     def swap_sharded(self, new: nn.Module, plan: Plan) -> None:

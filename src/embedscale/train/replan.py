@@ -282,14 +282,18 @@ class DriftMonitor:
         """Whether a re-plan may migrate the rows at the start of step ``step - 1`` or ``step``, asked when the
         loop hands the batch of ``step`` to the input pipeline (before step ``step - 1`` runs; ``held_back``):
         a check in flight whose verdict step is at most ``step`` (its verdict may come then), or, none in flight,
-        a check that may still start at ``step - 1`` (or at ``step`` with ``replan_lag`` 0) and take its verdict by ``step``: a
-        multiple of ``replan_every`` not before the spaced-out checks' next one. Only these batches wait for their
-        own step; while the checks are spaced out nearly all batches are prepared ahead."""
+        a check the schedule lets start at ``step - 1`` (or at ``step`` with ``replan_lag`` 0, :meth:`_on_schedule`)
+        that takes its verdict by ``step``. Only these batches wait for their own step; while the checks are
+        spaced out nearly all batches are prepared ahead."""
         p = self._pending
         if p is not None:  # no other check starts before its verdict
             return p.apply_at <= step
-        return any(c > 0 and c % self.every == 0 and c >= self._quiet_until
-                   for c in (step - 1, step) if c + self.lag <= step)
+        return any(self._on_schedule(c) for c in (step - 1, step) if c + self.lag <= step)
+
+    def _on_schedule(self, step: int) -> bool:
+        """Whether the schedule lets a check start at ``step``: a positive multiple of ``replan_every``, not
+        before the spaced-out checks' next one (:meth:`maybe_replan` also needs none in flight and counts)."""
+        return step > 0 and step % self.every == 0 and step >= self._quiet_until
 
     def stepped(self, seconds: float) -> None:
         """The run's measured seconds of a step (``DistributedRun.train_step``, the monitor's pause excluded): the
@@ -380,8 +384,8 @@ class DriftMonitor:
         if pending is not None and step >= pending.apply_at:
             self._pending = None
             out = self._conclude(run, pending)
-        if (step == 0 or step % self.every or step == self._checked_at or self.profile.steps == 0
-                or self._pending is not None or step < self._quiet_until):  # a check in flight, or spaced out
+        if (not self._on_schedule(step) or step == self._checked_at or self.profile.steps == 0
+                or self._pending is not None):  # a check in flight, or spaced out
             return out
         self._checked_at = step
         self.checks += 1
