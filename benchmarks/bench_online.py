@@ -267,13 +267,13 @@ def worker(rank, world, job):
 
     counted = []  # per online step: whether observe counted the batch (else the decay alone: checks spaced out)
 
-    def timed_observe(sparse, samples):
+    def timed_observe(sparse, samples, reader=None):
         mon = online.monitor
         k = getattr(mon, "count_every", 1)
         counted.append(not mon._step < mon._quiet_until - QUIET_OBSERVE_PERIODS * mon.every
                        and (k == 1 or counted_step(mon._seed, mon._step, k)))
         t0, c0 = time.perf_counter(), time.thread_time()
-        observe(sparse, samples)
+        observe(sparse, samples, reader)
         observe_s.append(time.perf_counter() - t0)
         observe_cpu.append(time.thread_time() - c0)
 
@@ -342,6 +342,7 @@ def worker(rank, world, job):
             "losses": losses, "replans": online.monitor.records if rank == 0 else [],
             "declined": {n: runs[n].monitor.declined for n in pause_s},
             "deferred": {n: getattr(runs[n].monitor, "deferred", 0) for n in pause_s}, "events": events,
+            "alarms": {n: getattr(runs[n].monitor, "alarms", 0) for n in pause_s},
             "pause_parts": {n: list(getattr(runs[n].monitor, "pause_parts", [])) for n in pause_s},
             "checks": online.monitor.checks, "ckpt": ckpt, "observe_s": torch.tensor(observe_s),
             "monitor_cpu_s": float(np.sum(observe_cpu) + replan_cpu["online"].sum()),
@@ -638,6 +639,7 @@ def one_world(a, world: int, root: Path, data: Path, idx, stream) -> dict:
                     "vs_static": against_static(step, pause, n, a.every, 0 if n == LAG0 else a.lag,
                                                 res[0]["events"][n]),
                     "declined": res[0]["declined"][n], "deferred": res[0]["deferred"][n],
+                    "alarms": res[0]["alarms"][n],
                     "pause_parts": pause_parts([r["pause_parts"][n] for r in res], float(np.median(step[n][1:])))}
                 for n in pause}
     return {

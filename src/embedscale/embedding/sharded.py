@@ -288,6 +288,32 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         return gids, bag, scale, F_ * B, B, offsets, one_hot
 
 
+    def read_ranks(self, features: JaggedFeatures, max_values: int = 8192) -> torch.Tensor:
+        """How many of a batch's values each rank serves under the running map (OPER 5.1's decode: a replica read
+        counts at the rank that reads it): ``world_size`` int64 counts of a strided sample of at most about
+        ``max_values`` of the values of this module's features (every ``k``-th value of each feature, the same
+        ``k`` for all). Values outside their table are left out of the sample (the lookup itself rejects them).
+        The drift monitor's alarm (``train.replan``) reads it for one batch a monitoring period."""
+        lpk = features.length_per_key_list()
+        index = {name: f for f, name in enumerate(self.feature_names)}
+        n = sum(c for k, c in zip(features.keys, lpk) if k in index)
+        stride = max(1, -(-n // max(1, int(max_values))))
+        tm = self.tmap
+        dev = tm.row_code.device
+        values = features.values.to(dev, torch.int64)
+        parts, start = [], 0
+        for key, count in zip(features.keys, lpk):
+            f = index.get(key)
+            if f is not None and count:
+                v = values[start:start + count:stride]
+                v = v[(v >= 0) & (v < self._feature_rows[f])]
+                parts.append(v + tm.table_base[self._feature_table[f]])
+            start += count
+        if not parts:
+            return torch.zeros(self.world_size, dtype=torch.int64)
+        src = tm.decode(torch.cat(parts))[0]
+        return torch.bincount(src.to(torch.int64), minlength=self.world_size).cpu()
+
     def _keyed_forward(self, features: JaggedFeatures):
         """A TorchRec KJT's lookup (its keys in any order): an ``EmbeddingBagCollection``'s ``KeyedTensor``."""
         if features.keys != self.feature_names and sorted(features.keys) == sorted(self.feature_names):

@@ -498,7 +498,7 @@ class DistributedRun:
         if self.monitor is not None:  # between two steps: maybe re-plan and migrate (train.replan)
             self.monitor.maybe_replan(self)
             if self.managed is None:
-                self.monitor.observe(batch.sparse, batch.batch_size)
+                self.monitor.observe(batch.sparse, batch.batch_size, reader=self.embedding)
         t_step = time.perf_counter()  # the measured step the drift monitor's gains are calibrated on
         self.ddp.train()
         self.transport.counter.reset()  # this step's bytes: forward (ids, rows) and backward (gradients)

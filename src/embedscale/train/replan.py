@@ -50,7 +50,13 @@ around the next check's: :meth:`DriftMonitor.may_migrate_before`); with L = 0 th
 check (M = N). A check that kept the plan (the plan holds, no plan could pay for the check:
 :meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
 sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
-stream where balance does not pay the checks become rare.
+stream where balance does not pay the checks become rare. While they are spaced out, a drift alarm watches the
+reads (:meth:`DriftMonitor._judge_alarm`): at the first batch of each monitoring period every rank decodes a sample of
+its values to the ranks that serve them under the running map (``ShardedEmbedding.read_ranks``, a few thousand
+values), the W x W counts are summed over the ranks beside the next period (one small ``all_reduce``), and when
+the busiest owner's lookups or the busiest rank's transfers (:func:`alarm_stats`) rose by ``replan_min_gain`` (at
+least 5%) over their level after the last check, the next check comes :data:`QUIET_OBSERVE_PERIODS` periods later
+(its profile counted in them) instead of up to :data:`MAX_QUIET_PERIODS`.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
@@ -123,6 +129,12 @@ QUIET_OBSERVE_PERIODS = 2
 # by it (counted_step: the same expected counts)
 QUIET_COUNT_EVERY = 4
 
+# the drift alarm while the checks are spaced out (DriftMonitor._alarm_sample): each rank decodes a strided sample of
+# about this many values of one batch a monitoring period to the ranks that serve them (ShardedEmbedding.read_ranks)
+ALARM_VALUES = 8192
+ALARM_MIN_VALUES = 4096  # a period's samples, summed over the ranks, are judged only when they hold this many values
+ALARM_KEY = "alarm"  # DriftMonitor.state_dict: a sampled period's reads, reduced over the ranks, not yet judged
+
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
 CHECK_SWITCH_S = 0.0005
@@ -144,6 +156,29 @@ def counted_step(seed: int, step: int, every: int) -> bool:
     z ^= z >> 31
     return z % every == 0
 
+
+
+def alarm_stats(reads) -> tuple[float, float]:
+    """The two figures the drift alarm follows, from ``reads[i][o]``: the sampled values rank ``i`` reads from
+    rank ``o`` (a replica read on the rank that reads it). Both are in units of the ranks' mean lookups
+    ``m = sum(reads) / W``, the terms of OPER's bottleneck cost (section 3.2) a placement changes:
+
+        lookups   = max_o sum_i reads[i][o] / m                  (the busiest owner's lookups)
+        transfers = max_r (sum_{o != r} reads[r][o] + sum_{i != r} reads[i][r]) / m   (its rows sent and received)
+    """
+    r = np.asarray(reads, dtype=np.float64)
+    m = r.sum() / r.shape[0]
+    if m <= 0:
+        return 0.0, 0.0
+    own = np.diag(r)
+    return float(r.sum(0).max() / m), float((r.sum(1) - own + r.sum(0) - own).max() / m)
+
+
+def alarm_fires(stats: tuple[float, float], base: tuple[float, float], rise: float) -> bool:
+    """Whether a period's :func:`alarm_stats` ``stats`` rose past those measured after the last check (``base``):
+    either figure ``s`` above ``b + rise * max(b, 1)`` (a rise of ``rise`` of itself, or of the mean lookups when
+    it was below them: a plan that read every row locally alarms when ``rise`` of the lookups go remote)."""
+    return any(s > b + rise * max(b, 1.0) for s, b in zip(stats, base))
 
 
 def replan_pays(gain_per_step_s: float, steps_to_next_check: int, check_s: float, migrate_s: float) -> bool:
@@ -272,6 +307,13 @@ class DriftMonitor:
         # done and the other ranks take it, long arrived, at the verdict step (_send, _take_verdict)
         self._verdicts = None
         self._jobs: "queue.SimpleQueue | None" = None  # rank 0: the check thread's queue (_checker)
+        # the drift alarm while the checks are spaced out (_alarm_sample, _judge_alarm): a sampled period's reads in
+        # flight (the step it is judged at, the W x W reads, their all_reduce), the figures after the last check
+        self._alarm: tuple[int, torch.Tensor, object] | None = None
+        self._alarm_base: tuple[float, float] | None = None
+        self.alarms = 0  # the alarms that brought a check forward
+        self._group = getattr(run, "monitor_group", None)
+        self._rank, self._world = int(getattr(run, "rank", 0)), int(getattr(run, "world", 1))
         if self.lag and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             timeout = timedelta(seconds=float(getattr(getattr(run, "cfg", None) and run.cfg.dist, "timeout_s", 1800)))
             self._verdicts = dist.new_group(backend="gloo", timeout=timeout)
@@ -295,6 +337,45 @@ class DriftMonitor:
         before the spaced-out checks' next one (:meth:`maybe_replan` also needs none in flight and counts)."""
         return step > 0 and step % self.every == 0 and step >= self._quiet_until
 
+    def _alarm_samples(self, step: int, reader) -> bool:
+        """Whether the batch of ``step`` is the drift alarm's sample: the first batch of a monitoring period while
+        the checks are spaced out and the profile is not counted (more than :data:`QUIET_OBSERVE_PERIODS` periods
+        before the next check), no check in flight, no sample unjudged, on several ranks, under a module that
+        decodes reads (``read_ranks``). The same on every rank (the spacing is rank 0's, sent with each verdict)."""
+        return (self._world > 1 and step > 0 and step % self.every == 0 and self._pending is None
+                and self._alarm is None and step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
+                and hasattr(reader, "read_ranks"))
+
+    def _alarm_sample(self, reader, sparse) -> None:
+        """This rank's row of the period's reads (:data:`ALARM_VALUES` values of the batch decoded to the ranks that
+        serve them, ``ShardedEmbedding.read_ranks``), summed over the ranks beside the next period's steps (one
+        ``all_reduce`` of W x W counts, not waited for) and judged at its first step (:meth:`_judge_alarm`)."""
+        reads = torch.zeros(self._world, self._world, dtype=torch.int64)
+        reads[self._rank] = reader.read_ranks(sparse, ALARM_VALUES)
+        work = dist.all_reduce(reads, group=self._group, async_op=True)
+        self._alarm = (self._step + self.every, reads, work)
+
+    def _judge_alarm(self) -> None:
+        """Every rank, at the step after a sampled period (the same figures on all): the first sample after a check
+        sets the alarm's base (:func:`alarm_stats`); a later one that rose past it (:func:`alarm_fires`, by
+        ``train.replan_min_gain``, at least 5%) brings the next check forward to :data:`QUIET_OBSERVE_PERIODS`
+        periods from now (the profile is counted in those periods, so the check sees the new reads): a drift is
+        seen within about three periods instead of up to :data:`MAX_QUIET_PERIODS` (the checks' spacing cost
+        a drifting 4-rank run 31-86 steps of its old plan, benchmarks/bench_online.py)."""
+        due, reads, work = self._alarm
+        self._alarm = None
+        if work is not None:
+            work.wait()
+        if int(reads.sum()) < ALARM_MIN_VALUES:
+            return
+        stats = alarm_stats(reads.numpy())
+        if self._alarm_base is None:
+            self._alarm_base = stats
+        elif alarm_fires(stats, self._alarm_base, max(self.min_gain, 0.05)):
+            self.alarms += 1
+            self._alarm_base = None
+            self._quiet_until = min(self._quiet_until, due + QUIET_OBSERVE_PERIODS * self.every)
+
     def stepped(self, seconds: float) -> None:
         """The run's measured seconds of a step (``DistributedRun.train_step``, the monitor's pause excluded): the
         median of the last :data:`STEP_TIMES_KEPT` calibrates a check's model gains (:func:`gain_seconds`)."""
@@ -308,11 +389,14 @@ class DriftMonitor:
         v, n = sorted(self._step_times), len(self._step_times)
         return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
-    def observe(self, sparse, samples: int) -> None:
+    def observe(self, sparse, samples: int, reader=None) -> None:
         """Count the rows this rank's slice of a batch reads (one decay step); while the checks are spaced out,
         only in the :data:`QUIET_OBSERVE_PERIODS` periods before the next one (else the decay alone: no tensor
         touched), the earlier of them sampled (:data:`QUIET_COUNT_EVERY`, :func:`counted_step`). A counted batch's ids are checked and held; the profile adds the held batches in one
-        ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check."""
+        ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check. ``reader``
+        (the running sharded module): the batch may be the drift alarm's sample (:meth:`_alarm_sample`)."""
+        if reader is not None and self._alarm_samples(self._step, reader):
+            self._alarm_sample(reader, sparse)
         k = getattr(self, "count_every", 1)
         if self._step < self._quiet_until - self.every:  # spaced out: not the last period before the next check
             k *= QUIET_COUNT_EVERY  # the earlier counting period: sampled (the ones before it: skipped below)
@@ -384,6 +468,8 @@ class DriftMonitor:
         if pending is not None and step >= pending.apply_at:
             self._pending = None
             out = self._conclude(run, pending)
+        if self._alarm is not None and step >= self._alarm[0]:
+            self._judge_alarm()
         if (not self._on_schedule(step) or step == self._checked_at or self.profile.steps == 0
                 or self._pending is not None):  # a check in flight, or spaced out
             return out
@@ -596,6 +682,7 @@ class DriftMonitor:
             self._pending = p
             return None
         self._quiet_until = p.step + quiet * self.every
+        self._alarm_base = None  # the alarm's figures are measured afresh after every check
         if verdict < 0:
             if p.error is not None:  # rank 0: the check's own error
                 raise p.error
@@ -747,14 +834,20 @@ class DriftMonitor:
         :data:`CHECKPOINT_KEY`)."""
         out = {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
         out[SPACING_KEY] = self._spacing()
+        if self._alarm is not None:  # a sampled period not judged yet: its reads, summed over the ranks
+            due, reads, work = self._alarm
+            if work is not None:
+                work.wait()
+            self._alarm = (due, reads, None)
+            out[ALARM_KEY] = torch.cat([torch.tensor([due], dtype=torch.int64), reads.reshape(-1)])
         return out
 
     def _spacing(self) -> torch.Tensor:
-        """The checks' spacing, 7 numbers (float64): the step before which no check starts, rank 0's streak of
-        checks that kept the plan without a search, its last planning's seconds (NaN: none), and a check whose
+        """The checks' spacing, 9 numbers (float64): the step before which no check starts, rank 0's streak of
+        checks that kept the plan without a search, its last planning's seconds (NaN: none), a check whose
         verdict "keep" is known (rank 0, after :meth:`settle`) but not yet taken: its step, its verdict step, the
-        periods and the streak it sets (-1: none). A re-plan's verdict is restored from ``replans/`` instead
-        (:func:`resume_plan`)."""
+        periods and the streak it sets (-1: none), and the drift alarm's base (:func:`alarm_stats`; NaN: none).
+        A re-plan's verdict is restored from ``replans/`` instead (:func:`resume_plan`)."""
         kept = [-1.0] * 4
         p = getattr(self, "_pending", None)
         done = p is not None and (p.known == 0 or (p.known is None and p.thread is not None
@@ -765,7 +858,8 @@ class DriftMonitor:
             streak = p.known_streak if p.known is not None else self._next_streak(p)
             kept = [p.step, p.apply_at, min(MAX_QUIET_PERIODS, 2 ** streak), streak]
         plan_s = self.plan_seconds if self.plan_seconds is not None else float("nan")
-        return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept], dtype=torch.float64)
+        base = self._alarm_base if self._alarm_base is not None else (float("nan"),) * 2
+        return torch.tensor([self._quiet_until, self._quiet_streak, plan_s, *kept, *base], dtype=torch.float64)
 
     def _restore_spacing(self, spacing: torch.Tensor | None) -> None:
         """Rank 0's :meth:`_spacing` of a checkpoint, on every rank (the step before which no check starts is the
@@ -779,6 +873,8 @@ class DriftMonitor:
         if v[3] >= 0:  # a kept verdict, taken at its step (resume_plan drops it when the run is past that step)
             self._pending = PendingCheck(step=int(v[3]), apply_at=int(v[4]), known=0, known_quiet=int(v[5]),
                                          known_streak=int(v[6]))
+        if len(v) >= 9 and v[7] == v[7]:  # the alarm's base (a checkpoint before the alarm has none)
+            self._alarm_base = (float(v[7]), float(v[8]))
 
     def restore(self, shards: list[dict], rank: int, world: int) -> None:
         """The rolling profile a checkpoint's rank files hold (``read_shards``; a checkpoint without one leaves
@@ -801,11 +897,14 @@ class DriftMonitor:
                 self.profile.add_state(st)
         self._checked_at = -1
         self._restore_spacing(states[0][1].get(SPACING_KEY))
+        alarm = states[0][1].get(ALARM_KEY)  # the same on every rank; another world's reads are not comparable
+        if alarm is not None and alarm.numel() == 1 + self._world ** 2:
+            self._alarm = (int(alarm[0]), alarm[1:].reshape(self._world, self._world).clone(), None)
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks, "replan_deferred": self.deferred,
                 "replan_check_seconds": round(sum(self.check_seconds), 6), "replans_declined": self.declined,
-                "replans": list(self.records)}
+                "replan_alarms": self.alarms, "replans": list(self.records)}
 
 
 def resume_plan(run) -> None:
