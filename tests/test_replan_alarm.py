@@ -51,20 +51,21 @@ def test_read_ranks_counts_each_sampled_value_at_the_rank_that_serves_it(max_val
     rows = {"f0": 40, "f1": 7, "other": 1000, "f2": 7, "f3": 90}
     table = {"f0": 0, "f1": 1, "f2": 1, "f3": 2}
     lengths = rng.integers(0, 4, (len(keys), 16))
+    lengths[0, 0] = lengths[4, -1] = 2
     vals = [rng.integers(0, rows[k], int(lengths[i].sum())) for i, k in enumerate(keys)]
+    vals[0][0], vals[4][-1] = -1, 90  # outside their tables: left out of the sample (the lookup rejects them)
     jf = JaggedFeatures(keys, torch.from_numpy(np.concatenate(vals)), torch.from_numpy(lengths.reshape(-1)))
-    n = sum(v.size for k, v in zip(keys, vals) if k in table)
-    stride = max(1, -(-n // max_values))
+    flat = [(k, int(row)) for k, v in zip(keys, vals) for row in v]  # the batch's values in their order
+    stride = max(1, -(-len(flat) // max_values))
     for rank in range(W):
         emb = ShardedEmbedding(SHARDED, amap, CollectiveTransport(rank=rank, world_size=W), rank, optimizer=None)
         want = np.zeros(W, dtype=np.int64)
-        for k, v in zip(keys, vals):
-            if k in table:
-                for row in v[::stride]:
-                    want[_served_by(rank, table[k], int(row), owner, replicas, holders)] += 1
+        for k, row in flat[::stride]:
+            if k in table and 0 <= row < rows[k]:
+                want[_served_by(rank, table[k], row, owner, replicas, holders)] += 1
         got = emb.read_ranks(jf, max_values)
         assert got.tolist() == want.tolist(), (rank, max_values)
-    assert stride > 1 or max_values > n
+    assert stride > 1 or max_values > len(flat)
 
 
 def test_alarm_figures_and_threshold_hand_worked():
@@ -144,36 +145,43 @@ def _steps(run, mon, reader, start, stop, log):
         mon.observe(_batch(s), 16, reader=reader)
 
 
-@pytest.mark.parametrize("drift_at,want", [(None, [4, 12, 28, 60, 124]), (81, [4, 12, 28, 60, 96]),
-                                           (80, [4, 12, 28, 60, 92])])
+@pytest.mark.parametrize("drift_at,want", [(None, [4, 12, 28, 60, 124]), (85, [4, 12, 28, 60, 108]),
+                                           (84, [4, 12, 28, 60, 96]), (62, [4, 12, 28, 60, 84]),
+                                           (60, [4, 12, 28, 60, 84])])
 def test_a_drift_brings_the_next_check_forward(tmp_path, group, drift_at, want):
-    """Checks that keep the plan space out (4, 12, 28, 60, then 64 steps). The alarm samples the first batch of
-    each period after the check at 60 (its verdict at 61) before 116, two periods before the next check: 64 sets
-    the base (judged at 68), each later one is judged a period after it. Reads that move to rank 1 from the batch
-    of step 80 are judged at 84 and the check comes two periods later, at 92; from step 81 at 88 and 96."""
+    """Checks that keep the plan space out (4, 12, 28, 60, then 64 steps). The batch before each check sets the
+    alarm's base (judged a period later); the alarm samples the first batch of every third period (steps 12, 24,
+    ...) after the check at 60 (its verdict at 61) before 116, two periods before the next check, each judged a
+    period after it. Reads that move to rank 1 from the batch of step 84 are judged at 88 and the check comes two
+    periods later, at 96; from step 85 the sample of 96, judged at 100, brings it to 108; from step 62, or from the
+    check's own step 60 (its profile and base the reads before it), the first sample (72, judged at 76) brings it
+    to 84."""
     run, reader, log = _run(tmp_path), _Reader(drift_at or 10**9), []
     mon = _monitor(run)
     _steps(run, mon, reader, 0, STEPS, log)
     assert log == want
     assert mon.alarms == (0 if drift_at is None else 1)
-    # sampled while the profile is not counted: after the checks at 12 and 28 and from 64 until the sample that
-    # fired (or the last one three periods before the check: judged before its two counted periods)
-    assert [c for c in reader.calls if c < want[-1]] == [16, 32, 36, 40, 44, 48, *range(64, want[-1] - 3 * EVERY + 1, EVERY)]
+    # sampled before each check (the base) and while the profile is not counted: after the check at 28 (none after
+    # 12: 24 is counted) and from 72 until the sample that fired (or the last one before 116, two periods before the
+    # check), then before the check it brought forward
+    got = [c for c in reader.calls if c < want[-1]]
+    assert got == [3, 11, 27, 36, 48, 59, *range(72, min(want[-1] - 3 * EVERY, 108) + 1, 12), want[-1] - 1]
 
 
-@pytest.mark.parametrize("cut", [66, 82, 85])
+@pytest.mark.parametrize("cut", [62, 74, 78, 86, 89])
 def test_a_resume_takes_the_alarm_as_the_uninterrupted_run(tmp_path, group, cut):
-    """A checkpoint with the alarm's base set (66), with a sample in flight (82: sampled at 80, judged at 84), and
-    after it fired (85): the resumed run checks at the same steps."""
+    """A checkpoint with the check's base sample in flight (62: sampled at 59, judged at 63), a period's sample in
+    flight (74: sampled at 72, judged at 76), the alarm's base set (78), the drifted sample in flight (86: sampled at
+    84, judged at 88), and after it fired (89): the resumed run checks at the same steps."""
     run, log = _run(tmp_path), []
-    _steps(run, _monitor(run), _Reader(80), 0, STEPS, log)
+    _steps(run, _monitor(run), _Reader(84), 0, STEPS, log)
     first, got = _monitor(run), []
-    _steps(run, first, _Reader(80), 0, cut, got)
+    _steps(run, first, _Reader(84), 0, cut, got)
     first.settle()
     state = {k: v.clone() for k, v in first.state_dict().items()}
     resumed = _monitor(run)
     run.state.step = cut
     resumed.restore([{"rank": 0, CHECKPOINT_KEY: state}], 0, 1)
     resume_plan(run)
-    _steps(run, resumed, _Reader(80), cut, STEPS, got)
-    assert got == log == [4, 12, 28, 60, 92]
+    _steps(run, resumed, _Reader(84), cut, STEPS, got)
+    assert got == log == [4, 12, 28, 60, 96]

@@ -290,29 +290,42 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
 
     def read_ranks(self, features: JaggedFeatures, max_values: int = 8192) -> torch.Tensor:
         """How many of a batch's values each rank serves under the running map (OPER 5.1's decode: a replica read
-        counts at the rank that reads it): ``world_size`` int64 counts of a strided sample of at most about
-        ``max_values`` of the values of this module's features (every ``k``-th value of each feature, the same
-        ``k`` for all). Values outside their table are left out of the sample (the lookup itself rejects them).
-        The drift monitor's alarm (``train.replan``) reads it for one batch a monitoring period."""
+        counts at the rank that reads it): ``world_size`` int64 counts of a strided sample of the batch's values
+        (every ``k``-th, ``k`` the smallest stride that keeps at most ``max_values``), those of this module's
+        features within their tables (values of other features, or outside their table, are left out: the lookup
+        itself rejects the latter). The drift monitor's alarm (``train.replan``) reads it for one batch a
+        monitoring period, in NumPy on the host map (values on a device are copied to the host first)."""
         lpk = features.length_per_key_list()
-        index = {name: f for f, name in enumerate(self.feature_names)}
-        n = sum(c for k, c in zip(features.keys, lpk) if k in index)
+        fbase, frows = self._read_features(tuple(features.keys))
+        vals = features.values
+        if vals.device.type != "cpu":
+            vals = vals.cpu()
+        n = vals.numel()
         stride = max(1, -(-n // max(1, int(max_values))))
-        tm = self.tmap
-        dev = tm.row_code.device
-        values = features.values.to(dev, torch.int64)
-        parts, start = [], 0
-        for key, count in zip(features.keys, lpk):
-            f = index.get(key)
-            if f is not None and count:
-                v = values[start:start + count:stride]
-                v = v[(v >= 0) & (v < self._feature_rows[f])]
-                parts.append(v + tm.table_base[self._feature_table[f]])
-            start += count
-        if not parts:
-            return torch.zeros(self.world_size, dtype=torch.int64)
-        src = tm.decode(torch.cat(parts))[0]
-        return torch.bincount(src.to(torch.int64), minlength=self.world_size).cpu()
+        f = np.searchsorted(np.cumsum(lpk), np.arange(0, n, stride), side="right")
+        v = vals.numpy()[::stride].astype(np.int64, copy=False)
+        rows = frows[f]
+        gids = v + fbase[f]
+        ok = (v >= 0) & (v < rows)
+        if not ok.all():
+            gids = gids[ok]
+        return torch.from_numpy(np.bincount(self.tmap.sources(gids), minlength=self.world_size).astype(np.int64))
+
+    def _read_features(self, keys: tuple) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`read_ranks`' per-key table offset (first global id) and rows, 0 rows for a key of no table of
+        this module (so none of its values is counted), kept per key order."""
+        cache = self.__dict__.setdefault("_read_keys", {})
+        got = cache.get(keys)
+        if got is None:
+            index = {name: f for f, name in enumerate(self.feature_names)}
+            base = self.tmap.table_base.tolist()
+            t = [int(self._feature_table[index[k]]) if k in index else -1 for k in keys]
+            got = (np.array([base[i] if i >= 0 else 0 for i in t], dtype=np.int64),
+                   np.array([self.tables[i].num_rows if i >= 0 else 0 for i in t], dtype=np.int64))
+            if len(cache) >= 8:
+                cache.clear()
+            cache[keys] = got
+        return got
 
     def _keyed_forward(self, features: JaggedFeatures):
         """A TorchRec KJT's lookup (its keys in any order): an ``EmbeddingBagCollection``'s ``KeyedTensor``."""

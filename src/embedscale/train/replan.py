@@ -51,11 +51,11 @@ check (M = N). A check that kept the plan (the plan holds, no plan could pay for
 :meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
 sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
 stream where balance does not pay the checks become rare. While they are spaced out, a drift alarm watches the
-reads (:meth:`DriftMonitor._judge_alarm`): at the first batch of each monitoring period every rank decodes a sample of
-its values to the ranks that serve them under the running map (``ShardedEmbedding.read_ranks``, a few thousand
+reads (:meth:`DriftMonitor._judge_alarm`): at the first batch of every :data:`ALARM_PERIODS`-th monitoring period every
+rank decodes a sample of its values to the ranks that serve them under the running map (``ShardedEmbedding.read_ranks``, a few thousand
 values), the W x W counts are summed over the ranks beside the next period (one small ``all_reduce``), and when
 the busiest owner's lookups or the busiest rank's transfers (:func:`alarm_stats`) rose by ``replan_min_gain`` (at
-least 5%) over their level after the last check, the next check comes :data:`QUIET_OBSERVE_PERIODS` periods later
+least 5%) over their level at the last check (the batch before it, sampled the same way), the next check comes :data:`QUIET_OBSERVE_PERIODS` periods later
 (its profile counted in them) instead of up to :data:`MAX_QUIET_PERIODS`.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
@@ -129,11 +129,17 @@ QUIET_OBSERVE_PERIODS = 2
 # by it (counted_step: the same expected counts)
 QUIET_COUNT_EVERY = 4
 
-# the drift alarm while the checks are spaced out (DriftMonitor._alarm_sample): each rank decodes a strided sample of
-# about this many values of one batch a monitoring period to the ranks that serve them (ShardedEmbedding.read_ranks)
+# the drift alarm while the checks are spaced out (DriftMonitor._alarm_sample): every ALARM_PERIODS monitoring periods
+# each rank decodes a strided sample of about ALARM_VALUES values of one batch to the ranks that serve them
+# (ShardedEmbedding.read_ranks). A sample every period cost the 2-rank stream of 10 ms steps where no re-plan pays
+# 1.3% of its CPU (bench_online.py); every third period, a drift is still seen within about six periods, not 16
+ALARM_PERIODS = 3
 ALARM_VALUES = 8192
 ALARM_MIN_VALUES = 4096  # a period's samples, summed over the ranks, are judged only when they hold this many values
 ALARM_KEY = "alarm"  # DriftMonitor.state_dict: a sampled period's reads, reduced over the ranks, not yet judged
+# the kinds of the alarm's samples: a spaced-out period's (judged against the base), the last batch before a check (the
+# base: the reads the check's profile ends with), one void (its check re-planned: its reads are the old plan's)
+ALARM_PERIOD, ALARM_BASE, ALARM_VOID = 0, 1, 2
 
 # the interpreter's switch interval while a check runs beside training (default 5 ms): a step's thread waits at most
 # this long for the GIL the check's Python holds (the check runs slower by a few switches)
@@ -166,12 +172,13 @@ def alarm_stats(reads) -> tuple[float, float]:
         lookups   = max_o sum_i reads[i][o] / m                  (the busiest owner's lookups)
         transfers = max_r (sum_{o != r} reads[r][o] + sum_{i != r} reads[i][r]) / m   (its rows sent and received)
     """
-    r = np.asarray(reads, dtype=np.float64)
-    m = r.sum() / r.shape[0]
+    r = [[float(x) for x in row] for row in reads]  # W x W: plain Python, a few microseconds at any real W
+    served = [sum(col) for col in zip(*r)]
+    m = sum(served) / len(r)
     if m <= 0:
         return 0.0, 0.0
-    own = np.diag(r)
-    return float(r.sum(0).max() / m), float((r.sum(1) - own + r.sum(0) - own).max() / m)
+    moved = [sum(r[i]) - r[i][i] + served[i] - r[i][i] for i in range(len(r))]
+    return max(served) / m, max(moved) / m
 
 
 def alarm_fires(stats: tuple[float, float], base: tuple[float, float], rise: float) -> bool:
@@ -309,7 +316,7 @@ class DriftMonitor:
         self._jobs: "queue.SimpleQueue | None" = None  # rank 0: the check thread's queue (_checker)
         # the drift alarm while the checks are spaced out (_alarm_sample, _judge_alarm): a sampled period's reads in
         # flight (the step it is judged at, the W x W reads, their all_reduce), the figures after the last check
-        self._alarm: tuple[int, torch.Tensor, object] | None = None
+        self._alarm: tuple[int, int, torch.Tensor, object] | None = None  # (judged at, kind, reads, all_reduce)
         self._alarm_base: tuple[float, float] | None = None
         self.alarms = 0  # the alarms that brought a check forward
         self._group = getattr(run, "monitor_group", None)
@@ -337,39 +344,50 @@ class DriftMonitor:
         before the spaced-out checks' next one (:meth:`maybe_replan` also needs none in flight and counts)."""
         return step > 0 and step % self.every == 0 and step >= self._quiet_until
 
-    def _alarm_samples(self, step: int, reader) -> bool:
-        """Whether the batch of ``step`` is the drift alarm's sample: the first batch of a monitoring period while
-        the checks are spaced out and the profile is not counted (more than :data:`QUIET_OBSERVE_PERIODS` periods
-        before the next check), no check in flight, no sample unjudged, on several ranks, under a module that
-        decodes reads (``read_ranks``). The same on every rank (the spacing is rank 0's, sent with each verdict)."""
-        return (self._world > 1 and step > 0 and step % self.every == 0 and self._pending is None
-                and self._alarm is None and step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every
-                and hasattr(reader, "read_ranks"))
+    def _alarm_kind(self, step: int, reader) -> int | None:
+        """Whether the batch of ``step`` is one of the drift alarm's samples, and which (``None``: not one), on
+        several ranks under a module that decodes reads (``read_ranks``), no sample unjudged, no check in flight: the
+        last batch before a check may start (the schedule lets one start at ``step + 1``) is the base
+        (:data:`ALARM_BASE`: the reads the check's profile ends with; a drift from the check's own step on is then
+        seen); while the checks are spaced out and the profile is not counted (more than
+        :data:`QUIET_OBSERVE_PERIODS` periods before the next check), the first batch of every
+        :data:`ALARM_PERIODS`-th monitoring period (of the run's steps) is judged against it (:data:`ALARM_PERIOD`).
+        The same on every rank (the spacing is rank 0's, sent with each verdict)."""
+        if (self._world <= 1 or self._alarm is not None or self._pending is not None
+                or not hasattr(reader, "read_ranks")):
+            return None
+        if self._on_schedule(step + 1):
+            return ALARM_BASE
+        if (step > 0 and step % (ALARM_PERIODS * self.every) == 0
+                and step < self._quiet_until - QUIET_OBSERVE_PERIODS * self.every):
+            return ALARM_PERIOD
+        return None
 
-    def _alarm_sample(self, reader, sparse) -> None:
+    def _alarm_sample(self, reader, sparse, kind: int) -> None:
         """This rank's row of the period's reads (:data:`ALARM_VALUES` values of the batch decoded to the ranks that
         serve them, ``ShardedEmbedding.read_ranks``), summed over the ranks beside the next period's steps (one
         ``all_reduce`` of W x W counts, not waited for) and judged at its first step (:meth:`_judge_alarm`)."""
         reads = torch.zeros(self._world, self._world, dtype=torch.int64)
         reads[self._rank] = reader.read_ranks(sparse, ALARM_VALUES)
         work = dist.all_reduce(reads, group=self._group, async_op=True)
-        self._alarm = (self._step + self.every, reads, work)
+        self._alarm = (self._step + self.every, kind, reads, work)
 
     def _judge_alarm(self) -> None:
-        """Every rank, at the step after a sampled period (the same figures on all): the first sample after a check
-        sets the alarm's base (:func:`alarm_stats`); a later one that rose past it (:func:`alarm_fires`, by
+        """Every rank, a period after a sampled batch (the same figures on all): the sample before a check sets the
+        alarm's base (:func:`alarm_stats`; with none, the first period's after it); a period's sample that rose past it (:func:`alarm_fires`, by
         ``train.replan_min_gain``, at least 5%) brings the next check forward to :data:`QUIET_OBSERVE_PERIODS`
         periods from now (the profile is counted in those periods, so the check sees the new reads): a drift is
-        seen within about three periods instead of up to :data:`MAX_QUIET_PERIODS` (the checks' spacing cost
-        a drifting 4-rank run 31-86 steps of its old plan, benchmarks/bench_online.py)."""
-        due, reads, work = self._alarm
+        checked within :data:`ALARM_PERIODS` + 3 periods instead of up to :data:`MAX_QUIET_PERIODS` (the checks'
+        spacing cost a drifting 4-rank run 31-86 steps of its old plan, benchmarks/bench_online.py)."""
+        due, kind, reads, work = self._alarm
         self._alarm = None
         if work is not None:
             work.wait()
-        if int(reads.sum()) < ALARM_MIN_VALUES:
+        reads = reads.tolist()
+        if kind == ALARM_VOID or sum(map(sum, reads)) < ALARM_MIN_VALUES:
             return
-        stats = alarm_stats(reads.numpy())
-        if self._alarm_base is None:
+        stats = alarm_stats(reads)
+        if kind == ALARM_BASE or self._alarm_base is None:
             self._alarm_base = stats
         elif alarm_fires(stats, self._alarm_base, max(self.min_gain, 0.05)):
             self.alarms += 1
@@ -395,8 +413,9 @@ class DriftMonitor:
         touched), the earlier of them sampled (:data:`QUIET_COUNT_EVERY`, :func:`counted_step`). A counted batch's ids are checked and held; the profile adds the held batches in one
         ``index_add_`` when it is read (``RollingProfile.update_flat``, ``defer``): at the next check. ``reader``
         (the running sharded module): the batch may be the drift alarm's sample (:meth:`_alarm_sample`)."""
-        if reader is not None and self._alarm_samples(self._step, reader):
-            self._alarm_sample(reader, sparse)
+        kind = self._alarm_kind(self._step, reader) if reader is not None else None
+        if kind is not None:
+            self._alarm_sample(reader, sparse, kind)
         k = getattr(self, "count_every", 1)
         if self._step < self._quiet_until - self.every:  # spaced out: not the last period before the next check
             k *= QUIET_COUNT_EVERY  # the earlier counting period: sampled (the ones before it: skipped below)
@@ -682,7 +701,10 @@ class DriftMonitor:
             self._pending = p
             return None
         self._quiet_until = p.step + quiet * self.every
-        self._alarm_base = None  # the alarm's figures are measured afresh after every check
+        if verdict == 1:  # the reads change with the plan: the alarm's base is measured afresh under the new one
+            self._alarm_base = None
+            if self._alarm is not None:
+                self._alarm = (self._alarm[0], ALARM_VOID, *self._alarm[2:])
         if verdict < 0:
             if p.error is not None:  # rank 0: the check's own error
                 raise p.error
@@ -834,12 +856,12 @@ class DriftMonitor:
         :data:`CHECKPOINT_KEY`)."""
         out = {k: v.to(HOST) for k, v in self.profile.state_dict().items()}
         out[SPACING_KEY] = self._spacing()
-        if self._alarm is not None:  # a sampled period not judged yet: its reads, summed over the ranks
-            due, reads, work = self._alarm
+        if self._alarm is not None:  # a sample not judged yet: its reads, summed over the ranks
+            due, kind, reads, work = self._alarm
             if work is not None:
                 work.wait()
-            self._alarm = (due, reads, None)
-            out[ALARM_KEY] = torch.cat([torch.tensor([due], dtype=torch.int64), reads.reshape(-1)])
+            self._alarm = (due, kind, reads, None)
+            out[ALARM_KEY] = torch.cat([torch.tensor([due, kind], dtype=torch.int64), reads.reshape(-1)])
         return out
 
     def _spacing(self) -> torch.Tensor:
@@ -898,8 +920,8 @@ class DriftMonitor:
         self._checked_at = -1
         self._restore_spacing(states[0][1].get(SPACING_KEY))
         alarm = states[0][1].get(ALARM_KEY)  # the same on every rank; another world's reads are not comparable
-        if alarm is not None and alarm.numel() == 1 + self._world ** 2:
-            self._alarm = (int(alarm[0]), alarm[1:].reshape(self._world, self._world).clone(), None)
+        if alarm is not None and alarm.numel() == 2 + self._world ** 2:
+            self._alarm = (int(alarm[0]), int(alarm[1]), alarm[2:].reshape(self._world, self._world).clone(), None)
 
     def figures(self) -> dict:
         return {"replan_every": self.every, "replan_checks": self.checks, "replan_deferred": self.deferred,
