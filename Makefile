@@ -34,12 +34,8 @@ run: $(STAMP) $(KERNELS)
 
 # Two pytest workers (pytest-xdist), a test file each at a time: on 2 cores a single-process test leaves the
 # other core idle, and the multi-rank tests are built to pass under load (1.55x faster, 543 s against 843 s).
-# The files that take longest go first (pytest drops their second mention under tests/): the README's commands
-# alone take ~190-290 s, and handed out last, in name order, they kept one worker busy ~100 s after the other.
-SLOW_FIRST := tests/test_readme.py tests/test_multinode.py tests/test_dmt_workflow.py tests/test_faults.py \
-	tests/test_lifecycle.py tests/test_plan_rowgroups.py tests/test_replan_lag.py
 test: $(VENV)/.torchrec $(KERNELS)
-	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(SLOW_FIRST) tests
+	$(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # Optional: TorchRec as baseline and interop partner (its own deps pull a GPU fbgemm, hence --no-deps).
 torchrec: $(VENV)/.torchrec
