@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ["MKL_NUM_THREADS"] = "1"
 
@@ -32,3 +34,20 @@ LONGEST_FIRST = ("test_readme.py", "test_multinode.py", "test_faults.py", "test_
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
+
+@pytest.fixture
+def group(tmp_path):
+    """A world of one: this process's default gloo group, for a test that drives one rank's collectives in process
+    (an earlier in-process test of this worker may have left its own world of one, which serves as well)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1, "a default process group of several ranks is left in this process"
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from embedscale.comm.collective import CollectiveTransport
 from embedscale.data.batch import JaggedFeatures
@@ -85,19 +84,6 @@ def test_alarm_figures_and_threshold_hand_worked():
 # -- the schedule: one process standing for rank 0 of two (its group of one sums nothing else) ----------------
 EVERY, LAG, STEPS = 4, 1, 140
 TABLES = [TableSpec("a", 50, 4, features=["x"]), TableSpec("b", 30, 4, features=["y"])]
-
-
-@pytest.fixture
-def group(tmp_path):
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1, "a default process group of several ranks is left in this process"
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class _Reader:

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 
 from embedscale.data.batch import JaggedFeatures
 from embedscale.data.profile import AccessProfile
@@ -22,21 +21,6 @@ from embedscale.train.replan import CHECKPOINT_KEY, DriftMonitor, resume_plan
 
 EVERY, LAG, STEPS = 4, 1, 64
 TABLES = [TableSpec("a", 50, 4, features=["x"]), TableSpec("b", 30, 4, features=["y"])]
-
-
-@pytest.fixture
-def group(tmp_path):
-    """A world of one: this process's default group (an earlier in-process test of this worker may have left its
-    own world of one, which serves as well)."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1, "a default process group of several ranks is left in this process"
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _batch(step):
