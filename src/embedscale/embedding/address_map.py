@@ -439,9 +439,9 @@ class TorchAddressMap:
         """The rank each gid (int64 NumPy, host) is read from: ``decode``'s first part alone, in NumPy on the
         host map (one gather and a shift; a few microseconds for a few thousand gids, where each torch operation
         costs more than the work)."""
-        c = self.row_code.cpu().numpy()[gids].astype(np.int64, copy=False)
+        c = self.row_code.to(HOST).numpy()[gids].astype(np.int64, copy=False)
         if self.src_lut is not None:
-            return self.src_lut.cpu().numpy()[c >> self.SHIFT]
+            return self.src_lut.to(HOST).numpy()[c >> self.SHIFT]
         return (c & self.KEY_MASK) >> self.SHIFT
 
     def decode(self, gids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -62,6 +62,7 @@ from torch import nn
 
 from embedscale.comm.transport import Transport
 from embedscale.data.batch import JaggedFeatures, same_batch
+from embedscale.device import HOST
 from embedscale.embedding import retrieve, send
 from embedscale.embedding.address_map import AddressMap, TorchAddressMap
 from embedscale.embedding.context import LookupContext, RetrieveContext, SendContext, Stage
@@ -298,8 +299,8 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         lpk = features.length_per_key_list()
         fbase, frows = self._read_features(tuple(features.keys))
         vals = features.values
-        if vals.device.type != "cpu":
-            vals = vals.cpu()
+        if vals.device != HOST:
+            vals = vals.to(HOST)
         n = vals.numel()
         stride = max(1, -(-n // max(1, int(max_values))))
         f = np.searchsorted(np.cumsum(lpk), np.arange(0, n, stride), side="right")
