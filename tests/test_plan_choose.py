@@ -116,9 +116,9 @@ def test_choose_by_trial_keeps_the_candidate_the_fake_timer_measured_fastest(tmp
     times = {str(i): 0.01 * (len(close) - i) for i in range(len(close))}  # the model's last, the fastest
     seen = []
 
-    def fake_time(cfg, plan_dir, run_dir, steps):
+    def fake_time(cfg, plan_dir, run_dir, steps):  # a run's steady median and the steps it is taken over
         seen.append(plan_dir.parent.name)
-        return [times[plan_dir.parent.name]]
+        return times[plan_dir.parent.name], 3 + int(plan_dir.parent.name)
 
     monkeypatch.setattr(plan_trial, "_time", fake_time)
     cfg = RunConfig()
@@ -129,6 +129,7 @@ def test_choose_by_trial_keeps_the_candidate_the_fake_timer_measured_fastest(tmp
     mc = out.meta["auto"]["measured_choice"]
     assert mc["chosen"] == close[-1]["name"] and mc["trial"] is True
     assert [c["measured_median_seconds"] for c in mc["candidates"]] == [times[str(i)] for i in range(len(close))]
+    assert [c["steps_timed"] for c in mc["candidates"]] == [3 + i for i in range(len(close))]  # each run's steps
     want = {n: f["kind"] for n, f in close[-1]["table_forms"].items()}
     assert {n: f.kind for n, f in out.forms.items() if f.kind != "sharded"} == want
     assert out.meta["auto"]["chosen_by"] == f"measured: {close[-1]['name']}"

@@ -88,10 +88,11 @@ def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
                     max_plans: int = MAX_TRIAL_PLANS) -> dict[str, Any]:
     """The plans of :func:`trial_plans` timed by ``time_plan`` (a plan's name -> its steps' seconds) and the one
     of least median step chosen. Returns ``chosen`` (a name), ``trial`` (whether anything ran), ``margin``, per
-    candidate its predicted and measured median step, steps timed and the rule families it stands for (or the
-    ``error`` that stopped it: a candidate ``time_plan`` cannot run raises ``EmbedscaleError`` and is not chosen),
-    the families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing, which the run
-    counts as its own)."""
+    candidate its predicted and measured median step, steps timed (the timings ``time_plan`` returned; a run's
+    trial, ``train.plan_trial``, puts the steps its run's median was taken over) and the rule families it stands
+    for (or the ``error`` that stopped it: a candidate ``time_plan`` cannot run raises ``EmbedscaleError`` and is
+    not chosen), the families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing,
+    which the run counts as its own)."""
     close, left_out = trial_plans(plans, margin, limit, max_plans)
     if not close:
         raise ConfigError("plan trial: no plan to choose from")

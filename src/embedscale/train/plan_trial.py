@@ -96,8 +96,9 @@ def launch_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in RANK_ENV and not k.startswith("TORCHELASTIC_")}
 
 
-def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[float]:
-    """The steady-state step (the summary's ``train_step_seconds`` median) of ``steps`` steps under ``plan_dir``."""
+def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> tuple[float, int]:
+    """The steady-state step (the summary's ``train_step_seconds`` median) of ``steps`` steps under ``plan_dir``, and
+    the steps it is the median of (those after the warm-up)."""
     trial = replace(cfg, dist=replace(cfg.dist, plan=str(plan_dir), device_memory="", host_memory="", costs="",
                                       plan_trial_steps=0),
                     train=replace(cfg.train, max_steps=int(steps), eval_every=0, checkpoint_every=0, replan_every=0))
@@ -111,7 +112,8 @@ def _time(cfg: RunConfig, plan_dir: Path, run_dir: Path, steps: int) -> list[flo
         raise EmbedscaleError(f"plan trial under {plan_dir} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     s = json.loads((run_dir / "run" / "summary.json").read_text())
     shutil.rmtree(run_dir / "run" / "checkpoints", ignore_errors=True)  # a timing, not a model (1+ GB a candidate)
-    return [float(s["train_step_seconds"]["median"])]
+    step = s["train_step_seconds"]
+    return float(step["median"]), int(step.get("steps", 0))
 
 
 def choose_by_trial(cfg: RunConfig, plan: Plan, data, tables: Sequence, prof, topo, plan_dir: Path,
@@ -138,13 +140,19 @@ def choose_by_trial(cfg: RunConfig, plan: Plan, data, tables: Sequence, prof, to
     build = time.perf_counter() - t0
     steps = int(cfg.dist.plan_trial_steps)
 
+    steady: dict[str, int] = {}  # each candidate's steps its timing is the median of
+
     def time_plan(name: str) -> list[float]:
         d = dirs[name]
         if isinstance(d, EmbedscaleError):
             raise d
-        return _time(cfg, d, d.parent / "run", steps)
+        median, steady[name] = _time(cfg, d, d.parent / "run", steps)
+        return [median]
 
     choice = measured_choice(cands, margin, time_plan)
+    for c in choice["candidates"]:  # one timing a candidate: the median of its run's steady steps
+        if c["name"] in steady and "steps_timed" in c:
+            c["steps_timed"] = steady[c["name"]]
     choice.update(build_seconds=build, trial_seconds=choice["trial_seconds"] + build)
     rep["measured_choice"] = choice
     if choice["chosen"] == "auto":
