@@ -51,12 +51,13 @@ check (M = N). A check that kept the plan (the plan holds, no plan could pay for
 :meth:`DriftMonitor._cannot_pay`, or the plan it searched did not pay) doubles the periods to the next one, up to :data:`MAX_QUIET_PERIODS` (rank 0
 sends them with the verdict; at once when not even a plan that removed the whole measured step could pay): on a
 stream where balance does not pay the checks become rare. While they are spaced out, a drift alarm watches the
-reads (:meth:`DriftMonitor._judge_alarm`): at the first batch of every :data:`ALARM_PERIODS`-th monitoring period every
-rank decodes a sample of its values to the ranks that serve them under the running map (``ShardedEmbedding.read_ranks``, a few thousand
-values), the W x W counts are summed over the ranks beside the next period (one small ``all_reduce``), and when
-the busiest owner's lookups or the busiest rank's transfers (:func:`alarm_stats`) rose by ``replan_min_gain`` (at
-least 5%) over their level at the last check (the batch before it, sampled the same way), the next check comes :data:`QUIET_OBSERVE_PERIODS` periods later
-(its profile counted in them) instead of up to :data:`MAX_QUIET_PERIODS`.
+reads (:meth:`DriftMonitor._judge_alarm`): at the first batch of every :data:`ALARM_PERIODS`-th monitoring period
+every rank decodes a sample of its values to the ranks that serve them under the running map
+(``ShardedEmbedding.read_ranks``, a few thousand values), the W x W counts are summed over the ranks beside the
+next period (one small ``all_reduce``), and when the busiest owner's lookups or the busiest rank's transfers
+(:func:`alarm_stats`) rose by ``replan_min_gain`` (at least 5%) over their level at the last check (the batch
+before it, sampled the same way), the next check comes :data:`QUIET_OBSERVE_PERIODS` periods later (its profile
+counted in them) instead of up to :data:`MAX_QUIET_PERIODS`.
 Before it plans, the check bounds the gain of any plan (:meth:`DriftMonitor._cannot_pay`: the running
 bottleneck less the ranks' mean lookup, which no placement changes) and keeps the plan without the search when
 even that bound does not pay for the last planning's seconds. A checkpoint taken inside the window (steps
@@ -374,8 +375,8 @@ class DriftMonitor:
 
     def _judge_alarm(self) -> None:
         """Every rank, a period after a sampled batch (the same figures on all): the sample before a check sets the
-        alarm's base (:func:`alarm_stats`; with none, the first period's after it); a period's sample that rose past it (:func:`alarm_fires`, by
-        ``train.replan_min_gain``, at least 5%) brings the next check forward to :data:`QUIET_OBSERVE_PERIODS`
+        alarm's base (:func:`alarm_stats`; with none, the first period's after it); a period's sample that rose past
+        it (:func:`alarm_fires`, by ``train.replan_min_gain``, at least 5%) brings the next check forward to :data:`QUIET_OBSERVE_PERIODS`
         periods from now (the profile is counted in those periods, so the check sees the new reads): a drift is
         checked within :data:`ALARM_PERIODS` + 3 periods instead of up to :data:`MAX_QUIET_PERIODS` (the checks'
         spacing cost a drifting 4-rank run 31-86 steps of its old plan, benchmarks/bench_online.py)."""
