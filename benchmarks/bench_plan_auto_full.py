@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--trial-steps", type=int, default=0,
                     help="Train auto with --dist-plan auto and dist.plan_trial_steps this many: the run measures the "
                          "model's close plans and keeps the fastest (its seconds reported as plan_trials).")
+    ap.add_argument("--trial-rounds", type=int, default=2,
+                    help="dist.plan_trial_rounds: rounds of that trial (the plans within 15%% of the best timed again).")
     ap.add_argument("--hand-ranks", default="32",
                     help="TT ranks of the hand-made plans (EL-Rec's rule and the mixtures at each), e.g. 8,16,32.")
     ap.add_argument("--calibrate-procs", type=int, default=1,
@@ -367,7 +369,8 @@ def main() -> None:
             how = ["--dist-plan", plans[name]]
             if name == "auto" and args.trial_steps:  # planned in the run, a measured choice among the close plans
                 how = ["--dist-plan", "auto", "--dist-device-memory", args.device_memory, "--dist-host-memory",
-                       args.host_memory, "--dist-costs", "costs.json", "--dist-plan-trial-steps", str(args.trial_steps)]
+                       args.host_memory, "--dist-costs", "costs.json", "--dist-plan-trial-steps", str(args.trial_steps),
+                       "--dist-plan-trial-rounds", str(args.trial_rounds)]
             _es("train", "--data-source", "shards", "--data-path", "data", "--train-batch-size", str(args.batch),
                 "--train-max-steps", str(args.steps), "--train-eval-every", "0", "--nproc", "2", *how,
                 "--train-pipeline-depth", str(max(depth, args.depth)), "--run-dir", str(rd),
@@ -451,6 +454,7 @@ def trial_of(rnd: int, summary: dict, rd: Path, wall: float) -> dict:
     mc = json.loads((rd / "plan" / "explain.json").read_text()).get("measured_choice", {})
     return {"round": rnd, "seconds": summary["plan_trial_seconds"], "chosen": summary["plan_trial_chosen"],
             "build_seconds": mc.get("build_seconds"), "margin": mc.get("margin"), "left_out": mc.get("left_out", []),
+            "trial_rounds": mc.get("rounds"),
             "candidates": mc.get("candidates", []), "run_wall_seconds_with_trial": wall}
 
 

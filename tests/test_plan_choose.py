@@ -237,3 +237,69 @@ def test_a_candidate_that_cannot_run_is_not_chosen_and_the_report_says_why():
 
     with pytest.raises(ConfigError, match="no candidate ran: a: a failed; b: b failed; c: c failed"):
         measured_choice(plans, 0.10, broken)
+
+
+class Launches:
+    """A fake timer whose every plan gives a list of timings, one per launch in turn (a launch's drift)."""
+
+    def __init__(self, timings):
+        self.timings, self.calls = {k: list(v) for k, v in timings.items()}, []
+
+    def __call__(self, name):
+        self.calls.append(name)
+        return [self.timings[name].pop(0)]
+
+
+def test_a_second_round_retimes_the_close_plans_in_reverse_and_keeps_the_least_median():
+    """Worked by hand, margin 15%: round 1 times a 84, b 75, c 77, d 95 ms (d is 27% over the best: out).
+    Round 2 times c, b, a again in that order (within 86.25 ms): c 70, b 88, a 72. Medians of two: a 78, b 81.5,
+    c 73.5: c is kept, though b was the fastest of round 1; d keeps its one timing."""
+    t = Launches({"a": [0.084, 0.072], "b": [0.075, 0.088], "c": [0.077, 0.070], "d": [0.095]})
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 1.00), ("b", 1.01), ("c", 1.02), ("d", 1.03))]
+    out = measured_choice(plans, 0.10, t, limit=4, rounds=2)
+    assert t.calls == ["a", "b", "c", "d", "c", "b", "a"]
+    assert out["chosen"] == "c" and out["rounds"] == 2
+    got = {c["name"]: (c["measured_median_seconds"], c["steps_timed"]) for c in out["candidates"]}
+    assert got == {"a": (pytest.approx(0.078), 2), "b": (pytest.approx(0.0815), 2), "c": (pytest.approx(0.0735), 2),
+                   "d": (pytest.approx(0.095), 1)}
+    # one round: the first timings decide (b)
+    one = measured_choice(plans, 0.10, Launches({"a": [0.084], "b": [0.075], "c": [0.077], "d": [0.095]}), limit=4)
+    assert one["chosen"] == "b" and one["rounds"] == 1
+
+
+def test_a_clear_first_round_winner_stops_the_race():
+    """Round 1: a 50 ms, b 80 ms (60% over): nothing is within 15% of a but a itself, so no second round."""
+    t = Launches({"a": [0.05], "b": [0.08]})
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 1.0), ("b", 1.05))]
+    out = measured_choice(plans, 0.10, t, rounds=3)
+    assert t.calls == ["a", "b"] and out["chosen"] == "a" and out["rounds"] == 1
+
+
+def test_a_plan_that_fails_in_a_later_round_is_not_chosen():
+    from embedscale.errors import EmbedscaleError
+
+    calls = []
+
+    def timer(name):
+        calls.append(name)
+        if name == "a" and calls.count("a") == 2:
+            raise EmbedscaleError("plan trial under a failed (exit 1)")
+        return {"a": [0.040], "b": [0.045]}[name]
+
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 1.0), ("b", 1.01))]
+    out = measured_choice(plans, 0.10, timer, rounds=2)
+    assert calls == ["a", "b", "b", "a"] and out["chosen"] == "b"
+    a = next(c for c in out["candidates"] if c["name"] == "a")
+    assert "failed" in a["error"] and "measured_median_seconds" not in a
+
+
+def test_the_explain_text_names_each_plans_timings():
+    from embedscale.plan.auto_report import _trial_lines
+
+    t = Launches({"a": [0.084, 0.072], "b": [0.075, 0.088], "c": [0.077, 0.070], "d": [0.095]})
+    plans = [{"name": n, "predicted_seconds": s} for n, s in (("a", 0.08), ("b", 0.081), ("c", 0.082), ("d", 0.083))]
+    lines = _trial_lines(measured_choice(plans, 0.10, t, limit=4, rounds=2))
+    assert lines[0].startswith("measured choice (margin 10% of the step): kept 'c' after ") and lines[0].endswith(
+        ", 2 rounds")
+    assert lines[3].startswith("  c: predicted 82.0 ms, measured 73.5 ms (median of 77.0, 70.0) (error +12%")
+    assert lines[4].startswith("  d: predicted 83.0 ms, measured 95.0 ms (error -13%")

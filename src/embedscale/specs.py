@@ -503,6 +503,9 @@ class DistConfig:
     # auto: > 0 runs the model's plans within its error of the best this many steps each and keeps the fastest
     # (train.plan_trial); 0 = the model's choice
     plan_trial_steps: int = 0
+    # rounds of that trial: after the first, the plans whose timings are within 15% of the best's run again, in the
+    # reverse order (plan.choose.measured_choice); each plan's step is the median of its timings
+    plan_trial_rounds: int = 2
 
 
 @dataclass
@@ -704,7 +707,7 @@ NUMBERS.update({
                   "checkpoint_full_every": _AT_LEAST_0, "lr_warmup_steps": _AT_LEAST_0, "prefetch": _AT_LEAST_0,
                   "pipeline_depth": _AT_LEAST_0},
     DistConfig: {"extra_memory": (0.0, True, None), "timeout_s": (0.0, False, None), "nproc": _AT_LEAST_1,
-                 "plan_trial_steps": _AT_LEAST_0,
+                 "plan_trial_steps": _AT_LEAST_0, "plan_trial_rounds": _AT_LEAST_1,
                  "topology_hosts": _AT_LEAST_1, "link_gbit_s": (0.0, True, None)},
     Topology: {k: (0.0, True, None) for k in ("intra_host_bw", "inter_host_bw", "intra_host_latency_us",
                                               "inter_host_latency_us", "local_bw", "allreduce_bw")},

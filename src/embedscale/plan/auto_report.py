@@ -183,14 +183,17 @@ def _trial_lines(mc: Mapping[str, Any] | None) -> list[str]:
     kept and the seconds the trial took."""
     if not mc or not mc.get("trial"):
         return []
+    rounds = mc.get("rounds", 1)
     lines = [f"measured choice (margin {mc['margin']:.0%} of the step): kept {mc['chosen']!r} after "
-             f"{mc['trial_seconds']:.1f} s"]
+             f"{mc['trial_seconds']:.1f} s, {rounds} round{'s' if rounds != 1 else ''}"]
     for c in mc["candidates"]:
         fam = f" [{', '.join(c['families'])}]" if c.get("families") else ""
         err = (f" (error {c['prediction_error']:+.0%}; scaled by the other plans' timings {c['scaled_error']:+.0%})"
                if "scaled_error" in c else "")
+        each = c.get("timings_seconds") or []
+        runs = f" (median of {', '.join(f'{t * 1e3:.1f}' for t in each)})" if len(each) > 1 else ""
         lines.append(f"  {c['name']}{fam}: predicted {c['predicted_seconds'] * 1e3:.1f} ms, measured "
-                     f"{c.get('measured_median_seconds', float('nan')) * 1e3:.1f} ms{err}")
+                     f"{c.get('measured_median_seconds', float('nan')) * 1e3:.1f} ms{runs}{err}")
     if mc.get("left_out"):
         lines.append(f"  not timed (the trial's limit): {', '.join(mc['left_out'])}")
     return lines

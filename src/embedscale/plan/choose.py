@@ -8,13 +8,17 @@ error is wide and its closest plans are the search's variants of one form, so :f
 the best-priced plan of every rule family (EL-Rec's rule at each TT rank, the host mixtures at each rank, the
 host rule: ``plan.auto_rules``) whose prediction is within the same margin, at most ``max_plans`` in all (the
 families priced lowest first; those left out are named). :func:`measured_choice` runs each for a few steps
-(``time_plan``: a plan's name -> the seconds of its steps) and keeps the one of least median step. With one clear
-winner nothing is timed. The choice, every candidate's predicted and measured step and the seconds the trial took
+(``time_plan``: a plan's name -> the seconds of its steps) and keeps the one of least median step. One short
+timing of a plan moves from one launch to the next by about as much as these plans differ (15% measured at full
+size on a quiet host), so a trial of several rounds times again, in the reverse order, every plan whose timings so
+far are within ``RERUN_MARGIN`` of the best's, and ranks the plans by the median of their timings (a race: the
+clearly slower plans drop out after one timing). With one clear winner nothing is timed. The choice, every candidate's predicted and measured step and the seconds the trial took
 go into the explain report; the run counts those seconds in its own time.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -26,6 +30,9 @@ from embedscale.errors import ConfigError, EmbedscaleError
 DEFAULT_MARGIN = 0.10
 #: the most plans a trial times: its few steps each are paid once per run, so the families priced highest go first
 MAX_TRIAL_PLANS = 10
+#: a plan whose timings so far are within this of the best plan's is timed again in the trial's next round: one
+#: 20-step timing of the same full-size plan read 70-84 ms and 84-101 ms in two launches on a quiet host
+RERUN_MARGIN = 0.15
 
 
 def prediction_margin(costs_notes: Mapping[str, Any] | None, default: float = DEFAULT_MARGIN) -> float:
@@ -85,43 +92,64 @@ def trial_plans(plans: Sequence[Mapping[str, Any]], margin: float, limit: int = 
 
 def measured_choice(plans: Sequence[Mapping[str, Any]], margin: float,
                     time_plan: Callable[[str], Sequence[float]], limit: int = 3,
-                    max_plans: int = MAX_TRIAL_PLANS) -> dict[str, Any]:
+                    max_plans: int = MAX_TRIAL_PLANS, rounds: int = 1,
+                    rerun_margin: float = RERUN_MARGIN) -> dict[str, Any]:
     """The plans of :func:`trial_plans` timed by ``time_plan`` (a plan's name -> its steps' seconds) and the one
-    of least median step chosen. Returns ``chosen`` (a name), ``trial`` (whether anything ran), ``margin``, per
-    candidate its predicted and measured median step, steps timed (the timings ``time_plan`` returned; a run's
-    trial, ``train.plan_trial``, puts the steps its run's median was taken over) and the rule families it stands
-    for (or the ``error`` that stopped it: a candidate ``time_plan`` cannot run raises ``EmbedscaleError`` and is
-    not chosen), the families ``left_out`` by ``max_plans``, and ``trial_seconds`` (the wall time of the timing,
-    which the run counts as its own)."""
+    of least measured step chosen. Each timing's figure is the median of its steps; a plan's measured step is the
+    median of its timings. ``rounds`` > 1: after the first round, each further round times again, in the reverse
+    order of the round before, the plans whose measured step is within ``rerun_margin`` of the best one's (none
+    when only the best is). Returns ``chosen`` (a name), ``trial`` (whether anything ran), ``margin``, per
+    candidate its predicted and measured step, every timing (``timings_seconds``), steps timed (the timings
+    ``time_plan`` returned; a run's trial, ``train.plan_trial``, puts the steps its runs' medians were taken over)
+    and the rule families it stands for (or the ``error`` that stopped it: a candidate ``time_plan`` cannot run
+    raises ``EmbedscaleError`` and is not chosen), the families ``left_out`` by ``max_plans``, ``rounds`` run, and
+    ``trial_seconds`` (the wall time of the timing, which the run counts as its own)."""
+    if int(rounds) < 1 or rerun_margin < 0:
+        raise ConfigError(f"plan trial: rounds must be >= 1 and the rerun margin >= 0, got {rounds}, {rerun_margin}")
     close, left_out = trial_plans(plans, margin, limit, max_plans)
     if not close:
         raise ConfigError("plan trial: no plan to choose from")
     out: dict[str, Any] = {"margin": float(margin), "trial": len(close) > 1, "trial_seconds": 0.0,
-                           "left_out": left_out,
+                           "left_out": left_out, "rounds": 0,
                            "candidates": [{"name": p["name"], "predicted_seconds": float(p["predicted_seconds"]),
                                            "families": _families(p)} for p in close]}
     if len(close) == 1:
         out["chosen"] = close[0]["name"]
         return out
     t0 = time.perf_counter()
-    for c in out["candidates"]:
-        try:
-            steps = [float(s) for s in time_plan(c["name"])]
-        except EmbedscaleError as e:  # a candidate that cannot run is not chosen; the report says why
-            c["error"] = str(e)[-1000:]
-            continue
-        if not steps:
-            raise ConfigError(f"plan trial: plan {c['name']!r} timed no step")
-        c["measured_median_seconds"] = float(np.median(steps))
-        c["steps_timed"] = len(steps)
+    order = list(out["candidates"])
+    for r in range(int(rounds)):
+        for c in order:
+            _time_candidate(c, time_plan)
+        out["rounds"] = r + 1
+        timed = [c for c in out["candidates"] if "measured_median_seconds" in c]
+        if not timed:
+            raise ConfigError("plan trial: no candidate ran: " + "; ".join(f"{c['name']}: {c['error'][-300:]}"
+                                                                           for c in out["candidates"]))
+        best = min(c["measured_median_seconds"] for c in timed)
+        order = [c for c in reversed(order) if c.get("measured_median_seconds", math.inf) <= best * (1 + rerun_margin)]
+        if len(order) < 2:
+            break
     out["trial_seconds"] = time.perf_counter() - t0
-    timed = [c for c in out["candidates"] if "measured_median_seconds" in c]
-    if not timed:
-        raise ConfigError("plan trial: no candidate ran: " + "; ".join(f"{c['name']}: {c['error'][-300:]}"
-                                                                       for c in out["candidates"]))
     out["chosen"] = min(timed, key=lambda c: c["measured_median_seconds"])["name"]
     prediction_errors(timed)
     return out
+
+
+def _time_candidate(c: dict, time_plan: Callable[[str], Sequence[float]]) -> None:
+    """One more timing of candidate ``c`` (in place: ``timings_seconds``, ``steps_timed``, and its measured step, the
+    median of its timings), or its ``error``."""
+    try:
+        steps = [float(s) for s in time_plan(c["name"])]
+    except EmbedscaleError as e:  # a candidate that cannot run is not chosen; the report says why
+        c["error"] = str(e)[-1000:]
+        c.pop("measured_median_seconds", None)  # nor one that failed in a later round
+        return
+    if not steps:
+        raise ConfigError(f"plan trial: plan {c['name']!r} timed no step")
+    c.setdefault("timings_seconds", []).append(float(np.median(steps)))
+    c["steps_timed"] = c.get("steps_timed", 0) + len(steps)
+    c["measured_median_seconds"] = float(np.median(c["timings_seconds"]))
 
 
 def prediction_errors(cands: Sequence[dict]) -> None:
@@ -134,4 +162,5 @@ def prediction_errors(cands: Sequence[dict]) -> None:
     for i, c in enumerate(cands):
         c["prediction_error"] = c["predicted_seconds"] / c["measured_median_seconds"] - 1
         others = [r for j, r in enumerate(ratio) if j != i]
-        c["scaled_error"] = c["predicted_seconds"] * float(np.median(others)) / c["measured_median_seconds"] - 1
+        c["scaled_error"] = (c["predicted_seconds"] * float(np.median(others)) / c["measured_median_seconds"] - 1
+                             if others else float("nan"))  # no other candidate ran: nothing to scale by

@@ -3,7 +3,8 @@ plans (the search's plan and the rules' plans it weighed, ``plan.auto_rules``) a
 other (``plan.choose.prediction_margin``: the calibration's measured prediction error, else 10%, of the whole
 step), each of the closest and the best of every rule family within that error (``plan.choose.trial_plans``) runs
 ``dist.plan_trial_steps`` steps on the run's ranks and data (``embedscale train`` under that plan, in
-``<run dir>/plan-trial/<n>/``) and the one of least steady-state step is the run's plan
+``<run dir>/plan-trial/<n>/``; over ``dist.plan_trial_rounds`` rounds the plans still within ``plan.choose.
+RERUN_MARGIN`` of the best run again) and the one of least steady-state step is the run's plan
 (:func:`embedscale.plan.choose.measured_choice`). The choice, the candidates' predicted and measured steps and the
 trial's seconds go into the explain report (``measured_choice``) and the run's summary (``plan_trial_seconds``,
 ``plan_trial_chosen``; a run started by ``embedscale run`` has them in its ``wall_seconds`` too).
@@ -140,17 +141,18 @@ def choose_by_trial(cfg: RunConfig, plan: Plan, data, tables: Sequence, prof, to
     build = time.perf_counter() - t0
     steps = int(cfg.dist.plan_trial_steps)
 
-    steady: dict[str, int] = {}  # each candidate's steps its timing is the median of
+    steady: dict[str, int] = {}  # each candidate's steps its timings are the medians of
 
     def time_plan(name: str) -> list[float]:
         d = dirs[name]
         if isinstance(d, EmbedscaleError):
             raise d
-        median, steady[name] = _time(cfg, d, d.parent / "run", steps)
+        median, n = _time(cfg, d, d.parent / "run", steps)
+        steady[name] = steady.get(name, 0) + n
         return [median]
 
-    choice = measured_choice(cands, margin, time_plan)
-    for c in choice["candidates"]:  # one timing a candidate: the median of its run's steady steps
+    choice = measured_choice(cands, margin, time_plan, rounds=int(cfg.dist.plan_trial_rounds))
+    for c in choice["candidates"]:  # a timing is the median of its run's steady steps
         if c["name"] in steady and "steps_timed" in c:
             c["steps_timed"] = steady[c["name"]]
     choice.update(build_seconds=build, trial_seconds=choice["trial_seconds"] + build)
