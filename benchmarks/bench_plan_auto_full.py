@@ -289,7 +289,8 @@ def main() -> None:
         + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in costs.executor_overhead_s.items()))
     common = ["--profile", "profile", "--batch-size", str(per_rank), "--json"]
     plans: dict[str, str] = {}
-    if not (work / "plans-auto" / "auto" / "plan.json").exists():
+    auto_plan = work / "plans-auto" / "auto" / "plan.json"
+    if not auto_plan.exists() or auto_plan.stat().st_mtime < (work / "costs.json").stat().st_mtime:
         _es("plan", *common, "--strategy", "auto", "--device-memory", args.device_memory, "--host-memory",
             args.host_memory, "--costs", "costs.json", "--host-depth", str(args.depth), "--tt-ranks", "8,16,32,64",
             "--out", "plans-auto", cwd=work)
