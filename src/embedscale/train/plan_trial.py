@@ -3,8 +3,8 @@ plans (the search's plan and the rules' plans it weighed, ``plan.auto_rules``) a
 other (``plan.choose.prediction_margin``: the calibration's measured prediction error, else 10%, of the whole
 step), each of the closest and the best of every rule family within that error (``plan.choose.trial_plans``) runs
 ``dist.plan_trial_steps`` steps on the run's ranks and data (``embedscale train`` under that plan, in
-``<run dir>/plan-trial/<n>/``; over ``dist.plan_trial_rounds`` rounds the plans still within ``plan.choose.
-RERUN_MARGIN`` of the best run again) and the one of least steady-state step is the run's plan
+``<run dir>/plan-trial/<n>/``; over ``dist.plan_trial_rounds`` rounds the plans still within
+``plan.choose.RERUN_MARGIN`` of the best run again) and the one of least steady-state step is the run's plan
 (:func:`embedscale.plan.choose.measured_choice`). The choice, the candidates' predicted and measured steps and the
 trial's seconds go into the explain report (``measured_choice``) and the run's summary (``plan_trial_seconds``,
 ``plan_trial_chosen``; a run started by ``embedscale run`` has them in its ``wall_seconds`` too).
