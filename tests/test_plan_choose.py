@@ -303,3 +303,42 @@ def test_the_explain_text_names_each_plans_timings():
         ", 2 rounds")
     assert lines[3].startswith("  c: predicted 82.0 ms, measured 73.5 ms (median of 77.0, 70.0) (error +12%")
     assert lines[4].startswith("  d: predicted 83.0 ms, measured 95.0 ms (error -13%")
+
+
+def test_the_runs_trial_takes_its_rounds_from_the_config(tmp_path, monkeypatch):
+    """``dist.plan_trial_rounds`` reaches the run's trial: two candidates 1% apart in their first launches are timed
+    again in reverse order with rounds 2 (the second launches reverse them: 60 against 40 ms), once with rounds 1;
+    each candidate's steps timed are the steady steps of all its launches."""
+    from embedscale.specs import RunConfig
+    from embedscale.train import plan_trial
+
+    tabs = [TableSpec("big", 2_000_000, 16), TableSpec("mid", 300_000, 16), TableSpec("small", 5_000, 16)]
+    prof = ZipfProfile.from_tables(tabs, alpha=0.9, samples=1_000_000)
+    topo = Topology(ranks_per_host=2)
+    plan = make_auto_plan(tabs, prof, topo, device_memory=24 * 2**20, host_memory=256 * 2**20, batch_size=1024,
+                          other_budgets=False, hot_row_touch=0.0)
+    n = len(trial_plans(plan_trial.candidate_plans(plan.meta["auto"]), 5.0)[0])
+    assert n >= 2
+    for rounds, want_calls in ((1, n), (2, n + 2)):
+        launches = {"0": [0.0500, 0.0600], "1": [0.0505, 0.0400]}  # the others 1 s: out of the race
+        seen = []
+
+        def fake_time(cfg, plan_dir, run_dir, steps):
+            name = plan_dir.parent.name
+            seen.append(name)
+            return (launches[name].pop(0) if name in launches else 1.0), 7
+
+        monkeypatch.setattr(plan_trial, "_time", fake_time)
+        cfg = RunConfig()
+        cfg.dist.nproc, cfg.dist.plan_trial_steps, cfg.train.batch_size = 2, 5, 2048
+        cfg.dist.plan_trial_rounds = rounds
+        out = plan_trial.choose_by_trial(cfg, plan, None, tabs, prof, topo, tmp_path / f"plan{rounds}", False,
+                                         {"prediction_error": 5.0})
+        mc = out.meta["auto"]["measured_choice"]
+        assert len(seen) == want_calls and mc["rounds"] == rounds
+        if rounds == 2:
+            assert seen[n:] == ["1", "0"]  # the close two again, in reverse order
+            assert mc["chosen"] == mc["candidates"][1]["name"]  # median 45.25 ms against 55 ms
+            assert [c["steps_timed"] for c in mc["candidates"][:2]] == [14, 14]
+        else:
+            assert mc["chosen"] == mc["candidates"][0]["name"]
