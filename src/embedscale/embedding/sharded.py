@@ -288,7 +288,6 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
             scale = torch.ones(n, dtype=torch.float32, device=dev)
         return gids, bag, scale, F_ * B, B, offsets, one_hot
 
-
     def read_ranks(self, features: JaggedFeatures, max_values: int = 8192) -> torch.Tensor:
         """How many of a batch's values each rank serves under the running map (OPER 5.1's decode: a replica read
         counts at the rank that reads it): ``world_size`` int64 counts of a strided sample of the batch's values
@@ -297,7 +296,7 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
         itself rejects the latter). The drift monitor's alarm (``train.replan``) reads it for one batch a
         monitoring period, in NumPy on the host map (values on a device are copied to the host first)."""
         lpk = features.length_per_key_list()
-        fbase, frows = self._read_features(tuple(features.keys))
+        fbase, frows = self._read_features(features.keys)
         vals = features.values
         if vals.device != HOST:
             vals = vals.to(HOST)
@@ -312,21 +311,14 @@ class ShardedEmbedding(RowUpdates, ShardState, nn.Module):
             gids = gids[ok]
         return torch.from_numpy(np.bincount(self.tmap.sources(gids), minlength=self.world_size).astype(np.int64))
 
-    def _read_features(self, keys: tuple) -> tuple[np.ndarray, np.ndarray]:
+    def _read_features(self, keys) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`read_ranks`' per-key table offset (first global id) and rows, 0 rows for a key of no table of
-        this module (so none of its values is counted), kept per key order."""
-        cache = self.__dict__.setdefault("_read_keys", {})
-        got = cache.get(keys)
-        if got is None:
-            index = {name: f for f, name in enumerate(self.feature_names)}
-            base = self.tmap.table_base.tolist()
-            t = [int(self._feature_table[index[k]]) if k in index else -1 for k in keys]
-            got = (np.array([base[i] if i >= 0 else 0 for i in t], dtype=np.int64),
-                   np.array([self.tables[i].num_rows if i >= 0 else 0 for i in t], dtype=np.int64))
-            if len(cache) >= 8:
-                cache.clear()
-            cache[keys] = got
-        return got
+        this module (so none of its values is counted)."""
+        index = {name: f for f, name in enumerate(self.feature_names)}
+        base = self.tmap.table_base.tolist()
+        t = [int(self._feature_table[index[k]]) if k in index else -1 for k in keys]
+        return (np.array([base[i] if i >= 0 else 0 for i in t], dtype=np.int64),
+                np.array([self.tables[i].num_rows if i >= 0 else 0 for i in t], dtype=np.int64))
 
     def _keyed_forward(self, features: JaggedFeatures):
         """A TorchRec KJT's lookup (its keys in any order): an ``EmbeddingBagCollection``'s ``KeyedTensor``."""

@@ -376,10 +376,11 @@ class DriftMonitor:
     def _judge_alarm(self) -> None:
         """Every rank, a period after a sampled batch (the same figures on all): the sample before a check sets the
         alarm's base (:func:`alarm_stats`; with none, the first period's after it); a period's sample that rose past
-        it (:func:`alarm_fires`, by ``train.replan_min_gain``, at least 5%) brings the next check forward to :data:`QUIET_OBSERVE_PERIODS`
-        periods from now (the profile is counted in those periods, so the check sees the new reads): a drift is
-        checked within :data:`ALARM_PERIODS` + 3 periods instead of up to :data:`MAX_QUIET_PERIODS` (the checks'
-        spacing cost a drifting 4-rank run 31-86 steps of its old plan, benchmarks/bench_online.py)."""
+        it (:func:`alarm_fires`, by ``train.replan_min_gain``, at least 5%) brings the next check forward to
+        :data:`QUIET_OBSERVE_PERIODS` periods from now (the profile is counted in those periods, so the check sees the
+        new reads): a drift is checked within :data:`ALARM_PERIODS` + 3 periods instead of up to
+        :data:`MAX_QUIET_PERIODS` (the checks' spacing cost a drifting 4-rank run 31-86 steps of its old plan,
+        benchmarks/bench_online.py)."""
         due, kind, reads, work = self._alarm
         self._alarm = None
         if work is not None:
